@@ -1,0 +1,72 @@
+"""Eviction policy ABC: which ready chunk leaves a tier when space is needed.
+
+Runs inside the storage engine (single owner, no locks, no I/O). A policy tracks the keys of the
+*ready* entries of one tier; the engine tells it about every change:
+
+    insert(key)        an entry became ready in this tier (after complete_store / promotion)
+    touch(keys)        the keys were used (lookup hit, load); feeds recency/frequency
+    remove(key)        an entry left the tier for a reason other than evict() (rollback, drop)
+    evict(need, ...)   choose victims whose costs sum to >= need, atomically
+
+Keys are opaque hashable values (the engine uses ``(namespace_index, chunk_key)`` tuples), so
+one policy instance serves every namespace of a tier. Costs are in allocator pages, which lets
+namespaces with different chunk sizes share one budget.
+
+Invariants every implementation keeps:
+- ``evict`` is all-or-nothing: it returns victims whose total cost is >= ``need`` and forgets
+  them, or returns ``None`` and changes nothing (ghost/adaptive state included).
+- ``evict`` never returns a key for which ``evictable(key)`` is false (pinned, protected).
+- the set of tracked keys is exactly the set inserted and not yet removed/evicted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class EvictionPolicy(ABC):
+    """Base class of eviction policies; see the module docstring for the contract."""
+
+    #: registry name, e.g. "lru"
+    name: str = ""
+
+    @abstractmethod
+    def insert(self, key: Hashable) -> None:
+        """Track a newly ready key as most recently used. REQUIRES: key not tracked."""
+
+    @abstractmethod
+    def remove(self, key: Hashable) -> None:
+        """Stop tracking ``key`` (no-op if it is not tracked)."""
+
+    @abstractmethod
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Mark tracked keys as used, first key = most important (processed last-to-first so
+        the first key ends up most recent). Untracked keys are ignored, except that adaptive
+        policies may learn from them (ARC ghost hits)."""
+
+    @abstractmethod
+    def evict(
+        self,
+        need: int,
+        cost: Callable[[Hashable], int],
+        evictable: Callable[[Hashable], bool],
+    ) -> list[Hashable] | None:
+        """Choose victims with ``sum(cost(k)) >= need`` among keys where ``evictable(k)``.
+
+        Atomic: on success the victims are no longer tracked; on ``None`` nothing changed.
+        ``need <= 0`` returns ``[]``.
+        """
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Hashable]:
+        """Tracked keys, in eviction order (first = next victim, ignoring pins)."""
