@@ -1,0 +1,160 @@
+"""The shared-memory DRAM arena.
+
+One file in a tmpfs directory (``/dev/shm`` by default) mapped by the daemon and by co-located
+clients, who move payload bytes themselves (reserve → write → commit; pin → read → release), so
+the daemon never copies payload on that path.
+
+Security: the file is created with ``O_EXCL`` and mode 0600, so only the daemon's user can map
+it; it is unlinked on :meth:`SharedArena.close` (and the daemon closes it on every orderly
+shutdown path).
+
+Thread-safety: mapping and unmapping are not thread-safe; reads and writes of disjoint extents
+from several threads are (they are plain memcpy).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Iterable
+from types import TracebackType
+
+from kvserver.allocator import Extents
+from kvserver.errors import InvalidArgument, StorageError
+
+DEFAULT_SHM_DIR = "/dev/shm"
+
+
+class ArenaView:
+    """A mapping of an arena file: byte access by extents. Base of the owner and client sides."""
+
+    def __init__(self, path: str, size: int, fd: int) -> None:
+        self.path = path
+        self.size = size
+        self._fd = fd
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        self.buf: memoryview = memoryview(self._mmap)
+
+    @classmethod
+    def attach(cls, path: str) -> ArenaView:
+        """Map an existing arena (client side). The file is never unlinked by a view."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot open arena: {exc.strerror}", path=path, errno=exc.errno
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            return cls(path, size, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # ---------------------------------------------------------------- payload access
+
+    def write(self, extents: Extents, data: bytes | bytearray | memoryview) -> None:
+        """Copy ``data`` into ``extents``. REQUIRES: len(data) == total extent length."""
+        src = memoryview(data).cast("B")
+        if src.nbytes != sum(length for _, length in extents):
+            raise InvalidArgument("payload size does not match the slot", size=src.nbytes)
+        buf = self.buf
+        pos = 0
+        for off, length in extents:
+            buf[off : off + length] = src[pos : pos + length]
+            pos += length
+
+    def read(self, extents: Extents) -> bytes:
+        """A copy of the bytes in ``extents``."""
+        buf = self.buf
+        if len(extents) == 1:
+            off, length = extents[0]
+            return bytes(buf[off : off + length])
+        return b"".join(buf[off : off + length] for off, length in extents)
+
+    def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
+        """Copy the bytes in ``extents`` into ``out`` (exactly their total length)."""
+        dst = memoryview(out).cast("B")
+        buf = self.buf
+        pos = 0
+        for off, length in extents:
+            dst[pos : pos + length] = buf[off : off + length]
+            pos += length
+
+    def views(self, extents: Extents) -> list[memoryview]:
+        """Zero-copy views of ``extents`` (valid while the part is pinned and the arena open)."""
+        buf = self.buf
+        return [buf[off : off + length] for off, length in extents]
+
+    # ---------------------------------------------------------------- lifetime
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def close(self) -> None:
+        """Unmap. Idempotent. Outstanding memoryviews from :meth:`views` must be released."""
+        if self._mmap is None:
+            return
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A caller still holds a view; the mapping is freed when it is garbage collected.
+            pass
+        self._mmap = None
+        os.close(self._fd)
+
+    def __enter__(self) -> ArenaView:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SharedArena(ArenaView):
+    """The daemon's arena: creates the file (0600, O_EXCL) and removes it on close."""
+
+    def __init__(self, size: int, *, directory: str = DEFAULT_SHM_DIR, name: str = "") -> None:
+        if size < 1:
+            raise InvalidArgument("arena size must be positive", size=size)
+        name = name or f"kvserver-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot create arena: {exc.strerror}", path=path, errno=exc.errno
+            ) from None
+        try:
+            os.fchmod(fd, 0o600)  # independent of the umask
+            os.ftruncate(fd, size)
+            super().__init__(path, size, fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+
+    def close(self) -> None:
+        """Unmap and unlink the file. Idempotent."""
+        was_open = not self.closed
+        super().close()
+        if was_open:
+            _unlink(self.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def total_length(extents: Iterable[tuple[int, int]]) -> int:
+    return sum(length for _, length in extents)

@@ -1,0 +1,159 @@
+"""Value types of the storage engine: configuration, grants, the per-chunk record, statistics.
+
+Pure data; no behaviour beyond validation and derived properties.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvserver.allocator import Extents
+from kvserver.arena import DEFAULT_SHM_DIR
+from kvserver.errors import InvalidArgument
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Configuration of one storage engine (the DRAM tier). Validated on construction."""
+
+    dram_bytes: int = 256 * MiB
+    page_size: int = 64 * KiB
+    policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    default_lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    max_pin_ttl_s: float = 24 * 3600.0
+    max_keys_per_request: int = 1 << 16
+    shm_dir: str = DEFAULT_SHM_DIR
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes < self.page_size:
+            raise InvalidArgument("dram_bytes must hold at least one page", value=self.dram_bytes)
+        if not 0 < self.default_lease_s <= self.max_lease_s:
+            raise InvalidArgument("need 0 < default_lease_s <= max_lease_s")
+        if self.max_keys_per_request < 1:
+            raise InvalidArgument("max_keys_per_request must be positive")
+
+    @property
+    def num_pages(self) -> int:
+        return self.dram_bytes // self.page_size
+
+
+class EntryState(enum.IntEnum):
+    #: reserved by prepare_store; invisible to lookup; some parts not yet written.
+    WRITING = 0
+    #: every part written; visible; evictable unless pinned.
+    READY = 1
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One logical chunk: one part per TP rank. Owned by the engine's index."""
+
+    ns: int
+    key: bytes
+    state: EntryState
+    #: pages of each rank's part (index = rank).
+    pages: list[list[int]]
+    #: byte extents of each rank's part (index = rank).
+    extents: list[Extents]
+    #: the store lease that reserved it (0 once ready).
+    lease_id: int = 0
+    #: in-flight loads reading it.
+    pins: int = 0
+    #: explicit TTL pin deadline (engine clock), 0.0 when not TTL-pinned.
+    ttl_until: float = 0.0
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(p) for p in self.pages)
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.pins > 0 or self.ttl_until > 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreGrant:
+    """Result of ``prepare_store``: where to write each new chunk's parts.
+
+    ``keys`` are the chunks reserved by this grant (request order, duplicates removed);
+    ``locations[i][rank]`` are the extents of ``keys[i]``'s part for ``rank``. The grant must be
+    completed with ``complete_store(lease_id, ...)`` before ``deadline`` (engine clock) or it is
+    rolled back. ``lease_id`` is 0 when nothing was reserved (every key present or filtered).
+    """
+
+    lease_id: int
+    deadline: float
+    ns_id: str
+    keys: list[bytes]
+    locations: list[list[Extents]]
+    #: keys already present (ready or being written by someone else).
+    present: list[bytes] = field(default_factory=list)
+    #: keys refused by reuse gating (seen fewer than store_threshold times).
+    filtered: list[bytes] = field(default_factory=list)
+    #: number of chunks evicted to make room.
+    num_evicted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadGrant:
+    """Result of ``prepare_load``: the pinned chunks and where their parts are.
+
+    Pinned until ``complete_load(lease_id)`` or until ``deadline`` passes.
+    """
+
+    lease_id: int
+    deadline: float
+    ns_id: str
+    keys: list[bytes]
+    locations: list[list[Extents]]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic counters (per namespace and totals)."""
+
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    stored_chunks: int = 0
+    loaded_chunks: int = 0
+    evicted_chunks: int = 0
+    rolled_back_chunks: int = 0
+    expired_leases: int = 0
+    filtered_chunks: int = 0
+    store_rejections: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    capacity_bytes: int
+    page_size: int
+    total_pages: int
+    free_pages: int
+    reserved_pages: int
+    ready_pages: int
+    pinned_pages: int
+    num_entries: int
+    num_writing: int
+    num_leases: int
+    policy: str
+    totals: Counters
+    namespaces: dict[str, dict[str, int]]
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.total_pages - self.free_pages) * self.page_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["used_bytes"] = self.used_bytes
+        return out
