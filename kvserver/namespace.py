@@ -1,7 +1,7 @@
 """Namespaces: everything that makes KV bytes incompatible.
 
 Two requests may share a stored chunk only if they agree on the model, the KV dtype, the
-layer/head layout, tokens per block, blocks per chunk, the hash algorithm and the tensor-parallel
+layer/head layout, tokens per block, blocks per chunk, the hash algorithm and its seed, and the tensor-parallel
 world size. A :class:`NamespaceSpec` captures exactly those; its :attr:`ns_id` is a digest of
 the canonical encoding of every field, so the same spec registered by any client on any host
 yields the same id, and any difference yields a different one. Entries are never shared across
@@ -53,6 +53,8 @@ class NamespaceSpec:
     block_size: int
     chunk_blocks: int = 1
     hash_algo: str = "sha256_cbor"
+    #: NONE_HASH seed of the hash chain (vLLM: the value of PYTHONHASHSEED).
+    hash_seed: str = "vllm-none-hash"
     tp_world_size: int = 1
     kv_factor: int = 2
     part_bytes_override: int = 0
@@ -66,6 +68,8 @@ class NamespaceSpec:
             raise InvalidArgument(
                 f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SIZES)}"
             )
+        if not isinstance(self.hash_seed, str) or len(self.hash_seed) > MAX_MODEL_NAME:
+            raise InvalidArgument("hash_seed must be a string of <= 512 chars")
         if self.hash_algo not in HASH_ALGOS:
             raise InvalidArgument(
                 f"unknown hash_algo {self.hash_algo!r}; valid: {', '.join(HASH_ALGOS)}"
