@@ -1,0 +1,60 @@
+"""``kvserver start``: parse flags into a DaemonConfig and run the daemon process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserver.errors import KVServerError
+
+
+def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "start",
+        help="run the kvserver daemon (DRAM tier, ZMQ data plane, gRPC query API)",
+        description=(
+            "Run the kvserver daemon in the foreground. Settings come from defaults < "
+            "--config FILE (TOML) < KVSERVER_* environment variables < flags. "
+            "Binds to loopback unless --host says otherwise."
+        ),
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML config file (keys = long flag names)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, help="gRPC query API port (default 9470, 0=any)")
+    p.add_argument("--zmq-port", type=int, help="ZMQ data-plane port (default 9471, 0=any)")
+    p.add_argument("--pub-port", type=int, help="ZMQ KV-event PUB port (default 9472, -1=off)")
+    p.add_argument("--dram", help="DRAM tier size, e.g. 256MiB, 8GiB (default 256MiB)")
+    p.add_argument("--page-size", help="arena page size (default 64KiB)")
+    p.add_argument("--policy", help="eviction policy: lru or arc (default lru)")
+    p.add_argument("--store-threshold", type=int,
+                   help="reuse gating: store a chunk only after N sightings (0/1 = off)")
+    p.add_argument("--default-lease-s", type=float,
+                   help="seconds a reservation or load pin lives without completion (default 30)")
+    p.add_argument("--shm-dir", help="tmpfs directory for the arena (default /dev/shm)")
+    p.add_argument("--auth-token", help="shared secret required on both APIs (default: none)")
+    p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
+    p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
+    p.set_defaults(func=_cmd_start)
+
+
+def _cmd_start(args: argparse.Namespace) -> int:
+    from kvserver.daemon.config import DaemonConfig
+
+    overrides = {
+        k: getattr(args, k)
+        for k in ("host", "grpc_port", "zmq_port", "pub_port", "dram", "page_size", "policy",
+                  "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
+                  "log_level")
+    }
+    try:
+        config = DaemonConfig.load(config_file=args.config, overrides=overrides)
+    except KVServerError as exc:
+        print(f"kvserver start: {exc}", file=sys.stderr)
+        return 2
+    from kvserver.daemon.process import main
+
+    try:
+        return main(config)
+    except KVServerError as exc:
+        print(f"kvserver start: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,147 @@
+"""Daemon configuration: one validated dataclass, built from defaults < config file < environment
+< command-line flags.
+
+Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, LRU. The config file
+is TOML with the same keys as the dataclass fields (``dram = "8GiB"``); environment variables
+are ``KVSERVER_<FIELD>`` in upper case (``KVSERVER_DRAM=8GiB``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvserver.engine_types import EngineConfig
+from kvserver.errors import InvalidArgument
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_GRPC_PORT = 9470
+DEFAULT_ZMQ_PORT = 9471
+DEFAULT_PUB_PORT = 9472
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"256MiB"`` → 268435456. Accepts plain integers, SI (MB) and IEC (MiB) units."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InvalidArgument(f"bad size {text!r}; examples: 256MiB, 8GiB, 1073741824")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise InvalidArgument(f"size must be positive: {text!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    host: str = DEFAULT_HOST
+    grpc_port: int = DEFAULT_GRPC_PORT
+    zmq_port: int = DEFAULT_ZMQ_PORT
+    #: ZMQ PUB socket for KV events (vLLM wire format); 0 = ephemeral, -1 = disabled.
+    pub_port: int = DEFAULT_PUB_PORT
+    dram: int = 256 << 20
+    page_size: int = 64 << 10
+    policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    default_lease_s: float = 30.0
+    shm_dir: str = "/dev/shm"
+    #: shared secret required on both APIs when non-empty.
+    auth_token: str = field(default="", repr=False)
+    event_capacity: int = 100_000
+    #: largest ZMQ message (all frames) accepted, bytes.
+    max_message_bytes: int = 1 << 30
+    #: seconds between lease-expiry sweeps.
+    reap_interval_s: float = 0.25
+    #: written (JSON: pid, ports, arena path) once every listener is up.
+    ready_file: str = ""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("grpc_port", "zmq_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise InvalidArgument(f"{name} out of range", value=port)
+        if not -1 <= self.pub_port <= 65535:
+            raise InvalidArgument("pub_port out of range", value=self.pub_port)
+        if self.reap_interval_s <= 0:
+            raise InvalidArgument("reap_interval_s must be positive")
+        self.engine_config()  # validates the engine part
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            dram_bytes=self.dram,
+            page_size=self.page_size,
+            policy=self.policy,
+            store_threshold=self.store_threshold,
+            max_tracker_size=self.max_tracker_size,
+            default_lease_s=self.default_lease_s,
+            shm_dir=self.shm_dir,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        config_file: str | None = None,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> DaemonConfig:
+        """Defaults < ``config_file`` (TOML) < ``env`` (KVSERVER_*) < ``overrides`` (flags)."""
+        values: dict[str, Any] = {}
+        if config_file:
+            try:
+                with open(config_file, "rb") as f:
+                    values.update(tomllib.load(f))
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from None
+        env = os.environ if env is None else env
+        for f in fields(cls):
+            raw = env.get(f"KVSERVER_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = raw
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DaemonConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise InvalidArgument(f"unknown config keys: {', '.join(sorted(unknown))}")
+        kwargs: dict[str, Any] = {}
+        for name, value in values.items():
+            kwargs[name] = _coerce(name, known[name], value)
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> DaemonConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    if name in ("dram", "page_size", "max_message_bytes"):
+        return parse_size(value)
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"config {name} must be a number, got {value!r}") from None
+    return str(value)

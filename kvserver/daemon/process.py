@@ -1,0 +1,116 @@
+"""The daemon process: one uvloop event loop serving ZMQ and gRPC over one KVService.
+
+This is the only daemon module that knows it is a process (event loop, signals, exit codes).
+
+Start-up: build the service (creates the shared-memory arena) → start the ZMQ front end →
+start the gRPC front end → start the lease reaper → write the ready file → log where it listens.
+
+Shutdown on SIGTERM/SIGINT, in order: stop accepting (gRPC server stops taking new RPCs, ZMQ
+sockets stop reading) → give in-flight RPCs a short grace → roll back in-flight reservations
+and release pins → stop event streams → remove the shared-memory arena → exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+
+from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.grpc_server import GrpcFrontend
+from kvserver.daemon.service import KVService
+from kvserver.daemon.zmq_server import ZmqFrontend
+
+logger = logging.getLogger("kvserver.daemon")
+
+SHUTDOWN_GRACE_S = 2.0
+
+
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`)."""
+    stop = stop or asyncio.Event()
+    service = KVService(config.engine_config(), event_capacity=config.event_capacity)
+    zmq_front = ZmqFrontend(service, config)
+    grpc_front = GrpcFrontend(service, config)
+    reaper: asyncio.Task[None] | None = None
+    try:
+        data_port, pub_port = await zmq_front.start()
+        grpc_port = await grpc_front.start()
+        reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
+        info = {
+            "pid": os.getpid(),
+            "host": config.host,
+            "grpc_port": grpc_port,
+            "zmq_port": data_port,
+            "pub_port": pub_port,
+            "arena_path": service.engine.arena.path,
+            "dram_bytes": service.engine.stats().capacity_bytes,
+        }
+        if config.ready_file:
+            _write_atomic(config.ready_file, json.dumps(info))
+        logger.info(
+            "kvserver listening: gRPC %s:%d, ZMQ data tcp://%s:%d, events tcp://%s:%s, "
+            "DRAM %d MiB (%s) in %s",
+            config.host, grpc_port, config.host, data_port, config.host,
+            pub_port if pub_port >= 0 else "off", info["dram_bytes"] >> 20, config.policy,
+            info["arena_path"],
+        )
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        await grpc_front.stop(SHUTDOWN_GRACE_S)
+        await zmq_front.stop()
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        service.close()
+        if config.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.ready_file)
+        logger.info("stopped; shared-memory arena removed")
+
+
+async def _reap_forever(service: KVService, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            service.expire()
+        except Exception:  # never let housekeeping kill the daemon
+            logger.exception("lease reaper failed")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(config: DaemonConfig) -> int:
+    """Run the daemon in this process; returns the exit code (0 on orderly shutdown)."""
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        runner = asyncio.run
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    runner(_main())
+    return 0
