@@ -1,0 +1,284 @@
+"""Tests of kvserver.policies: the shared contract, run against every registered policy, plus
+ARC's scan resistance compared with LRU."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvserver.errors import InvalidArgument
+from kvserver.policies import POLICIES, EvictionPolicy, make_policy, policy_names
+from kvserver.policies.arc import ARCPolicy
+
+ALL = sorted(POLICIES)
+
+
+def unit(_key: Hashable) -> int:
+    return 1
+
+
+def always(_key: Hashable) -> bool:
+    return True
+
+
+def filled(name: str, keys: Iterable[Hashable]) -> EvictionPolicy:
+    policy = make_policy(name)
+    for key in keys:
+        policy.insert(key)
+    return policy
+
+
+def snapshot(policy: EvictionPolicy) -> Any:
+    """Everything the policy holds (OrderedDicts compare with their order)."""
+    return copy.deepcopy(vars(policy))
+
+
+class BoundedCache:
+    """A cache of ``capacity`` unit-cost entries driven by ``policy``: hits are touched, misses
+    inserted after evicting one victim when full."""
+
+    def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
+        self.policy = policy
+        self.capacity = capacity
+
+    def access(self, key: Hashable) -> bool:
+        if key in self.policy:
+            self.policy.touch([key])
+            return True
+        if len(self.policy) >= self.capacity:
+            assert self.policy.evict(1, unit, always) is not None
+        self.policy.insert(key)
+        return False
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def test_registry_names() -> None:
+    assert policy_names() == sorted(POLICIES) == ["arc", "lru"]
+    for name, cls in POLICIES.items():
+        assert cls.name == name
+        assert isinstance(make_policy(name), cls)
+
+
+def test_unknown_policy_lists_choices() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        make_policy("fifo")
+    message = str(info.value)
+    assert "fifo" in message
+    for name in POLICIES:
+        assert name in message
+
+
+# ---------------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_insert_remove_len_contains_iter(name: str) -> None:
+    policy = filled(name, range(5))
+    assert len(policy) == 5
+    assert list(policy) == [0, 1, 2, 3, 4]
+    assert 3 in policy and 7 not in policy
+    policy.remove(3)
+    policy.remove(99)  # untracked: no-op
+    assert 3 not in policy
+    assert list(policy) == [0, 1, 2, 4]
+    assert len(policy) == 4
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_touch_first_key_ends_most_recent(name: str) -> None:
+    policy = filled(name, range(5))
+    policy.touch([3, 1, 42])  # 42 is untracked and ignored
+    assert list(policy) == [0, 2, 4, 1, 3]
+    assert policy.evict(5, unit, always) == [0, 2, 4, 1, 3]
+    assert len(policy) == 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evict_oldest_first_when_fresh(name: str) -> None:
+    policy = filled(name, range(10))
+    assert policy.evict(3, unit, always) == [0, 1, 2]
+    assert list(policy) == list(range(3, 10))
+    assert 0 not in policy
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evict_skips_non_evictable(name: str) -> None:
+    policy = filled(name, range(6))
+    pinned = {0, 2, 3}
+    assert policy.evict(2, unit, lambda k: k not in pinned) == [1, 4]
+    assert list(policy) == [0, 2, 3, 5]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evict_is_atomic(name: str) -> None:
+    """Not enough evictable cost: None, and nothing changed (ARC ghosts and target included)."""
+    policy = filled(name, range(8))
+    policy.touch([1, 5])
+    assert policy.evict(2, unit, always) is not None  # ARC: ghosts exist now
+    policy.insert(0)  # ARC: ghost hit adapts p and lands in T2
+    before, order = snapshot(policy), list(policy)
+    assert policy.evict(5, unit, lambda k: k in {3, 4, 5}) is None
+    assert policy.evict(100, unit, always) is None
+    assert snapshot(policy) == before
+    assert list(policy) == order
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evict_cost_weighted(name: str) -> None:
+    costs = {"a": 1, "b": 3, "c": 2, "d": 4}
+    policy = filled(name, costs)
+    victims = policy.evict(5, costs.__getitem__, always)
+    assert victims == ["a", "b", "c"]
+    assert list(policy) == ["d"]
+    assert policy.evict(5, costs.__getitem__, always) is None
+    assert policy.evict(4, costs.__getitem__, always) == ["d"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_evict_nothing_needed(name: str) -> None:
+    policy = filled(name, range(3))
+    assert policy.evict(0, unit, always) == []
+    assert policy.evict(-4, unit, always) == []
+    assert make_policy(name).evict(0, unit, always) == []
+    assert list(policy) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------- stateful
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Random insert/remove/touch/evict against a model set of tracked keys."""
+
+    policy_name = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = make_policy(self.policy_name)
+        self.model: set[int] = set()
+
+    @staticmethod
+    def cost(key: Hashable) -> int:
+        assert isinstance(key, int)
+        return 1 + key % 3
+
+    @rule(key=st.integers(0, 30))
+    def insert(self, key: int) -> None:
+        if key not in self.model:
+            self.policy.insert(key)
+            self.model.add(key)
+
+    @rule(key=st.integers(0, 30))
+    def remove(self, key: int) -> None:
+        self.policy.remove(key)
+        self.model.discard(key)
+
+    @rule(keys=st.lists(st.integers(0, 30), max_size=8))
+    def touch(self, keys: list[int]) -> None:
+        self.policy.touch(keys)
+
+    @rule(need=st.integers(-1, 25), pinned=st.frozensets(st.integers(0, 30), max_size=10))
+    def evict(self, need: int, pinned: frozenset[int]) -> None:
+        available = sum(self.cost(k) for k in self.model if k not in pinned)
+        before = snapshot(self.policy)
+        victims = self.policy.evict(need, self.cost, lambda k: k not in pinned)
+        if victims is None:
+            assert need > available
+            assert snapshot(self.policy) == before
+            return
+        assert need <= available or need <= 0
+        assert len(set(victims)) == len(victims)
+        assert set(victims) <= self.model
+        assert not set(victims) & pinned
+        costs = [self.cost(k) for k in victims]
+        if need <= 0:
+            assert victims == []
+        else:
+            assert sum(costs) >= need > sum(costs[:-1])  # no more victims than needed
+        self.model -= set(victims)
+
+    @invariant()
+    def tracked_set_matches_model(self) -> None:
+        order = list(self.policy)
+        assert len(order) == len(set(order)) == len(self.policy)
+        assert set(order) == self.model
+        assert all(k in self.policy for k in self.model)
+
+    @invariant()
+    def arc_lists_consistent(self) -> None:
+        policy = self.policy
+        if not isinstance(policy, ARCPolicy):
+            return
+        lists = [set(policy._t1), set(policy._t2), set(policy._b1), set(policy._b2)]
+        assert sum(map(len, lists)) == len(set().union(*lists))
+        assert policy.target_t1_size >= 0.0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_stateful_against_model(name: str) -> None:
+    machine = type(f"PolicyMachine_{name}", (PolicyMachine,), {"policy_name": name})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=150,
+            stateful_step_count=60,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------- ARC specifics
+
+
+def run_scan(name: str, hot: list[int], scan: Iterable[int], capacity: int) -> EvictionPolicy:
+    """Warm a working set (inserted, then used twice), then stream a one-pass scan."""
+    cache = BoundedCache(make_policy(name), capacity)
+    for _ in range(3):
+        for key in hot:
+            cache.access(key)
+    for key in scan:
+        cache.access(key)
+    return cache.policy
+
+
+def test_arc_is_scan_resistant_lru_is_not() -> None:
+    """A frequent working set of 8 survives a 100-key one-pass scan in ARC, not in LRU."""
+    hot = list(range(8))
+    scan = range(1000, 1100)
+    arc = run_scan("arc", hot, scan, capacity=16)
+    lru = run_scan("lru", hot, scan, capacity=16)
+    assert all(k in arc for k in hot)
+    assert not any(k in lru for k in hot)
+    assert len(arc) == len(lru) == 16
+
+
+def test_arc_ghost_hit_returns_as_frequent_and_raises_target() -> None:
+    policy = filled("arc", range(4))
+    assert policy.evict(1, unit, always) == [0]
+    assert isinstance(policy, ARCPolicy)
+    assert policy.num_ghosts == 1 and policy.target_t1_size == 0
+    policy.insert(0)
+    assert policy.target_t1_size == 1 and policy.num_frequent == 1 and policy.num_ghosts == 0
+    assert list(policy) == [1, 2, 0, 3]  # T1 while |T1| > p=1, then T2, then the rest of T1
+
+
+def test_arc_ghost_lists_bounded_by_resident_count() -> None:
+    cache = BoundedCache(make_policy("arc"), capacity=10)
+    for key in range(1000):
+        cache.access(key)
+    policy = cache.policy
+    assert isinstance(policy, ARCPolicy)
+    assert len(policy) == 10 and policy.num_ghosts <= 10
