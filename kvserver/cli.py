@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_hash(sub)
+    from kvserver.daemon.cli import add_start
+
+    add_start(sub)
     return parser
 
 
@@ -27,6 +30,96 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_hash(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Owned by the hashing work: ``kvserver hash`` (see kvserver/hashing.py)."""
+    from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
+
+    p = sub.add_parser(
+        "hash",
+        help="print the block hashes (cache keys) of a token sequence",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Print the chained block hash of every FULL block of TOKEN..., one lowercase hex\n"
+            "digest per line (a partial last block has no hash). With --chunk-blocks K, print\n"
+            "one key per full chunk of K blocks instead: the hash of its last block.\n\n"
+            "Use it to debug a prefix that unexpectedly misses: hash the prompt here and\n"
+            "compare with the block hashes vLLM reports (or the keys in kvserver's events).\n"
+            "The first differing line is the first block that differs. Keys agree only if\n"
+            "vLLM runs with PYTHONHASHSEED=<seed> and the same --algo (vLLM's\n"
+            "--prefix-caching-hash-algo), --block-size, cache_salt and LoRA."
+        ),
+        epilog=(
+            "examples:\n"
+            "  kvserver hash --algo sha256_cbor --block-size 16 $(seq 0 31)\n"
+            "  kvserver hash --algo xxhash_cbor --block-size 16 1,2,3,4\n"
+            "  tokenize prompt.txt | kvserver hash --algo sha256 --block-size 16 -\n\n"
+            "exit status: 0 ok, 2 bad arguments or tokens"
+        ),
+    )
+    p.add_argument(
+        "--algo",
+        required=True,
+        metavar="ALGO",
+        help=f"hash algorithm, one of: {', '.join(HASH_ALGOS)}",
+    )
+    p.add_argument("--block-size", type=int, required=True, metavar="N", help="tokens per block")
+    p.add_argument(
+        "--seed",
+        default=DEFAULT_SEED,
+        help=f"NONE_HASH seed = vLLM's PYTHONHASHSEED (default: {DEFAULT_SEED!r})",
+    )
+    p.add_argument("--cache-salt", metavar="SALT", help="the request's cache_salt (block 0 only)")
+    p.add_argument("--lora", metavar="NAME:PATH", help="the request's LoRA adapter")
+    p.add_argument(
+        "--chunk-blocks",
+        type=int,
+        default=1,
+        metavar="K",
+        help="print one key per full chunk of K blocks (default: 1, every block)",
+    )
+    p.add_argument(
+        "tokens",
+        nargs="+",
+        metavar="TOKEN",
+        help="token ids, space- or comma-separated; '-' reads them from stdin",
+    )
+    p.set_defaults(func=_cmd_hash)
+
+
+def _cmd_hash(args: argparse.Namespace) -> int:
+    import re
+
+    from kvserver.errors import KVServerError
+    from kvserver.hashing import BlockHasher
+
+    try:
+        pieces: list[str] = []
+        for arg in args.tokens:
+            text = sys.stdin.read() if arg == "-" else arg
+            pieces += (piece for piece in re.split(r"[\s,]+", text) if piece)
+        tokens: list[int] = []
+        for piece in pieces:
+            if not piece.isascii() or not piece.isdigit():
+                raise ValueError(f"bad token {piece!r}: expected a non-negative integer")
+            tokens.append(int(piece))
+        lora: tuple[str, str] | None = None
+        if args.lora is not None:
+            name, sep, path = args.lora.partition(":")
+            if not sep or not name:
+                raise ValueError(f"bad --lora {args.lora!r}: expected NAME:PATH")
+            lora = (name, path)
+        hasher = BlockHasher(args.algo, args.block_size, args.seed)
+        hashes = hasher.hash_blocks(tokens, cache_salt=args.cache_salt, lora=lora)
+        keys = hasher.chunk_keys(hashes, args.chunk_blocks)
+    except (KVServerError, ValueError) as exc:
+        print(f"kvserver hash: error: {exc}", file=sys.stderr)
+        return 2
+    tail = len(tokens) % args.block_size
+    if tail:
+        print(f"kvserver hash: note: last {tail} token(s) form no full block", file=sys.stderr)
+    if len(hashes) % args.chunk_blocks:
+        left = len(hashes) % args.chunk_blocks
+        print(f"kvserver hash: note: last {left} block(s) form no full chunk", file=sys.stderr)
+    sys.stdout.write("".join(f"{key.hex()}\n" for key in keys))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,356 @@
+"""Chained block hashes as vLLM computes them, and the chunk keys derived from them.
+
+Runs in every process that names KV blocks: the daemon (gRPC Lookup by token ids), the
+scheduler-side connector and ``kvserver hash``. Pure computation: no I/O, no logging.
+Thread safety: :class:`BlockHasher` is immutable and may be shared by threads. The only shared
+state is the CBOR integer table, which is replaced whole (never mutated) when it grows.
+
+Scheme (seed 001 "Block Hash Computation", DESIGN.md §3), with ``H`` one of :data:`HASH_ALGOS`::
+
+    NONE_HASH = H(seed)
+    block_hash[i] = H((parent, tuple(tokens of block i), extra_keys[i]))
+        parent = NONE_HASH for block 0, else block_hash[i - 1]
+        extra_keys[i] = (("lora", name, path),)        if LoRA, in every block
+                      + (("cache_salt", salt),)        if a salt and i == 0
+                      or None                          when empty
+
+Only full blocks are hashed; a partial tail is dropped. A stored chunk spans ``chunk_blocks``
+consecutive blocks and is keyed by the hash of its last block (:func:`chunk_keys`).
+
+Compatibility contract:
+- ../shared/vectors/block_hashes.json pins every algorithm bit for bit (tests/kvserver).
+- vLLM derives NONE_HASH from ``PYTHONHASHSEED`` (random when unset). A vLLM replica agrees
+  with kvserver only when it runs with ``PYTHONHASHSEED=<seed>`` and the same algorithm and
+  block size.
+- The extra-keys layout above is the one the project's vectors pin. Upstream vLLM (v1
+  ``kv_cache_utils``) puts the bare ``lora_name`` and the bare ``cache_salt`` string into
+  extra_keys instead, so requests with LoRA or a cache salt get different keys there.
+- "sha256" hashes a pickle and pickle bytes depend on object identity (memoised objects): two
+  equal strings that are the same object are written once. Strings in extra keys are interned
+  here so that equal values always give equal bytes, whatever objects the caller passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
+from typing import NewType, cast
+
+import cbor2
+import xxhash
+
+from kvserver.errors import InvalidArgument
+
+BlockHash = NewType("BlockHash", bytes)
+"""An opaque block (or chunk) key: the raw digest, 32 bytes for sha256*, 16 for xxhash_cbor."""
+
+HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash_cbor")
+DEFAULT_SEED = "vllm-none-hash"
+
+# Pinned, not pickle.HIGHEST_PROTOCOL: vLLM writes HIGHEST_PROTOCOL, which is 5 on Python
+# 3.8-3.13. A future Python that raises it would silently change every "sha256" key; with the
+# protocol pinned, the vectors test fails loudly instead (and we can decide to follow vLLM).
+PICKLE_PROTOCOL = 5
+
+
+def _sha256_pickle(obj: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=PICKLE_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: object) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def _xxhash_cbor(obj: object) -> bytes:
+    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+
+
+_HASH_FUNCTIONS: dict[str, Callable[[object], bytes]] = {
+    "sha256": _sha256_pickle,
+    "sha256_cbor": _sha256_cbor,
+    "xxhash_cbor": _xxhash_cbor,
+}
+_DIGEST_SIZES: dict[str, int] = {"sha256": 32, "sha256_cbor": 32, "xxhash_cbor": 16}
+
+
+def hash_function(algo: str) -> Callable[[object], bytes]:
+    """The function ``H(obj) -> digest`` named ``algo``; InvalidArgument names the choices."""
+    try:
+        return _HASH_FUNCTIONS[algo]
+    except (KeyError, TypeError):
+        raise InvalidArgument(
+            f"unknown hash algorithm; valid choices: {', '.join(HASH_ALGOS)}", algo=algo
+        ) from None
+
+
+def digest_size(algo: str) -> int:
+    """Length in bytes of every hash made with ``algo`` (32, 32, 16)."""
+    hash_function(algo)
+    return _DIGEST_SIZES[algo]
+
+
+def none_hash(algo: str, seed: str = DEFAULT_SEED) -> BlockHash:
+    """NONE_HASH = H(seed): the parent of block 0. vLLM takes ``seed`` from PYTHONHASHSEED."""
+    fn = hash_function(algo)
+    if not isinstance(seed, str):
+        raise InvalidArgument("seed must be a str (vLLM uses PYTHONHASHSEED)", seed=seed)
+    return BlockHash(fn(seed))
+
+
+def chunk_keys(block_hashes: Sequence[BlockHash], chunk_blocks: int) -> list[BlockHash]:
+    """Key of each full chunk of ``chunk_blocks`` blocks: the hash of its last block.
+
+    REQUIRES: ``block_hashes`` starts at block 0 of the request (chunks are aligned to it).
+    A partial last chunk gets no key.
+    """
+    if type(chunk_blocks) is not int or chunk_blocks < 1:
+        raise InvalidArgument("chunk_blocks must be an int >= 1", chunk_blocks=chunk_blocks)
+    return [block_hashes[i] for i in range(chunk_blocks - 1, len(block_hashes), chunk_blocks)]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHasher:
+    """Hashes token ids into chained block hashes for one (algo, block_size, seed).
+
+    Immutable; NONE_HASH is computed once at construction. Construction raises
+    InvalidArgument for an unknown algo, a block_size < 1 or a non-str seed.
+    """
+
+    algo: str
+    block_size: int
+    seed: str = DEFAULT_SEED
+    _none_hash: BlockHash = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if type(self.block_size) is not int or self.block_size < 1:
+            raise InvalidArgument("block_size must be an int >= 1", block_size=self.block_size)
+        object.__setattr__(self, "_none_hash", none_hash(self.algo, self.seed))
+
+    @property
+    def none_hash(self) -> BlockHash:
+        """H(seed), the parent of block 0."""
+        return self._none_hash
+
+    @property
+    def digest_size(self) -> int:
+        return _DIGEST_SIZES[self.algo]
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        parent: BlockHash | None = None,
+        start_block: int = 0,
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of ``token_ids``, in order (a partial tail is dropped).
+
+        ``token_ids[0]`` is the first token of block ``start_block`` of the request. To extend a
+        chain incrementally pass ``parent`` = the hash of block ``start_block - 1``; the result
+        equals the matching slice of a one-shot call. ``parent`` is required iff
+        ``start_block > 0``. ``cache_salt`` only affects block 0 (an empty salt is no salt, as
+        in vLLM); ``lora`` = (name, path) affects every block.
+
+        Raises InvalidArgument (nothing computed) for token ids that are not ``int`` >= 0 —
+        bool, int subclasses and numpy integers are rejected because they would pickle or
+        encode differently — or for an inconsistent parent/start_block.
+        """
+        tokens = _check_tokens(token_ids)
+        first_keys, rest_keys = self._extra_keys(cache_salt, lora)
+        if type(start_block) is not int or start_block < 0:
+            raise InvalidArgument("start_block must be an int >= 0", start_block=start_block)
+        if start_block == 0:
+            if parent is not None:
+                raise InvalidArgument("parent must be None when start_block is 0")
+            parent = self._none_hash
+        else:
+            if not isinstance(parent, bytes) or len(parent) != _DIGEST_SIZES[self.algo]:
+                raise InvalidArgument(
+                    f"start_block > 0 needs the parent hash ({self.digest_size} bytes)",
+                    start_block=start_block,
+                    parent=parent,
+                )
+            first_keys = rest_keys
+        block_size = self.block_size
+        end = len(tokens) // block_size * block_size
+        if end == 0:
+            return []
+        if self.algo == "sha256":
+            return _chain_pickle(tokens, end, block_size, parent, first_keys, rest_keys)
+        return _chain_cbor(self.algo, tokens, end, block_size, parent, first_keys, rest_keys)
+
+    def chunk_keys(self, block_hashes: Sequence[BlockHash], chunk_blocks: int) -> list[BlockHash]:
+        """See :func:`chunk_keys`."""
+        return chunk_keys(block_hashes, chunk_blocks)
+
+    @staticmethod
+    def _extra_keys(
+        cache_salt: str | None, lora: tuple[str, str] | None
+    ) -> tuple[tuple[object, ...] | None, tuple[object, ...] | None]:
+        """(extra keys of block 0, extra keys of every later block)."""
+        rest: tuple[object, ...] = ()
+        if lora is not None:
+            if len(lora) != 2 or not all(type(s) is str for s in lora):
+                raise InvalidArgument("lora must be a (name, path) pair of str", lora=lora)
+            rest = (("lora", sys.intern(lora[0]), sys.intern(lora[1])),)
+        first = rest
+        if cache_salt is not None:
+            if type(cache_salt) is not str:
+                raise InvalidArgument("cache_salt must be a str", cache_salt=cache_salt)
+            if cache_salt:
+                first = (*rest, ("cache_salt", sys.intern(cache_salt)))
+        return first or None, rest or None
+
+
+def _check_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
+    try:
+        tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
+    except TypeError:
+        raise InvalidArgument(
+            "token_ids must be a sequence of ints", type=type(token_ids).__name__
+        ) from None
+    if not {int}.issuperset(map(type, tokens)):
+        for index, token in enumerate(tokens):
+            if type(token) is not int:
+                raise InvalidArgument(
+                    "token ids must be plain ints",
+                    index=index,
+                    token=token,
+                    type=type(token).__name__,
+                )
+    if tokens and min(tokens) < 0:
+        index = next(i for i, t in enumerate(tokens) if t < 0)
+        raise InvalidArgument("token ids must be >= 0", index=index, token=tokens[index])
+    return tokens
+
+
+def _chain_pickle(
+    tokens: tuple[int, ...],
+    end: int,
+    block_size: int,
+    parent: bytes,
+    first_keys: object,
+    rest_keys: object,
+) -> list[BlockHash]:
+    """The "sha256" chain, inlined: one pickle.dumps and one sha256 per block."""
+    dumps, sha256, protocol = pickle.dumps, hashlib.sha256, PICKLE_PROTOCOL
+    prev = sha256(dumps((parent, tokens[:block_size], first_keys), protocol)).digest()
+    out = [prev]
+    append = out.append
+    for start in range(block_size, end, block_size):
+        block = tokens[start : start + block_size]
+        prev = sha256(dumps((prev, block, rest_keys), protocol)).digest()
+        append(prev)
+    return cast("list[BlockHash]", out)
+
+
+# ---------------------------------------------------------------------------------- CBOR
+# cbor2 encodes an int in ~120 ns (one write call each), which made CBOR 3x slower than pickle.
+# The payload H hashes here always has the same shape, so it is assembled from pieces:
+#   0x83 | bytes-head + parent | array-head(block_size) + one encoding per token | extra keys
+# with the token encodings looked up in a table of canonical CBOR uints (0..table size) and the
+# extra keys encoded by cbor2 itself. tests/kvserver/test_hashing.py checks this against
+# cbor2.dumps(canonical=True) at every integer width. Tokens >= _CBOR_TABLE_LIMIT (no real
+# vocabulary) fall back to cbor2 for every block.
+
+_CBOR_TABLE_LIMIT = 1 << 18  # 256 Ki entries, ~12 MB; a 128k vocabulary needs ~6 MB
+_cbor_uint_table: list[bytes] = []
+
+
+def _cbor_head(major: int, value: int) -> bytes:
+    """Canonical (shortest) CBOR head for major type ``major`` and argument ``value``."""
+    if value < 24:
+        return bytes((major << 5 | value,))
+    for info, fmt in ((24, ">BB"), (25, ">BH"), (26, ">BI"), (27, ">BQ")):
+        if value < 1 << (8 << (info - 24)):
+            return struct.pack(fmt, major << 5 | info, value)
+    raise InvalidArgument("value too large for a CBOR head", value=value)
+
+
+def _cbor_uints(max_token: int) -> list[bytes] | None:
+    """A table whose entry ``t`` is the canonical CBOR encoding of ``t``, covering max_token."""
+    global _cbor_uint_table
+    table = _cbor_uint_table
+    if max_token < len(table):
+        return table
+    if max_token >= _CBOR_TABLE_LIMIT:
+        return None
+    size = max(1 << 16, 1 << max_token.bit_length())
+    table = [bytes((t,)) for t in range(24)]
+    table += [bytes((0x18, t)) for t in range(24, 256)]
+    table += map(struct.Struct(">BH").pack, repeat(0x19), range(256, 1 << 16))
+    table += map(struct.Struct(">BI").pack, repeat(0x1A), range(1 << 16, size))
+    _cbor_uint_table = table
+    return table
+
+
+def _chain_cbor(
+    algo: str,
+    tokens: tuple[int, ...],
+    end: int,
+    block_size: int,
+    parent: bytes,
+    first_keys: object,
+    rest_keys: object,
+) -> list[BlockHash]:
+    """The "sha256_cbor" / "xxhash_cbor" chain over pre-encoded token blocks."""
+    hashed = tokens if end == len(tokens) else tokens[:end]
+    try:
+        encoded = itemgetter(*hashed)(_cbor_uint_table)
+    except IndexError:
+        table = _cbor_uints(max(hashed))
+        if table is None:
+            return _chain_generic(algo, hashed, block_size, parent, first_keys, rest_keys)
+        encoded = itemgetter(*hashed)(table)
+    if end == 1:
+        encoded = (encoded,)
+    join = b"".join
+    head = b"\x83" + _cbor_head(2, len(parent))  # every parent has the digest size
+    array_head = _cbor_head(4, block_size)
+    rest_tail = cbor2.dumps(rest_keys, canonical=True)
+    # Everything after the parent, per block: array head, token encodings, extra keys.
+    blocks = [
+        array_head + join(encoded[s : s + block_size]) + rest_tail
+        for s in range(0, end, block_size)
+    ]
+    blocks[0] = array_head + join(encoded[:block_size]) + cbor2.dumps(first_keys, canonical=True)
+    out: list[bytes] = []
+    append = out.append
+    prev = parent
+    if algo == "xxhash_cbor":
+        xxh = xxhash.xxh3_128_digest
+        for block in blocks:
+            prev = xxh(head + prev + block)
+            append(prev)
+    else:
+        sha256 = hashlib.sha256
+        for block in blocks:
+            prev = sha256(head + prev + block).digest()
+            append(prev)
+    return cast("list[BlockHash]", out)
+
+
+def _chain_generic(
+    algo: str,
+    tokens: tuple[int, ...],
+    block_size: int,
+    parent: bytes,
+    first_keys: object,
+    rest_keys: object,
+) -> list[BlockHash]:
+    """Reference chain through :func:`hash_function`: slow, any input."""
+    fn = _HASH_FUNCTIONS[algo]
+    out: list[bytes] = []
+    keys = first_keys
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = fn((parent, tokens[start : start + block_size], keys))
+        keys = rest_keys
+        out.append(parent)
+    return cast("list[BlockHash]", out)
