@@ -22,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserver.daemon.cli import add_start
 
     add_start(sub)
+    from kvserver.cli_ops import add_lookup, add_status
+
+    add_status(sub)
+    add_lookup(sub)
     return parser
 
 
