@@ -1,0 +1,332 @@
+"""``kvserver status`` and ``kvserver lookup``: operator commands over the gRPC query API.
+
+Runs in the CLI process. Each command: parse flags → one :class:`~kvserver.grpc_client.GrpcClient`
+(closed on return) → one or two calls, each bounded by ``--timeout`` → print a readable table
+(or JSON with ``--json``). Wired into ``kvserver/cli.py`` with :func:`add_status` and
+:func:`add_lookup`.
+
+Exit status: 0 ok; 1 the daemon is unreachable or refused the request (message on stderr);
+2 bad arguments (unparsable tokens, an ambiguous model without ``--namespace``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvserver.errors import KVServerError, Unavailable
+
+DEFAULT_SERVER = "127.0.0.1:9470"
+
+
+class _UsageError(Exception):
+    """Bad user input: exit status 2."""
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server",
+        default=os.environ.get("KVSERVER_SERVER", DEFAULT_SERVER),
+        metavar="HOST:PORT",
+        help=f"the daemon's gRPC address (default: $KVSERVER_SERVER or {DEFAULT_SERVER})",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="seconds per call (default 5)"
+    )
+    p.add_argument(
+        "--auth-token",
+        default=os.environ.get("KVSERVER_AUTH_TOKEN"),
+        metavar="TOKEN",
+        help="shared secret when the daemon requires one (default: $KVSERVER_AUTH_TOKEN)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``kvserver status``."""
+    p = sub.add_parser(
+        "status",
+        help="show capacity, usage and hit/miss/eviction counters per tier and namespace",
+        description=(
+            "Ask a running daemon for its statistics: capacity, usage, entries, hits, misses "
+            "and evictions per tier and per namespace."
+        ),
+        epilog="exit status: 0 ok, 1 daemon unreachable or error, 2 bad arguments",
+    )
+    _add_common(p)
+    p.set_defaults(func=cmd_status)
+
+
+def add_lookup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``kvserver lookup``."""
+    p = sub.add_parser(
+        "lookup",
+        help="how much of a prompt (token ids) is cached, and in which tier",
+        description=(
+            "Find the namespace of --model (ListNamespaces; pass --namespace when several "
+            "match), let the daemon hash the token ids exactly as a vLLM replica of that "
+            "namespace would, and print the cached prefix (tokens, chunks) and its tier split."
+        ),
+        epilog=(
+            "examples:\n"
+            "  kvserver lookup --model meta-llama/Llama-3.1-8B --tokens 1,2,3,4\n"
+            "  tokenize prompt.txt | kvserver lookup --model M --tokens-file -\n\n"
+            "exit status: 0 ok, 1 daemon unreachable or error, 2 bad arguments"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(p)
+    p.add_argument("--model", required=True, help="model name the namespace was registered with")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", metavar="IDS", help="token ids, comma- or space-separated")
+    src.add_argument("--tokens-file", metavar="FILE", help="file of token ids ('-' = stdin)")
+    p.add_argument("--namespace", metavar="NS_ID", help="namespace id (when several match)")
+    p.add_argument("--cache-salt", metavar="SALT", help="the request's cache_salt")
+    p.add_argument("--lora", metavar="NAME:PATH", help="the request's LoRA adapter")
+    p.set_defaults(func=cmd_lookup)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _run("status", args, _status)
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    return _run("lookup", args, _lookup)
+
+
+def _run(name: str, args: argparse.Namespace, body: Any) -> int:
+    from kvserver.grpc_client import GrpcClient
+
+    try:
+        if args.timeout <= 0:
+            raise _UsageError("--timeout must be positive")
+        with GrpcClient(args.server, timeout=args.timeout, auth_token=args.auth_token) as client:
+            text: str = body(client, args)
+    except _UsageError as exc:
+        print(f"kvserver {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except Unavailable as exc:
+        print(
+            f"kvserver {name}: error: cannot reach the daemon at {args.server} within "
+            f"{args.timeout:g}s; is `kvserver start` running there?\n  ({exc.message})",
+            file=sys.stderr,
+        )
+        return 1
+    except KVServerError as exc:
+        print(f"kvserver {name}: error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(text)
+    return 0
+
+
+def _status(client: Any, args: argparse.Namespace) -> str:
+    stats = client.stats()
+    if args.json:
+        return json.dumps(stats.to_dict(), indent=2, sort_keys=True) + "\n"
+    head = (
+        f"kvserver {stats.server_version} at {args.server}  host {stats.host_id}\n"
+        f"leases {stats.num_leases}  events: seq {stats.events_oldest_seq}.."
+        f"{stats.events_last_seq} (log {stats.event_log_id})\n\n"
+    )
+    tiers = _table(
+        [
+            "TIER",
+            "MEDIUM",
+            "POLICY",
+            "CAPACITY",
+            "USED",
+            "USED%",
+            "PINNED",
+            "ENTRIES",
+            "HITS",
+            "MISSES",
+            "HIT%",
+            "EVICTIONS",
+        ],
+        [
+            [
+                t.name,
+                t.medium,
+                t.policy,
+                _size(t.capacity_bytes),
+                _size(t.used_bytes),
+                _pct(t.used_bytes, t.capacity_bytes),
+                _size(t.pinned_bytes),
+                t.entries,
+                t.hit_chunks,
+                t.miss_chunks,
+                _pct(t.hit_chunks, t.hit_chunks + t.miss_chunks),
+                t.evicted_chunks,
+            ]
+            for t in stats.tiers
+        ],
+    )
+    if not stats.namespaces:
+        return head + tiers + "\n(no namespaces registered)\n"
+    namespaces = _table(
+        [
+            "NAMESPACE",
+            "MODEL",
+            "ENTRIES",
+            "SIZE",
+            "PER TIER",
+            "LOOKUPS",
+            "HITS",
+            "MISSES",
+            "HIT%",
+            "EVICTIONS",
+        ],
+        [
+            [
+                n.namespace_id,
+                n.model,
+                n.entries,
+                _size(n.bytes),
+                " ".join(f"{tier}:{entries}" for tier, (entries, _b) in n.tiers.items()) or "-",
+                n.lookups,
+                n.hit_chunks,
+                n.miss_chunks,
+                _pct(n.hit_chunks, n.hit_chunks + n.miss_chunks),
+                n.evicted_chunks,
+            ]
+            for n in stats.namespaces
+        ],
+    )
+    return head + tiers + "\n" + namespaces
+
+
+def _lookup(client: Any, args: argparse.Namespace) -> str:
+    tokens = _read_tokens(args)
+    lora = _parse_lora(args.lora)
+    ns = _find_namespace(client, args.model, args.namespace)
+    reply = client.lookup_tokens(ns.namespace_id, tokens, cache_salt=args.cache_salt, lora=lora)
+    if args.json:
+        out = {
+            "namespace_id": ns.namespace_id,
+            "model": ns.spec.model,
+            "num_tokens": len(tokens),
+            "hit_tokens": reply.hit_tokens,
+            "hit_chunks": reply.hit_chunks,
+            "num_chunks": reply.num_chunks,
+            "chunk_tokens": reply.chunk_tokens,
+            "tiers": reply.tiers,
+        }
+        return json.dumps(out, indent=2) + "\n"
+    spec = ns.spec
+    tiers = ", ".join(
+        f"{tier} {n} chunks ({n * reply.chunk_tokens} tokens)" for tier, n in reply.tiers.items()
+    )
+    return (
+        f"namespace {ns.namespace_id}  model {spec.model}  ({spec.hash_algo}, "
+        f"{spec.block_size} tokens/block, {spec.chunk_blocks} block(s)/chunk)\n"
+        f"hit: {reply.hit_tokens} of {len(tokens)} tokens, {reply.hit_chunks} of "
+        f"{reply.num_chunks} chunks ({_pct(reply.hit_chunks, reply.num_chunks)})\n"
+        f"tiers: {tiers or 'none'}\n"
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _find_namespace(client: Any, model: str, ns_id: str | None) -> Any:
+    matches = client.list_namespaces(model)
+    if ns_id is not None:
+        for ns in matches:
+            if ns.namespace_id == ns_id:
+                return ns
+        found = ", ".join(ns.namespace_id for ns in matches) or "none"
+        raise KVServerError(
+            f"namespace {ns_id} is not registered for model {model!r} (its namespaces: {found})"
+        )
+    if not matches:
+        models = sorted({ns.spec.model for ns in client.list_namespaces()})
+        raise KVServerError(
+            f"no namespace is registered for model {model!r} "
+            f"(registered models: {', '.join(map(repr, models)) or 'none'})"
+        )
+    if len(matches) > 1:
+        lines = "\n".join(
+            f"  {ns.namespace_id}  dtype={ns.spec.dtype} block_size={ns.spec.block_size} "
+            f"chunk_blocks={ns.spec.chunk_blocks} hash={ns.spec.hash_algo} "
+            f"tp={ns.spec.tp_world_size}" + (f" label={ns.spec.label!r}" if ns.spec.label else "")
+            for ns in matches
+        )
+        raise _UsageError(
+            f"{len(matches)} namespaces match model {model!r}; pick one with --namespace:\n" + lines
+        )
+    return matches[0]
+
+
+def _read_tokens(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        text = args.tokens
+    elif args.tokens_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.tokens_file) as f:
+                text = f.read()
+        except OSError as exc:
+            raise _UsageError(f"cannot read {args.tokens_file}: {exc.strerror}") from None
+    return parse_tokens(text)
+
+
+def parse_tokens(text: str) -> list[int]:
+    """``"1, 2 3\\n4"`` → [1, 2, 3, 4]; raises a usage error naming the first bad token."""
+    tokens: list[int] = []
+    for piece in re.split(r"[\s,]+", text):
+        if not piece:
+            continue
+        if not piece.isascii() or not piece.isdigit() or int(piece) >= 1 << 32:
+            raise _UsageError(f"bad token {piece[:32]!r}: expected an integer in [0, 2**32)")
+        tokens.append(int(piece))
+    return tokens
+
+
+def _parse_lora(text: str | None) -> tuple[str, str] | None:
+    if text is None:
+        return None
+    name, sep, path = text.partition(":")
+    if not sep or not name:
+        raise _UsageError(f"bad --lora {text!r}: expected NAME:PATH")
+    return name, path
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell; numbers right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = [bool(rows) and all(isinstance(r[i], int) for r in rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip() + "\n"
+
+    return line(headers) + "".join(line(r) for r in cells)

@@ -1,0 +1,438 @@
+"""The gRPC front end: ``kvserver.v1.KVServer`` plus grpc.health.v1 and server reflection.
+
+Runs in the daemon process, on its one event loop (uvloop in production): grpc.aio runs every
+handler as a coroutine on that loop, so handlers call :class:`KVService` directly, without
+locks, and never from another thread. Handlers are lean: decode, one batched service call,
+encode — no per-block Python objects beyond the keys themselves.
+
+Call order: ``GrpcFrontend(service, config)`` → ``await start()`` (returns the bound port) →
+serve → ``await stop(grace)``: health turns NOT_SERVING, WatchEvents streams end (status OK),
+the server stops accepting and in-flight RPCs get ``grace`` seconds before being cancelled.
+
+Requests are decoded here, not by grpc: methods are registered with identity (de)serializers
+so that undecodable bytes become INVALID_ARGUMENT instead of grpc's generic INTERNAL. The
+mapping from :class:`~kvserver.errors.KVServerError` codes to gRPC status codes lives here
+only (:data:`STATUS_BY_CODE`, documented in docs/grpc.md); every error also carries trailing
+metadata ``kvserver-error-code`` so clients can rebuild the typed error.
+
+Auth: when ``config.auth_token`` is non-empty, every KVServer RPC needs metadata
+``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise); health and reflection stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.eventlog import EventGap
+from kvserver.daemon.service import KVService
+from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.events import Event
+from kvserver.grpc_client import (
+    ERROR_CODE_KEY,
+    EVENTS_DROPPED_CODE,
+    FROM_SEQ_KEY,
+    LOG_ID_KEY,
+    MAX_MESSAGE_BYTES,
+    OLDEST_SEQ_KEY,
+    SERVICE_NAME,
+    namespace_to_proto,
+    spec_from_proto,
+)
+from kvserver.namespace import NamespaceSpec
+
+logger = logging.getLogger(__name__)
+
+#: kvserver error code → gRPC status; subclasses fall back to their nearest listed base.
+STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "unsupported_version": grpc.StatusCode.INVALID_ARGUMENT,
+    "unknown_namespace": grpc.StatusCode.NOT_FOUND,
+    "unknown_key": grpc.StatusCode.NOT_FOUND,
+    "lease_error": grpc.StatusCode.FAILED_PRECONDITION,
+    "lease_expired": grpc.StatusCode.FAILED_PRECONDITION,
+    "invalid_state": grpc.StatusCode.FAILED_PRECONDITION,
+    "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "storage_error": grpc.StatusCode.INTERNAL,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+MAX_NAMESPACE_ID = 64
+MAX_STATUS_DETAILS = 1024
+_MEDIUM = {"CPU": pb.MEDIUM_CPU, "DISK": pb.MEDIUM_DISK}
+_NS_COUNTERS = (
+    "entries",
+    "bytes",
+    "lookups",
+    "hit_chunks",
+    "miss_chunks",
+    "stored_chunks",
+    "loaded_chunks",
+    "evicted_chunks",
+    "rolled_back_chunks",
+    "filtered_chunks",
+    "store_rejections",
+    "expired_leases",
+)
+_TIER_COUNTERS = (
+    "hit_chunks",
+    "miss_chunks",
+    "evicted_chunks",
+    "stored_chunks",
+    "loaded_chunks",
+    "lookups",
+)
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def status_for(exc: KVServerError) -> grpc.StatusCode:
+    """The gRPC status code of a kvserver error (by ``code``, walking up its classes)."""
+    for cls in type(exc).__mro__:
+        status = STATUS_BY_CODE.get(getattr(cls, "code", ""))
+        if status is not None:
+            return status
+    return grpc.StatusCode.INTERNAL
+
+
+class GrpcFrontend:
+    """Serves the query/control API of one :class:`KVService` over grpc.aio."""
+
+    def __init__(self, service: KVService, config: DaemonConfig) -> None:
+        self.service = service
+        self.config = config
+        #: identity of this daemon run's event log (sequence numbers restart with the daemon).
+        self.log_id = secrets.token_hex(8)
+        self._auth = f"Bearer {config.auth_token}".encode() if config.auth_token else b""
+        self._specs: dict[str, NamespaceSpec] = {}
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._stopping = asyncio.Event()
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> int:
+        """Bind ``config.host:config.grpc_port`` (0 = ephemeral) and serve; returns the port.
+
+        REQUIRES: called on the daemon's running event loop, once. Raises KVServerError if the
+        address cannot be bound (in use, bad host).
+        """
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        handlers = {
+            "Lookup": self._unary(pb.LookupRequest, self._lookup),
+            "Stats": self._unary(pb.StatsRequest, self._stats),
+            "ListNamespaces": self._unary(pb.ListNamespacesRequest, self._list_namespaces),
+            "RegisterNamespace": self._unary(pb.RegisterNamespaceRequest, self._register),
+            "Pin": self._unary(pb.PinRequest, self._pin),
+            "Unpin": self._unary(pb.UnpinRequest, self._unpin),
+            "WatchEvents": grpc.unary_stream_rpc_method_handler(self._watch_events),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        host = self.config.host
+        address = (
+            f"[{host}]:{self.config.grpc_port}"
+            if ":" in host
+            else f"{host}:{self.config.grpc_port}"
+        )
+        try:
+            port: int = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise KVServerError(f"cannot bind gRPC to {address}: {exc}") from None
+        if port == 0:
+            raise KVServerError(f"cannot bind gRPC to {address}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, _SERVING)
+        self._server, self.port = server, port
+        logger.info("gRPC serving %s on %s", SERVICE_NAME, address.rsplit(":", 1)[0] + f":{port}")
+        return port
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, end WatchEvents streams, let in-flight RPCs finish within ``grace``
+        seconds (then cancel them). Idempotent."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        self._stopping.set()
+        await server.stop(grace)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _unary(
+        self, request_type: type[Message], method: Callable[[Any], Message]
+    ) -> grpc.RpcMethodHandler:
+        parse = request_type.FromString
+        auth = self._auth
+
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                if auth:
+                    self._authenticate(context)
+                data: bytes = method(parse(raw)).SerializeToString()
+                return data
+            except Exception as exc:
+                await self._abort(context, exc)
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                if hmac.compare_digest(value.encode(), self._auth):
+                    return
+                break
+        raise Unauthenticated("missing or wrong 'authorization: Bearer <token>' metadata")
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+        """End the RPC with the status mapped from ``exc`` (logs unexpected exceptions)."""
+        extra: tuple[tuple[str, str], ...] = ()
+        if isinstance(exc, DecodeError):
+            exc = InvalidArgument(f"cannot decode the request: {exc}")
+        if isinstance(exc, EventGap):
+            exc = _CannotResume(
+                f"{exc}; resynchronise, then resume from seq {exc.oldest}", exc.oldest
+            )
+        if isinstance(exc, _CannotResume):
+            status, code, details = grpc.StatusCode.OUT_OF_RANGE, EVENTS_DROPPED_CODE, str(exc)
+            extra = ((OLDEST_SEQ_KEY, str(exc.oldest)),)
+        elif isinstance(exc, KVServerError):
+            status, code, details = status_for(exc), exc.code, str(exc)
+        else:
+            logger.exception("gRPC handler failed")
+            status, code = grpc.StatusCode.INTERNAL, "internal"
+            details = f"internal error ({type(exc).__name__}); see the daemon log"
+        metadata = ((ERROR_CODE_KEY, code), *extra)
+        await context.abort(status, details[:MAX_STATUS_DETAILS], trailing_metadata=metadata)
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def _namespace(self, ns_id: str) -> NamespaceSpec:
+        """The spec of ``ns_id``; InvalidArgument if empty/oversized, UnknownNamespace."""
+        spec = self._specs.get(ns_id)
+        if spec is not None:
+            return spec
+        if not ns_id:
+            raise InvalidArgument("namespace_id is required")
+        if len(ns_id) > MAX_NAMESPACE_ID:
+            raise InvalidArgument("namespace_id too long", length=len(ns_id))
+        self._specs = {s.ns_id: s for s in self.service.list_namespaces()}
+        spec = self._specs.get(ns_id)
+        if spec is None:
+            raise UnknownNamespace("namespace not registered", ns=ns_id)
+        return spec
+
+    def _prefix_keys(self, ns_id: str, request: Any) -> list[bytes]:
+        """Chunk keys of a request's ``prefix`` oneof (tokens are hashed by the service)."""
+        which = request.WhichOneof("prefix")
+        if which == "keys":
+            return list(request.keys.keys)
+        if which == "tokens":
+            t = request.tokens
+            lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
+            return self.service.chunk_keys_for_tokens(
+                ns_id, t.token_ids, cache_salt=t.cache_salt or None, lora=lora
+            )
+        raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
+
+    # ------------------------------------------------------------------ unary methods
+
+    def _lookup(self, req: pb.LookupRequest) -> pb.LookupResponse:
+        ns_id = req.namespace_id
+        chunk_tokens = self._namespace(ns_id).chunk_tokens
+        result = self.service.lookup(ns_id, self._prefix_keys(ns_id, req))
+        return pb.LookupResponse(
+            namespace_id=ns_id,
+            hit_chunks=result.hit_chunks,
+            hit_tokens=result.hit_tokens,
+            num_chunks=result.num_chunks,
+            chunk_tokens=chunk_tokens,
+            tiers=[
+                pb.TierHits(tier=tier, chunks=n, tokens=n * chunk_tokens)
+                for tier, n in result.tiers.items()
+            ],
+        )
+
+    def _pin(self, req: pb.PinRequest) -> pb.PinResponse:
+        self._namespace(req.namespace_id)
+        keys = self._prefix_keys(req.namespace_id, req)
+        pinned = self.service.pin(req.namespace_id, keys, req.ttl_s)
+        return pb.PinResponse(pinned_chunks=pinned, num_chunks=len(keys))
+
+    def _unpin(self, req: pb.UnpinRequest) -> pb.UnpinResponse:
+        self._namespace(req.namespace_id)
+        keys = self._prefix_keys(req.namespace_id, req)
+        unpinned = self.service.unpin(req.namespace_id, keys)
+        return pb.UnpinResponse(unpinned_chunks=unpinned, num_chunks=len(keys))
+
+    def _list_namespaces(self, req: pb.ListNamespacesRequest) -> pb.ListNamespacesResponse:
+        reply = pb.ListNamespacesResponse()
+        for spec in self.service.list_namespaces():
+            if req.model in ("", spec.model):
+                try:
+                    reply.namespaces.append(namespace_to_proto(spec))
+                except ValueError:  # registered over ZMQ with values beyond the proto's ints
+                    logger.warning("namespace %s cannot be listed over gRPC", spec.ns_id)
+        return reply
+
+    def _register(self, req: pb.RegisterNamespaceRequest) -> pb.Namespace:
+        if not req.HasField("spec"):
+            raise InvalidArgument("spec is required")
+        spec = spec_from_proto(req.spec)
+        try:
+            reply = namespace_to_proto(spec)  # check before registering: nothing half-done
+        except ValueError as exc:
+            raise InvalidArgument(f"namespace parameters out of range: {exc}") from None
+        self.service.register_namespace(spec)
+        return reply
+
+    def _stats(self, req: pb.StatsRequest) -> pb.StatsResponse:
+        s = self.service.stats()
+        totals, page = s["totals"], s["page_size"]
+        models = {spec.ns_id: spec.model for spec in self.service.list_namespaces()}
+        dram = pb.TierStats(
+            name="dram",
+            medium=pb.MEDIUM_CPU,
+            policy=s["policy"],
+            capacity_bytes=s["capacity_bytes"],
+            used_bytes=s["used_bytes"],
+            pinned_bytes=s["pinned_pages"] * page,
+            reserved_bytes=s["reserved_pages"] * page,
+            entries=s["num_entries"],
+            **{k: totals[k] for k in _TIER_COUNTERS},
+        )
+        namespaces = []
+        for ns_id, row in s["namespaces"].items():
+            counters = {k: row[k] for k in _NS_COUNTERS if k in row}
+            namespaces.append(
+                pb.NamespaceStats(
+                    namespace_id=ns_id,
+                    model=models.get(ns_id, ""),
+                    tiers=[pb.TierUsage(tier="dram", entries=row["entries"], bytes=row["bytes"])],
+                    **counters,
+                )
+            )
+        log = self.service.events
+        return pb.StatsResponse(
+            server_version=s["server_version"],
+            host_id=self.service.host_id,
+            tiers=[dram],
+            namespaces=namespaces,
+            num_leases=s["num_leases"],
+            event_log_id=self.log_id,
+            events_last_seq=log.last_seq,
+            events_oldest_seq=log.oldest_seq,
+        )
+
+    # ------------------------------------------------------------------ WatchEvents
+
+    async def _watch_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        try:
+            if self._auth:
+                self._authenticate(context)
+            from_seq = self._resume_point(pb.WatchEventsRequest.FromString(raw))
+        except Exception as exc:
+            await self._abort(context, exc)
+        await context.send_initial_metadata(
+            ((LOG_ID_KEY, self.log_id), (FROM_SEQ_KEY, str(from_seq)))
+        )
+        try:
+            await self._follow(from_seq, context)
+        except EventGap as exc:  # the subscriber fell behind the bounded log
+            await self._abort(context, exc)
+
+    def _resume_point(self, req: pb.WatchEventsRequest) -> int:
+        """The first seq to send; _CannotResume (OUT_OF_RANGE) if the log cannot supply it."""
+        log = self.service.events
+        last = log.last_seq
+        if req.log_id and req.log_id != self.log_id:
+            raise _CannotResume(
+                f"event log {req.log_id[:32]!r} is gone (the daemon restarted); this log is "
+                f"{self.log_id!r}, oldest seq {log.oldest_seq}",
+                log.oldest_seq,
+            )
+        from_seq = req.from_seq or last + 1
+        if from_seq > last + 1:
+            raise _CannotResume(
+                f"from_seq {from_seq} is beyond the next event {last + 1} "
+                f"(did the daemon restart?); oldest seq {log.oldest_seq}",
+                log.oldest_seq,
+            )
+        log.replay(from_seq)  # raises EventGap now rather than after the first write
+        return from_seq
+
+    async def _follow(self, from_seq: int, context: grpc.aio.ServicerContext) -> None:
+        """Write events from ``from_seq`` on until the client leaves or the server stops."""
+        follower = self.service.events.follow(from_seq)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        pending: asyncio.Future[Event] | None = None
+        try:
+            while True:
+                pending = asyncio.ensure_future(anext(follower))
+                await asyncio.wait((pending, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done():
+                    return  # shutting down: end the stream with OK
+                try:
+                    event = pending.result()
+                except StopAsyncIteration:
+                    return  # the event log was closed
+                pending = None
+                await context.write(self._event_message(event).SerializeToString())
+        finally:
+            stopping.cancel()
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, EventGap):
+                    await pending
+            aclose = getattr(follower, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _event_message(self, event: Event) -> pb.Event:
+        msg = pb.Event(
+            seq=event.seq,
+            log_id=self.log_id,
+            namespace_id=event.ns_id,
+            medium=_MEDIUM.get(event.medium, pb.MEDIUM_UNSPECIFIED),
+        )
+        if event.type == "BlockStored":
+            msg.block_stored.keys.extend(event.keys)
+        elif event.type == "BlockRemoved":
+            msg.block_removed.keys.extend(event.keys)
+        else:
+            msg.all_blocks_cleared.SetInParent()
+        return msg
+
+
+class _CannotResume(Exception):
+    """WatchEvents cannot continue from the requested point: OUT_OF_RANGE."""
+
+    def __init__(self, message: str, oldest: int) -> None:
+        super().__init__(message)
+        self.oldest = oldest

@@ -1,0 +1,498 @@
+"""A small typed client of the kvserver query/control API (gRPC ``kvserver.v1.KVServer``).
+
+Runs in any process: the ``kvserver status`` / ``kvserver lookup`` commands, tests, routers.
+Blocking (grpc's sync channel); like a grpc channel, one :class:`GrpcClient` may be shared by
+threads. Call order: ``GrpcClient(target)`` → any calls → :meth:`GrpcClient.close` (or use it
+as a context manager; an unclosed channel leaks a socket and a warning).
+
+Every call has a deadline: the client's ``timeout`` unless the call passes its own (a
+WatchEvents stream has none unless asked: it is meant to stay open). Errors are raised as
+:class:`~kvserver.errors.KVServerError` subclasses: the daemon's typed errors rebuilt from the
+``kvserver-error-code`` trailing metadata, :class:`~kvserver.errors.Unavailable` when the
+daemon cannot be reached in time, :class:`EventsDropped` when a WatchEvents resume point is
+gone.
+
+This module also holds the wire constants and the NamespaceSpec ↔ protobuf conversions that
+the daemon's front end (``kvserver/daemon/grpc_server.py``) shares, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import grpc
+
+from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.errors import (
+    InvalidArgument,
+    KVServerError,
+    Unauthenticated,
+    Unavailable,
+    error_from_code,
+)
+from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+from kvserver.namespace import NamespaceSpec
+
+SERVICE_NAME = "kvserver.v1.KVServer"
+#: trailing metadata: the kvserver error code of a failed call.
+ERROR_CODE_KEY = "kvserver-error-code"
+#: trailing metadata of an OUT_OF_RANGE WatchEvents: the oldest seq still available.
+OLDEST_SEQ_KEY = "kvserver-oldest-seq"
+EVENTS_DROPPED_CODE = "events_dropped"
+#: initial metadata of WatchEvents: the daemon's event log id and the first seq it will send.
+LOG_ID_KEY = "kvserver-log-id"
+FROM_SEQ_KEY = "kvserver-from-seq"
+#: largest message either side accepts (a 2M-token Lookup fits).
+MAX_MESSAGE_BYTES = 16 << 20
+DEFAULT_TARGET = "127.0.0.1:9470"
+DEFAULT_TIMEOUT_S = 5.0
+
+_SPEC_REQUIRED = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+_SPEC_OPTIONAL = (
+    "chunk_blocks",
+    "hash_algo",
+    "hash_seed",
+    "tp_world_size",
+    "kv_factor",
+    "part_bytes_override",
+)
+_MEDIUM_NAMES: dict[int, Medium] = {pb.MEDIUM_CPU: "CPU", pb.MEDIUM_DISK: "DISK"}
+
+
+class EventsDropped(KVServerError):
+    """WatchEvents cannot resume where asked (events dropped, or the daemon restarted).
+
+    Resynchronise (e.g. Lookup what you track), then watch again from ``oldest_seq``.
+    """
+
+    code: ClassVar[str] = EVENTS_DROPPED_CODE
+
+    def __init__(self, message: str, *, oldest_seq: int = 0) -> None:
+        super().__init__(message)
+        self.oldest_seq = oldest_seq
+
+
+# ---------------------------------------------------------------------- wire conversions
+
+
+def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
+    """A fully populated ``kvserver.v1.NamespaceSpec``."""
+    values = {name: getattr(spec, name) for name in (*_SPEC_REQUIRED, *_SPEC_OPTIONAL)}
+    return pb.NamespaceSpec(label=spec.label, **values)
+
+
+def spec_from_proto(msg: pb.NamespaceSpec) -> NamespaceSpec:
+    """Validated spec; unset optional fields take NamespaceSpec's defaults (InvalidArgument)."""
+    values = {name: getattr(msg, name) for name in _SPEC_REQUIRED}
+    values.update({name: getattr(msg, name) for name in _SPEC_OPTIONAL if msg.HasField(name)})
+    values["label"] = msg.label
+    return NamespaceSpec.from_dict(values)
+
+
+def namespace_to_proto(spec: NamespaceSpec) -> pb.Namespace:
+    return pb.Namespace(
+        namespace_id=spec.ns_id,
+        spec=spec_to_proto(spec),
+        part_bytes=spec.part_bytes,
+        key_size=spec.key_size,
+        chunk_tokens=spec.chunk_tokens,
+    )
+
+
+def event_from_proto(msg: pb.Event) -> Event:
+    """The :mod:`kvserver.events` value of a ``kvserver.v1.Event``."""
+    medium = _MEDIUM_NAMES.get(msg.medium, "CPU")
+    kind = msg.WhichOneof("kind")
+    if kind == "block_stored":
+        return BlockStored(msg.seq, msg.namespace_id, tuple(msg.block_stored.keys), medium)
+    if kind == "block_removed":
+        return BlockRemoved(msg.seq, msg.namespace_id, tuple(msg.block_removed.keys), medium)
+    return AllBlocksCleared(msg.seq, msg.namespace_id, medium)
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    namespace_id: str
+    #: leading run of cached chunks, and its tokens (hit_chunks * chunk_tokens).
+    hit_chunks: int
+    hit_tokens: int
+    #: chunks in the query.
+    num_chunks: int
+    chunk_tokens: int
+    #: hit chunks per tier, fastest first, e.g. {"dram": 3, "ssd": 1}.
+    tiers: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PinReply:
+    #: chunks pinned (Pin) or whose pin was dropped (Unpin), of num_chunks in the prefix.
+    chunks: int
+    num_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    namespace_id: str
+    spec: NamespaceSpec
+    part_bytes: int
+    key_size: int
+    chunk_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    medium: str
+    policy: str
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    reserved_bytes: int
+    entries: int
+    hit_chunks: int
+    miss_chunks: int
+    evicted_chunks: int
+    stored_chunks: int
+    loaded_chunks: int
+    lookups: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    namespace_id: str
+    model: str
+    entries: int
+    bytes: int
+    lookups: int
+    hit_chunks: int
+    miss_chunks: int
+    stored_chunks: int
+    loaded_chunks: int
+    evicted_chunks: int
+    rolled_back_chunks: int
+    filtered_chunks: int
+    store_rejections: int
+    expired_leases: int
+    #: tier name → (entries, bytes), fastest first.
+    tiers: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    server_version: str
+    host_id: str
+    tiers: list[TierStats]
+    namespaces: list[NamespaceStats]
+    num_leases: int
+    event_log_id: str
+    events_last_seq: int
+    events_oldest_seq: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _copy(cls: Any, msg: Any, **override: Any) -> Any:
+    """``cls`` built from the same-named fields of ``msg`` (plus ``override``)."""
+    names = [f.name for f in fields(cls) if f.name not in override]
+    return cls(**{name: getattr(msg, name) for name in names}, **override)
+
+
+# ---------------------------------------------------------------------- the client
+
+
+class EventStream:
+    """Iterator over the events of one WatchEvents call; :meth:`close` ends it.
+
+    :attr:`log_id` and :attr:`next_seq` say where the stream stands (before the first event:
+    where the daemon started it). Resume after a disconnect, with no gap and no duplicate, by
+    ``client.watch_events(stream.next_seq, log_id=stream.log_id)``. Iteration ends when the
+    daemon shuts down or after :meth:`close`; errors are raised from ``next()``.
+    """
+
+    def __init__(self, call: Any, target: str, from_seq: int, log_id: str) -> None:
+        self._rpc = call
+        self._target = target
+        self._closed = False
+        self._log_id = log_id
+        self._next_seq = from_seq  # 0 = not known until the daemon's headers arrive
+
+    @property
+    def log_id(self) -> str:
+        self._resolve()
+        return self._log_id
+
+    @property
+    def next_seq(self) -> int:
+        """Seq of the next event this stream will deliver (0 if the call failed at once)."""
+        self._resolve()
+        return self._next_seq
+
+    def _resolve(self) -> None:
+        if self._next_seq and self._log_id:
+            return
+        try:
+            metadata = dict(self._rpc.initial_metadata() or ())
+        except grpc.RpcError:
+            return
+        self._log_id = self._log_id or str(metadata.get(LOG_ID_KEY, ""))
+        seq = str(metadata.get(FROM_SEQ_KEY, ""))
+        if not self._next_seq and seq.isdigit():
+            self._next_seq = int(seq)
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        try:
+            msg = next(self._rpc)
+        except grpc.RpcError as exc:
+            if self._closed and exc.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise _error(exc, self._target) from None
+        self._log_id = msg.log_id
+        self._next_seq = msg.seq + 1
+        return event_from_proto(msg)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._rpc.cancel()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class GrpcClient:
+    """Blocking client of one daemon's gRPC API. See the module docstring for errors."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        auth_token: str | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise InvalidArgument("timeout must be positive", timeout=timeout)
+        self.target = target
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._methods: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GrpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup_keys(
+        self, ns_id: str, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> LookupReply:
+        """Cached leading run of chunk ``keys`` (in prompt order) and its per-tier split."""
+        req = pb.LookupRequest(namespace_id=ns_id, keys=pb.KeyPrefix(keys=keys))
+        return _lookup_reply(self._call("Lookup", req, pb.LookupResponse, timeout))
+
+    def lookup_tokens(
+        self,
+        ns_id: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> LookupReply:
+        """Like :meth:`lookup_keys`, the daemon hashing ``token_ids`` as vLLM would."""
+        req = pb.LookupRequest(namespace_id=ns_id, tokens=_tokens(token_ids, cache_salt, lora))
+        return _lookup_reply(self._call("Lookup", req, pb.LookupResponse, timeout))
+
+    def stats(self, *, timeout: float | None = None) -> ServerStats:
+        msg = self._call("Stats", pb.StatsRequest(), pb.StatsResponse, timeout)
+        tiers = [_copy(TierStats, t, medium=_MEDIUM_NAMES.get(t.medium, "")) for t in msg.tiers]
+        namespaces = [
+            _copy(NamespaceStats, n, tiers={u.tier: (u.entries, u.bytes) for u in n.tiers})
+            for n in msg.namespaces
+        ]
+        stats: ServerStats = _copy(ServerStats, msg, tiers=tiers, namespaces=namespaces)
+        return stats
+
+    def list_namespaces(
+        self, model: str | None = None, *, timeout: float | None = None
+    ) -> list[NamespaceInfo]:
+        """Registered namespaces (only ``model``'s when given)."""
+        req = pb.ListNamespacesRequest(model=model or "")
+        msg = self._call("ListNamespaces", req, pb.ListNamespacesResponse, timeout)
+        return [_namespace_info(ns) for ns in msg.namespaces]
+
+    def register_namespace(
+        self, spec: NamespaceSpec, *, timeout: float | None = None
+    ) -> NamespaceInfo:
+        """Register ``spec`` (idempotent); returns it with its namespace_id."""
+        req = pb.RegisterNamespaceRequest(spec=spec_to_proto(spec))
+        return _namespace_info(self._call("RegisterNamespace", req, pb.Namespace, timeout))
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(
+        self,
+        ns_id: str,
+        *,
+        ttl_s: float,
+        keys: Sequence[bytes] | None = None,
+        token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> PinReply:
+        """Keep a prefix's cached chunks (by ``keys`` or ``token_ids``) for ``ttl_s`` seconds."""
+        req = pb.PinRequest(namespace_id=ns_id, ttl_s=ttl_s)
+        _set_prefix(req, keys, token_ids, cache_salt, lora)
+        msg = self._call("Pin", req, pb.PinResponse, timeout)
+        return PinReply(msg.pinned_chunks, msg.num_chunks)
+
+    def unpin(
+        self,
+        ns_id: str,
+        *,
+        keys: Sequence[bytes] | None = None,
+        token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> PinReply:
+        """Drop the TTL pins of a prefix's chunks."""
+        req = pb.UnpinRequest(namespace_id=ns_id)
+        _set_prefix(req, keys, token_ids, cache_salt, lora)
+        msg = self._call("Unpin", req, pb.UnpinResponse, timeout)
+        return PinReply(msg.unpinned_chunks, msg.num_chunks)
+
+    # ------------------------------------------------------------------ events, health
+
+    def watch_events(
+        self, from_seq: int = 0, *, log_id: str = "", timeout: float | None = None
+    ) -> EventStream:
+        """Events from ``from_seq`` (0 = only new ones); see :class:`EventStream`.
+
+        Errors (EventsDropped, Unavailable ...) surface while iterating.
+        """
+        method = self._method("WatchEvents", pb.Event, stream=True)
+        req = pb.WatchEventsRequest(from_seq=from_seq, log_id=log_id)
+        call = method(req, timeout=timeout, metadata=self._metadata)
+        return EventStream(call, self.target, from_seq, log_id)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """grpc.health.v1 status name of ``service`` ("" = the server): "SERVING", ..."""
+        from grpc_health.v1 import health_pb2
+
+        method = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        try:
+            msg = method(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout or self.timeout
+            )
+        except grpc.RpcError as exc:
+            raise _error(exc, self.target) from None
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status))
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _method(self, name: str, response_type: Any, *, stream: bool = False) -> Any:
+        method = self._methods.get(name)
+        if method is None:
+            factory = self._channel.unary_stream if stream else self._channel.unary_unary
+            method = factory(
+                f"/{SERVICE_NAME}/{name}",
+                request_serializer=_serialize,
+                response_deserializer=response_type.FromString,
+            )
+            self._methods[name] = method
+        return method
+
+    def _call(self, name: str, request: Any, response_type: Any, timeout: float | None) -> Any:
+        method = self._method(name, response_type)
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.target) from None
+
+
+def _serialize(msg: Any) -> bytes:
+    data: bytes = msg.SerializeToString()
+    return data
+
+
+def _tokens(token_ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None) -> Any:
+    msg = pb.TokenPrefix(token_ids=token_ids, cache_salt=cache_salt or "")
+    if lora is not None:
+        msg.lora.name, msg.lora.path = lora
+    return msg
+
+
+def _set_prefix(
+    req: Any,
+    keys: Sequence[bytes] | None,
+    token_ids: Sequence[int] | None,
+    cache_salt: str | None,
+    lora: tuple[str, str] | None,
+) -> None:
+    if (keys is None) == (token_ids is None):
+        raise InvalidArgument("pass exactly one of keys= or token_ids=")
+    if keys is not None:
+        req.keys.keys.extend(keys)
+        req.keys.SetInParent()
+    else:
+        req.tokens.CopyFrom(_tokens(token_ids or (), cache_salt, lora))
+
+
+def _lookup_reply(msg: Any) -> LookupReply:
+    reply: LookupReply = _copy(LookupReply, msg, tiers={t.tier: t.chunks for t in msg.tiers})
+    return reply
+
+
+def _namespace_info(msg: Any) -> NamespaceInfo:
+    info: NamespaceInfo = _copy(NamespaceInfo, msg, spec=spec_from_proto(msg.spec))
+    return info
+
+
+def _error(exc: grpc.RpcError, target: str) -> KVServerError:
+    """The kvserver error of a failed call (typed when the daemon said which)."""
+    call: Any = exc
+    status = call.code()
+    details = call.details() or status.name
+    metadata = dict(call.trailing_metadata() or ())
+    code = metadata.get(ERROR_CODE_KEY)
+    if code == EVENTS_DROPPED_CODE:
+        oldest = metadata.get(OLDEST_SEQ_KEY, "0")
+        return EventsDropped(details, oldest_seq=int(oldest) if oldest.isdigit() else 0)
+    if isinstance(code, str) and code:
+        return error_from_code(code, details)
+    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"kvserver at {target} is unreachable ({status.name}): {details}")
+    if status == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(details)
+    if status in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return InvalidArgument(details, status=status.name)
+    return KVServerError(details, status=status.name)

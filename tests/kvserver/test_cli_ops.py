@@ -1,0 +1,215 @@
+"""``kvserver status`` and ``kvserver lookup`` (kvserver/cli_ops.py), driven through a tiny local
+parser against an in-process gRPC front end, plus the real CLI against a real daemon."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserver import cli_ops
+from tests.kvserver.builders import make_spec
+from tests.kvserver.daemon.test_grpc_server import InProcessServer, chunk_keys
+from tests.support.daemon import start_daemon
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Parse ``argv`` with a parser holding only the two commands and run the handler."""
+    parser = argparse.ArgumentParser(prog="kvserver")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli_ops.add_status(sub)
+    cli_ops.add_lookup(sub)
+    args = parser.parse_args(argv)
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[InProcessServer]:
+    srv = InProcessServer(tmp_path)
+    yield srv
+    srv.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_status_table_and_json(server: InProcessServer, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = make_spec(model="llama/8b")
+    ns_id = server.register(spec)
+    server.store(ns_id, chunk_keys(spec, list(range(48))))
+    rc, out, err = run(capsys, "status", "--server", server.address)
+    assert rc == 0 and err == ""
+    assert "TIER" in out and "EVICTIONS" in out and "NAMESPACE" in out
+    dram_row = next(line for line in out.splitlines() if line.startswith("dram"))
+    assert dram_row.split()[:3] == ["dram", "CPU", "lru"] and "1.0 MiB" in dram_row
+    ns_row = next(line for line in out.splitlines() if line.startswith(ns_id))
+    assert "llama/8b" in ns_row and "dram:3" in ns_row
+    rc, out, _ = run(capsys, "status", "--server", server.address, "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["tiers"][0]["entries"] == 3
+    assert data["namespaces"][0]["namespace_id"] == ns_id
+
+
+def test_lookup_prints_hit_and_tier_split(
+    server: InProcessServer,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = make_spec(model="m")
+    ns_id = server.register(spec)
+    tokens = list(range(100))  # 6 full chunks of 16 + 4 tokens
+    server.store(ns_id, chunk_keys(spec, tokens)[:2])
+    rc, out, err = run(
+        capsys,
+        "lookup",
+        "--server",
+        server.address,
+        "--model",
+        "m",
+        "--tokens",
+        ",".join(map(str, tokens)),
+    )
+    assert rc == 0, err
+    assert "hit: 32 of 100 tokens, 2 of 6 chunks (33.3%)" in out
+    assert "tiers: dram 2 chunks (32 tokens)" in out and ns_id in out
+    path = tmp_path / "tokens.txt"
+    path.write_text(" ".join(map(str, tokens)) + "\n")
+    rc, out, _ = run(
+        capsys,
+        "lookup",
+        "--server",
+        server.address,
+        "--model",
+        "m",
+        "--tokens-file",
+        str(path),
+        "--json",
+    )
+    assert rc == 0
+    assert json.loads(out) == {
+        "namespace_id": ns_id,
+        "model": "m",
+        "num_tokens": 100,
+        "hit_tokens": 32,
+        "hit_chunks": 2,
+        "num_chunks": 6,
+        "chunk_tokens": 16,
+        "tiers": {"dram": 2},
+    }
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(map(str, tokens))))
+    rc, out, _ = run(
+        capsys,
+        "lookup",
+        "--server",
+        server.address,
+        "--model",
+        "m",
+        "--tokens-file",
+        "-",
+        "--cache-salt",
+        "other-tenant",
+    )
+    assert rc == 0 and "hit: 0 of 100 tokens" in out
+
+
+def test_lookup_picks_the_namespace(
+    server: InProcessServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = server.register(make_spec(model="m"))
+    b = server.register(make_spec(model="m", hash_algo="xxhash_cbor"))
+    base = ("lookup", "--server", server.address, "--tokens", "1,2,3")
+    rc, _, err = run(capsys, *base, "--model", "m")
+    assert rc == 2 and "--namespace" in err and a in err and b in err
+    rc, out, _ = run(capsys, *base, "--model", "m", "--namespace", b)
+    assert rc == 0 and b in out and "xxhash_cbor" in out
+    rc, _, err = run(capsys, *base, "--model", "m", "--namespace", "ffffffffffffffff")
+    assert rc == 1 and "not registered" in err
+    rc, _, err = run(capsys, *base, "--model", "nope")
+    assert rc == 1 and "no namespace is registered for model 'nope'" in err and "'m'" in err
+
+
+def test_bad_arguments_exit_2(server: InProcessServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.register(make_spec(model="m"))
+    base = ("lookup", "--server", server.address, "--model", "m")
+    assert run(capsys, *base, "--tokens", "1,x,3")[0] == 2
+    assert run(capsys, *base, "--tokens", "-5")[0] == 2
+    assert run(capsys, *base, "--tokens", "1", "--lora", "nocolon")[0] == 2
+    rc, _, err = run(capsys, *base, "--tokens-file", "/nonexistent/tokens")
+    assert rc == 2 and "cannot read" in err
+    assert run(capsys, "status", "--server", server.address, "--timeout", "0")[0] == 2
+    assert cli_ops.parse_tokens("1, 2\n3\t4,,") == [1, 2, 3, 4]
+
+
+def test_unreachable_daemon_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    for argv in (("status",), ("lookup", "--model", "m", "--tokens", "1")):
+        started = time.monotonic()
+        rc, out, err = run(capsys, *argv, "--server", address, "--timeout", "2")
+        assert rc == 1 and out == ""
+        assert f"cannot reach the daemon at {address}" in err
+        assert time.monotonic() - started < 10
+
+
+def test_auth_token_from_flag_or_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv = InProcessServer(tmp_path, auth_token="tok")
+    try:
+        monkeypatch.delenv("KVSERVER_AUTH_TOKEN", raising=False)
+        rc, _, err = run(capsys, "status", "--server", srv.address)
+        assert rc == 1 and "Bearer" in err
+        assert run(capsys, "status", "--server", srv.address, "--auth-token", "tok")[0] == 0
+        monkeypatch.setenv("KVSERVER_AUTH_TOKEN", "tok")
+        assert run(capsys, "status", "--server", srv.address)[0] == 0
+    finally:
+        srv.close()
+
+
+def cli_has_status() -> bool:
+    from kvserver.cli import build_parser
+
+    try:
+        build_parser().parse_args(["status", "--help"])
+    except SystemExit as exc:
+        return exc.code == 0
+    return False
+
+
+@pytest.mark.multiprocess
+def test_real_cli_against_real_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not cli_has_status():
+        pytest.skip("kvserver/cli.py does not wire `status` / `lookup` yet")
+    capsys.readouterr()
+    proc = start_daemon(tmp_path, "--dram", "2MiB", "--auth-token", "t0k")
+    try:
+        env_args = [sys.executable, "-m", "kvserver.cli"]
+        common = ["--server", proc.grpc_address, "--auth-token", "t0k"]
+        status = subprocess.run(
+            [*env_args, "status", *common, "--json"], capture_output=True, text=True, timeout=60
+        )
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["tiers"][0]["capacity_bytes"] == 2 << 20
+        lookup = subprocess.run(
+            [*env_args, "lookup", *common, "--model", "none", "--tokens", "1,2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert lookup.returncode == 1 and "no namespace" in lookup.stderr
+        assert proc.terminate() == 0
+    finally:
+        proc.kill()
