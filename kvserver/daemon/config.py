@@ -106,8 +106,8 @@ class DaemonConfig:
         values: dict[str, Any] = {}
         if config_file:
             try:
-                with open(config_file, "rb") as f:
-                    values.update(tomllib.load(f))
+                with open(config_file, "rb") as fh:
+                    values.update(tomllib.load(fh))
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from None
         env = os.environ if env is None else env

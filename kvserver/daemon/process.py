@@ -41,14 +41,15 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         data_port, pub_port = await zmq_front.start()
         grpc_port = await grpc_front.start()
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
-        info = {
+        dram_bytes = service.engine.stats().capacity_bytes
+        info: dict[str, object] = {
             "pid": os.getpid(),
             "host": config.host,
             "grpc_port": grpc_port,
             "zmq_port": data_port,
             "pub_port": pub_port,
             "arena_path": service.engine.arena.path,
-            "dram_bytes": service.engine.stats().capacity_bytes,
+            "dram_bytes": dram_bytes,
         }
         if config.ready_file:
             _write_atomic(config.ready_file, json.dumps(info))
@@ -56,7 +57,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
             "kvserver listening: gRPC %s:%d, ZMQ data tcp://%s:%d, events tcp://%s:%s, "
             "DRAM %d MiB (%s) in %s",
             config.host, grpc_port, config.host, data_port, config.host,
-            pub_port if pub_port >= 0 else "off", info["dram_bytes"] >> 20, config.policy,
+            pub_port if pub_port >= 0 else "off", dram_bytes >> 20, config.policy,
             info["arena_path"],
         )
         await stop.wait()
@@ -98,12 +99,7 @@ def main(config: DaemonConfig) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        runner = asyncio.run
+    import uvloop
 
     async def _main() -> None:
         stop = asyncio.Event()
@@ -112,5 +108,5 @@ def main(config: DaemonConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve(config, stop)
 
-    runner(_main())
+    uvloop.run(_main())
     return 0
