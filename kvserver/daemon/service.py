@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,20 +25,11 @@ from kvserver.engine_types import EngineConfig, LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
+from kvserver.wire import host_id
 
 logger = logging.getLogger(__name__)
 
 MAX_LOOKUP_TOKENS = 1 << 21  # 2M tokens: far beyond any context window
-
-
-def host_id() -> str:
-    """Identifies this host (and boot): clients with the same id may map the arena."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +99,14 @@ class KVService:
         if len(token_ids) > MAX_LOOKUP_TOKENS:
             raise InvalidArgument("too many tokens", count=len(token_ids))
         spec = self.engine.namespace(ns_id)
+        max_keys = self.engine.config.max_keys_per_request
+        if len(token_ids) // spec.chunk_tokens > max_keys:
+            # Refuse before hashing: hashing runs on the event loop.
+            raise InvalidArgument(
+                "prompt has more chunks than one request may carry",
+                tokens=len(token_ids),
+                max_chunks=max_keys,
+            )
         hasher = self._hashers.get(ns_id)
         if hasher is None:
             hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)

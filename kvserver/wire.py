@@ -1,0 +1,424 @@
+"""The ZMQ wire format: data-plane messages and KV events. Shared by the daemon and clients.
+
+Runs in the daemon (``kvserver/daemon/zmq_server.py``) and in every client process
+(``kvserver/client``). Pure constants and functions: no sockets, no state, thread-safe.
+The format is described for humans in ``docs/wire.md``; every constant lives here.
+
+Data plane (daemon ROUTER, clients DEALER). A message is ``[header, payload*]``::
+
+    request  {"v": 1, "id": int, "op": str, "args": map, "auth"?: str, "client"?: str}
+    reply    {"v": 1, "id": int, "sid": str, "ok": true,  "result": map}
+             {"v": 1, "id": int, "sid": str, "ok": false, "error": {"code": str, "message": str}}
+
+Call order on the receiving side: :func:`unpack_header` → :func:`request_id_of` (so even a
+request that fails validation is answered with its id, or 0) → :func:`parse_request`, which
+type-checks the envelope and the op's arguments against :data:`OPS`. Everything that comes off
+a socket is untrusted: each failure raises :class:`~kvserver.errors.InvalidArgument` (or
+:class:`~kvserver.errors.UnsupportedVersion`) with a message that names the field.
+
+Events (daemon PUB) use vLLM's KV-event format: ``[topic, seq (8-byte big-endian), payload]``
+where ``payload`` is a msgpack ``KVEventBatch`` as msgspec encodes it (array-like structs,
+tagged with the class name). See :func:`event_to_vllm`.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvserver.engine_types import LoadGrant, StoreGrant
+from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
+from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+#: largest header frame accepted (a 2M-token lookup_tokens is ~10 MB of msgpack).
+MAX_HEADER_BYTES = 16 << 20
+MAX_ARRAY_LEN = 1 << 21
+MAX_MAP_LEN = 64
+MAX_STR_LEN = 1 << 16
+#: longest chunk key accepted on the wire (the engine checks the exact size per namespace).
+MAX_KEY_BYTES = 64
+MAX_INT = (1 << 63) - 1
+MAX_CLIENT_ID_LEN = 256
+
+# ----------------------------------------------------------------------------- ops
+
+HELLO = "hello"
+REGISTER_NAMESPACE = "register_namespace"
+NAMESPACES = "namespaces"
+LOOKUP = "lookup"
+LOOKUP_TOKENS = "lookup_tokens"
+TOUCH = "touch"
+PREPARE_STORE = "prepare_store"
+COMPLETE_STORE = "complete_store"
+PREPARE_LOAD = "prepare_load"
+COMPLETE_LOAD = "complete_load"
+PUT = "put"
+GET = "get"
+WRITE_PARTS = "write_parts"
+READ_PARTS = "read_parts"
+PIN = "pin"
+UNPIN = "unpin"
+STATS = "stats"
+RELEASE = "release"
+
+# Argument schema of every op: "name:kind" is required, "name:kind?" optional (nil = absent).
+_SCHEMAS = {
+    HELLO: "",
+    REGISTER_NAMESPACE: "spec:map",
+    NAMESPACES: "",
+    LOOKUP: "ns_id:str keys:keys record:bool? touch:bool?",
+    LOOKUP_TOKENS: "ns_id:str token_ids:ints cache_salt:str? lora:str_pair?",
+    TOUCH: "ns_id:str keys:keys",
+    PREPARE_STORE: "ns_id:str keys:keys lease_s:float?",
+    COMPLETE_STORE: "lease_id:int success:bool? ranks:ints? keys:keys?",
+    PREPARE_LOAD: "ns_id:str keys:keys lease_s:float?",
+    COMPLETE_LOAD: "lease_id:int",
+    # payload: len(keys) x tp_world_size frames, key-major (key 0 rank 0, key 0 rank 1, ...)
+    PUT: "ns_id:str keys:keys lease_s:float?",
+    # reply payload: len(keys) x len(ranks) parts, key-major ("part_frames" if split)
+    GET: "ns_id:str keys:keys ranks:ints?",
+    # payload: one frame per key, this rank's part
+    WRITE_PARTS: "lease_id:int keys:keys rank:int complete:bool?",
+    # reply payload: one part per key, as GET
+    READ_PARTS: "ns_id:str lease_id:int keys:keys rank:int",
+    PIN: "ns_id:str keys:keys ttl_s:float",
+    UNPIN: "ns_id:str keys:keys",
+    STATS: "",
+    RELEASE: "",
+}
+
+#: op -> {argument: (kind, required)}
+OPS: dict[str, dict[str, tuple[str, bool]]] = {
+    op: {
+        name: (kind.rstrip("?"), not kind.endswith("?"))
+        for name, kind in (field.split(":") for field in text.split())
+    }
+    for op, text in _SCHEMAS.items()
+}
+
+#: ops whose request carries payload frames; every other op must carry none.
+OPS_WITH_PAYLOAD = frozenset({PUT, WRITE_PARTS})
+
+_ENVELOPE = frozenset({"v", "id", "op", "args", "auth", "client"})
+
+_KIND_TEXT = {
+    "str": "a string",
+    "int": f"an integer in 0..{MAX_INT}",
+    "float": "a finite number",
+    "bool": "a boolean",
+    "map": "a map",
+    "keys": f"a list of byte strings (bin, <= {MAX_KEY_BYTES} bytes each)",
+    "ints": f"a list of integers in 0..{MAX_INT}",
+    "str_pair": "a list of two strings",
+}
+
+# ----------------------------------------------------------------------------- replay / events
+
+#: vLLM's replay protocol: request [b"", start_seq]; replies [b"", seq, payload] then END.
+REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SEQ_BYTES = 8
+TOPIC_PREFIX = "kv@"
+
+LOOKUP_FIELDS = ("hit_chunks", "hit_tokens", "num_chunks", "tiers")
+
+
+def host_id() -> str:
+    """Identifies this host (and boot): a client with the daemon's id may map its arena."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A validated request header. ``args`` holds every schema field (None when absent)."""
+
+    req_id: int
+    op: str
+    args: dict[str, Any]
+    auth: str | None = None
+    client: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A validated reply header; ``error`` is set when ``ok`` is false."""
+
+    req_id: int
+    sid: str
+    ok: bool
+    result: dict[str, Any]
+    error: KVServerError | None = None
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def unpack_header(frame: bytes | memoryview) -> Any:
+    """Decode one untrusted msgpack frame with strict limits. Raises InvalidArgument."""
+    size = memoryview(frame).nbytes
+    if size == 0:
+        raise InvalidArgument("empty header frame")
+    if size > MAX_HEADER_BYTES:
+        raise InvalidArgument("header frame too large", size=size, max=MAX_HEADER_BYTES)
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_LEN,
+            max_bin_len=size,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise InvalidArgument(f"malformed msgpack header ({detail})") from None
+
+
+def request_id_of(obj: Any) -> int:
+    """The request id of a decoded header if it has a valid one, else 0 (for error replies)."""
+    if isinstance(obj, dict):
+        rid = obj.get("id")
+        if type(rid) is int and 0 < rid <= MAX_INT:
+            return rid
+    return 0
+
+
+def parse_request(obj: Any) -> Request:
+    """Validate a decoded request header: version first, then envelope, then the op's args."""
+    if not isinstance(obj, dict):
+        raise InvalidArgument("header must be a msgpack map")
+    version = obj.get("v")
+    if type(version) is not int:
+        raise InvalidArgument("header field 'v' (protocol version) must be an integer")
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(
+            f"protocol version {version} is not supported", supported=list(SUPPORTED_VERSIONS)
+        )
+    unknown = set(obj) - _ENVELOPE
+    if unknown:
+        raise InvalidArgument(f"unknown header fields: {', '.join(sorted(map(str, unknown)))}")
+    rid = request_id_of(obj)
+    if rid == 0:
+        raise InvalidArgument(f"header field 'id' must be an integer in 1..{MAX_INT}")
+    op = obj.get("op")
+    if not isinstance(op, str):
+        raise InvalidArgument("header field 'op' must be a string")
+    if op not in OPS:
+        raise InvalidArgument(f"unknown op {op[:64]!r}; valid: {', '.join(OPS)}")
+    auth = _opt_str(obj, "auth", MAX_STR_LEN)
+    client = _opt_str(obj, "client", MAX_CLIENT_ID_LEN)
+    if client == "":
+        raise InvalidArgument("header field 'client' must not be empty")
+    args = obj.get("args")
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise InvalidArgument("header field 'args' must be a map")
+    return Request(rid, op, check_args(op, args), auth, client)
+
+
+def check_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Type-check ``args`` against ``OPS[op]``; returns every field (None where absent)."""
+    schema = OPS[op]
+    unknown = set(args) - set(schema)
+    if unknown:
+        raise InvalidArgument(f"unknown arguments for {op}: {', '.join(sorted(map(str, unknown)))}")
+    out: dict[str, Any] = {}
+    for name, (kind, required) in schema.items():
+        value = args.get(name)
+        if value is None:
+            if required:
+                raise InvalidArgument(f"{op}: missing required argument {name!r}")
+        elif not _check_value(kind, value):
+            raise InvalidArgument(f"{op}: argument {name!r} must be {_KIND_TEXT[kind]}")
+        out[name] = value
+    return out
+
+
+def _is_uint(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_INT
+
+
+def _check_value(kind: str, value: Any) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "int":
+        return _is_uint(value)
+    if kind == "float":
+        return type(value) in (int, float) and math.isfinite(value)
+    if kind == "bool":
+        return type(value) is bool
+    if kind == "map":
+        return isinstance(value, dict)
+    if kind == "keys":
+        return isinstance(value, list) and all(
+            type(k) is bytes and len(k) <= MAX_KEY_BYTES for k in value
+        )
+    if kind == "ints":
+        return isinstance(value, list) and all(_is_uint(v) for v in value)
+    if kind == "str_pair":
+        return isinstance(value, list) and len(value) == 2 and all(type(v) is str for v in value)
+    raise AssertionError(f"unknown argument kind {kind}")
+
+
+def _opt_str(obj: dict[str, Any], name: str, max_len: int) -> str | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > max_len:
+        raise InvalidArgument(f"header field {name!r} must be a string of <= {max_len} chars")
+    return value
+
+
+def encode_request(
+    req_id: int,
+    op: str,
+    args: Mapping[str, Any],
+    *,
+    auth: str | None = None,
+    client: str | None = None,
+) -> bytes:
+    """Encode a request header (the client side; arguments that are None are omitted)."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": req_id, "op": op}
+    header["args"] = {k: v for k, v in args.items() if v is not None}
+    if auth:
+        header["auth"] = auth
+    if client is not None:
+        header["client"] = client
+    return _pack(header)
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+def encode_reply(req_id: int, sid: str, result: Mapping[str, Any]) -> bytes:
+    return _pack({"v": PROTOCOL_VERSION, "id": req_id, "sid": sid, "ok": True, "result": result})
+
+
+def encode_error(req_id: int, sid: str, code: str, message: str) -> bytes:
+    error = {"code": code, "message": message}
+    return _pack({"v": PROTOCOL_VERSION, "id": req_id, "sid": sid, "ok": False, "error": error})
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    """Validate a reply header (the client side). Raises InvalidArgument if malformed."""
+    obj = unpack_header(frame)
+    if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION:
+        raise InvalidArgument("reply is not a version-1 header map")
+    rid, sid, ok = obj.get("id"), obj.get("sid"), obj.get("ok")
+    if type(rid) is not int or not isinstance(sid, str) or type(ok) is not bool:
+        raise InvalidArgument("reply header lacks id/sid/ok")
+    if ok:
+        result = obj.get("result")
+        if not isinstance(result, dict):
+            raise InvalidArgument("reply result must be a map")
+        return Reply(rid, sid, True, result)
+    err = obj.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    if not isinstance(code, str) or not isinstance(message, str):
+        raise InvalidArgument("error reply lacks code/message")
+    return Reply(rid, sid, False, {}, error_from_code(code, message))
+
+
+def grant_to_wire(grant: StoreGrant | LoadGrant, now: float) -> dict[str, Any]:
+    """A grant as a reply map; the deadline travels as seconds left (clocks differ)."""
+    out: dict[str, Any] = {
+        "lease_id": grant.lease_id,
+        "expires_in_s": max(0.0, grant.deadline - now),
+        "ns_id": grant.ns_id,
+        "keys": grant.keys,
+        "locations": grant.locations,
+    }
+    if isinstance(grant, StoreGrant):
+        out.update(present=grant.present, filtered=grant.filtered, num_evicted=grant.num_evicted)
+    return out
+
+
+def store_grant_from_wire(data: Any, now: float) -> StoreGrant:
+    """Rebuild a StoreGrant from a reply map; ``deadline`` is on the receiver's clock ``now``."""
+    try:
+        g = load_grant_from_wire(data, now)
+        extra = (list(data["present"]), list(data["filtered"]), int(data["num_evicted"]))
+        return StoreGrant(g.lease_id, g.deadline, g.ns_id, g.keys, g.locations, *extra)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
+
+
+def load_grant_from_wire(data: Any, now: float) -> LoadGrant:
+    """Rebuild a LoadGrant from a reply map; ``deadline`` is on the receiver's clock ``now``."""
+    try:
+        locations = [[tuple(tuple(e) for e in part) for part in loc] for loc in data["locations"]]
+        deadline = now + float(data["expires_in_s"])
+        return LoadGrant(
+            int(data["lease_id"]), deadline, str(data["ns_id"]), list(data["keys"]), locations
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def seq_bytes(seq: int) -> bytes:
+    """A sequence number as vLLM frames it: 8 bytes, big-endian."""
+    return seq.to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+def event_topic(pod: str, model: str) -> bytes:
+    """PUB topic ``kv@<pod>@<model>`` (llm-d's convention; ``pod`` names the cache location)."""
+    return f"{TOPIC_PREFIX}{pod}@{model}".encode()
+
+
+def event_to_vllm(event: Event, block_size: int) -> list[Any]:
+    """One event as msgspec encodes vLLM's tagged array-like struct.
+
+    BlockStored  = [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+                    medium, lora_name]
+    BlockRemoved = [tag, block_hashes, medium];  AllBlocksCleared = [tag]
+    Our chunk keys are the block hashes (bytes); token ids are not known to the daemon.
+    """
+    if isinstance(event, BlockStored):
+        return ["BlockStored", list(event.keys), None, [], block_size, None, event.medium, None]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.keys), event.medium]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise AssertionError(f"unknown event {event!r}")
+
+
+def encode_event_batch(ts: float, events: Sequence[list[Any]]) -> bytes:
+    """A KVEventBatch ``[ts, [event, ...]]`` (data_parallel_rank omitted, as msgspec does)."""
+    return _pack([ts, list(events)])
+
+
+def decode_event_batch(payload: bytes | memoryview) -> tuple[float, list[list[Any]]]:
+    """Decode a KVEventBatch (subscribers, tests). Raises InvalidArgument if malformed."""
+    obj = unpack_header(payload)
+    if (
+        not isinstance(obj, list)
+        or len(obj) not in (2, 3)
+        or type(obj[0]) not in (int, float)
+        or not isinstance(obj[1], list)
+        or not all(isinstance(e, list) and e and isinstance(e[0], str) for e in obj[1])
+    ):
+        raise InvalidArgument("not a KVEventBatch")
+    return float(obj[0]), obj[1]

@@ -1,0 +1,281 @@
+"""The Python clients, sync and asyncio: session logic without sockets (stale replies, restart
+detection, arena mapping), then against the real daemon: both data paths, typed errors,
+timeouts against a dead port, and transparent reconnection after a restart on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+import zmq
+
+from kvserver import wire
+from kvserver.client import AsyncKVClient, KVClient
+from kvserver.client.common import Answer, Call, Session
+from kvserver.errors import (
+    InvalidArgument,
+    InvalidState,
+    LeaseError,
+    Unavailable,
+    UnknownKey,
+    UnknownNamespace,
+)
+from kvserver.namespace import NamespaceSpec
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+
+SPEC = make_spec(model="test/client", tp_world_size=2)
+
+
+def parts(keys: list[bytes], spec: NamespaceSpec = SPEC) -> list[list[bytes]]:
+    return [[pattern(k, r, spec.part_bytes) for r in range(spec.tp_world_size)] for k in keys]
+
+
+def as_bytes(rows: list[list[memoryview]]) -> list[list[bytes]]:
+    return [[bytes(p) for p in row] for row in rows]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+# ----------------------------------------------------------------------------- session (no I/O)
+
+
+def frames(*parts: bytes) -> list[zmq.Frame]:
+    return [zmq.Frame(p) for p in parts]
+
+
+def test_session_frames_requests_with_fresh_ids_and_identity() -> None:
+    s = Session("tcp://x:1", client_id="me", auth_token="tok")
+    id1, f1 = s.encode(Call(wire.STATS, {}))
+    id2, f2 = s.encode(Call(wire.PUT, {"ns_id": "n"}, [b"a", b"b"]))
+    assert id2 == id1 + 1 and f2[1:] == [b"a", b"b"]
+    req = wire.parse_request(wire.unpack_header(f1[0]))
+    assert (req.req_id, req.op, req.auth, req.client) == (id1, wire.STATS, "tok", "me")
+
+
+def test_session_discards_stale_and_unreadable_replies() -> None:
+    s = Session("tcp://x:1")
+    s.sid = "A"
+    assert s.accept(frames(wire.encode_reply(4, "A", {})), req_id=5) is None
+    assert s.accept(frames(b"\xc1garbage"), req_id=5) is None
+    answer = s.accept(frames(wire.encode_reply(5, "A", {"n": 1}), b"payload"), req_id=5)
+    assert answer is not None and answer.result == {"n": 1}
+    assert [bytes(p) for p in answer.payload] == [b"payload"]
+
+
+def test_session_raises_typed_errors_including_unreadable_request_replies() -> None:
+    s = Session("tcp://x:1")
+    with pytest.raises(UnknownKey, match="gone"):
+        s.accept(frames(wire.encode_error(5, "A", "unknown_key", "gone")), req_id=5)
+    # id 0: the daemon could not read our header; only one request is ever in flight
+    with pytest.raises(InvalidArgument, match="too large"):
+        s.accept(frames(wire.encode_error(0, "A", "invalid_argument", "too large")), req_id=9)
+    with pytest.raises(Unavailable, match=r"within 1\.5s"):
+        raise s.timed_out(Call(wire.STATS, {}), 1.5)
+    assert s.needs_hello
+
+
+def test_session_notices_a_restarted_daemon() -> None:
+    s = Session("tcp://x:1")
+    s.sid, s.needs_hello = "old", False
+    assert s.accept(frames(wire.encode_reply(1, "new", {})), req_id=1) is not None
+    assert s.needs_hello
+
+
+def test_arena_is_mapped_only_on_the_same_host(tmp_path: Path) -> None:
+    arena = tmp_path / "arena"
+    arena.write_bytes(bytes(8192))
+    info = {"sid": "s", "host_id": wire.host_id(), "arena_path": str(arena), "arena_size": 8192}
+    elsewhere = {**info, "host_id": "other-host/boot"}
+    for mode, hello, mapped in [
+        (None, info, True),
+        (None, elsewhere, False),
+        (False, info, False),
+        (True, info, True),
+        (None, {**info, "arena_path": str(tmp_path / "missing")}, False),
+    ]:
+        s = Session("tcp://x:1", colocated=mode)
+        proc = s.hello()
+        next(proc)
+        with pytest.raises(StopIteration):
+            proc.send(answer_of(hello))
+        assert (s.arena is not None) == mapped, (mode, hello)
+        if s.arena is not None:
+            s.mapped().write(((0, 4),), b"abcd")
+            assert arena.read_bytes()[:4] == b"abcd"
+        s.close()
+    s = Session("tcp://x:1", colocated=True)
+    proc = s.hello()
+    next(proc)
+    with pytest.raises(InvalidState, match="another host"):
+        proc.send(answer_of(elsewhere))
+    with pytest.raises(InvalidState, match="not mapped"):
+        s.mapped()
+
+
+def answer_of(result: dict[str, Any]) -> Answer:
+    return Answer(result, [])
+
+
+# ----------------------------------------------------------------------------- against a daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path_factory.mktemp("client"), "--page-size", "4KiB", "--dram", "16MiB")
+    yield d
+    assert d.terminate() == 0, d.log()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("colocated", [None, False])
+def test_sync_client_both_paths(daemon: DaemonProc, colocated: bool | None) -> None:
+    keys = make_keys(6, tag=f"sync{colocated}")
+    with KVClient(daemon.zmq_address, colocated=colocated) as kv:
+        info = kv.hello()
+        assert info["protocol_version"] == wire.PROTOCOL_VERSION and info["client"] == kv.client_id
+        ns = kv.register_namespace(SPEC)
+        assert kv.is_colocated is (colocated is None)
+        assert SPEC in kv.namespaces()
+        assert kv.store(ns.ns_id, keys, parts(keys)) == keys
+        assert kv.lookup(ns.ns_id, keys + make_keys(1, tag="miss")).hit_chunks == 6
+        assert as_bytes(kv.load(ns.ns_id, keys, ranks=[1])) == [[p[1]] for p in parts(keys)]
+        assert kv.pin(ns.ns_id, keys[:2], ttl_s=30) == 2 and kv.unpin(ns.ns_id, keys[:2]) == 2
+        kv.touch(ns.ns_id, keys)
+        tokens = list(range(SPEC.block_size * 2))
+        assert kv.lookup_tokens(ns.ns_id, tokens, cache_salt="s").num_chunks == 2
+        wait_until(lambda: kv.stats()["pinned_pages"] == 0)
+
+
+@pytest.mark.multiprocess
+def test_typed_errors_and_rollback(daemon: DaemonProc) -> None:
+    with KVClient(daemon.zmq_address) as kv:
+        ns = kv.register_namespace(SPEC)
+        with pytest.raises(UnknownNamespace):
+            kv.lookup("0000000000000000", [])
+        with pytest.raises(UnknownKey):
+            kv.prepare_load(ns.ns_id, make_keys(1, tag="absent"))
+        with pytest.raises(LeaseError):
+            kv.complete_store(10**9)
+        keys = make_keys(2, tag="rollback")
+        bad = [[b"short", b"short"] for _ in keys]  # the arena write fails: reservation undone
+        with pytest.raises(InvalidArgument, match="size"):
+            kv.store(ns.ns_id, keys, bad)
+        assert kv.stats()["reserved_pages"] == 0
+        assert kv.lookup(ns.ns_id, keys).hit_chunks == 0
+        with pytest.raises(InvalidArgument, match="one entry of parts per key"):
+            kv.put(ns.ns_id, keys, parts(keys)[:1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("colocated", [None, False])
+async def test_async_client_both_paths_and_concurrency(
+    daemon: DaemonProc, colocated: bool | None
+) -> None:
+    async with AsyncKVClient(daemon.zmq_address, colocated=colocated) as kv:
+        ns = await kv.register_namespace(SPEC)
+        assert kv.is_colocated is (colocated is None)
+        batches = [make_keys(3, tag=f"aio{colocated}-{i}") for i in range(8)]
+        stored = await asyncio.gather(*(kv.store(ns.ns_id, b, parts(b)) for b in batches))
+        assert stored == batches
+        loaded = await asyncio.gather(*(kv.load(ns.ns_id, b) for b in batches))
+        assert [as_bytes(rows) for rows in loaded] == [parts(b) for b in batches]
+        grant = await kv.prepare_load(ns.ns_id, batches[0])
+        got = await kv.read_parts(ns.ns_id, grant.lease_id, batches[0], 1)
+        assert [bytes(v) for v in got] == [p[1] for p in parts(batches[0])]
+        await kv.complete_load(grant.lease_id)
+        assert (await kv.lookup(ns.ns_id, batches[-1])).hit_chunks == 3
+
+
+@pytest.mark.multiprocess
+def test_async_client_on_uvloop(daemon: DaemonProc) -> None:
+    async def main() -> list[list[bytes]]:
+        async with AsyncKVClient(daemon.zmq_address, colocated=False) as kv:
+            ns = await kv.register_namespace(SPEC)
+            keys = make_keys(2, tag="uvloop")
+            result = await kv.put(ns.ns_id, keys, parts(keys))
+            assert result.stored == keys
+            return as_bytes(await kv.get(ns.ns_id, keys))
+
+    assert uvloop.run(main()) == parts(make_keys(2, tag="uvloop"))
+
+
+# ----------------------------------------------------------------------------- timeouts, restarts
+
+
+def test_sync_timeout_against_a_dead_port() -> None:
+    with KVClient(f"tcp://127.0.0.1:{free_port()}", timeout=0.3) as kv:
+        for _ in range(2):  # the socket is replaced after each timeout
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="no reply"):
+                kv.stats()
+            assert time.monotonic() - start < 3.0
+
+
+async def test_async_timeout_against_a_dead_port() -> None:
+    async with AsyncKVClient(f"tcp://127.0.0.1:{free_port()}", timeout=0.3) as kv:
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="no reply"):
+                await kv.lookup("ns", [])
+            assert time.monotonic() - start < 3.0
+
+
+def restart(d: DaemonProc, tmp_path: Path) -> DaemonProc:
+    assert d.terminate() == 0
+    return start_daemon(tmp_path, "--zmq-port", str(d.info["zmq_port"]))
+
+
+@pytest.mark.multiprocess
+def test_sync_client_survives_a_daemon_restart_on_the_same_port(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    keys = make_keys(3, tag="restart")
+    try:
+        with KVClient(d.zmq_address, timeout=2.0) as kv:
+            ns = kv.register_namespace(SPEC)
+            assert kv.store(ns.ns_id, keys, parts(keys)) == keys
+            old_arena = d.arena_path
+            d = restart(d, tmp_path)  # nothing in flight: the DEALER reconnects by itself
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 0  # namespace re-registered
+            assert kv.is_colocated and kv.hello()["arena_path"] == d.arena_path != old_arena
+            assert kv.store(ns.ns_id, keys, parts(keys)) == keys
+            assert as_bytes(kv.load(ns.ns_id, keys)) == parts(keys)
+            assert d.terminate() == 0
+            kv.timeout = 0.3
+            with pytest.raises(Unavailable):
+                kv.stats()  # daemon down: times out, socket replaced
+            d = start_daemon(tmp_path, "--zmq-port", str(d.info["zmq_port"]))
+            kv.timeout = 5.0
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 0
+            assert kv.put(ns.ns_id, keys, parts(keys)).stored == keys
+    finally:
+        d.terminate()
+
+
+@pytest.mark.multiprocess
+async def test_async_client_survives_a_daemon_restart_on_the_same_port(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    keys = make_keys(3, tag="arestart")
+    try:
+        async with AsyncKVClient(d.zmq_address, timeout=2.0) as kv:
+            ns = await kv.register_namespace(SPEC)
+            assert await kv.store(ns.ns_id, keys, parts(keys)) == keys
+            d = await asyncio.to_thread(restart, d, tmp_path)
+            assert (await kv.lookup(ns.ns_id, keys)).hit_chunks == 0
+            assert await kv.store(ns.ns_id, keys, parts(keys)) == keys
+            assert as_bytes(await kv.load(ns.ns_id, keys)) == parts(keys)
+            assert (await kv.hello())["arena_path"] == d.arena_path
+    finally:
+        d.terminate()

@@ -1,0 +1,410 @@
+"""Fuzzing every ZMQ message type against the real daemon process.
+
+Malformed msgpack, wrong types, missing fields, unknown ops, wrong protocol versions, truncated
+and oversized frames, payloads that do not match the slot: each gets exactly one error reply
+with a clear code (never ``internal``), and every test ends with a byte-exact round trip by a
+well-behaved client. "Exactly one reply" is checked without waiting for silence: each fuzzed
+message is followed by a sentinel ``hello`` on the same socket, whose reply must come second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserver import wire
+from kvserver.client import KVClient
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+LIMIT = 1 << 20  # the fuzzed daemon's max_message_bytes
+SENTINEL = wire.MAX_INT
+SPEC = make_spec(model="test/fuzz", tp_world_size=2)
+ERROR_CODES = {
+    "invalid_argument",
+    "unsupported_version",
+    "unknown_namespace",
+    "unknown_key",
+    "lease_error",
+    "lease_expired",
+    "invalid_state",
+    "capacity",
+    "unauthenticated",
+}
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+class Fuzzed:
+    """The module's daemon, a registered namespace, and one raw DEALER socket."""
+
+    def __init__(self, daemon: DaemonProc, *, auth_token: str = "") -> None:
+        self.daemon = daemon
+        self.ctx = zmq.Context.instance()
+        self.sock = self.new_socket()
+        self.keys = make_keys(4, tag="fuzz-ready")
+        with KVClient(daemon.zmq_address, auth_token=auth_token) as kv:
+            self.ns = kv.register_namespace(SPEC)
+            kv.store(self.ns.ns_id, self.keys, parts(self.keys))
+
+    def new_socket(self) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(self.daemon.zmq_address)
+        return sock
+
+    def recv(self) -> list[bytes]:
+        assert self.sock.poll(10_000), "no reply from the daemon"
+        return self.sock.recv_multipart()
+
+    def exchange(self, frames: list[bytes]) -> tuple[wire.Reply, list[bytes]]:
+        """Send ``frames`` then a sentinel; returns the one reply to ``frames``."""
+        self.sock.send_multipart(frames)
+        self.sock.send_multipart([wire.encode_request(SENTINEL, wire.HELLO, {})])
+        first = self.recv()
+        reply = wire.decode_reply(first[0])
+        assert reply.req_id != SENTINEL, "the fuzzed message got no reply"
+        second = wire.decode_reply(self.recv()[0])
+        assert second.req_id == SENTINEL and second.ok, "more than one reply, or none"
+        if not reply.ok:
+            assert reply.error is not None and reply.error.code in ERROR_CODES, reply.error
+            assert str(reply.error)
+        return reply, first[1:]
+
+    def error(self, frames: list[bytes], code: str, match: str = "") -> wire.Reply:
+        reply, _ = self.exchange(frames)
+        assert not reply.ok and reply.error is not None
+        assert reply.error.code == code, reply.error
+        assert match in str(reply.error)
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def parts(keys: list[bytes]) -> list[list[bytes]]:
+    return [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in keys]
+
+
+@pytest.fixture(scope="module")
+def fz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+    d = start_daemon(
+        tmp_path_factory.mktemp("fuzz"),
+        "--page-size",
+        "4KiB",
+        "--dram",
+        "8MiB",
+        env={"KVSERVER_MAX_MESSAGE_BYTES": str(LIMIT)},
+    )
+    fuzzed = Fuzzed(d)
+    yield fuzzed
+    fuzzed.close()
+    assert d.proc.poll() is None, "the daemon died while being fuzzed"
+    assert d.terminate() == 0, d.log()[-3000:]
+
+
+def assert_round_trip(fz: Fuzzed, tag: str) -> None:
+    """A well-behaved client still gets byte-exact service on both data paths."""
+    for colocated in (True, False):
+        keys = make_keys(3, tag=f"{tag}-{colocated}")
+        with KVClient(fz.daemon.zmq_address, colocated=colocated) as kv:
+            assert kv.store(fz.ns.ns_id, keys, parts(keys)) == keys
+            got = kv.load(fz.ns.ns_id, keys)
+            assert [[bytes(p) for p in row] for row in got] == parts(keys)
+            assert [[bytes(p) for p in row] for row in kv.get(fz.ns.ns_id, keys)] == parts(keys)
+
+
+def req(op: str, args: Any, *, rid: int = 7, **envelope: Any) -> bytes:
+    return msgpack.packb({"v": 1, "id": rid, "op": op, "args": args, **envelope})
+
+
+# ----------------------------------------------------------------------------- strategies
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.binary(max_size=40)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@st.composite
+def op_args(draw: st.DrawFn, fz: Fuzzed) -> tuple[str, dict[str, Any]]:
+    """An op with arguments that are often right (a real ns_id, real keys) and often not."""
+    op = draw(st.sampled_from(sorted(wire.OPS)))
+    good = {
+        "str": st.just(fz.ns.ns_id),
+        "keys": st.lists(
+            st.sampled_from(fz.keys) | st.binary(min_size=32, max_size=32), max_size=3
+        ),
+        "int": st.integers(0, 3) | st.integers(0, 2000),
+        "ints": st.lists(st.integers(0, 2), max_size=3),
+        "float": st.floats(0.05, 2.0),
+        "bool": st.booleans(),
+        "map": st.just(SPEC.to_dict()) | st.dictionaries(st.text(max_size=12), values, max_size=4),
+        "str_pair": st.just(["a", "b"]),
+    }
+    schema = wire.OPS[op]
+    args = {
+        name: draw(good[kind])
+        for name, (kind, required) in schema.items()
+        if required or draw(st.booleans())
+    }
+    mode = draw(st.sampled_from(["valid", "one-wrong", "one-wrong", "missing", "random"]))
+    if mode == "one-wrong" and schema:
+        args[draw(st.sampled_from(sorted(schema)))] = draw(values)
+    elif mode == "missing" and args:
+        del args[draw(st.sampled_from(sorted(args)))]
+    elif mode == "random":
+        args = draw(st.dictionaries(st.sampled_from([*schema, "bogus"]), values, max_size=5))
+    return op, args
+
+
+# ----------------------------------------------------------------------------- header fuzzing
+
+
+def test_fuzz_garbage_header_frames(fz: Fuzzed) -> None:
+    @FUZZ
+    @given(st.binary(min_size=1, max_size=300))
+    def check(frame: bytes) -> None:
+        fz.exchange([frame])
+
+    check()
+    fz.error([b""], "invalid_argument", "empty header frame")
+    fz.error([b"\xc1"], "invalid_argument", "malformed msgpack")
+    fz.error([msgpack.packb([1, 2])], "invalid_argument", "must be a msgpack map")
+    assert_round_trip(fz, "garbage")
+
+
+def test_fuzz_envelope_fields_of_wrong_types(fz: Fuzzed) -> None:
+    @FUZZ
+    @given(
+        st.dictionaries(
+            st.sampled_from(["v", "id", "op", "args", "auth", "client", "x"]), values, max_size=6
+        )
+    )
+    def check(header: dict[str, Any]) -> None:
+        fz.exchange([msgpack.packb(header)])
+
+    check()
+    reply = fz.error([req(wire.HELLO, {}, rid=9, client="")], "invalid_argument", "'client'")
+    assert reply.req_id == 9  # the id is echoed whenever it is readable
+    fz.error([msgpack.packb({"v": 1, "op": "hello"})], "invalid_argument", "'id'")
+    assert_round_trip(fz, "envelope")
+
+
+def test_fuzz_wrong_protocol_versions(fz: Fuzzed) -> None:
+    @FUZZ
+    @given(st.integers(-(1 << 63), (1 << 64) - 1).filter(lambda v: v != 1))
+    def check(version: int) -> None:
+        frame = msgpack.packb({"v": version, "id": 11, "op": "hello", "args": {}})
+        reply = fz.error([frame], "unsupported_version", "not supported")
+        assert reply.req_id == 11
+
+    check()
+    assert_round_trip(fz, "version")
+
+
+def test_fuzz_unknown_ops(fz: Fuzzed) -> None:
+    @FUZZ
+    @given(st.text(max_size=30).filter(lambda op: op not in wire.OPS))
+    def check(op: str) -> None:
+        fz.error([req(op, {})], "invalid_argument", "unknown op")
+
+    check()
+    assert_round_trip(fz, "ops")
+
+
+def test_fuzz_arguments_of_every_op(fz: Fuzzed) -> None:
+    """Wrong types, missing fields, unknown fields, and valid calls mixed in."""
+
+    @settings(FUZZ, max_examples=600)
+    @given(op_args(fz))
+    def check(case: tuple[str, dict[str, Any]]) -> None:
+        op, args = case
+        frames = [req(op, args, client="fuzzer")]
+        if op in wire.OPS_WITH_PAYLOAD:
+            keys = args.get("keys")
+            frames += [bytes(SPEC.part_bytes)] * (len(keys) if isinstance(keys, list) else 1)
+        fz.exchange(frames)
+
+    check()
+    fz.error(
+        [req(wire.LOOKUP, {"ns_id": fz.ns.ns_id})],
+        "invalid_argument",
+        "missing required argument 'keys'",
+    )
+    fz.error(
+        [req(wire.LOOKUP, {"ns_id": fz.ns.ns_id, "keys": "abc"})],
+        "invalid_argument",
+        "argument 'keys' must be",
+    )
+    fz.error([req(wire.LOOKUP, {"ns_id": "nope", "keys": []})], "unknown_namespace")
+    fz.error([req(wire.GET, {"ns_id": fz.ns.ns_id, "keys": [bytes(32)]})], "unknown_key")
+    with KVClient(fz.daemon.zmq_address, client_id="fuzzer") as kv:
+        kv.release()  # the fuzzer's reservations and pins
+        assert_round_trip(fz, "args")
+        wait_until(lambda: kv.stats()["reserved_pages"] == 0)
+
+
+def test_fuzz_truncated_requests(fz: Fuzzed) -> None:
+    full = req(
+        wire.PREPARE_STORE, {"ns_id": fz.ns.ns_id, "keys": make_keys(3, tag="t"), "lease_s": 5.0}
+    )
+
+    @FUZZ
+    @given(st.integers(1, len(full) - 1))
+    def check(cut: int) -> None:
+        reply = fz.error([full[:cut]], "invalid_argument", "malformed msgpack")
+        assert reply.req_id == 0
+
+    check()
+    assert_round_trip(fz, "truncated")
+
+
+def test_fuzz_replay_requests(fz: Fuzzed) -> None:
+    """[b"", 8 bytes] is vLLM's replay request: answered by batches and the end marker."""
+
+    @FUZZ
+    @given(st.binary(min_size=8, max_size=8))
+    def check(start: bytes) -> None:
+        fz.sock.send_multipart([b"", start])
+        while True:
+            empty, seq, payload = fz.recv()
+            assert empty == b""
+            if seq == wire.REPLAY_END_SEQ:
+                break
+            assert int.from_bytes(seq, "big") >= int.from_bytes(start, "big")
+            wire.decode_event_batch(payload)
+
+    check()
+    fz.error([b"", b"1234567"], "invalid_argument")  # 7 bytes: not a replay request
+    assert_round_trip(fz, "replay")
+
+
+# ----------------------------------------------------------------------------- payload frames
+
+
+def test_payloads_that_do_not_match_the_slot(fz: Fuzzed) -> None:
+    keys = make_keys(2, tag="mismatch")
+    put = req(wire.PUT, {"ns_id": fz.ns.ns_id, "keys": keys})
+    part = bytes(SPEC.part_bytes)
+
+    @FUZZ
+    @given(st.lists(st.integers(0, 3 * SPEC.part_bytes), max_size=6))
+    def check(sizes: list[int]) -> None:
+        if sizes == [SPEC.part_bytes] * 4:
+            return
+        fz.error([put, *(bytes(n) for n in sizes)], "invalid_argument", "payload")
+
+    check()
+    fz.error([put, part, part, part], "invalid_argument", "wrong number of payload frames")
+    fz.error(
+        [put, part, part, part, part + b"x"],
+        "invalid_argument",
+        "payload size does not match the slot",
+    )
+    fz.error([req(wire.STATS, {}), b"extra"], "invalid_argument", "takes no payload frames")
+    # write_parts into a real reservation: a wrong-sized part is refused, nothing completes
+    reply, _ = fz.exchange(
+        [req(wire.PREPARE_STORE, {"ns_id": fz.ns.ns_id, "keys": keys}, client="mismatch")]
+    )
+    lease = reply.result["grant"]["lease_id"]
+    fz.error(
+        [
+            req(wire.WRITE_PARTS, {"lease_id": lease, "keys": keys, "rank": 0}, client="mismatch"),
+            part,
+            part[:-1],
+        ],
+        "invalid_argument",
+        "payload size",
+    )
+    fz.error(
+        [
+            req(wire.WRITE_PARTS, {"lease_id": lease, "keys": keys, "rank": 5}, client="mismatch"),
+            part,
+            part,
+        ],
+        "invalid_argument",
+        "rank out of range",
+    )
+    fz.error(
+        [req(wire.WRITE_PARTS, {"lease_id": lease, "keys": keys, "rank": 0}), part],
+        "invalid_argument",
+        "wrong number of payload frames",
+    )
+    reply, _ = fz.exchange([req(wire.LOOKUP, {"ns_id": fz.ns.ns_id, "keys": keys})])
+    assert reply.result["hit_chunks"] == 0
+    reply, _ = fz.exchange([req(wire.RELEASE, {}, client="mismatch")])
+    assert reply.result["released"] == 1
+    with KVClient(fz.daemon.zmq_address) as kv:
+        assert kv.stats()["reserved_pages"] == 0
+    assert_round_trip(fz, "mismatch")
+
+
+def test_oversized_messages(fz: Fuzzed) -> None:
+    """Over max_message_bytes in total: an error reply. One frame over it: ZMQ drops that
+    connection (the frame is never buffered); the peer reconnects and is served again."""
+    half = bytes(LIMIT // 2 + 1)
+    fz.error([req(wire.STATS, {}), half, half], "invalid_argument", "message too large")
+    sock = fz.new_socket()
+    try:
+        sock.send_multipart([req(wire.STATS, {}), bytes(LIMIT + 1)])
+        sock.send_multipart([req(wire.HELLO, {}, rid=5)])  # lost with the dropped connection
+
+        def served_again() -> bool:
+            sock.send_multipart([req(wire.HELLO, {}, rid=6)])
+            while sock.poll(200):
+                if wire.decode_reply(sock.recv_multipart()[0]).req_id == 6:
+                    return True
+            return False
+
+        wait_until(served_again, timeout=20)
+    finally:
+        sock.close()
+    assert_round_trip(fz, "oversized")
+
+
+def test_wrong_auth_tokens_are_refused(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--auth-token", "s3cret")
+    fuzzed = Fuzzed(d, auth_token="s3cret")
+    try:
+
+        @FUZZ
+        @given(st.none() | st.text(max_size=12).filter(lambda t: t != "s3cret"))
+        def check(token: str | None) -> None:
+            frame = req(wire.HELLO, {}, auth=token) if token is not None else req(wire.HELLO, {})
+            fuzzed.sock.send_multipart([frame])
+            reply = wire.decode_reply(fuzzed.recv()[0])
+            assert not reply.ok and reply.error is not None
+            assert reply.error.code == "unauthenticated"
+
+        check()
+        with KVClient(d.zmq_address, auth_token="s3cret") as kv:
+            keys = make_keys(2, tag="auth")
+            assert kv.store(fuzzed.ns.ns_id, keys, parts(keys)) == keys
+            assert [[bytes(p) for p in r] for r in kv.load(fuzzed.ns.ns_id, keys)] == parts(keys)
+    finally:
+        fuzzed.close()
+        assert d.terminate() == 0

@@ -1,0 +1,431 @@
+"""Tests of kvserver.wire without sockets: codec round trips and every validation error."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserver import wire
+from kvserver.engine_types import LoadGrant, StoreGrant
+from kvserver.errors import (
+    InvalidArgument,
+    KVServerError,
+    LeaseExpired,
+    UnknownNamespace,
+    UnsupportedVersion,
+)
+from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+KEY = b"k" * 32
+
+#: a valid value of every argument kind.
+VALID: dict[str, Any] = {
+    "str": "ns",
+    "int": 7,
+    "float": 1.5,
+    "bool": True,
+    "map": {"model": "m"},
+    "keys": [KEY, b"j" * 16],
+    "ints": [0, 1, 2],
+    "str_pair": ["lora", "/path"],
+}
+#: values that every kind must refuse (None is "absent", so it is not here).
+WRONG: dict[str, list[Any]] = {
+    "str": [1, b"ns", ["ns"], True],
+    "int": [-1, 1.0, "7", True, 1 << 63, [1]],
+    "float": ["1", True, float("nan"), float("inf"), [1.0]],
+    "bool": [1, 0, "true", [True]],
+    "map": [[], "x", 1],
+    "keys": [KEY, ["k" * 32], [KEY, 1], [b"x" * 65], "keys"],
+    "ints": [[-1], [1.5], [True], 3, ["1"]],
+    "str_pair": [["a"], ["a", "b", "c"], ["a", 1], "ab"],
+}
+
+
+def valid_args(op: str, *, optional: bool = True) -> dict[str, Any]:
+    return {
+        name: VALID[kind] for name, (kind, required) in wire.OPS[op].items() if required or optional
+    }
+
+
+def header(**fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"v": 1, "id": 5, "op": wire.HELLO, "args": {}}
+    base.update(fields)
+    return {k: v for k, v in base.items() if v is not ...}
+
+
+def parse(obj: Any) -> wire.Request:
+    return wire.parse_request(wire.unpack_header(msgpack.packb(obj, use_bin_type=True)))
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@pytest.mark.parametrize("op", sorted(wire.OPS))
+@pytest.mark.parametrize("optional", [True, False])
+def test_request_round_trip_every_op(op: str, optional: bool) -> None:
+    args = valid_args(op, optional=optional)
+    frame = wire.encode_request(42, op, args, auth="secret", client="worker-0")
+    req = wire.parse_request(wire.unpack_header(frame))
+    assert (req.req_id, req.op, req.auth, req.client) == (42, op, "secret", "worker-0")
+    assert set(req.args) == set(wire.OPS[op])
+    for name, value in req.args.items():
+        assert value == args.get(name)
+
+
+def test_encode_request_omits_none_arguments_and_empty_auth() -> None:
+    frame = wire.encode_request(1, wire.LOOKUP, {"ns_id": "a", "keys": [], "record": None})
+    obj = msgpack.unpackb(frame)
+    assert obj["args"] == {"ns_id": "a", "keys": []}
+    assert "auth" not in obj and "client" not in obj
+
+
+def test_every_op_has_a_schema_and_payload_ops_exist() -> None:
+    assert set(wire.OPS) >= wire.OPS_WITH_PAYLOAD
+    for schema in wire.OPS.values():
+        for kind, _required in schema.values():
+            assert kind in VALID
+
+
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (b"", "empty header frame"),
+        (b"\xc1", "malformed msgpack"),  # never-used type byte
+        (b"\x82\xa1v", "malformed msgpack"),  # truncated map
+        (msgpack.packb({"v": 1}) + b"\x00", "malformed msgpack"),  # trailing bytes
+        (b"\x91" * 5000, "malformed msgpack"),  # nesting too deep
+        (b"\x81\x01\x02", "malformed msgpack"),  # integer map key
+        (b"\xa2\xff\xfe", "malformed msgpack"),  # invalid utf-8
+        (msgpack.packb(msgpack.ExtType(1, b"ab")), "malformed msgpack"),  # ext types refused
+        (b"\xd6\xff\x00\x00\x00\x01", "malformed msgpack"),  # msgpack timestamp ext
+    ],
+)
+def test_unpack_header_rejects_malformed_input(frame: bytes, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        wire.unpack_header(frame)
+
+
+def test_unpack_header_rejects_oversized_frames_before_decoding() -> None:
+    with pytest.raises(InvalidArgument, match="too large"):
+        wire.unpack_header(b"\x00" * (wire.MAX_HEADER_BYTES + 1))
+
+
+def test_unpack_header_limits_containers() -> None:
+    big_map = msgpack.packb({str(i): i for i in range(wire.MAX_MAP_LEN + 1)})
+    with pytest.raises(InvalidArgument, match="malformed"):
+        wire.unpack_header(big_map)
+    long_str = msgpack.packb("x" * (wire.MAX_STR_LEN + 1))
+    with pytest.raises(InvalidArgument, match="malformed"):
+        wire.unpack_header(long_str)
+
+
+@pytest.mark.parametrize(
+    "obj, error, match",
+    [
+        ([1, 2], InvalidArgument, "must be a msgpack map"),
+        ("hello", InvalidArgument, "must be a msgpack map"),
+        (header(v=...), InvalidArgument, "protocol version"),
+        (header(v="1"), InvalidArgument, "protocol version"),
+        (header(v=True), InvalidArgument, "protocol version"),
+        (header(v=2), UnsupportedVersion, "version 2 is not supported"),
+        (header(v=0), UnsupportedVersion, "not supported"),
+        (header(extra=1), InvalidArgument, "unknown header fields: extra"),
+        (header(id=...), InvalidArgument, "'id'"),
+        (header(id=0), InvalidArgument, "'id'"),
+        (header(id=-3), InvalidArgument, "'id'"),
+        (header(id=True), InvalidArgument, "'id'"),
+        (header(id=1.0), InvalidArgument, "'id'"),
+        (header(op=...), InvalidArgument, "'op' must be a string"),
+        (header(op=b"hello"), InvalidArgument, "'op' must be a string"),
+        (header(op="drop_tables"), InvalidArgument, "unknown op 'drop_tables'; valid: hello"),
+        (header(auth=5), InvalidArgument, "'auth'"),
+        (header(client=""), InvalidArgument, "'client' must not be empty"),
+        (header(client=["x"]), InvalidArgument, "'client'"),
+        (header(client="x" * 257), InvalidArgument, "'client'"),
+        (header(args=[]), InvalidArgument, "'args' must be a map"),
+        (header(args={"x": 1}), InvalidArgument, "unknown arguments for hello: x"),
+    ],
+)
+def test_parse_request_rejects_bad_envelopes(obj: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match) as info:
+        parse(obj)
+    assert type(info.value) is error
+
+
+def test_version_is_checked_before_anything_else() -> None:
+    """A future version's header may differ in every field: it gets unsupported_version."""
+    with pytest.raises(UnsupportedVersion) as info:
+        parse({"v": 9, "operation": "x"})
+    assert info.value.code == "unsupported_version"
+
+
+def test_args_may_be_absent_or_nil_for_ops_without_required_args() -> None:
+    assert parse(header(args=...)).args == {}
+    assert parse(header(args=None)).args == {}
+
+
+REQUIRED = [
+    (op, name)
+    for op, schema in sorted(wire.OPS.items())
+    for name, (_k, req) in schema.items()
+    if req
+]
+
+
+@pytest.mark.parametrize("op, name", REQUIRED)
+@pytest.mark.parametrize("absent", ["missing", "nil"])
+def test_missing_required_argument(op: str, name: str, absent: str) -> None:
+    args = valid_args(op)
+    if absent == "missing":
+        del args[name]
+    else:
+        args[name] = None
+    with pytest.raises(InvalidArgument, match=f"{op}: missing required argument '{name}'"):
+        parse(header(op=op, args=args))
+
+
+WRONG_CASES = [
+    (op, name, bad)
+    for op, schema in sorted(wire.OPS.items())
+    for name, (kind, _req) in schema.items()
+    for bad in WRONG[kind]
+]
+
+
+@pytest.mark.parametrize("op, name, bad", WRONG_CASES)
+def test_wrong_argument_types(op: str, name: str, bad: Any) -> None:
+    args = valid_args(op)
+    args[name] = bad
+    with pytest.raises(InvalidArgument, match=f"{op}: argument '{name}' must be"):
+        wire.parse_request(header(op=op, args=args))
+
+
+@pytest.mark.parametrize(
+    "obj, rid",
+    [
+        ({"id": 5}, 5),
+        ({"id": wire.MAX_INT}, wire.MAX_INT),
+        ({"id": 0}, 0),
+        ({"id": -1}, 0),
+        ({"id": True}, 0),
+        ({"id": "5"}, 0),
+        ({}, 0),
+        ([5], 0),
+        (None, 0),
+    ],
+)
+def test_request_id_of(obj: Any, rid: int) -> None:
+    assert wire.request_id_of(obj) == rid
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+def test_reply_round_trip() -> None:
+    r = wire.decode_reply(wire.encode_reply(9, "sid1", {"keys": [KEY], "n": 1}))
+    assert (r.req_id, r.sid, r.ok, r.result, r.error) == (
+        9,
+        "sid1",
+        True,
+        {"keys": [KEY], "n": 1},
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        ("unknown_namespace", UnknownNamespace),
+        ("lease_expired", LeaseExpired),
+        ("no_such_code", KVServerError),
+    ],
+)
+def test_error_reply_becomes_a_typed_error(code: str, cls: type) -> None:
+    r = wire.decode_reply(wire.encode_error(0, "s", code, "it broke (ns='x')"))
+    assert not r.ok and r.req_id == 0
+    assert type(r.error) is cls and str(r.error) == "it broke (ns='x')"
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        [1],
+        {"v": 2, "id": 1, "sid": "s", "ok": True, "result": {}},
+        {"v": 1, "id": "1", "sid": "s", "ok": True, "result": {}},
+        {"v": 1, "id": 1, "sid": "s", "ok": True, "result": []},
+        {"v": 1, "id": 1, "sid": "s", "ok": False},
+        {"v": 1, "id": 1, "sid": "s", "ok": False, "error": {"code": 1, "message": "m"}},
+        {"v": 1, "id": 1, "ok": True, "result": {}},
+    ],
+)
+def test_decode_reply_rejects_malformed_replies(obj: Any) -> None:
+    with pytest.raises(InvalidArgument):
+        wire.decode_reply(msgpack.packb(obj))
+
+
+def test_grants_round_trip_with_the_deadline_on_the_receivers_clock() -> None:
+    locations = [[((0, 4096),), ((4096, 2048), (65536, 2048))]]
+    store = StoreGrant(3, 100.0, "ns", [KEY], locations, [b"p" * 32], [], 2)
+    wired = msgpack.unpackb(msgpack.packb(wire.grant_to_wire(store, now=90.0)))
+    assert wired["expires_in_s"] == 10.0
+    assert wire.store_grant_from_wire(wired, now=5.0) == StoreGrant(
+        3, 15.0, "ns", [KEY], locations, [b"p" * 32], [], 2
+    )
+    load = LoadGrant(4, 100.0, "ns", [KEY], locations)
+    wired = msgpack.unpackb(msgpack.packb(wire.grant_to_wire(load, now=99.0)))
+    assert "present" not in wired
+    assert wire.load_grant_from_wire(wired, now=0.0) == LoadGrant(4, 1.0, "ns", [KEY], locations)
+    with pytest.raises(InvalidArgument, match="malformed grant"):
+        wire.store_grant_from_wire(wired, now=0.0)  # a load grant lacks store fields
+    with pytest.raises(InvalidArgument, match="malformed grant"):
+        wire.load_grant_from_wire({"lease_id": 1}, now=0.0)
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def test_events_use_vllms_array_like_tagged_structs() -> None:
+    keys = (KEY, b"j" * 32)
+    assert wire.event_to_vllm(BlockStored(1, "ns", keys, "CPU"), 32) == [
+        "BlockStored",
+        list(keys),
+        None,
+        [],
+        32,
+        None,
+        "CPU",
+        None,
+    ]
+    assert wire.event_to_vllm(BlockRemoved(2, "ns", keys, "DISK"), 32) == [
+        "BlockRemoved",
+        list(keys),
+        "DISK",
+    ]
+    assert wire.event_to_vllm(AllBlocksCleared(3, "ns", "CPU"), 32) == ["AllBlocksCleared"]
+    payload = wire.encode_event_batch(
+        12.5, [wire.event_to_vllm(BlockStored(1, "n", keys, "CPU"), 16)]
+    )
+    ts, events = wire.decode_event_batch(payload)
+    assert ts == 12.5 and events[0][0] == "BlockStored" and events[0][1] == list(keys)
+    assert wire.seq_bytes(258) == b"\x00" * 6 + b"\x01\x02"
+    assert wire.REPLAY_END_SEQ == b"\xff" * 8
+    assert wire.event_topic("host:1/ns", "m") == b"kv@host:1/ns@m"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [msgpack.packb({"ts": 1}), msgpack.packb([1.0, [1]]), msgpack.packb(["x", []]), b"\xc1"],
+)
+def test_decode_event_batch_rejects_non_batches(payload: bytes) -> None:
+    with pytest.raises(InvalidArgument):
+        wire.decode_event_batch(payload)
+
+
+def test_vllm_msgspec_decoders_accept_our_batches() -> None:
+    """An indexer built on vLLM's msgspec structs (old 6-field or new 7-field BlockStored)
+    decodes our payloads."""
+    msgspec = pytest.importorskip("msgspec")
+    Hash = bytes | int
+    opts: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
+    old_fields = [
+        ("block_hashes", list[Hash]),
+        ("parent_block_hash", Hash | None),
+        ("token_ids", list[int]),
+        ("block_size", int),
+        ("lora_id", int | None),
+        ("medium", str | None),
+    ]
+    new_fields = [
+        *old_fields,
+        ("lora_name", str | None),
+        ("extra_keys", Any, None),
+        ("group_idx", int | None, None),
+    ]
+    removed_cls = msgspec.defstruct(
+        "BlockRemoved",
+        [("block_hashes", list[Hash]), ("medium", str | None), ("group_idx", int | None, None)],
+        tag=True,
+        **opts,
+    )
+    cleared_cls = msgspec.defstruct("AllBlocksCleared", [], tag=True, **opts)
+    events = [
+        wire.event_to_vllm(BlockStored(1, "ns", (KEY,), "CPU"), 16),
+        wire.event_to_vllm(BlockRemoved(2, "ns", (KEY,), "CPU"), 16),
+        wire.event_to_vllm(AllBlocksCleared(3, "ns", "CPU"), 16),
+    ]
+    payload = wire.encode_event_batch(1.25, events)
+    for fields in (old_fields, new_fields):
+        stored_cls = msgspec.defstruct("BlockStored", fields, tag=True, **opts)
+        batch_cls = msgspec.defstruct(
+            "KVEventBatch",
+            [
+                ("ts", float),
+                ("events", list[stored_cls | removed_cls | cleared_cls]),
+                ("data_parallel_rank", int | None, None),
+            ],
+            **opts,
+        )
+        batch = msgspec.msgpack.decode(payload, type=batch_cls)
+        assert batch.ts == 1.25 and batch.data_parallel_rank is None
+        stored, removed, cleared = batch.events
+        assert isinstance(stored, stored_cls)
+        assert stored.block_hashes == [KEY] and stored.medium == "CPU" and stored.block_size == 16
+        assert isinstance(removed, removed_cls) and removed.block_hashes == [KEY]
+        assert isinstance(cleared, cleared_cls)
+
+
+def test_host_id_is_shared_with_the_daemon() -> None:
+    from kvserver.daemon import service
+
+    assert service.host_id is wire.host_id
+    assert wire.host_id() == wire.host_id() and "/" in wire.host_id()
+
+
+# ----------------------------------------------------------------------------- properties
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_only_raise_invalid_argument(frame: bytes) -> None:
+    with contextlib.suppress(InvalidArgument):
+        wire.parse_request(wire.unpack_header(frame))
+
+
+@settings(max_examples=300)
+@given(
+    op=st.sampled_from(sorted(wire.OPS)) | st.text(max_size=10),
+    args=st.dictionaries(st.text(max_size=12), msgpack_values, max_size=6) | msgpack_values,
+    version=st.sampled_from([1, 1, 1, 2]) | msgpack_values,
+)
+def test_arbitrary_headers_only_raise_invalid_argument(op: Any, args: Any, version: Any) -> None:
+    obj = {"v": version, "id": 1, "op": op, "args": args}
+    try:
+        req = parse(obj)
+    except InvalidArgument:  # UnsupportedVersion is a subclass
+        return
+    assert req.op in wire.OPS and set(req.args) == set(wire.OPS[req.op])
+
+
+def test_float_arguments_accept_integers() -> None:
+    req = parse(header(op=wire.PIN, args={"ns_id": "n", "keys": [], "ttl_s": 3}))
+    assert req.args["ttl_s"] == 3 and not math.isnan(req.args["ttl_s"])
