@@ -1,0 +1,86 @@
+"""The scheduler half of a KV connector: the planning seam between the scheduler and kvserver.
+
+Runs inside the scheduler process, synchronously inside ``schedule()`` and
+``update_from_output()``; it holds no tensors and never blocks a step on the network for longer
+than its bounded timeouts. Mirrors vLLM V1's ``KVConnectorBase_V1`` scheduler role (seed 000
+§2.1) so the same implementation can be wrapped for vLLM.
+
+Call order per engine step (the five touchpoints of seed 000 §3)::
+
+    for each WAITING request, after the local GPU prefix-cache lookup:
+        get_num_new_matched_tokens(req, num_local_computed)   -> (n_ext | None, is_async)
+        ... scheduler allocates GPU blocks ...
+        update_state_after_alloc(req, block_ids, n_ext)
+    build_connector_meta(scheduled)                           -> metadata shipped to workers
+    ... workers run the step ...
+    update_connector_output(outputs of every TP rank)
+    request_finished(req, block_ids)                          -> (delay_free, params)  once
+    take_events()
+
+The request objects only need the :class:`RequestLike` protocol, which vLLM's ``Request`` also
+satisfies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class RequestLike(Protocol):
+    """The part of a request the connector reads (vLLM's Request has all of these)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
+class SchedulerConnector(ABC):
+    """Scheduler-side connector contract; see the module docstring for the call order."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: RequestLike, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvserver can provide.
+
+        ``(None, False)``: undecided ("ask again next step"), e.g. a lookup or an earlier
+        transfer of this request is pending. ``(n, True)``: n tokens will be loaded
+        asynchronously (the request waits in WAITING_FOR_REMOTE_KVS). ``(0, False)``: no hit.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: RequestLike, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """GPU blocks were allocated; pin the hit chunks and pair them with ``block_ids``."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """Loads planned this step plus stores deferred from the previous one."""
+
+    @abstractmethod
+    def update_connector_output(self, outputs: Sequence[Any]) -> None:
+        """Completion reports from every TP rank; completes loads/stores reported by all."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: RequestLike, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request ends; True = keep its GPU blocks until stores finish."""
+
+    @abstractmethod
+    def take_events(self) -> list[Any]:
+        """Storage events (BlockStored/BlockRemoved) observed since the last call."""
