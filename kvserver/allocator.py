@@ -47,6 +47,8 @@ class PageAllocator:
 
     def allocate(self, count: int) -> list[int] | None:
         """Take ``count`` pages, ascending; ``None`` (nothing changed) if fewer are free."""
+        if count < 0:
+            raise InvalidArgument("page count must be >= 0", count=count)
         free = self._free
         if count > len(free):
             return None
@@ -61,11 +63,19 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Return pages. REQUIRES: each page was allocated and not yet freed."""
+        """Return pages. REQUIRES: each page was allocated and not yet freed.
+
+        A violation raises AssertionError before anything changes.
+        """
         is_free = self._is_free
+        if len(set(pages)) != len(pages):
+            raise AssertionError("page freed twice in one call")
         for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise AssertionError(f"page {p} out of range")
             if is_free[p]:
                 raise AssertionError(f"page {p} freed twice")
+        for p in pages:
             is_free[p] = 1
         # Push in descending order so the next allocate pops them ascending (contiguous).
         self._free.extend(sorted(pages, reverse=True))

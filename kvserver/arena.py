@@ -14,6 +14,7 @@ from several threads are (they are plain memcpy).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -47,7 +48,14 @@ class ArenaView:
             ) from None
         try:
             size = os.fstat(fd).st_size
+            if size < 1:
+                raise StorageError("cannot map arena: the file is empty", path=path)
             return cls(path, size, fd)
+        except OSError as exc:
+            os.close(fd)
+            raise StorageError(
+                f"cannot map arena: {exc.strerror}", path=path, errno=exc.errno
+            ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -98,11 +106,9 @@ class ArenaView:
         if self._mmap is None:
             return
         self.buf.release()
-        try:
+        # BufferError: a caller still holds a view; the mapping is freed when it is collected.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            # A caller still holds a view; the mapping is freed when it is garbage collected.
-            pass
         self._mmap = None
         os.close(self._fd)
 
@@ -150,10 +156,8 @@ class SharedArena(ArenaView):
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def total_length(extents: Iterable[tuple[int, int]]) -> int:

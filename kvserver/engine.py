@@ -78,8 +78,9 @@ class StorageEngine:
         self._clock = clock
         self.policy = make_policy(config.policy)
         self.allocator = PageAllocator(config.num_pages, config.page_size)
-        self.arena = SharedArena(config.num_pages * config.page_size, directory=config.shm_dir)
         self.reuse = ReuseTracker(config.store_threshold, config.max_tracker_size)
+        # Last: everything that validates input runs first, so a bad config leaks no shm file.
+        self.arena = SharedArena(config.num_pages * config.page_size, directory=config.shm_dir)
         self.leases = LeaseTable()
         self._specs: list[NamespaceSpec] = []
         self._ns_index: dict[str, int] = {}

@@ -57,7 +57,9 @@ class LeaseTable:
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._leases.values()))
 
-    def new(self, kind: LeaseKind, client: str, ns: int, keys: list[bytes], deadline: float) -> Lease:
+    def new(
+        self, kind: LeaseKind, client: str, ns: int, keys: list[bytes], deadline: float
+    ) -> Lease:
         lease = Lease(self._next_id, kind, client, ns, keys, deadline)
         self._next_id += 1
         self._leases[lease.lease_id] = lease

@@ -1,11 +1,11 @@
 """Namespaces: everything that makes KV bytes incompatible.
 
 Two requests may share a stored chunk only if they agree on the model, the KV dtype, the
-layer/head layout, tokens per block, blocks per chunk, the hash algorithm and its seed, and the tensor-parallel
-world size. A :class:`NamespaceSpec` captures exactly those; its :attr:`ns_id` is a digest of
-the canonical encoding of every field, so the same spec registered by any client on any host
-yields the same id, and any difference yields a different one. Entries are never shared across
-namespaces (the storage index is keyed by ``(namespace, chunk_key)``).
+layer/head layout, tokens per block, blocks per chunk, the hash algorithm and its seed, and the
+tensor-parallel world size. A :class:`NamespaceSpec` captures exactly those; its :attr:`ns_id` is
+a digest of the canonical encoding of every field, so the same spec registered by any client on
+any host yields the same id, and any difference yields a different one. Entries are never shared
+across namespaces (the storage index is keyed by ``(namespace, chunk_key)``).
 
 A chunk is stored as one *part* per TP rank; :attr:`NamespaceSpec.part_bytes` is the size of one
 part (this rank's KV heads, every layer, ``chunk_blocks`` GPU blocks). Layouts that the formula
@@ -64,13 +64,13 @@ class NamespaceSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model or len(self.model) > MAX_MODEL_NAME:
             raise InvalidArgument("model must be a non-empty string of <= 512 chars")
-        if self.dtype not in DTYPE_SIZES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise InvalidArgument(
                 f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SIZES)}"
             )
         if not isinstance(self.hash_seed, str) or len(self.hash_seed) > MAX_MODEL_NAME:
             raise InvalidArgument("hash_seed must be a string of <= 512 chars")
-        if self.hash_algo not in HASH_ALGOS:
+        if not isinstance(self.hash_algo, str) or self.hash_algo not in HASH_ALGOS:
             raise InvalidArgument(
                 f"unknown hash_algo {self.hash_algo!r}; valid: {', '.join(HASH_ALGOS)}"
             )
@@ -88,6 +88,8 @@ class NamespaceSpec:
                 num_kv_heads=heads,
                 tp_world_size=tp,
             )
+        if not isinstance(self.label, str) or len(self.label) > MAX_MODEL_NAME:
+            raise InvalidArgument("label must be a string of <= 512 chars")
         if type(self.part_bytes_override) is not int or self.part_bytes_override < 0:
             raise InvalidArgument("part_bytes_override must be an integer >= 0")
         if not 0 < self.part_bytes <= MAX_PART_BYTES:

@@ -1,0 +1,182 @@
+"""Tests of kvserver.arena: the shared-memory file (mode, lifetime), byte access by extents, and
+mappings from a second view and a second process."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserver.arena import ArenaView, SharedArena, total_length
+from kvserver.errors import InvalidArgument, StorageError
+from tests.kvserver.builders import PAGE, make_engine, make_keys, make_spec, pattern
+
+# A second process: map the arena by path, read some extents to stdout, write stdin into others.
+CHILD = """
+import json, sys
+from kvserver.arena import ArenaView
+path, read_extents, write_extents = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+with ArenaView.attach(path) as view:
+    sys.stdout.buffer.write(view.read(tuple(map(tuple, read_extents))))
+    view.write(tuple(map(tuple, write_extents)), sys.stdin.buffer.read())
+"""
+
+
+def run_child(path: str, read: object, write: object, data: bytes) -> bytes:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, path, json.dumps(read), json.dumps(write)],
+        input=data,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout
+
+
+# ---------------------------------------------------------------------------- file lifetime
+
+
+def test_file_mode_is_0600_whatever_the_umask() -> None:
+    old = os.umask(0)
+    try:
+        arena = SharedArena(4 * PAGE)
+    finally:
+        os.umask(old)
+    with arena:
+        st = os.stat(arena.path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_size == 4 * PAGE
+        assert st.st_uid == os.getuid()
+
+
+def test_file_removed_on_close_and_close_is_idempotent() -> None:
+    arena = SharedArena(PAGE)
+    assert os.path.exists(arena.path) and not arena.closed
+    arena.close()
+    assert arena.closed
+    assert not os.path.exists(arena.path)
+    arena.close()
+    assert arena.closed
+
+
+def test_close_with_outstanding_view_still_removes_file() -> None:
+    arena = SharedArena(2 * PAGE)
+    views = arena.views(((0, 16),))
+    arena.close()
+    assert not os.path.exists(arena.path)
+    del views
+
+
+def test_existing_name_is_not_reused(tmp_path: Path) -> None:
+    with SharedArena(PAGE, directory=str(tmp_path), name="arena") as first:
+        with pytest.raises(StorageError) as info:
+            SharedArena(PAGE, directory=str(tmp_path), name="arena")
+        assert info.value.context["path"] == first.path
+        assert os.path.exists(first.path)  # the failed create did not remove someone else's file
+
+
+def test_create_in_missing_directory_is_storage_error(tmp_path: Path) -> None:
+    with pytest.raises(StorageError) as info:
+        SharedArena(PAGE, directory=str(tmp_path / "missing"))
+    assert info.value.context["errno"] is not None
+
+
+@pytest.mark.parametrize("size", [0, -PAGE])
+def test_nonpositive_size_rejected(size: int) -> None:
+    with pytest.raises(InvalidArgument):
+        SharedArena(size)
+
+
+# ---------------------------------------------------------------------------- byte access
+
+
+def test_write_read_round_trip_across_extents() -> None:
+    extents = ((PAGE, PAGE), (3 * PAGE, 2 * PAGE), (7 * PAGE, 100))
+    data = pattern(b"k", 0, total_length(extents))
+    with SharedArena(8 * PAGE) as arena:
+        arena.write(extents, data)
+        assert arena.read(extents) == data
+        assert arena.read(extents[1:2]) == data[PAGE : 3 * PAGE]
+        out = bytearray(len(data))
+        arena.readinto(extents, out)
+        assert out == data
+        assert b"".join(bytes(v) for v in arena.views(extents)) == data
+        # Nothing outside the extents was touched.
+        assert arena.read(((0, PAGE), (2 * PAGE, PAGE))) == bytes(2 * PAGE)
+        assert arena.read(((7 * PAGE + 100, PAGE - 100),)) == bytes(PAGE - 100)
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_payload_size_mismatch_rejected(delta: int) -> None:
+    extents = ((0, PAGE), (2 * PAGE, 10))
+    with SharedArena(4 * PAGE) as arena:
+        with pytest.raises(InvalidArgument):
+            arena.write(extents, b"\x01" * (PAGE + 10 + delta))
+        assert arena.read(extents) == bytes(PAGE + 10)
+
+
+def test_attach_sees_the_same_bytes_both_ways() -> None:
+    with SharedArena(4 * PAGE) as arena, ArenaView.attach(arena.path) as view:
+        assert view.size == arena.size
+        arena.write(((PAGE, 9),), b"fromowner")
+        assert view.read(((PAGE, 9),)) == b"fromowner"
+        view.write(((3 * PAGE, 10),), b"fromclient")
+        assert arena.read(((3 * PAGE, 10),)) == b"fromclient"
+    assert view.closed
+
+
+def test_view_close_does_not_remove_file() -> None:
+    with SharedArena(PAGE) as arena:
+        ArenaView.attach(arena.path).close()
+        assert os.path.exists(arena.path)
+
+
+def test_attach_missing_path_is_storage_error(tmp_path: Path) -> None:
+    path = str(tmp_path / "nope")
+    with pytest.raises(StorageError) as info:
+        ArenaView.attach(path)
+    assert info.value.context["path"] == path
+    assert info.value.context["errno"] is not None
+
+
+def test_attach_empty_file_is_storage_error(tmp_path: Path) -> None:
+    """Attaching to an empty file leaked mmap's ValueError instead of a StorageError."""
+    path = tmp_path / "empty"
+    path.touch()
+    with pytest.raises(StorageError) as info:
+        ArenaView.attach(str(path))
+    assert info.value.context["path"] == str(path)
+
+
+@pytest.mark.multiprocess
+def test_second_process_writes_bytes_the_engine_reads_back() -> None:
+    spec = make_spec(part_bytes_override=PAGE + 100, tp_world_size=2, num_kv_heads=2)
+    with make_engine(num_pages=8) as engine:
+        ns = engine.register_namespace(spec)
+        old, new = make_keys(2)
+        # ``old`` is written by the engine and read by the child.
+        first = engine.prepare_store(ns, [old])
+        assert first is not None
+        for rank in range(2):
+            engine.write_part(first.lease_id, old, rank, pattern(old, rank, spec.part_bytes))
+        engine.complete_store(first.lease_id)
+        load = engine.prepare_load(ns, [old])
+        # ``new`` is reserved here and written by the child (rank 1's part).
+        grant = engine.prepare_store(ns, [new])
+        assert grant is not None
+        payload = pattern(new, 1, spec.part_bytes)
+        seen = run_child(engine.arena.path, load.locations[0][0], grant.locations[0][1], payload)
+        assert seen == pattern(old, 0, spec.part_bytes)
+        engine.complete_load(load.lease_id)
+        engine.write_part(grant.lease_id, new, 0, pattern(new, 0, spec.part_bytes))
+        assert engine.complete_store(grant.lease_id) == [new]
+        again = engine.prepare_load(ns, [new])
+        parts = [b"".join(map(bytes, engine.read_part(again.lease_id, new, r))) for r in (0, 1)]
+        assert parts == [pattern(new, 0, spec.part_bytes), payload]
+        engine.complete_load(again.lease_id)
