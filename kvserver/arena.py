@@ -162,3 +162,40 @@ def _unlink(path: str) -> None:
 
 def total_length(extents: Iterable[tuple[int, int]]) -> int:
     return sum(length for _, length in extents)
+
+
+def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
+    """Remove arena files left by daemons that died without cleaning up (kill -9, OOM).
+
+    Only files named ``kvserver-<pid>-<hex>`` owned by this user whose ``<pid>`` is no longer
+    running are removed. Returns the removed paths.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "kvserver" or not parts[1].isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid or _pid_alive(int(parts[1])):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -203,9 +203,9 @@ class StorageEngine:
             else:
                 new_keys.append(key)
         counters = (self.totals, self._ns_counters[ns])
-        for c in counters:
-            c.filtered_chunks += len(filtered)
         if not new_keys:
+            for c in counters:
+                c.filtered_chunks += len(filtered)
             return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
 
         part_pages = self.allocator.pages_for(spec.part_bytes)
@@ -225,6 +225,8 @@ class StorageEngine:
                 return None
             self._drop_evicted(victims)
             num_evicted = len(victims)
+        for c in counters:
+            c.filtered_chunks += len(filtered)
 
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.STORE, client, ns, new_keys, deadline)
@@ -242,7 +244,13 @@ class StorageEngine:
         self._reserved_pages += need
         self._num_writing += len(new_keys)
         return StoreGrant(
-            lease.lease_id, deadline, ns_id, list(new_keys), locations, present, filtered,
+            lease.lease_id,
+            deadline,
+            ns_id,
+            list(new_keys),
+            locations,
+            present,
+            filtered,
             num_evicted,
         )
 
@@ -271,6 +279,9 @@ class StorageEngine:
             mask = all_mask
         else:
             mask = 0
+            ranks = list(ranks)
+            if not ranks:
+                raise InvalidArgument("ranks must name at least one rank", lease=lease_id)
             for r in ranks:
                 if type(r) is not int or not 0 <= r < world:
                     raise InvalidArgument("rank out of range", rank=r, tp_world_size=world)
@@ -282,8 +293,9 @@ class StorageEngine:
             in_lease = set(lease.keys)
             for key in selected:
                 if key not in in_lease:
-                    raise InvalidArgument("key is not reserved by this lease", key=key,
-                                          lease=lease_id)
+                    raise InvalidArgument(
+                        "key is not reserved by this lease", key=key, lease=lease_id
+                    )
         done = lease.done_ranks
         if success:
             for key in selected:
@@ -387,8 +399,9 @@ class StorageEngine:
         ns = self._ns(ns_id)
         self._check_keys(ns, keys)
         if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= self.config.max_pin_ttl_s:
-            raise InvalidArgument("ttl out of range", ttl_s=ttl_s,
-                                  max_pin_ttl_s=self.config.max_pin_ttl_s)
+            raise InvalidArgument(
+                "ttl out of range", ttl_s=ttl_s, max_pin_ttl_s=self.config.max_pin_ttl_s
+            )
         self._reap()
         until = self._clock() + float(ttl_s)
         pinned = 0
@@ -428,7 +441,7 @@ class StorageEngine:
         leases = self.leases.by_client(client)
         for lease in leases:
             self.leases.end(lease, "released")
-            self._reclaim(lease)
+            self._reclaim(lease, expired=False)
         return len(leases)
 
     def take_events(self) -> list[Event]:
@@ -529,8 +542,9 @@ class StorageEngine:
         if lease_s is None:
             return self.config.default_lease_s
         if not isinstance(lease_s, int | float) or not 0 < lease_s <= self.config.max_lease_s:
-            raise InvalidArgument("lease duration out of range", lease_s=lease_s,
-                                  max_lease_s=self.config.max_lease_s)
+            raise InvalidArgument(
+                "lease duration out of range", lease_s=lease_s, max_lease_s=self.config.max_lease_s
+            )
         return float(lease_s)
 
     def _entry_cost(self, key: Hashable) -> int:
@@ -604,22 +618,26 @@ class StorageEngine:
         for key in lease.keys:
             self._drop_pin(index[(lease.ns, key)])
 
-    def _reclaim(self, lease: Lease) -> None:
+    def _reclaim(self, lease: Lease, *, expired: bool = True) -> None:
         if lease.kind is LeaseKind.LOAD:
             self._release_load(lease)
         else:
             for key in lease.keys:
                 self._rollback(self._index[(lease.ns, key)])
         for c in (self.totals, self._ns_counters[lease.ns]):
-            c.expired_leases += 1
+            if expired:
+                c.expired_leases += 1
+            else:
+                c.released_leases += 1
 
     def _reap(self) -> int:
         """Reclaim expired leases and TTL pins (called at the top of mutating calls)."""
         now = self._clock()
         expired = self.leases.pop_expired(now)
         for lease in expired:
-            logger.debug("lease %d (%s, client %r) expired", lease.lease_id, lease.kind.value,
-                         lease.client)
+            logger.debug(
+                "lease %d (%s, client %r) expired", lease.lease_id, lease.kind.value, lease.client
+            )
             self._reclaim(lease)
         heap = self._ttl_heap
         while heap and heap[0][0] <= now:

@@ -129,6 +129,7 @@ class Counters:
     evicted_chunks: int = 0
     rolled_back_chunks: int = 0
     expired_leases: int = 0
+    released_leases: int = 0
     filtered_chunks: int = 0
     store_rejections: int = 0
 

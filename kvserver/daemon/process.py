@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 
+from kvserver.arena import reap_stale_arenas
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.service import KVService
@@ -33,6 +34,8 @@ SHUTDOWN_GRACE_S = 2.0
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
     """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`)."""
     stop = stop or asyncio.Event()
+    for path in reap_stale_arenas(config.shm_dir):
+        logger.warning("removed arena %s left by a daemon that is no longer running", path)
     service = KVService(config.engine_config(), event_capacity=config.event_capacity)
     zmq_front = ZmqFrontend(service, config)
     grpc_front = GrpcFrontend(service, config)
@@ -56,8 +59,14 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         logger.info(
             "kvserver listening: gRPC %s:%d, ZMQ data tcp://%s:%d, events tcp://%s:%s, "
             "DRAM %d MiB (%s) in %s",
-            config.host, grpc_port, config.host, data_port, config.host,
-            pub_port if pub_port >= 0 else "off", dram_bytes >> 20, config.policy,
+            config.host,
+            grpc_port,
+            config.host,
+            data_port,
+            config.host,
+            pub_port if pub_port >= 0 else "off",
+            dram_bytes >> 20,
+            config.policy,
             info["arena_path"],
         )
         await stop.wait()

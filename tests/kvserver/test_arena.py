@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.arena import ArenaView, SharedArena, total_length
+from kvserver.arena import ArenaView, SharedArena, reap_stale_arenas, total_length
 from kvserver.errors import InvalidArgument, StorageError
 from tests.kvserver.builders import PAGE, make_engine, make_keys, make_spec, pattern
 
@@ -180,3 +180,22 @@ def test_second_process_writes_bytes_the_engine_reads_back() -> None:
         parts = [b"".join(map(bytes, engine.read_part(again.lease_id, new, r))) for r in (0, 1)]
         assert parts == [pattern(new, 0, spec.part_bytes), payload]
         engine.complete_load(again.lease_id)
+
+
+def test_reap_stale_arenas_removes_only_dead_owners(tmp_path: Path) -> None:
+    """A daemon killed with -9 leaves its arena; the next start removes it, not live ones."""
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"kvserver-{dead_pid}-deadbeef"
+    live = tmp_path / f"kvserver-{os.getpid()}-cafe"
+    other = tmp_path / "kvserver-notapid-x"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    assert reap_stale_arenas(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -812,6 +812,8 @@ def test_release_client_releases_only_that_client(policy: str) -> None:
         engine.complete_load(b_load.lease_id)
         assert engine.complete_store(b_store.lease_id) == k[6:8]
         assert engine.lookup(ns, k[4:6]) == 0
+        totals = engine.stats().totals
+        assert totals.released_leases == 2 and totals.expired_leases == 0
         assert event_keys(engine.take_events(), BlockStored) == k[:4] + k[6:8]
         engine.check_invariants()
 
@@ -1169,3 +1171,30 @@ def test_bad_config_leaks_no_shm_file(tmp_path: Path, config: dict[str, Any]) ->
 def test_bad_engine_config(config: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgument):
         EngineConfig(**config)
+
+
+def test_complete_store_with_no_ranks_is_an_error() -> None:
+    """A worker reporting an empty rank list gets an error instead of a silent no-op."""
+    with make_engine(num_pages=16) as engine:
+        ns = engine.register_namespace(make_spec(tp_world_size=2, num_kv_heads=2))
+        grant = engine.prepare_store(ns, make_keys(1))
+        assert grant is not None
+        with pytest.raises(InvalidArgument, match="at least one rank"):
+            engine.complete_store(grant.lease_id, ranks=[])
+        assert engine.complete_store(grant.lease_id, ranks=[0, 1]) == grant.keys
+
+
+def test_rejected_store_changes_no_counter() -> None:
+    """prepare_store returning None (cache full of pinned entries) leaves the counters alone."""
+    with make_engine(num_pages=4, store_threshold=2) as engine:
+        ns = engine.register_namespace(make_spec())
+        keys = make_keys(6)
+        engine.lookup(ns, keys, record=True)
+        engine.lookup(ns, keys[:5], record=True)
+        store(engine, ns, keys[:4])
+        engine.prepare_load(ns, keys[:4])
+        before = engine.stats().totals
+        assert engine.prepare_store(ns, keys[4:]) is None
+        after = engine.stats().totals
+        assert after.filtered_chunks == before.filtered_chunks
+        assert after.store_rejections == before.store_rejections + 1
