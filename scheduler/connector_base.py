@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -45,6 +46,27 @@ class RequestLike(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+
+@dataclass(slots=True)
+class TransferReport:
+    """What :meth:`SchedulerConnector.update_connector_output` tells the scheduler.
+
+    - ``finished_recving``: requests whose asynchronous load is over (successfully or not);
+      they leave WAITING_FOR_REMOTE_KVS and may be scheduled. Also listed when the request was
+      aborted meanwhile (its blocks are no longer written).
+    - ``finished_sending``: requests that ``request_finished`` kept (it returned True) whose
+      transfers are all over: free their GPU blocks now.
+    - ``load_errors``: request id -> number of leading tokens whose KV is valid after a failed
+      load; the scheduler sets ``num_computed_tokens`` to at most that and recomputes the rest.
+    - ``invalid_block_ids``: the GPU blocks a failed load did not fill (vLLM's
+      ``get_block_ids_with_load_errors``); never prefix-cache them.
+    """
+
+    finished_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+    load_errors: dict[str, int] = field(default_factory=dict)
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 class SchedulerConnector(ABC):
@@ -72,8 +94,12 @@ class SchedulerConnector(ABC):
         """Loads planned this step plus stores deferred from the previous one."""
 
     @abstractmethod
-    def update_connector_output(self, outputs: Sequence[Any]) -> None:
-        """Completion reports from every TP rank; completes loads/stores reported by all."""
+    def update_connector_output(self, outputs: Sequence[Any]) -> TransferReport:
+        """Completion reports from every TP rank; completes loads/stores reported by all.
+
+        Returns what finished since the previous call (including failures the connector found
+        itself, e.g. a load it could not pin): see :class:`TransferReport`.
+        """
 
     @abstractmethod
     def request_finished(

@@ -1,0 +1,119 @@
+"""Value types of the scheduler-side KV connector (:mod:`scheduler.kv_connector`).
+
+Its configuration and counters, what it reads from a scheduled step, and the records it keeps
+per request and per daemon lease. Pure data; the records belong to one connector and are
+mutated only by it (scheduler thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvserver.connector_messages import RequestTransfers
+from kvserver.errors import InvalidArgument
+from kvserver.namespace import NamespaceSpec
+from scheduler.connector_base import RequestLike
+
+
+class NewReqLike(Protocol):
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedReqLike(Protocol):
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ScheduledStep(Protocol):
+    """What ``build_connector_meta`` reads (``kvserver.connector_messages.StepPlan``; a vLLM
+    wrapper adapts SchedulerOutput): ``new_reqs[i].block_ids`` is a request's whole block
+    table, ``cached_reqs[i].new_block_ids`` are appended to it, ``num_computed_tokens`` counts
+    the tokens computed before this step."""
+
+    @property
+    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
+    @property
+    def new_reqs(self) -> Sequence[NewReqLike]: ...
+    @property
+    def cached_reqs(self) -> Sequence[CachedReqLike]: ...
+    @property
+    def preempted_req_ids(self) -> Sequence[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVConnectorConfig:
+    """Where the daemon is, the namespace of this model, and the bounds on every call."""
+
+    address: str
+    spec: NamespaceSpec
+    lookup_timeout_s: float = 0.1
+    #: prepare_* / complete_* (these run inside a scheduler step too).
+    op_timeout_s: float = 1.0
+    down_backoff_s: float = 5.0
+    #: store reservation / load pin lifetime (None: the daemon's default).
+    lease_s: float | None = None
+    auth_token: str = ""
+    client_id: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lookup_timeout_s", "op_timeout_s", "down_backoff_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be > 0", value=getattr(self, name))
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    """Counters. ``lookups_failed``: answered "no hit" as the daemon failed or was marked down;
+    ``timeouts``: calls that found it unreachable (each marks it down for down_backoff_s);
+    ``planned_chunks``: chunks asked for in prepare_store (each once, thanks to the cursor)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    lookups_failed: int = 0
+    loads: int = 0
+    load_errors: int = 0
+    planned_chunks: int = 0
+    stored_chunks: int = 0
+    store_rejections: int = 0
+    timeouts: int = 0
+    expired_jobs: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class TransferJob:
+    """One daemon lease in flight: a request's load, or one step's stores of one request."""
+
+    transfers: RequestTransfers
+    is_load: bool
+    keys: list[bytes]
+    deadline: float
+    #: loads: per key, the first token it fills (a failure invalidates from there on).
+    first_tokens: list[int] = field(default_factory=list)
+    shipped: bool = False
+    ranks: set[int] = field(default_factory=set)
+    failed: set[bytes] = field(default_factory=set)
+
+    @property
+    def id(self) -> tuple[bool, str, int]:
+        return self.is_load, self.transfers.req_id, self.transfers.lease_id
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    request: RequestLike
+    block_ids: list[int] = field(default_factory=list)
+    #: next chunk index to store (seed 000 §11.1).
+    cursor: int = 0
+    #: (num_local_tokens, first chunk, hit keys) of the last lookup, until allocation.
+    plan: tuple[int, int, list[bytes]] | None = None
+    num_loads: int = 0
+    num_stores: int = 0
+    #: request_finished returned True: report finished_sending when the jobs are over.
+    finished: bool = False
+    #: block hashes computed here when the request carries none.
+    hashes: list[bytes] = field(default_factory=list)
