@@ -1,0 +1,279 @@
+"""Scheduler step time with 256 running requests: KV connector on vs off (DESIGN.md §5).
+
+Each configuration is one :class:`scheduler.scheduler.Scheduler` with 256 requests in steady
+decode (512-token prompts sharing a 256-token system prefix, so the prefix cache is in play),
+answered by an in-process synthetic worker (not timed). Timed: ``schedule()`` — the figure —
+and, for information, a whole step's scheduler work ``schedule()`` + ``update_from_output()``.
+
+Configurations:
+- ``off``: no connector (the reference);
+- ``memory``: the in-memory connector of tests/scheduler/fakes.py — the kvserver connector's
+  planning bookkeeping (chunk keys, store cursors, per-step store leases, completion once
+  every rank reported, deferred frees) without a network: the cost the connector adds to the
+  scheduler's own work;
+- ``kvserver``: the real ``KVServerSchedulerConnector`` against a daemon (``--kvserver ADDR``,
+  or ``--start-daemon`` to start one on loopback): adds the daemon round trips made inside the
+  step (store reservations in ``build_connector_meta``, completions in
+  ``update_from_output``).
+
+Configurations are measured round-robin, ``--steps`` steps each per round, so noise on a
+shared machine hits them alike, with the cyclic garbage collector run between runs rather than
+inside them; medians over all timed steps. ratio = median(config) /
+median(off); target <= 1.2.
+
+Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon]
+With --json, also writes FILE with the .png suffix (a bar chart) when matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
+
+from scheduler.config import SchedulerConfig
+from scheduler.connector_base import SchedulerConnector
+from scheduler.scheduler import Scheduler
+from scheduler.synthetic import SYNTHETIC_KV_LAYOUT, SyntheticWorker
+from tests.scheduler.fakes import MemoryConnector
+
+NUM_REQUESTS = 256
+BLOCK_SIZE = 16
+CHUNK_BLOCKS = 1
+SYSTEM_PREFIX = 256
+PROMPT_TOKENS = 512
+TARGET = 1.2
+
+
+@dataclass
+class Config:
+    """One scheduler in steady decode, and its timings."""
+
+    name: str
+    scheduler: Scheduler
+    worker: SyntheticWorker
+    schedule_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+
+    def run(self, steps: int, timed: bool = True) -> None:
+        s, worker, perf = self.scheduler, self.worker, time.perf_counter
+        for _ in range(steps):
+            t0 = perf()
+            plan = s.schedule()
+            t1 = perf()
+            results = [worker.execute(plan)]
+            t2 = perf()
+            s.update_from_output(plan, results)
+            t3 = perf()
+            if timed:
+                self.schedule_s.append(t1 - t0)
+                self.step_s.append((t1 - t0) + (t3 - t2))
+
+
+def make(name: str, connector: SchedulerConnector | None, max_steps: int) -> Config:
+    tokens_per_req = PROMPT_TOKENS + max_steps + 64
+    blocks = NUM_REQUESTS * (tokens_per_req // BLOCK_SIZE + 2) + 1
+    cfg = SchedulerConfig(
+        num_gpu_blocks=blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=NUM_REQUESTS,
+        max_num_batched_tokens=8192,
+        long_prefill_token_threshold=2048,
+    )
+    scheduler = Scheduler(cfg, connector=connector)
+    rng = random.Random(0)
+    system = [rng.randrange(32_000) for _ in range(SYSTEM_PREFIX)]
+    for i in range(NUM_REQUESTS):
+        user = [rng.randrange(32_000) for _ in range(PROMPT_TOKENS - SYSTEM_PREFIX)]
+        scheduler.add_request(
+            scheduler.make_request(f"req-{i}", system + user, max_tokens=tokens_per_req)
+        )
+    config = Config(name, scheduler, SyntheticWorker(0, BLOCK_SIZE, blocks))
+    # prefill everything, until every request decodes one token per step
+    while len(scheduler.running) < NUM_REQUESTS or any(
+        r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running
+    ):
+        config.run(1, timed=False)
+    config.run(32, timed=False)  # and settle
+    return config
+
+
+def kvserver_connector(address: str) -> SchedulerConnector:
+    from kvserver.namespace import NamespaceSpec
+    from scheduler.kv_connector import KVServerSchedulerConnector
+    from scheduler.kv_connector_types import KVConnectorConfig
+
+    spec = NamespaceSpec(
+        model="bench-scheduler",
+        dtype=SYNTHETIC_KV_LAYOUT["dtype"],
+        num_layers=SYNTHETIC_KV_LAYOUT["num_layers"],
+        num_kv_heads=SYNTHETIC_KV_LAYOUT["num_kv_heads"],
+        head_dim=SYNTHETIC_KV_LAYOUT["head_dim"],
+        block_size=BLOCK_SIZE,
+        chunk_blocks=CHUNK_BLOCKS,
+    )
+    return KVServerSchedulerConnector(KVConnectorConfig(address, spec, op_timeout_s=5.0))
+
+
+@contextmanager
+def daemon() -> Iterator[str]:
+    """A ``kvserver start`` on ephemeral loopback ports; yields its ZMQ address."""
+    with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
+        ready = Path(tmp) / "ready.json"
+        args = [
+            sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
+            "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "-1", "--dram", "1GiB",
+            "--ready-file", str(ready), "--log-level", "WARNING",
+        ]  # fmt: skip
+        proc = subprocess.Popen(args)
+        try:
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("could not start a kvserver daemon")
+                time.sleep(0.05)  # polling for the ready file, bounded by the deadline
+            yield f"tcp://127.0.0.1:{json.loads(ready.read_text())['zmq_port']}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+def measure(configs: list[Config], rounds: int, steps: int) -> None:
+    """Round-robin, alternating the order; the cyclic GC runs between runs, not inside them
+    (as timeit does): the configurations share one heap, and a collection triggered by one
+    would walk the other's objects too."""
+    for r in range(rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        for config in order:
+            gc.collect()
+            gc.disable()
+            try:
+                config.run(steps)
+            finally:
+                gc.enable()
+
+
+def results(configs: list[Config]) -> list[dict[str, Any]]:
+    off = configs[0]
+    ref = statistics.median(off.schedule_s)
+    ref_step = statistics.median(off.step_s)
+    out = []
+    for c in configs:
+        med = statistics.median(c.schedule_s)
+        med_step = statistics.median(c.step_s)
+        p90 = statistics.quantiles(c.schedule_s, n=10)[-1]
+        out.append(
+            {
+                "name": f"schedule() with {NUM_REQUESTS} running, connector {c.name}",
+                "config": c.name,
+                "value": med * 1e6,
+                "unit": "us",
+                "p90_us": p90 * 1e6,
+                "reference": ref * 1e6,
+                "ratio": med / ref,
+                "target": TARGET,
+                "step_us": med_step * 1e6,
+                "step_ratio": med_step / ref_step,
+                "samples": len(c.schedule_s),
+            }
+        )
+    return out
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{NUM_REQUESTS} running requests in decode, block {BLOCK_SIZE}, medians")
+    print(f"{'connector':<10} {'schedule() us':>14} {'p90 us':>9} {'ratio':>7} "
+          f"{'step us':>9} {'step ratio':>10}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['config']:<10} {r['value']:>14.1f} {r['p90_us']:>9.1f} {r['ratio']:>7.3f} "
+            f"{r['step_us']:>9.1f} {r['step_ratio']:>10.3f}"
+        )
+    print(f"target: ratio <= {TARGET}")
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [r["config"] for r in rows]
+    sched = [r["value"] for r in rows]
+    step = [r["step_us"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], sched, width=0.4, label="schedule()")
+    ax.bar([x + 0.2 for x in xs], step, width=0.4, label="schedule() + update_from_output()")
+    ax.axhline(rows[0]["value"] * TARGET, color="red", linestyle="--", linewidth=1,
+               label=f"target: {TARGET}x off")  # fmt: skip
+    for x, r in zip(xs, rows, strict=True):
+        ax.annotate(f"{r['ratio']:.2f}x", (x - 0.2, r["value"]), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize=8)  # fmt: skip
+    ax.set_xticks(list(xs), [f"connector {n}" for n in names])
+    ax.set_ylabel("median µs per step")
+    ax.set_title(f"Scheduler step, {NUM_REQUESTS} running requests")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 50 steps")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per round")
+    parser.add_argument("--kvserver", metavar="ADDR", help="also measure the real connector")
+    parser.add_argument("--start-daemon", action="store_true",
+                        help="start a daemon on loopback for the real connector")  # fmt: skip
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON here")
+    args = parser.parse_args(argv)
+    rounds, steps = (3, 50) if args.quick else (args.rounds, args.steps)
+    max_steps = rounds * steps + 64
+    with daemon() if args.start_daemon else nullcontext(args.kvserver) as addr:
+        configs = [make("off", None, max_steps)]
+        configs.append(make("memory", MemoryConnector(BLOCK_SIZE, CHUNK_BLOCKS, log_calls=False),
+                            max_steps))  # fmt: skip
+        if addr:
+            configs.append(make("kvserver", kvserver_connector(addr), max_steps))
+        measure(configs, rounds, steps)
+        for c in configs:
+            close = getattr(c.scheduler.connector, "close", None)
+            if callable(close):
+                close()
+    rows = results(configs)
+    print_table(rows)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"num_requests": NUM_REQUESTS, "block_size": BLOCK_SIZE, "rounds": rounds,
+                "steps_per_round": steps, "cpus": os.cpu_count()}  # fmt: skip
+        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+        chart = args.json.with_suffix(".png")
+        if write_chart(rows, chart):
+            print(f"wrote {args.json} and {chart}")
+        else:
+            print(f"wrote {args.json} (no matplotlib: no chart)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""``kvserver scheduler``: parse flags into a ProcessConfig and run the scheduler process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserver.errors import KVServerError
+
+
+def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from scheduler.config import POLICIES, SchedulerConfig
+
+    d = SchedulerConfig()
+    p = sub.add_parser(
+        "scheduler",
+        help="run the scheduler process (queues, GPU block pool, gRPC Engine front door)",
+        description=(
+            "Run the scheduler in the foreground: it plans every engine step for its workers "
+            "(ZMQ), serves gRPC kvserver.v1.Engine (Generate) and, with --kvserver, loads and "
+            "stores prompt KV through a kvserver daemon. Workers are either ZMQ addresses of "
+            "running worker processes (--workers) or synthetic workers it starts itself "
+            "(--synthetic-workers N: deterministic tokens, no model, no GPU)."
+        ),
+    )
+    w = p.add_mutually_exclusive_group(required=True)
+    w.add_argument("--workers", help="comma-separated worker addresses, rank order (tcp://h:p)")
+    w.add_argument("--synthetic-workers", type=int, metavar="N", help="start N synthetic workers")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=9480, help="gRPC port (default 9480, 0=any)")
+    p.add_argument(
+        "--kvserver",
+        metavar="ADDR",
+        help="kvserver daemon ZMQ address, e.g. tcp://127.0.0.1:9471 (default: off)",
+    )
+    p.add_argument("--model", default="synthetic", help="model name (part of the namespace)")
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per GPU block")
+    p.add_argument("--chunk-blocks", type=int, default=1, help="GPU blocks per kvserver chunk")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="the token budget per step, shared by prefill and decode",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most tokens of one prompt per step (0 = no cap)",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="admit a prompt only when it fits the step whole",
+    )
+    p.add_argument("--max-model-len", type=int, default=0, help="0 = the whole block pool")
+    p.add_argument("--policy", default="fcfs", choices=POLICIES)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--hash-algo", default=d.hash_algo)
+    p.add_argument("--hash-seed", default=d.hash_seed, help="NONE_HASH seed (PYTHONHASHSEED)")
+    p.add_argument("--trace", metavar="FILE", help="append a per-step JSONL trace here")
+    p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=10.0,
+        help="a worker silent this long on a step is failed",
+    )
+    p.add_argument(
+        "--probe-interval-s", type=float, default=1.0, help="how often failed workers are retried"
+    )
+    p.add_argument(
+        "--synthetic-delay-ms",
+        type=float,
+        default=0.0,
+        help="simulated compute time per synthetic step",
+    )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=2.0,
+        help="at SIGTERM, seconds in-flight streams get before they are cancelled",
+    )
+    p.add_argument("--ready-file", help="write JSON {pid, grpc_port, workers} here once serving")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_scheduler)
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler.config import ProcessConfig, SchedulerConfig
+
+    try:
+        config = ProcessConfig(
+            scheduler=SchedulerConfig(
+                num_gpu_blocks=args.num_gpu_blocks,
+                block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                enable_chunked_prefill=not args.no_chunked_prefill,
+                max_model_len=args.max_model_len,
+                policy=args.policy,
+                enable_prefix_caching=not args.no_prefix_caching,
+                hash_algo=args.hash_algo,
+                hash_seed=args.hash_seed,
+                trace_path=args.trace,
+            ),
+            workers=tuple(a.strip() for a in (args.workers or "").split(",") if a.strip()),
+            synthetic_workers=args.synthetic_workers or 0,
+            host=args.host,
+            grpc_port=args.grpc_port,
+            kvserver=args.kvserver,
+            chunk_blocks=args.chunk_blocks,
+            model=args.model,
+            step_timeout_s=args.step_timeout_s,
+            probe_interval_s=args.probe_interval_s,
+            synthetic_delay_ms=args.synthetic_delay_ms,
+            shutdown_grace_s=args.shutdown_grace_s,
+            ready_file=args.ready_file,
+            log_level=args.log_level,
+        )
+    except KVServerError as exc:
+        print(f"kvserver scheduler: {exc}", file=sys.stderr)
+        return 2
+    from scheduler.process import main
+
+    try:
+        return main(config)
+    except KVServerError as exc:
+        print(f"kvserver scheduler: {exc}", file=sys.stderr)
+        return 1

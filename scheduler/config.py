@@ -1,0 +1,141 @@
+"""Configuration: the scheduler (:class:`SchedulerConfig`) and its process (:class:`ProcessConfig`).
+
+Plain values, validated once in ``__post_init__`` and passed down; derived values are
+properties. Invalid values raise :class:`~kvserver.errors.InvalidArgument` naming the field, so
+the CLI can print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserver.errors import InvalidArgument
+from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
+
+#: scheduling policies (seed 001 "Queue Selection"): first come first served, or by priority.
+POLICIES: tuple[str, ...] = ("fcfs", "priority")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise InvalidArgument(f"{name} must be an int >= {minimum}", **{name: value})
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What :class:`~scheduler.scheduler.Scheduler` needs; see docs/scheduler.md.
+
+    - ``num_gpu_blocks`` blocks of ``block_size`` tokens; block 0 is the null block, so
+      ``num_gpu_blocks - 1`` are usable.
+    - ``max_num_batched_tokens``: the one token budget per step, shared by prefill and decode.
+    - ``max_num_seqs``: most requests in the running list.
+    - ``long_prefill_token_threshold``: most tokens one request gets in one step (0 = no cap
+      beyond the budget). With ``enable_chunked_prefill`` off a prompt is only admitted when it
+      fits the step's remaining budget whole.
+    - ``max_model_len``: prompt + output cap per request (0 = every usable block).
+    - ``hash_algo`` / ``hash_seed``: the block-hash chain; must match kvserver's namespace.
+    - ``trace_path``: per-step JSONL trace (seed 001 feature B), ``None`` = off.
+    """
+
+    num_gpu_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 0
+    policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str = DEFAULT_SEED
+    trace_path: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("num_gpu_blocks", self.num_gpu_blocks, 2)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_int("max_model_len", self.max_model_len, 0)
+        if self.policy not in POLICIES:
+            raise InvalidArgument(
+                f"unknown policy; valid choices: {', '.join(POLICIES)}", policy=self.policy
+            )
+        if self.hash_algo not in HASH_ALGOS:
+            raise InvalidArgument(
+                f"unknown hash_algo; valid choices: {', '.join(HASH_ALGOS)}",
+                hash_algo=self.hash_algo,
+            )
+        if not isinstance(self.hash_seed, str):
+            raise InvalidArgument("hash_seed must be a str", hash_seed=self.hash_seed)
+        if self.max_model_len > self.usable_blocks * self.block_size:
+            raise InvalidArgument(
+                "max_model_len exceeds the GPU block pool (num_gpu_blocks - 1 blocks)",
+                max_model_len=self.max_model_len,
+                pool_tokens=self.usable_blocks * self.block_size,
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.model_len:
+            raise InvalidArgument(
+                "without chunked prefill max_num_batched_tokens must cover max_model_len",
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.model_len,
+            )
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks that requests can hold (all but the null block)."""
+        return self.num_gpu_blocks - 1
+
+    @property
+    def model_len(self) -> int:
+        """The effective ``max_model_len``: prompt + output tokens one request may reach."""
+        return self.max_model_len or self.usable_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessConfig:
+    """How ``kvserver scheduler`` runs: workers, front door, optional kvserver connector.
+
+    Exactly one of ``workers`` (ZMQ addresses the workers bound) and ``synthetic_workers``
+    (spawn that many ``python -m scheduler.synthetic`` children) is set.
+    """
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    workers: tuple[str, ...] = ()
+    synthetic_workers: int = 0
+    host: str = "127.0.0.1"
+    grpc_port: int = 9480
+    #: kvserver daemon ZMQ address (``tcp://host:port``); None = no connector.
+    kvserver: str | None = None
+    chunk_blocks: int = 1
+    model: str = "synthetic"
+    step_timeout_s: float = 10.0
+    hello_timeout_s: float = 30.0
+    #: seconds between attempts to reconnect a failed worker
+    probe_interval_s: float = 1.0
+    #: simulated compute time of each synthetic worker step, milliseconds
+    synthetic_delay_ms: float = 0.0
+    #: seconds in-flight Generate streams get at shutdown before they are cancelled
+    shutdown_grace_s: float = 2.0
+    ready_file: str | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if bool(self.workers) == bool(self.synthetic_workers):
+            raise InvalidArgument("give exactly one of --workers and --synthetic-workers")
+        _check_int("synthetic_workers", self.synthetic_workers, 0)
+        _check_int("grpc_port", self.grpc_port, 0)
+        _check_int("chunk_blocks", self.chunk_blocks, 1)
+        for address in self.workers:
+            if not address.startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidArgument("worker address must be a ZMQ endpoint", address=address)
+        for name in ("step_timeout_s", "hello_timeout_s", "probe_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise InvalidArgument(f"{name} must be > 0", **{name: value})
+        if self.synthetic_delay_ms < 0 or self.shutdown_grace_s < 0:
+            raise InvalidArgument("synthetic_delay_ms and shutdown_grace_s must be >= 0")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers) or self.synthetic_workers

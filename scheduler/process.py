@@ -1,0 +1,352 @@
+"""The scheduler process: one asyncio event loop running the step loop and the gRPC front door.
+
+This is the only scheduler module that knows it is a process (event loop, children, signals).
+
+Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
+connect and hello every worker (their KV layout names the kvserver namespace) → build the
+kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC → write the
+ready file.
+
+The step loop (:class:`EngineCore`) runs ``schedule()`` → every worker → ``update_from_output()``
+while there is work, and sleeps on an event otherwise. A worker that dies, errs or times out
+fails the requests holding KV (clients get UNAVAILABLE naming the worker); requests still
+queued stay queued while the loop tries to bring the workers back every ``probe_interval_s``
+(a fresh hello, which also resets them) and fail if it cannot; while the workers are down new
+requests are refused at once. The loop never dies on a bad step: an unexpected exception is
+logged and fails the requests in flight.
+
+Shutdown on SIGTERM/SIGINT, in order: gRPC stops accepting and in-flight streams get a short
+grace (the loop still serves them) → remaining streams are cancelled (their requests aborted)
+→ the step loop stops → workers are told to stop and synthetic children reaped → the
+connector's leases are released → the trace is closed → the ready file is removed → exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvserver.connector_messages import WorkerHello, WorkerInfo
+from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+from scheduler.config import ProcessConfig
+from scheduler.connector_base import SchedulerConnector
+from scheduler.engine_service import EngineService, GenerateParams
+from scheduler.request import RequestOutput, RequestStatus
+from scheduler.scheduler import Scheduler
+from scheduler.workers import WorkerFailure, WorkerGroup
+
+logger = logging.getLogger("scheduler.process")
+
+#: empty steps (only transfers in flight) are paced from this up to IDLE_WAIT_MAX_S
+IDLE_WAIT_MIN_S = 0.0005
+IDLE_WAIT_MAX_S = 0.02
+
+
+class _Stream:
+    """The outputs of one request, fed by the step loop (implements RequestStream)."""
+
+    def __init__(self, core: EngineCore, request_id: str) -> None:
+        self.request_id = request_id
+        self._core = core
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.done = False
+
+    def put(self, output: RequestOutput) -> None:
+        if output.finished:
+            self.done = True
+        self._queue.put_nowait(output)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            output = await self._queue.get()
+            yield output
+            if output.finished:
+                return
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self._core.abort(self.request_id)
+
+
+class EngineCore:
+    """Drives one Scheduler with one WorkerGroup; see the module docstring."""
+
+    def __init__(
+        self, scheduler: Scheduler, workers: WorkerGroup, *, probe_interval_s: float = 1.0
+    ) -> None:
+        self.scheduler = scheduler
+        self.workers = workers
+        self.probe_interval_s = probe_interval_s
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.num_connector_events = 0
+
+    # ------------------------------------------------------------------ EngineBackend
+
+    def submit(self, params: GenerateParams) -> _Stream:
+        failure = self.workers.failure
+        if failure is not None:
+            raise Unavailable(f"workers are down: {failure}")
+        if self._stopping:
+            raise Unavailable("the scheduler is shutting down")
+        req_id = params.request_id or uuid.uuid4().hex
+        if req_id in self._streams:
+            raise InvalidArgument("duplicate request id", request=req_id)
+        request = self.scheduler.make_request(
+            req_id,
+            params.token_ids,
+            max_tokens=params.max_tokens,
+            cache_salt=params.cache_salt,
+            priority=params.priority,
+            stop_token_ids=params.stop_token_ids,
+            greedy=params.greedy,
+            seed=params.seed,
+        )
+        self.scheduler.add_request(request)
+        stream = self._streams[req_id] = _Stream(self, req_id)
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: end the request and free its blocks."""
+        self._streams.pop(request_id, None)
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        failure = self.workers.failure
+        down_rank = failure.rank if failure is not None else -1
+        s["workers"] = [
+            {"rank": rank, "address": address, "up": failure is None or rank != down_rank}
+            for rank, address in enumerate(self.workers.addresses)
+        ]
+        s["workers_error"] = str(failure) if failure is not None else ""
+        s["kvserver_connector"] = self.scheduler.connector is not None
+        return s
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Step until :meth:`stop`."""
+        idle_wait = IDLE_WAIT_MIN_S
+        while not self._stopping:
+            if self.workers.failure is not None:
+                await self._recover()
+                continue
+            if not self.scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                busy = await self._step()
+            except Exception:  # a bug: keep serving, fail what was in flight
+                logger.exception("scheduler step failed")
+                self._deliver(self.scheduler.fail_all("internal scheduler error; see its log"))
+                busy = True
+            if busy:
+                idle_wait = IDLE_WAIT_MIN_S
+                await asyncio.sleep(0)  # let gRPC handlers run between steps
+            else:  # only transfers in flight: poll the workers, gently
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), idle_wait)
+                idle_wait = min(idle_wait * 2, IDLE_WAIT_MAX_S)
+
+    async def _step(self) -> bool:
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        try:
+            results = await self.workers.step(plan)
+        except WorkerFailure as exc:
+            self._deliver(scheduler.fail_all(str(exc)))
+            return True
+        outputs = scheduler.update_from_output(plan, results)
+        if scheduler.connector is not None:
+            self.num_connector_events += len(scheduler.connector.take_events())
+        self._deliver(outputs)
+        return bool(plan.num_scheduled_tokens or outputs)
+
+    async def _recover(self) -> None:
+        """Workers down: try a fresh hello; if they do not answer, fail what is queued and
+        wait ``probe_interval_s`` (or until stopped) before trying again."""
+        if await self.workers.recover(self.probe_interval_s):
+            return
+        reason = f"workers are down: {self.workers.failure}"
+        queued = list(self.scheduler.requests)
+        for request in self.scheduler.finish_requests(queued, RequestStatus.FINISHED_ERROR):
+            self._deliver([RequestOutput(request.request_id, [], True, "error", error=reason)])
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.probe_interval_s)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for output in outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.put(output)
+            if output.finished:
+                del streams[output.request_id]
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return; every open stream ends UNAVAILABLE."""
+        self._stopping = True
+        self._wake.set()
+        for req_id, stream in list(self._streams.items()):
+            stream.put(RequestOutput(req_id, [], True, "error", error="scheduler shutting down"))
+        self._streams.clear()
+
+
+# ---------------------------------------------------------------------------- the process
+
+
+def _spawn_synthetic(config: ProcessConfig, tmpdir: str) -> tuple[list[str], list[Any]]:
+    """Start the synthetic worker children; their ipc:// addresses and Popen objects."""
+    addresses, children = [], []
+    for rank in range(config.synthetic_workers):
+        address = f"ipc://{tmpdir}/worker-{rank}.sock"
+        args = [
+            sys.executable, "-m", "scheduler.synthetic", "--bind", address,
+            "--delay-ms", str(config.synthetic_delay_ms), "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        children.append(subprocess.Popen(args, stdin=subprocess.DEVNULL))
+        addresses.append(address)
+    return addresses, children
+
+
+def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> SchedulerConnector | None:
+    """The kvserver connector over the namespace the workers' KV layout describes."""
+    if config.kvserver is None:
+        return None
+    from kvserver.namespace import NamespaceSpec
+    from scheduler.kv_connector import KVServerSchedulerConnector
+    from scheduler.kv_connector_types import KVConnectorConfig
+
+    layout = infos[0].kv_layout
+    if not layout:
+        raise InvalidArgument("the workers report no KV layout; cannot use --kvserver")
+    sched = config.scheduler
+    spec = NamespaceSpec(
+        model=config.model,
+        dtype=layout["dtype"],
+        num_layers=layout["num_layers"],
+        num_kv_heads=layout["num_kv_heads"],
+        head_dim=layout["head_dim"],
+        block_size=sched.block_size,
+        chunk_blocks=config.chunk_blocks,
+        hash_algo=sched.hash_algo,
+        hash_seed=sched.hash_seed,
+        tp_world_size=len(infos),
+    )
+    return KVServerSchedulerConnector(KVConnectorConfig(config.kvserver, spec))
+
+
+async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the scheduler process until ``stop`` is set (SIGTERM/SIGINT under :func:`main`)."""
+    stop = stop or asyncio.Event()
+    tmpdir = tempfile.mkdtemp(prefix="kvserver-sched-")
+    children: list[Any] = []
+    workers: WorkerGroup | None = None
+    scheduler: Scheduler | None = None
+    service: EngineService | None = None
+    core: EngineCore | None = None
+    loop_task: asyncio.Task[None] | None = None
+    try:
+        addresses = list(config.workers)
+        if config.synthetic_workers:
+            addresses, children = _spawn_synthetic(config, tmpdir)
+        workers = WorkerGroup(
+            addresses, step_timeout_s=config.step_timeout_s, hello_timeout_s=config.hello_timeout_s
+        )
+        sched = config.scheduler
+        infos = await workers.start(
+            WorkerHello(0, len(addresses), sched.block_size, sched.num_gpu_blocks, config.model)
+        )
+        scheduler = Scheduler(sched, connector=_make_connector(config, infos))
+        core = EngineCore(scheduler, workers, probe_interval_s=config.probe_interval_s)
+        loop_task = asyncio.create_task(core.run(), name="step-loop")
+        service = EngineService(core, config.host, config.grpc_port)
+        port = await service.start()
+        info = {"pid": os.getpid(), "host": config.host, "grpc_port": port, "workers": addresses}
+        if config.ready_file:
+            _write_atomic(config.ready_file, json.dumps(info))
+        logger.info(
+            "scheduler serving %s:%d: %d workers, %d GPU blocks of %d tokens, kvserver %s",
+            config.host, port, len(addresses), sched.num_gpu_blocks, sched.block_size,
+            config.kvserver or "off",
+        )  # fmt: skip
+        stop_wait = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({stop_wait, loop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        if loop_task.done():
+            loop_task.result()  # the loop never returns on its own: surface its error
+        logger.info("shutting down")
+    finally:
+        if service is not None:
+            await service.stop(config.shutdown_grace_s)
+        if core is not None:
+            core.stop()
+        if loop_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(loop_task, config.shutdown_grace_s + 1.0)
+        if workers is not None:
+            await workers.close(stop_workers=bool(children))
+        for child in children:
+            try:
+                child.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if scheduler is not None:
+            close = getattr(scheduler.connector, "close", None)
+            if callable(close):
+                with contextlib.suppress(KVServerError):
+                    close()
+            scheduler.close()
+        if config.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.ready_file)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        logger.info("stopped")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(config: ProcessConfig) -> int:
+    """Run the scheduler in this process; returns the exit code (0 on orderly shutdown)."""
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    import uvloop
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    uvloop.run(_main())
+    return 0

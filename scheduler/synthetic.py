@@ -1,0 +1,245 @@
+"""A synthetic worker: answers StepPlans with deterministic tokens, no model, no torch.
+
+Lets the whole scheduler path (queues, budget, block tables, connector metadata, ZMQ fan-out,
+gRPC front door) run anywhere. Two faces:
+
+- :class:`SyntheticWorker`, a plain class (tests drive it in-process): keeps each request's
+  block table, checks every plan against it (a scheduler bug shows up as an error here rather
+  than as wrong KV), and samples ``next_token(last token, position)`` — a hash, so the output
+  does not depend on how the prompt's KV was obtained (computed, prefix-cached, loaded).
+  Connector transfers are reported done (every chunk of every lease) without moving bytes.
+- ``python -m scheduler.synthetic --bind tcp://127.0.0.1:0 [--ready-file F]``: the same behind
+  a ZMQ ROUTER socket, speaking the step protocol of :mod:`kvserver.connector_messages`. It
+  serves one request at a time, in order; exits on ``stop``, SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserver.connector_messages import (
+    KIND_ERROR,
+    KIND_HELLO,
+    KIND_RESULT,
+    KIND_STEP,
+    KIND_STOP,
+    ConnectorMetadata,
+    ConnectorWorkerOutput,
+    StepPlan,
+    StepResult,
+    TransferResult,
+    WorkerHello,
+    WorkerInfo,
+    decode,
+    encode_body,
+)
+from kvserver.errors import InvalidArgument, KVServerError
+
+logger = logging.getLogger(__name__)
+
+VOCAB_SIZE = 32_000
+#: the KV layout synthetic workers claim (a kvserver namespace needs one)
+SYNTHETIC_KV_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16"}
+
+
+def next_token(last_token: int, position: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> int:
+    """The synthetic model: the token at ``position`` after ``last_token``."""
+    digest = hashlib.blake2b(f"{last_token}:{position}:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % vocab_size
+
+
+@dataclass(slots=True)
+class _ReqState:
+    tokens: list[int]
+    block_ids: list[int]
+    greedy: bool
+    seed: int
+
+
+@dataclass(slots=True)
+class SyntheticWorker:
+    """One rank of a synthetic model; see the module docstring."""
+
+    rank: int = 0
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    vocab_size: int = VOCAB_SIZE
+    delay_s: float = 0.0
+    _reqs: dict[str, _ReqState] = field(default_factory=dict)
+
+    def hello(self, msg: WorkerHello) -> WorkerInfo:
+        """Adopt the scheduler's view; forget every request (a fresh start)."""
+        self.rank = msg.rank
+        self.block_size = msg.block_size
+        self.num_gpu_blocks = msg.num_gpu_blocks
+        self._reqs.clear()
+        return WorkerInfo(self.rank, os.getpid(), self.vocab_size, dict(SYNTHETIC_KV_LAYOUT))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Raises InvalidArgument for a plan inconsistent with earlier ones."""
+        reqs = self._reqs
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            reqs.pop(req_id, None)
+        for new in plan.new_reqs:
+            self._check_blocks(new.req_id, new.block_ids)
+            reqs[new.req_id] = _ReqState(
+                [*new.prompt_token_ids, *new.output_token_ids],
+                list(new.block_ids),
+                new.greedy,
+                new.seed,
+            )
+        for cached in plan.cached_reqs:
+            state = reqs.get(cached.req_id)
+            if state is None:
+                raise InvalidArgument("step names an unknown request", req=cached.req_id)
+            self._check_blocks(cached.req_id, cached.new_block_ids)
+            state.block_ids += cached.new_block_ids
+            start = cached.num_computed_tokens
+            known = len(state.tokens)
+            if start > known:
+                raise InvalidArgument("tokens skipped", req=cached.req_id, start=start, known=known)
+            # the scheduler is the source of truth for the tokens (ours may lag one sample)
+            del state.tokens[start:]
+            state.tokens += cached.token_ids
+        sampled: dict[str, int] = {}
+        computed = {r.req_id: r.num_computed_tokens for r in plan.new_reqs}
+        computed.update((r.req_id, r.num_computed_tokens) for r in plan.cached_reqs)
+        for req_id, n in plan.num_scheduled_tokens.items():
+            state = reqs.get(req_id)
+            if state is None or req_id not in computed:
+                raise InvalidArgument("scheduled request without data", req=req_id)
+            end = computed[req_id] + n
+            if n < 1 or end > len(state.tokens):
+                raise InvalidArgument("scheduled beyond the known tokens", req=req_id, end=end)
+            if end > len(state.block_ids) * self.block_size:
+                raise InvalidArgument(
+                    "block table too short", req=req_id, end=end, blocks=len(state.block_ids)
+                )
+            seed = 0 if state.greedy else state.seed
+            sampled[req_id] = next_token(state.tokens[end - 1], end, seed, self.vocab_size)
+        if self.delay_s:
+            time.sleep(self.delay_s)  # simulated compute time (a knob, not synchronisation)
+        return StepResult(plan.step, self.rank, sampled, self._transfers(plan.connector_meta))
+
+    def _check_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if not 0 < block_id < self.num_gpu_blocks:
+                raise InvalidArgument("bad block id", req=req_id, block=block_id)
+
+    def _transfers(self, meta: Any) -> ConnectorWorkerOutput | None:
+        """Every planned load and store is reported done: there are no bytes to move."""
+        if meta is None:
+            return None
+        if not isinstance(meta, ConnectorMetadata):
+            meta = ConnectorMetadata.from_wire(meta)
+        return ConnectorWorkerOutput(
+            self.rank,
+            loads=[TransferResult(t.req_id, t.lease_id) for t in meta.loads],
+            stores=[TransferResult(t.req_id, t.lease_id) for t in meta.stores],
+        )
+
+
+# ---------------------------------------------------------------------------- the process
+
+
+def serve(
+    bind: str, *, ready_file: str | None, delay_s: float, parent_pid: int | None = None
+) -> int:
+    """Serve the step protocol on a ROUTER bound at ``bind`` until ``stop``, a signal, or (with
+    ``parent_pid``) the parent process going away."""
+    import zmq
+
+    worker = SyntheticWorker(delay_s=delay_s)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    stopping = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        sock.bind(bind)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if ready_file:
+            tmp = f"{ready_file}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"pid": os.getpid(), "endpoint": endpoint}, f)
+            os.replace(tmp, ready_file)
+        logger.info("synthetic worker %d serving on %s", os.getpid(), endpoint)
+        while not stopping:
+            if not sock.poll(200):  # wake up regularly to notice a signal or an orphaning
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    logger.info("parent %d is gone: exiting", parent_pid)
+                    break
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            ident, data = frames
+            kind = ""
+            body: dict[str, Any] = {}
+            try:
+                kind, body = decode(data)
+                if kind == KIND_STEP:
+                    plan = StepPlan.from_wire(body)
+                    reply = encode_body(KIND_RESULT, worker.execute(plan).to_wire())
+                elif kind == KIND_HELLO:
+                    info = worker.hello(WorkerHello.from_wire(body)).to_wire()
+                    reply = encode_body(KIND_HELLO, {**info, "seq": body.get("seq")})
+                elif kind == KIND_STOP:
+                    break
+                else:
+                    raise InvalidArgument("unknown message kind", kind=kind)
+            except KVServerError as exc:
+                seq = body.get("step", body.get("seq", -1)) if kind else -1
+                reply = encode_body(KIND_ERROR, {"step": seq, "message": str(exc)})
+            sock.send_multipart([ident, reply])
+    finally:
+        sock.close(0)
+        ctx.term()
+        if ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ready_file)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="ZMQ endpoint to bind")
+    parser.add_argument("--ready-file", help="write {pid, endpoint} here once bound")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="simulated step time")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return serve(
+        args.bind,
+        ready_file=args.ready_file,
+        delay_s=args.delay_ms / 1e3,
+        parent_pid=args.parent_pid,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""ZMQ fan-out of StepPlans to the workers and gather of their StepResults.
+
+Runs in the scheduler process on its asyncio event loop (zmq.asyncio); used by the step loop
+only, one call at a time. Each worker binds a ROUTER socket; this side holds one DEALER per
+worker (``ZMQ_IMMEDIATE``: nothing is queued for a worker that is not connected).
+
+Call order: ``await start(hello)`` (connect, hello every worker within ``hello_timeout_s``) →
+``await step(plan)`` per engine step → ``await close()``. A step goes to every worker (tensor
+parallel: every rank runs every request) and succeeds only when every worker answered within
+``step_timeout_s``; otherwise it raises :class:`WorkerFailure` naming the first worker that
+failed. After a failure the group is *down* (:attr:`WorkerGroup.failure`): :meth:`recover`
+replaces the sockets of every worker (dropping anything queued for a dead peer) and says hello
+again, which makes every worker forget its requests; until it succeeds ``step`` refuses at
+once. Replies to an older step or hello (a slow worker catching up) are recognised by their
+step number and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvserver.connector_messages import (
+    KIND_ERROR,
+    KIND_HELLO,
+    KIND_RESULT,
+    KIND_STEP,
+    KIND_STOP,
+    StepPlan,
+    StepResult,
+    WorkerHello,
+    WorkerInfo,
+    decode,
+    encode_body,
+)
+from kvserver.errors import KVServerError, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerFailure(Unavailable):
+    """A worker died, timed out or reported an error; the step's requests cannot go on."""
+
+    def __init__(self, message: str, *, rank: int, address: str) -> None:
+        super().__init__(message, rank=rank, address=address)
+        self.rank = rank
+        self.address = address
+
+
+@dataclass(slots=True)
+class _Worker:
+    rank: int
+    address: str
+    sock: zmq.asyncio.Socket | None = None
+    info: WorkerInfo | None = None
+
+
+class WorkerGroup:
+    """The scheduler's view of its N workers; see the module docstring."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        step_timeout_s: float = 10.0,
+        hello_timeout_s: float = 30.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if not addresses:
+            raise KVServerError("a worker group needs at least one worker")
+        self._own_ctx = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._workers = [_Worker(rank, address) for rank, address in enumerate(addresses)]
+        self.step_timeout_s = step_timeout_s
+        self.hello_timeout_s = hello_timeout_s
+        self._hello: WorkerHello | None = None
+        self._hello_seq = 0
+        #: why the group is down (None: healthy)
+        self.failure: WorkerFailure | None = WorkerFailure(
+            "workers not started", rank=0, address=addresses[0]
+        )
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [w.address for w in self._workers]
+
+    @property
+    def infos(self) -> list[WorkerInfo]:
+        """What each worker said in its last hello (REQUIRES: started)."""
+        return [w.info for w in self._workers if w.info is not None]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, hello: WorkerHello, timeout_s: float | None = None) -> list[WorkerInfo]:
+        """Connect and hello every worker (``hello.rank`` is set per worker). Raises
+        WorkerFailure if one does not answer within ``timeout_s`` (default hello_timeout_s)."""
+        self._hello = hello
+        await self._connect_and_hello(timeout_s or self.hello_timeout_s)
+        return self.infos
+
+    async def recover(self, timeout_s: float) -> bool:
+        """Try to bring a down group back (fresh sockets, hello = reset); True on success."""
+        if self.failure is None:
+            return True
+        try:
+            await self._connect_and_hello(timeout_s)
+        except WorkerFailure as exc:
+            self.failure = exc
+            return False
+        logger.info("all %d workers answer again", self.world_size)
+        return True
+
+    async def close(self, *, stop_workers: bool = False) -> None:
+        """Close every socket (optionally telling the workers to exit first). Idempotent."""
+        for worker in self._workers:
+            sock, worker.sock = worker.sock, None
+            if sock is None:
+                continue
+            if stop_workers:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(encode_body(KIND_STOP, {}), flags=zmq.NOBLOCK)
+            sock.close(linger=100 if stop_workers else 0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    async def _connect_and_hello(self, timeout_s: float) -> None:
+        assert self._hello is not None, "start() first"
+        for worker in self._workers:
+            if worker.sock is not None:
+                worker.sock.close(linger=0)
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(worker.address)
+            worker.sock = sock
+        self._hello_seq -= 1  # hellos use negative sequence numbers, steps positive ones
+        seq = self._hello_seq
+        deadline = time.monotonic() + timeout_s
+        results = await asyncio.gather(
+            *(self._hello_one(w, seq, deadline) for w in self._workers), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                self.failure = (
+                    result
+                    if isinstance(result, WorkerFailure)
+                    else WorkerFailure(f"hello failed: {result}", rank=0, address="?")
+                )
+                raise self.failure
+        self.failure = None
+
+    async def _hello_one(self, worker: _Worker, seq: int, deadline: float) -> None:
+        assert self._hello is not None and worker.sock is not None
+        hello = WorkerHello(
+            worker.rank,
+            self.world_size,
+            self._hello.block_size,
+            self._hello.num_gpu_blocks,
+            self._hello.model,
+        )
+        body = {**hello.to_wire(), "seq": seq}
+        try:
+            await asyncio.wait_for(worker.sock.send(encode_body(KIND_HELLO, body)), _left(deadline))
+            reply = await self._recv(worker, KIND_HELLO, seq, deadline)
+        except TimeoutError:
+            raise WorkerFailure(
+                f"worker {worker.rank} at {worker.address} did not answer hello in time",
+                rank=worker.rank,
+                address=worker.address,
+            ) from None
+        worker.info = WorkerInfo.from_wire(reply)
+
+    # ------------------------------------------------------------------ steps
+
+    async def step(self, plan: StepPlan) -> list[StepResult]:
+        """Send ``plan`` to every worker; their results in rank order. Raises WorkerFailure
+        (and the group is down) if a worker is disconnected, errs or misses the deadline."""
+        if self.failure is not None:
+            raise self.failure
+        data = encode_body(KIND_STEP, plan.to_wire())
+        deadline = time.monotonic() + self.step_timeout_s
+        for worker in self._workers:
+            assert worker.sock is not None
+            try:
+                worker.sock.send(data, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise self._fail(worker, f"not connected (step {plan.step})") from None
+        results = await asyncio.gather(
+            *(self._recv(w, KIND_RESULT, plan.step, deadline) for w in self._workers),
+            return_exceptions=True,
+        )
+        out = []
+        for worker, result in zip(self._workers, results, strict=True):
+            if isinstance(result, TimeoutError):
+                raise self._fail(
+                    worker, f"no reply to step {plan.step} within {self.step_timeout_s:g}s"
+                )
+            if isinstance(result, WorkerFailure):
+                self.failure = result
+                raise result
+            if isinstance(result, BaseException):
+                raise self._fail(worker, f"bad reply to step {plan.step}: {result}")
+            out.append(StepResult.from_wire(result))
+        return out
+
+    def _fail(self, worker: _Worker, what: str) -> WorkerFailure:
+        self.failure = WorkerFailure(
+            f"worker {worker.rank} at {worker.address}: {what}",
+            rank=worker.rank,
+            address=worker.address,
+        )
+        logger.error("%s", self.failure)
+        return self.failure
+
+    async def _recv(
+        self, worker: _Worker, kind: str, seq: int, deadline: float
+    ) -> dict[str, object]:
+        """The reply of ``kind`` to message ``seq``; older replies are dropped. TimeoutError
+        past ``deadline``; WorkerFailure for an error reply to ``seq``."""
+        sock = worker.sock
+        assert sock is not None
+        while True:
+            data = await asyncio.wait_for(sock.recv(), _left(deadline))
+            got_kind, body = decode(data)
+            got_seq = body.get("seq", body.get("step"))
+            if got_seq != seq:
+                logger.debug("dropping a stale %s from worker %d", got_kind, worker.rank)
+                continue
+            if got_kind == KIND_ERROR:
+                raise WorkerFailure(
+                    f"worker {worker.rank} at {worker.address} failed step {seq}: "
+                    f"{body.get('message')}",
+                    rank=worker.rank,
+                    address=worker.address,
+                )
+            if got_kind != kind:
+                raise KVServerError(f"expected {kind!r}, got {got_kind!r}")
+            return body
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

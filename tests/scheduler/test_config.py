@@ -1,0 +1,62 @@
+"""SchedulerConfig / ProcessConfig validation: one clear InvalidArgument naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvserver.errors import InvalidArgument
+from scheduler.config import ProcessConfig, SchedulerConfig
+
+
+def test_defaults_and_derived_values() -> None:
+    cfg = SchedulerConfig(num_gpu_blocks=11, block_size=4)
+    assert cfg.usable_blocks == 10 and cfg.model_len == 40
+    assert SchedulerConfig(num_gpu_blocks=11, block_size=4, max_model_len=12).model_len == 12
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"num_gpu_blocks": 1}, "num_gpu_blocks"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": True}, "max_num_batched_tokens"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"policy": "lifo"}, "policy"),
+        ({"hash_algo": "md5"}, "hash_algo"),
+        ({"max_model_len": 10**9}, "max_model_len"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16}, "max_num_batched"),
+    ],
+)
+def test_bad_scheduler_configs(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        SchedulerConfig(**kw)
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"workers": ("tcp://a:1",), "synthetic_workers": 2},
+        {"workers": ("a:1",)},
+        {"synthetic_workers": 1, "step_timeout_s": 0},
+        {"synthetic_workers": 1, "chunk_blocks": 0},
+    ],
+)
+def test_bad_process_configs(kw: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgument):
+        ProcessConfig(**kw)
+    assert ProcessConfig(synthetic_workers=2).num_workers == 2
+
+
+def test_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserver.cli import main
+
+    assert main(["scheduler", "--synthetic-workers", "1", "--num-gpu-blocks", "1"]) == 2
+    assert "num_gpu_blocks" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["scheduler", "--synthetic-workers", "1", "--workers", "tcp://a:1"])
+    assert info.value.code == 2

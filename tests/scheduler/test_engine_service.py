@@ -1,0 +1,167 @@
+"""The gRPC front door on a real scheduler process with synthetic worker processes: Generate
+streams tokens, reports where the prompt's KV came from (GPU prefix cache, kvserver,
+computed), maps errors to status codes, aborts cancelled requests, shuts down in order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserver.grpc_client import ERROR_CODE_KEY
+from tests.scheduler.builders import expected_output, tokens
+from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
+from tests.support.daemon import start_daemon, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    proc = start_scheduler(
+        tmp_path_factory.mktemp("sched"),
+        "--synthetic-workers", "2", "--num-gpu-blocks", "512", "--block-size", "16",
+        "--max-model-len", "1024",
+    )  # fmt: skip
+    try:
+        yield proc
+        assert proc.terminate() == 0, proc.log()
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def client(sched: Proc) -> Iterator[EngineClient]:
+    with EngineClient(sched.info["grpc_port"]) as c:
+        yield c
+
+
+def test_generate_streams_tokens_then_hits_the_gpu_prefix_cache(client: EngineClient) -> None:
+    prompt = tokens(100, 5000)
+    msgs = client.generate(prompt, 6, request_id="first")
+    assert len(msgs) == 6 and all(len(m.token_ids) == 1 for m in msgs)
+    assert output_tokens(msgs) == expected_output(prompt, 6)
+    assert msgs[0].request_id == "first" and msgs[-1].finished
+    assert not any(m.finished for m in msgs[:-1])
+    assert msgs[-1].finish_reason == 2  # LENGTH
+    usage = msgs[0].usage
+    assert (usage.prompt_tokens, usage.gpu_cached_tokens, usage.computed_tokens) == (100, 0, 100)
+    assert msgs[-1].HasField("usage") and not msgs[1].HasField("usage")
+    again = client.generate(prompt, 6)
+    assert output_tokens(again) == output_tokens(msgs)
+    usage = again[0].usage
+    assert (usage.gpu_cached_tokens, usage.kvserver_tokens, usage.computed_tokens) == (96, 0, 4)
+
+
+def test_cache_salt_separates_prefix_caches(client: EngineClient) -> None:
+    prompt = tokens(64, 9000)
+    client.generate(prompt, 1, cache_salt="tenant-a")
+    other = client.generate(prompt, 1, cache_salt="tenant-b")
+    assert other[0].usage.gpu_cached_tokens == 0
+    same = client.generate(prompt, 1, cache_salt="tenant-a")
+    assert same[0].usage.gpu_cached_tokens == 48
+
+
+def test_stop_token(client: EngineClient) -> None:
+    prompt = tokens(10, 100)
+    want = expected_output(prompt, 3)
+    msgs = client.generate(prompt, 50, stop_token_ids=[want[2]])
+    assert output_tokens(msgs) == want and msgs[-1].finish_reason == 1  # STOP
+
+
+def test_concurrent_requests(client: EngineClient) -> None:
+    prompts = [tokens(20 + i, 300 * i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: output_tokens(client.generate(p, 12)), prompts))
+    assert results == [expected_output(p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "status", "code"),
+    [
+        ([], 4, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+        ([1, 2], 0, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+        (list(range(1024)), 4, grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity"),
+    ],
+)
+def test_bad_requests(
+    client: EngineClient, prompt: list[int], max_tokens: int, status: grpc.StatusCode, code: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(prompt, max_tokens)
+    assert info.value.code() == status
+    assert (ERROR_CODE_KEY, code) in info.value.trailing_metadata()
+
+
+def test_undecodable_request_is_invalid_argument(client: EngineClient) -> None:
+    call = client.channel.unary_stream("/kvserver.v1.Engine/Generate")
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(b"\xff\xff\xff", timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cancelled_stream_aborts_its_request(client: EngineClient) -> None:
+    stream = client.stream(tokens(16, 77), 900, request_id="to-cancel")
+    assert next(stream).token_ids
+    stream.cancel()  # type: ignore[attr-defined]
+    wait_until(lambda: client.stats().running == 0, timeout=20)
+    stats = client.stats()
+    assert stats.free_blocks == stats.total_blocks - 1
+
+
+def test_health_and_stats(client: EngineClient) -> None:
+    health = health_pb2_grpc.HealthStub(client.channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service="kvserver.v1.Engine"), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stats = client.stats()
+    assert [w.up for w in stats.workers] == [True, True] and not stats.kvserver_connector
+    assert stats.total_blocks == 512 and stats.workers_error == ""
+
+
+def test_sigterm_ends_in_flight_streams_and_exits_0(tmp_path: Path) -> None:
+    proc = start_scheduler(
+        tmp_path,
+        "--synthetic-workers", "1", "--num-gpu-blocks", "4096", "--shutdown-grace-s", "0.3",
+    )  # fmt: skip
+    try:
+        with EngineClient(proc.info["grpc_port"]) as c:
+            stream = c.stream(tokens(8), 60_000)
+            assert next(stream).token_ids
+            assert proc.terminate() == 0
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert "stopped" in proc.log()
+        assert not Path(proc.args[proc.args.index("--ready-file") + 1]).exists()
+    finally:
+        proc.kill()
+
+
+def test_prompt_kv_comes_back_from_kvserver(tmp_path: Path) -> None:
+    """With --kvserver, a prompt whose GPU blocks were evicted is loaded from the daemon."""
+    daemon = start_daemon(tmp_path / "daemon", "--dram", "16MiB")
+    proc = start_scheduler(
+        tmp_path,
+        "--synthetic-workers", "2", "--num-gpu-blocks", "17", "--block-size", "16",
+        "--kvserver", daemon.zmq_address, "--chunk-blocks", "1",
+    )  # fmt: skip
+    try:
+        with EngineClient(proc.info["grpc_port"]) as c:
+            p, q = tokens(128, 100), tokens(240, 5000)
+            first = c.generate(p, 1)
+            assert first[0].usage.computed_tokens == 128
+            c.generate(q, 1)  # evicts most of p's GPU blocks
+            again = c.generate(p, 3)
+            usage = again[0].usage
+            assert usage.kvserver_tokens > 0, usage
+            assert usage.gpu_cached_tokens + usage.kvserver_tokens + usage.computed_tokens == 128
+            assert output_tokens(again) == expected_output(p, 3)
+            assert c.stats().kvserver_connector
+        assert proc.terminate() == 0, proc.log()
+    finally:
+        proc.kill()
+        daemon.kill()

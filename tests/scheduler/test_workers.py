@@ -1,0 +1,212 @@
+"""WorkerGroup: fan-out of step plans over ZMQ and gather of the results with a deadline; a
+worker that dies, errs or times out fails the step clearly, and the group comes back.
+
+In-process tests drive the group against ROUTER sockets served by this test (same loop);
+the multi-process test kills a real synthetic worker under a running scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvserver.connector_messages import (
+    KIND_ERROR,
+    KIND_HELLO,
+    KIND_RESULT,
+    StepPlan,
+    StepResult,
+    WorkerHello,
+    decode,
+    encode_body,
+)
+from scheduler.synthetic import SyntheticWorker
+from scheduler.workers import WorkerFailure, WorkerGroup
+from tests.scheduler.builders import expected_output, tokens
+from tests.scheduler.procs import EngineClient, output_tokens, start_scheduler, start_worker
+from tests.support.daemon import wait_until
+
+HELLO = WorkerHello(0, 1, 4, 64)
+Behaviour = Callable[[str, dict[str, object]], list[bytes] | None]
+
+
+def synthetic(worker: SyntheticWorker) -> Behaviour:
+    """Answer like a synthetic worker process would."""
+
+    def answer(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        if kind == KIND_HELLO:
+            info = worker.hello(WorkerHello.from_wire(body)).to_wire()
+            return [encode_body(KIND_HELLO, {**info, "seq": body["seq"]})]
+        plan = StepPlan.from_wire(body)
+        return [encode_body(KIND_RESULT, worker.execute(plan).to_wire())]
+
+    return answer
+
+
+@contextlib.asynccontextmanager
+async def served(ctx: zmq.asyncio.Context, behaviour: Behaviour) -> AsyncIterator[str]:
+    """A ROUTER on an ephemeral loopback port answering with ``behaviour`` (None = silence)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.bind("tcp://127.0.0.1:*")
+    address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def loop() -> None:
+        while True:
+            ident, data = await sock.recv_multipart()
+            kind, body = decode(data)
+            for reply in behaviour(kind, body) or ():
+                await sock.send_multipart([ident, reply])
+
+    task = asyncio.create_task(loop())
+    try:
+        yield address
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sock.close(0)
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.term()
+
+
+async def test_step_fans_out_and_gathers_in_rank_order(ctx: zmq.asyncio.Context) -> None:
+    w0, w1 = SyntheticWorker(), SyntheticWorker()
+    async with served(ctx, synthetic(w0)) as a0, served(ctx, synthetic(w1)) as a1:
+        group = WorkerGroup([a0, a1], step_timeout_s=5, context=ctx)
+        infos = await group.start(HELLO, timeout_s=5)
+        assert [i.rank for i in infos] == [0, 1] and group.failure is None
+        from scheduler.scheduler import Scheduler
+        from tests.scheduler.builders import config
+
+        s = Scheduler(config())
+        s.add_request(s.make_request("A", tokens(6), max_tokens=3))
+        while s.has_work():
+            plan = s.schedule()
+            results = await group.step(plan)
+            assert [r.rank for r in results] == [0, 1]
+            s.update_from_output(plan, results)
+        assert w0.num_requests == 0 and w1.num_requests == 0
+        await group.close()
+
+
+async def test_silent_worker_times_out_then_recovers(ctx: zmq.asyncio.Context) -> None:
+    worker = SyntheticWorker()
+    answer = synthetic(worker)
+    silent = {"on": False}
+
+    def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        return None if silent["on"] and kind != KIND_HELLO else answer(kind, body)
+
+    async with served(ctx, behaviour) as address:
+        group = WorkerGroup([address], step_timeout_s=0.2, context=ctx)
+        await group.start(HELLO, timeout_s=5)
+        silent["on"] = True
+        with pytest.raises(WorkerFailure) as info:
+            await group.step(StepPlan(1))
+        assert "worker 0" in str(info.value) and "no reply to step 1" in str(info.value)
+        assert info.value.rank == 0 and group.failure is info.value
+        with pytest.raises(WorkerFailure):  # down: refused at once
+            await group.step(StepPlan(2))
+        silent["on"] = False
+        assert await group.recover(5)
+        assert group.failure is None
+        (result,) = await group.step(StepPlan(3))
+        assert result.step == 3
+        await group.close()
+
+
+async def test_error_reply_fails_the_step(ctx: zmq.asyncio.Context) -> None:
+    def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        if kind == KIND_HELLO:
+            return synthetic(SyntheticWorker())(kind, body)
+        return [encode_body(KIND_ERROR, {"step": body["step"], "message": "out of memory"})]
+
+    async with served(ctx, behaviour) as address:
+        group = WorkerGroup([address], step_timeout_s=5, context=ctx)
+        await group.start(HELLO, timeout_s=5)
+        with pytest.raises(WorkerFailure, match="out of memory"):
+            await group.step(StepPlan(1))
+        await group.close()
+
+
+async def test_stale_replies_are_dropped(ctx: zmq.asyncio.Context) -> None:
+    """A slow worker's answer to an older step must not pass for the current one."""
+
+    def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        if kind == KIND_HELLO:
+            return synthetic(SyntheticWorker())(kind, body)
+        step = int(body["step"])  # type: ignore[call-overload]
+        stale = StepResult(step - 1, 0, {"old": 1}).to_wire()
+        return [
+            encode_body(KIND_RESULT, stale),
+            encode_body(KIND_RESULT, StepResult(step, 0).to_wire()),
+        ]
+
+    async with served(ctx, behaviour) as address:
+        group = WorkerGroup([address], step_timeout_s=5, context=ctx)
+        await group.start(HELLO, timeout_s=5)
+        (result,) = await group.step(StepPlan(7))
+        assert result.step == 7 and result.sampled_token_ids == {}
+        await group.close()
+
+
+async def test_unreachable_worker_fails_hello(ctx: zmq.asyncio.Context) -> None:
+    group = WorkerGroup(["tcp://127.0.0.1:1"], context=ctx)
+    with pytest.raises(WorkerFailure, match="did not answer hello"):
+        await group.start(HELLO, timeout_s=0.2)
+    assert not await group.recover(0.1)
+    await group.close()
+
+
+@pytest.mark.multiprocess
+def test_killed_worker_fails_its_requests_and_the_scheduler_stays_up(tmp_path: Path) -> None:
+    """kill -9 of worker 1 mid-generation: the stream ends UNAVAILABLE naming the worker; the
+    scheduler keeps serving (stats, immediate UNAVAILABLE while down) and, once the worker is
+    back on its address, generates again."""
+    w0 = start_worker(tmp_path, "w0")
+    w1 = start_worker(tmp_path, "w1")
+    sched = start_scheduler(
+        tmp_path,
+        "--workers", f"{w0.info['endpoint']},{w1.info['endpoint']}",
+        "--num-gpu-blocks", "4096", "--step-timeout-s", "1", "--probe-interval-s", "0.2",
+    )  # fmt: skip
+    try:
+        with EngineClient(sched.info["grpc_port"]) as client:
+            stream = client.stream(tokens(32), 60_000)
+            first = next(stream)
+            assert first.token_ids
+            w1.kill()
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in stream:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "worker 1" in info.value.details()
+            stats = client.stats()
+            assert not stats.workers[1].up and "worker 1" in stats.workers_error
+            assert stats.running == 0 and stats.free_blocks == stats.total_blocks - 1
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate(tokens(8), 2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            w1 = start_worker(tmp_path, "w1b", bind=w1.info["endpoint"])
+            prompt = tokens(20, 7)
+            # the scheduler probes every 0.2 s: poll its stats, bounded by wait_until's deadline
+            wait_until(lambda: client.stats().workers[1].up, timeout=20)
+            msgs = client.generate(prompt, 5)
+            assert output_tokens(msgs) == expected_output(prompt, 5)
+        assert sched.terminate() == 0
+    finally:
+        sched.kill()
+        w0.kill()
+        w1.kill()
