@@ -1,0 +1,42 @@
+"""Host memory: the mapped arena as a tensor (shared with the daemon's mapping), staleness
+after the daemon removes it, extent checks, and byte views of staging tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvserver.arena import SharedArena  # noqa: E402
+from kvserver.errors import InvalidArgument  # noqa: E402
+from worker.host import MappedArena, staging_buffer, tensor_memoryview  # noqa: E402
+
+
+def test_mapped_arena_shares_bytes_with_the_daemon_mapping() -> None:
+    arena = SharedArena(64 << 10)
+    mapped = MappedArena(arena.path)
+    try:
+        mapped.tensor[100:104].copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        assert arena.read(((100, 4),)) == b"\x01\x02\x03\x04"
+        arena.write(((0, 2),), b"zz")
+        assert mapped.tensor[:2].tolist() == [ord("z")] * 2
+        assert not mapped.is_stale
+        mapped.check_extents([(0, 10), (20, 6)], 16)
+        for bad in ([(0, 10)], [(64 << 10, 16)], [(-1, 17)]):
+            with pytest.raises(InvalidArgument):
+                mapped.check_extents(bad, 16)
+    finally:
+        mapped.close()
+        mapped.close()
+        arena.close()
+    assert mapped.is_stale  # the daemon removed its arena (restart): remap before copying
+
+
+def test_staging_buffer_memoryview_is_writable_and_shared() -> None:
+    t = staging_buffer(32, pinned=False)
+    view = tensor_memoryview(t)
+    view[:3] = b"abc"
+    assert t[:3].tolist() == list(b"abc") and view.nbytes == 32
+    assert tensor_memoryview(staging_buffer(0, pinned=False)).nbytes == 0
+    with pytest.raises(InvalidArgument):
+        tensor_memoryview(torch.zeros(4, 4)[:, :2])

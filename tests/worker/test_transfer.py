@@ -1,0 +1,177 @@
+"""The transfer engines: copies land, ordering per direction, independence of directions,
+non-blocking completion, per-key and per-transfer failures. Every test runs on the CPU engine
+and again on the CUDA engine when a GPU is present (its CPU twin always runs)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from worker.transfer import (  # noqa: E402
+    CpuTransferEngine,
+    Direction,
+    KeyCopies,
+    Transfer,
+    TransferEngine,
+    make_engine,
+)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ENGINES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[gpu, needs_cuda]),
+]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> Iterator[TransferEngine]:
+    e = make_engine(torch.device(request.param))
+    yield e
+    e.close()
+
+
+def dev(engine: TransferEngine) -> torch.device:
+    return torch.device("cpu") if isinstance(engine, CpuTransferEngine) else torch.device("cuda")
+
+
+def host(n: int, fill: int = 0) -> torch.Tensor:
+    t = torch.full((n,), fill, dtype=torch.uint8)
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def store(key: bytes, src: torch.Tensor, dst: torch.Tensor, **kw: object) -> Transfer:
+    return Transfer(Direction.STORE, key, [key], [KeyCopies(key, [(src, dst)])], **kw)  # type: ignore[arg-type]
+
+
+def drain(engine: TransferEngine, *transfers: Transfer) -> list[Transfer]:
+    engine.wait(transfers)
+    return engine.poll()
+
+
+def test_copies_land_and_are_collected_once(engine: TransferEngine) -> None:
+    d = dev(engine)
+    src = torch.arange(64, dtype=torch.uint8, device=d)
+    dst = host(64)
+    t = store(b"k", src, dst)
+    engine.submit(t)
+    assert drain(engine, t) == [t]
+    assert engine.poll() == [] and engine.num_inflight == 0
+    assert torch.equal(dst, src.cpu()) and not t.failed_keys and t.nbytes == 64
+    assert engine.stats.transfers["store"] == 1 and engine.stats.bytes["store"] == 64
+    back = torch.zeros(64, dtype=torch.uint8, device=d)
+    load = Transfer(Direction.LOAD, "l", [b"k"], [KeyCopies(b"k", [(dst, back)])])
+    engine.submit(load)
+    assert drain(engine, load) == [load] and torch.equal(back.cpu(), dst)
+
+
+def test_a_transfer_starts_only_after_the_previous_one_of_its_direction(
+    engine: TransferEngine,
+) -> None:
+    """While store 1 is held inside its body, store 2 has not started and poll reports
+    nothing; a load (the other direction) completes meanwhile; then both stores finish, in
+    order, and poll never blocked."""
+    log: list[str] = []
+    entered, gate = threading.Event(), threading.Event()
+
+    def held() -> list[KeyCopies]:
+        log.append("s1 start")
+        entered.set()
+        gate.wait()
+        log.append("s1 end")
+        return []
+
+    def second() -> list[KeyCopies]:
+        log.append("s2 start")
+        return []
+
+    s1 = Transfer(Direction.STORE, 1, [], prepare=held)
+    s2 = Transfer(Direction.STORE, 2, [], prepare=second)
+    engine.submit(s1)
+    engine.submit(s2)
+    entered.wait()
+    d = dev(engine)
+    back = torch.zeros(8, dtype=torch.uint8, device=d)
+    load = Transfer(Direction.LOAD, 3, [b"x"], [KeyCopies(b"x", [(host(8, 7), back)])])
+    engine.submit(load)
+    engine.wait([load])
+    assert engine.poll() == [load]  # the other direction is independent
+    assert log == ["s1 start"] and engine.num_inflight == 2
+    gate.set()
+    assert drain(engine, s1, s2) == [s1, s2]
+    assert log == ["s1 start", "s1 end", "s2 start"]
+
+
+def test_many_transfers_finish_in_submission_order(engine: TransferEngine) -> None:
+    """Each store overwrites the same destination; the last one submitted wins."""
+    d = dev(engine)
+    dst = host(1 << 16)
+    transfers = [
+        store(b"k", torch.full((1 << 16,), i, dtype=torch.uint8, device=d), dst) for i in range(20)
+    ]
+    for t in transfers:
+        engine.submit(t)
+    engine.wait(transfers)
+    assert engine.poll() == transfers
+    assert int(dst[0]) == 19 and int(dst[-1]) == 19
+
+
+def test_a_bad_key_fails_alone(engine: TransferEngine) -> None:
+    d = dev(engine)
+    good_src, dst = torch.ones(16, dtype=torch.uint8, device=d), host(16)
+    t = Transfer(Direction.STORE, "t", [b"good", b"bad", b"planned-bad"], [
+        KeyCopies(b"good", [(good_src, dst)]),
+        KeyCopies(b"bad", [(torch.ones(3, dtype=torch.uint8, device=d), host(5))]),
+        KeyCopies(b"planned-bad", error="extent outside the arena"),
+    ])  # fmt: skip
+    engine.submit(t)
+    drain(engine, t)
+    assert t.failed_keys == [b"bad", b"planned-bad"] and int(dst.sum()) == 16
+    assert engine.stats.failed_keys["store"] == 2
+
+
+def test_prepare_and_finish_hooks(engine: TransferEngine) -> None:
+    """prepare supplies the copies; finish sees the keys that copied after they landed; an
+    exception from either fails every key of the transfer."""
+    d = dev(engine)
+    src, dst = torch.full((32,), 5, dtype=torch.uint8, device=d), host(32)
+    seen: list[tuple[list[bytes], int]] = []
+    t = Transfer(
+        Direction.STORE, "ok", [b"a"],
+        prepare=lambda: [KeyCopies(b"a", [(src, dst)])],
+        finish=lambda ok: seen.append((ok, int(dst.sum()))),
+    )  # fmt: skip
+
+    def boom(*_: object) -> list[KeyCopies]:
+        raise ConnectionError("daemon went away")
+
+    bad_prepare = Transfer(Direction.LOAD, "p", [b"a", b"b"], prepare=boom)
+    bad_finish = store(b"c", src, host(32), finish=boom)
+    for x in (t, bad_prepare, bad_finish):
+        engine.submit(x)
+    drain(engine, t, bad_prepare, bad_finish)
+    assert seen == [([b"a"], 5 * 32)] and not t.failed_keys
+    assert bad_prepare.failed_keys == [b"a", b"b"] and bad_finish.failed_keys == [b"c"]
+
+
+def test_keys_missing_from_prepared_copies_fail(engine: TransferEngine) -> None:
+    t = Transfer(Direction.LOAD, "m", [b"a", b"b"], prepare=lambda: [KeyCopies(b"a")])
+    engine.submit(t)
+    drain(engine, t)
+    assert t.failed_keys == [b"b"]
+
+
+def test_close_finishes_queued_work_then_refuses(engine: TransferEngine) -> None:
+    d = dev(engine)
+    dst = host(8)
+    t = store(b"k", torch.full((8,), 3, dtype=torch.uint8, device=d), dst)
+    engine.submit(t)
+    engine.close()
+    assert int(dst.sum()) == 24
+    with pytest.raises(RuntimeError):
+        engine.submit(store(b"k", dst, dst))

@@ -1,0 +1,396 @@
+"""KVServerWorkerConnector: the worker half of the kvserver KV connector (seed 000 §2.2).
+
+Runs in each worker process (one per GPU / TP rank), on the worker's thread; not thread-safe.
+It executes the :class:`~kvserver.connector_messages.ConnectorMetadata` that the scheduler
+connector (scheduler/kv_connector.py) ships every step, with a transfer engine
+(worker/transfer.py: CUDA streams, or threads on CPU), and reports per lease what its rank
+finished. It never completes leases: the scheduler does, once every rank reported.
+
+Call order, every step (empty metadata included: deferred stores and reports need it)::
+
+    register_kv_caches(kv_caches, num_blocks)    once, before the first step
+    bind_connector_metadata(meta)
+    start_load_kv()          flush barrier (handle_preemptions), deferred stores, loads
+    ... forward pass ...
+    wait_for_save()          queue this metadata's stores: submitted by the next start_load_kv
+    get_finished()           non-blocking poll → (finished sending, finished receiving) req ids
+    build_connector_worker_meta()  → ConnectorWorkerOutput for this rank (what finished)
+    clear_connector_metadata()
+
+Stores are deferred to the start of the next step (seed 000 §11.2: the copy starts after the
+step's sampling, not against it); a store of a request named in ``flush_req_ids`` is never
+deferred. Barrier (contract point 1): before this step's loads are submitted (and so before
+the forward pass), every store of a flushed request, in this metadata, deferred or in flight,
+has finished reading its GPU blocks.
+
+Data paths: **co-located** (the daemon's arena file can be mapped here): copies go straight
+between the KV blocks and ``extents[rank]`` of the mapped arena; **remote**: stores copy into a
+staging buffer and send it with ``write_parts(lease, keys, rank, complete=False)``, loads fetch
+with ``read_parts`` and copy out; that I/O runs on the engine's threads with one client per
+direction. Part layout: kvserver/connector_messages.py (block ``j`` of a part at ``j *
+block_bytes``; a load's ``block_ids[j]`` receives sub-block ``skip_blocks + j``); block bytes:
+worker/layout.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvserver.client import KVClient
+from kvserver.connector_messages import (
+    ConnectorMetadata,
+    ConnectorWorkerOutput,
+    RequestTransfers,
+    TransferResult,
+)
+from kvserver.errors import InvalidArgument, InvalidState, KVServerError
+from kvserver.wire import host_id
+from worker.config import WorkerConnectorConfig
+from worker.host import MappedArena, staging_buffer, tensor_memoryview
+from worker.layout import CanonicalKVCaches, canonicalize, plan_copies
+from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine, make_engine
+
+logger = logging.getLogger(__name__)
+
+#: (is_load, req_id, lease_id): one lease of one request, reported once.
+JobId = tuple[bool, str, int]
+
+
+class KVServerWorkerConnector:
+    """The worker-side connector of one TP rank; see the module docstring."""
+
+    def __init__(self, config: WorkerConnectorConfig) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.rank = config.rank
+        self.caches: CanonicalKVCaches | None = None
+        self.engine: TransferEngine | None = None
+        self.arena: MappedArena | None = None
+        self._kv = self._client("main")
+        self._io: dict[Direction, KVClient] = {}
+        self._meta: ConnectorMetadata | None = None
+        self._saved = True  # wait_for_save ran for the bound metadata
+        self._submitted_now: set[JobId] = set()
+        self._deferred: list[RequestTransfers] = []
+        self._inflight: dict[JobId, Transfer] = {}
+        self._stores_left: dict[str, int] = {}
+        self._output = ConnectorWorkerOutput(self.rank)
+
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.arena is not None
+
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        num_blocks: int,
+        *,
+        block_dim: int | None = None,
+    ) -> CanonicalKVCaches:
+        """Canonicalize the paged KV tensors (worker/layout.py), check them against the
+        namespace, start the transfer engine and choose the data path. Once.
+
+        Raises InvalidArgument if a block's bytes on this rank differ from the namespace's
+        ``block_bytes``; InvalidState if called twice or ``colocated=True`` cannot map."""
+        if self.caches is not None:
+            raise InvalidState("register_kv_caches was called already")
+        caches = canonicalize(kv_caches, num_blocks, block_dim=block_dim)
+        want = self.spec.part_bytes // self.spec.chunk_blocks
+        if caches.block_bytes != want or self.spec.part_bytes % self.spec.chunk_blocks:
+            raise InvalidArgument("KV caches do not match the namespace",
+                                  block_bytes=caches.block_bytes, want=want)  # fmt: skip
+        self._kv.register_namespace(self.spec)
+        self._map_arena(caches.device)
+        if self.arena is None:
+            for d in Direction:
+                self._io[d] = self._client(d.value)
+                self._io[d].register_namespace(self.spec)
+        self.caches, self.engine = caches, make_engine(caches.device)
+        return caches
+
+    def close(self) -> None:
+        """Finish in-flight copies, stop the engine, unmap the arena, close clients."""
+        if self.engine is not None:
+            self.engine.close()
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        for kv in (self._kv, *self._io.values()):
+            kv.close()
+
+    def __enter__(self) -> KVServerWorkerConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ per step
+
+    def bind_connector_metadata(self, meta: ConnectorMetadata | Mapping[str, Any]) -> None:
+        """This step's metadata (a ConnectorMetadata or its wire form). InvalidArgument for a
+        foreign namespace; stores of a previous metadata not yet saved are queued first."""
+        if not isinstance(meta, ConnectorMetadata):
+            meta = ConnectorMetadata.from_wire(meta)
+        if meta.ns_id and meta.ns_id != self.spec.ns_id:
+            raise InvalidArgument("metadata of another namespace", ns_id=meta.ns_id)
+        if not self._saved:
+            self.wait_for_save()
+        self._meta, self._saved = meta, False
+        self._submitted_now = set()
+
+    def clear_connector_metadata(self) -> None:
+        if not self._saved:
+            self.wait_for_save()
+        self._meta = None
+
+    def start_load_kv(self) -> None:
+        """Submit, in this order: stores of flushed requests in this metadata, stores deferred
+        from the previous step, the flush barrier, then this metadata's loads (and, with
+        ``defer_stores=False``, its other stores)."""
+        meta = self._meta or ConnectorMetadata()
+        flush = set(meta.flush_req_ids)
+        for t in meta.stores:
+            if t.req_id in flush or not self.config.defer_stores:
+                self._submit(t, is_load=False)
+                self._submitted_now.add((False, t.req_id, t.lease_id))
+        deferred, self._deferred = self._deferred, []
+        for t in deferred:
+            self._submit(t, is_load=False, counted=True)
+        self.handle_preemptions(flush)
+        for t in meta.loads:
+            self._submit(t, is_load=True)
+
+    def wait_for_save(self) -> None:
+        """Queue this metadata's stores for the next ``start_load_kv`` (never blocks)."""
+        self._saved = True
+        if self._meta is None:
+            return
+        for t in self._meta.stores:
+            if (False, t.req_id, t.lease_id) not in self._submitted_now:
+                self._deferred.append(t)
+                self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
+
+    def handle_preemptions(self, req_ids: Sequence[str] | set[str]) -> None:
+        """Barrier: every store of ``req_ids`` (deferred or in flight) has finished reading
+        its GPU blocks when this returns, so the blocks may be overwritten."""
+        wanted = set(req_ids)
+        if not wanted:
+            return
+        keep: list[RequestTransfers] = []
+        for t in self._deferred:
+            if t.req_id in wanted:
+                self._submit(t, is_load=False, counted=True)
+            else:
+                keep.append(t)
+        self._deferred = keep
+        if self.engine is not None:
+            self.engine.wait(
+                tr for (is_load, req_id, _), tr in self._inflight.items()
+                if not is_load and req_id in wanted
+            )  # fmt: skip
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Non-blocking poll. Returns (requests whose stores are all over, requests whose load
+        is over) among what finished since the last call; results go to the next report."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        if self.engine is None:
+            return sending, recving
+        for tr in self.engine.poll():
+            if self._inflight.pop(tr.tag, None) is None:
+                continue  # not one of ours (submitted to the engine by someone else)
+            is_load, req_id, lease_id = tr.tag
+            result = TransferResult(req_id, lease_id, list(tr.failed_keys))
+            if is_load:
+                self._output.loads.append(result)
+                recving.add(req_id)
+            else:
+                self._output.stores.append(result)
+                self._stores_left[req_id] -= 1
+                if not self._stores_left[req_id]:
+                    del self._stores_left[req_id]
+                    sending.add(req_id)
+        return sending, recving
+
+    def build_connector_worker_meta(self) -> ConnectorWorkerOutput:
+        """Everything this rank finished since the previous report (polls first)."""
+        self.get_finished()
+        out, self._output = self._output, ConnectorWorkerOutput(self.rank)
+        return out
+
+    def drain(self) -> None:
+        """Blocking: submit the deferred stores and wait for every transfer in flight (worker
+        shutdown, tests). Their results go to the next report."""
+        deferred, self._deferred = self._deferred, []
+        for t in deferred:
+            self._submit(t, is_load=False, counted=True)
+        self.wait_inflight()
+
+    def wait_inflight(self) -> None:
+        """Blocking: wait for the transfers already submitted (not the deferred stores)."""
+        if self.engine is not None:
+            self.engine.wait(list(self._inflight.values()))
+
+    @property
+    def num_pending(self) -> int:
+        """Transfers deferred or in flight."""
+        return len(self._deferred) + len(self._inflight)
+
+    # ------------------------------------------------------------------ planning
+
+    def _submit(self, t: RequestTransfers, *, is_load: bool, counted: bool = False) -> None:
+        """Plan and submit one lease's transfer (``counted``: a deferred store, already in
+        ``_stores_left``)."""
+        if self.engine is None or self.caches is None:
+            raise InvalidState("register_kv_caches first")
+        job: JobId = (is_load, t.req_id, t.lease_id)
+        if job in self._inflight:
+            logger.warning("lease %d of %s shipped twice; ignored", t.lease_id, t.req_id)
+            if counted:
+                self._stores_left[t.req_id] -= 1
+            return
+        if not is_load and not counted:
+            self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
+        if self.arena is not None and self.arena.is_stale:
+            self._remap()
+        transfer = self._plan(t, is_load)
+        self._inflight[job] = transfer
+        self.engine.submit(transfer)
+
+    def _plan(self, t: RequestTransfers, is_load: bool) -> Transfer:
+        direction = Direction.LOAD if is_load else Direction.STORE
+        chunks: list[tuple[bytes, list[int], int, list[tuple[int, int]]]] = [
+            (c.key, c.block_ids, c.skip_blocks, self._rank_extents(c.extents)) for c in t.loads
+        ] if is_load else [
+            (c.key, c.block_ids, 0, self._rank_extents(c.extents)) for c in t.stores
+        ]  # fmt: skip
+        keys = [c[0] for c in chunks]
+        transfer = Transfer(direction, (is_load, t.req_id, t.lease_id), keys)
+        arena = self.arena
+        if arena is not None:
+            for key, blocks, skip, extents in chunks:
+                transfer.copies.append(
+                    self._key_copies(key, blocks, skip, is_load, arena.tensor, extents, arena)
+                )
+            return transfer
+        pb = self.spec.part_bytes
+        staging = staging_buffer(pb * len(chunks), pinned=self.caches_on_cuda)
+        transfer.keepalive.append(staging)
+        for i, (key, blocks, skip, _) in enumerate(chunks):
+            host = staging[i * pb : (i + 1) * pb]
+            transfer.copies.append(
+                self._key_copies(key, blocks, skip, is_load, host, [(0, pb)], None)
+            )
+        io = self._io[direction]
+        if is_load:
+            transfer.prepare = lambda: self._remote_read(io, t, transfer, staging)
+        else:
+            transfer.finish = lambda ok: self._remote_write(io, t, ok, staging, keys)
+        return transfer
+
+    @property
+    def caches_on_cuda(self) -> bool:
+        return self.caches is not None and self.caches.device.type == "cuda"
+
+    def _rank_extents(self, extents: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+        return list(extents[self.rank]) if self.rank < len(extents) else []
+
+    def _key_copies(
+        self,
+        key: bytes,
+        block_ids: list[int],
+        skip: int,
+        is_load: bool,
+        host: torch.Tensor,
+        extents: list[tuple[int, int]],
+        arena: MappedArena | None,
+    ) -> KeyCopies:
+        """The (src, dst) pairs of one part; planning errors fail this key only."""
+        assert self.caches is not None
+        try:
+            if arena is not None:
+                arena.check_extents(extents, self.spec.part_bytes)
+            return plan_copies(
+                self.caches, key, block_ids, self.spec.chunk_blocks, host, extents,
+                skip=skip, is_load=is_load,
+            )  # fmt: skip
+        except InvalidArgument as exc:
+            logger.warning("cannot plan chunk %s: %s", key.hex()[:16], exc)
+            return KeyCopies(key, error=str(exc))
+
+    # ------------------------------------------------------------ remote path (engine threads)
+
+    def _remote_read(
+        self, io: KVClient, t: RequestTransfers, transfer: Transfer, staging: torch.Tensor
+    ) -> list[KeyCopies]:
+        pb = self.spec.part_bytes
+        index = {c.key: i for i, c in enumerate(t.loads)}
+        wanted = [kc.key for kc in transfer.copies if kc.error is None]
+        if wanted:
+            parts = io.read_parts(self.spec.ns_id, t.lease_id, wanted, self.rank)
+            dst = tensor_memoryview(staging)
+            for key, part in zip(wanted, parts, strict=True):
+                if part.nbytes != pb:
+                    raise InvalidArgument("part of the wrong size", size=part.nbytes)
+                i = index[key]
+                dst[i * pb : (i + 1) * pb] = part.cast("B")
+        return transfer.copies
+
+    def _remote_write(
+        self,
+        io: KVClient,
+        t: RequestTransfers,
+        ok: list[bytes],
+        staging: torch.Tensor,
+        keys: list[bytes],
+    ) -> None:
+        if not ok:
+            return
+        pb = self.spec.part_bytes
+        view = tensor_memoryview(staging)
+        index = {k: i for i, k in enumerate(keys)}
+        parts = [view[index[k] * pb : (index[k] + 1) * pb] for k in ok]
+        io.write_parts(t.lease_id, ok, self.rank, parts, complete=False)
+
+    # ------------------------------------------------------------------ session
+
+    def _client(self, role: str) -> KVClient:
+        base = self.config.client_id
+        return KVClient(
+            self.config.address, timeout=self.config.timeout_s, auth_token=self.config.auth_token,
+            client_id=f"{base}-{role}" if base else None, colocated=False,
+        )  # fmt: skip
+
+    def _map_arena(self, device: torch.device) -> None:
+        mode = self.config.colocated
+        if mode is False:
+            return
+        info = self._kv.hello()
+        path = info.get("arena_path")
+        try:
+            if info.get("host_id") != host_id() or not isinstance(path, str):
+                raise InvalidState("the daemon runs on another host")
+            self.arena = MappedArena(path, pin=device.type == "cuda")
+        except KVServerError as exc:
+            if mode:
+                raise
+            logger.info("cannot map the arena (%s); using payload frames", exc)
+
+    def _remap(self) -> None:
+        """The daemon restarted (its arena file is gone): wait for copies, map the new one."""
+        logger.info("the daemon's arena file is gone; mapping its new arena")
+        if self.engine is not None:
+            self.engine.wait(list(self._inflight.values()))
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        assert self.caches is not None
+        self._map_arena(self.caches.device)
+        if self.arena is None:
+            raise InvalidState("the daemon's arena can no longer be mapped")

@@ -1,0 +1,238 @@
+"""The transfer engine: ordered asynchronous copies between KV blocks and host memory.
+
+Runs in the worker process. The connector (worker/kv_connector.py) builds one
+:class:`Transfer` per request and lease and direction, calls :meth:`TransferEngine.submit`, and
+later collects it from :meth:`TransferEngine.poll` (non-blocking) or blocks on
+:meth:`TransferEngine.wait` (the preemption barrier). Two handlers, one per direction:
+``STORE`` (KV blocks → host: the arena or a staging buffer) and ``LOAD`` (host → KV blocks),
+like vLLM's per-(src, dst) OffloadingHandlers (seed 000 §12).
+
+Ordering guarantee (both engines): within one direction a transfer never starts before the
+previous one submitted in that direction has finished; the two directions run independently.
+Every transfer is collected exactly once, in submission order per direction, successful or
+not; a failure of one key's copies fails that key only (``Transfer.failed_keys``).
+
+Implementations: :class:`CpuTransferEngine` here (one single-thread executor per direction,
+copies with ``torch`` ``copy_``), and ``CudaTransferEngine`` in worker/transfer_cuda.py
+(dedicated streams, start/end events chained across transfers). :func:`make_engine` picks one
+by device. Thread safety: ``submit``/``poll``/``wait``/``close`` are called from one thread
+(the worker's); the engine's own threads only run the transfer bodies, in order.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class Direction(enum.Enum):
+    STORE = "store"  # KV blocks → host
+    LOAD = "load"  # host → KV blocks
+
+
+@dataclass(slots=True, eq=False)
+class KeyCopies:
+    """The copies of one chunk part: ``(src, dst)`` tensor pairs of equal size. ``error`` set
+    means planning failed already: nothing is copied and the key is reported failed."""
+
+    key: bytes
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(src.numel() * src.element_size() for src, _ in self.pairs)
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """One unit of ordered work, reported once.
+
+    ``prepare`` (optional) runs first on the engine's thread and returns the copies (e.g. a
+    remote load reads the parts from the daemon, then copies them out); otherwise ``copies``
+    are used. ``finish`` (optional) runs on the engine's thread once the copies have landed,
+    with the keys that copied fine (e.g. a remote store sends its staging buffer). An exception
+    from either fails every key. ``keepalive`` holds buffers the copies use until done.
+    """
+
+    direction: Direction
+    tag: Any
+    keys: list[bytes]
+    copies: list[KeyCopies] = field(default_factory=list)
+    prepare: Callable[[], list[KeyCopies]] | None = None
+    finish: Callable[[list[bytes]], None] | None = None
+    keepalive: list[Any] = field(default_factory=list)
+    # --- results (written by the engine thread, read after completion) ---
+    failed_keys: list[bytes] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+    future: Future[None] | None = None
+    #: engine-specific completion state (CUDA: the end event).
+    state: Any = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    transfers: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    bytes: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    failed_keys: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+
+
+class TransferEngine(ABC):
+    """Ordered per-direction transfers; see the module docstring for the guarantees."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+        self._executors = {
+            d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-{d.value}")
+            for d in Direction
+        }
+        self._inflight: dict[Direction, deque[Transfer]] = {d: deque() for d in Direction}
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, transfer: Transfer) -> None:
+        """Queue ``transfer`` behind every earlier one of its direction. Never blocks on I/O."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        ctx = self._on_submit(transfer)
+        transfer.future = self._executors[transfer.direction].submit(self._run, transfer, ctx)
+        self._inflight[transfer.direction].append(transfer)
+
+    def poll(self) -> list[Transfer]:
+        """Transfers finished since the last call (non-blocking), in order per direction."""
+        done: list[Transfer] = []
+        for queue in self._inflight.values():
+            while queue and self._is_done(queue[0]):
+                done.append(self._collect(queue.popleft()))
+        return done
+
+    def wait(self, transfers: Iterable[Transfer]) -> None:
+        """Block until every one of ``transfers`` has finished (they stay pollable)."""
+        for t in transfers:
+            if t.future is not None:
+                t.future.result()
+                self._sync(t)
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(len(q) for q in self._inflight.values())
+
+    def close(self) -> None:
+        """Finish queued work and stop the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for ex in self._executors.values():
+            ex.shutdown(wait=True)
+        for queue in self._inflight.values():
+            self.wait(queue)
+
+    # ------------------------------------------------------------------ the transfer body
+
+    def _run(self, transfer: Transfer, ctx: Any) -> None:
+        """Engine thread: prepare → copies (per key) → land → finish. Never raises."""
+        start = time.perf_counter()
+        keys_failed: list[bytes] = []
+        try:
+            copies = transfer.prepare() if transfer.prepare is not None else transfer.copies
+            ok: list[bytes] = []
+            nbytes = 0
+            with self._copy_context(transfer, ctx):
+                for kc in copies:
+                    if kc.error is not None:
+                        keys_failed.append(kc.key)
+                        continue
+                    try:
+                        for src, dst in kc.pairs:
+                            self._copy(src, dst)
+                    except Exception as exc:  # a bad view: this key only
+                        logger.warning("copy of one key failed (%s): %s", transfer.tag, exc)
+                        keys_failed.append(kc.key)
+                        continue
+                    ok.append(kc.key)
+                    nbytes += kc.nbytes
+            missing = set(transfer.keys) - set(ok) - set(keys_failed)
+            keys_failed += [k for k in transfer.keys if k in missing]
+            if transfer.finish is not None:
+                self._sync(transfer)
+                transfer.finish(ok)
+            transfer.nbytes = nbytes
+        except Exception as exc:  # prepare/finish (daemon I/O) failed: every key
+            logger.warning("transfer %s failed: %s", transfer.tag, exc)
+            keys_failed = list(transfer.keys)
+        transfer.failed_keys = keys_failed
+        transfer.seconds = time.perf_counter() - start
+
+    def _collect(self, transfer: Transfer) -> Transfer:
+        d = transfer.direction.value
+        self.stats.transfers[d] += 1
+        self.stats.bytes[d] += transfer.nbytes
+        self.stats.failed_keys[d] += len(transfer.failed_keys)
+        transfer.keepalive.clear()
+        return transfer
+
+    def _is_done(self, transfer: Transfer) -> bool:
+        return transfer.future is not None and transfer.future.done() and self._landed(transfer)
+
+    # ------------------------------------------------------------------ engine hooks
+
+    def _on_submit(self, transfer: Transfer) -> Any:
+        """Submitting thread, at submit time (CUDA: capture the compute stream)."""
+        return None
+
+    @abstractmethod
+    def _copy_context(self, transfer: Transfer, ctx: Any) -> Any:
+        """Engine thread: a context manager around the copies of one transfer."""
+
+    @abstractmethod
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Engine thread: one copy (may be asynchronous until :meth:`_landed`)."""
+
+    def _landed(self, transfer: Transfer) -> bool:
+        """Non-blocking: have the copies of a transfer whose body returned completed?"""
+        return True
+
+    def _sync(self, transfer: Transfer) -> None:
+        """Block until the copies of a transfer whose body returned completed."""
+        return None
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class CpuTransferEngine(TransferEngine):
+    """The thread-pool stand-in: copies run synchronously on the direction's thread, so a
+    transfer is finished when its future is. Same interface and ordering as the CUDA engine."""
+
+    def _copy_context(self, transfer: Transfer, ctx: Any) -> Any:
+        return _NullContext()
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+
+
+def make_engine(device: torch.device) -> TransferEngine:
+    """The engine for KV caches on ``device``: CUDA streams for a CUDA device, else threads."""
+    if device.type == "cuda":
+        from worker.transfer_cuda import CudaTransferEngine
+
+        return CudaTransferEngine(device)
+    return CpuTransferEngine()

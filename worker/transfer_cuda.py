@@ -1,0 +1,137 @@
+"""The CUDA transfer engine and pinned host memory (seed 000 §12.2).
+
+Runs in the worker process; importable without CUDA (nothing touches the driver until an
+engine is built). Each direction has a small pool of dedicated streams; every transfer takes
+the next stream, waits for
+
+- the compute stream as it was when the transfer was submitted (``wait_event`` on an event
+  recorded there by :meth:`submit`): a store must read KV the model has written; a load must
+  not overwrite blocks the previous step's kernels may still read (blocks freed by a finished
+  request are handed out again at once);
+- the previous transfer of its direction (``wait_event`` on its end event): transfers of one
+  direction never overlap, so they finish in submission order;
+
+then records a start event, issues one ``copy_(non_blocking=True)`` per contiguous piece
+(cudaMemcpyAsync underneath) and records an end event; :meth:`poll` queries end events without
+blocking. Copies are launched from the direction's thread (so a remote transfer's daemon I/O
+never runs on the worker's thread); the GPU-side order comes from the events alone.
+
+:class:`HostRegistration` page-locks an existing host mapping (the daemon's arena) with
+``cudaHostRegister`` so the copies DMA straight into kvserver's shared memory; it is undone on
+close. Thread safety: as :mod:`worker.transfer`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from worker.transfer import Direction, Transfer, TransferEngine
+
+logger = logging.getLogger(__name__)
+#: torch.cuda with its untyped constructors (Stream, Event, cudart) seen as Any by mypy.
+_cuda: Any = torch.cuda
+
+STREAMS_PER_DIRECTION = 4
+#: cudaHostRegisterPortable: the pinning is visible to every CUDA context.
+CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+class CudaTransferEngine(TransferEngine):
+    """Per-direction stream pools with chained start/end events; see the module docstring."""
+
+    def __init__(
+        self, device: torch.device, *, streams_per_direction: int = STREAMS_PER_DIRECTION
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaTransferEngine needs CUDA")
+        self.device = device
+        with torch.cuda.device(device):
+            self._streams = {
+                d: [_cuda.Stream(device) for _ in range(streams_per_direction)] for d in Direction
+            }
+        self._next = dict.fromkeys(Direction, 0)
+        #: end event of the last transfer launched per direction (engine threads only).
+        self._last_end: dict[Direction, torch.cuda.Event | None] = dict.fromkeys(Direction)
+        super().__init__()
+
+    def _on_submit(self, transfer: Transfer) -> Any:
+        ready = _cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        i = self._next[transfer.direction]
+        self._next[transfer.direction] = i + 1
+        pool = self._streams[transfer.direction]
+        return ready, pool[i % len(pool)]
+
+    @contextmanager
+    def _copy_context(self, transfer: Transfer, ctx: Any) -> Iterator[None]:
+        ready, stream = ctx
+        start, end = _cuda.Event(enable_timing=True), _cuda.Event(enable_timing=True)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            prev = self._last_end[transfer.direction]
+            if prev is not None:
+                stream.wait_event(prev)
+            start.record(stream)
+            try:
+                yield
+            finally:
+                end.record(stream)
+                self._last_end[transfer.direction] = end
+                transfer.state = (start, end)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def _landed(self, transfer: Transfer) -> bool:
+        return transfer.state is None or bool(transfer.state[1].query())
+
+    def _sync(self, transfer: Transfer) -> None:
+        if transfer.state is not None:
+            transfer.state[1].synchronize()
+
+    def _collect(self, transfer: Transfer) -> Transfer:
+        if transfer.state is not None:
+            start, end = transfer.state
+            transfer.seconds = start.elapsed_time(end) / 1000.0
+            transfer.state = None
+        return super()._collect(transfer)
+
+
+def buffer_address(buf: memoryview) -> int:
+    """The address of a writable buffer (e.g. an mmap's memoryview), via ctypes."""
+    holder = (ctypes.c_char * buf.nbytes).from_buffer(buf)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder  # releases the buffer export
+
+
+class HostRegistration:
+    """``cudaHostRegister`` of ``[address, address + size)`` for the lifetime of this object
+    (undone by :meth:`close`, idempotent). Copies to and from the range then run as DMA."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address, self.size = address, size
+        cudart = _cuda.cudart()
+        err = cudart.cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed: {err}")
+        self._registered = True
+
+    @classmethod
+    def of(cls, buf: memoryview) -> HostRegistration:
+        return cls(buffer_address(buf), buf.nbytes)
+
+    def close(self) -> None:
+        if self._registered:
+            self._registered = False
+            cudart = _cuda.cudart()
+            err = cudart.cudaHostUnregister(self.address)
+            if int(err) != 0:
+                logger.warning("cudaHostUnregister failed: %s", err)
