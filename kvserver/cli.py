@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_status(sub)
     add_lookup(sub)
+    from kvserver.bench import add_bench
+
+    add_bench(sub)
+    from scheduler.cli import add_scheduler
+
+    add_scheduler(sub)
     return parser
 
 

@@ -153,6 +153,7 @@ def _status(client: Any, args: argparse.Namespace) -> str:
             "MISSES",
             "HIT%",
             "EVICTIONS",
+            "STATE",
         ],
         [
             [
@@ -168,10 +169,12 @@ def _status(client: Any, args: argparse.Namespace) -> str:
                 t.miss_chunks,
                 _pct(t.hit_chunks, t.hit_chunks + t.miss_chunks),
                 t.evicted_chunks,
+                t.condition or "ok",
             ]
             for t in stats.tiers
         ],
     )
+    tiers += _tier_notes(stats.tiers)
     if not stats.namespaces:
         return head + tiers + "\n(no namespaces registered)\n"
     namespaces = _table(
@@ -204,6 +207,22 @@ def _status(client: Any, args: argparse.Namespace) -> str:
         ],
     )
     return head + tiers + "\n" + namespaces
+
+
+def _tier_notes(tiers: Sequence[Any]) -> str:
+    """One line per lower tier (SSD): I/O mode and its health counters; its condition first
+    when it is not ok (DRAM keeps serving)."""
+    lines = []
+    for t in tiers:
+        if t.condition not in ("", "ok"):
+            lines.append(f"!! {t.name} {t.condition}: {t.condition_detail} (DRAM keeps serving)\n")
+        if t.io_mode:
+            lines.append(
+                f"{t.name}: {t.io_mode} I/O, recovered {t.recovered_chunks} at start, "
+                f"promoted {t.promoted_chunks}, corrupt {t.corrupt_chunks}, "
+                f"I/O errors {t.io_errors}, not written down {t.skipped_chunks}\n"
+            )
+    return "".join(lines)
 
 
 def _lookup(client: Any, args: argparse.Namespace) -> str:

@@ -15,6 +15,11 @@ Lifecycle of a chunk (seed 000 §7, one logical entry with one part per TP rank)
     complete_load(lease)                           pins released
     touch(keys), pin(keys, ttl)/unpin(keys), take_events(), stats()
 
+Lower tiers (the SSD tier, ``kvserver/daemon/tiering.py``) attach through two seams: the
+``on_evict`` hook sees every evicted entry while its pages still hold its bytes (write-back),
+and ``prepare_store(..., gated=False)`` + ``write_part`` + ``complete_store`` bring a chunk
+back up (promotion); ``announce`` puts their events in the one gap-free event sequence.
+
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
 after every step):
 - every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
@@ -22,7 +27,8 @@ after every step):
 - lookup and prepare_load see READY entries only; WRITING entries are invisible;
 - pinned and WRITING entries are never evicted; eviction frees whole entries, all or nothing;
 - every READY entry is tracked by the eviction policy and no other key is;
-- BlockStored / BlockRemoved events, replayed in order, give exactly the set of READY keys.
+- BlockStored / BlockRemoved events of medium CPU, replayed in order, give exactly the set of
+  READY keys.
 
 Every public method validates its whole input before changing anything: a raised
 :class:`~kvserver.errors.KVServerError` means the state is unchanged. A full cache is a normal
@@ -54,7 +60,7 @@ from kvserver.errors import (
     UnknownKey,
     UnknownNamespace,
 )
-from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
+from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
 from kvserver.leases import Lease, LeaseKind, LeaseTable
 from kvserver.namespace import NamespaceSpec
 from kvserver.policies import make_policy
@@ -93,6 +99,11 @@ class StorageEngine:
         self._num_writing = 0
         self.totals = Counters()
         self._ns_counters: list[Counters] = []
+        #: called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
+        #: index and the policy and BEFORE their pages are freed, so it may read their bytes
+        #: (``arena.views(entry.extents[rank])``). It must not call back into the engine; an
+        #: exception it raises is logged and ignored (the eviction completes regardless).
+        self.on_evict: Callable[[NamespaceSpec, list[Entry]], None] | None = None
 
     # ================================================================== namespaces
 
@@ -139,10 +150,13 @@ class StorageEngine:
         self._check_keys(ns, keys)
         index = self._index
         hits = 0
+        count_use = record or touch
         for key in keys:
             entry = index.get((ns, key))
             if entry is None or entry.state is not EntryState.READY:
                 break
+            if count_use:
+                entry.uses += 1
             hits += 1
         if record and self.reuse.enabled:
             self.reuse.record([(ns, k) for k in keys])
@@ -174,10 +188,12 @@ class StorageEngine:
         *,
         client: str = "",
         lease_s: float | None = None,
+        gated: bool = True,
     ) -> StoreGrant | None:
         """Reserve space for the keys that are not present yet.
 
-        Keys already present (READY or WRITING) and keys refused by reuse gating are skipped.
+        Keys already present (READY or WRITING) and keys refused by reuse gating are skipped
+        (``gated=False`` bypasses reuse gating: promotions of chunks a lower tier holds).
         If free space is short, READY unpinned entries are evicted (never keys of this request).
         Returns ``None`` — with nothing changed, not even the policy state — if space for every
         new key cannot be found. New entries are WRITING and invisible until complete_store.
@@ -198,7 +214,7 @@ class StorageEngine:
             seen.add(key)
             if (ns, key) in index:
                 present.append(key)
-            elif not self.reuse.admits((ns, key)):
+            elif gated and not self.reuse.admits((ns, key)):
                 filtered.append(key)
             else:
                 new_keys.append(key)
@@ -365,6 +381,7 @@ class StorageEngine:
             entries.append(entry)
         for entry in entries:
             self._add_pin(entry)
+            entry.uses += 1
         self.policy.touch([(ns, k) for k in keys])
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.LOAD, client, ns, list(keys), deadline)
@@ -443,6 +460,14 @@ class StorageEngine:
             self.leases.end(lease, "released")
             self._reclaim(lease, expired=False)
         return len(leases)
+
+    def announce(self, ns_id: str, keys: Sequence[bytes], medium: Medium, *, stored: bool) -> None:
+        """Emit BlockStored (``stored``) or BlockRemoved for ``keys`` of another tier (medium
+        DISK), numbered in the engine's one gap-free event sequence. No-op without keys."""
+        if keys:
+            self._ns(ns_id)
+            cls = BlockStored if stored else BlockRemoved
+            self._emit(cls(self._seq(), ns_id, tuple(keys), medium))
 
     def take_events(self) -> list[Event]:
         """Drain the events emitted since the last call, in sequence order."""
@@ -587,13 +612,22 @@ class StorageEngine:
 
     def _drop_evicted(self, victims: list[Hashable]) -> None:
         """Free evicted entries (already forgotten by the policy) and announce them."""
-        by_ns: dict[int, list[bytes]] = {}
+        by_ns: dict[int, list[Entry]] = {}
         for victim in victims:
             entry = self._index.pop(victim)  # type: ignore[call-overload]
-            for pages in entry.pages:
-                self.allocator.free(pages)
-            by_ns.setdefault(entry.ns, []).append(entry.key)
-        for ns, keys in by_ns.items():
+            by_ns.setdefault(entry.ns, []).append(entry)
+        if self.on_evict is not None:
+            for ns, entries in by_ns.items():
+                try:
+                    self.on_evict(self._specs[ns], entries)
+                except Exception:  # a lower tier's failure must not break this tier
+                    logger.exception("on_evict hook failed")
+        for entries in by_ns.values():
+            for entry in entries:
+                for pages in entry.pages:
+                    self.allocator.free(pages)
+        for ns, entries in by_ns.items():
+            keys = [entry.key for entry in entries]
             self._emit(BlockRemoved(self._seq(), self._specs[ns].ns_id, tuple(keys), MEDIUM_DRAM))
             self._ns_counters[ns].evicted_chunks += len(keys)
             self.totals.evicted_chunks += len(keys)

@@ -70,6 +70,9 @@ class Entry:
     pins: int = 0
     #: explicit TTL pin deadline (engine clock), 0.0 when not TTL-pinned.
     ttl_until: float = 0.0
+    #: times the chunk was used: 1 when stored, +1 per load and per touching/recording lookup
+    #: hit. The SSD tier's admission rule reads it when the entry is evicted.
+    uses: int = 1
 
     @property
     def num_pages(self) -> int:

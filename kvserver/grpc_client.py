@@ -160,6 +160,15 @@ class TierStats:
     stored_chunks: int
     loaded_chunks: int
     lookups: int
+    #: "ok", "degraded" or "unavailable" (SSD); see kvserver.proto TierStats.
+    condition: str = "ok"
+    condition_detail: str = ""
+    corrupt_chunks: int = 0
+    recovered_chunks: int = 0
+    promoted_chunks: int = 0
+    io_errors: int = 0
+    skipped_chunks: int = 0
+    io_mode: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,9 @@ Call order per engine step (the five touchpoints of seed 000 §3)::
     request_finished(req, block_ids)                          -> (delay_free, params)  once
     take_events()
 
+Between steps the scheduler reads ``has_pending_transfers`` (keep stepping, empty steps
+included, while it is true) and calls ``reset()`` when the workers lost their KV.
+
 The request objects only need the :class:`RequestLike` protocol, which vLLM's ``Request`` also
 satisfies.
 """
@@ -110,3 +113,20 @@ class SchedulerConnector(ABC):
     @abstractmethod
     def take_events(self) -> list[Any]:
         """Storage events (BlockStored/BlockRemoved) observed since the last call."""
+
+    @property
+    @abstractmethod
+    def has_pending_transfers(self) -> bool:
+        """True while a load or store is planned or in flight: the scheduler keeps stepping
+        (empty steps included) so that workers can report them and finished requests release
+        their blocks (``finished_sending``)."""
+
+    def reset(self) -> None:  # noqa: B027 - a hook with a do-nothing default, not abstract
+        """The workers lost their KV (a worker died; the scheduler failed every request that
+        held blocks): forget every request and every planned or in-flight transfer, and give
+        back what they hold outside the scheduler (kvserver leases, pins). Afterwards
+        ``has_pending_transfers`` is False and no report mentions the forgotten requests.
+
+        The default does nothing, which is right only for a connector that keeps no
+        per-request state; every connector that plans transfers overrides it.
+        """

@@ -15,17 +15,29 @@ although the daemon answers in 0.2 ms (TTFT), and the sync client is not thread-
 again") is answered only while an earlier transfer of the request is in flight, or while the
 first missing chunk is being stored by this connector (the hit grows once that store lands).
 
-**Loads** are pinned (``prepare_load``) in ``update_state_after_alloc`` and shipped in this
-step's metadata. **Stores** are reserved (``prepare_store``, once per request per step, for the
-chunks from the request's cursor to the last chunk full after this step) and shipped in the NEXT
-step's metadata (seed 000 §11.2). A lease is completed once every TP rank has reported it.
+**Loads** are pinned (``prepare_load``, synchronous: only requests with a hit) in
+``update_state_after_alloc`` and shipped in this step's metadata. **Stores** are planned at the
+end of ``build_connector_meta``: the chunks of every scheduled request from its cursor to the
+last chunk full after this step go out in ONE ``prepare_store`` (one lease per step), sent
+without waiting. Its reply is collected at the start of the next ``build_connector_meta`` —
+when those stores ship anyway (deferred one step, seed 000 §11.2) — so the round trip overlaps
+the workers' step instead of lengthening the scheduler's. A lease is completed once every TP
+rank has reported it: one ``complete_store`` per lease with finished chunks (plus one rollback
+when a rank failed some) and one ``complete_load`` per finished load, sent without waiting from
+``update_connector_output``; their replies (events, counters, errors) are applied at the next
+``build_connector_meta`` (or ``take_events`` / :meth:`drain`, once arrived). The daemon applies
+one client's requests in order, so this connector's own later lookups already see completed
+chunks. Per step that is 1 reservation + about 1 completion, whatever the number of requests.
 
 Invariants:
 - a chunk below a request's ``cursor`` is never planned again (after a preemption the cursor
-  restarts at 0 and the daemon's presence filter keeps stored chunks from being copied again);
-- a request with loads or stores in flight keeps its GPU blocks: ``request_finished`` returns
-  True and the request shows up in ``finished_sending`` once they are over; a preempted one is
-  named in ``flush_req_ids`` so workers finish reading its blocks before anything rewrites them;
+  restarts at 0 and the daemon's presence filter keeps stored chunks from being copied again;
+  after a load it starts past the loaded chunks, and goes back to a chunk a rank failed);
+- at most one store batch is in flight; its requests count it in ``num_stores``;
+- a request with loads or stores planned or in flight keeps its GPU blocks: ``request_finished``
+  returns True and the request shows up in ``finished_sending`` once they are over; a preempted
+  one is named in ``flush_req_ids`` so workers finish reading its blocks before anything
+  rewrites them;
 - every lease taken is completed, rolled back, or left to expire on the daemon.
 """
 
@@ -34,9 +46,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from kvserver.client import KVClient
+from kvserver.client import KVClient, Pending
 from kvserver.connector_messages import (
     ChunkLoad,
     ChunkStore,
@@ -50,10 +62,13 @@ from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
 from kvserver.hashing import BlockHash, BlockHasher
 from scheduler.connector_base import RequestLike, SchedulerConnector, TransferReport
 from scheduler.kv_connector_types import (
+    Completion,
     ConnectorStats,
     KVConnectorConfig,
+    PlannedStore,
     RequestState,
     ScheduledStep,
+    StoreBatch,
     TransferJob,
 )
 
@@ -65,16 +80,21 @@ class KVServerSchedulerConnector(SchedulerConnector):
     """The scheduler-side connector over one kvserver client; see the module docstring."""
 
     def __init__(
-        self, config: KVConnectorConfig, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: KVConnectorConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        client: KVClient | None = None,
     ) -> None:
+        """``client``: the kvserver client to use (tests pass an instrumented one); by default
+        one for ``config.address`` that never maps the arena (the scheduler moves no bytes)."""
         self.config = config
         self.spec = spec = config.spec
         self.ns_id = spec.ns_id
         self.stats = ConnectorStats()
         self._clock = clock
         self._hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
-        # colocated=False: the scheduler never touches payload, so it never maps the arena.
-        self._kv = KVClient(
+        self._kv = client or KVClient(
             config.address, timeout=config.op_timeout_s, client_id=config.client_id,
             auth_token=config.auth_token, colocated=False,
         )  # fmt: skip
@@ -83,13 +103,24 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._down_until = 0.0
         self._reqs: dict[str, RequestState] = {}
         self._jobs: dict[tuple[bool, str, int], TransferJob] = {}
-        #: loads planned in this step and stores planned in the previous one.
+        #: loads planned in this step and stores reserved for the previous one.
         self._to_ship: list[TransferJob] = []
         self._preempted: set[str] = set()
+        #: chunk key -> planned or in-flight stores of it (lookups answer "ask again").
         self._keys_storing: dict[bytes, int] = {}
+        #: this step's prepare_store, sent at the end of build_connector_meta.
+        self._batch: StoreBatch | None = None
+        self._batch_limit = config.max_store_batch_chunks
+        #: completions sent by update_connector_output, replies not applied yet.
+        self._completions: list[Completion] = []
         self._report = TransferReport()
         self._events: list[Event] = []
         self._event_seq = 0
+
+    @property
+    def client(self) -> KVClient:
+        """The kvserver client (its ``sent_by_op`` counts the daemon calls made)."""
+        return self._kv
 
     def close(self) -> None:
         """:meth:`reset` (best effort on the daemon), then close the client."""
@@ -104,8 +135,17 @@ class KVServerSchedulerConnector(SchedulerConnector):
 
     def reset(self) -> None:
         """Forget every request and transfer (the workers lost their GPU contents): this
-        client's reservations are rolled back and its pins released on the daemon."""
-        if self._jobs and not self.is_daemon_down:
+        client's reservations are rolled back and its pins released on the daemon (one
+        blocking ``release``, skipped while it is marked down: the leases then expire); replies
+        still due are dropped (completions already sent stand)."""
+        holds_leases = bool(self._jobs) or self._batch is not None
+        if self._batch is not None:
+            self._batch.pending.cancel()  # release() below also rolls this reservation back
+            self._batch = None
+        for completion in self._completions:
+            completion.pending.cancel()
+        self._completions.clear()
+        if holds_leases and not self.is_daemon_down:
             try:
                 self._op(lambda kv: kv.release())
             except KVServerError as exc:
@@ -119,8 +159,17 @@ class KVServerSchedulerConnector(SchedulerConnector):
 
     @property
     def has_pending_transfers(self) -> bool:
-        """True while a transfer is planned or in flight: keep stepping (empty steps too)."""
-        return bool(self._jobs)
+        """True while a transfer is planned or in flight: keep stepping (empty steps too).
+        Completions sent but not yet answered do not count (see :meth:`drain`)."""
+        return bool(self._jobs) or self._batch is not None
+
+    def drain(self) -> None:
+        """Wait for the replies of every call sent without waiting (each at most
+        ``op_timeout_s``) and apply them: the reserved stores become jobs (shipped by the next
+        metadata, as always), completed chunks become events and counters. ``build_connector_meta``
+        does this itself; call it to observe the daemon from elsewhere right after a step."""
+        self._collect_store_batch()
+        self._collect_completions(wait=True)
 
     @property
     def is_daemon_down(self) -> bool:
@@ -178,7 +227,12 @@ class KVServerSchedulerConnector(SchedulerConnector):
         if num_external_tokens and plan is None:
             raise InvalidArgument("no external tokens were offered", request=req_id)
         if not num_external_tokens or plan is None:
-            state.block_ids, state.cursor, state.plan = list(block_ids), 0, None
+            # A request without a block table is new or preempted: store from chunk 0. One
+            # that holds blocks is admitted after its load landed: keep its cursor (past the
+            # loaded chunks), or the stored chunks would be planned again.
+            if not state.block_ids:
+                state.cursor = 0
+            state.block_ids, state.plan = list(block_ids), None
             return
         num_local, start, keys = plan
         end = start + len(keys)
@@ -187,7 +241,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
                 "num_external_tokens or block_ids do not match the offered hit",
                 got=num_external_tokens, offered=end * ct - num_local, blocks=len(block_ids),
             )  # fmt: skip
-        state.block_ids, state.cursor, state.plan = list(block_ids), 0, None
+        state.block_ids, state.plan = list(block_ids), None
         loads: list[ChunkLoad] = []
         first_tokens: list[int] = []
         for i, key in enumerate(keys, start):
@@ -208,17 +262,25 @@ class KVServerSchedulerConnector(SchedulerConnector):
         if grant is None or not num_ok:
             self._report.finished_recving.add(req_id)
             return
+        # kvserver has the loaded chunks, the GPU prefix cache the ones before: store after.
+        state.cursor = start + num_ok
         for load, location in zip(loads, grant.locations, strict=False):
             load.extents = [list(extents) for extents in location]
         transfers = RequestTransfers(req_id, grant.lease_id, loads=loads[:num_ok])
-        job = TransferJob(transfers, True, keys[:num_ok], grant.deadline, first_tokens[:num_ok])
+        job = TransferJob(
+            transfers, True, keys[:num_ok], grant.deadline, first_tokens[:num_ok], start
+        )
         self._add_job(state, job)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
-        """Ships this step's loads and the stores planned in the previous step, names the
-        preempted requests that need a store barrier, and plans (reserves) this step's stores,
-        which the next call ships."""
+        """Applies the replies of the previous step's daemon calls (waiting at most
+        ``op_timeout_s`` each; they normally arrived during the workers' step), ships this
+        step's loads and the stores reserved for the previous step, names the preempted
+        requests that need a store barrier, and sends this step's store reservation (one
+        ``prepare_store`` for every request, not waited for), which the next call ships."""
         step: ScheduledStep = scheduler_output
+        self._collect_store_batch()
+        self._collect_completions(wait=True)
         self._expire()
         meta = ConnectorMetadata(ns_id=self.ns_id)
         for job in self._to_ship:
@@ -239,11 +301,17 @@ class KVServerSchedulerConnector(SchedulerConnector):
             if (state := self._reqs.get(cached.req_id)) is not None:
                 state.block_ids += cached.new_block_ids
                 computed[cached.req_id] = cached.num_computed_tokens
+        planned: list[PlannedStore] = []
+        room = self._batch_limit
         for req_id, num_tokens in step.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
-            if state is not None and not state.finished:
+            if state is not None and not state.finished and room > 0:
                 done = computed.get(req_id, state.request.num_computed_tokens)
-                self._plan_stores(state, done + num_tokens)
+                if (p := self._plan_stores(state, done + num_tokens, room)) is not None:
+                    planned.append(p)
+                    room -= len(p.keys)
+        if planned:
+            self._send_store_batch(planned)
         return meta
 
     def update_connector_output(self, outputs: Sequence[Any]) -> TransferReport:
@@ -251,6 +319,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         once every rank reported it: a load is unpinned; a store's chunks become ready, or are
         rolled back when some rank failed them."""
         world = self.spec.tp_world_size
+        finished: list[TransferJob] = []
         for out in outputs:
             if not isinstance(out, ConnectorWorkerOutput):
                 raise InvalidArgument("outputs must be ConnectorWorkerOutput", got=type(out))
@@ -267,6 +336,9 @@ class KVServerSchedulerConnector(SchedulerConnector):
                     job.failed.update(k for k in res.failed_keys if k in job.keys)
                     if len(job.ranks) == world:
                         self._finish(job)
+                        finished.append(job)
+        if finished:
+            self._send_completions(finished)
         report, self._report = self._report, TransferReport()
         return report
 
@@ -284,7 +356,10 @@ class KVServerSchedulerConnector(SchedulerConnector):
 
     def take_events(self) -> list[Event]:
         """BlockStored for chunks this connector made ready, BlockRemoved for hit chunks it
-        found gone; ``seq`` counts this connector's events."""
+        found gone; ``seq`` counts this connector's events. Applies the completion replies
+        that already arrived first (without waiting)."""
+        if self._completions:
+            self._collect_completions(wait=False)
         events, self._events = self._events, []
         return events
 
@@ -315,16 +390,39 @@ class KVServerSchedulerConnector(SchedulerConnector):
                 self._registered = True
             return fn(self._kv)
         except Unavailable:
-            self.stats.timeouts += 1
-            self._down_until = self._clock() + self.config.down_backoff_s
-            logger.warning(
-                "kvserver at %s unreachable; skipped for %.1fs",
-                self.config.address, self.config.down_backoff_s,
-            )  # fmt: skip
+            self._mark_down()
             raise
+
+    def _mark_down(self) -> None:
+        self.stats.timeouts += 1
+        self._down_until = self._clock() + self.config.down_backoff_s
+        logger.warning(
+            "kvserver at %s unreachable; skipped for %.1fs",
+            self.config.address, self.config.down_backoff_s,
+        )  # fmt: skip
 
     def _op(self, fn: Callable[[KVClient], T]) -> T:
         return self._call(self.config.op_timeout_s, fn)
+
+    def _submit(self, fn: Callable[[KVClient], Pending[T]]) -> Pending[T] | None:
+        """Send one call without waiting; None (logged) when it could not be sent: the daemon
+        is marked down, or unreachable now (which marks it down)."""
+        try:
+            return self._op(fn)
+        except KVServerError as exc:
+            logger.debug("not sent: %s", exc)
+            return None
+
+    def _result(self, pending: Pending[T]) -> T:
+        """The reply of a call sent earlier, waited for at most ``op_timeout_s``. Unavailable
+        (no reply in time, or the socket was replaced by a timeout meanwhile) marks the daemon
+        down unless it already is."""
+        try:
+            return pending.result(self.config.op_timeout_s)
+        except Unavailable:
+            if not self.is_daemon_down:
+                self._mark_down()
+            raise
 
     def _state(self, request: RequestLike) -> RequestState:
         state = self._reqs.get(request.request_id)
@@ -362,41 +460,91 @@ class KVServerSchedulerConnector(SchedulerConnector):
             logger.info("cannot pin what is left of a hit: %s", exc)
         return None
 
-    def _plan_stores(self, state: RequestState, num_tokens: int) -> None:
-        """Reserve the chunks from the cursor up to the last one full after ``num_tokens``."""
+    def _plan_stores(self, state: RequestState, num_tokens: int, room: int) -> PlannedStore | None:
+        """The chunks from the cursor up to the last one full after ``num_tokens`` (at most
+        ``room`` of them), or None if there are none."""
         req, bs, cb = state.request, self.spec.block_size, self.spec.chunk_blocks
         hashes = self._block_hashes(state)
         num_blocks = min(num_tokens, len(req.all_token_ids)) // bs
         num_chunks = min(num_blocks, len(hashes), len(state.block_ids)) // cb
         first = state.cursor
-        if num_chunks <= first:
+        end = min(num_chunks, first + room)
+        if end <= first:
+            return None
+        keys = list(hashes[first * cb + cb - 1 : end * cb : cb])
+        return PlannedStore(state, first, end, keys, state.block_ids[first * cb : end * cb])
+
+    def _send_store_batch(self, planned: list[PlannedStore]) -> None:
+        """One prepare_store for every planned chunk, not waited for. Unsent (daemon down or
+        unreachable): the cursors stay, so the chunks are planned again next step."""
+        keys = list(dict.fromkeys(key for p in planned for key in p.keys))
+        self.stats.planned_chunks += sum(len(p.keys) for p in planned)
+        pending = self._submit(
+            lambda kv: kv.submit_prepare_store(self.ns_id, keys, lease_s=self._lease)
+        )
+        if pending is None:
             return
-        keys = list(hashes[first * cb + cb - 1 : num_chunks * cb : cb])
-        self.stats.planned_chunks += len(keys)
+        storing = self._keys_storing
+        for p in planned:
+            p.state.num_stores += 1
+            for key in p.keys:
+                storing[key] = storing.get(key, 0) + 1
+        self._batch = StoreBatch(pending, planned, keys)
+
+    def _collect_store_batch(self) -> None:
+        """Apply the reply of the store batch in flight: each granted chunk becomes a
+        ChunkStore of the first request that planned it, one job per request (all in the
+        batch's one lease), shipped by the next metadata; cursors move past what was planned.
+        Unreachable or a full cache: cursors stay (a full cache halves the next batch)."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        for p in batch.planned:
+            p.state.num_stores -= 1
+            for key in p.keys:
+                self._unmark_storing(key)
         try:
-            grant = self._op(lambda kv: kv.prepare_store(self.ns_id, keys, lease_s=self._lease))
+            grant = self._result(batch.pending)
         except Unavailable:
-            return  # retried next step: the blocks stay valid while the request holds them
+            self._drop_batch(batch, skip=False)
+            return
         except KVServerError as exc:
-            logger.warning("prepare_store for %s refused: %s", req.request_id, exc)
-            state.cursor = num_chunks  # it would fail again
+            logger.warning("prepare_store of %d chunks refused: %s", len(batch.keys), exc)
+            self._drop_batch(batch, skip=True)  # it would fail again
             return
         if grant is None:
             self.stats.store_rejections += 1
-            return  # cache full: retried next step from the same cursor
-        state.cursor = num_chunks
-        if not grant.keys:
-            return  # every chunk present already, or filtered by reuse gating
-        index = {key: first + i for i, key in enumerate(keys)}
-        stores = [
-            ChunkStore(key, state.block_ids[index[key] * cb : (index[key] + 1) * cb],
-                       [list(extents) for extents in location])
-            for key, location in zip(grant.keys, grant.locations, strict=True)
-        ]  # fmt: skip
-        transfers = RequestTransfers(req.request_id, grant.lease_id, stores=stores)
-        for key in grant.keys:
-            self._keys_storing[key] = self._keys_storing.get(key, 0) + 1
-        self._add_job(state, TransferJob(transfers, False, list(grant.keys), grant.deadline))
+            self._batch_limit = max(1, len(batch.keys) // 2)
+            self._drop_batch(batch, skip=False)
+            return
+        self._batch_limit = min(self._batch_limit * 2, self.config.max_store_batch_chunks)
+        locations = dict(zip(grant.keys, grant.locations, strict=True))
+        cb = self.spec.chunk_blocks
+        for p in batch.planned:
+            state = p.state
+            state.cursor = max(state.cursor, p.end)
+            stores = [
+                ChunkStore(key, p.block_ids[i * cb : (i + 1) * cb],
+                           [list(extents) for extents in location])
+                for i, key in enumerate(p.keys)
+                if (location := locations.pop(key, None)) is not None
+            ]  # fmt: skip
+            if not stores:  # every chunk present already, filtered, or another request's
+                self._release_if_done(state)
+                continue
+            req_id = state.request.request_id
+            transfers = RequestTransfers(req_id, grant.lease_id, stores=stores)
+            job_keys = [c.key for c in stores]
+            for key in job_keys:
+                self._keys_storing[key] = self._keys_storing.get(key, 0) + 1
+            self._add_job(state, TransferJob(transfers, False, job_keys, grant.deadline))
+
+    def _drop_batch(self, batch: StoreBatch, *, skip: bool) -> None:
+        """Nothing reserved: the chunks are planned again next step, or never (``skip``)."""
+        for p in batch.planned:
+            if skip:
+                p.state.cursor = max(p.state.cursor, p.end)
+            self._release_if_done(p.state)
 
     def _add_job(self, state: RequestState, job: TransferJob) -> None:
         self._jobs[job.id] = job
@@ -407,44 +555,102 @@ class KVServerSchedulerConnector(SchedulerConnector):
             state.num_stores += 1
 
     def _finish(self, job: TransferJob, *, expired: bool = False) -> None:
-        """Every rank reported (or the lease expired): complete it on the daemon, report."""
+        """Every rank reported (or the lease expired): update the request and the report. The
+        daemon calls are :meth:`_send_completions`' (none for an expired lease: the daemon
+        reclaimed it already)."""
         del self._jobs[job.id]
-        _, req_id, lease_id = job.id
-        ok = [k for k in job.keys if k not in job.failed]
-        bad = [k for k in job.keys if k in job.failed]
-        try:
-            if expired:
-                pass  # the daemon reclaimed the lease already
-            elif job.is_load:
-                self._op(lambda kv: kv.complete_load(lease_id))
-            else:
-                if ok:
-                    ready = self._op(lambda kv: kv.complete_store(lease_id, keys=ok))
-                    self.stats.stored_chunks += len(ready)
-                    self._emit(BlockStored, ready)
-                if bad:
-                    self._op(lambda kv: kv.complete_store(lease_id, success=False, keys=bad))
-        except KVServerError as exc:  # the daemon reclaims the lease at its deadline
-            logger.info("completing lease %d of %s failed: %s", lease_id, req_id, exc)
-        for key in () if job.is_load else job.keys:
-            self._keys_storing[key] -= 1
-            if not self._keys_storing[key]:
-                del self._keys_storing[key]
+        _, req_id, _ = job.id
+        if not job.is_load:
+            for key in job.keys:
+                self._unmark_storing(key)
         state = self._reqs.get(req_id)
         if state is None:
             return
         if job.is_load:
             state.num_loads -= 1
             self._report.finished_recving.add(req_id)
+            bad = [i for i, k in enumerate(job.keys) if k in job.failed]
             if bad:
-                first = min(job.first_tokens[job.keys.index(k)] for k in bad)
+                first = min(job.first_tokens[i] for i in bad)
                 blocks = [c.block_ids for c in job.transfers.loads if c.key in job.failed]
                 self._load_error(req_id, first, blocks)
+                # those chunks are recomputed: store them afterwards
+                state.cursor = min(state.cursor, job.first_chunk + bad[0])
         else:
             state.num_stores -= 1
+        self._release_if_done(state)
+
+    def _release_if_done(self, state: RequestState) -> None:
+        """A finished request with nothing planned or in flight: its blocks may be freed."""
         if state.finished and not state.num_loads and not state.num_stores:
+            req_id = state.request.request_id
             self._report.finished_sending.add(req_id)
-            del self._reqs[req_id]
+            self._reqs.pop(req_id, None)
+
+    def _unmark_storing(self, key: bytes) -> None:
+        left = self._keys_storing[key] - 1
+        if left:
+            self._keys_storing[key] = left
+        else:
+            del self._keys_storing[key]
+
+    def _send_completions(self, jobs: list[TransferJob]) -> None:
+        """Complete the finished leases on the daemon without waiting: one complete_store per
+        store lease (its chunks every rank wrote, all jobs of the lease together), one rollback
+        per lease with chunks some rank failed, one complete_load per load lease."""
+        stores: dict[int, tuple[list[bytes], list[bytes]]] = {}
+        loads: list[int] = []
+        for job in jobs:
+            lease_id = job.transfers.lease_id
+            if job.is_load:
+                loads.append(lease_id)
+                continue
+            ok, bad = stores.setdefault(lease_id, ([], []))
+            for key in job.keys:
+                (bad if key in job.failed else ok).append(key)
+        for lease_id, (ok, bad) in stores.items():
+            if ok:
+                self._send_completion("store", lease_id, ok)
+            if bad:
+                self._send_completion("rollback", lease_id, bad)
+        for lease_id in dict.fromkeys(loads):
+            self._send_completion("load", lease_id, [])
+
+    def _send_completion(
+        self, kind: Literal["store", "rollback", "load"], lease_id: int, keys: list[bytes]
+    ) -> None:
+        if kind == "load":
+            pending: Pending[Any] | None = self._submit(
+                lambda kv: kv.submit_complete_load(lease_id)
+            )
+        else:
+            pending = self._submit(
+                lambda kv: kv.submit_complete_store(lease_id, success=kind == "store", keys=keys)
+            )
+        if pending is None:  # skipped: the daemon reclaims the lease at its deadline
+            self.stats.completion_errors += 1
+            return
+        self._completions.append(Completion(pending, kind, lease_id))
+
+    def _collect_completions(self, *, wait: bool) -> None:
+        """Apply completion replies: chunks made ready count as stored (a BlockStored event);
+        an error is logged and counted, its chunks are not stored. ``wait``: wait for each
+        (at most ``op_timeout_s``); else only those that already arrived."""
+        left: list[Completion] = []
+        for completion in self._completions:
+            if not wait and not completion.pending.done():
+                left.append(completion)
+                continue
+            try:
+                ready = self._result(completion.pending)
+            except KVServerError as exc:
+                self.stats.completion_errors += 1
+                logger.info("%s of lease %d failed: %s", completion.kind, completion.lease_id, exc)
+                continue
+            if completion.kind == "store":
+                self.stats.stored_chunks += len(ready)
+                self._emit(BlockStored, ready)
+        self._completions = left
 
     def _load_error(self, req_id: str, num_valid: int, blocks: Iterable[list[int]]) -> None:
         self.stats.load_errors += 1

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
+from kvserver.client import Pending
 from kvserver.connector_messages import RequestTransfers
+from kvserver.engine_types import StoreGrant
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from scheduler.connector_base import RequestLike
@@ -59,18 +61,27 @@ class KVConnectorConfig:
     lease_s: float | None = None
     auth_token: str = ""
     client_id: str | None = None
+    #: most chunks one step's prepare_store asks for (the daemon's default keys-per-request
+    #: limit); a batch the cache cannot hold is halved until it fits.
+    max_store_batch_chunks: int = 1 << 16
 
     def __post_init__(self) -> None:
         for name in ("lookup_timeout_s", "op_timeout_s", "down_backoff_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"{name} must be > 0", value=getattr(self, name))
+        if self.max_store_batch_chunks < 1:
+            raise InvalidArgument(
+                "max_store_batch_chunks must be >= 1", value=self.max_store_batch_chunks
+            )
 
 
 @dataclass(slots=True)
 class ConnectorStats:
     """Counters. ``lookups_failed``: answered "no hit" as the daemon failed or was marked down;
     ``timeouts``: calls that found it unreachable (each marks it down for down_backoff_s);
-    ``planned_chunks``: chunks asked for in prepare_store (each once, thanks to the cursor)."""
+    ``planned_chunks``: chunks asked for in prepare_store (each once, thanks to the cursor);
+    ``completion_errors``: completions the daemon refused or never answered (their chunks
+    count as not stored; the daemon reclaims the lease at its deadline)."""
 
     lookups: int = 0
     hit_tokens: int = 0
@@ -82,6 +93,7 @@ class ConnectorStats:
     store_rejections: int = 0
     timeouts: int = 0
     expired_jobs: int = 0
+    completion_errors: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +106,8 @@ class TransferJob:
     deadline: float
     #: loads: per key, the first token it fills (a failure invalidates from there on).
     first_tokens: list[int] = field(default_factory=list)
+    #: loads: the chunk index of keys[0] in the request (a failure moves the cursor back).
+    first_chunk: int = 0
     shipped: bool = False
     ranks: set[int] = field(default_factory=set)
     failed: set[bytes] = field(default_factory=set)
@@ -107,13 +121,46 @@ class TransferJob:
 class RequestState:
     request: RequestLike
     block_ids: list[int] = field(default_factory=list)
-    #: next chunk index to store (seed 000 §11.1).
+    #: next chunk index to store (seed 000 §11.1): chunks below it are stored, being stored,
+    #: or were loaded from kvserver.
     cursor: int = 0
     #: (num_local_tokens, first chunk, hit keys) of the last lookup, until allocation.
     plan: tuple[int, int, list[bytes]] | None = None
     num_loads: int = 0
+    #: store jobs in flight, plus 1 while the request has chunks in the store batch in flight.
     num_stores: int = 0
     #: request_finished returned True: report finished_sending when the jobs are over.
     finished: bool = False
     #: block hashes computed here when the request carries none.
     hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class PlannedStore:
+    """One request's share of a store batch: its chunks ``[first, end)``, their keys, and the
+    GPU blocks they occupy (taken when planned: the table may be dropped before the reply)."""
+
+    state: RequestState
+    first: int
+    end: int
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True, eq=False)
+class StoreBatch:
+    """The one ``prepare_store`` of a step, in flight: ``keys`` (deduplicated) for ``planned``."""
+
+    pending: Pending[StoreGrant | None]
+    planned: list[PlannedStore]
+    keys: list[bytes]
+
+
+@dataclass(slots=True, eq=False)
+class Completion:
+    """A ``complete_store`` (``kind`` "store", or "rollback" for chunks some rank failed) or a
+    ``complete_load`` sent without waiting; its reply is applied on the next step."""
+
+    pending: Pending[Any]
+    kind: Literal["store", "rollback", "load"]
+    lease_id: int

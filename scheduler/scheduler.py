@@ -162,9 +162,8 @@ class Scheduler:
             request.error = reason
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
         self.transfers.release_all()
-        reset = getattr(self.connector, "reset", None)
-        if callable(reset):
-            reset()  # optional hook: drop planned transfers, the GPU contents are gone
+        if self.connector is not None:
+            self.connector.reset()  # drop planned transfers: the GPU contents are gone
         self.kv.reset_prefix_cache()
         return [
             RequestOutput(r.request_id, [], True, "error", self._usage(r), error=reason)
@@ -187,7 +186,7 @@ class Scheduler:
             self.requests
             or self.transfers.has_pending
             or self._finished_req_ids
-            or getattr(self.connector, "has_pending_transfers", False)
+            or (self.connector is not None and self.connector.has_pending_transfers)
         )
 
     def stats(self) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Python clients of the kvserver daemon's ZMQ data plane: :class:`KVClient` (blocking) and
 :class:`AsyncKVClient` (asyncio), with the same operations and the same session behaviour
-(timeouts, reconnection, shared-memory data path when co-located). See ``docs/wire.md``."""
+(timeouts, reconnection, shared-memory data path when co-located); the blocking one can also
+pipeline requests (``submit_*`` → :class:`Pending`). See ``docs/wire.md``."""
 
 from kvserver.client.aio import AsyncKVClient
 from kvserver.client.common import LookupResult, NamespaceInfo, PutResult
+from kvserver.client.pending import Pending
 from kvserver.client.sync import KVClient
 
-__all__ = ["AsyncKVClient", "KVClient", "LookupResult", "NamespaceInfo", "PutResult"]
+__all__ = ["AsyncKVClient", "KVClient", "LookupResult", "NamespaceInfo", "Pending", "PutResult"]

@@ -130,23 +130,38 @@ class Session:
     def accept(self, frames: Sequence[Any], req_id: int) -> Answer | None:
         """The answer to ``req_id`` in ``frames``; None for a stale or unreadable reply.
 
-        Raises the daemon's error (a typed KVServerError) for an error reply. A reply from a
-        new daemon instance marks the session for a fresh hello.
+        For a client with one request in flight. Raises the daemon's error (a typed
+        KVServerError) for an error reply. A reply from a new daemon instance marks the session
+        for a fresh hello.
         """
-        try:
-            reply = wire.decode_reply(frames[0].buffer)
-        except InvalidArgument as exc:
-            logger.warning("discarding unreadable reply from %s: %s", self.address, exc)
+        reply = self.decode(frames)
+        if reply is None:
             return None
         # id 0: the daemon could not read our header, and only one request is in flight.
         if reply.req_id != req_id and not (reply.req_id == 0 and not reply.ok):
             logger.debug("discarding stale reply %d (waiting for %d)", reply.req_id, req_id)
             return None
+        outcome = self.outcome(reply, frames)
+        if isinstance(outcome, KVServerError):
+            raise outcome
+        return outcome
+
+    def decode(self, frames: Sequence[Any]) -> wire.Reply | None:
+        """The reply header in ``frames``; None (logged) when it cannot be read."""
+        try:
+            return wire.decode_reply(frames[0].buffer)
+        except InvalidArgument as exc:
+            logger.warning("discarding unreadable reply from %s: %s", self.address, exc)
+            return None
+
+    def outcome(self, reply: wire.Reply, frames: Sequence[Any]) -> Answer | KVServerError:
+        """What the request ``reply`` answers got: an Answer, or the daemon's typed error. A
+        reply from a new daemon instance marks the session for a fresh hello."""
         if self.sid is not None and reply.sid != self.sid:
             logger.info("daemon at %s restarted; renewing the session", self.address)
             self.needs_hello = True
         if reply.error is not None:
-            raise reply.error
+            return reply.error
         return Answer(reply.result, [f.buffer for f in frames[1:]])
 
     def timed_out(self, call: Call, timeout: float) -> Unavailable:
@@ -240,21 +255,42 @@ class Session:
     def prepare_store(
         self, ns_id: str, keys: Sequence[bytes], lease_s: float | None
     ) -> Proc[StoreGrant | None]:
+        sent = time.monotonic()  # the deadline counts from the send (pipelined: not the read)
         answer = yield Call(
             wire.PREPARE_STORE, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
         )
         data = answer.result["grant"]
         if data is None:
             return None
-        return wire.store_grant_from_wire(data, time.monotonic())
+        return wire.store_grant_from_wire(data, sent)
 
     def prepare_load(
         self, ns_id: str, keys: Sequence[bytes], lease_s: float | None
     ) -> Proc[LoadGrant]:
+        sent = time.monotonic()
         answer = yield Call(
             wire.PREPARE_LOAD, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
         )
-        return wire.load_grant_from_wire(answer.result["grant"], time.monotonic())
+        return wire.load_grant_from_wire(answer.result["grant"], sent)
+
+    def complete_store(
+        self,
+        lease_id: int,
+        success: bool,
+        ranks: Sequence[int] | None,
+        keys: Sequence[bytes] | None,
+    ) -> Proc[list[bytes]]:
+        args = {
+            "lease_id": lease_id,
+            "success": success,
+            "ranks": None if ranks is None else list(ranks),
+            "keys": None if keys is None else list(keys),
+        }
+        answer = yield Call(wire.COMPLETE_STORE, args)
+        return list(answer.result["ready"])
+
+    def complete_load(self, lease_id: int) -> Proc[None]:
+        yield Call(wire.COMPLETE_LOAD, {"lease_id": lease_id})
 
     # ------------------------------------------------------------------ payload paths
 

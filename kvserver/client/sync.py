@@ -16,11 +16,18 @@ Usage::
 
 Low-level co-located flow: ``prepare_store`` → ``write(extents, data)`` per part →
 ``complete_store``; ``prepare_load`` → ``read``/``readinto`` → ``complete_load``.
+
+Pipelining: ``submit_*`` send a request and return a :class:`~kvserver.client.pending.Pending`
+at once; its ``result()`` is collected later, in any order, while other calls (blocking or
+submitted) go on over the same socket. A timeout replaces the socket, failing every request
+still outstanding on it with ``Unavailable`` (see :mod:`kvserver.client.pending`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,9 +49,12 @@ from kvserver.client.common import (
     Session,
     T,
 )
+from kvserver.client.pending import Pending, Slot
 from kvserver.engine_types import LoadGrant, StoreGrant
-from kvserver.errors import KVServerError, UnknownNamespace
+from kvserver.errors import KVServerError, Unavailable, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
+
+logger = logging.getLogger(__name__)
 
 
 class KVClient:
@@ -64,6 +74,10 @@ class KVClient:
         self._s = Session(address, client_id=client_id, auth_token=auth_token, colocated=colocated)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
+        #: requests outstanding on the current socket, by request id (oldest first).
+        self._slots: dict[int, Slot] = {}
+        #: requests sent on the wire, by op (session renewals and retries included).
+        self.sent_by_op: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ lifetime
 
@@ -77,8 +91,9 @@ class KVClient:
         return self._s.arena is not None
 
     def close(self) -> None:
-        """Close the socket and unmap the arena. Leases are not released (see release())."""
-        self._drop_socket()
+        """Close the socket and unmap the arena. Leases are not released (see release());
+        outstanding submitted requests fail with Unavailable."""
+        self._drop_socket("the client was closed")
         self._s.close()
 
     def __enter__(self) -> KVClient:
@@ -89,10 +104,15 @@ class KVClient:
 
     # ------------------------------------------------------------------ driver
 
-    def _drop_socket(self) -> None:
+    def _drop_socket(self, why: str = "the connection was reset") -> None:
+        """Close the socket; every request outstanding on it fails with Unavailable."""
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            slot.outcome = Unavailable(f"{why} before a reply from {self._s.address}",
+                                       op=slot.call.op)  # fmt: skip
 
     def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
@@ -104,37 +124,88 @@ class KVClient:
             self._sock = sock
         return self._sock
 
-    def _exchange(self, call: Call) -> Answer:
+    def _send(self, call: Call) -> tuple[int, Slot]:
+        """Send ``call`` without waiting; its reply will land in the returned slot."""
         sock = self._socket()
         req_id, frames = self._s.encode(call)
-        deadline = time.monotonic() + self.timeout
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._drop_socket()
             raise self._s.timed_out(call, self.timeout) from None
-        while True:
+        self.sent_by_op[call.op] += 1
+        slot = self._slots[req_id] = Slot(call)
+        return req_id, slot
+
+    def _wait(self, slot: Slot, timeout: float) -> Answer:
+        """Read replies until ``slot`` has its outcome, for at most ``timeout`` seconds;
+        returns its Answer or raises its error. A timeout replaces the socket."""
+        deadline = time.monotonic() + timeout
+        while slot.outcome is None:
+            sock = self._sock
             remaining = deadline - time.monotonic()
+            if sock is None:  # cannot happen: dropping the socket sets every outcome
+                raise Unavailable("the socket is gone", op=slot.call.op)
             if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                self._drop_socket()
-                raise self._s.timed_out(call, self.timeout)
-            answer = self._s.accept(sock.recv_multipart(copy=False), req_id)
-            if answer is not None:
-                return answer
+                error = self._s.timed_out(slot.call, timeout)
+                self._drop_socket(f"an earlier call timed out ({slot.call.op})")
+                raise error
+            self._route(sock.recv_multipart(copy=False))
+        if isinstance(slot.outcome, KVServerError):
+            raise slot.outcome
+        return slot.outcome
+
+    def _route(self, frames: list[zmq.Frame]) -> None:
+        """Hand one reply to the slot of its request; stale and unreadable ones are dropped."""
+        reply = self._s.decode(frames)
+        if reply is None:
+            return
+        req_id = reply.req_id
+        if req_id == 0 and not reply.ok and self._slots:
+            # the daemon could not read a header: replies come in request order, so it is the
+            # oldest request still outstanding
+            req_id = next(iter(self._slots))
+        slot = self._slots.pop(req_id, None)
+        if slot is None:
+            logger.debug("discarding stale reply %d", reply.req_id)
+            return
+        slot.outcome = self._s.outcome(reply, frames)
+
+    def _read_arrived(self) -> None:
+        """Route every reply already received, without blocking."""
+        sock = self._sock
+        while sock is not None and self._slots and sock.poll(0, zmq.POLLIN):
+            self._route(sock.recv_multipart(copy=False))
+
+    def _forget(self, req_id: int) -> None:
+        self._slots.pop(req_id, None)
+
+    def _exchange(self, call: Call) -> Answer:
+        _, slot = self._send(call)
+        return self._wait(slot, self.timeout)
+
+    def _retry_in_namespace(self, call: Call) -> Answer | None:
+        """After ``unknown_namespace`` for a namespace this client registered: register it
+        again (the whole session when the daemon restarted) and send ``call`` once more.
+        None when the namespace is not one of ours."""
+        spec = self._s.specs.get(call.args.get("ns_id", ""))
+        if spec is None:
+            return None
+        if self._s.needs_hello:
+            self._renew()  # the daemon restarted: re-registers every namespace
+        else:
+            self._drive(self._s.register_namespace(spec))
+        return self._exchange(call)
 
     def _exchange_renewing(self, call: Call) -> Answer:
         """Exchange; after a daemon restart renew the session, retrying a namespace miss."""
         try:
             answer = self._exchange(call)
         except UnknownNamespace:
-            spec = self._s.specs.get(call.args.get("ns_id", ""))
-            if spec is None:
+            retried = self._retry_in_namespace(call)
+            if retried is None:
                 raise
-            if self._s.needs_hello:
-                self._renew()  # the daemon restarted: re-registers every namespace
-            else:
-                self._drive(self._s.register_namespace(spec))
-            answer = self._exchange(call)
+            answer = retried
         self._renew()
         return answer
 
@@ -161,6 +232,43 @@ class KVClient:
     def _run(self, proc: Proc[T]) -> T:
         self._renew()
         return self._drive(proc, renewing=True)
+
+    def _submit(self, proc: Proc[T]) -> Pending[T]:
+        """Renew the session if needed (blocking), then send the first call of ``proc``."""
+        self._renew()
+        call = next(proc)
+        try:
+            req_id, slot = self._send(call)
+        except BaseException:
+            proc.close()
+            raise
+        return Pending(self, proc, slot, req_id)
+
+    def _finish(self, proc: Proc[T], slot: Slot, timeout: float) -> T:
+        """Wait for ``slot`` (the first call of ``proc``), then drive ``proc`` to its value;
+        a later call of a multi-call proc is a blocking exchange."""
+        try:
+            try:
+                try:
+                    answer = self._wait(slot, timeout)
+                except UnknownNamespace:
+                    retried = self._retry_in_namespace(slot.call)
+                    if retried is None:
+                        raise
+                    answer = retried
+            except KVServerError as exc:
+                call = proc.throw(exc)
+            else:
+                call = proc.send(answer)
+            while True:
+                try:
+                    answer = self._exchange_renewing(call)
+                except KVServerError as exc:
+                    call = proc.throw(exc)
+                else:
+                    call = proc.send(answer)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ session
 
@@ -234,13 +342,7 @@ class KVClient:
         keys: Sequence[bytes] | None = None,
     ) -> list[bytes]:
         """Mark parts written (or roll back); returns the keys that became ready."""
-        args = {
-            "lease_id": lease_id,
-            "success": success,
-            "ranks": None if ranks is None else list(ranks),
-            "keys": None if keys is None else list(keys),
-        }
-        return list(self._run(self._s.simple(wire.COMPLETE_STORE, args, "ready")))
+        return self._run(self._s.complete_store(lease_id, success, ranks, keys))
 
     def prepare_load(
         self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
@@ -249,7 +351,8 @@ class KVClient:
         return self._run(self._s.prepare_load(ns_id, keys, lease_s))
 
     def complete_load(self, lease_id: int) -> None:
-        self._run(self._s.simple(wire.COMPLETE_LOAD, {"lease_id": lease_id}))
+        """Release the pins of load lease ``lease_id``."""
+        self._run(self._s.complete_load(lease_id))
 
     def write(self, extents: Extents, data: Any) -> None:
         """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
@@ -307,3 +410,40 @@ class KVClient:
     ) -> list[list[memoryview]]:
         """Load ready entries through shared memory when co-located, else as frames."""
         return self._run(self._s.load(ns_id, keys, ranks))
+
+    # ------------------------------------------------------------------ pipelined (no wait)
+
+    def submit_lookup(
+        self, ns_id: str, keys: Sequence[bytes], *, record: bool = False, touch: bool = False
+    ) -> Pending[LookupResult]:
+        """:meth:`lookup`, sent without waiting for the reply."""
+        return self._submit(self._s.lookup(ns_id, keys, record, touch))
+
+    def submit_prepare_store(
+        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
+    ) -> Pending[StoreGrant | None]:
+        """:meth:`prepare_store`, sent without waiting. The grant's deadline counts from the
+        send, so a reply collected late still leaves the caller on the safe side."""
+        return self._submit(self._s.prepare_store(ns_id, keys, lease_s))
+
+    def submit_complete_store(
+        self,
+        lease_id: int,
+        *,
+        success: bool = True,
+        ranks: Sequence[int] | None = None,
+        keys: Sequence[bytes] | None = None,
+    ) -> Pending[list[bytes]]:
+        """:meth:`complete_store`, sent without waiting. The daemon applies requests in
+        arrival order, so a later call of this client already sees the chunks ready."""
+        return self._submit(self._s.complete_store(lease_id, success, ranks, keys))
+
+    def submit_prepare_load(
+        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
+    ) -> Pending[LoadGrant]:
+        """:meth:`prepare_load`, sent without waiting (deadline from the send)."""
+        return self._submit(self._s.prepare_load(ns_id, keys, lease_s))
+
+    def submit_complete_load(self, lease_id: int) -> Pending[None]:
+        """:meth:`complete_load`, sent without waiting."""
+        return self._submit(self._s.complete_load(lease_id))

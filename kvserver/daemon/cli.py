@@ -32,6 +32,12 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="seconds a reservation or load pin lives without completion (default 30)")
     p.add_argument("--shm-dir", help="tmpfs directory for the arena (default /dev/shm)")
     p.add_argument("--auth-token", help="shared secret required on both APIs (default: none)")
+    p.add_argument("--ssd-dir", help="SSD tier directory (default: no SSD tier)")
+    p.add_argument("--ssd", help="SSD tier capacity, e.g. 100GiB (default 1GiB)")
+    p.add_argument("--ssd-admission", type=int,
+                   help="write a DRAM victim down only if used N times (default 2)")
+    p.add_argument("--ssd-policy", help="SSD tier eviction policy: lru or arc (default lru)")
+    p.add_argument("--ssd-io-threads", type=int, help="threads for SSD I/O (default 4)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -44,7 +50,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("host", "grpc_port", "zmq_port", "pub_port", "dram", "page_size", "policy",
                   "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
-                  "log_level")
+                  "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

@@ -18,6 +18,8 @@ from typing import Any
 
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
+from kvserver.policies import make_policy
+from kvserver.ssd.config import TierConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRPC_PORT = 9470
@@ -71,6 +73,21 @@ class DaemonConfig:
     #: written (JSON: pid, ports, arena path) once every listener is up.
     ready_file: str = ""
     log_level: str = "INFO"
+    #: SSD tier directory; "" = no SSD tier.
+    ssd_dir: str = ""
+    #: SSD tier capacity (bytes of slots).
+    ssd: int = 1 << 30
+    #: write a DRAM victim down only if it was used (stored, loaded, looked up) this many times.
+    ssd_admission: int = 2
+    ssd_policy: str = "lru"
+    #: threads doing the SSD tier's disk I/O.
+    ssd_io_threads: int = 4
+    #: bytes of evicted chunks that may wait to be written down (more are not written).
+    ssd_staging: int = 64 << 20
+    #: seconds between retries of a degraded / unavailable SSD tier.
+    ssd_retry_s: float = 5.0
+    #: "auto": O_DIRECT when the filesystem allows it; "off": always through the page cache.
+    ssd_direct: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "zmq_port"):
@@ -82,6 +99,24 @@ class DaemonConfig:
         if self.reap_interval_s <= 0:
             raise InvalidArgument("reap_interval_s must be positive")
         self.engine_config()  # validates the engine part
+        make_policy(self.ssd_policy)  # names the valid choices when wrong
+        if self.ssd_dir:
+            self.tier_config()
+
+    def tier_config(self) -> TierConfig | None:
+        """The SSD tier's settings, or None when no ``ssd_dir`` is given."""
+        if not self.ssd_dir:
+            return None
+        return TierConfig(
+            directory=self.ssd_dir,
+            capacity_bytes=self.ssd,
+            admission=self.ssd_admission,
+            policy=self.ssd_policy,
+            io_threads=self.ssd_io_threads,
+            staging_bytes=self.ssd_staging,
+            retry_s=self.ssd_retry_s,
+            direct=self.ssd_direct,
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -134,7 +169,7 @@ class DaemonConfig:
 
 
 def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
-    if name in ("dram", "page_size", "max_message_bytes"):
+    if name in ("dram", "page_size", "max_message_bytes", "ssd", "ssd_staging"):
         return parse_size(value)
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     try:

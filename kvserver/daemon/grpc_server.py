@@ -96,6 +96,14 @@ _TIER_COUNTERS = (
     "loaded_chunks",
     "lookups",
 )
+_SSD_COUNTERS = (
+    *_TIER_COUNTERS,
+    "corrupt_chunks",
+    "recovered_chunks",
+    "promoted_chunks",
+    "io_errors",
+    "skipped_chunks",
+)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -325,16 +333,42 @@ class GrpcFrontend:
             pinned_bytes=s["pinned_pages"] * page,
             reserved_bytes=s["reserved_pages"] * page,
             entries=s["num_entries"],
+            condition="ok",
             **{k: totals[k] for k in _TIER_COUNTERS},
         )
+        tiers = [dram]
+        ssd = s.get("ssd")
+        ssd_usage: dict[str, tuple[int, int]] = {}
+        if ssd is not None:
+            ssd_usage = ssd["namespaces"]
+            tiers.append(
+                pb.TierStats(
+                    name="ssd",
+                    medium=pb.MEDIUM_DISK,
+                    policy=ssd["policy"],
+                    capacity_bytes=ssd["capacity_bytes"],
+                    used_bytes=ssd["used_bytes"],
+                    pinned_bytes=ssd["pinned_bytes"],
+                    reserved_bytes=ssd["reserved_bytes"],
+                    entries=ssd["entries"],
+                    condition=ssd["condition"],
+                    condition_detail=ssd["condition_detail"][:MAX_STATUS_DETAILS],
+                    io_mode=ssd["io_mode"],
+                    **{k: ssd[k] for k in _SSD_COUNTERS},
+                )
+            )
         namespaces = []
         for ns_id, row in s["namespaces"].items():
             counters = {k: row[k] for k in _NS_COUNTERS if k in row}
+            usage = [pb.TierUsage(tier="dram", entries=row["entries"], bytes=row["bytes"])]
+            if ssd is not None:
+                entries, nbytes = ssd_usage.get(ns_id, (0, 0))
+                usage.append(pb.TierUsage(tier="ssd", entries=entries, bytes=nbytes))
             namespaces.append(
                 pb.NamespaceStats(
                     namespace_id=ns_id,
                     model=models.get(ns_id, ""),
-                    tiers=[pb.TierUsage(tier="dram", entries=row["entries"], bytes=row["bytes"])],
+                    tiers=usage,
                     **counters,
                 )
             )
@@ -342,7 +376,7 @@ class GrpcFrontend:
         return pb.StatsResponse(
             server_version=s["server_version"],
             host_id=self.service.host_id,
-            tiers=[dram],
+            tiers=tiers,
             namespaces=namespaces,
             num_leases=s["num_leases"],
             event_log_id=self.log_id,

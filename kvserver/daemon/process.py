@@ -2,12 +2,16 @@
 
 This is the only daemon module that knows it is a process (event loop, signals, exit codes).
 
-Start-up: build the service (creates the shared-memory arena) → start the ZMQ front end →
-start the gRPC front end → start the lease reaper → write the ready file → log where it listens.
+Start-up: build the service (creates the shared-memory arena) → open the SSD tier when
+configured (lock its directory, rebuild its index from the chunk headers, re-register the saved
+namespaces; a directory that cannot be used leaves the tier ``unavailable`` and retried, the
+daemon serves DRAM) → start the ZMQ front end → start the gRPC front end → start the lease
+reaper → write the ready file → log where it listens.
 
 Shutdown on SIGTERM/SIGINT, in order: stop accepting (gRPC server stops taking new RPCs, ZMQ
-sockets stop reading) → give in-flight RPCs a short grace → roll back in-flight reservations
-and release pins → stop event streams → remove the shared-memory arena → exit 0.
+sockets stop reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight
+writes and close its files → roll back in-flight reservations and release pins → stop event
+streams → remove the shared-memory arena → exit 0.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvserver.arena import reap_stale_arenas
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.service import KVService
+from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import ZmqFrontend
 
 logger = logging.getLogger("kvserver.daemon")
@@ -40,7 +45,13 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     zmq_front = ZmqFrontend(service, config)
     grpc_front = GrpcFrontend(service, config)
     reaper: asyncio.Task[None] | None = None
+    tier: SsdTier | None = None
     try:
+        tier_config = config.tier_config()
+        if tier_config is not None:
+            tier = SsdTier(service.engine, tier_config, publish=service.publish)
+            await tier.open()
+            service.attach_ssd(tier)
         data_port, pub_port = await zmq_front.start()
         grpc_port = await grpc_front.start()
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
@@ -53,6 +64,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
             "pub_port": pub_port,
             "arena_path": service.engine.arena.path,
             "dram_bytes": dram_bytes,
+            "ssd_dir": config.ssd_dir,
+            "ssd_condition": tier.condition if tier is not None else "",
+            "ssd_recovered_chunks": tier.counters.recovered_chunks if tier is not None else 0,
         }
         if config.ready_file:
             _write_atomic(config.ready_file, json.dumps(info))
@@ -78,6 +92,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
+        if tier is not None:
+            await tier.close()
         service.close()
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):

@@ -5,6 +5,11 @@ end (``grpc_server.py``) both call it, so the two APIs cannot drift apart. It ow
 engine and the event log; after every mutating call it moves the engine's new events into the
 log (which wakes WatchEvents streams and the ZMQ PUB publisher).
 
+With an SSD tier attached (:meth:`KVService.attach_ssd`), lookups report the leading run over
+DRAM and SSD with the per-tier split, loads first ``await promote()`` the keys that are only on
+SSD (``needs_promotion`` tells the front end whether it must), namespace registrations are
+saved with the SSD data, and ``stats()`` carries an ``ssd`` section.
+
 Inputs are typed Python values; each front end decodes and type-checks its wire format first.
 Errors are :class:`~kvserver.errors.KVServerError` subclasses, mapped to error replies / gRPC
 status codes by the front ends only.
@@ -20,6 +25,7 @@ from typing import Any
 
 from kvserver import __version__
 from kvserver.daemon.eventlog import EventLog
+from kvserver.daemon.tiering import SsdTier
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EngineConfig, LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument
@@ -49,7 +55,13 @@ class KVService:
         self.engine = StorageEngine(engine_config)
         self.events = EventLog(event_capacity)
         self.host_id = host_id()
+        self.ssd: SsdTier | None = None
         self._hashers: dict[str, BlockHasher] = {}
+
+    def attach_ssd(self, tier: SsdTier) -> None:
+        """Put ``tier`` below the DRAM tier: evictions are offered to it for write-back."""
+        self.ssd = tier
+        self.engine.on_evict = tier.on_evict
 
     # ------------------------------------------------------------------ session
 
@@ -67,6 +79,8 @@ class KVService:
 
     def register_namespace(self, spec: NamespaceSpec) -> dict[str, Any]:
         ns_id = self.engine.register_namespace(spec)
+        if self.ssd is not None:
+            self.ssd.namespaces_changed()
         return {
             "ns_id": ns_id,
             "part_bytes": spec.part_bytes,
@@ -85,7 +99,14 @@ class KVService:
     ) -> LookupResult:
         hits = self.engine.lookup(ns_id, keys, record=record, touch=touch)
         spec = self.engine.namespace(ns_id)
-        return LookupResult(ns_id, hits, hits * spec.chunk_tokens, len(keys), {"dram": hits})
+        if self.ssd is None:
+            return LookupResult(ns_id, hits, hits * spec.chunk_tokens, len(keys), {"dram": hits})
+        more, ssd = self.ssd.lookup_tail(ns_id, keys, hits, touch=touch)
+        total = hits + more + ssd
+        if touch and more:
+            self.engine.touch(ns_id, keys[:total])
+        tiers = {"dram": hits + more, "ssd": ssd}
+        return LookupResult(ns_id, total, total * spec.chunk_tokens, len(keys), tiers)
 
     def chunk_keys_for_tokens(
         self,
@@ -132,6 +153,7 @@ class KVService:
         out = self.engine.stats().to_dict()
         out["events_last_seq"] = self.events.last_seq
         out["server_version"] = __version__
+        out["ssd"] = self.ssd.stats() if self.ssd is not None else None
         return out
 
     # ------------------------------------------------------------------ store / load
@@ -157,6 +179,21 @@ class KVService:
     ) -> list[bytes]:
         try:
             return self.engine.complete_store(lease_id, success=success, ranks=ranks, keys=keys)
+        finally:
+            self._publish()
+
+    def needs_promotion(self, ns_id: str, keys: Sequence[bytes]) -> bool:
+        """True if some of ``keys`` must be promoted from SSD before a load can pin them."""
+        return self.ssd is not None and self.ssd.needs_promotion(ns_id, keys)
+
+    async def promote(
+        self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
+    ) -> dict[bytes, list[memoryview]]:
+        """Promote the keys that are only on SSD into DRAM (see ``SsdTier.promote``)."""
+        if self.ssd is None:
+            return {}
+        try:
+            return await self.ssd.promote(ns_id, keys, direct=direct)
         finally:
             self._publish()
 
@@ -202,6 +239,10 @@ class KVService:
         self._publish()
         self.events.close()
         self.engine.close()
+
+    def publish(self) -> None:
+        """Move the engine's new events into the event log (other tiers call this too)."""
+        self._publish()
 
     def _publish(self) -> None:
         events = self.engine.take_events()

@@ -8,7 +8,11 @@ Call order: ``start()`` (bind both sockets, start the receive loop and the event
 serving → ``stop()`` (stop reading, close sockets with linger 0, release send pins).
 
 One receive loop handles one message at a time; every handler is a synchronous call into
-:class:`~kvserver.daemon.service.KVService`, so requests are applied in arrival order. Every
+:class:`~kvserver.daemon.service.KVService`, so requests are applied in arrival order. The
+exception is a load (``prepare_load``, ``get``) of chunks that are only on SSD: its handler
+returns a coroutine that first awaits their promotion (disk reads run on the SSD tier's threads,
+the loop keeps serving gRPC and events meanwhile), and the next request is read after it.
+A ``get`` whose chunks DRAM cannot take is answered from the verified SSD bytes directly. Every
 request gets exactly one reply — an error reply (request id 0 when the header is unreadable)
 for anything malformed, unauthenticated, too large or refused; an unexpected exception is
 logged and answered ``internal``. The loop never dies on input.
@@ -29,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +101,7 @@ class ZmqFrontend:
         self._topics: dict[str, tuple[bytes, int]] = {}
         self._pod = socket.gethostname()
         svc = service
-        self._handlers: dict[str, Callable[[_Call], _Result]] = {
+        self._handlers: dict[str, Callable[[_Call], _Result | Awaitable[_Result]]] = {
             wire.HELLO: self._hello,
             wire.REGISTER_NAMESPACE: lambda c: svc.register_namespace(
                 NamespaceSpec.from_dict(c.args["spec"])
@@ -211,6 +216,8 @@ class ZmqFrontend:
             if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
                 raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
             out = self._handlers[req.op](_Call(req.args, frames[1:], req.client or ident.hex()))
+            if inspect.isawaitable(out):
+                out = await out
         except KVServerError as exc:
             await self._send_error(router, ident, req_id, exc.code, str(exc))
             return
@@ -271,7 +278,16 @@ class ZmqFrontend:
         )
         return {"ready": ready}
 
-    def _prepare_load(self, c: _Call) -> _Result:
+    def _prepare_load(self, c: _Call) -> _Result | Awaitable[_Result]:
+        if self._service.needs_promotion(c.args["ns_id"], c.args["keys"]):
+            return self._promote_then(c, self._prepare_load_now)
+        return self._prepare_load_now(c)
+
+    async def _promote_then(self, c: _Call, then: Callable[[_Call], _Result]) -> _Result:
+        await self._service.promote(c.args["ns_id"], c.args["keys"])
+        return then(c)
+
+    def _prepare_load_now(self, c: _Call) -> _Result:
         a = c.args
         grant = self._service.prepare_load(
             a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"]
@@ -319,7 +335,7 @@ class ZmqFrontend:
             ready = self._service.complete_store(lease_id, ranks=[rank], keys=keys)
         return {"ready": ready}
 
-    def _get(self, c: _Call) -> _Result:
+    def _get(self, c: _Call) -> _Result | Awaitable[_Result]:
         """Pin ``keys`` (every one must be ready) and send the parts of ``ranks``."""
         ns_id, keys = c.args["ns_id"], c.args["keys"]
         tp = self._service.engine.namespace(ns_id).tp_world_size
@@ -327,9 +343,30 @@ class ZmqFrontend:
         for rank in ranks:
             if not rank < tp:
                 raise InvalidArgument("rank out of range", rank=rank, tp_world_size=tp)
-        guard = self._pin_for_send(ns_id, keys)
+        if self._service.needs_promotion(ns_id, keys):
+            return self._get_promoting(ns_id, keys, ranks)
+        return self._get_now(ns_id, keys, ranks, {})
+
+    async def _get_promoting(self, ns_id: str, keys: list[bytes], ranks: list[int]) -> _Result:
+        direct = await self._service.promote(ns_id, keys, direct=True)
+        return self._get_now(ns_id, keys, ranks, direct)
+
+    def _get_now(
+        self,
+        ns_id: str,
+        keys: list[bytes],
+        ranks: list[int],
+        direct: dict[bytes, list[memoryview]],
+    ) -> _Result:
+        """Parts from the arena under a send pin, except ``direct`` ones (read from SSD)."""
+        in_dram = [k for k in keys if k not in direct] if direct else keys
+        guard = self._pin_for_send(ns_id, in_dram) if in_dram or not direct else 0
         try:
-            parts = [self._service.read_part(guard, k, r) for k in keys for r in ranks]
+            parts = [
+                [direct[k][r]] if k in direct else self._service.read_part(guard, k, r)
+                for k in keys
+                for r in ranks
+            ]
         except BaseException:
             self._release_guard(guard)
             raise

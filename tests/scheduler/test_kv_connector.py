@@ -10,8 +10,10 @@ worker outputs go through the step wire format (encode/decode + from_wire) on th
 from __future__ import annotations
 
 import hashlib
+import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ from kvserver.errors import InvalidArgument
 from kvserver.events import BlockRemoved, BlockStored
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
+from kvserver.wire import COMPLETE_STORE, LOOKUP, PREPARE_STORE
 from scheduler.connector_base import TransferReport
 from scheduler.kv_connector import KVServerSchedulerConnector
 from scheduler.kv_connector_types import KVConnectorConfig
@@ -245,10 +248,11 @@ class Harness:
 
     def prefill(self, req: FakeRequest) -> None:
         """Admit (expecting a miss) and compute the whole prompt but its last token; then one
-        more step so the deferred stores are shipped and completed."""
+        more step so the deferred stores are shipped and completed (replies applied)."""
         assert self.admit(req) == (0, False)
         self.step({req.request_id: (req, len(req.all_token_ids) - 1)})
         self.step()
+        self.conn.drain()
 
     def assert_loaded(self, req: FakeRequest, block_indices: range) -> None:
         for w in self.workers:
@@ -326,6 +330,7 @@ def test_miss_store_then_hit_loads_the_right_bytes(harness: Harness, daemon: Dae
     ]
     assert report.finished_recving == {"b"} and not report.load_errors
     h.assert_loaded(b, range(6))
+    h.conn.drain()  # complete_load was sent without waiting
     assert daemon_stats(daemon)["pinned_pages"] == 0  # complete_load once every rank reported
     assert h.admit(FakeRequest("c", tokens(33, base=5000), spec)) == (0, False)
     assert h.admit(FakeRequest("d", tokens(33), spec, cache_salt="tenant-2")) == (0, False)
@@ -396,6 +401,7 @@ def test_stores_are_deferred_one_step_and_never_repeated(
         return meta
 
     assert step(12).stores == []  # chunk 0 is full after this step: reserved, not shipped
+    h.conn.drain()  # the reservation was sent without waiting
     assert daemon_stats(daemon)["reserved_pages"] == spec.tp_world_size
     step(12)
     step(13)  # 37 tokens computed: 4 chunks
@@ -403,6 +409,7 @@ def test_stores_are_deferred_one_step_and_never_repeated(
         r.append([7])
         step(1)
     h.step()
+    h.conn.drain()
     assert len(r.chunk_keys()) == 6
     assert shipped_at == {k: [full_at[k] + 1] for k in r.chunk_keys()}
     for meta in h.metas:
@@ -437,6 +444,7 @@ def test_a_store_completes_only_when_every_rank_reported(daemon: DaemonProc) -> 
         h.workers[1].release_held()
         _, report = h.step()
         assert report.finished_sending == {"r"}
+        h.conn.drain()
         assert ready_chunks(daemon, r) == 2
         assert h.conn.get_num_new_matched_tokens(other, 0) == (16, True)
         assert not h.conn.request_finished(FakeRequest("idle", tokens(3), spec), [])[0]
@@ -468,11 +476,180 @@ def test_preemption_with_a_store_in_flight_flushes_before_blocks_are_reused(
     assert h.blocks["s"] == freed
     meta, _ = h.step({"s": (s, 16)}, preempted=("r",))
     assert meta.flush_req_ids == ["r"]
+    h.conn.drain()
     assert ready_chunks(daemon, r) == 2
     assert h.admit(r) == (16, True)
     _, report = h.step()
     assert report.finished_recving == {"r"} and not report.load_errors
     h.assert_loaded(r, range(4))
+
+
+@mp
+def test_a_landed_load_keeps_the_store_cursor(harness: Harness) -> None:
+    """The scheduler calls update_state_after_alloc again (0 external tokens) once a load
+    landed: the cursor stays past the loaded chunks, so only chunks computed afterwards are
+    planned; a chunk a rank failed to load is planned again once recomputed."""
+    h, spec = harness, harness.spec
+    a = FakeRequest("a", tokens(33), spec)
+    h.prefill(a)
+    b = FakeRequest("b", tokens(49), spec)
+    assert h.admit(b) == (32, True)
+    _, report = h.step()
+    assert report.finished_recving == {"b"}
+    h.conn.update_state_after_alloc(b, h.blocks["b"], 0)  # the scheduler admits it again
+    planned = h.conn.stats.planned_chunks
+    h.step({"b": (b, 16)})  # computes chunks 4 and 5
+    meta, _ = h.step()
+    assert store_keys(meta) == b.chunk_keys()[4:6]
+    assert h.conn.stats.planned_chunks - planned == 2  # not 6: chunks 0-3 came from kvserver
+    c = FakeRequest("c", tokens(33), spec)
+    assert h.admit(c) == (32, True)
+    h.workers[-1].fail_load_keys = {a.chunk_keys()[2]}
+    _, report = h.step()
+    assert report.load_errors == {"c": 16}
+    h.workers[-1].fail_load_keys = set()
+    h.conn.update_state_after_alloc(c, h.blocks["c"], 0)
+    c.num_computed_tokens = 16
+    planned = h.conn.stats.planned_chunks
+    h.step({"c": (c, 16)})  # recomputes chunks 2 and 3 (kvserver has them: nothing to copy)
+    assert h.conn.stats.planned_chunks - planned == 2
+
+
+# ----------------------------------------------------------------------------- calls per step
+
+
+@mp
+@pytest.mark.parametrize("num_requests", [2, 24])
+def test_daemon_calls_per_step_do_not_grow_with_requests(
+    daemon: DaemonProc, num_requests: int
+) -> None:
+    """Requests sharing a prefix in chunked prefill, then decode: every step makes at most one
+    prepare_store (all requests' new chunks, one lease) and one complete_store, whatever the
+    number of requests; lookups are one per admission. Every chunk is stored, a shared one
+    once."""
+    spec = make_spec(model=f"test/calls-{num_requests}")
+    h = Harness(daemon, spec)
+    try:
+        reqs = [
+            FakeRequest(f"r{i}", tokens(16) + tokens(21, base=1000 * (i + 1)), spec)
+            for i in range(num_requests)
+        ]
+        sent = h.conn.client.sent_by_op
+        for r in reqs:
+            assert h.admit(r) == (0, False)
+        assert sent[LOOKUP] == num_requests
+        per_step: list[Counter[str]] = []
+
+        def step(sched: dict[str, tuple[FakeRequest, int]]) -> ConnectorMetadata:
+            before = Counter(sent)
+            meta, _ = h.step(sched)
+            per_step.append(Counter(sent) - before)
+            assert len({t.lease_id for t in meta.stores}) <= 1
+            return meta
+
+        step({r.request_id: (r, 12) for r in reqs})
+        shared = store_keys(step({r.request_id: (r, 12) for r in reqs}))
+        assert sorted(shared) == sorted(set(shared))  # the common prefix chunk: once
+        step({r.request_id: (r, 12) for r in reqs})
+        for _ in range(8):  # decode
+            for r in reqs:
+                r.append([7])
+            step({r.request_id: (r, 1) for r in reqs})
+        step({})
+        assert all(c[PREPARE_STORE] <= 1 and c[COMPLETE_STORE] <= 1 for c in per_step), per_step
+        assert all(sum(c.values()) <= 2 for c in per_step), per_step
+        assert sum(c[PREPARE_STORE] for c in per_step) >= 4  # stores were really made
+        h.conn.drain()
+        want = {k for r in reqs for k in r.chunk_keys()}
+        assert sorted(stored_keys(h.conn)) == sorted(want)
+        assert all(ready_chunks(daemon, r) == len(r.chunk_keys()) == 5 for r in reqs)
+    finally:
+        h.close()
+
+
+@mp
+def test_store_reservation_is_not_waited_for(tmp_path: Path) -> None:
+    """A daemon stopped (SIGSTOP) right after admission does not delay the step: the
+    reservation is sent at the end of build_connector_meta and collected at the start of the
+    next one, which ships the stores once the daemon runs again."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "4MiB")
+    spec = make_spec(model="test/not-waited")
+    h = Harness(d, spec, op_timeout_s=30.0)
+    try:
+        r = FakeRequest("r", tokens(17), spec)
+        assert h.admit(r) == (0, False)
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            meta, _ = h.step({"r": (r, 16)})
+            assert time.monotonic() - t0 < 5.0  # far below op_timeout_s: nothing waited
+            assert meta.stores == [] and h.conn.client.sent_by_op[PREPARE_STORE] == 1
+            assert h.conn.request_finished(r, h.blocks["r"]) == (True, None)
+            assert h.conn.has_pending_transfers
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        meta, report = h.step()
+        assert store_keys(meta) == r.chunk_keys() and report.finished_sending == {"r"}
+        h.conn.drain()
+        assert ready_chunks(d, r) == 2
+    finally:
+        h.close()
+        d.terminate()
+
+
+@mp
+def test_unanswered_reservation_is_dropped_in_bounded_time(tmp_path: Path) -> None:
+    """The daemon stops answering once the reservation is sent: the next step waits at most
+    op_timeout_s for it, marks the daemon down, ships no store and releases the finished
+    request's blocks; nothing more is planned or completed while it is down."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "4MiB")
+    spec = make_spec(model="test/unanswered")
+    h = Harness(d, spec, op_timeout_s=0.3, down_backoff_s=60)
+    try:
+        r = FakeRequest("r", tokens(25), spec)
+        assert h.admit(r) == (0, False)
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            h.step({"r": (r, 16)})
+            assert h.conn.request_finished(r, h.blocks["r"]) == (True, None)
+            t0 = time.monotonic()
+            meta, report = h.step()
+            assert time.monotonic() - t0 < 3.0
+            assert meta.stores == [] and report.finished_sending == {"r"}
+            assert h.conn.is_daemon_down and h.conn.stats.timeouts == 1
+            assert not h.conn.has_pending_transfers
+            s = FakeRequest("s", tokens(17, base=500), spec)
+            assert h.admit(s) == (0, False)
+            h.step({"s": (s, 16)})
+            h.step()
+            assert h.conn.client.sent_by_op[PREPARE_STORE] == 1
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+    finally:
+        h.close()
+        d.terminate()
+
+
+@mp
+def test_a_batch_the_cache_cannot_hold_is_halved_until_it_fits(tmp_path: Path) -> None:
+    """20 chunks full at once, 16 pages of cache: the whole batch is refused (cache full),
+    the next ones are halved until they fit, and every chunk is still shipped exactly once."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "64KiB")
+    spec = make_spec(model="test/halved")  # one page per chunk
+    h = Harness(d, spec)
+    try:
+        r = FakeRequest("r", tokens(161), spec)
+        assert h.admit(r) == (0, False)
+        shipped: list[bytes] = []
+        shipped += store_keys(h.step({"r": (r, 160)})[0])
+        for _ in range(10):
+            r.append([7])
+            shipped += store_keys(h.step({"r": (r, 1)})[0])
+        assert h.conn.stats.store_rejections >= 1
+        assert len(shipped) >= 20 and shipped == r.chunk_keys()[: len(shipped)]
+    finally:
+        h.close()
+        d.terminate()
 
 
 # ----------------------------------------------------------------------------- failures
@@ -492,6 +669,7 @@ def test_failed_load_reports_the_tokens_to_recompute(harness: Harness, daemon: D
     assert report.finished_recving == {"b"}
     assert report.load_errors == {"b": 2 * spec.chunk_tokens}
     assert report.invalid_block_ids == set(h.blocks["b"][4:6])
+    h.conn.drain()
     assert daemon_stats(daemon)["pinned_pages"] == 0
     assert h.conn.stats.load_errors == 1
 
@@ -584,6 +762,7 @@ def test_daemon_killed_with_transfers_in_flight(tmp_path: Path) -> None:
         r = FakeRequest("r", tokens(17, base=900), spec)
         assert h.admit(r) == (0, False)
         h.step({"r": (r, 16)})  # r's stores reserved, shipped by the next step
+        h.conn.drain()  # ... and the reservation answered
         d.kill()
         t0 = time.monotonic()
         h.conn.update_state_after_alloc(b, h.alloc(9), 32)
@@ -599,6 +778,40 @@ def test_daemon_killed_with_transfers_in_flight(tmp_path: Path) -> None:
     finally:
         h.close()
         Path(d.arena_path).unlink(missing_ok=True)
+
+
+@mp
+def test_reset_forgets_transfers_and_releases_leases(tmp_path: Path) -> None:
+    """The workers lost their KV with a load pinned, stores shipped but unreported and a
+    reservation in flight: reset() releases all of it on the daemon, no report mentions those
+    requests, and the connector works on."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "4MiB")
+    spec = make_spec(model="test/reset")
+    h = Harness(d, spec)
+    try:
+        a = FakeRequest("a", tokens(33), spec)
+        h.prefill(a)
+        r = FakeRequest("r", tokens(25, base=300), spec)
+        assert h.admit(r) == (0, False)
+        h.step({"r": (r, 16)})
+        for w in h.workers:
+            w.hold_stores = True
+        h.step({"r": (r, 8)})  # r's first stores shipped (held), the next ones in flight
+        b = FakeRequest("b", tokens(33), spec)
+        assert h.admit(b) == (32, True)  # pinned
+        assert h.conn.has_pending_transfers
+        h.conn.reset()
+        assert not h.conn.has_pending_transfers
+        stats = daemon_stats(d)
+        assert (stats["reserved_pages"], stats["pinned_pages"], stats["num_leases"]) == (0, 0, 0)
+        for w in h.workers:
+            w.held, w.hold_stores = [], False
+        meta, report = h.step()
+        assert meta.is_empty and report == TransferReport()
+        assert h.admit(FakeRequest("b2", tokens(33), spec)) == (32, True)
+    finally:
+        h.close()
+        d.terminate()
 
 
 @mp

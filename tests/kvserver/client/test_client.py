@@ -279,3 +279,114 @@ async def test_async_client_survives_a_daemon_restart_on_the_same_port(tmp_path:
             assert (await kv.hello())["arena_path"] == d.arena_path
     finally:
         d.terminate()
+
+
+# ----------------------------------------------------------------------------- pipelined calls
+
+
+@pytest.mark.multiprocess
+def test_submitted_calls_are_collected_in_any_order(daemon: DaemonProc) -> None:
+    """Several requests outstanding on one socket: replies read by a blocking call or by
+    another Pending's result() are kept for their own Pending; a cancelled one's reply is
+    discarded; nothing is mixed up."""
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        a, b, c = (make_keys(2, tag=f"pipe-{t}") for t in "abc")
+        p_a = kv.submit_prepare_store(ns.ns_id, a)
+        p_look = kv.submit_lookup(ns.ns_id, a)
+        p_c = kv.submit_prepare_store(ns.ns_id, c)
+        p_gone = kv.submit_prepare_store(ns.ns_id, b)
+        p_gone.cancel()
+        assert kv.stats()["num_leases"] == 3  # blocking: reads (and keeps) the earlier replies
+        assert p_a.done() and p_c.done() and p_look.done()
+        grant_c = p_c.result(0)  # out of order, without waiting
+        assert grant_c is not None and grant_c.keys == c
+        assert p_look.result().hit_chunks == 0  # a is reserved, not ready
+        grant_a = p_a.result()
+        assert grant_a is not None and grant_a.keys == a and grant_a.lease_id != grant_c.lease_id
+        done_a = kv.submit_complete_store(grant_a.lease_id, keys=a[:1])
+        done_c = kv.submit_complete_store(grant_c.lease_id, success=False)
+        assert kv.submit_lookup(ns.ns_id, a).result().hit_chunks == 1  # applied in order
+        assert done_c.result() == [] and done_a.result() == a[:1]
+        assert kv.complete_store(grant_a.lease_id, keys=a[1:]) == a[1:]
+        with pytest.raises(LeaseError):  # the outcome is kept: raised again
+            kv.submit_complete_load(grant_a.lease_id).result()
+        assert kv.release() == 1  # b's reservation: cancelling does not undo it
+        with pytest.raises(InvalidState, match="cancelled"):
+            p_gone.result()
+        load = kv.submit_prepare_load(ns.ns_id, a)
+        lease_id = load.result().lease_id
+        assert kv.submit_complete_load(lease_id).result() is None
+        assert kv.sent_by_op[wire.PREPARE_STORE] == 3 and kv.sent_by_op[wire.COMPLETE_LOAD] == 2
+
+
+@pytest.mark.multiprocess
+def test_unreadable_request_error_goes_to_the_oldest_outstanding(daemon: DaemonProc) -> None:
+    """A header the daemon cannot read is answered with id 0; replies come in request order,
+    so it belongs to the oldest request still outstanding, not to whoever reads it."""
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        first = kv.submit_lookup(ns.ns_id, make_keys(1, tag="first"))
+        huge = [bytes([i % 251]) * 64 for i in range(300_000)]  # a > 16 MiB header
+        bad = kv.submit_lookup(ns.ns_id, huge)
+        last = kv.submit_lookup(ns.ns_id, make_keys(1, tag="last"))
+        assert last.result().num_chunks == 1
+        with pytest.raises(InvalidArgument, match="too large"):
+            bad.result()
+        assert first.result().num_chunks == 1
+
+
+@pytest.mark.multiprocess
+def test_submitted_call_times_out_and_fails_the_others(tmp_path: Path) -> None:
+    """The daemon is gone after the session was set up: result() gives up after its timeout
+    and the socket is replaced, so the other outstanding request fails at once; once a daemon
+    listens again the client works."""
+    d = start_daemon(tmp_path)
+    try:
+        with KVClient(d.zmq_address, timeout=0.3, colocated=False) as kv:
+            ns = kv.register_namespace(SPEC)
+            assert d.terminate() == 0
+            first = kv.submit_lookup(ns.ns_id, [])  # no hello needed: sent at once
+            second = kv.submit_complete_load(7)
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="no reply"):
+                first.result(timeout=0.2)
+            assert second.done()
+            with pytest.raises(Unavailable, match="timed out"):
+                second.result(timeout=30)
+            assert time.monotonic() - start < 3.0
+            d = start_daemon(tmp_path, "--zmq-port", str(d.info["zmq_port"]))
+            kv.timeout = 5.0
+            assert kv.submit_lookup(ns.ns_id, make_keys(1, tag="back")).result().num_chunks == 1
+    finally:
+        d.terminate()
+
+
+@pytest.mark.multiprocess
+def test_daemon_restart_between_submit_and_collect(tmp_path: Path) -> None:
+    """A reply read before the restart is the old daemon's (its lease is gone: completing it
+    is a lease error, and the client renews its session). A request sent while the daemon is
+    down is queued by the socket and answered by the new daemon: the namespace is registered
+    again and the request retried, giving a usable grant."""
+    d = start_daemon(tmp_path)
+    keys = make_keys(2, tag="pipe-restart")
+    try:
+        with KVClient(d.zmq_address, timeout=5.0, colocated=False) as kv:
+            ns = kv.register_namespace(SPEC)
+            old = kv.submit_prepare_store(ns.ns_id, keys)
+            kv.stats()  # its reply is in
+            d = restart(d, tmp_path)
+            grant = old.result(0)
+            assert grant is not None and grant.keys == keys
+            with pytest.raises(LeaseError):
+                kv.submit_complete_store(grant.lease_id).result()
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 0  # session renewed
+            assert d.terminate() == 0
+            queued = kv.submit_prepare_store(ns.ns_id, keys)
+            d = start_daemon(tmp_path, "--zmq-port", str(d.info["zmq_port"]))
+            grant = queued.result()
+            assert grant is not None and grant.keys == keys
+            assert kv.submit_complete_store(grant.lease_id).result() == keys
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 2
+    finally:
+        d.terminate()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvserver/v1/kvserver.proto\x12\x0bkvserver.v1\"\\\n\x0bTokenPrefix\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12&\n\x04lora\x18\x03 \x01(\x0b\x32\x18.kvserver.v1.LoraAdapter\")\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x19\n\tKeyPrefix\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x83\x01\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.kvserver.v1.TokenPrefixH\x00\x12&\n\x04keys\x18\x03 \x01(\x0b\x32\x16.kvserver.v1.KeyPrefixH\x00\x42\x08\n\x06prefix\"\x9e\x01\n\x0eLookupResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x12\n\nhit_chunks\x18\x02 \x01(\r\x12\x12\n\nhit_tokens\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\x04\x12$\n\x05tiers\x18\x06 \x03(\x0b\x32\x15.kvserver.v1.TierHits\"8\n\x08TierHits\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xee\x01\n\rStatsResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12%\n\x05tiers\x18\x03 \x03(\x0b\x32\x16.kvserver.v1.TierStats\x12/\n\nnamespaces\x18\x04 \x03(\x0b\x32\x1b.kvserver.v1.NamespaceStats\x12\x12\n\nnum_leases\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_log_id\x18\x06 \x01(\t\x12\x17\n\x0f\x65vents_last_seq\x18\x07 \x01(\x04\x12\x19\n\x11\x65vents_oldest_seq\x18\x08 \x01(\x04\"\xb9\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06medium\x18\x02 \x01(\x0e\x32\x13.kvserver.v1.Medium\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x08 \x01(\x04\x12\x12\n\nhit_chunks\x18\t \x01(\x04\x12\x13\n\x0bmiss_chunks\x18\n \x01(\x04\x12\x16\n\x0e\x65victed_chunks\x18\x0b \x01(\x04\x12\x15\n\rstored_chunks\x18\x0c \x01(\x04\x12\x15\n\rloaded_chunks\x18\r \x01(\x04\x12\x0f\n\x07lookups\x18\x0e \x01(\x04\"\xe3\x02\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x12\n\nhit_chunks\x18\x06 \x01(\x04\x12\x13\n\x0bmiss_chunks\x18\x07 \x01(\x04\x12\x15\n\rstored_chunks\x18\x08 \x01(\x04\x12\x15\n\rloaded_chunks\x18\t \x01(\x04\x12\x16\n\x0e\x65victed_chunks\x18\n \x01(\x04\x12\x1a\n\x12rolled_back_chunks\x18\x0b \x01(\x04\x12\x17\n\x0f\x66iltered_chunks\x18\x0c \x01(\x04\x12\x18\n\x10store_rejections\x18\r \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\x0e \x01(\x04\x12%\n\x05tiers\x18\x0f \x03(\x0b\x32\x16.kvserver.v1.TierUsage\"9\n\tTierUsage\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x92\x03\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x0c\x63hunk_blocks\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\thash_algo\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x16\n\thash_seed\x18\t \x01(\tH\x02\x88\x01\x01\x12\x1a\n\rtp_world_size\x18\n \x01(\rH\x03\x88\x01\x01\x12\x16\n\tkv_factor\x18\x0b \x01(\rH\x04\x88\x01\x01\x12 \n\x13part_bytes_override\x18\x0c \x01(\x04H\x05\x88\x01\x01\x12\r\n\x05label\x18\r \x01(\tB\x0f\n\r_chunk_blocksB\x0c\n\n_hash_algoB\x0c\n\n_hash_seedB\x10\n\x0e_tp_world_sizeB\x0c\n\n_kv_factorB\x16\n\x14_part_bytes_override\"\x87\x01\n\tNamespace\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12(\n\x04spec\x18\x02 \x01(\x0b\x32\x1a.kvserver.v1.NamespaceSpec\x12\x12\n\npart_bytes\x18\x03 \x01(\x04\x12\x10\n\x08key_size\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\x04\"&\n\x15ListNamespacesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"D\n\x16ListNamespacesResponse\x12*\n\nnamespaces\x18\x01 \x03(\x0b\x32\x16.kvserver.v1.Namespace\"D\n\x18RegisterNamespaceRequest\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.kvserver.v1.NamespaceSpec\"6\n\x12WatchEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x0e\n\x06log_id\x18\x02 \x01(\t\"\x8a\x02\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06log_id\x18\x02 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12#\n\x06medium\x18\x04 \x01(\x0e\x32\x13.kvserver.v1.Medium\x12\x30\n\x0c\x62lock_stored\x18\x05 \x01(\x0b\x32\x18.kvserver.v1.BlockStoredH\x00\x12\x32\n\rblock_removed\x18\x06 \x01(\x0b\x32\x19.kvserver.v1.BlockRemovedH\x00\x12;\n\x12\x61ll_blocks_cleared\x18\x07 \x01(\x0b\x32\x1d.kvserver.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1b\n\x0b\x42lockStored\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1c\n\x0c\x42lockRemoved\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\x8f\x01\n\nPinRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.kvserver.v1.TokenPrefixH\x00\x12&\n\x04keys\x18\x03 \x01(\x0b\x32\x16.kvserver.v1.KeyPrefixH\x00\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x42\x08\n\x06prefix\"8\n\x0bPinResponse\x12\x15\n\rpinned_chunks\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\"\x82\x01\n\x0cUnpinRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.kvserver.v1.TokenPrefixH\x00\x12&\n\x04keys\x18\x03 \x01(\x0b\x32\x16.kvserver.v1.KeyPrefixH\x00\x42\x08\n\x06prefix\"<\n\rUnpinResponse\x12\x17\n\x0funpinned_chunks\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r*A\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_CPU\x10\x01\x12\x0f\n\x0bMEDIUM_DISK\x10\x02\x32\xfc\x03\n\x08KVServer\x12\x41\n\x06Lookup\x12\x1a.kvserver.v1.LookupRequest\x1a\x1b.kvserver.v1.LookupResponse\x12>\n\x05Stats\x12\x19.kvserver.v1.StatsRequest\x1a\x1a.kvserver.v1.StatsResponse\x12Y\n\x0eListNamespaces\x12\".kvserver.v1.ListNamespacesRequest\x1a#.kvserver.v1.ListNamespacesResponse\x12R\n\x11RegisterNamespace\x12%.kvserver.v1.RegisterNamespaceRequest\x1a\x16.kvserver.v1.Namespace\x12\x44\n\x0bWatchEvents\x12\x1f.kvserver.v1.WatchEventsRequest\x1a\x12.kvserver.v1.Event0\x01\x12\x38\n\x03Pin\x12\x17.kvserver.v1.PinRequest\x1a\x18.kvserver.v1.PinResponse\x12>\n\x05Unpin\x12\x19.kvserver.v1.UnpinRequest\x1a\x1a.kvserver.v1.UnpinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvserver/v1/kvserver.proto\x12\x0bkvserver.v1\"\\\n\x0bTokenPrefix\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12&\n\x04lora\x18\x03 \x01(\x0b\x32\x18.kvserver.v1.LoraAdapter\")\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x19\n\tKeyPrefix\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x83\x01\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.kvserver.v1.TokenPrefixH\x00\x12&\n\x04keys\x18\x03 \x01(\x0b\x32\x16.kvserver.v1.KeyPrefixH\x00\x42\x08\n\x06prefix\"\x9e\x01\n\x0eLookupResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x12\n\nhit_chunks\x18\x02 \x01(\r\x12\x12\n\nhit_tokens\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\x04\x12$\n\x05tiers\x18\x06 \x03(\x0b\x32\x15.kvserver.v1.TierHits\"8\n\x08TierHits\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xee\x01\n\rStatsResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12%\n\x05tiers\x18\x03 \x03(\x0b\x32\x16.kvserver.v1.TierStats\x12/\n\nnamespaces\x18\x04 \x03(\x0b\x32\x1b.kvserver.v1.NamespaceStats\x12\x12\n\nnum_leases\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_log_id\x18\x06 \x01(\t\x12\x17\n\x0f\x65vents_last_seq\x18\x07 \x01(\x04\x12\x19\n\x11\x65vents_oldest_seq\x18\x08 \x01(\x04\"\xed\x03\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x06medium\x18\x02 \x01(\x0e\x32\x13.kvserver.v1.Medium\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x08 \x01(\x04\x12\x12\n\nhit_chunks\x18\t \x01(\x04\x12\x13\n\x0bmiss_chunks\x18\n \x01(\x04\x12\x16\n\x0e\x65victed_chunks\x18\x0b \x01(\x04\x12\x15\n\rstored_chunks\x18\x0c \x01(\x04\x12\x15\n\rloaded_chunks\x18\r \x01(\x04\x12\x0f\n\x07lookups\x18\x0e \x01(\x04\x12\x11\n\tcondition\x18\x0f \x01(\t\x12\x18\n\x10\x63ondition_detail\x18\x10 \x01(\t\x12\x16\n\x0e\x63orrupt_chunks\x18\x11 \x01(\x04\x12\x18\n\x10recovered_chunks\x18\x12 \x01(\x04\x12\x17\n\x0fpromoted_chunks\x18\x13 \x01(\x04\x12\x11\n\tio_errors\x18\x14 \x01(\x04\x12\x16\n\x0eskipped_chunks\x18\x15 \x01(\x04\x12\x0f\n\x07io_mode\x18\x16 \x01(\t\"\xe3\x02\n\x0eNamespaceStats\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x12\n\nhit_chunks\x18\x06 \x01(\x04\x12\x13\n\x0bmiss_chunks\x18\x07 \x01(\x04\x12\x15\n\rstored_chunks\x18\x08 \x01(\x04\x12\x15\n\rloaded_chunks\x18\t \x01(\x04\x12\x16\n\x0e\x65victed_chunks\x18\n \x01(\x04\x12\x1a\n\x12rolled_back_chunks\x18\x0b \x01(\x04\x12\x17\n\x0f\x66iltered_chunks\x18\x0c \x01(\x04\x12\x18\n\x10store_rejections\x18\r \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\x0e \x01(\x04\x12%\n\x05tiers\x18\x0f \x03(\x0b\x32\x16.kvserver.v1.TierUsage\"9\n\tTierUsage\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x92\x03\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x0c\x63hunk_blocks\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x16\n\thash_algo\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x16\n\thash_seed\x18\t \x01(\tH\x02\x88\x01\x01\x12\x1a\n\rtp_world_size\x18\n \x01(\rH\x03\x88\x01\x01\x12\x16\n\tkv_factor\x18\x0b \x01(\rH\x04\x88\x01\x01\x12 \n\x13part_bytes_override\x18\x0c \x01(\x04H\x05\x88\x01\x01\x12\r\n\x05label\x18\r \x01(\tB\x0f\n\r_chunk_blocksB\x0c\n\n_hash_algoB\x0c\n\n_hash_seedB\x10\n\x0e_tp_world_sizeB\x0c\n\n_kv_factorB\x16\n\x14_part_bytes_override\"\x87\x01\n\tNamespace\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12(\n\x04spec\x18\x02 \x01(\x0b\x32\x1a.kvserver.v1.NamespaceSpec\x12\x12\n\npart_bytes\x18\x03 \x01(\x04\x12\x10\n\x08key_size\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x05 \x01(\x04\"&\n\x15ListNamespacesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"D\n\x16ListNamespacesResponse\x12*\n\nnamespaces\x18\x01 \x03(\x0b\x32\x16.kvserver.v1.Namespace\"D\n\x18RegisterNamespaceRequest\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.kvserver.v1.NamespaceSpec\"6\n\x12WatchEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\x12\x0e\n\x06log_id\x18\x02 \x01(\t\"\x8a\x02\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06log_id\x18\x02 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\t\x12#\n\x06medium\x18\x04 \x01(\x0e\x32\x13.kvserver.v1.Medium\x12\x30\n\x0c\x62lock_stored\x18\x05 \x01(\x0b\x32\x18.kvserver.v1.BlockStoredH\x00\x12\x32\n\rblock_removed\x18\x06 \x01(\x0b\x32\x19.kvserver.v1.BlockRemovedH\x00\x12;\n\x12\x61ll_blocks_cleared\x18\x07 \x01(\x0b\x32\x1d.kvserver.v1.AllBlocksClearedH\x00\x42\x06\n\x04kind\"\x1b\n\x0b\x42lockStored\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1c\n\x0c\x42lockRemoved\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\x8f\x01\n\nPinRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.kvserver.v1.TokenPrefixH\x00\x12&\n\x04keys\x18\x03 \x01(\x0b\x32\x16.kvserver.v1.KeyPrefixH\x00\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\x42\x08\n\x06prefix\"8\n\x0bPinResponse\x12\x15\n\rpinned_chunks\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\"\x82\x01\n\x0cUnpinRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.kvserver.v1.TokenPrefixH\x00\x12&\n\x04keys\x18\x03 \x01(\x0b\x32\x16.kvserver.v1.KeyPrefixH\x00\x42\x08\n\x06prefix\"<\n\rUnpinResponse\x12\x17\n\x0funpinned_chunks\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r*A\n\x06Medium\x12\x16\n\x12MEDIUM_UNSPECIFIED\x10\x00\x12\x0e\n\nMEDIUM_CPU\x10\x01\x12\x0f\n\x0bMEDIUM_DISK\x10\x02\x32\xfc\x03\n\x08KVServer\x12\x41\n\x06Lookup\x12\x1a.kvserver.v1.LookupRequest\x1a\x1b.kvserver.v1.LookupResponse\x12>\n\x05Stats\x12\x19.kvserver.v1.StatsRequest\x1a\x1a.kvserver.v1.StatsResponse\x12Y\n\x0eListNamespaces\x12\".kvserver.v1.ListNamespacesRequest\x1a#.kvserver.v1.ListNamespacesResponse\x12R\n\x11RegisterNamespace\x12%.kvserver.v1.RegisterNamespaceRequest\x1a\x16.kvserver.v1.Namespace\x12\x44\n\x0bWatchEvents\x12\x1f.kvserver.v1.WatchEventsRequest\x1a\x12.kvserver.v1.Event0\x01\x12\x38\n\x03Pin\x12\x17.kvserver.v1.PinRequest\x1a\x18.kvserver.v1.PinResponse\x12>\n\x05Unpin\x12\x19.kvserver.v1.UnpinRequest\x1a\x1a.kvserver.v1.UnpinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvserver.v1.kvserver_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEDIUM']._serialized_start=3076
-  _globals['_MEDIUM']._serialized_end=3141
+  _globals['_MEDIUM']._serialized_start=3256
+  _globals['_MEDIUM']._serialized_end=3321
   _globals['_TOKENPREFIX']._serialized_start=43
   _globals['_TOKENPREFIX']._serialized_end=135
   _globals['_LORAADAPTER']._serialized_start=137
@@ -50,39 +50,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSRESPONSE']._serialized_start=577
   _globals['_STATSRESPONSE']._serialized_end=815
   _globals['_TIERSTATS']._serialized_start=818
-  _globals['_TIERSTATS']._serialized_end=1131
-  _globals['_NAMESPACESTATS']._serialized_start=1134
-  _globals['_NAMESPACESTATS']._serialized_end=1489
-  _globals['_TIERUSAGE']._serialized_start=1491
-  _globals['_TIERUSAGE']._serialized_end=1548
-  _globals['_NAMESPACESPEC']._serialized_start=1551
-  _globals['_NAMESPACESPEC']._serialized_end=1953
-  _globals['_NAMESPACE']._serialized_start=1956
-  _globals['_NAMESPACE']._serialized_end=2091
-  _globals['_LISTNAMESPACESREQUEST']._serialized_start=2093
-  _globals['_LISTNAMESPACESREQUEST']._serialized_end=2131
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=2133
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=2201
-  _globals['_REGISTERNAMESPACEREQUEST']._serialized_start=2203
-  _globals['_REGISTERNAMESPACEREQUEST']._serialized_end=2271
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=2273
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=2327
-  _globals['_EVENT']._serialized_start=2330
-  _globals['_EVENT']._serialized_end=2596
-  _globals['_BLOCKSTORED']._serialized_start=2598
-  _globals['_BLOCKSTORED']._serialized_end=2625
-  _globals['_BLOCKREMOVED']._serialized_start=2627
-  _globals['_BLOCKREMOVED']._serialized_end=2655
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=2657
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=2675
-  _globals['_PINREQUEST']._serialized_start=2678
-  _globals['_PINREQUEST']._serialized_end=2821
-  _globals['_PINRESPONSE']._serialized_start=2823
-  _globals['_PINRESPONSE']._serialized_end=2879
-  _globals['_UNPINREQUEST']._serialized_start=2882
-  _globals['_UNPINREQUEST']._serialized_end=3012
-  _globals['_UNPINRESPONSE']._serialized_start=3014
-  _globals['_UNPINRESPONSE']._serialized_end=3074
-  _globals['_KVSERVER']._serialized_start=3144
-  _globals['_KVSERVER']._serialized_end=3652
+  _globals['_TIERSTATS']._serialized_end=1311
+  _globals['_NAMESPACESTATS']._serialized_start=1314
+  _globals['_NAMESPACESTATS']._serialized_end=1669
+  _globals['_TIERUSAGE']._serialized_start=1671
+  _globals['_TIERUSAGE']._serialized_end=1728
+  _globals['_NAMESPACESPEC']._serialized_start=1731
+  _globals['_NAMESPACESPEC']._serialized_end=2133
+  _globals['_NAMESPACE']._serialized_start=2136
+  _globals['_NAMESPACE']._serialized_end=2271
+  _globals['_LISTNAMESPACESREQUEST']._serialized_start=2273
+  _globals['_LISTNAMESPACESREQUEST']._serialized_end=2311
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=2313
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=2381
+  _globals['_REGISTERNAMESPACEREQUEST']._serialized_start=2383
+  _globals['_REGISTERNAMESPACEREQUEST']._serialized_end=2451
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=2453
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2507
+  _globals['_EVENT']._serialized_start=2510
+  _globals['_EVENT']._serialized_end=2776
+  _globals['_BLOCKSTORED']._serialized_start=2778
+  _globals['_BLOCKSTORED']._serialized_end=2805
+  _globals['_BLOCKREMOVED']._serialized_start=2807
+  _globals['_BLOCKREMOVED']._serialized_end=2835
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=2837
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=2855
+  _globals['_PINREQUEST']._serialized_start=2858
+  _globals['_PINREQUEST']._serialized_end=3001
+  _globals['_PINRESPONSE']._serialized_start=3003
+  _globals['_PINRESPONSE']._serialized_end=3059
+  _globals['_UNPINREQUEST']._serialized_start=3062
+  _globals['_UNPINREQUEST']._serialized_end=3192
+  _globals['_UNPINRESPONSE']._serialized_start=3194
+  _globals['_UNPINRESPONSE']._serialized_end=3254
+  _globals['_KVSERVER']._serialized_start=3324
+  _globals['_KVSERVER']._serialized_end=3832
 # @@protoc_insertion_point(module_scope)

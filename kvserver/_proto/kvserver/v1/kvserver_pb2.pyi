@@ -102,7 +102,7 @@ class StatsResponse(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., event_log_id: _Optional[str] = ..., events_last_seq: _Optional[int] = ..., events_oldest_seq: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "medium", "policy", "capacity_bytes", "used_bytes", "pinned_bytes", "reserved_bytes", "entries", "hit_chunks", "miss_chunks", "evicted_chunks", "stored_chunks", "loaded_chunks", "lookups")
+    __slots__ = ("name", "medium", "policy", "capacity_bytes", "used_bytes", "pinned_bytes", "reserved_bytes", "entries", "hit_chunks", "miss_chunks", "evicted_chunks", "stored_chunks", "loaded_chunks", "lookups", "condition", "condition_detail", "corrupt_chunks", "recovered_chunks", "promoted_chunks", "io_errors", "skipped_chunks", "io_mode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,14 @@ class TierStats(_message.Message):
     STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LOADED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    CONDITION_FIELD_NUMBER: _ClassVar[int]
+    CONDITION_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    IO_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    IO_MODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     medium: Medium
     policy: str
@@ -131,7 +139,15 @@ class TierStats(_message.Message):
     stored_chunks: int
     loaded_chunks: int
     lookups: int
-    def __init__(self, name: _Optional[str] = ..., medium: _Optional[_Union[Medium, str]] = ..., policy: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., miss_chunks: _Optional[int] = ..., evicted_chunks: _Optional[int] = ..., stored_chunks: _Optional[int] = ..., loaded_chunks: _Optional[int] = ..., lookups: _Optional[int] = ...) -> None: ...
+    condition: str
+    condition_detail: str
+    corrupt_chunks: int
+    recovered_chunks: int
+    promoted_chunks: int
+    io_errors: int
+    skipped_chunks: int
+    io_mode: str
+    def __init__(self, name: _Optional[str] = ..., medium: _Optional[_Union[Medium, str]] = ..., policy: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hit_chunks: _Optional[int] = ..., miss_chunks: _Optional[int] = ..., evicted_chunks: _Optional[int] = ..., stored_chunks: _Optional[int] = ..., loaded_chunks: _Optional[int] = ..., lookups: _Optional[int] = ..., condition: _Optional[str] = ..., condition_detail: _Optional[str] = ..., corrupt_chunks: _Optional[int] = ..., recovered_chunks: _Optional[int] = ..., promoted_chunks: _Optional[int] = ..., io_errors: _Optional[int] = ..., skipped_chunks: _Optional[int] = ..., io_mode: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace_id", "model", "entries", "bytes", "lookups", "hit_chunks", "miss_chunks", "stored_chunks", "loaded_chunks", "evicted_chunks", "rolled_back_chunks", "filtered_chunks", "store_rejections", "expired_leases", "tiers")
