@@ -1,0 +1,482 @@
+"""The SSD tier inside the daemon: write-back of DRAM evictions, promotion on load, rebuild.
+
+Runs on the daemon's one event loop. Every disk operation runs on the tier's own thread pool
+(``io_threads``) through :class:`~kvserver.ssd.store.SlotStore`; the loop only keeps the books
+(:class:`~kvserver.ssd.index.SsdIndex`), copies evicted bytes into the staging area and copies
+verified promoted bytes into the arena. Not thread-safe: loop only.
+
+Call order: ``SsdTier(engine, config, publish=...)`` → ``await open()`` (lock the directory,
+scan headers, restore the index and re-register the saved namespaces (``rebuild.py``), cut
+data files after their last live slot; on failure the tier is ``unavailable`` and retried
+every ``retry_s``) → ``engine.on_evict = tier.on_evict`` (done by ``KVService.attach_ssd``) →
+serving → ``await close()`` (drain writes, stop the threads, close the files).
+
+Write-back (``on_evict``, synchronous, called by the engine before the victim's pages are
+freed): a victim used at least ``admission`` times, of a namespace already saved in the
+directory, not yet on SSD, gets a staging buffer and an SSD slot (evicting SSD victims by the
+tier's own policy); its parts are copied into the buffer and the write (slot, then header)
+runs on a thread. Whatever does not fit (staging full, SSD full of chunks being read, tier
+degraded) is simply dropped and counted. On completion the entry becomes READY
+(BlockStored, medium DISK); on failure its slot is discarded and the tier turns ``degraded``.
+
+Promotion (``promote``, awaited by the ZMQ front end before a load; ``promotion.py``): reserve
+DRAM for the keys that are READY on SSD but not in DRAM, read and verify their slots on
+threads (:meth:`SsdTier.read`), copy them into the arena and complete the store. A chunk that
+fails verification is dropped from the index (counted, slot discarded, BlockRemoved DISK) and
+is a miss. When DRAM cannot take the chunks and the caller asked for ``direct``, the verified
+bytes are returned for it to send (remote ``get``).
+
+Conditions: ``ok``; ``degraded`` (a write failed: ENOSPC, EIO, EACCES ...; write-backs are
+skipped, DRAM and SSD reads keep serving, and one write is let through every ``retry_s`` —
+the first success returns to ``ok``); ``unavailable`` (the directory could not be opened;
+retried every ``retry_s``). Transitions are logged once each and shown in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from functools import partial
+from typing import Any, TypeVar
+
+from kvserver.daemon import promotion
+from kvserver.daemon.rebuild import rebuild
+from kvserver.engine import StorageEngine
+from kvserver.engine_types import Entry
+from kvserver.errors import StorageError
+from kvserver.events import MEDIUM_SSD
+from kvserver.namespace import NamespaceSpec
+from kvserver.ssd.buffers import BufferPool
+from kvserver.ssd.config import TierConfig, TierCounters
+from kvserver.ssd.fileio import FileIO, aligned_buffer
+from kvserver.ssd.format import HEADER_BYTES, ChunkHeader, CorruptChunk, slot_bytes_for
+from kvserver.ssd.index import SsdEntry, SsdIndex
+from kvserver.ssd.store import ScanResult, SlotStore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
+_NOT_OPENED = "not opened yet"
+
+
+class SsdTier:
+    """The SSD tier of one daemon; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: StorageEngine,
+        config: TierConfig,
+        *,
+        publish: Callable[[], None] = lambda: None,
+        fileio: FileIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.store = SlotStore(config.directory, fileio=fileio, direct=config.direct)
+        self.index = SsdIndex(config.capacity_bytes, config.policy)
+        self.staging = BufferPool(config.staging_bytes)
+        self.reads = BufferPool(config.staging_bytes)
+        self.counters = TierCounters()
+        self.condition, self.reason = UNAVAILABLE, _NOT_OPENED
+        self.rebuild_s = 0.0
+        self._publish = publish
+        self._clock = clock
+        self._threads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvserver-ssd")
+        self._opened = False
+        self._retry_at = 0.0
+        #: the one write let through while degraded (None when none is in flight)
+        self._probe: SsdEntry | None = None
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._events: list[tuple[str, bool, bytes]] = []
+        self._saved: dict[str, dict[str, Any]] = {}  # namespace specs in the directory
+        self._durable: set[str] = set()  # ns_ids whose spec is on disk
+        self._ns_saving = False
+        self._retry_task: asyncio.Task[None] | None = None
+
+    # ================================================================== lifetime
+
+    async def open(self) -> None:
+        """Open and rebuild (or go ``unavailable`` and keep retrying); never raises for a
+        disk problem."""
+        await self._try_open()
+        self._retry_task = asyncio.get_running_loop().create_task(self._retry_forever())
+
+    async def close(self) -> None:
+        """Drain in-flight I/O (at most ``drain_timeout_s``), stop the threads, close files."""
+        self.engine.on_evict = None
+        if self._retry_task is not None:
+            self._retry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry_task
+        if self._inflight:
+            _, pending = await asyncio.wait(self._inflight, timeout=self.config.drain_timeout_s)
+            if pending:
+                logger.warning("SSD tier: %d I/O operations still running at close", len(pending))
+        self.flush_events()
+        await asyncio.get_running_loop().run_in_executor(None, self._threads.shutdown, True)
+        self.store.close()
+        if self._opened:
+            logger.info(
+                "SSD tier closed: %d chunks (%d MiB) in %s",
+                len(self.index),
+                self.index.used_bytes >> 20,
+                self.store.directory,
+            )
+        self.staging.clear()
+        self.reads.clear()
+
+    async def wait_idle(self) -> None:
+        """Return once no disk operation is in flight (writes, discards, namespace saves)."""
+        while self._inflight:
+            await asyncio.wait(list(self._inflight))
+        self.flush_events()
+
+    async def _try_open(self) -> bool:
+        start = time.perf_counter()
+        try:
+            saved, scan = await self._run(self._open_and_scan)
+        except StorageError as exc:
+            self._set_condition(UNAVAILABLE, str(exc))
+            return False
+        trimmed = self._restore(saved, scan)
+        if trimmed:
+            try:
+                await self._run(self._trim, trimmed)
+            except StorageError as exc:  # only space is lost: the files stay longer
+                logger.warning("SSD tier: %s", exc)
+        self.rebuild_s = time.perf_counter() - start
+        self._opened = True
+        self._set_condition(OK, "")
+        logger.info(
+            "SSD tier %s (%s I/O, %s): recovered %d chunks (%d MiB) in %.3f s from %d headers",
+            self.store.directory,
+            self.store.io_mode,
+            self.config.policy,
+            self.counters.recovered_chunks,
+            self.index.used_bytes >> 20,
+            self.rebuild_s,
+            scan.headers_read,
+        )
+        return True
+
+    def _open_and_scan(self) -> tuple[list[dict[str, Any]], ScanResult]:
+        self.store.open()
+        try:
+            return self.store.load_namespaces(), self.store.scan()
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _trim(self, trimmed: dict[int, int]) -> None:
+        for slot_bytes, num_slots in trimmed.items():
+            self.store.truncate(slot_bytes, num_slots)
+
+    def _restore(self, saved: list[dict[str, Any]], scan: ScanResult) -> dict[int, int]:
+        rebuilt = rebuild(self.engine, self.index, saved, scan)
+        self._saved.update(rebuilt.saved)
+        self._durable = set(self._saved)
+        result = rebuilt.result
+        self.counters.recovered_chunks += len(result.recovered)
+        for slot in result.discard:
+            self._discard(slot)
+        for entry in result.recovered:
+            self._events.append((entry.ns_id, True, entry.key))
+        self.flush_events()
+        self.namespaces_changed()
+        return result.trimmed
+
+    async def _retry_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.retry_s)
+            try:
+                if not self._opened:
+                    await self._try_open()
+                elif self._unsaved():
+                    self.namespaces_changed()
+            except Exception:  # housekeeping must never end
+                logger.exception("SSD tier retry failed")
+
+    # ================================================================== conditions
+
+    def _set_condition(self, condition: str, reason: str) -> None:
+        if (condition, reason) != (self.condition, self.reason):
+            if condition == OK:
+                if self.reason != _NOT_OPENED:
+                    logger.info("SSD tier: ok again (was %s)", self.condition)
+            else:
+                logger.warning(
+                    "SSD tier %s: %s; DRAM keeps serving, retrying every %g s",
+                    condition,
+                    reason,
+                    self.config.retry_s,
+                )
+        self.condition, self.reason = condition, reason
+
+    def _failed_write(self, exc: BaseException) -> None:
+        self.counters.io_errors += 1
+        self._retry_at = self._clock() + self.config.retry_s
+        self._set_condition(DEGRADED, f"write failed: {exc}")
+
+    def _writable(self) -> bool:
+        """Writes go through when ok; when degraded, one write (a probe) once ``retry_s`` has
+        passed since the last failure."""
+        if self.condition == OK:
+            return True
+        return (
+            self.condition == DEGRADED and self._probe is None and self._clock() >= self._retry_at
+        )
+
+    # ================================================================== write-back
+
+    def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
+        """The engine's eviction hook; see the module docstring. Never calls the engine."""
+        c = self.counters
+        ns_id = spec.ns_id
+        writable = self._writable()
+        if not self._opened or ns_id not in self._durable:
+            c.skipped_chunks += len(victims)
+            if writable:
+                self.namespaces_changed()
+            return
+        tp, part = spec.tp_world_size, spec.part_bytes
+        slot_bytes = slot_bytes_for(tp * part)
+        views = self.engine.arena.views
+        loop = asyncio.get_running_loop()
+        for victim in victims:
+            if self.index.get(ns_id, victim.key) is not None:
+                continue  # already on SSD (inclusive tiers) or being written
+            if victim.uses < self.config.admission:
+                c.not_admitted_chunks += 1
+                continue
+            buf = self.staging.acquire(slot_bytes) if writable else None
+            got = self.index.reserve(ns_id, victim.key, slot_bytes) if buf is not None else None
+            if buf is None or got is None:
+                if buf is not None:
+                    self.staging.release(buf)
+                c.skipped_chunks += 1
+                continue
+            entry, ssd_victims = got
+            self._evicted(ssd_victims)
+            pos = HEADER_BYTES
+            for rank in range(tp):
+                for view in views(victim.extents[rank]):
+                    end = pos + view.nbytes
+                    buf[pos:end] = view
+                    pos = end
+            meta = ChunkHeader(ns_id, victim.key, entry.seq, slot_bytes, part, tp, 0)
+            fut = loop.run_in_executor(
+                self._threads, self.store.write_chunk, slot_bytes, entry.slot, meta, buf
+            )
+            self._track(fut, partial(self._write_done, entry, buf))
+            if self.condition != OK:  # degraded: this write is the probe, skip the rest
+                self._probe, writable = entry, False
+
+    def _write_done(self, entry: SsdEntry, buf: memoryview, fut: asyncio.Future[Any]) -> None:
+        self.staging.release(buf)
+        if self._probe is entry:
+            self._probe = None
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is None:
+            self.index.commit(entry)
+            self.counters.stored_chunks += 1
+            self.counters.bytes_written += entry.slot_bytes
+            self._event(entry.ns_id, True, entry.key)
+            if self.condition == DEGRADED:
+                self._set_condition(OK, "")
+            return
+        slot = self.index.abort(entry)
+        if isinstance(exc, StorageError) and exc.context.get("slot_touched") is False:
+            self.index.discarded(slot)  # nothing was written there: free at once
+        else:
+            self._discard(slot)
+        self._failed_write(exc)
+
+    def _evicted(self, victims: list[SsdEntry]) -> None:
+        for victim in victims:
+            self.counters.evicted_chunks += 1
+            self._event(victim.ns_id, False, victim.key)
+            self._discard(victim.location)
+
+    def _discard(self, slot: tuple[int, int]) -> None:
+        fut = asyncio.get_running_loop().run_in_executor(self._threads, self.store.discard, *slot)
+        self._track(fut, partial(self._discard_done, slot))
+
+    def _discard_done(self, slot: tuple[int, int], fut: asyncio.Future[Any]) -> None:
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is None:
+            self.index.discarded(slot)
+        else:
+            self.index.discard_failed(slot)
+            self.counters.io_errors += 1
+            logger.warning("SSD tier: slot %s not reusable: %s", slot, exc)
+
+    def _track(self, fut: asyncio.Future[Any], done: Callable[[asyncio.Future[Any]], None]) -> None:
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        fut.add_done_callback(done)
+
+    # ================================================================== lookups
+
+    def lookup_tail(
+        self, ns_id: str, keys: Sequence[bytes], dram_hits: int, *, touch: bool
+    ) -> tuple[int, int]:
+        """Continue a lookup past the leading DRAM run: returns (further DRAM hits, SSD hits)
+        of the leading run of keys present in DRAM or READY on SSD."""
+        dram = ssd = 0
+        ssd_keys: list[bytes] = []
+        if self._opened and len(self.index):
+            contains, ready = self.engine.contains, self.index.ready
+            for key in keys[dram_hits:]:
+                if contains(ns_id, key):
+                    dram += 1
+                elif ready(ns_id, key) is not None:
+                    ssd += 1
+                    ssd_keys.append(key)
+                else:
+                    break
+        c = self.counters
+        c.lookups += 1
+        c.hit_chunks += ssd
+        c.miss_chunks += len(keys) - dram_hits - dram - ssd
+        if touch and ssd_keys:
+            self.index.touch(ns_id, ssd_keys)
+        return dram, ssd
+
+    def needs_promotion(self, ns_id: str, keys: Sequence[bytes]) -> bool:
+        """True if some key is READY on SSD but not in DRAM."""
+        if not self._opened or not len(self.index):
+            return False
+        contains, ready = self.engine.contains, self.index.ready
+        return any(not contains(ns_id, k) and ready(ns_id, k) is not None for k in keys)
+
+    # ================================================================== promotion
+
+    async def promote(
+        self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
+    ) -> dict[bytes, list[memoryview]]:
+        """Bring the keys that are READY on SSD but not in DRAM into DRAM; see
+        :func:`kvserver.daemon.promotion.promote`."""
+        if not self._opened:
+            return {}
+        return await promotion.promote(self, ns_id, keys, direct=direct)
+
+    def unpin(self, entry: SsdEntry) -> None:
+        """End a read of ``entry`` (see ``SsdIndex.pin``); discards its slot if it was dropped
+        meanwhile."""
+        slot = self.index.unpin(entry)
+        if slot is not None:
+            self._discard(slot)
+
+    async def read(self, entry: SsdEntry, use_pool: bool) -> tuple[memoryview, bool] | None:
+        """Read and verify one slot on a thread: (buffer, whether it came from the ``reads``
+        pool; its payload starts at HEADER_BYTES), or None on failure — then the chunk is
+        dropped (counted, BlockRemoved DISK, slot discarded) and is a miss.
+        REQUIRES: ``entry`` pinned by the caller."""
+        size = entry.slot_bytes
+        buf = self.reads.acquire(size) if use_pool else None
+        pooled = buf is not None
+        if buf is None:
+            buf = aligned_buffer(size)
+        expect = (entry.ns_id, entry.key, entry.seq)
+        try:
+            await self._run(self.store.read_chunk, entry.slot_bytes, entry.slot, expect, buf)
+        except StorageError as exc:
+            if isinstance(exc, CorruptChunk):
+                self.counters.corrupt_chunks += 1
+                logger.warning("SSD tier: dropped a corrupt chunk (a miss): %s", exc)
+            else:
+                self.counters.io_errors += 1
+                logger.warning("SSD tier: dropped an unreadable chunk (a miss): %s", exc)
+            if self.index.get(entry.ns_id, entry.key) is entry:
+                slot = self.index.remove(entry)
+                self._event(entry.ns_id, False, entry.key)
+                if slot is not None:
+                    self._discard(slot)
+            if pooled:
+                self.reads.release(buf)
+            return None
+        self.counters.loaded_chunks += 1
+        self.counters.bytes_read += size
+        return buf, pooled
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    # ================================================================== events, namespaces
+
+    def _event(self, ns_id: str, stored: bool, key: bytes) -> None:
+        """Queue a DISK event; flushed (batched per namespace and kind) on the next loop turn."""
+        if not self._events:
+            asyncio.get_running_loop().call_soon(self.flush_events)
+        self._events.append((ns_id, stored, key))
+
+    def flush_events(self) -> None:
+        """Announce the queued DISK events now (also runs by itself on the next loop turn)."""
+        events, self._events = self._events, []
+        run: list[bytes] = []
+        for i, (ns_id, stored, key) in enumerate(events):
+            run.append(key)
+            nxt = events[i + 1] if i + 1 < len(events) else None
+            if nxt is None or nxt[:2] != (ns_id, stored):
+                self.engine.announce(ns_id, run, MEDIUM_SSD, stored=stored)
+                run = []
+        if events:
+            self._publish()
+
+    def _unsaved(self) -> bool:
+        return not set(self.engine.namespaces) <= self._durable
+
+    def namespaces_changed(self) -> None:
+        """Save the namespace specs with the data (off the loop) if some are not saved yet.
+        Chunks of a namespace are written down only once its spec is durable. One save at a
+        time; a change during a save is saved right after it."""
+        if not self._opened or self._ns_saving or not self._unsaved():
+            return
+        for ns_id, spec in self.engine.namespaces.items():
+            self._saved.setdefault(ns_id, spec.to_dict())
+        specs = dict(self._saved)
+        self._ns_saving = True
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._threads, self.store.save_namespaces, list(specs.values())
+        )
+        self._track(fut, partial(self._saved_namespaces, set(specs)))
+
+    def _saved_namespaces(self, ns_ids: set[str], fut: asyncio.Future[Any]) -> None:
+        self._ns_saving = False
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            self._failed_write(exc)  # retried by the retry task, or by the next write-back
+            return
+        self._durable |= ns_ids
+        self.namespaces_changed()
+
+    # ================================================================== stats
+
+    def stats(self) -> dict[str, Any]:
+        index = self.index
+        return {
+            "condition": self.condition,
+            "condition_detail": self.reason,
+            "directory": self.store.directory,
+            "io_mode": self.store.io_mode if self._opened else "",
+            "policy": self.config.policy,
+            "admission": self.config.admission,
+            "capacity_bytes": index.capacity_bytes,
+            "used_bytes": index.used_bytes,
+            "reserved_bytes": index.reserved_bytes,
+            "pinned_bytes": index.pinned_bytes,
+            "entries": len(index),
+            "writes_in_flight": index.num_writing,
+            "unsaved_namespaces": len(set(self.engine.namespaces) - self._durable),
+            "staging_bytes": self.staging.in_use_bytes,
+            "rebuild_s": self.rebuild_s,
+            **asdict(self.counters),
+            "namespaces": index.usage_by_namespace(),
+        }

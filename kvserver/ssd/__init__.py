@@ -1,0 +1,11 @@
+"""The SSD tier's building blocks, below the daemon's orchestration (kvserver/daemon/tiering.py).
+
+- ``format``: the on-disk format (every constant, the chunk header, checksums); docs/ssd_format.md
+- ``fileio``: the OS interface (the fault-injection seam) and page-aligned buffers
+- ``store``: slot files: chunk I/O, O_DIRECT detection and fallback, rebuild by header scan
+- ``index``: which chunk is in which slot, slot allocation, byte accounting, eviction (pure)
+- ``buffers``: the bounded staging / read buffer pool
+- ``config``: the tier's settings and counters
+
+Only ``store`` and ``fileio`` touch the filesystem; ``index`` and the policies never do.
+"""

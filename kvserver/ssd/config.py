@@ -1,0 +1,60 @@
+"""Settings and counters of the SSD tier: plain validated data, shared by the daemon's config
+(``kvserver/daemon/config.py``) and the tier (``kvserver/daemon/tiering.py``). No I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserver.errors import InvalidArgument
+from kvserver.policies import make_policy
+from kvserver.ssd.format import slot_bytes_for
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """SSD tier settings (from ``DaemonConfig.tier_config()``). Validated on construction."""
+
+    directory: str
+    capacity_bytes: int = 1 << 30
+    #: write a DRAM victim down only if it was used at least this many times.
+    admission: int = 2
+    policy: str = "lru"
+    io_threads: int = 4
+    #: bytes of evicted chunks waiting to be written (and of promotion read buffers).
+    staging_bytes: int = 64 << 20
+    retry_s: float = 5.0
+    #: "auto" (O_DIRECT when the filesystem allows it) or "off".
+    direct: str = "auto"
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise InvalidArgument("the SSD tier needs a directory")
+        if self.capacity_bytes < slot_bytes_for(1):
+            raise InvalidArgument("SSD capacity too small", capacity=self.capacity_bytes)
+        if self.admission < 1 or self.io_threads < 1 or self.staging_bytes < 1:
+            raise InvalidArgument("ssd_admission, ssd_io_threads, ssd_staging must be >= 1")
+        if self.retry_s <= 0 or self.direct not in ("auto", "off"):
+            raise InvalidArgument("need ssd_retry_s > 0 and ssd_direct in {auto, off}")
+        make_policy(self.policy)  # names the valid choices when wrong
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Monotonic counters of the SSD tier (chunks unless named otherwise)."""
+
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    stored_chunks: int = 0
+    loaded_chunks: int = 0
+    promoted_chunks: int = 0
+    served_direct_chunks: int = 0
+    evicted_chunks: int = 0
+    corrupt_chunks: int = 0
+    recovered_chunks: int = 0
+    io_errors: int = 0
+    not_admitted_chunks: int = 0
+    skipped_chunks: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0

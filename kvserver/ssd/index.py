@@ -1,0 +1,369 @@
+"""The SSD tier's index: which chunk lives in which slot, slot allocation, byte accounting and
+the tier's own eviction policy.
+
+Pure in-process state (no I/O, no locks): owned by the tier on the daemon's event loop. The
+disk work it implies (write a slot, discard a slot) is done by the caller, which reports back
+(:meth:`commit`, :meth:`abort`, :meth:`discarded`).
+
+Slot life::
+
+    free ──reserve──► WRITING ──commit──► READY ──evict / remove──► discarding ──discarded──► free
+                         └─────abort─────────────────────────────────────┘
+
+Invariants (:meth:`check_invariants`):
+- every slot below a file's high-water mark is exactly one of: free, held by one entry
+  (WRITING or READY), doomed (removed while read), discarding, or quarantined (its discard
+  failed);
+- ``used_bytes`` is the sum of the slot sizes of all entries and never exceeds the capacity;
+- the policy tracks exactly the READY entries; a WRITING entry is invisible to ``ready()``;
+- an entry with readers (a read in flight) is never evicted and its slot is never freed;
+  :meth:`remove` of a read entry defers the slot's release to the last :meth:`unpin`;
+- sequence numbers are unique and increase; a rebuilt index continues after the largest seen.
+
+Check-then-act: :meth:`reserve` either returns the new entry (and the victims it evicted) or
+None with nothing changed.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserver.policies import make_policy
+from kvserver.ssd.format import BLOCK, ChunkHeader
+
+IndexKey = tuple[str, bytes]
+Slot = tuple[int, int]  # (slot_bytes, slot number)
+
+
+class SsdState(enum.IntEnum):
+    WRITING = 0
+    READY = 1
+
+
+@dataclass(slots=True, eq=False)
+class SsdEntry:
+    """One chunk on SSD (all TP parts in one slot)."""
+
+    ns_id: str
+    key: bytes
+    slot_bytes: int
+    slot: int
+    seq: int
+    state: SsdState
+    #: reads in flight (the slot must not be freed under them).
+    readers: int = 0
+    #: removed from the index while read: its slot is released by the last unpin.
+    doomed: bool = False
+
+    @property
+    def location(self) -> Slot:
+        return (self.slot_bytes, self.slot)
+
+
+@dataclass(slots=True)
+class _SlotFile:
+    #: slots 0..num_slots-1 exist (the file's high-water mark).
+    num_slots: int = 0
+    free: list[int] = field(default_factory=list)  # heap: lowest slot reused first
+
+
+@dataclass(slots=True)
+class RestoreResult:
+    recovered: list[SsdEntry] = field(default_factory=list)
+    #: slots to discard: invalid headers, older duplicates, orphans, over capacity.
+    discard: list[Slot] = field(default_factory=list)
+    duplicates: int = 0
+    orphans: int = 0
+    over_capacity: int = 0
+    invalid: int = 0
+    #: data files to cut (slot size → slots kept): nothing live beyond that length.
+    trimmed: dict[int, int] = field(default_factory=dict)
+
+
+class SsdIndex:
+    """See the module docstring."""
+
+    def __init__(self, capacity_bytes: int, policy: str = "lru") -> None:
+        self.capacity_bytes = capacity_bytes
+        self.policy = make_policy(policy)
+        self._entries: dict[IndexKey, SsdEntry] = {}
+        self._files: dict[int, _SlotFile] = {}
+        self._discarding: set[Slot] = set()
+        self._quarantined: set[Slot] = set()
+        #: slots of entries removed while being read (released by the last unpin).
+        self._doomed: set[Slot] = set()
+        self._next_seq = 1
+        self.used_bytes = 0
+        self.num_writing = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._entries) - self.num_writing
+
+    def get(self, ns_id: str, key: bytes) -> SsdEntry | None:
+        """The entry of ``key`` in any state (None if absent)."""
+        return self._entries.get((ns_id, key))
+
+    def ready(self, ns_id: str, key: bytes) -> SsdEntry | None:
+        entry = self._entries.get((ns_id, key))
+        return entry if entry is not None and entry.state is SsdState.READY else None
+
+    def entries(self) -> Iterable[SsdEntry]:
+        return self._entries.values()
+
+    @property
+    def num_discarding(self) -> int:
+        return len(self._discarding)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(e.slot_bytes for e in self._entries.values() if e.state is SsdState.WRITING)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(e.slot_bytes for e in self._entries.values() if e.readers)
+
+    def usage_by_namespace(self) -> dict[str, tuple[int, int]]:
+        """ns_id → (READY entries, their slot bytes)."""
+        out: dict[str, tuple[int, int]] = {}
+        for e in self._entries.values():
+            if e.state is SsdState.READY:
+                n, b = out.get(e.ns_id, (0, 0))
+                out[e.ns_id] = (n + 1, b + e.slot_bytes)
+        return out
+
+    def slot_state(self, slot: Slot) -> str:
+        """ "held", "free", "discarding", "doomed", "quarantined" or "unused" (beyond the end);
+        O(entries): for tests and debugging."""
+        f = self._files.get(slot[0])
+        if f is None or slot[1] >= f.num_slots:
+            return "unused"
+        if any(e.location == slot for e in self._entries.values()):
+            return "held"
+        for name, group in (
+            ("discarding", self._discarding),
+            ("doomed", self._doomed),
+            ("quarantined", self._quarantined),
+        ):
+            if slot in group:
+                return name
+        return "free" if slot[1] in f.free else "lost"
+
+    def touch(self, ns_id: str, keys: Iterable[bytes]) -> None:
+        self.policy.touch([(ns_id, k) for k in keys])
+
+    # ------------------------------------------------------------------ write path
+
+    def reserve(
+        self, ns_id: str, key: bytes, slot_bytes: int
+    ) -> tuple[SsdEntry, list[SsdEntry]] | None:
+        """A WRITING entry in a free slot for ``key``, evicting READY unread entries if the
+        capacity is short. Returns (entry, victims); the victims' slots are now discarding.
+        None — nothing changed — if the key is present or room cannot be made.
+        """
+        if (ns_id, key) in self._entries or slot_bytes > self.capacity_bytes:
+            return None
+        victims: list[SsdEntry] = []
+        shortfall = self.used_bytes + slot_bytes - self.capacity_bytes
+        if shortfall > 0:
+            entries = self._entries
+            chosen = self.policy.evict(
+                -(-shortfall // BLOCK),
+                lambda k: entries[k].slot_bytes // BLOCK,  # type: ignore[index]
+                lambda k: entries[k].readers == 0,  # type: ignore[index]
+            )
+            if chosen is None:
+                return None
+            for k in chosen:
+                victim = entries.pop(k)  # type: ignore[call-overload]
+                self.used_bytes -= victim.slot_bytes
+                self._discarding.add(victim.location)
+                victims.append(victim)
+        f = self._files.setdefault(slot_bytes, _SlotFile())
+        if f.free:
+            slot = heapq.heappop(f.free)
+        else:
+            slot = f.num_slots
+            f.num_slots += 1
+        entry = SsdEntry(ns_id, key, slot_bytes, slot, self._next_seq, SsdState.WRITING)
+        self._next_seq += 1
+        self._entries[(ns_id, key)] = entry
+        self.used_bytes += slot_bytes
+        self.num_writing += 1
+        return entry, victims
+
+    def commit(self, entry: SsdEntry) -> None:
+        """The entry's slot is written: it becomes READY (visible, evictable)."""
+        assert entry.state is SsdState.WRITING and self.get(entry.ns_id, entry.key) is entry
+        entry.state = SsdState.READY
+        self.num_writing -= 1
+        self.policy.insert((entry.ns_id, entry.key))
+
+    def abort(self, entry: SsdEntry) -> Slot:
+        """The write failed: forget the entry; its slot (maybe half written) is discarding."""
+        assert entry.state is SsdState.WRITING and self.get(entry.ns_id, entry.key) is entry
+        del self._entries[(entry.ns_id, entry.key)]
+        self.used_bytes -= entry.slot_bytes
+        self.num_writing -= 1
+        self._discarding.add(entry.location)
+        return entry.location
+
+    # ------------------------------------------------------------------ read path
+
+    def pin(self, entry: SsdEntry) -> None:
+        entry.readers += 1
+
+    def unpin(self, entry: SsdEntry) -> Slot | None:
+        """End one read. Returns the slot to discard if this released a removed entry."""
+        entry.readers -= 1
+        if entry.readers == 0 and entry.doomed:
+            entry.doomed = False
+            self._doomed.remove(entry.location)
+            self._discarding.add(entry.location)
+            return entry.location
+        return None
+
+    def remove(self, entry: SsdEntry) -> Slot | None:
+        """Drop a READY entry (failed verification). Returns its slot to discard now, or None
+        if reads are in flight (then the last :meth:`unpin` returns it)."""
+        assert entry.state is SsdState.READY and self.get(entry.ns_id, entry.key) is entry
+        del self._entries[(entry.ns_id, entry.key)]
+        self.policy.remove((entry.ns_id, entry.key))
+        self.used_bytes -= entry.slot_bytes
+        if entry.readers:
+            entry.doomed = True
+            self._doomed.add(entry.location)
+            return None
+        self._discarding.add(entry.location)
+        return entry.location
+
+    # ------------------------------------------------------------------ slot recycling
+
+    def discarded(self, slot: Slot) -> None:
+        """The slot was invalidated on disk: it may be reused."""
+        self._discarding.remove(slot)
+        heapq.heappush(self._files[slot[0]].free, slot[1])
+
+    def discard_failed(self, slot: Slot) -> None:
+        """The slot could not be invalidated: never reuse it in this run."""
+        self._discarding.remove(slot)
+        self._quarantined.add(slot)
+
+    # ------------------------------------------------------------------ rebuild
+
+    def restore(
+        self,
+        chunks: Iterable[tuple[int, int, ChunkHeader]],
+        num_slots: dict[int, int],
+        invalid: Iterable[Slot],
+        geometry: dict[str, tuple[int, int]],
+    ) -> RestoreResult:
+        """Rebuild from a scan: ``chunks`` (slot_bytes, slot, header), the files' lengths in
+        slots, the invalid slots, and ``geometry`` ns_id → (part_bytes, num_parts) of the
+        namespaces this daemon serves (chunks of others are orphans).
+
+        Keeps the newest (highest seq) copy of each key and, past the capacity, the newest
+        chunks; every other non-blank slot is returned for discarding, except those past the
+        last live slot of their file: the file is cut there (``trimmed``). REQUIRES: empty
+        index.
+        """
+        assert not self._entries and not self._files, "restore into an empty index only"
+        result = RestoreResult()
+        for slot_bytes, n in num_slots.items():
+            self._files[slot_bytes] = _SlotFile(num_slots=n)
+        taken: set[Slot] = set()
+        for bad in invalid:
+            result.discard.append(bad)
+            result.invalid += 1
+            taken.add(bad)
+        newest: dict[IndexKey, tuple[int, int, ChunkHeader]] = {}
+        max_seq = 0
+        for slot_bytes, slot, h in chunks:
+            taken.add((slot_bytes, slot))
+            max_seq = max(max_seq, h.seq)
+            if geometry.get(h.ns_id) != (h.part_bytes, h.num_parts):
+                result.orphans += 1
+                result.discard.append((slot_bytes, slot))
+                continue
+            k = (h.ns_id, h.key)
+            old = newest.get(k)
+            if old is not None:
+                result.duplicates += 1
+                loser = old if old[2].seq < h.seq else (slot_bytes, slot, h)
+                result.discard.append((loser[0], loser[1]))
+                if loser is not old:
+                    continue
+            newest[k] = (slot_bytes, slot, h)
+        kept = sorted(newest.values(), key=lambda c: c[2].seq, reverse=True)
+        budget = self.capacity_bytes
+        chosen: list[tuple[int, int, ChunkHeader]] = []
+        for c in kept:
+            if c[0] <= budget:
+                budget -= c[0]
+                chosen.append(c)
+            else:
+                result.over_capacity += 1
+                result.discard.append((c[0], c[1]))
+        for slot_bytes, slot, h in reversed(chosen):  # oldest first: LRU order by age
+            entry = SsdEntry(h.ns_id, h.key, slot_bytes, slot, h.seq, SsdState.READY)
+            self._entries[(h.ns_id, h.key)] = entry
+            self.policy.insert((h.ns_id, h.key))
+            self.used_bytes += slot_bytes
+            result.recovered.append(entry)
+        live: dict[int, int] = {}
+        for slot_bytes, slot, _h in chosen:
+            live[slot_bytes] = max(live.get(slot_bytes, 0), slot + 1)
+        for slot_bytes, f in self._files.items():
+            keep = live.get(slot_bytes, 0)
+            if keep < f.num_slots:
+                result.trimmed[slot_bytes] = f.num_slots = keep
+        result.discard = [s for s in result.discard if s[1] < self._files[s[0]].num_slots]
+        self._discarding.update(result.discard)
+        for slot_bytes, f in self._files.items():
+            f.free = [s for s in range(f.num_slots) if (slot_bytes, s) not in taken]
+            heapq.heapify(f.free)
+        self._next_seq = max_seq + 1
+        return result
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Recompute the accounting from scratch and compare (tests; O(slots))."""
+        used = writing = 0
+        held: set[Slot] = set()
+        seqs: set[int] = set()
+        for (ns_id, key), e in self._entries.items():
+            assert (e.ns_id, e.key) == (ns_id, key) and not e.doomed
+            assert e.location not in held, "two entries share a slot"
+            held.add(e.location)
+            assert e.seq not in seqs and e.seq < self._next_seq
+            seqs.add(e.seq)
+            used += e.slot_bytes
+            tracked = (ns_id, key) in self.policy
+            if e.state is SsdState.WRITING:
+                writing += 1
+                assert not tracked
+            else:
+                assert tracked, "ready entry not tracked by the policy"
+        assert used == self.used_bytes <= self.capacity_bytes, (used, self.used_bytes)
+        assert writing == self.num_writing
+        assert len(self.policy) == len(self._entries) - writing
+        assert not held & self._discarding and not held & self._quarantined
+        for slot_bytes, f in self._files.items():
+            free = set(f.free)
+            assert len(free) == len(f.free), "slot freed twice"
+            for s in range(f.num_slots):
+                loc = (slot_bytes, s)
+                states = (
+                    (loc in held)
+                    + (s in free)
+                    + (loc in self._discarding)
+                    + (loc in self._quarantined)
+                    + (loc in self._doomed)
+                )
+                assert states == 1, f"slot {loc} in {states} states"
+            assert all(0 <= s < f.num_slots for s in free)
