@@ -12,9 +12,11 @@ Configurations:
   every rank reported, deferred frees) without a network: the cost the connector adds to the
   scheduler's own work;
 - ``kvserver``: the real ``KVServerSchedulerConnector`` against a daemon (``--kvserver ADDR``,
-  or ``--start-daemon`` to start one on loopback): adds the daemon round trips made inside the
-  step (store reservations in ``build_connector_meta``, completions in
-  ``update_from_output``).
+  or ``--start-daemon`` to start one on loopback): adds the client's side of its daemon calls
+  — one store reservation per step sent at the end of ``build_connector_meta`` and collected
+  at the start of the next, one completion per step sent from ``update_from_output`` — none
+  of them waited for inside the step unless the daemon is slower than the workers' step. Its
+  row also reports the daemon calls per step (``calls_per_step``, by op).
 
 Configurations are measured round-robin, ``--steps`` steps each per round, so noise on a
 shared machine hits them alike, with the cyclic garbage collector run between runs rather than
@@ -38,11 +40,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
@@ -51,6 +54,9 @@ from scheduler.connector_base import SchedulerConnector
 from scheduler.scheduler import Scheduler
 from scheduler.synthetic import SYNTHETIC_KV_LAYOUT, SyntheticWorker
 from tests.scheduler.fakes import MemoryConnector
+
+if TYPE_CHECKING:
+    from scheduler.kv_connector import KVServerSchedulerConnector
 
 NUM_REQUESTS = 256
 BLOCK_SIZE = 16
@@ -69,8 +75,12 @@ class Config:
     worker: SyntheticWorker
     schedule_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    #: the kvserver client's requests sent by op (kvserver connector only).
+    sent_by_op: Counter[str] | None = None
+    calls: Counter[str] = field(default_factory=Counter)
 
     def run(self, steps: int, timed: bool = True) -> None:
+        before = Counter(self.sent_by_op or ())
         s, worker, perf = self.scheduler, self.worker, time.perf_counter
         for _ in range(steps):
             t0 = perf()
@@ -83,9 +93,16 @@ class Config:
             if timed:
                 self.schedule_s.append(t1 - t0)
                 self.step_s.append((t1 - t0) + (t3 - t2))
+        if timed and self.sent_by_op is not None:
+            self.calls += Counter(self.sent_by_op) - before
 
 
-def make(name: str, connector: SchedulerConnector | None, max_steps: int) -> Config:
+def make(
+    name: str,
+    connector: SchedulerConnector | None,
+    max_steps: int,
+    sent_by_op: Counter[str] | None = None,
+) -> Config:
     tokens_per_req = PROMPT_TOKENS + max_steps + 64
     blocks = NUM_REQUESTS * (tokens_per_req // BLOCK_SIZE + 2) + 1
     cfg = SchedulerConfig(
@@ -103,7 +120,7 @@ def make(name: str, connector: SchedulerConnector | None, max_steps: int) -> Con
         scheduler.add_request(
             scheduler.make_request(f"req-{i}", system + user, max_tokens=tokens_per_req)
         )
-    config = Config(name, scheduler, SyntheticWorker(0, BLOCK_SIZE, blocks))
+    config = Config(name, scheduler, SyntheticWorker(0, BLOCK_SIZE, blocks), sent_by_op=sent_by_op)
     # prefill everything, until every request decodes one token per step
     while len(scheduler.running) < NUM_REQUESTS or any(
         r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running
@@ -113,7 +130,7 @@ def make(name: str, connector: SchedulerConnector | None, max_steps: int) -> Con
     return config
 
 
-def kvserver_connector(address: str) -> SchedulerConnector:
+def kvserver_connector(address: str) -> KVServerSchedulerConnector:
     from kvserver.namespace import NamespaceSpec
     from scheduler.kv_connector import KVServerSchedulerConnector
     from scheduler.kv_connector_types import KVConnectorConfig
@@ -192,6 +209,10 @@ def results(configs: list[Config]) -> list[dict[str, Any]]:
                 "samples": len(c.schedule_s),
             }
         )
+        if c.sent_by_op is not None:
+            out[-1]["calls_per_step"] = {
+                op: n / len(c.schedule_s) for op, n in sorted(c.calls.items())
+            }
     return out
 
 
@@ -205,6 +226,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['step_us']:>9.1f} {r['step_ratio']:>10.3f}"
         )
     print(f"target: ratio <= {TARGET}")
+    for r in rows:
+        if "calls_per_step" in r:
+            calls = ", ".join(f"{op} {n:.2f}" for op, n in r["calls_per_step"].items())
+            print(f"daemon calls per step ({r['config']}): {calls or 'none'}")
 
 
 def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -254,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         configs.append(make("memory", MemoryConnector(BLOCK_SIZE, CHUNK_BLOCKS, log_calls=False),
                             max_steps))  # fmt: skip
         if addr:
-            configs.append(make("kvserver", kvserver_connector(addr), max_steps))
+            conn = kvserver_connector(addr)
+            configs.append(make("kvserver", conn, max_steps, conn.client.sent_by_op))
         measure(configs, rounds, steps)
         for c in configs:
             close = getattr(c.scheduler.connector, "close", None)

@@ -24,10 +24,11 @@ when those stores ship anyway (deferred one step, seed 000 §11.2) — so the ro
 the workers' step instead of lengthening the scheduler's. A lease is completed once every TP
 rank has reported it: one ``complete_store`` per lease with finished chunks (plus one rollback
 when a rank failed some) and one ``complete_load`` per finished load, sent without waiting from
-``update_connector_output``; their replies (events, counters, errors) are applied at the next
-``build_connector_meta`` (or ``take_events`` / :meth:`drain`, once arrived). The daemon applies
-one client's requests in order, so this connector's own later lookups already see completed
-chunks. Per step that is 1 reservation + about 1 completion, whatever the number of requests.
+``update_connector_output``; their replies (events, counters, errors) are applied by the next
+``update_connector_output`` (or earlier by ``take_events`` once arrived, or :meth:`drain`).
+The daemon applies one client's requests in order, so this connector's own later lookups
+already see completed chunks. Per step that is 1 reservation + about 1 completion, whatever
+the number of requests.
 
 Invariants:
 - a chunk below a request's ``cursor`` is never planned again (after a preemption the cursor
@@ -166,8 +167,9 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def drain(self) -> None:
         """Wait for the replies of every call sent without waiting (each at most
         ``op_timeout_s``) and apply them: the reserved stores become jobs (shipped by the next
-        metadata, as always), completed chunks become events and counters. ``build_connector_meta``
-        does this itself; call it to observe the daemon from elsewhere right after a step."""
+        metadata, as always), completed chunks become events and counters. The step methods
+        do this when they need the replies; call it to look at the daemon through another
+        client right after a step (this client's own calls are ordered after them anyway)."""
         self._collect_store_batch()
         self._collect_completions(wait=True)
 
@@ -273,14 +275,13 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._add_job(state, job)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
-        """Applies the replies of the previous step's daemon calls (waiting at most
-        ``op_timeout_s`` each; they normally arrived during the workers' step), ships this
-        step's loads and the stores reserved for the previous step, names the preempted
-        requests that need a store barrier, and sends this step's store reservation (one
-        ``prepare_store`` for every request, not waited for), which the next call ships."""
+        """Applies the reply of the previous step's store reservation (waiting at most
+        ``op_timeout_s``; it normally arrived during the workers' step), ships this step's
+        loads and the stores reserved for the previous step, names the preempted requests that
+        need a store barrier, and sends this step's store reservation (one ``prepare_store``
+        for every request, not waited for), which the next call ships."""
         step: ScheduledStep = scheduler_output
         self._collect_store_batch()
-        self._collect_completions(wait=True)
         self._expire()
         meta = ConnectorMetadata(ns_id=self.ns_id)
         for job in self._to_ship:
@@ -292,24 +293,29 @@ class KVServerSchedulerConnector(SchedulerConnector):
             r for r in self._preempted if (s := self._reqs.get(r)) is not None and s.num_stores
         )
         self._preempted.clear()
-        computed: dict[str, int] = {}
-        for new in getattr(step, "new_reqs", ()):
-            if (state := self._reqs.get(new.req_id)) is not None:
-                state.block_ids = list(new.block_ids)
-                computed[new.req_id] = new.num_computed_tokens
-        for cached in getattr(step, "cached_reqs", ()):
-            if (state := self._reqs.get(cached.req_id)) is not None:
-                state.block_ids += cached.new_block_ids
-                computed[cached.req_id] = cached.num_computed_tokens
+        # One pass: block tables (new_reqs replace, cached_reqs append), then the chunks full
+        # after this step, planned only past the cursor (an integer check for most requests).
+        reqs, sched, ct = self._reqs, step.num_scheduled_tokens, self.spec.chunk_tokens
         planned: list[PlannedStore] = []
         room = self._batch_limit
-        for req_id, num_tokens in step.num_scheduled_tokens.items():
-            state = self._reqs.get(req_id)
-            if state is not None and not state.finished and room > 0:
-                done = computed.get(req_id, state.request.num_computed_tokens)
-                if (p := self._plan_stores(state, done + num_tokens, room)) is not None:
-                    planned.append(p)
-                    room -= len(p.keys)
+        scheduled: list[tuple[RequestState, int]] = []
+        for new in getattr(step, "new_reqs", ()):
+            if (state := reqs.get(new.req_id)) is not None:
+                state.block_ids = list(new.block_ids)
+                scheduled.append((state, new.num_computed_tokens + sched.get(new.req_id, 0)))
+        for cached in getattr(step, "cached_reqs", ()):
+            if (state := reqs.get(cached.req_id)) is not None:
+                if cached.new_block_ids:
+                    state.block_ids += cached.new_block_ids
+                done = cached.num_computed_tokens + sched.get(cached.req_id, 0)
+                if done // ct > state.cursor:
+                    scheduled.append((state, done))
+        for state, done in scheduled:
+            if room <= 0 or state.finished or done // ct <= state.cursor:
+                continue
+            if (p := self._plan_stores(state, done, room)) is not None:
+                planned.append(p)
+                room -= len(p.keys)
         if planned:
             self._send_store_batch(planned)
         return meta
@@ -317,7 +323,10 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def update_connector_output(self, outputs: Sequence[Any]) -> TransferReport:
         """Takes each rank's :class:`ConnectorWorkerOutput`. A lease is completed on the daemon
         once every rank reported it: a load is unpinned; a store's chunks become ready, or are
-        rolled back when some rank failed them."""
+        rolled back when some rank failed them. The completions are sent without waiting;
+        the replies of those sent by the previous call are applied first (waiting at most
+        ``op_timeout_s`` each: they had a whole step to arrive)."""
+        self._collect_completions(wait=True)
         world = self.spec.tp_world_size
         finished: list[TransferJob] = []
         for out in outputs:
@@ -333,7 +342,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
                         logger.debug("ignoring a report of unknown lease %d", res.lease_id)
                         continue
                     job.ranks.add(out.rank)
-                    job.failed.update(k for k in res.failed_keys if k in job.keys)
+                    if res.failed_keys:
+                        job.failed.update(k for k in res.failed_keys if k in job.keys)
                     if len(job.ranks) == world:
                         self._finish(job)
                         finished.append(job)
@@ -499,10 +509,6 @@ class KVServerSchedulerConnector(SchedulerConnector):
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        for p in batch.planned:
-            p.state.num_stores -= 1
-            for key in p.keys:
-                self._unmark_storing(key)
         try:
             grant = self._result(batch.pending)
         except Unavailable:
@@ -519,31 +525,35 @@ class KVServerSchedulerConnector(SchedulerConnector):
             return
         self._batch_limit = min(self._batch_limit * 2, self.config.max_store_batch_chunks)
         locations = dict(zip(grant.keys, grant.locations, strict=True))
-        cb = self.spec.chunk_blocks
+        lease_id, deadline, cb = grant.lease_id, grant.deadline, self.spec.chunk_blocks
         for p in batch.planned:
-            state = p.state
-            state.cursor = max(state.cursor, p.end)
-            stores = [
-                ChunkStore(key, p.block_ids[i * cb : (i + 1) * cb],
-                           [list(extents) for extents in location])
-                for i, key in enumerate(p.keys)
-                if (location := locations.pop(key, None)) is not None
-            ]  # fmt: skip
-            if not stores:  # every chunk present already, filtered, or another request's
+            state, blocks = p.state, p.block_ids
+            state.num_stores -= 1
+            if state.cursor < p.end:
+                state.cursor = p.end
+            stores: list[ChunkStore] = []
+            for i, key in enumerate(p.keys):
+                location = locations.pop(key, None)
+                if location is None:  # present already, filtered, or another request's
+                    self._unmark_storing(key)
+                else:  # stays marked until the job is over
+                    extents = [list(rank_extents) for rank_extents in location]
+                    stores.append(ChunkStore(key, blocks[i * cb : (i + 1) * cb], extents))
+            if not stores:
                 self._release_if_done(state)
                 continue
-            req_id = state.request.request_id
-            transfers = RequestTransfers(req_id, grant.lease_id, stores=stores)
-            job_keys = [c.key for c in stores]
-            for key in job_keys:
-                self._keys_storing[key] = self._keys_storing.get(key, 0) + 1
-            self._add_job(state, TransferJob(transfers, False, job_keys, grant.deadline))
+            transfers = RequestTransfers(state.request.request_id, lease_id, stores=stores)
+            job = TransferJob(transfers, False, [c.key for c in stores], deadline)
+            self._add_job(state, job)
 
     def _drop_batch(self, batch: StoreBatch, *, skip: bool) -> None:
         """Nothing reserved: the chunks are planned again next step, or never (``skip``)."""
         for p in batch.planned:
-            if skip:
-                p.state.cursor = max(p.state.cursor, p.end)
+            p.state.num_stores -= 1
+            for key in p.keys:
+                self._unmark_storing(key)
+            if skip and p.state.cursor < p.end:
+                p.state.cursor = p.end
             self._release_if_done(p.state)
 
     def _add_job(self, state: RequestState, job: TransferJob) -> None:
@@ -606,6 +616,9 @@ class KVServerSchedulerConnector(SchedulerConnector):
                 loads.append(lease_id)
                 continue
             ok, bad = stores.setdefault(lease_id, ([], []))
+            if not job.failed:
+                ok += job.keys
+                continue
             for key in job.keys:
                 (bad if key in job.failed else ok).append(key)
         for lease_id, (ok, bad) in stores.items():

@@ -80,8 +80,9 @@ class ConnectorStats:
     """Counters. ``lookups_failed``: answered "no hit" as the daemon failed or was marked down;
     ``timeouts``: calls that found it unreachable (each marks it down for down_backoff_s);
     ``planned_chunks``: chunks asked for in prepare_store (each once, thanks to the cursor);
-    ``completion_errors``: completions the daemon refused or never answered (their chunks
-    count as not stored; the daemon reclaims the lease at its deadline)."""
+    ``completion_errors``: completions not applied — refused, unanswered, or skipped while
+    the daemon was marked down (their chunks count as not stored; the daemon reclaims the
+    lease at its deadline)."""
 
     lookups: int = 0
     hit_tokens: int = 0
@@ -98,7 +99,8 @@ class ConnectorStats:
 
 @dataclass(slots=True, eq=False)
 class TransferJob:
-    """One daemon lease in flight: a request's load, or one step's stores of one request."""
+    """One request's transfers under one daemon lease: its load (a lease of its own), or its
+    share of one step's store batch (the lease is shared by the batch's requests)."""
 
     transfers: RequestTransfers
     is_load: bool

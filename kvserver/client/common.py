@@ -7,7 +7,10 @@ Sans-I/O: every operation is a generator that yields :class:`Call` s and receive
 :class:`Answer` s (or has the daemon's error thrown into it), so the two clients differ only in
 how they exchange one call for one answer. Multi-step operations (``store``, ``load`` on the
 shared-memory path) therefore clean up the same way in both: a failed write rolls back its
-reservation, a finished read releases its pins.
+reservation, a finished read releases its pins. Replies are read with :meth:`Session.decode`
+and :meth:`Session.outcome`, so a client with several requests outstanding (the sync client's
+``submit_*``, :mod:`kvserver.client.pending`) can hand each reply to its own request;
+:meth:`Session.accept` is the one-request-in-flight shortcut.
 
 Session life: the first call (and the first after a timeout or a daemon restart, recognised by
 a new server session id ``sid`` in a reply) runs ``hello`` — which maps the arena when the
