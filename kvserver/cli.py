@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     from scheduler.cli import add_scheduler
 
     add_scheduler(sub)
+    from worker.cli import add_worker
+
+    add_worker(sub)
     return parser
 
 

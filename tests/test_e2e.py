@@ -1,0 +1,128 @@
+"""End to end: a real kvserver daemon, a real scheduler process and two real tensor-parallel
+worker processes running the tiny transformer (worker/model.py) on CPU.
+
+A multi-turn conversation workload (each turn's prompt = previous prompt + previous output +
+new user tokens) over a GPU block pool too small to keep earlier turns: later turns load their
+prefix from kvserver, and the generated tokens are those of a run with every cache off.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
+from tests.support.daemon import start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+BLOCK_SIZE = 16
+NUM_GPU_BLOCKS = 10  # 9 usable blocks (144 tokens): one conversation's turn evicts the other's
+TURNS, FIRST, USER, MAX_TOKENS = 3, 48, 24, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_workers(tmp_path: Path, daemon_zmq: str, world: int = 2) -> list[Proc]:
+    model_file = tmp_path / "model.safetensors"
+    dist_init = f"tcp://127.0.0.1:{_free_port()}"
+    pending = []
+    for rank in range(world):
+        ready = tmp_path / f"worker{rank}.ready"
+        log_path = tmp_path / f"worker{rank}.log"
+        args = [
+            sys.executable, "-m", "kvserver.cli", "worker",
+            "--rank", str(rank), "--world-size", str(world),
+            "--listen", "tcp://127.0.0.1:0", "--dist-init", dist_init,
+            "--model-file", str(model_file), "--write-random-model-seed", "7",
+            "--device", "cpu", "--kvserver", daemon_zmq, "--chunk-blocks", "1",
+            "--ready-file", str(ready),
+        ]  # fmt: skip
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        pending.append((proc, ready, log_path, args))
+    procs: list[Proc] = []
+    deadline = time.monotonic() + 60
+    for proc, ready, log_path, args in pending:
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for p, *_ in pending:
+                    p.kill()
+                raise RuntimeError(f"worker did not start:\n{log_path.read_text()}")
+            time.sleep(0.05)  # polling for the ready file, bounded by the deadline above
+        procs.append(Proc(proc, json.loads(ready.read_text()), log_path, args))
+    return procs
+
+
+def _conversations(n: int) -> list[list[int]]:
+    """First prompts; the later user turns come from the same generator in the run."""
+    rng = random.Random(1)
+    return [[rng.randrange(512) for _ in range(FIRST)] for _ in range(n)]
+
+
+def _run(port: int) -> tuple[list[list[int]], list[int]]:
+    """Two conversations, turns interleaved; returns every turn's output and, per turn, the
+    prompt tokens served from kvserver."""
+    rng = random.Random(2)
+    prompts = _conversations(2)
+    outputs: list[list[int]] = []
+    from_kvserver: list[int] = []
+    with EngineClient(port) as c:
+        for _turn in range(TURNS):
+            for conv in range(2):
+                msgs = c.generate(prompts[conv], MAX_TOKENS)
+                out = output_tokens(msgs)
+                usage = msgs[0].usage
+                total = usage.gpu_cached_tokens + usage.kvserver_tokens + usage.computed_tokens
+                assert total == len(prompts[conv]), usage
+                outputs.append(out)
+                from_kvserver.append(usage.kvserver_tokens)
+                prompts[conv] = prompts[conv] + out + [rng.randrange(512) for _ in range(USER)]
+    return outputs, from_kvserver
+
+
+def test_multi_turn_conversations_load_their_prefix_from_kvserver(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon", "--dram", "16MiB")
+    workers: list[Proc] = []
+    try:
+        workers = _start_workers(tmp_path, daemon.zmq_address)
+        addrs = ",".join(w.info["endpoint"] for w in workers)
+        common = ["--workers", addrs, "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
+                  "--block-size", str(BLOCK_SIZE), "--model", "tiny-e2e"]  # fmt: skip
+        off = start_scheduler(tmp_path, *common, "--no-prefix-caching")
+        try:
+            want, loaded_off = _run(off.info["grpc_port"])
+            assert off.terminate() == 0, off.log()
+        finally:
+            off.kill()
+        assert loaded_off == [0] * len(want)
+        assert all(len(o) == MAX_TOKENS for o in want) and len({tuple(o) for o in want}) > 1
+
+        on = start_scheduler(
+            tmp_path, *common, "--kvserver", daemon.zmq_address, "--chunk-blocks", "1"
+        )
+        try:
+            got, loaded = _run(on.info["grpc_port"])
+            assert on.terminate() == 0, on.log()
+        finally:
+            on.kill()
+        assert got == want
+        assert loaded[:2] == [0, 0]  # first turns: nothing stored yet
+        assert sum(loaded[2:]) > 0, loaded  # later turns: prefix KV from kvserver
+        for w in workers:
+            assert w.terminate() == 0, w.log()
+    finally:
+        for w in workers:
+            w.kill()
+        daemon.kill()
