@@ -1,0 +1,513 @@
+"""``kvserver bench``: the daemon's data-path and query benchmarks (DESIGN.md §5).
+
+Runs in the bench process, which is always a *client*: it starts its own daemon (``kvserver
+start`` as a subprocess on ephemeral loopback ports, stopped with SIGTERM at the end) unless
+``--zmq`` / ``--server`` name a running one. Every figure is a ratio to a reference measured in
+the same run, interleaved repeat by repeat with the measurement so that noise on a shared
+machine hits both alike (medians are reported):
+
+1. co-located store + load (shared memory) vs single-thread memcpy (``bench_refs``);
+2. remote store + load (``put``/``get`` over TCP loopback) vs raw ZMQ PUSH/PULL between two
+   processes with the same frames and round trips (``bench_refs.ZmqPeer``);
+3. gRPC ``Lookup`` latency of a 32k-token prompt (2,048 blocks of 16), by keys (target p99 <=
+   2 ms) and, for information, by token ids. Latency rows use the 2 ms target as reference.
+
+Bandwidth = bytes moved (stored + loaded) / seconds. Before timing, the arena is cycled once by
+each path so that its pages are mapped in both processes (steady state, as in a long-running
+daemon; the memcpy reference buffers are likewise touched in advance). Not thread-safe.
+matplotlib is imported only to draw the chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserver.bench_refs import Target, ZmqPeer
+    from kvserver.client import KVClient
+    from kvserver.namespace import NamespaceSpec
+
+DEFAULT_SIZES = "256KiB,2MiB,8MiB"
+DEFAULT_DRAM = "1GiB"
+LOOKUP_TOKENS = 32 * 1024
+LOOKUP_BLOCK_SIZE = 16
+LOOKUP_TARGET_MS = 2.0
+BANDWIDTH_TARGET = 0.8
+CLIENT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    sizes: tuple[int, ...]
+    repeats: int
+    batch_bytes: int
+    lookup_iters: int
+    token_iters: int
+    dram: str
+    progress: bool = True
+    #: give every process the same glibc allocator settings (bench_refs.MALLOC_ENV).
+    tune_malloc: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("--sizes needs at least one positive size")
+        if self.repeats < 1 or self.lookup_iters < 1 or self.token_iters < 1:
+            raise ValueError("--repeats and --lookup-iters must be >= 1")
+
+    def count(self, size: int) -> int:
+        """Chunks per batch for part size ``size`` (at least one)."""
+        return max(1, self.batch_bytes // size)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    name: str
+    value: float
+    unit: str
+    reference: float
+    ratio: float
+
+    @classmethod
+    def of(cls, name: str, value: float, unit: str, reference: float) -> Result:
+        return cls(name, value, unit, reference, value / reference)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _spec(size: int, tag: str) -> NamespaceSpec:
+    from kvserver.namespace import NamespaceSpec
+
+    return NamespaceSpec(
+        model=f"kvserver-bench/{tag}-{size}", dtype="uint8", num_layers=1, num_kv_heads=1,
+        head_dim=1, block_size=LOOKUP_BLOCK_SIZE, part_bytes_override=size,
+    )  # fmt: skip
+
+
+def _keys(n: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(n)]
+
+
+def _split(buf: memoryview, size: int, n: int) -> list[memoryview]:
+    return [buf[i * size : (i + 1) * size] for i in range(n)]
+
+
+def _fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+def _gbps(nbytes: int, seconds: Sequence[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class _Progress:
+    """A tqdm bar over every timed and warm-up round of the run."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, disable=not enabled, unit="round", file=sys.stderr)
+
+    def phase(self, text: str) -> None:
+        self._bar.set_description(text)
+
+    def step(self, n: int = 1) -> None:
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+# --------------------------------------------------------------------------- bandwidth
+
+
+def _colocated_round(
+    kv: KVClient, ns_id: str, src: list[memoryview], dst: list[memoryview]
+) -> float:
+    """prepare_store (one message) → write each part → complete_store; then the load side.
+
+    Returns the seconds taken (key generation excluded)."""
+    keys = _keys(len(src))
+    start = time.perf_counter()
+    store = kv.prepare_store(ns_id, keys)
+    if store is None or store.keys != keys:
+        raise RuntimeError("prepare_store did not grant every key (DRAM too small?)")
+    for ext, part in zip(store.locations, src, strict=True):
+        kv.write(ext[0], part)
+    kv.complete_store(store.lease_id)
+    load = kv.prepare_load(ns_id, keys)
+    for ext, out in zip(load.locations, dst, strict=True):
+        kv.readinto(ext[0], out)
+    kv.complete_load(load.lease_id)
+    return time.perf_counter() - start
+
+
+def _remote_round(
+    kv: KVClient, ns_id: str, src: list[memoryview]
+) -> tuple[float, list[list[memoryview]]]:
+    """put (one message) then get (one message); returns seconds taken and the loaded parts."""
+    keys = _keys(len(src))
+    start = time.perf_counter()
+    put = kv.put(ns_id, keys, src)
+    if len(put.stored) != len(keys):
+        raise RuntimeError("put did not store every key (DRAM too small?)")
+    parts = kv.get(ns_id, keys)
+    return time.perf_counter() - start, parts
+
+
+def bench_bandwidth(
+    cfg: BenchConfig, target: Target, arena_size: int, env: dict[str, str], progress: _Progress
+) -> list[Result]:
+    from kvserver.bench_refs import ZmqPeer
+    from kvserver.client import KVClient
+
+    max_bytes = max(cfg.count(s) * s for s in cfg.sizes)
+    src_buf = memoryview(bytearray(random.Random(0).randbytes(max_bytes)))
+    dst_buf = memoryview(bytearray(max_bytes))
+    stage = memoryview(bytearray(max_bytes))
+    results: list[Result] = []
+    with ExitStack() as stack:
+        local = stack.enter_context(KVClient(target.zmq, colocated=True, timeout=CLIENT_TIMEOUT_S))
+        remote = stack.enter_context(
+            KVClient(target.zmq, colocated=False, timeout=CLIENT_TIMEOUT_S)
+        )
+        peer = ZmqPeer()
+        stack.callback(peer.close)
+        peer.start(env)
+        ns = {s: local.register_namespace(_spec(s, "bw")).ns_id for s in cfg.sizes}
+        for s in cfg.sizes:
+            remote.register_namespace(_spec(s, "bw"))
+
+        # Warm-up: cycle the whole arena through each path in turn, so that every page is
+        # mapped in this process (co-located) and in the daemon (remote).
+        big = max(cfg.sizes)
+        n_big = cfg.count(big)
+        src, dst = _split(src_buf, big, n_big), _split(dst_buf, big, n_big)
+        progress.phase("warm-up: cycling the arena")
+        rounds = _warmup_rounds(arena_size, n_big * big)
+        for _ in range(rounds):
+            _colocated_round(local, ns[big], src, dst)
+            progress.step()
+        for _ in range(rounds):
+            _remote_round(remote, ns[big], src)
+            progress.step()
+
+        for size in cfg.sizes:
+            n = cfg.count(size)
+            src, dst = _split(src_buf, size, n), _split(dst_buf, size, n)
+            label = f"{_fmt_size(size)} x{n} ({_fmt_size(n * size)} batch)"
+            progress.phase(f"co-located {_fmt_size(size)}")
+            ours, ref = _bench_colocated(cfg.repeats, local, ns[size], src, dst, stage, progress)
+            if dst_buf[: n * size] != src_buf[: n * size]:
+                raise RuntimeError("co-located load returned different bytes")
+            results.append(Result.of(f"co-located store+load {label} vs memcpy", ours, "GB/s", ref))
+            progress.phase(f"remote {_fmt_size(size)}")
+            ours, ref = _bench_remote(cfg.repeats, remote, ns[size], src, peer, progress)
+            name = f"remote put+get {label} vs raw ZMQ PUSH/PULL"
+            results.append(Result.of(name, ours, "GB/s", ref))
+    return results
+
+
+def _bench_colocated(
+    repeats: int,
+    kv: KVClient,
+    ns_id: str,
+    src: list[memoryview],
+    dst: list[memoryview],
+    stage: memoryview,
+    progress: _Progress,
+) -> tuple[float, float]:
+    """GB/s of (ours, memcpy), rounds interleaved; ``dst`` holds what our last load read."""
+    from kvserver.bench_refs import memcpy_round
+
+    moved = 2 * sum(part.nbytes for part in src)
+    ours_s: list[float] = []
+    ref_s: list[float] = []
+    _colocated_round(kv, ns_id, src, dst)  # untimed first round
+    for _ in range(repeats):
+        start = time.perf_counter()
+        memcpy_round(src, stage, dst)
+        ref_s.append(time.perf_counter() - start)
+        for out in dst:  # what memcpy left there must not hide a broken load
+            out[:1] = b"\0"
+        ours_s.append(_colocated_round(kv, ns_id, src, dst))
+        progress.step()
+    return _gbps(moved, ours_s), _gbps(moved, ref_s)
+
+
+def _bench_remote(
+    repeats: int,
+    kv: KVClient,
+    ns_id: str,
+    src: list[memoryview],
+    peer: ZmqPeer,
+    progress: _Progress,
+) -> tuple[float, float]:
+    """GB/s of (ours, raw ZMQ), rounds interleaved; checks the bytes of one get."""
+    moved = 2 * sum(part.nbytes for part in src)
+    ours_s: list[float] = []
+    ref_s: list[float] = []
+    _check_remote(_remote_round(kv, ns_id, src)[1], src)  # untimed first rounds
+    peer.store_load(src)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        peer.store_load(src)
+        ref_s.append(time.perf_counter() - start)
+        ours_s.append(_remote_round(kv, ns_id, src)[0])
+        progress.step()
+    return _gbps(moved, ours_s), _gbps(moved, ref_s)
+
+
+def _warmup_rounds(arena_size: int, batch: int) -> int:
+    return -(-arena_size // batch) + 1
+
+
+def _check_remote(parts: list[list[memoryview]], src: list[memoryview]) -> None:
+    if len(parts) != len(src) or any(p[0] != s for p, s in zip(parts, src, strict=True)):
+        raise RuntimeError("remote get returned different bytes")
+
+
+# --------------------------------------------------------------------------- lookup latency
+
+
+def bench_lookup(cfg: BenchConfig, target: Target, progress: _Progress) -> list[Result]:
+    from kvserver.client import KVClient
+    from kvserver.grpc_client import GrpcClient
+    from kvserver.hashing import BlockHasher
+
+    spec = _spec(1024, "lookup")
+    rng = random.Random(1)
+    tokens = [rng.randrange(128_256) for _ in range(LOOKUP_TOKENS)]
+    hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
+    keys = [bytes(k) for k in hasher.chunk_keys(hasher.hash_blocks(tokens), spec.chunk_blocks)]
+    with KVClient(target.zmq, timeout=CLIENT_TIMEOUT_S) as kv:
+        ns_id = kv.register_namespace(spec).ns_id
+        grant = kv.prepare_store(ns_id, keys)  # the whole prompt cached: the longest probe
+        if grant is None:
+            raise RuntimeError("cannot store the lookup prompt (DRAM too small?)")
+        kv.complete_store(grant.lease_id)
+    results: list[Result] = []
+    with GrpcClient(target.grpc, timeout=CLIENT_TIMEOUT_S) as grpc:
+        cases: list[tuple[str, int, Callable[[], Any]]] = [
+            ("by 2,048 keys", cfg.lookup_iters, lambda: grpc.lookup_keys(ns_id, keys)),
+            ("by 32k token ids (informational)", cfg.token_iters,
+             lambda: grpc.lookup_tokens(ns_id, tokens)),
+            ("floor: Health.Check round trip (informational)", cfg.lookup_iters, grpc.health),
+        ]  # fmt: skip
+        for what, iters, call in cases:
+            progress.phase(f"gRPC {what.split(' (')[0]}")
+            reply = call()
+            if hasattr(reply, "hit_chunks") and reply.hit_chunks != len(keys):
+                raise RuntimeError(f"lookup hit {reply.hit_chunks} of {len(keys)} chunks")
+            for _ in range(min(50, iters)):
+                call()
+            times_ms = []
+            for _ in range(iters):
+                times_ms.append(_timed(call) * 1e3)
+                progress.step()
+            p50 = statistics.median(times_ms)
+            p99 = _percentile(times_ms, 99)
+            for label, value in (("p50", p50), ("p99", p99)):
+                name = f"gRPC Lookup {what} {label} (reference: {LOOKUP_TARGET_MS:g} ms target)"
+                if what.startswith("floor"):
+                    name = f"gRPC {what.removeprefix('floor: ')} {label}"
+                results.append(Result.of(name, value, "ms", LOOKUP_TARGET_MS))
+    return results
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
+
+
+# --------------------------------------------------------------------------- run and report
+
+
+def run(cfg: BenchConfig, target: Target | None) -> list[Result]:
+    """Run every benchmark against ``target`` (or a daemon of our own) and return the rows."""
+    from kvserver.bench_refs import MALLOC_ENV, own_daemon, tune_malloc
+
+    env: dict[str, str] = {}
+    if cfg.tune_malloc and tune_malloc():
+        env = MALLOC_ENV
+    with ExitStack() as stack:
+        daemon = "a running daemon (allocator settings its own)"
+        if target is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-")))
+            target = stack.enter_context(own_daemon(cfg.dram, workdir, env))
+            daemon = "its own daemon"
+        from kvserver.client import KVClient
+
+        with KVClient(target.zmq, timeout=CLIENT_TIMEOUT_S) as kv:
+            arena_size = int(kv.hello()["arena_size"])
+        sizes = ", ".join(_fmt_size(s) for s in cfg.sizes)
+        print(
+            f"kvserver bench against {daemon}, DRAM {_fmt_size(arena_size)}; parts {sizes}, "
+            f"{_fmt_size(cfg.batch_bytes)} per batch, median of {cfg.repeats} rounds "
+            f"interleaved with the reference; glibc allocator: "
+            f"{'same tuned settings in every process' if env else 'defaults'}",
+            flush=True,
+        )
+        big = max(cfg.sizes)
+        total = (
+            2 * _warmup_rounds(arena_size, cfg.count(big) * big)
+            + 2 * len(cfg.sizes) * cfg.repeats
+            + 2 * cfg.lookup_iters
+            + cfg.token_iters
+        )
+        progress = _Progress(total, cfg.progress)
+        stack.callback(progress.close)
+        results = bench_bandwidth(cfg, target, arena_size, env, progress)
+        results += bench_lookup(cfg, target, progress)
+    return results
+
+
+def _target_met(row: Result) -> str:
+    if "informational" in row.name or "Health" in row.name:
+        return ""
+    if row.unit == "GB/s":
+        return "yes" if row.ratio >= BANDWIDTH_TARGET else "NO"
+    if "p99" in row.name:
+        return "yes" if row.ratio <= 1.0 else "NO"
+    return ""
+
+
+def print_table(results: list[Result]) -> None:
+    width = max(len(r.name) for r in results)
+    print(f"{'what':<{width}} {'value':>10} {'reference':>10} {'unit':>5} {'ratio':>7} target")
+    for r in results:
+        print(
+            f"{r.name:<{width}} {r.value:>10.3f} {r.reference:>10.3f} {r.unit:>5} "
+            f"{r.ratio:>7.3f} {_target_met(r)}"
+        )
+
+
+def write_chart(results: list[Result], path: Path) -> None:
+    """Bandwidth ratios (target 0.8) and Lookup latencies (target 2 ms) side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw = [r for r in results if r.unit == "GB/s"]
+    lat = [r for r in results if r.unit == "ms"]
+    panels = [
+        ([r.name.split(" vs ")[0] for r in bw], [r.ratio for r in bw], BANDWIDTH_TARGET,
+         "target 0.8", "ratio to reference (memcpy / raw ZMQ), higher is better"),
+        ([r.name.split(" (reference")[0] for r in lat], [r.value for r in lat], LOOKUP_TARGET_MS,
+         "p99 target 2 ms", "milliseconds (log scale), lower is better"),
+    ]  # fmt: skip
+    height = 0.45 * max(len(bw), len(lat), 1) + 2
+    fig, axes = plt.subplots(1, 2, figsize=(14, height))
+    for ax, log, (labels, values, line, line_label, xlabel) in zip(
+        axes, (False, True), panels, strict=True
+    ):
+        ax.barh(labels, values)
+        ax.axvline(line, color="red", linestyle="--", label=line_label)
+        ax.set_xlabel(xlabel)
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=8)
+        if log:
+            ax.set_xscale("log")
+            ax.set_xlim(min([line, *values]) / 1.5, max([line, *values]) * 1.5)
+        else:
+            ax.set_xlim(0, max([line, *values]) * 1.2)
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        for y, value in enumerate(values):
+            ax.annotate(f"{value:.2f}", (value, y), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=8)  # fmt: skip
+    fig.suptitle("kvserver bench: each figure against a reference or target of the same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``kvserver bench`` (called by kvserver/cli.py)."""
+    p = sub.add_parser(
+        "bench",
+        help="benchmark the data paths and Lookup latency against same-run references",
+        description=(__doc__ or "").split("\n\n")[1],
+    )
+    add = p.add_argument
+    add("--quick", action="store_true", help="fewer repeats (every size still runs)")
+    add("--json", type=Path, metavar="FILE", help="write the results here, a .png chart beside")
+    add("--sizes", default=DEFAULT_SIZES, help=f"part sizes (default {DEFAULT_SIZES})")
+    add("--batch", default="64MiB", help="bytes per prepare_store / put batch (default 64MiB)")
+    add("--repeats", type=int, help="timed rounds per size and path (default 25, quick 4)")
+    add("--lookup-iters", type=int, help="Lookups by keys (default 3000, quick 300)")
+    add("--dram", default=DEFAULT_DRAM, help=f"DRAM of our daemon (default {DEFAULT_DRAM})")
+    add("--zmq", metavar="ENDPOINT", help="bench a running daemon (evicts what it caches)")
+    add("--server", metavar="HOST:PORT", help="that daemon's gRPC address (with --zmq)")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's allocator defaults in every process (see kvserver/bench_refs.py)",
+    )
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvserver.daemon.config import parse_size
+    from kvserver.errors import KVServerError
+
+    try:
+        if (args.zmq is None) != (args.server is None):
+            raise ValueError("--zmq and --server go together")
+        lookup_iters = args.lookup_iters or (300 if args.quick else 3000)
+        cfg = BenchConfig(
+            sizes=tuple(parse_size(s) for s in args.sizes.split(",") if s.strip()),
+            repeats=args.repeats or (4 if args.quick else 25),
+            batch_bytes=parse_size(args.batch),
+            lookup_iters=lookup_iters,
+            token_iters=max(1, lookup_iters // 10),
+            dram=args.dram,
+            progress=not args.no_progress,
+            tune_malloc=not args.default_malloc,
+        )
+    except (KVServerError, ValueError) as exc:
+        print(f"kvserver bench: error: {exc}", file=sys.stderr)
+        return 2
+    from kvserver.bench_refs import Target
+
+    target = Target(args.zmq, args.server) if args.zmq else None
+    try:
+        results = run(cfg, target)
+    except (KVServerError, RuntimeError, TimeoutError) as exc:
+        print(f"kvserver bench: {exc}", file=sys.stderr)
+        return 1
+    print_table(results)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"results": [asdict(r) for r in results]}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        chart = args.json.with_suffix(".png")
+        write_chart(results, chart)
+        print(f"wrote {args.json} and {chart}")
+    return 0
