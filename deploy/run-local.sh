@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The deploy/docker-compose.yml cluster as local processes, without Docker: the kvserver daemon
+# (DRAM + SSD tier), two tensor-parallel CPU workers and the scheduler, on loopback.
+#
+#   deploy/run-local.sh                   # start, print the addresses, Ctrl-C stops everything
+#   deploy/run-local.sh --print-commands  # print the commands (one per line) and exit
+#
+# The commands are the compose file's, with service hostnames -> 127.0.0.1, each listen port
+# mapped to the local port below (both workers listen on :9500 in their containers, here on
+# 9500 and 9501), volumes and ready files -> one temporary directory. tests/deploy/
+# test_compose.py checks this correspondence, so edit both together.
+#
+# Environment: KVSERVER_LOCAL_DIR (default: a new temporary directory, removed on exit unless
+# given), KVSERVER_CMD (default: `kvserver` when on PATH, else `python3 -m kvserver.cli`).
+set -euo pipefail
+
+KVSERVER_GRPC=9470 KVSERVER_ZMQ=9471 KVSERVER_PUB=9472
+WORKER0_LISTEN=9500 WORKER1_LISTEN=9501 DIST_INIT=29500 SCHEDULER_GRPC=9480
+
+if [[ -n "${KVSERVER_LOCAL_DIR:-}" ]]; then
+  DIR="$KVSERVER_LOCAL_DIR" KEEP_DIR=1
+else
+  DIR="$(mktemp -d -t kvserver-local.XXXXXX)" KEEP_DIR=0
+fi
+if [[ -n "${KVSERVER_CMD:-}" ]]; then
+  read -r -a KV <<<"$KVSERVER_CMD"
+elif command -v kvserver >/dev/null; then
+  KV=(kvserver)
+else
+  KV=(python3 -m kvserver.cli)
+fi
+
+SERVICES=(kvserver worker-0 worker-1 scheduler)
+declare -A CMD
+CMD[kvserver]="start --host 127.0.0.1 --grpc-port $KVSERVER_GRPC --zmq-port $KVSERVER_ZMQ \
+--pub-port $KVSERVER_PUB --dram 1GiB --ssd-dir $DIR/kvdata/ssd --ssd 8GiB \
+--ready-file $DIR/kvserver.ready"
+for rank in 0 1; do
+  listen=$WORKER0_LISTEN
+  [[ $rank == 1 ]] && listen=$WORKER1_LISTEN
+  CMD[worker-$rank]="worker --rank $rank --world-size 2 --listen tcp://127.0.0.1:$listen \
+--dist-init tcp://127.0.0.1:$DIST_INIT --model-file $DIR/models/tiny.safetensors \
+--write-random-model-seed 7 --device cpu --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ \
+--chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
+done
+CMD[scheduler]="scheduler --host 127.0.0.1 --grpc-port $SCHEDULER_GRPC \
+--workers tcp://127.0.0.1:$WORKER0_LISTEN,tcp://127.0.0.1:$WORKER1_LISTEN \
+--kvserver tcp://127.0.0.1:$KVSERVER_ZMQ --model tiny --num-gpu-blocks 256 --block-size 16 \
+--chunk-blocks 1 --ready-file $DIR/scheduler.ready"
+
+if [[ "${1:-}" == "--print-commands" ]]; then
+  for s in "${SERVICES[@]}"; do echo "$s: ${CMD[$s]}"; done
+  exit 0
+elif [[ $# -gt 0 ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2
+  exit 2
+fi
+
+# Job control: every service gets its own process group, so a terminal's Ctrl-C reaches only
+# this script, which then stops the services in order with SIGTERM.
+set -m
+PIDS=()
+stop() {
+  trap - INT TERM EXIT
+  local rc=0 pid
+  echo "stopping the cluster" >&2
+  # reverse start order: scheduler first, daemon last
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${PIDS[i]}" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" || rc=$?; done
+  if [[ $KEEP_DIR == 0 ]]; then rm -rf "$DIR"; else echo "logs kept in $DIR"; fi
+  exit "$rc"
+}
+trap stop INT TERM EXIT
+
+mkdir -p "$DIR/kvdata" "$DIR/models"
+wait_ready() { # service pid
+  local deadline=$((SECONDS + 60))
+  until [[ -f "$DIR/$1.ready" ]]; do
+    if ! kill -0 "$2" 2>/dev/null || ((SECONDS > deadline)); then
+      echo "$1 did not start; its log ($DIR/$1.log):" >&2
+      cat "$DIR/$1.log" >&2
+      KEEP_DIR=1
+      exit 1
+    fi
+    sleep 0.1
+  done
+}
+start() { # service
+  # shellcheck disable=SC2086  # the commands hold no spaces inside arguments
+  "${KV[@]}" ${CMD[$1]} >"$DIR/$1.log" 2>&1 &
+  PIDS+=($!)
+  echo "started $1 (pid $!, log $DIR/$1.log)"
+}
+
+start kvserver
+wait_ready kvserver "${PIDS[0]}"
+start worker-0
+start worker-1
+wait_ready worker-0 "${PIDS[1]}"
+wait_ready worker-1 "${PIDS[2]}"
+start scheduler
+wait_ready scheduler "${PIDS[3]}"
+
+cat <<MSG
+
+kvserver cluster up (files in $DIR):
+  daemon     gRPC 127.0.0.1:$KVSERVER_GRPC  ZMQ tcp://127.0.0.1:$KVSERVER_ZMQ  events tcp://127.0.0.1:$KVSERVER_PUB
+  workers    tcp://127.0.0.1:$WORKER0_LISTEN (rank 0)  tcp://127.0.0.1:$WORKER1_LISTEN (rank 1)
+  scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC
+Try: ${KV[*]} status --server 127.0.0.1:$KVSERVER_GRPC
+Ctrl-C stops everything.
+MSG
+wait -n "${PIDS[@]}" || true
+echo "a process exited" >&2
+KEEP_DIR=1
+stop

@@ -1,0 +1,81 @@
+"""The compose cluster's very commands, run as local processes: the daemon with its SSD tier,
+two tensor-parallel CPU workers and the scheduler; one Generate through the scheduler's gRPC
+Engine; every process exits 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.compose import listen_ports, load_compose, localize, services
+from tests.scheduler.procs import EngineClient, Proc, output_tokens
+
+pytestmark = pytest.mark.multiprocess
+
+READY_TIMEOUT_S = 60.0
+MAX_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(name: str, cmd: list[str], tmp_path: Path) -> Proc:
+    """Start one service's command; ``info`` is filled by :func:`_wait_ready`."""
+    args = [sys.executable, "-m", "kvserver.cli", *cmd]
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    return Proc(proc, {}, log_path, args)
+
+
+def _wait_ready(name: str, p: Proc, tmp_path: Path) -> Proc:
+    ready = tmp_path / f"{name}.ready"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.exists():
+        if p.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start:\n{p.log()}")
+        time.sleep(0.05)  # polling for the ready file, bounded by the deadline above
+    p.info = json.loads(ready.read_text())
+    return p
+
+
+def test_compose_commands_as_local_processes_serve_generate(tmp_path: Path) -> None:
+    doc = load_compose()
+    svcs = services(doc)
+    ports = {(s.name, p): _free_port() for s in svcs.values() for p in listen_ports(s)}
+    cmds = localize(doc, ports, tmp_path)
+    for volume in doc["volumes"]:
+        (tmp_path / volume).mkdir()
+
+    started: list[Proc] = []
+    try:
+        for group in (["kvserver"], ["worker-0", "worker-1"], ["scheduler"]):
+            batch = [(n, _start(n, cmds[n], tmp_path)) for n in group]
+            started += [p for _, p in batch]
+            for name, p in batch:
+                _wait_ready(name, p, tmp_path)
+        daemon, worker0, worker1, scheduler = started
+        assert (tmp_path / "kvdata" / "ssd").is_dir()  # the SSD tier lives on the volume
+        assert daemon.info["zmq_port"] == ports[("kvserver", 9471)]
+        assert scheduler.info["grpc_port"] == ports[("scheduler", 9480)]
+        assert [worker0.info["rank"], worker1.info["rank"]] == [0, 1]
+
+        prompt = list(range(1, 41))
+        with EngineClient(scheduler.info["grpc_port"]) as client:
+            out = output_tokens(client.generate(prompt, MAX_TOKENS))
+        assert len(out) == MAX_TOKENS
+
+        for p in reversed(started):  # scheduler, workers, daemon: the compose stop order
+            assert p.terminate() == 0, p.log()
+    finally:
+        for p in started:
+            p.kill()
