@@ -34,7 +34,11 @@ class ArenaView:
         self.path = path
         self.size = size
         self._fd = fd
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        # MAP_POPULATE pre-faults the whole mapping: the first copy into a fresh mapping
+        # otherwise pays a page fault per 4 KiB page (measured ~6x slower than memcpy); for the
+        # daemon it also commits the tier's DRAM up front instead of on first use.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags)
         self.buf: memoryview = memoryview(self._mmap)
 
     @classmethod
