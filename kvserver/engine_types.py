@@ -73,10 +73,12 @@ class Entry:
     #: times the chunk was used: 1 when stored, +1 per load and per touching/recording lookup
     #: hit. The SSD tier's admission rule reads it when the entry is evicted.
     uses: int = 1
+    #: total pages of all parts (derived from ``pages``, fixed for the entry's life; cached
+    #: because eviction, pinning and accounting read it several times per key).
+    num_pages: int = field(init=False)
 
-    @property
-    def num_pages(self) -> int:
-        return sum(len(p) for p in self.pages)
+    def __post_init__(self) -> None:
+        self.num_pages = sum(len(p) for p in self.pages)
 
     @property
     def is_pinned(self) -> bool:
