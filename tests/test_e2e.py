@@ -22,7 +22,7 @@ import torch
 from kvserver.client import KVClient
 from kvserver.hashing import BlockHasher
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
-from tests.support.daemon import start_daemon
+from tests.support.daemon import start_daemon, wait_for_ready_file
 
 pytestmark = pytest.mark.multiprocess
 
@@ -58,12 +58,12 @@ def _start_workers(tmp_path: Path, daemon_zmq: str, world: int = 2) -> list[Proc
     procs: list[Proc] = []
     deadline = time.monotonic() + 60
     for proc, ready, log_path, args in pending:
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                for p, *_ in pending:
-                    p.kill()
-                raise RuntimeError(f"worker did not start:\n{log_path.read_text()}")
-            time.sleep(0.05)  # polling for the ready file, bounded by the deadline above
+        try:
+            wait_for_ready_file(ready, proc, deadline)
+        except RuntimeError as exc:
+            for p, *_ in pending:
+                p.kill()
+            raise RuntimeError(f"worker did not start ({exc}):\n{log_path.read_text()}") from None
         procs.append(Proc(proc, json.loads(ready.read_text()), log_path, args))
     return procs
 

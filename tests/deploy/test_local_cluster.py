@@ -15,6 +15,7 @@ import pytest
 
 from tests.deploy.compose import listen_ports, load_compose, localize, services
 from tests.scheduler.procs import EngineClient, Proc, output_tokens
+from tests.support.daemon import wait_for_ready_file
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,11 +40,10 @@ def _start(name: str, cmd: list[str], tmp_path: Path) -> Proc:
 
 def _wait_ready(name: str, p: Proc, tmp_path: Path) -> Proc:
     ready = tmp_path / f"{name}.ready"
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if p.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{name} did not start:\n{p.log()}")
-        time.sleep(0.05)  # polling for the ready file, bounded by the deadline above
+    try:
+        wait_for_ready_file(ready, p.proc, time.monotonic() + READY_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{name} did not start ({exc}):\n{p.log()}") from None
     p.info = json.loads(ready.read_text())
     return p
 

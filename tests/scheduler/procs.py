@@ -16,6 +16,7 @@ import grpc
 
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver._proto.kvserver.v1 import engine_pb2_grpc
+from tests.support.daemon import wait_for_ready_file
 
 READY_TIMEOUT_S = 30.0
 
@@ -44,16 +45,13 @@ class Proc:
 def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{args[2:4]} exited with {proc.returncode}:\n{log_path.read_text()}"
-            )
-        if time.monotonic() > deadline:
+    try:
+        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
+    except RuntimeError as exc:
+        if proc.poll() is None:
             proc.kill()
-            raise RuntimeError(f"not ready in {READY_TIMEOUT_S}s:\n{log_path.read_text()}")
-        time.sleep(0.02)  # polling for the ready file, bounded by the deadline above
+            proc.wait(10)
+        raise RuntimeError(f"{args[2:4]} {exc}:\n{log_path.read_text()}") from None
     return Proc(proc, json.loads(ready.read_text()), log_path, args)
 
 

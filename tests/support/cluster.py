@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.scheduler.procs import EngineClient, Proc, output_tokens
+from tests.support.daemon import wait_for_ready_file
 
 READY_TIMEOUT_S = 60.0
 MODEL_SEED = 7
@@ -61,14 +62,14 @@ def start_tp_workers(
     procs: list[Proc] = []
     deadline = time.monotonic() + READY_TIMEOUT_S
     for proc, ready, log_path, args in pending:
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                for p, *_ in pending:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait(10)
-                raise RuntimeError(f"worker did not start:\n{log_path.read_text()}")
-            time.sleep(0.05)  # polling for the ready file, bounded by the deadline above
+        try:
+            wait_for_ready_file(ready, proc, deadline)
+        except RuntimeError as exc:
+            for p, *_ in pending:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            raise RuntimeError(f"worker did not start ({exc}):\n{log_path.read_text()}") from None
         procs.append(Proc(proc, json.loads(ready.read_text()), log_path, args))
     return procs
 

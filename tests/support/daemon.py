@@ -53,27 +53,49 @@ class DaemonProc:
             self.proc.wait(10)
 
 
+def wait_for_ready_file(ready: Path, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    """Poll for ``ready`` until ``deadline`` (monotonic); RuntimeError if ``proc`` exits first or
+    the deadline passes. The caller adds its log and cleans up."""
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError("not ready before the deadline")
+        time.sleep(0.02)  # polling for the ready file, bounded by the deadline above
+
+
 def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> DaemonProc:
     """Start ``kvserver start`` with ephemeral ports; returns once every listener is up."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
     log_path = tmp_path / f"daemon-{time.monotonic_ns()}.log"
     args = [
-        sys.executable, "-m", "kvserver.cli", "start",
-        "--host", "127.0.0.1", "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0",
-        "--ready-file", str(ready), *extra,
+        sys.executable,
+        "-m",
+        "kvserver.cli",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--zmq-port",
+        "0",
+        "--pub-port",
+        "0",
+        "--ready-file",
+        str(ready),
+        *extra,
     ]
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
+    try:
+        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
+    except RuntimeError as exc:
+        if proc.poll() is None:
             proc.kill()
-            raise RuntimeError(f"daemon not ready in {READY_TIMEOUT_S}s:\n{log_path.read_text()}")
-        time.sleep(0.02)  # polling for the ready file, bounded by the deadline above
+            proc.wait(10)
+        raise RuntimeError(f"daemon {exc}:\n{log_path.read_text()}") from None
     info = json.loads(ready.read_text())
     return DaemonProc(proc, info, log_path, args)
 
