@@ -38,6 +38,11 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="write a DRAM victim down only if used N times (default 2)")
     p.add_argument("--ssd-policy", help="SSD tier eviction policy: lru or arc (default lru)")
     p.add_argument("--ssd-io-threads", type=int, help="threads for SSD I/O (default 4)")
+    p.add_argument("--ssd-promotions", type=int,
+                   help="SSD-to-DRAM promotions reading at once (default 4)")
+    p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction, default=None,
+                   help="glibc allocator settings for large messages (default on; no-op "
+                        "without glibc)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -50,7 +55,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("host", "grpc_port", "zmq_port", "pub_port", "dram", "page_size", "policy",
                   "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
-                  "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads")
+                  "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
+                  "ssd_promotions", "tune_malloc")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

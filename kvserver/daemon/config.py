@@ -88,6 +88,10 @@ class DaemonConfig:
     ssd_retry_s: float = 5.0
     #: "auto": O_DIRECT when the filesystem allows it; "off": always through the page cache.
     ssd_direct: str = "auto"
+    #: promotions (SSD → DRAM batches) reading at once; more wait their turn.
+    ssd_promotions: int = 4
+    #: apply the glibc allocator settings of ``kvserver/daemon/malloc.py`` at start-up.
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "zmq_port"):
@@ -98,6 +102,8 @@ class DaemonConfig:
             raise InvalidArgument("pub_port out of range", value=self.pub_port)
         if self.reap_interval_s <= 0:
             raise InvalidArgument("reap_interval_s must be positive")
+        if self.ssd_promotions < 1:
+            raise InvalidArgument("ssd_promotions must be >= 1", value=self.ssd_promotions)
         self.engine_config()  # validates the engine part
         make_policy(self.ssd_policy)  # names the valid choices when wrong
         if self.ssd_dir:
@@ -172,6 +178,8 @@ def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     if name in ("dram", "page_size", "max_message_bytes", "ssd", "ssd_staging"):
         return parse_size(value)
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    if kind == "bool":
+        return _parse_bool(name, value)
     try:
         if kind == "int":
             return int(value)
@@ -180,3 +188,16 @@ def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     except (TypeError, ValueError):
         raise InvalidArgument(f"config {name} must be a number, got {value!r}") from None
     return str(value)
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    parsed = _BOOLS.get(str(value).strip().lower())
+    if parsed is None:
+        raise InvalidArgument(f"config {name} must be true or false (1/0, yes/no), got {value!r}")
+    return parsed

@@ -1,12 +1,14 @@
 """The daemon process: one uvloop event loop serving ZMQ and gRPC over one KVService.
 
-This is the only daemon module that knows it is a process (event loop, signals, exit codes).
+This is the only daemon module that knows it is a process (event loop, signals, exit codes,
+the C allocator).
 
-Start-up: build the service (creates the shared-memory arena) → open the SSD tier when
-configured (lock its directory, rebuild its index from the chunk headers, re-register the saved
-namespaces; a directory that cannot be used leaves the tier ``unavailable`` and retried, the
-daemon serves DRAM) → start the ZMQ front end → start the gRPC front end → start the lease
-reaper → write the ready file → log where it listens.
+Start-up: apply the glibc allocator settings (``malloc.py``; before any thread exists, unless
+``tune_malloc`` is off) → build the service (creates the shared-memory arena) → open the SSD
+tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
+the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
+retried, the daemon serves DRAM) → start the ZMQ front end → start the gRPC front end → start
+the lease reaper → write the ready file → log where it listens.
 
 Shutdown on SIGTERM/SIGINT, in order: stop accepting (gRPC server stops taking new RPCs, ZMQ
 sockets stop reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight
@@ -27,6 +29,7 @@ import sys
 from kvserver.arena import reap_stale_arenas
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
+from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import ZmqFrontend
@@ -36,8 +39,12 @@ logger = logging.getLogger("kvserver.daemon")
 SHUTDOWN_GRACE_S = 2.0
 
 
-async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`)."""
+async def serve(
+    config: DaemonConfig, stop: asyncio.Event | None = None, *, malloc_tuned: bool = False
+) -> None:
+    """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`);
+    ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
+    file."""
     stop = stop or asyncio.Event()
     for path in reap_stale_arenas(config.shm_dir):
         logger.warning("removed arena %s left by a daemon that is no longer running", path)
@@ -49,7 +56,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     try:
         tier_config = config.tier_config()
         if tier_config is not None:
-            tier = SsdTier(service.engine, tier_config, publish=service.publish)
+            tier = SsdTier(
+                service.engine,
+                tier_config,
+                publish=service.publish,
+                max_promotions=config.ssd_promotions,
+            )
             await tier.open()
             service.attach_ssd(tier)
         data_port, pub_port = await zmq_front.start()
@@ -67,6 +79,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
             "ssd_dir": config.ssd_dir,
             "ssd_condition": tier.condition if tier is not None else "",
             "ssd_recovered_chunks": tier.counters.recovered_chunks if tier is not None else 0,
+            "malloc_tuned": malloc_tuned,
         }
         if config.ready_file:
             _write_atomic(config.ready_file, json.dumps(info))
@@ -119,11 +132,14 @@ def _write_atomic(path: str, text: str) -> None:
 
 def main(config: DaemonConfig) -> int:
     """Run the daemon in this process; returns the exit code (0 on orderly shutdown)."""
+    malloc_tuned = config.tune_malloc and tune_malloc()  # first: before any thread exists
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if config.tune_malloc and not malloc_tuned:
+        logger.info("glibc allocator settings not applied (not glibc, or refused)")
     import uvloop
 
     async def _main() -> None:
@@ -131,7 +147,7 @@ def main(config: DaemonConfig) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, stop)
+        await serve(config, stop, malloc_tuned=malloc_tuned)
 
     uvloop.run(_main())
     return 0

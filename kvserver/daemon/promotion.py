@@ -1,10 +1,23 @@
 """Promotion: bring chunks that are only on SSD back into the DRAM tier before a load.
 
 Runs on the daemon's event loop, as part of :class:`~kvserver.daemon.tiering.SsdTier` (its
-``promote`` delegates here); the slot reads run on the tier's I/O threads. One call:
+``promote`` delegates to :class:`Promotions`); the slot reads run on the tier's I/O threads.
+Several promotions may be under way at once (the ZMQ front end runs each load that needs one as
+its own task), so :class:`Promotions` keeps the keys being promoted, per namespace and key:
 
-1. plan: the request's keys that are in DRAM (protected from the eviction below) and those
-   READY on SSD but not in DRAM (pinned in the SSD index so they are not evicted while read);
+- a key is promoted by at most one batch at a time. A request naming a key that another batch
+  is promoting waits for that batch (without taking a slot) and then finds the key in DRAM, or,
+  for a ``direct`` request, takes the bytes that batch read for it when DRAM could not hold
+  them. Keys it still misses then (the other batch was not ``direct``, or failed) it promotes
+  itself, once;
+- at most ``limit`` batches read at once (an ``asyncio.Semaphore``); the others wait their turn
+  with their keys already claimed, so later requests for those keys join them.
+
+One batch (:func:`promote_batch`):
+
+1. plan: the request's keys that are in DRAM (protected from the eviction below) and the
+   claimed keys READY on SSD but not in DRAM (pinned in the SSD index so they are not evicted
+   while read);
 2. reserve DRAM for the latter with one ``prepare_store(gated=False)`` (atomic: all or none;
    it may evict DRAM victims, which the tier writes back);
 3. read and verify the slots in windows of ``staging_bytes`` on threads; a chunk that fails
@@ -15,7 +28,10 @@ Runs on the daemon's event loop, as part of :class:`~kvserver.daemon.tiering.Ssd
 If DRAM cannot take the chunks (every page pinned or reserved) and the caller asked for
 ``direct``, the verified bytes are returned instead, for the remote ``get`` to send straight
 from the read buffers. The reservation holds a lease of ``max_lease_s``: should the disk be so
-slow that it expires, ``write_part`` fails and the chunk is simply not promoted.
+slow that it expires, ``write_part`` fails and the chunk is simply not promoted. While a batch
+runs the loop serves other requests, so under DRAM pressure a chunk promoted (or protected) for
+one request may be evicted by another's store before the request pins it: its load then reports
+the chunk missing, as for any miss.
 """
 
 from __future__ import annotations
@@ -23,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from kvserver.errors import KVServerError
@@ -38,17 +54,103 @@ logger = logging.getLogger(__name__)
 
 #: lease owner of promotion reservations in the DRAM tier.
 PROMOTE_CLIENT = "kvserver-ssd-promote"
+#: batches reading at once unless configured otherwise (``ssd_promotions``).
+DEFAULT_PROMOTIONS = 4
+
+_Parts = dict[bytes, list[memoryview]]
 
 
-async def promote(
-    tier: SsdTier, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
+class Promotions:
+    """The promotions of one tier under way; see the module docstring. Loop only.
+
+    Invariants: a (namespace, key) is in the in-flight map from the moment one batch claims it
+    until that batch has finished (promoted, served direct or given up), and maps to that
+    batch's future; the future is resolved exactly then, with the batch's direct parts ({} on
+    failure or cancellation), never with an exception.
+    """
+
+    def __init__(self, tier: SsdTier, limit: int = DEFAULT_PROMOTIONS) -> None:
+        if limit < 1:
+            raise ValueError("at least one promotion must be allowed")
+        self._tier = tier
+        self._slots = asyncio.Semaphore(limit)
+        self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
+        #: keys a request waited for because another batch was promoting them.
+        self.joined_chunks = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        """Keys claimed by a batch that has not finished (waiting for a slot or reading)."""
+        return len(self._inflight)
+
+    def in_flight(self, ns_id: str, key: bytes) -> bool:
+        return (ns_id, key) in self._inflight
+
+    def needs(self, ns_id: str, key: bytes) -> bool:
+        """True if ``key`` is being promoted, or READY on SSD and not in DRAM."""
+        if (ns_id, key) in self._inflight:
+            return True
+        tier = self._tier
+        return not tier.engine.contains(ns_id, key) and tier.index.ready(ns_id, key) is not None
+
+    async def promote(self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False) -> _Parts:
+        """Promote the keys of ``keys`` that need it, joining batches already promoting some;
+        returns what :func:`promote_batch` returns, for all of them together."""
+        out: _Parts = {}
+        unique = list(dict.fromkeys(keys))
+        candidates = unique
+        for _round in range(2):  # the second round: keys a joined batch did not bring in
+            todo = [k for k in candidates if k not in out and self.needs(ns_id, k)]
+            mine = [k for k in todo if (ns_id, k) not in self._inflight]
+            theirs: dict[int, asyncio.Future[_Parts]] = {}
+            for key in todo:
+                fut = self._inflight.get((ns_id, key))
+                if fut is not None:
+                    theirs[id(fut)] = fut
+                    self.joined_chunks += 1
+            if mine:
+                out.update(await self._run(ns_id, unique, mine, direct))
+            wanted = set(todo)
+            for fut in theirs.values():
+                shared = await asyncio.shield(fut)  # our cancellation must not cancel theirs
+                if direct:
+                    out.update((k, v) for k, v in shared.items() if k in wanted)
+            candidates = [k for k in todo if k not in mine]
+            if not candidates:
+                break
+        return out
+
+    async def _run(self, ns_id: str, keys: list[bytes], mine: list[bytes], direct: bool) -> _Parts:
+        """Claim ``mine``, promote them in a slot, release the claim, share the result."""
+        fut: asyncio.Future[_Parts] = asyncio.get_running_loop().create_future()
+        for key in mine:
+            self._inflight[(ns_id, key)] = fut
+        got: _Parts = {}
+        try:
+            async with self._slots:
+                got = await promote_batch(self._tier, ns_id, keys, set(mine), direct=direct)
+            return got
+        finally:
+            for key in mine:
+                del self._inflight[(ns_id, key)]
+            fut.set_result(got)
+
+
+async def promote_batch(
+    tier: SsdTier,
+    ns_id: str,
+    keys: Sequence[bytes],
+    claimed: Collection[bytes],
+    *,
+    direct: bool = False,
 ) -> dict[bytes, list[memoryview]]:
-    """Promote the keys of ``keys`` that are READY on SSD but not in DRAM (module docstring).
+    """Promote the keys of ``claimed`` that are READY on SSD but not in DRAM; the keys of
+    ``keys`` in DRAM are protected from the eviction this may cause (module docstring).
 
     Returns, when ``direct``, the parts (one view per rank) of keys DRAM could not take;
     otherwise {}. Keys in neither tier and keys that fail verification are left for the
     caller's load to report missing. Raises what ``prepare_store`` raises for bad input
-    (nothing changed then).
+    (nothing changed then). REQUIRES: no other batch promotes a key of ``claimed``.
     """
     engine = tier.engine
     spec = engine.namespace(ns_id)
@@ -57,7 +159,7 @@ async def promote(
     for key in dict.fromkeys(keys):
         if engine.contains(ns_id, key):
             protect.append(key)
-        elif (entry := tier.index.ready(ns_id, key)) is not None:
+        elif key in claimed and (entry := tier.index.ready(ns_id, key)) is not None:
             todo.append(entry)
     if not todo:
         return {}

@@ -19,12 +19,14 @@ runs on a thread. Whatever does not fit (staging full, SSD full of chunks being 
 degraded) is simply dropped and counted. On completion the entry becomes READY
 (BlockStored, medium DISK); on failure its slot is discarded and the tier turns ``degraded``.
 
-Promotion (``promote``, awaited by the ZMQ front end before a load; ``promotion.py``): reserve
-DRAM for the keys that are READY on SSD but not in DRAM, read and verify their slots on
-threads (:meth:`SsdTier.read`), copy them into the arena and complete the store. A chunk that
-fails verification is dropped from the index (counted, slot discarded, BlockRemoved DISK) and
-is a miss. When DRAM cannot take the chunks and the caller asked for ``direct``, the verified
-bytes are returned for it to send (remote ``get``).
+Promotion (``promote``, awaited by the ZMQ front end before a load, in a task of its own;
+``promotion.py``): reserve DRAM for the keys that are READY on SSD but not in DRAM, read and
+verify their slots on threads (:meth:`SsdTier.read`), copy them into the arena and complete the
+store. Several run at once (at most ``max_promotions`` reading); a key is promoted by one of
+them at a time, the others wait for it. A chunk that fails verification is dropped from the
+index (counted, slot discarded, BlockRemoved DISK) and is a miss. When DRAM cannot take the
+chunks and the caller asked for ``direct``, the verified bytes are returned for it to send
+(remote ``get``).
 
 Conditions: ``ok``; ``degraded`` (a write failed: ENOSPC, EIO, EACCES ...; write-backs are
 skipped, DRAM and SSD reads keep serving, and one write is let through every ``retry_s`` —
@@ -76,6 +78,7 @@ class SsdTier:
         publish: Callable[[], None] = lambda: None,
         fileio: FileIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_promotions: int = promotion.DEFAULT_PROMOTIONS,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -99,6 +102,7 @@ class SsdTier:
         self._durable: set[str] = set()  # ns_ids whose spec is on disk
         self._ns_saving = False
         self._retry_task: asyncio.Task[None] | None = None
+        self.promotions = promotion.Promotions(self, max_promotions)
 
     # ================================================================== lifetime
 
@@ -353,19 +357,19 @@ class SsdTier:
         """True if some key is READY on SSD but not in DRAM."""
         if not self._opened or not len(self.index):
             return False
-        contains, ready = self.engine.contains, self.index.ready
-        return any(not contains(ns_id, k) and ready(ns_id, k) is not None for k in keys)
+        needs = self.promotions.needs
+        return any(needs(ns_id, k) for k in keys)
 
     # ================================================================== promotion
 
     async def promote(
         self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
     ) -> dict[bytes, list[memoryview]]:
-        """Bring the keys that are READY on SSD but not in DRAM into DRAM; see
-        :func:`kvserver.daemon.promotion.promote`."""
+        """Bring the keys that are READY on SSD but not in DRAM into DRAM (or wait for the
+        promotion already bringing them); see :class:`kvserver.daemon.promotion.Promotions`."""
         if not self._opened:
             return {}
-        return await promotion.promote(self, ns_id, keys, direct=direct)
+        return await self.promotions.promote(ns_id, keys, direct=direct)
 
     def unpin(self, entry: SsdEntry) -> None:
         """End a read of ``entry`` (see ``SsdIndex.pin``); discards its slot if it was dropped
@@ -474,6 +478,8 @@ class SsdTier:
             "pinned_bytes": index.pinned_bytes,
             "entries": len(index),
             "writes_in_flight": index.num_writing,
+            "promoting_chunks": self.promotions.num_in_flight,
+            "joined_promotion_chunks": self.promotions.joined_chunks,
             "unsaved_namespaces": len(set(self.engine.namespaces) - self._durable),
             "staging_bytes": self.staging.in_use_bytes,
             "rebuild_s": self.rebuild_s,
