@@ -52,6 +52,18 @@ class ChunkStore:
 
 
 @dataclass(slots=True)
+class FailedLoad:
+    """A load the scheduler connector could not pin (wholly, or some trailing chunks): the
+    GPU blocks ``block_ids`` of request ``req_id`` will not be filled. ``finished``: nothing of
+    the request's load was shipped (its load is over now); otherwise a shipped load of the
+    same request covers the chunks that were pinned."""
+
+    req_id: str
+    block_ids: list[int]
+    finished: bool = False
+
+
+@dataclass(slots=True)
 class RequestTransfers:
     """All chunk transfers of one request in one step, under one daemon lease."""
 
@@ -124,6 +136,10 @@ class ConnectorMetadata:
        are deferred one step, seed 000 §11.2). Apart from (1) they may run alongside compute.
     3. ``loads``: chunk parts → GPU blocks. The request does not run until they are reported.
 
+    ``failed_loads`` (informational): hits this step that could not be pinned. A worker that
+    reports failed blocks itself (vLLM's ``get_block_ids_with_load_errors``) reports these
+    too; kvserver's own scheduler learns of them from its connector directly.
+
     Each rank reports every ``(req_id, lease_id)`` exactly once, when its own part of every
     chunk of that lease has been copied (or has failed), in a :class:`ConnectorWorkerOutput`.
     Workers never complete leases: co-located workers copy at ``extents[rank]``, remote ones use
@@ -135,10 +151,11 @@ class ConnectorMetadata:
     loads: list[RequestTransfers] = field(default_factory=list)
     stores: list[RequestTransfers] = field(default_factory=list)
     flush_req_ids: list[str] = field(default_factory=list)
+    failed_loads: list[FailedLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.flush_req_ids)
+        return not (self.loads or self.stores or self.flush_req_ids or self.failed_loads)
 
     def to_wire(self) -> dict[str, Any]:
         plain: dict[str, Any] = _to_plain(self)
@@ -155,6 +172,9 @@ class ConnectorMetadata:
             flush_req_ids=[
                 _check(r, str, "flush_req_ids") for r in _typed(d, "flush_req_ids", list)
             ],
+            failed_loads=[_failed_load_from_wire(f) for f in _check(
+                d.get("failed_loads", []), list, "failed_loads"
+            )],
         )
 
 
@@ -217,6 +237,15 @@ def _extents_from_wire(value: Any) -> RankExtents:
         return [[(int(off), int(length)) for off, length in rank] for rank in value]
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"malformed extents: {exc}") from None
+
+
+def _failed_load_from_wire(body: Any) -> FailedLoad:
+    d = _map(body, "failed load")
+    return FailedLoad(
+        req_id=_typed(d, "req_id", str),
+        block_ids=_int_list(_typed(d, "block_ids", list), "block_ids"),
+        finished=_typed(d, "finished", bool),
+    )
 
 
 def _transfers_from_wire(body: Any) -> RequestTransfers:

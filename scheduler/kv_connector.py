@@ -55,6 +55,7 @@ from kvserver.connector_messages import (
     ChunkStore,
     ConnectorMetadata,
     ConnectorWorkerOutput,
+    FailedLoad,
     RequestTransfers,
 )
 from kvserver.engine_types import LoadGrant
@@ -115,6 +116,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
         #: completions sent by update_connector_output, replies not applied yet.
         self._completions: list[Completion] = []
         self._report = TransferReport()
+        #: hits that could not be pinned since the last metadata (shipped as failed_loads).
+        self._failed_loads: list[FailedLoad] = []
         self._events: list[Event] = []
         self._event_seq = 0
 
@@ -156,6 +159,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._to_ship.clear()
         self._preempted.clear()
         self._keys_storing.clear()
+        self._failed_loads.clear()
         self._report = TransferReport()
 
     @property
@@ -163,6 +167,11 @@ class KVServerSchedulerConnector(SchedulerConnector):
         """True while a transfer is planned or in flight: keep stepping (empty steps too).
         Completions sent but not yet answered do not count (see :meth:`drain`)."""
         return bool(self._jobs) or self._batch is not None
+
+    def num_pending(self, req_id: str) -> tuple[int, int]:
+        """(loads, stores) of request ``req_id`` planned or in flight; (0, 0) if none."""
+        state = self._reqs.get(req_id)
+        return (0, 0) if state is None else (state.num_loads, state.num_stores)
 
     def drain(self) -> None:
         """Wait for the replies of every call sent without waiting (each at most
@@ -260,7 +269,11 @@ class KVServerSchedulerConnector(SchedulerConnector):
             logger.info("cannot pin the hit of %s, recomputing it: %s", req_id, exc)
         num_ok = len(grant.keys) if grant is not None else 0
         if num_ok < len(keys):
-            self._load_error(req_id, first_tokens[num_ok], [c.block_ids for c in loads[num_ok:]])
+            failed = [c.block_ids for c in loads[num_ok:]]
+            self._load_error(req_id, first_tokens[num_ok], failed)
+            self._failed_loads.append(
+                FailedLoad(req_id, [b for ids in failed for b in ids], finished=not num_ok)
+            )
         if grant is None or not num_ok:
             self._report.finished_recving.add(req_id)
             return
@@ -283,7 +296,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
         step: ScheduledStep = scheduler_output
         self._collect_store_batch()
         self._expire()
-        meta = ConnectorMetadata(ns_id=self.ns_id)
+        meta = ConnectorMetadata(ns_id=self.ns_id, failed_loads=self._failed_loads)
+        self._failed_loads = []
         for job in self._to_ship:
             (meta.loads if job.is_load else meta.stores).append(job.transfers)
             job.shipped = True

@@ -75,7 +75,14 @@ class KVServerWorkerConnector:
         self._meta: ConnectorMetadata | None = None
         self._saved = True  # wait_for_save ran for the bound metadata
         self._submitted_now: set[JobId] = set()
+        #: stores of the next metadata submitted early by :meth:`flush`.
+        self._flushed: set[JobId] = set()
         self._deferred: list[RequestTransfers] = []
+        #: loads in flight: chunk key -> GPU blocks it fills (for load_error_block_ids).
+        self._load_blocks: dict[JobId, dict[bytes, list[int]]] = {}
+        self._load_errors: set[int] = set()
+        #: False until the namespace is registered (the daemon may be down at start-up).
+        self._connected = False
         self._inflight: dict[JobId, Transfer] = {}
         self._stores_left: dict[str, int] = {}
         self._output = ConnectorWorkerOutput(self.rank)
@@ -97,7 +104,10 @@ class KVServerWorkerConnector:
         namespace, start the transfer engine and choose the data path. Once.
 
         Raises InvalidArgument if a block's bytes on this rank differ from the namespace's
-        ``block_bytes``; InvalidState if called twice or ``colocated=True`` cannot map."""
+        ``block_bytes``; InvalidState if called twice or ``colocated=True`` cannot map. A
+        daemon that cannot be reached is not an error (unless ``colocated=True``): the worker
+        connects before the first transfer it is given, and fails that transfer's chunks
+        if it still cannot."""
         if self.caches is not None:
             raise InvalidState("register_kv_caches was called already")
         caches = canonicalize(kv_caches, num_blocks, block_dim=block_dim)
@@ -105,14 +115,28 @@ class KVServerWorkerConnector:
         if caches.block_bytes != want or self.spec.part_bytes % self.spec.chunk_blocks:
             raise InvalidArgument("KV caches do not match the namespace",
                                   block_bytes=caches.block_bytes, want=want)  # fmt: skip
+        self.caches, self.engine = caches, make_engine(caches.device)
+        try:
+            self._connect()
+        except KVServerError as exc:
+            if self.config.colocated:
+                raise
+            logger.warning("kvserver at %s unreachable (%s); will connect on first transfer",
+                           self.config.address, exc)  # fmt: skip
+        return caches
+
+    def _connect(self) -> None:
+        """Register the namespace and choose the data path (map the arena, else open one
+        client per direction). Raises KVServerError if the daemon cannot be reached."""
+        assert self.caches is not None
         self._kv.register_namespace(self.spec)
-        self._map_arena(caches.device)
+        self._map_arena(self.caches.device)
         if self.arena is None:
             for d in Direction:
-                self._io[d] = self._client(d.value)
+                if d not in self._io:
+                    self._io[d] = self._client(d.value)
                 self._io[d].register_namespace(self.spec)
-        self.caches, self.engine = caches, make_engine(caches.device)
-        return caches
+        self._connected = True
 
     def close(self) -> None:
         """Finish in-flight copies, stop the engine, unmap the arena, close clients."""
@@ -142,7 +166,7 @@ class KVServerWorkerConnector:
         if not self._saved:
             self.wait_for_save()
         self._meta, self._saved = meta, False
-        self._submitted_now = set()
+        self._submitted_now, self._flushed = self._flushed, set()
 
     def clear_connector_metadata(self) -> None:
         if not self._saved:
@@ -156,9 +180,12 @@ class KVServerWorkerConnector:
         meta = self._meta or ConnectorMetadata()
         flush = set(meta.flush_req_ids)
         for t in meta.stores:
-            if t.req_id in flush or not self.config.defer_stores:
+            job: JobId = (False, t.req_id, t.lease_id)
+            if (t.req_id in flush or not self.config.defer_stores) and (
+                job not in self._submitted_now
+            ):
                 self._submit(t, is_load=False)
-                self._submitted_now.add((False, t.req_id, t.lease_id))
+                self._submitted_now.add(job)
         deferred, self._deferred = self._deferred, []
         for t in deferred:
             self._submit(t, is_load=False, counted=True)
@@ -175,6 +202,34 @@ class KVServerWorkerConnector:
             if (False, t.req_id, t.lease_id) not in self._submitted_now:
                 self._deferred.append(t)
                 self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
+
+    def flush(self, meta: ConnectorMetadata | Mapping[str, Any]) -> None:
+        """The barrier of ``meta`` ahead of binding it (vLLM calls ``handle_preemptions``
+        with the next step's metadata before the forward pass and before binding): submit
+        its stores of ``flush_req_ids`` and wait until every store of those requests has
+        finished reading its GPU blocks. ``start_load_kv`` of ``meta`` does not submit them
+        again."""
+        if not isinstance(meta, ConnectorMetadata):
+            meta = ConnectorMetadata.from_wire(meta)
+        flush = set(meta.flush_req_ids)
+        if not flush:
+            return
+        for t in meta.stores:
+            job: JobId = (False, t.req_id, t.lease_id)
+            if t.req_id in flush and job not in self._flushed:
+                self._submit(t, is_load=False)
+                self._flushed.add(job)
+        self.handle_preemptions(flush)
+
+    def stores_pending(self, req_id: str) -> bool:
+        """True while a store of ``req_id`` is deferred or in flight on this rank."""
+        return req_id in self._stores_left
+
+    def take_load_error_block_ids(self) -> set[int]:
+        """GPU blocks that loads finished since the last call failed to fill (vLLM's
+        ``get_block_ids_with_load_errors``); their requests are in ``get_finished``."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def handle_preemptions(self, req_ids: Sequence[str] | set[str]) -> None:
         """Barrier: every store of ``req_ids`` (deferred or in flight) has finished reading
@@ -207,6 +262,10 @@ class KVServerWorkerConnector:
                 continue  # not one of ours (submitted to the engine by someone else)
             is_load, req_id, lease_id = tr.tag
             result = TransferResult(req_id, lease_id, list(tr.failed_keys))
+            blocks = self._load_blocks.pop(tr.tag, None)
+            if blocks is not None:
+                for key in tr.failed_keys:
+                    self._load_errors.update(blocks.get(key, ()))
             if is_load:
                 self._output.loads.append(result)
                 recving.add(req_id)
@@ -257,11 +316,29 @@ class KVServerWorkerConnector:
             return
         if not is_load and not counted:
             self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
+        if not self._connected:
+            try:
+                self._connect()
+            except KVServerError as exc:
+                logger.warning("kvserver unreachable; lease %d of %s fails: %s",
+                               t.lease_id, t.req_id, exc)  # fmt: skip
         if self.arena is not None and self.arena.is_stale:
             self._remap()
-        transfer = self._plan(t, is_load)
+        transfer = self._plan(t, is_load) if self._connected else self._unreachable(t, is_load)
+        if is_load:
+            self._load_blocks[job] = {c.key: c.block_ids for c in t.loads}
         self._inflight[job] = transfer
         self.engine.submit(transfer)
+
+    @staticmethod
+    def _unreachable(t: RequestTransfers, is_load: bool) -> Transfer:
+        """A transfer whose every chunk fails: the daemon could not be reached."""
+        keys = [c.key for c in (t.loads if is_load else t.stores)]
+        transfer = Transfer(
+            Direction.LOAD if is_load else Direction.STORE, (is_load, t.req_id, t.lease_id), keys
+        )
+        transfer.copies = [KeyCopies(key, error="kvserver unreachable") for key in keys]
+        return transfer
 
     def _plan(self, t: RequestTransfers, is_load: bool) -> Transfer:
         direction = Direction.LOAD if is_load else Direction.STORE

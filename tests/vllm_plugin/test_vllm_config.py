@@ -1,0 +1,154 @@
+"""The plug-in's configuration and its agreement with vLLM's hashing (no daemon needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_plugin.vllm_env import require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from kvserver.errors import InvalidArgument  # noqa: E402
+from kvserver.hashing import BlockHasher  # noqa: E402
+from kvserver_vllm.config import load_config  # noqa: E402
+from kvserver_vllm.connector import KVServerConnector  # noqa: E402
+from tests.vllm_plugin.harness import (  # noqa: E402
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    make_kv_cache_config,
+    make_vllm_config,
+    write_tiny_model,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def load(model_dir: Path, **extra: Any) -> Any:
+    config = make_vllm_config(model_dir, extra)
+    return load_config(config, make_kv_cache_config(config, 32))
+
+
+def test_namespace_follows_the_model_and_vllm_settings(model_dir: Path) -> None:
+    cfg = load(model_dir, address="tcp://10.0.0.1:7070", chunk_blocks=4, lease_s=30)
+    spec = cfg.spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
+        NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE,
+    )  # fmt: skip
+    assert (spec.dtype, spec.block_size, spec.chunk_blocks) == ("float16", 16, 4)
+    assert (spec.hash_algo, spec.hash_seed, spec.tp_world_size) == ("sha256", "vllm-none-hash", 1)
+    assert spec.model == str(model_dir)
+    # a part is exactly this rank's pages of the chunk's blocks, every layer
+    assert spec.part_bytes == 2 * NUM_KV_HEADS * HEAD_SIZE * 16 * 2 * NUM_LAYERS * 4
+    assert cfg.scheduler.address == "tcp://10.0.0.1:7070" and cfg.scheduler.lease_s == 30.0
+    assert load(model_dir, model_id="llama-tiny").spec.model == "llama-tiny"
+
+
+def test_both_roles_agree_on_the_namespace(model_dir: Path) -> None:
+    config = make_vllm_config(model_dir, {"address": "tcp://127.0.0.1:1"})
+    kv_cache = make_kv_cache_config(config, 32)
+    sched = KVServerConnector(config, KVConnectorRole.SCHEDULER, kv_cache)
+    worker = KVServerConnector(config, KVConnectorRole.WORKER, kv_cache)
+    try:
+        assert sched.scheduler_half is not None and worker.worker_half is not None
+        assert sched.scheduler_half.ns_id == worker.worker_half.spec.ns_id
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"adress": "tcp://x:1"}, "unknown kv_connector_extra_config keys: adress"),
+        ({"chunk_blocks": "16"}, "chunk_blocks has the wrong type"),
+        ({"chunk_blocks": True}, "chunk_blocks has the wrong type"),
+        ({"chunk_blocks": 0}, "chunk_blocks must be >= 1"),
+        ({"lookup_timeout_s": 0}, "lookup_timeout_s must be > 0"),
+        ({"op_timeout_s": "fast"}, "op_timeout_s has the wrong type"),
+        ({"lease_s": "long"}, "lease_s must be a number or null"),
+        ({"colocated": "yes"}, "colocated must be true, false or null"),
+        ({"address": 7070}, "address has the wrong type"),
+    ],
+)
+def test_bad_extra_config_is_a_clear_error(model_dir: Path, extra: Any, needle: str) -> None:
+    with pytest.raises(InvalidArgument, match=needle):
+        load(model_dir, **extra)
+
+
+def test_random_per_process_hash_seed_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    config = make_vllm_config(model_dir, {})
+    config.cache_config.prefix_caching_hash_algo = "xxhash_cbor"
+    with pytest.raises(InvalidArgument, match="PYTHONHASHSEED"):
+        load_config(config, make_kv_cache_config(config, 32))
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    spec = load_config(config, make_kv_cache_config(config, 32)).spec
+    assert (spec.hash_algo, spec.hash_seed) == ("xxhash_cbor", "1234")
+    config.cache_config.prefix_caching_hash_algo = "xxhash"  # pickle + xxh3: not ours
+    with pytest.raises(InvalidArgument, match="not supported"):
+        load_config(config, make_kv_cache_config(config, 32))
+
+
+def test_hybrid_kv_cache_groups_are_refused(model_dir: Path) -> None:
+    config = make_vllm_config(model_dir, {})
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    two = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)],
+    )  # fmt: skip
+    with pytest.raises(InvalidArgument, match="one KV cache group"):
+        load_config(config, two)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash_cbor"])
+def test_block_hashes_agree_with_vllm_including_lora_and_cache_salt(
+    algo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33 tags its extra keys ("lora", name, path) and ("cache_salt", salt), as our
+    vectors do: kvserver and a vLLM replica compute the same key for every block."""
+    monkeypatch.setenv("PYTHONHASHSEED", "shared-seed")
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
+    tokens = [(i * 7919) % 50_000 for i in range(16 * 5 + 3)]
+    cases: list[tuple[LoRARequest | None, str | None]] = [
+        (None, None),
+        (LoRARequest("adapter-a", 1, "/adapters/a"), None),
+        (None, "tenant-7"),
+        (LoRARequest("adapter-b", 2, "/adapters/b"), "tenant-7"),
+    ]
+    ours = BlockHasher(algo, 16, "shared-seed")
+    for lora, salt in cases:
+        request = Request(
+            request_id="r", prompt_token_ids=tokens, sampling_params=SamplingParams(),
+            pooling_params=None, lora_request=lora, cache_salt=salt,
+            block_hasher=get_request_block_hasher(16, hash_fn),
+        )  # fmt: skip
+        expected = [bytes(h) for h in request.block_hashes]
+        got = ours.hash_blocks(
+            tokens, cache_salt=salt,
+            lora=None if lora is None else (lora.lora_name, lora.lora_path),
+        )  # fmt: skip
+        assert [bytes(h) for h in got] == expected, (lora, salt)
+        assert len(expected) == 5

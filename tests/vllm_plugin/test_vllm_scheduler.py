@@ -1,0 +1,387 @@
+"""vLLM's own V1 Scheduler with KVServerConnector and a real kvserver daemon (CPU).
+
+Every test drives vLLM's real ``Scheduler`` and ``KVOutputAggregator`` (tests/vllm_plugin/
+harness.py) against ``kvserver start`` on loopback; the stand-in model runner checks every KV
+byte a request reads, so a wrong load fails the step that reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm_plugin.vllm_env import require_vllm
+
+require_vllm()
+
+from kvserver.client import KVClient  # noqa: E402
+from kvserver.grpc_client import GrpcClient  # noqa: E402
+from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
+from tests.vllm_plugin.harness import (  # noqa: E402
+    MiniEngine,
+    make_vllm_config,
+    write_tiny_model,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+CHUNK_BLOCKS = 2  # 32-token chunks over 16-token vLLM blocks
+CHUNK_TOKENS = 32
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    proc = start_daemon(tmp_path / "daemon")
+    yield proc
+    proc.terminate()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def engine(
+    model_dir: Path, address: str, num_blocks: int = 64, connector: bool = True, **extra: Any
+) -> MiniEngine:
+    options = {"address": address, "chunk_blocks": CHUNK_BLOCKS, **extra}
+    config = make_vllm_config(model_dir, options, connector=connector)
+    return MiniEngine(config, num_blocks)
+
+
+def reference_outputs(
+    model_dir: Path, prompts: list[tuple[str, list[int]]], max_tokens: int, num_blocks: int = 64
+) -> dict[str, list[int]]:
+    """The same requests with no connector at all."""
+    eng = engine(model_dir, "tcp://127.0.0.1:1", num_blocks, connector=False)
+    try:
+        return dict(eng.run_requests(prompts, max_tokens))
+    finally:
+        eng.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 997 + 3 for i in range(n)]
+
+
+def ns_hits(eng: MiniEngine, daemon: DaemonProc, tokens: list[int]) -> int:
+    """Chunks of ``tokens`` kvserver holds, asked over gRPC by token ids as a router would."""
+    eng.connector.scheduler_half.drain()  # type: ignore[union-attr]
+    with GrpcClient(daemon.grpc_address) as grpc:
+        return grpc.lookup_tokens(eng.connector.config.spec.ns_id, tokens).hit_chunks
+
+
+def daemon_holds_nothing(daemon: DaemonProc) -> bool:
+    with GrpcClient(daemon.grpc_address) as grpc:
+        stats = grpc.stats()
+    held = sum(t.pinned_bytes + t.reserved_bytes for t in stats.tiers)
+    return stats.num_leases == 0 and held == 0
+
+
+def assert_scheduler_empty(eng: MiniEngine) -> None:
+    sched = eng.scheduler
+    assert not sched.requests and not sched.running and not sched.finished_recving_kv_req_ids
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+    assert not eng.connector.has_pending_block_frees()
+
+
+# ---------------------------------------------------------------------------------- hits
+
+
+def test_external_hit_waits_loads_and_runs_with_the_loaded_tokens(
+    model_dir: Path, daemon: DaemonProc
+) -> None:
+    shared = prompt(1, 100)
+    eng = engine(model_dir, daemon.zmq_address)
+    try:
+        eng.run_requests([("first", shared)], max_tokens=3)
+        assert ns_hits(eng, daemon, shared) == 3  # 100 prompt tokens: 3 full chunks
+        assert eng.scheduler.reset_prefix_cache()  # the GPU prefix cache forgets everything
+
+        second = [*shared, 5, 6, 7]
+        eng.add("second", second, max_tokens=3)
+        first_step = eng.step()
+        # an external hit: the request waits for its KV instead of being scheduled
+        assert "second" not in first_step.scheduled
+        assert "second" in first_step.waiting_for_kv or "second" in first_step.finished_recving
+        records = [first_step, *eng.run()]
+        loaded = next(r for r in records if "second" in r.finished_recving)
+        assert not loaded.invalid_block_ids
+        ran = next(r for r in records if "second" in r.scheduled)
+        # it runs with the 96 loaded tokens computed: only the rest is prefilled
+        assert ran.computed_before["second"] == 3 * CHUNK_TOKENS
+        assert ran.scheduled["second"] == len(second) - 3 * CHUNK_TOKENS
+        stats = eng.connector.scheduler_half.stats  # type: ignore[union-attr]
+        assert stats.loads == 1 and stats.hit_tokens == 3 * CHUNK_TOKENS
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    ref = reference_outputs(model_dir, [("first", shared), ("second", second)], 3)
+    assert outputs == ref
+    assert daemon_holds_nothing(daemon)
+
+
+def test_local_prefix_hit_is_extended_by_kvserver(model_dir: Path, daemon: DaemonProc) -> None:
+    """A request whose first chunk is still on the GPU loads only the chunks after it."""
+    shared = prompt(2, 130)
+    eng = engine(model_dir, daemon.zmq_address, num_blocks=64)
+    try:
+        eng.run_requests([("a", shared)], max_tokens=2)
+        assert ns_hits(eng, daemon, shared) == 4
+        eng.scheduler.reset_prefix_cache()
+        eng.run_requests([("warm", shared[:40])], max_tokens=1)  # 1 chunk hit, KV on GPU again
+        eng.add("b", [*shared, 1, 2], max_tokens=2)
+        records = eng.run()
+        ran = next(r for r in records if "b" in r.scheduled)
+        assert ran.computed_before["b"] == 4 * CHUNK_TOKENS
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    ref = reference_outputs(
+        model_dir, [("a", shared), ("warm", shared[:40]), ("b", [*shared, 1, 2])], 2
+    )
+    assert outputs["b"] == ref["b"]
+
+
+# ---------------------------------------------------------------------------------- stores
+
+
+def test_full_chunks_are_stored_as_prefill_proceeds(model_dir: Path, daemon: DaemonProc) -> None:
+    long = prompt(3, 512)  # 16 chunks, prefilled 64 tokens per step
+    eng = engine(model_dir, daemon.zmq_address)
+    try:
+        eng.add("long", long, max_tokens=2)
+        seen: list[tuple[int, int]] = []
+        while eng.scheduler.has_requests():
+            record = eng.step()
+            if "long" in record.scheduled:
+                done = record.computed_before["long"] + record.scheduled["long"]
+                seen.append((done, ns_hits(eng, daemon, long)))
+        prefill = [(done, hits) for done, hits in seen if done <= len(long)]
+        hits = [h for _, h in prefill]
+        assert hits == sorted(hits)  # only ever grows
+        # chunks are in kvserver while the prompt is still being computed
+        assert any(h > 0 for done, h in prefill if done < len(long))
+        for done, h in prefill:
+            assert h <= done // CHUNK_TOKENS  # never a chunk that is not computed yet
+        assert ns_hits(eng, daemon, long) == 16
+    finally:
+        eng.close()
+    assert daemon_holds_nothing(daemon)
+
+
+def test_request_finishing_with_stores_in_flight_holds_its_blocks(
+    model_dir: Path, daemon: DaemonProc
+) -> None:
+    tokens = prompt(4, 64)  # exactly 2 chunks
+    eng = engine(model_dir, daemon.zmq_address)
+    try:
+        eng.add("short", tokens, max_tokens=1)  # finishes in the step that computes the prompt
+        records = eng.run()
+        finished_at = next(i for i, r in enumerate(records) if "short" in r.finished)
+        released_at = next(i for i, r in enumerate(records) if "short" in r.finished_sending)
+        # the stores were still in flight when it finished: vLLM kept its blocks until the
+        # workers reported them, then freed them
+        assert released_at > finished_at
+        assert any("short" in r.delayed for r in records)
+        assert ns_hits(eng, daemon, tokens) == 2
+        assert_scheduler_empty(eng)
+    finally:
+        eng.close()
+    assert daemon_holds_nothing(daemon)
+
+
+def test_preemption_with_stores_in_flight(model_dir: Path, daemon: DaemonProc) -> None:
+    """A pool too small for every request's decode: vLLM preempts requests whose stores are in
+    flight; the store barrier keeps the stored bytes right (later loads are checked byte by
+    byte) and every output equals the cache-off run."""
+    prompts = [(f"r{i}", prompt(10 + i, 40)) for i in range(4)]
+    eng = engine(model_dir, daemon.zmq_address, num_blocks=20)
+    try:
+        outputs = dict(eng.run_requests(prompts, max_tokens=70))
+        records = eng.history
+        assert any(r.preempted for r in records)
+        assert any(r.flushed for r in records)  # a preempted request had stores in flight
+        assert_scheduler_empty(eng)
+        sequences = [[*tokens, *outputs[req_id]] for req_id, tokens in prompts]
+        for seq in sequences:  # 109 of 110 tokens computed: 3 chunks each
+            assert ns_hits(eng, daemon, seq) == 3
+        eng.scheduler.reset_prefix_cache()
+        again = [(f"again{i}", [*seq, 9]) for i, seq in enumerate(sequences)]
+        eng.run_requests(again, max_tokens=2)  # the forward pass checks every loaded byte
+        stats = eng.connector.scheduler_half.stats  # type: ignore[union-attr]
+        assert stats.loads >= len(again) and stats.load_errors == 0
+        assert_scheduler_empty(eng)
+    finally:
+        eng.close()
+    ref = reference_outputs(model_dir, prompts, 70, num_blocks=20)
+    assert outputs == ref
+    assert daemon_holds_nothing(daemon)
+
+
+# ---------------------------------------------------------------------------------- failures
+
+
+def test_failed_load_is_recomputed(model_dir: Path, daemon: DaemonProc) -> None:
+    """The daemon dies after the hit was pinned and before the worker reads it (remote path):
+    the worker reports the blocks, vLLM recomputes them, the output is unchanged."""
+    shared = prompt(5, 100)
+    eng = engine(model_dir, daemon.zmq_address, colocated=False, transfer_timeout_s=2.0,
+                 op_timeout_s=0.5)  # fmt: skip
+    try:
+        eng.run_requests([("first", shared)], max_tokens=2)
+        assert ns_hits(eng, daemon, shared) == 3
+        eng.scheduler.reset_prefix_cache()
+        eng.add("second", [*shared, 4], max_tokens=2)
+        record = eng.step(before_worker=daemon.kill)  # pinned in schedule(), then killed
+        records = [record, *eng.run()]
+        failed = next(r for r in records if "second" in r.finished_recving)
+        assert failed.invalid_block_ids  # the worker reported the blocks it could not fill
+        ran = next(r for r in records if "second" in r.scheduled)
+        assert ran.computed_before["second"] == 0  # recomputed from the start
+        assert_scheduler_empty(eng)
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    ref = reference_outputs(model_dir, [("first", shared), ("second", [*shared, 4])], 2)
+    assert outputs == ref
+
+
+def test_hit_that_cannot_be_pinned_is_recomputed(
+    model_dir: Path, daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon dies between the lookup and the pin (both inside one schedule()): the
+    scheduler connector tells the workers, who report the blocks, and vLLM recomputes."""
+    shared = prompt(6, 100)
+    eng = engine(model_dir, daemon.zmq_address, op_timeout_s=0.5)
+    try:
+        eng.run_requests([("first", shared)], max_tokens=2)
+        assert ns_hits(eng, daemon, shared) == 3
+        eng.scheduler.reset_prefix_cache()
+        client = eng.connector.scheduler_half.client  # type: ignore[union-attr]
+        real_prepare_load = client.prepare_load
+
+        def die_then_pin(*args: Any, **kwargs: Any) -> Any:
+            daemon.kill()  # a real fault at the one moment a test cannot otherwise reach
+            return real_prepare_load(*args, **kwargs)
+
+        monkeypatch.setattr(client, "prepare_load", die_then_pin)
+        eng.add("second", [*shared, 4], max_tokens=2)
+        records = eng.run()
+        failed = next(r for r in records if "second" in r.finished_recving)
+        assert failed.invalid_block_ids
+        ran = next(r for r in records if "second" in r.scheduled)
+        assert ran.computed_before["second"] == 0
+        assert_scheduler_empty(eng)
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    ref = reference_outputs(model_dir, [("first", shared), ("second", [*shared, 4])], 2)
+    assert outputs == ref
+
+
+def test_daemon_down_means_no_hits_and_scheduling_goes_on(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    dead = start_daemon(tmp_path / "dead")
+    address = dead.zmq_address
+    dead.kill()  # nothing listens there any more
+    prompts = [(f"r{i}", prompt(20 + i, 70)) for i in range(3)]
+    eng = engine(model_dir, address, lookup_timeout_s=0.05, op_timeout_s=0.2)
+    try:
+        outputs = dict(eng.run_requests(prompts, max_tokens=3))
+        stats = eng.connector.scheduler_half.stats  # type: ignore[union-attr]
+        assert stats.hit_tokens == 0 and stats.loads == 0
+        assert stats.timeouts >= 1  # it found the daemon down ...
+        assert stats.lookups_failed >= 1  # ... and answered "no hit" meanwhile
+        assert_scheduler_empty(eng)
+    finally:
+        eng.close()
+    assert outputs == reference_outputs(model_dir, prompts, 3)
+
+
+def test_worker_starts_while_the_daemon_is_down_and_stores_once_it_is_up(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Worker start-up does not need the daemon; it connects before its first transfer."""
+    first = start_daemon(tmp_path / "d1")
+    address = first.zmq_address
+    first.kill()
+    eng = engine(model_dir, address, lookup_timeout_s=0.05, op_timeout_s=0.5,
+                 down_backoff_s=0.01)  # fmt: skip
+    worker = eng.worker
+    assert worker is not None and not worker.worker_half._connected  # type: ignore[union-attr]
+    port = address.rsplit(":", 1)[1]
+    second = start_daemon(tmp_path / "d2", "--zmq-port", port)
+    try:
+        tokens = prompt(7, 64)
+        eng.run_requests([("a", tokens)], max_tokens=2)
+        assert ns_hits(eng, second, tokens) == 2
+        eng.close()
+    finally:
+        second.terminate()
+
+
+# ---------------------------------------------------------------------------------- events
+
+
+def test_take_events_describes_stored_chunks_as_vllm_does(
+    model_dir: Path, daemon: DaemonProc
+) -> None:
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    published: list[Any] = []
+    eng = engine(model_dir, daemon.zmq_address)
+
+    class Sink:  # vLLM's event publisher, recording instead of sending
+        def publish(self, batch: Any) -> None:
+            published.extend(batch.events)
+
+        def shutdown(self) -> None:
+            return None
+
+    eng.scheduler.kv_event_publisher = Sink()
+    try:
+        tokens = prompt(8, 70)
+        request = eng.add("a", tokens, max_tokens=1)
+        hashes = list(request.block_hashes)
+        eng.run()
+        eng.connector.scheduler_half.drain()  # type: ignore[union-attr]
+        published.extend(eng.connector.take_events())
+    finally:
+        eng.close()
+    ours = [e for e in published if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert len(ours) == 2
+    by_first = sorted(ours, key=lambda e: len(e.token_ids) and e.token_ids[0] != tokens[0])
+    first, second = by_first
+    ext = maybe_convert_block_hash
+    assert first.block_hashes == [ext(hashes[0]), ext(hashes[1])]
+    assert first.parent_block_hash is None and first.token_ids == tokens[:32]
+    assert second.block_hashes == [ext(hashes[2]), ext(hashes[3])]
+    assert second.parent_block_hash == ext(hashes[1]) and second.token_ids == tokens[32:64]
+    assert first.block_size == 16
+
+
+def test_router_lookup_by_tokens_agrees_with_vllm_block_hashes(
+    model_dir: Path, daemon: DaemonProc
+) -> None:
+    """A router asking kvserver by token ids (kvserver hashes) finds what vLLM stored under
+    vLLM's own block hashes: both hash the same way."""
+    tokens = prompt(9, 96)
+    eng = engine(model_dir, daemon.zmq_address)
+    try:
+        eng.run_requests([("a", tokens)], max_tokens=1)
+        spec = eng.connector.config.spec
+        eng.connector.scheduler_half.drain()  # type: ignore[union-attr]
+    finally:
+        eng.close()
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        assert kv.lookup_tokens(spec.ns_id, tokens).hit_chunks == 3
+    with GrpcClient(daemon.grpc_address) as grpc:
+        reply = grpc.lookup_tokens(spec.ns_id, tokens)
+    assert reply.hit_tokens == 96 and reply.tiers.get("dram") == 3
