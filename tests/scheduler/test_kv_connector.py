@@ -29,6 +29,7 @@ from kvserver.connector_messages import (
     ChunkStore,
     ConnectorMetadata,
     ConnectorWorkerOutput,
+    FailedLoad,
     NewRequestData,
     RequestTransfers,
     StepPlan,
@@ -850,8 +851,11 @@ def test_connector_messages_round_trip_and_reject_malformed() -> None:
         loads=[RequestTransfers("a", 7, loads=[ChunkLoad(b"k", [3], 1, [[(0, 64)], [(64, 64)]])])],
         stores=[RequestTransfers("b", 8, stores=[ChunkStore(b"j", [4, 5], [[(128, 64)]])])],
         flush_req_ids=["b"],
+        failed_loads=[FailedLoad("c", [9, 10], finished=True), FailedLoad("a", [11])],
     )
     assert ConnectorMetadata.from_wire(wire("meta", meta)) == meta
+    older = {k: v for k, v in wire("meta", meta).items() if k != "failed_loads"}
+    assert ConnectorMetadata.from_wire(older).failed_loads == []  # optional on the wire
     out = ConnectorWorkerOutput(1, [TransferResult("a", 7, [b"k"])], [TransferResult("b", 8)])
     assert ConnectorWorkerOutput.from_wire(wire("out", out)) == out
     body = wire("meta", meta)
@@ -861,6 +865,10 @@ def test_connector_messages_round_trip_and_reject_malformed() -> None:
         {k: v for k, v in body.items() if k != "stores"},
         {**body, "loads": [{**body["loads"][0], "lease_id": True}]},
         {**body, "stores": [{**body["stores"][0], "stores": [{"key": "str", "block_ids": []}]}]},
+        {**body, "failed_loads": {"c": [9]}},
+        {**body, "failed_loads": [{"req_id": "c", "block_ids": ["9"], "finished": True}]},
+        {**body, "failed_loads": [{"req_id": "c", "block_ids": [9], "finished": 1}]},
+        {**body, "failed_loads": [{"block_ids": [9], "finished": True}]},
         [],
     ):
         with pytest.raises(InvalidArgument):
