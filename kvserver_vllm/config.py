@@ -19,6 +19,8 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
                               false: always send payload frames; true: require the arena
     auth_token         ""     the daemon's shared secret, if it has one
     max_store_batch_chunks 65536  most chunks reserved by one step
+    min_hit_tokens     1      policy hint: a smaller external hit is not loaded (recomputing a
+                              short prefix can be cheaper than waiting a step for it)
 
 Contract: :func:`load_config` raises :class:`~kvserver.errors.InvalidArgument` naming the key
 for an unknown key or a bad value, and for a model layout kvserver cannot store (more than one
@@ -46,7 +48,7 @@ HASH_ALGOS = {"sha256": "sha256", "sha256_cbor": "sha256_cbor", "xxhash_cbor": "
 _FLOAT_KEYS = ("lookup_timeout_s", "op_timeout_s", "down_backoff_s", "transfer_timeout_s")
 _KEYS = {
     "address", "chunk_blocks", "model_id", "lease_s", "colocated", "auth_token",
-    "max_store_batch_chunks", *_FLOAT_KEYS,
+    "max_store_batch_chunks", "min_hit_tokens", *_FLOAT_KEYS,
 }  # fmt: skip
 
 
@@ -60,6 +62,7 @@ class PluginConfig:
     colocated: bool | None
     transfer_timeout_s: float
     auth_token: str
+    min_hit_tokens: int = 1
 
     def worker(self, rank: int) -> WorkerConnectorConfig:
         return WorkerConnectorConfig(
@@ -99,7 +102,10 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
         client_id=f"vllm-scheduler-{os.getpid()}",
         max_store_batch_chunks=_get(extra, "max_store_batch_chunks", int, 1 << 16),
     )  # fmt: skip
-    return PluginConfig(spec, scheduler, address, colocated, floats["transfer_timeout_s"], auth)
+    return PluginConfig(
+        spec, scheduler, address, colocated, floats["transfer_timeout_s"], auth,
+        min_hit_tokens=_get(extra, "min_hit_tokens", int, 1),
+    )  # fmt: skip
 
 
 def namespace_spec(
@@ -167,6 +173,6 @@ def _get(extra: dict[str, Any], key: str, kind: type | tuple[type, ...], default
     number: Any = value  # an int, a float or a str now
     if key in _FLOAT_KEYS and not number > 0:
         raise InvalidArgument(f"kv_connector_extra_config.{key} must be > 0", got=number)
-    if key in ("chunk_blocks", "max_store_batch_chunks") and number < 1:
+    if key in ("chunk_blocks", "max_store_batch_chunks", "min_hit_tokens") and number < 1:
         raise InvalidArgument(f"kv_connector_extra_config.{key} must be >= 1", got=number)
     return number

@@ -137,7 +137,12 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._requests.setdefault(request.request_id, request)
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if not self._kv_transfer_config.is_kv_consumer:
+            return 0, False  # kv_producer: this instance only stores
+        hit, is_async = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if hit is not None and 0 < hit < self.config.min_hit_tokens:
+            return 0, False  # too short to be worth a load (the plan is dropped on alloc)
+        return hit, is_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

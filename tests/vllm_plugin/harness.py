@@ -75,6 +75,7 @@ def make_vllm_config(
     failure_policy: str = "recompute",
     connector: bool = True,
     events_endpoint: str | None = None,
+    kv_role: str = "kv_both",
 ) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0)
     sched = SchedulerConfig(
@@ -84,7 +85,7 @@ def make_vllm_config(
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     transfer = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
-        kv_role="kv_both", kv_connector_extra_config=extra,
+        kv_role=kv_role, kv_connector_extra_config=extra,
         kv_load_failure_policy=failure_policy,
     ) if connector else None  # fmt: skip
     events = KVEventsConfig(

@@ -45,10 +45,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(
-    model_dir: Path, address: str, num_blocks: int = 64, connector: bool = True, **extra: Any
+    model_dir: Path,
+    address: str,
+    num_blocks: int = 64,
+    connector: bool = True,
+    kv_role: str = "kv_both",
+    **extra: Any,
 ) -> MiniEngine:
     options = {"address": address, "chunk_blocks": CHUNK_BLOCKS, **extra}
-    config = make_vllm_config(model_dir, options, connector=connector)
+    config = make_vllm_config(model_dir, options, connector=connector, kv_role=kv_role)
     return MiniEngine(config, num_blocks)
 
 
@@ -145,6 +150,29 @@ def test_local_prefix_hit_is_extended_by_kvserver(model_dir: Path, daemon: Daemo
         model_dir, [("a", shared), ("warm", shared[:40]), ("b", [*shared, 1, 2])], 2
     )
     assert outputs["b"] == ref["b"]
+
+
+@pytest.mark.parametrize(("kv_role", "extra"), [
+    ("kv_producer", {}),  # this instance only stores
+    ("kv_both", {"min_hit_tokens": 128}),  # policy hint: a 96-token hit is not worth a load
+])  # fmt: skip
+def test_hits_not_taken(
+    model_dir: Path, daemon: DaemonProc, kv_role: str, extra: dict[str, Any]
+) -> None:
+    shared = prompt(11, 100)
+    eng = engine(model_dir, daemon.zmq_address, kv_role=kv_role, **extra)
+    try:
+        eng.run_requests([("first", shared)], max_tokens=2)
+        assert ns_hits(eng, daemon, shared) == 3  # stored either way
+        eng.scheduler.reset_prefix_cache()
+        eng.add("second", [*shared, 1], max_tokens=2)
+        records = eng.run()
+        ran = next(r for r in records if "second" in r.scheduled)
+        assert ran.computed_before["second"] == 0 and not any(r.waiting_for_kv for r in records)
+        assert eng.connector.scheduler_half.stats.loads == 0  # type: ignore[union-attr]
+        assert_scheduler_empty(eng)
+    finally:
+        eng.close()
 
 
 # ---------------------------------------------------------------------------------- stores
