@@ -8,19 +8,22 @@ machine hits both alike (medians are reported):
 
 1. co-located store + load (shared memory) vs single-thread memcpy (``bench_refs``);
 2. remote store + load (``put``/``get`` over TCP loopback) vs raw ZMQ PUSH/PULL between two
-   processes with the same frames and round trips (``bench_refs.ZmqPeer``);
+   processes with the same frames and round trips (``bench_refs.ZmqPeer``), and vs Redis
+   SET/GET of the same parts, pipelined and one command at a time (``bench_redis.RedisRef``;
+   skipped, saying why, when ``redis-server`` or the ``redis`` package is missing);
 3. gRPC ``Lookup`` latency of a 32k-token prompt (2,048 blocks of 16), by keys (target p99 <=
    2 ms) and, for information, by token ids. Latency rows use the 2 ms target as reference.
 
 Bandwidth = bytes moved (stored + loaded) / seconds. Before timing, the arena is cycled once by
 each path so that its pages are mapped in both processes (steady state, as in a long-running
 daemon; the memcpy reference buffers are likewise touched in advance). Not thread-safe.
-matplotlib is imported only to draw the chart.
+Rows, targets, the table, the JSON document and the chart are in ``bench_report``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -28,13 +31,26 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserver.bench_redis import MODES as REDIS_MODES
+from kvserver.bench_report import (
+    LOOKUP_TARGET_MS,
+    Result,
+    document,
+    gbps,
+    print_table,
+    redis_reference,
+    remote_rows,
+    write_chart,
+)
+
 if TYPE_CHECKING:
+    from kvserver.bench_redis import RedisRef
     from kvserver.bench_refs import Target, ZmqPeer
     from kvserver.client import KVClient
     from kvserver.namespace import NamespaceSpec
@@ -43,8 +59,6 @@ DEFAULT_SIZES = "256KiB,2MiB,8MiB"
 DEFAULT_DRAM = "1GiB"
 LOOKUP_TOKENS = 32 * 1024
 LOOKUP_BLOCK_SIZE = 16
-LOOKUP_TARGET_MS = 2.0
-BANDWIDTH_TARGET = 0.8
 CLIENT_TIMEOUT_S = 60.0
 
 
@@ -59,6 +73,8 @@ class BenchConfig:
     progress: bool = True
     #: give every process the same glibc allocator settings (bench_refs.MALLOC_ENV).
     tune_malloc: bool = True
+    #: the ``redis-server`` executable of the Redis reference; None: no Redis reference.
+    redis_server: str | None = "redis-server"
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -69,19 +85,6 @@ class BenchConfig:
     def count(self, size: int) -> int:
         """Chunks per batch for part size ``size`` (at least one)."""
         return max(1, self.batch_bytes // size)
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    name: str
-    value: float
-    unit: str
-    reference: float
-    ratio: float
-
-    @classmethod
-    def of(cls, name: str, value: float, unit: str, reference: float) -> Result:
-        return cls(name, value, unit, reference, value / reference)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -109,10 +112,6 @@ def _fmt_size(n: int) -> str:
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return f"{n}B"
-
-
-def _gbps(nbytes: int, seconds: Sequence[float]) -> float:
-    return nbytes / statistics.median(seconds) / 1e9
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -178,7 +177,12 @@ def _remote_round(
 
 
 def bench_bandwidth(
-    cfg: BenchConfig, target: Target, arena_size: int, env: dict[str, str], progress: _Progress
+    cfg: BenchConfig,
+    target: Target,
+    arena_size: int,
+    env: dict[str, str],
+    progress: _Progress,
+    redis: RedisRef | None = None,
 ) -> list[Result]:
     from kvserver.bench_refs import ZmqPeer
     from kvserver.client import KVClient
@@ -224,9 +228,8 @@ def bench_bandwidth(
                 raise RuntimeError("co-located load returned different bytes")
             results.append(Result.of(f"co-located store+load {label} vs memcpy", ours, "GB/s", ref))
             progress.phase(f"remote {_fmt_size(size)}")
-            ours, ref = _bench_remote(cfg.repeats, remote, ns[size], src, peer, progress)
-            name = f"remote put+get {label} vs raw ZMQ PUSH/PULL"
-            results.append(Result.of(name, ours, "GB/s", ref))
+            times = _bench_remote(cfg.repeats, remote, ns[size], src, peer, redis, progress)
+            results += remote_rows(label, 2 * n * size, *times)
     return results
 
 
@@ -254,7 +257,7 @@ def _bench_colocated(
             out[:1] = b"\0"
         ours_s.append(_colocated_round(kv, ns_id, src, dst))
         progress.step()
-    return _gbps(moved, ours_s), _gbps(moved, ref_s)
+    return gbps(moved, ours_s), gbps(moved, ref_s)
 
 
 def _bench_remote(
@@ -263,21 +266,33 @@ def _bench_remote(
     ns_id: str,
     src: list[memoryview],
     peer: ZmqPeer,
+    redis: RedisRef | None,
     progress: _Progress,
-) -> tuple[float, float]:
-    """GB/s of (ours, raw ZMQ), rounds interleaved; checks the bytes of one get."""
-    moved = 2 * sum(part.nbytes for part in src)
+) -> tuple[list[float], list[float], dict[str, list[float]] | None]:
+    """Seconds per round of (ours, raw ZMQ, Redis per client mode or None), rounds
+    interleaved; checks the bytes of one get and of one Redis round per mode."""
     ours_s: list[float] = []
     ref_s: list[float] = []
+    redis_rounds: dict[str, Callable[[], tuple[float, list[bytes]]]] = {}
+    if redis is not None:
+        redis_rounds = {
+            mode: functools.partial(redis.store_load, src, mode) for mode in REDIS_MODES
+        }
+    redis_s: dict[str, list[float]] = {mode: [] for mode in redis_rounds}
     _check_remote(_remote_round(kv, ns_id, src)[1], src)  # untimed first rounds
     peer.store_load(src)
+    for mode, redis_round in redis_rounds.items():
+        if redis_round()[1] != [bytes(part) for part in src]:
+            raise RuntimeError(f"Redis GET ({mode}) returned different bytes")
     for _ in range(repeats):
         start = time.perf_counter()
         peer.store_load(src)
         ref_s.append(time.perf_counter() - start)
         ours_s.append(_remote_round(kv, ns_id, src)[0])
+        for mode, redis_round in redis_rounds.items():
+            redis_s[mode].append(redis_round()[0])
         progress.step()
-    return _gbps(moved, ours_s), _gbps(moved, ref_s)
+    return ours_s, ref_s, redis_s if redis is not None else None
 
 
 def _warmup_rounds(arena_size: int, batch: int) -> int:
@@ -345,17 +360,18 @@ def _percentile(values: list[float], pct: float) -> float:
 # --------------------------------------------------------------------------- run and report
 
 
-def run(cfg: BenchConfig, target: Target | None) -> list[Result]:
-    """Run every benchmark against ``target`` (or a daemon of our own) and return the rows."""
+def run(cfg: BenchConfig, target: Target | None) -> tuple[list[Result], dict[str, Any]]:
+    """Run every benchmark against ``target`` (or a daemon of our own); returns the rows and
+    the ``redis`` section of the report (what was compared, or why Redis was skipped)."""
     from kvserver.bench_refs import MALLOC_ENV, own_daemon, tune_malloc
 
     env: dict[str, str] = {}
     if cfg.tune_malloc and tune_malloc():
         env = MALLOC_ENV
     with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-")))
         daemon = "a running daemon (allocator settings its own)"
         if target is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-")))
             target = stack.enter_context(own_daemon(cfg.dram, workdir, env))
             daemon = "its own daemon"
         from kvserver.client import KVClient
@@ -364,12 +380,19 @@ def run(cfg: BenchConfig, target: Target | None) -> list[Result]:
             arena_size = int(kv.hello()["arena_size"])
         sizes = ", ".join(_fmt_size(s) for s in cfg.sizes)
         print(
-            f"kvserver bench against {daemon}, DRAM {_fmt_size(arena_size)}; parts {sizes}, "
+            f"kvserver bench against {daemon}, DRAM {_fmt_size(arena_size)}; parts {sizes}; "
             f"{_fmt_size(cfg.batch_bytes)} per batch, median of {cfg.repeats} rounds "
             f"interleaved with the reference; glibc allocator: "
             f"{'same tuned settings in every process' if env else 'defaults'}",
             flush=True,
         )
+        redis, skipped = _start_redis(cfg, workdir, stack)
+        if redis is not None:
+            print(
+                f"Redis reference: redis-server {redis.server_version}, {redis.client}", flush=True
+            )
+        else:
+            print(f"Redis reference skipped: {skipped}", flush=True)
         big = max(cfg.sizes)
         total = (
             2 * _warmup_rounds(arena_size, cfg.count(big) * big)
@@ -379,69 +402,34 @@ def run(cfg: BenchConfig, target: Target | None) -> list[Result]:
         )
         progress = _Progress(total, cfg.progress)
         stack.callback(progress.close)
-        results = bench_bandwidth(cfg, target, arena_size, env, progress)
+        results = bench_bandwidth(cfg, target, arena_size, env, progress, redis)
         results += bench_lookup(cfg, target, progress)
-    return results
+    if redis is None:
+        return results, redis_reference(results, skipped=skipped)
+    return results, redis_reference(
+        results, skipped=None, server=redis.server_version, client=redis.client
+    )
 
 
-def _target_met(row: Result) -> str:
-    if "informational" in row.name or "Health" in row.name:
-        return ""
-    if row.unit == "GB/s":
-        return "yes" if row.ratio >= BANDWIDTH_TARGET else "NO"
-    if "p99" in row.name:
-        return "yes" if row.ratio <= 1.0 else "NO"
-    return ""
+def _start_redis(
+    cfg: BenchConfig, workdir: Path, stack: ExitStack
+) -> tuple[RedisRef | None, str | None]:
+    """The started Redis reference (closed with ``stack``), or None and why not.
 
+    A missing ``redis-server`` or ``redis`` package skips the reference; a server that is
+    present but will not start raises RuntimeError.
+    """
+    from kvserver.bench_redis import RedisRef, redis_unavailable
 
-def print_table(results: list[Result]) -> None:
-    width = max(len(r.name) for r in results)
-    print(f"{'what':<{width}} {'value':>10} {'reference':>10} {'unit':>5} {'ratio':>7} target")
-    for r in results:
-        print(
-            f"{r.name:<{width}} {r.value:>10.3f} {r.reference:>10.3f} {r.unit:>5} "
-            f"{r.ratio:>7.3f} {_target_met(r)}"
-        )
-
-
-def write_chart(results: list[Result], path: Path) -> None:
-    """Bandwidth ratios (target 0.8) and Lookup latencies (target 2 ms) side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bw = [r for r in results if r.unit == "GB/s"]
-    lat = [r for r in results if r.unit == "ms"]
-    panels = [
-        ([r.name.split(" vs ")[0] for r in bw], [r.ratio for r in bw], BANDWIDTH_TARGET,
-         "target 0.8", "ratio to reference (memcpy / raw ZMQ), higher is better"),
-        ([r.name.split(" (reference")[0] for r in lat], [r.value for r in lat], LOOKUP_TARGET_MS,
-         "p99 target 2 ms", "milliseconds (log scale), lower is better"),
-    ]  # fmt: skip
-    height = 0.45 * max(len(bw), len(lat), 1) + 2
-    fig, axes = plt.subplots(1, 2, figsize=(14, height))
-    for ax, log, (labels, values, line, line_label, xlabel) in zip(
-        axes, (False, True), panels, strict=True
-    ):
-        ax.barh(labels, values)
-        ax.axvline(line, color="red", linestyle="--", label=line_label)
-        ax.set_xlabel(xlabel)
-        ax.invert_yaxis()
-        ax.tick_params(axis="y", labelsize=8)
-        if log:
-            ax.set_xscale("log")
-            ax.set_xlim(min([line, *values]) / 1.5, max([line, *values]) * 1.5)
-        else:
-            ax.set_xlim(0, max([line, *values]) * 1.2)
-        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-        for y, value in enumerate(values):
-            ax.annotate(f"{value:.2f}", (value, y), xytext=(3, 0), textcoords="offset points",
-                        va="center", fontsize=8)  # fmt: skip
-    fig.suptitle("kvserver bench: each figure against a reference or target of the same run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if cfg.redis_server is None:
+        return None, "not requested (--no-redis)"
+    why = redis_unavailable(cfg.redis_server)
+    if why is not None:
+        return None, why
+    redis = RedisRef(workdir, max(cfg.count(s) * s for s in cfg.sizes), server=cfg.redis_server)
+    stack.callback(redis.close)
+    redis.start()
+    return redis, None
 
 
 # --------------------------------------------------------------------------- command line
@@ -470,6 +458,14 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="keep glibc's allocator defaults in every process (see kvserver/bench_refs.py)",
     )
+    add("--no-redis", action="store_true", help="skip the Redis SET/GET reference")
+    add(
+        "--redis-server",
+        default="redis-server",
+        metavar="PATH",
+        help="redis-server executable of the Redis reference (default: redis-server on PATH; "
+        "skipped, saying why, if missing)",
+    )
     p.set_defaults(func=_cmd_bench)
 
 
@@ -490,6 +486,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             dram=args.dram,
             progress=not args.no_progress,
             tune_malloc=not args.default_malloc,
+            redis_server=None if args.no_redis else args.redis_server,
         )
     except (KVServerError, ValueError) as exc:
         print(f"kvserver bench: error: {exc}", file=sys.stderr)
@@ -498,15 +495,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     target = Target(args.zmq, args.server) if args.zmq else None
     try:
-        results = run(cfg, target)
+        results, redis = run(cfg, target)
     except (KVServerError, RuntimeError, TimeoutError) as exc:
         print(f"kvserver bench: {exc}", file=sys.stderr)
         return 1
-    print_table(results)
+    print_table(results, redis)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"results": [asdict(r) for r in results]}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        args.json.write_text(json.dumps(document(results, redis), indent=2) + "\n")
         chart = args.json.with_suffix(".png")
         write_chart(results, chart)
         print(f"wrote {args.json} and {chart}")

@@ -2,7 +2,9 @@
 
 Runs in the bench process (:func:`own_daemon`, :func:`memcpy_round`, :class:`ZmqPeer`) and in
 the helper process that :class:`ZmqPeer` starts (``python -m kvserver.bench_refs STORE_EP
-LOAD_EP``). Nothing here imports daemon code; nothing is thread-safe (one bench, one thread).
+LOAD_EP``). Nothing here imports daemon code but the allocator settings
+(``kvserver/daemon/malloc.py``, shared with the daemon); nothing is thread-safe (one bench, one
+thread).
 
 - :func:`own_daemon`: ``kvserver start`` as a subprocess on ephemeral loopback ports, stopped
   with SIGTERM (the bench process stays a client in another process).
@@ -24,19 +26,19 @@ LOAD_EP``). Nothing here imports daemon code; nothing is thread-safe (one bench,
   receives (no copy into storage, no validation, no bookkeeping): that work is kvserver's
   overhead and is what the ratio shows.
 
-Allocator settings (:data:`MALLOC_ENV`, :func:`tune_malloc`): with glibc's defaults a process
-that receives large ZMQ messages returns their buffers to the kernel after each batch (dynamic
-mmap threshold, heap trimming, one arena per thread) and page-faults them in again on the next
-one; on a VM this costs more than the copy itself and varies from run to run. ``kvserver
-bench`` therefore gives every process of the run — the daemon, the raw-ZMQ peer and itself —
-the same settings (one arena, mmap threshold 32 MiB, trim threshold 1 GiB), unless told not to.
-The reference is tuned exactly as kvserver is.
+Allocator settings (:data:`MALLOC_ENV`, :func:`tune_malloc`, from ``kvserver/daemon/malloc.py``,
+which the daemon also applies to itself): with glibc's defaults a process that receives large
+ZMQ messages returns their buffers to the kernel after each batch (dynamic mmap threshold, heap
+trimming, one arena per thread) and page-faults them in again on the next one; on a VM this
+costs more than the copy itself and varies from run to run. ``kvserver bench`` therefore gives
+every process of the run — the daemon, the raw-ZMQ peer and itself — the same settings (one
+arena, mmap threshold 32 MiB, trim threshold 1 GiB), unless told not to. The reference is
+tuned exactly as kvserver is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -52,36 +54,12 @@ from typing import Any
 
 import zmq
 
+from kvserver.daemon.malloc import MALLOC_ENV as MALLOC_ENV
+from kvserver.daemon.malloc import tune_malloc as tune_malloc
+
 PEER_TIMEOUT_MS = 30_000
 READY_TIMEOUT_S = 60.0
 _LOAD = struct.Struct("<QQ")
-
-#: glibc allocator settings for child processes (read by glibc at process start).
-MALLOC_ENV = {
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-}
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-
-
-def tune_malloc() -> bool:
-    """Apply :data:`MALLOC_ENV` to this process with ``mallopt``; False where not glibc.
-
-    Call it before creating threads that allocate (ZMQ contexts).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    settings = (
-        (_M_ARENA_MAX, int(MALLOC_ENV["MALLOC_ARENA_MAX"])),
-        (_M_MMAP_THRESHOLD, int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"])),
-        (_M_TRIM_THRESHOLD, int(MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"])),
-    )
-    return all(mallopt(param, value) == 1 for param, value in settings)
-
 
 # --------------------------------------------------------------------------- the daemon
 

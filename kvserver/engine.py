@@ -20,6 +20,12 @@ Lower tiers (the SSD tier, ``kvserver/daemon/tiering.py``) attach through two se
 and ``prepare_store(..., gated=False)`` + ``write_part`` + ``complete_store`` bring a chunk
 back up (promotion); ``announce`` puts their events in the one gap-free event sequence.
 
+Layout: this module is the facade (validation, the public calls, events and counters); the
+mechanics sit in one module per concept, each used only from here:
+``engine_index.DramIndex`` (entries, pages, eviction, page accounting),
+``engine_pins.PinBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
+(specs, per-namespace counters, key validation); value types are in ``engine_types``.
+
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
 after every step):
 - every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
@@ -37,13 +43,21 @@ result (``prepare_store`` returns ``None``), not an error.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from kvserver.allocator import Extents, PageAllocator
 from kvserver.arena import SharedArena
+from kvserver.engine_index import DramIndex, IndexKey
+from kvserver.engine_namespaces import NamespaceTable
+from kvserver.engine_pins import (
+    PinBook,
+    check_store_part,
+    finish_keys,
+    record_parts,
+    select_keys,
+    select_ranks,
+)
 from kvserver.engine_types import (
     Counters,
     EngineConfig,
@@ -53,22 +67,15 @@ from kvserver.engine_types import (
     LoadGrant,
     StoreGrant,
 )
-from kvserver.errors import (
-    CapacityError,
-    InvalidArgument,
-    InvalidState,
-    UnknownKey,
-    UnknownNamespace,
-)
+from kvserver.errors import CapacityError, InvalidArgument, UnknownKey
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
-from kvserver.leases import Lease, LeaseKind, LeaseTable
+from kvserver.leases import LeaseKind
 from kvserver.namespace import NamespaceSpec
-from kvserver.policies import make_policy
 from kvserver.reuse import ReuseTracker
 
-logger = logging.getLogger(__name__)
+__all__ = ["IndexKey", "StorageEngine"]
 
-IndexKey = tuple[int, bytes]
+logger = logging.getLogger(__name__)
 
 
 class StorageEngine:
@@ -82,23 +89,21 @@ class StorageEngine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self._clock = clock
-        self.policy = make_policy(config.policy)
-        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        self._dram = DramIndex(config.num_pages, config.page_size, config.policy)
+        self.policy = self._dram.policy
+        self.allocator = self._dram.allocator
         self.reuse = ReuseTracker(config.store_threshold, config.max_tracker_size)
         # Last: everything that validates input runs first, so a bad config leaks no shm file.
         self.arena = SharedArena(config.num_pages * config.page_size, directory=config.shm_dir)
-        self.leases = LeaseTable()
-        self._specs: list[NamespaceSpec] = []
-        self._ns_index: dict[str, int] = {}
-        self._index: dict[IndexKey, Entry] = {}
-        self._ttl_heap: list[tuple[float, int, bytes]] = []
+        self._namespaces = NamespaceTable(config.max_keys_per_request)
+        self.totals = self._namespaces.totals
+        self._pins = PinBook(self._dram, self._namespaces)
+        self.leases = self._pins.leases
+        # Views of the parts above (the same objects), for tests that inspect the state.
+        self._index = self._dram.entries
+        self._ns_index = self._namespaces.ids
         self._events: list[Event] = []
         self._next_seq = 1
-        self._reserved_pages = 0
-        self._pinned_pages = 0
-        self._num_writing = 0
-        self.totals = Counters()
-        self._ns_counters: list[Counters] = []
         #: called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
         #: index and the policy and BEFORE their pages are freed, so it may read their bytes
         #: (``arena.views(entry.extents[rank])``). It must not call back into the engine; an
@@ -113,28 +118,25 @@ class StorageEngine:
         Raises CapacityError if one chunk (all TP parts) cannot fit in the whole arena.
         """
         ns_id = spec.ns_id
-        if ns_id in self._ns_index:
+        if ns_id in self._namespaces.ids:
             return ns_id
-        pages = self.allocator.pages_for(spec.part_bytes) * spec.tp_world_size
-        if pages > self.allocator.num_pages:
+        if self._dram.pages_for(spec, 1) > self.allocator.num_pages:
             raise CapacityError(
                 "one chunk is larger than the whole DRAM tier",
                 ns=ns_id,
                 chunk_bytes=spec.part_bytes * spec.tp_world_size,
                 capacity=self.config.dram_bytes,
             )
-        self._ns_index[ns_id] = len(self._specs)
-        self._specs.append(spec)
-        self._ns_counters.append(Counters())
+        self._namespaces.add(spec)
         logger.info("registered namespace %s (%s, %d B/part)", ns_id, spec.model, spec.part_bytes)
         return ns_id
 
     def namespace(self, ns_id: str) -> NamespaceSpec:
-        return self._specs[self._ns(ns_id)]
+        return self._namespaces.specs[self._ns(ns_id)]
 
     @property
     def namespaces(self) -> dict[str, NamespaceSpec]:
-        return {spec.ns_id: spec for spec in self._specs}
+        return {spec.ns_id: spec for spec in self._namespaces.specs}
 
     # ================================================================== queries
 
@@ -147,7 +149,7 @@ class StorageEngine:
         queries do not); ``touch`` also marks the hits as used for the eviction policy.
         """
         ns = self._ns(ns_id)
-        self._check_keys(ns, keys)
+        self._namespaces.check_keys(ns, keys)
         index = self._index
         hits = 0
         count_use = record or touch
@@ -162,7 +164,7 @@ class StorageEngine:
             self.reuse.record([(ns, k) for k in keys])
         if touch and hits:
             self.policy.touch([(ns, k) for k in keys[:hits]])
-        for c in (self.totals, self._ns_counters[ns]):
+        for c in self._namespaces.pair(ns):
             c.lookups += 1
             c.hit_chunks += hits
             c.miss_chunks += len(keys) - hits
@@ -171,7 +173,7 @@ class StorageEngine:
     def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:
         """Mark ``keys`` as used (first key most important). Unknown keys are ignored."""
         ns = self._ns(ns_id)
-        self._check_keys(ns, keys)
+        self._namespaces.check_keys(ns, keys)
         self.policy.touch([(ns, k) for k in keys])
 
     def contains(self, ns_id: str, key: bytes) -> bool:
@@ -199,8 +201,8 @@ class StorageEngine:
         new key cannot be found. New entries are WRITING and invisible until complete_store.
         """
         ns = self._ns(ns_id)
-        spec = self._specs[ns]
-        self._check_keys(ns, keys)
+        spec = self._namespaces.specs[ns]
+        self._namespaces.check_keys(ns, keys)
         lease_s = self._check_lease_s(lease_s)
         self._reap()
         index = self._index
@@ -218,47 +220,25 @@ class StorageEngine:
                 filtered.append(key)
             else:
                 new_keys.append(key)
-        counters = (self.totals, self._ns_counters[ns])
+        counters = self._namespaces.pair(ns)
         if not new_keys:
             for c in counters:
                 c.filtered_chunks += len(filtered)
             return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
 
-        part_pages = self.allocator.pages_for(spec.part_bytes)
-        need = part_pages * spec.tp_world_size * len(new_keys)
-        num_evicted = 0
-        shortfall = need - self.allocator.num_free
-        if shortfall > 0:
-            protected = {(ns, k) for k in seen}
-            victims = self.policy.evict(
-                shortfall,
-                self._entry_cost,
-                lambda k: k not in protected and not index[k].is_pinned,  # type: ignore[index]
-            )
-            if victims is None:
-                for c in counters:
-                    c.store_rejections += 1
-                return None
-            self._drop_evicted(victims)
-            num_evicted = len(victims)
+        evicted = self._dram.make_room(self._dram.pages_for(spec, len(new_keys)), ns, seen)
+        if evicted is None:
+            for c in counters:
+                c.store_rejections += 1
+            return None
+        if evicted:
+            self._drop_evicted(evicted)
         for c in counters:
             c.filtered_chunks += len(filtered)
 
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.STORE, client, ns, new_keys, deadline)
-        locations: list[list[Extents]] = []
-        for key in new_keys:
-            pages: list[list[int]] = []
-            extents: list[Extents] = []
-            for _rank in range(spec.tp_world_size):
-                got = self.allocator.allocate(part_pages)
-                assert got is not None, "eviction freed less than it promised"
-                pages.append(got)
-                extents.append(self.allocator.extents(got, spec.part_bytes))
-            index[(ns, key)] = Entry(ns, key, EntryState.WRITING, pages, extents, lease.lease_id)
-            locations.append(extents)
-        self._reserved_pages += need
-        self._num_writing += len(new_keys)
+        locations = self._dram.reserve(ns, spec, new_keys, lease.lease_id)
         return StoreGrant(
             lease.lease_id,
             deadline,
@@ -267,7 +247,7 @@ class StorageEngine:
             locations,
             present,
             filtered,
-            num_evicted,
+            len(evicted),
         )
 
     def complete_store(
@@ -288,64 +268,33 @@ class StorageEngine:
         """
         self._reap()
         lease = self.leases.get(lease_id, LeaseKind.STORE)
-        spec = self._specs[lease.ns]
-        world = spec.tp_world_size
-        all_mask = (1 << world) - 1
-        if ranks is None:
-            mask = all_mask
-        else:
-            mask = 0
-            ranks = list(ranks)
-            if not ranks:
-                raise InvalidArgument("ranks must name at least one rank", lease=lease_id)
-            for r in ranks:
-                if type(r) is not int or not 0 <= r < world:
-                    raise InvalidArgument("rank out of range", rank=r, tp_world_size=world)
-                mask |= 1 << r
-        if keys is None:
-            selected = list(lease.keys)
-        else:
-            selected = list(dict.fromkeys(keys))
-            in_lease = set(lease.keys)
-            for key in selected:
-                if key not in in_lease:
-                    raise InvalidArgument(
-                        "key is not reserved by this lease", key=key, lease=lease_id
-                    )
-        done = lease.done_ranks
-        if success:
-            for key in selected:
-                if done.get(key, 0) & mask:
-                    raise InvalidState("part completed twice", key=key, lease=lease_id)
+        spec = self._namespaces.specs[lease.ns]
+        mask = select_ranks(lease, ranks, spec.tp_world_size)
+        selected = select_keys(lease, keys)
         ns = lease.ns
-        became_ready: list[bytes] = []
         if success:
-            for key in selected:
-                got = done.get(key, 0) | mask
-                if got == all_mask:
-                    done.pop(key, None)
-                    self._make_ready(self._index[(ns, key)])
-                    became_ready.append(key)
-                else:
-                    done[key] = got
+            became_ready = record_parts(lease, selected, mask, spec.tp_world_size)
+            for key in became_ready:
+                self._dram.make_ready(self._index[(ns, key)])
+            finish_keys(lease, became_ready)
         else:
-            for key in selected:
-                done.pop(key, None)
-                self._rollback(self._index[(ns, key)])
-        finished = set(became_ready) if success else set(selected)
-        lease.keys = [k for k in lease.keys if k not in finished]
+            became_ready = []
+            self._pins.roll_back(lease, selected)
+            finish_keys(lease, selected)
         if not lease.keys:
             self.leases.end(lease, "completed")
         if became_ready:
             self._emit(BlockStored(self._seq(), spec.ns_id, tuple(became_ready), MEDIUM_DRAM))
-            for c in (self.totals, self._ns_counters[ns]):
+            for c in self._namespaces.pair(ns):
                 c.stored_chunks += len(became_ready)
         return became_ready
 
     def write_part(self, lease_id: int, key: bytes, rank: int, data: bytes | memoryview) -> None:
         """Copy one part's payload into the arena (remote clients). Does not complete it."""
-        entry = self._writing_entry(lease_id, key, rank)
-        spec = self._specs[entry.ns]
+        lease = self.leases.get(lease_id, LeaseKind.STORE)
+        spec = self._namespaces.specs[lease.ns]
+        check_store_part(lease, key, rank, spec.tp_world_size)
+        entry = self._index[(lease.ns, key)]
         if memoryview(data).nbytes != spec.part_bytes:
             raise InvalidArgument(
                 "payload size does not match the part size",
@@ -369,7 +318,7 @@ class StorageEngine:
         The pins hold until complete_load(lease_id) or the lease deadline.
         """
         ns = self._ns(ns_id)
-        self._check_keys(ns, keys)
+        self._namespaces.check_keys(ns, keys)
         lease_s = self._check_lease_s(lease_s)
         self._reap()
         index = self._index
@@ -379,13 +328,11 @@ class StorageEngine:
             if entry is None or entry.state is not EntryState.READY:
                 raise UnknownKey("chunk not present", ns=ns_id, key=key)
             entries.append(entry)
-        for entry in entries:
-            self._add_pin(entry)
-            entry.uses += 1
+        self._pins.pin_load(entries)
         self.policy.touch([(ns, k) for k in keys])
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.LOAD, client, ns, list(keys), deadline)
-        for c in (self.totals, self._ns_counters[ns]):
+        for c in self._namespaces.pair(ns):
             c.loaded_chunks += len(keys)
         return LoadGrant(lease.lease_id, deadline, ns_id, list(keys), [e.extents for e in entries])
 
@@ -393,13 +340,13 @@ class StorageEngine:
         """Release the pins of a load lease. A finished or expired lease raises LeaseError."""
         self._reap()
         lease = self.leases.get(lease_id, LeaseKind.LOAD)
-        self._release_load(lease)
+        self._pins.release_load(lease)
         self.leases.end(lease, "completed")
 
     def read_part(self, lease_id: int, key: bytes, rank: int) -> list[memoryview]:
         """Zero-copy views of one pinned part (remote clients); valid while the lease lives."""
         lease = self.leases.get(lease_id, LeaseKind.LOAD)
-        spec = self._specs[lease.ns]
+        spec = self._namespaces.specs[lease.ns]
         if type(rank) is not int or not 0 <= rank < spec.tp_world_size:
             raise InvalidArgument("rank out of range", rank=rank)
         if key not in lease.keys:
@@ -414,38 +361,20 @@ class StorageEngine:
         Keys that are not present are ignored; returns how many keys were pinned.
         """
         ns = self._ns(ns_id)
-        self._check_keys(ns, keys)
+        self._namespaces.check_keys(ns, keys)
         if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= self.config.max_pin_ttl_s:
             raise InvalidArgument(
                 "ttl out of range", ttl_s=ttl_s, max_pin_ttl_s=self.config.max_pin_ttl_s
             )
         self._reap()
-        until = self._clock() + float(ttl_s)
-        pinned = 0
-        for key in keys:
-            entry = self._index.get((ns, key))
-            if entry is None or entry.state is not EntryState.READY:
-                continue
-            if until > entry.ttl_until:
-                if not entry.is_pinned:
-                    self._pinned_pages += entry.num_pages
-                entry.ttl_until = until
-                heapq.heappush(self._ttl_heap, (until, ns, key))
-            pinned += 1
-        return pinned
+        return self._pins.pin_ttl(ns, keys, self._clock() + float(ttl_s))
 
     def unpin(self, ns_id: str, keys: Sequence[bytes]) -> int:
         """Drop explicit TTL pins of ``keys``; returns how many were TTL-pinned."""
         ns = self._ns(ns_id)
-        self._check_keys(ns, keys)
+        self._namespaces.check_keys(ns, keys)
         self._reap()
-        count = 0
-        for key in keys:
-            entry = self._index.get((ns, key))
-            if entry is not None and entry.ttl_until > 0.0:
-                self._clear_ttl(entry)
-                count += 1
-        return count
+        return self._pins.unpin_ttl(ns, keys)
 
     # ================================================================== maintenance
 
@@ -455,11 +384,7 @@ class StorageEngine:
 
     def release_client(self, client: str) -> int:
         """Roll back every reservation and release every load pin held by ``client``."""
-        leases = self.leases.by_client(client)
-        for lease in leases:
-            self.leases.end(lease, "released")
-            self._reclaim(lease, expired=False)
-        return len(leases)
+        return self._pins.release_client(client)
 
     def announce(self, ns_id: str, keys: Sequence[bytes], medium: Medium, *, stored: bool) -> None:
         """Emit BlockStored (``stored``) or BlockRemoved for ``keys`` of another tier (medium
@@ -476,33 +401,22 @@ class StorageEngine:
 
     def stats(self) -> EngineStats:
         self._reap()
-        total = self.allocator.num_pages
-        free = self.allocator.num_free
-        per_ns: dict[str, dict[str, int]] = {}
-        entries_by_ns = [0] * len(self._specs)
-        for (ns, _key), entry in self._index.items():
-            if entry.state is EntryState.READY:
-                entries_by_ns[ns] += 1
-        for ns, spec in enumerate(self._specs):
-            counters = self._ns_counters[ns]
-            row = {name: getattr(counters, name) for name in Counters.__dataclass_fields__}
-            row["entries"] = entries_by_ns[ns]
-            row["bytes"] = entries_by_ns[ns] * spec.part_bytes * spec.tp_world_size
-            per_ns[spec.ns_id] = row
+        dram = self._dram
+        totals = self._namespaces.totals
         return EngineStats(
-            capacity_bytes=total * self.allocator.page_size,
+            capacity_bytes=self.allocator.num_pages * self.allocator.page_size,
             page_size=self.allocator.page_size,
-            total_pages=total,
-            free_pages=free,
-            reserved_pages=self._reserved_pages,
-            ready_pages=total - free - self._reserved_pages - self._pinned_pages,
-            pinned_pages=self._pinned_pages,
-            num_entries=len(self._index) - self._num_writing,
-            num_writing=self._num_writing,
+            total_pages=self.allocator.num_pages,
+            free_pages=self.allocator.num_free,
+            reserved_pages=dram.reserved_pages,
+            ready_pages=dram.ready_pages,
+            pinned_pages=dram.pinned_pages,
+            num_entries=len(self._index) - dram.num_writing,
+            num_writing=dram.num_writing,
             num_leases=len(self.leases),
             policy=self.policy.name,
-            totals=Counters(**{n: getattr(self.totals, n) for n in Counters.__dataclass_fields__}),
-            namespaces=per_ns,
+            totals=Counters(**{n: getattr(totals, n) for n in Counters.__dataclass_fields__}),
+            namespaces=self._namespaces.stats_rows(dram.ready_counts(len(self._namespaces.specs))),
         )
 
     def close(self) -> None:
@@ -517,51 +431,12 @@ class StorageEngine:
 
     def check_invariants(self) -> None:
         """Recompute the accounting from scratch and compare (tests; O(entries))."""
-        reserved = pinned = ready = writing = 0
-        for (ns, key), entry in self._index.items():
-            assert entry.ns == ns and entry.key == key
-            n = entry.num_pages
-            if entry.state is EntryState.WRITING:
-                reserved += n
-                writing += 1
-                assert not entry.is_pinned and (ns, key) not in self.policy
-            else:
-                assert (ns, key) in self.policy, "ready entry not tracked by the policy"
-                if entry.is_pinned:
-                    pinned += n
-                else:
-                    ready += n
-        free = self.allocator.num_free
-        assert reserved == self._reserved_pages, (reserved, self._reserved_pages)
-        assert pinned == self._pinned_pages, (pinned, self._pinned_pages)
-        assert writing == self._num_writing
-        assert free + reserved + pinned + ready == self.allocator.num_pages
-        assert len(self.policy) == len(self._index) - writing
+        self._dram.check_invariants()
 
     # ================================================================== internals
 
     def _ns(self, ns_id: str) -> int:
-        try:
-            return self._ns_index[ns_id]
-        except (KeyError, TypeError):
-            raise UnknownNamespace("namespace not registered", ns=ns_id) from None
-
-    def _check_keys(self, ns: int, keys: Sequence[bytes]) -> None:
-        if not isinstance(keys, list | tuple):
-            raise InvalidArgument("keys must be a list of byte strings")
-        if len(keys) > self.config.max_keys_per_request:
-            raise InvalidArgument(
-                "too many keys in one request",
-                count=len(keys),
-                max=self.config.max_keys_per_request,
-            )
-        size = self._specs[ns].key_size
-        for key in keys:
-            if type(key) is not bytes or len(key) != size:
-                raise InvalidArgument(
-                    f"every key must be {size} bytes for this namespace's hash",
-                    key=key if isinstance(key, bytes) else type(key).__name__,
-                )
+        return self._namespaces.index_of(ns_id)
 
     def _check_lease_s(self, lease_s: float | None) -> float:
         if lease_s is None:
@@ -572,9 +447,6 @@ class StorageEngine:
             )
         return float(lease_s)
 
-    def _entry_cost(self, key: Hashable) -> int:
-        return self._index[key].num_pages  # type: ignore[index]
-
     def _seq(self) -> int:
         seq = self._next_seq
         self._next_seq += 1
@@ -583,100 +455,27 @@ class StorageEngine:
     def _emit(self, event: Event) -> None:
         self._events.append(event)
 
-    def _writing_entry(self, lease_id: int, key: bytes, rank: int) -> Entry:
-        lease = self.leases.get(lease_id, LeaseKind.STORE)
-        spec = self._specs[lease.ns]
-        if type(rank) is not int or not 0 <= rank < spec.tp_world_size:
-            raise InvalidArgument("rank out of range", rank=rank)
-        if key not in lease.keys:
-            raise InvalidArgument("key is not reserved by this lease", key=key, lease=lease_id)
-        if lease.done_ranks.get(key, 0) >> rank & 1:
-            raise InvalidState("part already completed", key=key, rank=rank)
-        return self._index[(lease.ns, key)]
-
-    def _make_ready(self, entry: Entry) -> None:
-        entry.state = EntryState.READY
-        entry.lease_id = 0
-        self._reserved_pages -= entry.num_pages
-        self._num_writing -= 1
-        self.policy.insert((entry.ns, entry.key))
-
-    def _rollback(self, entry: Entry) -> None:
-        del self._index[(entry.ns, entry.key)]
-        self._reserved_pages -= entry.num_pages
-        self._num_writing -= 1
-        for pages in entry.pages:
-            self.allocator.free(pages)
-        for c in (self.totals, self._ns_counters[entry.ns]):
-            c.rolled_back_chunks += 1
-
-    def _drop_evicted(self, victims: list[Hashable]) -> None:
-        """Free evicted entries (already forgotten by the policy) and announce them."""
+    def _drop_evicted(self, evicted: list[Entry]) -> None:
+        """Hand evicted entries (already out of the index) to ``on_evict``, free their pages,
+        announce them."""
         by_ns: dict[int, list[Entry]] = {}
-        for victim in victims:
-            entry = self._index.pop(victim)  # type: ignore[call-overload]
+        for entry in evicted:
             by_ns.setdefault(entry.ns, []).append(entry)
+        specs = self._namespaces.specs
         if self.on_evict is not None:
             for ns, entries in by_ns.items():
                 try:
-                    self.on_evict(self._specs[ns], entries)
+                    self.on_evict(specs[ns], entries)
                 except Exception:  # a lower tier's failure must not break this tier
                     logger.exception("on_evict hook failed")
         for entries in by_ns.values():
-            for entry in entries:
-                for pages in entry.pages:
-                    self.allocator.free(pages)
+            self._dram.free(entries)
         for ns, entries in by_ns.items():
             keys = [entry.key for entry in entries]
-            self._emit(BlockRemoved(self._seq(), self._specs[ns].ns_id, tuple(keys), MEDIUM_DRAM))
-            self._ns_counters[ns].evicted_chunks += len(keys)
-            self.totals.evicted_chunks += len(keys)
-
-    def _add_pin(self, entry: Entry) -> None:
-        if not entry.is_pinned:
-            self._pinned_pages += entry.num_pages
-        entry.pins += 1
-
-    def _drop_pin(self, entry: Entry) -> None:
-        entry.pins -= 1
-        if not entry.is_pinned:
-            self._pinned_pages -= entry.num_pages
-
-    def _clear_ttl(self, entry: Entry) -> None:
-        entry.ttl_until = 0.0
-        if not entry.is_pinned:
-            self._pinned_pages -= entry.num_pages
-
-    def _release_load(self, lease: Lease) -> None:
-        index = self._index
-        for key in lease.keys:
-            self._drop_pin(index[(lease.ns, key)])
-
-    def _reclaim(self, lease: Lease, *, expired: bool = True) -> None:
-        if lease.kind is LeaseKind.LOAD:
-            self._release_load(lease)
-        else:
-            for key in lease.keys:
-                self._rollback(self._index[(lease.ns, key)])
-        for c in (self.totals, self._ns_counters[lease.ns]):
-            if expired:
-                c.expired_leases += 1
-            else:
-                c.released_leases += 1
+            self._emit(BlockRemoved(self._seq(), specs[ns].ns_id, tuple(keys), MEDIUM_DRAM))
+            for c in self._namespaces.pair(ns):
+                c.evicted_chunks += len(keys)
 
     def _reap(self) -> int:
         """Reclaim expired leases and TTL pins (called at the top of mutating calls)."""
-        now = self._clock()
-        expired = self.leases.pop_expired(now)
-        for lease in expired:
-            logger.debug(
-                "lease %d (%s, client %r) expired", lease.lease_id, lease.kind.value, lease.client
-            )
-            self._reclaim(lease)
-        heap = self._ttl_heap
-        while heap and heap[0][0] <= now:
-            until, ns, key = heapq.heappop(heap)
-            entry = self._index.get((ns, key))
-            if entry is not None and entry.ttl_until == until:
-                self._clear_ttl(entry)
-        return len(expired)
+        return self._pins.reap(self._clock())

@@ -1,6 +1,8 @@
-"""``kvserver bench`` (kvserver/bench.py): one smoke run of the real command, schema only.
+"""``kvserver bench`` (kvserver/bench.py): smoke runs of the real command, schema only.
 
-A benchmark, not a timed test: nothing here asserts a speed.
+A benchmark, not a timed test: nothing here asserts a speed. The first run points the Redis
+reference at a missing binary (so it runs the same everywhere and covers the skip path); the
+second runs it for real where ``redis-server`` and the ``redis`` package are installed.
 """
 
 from __future__ import annotations
@@ -12,19 +14,27 @@ from pathlib import Path
 
 import pytest
 
+from kvserver.bench_redis import redis_unavailable
+
+QUICK = [
+    sys.executable, "-m", "kvserver.cli", "bench", "--quick", "--sizes", "256KiB",
+    "--repeats", "1", "--batch", "1MiB", "--dram", "160MiB", "--lookup-iters", "10",
+    "--no-progress",
+]  # fmt: skip
+
 
 @pytest.mark.multiprocess
 def test_bench_quick_writes_json_and_chart(tmp_path: Path) -> None:
     """A tiny quick run starts its own daemon, writes every result row and the PNG, exits 0."""
     out = tmp_path / "x.json"
-    args = [
-        sys.executable, "-m", "kvserver.cli", "bench", "--quick", "--sizes", "256KiB",
-        "--repeats", "1", "--batch", "1MiB", "--dram", "160MiB", "--lookup-iters", "10",
-        "--no-progress", "--json", str(out),
-    ]  # fmt: skip
+    missing = tmp_path / "no-redis-server"
+    args = [*QUICK, "--redis-server", str(missing), "--json", str(out)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    assert doc["redis"]["status"] == "skipped" and str(missing) in doc["redis"]["reason"]
+    assert f"Redis reference skipped: '{missing}' not found" in proc.stdout
+    rows = doc["results"]
     names = [row["name"] for row in rows]
     assert len(rows) == 8 and len(set(names)) == 8
     assert sum(name.startswith("co-located store+load 256KiB x4") for name in names) == 1
@@ -39,3 +49,30 @@ def test_bench_quick_writes_json_and_chart(tmp_path: Path) -> None:
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "co-located store+load" in proc.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(redis_unavailable() is not None, reason=f"{redis_unavailable()}")
+def test_bench_quick_with_redis_reports_the_redis_ratio(tmp_path: Path) -> None:
+    """With redis-server installed the quick run adds a kvserver-vs-Redis row per size and
+    client mode, the ratio to the faster mode in the JSON document, and stops the server."""
+    out = tmp_path / "x.json"
+    proc = subprocess.run([*QUICK, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    label = "256KiB x4 (1MiB batch)"
+    rows = [r for r in doc["results"] if " vs Redis SET/GET (" in r["name"]]
+    assert len(doc["results"]) == 10
+    assert [r["name"] for r in rows] == [
+        f"remote put+get {label} vs Redis SET/GET (pipelined)",
+        f"remote put+get {label} vs Redis SET/GET (per-command)",
+    ]
+    zmq_row = next(r for r in doc["results"] if r["name"].endswith("vs raw ZMQ PUSH/PULL"))
+    for row in rows:
+        assert row["value"] == zmq_row["value"]  # the same kvserver rounds, three references
+        assert row["reference"] > 0
+        assert row["ratio"] == pytest.approx(row["value"] / row["reference"])
+    assert doc["redis"]["status"] == "measured"
+    assert doc["redis"]["ratios"] == {label: pytest.approx(min(r["ratio"] for r in rows))}
+    assert "kvserver vs Redis" in proc.stdout
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,77 @@
+"""The storage engine's namespaces: registered specs, their counters, key validation.
+
+Runs inside the storage engine (``kvserver/engine.py``), its only caller: single owner, no
+locks. A namespace is registered once (``add``) and never removed; its index (``ids[ns_id]``,
+the position in ``specs``) is the first half of every index key and stays fixed for the
+engine's life. Counters are monotonic, per namespace and in ``totals``; the engine bumps both
+through :meth:`NamespaceTable.pair`.
+
+Invariant: ``specs``, ``counters`` and the values of ``ids`` are parallel:
+``ids[specs[i].ns_id] == i`` for every ``i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserver.engine_types import Counters
+from kvserver.errors import InvalidArgument, UnknownNamespace
+from kvserver.namespace import NamespaceSpec
+
+
+class NamespaceTable:
+    """Registered namespaces by id and index (see the module docstring)."""
+
+    def __init__(self, max_keys_per_request: int) -> None:
+        self.specs: list[NamespaceSpec] = []
+        self.ids: dict[str, int] = {}
+        self.counters: list[Counters] = []
+        self.totals = Counters()
+        self._max_keys = max_keys_per_request
+
+    def add(self, spec: NamespaceSpec) -> int:
+        """Register ``spec``; returns its index. REQUIRES: ``spec.ns_id`` is not registered."""
+        ns = len(self.specs)
+        self.ids[spec.ns_id] = ns
+        self.specs.append(spec)
+        self.counters.append(Counters())
+        return ns
+
+    def index_of(self, ns_id: str) -> int:
+        """The index of ``ns_id``; UnknownNamespace if it is not registered."""
+        try:
+            return self.ids[ns_id]
+        except (KeyError, TypeError):
+            raise UnknownNamespace("namespace not registered", ns=ns_id) from None
+
+    def pair(self, ns: int) -> tuple[Counters, Counters]:
+        """The totals and namespace ``ns``'s counters, to bump both alike."""
+        return self.totals, self.counters[ns]
+
+    def check_keys(self, ns: int, keys: Sequence[bytes]) -> None:
+        """Raise InvalidArgument unless ``keys`` is a list/tuple of at most
+        ``max_keys_per_request`` byte strings of the namespace's key size."""
+        if not isinstance(keys, list | tuple):
+            raise InvalidArgument("keys must be a list of byte strings")
+        if len(keys) > self._max_keys:
+            raise InvalidArgument(
+                "too many keys in one request", count=len(keys), max=self._max_keys
+            )
+        size = self.specs[ns].key_size
+        for key in keys:
+            if type(key) is not bytes or len(key) != size:
+                raise InvalidArgument(
+                    f"every key must be {size} bytes for this namespace's hash",
+                    key=key if isinstance(key, bytes) else type(key).__name__,
+                )
+
+    def stats_rows(self, ready_counts: Sequence[int]) -> dict[str, dict[str, int]]:
+        """Per namespace id: every counter, plus READY ``entries`` and their ``bytes``."""
+        rows: dict[str, dict[str, int]] = {}
+        for ns, spec in enumerate(self.specs):
+            counters = self.counters[ns]
+            row = {name: getattr(counters, name) for name in Counters.__dataclass_fields__}
+            row["entries"] = ready_counts[ns]
+            row["bytes"] = ready_counts[ns] * spec.part_bytes * spec.tp_world_size
+            rows[spec.ns_id] = row
+        return rows
