@@ -365,7 +365,9 @@ def run(cfg: BenchConfig, target: Target | None) -> tuple[list[Result], dict[str
     the ``redis`` section of the report (what was compared, or why Redis was skipped)."""
     from kvserver.bench_refs import MALLOC_ENV, own_daemon, tune_malloc
 
-    env: dict[str, str] = {}
+    # --default-malloc: glibc's defaults everywhere, the daemon included (it tunes itself
+    # unless told not to)
+    env: dict[str, str] = {"KVSERVER_TUNE_MALLOC": "0"}
     if cfg.tune_malloc and tune_malloc():
         env = MALLOC_ENV
     with ExitStack() as stack:
