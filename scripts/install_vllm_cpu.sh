@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 "$PY" -c 'import torch' 2>/dev/null || { echo "install torch==2.13.0 first" >&2; exit 1; }
+# pip then reports vLLM's undeclared requirements (torch 2.14, CUDA kernels, ...) as
+# conflicts: expected, the check below imports what the plug-in needs.
 "$PY" -m pip install --quiet --no-deps vllm==0.33.0
 "$PY" -m pip install --quiet -r requirements/vllm-cpu.txt
 # xgrammar's declared dependency on triton is CUDA-only; vLLM only imports xgrammar itself.
