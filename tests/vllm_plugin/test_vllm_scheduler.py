@@ -22,6 +22,7 @@ from kvserver.grpc_client import GrpcClient  # noqa: E402
 from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
 from tests.vllm_plugin.harness import (  # noqa: E402
     MiniEngine,
+    StepRecord,
     make_vllm_config,
     write_tiny_model,
 )
@@ -92,6 +93,16 @@ def assert_scheduler_empty(eng: MiniEngine) -> None:
     pool = sched.kv_cache_manager.block_pool
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
     assert not eng.connector.has_pending_block_frees()
+
+
+def assert_recomputed(eng: MiniEngine, records: list[StepRecord], req_id: str) -> None:
+    """``req_id``'s load failed: its unfilled blocks were reported with its completion, it ran
+    from token 0, and nothing is left held."""
+    failed = next(r for r in records if req_id in r.finished_recving)
+    assert failed.invalid_block_ids  # the blocks it could not fill
+    ran = next(r for r in records if req_id in r.scheduled)
+    assert ran.computed_before[req_id] == 0  # recomputed from the start
+    assert_scheduler_empty(eng)
 
 
 # ---------------------------------------------------------------------------------- hits
@@ -266,12 +277,7 @@ def test_failed_load_is_recomputed(model_dir: Path, daemon: DaemonProc) -> None:
         eng.scheduler.reset_prefix_cache()
         eng.add("second", [*shared, 4], max_tokens=2)
         record = eng.step(before_worker=daemon.kill)  # pinned in schedule(), then killed
-        records = [record, *eng.run()]
-        failed = next(r for r in records if "second" in r.finished_recving)
-        assert failed.invalid_block_ids  # the worker reported the blocks it could not fill
-        ran = next(r for r in records if "second" in r.scheduled)
-        assert ran.computed_before["second"] == 0  # recomputed from the start
-        assert_scheduler_empty(eng)
+        assert_recomputed(eng, [record, *eng.run()], "second")
         outputs = dict(eng.outputs)
     finally:
         eng.close()
@@ -299,12 +305,7 @@ def test_hit_that_cannot_be_pinned_is_recomputed(
 
         monkeypatch.setattr(client, "prepare_load", die_then_pin)
         eng.add("second", [*shared, 4], max_tokens=2)
-        records = eng.run()
-        failed = next(r for r in records if "second" in r.finished_recving)
-        assert failed.invalid_block_ids
-        ran = next(r for r in records if "second" in r.scheduled)
-        assert ran.computed_before["second"] == 0
-        assert_scheduler_empty(eng)
+        assert_recomputed(eng, eng.run(), "second")
         outputs = dict(eng.outputs)
     finally:
         eng.close()
