@@ -146,9 +146,15 @@ class StepRecord:
 
 
 class MiniEngine:
-    """vLLM's scheduler + our connector (scheduler role) + one worker (worker role)."""
+    """vLLM's scheduler + our connector (scheduler role) + one worker (worker role).
 
-    def __init__(self, vllm_config: VllmConfig, num_blocks: int) -> None:
+    ``blocks_first``: per-layer KV tensors in FlashInfer's layout ``(num_blocks, 2, block_size,
+    heads, head_size)`` instead of FlashAttention's ``(2, num_blocks, ...)``."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, num_blocks: int, *, blocks_first: bool = False
+    ) -> None:
+        self.blocks_first = blocks_first
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.kv_cache_config = make_kv_cache_config(vllm_config, num_blocks)
@@ -163,11 +169,11 @@ class MiniEngine:
         )  # fmt: skip
         self.worker: KVServerConnector | None = None
         layers = self.kv_cache_config.kv_cache_groups[0].layer_names
+        shape = (2, num_blocks) if not blocks_first else (num_blocks, 2)
         self.kv_caches = {
-            name: torch.zeros(2, num_blocks, self.block_size, NUM_KV_HEADS, HEAD_SIZE,
-                              dtype=DTYPE)
+            name: torch.zeros(*shape, self.block_size, NUM_KV_HEADS, HEAD_SIZE, dtype=DTYPE)
             for name in layers
-        }  # fmt: skip
+        }
         if vllm_config.kv_transfer_config is not None:
             self.worker = KVServerConnector(
                 vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
@@ -288,15 +294,21 @@ class MiniEngine:
         pos = torch.arange(num_tokens)
         bids = torch.tensor(blocks, dtype=torch.int64)[pos // self.block_size]
         slots = pos % self.block_size
+        if self.blocks_first:
+            layers = [cache[bids, :, slots] for cache in self.kv_caches.values()]  # (n, 2, h, d)
+            return torch.stack(layers, dim=1)  # (n, layers, 2, h, d)
         layers = [cache[:, bids, slots] for cache in self.kv_caches.values()]  # (2, n, h, d)
-        return torch.stack(layers).permute(2, 0, 1, 3, 4)  # (n, layers, 2, h, d)
+        return torch.stack(layers).permute(2, 0, 1, 3, 4)
 
     def write_kv(self, blocks: list[int], start: int, values: torch.Tensor) -> None:
         pos = torch.arange(start, start + values.shape[0])
         bids = torch.tensor(blocks, dtype=torch.int64)[pos // self.block_size]
         slots = pos % self.block_size
         for i, cache in enumerate(self.kv_caches.values()):
-            cache[:, bids, slots] = values[:, i].permute(1, 0, 2, 3)
+            if self.blocks_first:
+                cache[bids, :, slots] = values[:, i]
+            else:
+                cache[:, bids, slots] = values[:, i].permute(1, 0, 2, 3)
 
     # ------------------------------------------------------------------ driving
 

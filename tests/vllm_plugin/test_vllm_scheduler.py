@@ -51,11 +51,12 @@ def engine(
     num_blocks: int = 64,
     connector: bool = True,
     kv_role: str = "kv_both",
+    blocks_first: bool = False,
     **extra: Any,
 ) -> MiniEngine:
     options = {"address": address, "chunk_blocks": CHUNK_BLOCKS, **extra}
     config = make_vllm_config(model_dir, options, connector=connector, kv_role=kv_role)
-    return MiniEngine(config, num_blocks)
+    return MiniEngine(config, num_blocks, blocks_first=blocks_first)
 
 
 def reference_outputs(
@@ -108,11 +109,17 @@ def assert_recomputed(eng: MiniEngine, records: list[StepRecord], req_id: str) -
 # ---------------------------------------------------------------------------------- hits
 
 
+@pytest.mark.parametrize(
+    ("blocks_first", "colocated"), [(False, None), (True, None), (False, False)],
+    ids=["flash-attn-layout", "flashinfer-layout", "payload-frames"],
+)  # fmt: skip
 def test_external_hit_waits_loads_and_runs_with_the_loaded_tokens(
-    model_dir: Path, daemon: DaemonProc
+    model_dir: Path, daemon: DaemonProc, blocks_first: bool, colocated: bool | None
 ) -> None:
     shared = prompt(1, 100)
-    eng = engine(model_dir, daemon.zmq_address)
+    eng = engine(model_dir, daemon.zmq_address, blocks_first=blocks_first, colocated=colocated)
+    assert eng.worker is not None and eng.worker.worker_half is not None
+    assert eng.worker.worker_half.is_colocated == (colocated is None)  # same host: the arena
     try:
         eng.run_requests([("first", shared)], max_tokens=3)
         assert ns_hits(eng, daemon, shared) == 3  # 100 prompt tokens: 3 full chunks
