@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -149,7 +150,9 @@ class MiniEngine:
     """vLLM's scheduler + our connector (scheduler role) + one worker (worker role).
 
     ``blocks_first``: per-layer KV tensors in FlashInfer's layout ``(num_blocks, 2, block_size,
-    heads, head_size)`` instead of FlashAttention's ``(2, num_blocks, ...)``."""
+    heads, head_size)`` instead of FlashAttention's ``(2, num_blocks, ...)``. With
+    ``scheduler_config.async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` (steps
+    still run one after the other here)."""
 
     def __init__(
         self, vllm_config: VllmConfig, num_blocks: int, *, blocks_first: bool = False
@@ -162,7 +165,8 @@ class MiniEngine:
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(self.block_size, hash_fn)
-        self.scheduler = Scheduler(
+        cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+        self.scheduler = cls(
             vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=self.block_size,
@@ -202,11 +206,12 @@ class MiniEngine:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, before_worker: Callable[[], None] | None = None) -> StepRecord:
-        """One engine step; ``before_worker`` runs between scheduling and the worker pass."""
+    def step(self, before_worker: Callable[[Any], None] | None = None) -> StepRecord:
+        """One engine step; ``before_worker(scheduler_output)`` runs between scheduling and
+        the worker pass."""
         out = self.scheduler.schedule()
         if before_worker is not None:
-            before_worker()
+            before_worker(out)
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens

@@ -202,8 +202,11 @@ def test_full_chunks_are_stored_as_prefill_proceeds(model_dir: Path, daemon: Dae
     try:
         eng.add("long", long, max_tokens=2)
         seen: list[tuple[int, int]] = []
+        assert eng.worker is not None and eng.worker.worker_half is not None
         while eng.scheduler.has_requests():
             record = eng.step()
+            # a worker whose copies finish within its step: the lag below is the protocol's
+            eng.worker.worker_half.wait_inflight()
             if "long" in record.scheduled:
                 done = record.computed_before["long"] + record.scheduled["long"]
                 seen.append((done, ns_hits(eng, daemon, long)))
@@ -241,17 +244,47 @@ def test_request_finishing_with_stores_in_flight_holds_its_blocks(
     assert daemon_holds_nothing(daemon)
 
 
-def test_preemption_with_stores_in_flight(model_dir: Path, daemon: DaemonProc) -> None:
-    """A pool too small for every request's decode: vLLM preempts requests whose stores are in
-    flight; the store barrier keeps the stored bytes right (later loads are checked byte by
-    byte) and every output equals the cache-off run."""
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_preemption_with_stores_in_flight(
+    model_dir: Path, daemon: DaemonProc, async_scheduling: bool
+) -> None:
+    """A pool too small for every request's decode: vLLM preempts requests whose stores are
+    held in flight (a gate on the worker's store direction, opened only by the step that names
+    them for the barrier); the barrier keeps the stored bytes right (later loads are checked
+    byte by byte) and every output equals the cache-off run."""
+    from tests.support.gate import Gate
+    from worker.transfer import Direction
+
     prompts = [(f"r{i}", prompt(10 + i, 40)) for i in range(4)]
-    eng = engine(model_dir, daemon.zmq_address, num_blocks=20)
+    config = make_vllm_config(model_dir, {"address": daemon.zmq_address,
+                                          "chunk_blocks": CHUNK_BLOCKS})  # fmt: skip
+    config.scheduler_config.async_scheduling = async_scheduling  # vLLM's default on GPUs
+    eng = MiniEngine(config, 20)
+    assert eng.worker is not None and eng.worker.worker_half is not None
+    worker_half = eng.worker.worker_half
+    gate = Gate(worker_half, Direction.STORE)
+    flush_opened: list[set[str]] = []
+
+    def open_on_flush(out: Any) -> None:
+        flushed = set(out.kv_connector_metadata.inner.flush_req_ids)
+        if flushed and not gate.is_open:
+            flush_opened.append(flushed)
+            gate.open()  # the barrier in handle_preemptions can now complete
+
     try:
-        outputs = dict(eng.run_requests(prompts, max_tokens=70))
-        records = eng.history
-        assert any(r.preempted for r in records)
-        assert any(r.flushed for r in records)  # a preempted request had stores in flight
+        for req_id, tokens in prompts:
+            eng.add(req_id, tokens, max_tokens=70)
+        while eng.scheduler.has_requests():
+            record = eng.step(before_worker=open_on_flush)
+            if not record.scheduled:
+                gate.open()
+                worker_half.wait_inflight()
+        outputs = dict(eng.outputs)
+        # a request was preempted while its stores were held in flight: the step that freed
+        # its blocks named it for the barrier
+        assert flush_opened and flush_opened[0] <= set().union(
+            *(r.preempted for r in eng.history)
+        )
         assert_scheduler_empty(eng)
         sequences = [[*tokens, *outputs[req_id]] for req_id, tokens in prompts]
         for seq in sequences:  # 109 of 110 tokens computed: 3 chunks each
@@ -263,6 +296,7 @@ def test_preemption_with_stores_in_flight(model_dir: Path, daemon: DaemonProc) -
         assert stats.loads >= len(again) and stats.load_errors == 0
         assert_scheduler_empty(eng)
     finally:
+        gate.open()
         eng.close()
     ref = reference_outputs(model_dir, prompts, 70, num_blocks=20)
     assert outputs == ref
@@ -283,7 +317,7 @@ def test_failed_load_is_recomputed(model_dir: Path, daemon: DaemonProc) -> None:
         assert ns_hits(eng, daemon, shared) == 3
         eng.scheduler.reset_prefix_cache()
         eng.add("second", [*shared, 4], max_tokens=2)
-        record = eng.step(before_worker=daemon.kill)  # pinned in schedule(), then killed
+        record = eng.step(before_worker=lambda _: daemon.kill())  # pinned, then killed
         assert_recomputed(eng, [record, *eng.run()], "second")
         outputs = dict(eng.outputs)
     finally:

@@ -7,7 +7,6 @@ computed. Stored parts are checked in the daemon, loads by comparing block bytes
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from kvserver.client import KVClient  # noqa: E402
 from kvserver.connector_messages import ConnectorMetadata  # noqa: E402
 from kvserver.errors import InvalidArgument  # noqa: E402
 from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
+from tests.support.gate import Gate  # noqa: E402
 from tests.worker.builders import (  # noqa: E402
     BS,
     NUM_BLOCKS,
@@ -32,7 +32,7 @@ from tests.worker.builders import (  # noqa: E402
 )
 from worker.config import WorkerConnectorConfig  # noqa: E402
 from worker.kv_connector import KVServerWorkerConnector  # noqa: E402
-from worker.transfer import Direction, Transfer  # noqa: E402
+from worker.transfer import Direction  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,23 +79,6 @@ def expected_part(req: FakeRequest, chunk: int, rank: int, block_bytes: int) -> 
     cb = req.spec.chunk_blocks
     hashes = req.block_hashes[chunk * cb : (chunk + 1) * cb]
     return b"".join(kv_bytes(h, rank, block_bytes) for h in hashes)
-
-
-class Gate:
-    """Holds a direction of a worker's engine: a transfer that waits for :meth:`open`."""
-
-    def __init__(self, conn: KVServerWorkerConnector, direction: Direction) -> None:
-        self.event = threading.Event()
-        self.transfer = Transfer(direction, "gate", [], prepare=self._wait)
-        assert conn.engine is not None
-        conn.engine.submit(self.transfer)
-
-    def _wait(self) -> list[Any]:
-        self.event.wait()
-        return []
-
-    def open(self) -> None:
-        self.event.set()
 
 
 # ----------------------------------------------------------------------------- data paths
