@@ -6,17 +6,28 @@ Everything runs in one process, one run:
 
 - the arena: a real kvserver ``SharedArena`` in /dev/shm, mapped as the worker maps it
   (``worker.host.MappedArena``; page-locked with cudaHostRegister on CUDA);
-- KV caches on the device in two layouts: ``cross`` (one (blocks, block_bytes) tensor: a chunk
-  of consecutive blocks is one copy) and ``flash`` (per layer (2, blocks, ...): one copy per
-  block, layer and K/V page). Parts go to scattered arena extents (one per part);
-- engine: the real ``TransferEngine`` (threads on CPU, streams + events on CUDA) running the
-  copies planned by ``worker.layout.plan_copies``, one Transfer per 16 chunks, all submitted,
-  then waited for; timed from the first submit to the last completion;
-- reference: one ``copy_`` of the same total bytes between two contiguous tensors (CPU:
-  plain memcpy, torch limited to ``--threads`` threads, default 1, for both sides; CUDA:
-  pinned host ↔ device, the cudaMemcpy peak).
+- KV caches on the device in two layouts: ``cross`` (one (blocks, block_bytes) tensor: the
+  blocks of a chunk are consecutive bytes) and ``flash`` (per layer (2, blocks, ...): K and V
+  pages of a block lie apart, in LAYERS tensors). Chunks take scattered runs of consecutive
+  blocks; parts go to scattered arena extents (one per part);
+- engine: the chunks planned as the connector plans them (``worker.layout.plan_copies``, on
+  the worker's thread: checks and builds the copies' views; its cost per chunk is reported as
+  ``plan_us_per_chunk``, outside ``ratio``), one Transfer per 16 chunks, all submitted, then
+  waited for; timed from the first submit to the last completion. ``ratio_with_plan`` adds
+  the planning time;
+- reference: one ``copy_`` of the same total bytes between two contiguous, written tensors
+  (CPU: plain memcpy, torch limited to ``--threads`` threads, default 1, for both sides; CUDA:
+  pinned host ↔ device, the cudaMemcpy peak);
+- pattern (CPU): the same pages moved by one native ``index_select`` / ``index_copy_`` over
+  all chunks (no per-copy cost at all): what the scattered pages cost by themselves, a
+  ceiling for any engine built from copies (the flash caches are views of one allocation so
+  that one call can reach every layer).
 
-Usage: python benchmarks/bench_transfer.py [--quick] [--json FILE]
+Rounds interleave reference, engine and pattern; each ratio is the median over rounds of the
+per-round ratio (the machines are shared: a ratio within one round is stable, absolute speed
+is not).
+
+Usage: python benchmarks/bench_transfer.py [--quick] [--json FILE] [--chunk-blocks N]
 With --json, also writes FILE with the .png suffix (a chart) when matplotlib is importable.
 """
 
@@ -24,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,68 +53,77 @@ from tqdm import tqdm
 from kvserver.arena import SharedArena
 from worker.host import MappedArena
 from worker.layout import CanonicalKVCaches, canonicalize, plan_copies
-from worker.transfer import Direction, Transfer, TransferEngine, make_engine
+from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine, make_engine
 
 MiB = 1 << 20
 TARGET = 0.8
-CHUNK_BLOCKS = 4
+CHUNK_BLOCKS = 4  # default; --chunk-blocks
 CHUNKS_PER_TRANSFER = 16
 LAYERS = 4
 
 
-def make_caches(layout: str, page: int, num_blocks: int, device: torch.device) -> Any:
-    """KV caches whose block holds LAYERS x 2 pages of ``page`` bytes."""
+def make_caches(
+    layout: str, page: int, num_blocks: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """KV caches whose block holds LAYERS x 2 pages of ``page`` bytes (random bytes), and the
+    same memory as rows of pages: ``(blocks, block_bytes)`` for ``cross``, ``(LAYERS * 2 *
+    blocks, page)`` for ``flash`` (row ``view * blocks + block``, views in block-byte order)."""
     if layout == "cross":
-        t = torch.zeros((num_blocks, LAYERS * 2 * page), dtype=torch.uint8, device=device)
-        return {"all": t}
-    return {
-        f"l{i}": torch.zeros((2, num_blocks, page // 2), dtype=torch.float16, device=device)
-        for i in range(LAYERS)
-    }
+        t = torch.randint(0, 256, (num_blocks, LAYERS * 2 * page), dtype=torch.uint8)
+        t = t.to(device)
+        return {"all": t}, t
+    alloc = torch.randint(0, 256, (LAYERS, 2, num_blocks, page), dtype=torch.uint8).to(device)
+    fp16 = alloc.view(torch.float16)  # (LAYERS, 2, blocks, page / 2): FlashAttention per layer
+    return {f"l{i}": fp16[i] for i in range(LAYERS)}, alloc.view(-1, page)
 
 
-def timed(fn: Callable[[], None], sync: Callable[[], None], rounds: int) -> float:
-    """Median seconds of ``rounds`` runs after one warm-up."""
-    fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+@dataclass
+class Chunks:
+    """The chunks one direction moves: scattered runs of consecutive GPU blocks, parts at
+    scattered arena slots."""
+
+    blocks: int  # GPU blocks per chunk
+    starts: list[int]  # first GPU block of each chunk
+    slots: list[int]  # arena slot (in parts) of each chunk
+
+    @classmethod
+    def scattered(cls, blocks: int, num_blocks: int, num_chunks: int) -> Chunks:
+        rng = random.Random(1)
+        runs = list(range(0, num_blocks - blocks + 1, blocks))
+        rng.shuffle(runs)
+        slots = list(range(num_chunks))
+        rng.shuffle(slots)
+        return cls(blocks, runs[:num_chunks], slots)
 
 
-def run_engine(
-    engine: TransferEngine,
-    caches: CanonicalKVCaches,
-    arena: MappedArena,
-    direction: Direction,
-    num_chunks: int,
-    part_bytes: int,
-) -> Callable[[], None]:
-    rng = random.Random(1)
-    blocks = list(range(caches.num_blocks))
-    rng.shuffle(blocks)  # chunks of scattered blocks; consecutive within a chunk
-    starts = [b - b % CHUNK_BLOCKS for b in blocks[:num_chunks]]
-    slots = list(range(num_chunks))
-    rng.shuffle(slots)  # parts at scattered arena offsets
+def plan_chunks(
+    caches: CanonicalKVCaches, arena: MappedArena, direction: Direction, chunks: Chunks
+) -> list[list[KeyCopies]]:
+    """What the connector does on the worker's thread: ``plan_copies`` per chunk, grouped
+    CHUNKS_PER_TRANSFER chunks to a Transfer."""
     is_load = direction is Direction.LOAD
-    transfers: list[list[Any]] = []
-    for first in range(0, num_chunks, CHUNKS_PER_TRANSFER):
-        keys = []
-        for i in range(first, min(first + CHUNKS_PER_TRANSFER, num_chunks)):
-            ids = list(range(starts[i], starts[i] + CHUNK_BLOCKS))
-            ext = [(slots[i] * part_bytes, part_bytes)]
-            key = i.to_bytes(8, "big")
-            tensor = arena.tensor
-            keys.append(plan_copies(caches, key, ids, CHUNK_BLOCKS, tensor, ext, is_load=is_load))
-        transfers.append(keys)
+    part = caches.block_bytes * chunks.blocks
+    planned = []
+    for first in range(0, len(chunks.starts), CHUNKS_PER_TRANSFER):
+        copies = []
+        for i in range(first, min(first + CHUNKS_PER_TRANSFER, len(chunks.starts))):
+            ids = list(range(chunks.starts[i], chunks.starts[i] + chunks.blocks))
+            copies.append(plan_copies(
+                caches, i.to_bytes(8, "big"), ids, chunks.blocks, arena.tensor,
+                [(chunks.slots[i] * part, part)], is_load=is_load,
+            ))  # fmt: skip
+        planned.append(copies)
+    return planned
+
+
+def engine_run(
+    engine: TransferEngine, direction: Direction, planned: list[list[KeyCopies]]
+) -> Callable[[], None]:
+    """Submit one Transfer per planned group, then wait for all of them."""
 
     def go() -> None:
         submitted = []
-        for copies in transfers:
+        for copies in planned:
             t = Transfer(direction, None, [kc.key for kc in copies], copies)
             engine.submit(t)
             submitted.append(t)
@@ -111,10 +133,52 @@ def run_engine(
     return go
 
 
-def bench(device: torch.device, quick: bool) -> list[dict[str, Any]]:
+def pattern_run(
+    rows: torch.Tensor, views: int, arena: MappedArena, direction: Direction, chunks: Chunks
+) -> Callable[[], None]:
+    """The same pages in one native call between the KV ``rows`` (``views`` pages per block,
+    see :func:`make_caches`) and a contiguous arena range, in part order."""
+    nb = rows.shape[0] // views
+    index = torch.tensor([
+        v * nb + s + j for s in chunks.starts for j in range(chunks.blocks) for v in range(views)
+    ])  # fmt: skip
+    host = arena.tensor[: index.numel() * rows.shape[1]].view(-1, rows.shape[1])
+    wide_rows, wide_host = rows.view(torch.complex128), host.view(torch.complex128)
+
+    def store() -> None:
+        torch.index_select(rows, 0, index, out=host)
+
+    def load() -> None:
+        wide_rows.index_copy_(0, index, wide_host)
+
+    return store if direction is Direction.STORE else load
+
+
+def interleaved(
+    fns: list[Callable[[], None]], sync: Callable[[], None], rounds: int
+) -> list[list[float]]:
+    """Per function, the seconds of each round (one warm-up round first); the functions run
+    back to back within a round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds + 1):
+        for i, fn in enumerate(fns):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r:
+                times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ratio(ref: list[float], other: list[float]) -> float:
+    return statistics.median(r / o for r, o in zip(ref, other, strict=True))
+
+
+def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str, Any]]:
     pages = [8 << 10, 32 << 10] if quick else [4 << 10, 16 << 10, 64 << 10]
     total = (32 if quick else 192) * MiB
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 15
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows: list[dict[str, Any]] = []
@@ -124,33 +188,45 @@ def bench(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     engine = make_engine(device)
     try:
         for layout, page, direction in tqdm(work, desc=f"transfer ({device.type})"):
-            block_bytes = LAYERS * 2 * page
-            part = block_bytes * CHUNK_BLOCKS
+            part = LAYERS * 2 * page * chunk_blocks
             num_chunks = total // part
-            caches = canonicalize(
-                make_caches(layout, page, num_chunks * CHUNK_BLOCKS * 2, device),
-                num_chunks * CHUNK_BLOCKS * 2,
-            )
-            go = run_engine(engine, caches, mapped, direction, num_chunks, part)
-            t_engine = timed(go, sync, rounds)
+            num_blocks = num_chunks * chunk_blocks * 2
+            raw, page_rows = make_caches(layout, page, num_blocks, device)
+            caches = canonicalize(raw, num_blocks)
+            chunks = Chunks.scattered(chunk_blocks, num_blocks, num_chunks)
             nbytes = num_chunks * part
-            dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dev_buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
             host_buf = mapped.tensor[:nbytes]
             src, dst = (dev_buf, host_buf) if direction is Direction.STORE else (host_buf, dev_buf)
 
             def ref(src: torch.Tensor = src, dst: torch.Tensor = dst) -> None:
                 dst.copy_(src, non_blocking=cuda)
 
-            t_ref = timed(ref, sync, rounds)
-            rows.append({
+            plan_s = math.inf
+            for _ in range(3):  # the least of three: the first call also warms up
+                t0 = time.perf_counter()
+                planned = plan_chunks(caches, mapped, direction, chunks)
+                plan_s = min(plan_s, time.perf_counter() - t0)
+            fns = [ref, engine_run(engine, direction, planned)]
+            if not cuda:
+                views = 1 if layout == "cross" else LAYERS * 2
+                fns.append(pattern_run(page_rows, views, mapped, direction, chunks))
+            times = interleaved(fns, sync, rounds)
+            row = {
                 "device": device.type, "layout": layout, "page_kib": page >> 10,
                 "direction": direction.value, "part_kib": part >> 10,
-                "copies_per_chunk": len(caches.segments(list(range(CHUNK_BLOCKS)))),
-                "bytes": nbytes,
-                "engine_gbps": nbytes / t_engine / 1e9, "reference_gbps": nbytes / t_ref / 1e9,
-                "ratio": t_ref / t_engine,
-            })  # fmt: skip
-            del caches, dev_buf, host_buf, src, dst
+                "copies_per_chunk": len(planned[0][0].pairs), "bytes": nbytes,
+                "plan_us_per_chunk": plan_s / num_chunks * 1e6,
+                "engine_gbps": nbytes / statistics.median(times[1]) / 1e9,
+                "reference_gbps": nbytes / statistics.median(times[0]) / 1e9,
+                "ratio": median_ratio(times[0], times[1]),
+                "ratio_with_plan": statistics.median(times[0])
+                / (statistics.median(times[1]) + plan_s),
+            }  # fmt: skip
+            if not cuda:
+                row["pattern_ratio"] = median_ratio(times[0], times[2])
+            rows.append(row)
+            del caches, raw, page_rows, dev_buf, host_buf, src, dst, fns, planned
     finally:
         engine.close()
         mapped.close()
@@ -168,7 +244,11 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(9, 4))
     labels = [f"{r['device']}\n{r['layout']} {r['page_kib']}K\n{r['direction']}" for r in rows]
-    ax.bar(range(len(rows)), [r["ratio"] for r in rows], color="tab:blue")
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], color="tab:blue", label="engine")
+    marked = [i for i, r in enumerate(rows) if "pattern_ratio" in r]
+    if marked:
+        ax.scatter(marked, [rows[i]["pattern_ratio"] for i in marked], marker="_", s=300,
+                   color="black", label="pattern: the same pages in one native call")  # fmt: skip
     ax.axhline(TARGET, color="tab:red", linestyle="--", label=f"target {TARGET}x")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("engine / plain copy bandwidth")
@@ -184,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, less data")
     parser.add_argument("--json", type=Path, help="write results here (+ .png chart)")
     parser.add_argument(
+        "--chunk-blocks", type=int, default=CHUNK_BLOCKS,
+        help=f"GPU blocks per chunk (default {CHUNK_BLOCKS})",
+    )  # fmt: skip
+    parser.add_argument(
         "--threads", type=int, default=1,
         help="torch intra-op threads for every copy, engine and reference (default 1: the "
         "reference is a single-thread memcpy, DESIGN.md §5)",
@@ -193,18 +277,21 @@ def main(argv: list[str] | None = None) -> int:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
-    rows = [row for d in devices for row in bench(d, args.quick)]
-    print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'copies':>6} "
-          f"{'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6}")  # fmt: skip
+    rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks)]
+    print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'copies':>6} {'plan µs':>7} "
+          f"{'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
+          f"{'pattern':>7}")  # fmt: skip
     for r in rows:
+        pattern = f"{r['pattern_ratio']:>7.2f}" if "pattern_ratio" in r else f"{'-':>7}"
         print(f"{r['device']:6} {r['layout']:6} {r['page_kib']:>5}K {r['direction']:5} "
-              f"{r['copies_per_chunk']:>6} {r['engine_gbps']:>11.2f} {r['reference_gbps']:>9.2f} "
-              f"{r['ratio']:>6.2f}")  # fmt: skip
+              f"{r['copies_per_chunk']:>6} {r['plan_us_per_chunk']:>7.1f} "
+              f"{r['engine_gbps']:>11.2f} {r['reference_gbps']:>9.2f} "
+              f"{r['ratio']:>6.2f} {r['ratio_with_plan']:>6.2f} {pattern}")  # fmt: skip
     if args.json:
         meta = {
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "quick": args.quick, "target": TARGET, "layers": LAYERS,
-            "chunk_blocks": CHUNK_BLOCKS, "chunks_per_transfer": CHUNKS_PER_TRANSFER,
+            "chunk_blocks": args.chunk_blocks, "chunks_per_transfer": CHUNKS_PER_TRANSFER,
         }  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -1,8 +1,8 @@
 """Canonical KV-cache layout: any paged KV tensor as per-block byte rows (seed 000 §12.1).
 
-Runs in the worker process, once at start-up (:func:`canonicalize`) and then per transfer
-(:meth:`CanonicalKVCaches.segments`, pure arithmetic). No locks: the result is immutable and
-may be read from any thread.
+Runs in the worker process, once at start-up (:func:`canonicalize`) and then per chunk
+(:func:`plan_copies`, on the worker's thread). No locks: the result is immutable and may be
+read from any thread.
 
 Attention backends lay out their paged KV differently: FlashAttention keeps ``(2, num_blocks,
 block_size, heads, head_dim)`` per layer, others put the block dimension first
@@ -20,6 +20,15 @@ tensor the physically outer sub-views in order (K before V). A per-layer FlashAt
 and a cross-layer ``(num_blocks, layers, 2, ...)`` cache of the same model therefore produce
 the same bytes; a different *inner* physical order (HND vs NHD) produces different bytes, so
 workers that share a namespace must share the backend's inner layout.
+
+Copies (:func:`plan_copies`): Python pays about a microsecond per torch call, so the number of
+calls per chunk is what matters for small pages. On the CPU, :func:`strided_copies` moves a run
+of whole sub-blocks with one call per registered tensor (a :class:`ViewGroup`: all its views,
+e.g. K and V, and all the blocks at once, as ``(blocks, views, page)`` strided views on both
+sides), an ``index_select``/``index_copy_`` per tensor when the block ids are not consecutive,
+and only sub-blocks cut by an extent boundary page piece by page piece. CUDA copies want
+contiguous host memory, so :func:`contiguous_copies` gives one piece per page (merged where
+both sides continue).
 """
 
 from __future__ import annotations
@@ -31,10 +40,27 @@ from dataclasses import dataclass
 import torch
 
 from kvserver.errors import InvalidArgument
-from worker.transfer import KeyCopies
+from worker.transfer import Copy, IndexedCopy, KeyCopies
 
 #: (view index, byte offset in the view's flat bytes, byte offset in the part, length)
 Segment = tuple[int, int, int, int]
+#: (offset in the host tensor, byte offset in the part, length): one extent piece of a part.
+Piece = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ViewGroup:
+    """The views cut from one registered tensor, as one strided byte tensor.
+
+    ``rows[b, k]`` is the page of view ``first + k`` in block ``b``; shape ``(num_blocks,
+    count, page)``. Its pages lie back to back in a block's bytes from ``offset`` on.
+    """
+
+    rows: torch.Tensor
+    first: int
+    offset: int
+    count: int
+    page: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +69,8 @@ class CanonicalKVCaches:
 
     Invariants: every view is a contiguous ``(num_blocks, page_bytes[i])`` uint8 tensor on
     ``device``; ``block_bytes == sum(page_bytes)``; ``offsets[i]`` is where view ``i``'s page
-    sits inside a block's bytes.
+    sits inside a block's bytes; ``groups`` partition the views in order, group ``g`` holding
+    views ``g.first .. g.first + g.count - 1`` (all of page ``g.page``, from ``g.offset`` on).
     """
 
     views: tuple[torch.Tensor, ...]
@@ -52,6 +79,8 @@ class CanonicalKVCaches:
     offsets: tuple[int, ...]
     #: registered name of the tensor each view comes from (for messages).
     names: tuple[str, ...]
+    #: the views grouped by the tensor they come from, in order.
+    groups: tuple[ViewGroup, ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -73,9 +102,7 @@ class CanonicalKVCaches:
         both sides are merged (consecutive block ids of a single-view layout become one copy).
         REQUIRES: every id in ``range(num_blocks)`` (checked: InvalidArgument).
         """
-        for b in block_ids:
-            if type(b) is not int or not 0 <= b < self.num_blocks:
-                raise InvalidArgument("block id out of range", block=b, num_blocks=self.num_blocks)
+        self.check_blocks(block_ids)
         out: list[Segment] = []
         bb = self.block_bytes
         for j, block in enumerate(block_ids):
@@ -89,6 +116,12 @@ class CanonicalKVCaches:
                         continue
                 out.append(seg)
         return out
+
+    def check_blocks(self, block_ids: Sequence[int]) -> None:
+        """InvalidArgument unless every id is an int in ``range(num_blocks)``."""
+        for b in block_ids:
+            if type(b) is not int or not 0 <= b < self.num_blocks:
+                raise InvalidArgument("block id out of range", block=b, num_blocks=self.num_blocks)
 
 
 def canonicalize(
@@ -116,21 +149,28 @@ def canonicalize(
         raise InvalidArgument("num_blocks must be a positive integer", num_blocks=num_blocks)
     views: list[torch.Tensor] = []
     names: list[str] = []
+    groups: list[ViewGroup] = []
     device = items[0][1].device
+    offset = 0
     for name, tensor in items:
         if tensor.device != device:
             raise InvalidArgument("KV caches on different devices", layer=name)
-        for view in _block_views(name, tensor, num_blocks, block_dim):
-            views.append(view)
-            names.append(name)
+        as_bytes = _block_views(name, tensor, num_blocks, block_dim)
+        count, page = int(as_bytes.shape[0]), int(as_bytes.shape[2])
+        groups.append(ViewGroup(as_bytes.permute(1, 0, 2), len(views), offset, count, page))
+        offset += count * page
+        views += as_bytes.unbind(0)
+        names += [name] * count
     pages = tuple(int(v.shape[1]) for v in views)
     offsets = tuple(sum(pages[:i]) for i in range(len(pages)))
-    return CanonicalKVCaches(tuple(views), num_blocks, pages, offsets, tuple(names))
+    return CanonicalKVCaches(tuple(views), num_blocks, pages, offsets, tuple(names), tuple(groups))
 
 
 def _block_views(
     name: str, tensor: torch.Tensor, num_blocks: int, block_dim: int | None
-) -> list[torch.Tensor]:
+) -> torch.Tensor:
+    """``tensor`` as ``(outer, num_blocks, page_bytes)`` uint8, outer = the dimensions that lie
+    physically outside the block dimension (FlashAttention's K/V ``2``)."""
     shape = tuple(tensor.shape)
     if block_dim is None:
         candidates = [d for d, size in enumerate(shape) if size == num_blocks]
@@ -155,8 +195,7 @@ def _block_views(
     outer = math.prod(physical.shape[:pos])
     inner = math.prod(physical.shape[pos + 1 :])
     rows = physical.reshape(outer, num_blocks, inner)
-    as_bytes = rows.view(torch.uint8)  # (outer, num_blocks, inner * element_size)
-    return [as_bytes[i] for i in range(outer)]
+    return rows.view(torch.uint8)  # (outer, num_blocks, inner * element_size)
 
 
 def split_extents(
@@ -193,24 +232,169 @@ def plan_copies(
     *,
     skip: int = 0,
     is_load: bool,
+    contiguous: bool | None = None,
 ) -> KeyCopies:
     """The copies moving one part between KV blocks and ``host`` (a flat uint8 tensor; the
     part's bytes are at ``extents`` of it, in order).
 
     Store: ``block_ids`` are the part's ``chunk_blocks`` sub-blocks. Load: ``block_ids[j]``
     receives sub-block ``skip + j`` (``chunk_blocks - skip`` ids); the skipped leading
-    sub-blocks are neither read nor written (kvserver/connector_messages.py). Each pair is
-    contiguous on both sides. Raises InvalidArgument for ids or extents that do not fit.
+    sub-blocks are neither read nor written (kvserver/connector_messages.py). Raises
+    InvalidArgument for ids or extents that do not fit, before building anything. The copies
+    come from :func:`strided_copies` when the caches and ``host`` are on the CPU, else (or
+    with ``contiguous=True``) from :func:`contiguous_copies`.
     """
     want = chunk_blocks - skip if is_load else chunk_blocks
     if not 0 <= skip < chunk_blocks or len(block_ids) != want:
         raise InvalidArgument("block_ids do not fit the chunk", blocks=len(block_ids),
                               skip_blocks=skip, chunk_blocks=chunk_blocks)  # fmt: skip
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ids = tuple(block_ids)
+    caches.check_blocks(ids)
+    bb = caches.block_bytes
+    start, length = skip * bb, len(ids) * bb
+    if len(extents) == 1 and start + length <= extents[0][1]:  # the usual case: one extent
+        pieces: tuple[Piece, ...] = ((extents[0][0] + start, start, length),)
+    else:
+        pieces = tuple(split_extents(extents, start, length))
+    size = host.numel()
+    for at, _, n in pieces:
+        if at < 0 or at + n > size:
+            raise InvalidArgument("extent outside the host buffer", offset=at, length=n)
+    if contiguous is None:
+        contiguous = not (host.is_cpu and caches.views[0].is_cpu)
+    build = contiguous_copies if contiguous else strided_copies
+    return KeyCopies(key, build(caches, ids, skip, host, pieces, is_load), size=length)
+
+
+def strided_copies(
+    caches: CanonicalKVCaches,
+    block_ids: tuple[int, ...],
+    skip: int,
+    host: torch.Tensor,
+    pieces: Sequence[Piece],
+    is_load: bool,
+) -> list[Copy]:
+    """The copies of one checked part (see :func:`plan_copies`; ``pieces`` from
+    :func:`split_extents` over the part bytes ``block_ids`` cover), for CPU caches and host.
+
+    Per run of whole sub-blocks inside one extent piece: one strided copy per
+    :class:`ViewGroup` when the block ids are consecutive, else one indexed copy per group;
+    the pieces of sub-blocks cut by an extent boundary are copied one by one.
+    """
+    bb = caches.block_bytes
+    origin = int(host.storage_offset())
+    if len(pieces) == 1:  # the usual case: one extent holds every sub-block whole
+        return _whole_copies(caches, bb, block_ids, host, origin + pieces[0][0], is_load)
+    out: list[Copy] = []
+    for at, start, length in pieces:
+        end = start + length
+        first, last = -(-start // bb), end // bb  # the whole sub-blocks [first, last)
+        if first >= last:
+            out += _range_copies(caches, block_ids, skip, host, at, start, end, is_load)
+            continue
+        if start < first * bb:
+            out += _range_copies(caches, block_ids, skip, host, at, start, first * bb, is_load)
+        whole = block_ids[first - skip : last - skip]
+        out += _whole_copies(caches, bb, whole, host, origin + at + first * bb - start, is_load)
+        if last * bb < end:
+            tail_at = at + last * bb - start
+            out += _range_copies(caches, block_ids, skip, host, tail_at, last * bb, end, is_load)
+    return out
+
+
+def _whole_copies(
+    caches: CanonicalKVCaches,
+    bb: int,
+    block_ids: tuple[int, ...],
+    host: torch.Tensor,
+    origin: int,
+    is_load: bool,
+) -> list[Copy]:
+    """Whole sub-blocks ``block_ids`` (``bb`` bytes each) at storage offset ``origin`` of
+    ``host``, back to back: one copy per view group."""
+    n, first = len(block_ids), block_ids[0]
+    out: list[Copy] = []
+    if block_ids == tuple(range(first, first + n)):
+        for g in caches.groups:
+            kv = g.rows[first : first + n]
+            part = host.as_strided((n, g.count, g.page), (bb, g.page, 1), origin + g.offset)
+            out.append((part, kv) if is_load else (kv, part))
+        return out
+    if is_load and len(set(block_ids)) != n:  # a scatter needs distinct rows: keep the order
+        for j, b in enumerate(block_ids):
+            out += _whole_copies(caches, bb, (b,), host, origin + j * bb, is_load)
+        return out
+    index = torch.tensor(block_ids, dtype=torch.int64)
+    for g in caches.groups:
+        part = host.as_strided((n, g.count, g.page), (bb, g.page, 1), origin + g.offset)
+        if is_load:
+            src, dst = _widest(part, g.rows)
+            out.append(IndexedCopy(src, dst, index, scatter=True))
+        else:
+            out.append(IndexedCopy(g.rows, part, index, scatter=False))
+    return out
+
+
+#: Element types an indexed scatter may view bytes as, widest first (its loop is per element).
+_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _widest(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` (uint8, last dimension contiguous) viewed as the widest element type
+    both allow (aligned addresses, strides and row length), else as they are."""
+    for width, dtype in _WIDE:
+        if all(
+            t.data_ptr() % width == 0 and t.shape[-1] % width == 0
+            and all(s % width == 0 for s in t.stride()[:-1])
+            for t in (a, b)
+        ):  # fmt: skip
+            return a.view(dtype), b.view(dtype)
+    return a, b
+
+
+def _range_copies(
+    caches: CanonicalKVCaches,
+    block_ids: Sequence[int],
+    skip: int,
+    host: torch.Tensor,
+    at: int,
+    start: int,
+    end: int,
+    is_load: bool,
+) -> list[Copy]:
+    """Part bytes ``[start, end)`` (at ``host[at:]``), one contiguous copy per page piece."""
+    bb = caches.block_bytes
+    out: list[Copy] = []
+    for sub in range(start // bb, -(-end // bb)):
+        block = block_ids[sub - skip]
+        for i, (page, off) in enumerate(zip(caches.page_bytes, caches.offsets, strict=True)):
+            lo, hi = max(start, sub * bb + off), min(end, sub * bb + off + page)
+            if lo < hi:
+                kv_at = block * page + lo - sub * bb - off
+                kv = caches.flat(i)[kv_at : kv_at + hi - lo]
+                part = host[at + lo - start : at + hi - start]
+                out.append((part, kv) if is_load else (kv, part))
+    return out
+
+
+def contiguous_copies(
+    caches: CanonicalKVCaches,
+    block_ids: Sequence[int],
+    skip: int,
+    host: torch.Tensor,
+    pieces: Sequence[Piece],
+    is_load: bool,
+) -> list[Copy]:
+    """Like :func:`strided_copies`, but every copy is contiguous on both sides (what
+    ``copy_(non_blocking=True)`` between a CUDA device and pinned host memory wants): one per
+    page, merged where both sides continue, split at extent boundaries."""
+    extents = [(at, length) for at, _, length in pieces]
+    base = pieces[0][1]  # part offset where ``extents`` start
+    pairs: list[Copy] = []
     for view, src_off, part_off, length in caches.segments(block_ids, skip):
         flat = caches.flat(view)
-        for host_off, piece_off, n in split_extents(extents, part_off, length):
-            dev = flat[src_off + piece_off - part_off :][:n]
+        for host_off, piece_off, n in split_extents(extents, part_off - base, length):
+            dev = flat[src_off + piece_off + base - part_off :][:n]
             h = host[host_off : host_off + n]
             pairs.append((h, dev) if is_load else (dev, h))
-    return KeyCopies(key, pairs)
+    return pairs

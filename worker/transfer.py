@@ -13,10 +13,11 @@ Every transfer is collected exactly once, in submission order per direction, suc
 not; a failure of one key's copies fails that key only (``Transfer.failed_keys``).
 
 Implementations: :class:`CpuTransferEngine` here (one single-thread executor per direction,
-copies with ``torch`` ``copy_``), and ``CudaTransferEngine`` in worker/transfer_cuda.py
-(dedicated streams, start/end events chained across transfers). :func:`make_engine` picks one
-by device. Thread safety: ``submit``/``poll``/``wait``/``close`` are called from one thread
-(the worker's); the engine's own threads only run the transfer bodies, in order.
+copies with ``torch`` ``copy_``, ``index_select`` and ``index_copy_``), and
+``CudaTransferEngine`` in worker/transfer_cuda.py (dedicated streams, start/end events chained
+across transfers). :func:`make_engine` picks one by device. Thread safety:
+``submit``/``poll``/``wait``/``close`` are called from one thread (the worker's); the engine's
+own threads only run the transfer bodies, in order.
 """
 
 from __future__ import annotations
@@ -41,18 +42,49 @@ class Direction(enum.Enum):
     LOAD = "load"  # host → KV blocks
 
 
-@dataclass(slots=True, eq=False)
-class KeyCopies:
-    """The copies of one chunk part: ``(src, dst)`` tensor pairs of equal size. ``error`` set
-    means planning failed already: nothing is copied and the key is reported failed."""
+@dataclass(frozen=True, slots=True, eq=False)
+class IndexedCopy:
+    """Rows along dim 0 picked by ``index`` on one side: a gather ``dst[k] = src[index[k]]``
+    or, with ``scatter``, ``dst[index[k]] = src[k]``. ``index`` (int64, on the CPU) has no
+    duplicates when ``scatter``; the row shapes of ``src`` and ``dst`` match."""
 
-    key: bytes
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    error: str | None = None
+    src: torch.Tensor
+    dst: torch.Tensor
+    index: torch.Tensor
+    scatter: bool
 
     @property
     def nbytes(self) -> int:
-        return sum(src.numel() * src.element_size() for src, _ in self.pairs)
+        dense = self.src if self.scatter else self.dst
+        return dense.numel() * dense.element_size()
+
+
+#: One copy: a ``(src, dst)`` pair of equal shape (``dst.copy_(src)``), or an indexed copy.
+Copy = tuple[torch.Tensor, torch.Tensor] | IndexedCopy
+
+
+def copy_bytes(copy: Copy) -> int:
+    if isinstance(copy, IndexedCopy):
+        return copy.nbytes
+    return copy[0].numel() * copy[0].element_size()
+
+
+@dataclass(slots=True, eq=False)
+class KeyCopies:
+    """The copies of one chunk part, run in order. ``error`` set means planning failed
+    already: nothing is copied and the key is reported failed. ``size``: the bytes the copies
+    move, when the planner knows it (else summed from ``pairs``)."""
+
+    key: bytes
+    pairs: list[Copy] = field(default_factory=list)
+    error: str | None = None
+    size: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.size is not None:
+            return self.size
+        return sum(copy_bytes(c) for c in self.pairs)
 
 
 @dataclass(slots=True, eq=False)
@@ -120,8 +152,10 @@ class TransferEngine(ABC):
         return done
 
     def wait(self, transfers: Iterable[Transfer]) -> None:
-        """Block until every one of ``transfers`` has finished (they stay pollable)."""
-        for t in transfers:
+        """Block until every one of ``transfers`` has finished (they stay pollable). The last
+        given is waited for first: one direction's transfers finish in order, so for a list in
+        submission order the thread wakes up once per direction, not once per transfer."""
+        for t in reversed(list(transfers)):
             if t.future is not None:
                 t.future.result()
                 self._sync(t)
@@ -148,22 +182,12 @@ class TransferEngine(ABC):
         keys_failed: list[bytes] = []
         try:
             copies = transfer.prepare() if transfer.prepare is not None else transfer.copies
-            ok: list[bytes] = []
-            nbytes = 0
             with self._copy_context(transfer, ctx):
-                for kc in copies:
-                    if kc.error is not None:
-                        keys_failed.append(kc.key)
-                        continue
-                    try:
-                        for src, dst in kc.pairs:
-                            self._copy(src, dst)
-                    except Exception as exc:  # a bad view: this key only
-                        logger.warning("copy of one key failed (%s): %s", transfer.tag, exc)
-                        keys_failed.append(kc.key)
-                        continue
-                    ok.append(kc.key)
-                    nbytes += kc.nbytes
+                failed = self._copy_keys(transfer, [kc for kc in copies if kc.error is None])
+            good = {id(kc) for kc in copies if kc.error is None and id(kc) not in failed}
+            ok = [kc.key for kc in copies if id(kc) in good]
+            keys_failed = [kc.key for kc in copies if id(kc) not in good]
+            nbytes = sum(kc.nbytes for kc in copies if id(kc) in good)
             missing = set(transfer.keys) - set(ok) - set(keys_failed)
             keys_failed += [k for k in transfer.keys if k in missing]
             if transfer.finish is not None:
@@ -175,6 +199,23 @@ class TransferEngine(ABC):
             keys_failed = list(transfer.keys)
         transfer.failed_keys = keys_failed
         transfer.seconds = time.perf_counter() - start
+
+    def _copy_keys(self, transfer: Transfer, keys: list[KeyCopies]) -> set[int]:
+        """Engine thread: run the copies of ``keys``, all in one batch; if that raises, key by
+        key so that a bad copy fails its key only. Returns ``id()`` of the keys that failed."""
+        try:
+            self._copy_batch([c for kc in keys for c in kc.pairs])
+            return set()
+        except Exception:
+            pass
+        failed: set[int] = set()
+        for kc in keys:
+            try:
+                self._copy_batch(kc.pairs)
+            except Exception as exc:  # a bad view: this key only
+                logger.warning("copy of one key failed (%s): %s", transfer.tag, exc)
+                failed.add(id(kc))
+        return failed
 
     def _collect(self, transfer: Transfer) -> Transfer:
         d = transfer.direction.value
@@ -201,6 +242,24 @@ class TransferEngine(ABC):
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Engine thread: one copy (may be asynchronous until :meth:`_landed`)."""
 
+    def _copy_batch(self, copies: list[Copy]) -> None:
+        """Engine thread: ``copies`` in order. Default: one call each."""
+        for c in copies:
+            if isinstance(c, IndexedCopy):
+                self._copy_indexed(c)
+            else:
+                self._copy(c[0], c[1])
+
+    def _copy_indexed(self, copy: IndexedCopy) -> None:
+        """Engine thread: one indexed copy. Default: one :meth:`_copy` per row (any engine,
+        any devices); an engine with a native gather/scatter overrides it."""
+        rows = copy.index.tolist()
+        for k, i in enumerate(rows):
+            if copy.scatter:
+                self._copy(copy.src[k], copy.dst[i])
+            else:
+                self._copy(copy.src[i], copy.dst[k])
+
     def _landed(self, transfer: Transfer) -> bool:
         """Non-blocking: have the copies of a transfer whose body returned completed?"""
         return True
@@ -220,13 +279,37 @@ class _NullContext:
 
 class CpuTransferEngine(TransferEngine):
     """The thread-pool stand-in: copies run synchronously on the direction's thread, so a
-    transfer is finished when its future is. Same interface and ordering as the CUDA engine."""
+    transfer is finished when its future is. Same interface and ordering as the CUDA engine.
+    Indexed copies run as one native gather (``index_select``) or scatter (``index_copy_``)."""
 
     def _copy_context(self, transfer: Transfer, ctx: Any) -> Any:
         return _NullContext()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def _copy_batch(self, copies: list[Copy]) -> None:
+        # Runs of plain copies go to one _foreach_copy_ call (the loop runs in C++, in order).
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        for c in copies:
+            if isinstance(c, IndexedCopy):
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+                    srcs, dsts = [], []
+                self._copy_indexed(c)
+            else:
+                srcs.append(c[0])
+                dsts.append(c[1])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def _copy_indexed(self, copy: IndexedCopy) -> None:
+        # One native call per gather/scatter: a memcpy per row, no Python per row.
+        if copy.scatter:
+            copy.dst.index_copy_(0, copy.index, copy.src)
+        else:
+            torch.index_select(copy.src, 0, copy.index, out=copy.dst)
 
 
 def make_engine(device: torch.device) -> TransferEngine:

@@ -12,9 +12,11 @@ the next stream, waits for
   direction never overlap, so they finish in submission order;
 
 then records a start event, issues one ``copy_(non_blocking=True)`` per contiguous piece
-(cudaMemcpyAsync underneath) and records an end event; :meth:`poll` queries end events without
-blocking. Copies are launched from the direction's thread (so a remote transfer's daemon I/O
-never runs on the worker's thread); the GPU-side order comes from the events alone.
+(cudaMemcpyAsync underneath; worker/layout.py plans contiguous pieces for CUDA caches, and the
+base class runs any indexed copy row by row) and records an end event; :meth:`poll` queries
+end events without blocking. Copies are launched from the direction's thread (so a remote
+transfer's daemon I/O never runs on the worker's thread); the GPU-side order comes from the
+events alone.
 
 :class:`HostRegistration` page-locks an existing host mapping (the daemon's arena) with
 ``cudaHostRegister`` so the copies DMA straight into kvserver's shared memory; it is undone on

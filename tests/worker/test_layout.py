@@ -135,3 +135,29 @@ def test_split_extents_maps_part_ranges_to_arena_pieces() -> None:
     assert split_extents(extents, 160, 90) == [(210, 160, 90)]
     with pytest.raises(InvalidArgument):
         split_extents(extents, 200, 51)
+
+
+@pytest.mark.parametrize("layout", ["flash", "blocks_first", "cross", "hnd"])
+def test_groups_are_the_views_of_each_tensor(layout: str) -> None:
+    """One group per registered tensor: its rows alias that tensor, row ``[b, k]`` is view
+    ``first + k``'s page of block ``b``, and the groups tile the block bytes in order."""
+    if layout == "flash":
+        tensors = [filled(2, NB, BS, H, D) + i for i in range(LAYERS)]
+    elif layout == "blocks_first":
+        tensors = [filled(NB, 2, BS, H, D) * (i + 1) for i in range(LAYERS)]
+    elif layout == "cross":
+        tensors = [filled(NB, LAYERS, 2, BS, H, D)]
+    else:
+        tensors = [filled(2, NB, H, BS, D).transpose(2, 3) for _ in range(LAYERS)]
+    c = canonicalize(tensors, NB)
+    assert len(c.groups) == len(tensors)
+    assert sum(g.count for g in c.groups) == len(c.views)
+    offset = 0
+    for g, t in zip(c.groups, tensors, strict=True):
+        assert g.rows.shape == (NB, g.count, g.page) and g.offset == offset
+        assert g.rows.data_ptr() == t.data_ptr()
+        for k in range(g.count):
+            assert c.page_bytes[g.first + k] == g.page and c.offsets[g.first + k] == offset
+            assert all(torch.equal(g.rows[b, k], c.views[g.first + k][b]) for b in range(NB))
+            offset += g.page
+    assert offset == c.block_bytes

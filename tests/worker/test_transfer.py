@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from worker.transfer import (  # noqa: E402
     CpuTransferEngine,
     Direction,
+    IndexedCopy,
     KeyCopies,
     Transfer,
     TransferEngine,
@@ -175,3 +176,37 @@ def test_close_finishes_queued_work_then_refuses(engine: TransferEngine) -> None
     assert int(dst.sum()) == 24
     with pytest.raises(RuntimeError):
         engine.submit(store(b"k", dst, dst))
+
+
+class RowByRowEngine(CpuTransferEngine):
+    """The CPU engine with the base class's batch and indexed copies (one copy_ per row), as
+    an engine without a native gather/scatter (CUDA) runs them."""
+
+    _copy_batch = TransferEngine._copy_batch
+    _copy_indexed = TransferEngine._copy_indexed
+
+
+@pytest.mark.parametrize("engine_cls", [CpuTransferEngine, RowByRowEngine],
+                         ids=["native", "row-by-row"])  # fmt: skip
+def test_indexed_copies_gather_and_scatter(engine_cls: type[CpuTransferEngine]) -> None:
+    """A gather fills dst rows from the indexed src rows; a scatter writes src rows to the
+    indexed dst rows and leaves the other rows alone; both run in order with plain copies."""
+    e = engine_cls()
+    try:
+        rows = torch.arange(6 * 4, dtype=torch.uint8).reshape(6, 4)
+        gathered = torch.zeros(3, 4, dtype=torch.uint8)
+        scattered = torch.full((6, 4), 99, dtype=torch.uint8)
+        index = torch.tensor([4, 0, 2])
+        tail = torch.zeros(4, dtype=torch.uint8)
+        t = Transfer(Direction.STORE, "i", [b"g", b"s"], [
+            KeyCopies(b"g", [IndexedCopy(rows, gathered, index, scatter=False),
+                             (gathered[0], tail)]),
+            KeyCopies(b"s", [IndexedCopy(gathered, scattered, index, scatter=True)]),
+        ])  # fmt: skip
+        e.submit(t)
+        assert drain(e, t) == [t] and not t.failed_keys
+        assert torch.equal(gathered, rows[index]) and torch.equal(tail, rows[4])
+        assert torch.equal(scattered[index], rows[index])
+        assert int(scattered[[1, 3, 5]].min()) == 99 and t.nbytes == 3 * 4 + 4 + 3 * 4
+    finally:
+        e.close()

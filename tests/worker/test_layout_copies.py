@@ -1,0 +1,262 @@
+"""Planning and building the copies of one chunk part (worker/layout.py ``plan_copies``):
+byte-exact stores and loads through the real CPU engine, for every canonical layout, partial
+first chunks, fragmented extents cutting blocks and pages anywhere, consecutive, scattered and
+repeated block ids, and both builders (strided on the CPU, contiguous as on CUDA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvserver.errors import InvalidArgument  # noqa: E402
+from worker.layout import CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
+from worker.transfer import (  # noqa: E402
+    Copy,
+    CpuTransferEngine,
+    Direction,
+    IndexedCopy,
+    KeyCopies,
+    Transfer,
+)
+
+LAYOUTS = ["flash", "blocks_first", "cross", "hnd", "flat", "odd"]
+
+
+def make_caches(kind: str, nb: int, seed: int = 0) -> CanonicalKVCaches:
+    """Random KV caches of ``nb`` blocks in one of the layouts canonicalize accepts."""
+    caches, block_dim = _tensors(kind, nb, seed)
+    return canonicalize(caches, nb, block_dim=block_dim)
+
+
+def _tensors(kind: str, nb: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize),
+                            dtype=torch.uint8, generator=g)  # fmt: skip
+        return raw.view(dtype)
+
+    bs, h, d = 2, 2, 4
+    if kind == "flash":  # (2, blocks, block_size, heads, dim) per layer: K and V views
+        return {f"l{i}": rand(2, nb, bs, h, d) for i in range(3)}, 1
+    if kind == "blocks_first":  # (blocks, 2, block_size, heads, dim): one view per layer
+        return {f"l{i}": rand(nb, 2, bs, h, d) for i in range(2)}, 0
+    if kind == "cross":  # one (blocks, layers, 2, ...) tensor: one view
+        return {"all": rand(nb, 3, 2, bs, h, d)}, 0
+    if kind == "hnd":  # physical HND seen as logical NHD
+        return {f"l{i}": rand(2, nb, h, bs, d).transpose(2, 3) for i in range(2)}, 1
+    if kind == "flat":  # cross-layer bytes
+        return {"all": rand(nb, 96, dtype=torch.uint8)}, 0
+    assert kind == "odd"  # pages of different, odd sizes and alignments
+    return {
+        "a": rand(2, nb, 5, dtype=torch.uint8),
+        "b": rand(2, nb, 3, dtype=torch.float32),
+        "c": rand(1, nb, 7, dtype=torch.uint8),
+    }, 1
+
+
+def block(c: CanonicalKVCaches, b: int) -> bytes:
+    return b"".join(v[b].numpy().tobytes() for v in c.views)
+
+
+def fill(t: torch.Tensor, seed: int) -> None:
+    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(seed)))  # fmt: skip
+
+
+def run(engine: CpuTransferEngine, kc: KeyCopies, is_load: bool) -> Transfer:
+    direction = Direction.LOAD if is_load else Direction.STORE
+    t = Transfer(direction, "t", [kc.key], [kc])
+    engine.submit(t)
+    engine.wait([t])
+    assert engine.poll() == [t]
+    return t
+
+
+@dataclass
+class Part:
+    """A part of ``chunk_blocks`` blocks cut into extents placed anywhere in ``host`` (a
+    slice of a bigger buffer, so its storage offset is not 0)."""
+
+    host: torch.Tensor
+    extents: list[tuple[int, int]]
+
+    def data(self) -> bytes:
+        return b"".join(self.host[o : o + n].numpy().tobytes() for o, n in self.extents)
+
+    def outside(self) -> bytes:
+        """The host bytes no extent covers."""
+        mask = torch.ones(self.host.numel(), dtype=torch.bool)
+        for o, n in self.extents:
+            mask[o : o + n] = False
+        return self.host[mask].numpy().tobytes()
+
+
+def place(part_bytes: int, cuts: list[int], order: list[int], gaps: list[int], lead: int) -> Part:
+    """Cut ``[0, part_bytes)`` at ``cuts`` into extents, lay them out in ``order`` with
+    ``gaps`` between them, in a host tensor starting ``lead`` bytes into its buffer."""
+    bounds = [0, *sorted(set(cuts)), part_bytes]
+    lengths = [b - a for a, b in pairwise(bounds)]
+    offsets = [0] * len(lengths)
+    pos = gaps[-1]
+    for k in order:
+        offsets[k] = pos
+        pos += lengths[k] + gaps[k % len(gaps)]
+    buf = torch.full((lead + pos + 3,), 0xEE, dtype=torch.uint8)
+    return Part(buf[lead : lead + pos], list(zip(offsets, lengths, strict=True)))
+
+
+@dataclass
+class Scenario:
+    kind: str
+    nb: int
+    chunk_blocks: int
+    skip: int
+    ids: list[int]
+    is_load: bool
+    cuts: list[int]
+    order: list[int]
+    gaps: list[int]
+    lead: int
+    contiguous: bool
+    seed: int
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    kind = draw(st.sampled_from(LAYOUTS))
+    nb = draw(st.integers(4, 10))
+    chunk_blocks = draw(st.integers(1, 4))
+    is_load = draw(st.booleans())
+    skip = draw(st.integers(0, chunk_blocks - 1)) if is_load else 0
+    n = chunk_blocks - skip
+    ids_kind = draw(st.sampled_from(["run", "distinct", "any"]))
+    if ids_kind == "run":  # consecutive blocks, the usual case
+        first = draw(st.integers(0, nb - n))
+        ids = list(range(first, first + n))
+    elif ids_kind == "distinct":
+        ids = draw(st.permutations(range(nb)))[:n]
+    else:  # repeats included
+        ids = draw(st.lists(st.integers(0, nb - 1), min_size=n, max_size=n))
+    bb = make_caches(kind, nb).block_bytes
+    part_bytes = chunk_blocks * bb
+    cuts_kind = draw(st.sampled_from(["none", "blocks", "anywhere"]))
+    if cuts_kind == "none":  # the usual case: the part in one extent
+        cuts = []
+    elif cuts_kind == "blocks":  # extents end at block boundaries
+        cuts = draw(st.lists(st.integers(1, chunk_blocks).map(lambda k: k * bb), max_size=3))
+        cuts = [c for c in cuts if c < part_bytes]
+    else:
+        cuts = draw(st.lists(st.integers(1, part_bytes - 1), max_size=4))
+    order = list(draw(st.permutations(range(len(set(cuts)) + 1))))
+    gaps = draw(st.lists(st.integers(0, 40), min_size=1, max_size=5))
+    return Scenario(kind, nb, chunk_blocks, skip, ids, is_load, cuts, order, gaps,
+                    draw(st.integers(0, 17)), draw(st.booleans()),
+                    draw(st.integers(0, 1000)))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_copies_move_exactly_the_part_bytes(s: Scenario) -> None:
+    """Property: a store writes exactly the part (the blocks' bytes in order) into the
+    extents and nothing else; a load writes sub-block ``skip + j`` into ``block_ids[j]`` (the
+    last one wins for a repeated id), leaves every other block and the host as they were."""
+    c = make_caches(s.kind, s.nb, seed=s.seed)
+    bb = c.block_bytes
+    part = place(s.chunk_blocks * bb, s.cuts, s.order, s.gaps, s.lead)
+    if s.is_load:
+        fill(part.host, s.seed + 1)
+    before_blocks = [block(c, b) for b in range(s.nb)]
+    before_part, before_outside = part.data(), part.outside()
+    kc = plan_copies(c, b"k", s.ids, s.chunk_blocks, part.host, part.extents, skip=s.skip,
+                     is_load=s.is_load, contiguous=s.contiguous)  # fmt: skip
+    engine = CpuTransferEngine()
+    try:
+        t = run(engine, kc, s.is_load)
+    finally:
+        engine.close()
+    assert not t.failed_keys and t.nbytes == len(s.ids) * bb
+    assert part.outside() == before_outside
+    if not s.is_load:
+        assert part.data() == b"".join(block(c, b) for b in s.ids)
+        assert [block(c, b) for b in range(s.nb)] == before_blocks
+        return
+    assert part.data() == before_part
+    want = list(before_blocks)
+    for j, b in enumerate(s.ids):
+        want[b] = before_part[(s.skip + j) * bb : (s.skip + j + 1) * bb]
+    assert [block(c, b) for b in range(s.nb)] == want
+
+
+def planned(c: CanonicalKVCaches, ids: list[int], host: torch.Tensor,
+            extents: list[tuple[int, int]], *, is_load: bool,
+            contiguous: bool | None = None) -> list[Copy]:  # fmt: skip
+    """The copies of a whole chunk of ``ids``, built."""
+    kc = plan_copies(c, b"k", ids, len(ids), host, extents, is_load=is_load,
+                     contiguous=contiguous)  # fmt: skip
+    return kc.pairs
+
+
+def test_consecutive_blocks_are_one_copy_per_tensor() -> None:
+    """A run of blocks in one extent: one strided copy per registered tensor (K and V of a
+    FlashAttention layer together), however many blocks and pages."""
+    flash, cross = make_caches("flash", 8), make_caches("cross", 8)
+    for c, tensors in ((flash, 3), (cross, 1)):
+        host = torch.zeros(4 * c.block_bytes, dtype=torch.uint8)
+        copies = planned(c, [2, 3, 4, 5], host, [(0, 4 * c.block_bytes)], is_load=False)
+        assert len(copies) == tensors and all(isinstance(p, tuple) for p in copies)
+
+
+def test_scattered_blocks_are_one_indexed_copy_per_tensor() -> None:
+    """Other ids: one gather (store) or scatter (load) per tensor; the scatter moves the
+    widest elements the alignment allows."""
+    c = make_caches("flash", 8)
+    host = torch.zeros(3 * c.block_bytes, dtype=torch.uint8)
+    stores = planned(c, [6, 1, 4], host, [(0, 3 * c.block_bytes)], is_load=False)
+    loads = planned(c, [6, 1, 4], host, [(0, 3 * c.block_bytes)], is_load=True)
+    assert len(stores) == len(loads) == 3
+    assert all(isinstance(p, IndexedCopy) and not p.scatter for p in stores)
+    assert all(isinstance(p, IndexedCopy) and p.scatter for p in loads)
+    assert {p.dst.dtype for p in loads if isinstance(p, IndexedCopy)} == {torch.complex128}
+
+
+def test_contiguous_builder_gives_contiguous_pieces() -> None:
+    """What the CUDA engine copies with copy_(non_blocking=True): every piece contiguous on
+    both sides; an extent boundary inside a page splits it."""
+    c = make_caches("flash", 8)
+    bb, page = c.block_bytes, c.page_bytes[0]
+    host = torch.zeros(4 * bb + 64, dtype=torch.uint8)
+    extents = [(64, bb + page // 2), (bb + page // 2 + 64, 3 * bb - page // 2)]
+    copies = planned(c, [2, 3, 4, 5], host, extents, is_load=False, contiguous=True)
+    assert all(isinstance(p, tuple) and p[0].is_contiguous() and p[1].is_contiguous()
+               for p in copies)  # fmt: skip
+    assert sum(p[0].numel() for p in copies if isinstance(p, tuple)) == 4 * bb
+    assert len(copies) == len(c.views) * 4 + 1  # one page cut in two
+
+
+@pytest.mark.parametrize(
+    "ids, skip, extents, match",
+    [
+        ([0, 1, 8], 0, None, "block id"),
+        ([0, 1], 0, None, "do not fit"),
+        ([0, 1, 2], 3, None, "do not fit"),
+        ([0, 1, 2], 0, [(0, 100)], "beyond its extents"),
+        ([0, 1, 2], 0, [(10**6, 10**6)], "outside the host"),
+    ],
+    ids=["block-out-of-range", "too-few-ids", "skip-everything", "short-extents", "off-host"],
+)
+def test_bad_chunks_are_refused_when_planned(
+    ids: list[int], skip: int, extents: list[tuple[int, int]] | None, match: str
+) -> None:
+    c = make_caches("flash", 8)
+    host = torch.zeros(3 * c.block_bytes, dtype=torch.uint8)
+    with pytest.raises(InvalidArgument, match=match):
+        plan_copies(c, b"k", ids, 3, host, extents or [(0, 3 * c.block_bytes)], skip=skip,
+                    is_load=skip > 0)  # fmt: skip
