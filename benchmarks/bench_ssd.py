@@ -6,14 +6,18 @@ under /tmp):
 
 - reference: ``dd if=/dev/zero of=DIR/dd.bin bs=CHUNK count=N oflag=direct`` (write) and
   ``dd if=DIR/dd.bin of=/dev/null bs=CHUNK iflag=direct`` (read), with the chunk's payload
-  size as the block size. If the filesystem refuses O_DIRECT, dd runs without it and the
-  report says so (the tier then runs buffered as well).
+  size as the block size, one dd write + read right before each timed round of the tier (this
+  disk's speed drifts by 2x within a minute: interleaved, both see the same drift). If the
+  filesystem refuses O_DIRECT, dd runs without it and the report says so (the tier then runs
+  buffered as well).
 - write-down: the real StorageEngine + SsdTier on an event loop (uvloop when installed): DRAM
   full of N chunks, one ``prepare_store`` of N new keys evicts them all; timed from that call
   until every write-back is on disk (staging copy on the loop, checksum + O_DIRECT pwrites on
-  the tier's 4 threads). The reservation is rolled back, so no payload is written into DRAM.
-  One untimed warm-up round first (a daemon reuses its staging buffers; dd reuses its one
-  buffer too), then the median of the timed rounds.
+  the tier's 4 threads, in jobs of several chunks). The reservation is rolled back, so no
+  payload is written into DRAM. One untimed warm-up round first (a daemon reuses its staging
+  buffers; dd reuses its one buffer too), then the timed rounds: the figure is the median
+  bandwidth over the median dd bandwidth; the per-round ratios (tier / the dd run just before)
+  are reported too, as the spread.
 - promotion: ``promote`` of the N chunks back into the (now empty) DRAM tier: reads + checksum
   verification on threads, copies into the arena, completion.
 - rebuild: a directory holding C chunks (written by the store directly), then the time for a
@@ -88,41 +92,47 @@ def run_dd(argv: list[str]) -> float:
     return int(m.group(1)) / float(m.group(2))
 
 
-def dd_reference(directory: Path, bs: int, count: int, repeats: int) -> dict[str, Any]:
-    """dd write (oflag=direct) and read (iflag=direct) of ``count`` blocks of ``bs`` bytes."""
-    path = directory / "dd.bin"
-    direct = True
-    writes, reads = [], []
-    for _ in range(repeats):
-        w = ["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}"]
-        r = ["dd", f"if={path}", "of=/dev/null", f"bs={bs}"]
-        try:
-            if direct:
-                writes.append(run_dd([*w, "oflag=direct"]))
-                reads.append(run_dd([*r, "iflag=direct"]))
-                continue
-        except subprocess.CalledProcessError as exc:
-            if "Invalid argument" not in exc.stderr:
-                raise
-            direct = False
-            print("dd: the filesystem refuses O_DIRECT; measuring dd WITHOUT oflag/iflag=direct")
-        writes.append(run_dd(w))
-        reads.append(run_dd(r))
-    path.unlink()
-    return {
-        "direct": direct,
-        "write_Bps": statistics.median(writes),
-        "read_Bps": statistics.median(reads),
-    }
+class DdReference:
+    """dd write (oflag=direct) and read (iflag=direct) of ``count`` blocks of ``bs`` bytes, one
+    round at a time, so the bench can interleave them with the tier's rounds (this disk's
+    speed drifts by 2x within a minute; interleaved, both sides see the same drift)."""
+
+    def __init__(self, directory: Path, bs: int, count: int) -> None:
+        self.path, self.bs, self.count = directory / "dd.bin", bs, count
+        self.direct = True
+        self.writes: list[float] = []
+        self.reads: list[float] = []
+
+    def round(self) -> None:
+        w = ["dd", "if=/dev/zero", f"of={self.path}", f"bs={self.bs}", f"count={self.count}"]
+        r = ["dd", f"if={self.path}", "of=/dev/null", f"bs={self.bs}"]
+        if self.direct:
+            try:
+                self.writes.append(run_dd([*w, "oflag=direct"]))
+                self.reads.append(run_dd([*r, "iflag=direct"]))
+                return
+            except subprocess.CalledProcessError as exc:
+                if "Invalid argument" not in exc.stderr:
+                    raise
+                self.direct = False
+                print(
+                    "dd: the filesystem refuses O_DIRECT; measuring dd WITHOUT oflag/iflag=direct"
+                )
+        self.writes.append(run_dd(w))
+        self.reads.append(run_dd(r))
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- the tier
 
 
 async def tier_round_trip(
-    directory: Path, chunk_bytes: int, count: int, repeats: int, threads: int
+    directory: Path, chunk_bytes: int, count: int, repeats: int, threads: int, dd: DdReference
 ) -> dict[str, Any]:
-    """Median write-down and promotion bandwidth of ``count`` chunks through the real tier."""
+    """Median write-down and promotion bandwidth of ``count`` chunks through the real tier;
+    each timed round follows a round of ``dd`` (the reference)."""
     spec = spec_for(chunk_bytes)
     dram = -(-chunk_bytes // PAGE) * PAGE * count
     engine = StorageEngine(EngineConfig(dram_bytes=dram, page_size=PAGE))
@@ -144,6 +154,8 @@ async def tier_round_trip(
     write_s, read_s = [], []
     try:
         for r in range(repeats + 1):  # round 0 warms up (staging and read buffers, file blocks)
+            if r:
+                dd.round()
             old, new = keys(count, f"a{r}"), keys(count, f"b{r}")
             grant = engine.prepare_store(spec.ns_id, old)  # fill DRAM (not timed)
             assert grant is not None and len(grant.keys) == count
@@ -176,6 +188,9 @@ async def tier_round_trip(
             "io_mode": tier.store.io_mode,
             "write_Bps": nbytes / statistics.median(write_s),
             "read_Bps": nbytes / statistics.median(read_s),
+            # per round: tier bandwidth / the dd run just before it
+            "write_ratios": [nbytes / t / d for t, d in zip(write_s, dd.writes, strict=True)],
+            "read_ratios": [nbytes / t / d for t, d in zip(read_s, dd.reads, strict=True)],
         }
     finally:
         await tier.close()
@@ -243,15 +258,21 @@ def run(directory: Path, quick: bool) -> dict[str, Any]:
         with tqdm(total=steps, desc="bench_ssd", unit="step") as bar:
             for chunk in chunk_sizes:
                 count = total // chunk
-                bar.set_postfix_str(f"dd bs={chunk >> 10}KiB")
-                ref = dd_reference(directory, chunk, count, repeats)
-                bar.update()
-                bar.set_postfix_str(f"tier chunk={chunk >> 10}KiB")
-                ours = loop.run_until_complete(
-                    tier_round_trip(directory, chunk, count, repeats, threads=4)
-                )
-                bar.update()
+                bar.set_postfix_str(f"dd + tier, chunk={chunk >> 10}KiB")
+                dd = DdReference(directory, chunk, count)
+                try:
+                    ours = loop.run_until_complete(
+                        tier_round_trip(directory, chunk, count, repeats, threads=4, dd=dd)
+                    )
+                finally:
+                    dd.close()
+                bar.update(2)
+                ref = {
+                    "write_Bps": statistics.median(dd.writes),
+                    "read_Bps": statistics.median(dd.reads),
+                }
                 for what, key in (("write-down", "write_Bps"), ("promotion", "read_Bps")):
+                    ratios = ours["write_ratios" if key == "write_Bps" else "read_ratios"]
                     rows.append(
                         {
                             "name": f"{what}, {chunk >> 10} KiB chunks",
@@ -260,8 +281,9 @@ def run(directory: Path, quick: bool) -> dict[str, Any]:
                             "value_MBps": ours[key] / 1e6,
                             "reference_MBps": ref[key] / 1e6,
                             "reference": f"dd {'oflag' if key == 'write_Bps' else 'iflag'}"
-                            + ("=direct" if ref["direct"] else " (buffered: no O_DIRECT)"),
+                            + ("=direct" if dd.direct else " (buffered: no O_DIRECT)"),
                             "ratio": ours[key] / ref[key],
+                            "round_ratios": [round(x, 3) for x in ratios],
                             "target": TARGET,
                             "io_mode": ours["io_mode"],
                         }
@@ -300,12 +322,13 @@ def filesystem(directory: Path) -> str:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"directory {report['dir']} ({report['filesystem']})")
-    print(f"{'what':<32} {'MB/s':>9} {'dd MB/s':>9} {'ratio':>7}  reference")
+    print(f"{'what':<32} {'MB/s':>9} {'dd MB/s':>9} {'ratio':>7} {'per round':>11}  reference")
     for r in report["results"]:
         flag = "" if r["ratio"] >= r["target"] else "  (< target)"
+        spread = f"{min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}"
         print(
             f"{r['name']:<32} {r['value_MBps']:>9.0f} {r['reference_MBps']:>9.0f} "
-            f"{r['ratio']:>7.2f}  {r['reference']}, tier {r['io_mode']}{flag}"
+            f"{r['ratio']:>7.2f} {spread:>11}  {r['reference']}, tier {r['io_mode']}{flag}"
         )
     print(f"\n{'index rebuild: chunks':<24} {'seconds':>9} {'us/chunk':>9}")
     for r in report["rebuild"]:
@@ -322,16 +345,20 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     rows = report["results"]
-    left.barh([r["name"] for r in rows], [r["ratio"] for r in rows])
+    spread = [
+        [max(0.0, r["ratio"] - min(r["round_ratios"])) for r in rows],
+        [max(0.0, max(r["round_ratios"]) - r["ratio"]) for r in rows],
+    ]
+    left.barh([r["name"] for r in rows], [r["ratio"] for r in rows], xerr=spread, capsize=3)
     left.axvline(TARGET, color="red", linestyle="--", label=f"target {TARGET}")
-    left.set_xlabel("bandwidth / dd O_DIRECT (same directory, same run)")
+    left.set_xlabel("bandwidth / dd O_DIRECT (same run; whiskers: per-round range)")
     left.legend(loc="lower right")
     for y, r in enumerate(rows):
         left.annotate(
             f"{r['ratio']:.2f}",
-            (r["ratio"], y),
-            xytext=(3, 0),
-            textcoords="offset points",
+            (0.02, y),
+            color="white",
+            fontweight="bold",
             va="center",
         )
     counts = [r["chunks"] for r in report["rebuild"]]

@@ -22,8 +22,9 @@ One batch (:func:`promote_batch`):
    it may evict DRAM victims, which the tier writes back);
 3. read and verify the slots in windows of ``staging_bytes`` on threads; a chunk that fails
    is dropped by the tier (a miss);
-4. copy the verified parts into the reserved arena pages (``write_part``) and complete the
-   store for the keys that made it, rolling back the rest; unpin.
+4. copy each chunk's verified parts into its reserved arena pages (``write_part``) as soon as
+   it was read (the copies overlap the window's other reads), then complete the store for the
+   keys that made it, rolling back the rest; unpin.
 
 If DRAM cannot take the chunks (every page pinned or reserved) and the caller asked for
 ``direct``, the verified bytes are returned instead, for the remote ``get`` to send straight
@@ -180,26 +181,31 @@ async def promote_batch(
         reserved = set(grant.keys) if grant is not None else set()
         lease = grant.lease_id if grant is not None else 0
         wanted = [e for e in todo if e.key in reserved or direct]
+
+        async def take(entry: SsdEntry) -> None:
+            """Read one chunk, then (as soon as it is verified, while the others are still
+            being read) copy it into its reserved pages or keep its bytes to send."""
+            got = await tier.read(entry, entry.key in reserved)
+            if got is None:
+                return
+            buf, pooled = got
+            parts = _parts(buf, spec)
+            if entry.key not in reserved:
+                out[entry.key] = parts  # the caller sends them; the buffer is its own
+                tier.counters.served_direct_chunks += 1
+                return
+            try:
+                for rank, part in enumerate(parts):
+                    engine.write_part(lease, entry.key, rank, part)
+                done.append(entry.key)
+            except KVServerError as exc:  # the lease expired under a very slow disk
+                logger.warning("SSD tier: promotion of a chunk failed: %s", exc)
+            finally:
+                if pooled:
+                    tier.reads.release(buf)
+
         for window in _windows(wanted, tier.config.staging_bytes):
-            reads = await asyncio.gather(*(tier.read(e, e.key in reserved) for e in window))
-            for entry, got in zip(window, reads, strict=True):
-                if got is None:
-                    continue
-                buf, pooled = got
-                parts = _parts(buf, spec)
-                if entry.key not in reserved:
-                    out[entry.key] = parts  # the caller sends them; the buffer is its own
-                    tier.counters.served_direct_chunks += 1
-                    continue
-                try:
-                    for rank, part in enumerate(parts):
-                        engine.write_part(lease, entry.key, rank, part)
-                    done.append(entry.key)
-                except KVServerError as exc:  # the lease expired under a very slow disk
-                    logger.warning("SSD tier: promotion of a chunk failed: %s", exc)
-                finally:
-                    if pooled:
-                        tier.reads.release(buf)
+            await asyncio.gather(*(take(e) for e in window))
     finally:
         for entry in todo:
             tier.unpin(entry)

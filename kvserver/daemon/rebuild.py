@@ -21,7 +21,7 @@ from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd.index import RestoreResult, SsdIndex
-from kvserver.ssd.store import ScanResult
+from kvserver.ssd.scan import ScanResult
 
 logger = logging.getLogger(__name__)
 

@@ -12,21 +12,22 @@ every ``retry_s``) → ``engine.on_evict = tier.on_evict`` (done by ``KVService.
 serving → ``await close()`` (drain writes, stop the threads, close the files).
 
 Write-back (``on_evict``, synchronous, called by the engine before the victim's pages are
-freed): a victim used at least ``admission`` times, of a namespace already saved in the
-directory, not yet on SSD, gets a staging buffer and an SSD slot (evicting SSD victims by the
-tier's own policy); its parts are copied into the buffer and the write (slot, then header)
-runs on a thread. Whatever does not fit (staging full, SSD full of chunks being read, tier
-degraded) is simply dropped and counted. On completion the entry becomes READY
-(BlockStored, medium DISK); on failure its slot is discarded and the tier turns ``degraded``.
+freed; ``writeback.py``): a victim used at least ``admission`` times, of a namespace already
+saved in the directory, not yet on SSD, gets a staging buffer and an SSD slot (evicting SSD
+victims by the tier's own policy); its parts are copied into the buffer and the writes (slots,
+then headers) run on a thread, several chunks per job (``tier_jobs.py``). Whatever does not fit
+(staging full, SSD full of chunks being read, tier degraded) is simply dropped and counted. On
+completion the entry becomes READY (BlockStored, medium DISK); on failure its slot is
+discarded and the tier turns ``degraded``.
 
 Promotion (``promote``, awaited by the ZMQ front end before a load, in a task of its own;
 ``promotion.py``): reserve DRAM for the keys that are READY on SSD but not in DRAM, read and
-verify their slots on threads (:meth:`SsdTier.read`), copy them into the arena and complete the
-store. Several run at once (at most ``max_promotions`` reading); a key is promoted by one of
-them at a time, the others wait for it. A chunk that fails verification is dropped from the
-index (counted, slot discarded, BlockRemoved DISK) and is a miss. When DRAM cannot take the
-chunks and the caller asked for ``direct``, the verified bytes are returned for it to send
-(remote ``get``).
+verify their slots on threads (:meth:`SsdTier.read`; the reads of one loop turn go together,
+``tier_jobs.ReadQueue``), copy them into the arena and complete the store. Several run at once
+(at most ``max_promotions`` reading); a key is promoted by one of them at a time, the others
+wait for it. A chunk that fails verification is dropped from the index (counted, slot
+discarded, BlockRemoved DISK) and is a miss. When DRAM cannot take the chunks and the caller
+asked for ``direct``, the verified bytes are returned for it to send (remote ``get``).
 
 Conditions: ``ok``; ``degraded`` (a write failed: ENOSPC, EIO, EACCES ...; write-backs are
 skipped, DRAM and SSD reads keep serving, and one write is let through every ``retry_s`` —
@@ -48,6 +49,8 @@ from typing import Any, TypeVar
 
 from kvserver.daemon import promotion
 from kvserver.daemon.rebuild import rebuild
+from kvserver.daemon.tier_jobs import ReadQueue, ReadResult
+from kvserver.daemon.writeback import WriteBack
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import Entry
 from kvserver.errors import StorageError
@@ -56,9 +59,10 @@ from kvserver.namespace import NamespaceSpec
 from kvserver.ssd.buffers import BufferPool
 from kvserver.ssd.config import TierConfig, TierCounters
 from kvserver.ssd.fileio import FileIO, aligned_buffer
-from kvserver.ssd.format import HEADER_BYTES, ChunkHeader, CorruptChunk, slot_bytes_for
+from kvserver.ssd.format import ChunkHeader, CorruptChunk
 from kvserver.ssd.index import SsdEntry, SsdIndex
-from kvserver.ssd.store import ScanResult, SlotStore
+from kvserver.ssd.scan import ScanResult
+from kvserver.ssd.store import ChunkRead, SlotStore
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +95,20 @@ class SsdTier:
         self.rebuild_s = 0.0
         self._publish = publish
         self._clock = clock
-        self._threads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvserver-ssd")
-        self._opened = False
+        self.threads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvserver-ssd")
+        self.opened = False
         self._retry_at = 0.0
-        #: the one write let through while degraded (None when none is in flight)
-        self._probe: SsdEntry | None = None
         self._inflight: set[asyncio.Future[Any]] = set()
         self._events: list[tuple[str, bool, bytes]] = []
         self._saved: dict[str, dict[str, Any]] = {}  # namespace specs in the directory
-        self._durable: set[str] = set()  # ns_ids whose spec is on disk
+        self.durable: set[str] = set()  # ns_ids whose spec is on disk
         self._ns_saving = False
         self._retry_task: asyncio.Task[None] | None = None
         self.promotions = promotion.Promotions(self, max_promotions)
+        self.writeback = WriteBack(self)
+        self._read_queue = ReadQueue(
+            self.store, self.threads, config.io_threads, track=self._inflight_add
+        )
 
     # ================================================================== lifetime
 
@@ -124,9 +130,9 @@ class SsdTier:
             if pending:
                 logger.warning("SSD tier: %d I/O operations still running at close", len(pending))
         self.flush_events()
-        await asyncio.get_running_loop().run_in_executor(None, self._threads.shutdown, True)
+        await asyncio.get_running_loop().run_in_executor(None, self.threads.shutdown, True)
         self.store.close()
-        if self._opened:
+        if self.opened:
             logger.info(
                 "SSD tier closed: %d chunks (%d MiB) in %s",
                 len(self.index),
@@ -137,7 +143,8 @@ class SsdTier:
         self.reads.clear()
 
     async def wait_idle(self) -> None:
-        """Return once no disk operation is in flight (writes, discards, namespace saves)."""
+        """Return once no disk operation is in flight (writes, discards, reads, namespace
+        saves)."""
         while self._inflight:
             await asyncio.wait(list(self._inflight))
         self.flush_events()
@@ -147,7 +154,7 @@ class SsdTier:
         try:
             saved, scan = await self._run(self._open_and_scan)
         except StorageError as exc:
-            self._set_condition(UNAVAILABLE, str(exc))
+            self.set_condition(UNAVAILABLE, str(exc))
             return False
         trimmed = self._restore(saved, scan)
         if trimmed:
@@ -156,8 +163,8 @@ class SsdTier:
             except StorageError as exc:  # only space is lost: the files stay longer
                 logger.warning("SSD tier: %s", exc)
         self.rebuild_s = time.perf_counter() - start
-        self._opened = True
-        self._set_condition(OK, "")
+        self.opened = True
+        self.set_condition(OK, "")
         logger.info(
             "SSD tier %s (%s I/O, %s): recovered %d chunks (%d MiB) in %.3f s from %d headers",
             self.store.directory,
@@ -185,11 +192,10 @@ class SsdTier:
     def _restore(self, saved: list[dict[str, Any]], scan: ScanResult) -> dict[int, int]:
         rebuilt = rebuild(self.engine, self.index, saved, scan)
         self._saved.update(rebuilt.saved)
-        self._durable = set(self._saved)
+        self.durable = set(self._saved)
         result = rebuilt.result
         self.counters.recovered_chunks += len(result.recovered)
-        for slot in result.discard:
-            self._discard(slot)
+        self.writeback.discard(*result.discard)
         for entry in result.recovered:
             self._events.append((entry.ns_id, True, entry.key))
         self.flush_events()
@@ -200,7 +206,7 @@ class SsdTier:
         while True:
             await asyncio.sleep(self.config.retry_s)
             try:
-                if not self._opened:
+                if not self.opened:
                     await self._try_open()
                 elif self._unsaved():
                     self.namespaces_changed()
@@ -209,7 +215,7 @@ class SsdTier:
 
     # ================================================================== conditions
 
-    def _set_condition(self, condition: str, reason: str) -> None:
+    def set_condition(self, condition: str, reason: str) -> None:
         if (condition, reason) != (self.condition, self.reason):
             if condition == OK:
                 if self.reason != _NOT_OPENED:
@@ -223,108 +229,46 @@ class SsdTier:
                 )
         self.condition, self.reason = condition, reason
 
-    def _failed_write(self, exc: BaseException) -> None:
+    @property
+    def is_ok(self) -> bool:
+        return self.condition == OK
+
+    def write_succeeded(self) -> None:
+        """A write went through: a degraded tier is ``ok`` again."""
+        if self.condition == DEGRADED:
+            self.set_condition(OK, "")
+
+    def failed_write(self, exc: BaseException) -> None:
+        """A write failed: the tier is ``degraded``, the next probe in ``retry_s``."""
         self.counters.io_errors += 1
         self._retry_at = self._clock() + self.config.retry_s
-        self._set_condition(DEGRADED, f"write failed: {exc}")
+        self.set_condition(DEGRADED, f"write failed: {exc}")
 
-    def _writable(self) -> bool:
+    def writable(self) -> bool:
         """Writes go through when ok; when degraded, one write (a probe) once ``retry_s`` has
         passed since the last failure."""
         if self.condition == OK:
             return True
         return (
-            self.condition == DEGRADED and self._probe is None and self._clock() >= self._retry_at
+            self.condition == DEGRADED
+            and self.writeback.probe is None
+            and self._clock() >= self._retry_at
         )
 
     # ================================================================== write-back
 
     def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
-        """The engine's eviction hook; see the module docstring. Never calls the engine."""
-        c = self.counters
-        ns_id = spec.ns_id
-        writable = self._writable()
-        if not self._opened or ns_id not in self._durable:
-            c.skipped_chunks += len(victims)
-            if writable:
-                self.namespaces_changed()
-            return
-        tp, part = spec.tp_world_size, spec.part_bytes
-        slot_bytes = slot_bytes_for(tp * part)
-        views = self.engine.arena.views
-        loop = asyncio.get_running_loop()
-        for victim in victims:
-            if self.index.get(ns_id, victim.key) is not None:
-                continue  # already on SSD (inclusive tiers) or being written
-            if victim.uses < self.config.admission:
-                c.not_admitted_chunks += 1
-                continue
-            buf = self.staging.acquire(slot_bytes) if writable else None
-            got = self.index.reserve(ns_id, victim.key, slot_bytes) if buf is not None else None
-            if buf is None or got is None:
-                if buf is not None:
-                    self.staging.release(buf)
-                c.skipped_chunks += 1
-                continue
-            entry, ssd_victims = got
-            self._evicted(ssd_victims)
-            pos = HEADER_BYTES
-            for rank in range(tp):
-                for view in views(victim.extents[rank]):
-                    end = pos + view.nbytes
-                    buf[pos:end] = view
-                    pos = end
-            meta = ChunkHeader(ns_id, victim.key, entry.seq, slot_bytes, part, tp, 0)
-            fut = loop.run_in_executor(
-                self._threads, self.store.write_chunk, slot_bytes, entry.slot, meta, buf
-            )
-            self._track(fut, partial(self._write_done, entry, buf))
-            if self.condition != OK:  # degraded: this write is the probe, skip the rest
-                self._probe, writable = entry, False
+        """The engine's eviction hook (:meth:`WriteBack.on_evict`). Never calls the engine."""
+        self.writeback.on_evict(spec, victims)
 
-    def _write_done(self, entry: SsdEntry, buf: memoryview, fut: asyncio.Future[Any]) -> None:
-        self.staging.release(buf)
-        if self._probe is entry:
-            self._probe = None
-        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-        if exc is None:
-            self.index.commit(entry)
-            self.counters.stored_chunks += 1
-            self.counters.bytes_written += entry.slot_bytes
-            self._event(entry.ns_id, True, entry.key)
-            if self.condition == DEGRADED:
-                self._set_condition(OK, "")
-            return
-        slot = self.index.abort(entry)
-        if isinstance(exc, StorageError) and exc.context.get("slot_touched") is False:
-            self.index.discarded(slot)  # nothing was written there: free at once
-        else:
-            self._discard(slot)
-        self._failed_write(exc)
+    def track(self, fut: asyncio.Future[Any], done: Callable[[asyncio.Future[Any]], None]) -> None:
+        """Count ``fut`` as disk work in flight (``wait_idle``, ``close``); then ``done(fut)``."""
+        self._inflight_add(fut)
+        fut.add_done_callback(done)
 
-    def _evicted(self, victims: list[SsdEntry]) -> None:
-        for victim in victims:
-            self.counters.evicted_chunks += 1
-            self._event(victim.ns_id, False, victim.key)
-            self._discard(victim.location)
-
-    def _discard(self, slot: tuple[int, int]) -> None:
-        fut = asyncio.get_running_loop().run_in_executor(self._threads, self.store.discard, *slot)
-        self._track(fut, partial(self._discard_done, slot))
-
-    def _discard_done(self, slot: tuple[int, int], fut: asyncio.Future[Any]) -> None:
-        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-        if exc is None:
-            self.index.discarded(slot)
-        else:
-            self.index.discard_failed(slot)
-            self.counters.io_errors += 1
-            logger.warning("SSD tier: slot %s not reusable: %s", slot, exc)
-
-    def _track(self, fut: asyncio.Future[Any], done: Callable[[asyncio.Future[Any]], None]) -> None:
+    def _inflight_add(self, fut: asyncio.Future[Any]) -> None:
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
-        fut.add_done_callback(done)
 
     # ================================================================== lookups
 
@@ -335,7 +279,7 @@ class SsdTier:
         of the leading run of keys present in DRAM or READY on SSD."""
         dram = ssd = 0
         ssd_keys: list[bytes] = []
-        if self._opened and len(self.index):
+        if self.opened and len(self.index):
             contains, ready = self.engine.contains, self.index.ready
             for key in keys[dram_hits:]:
                 if contains(ns_id, key):
@@ -355,7 +299,7 @@ class SsdTier:
 
     def needs_promotion(self, ns_id: str, keys: Sequence[bytes]) -> bool:
         """True if some key is READY on SSD but not in DRAM."""
-        if not self._opened or not len(self.index):
+        if not self.opened or not len(self.index):
             return False
         needs = self.promotions.needs
         return any(needs(ns_id, k) for k in keys)
@@ -367,7 +311,7 @@ class SsdTier:
     ) -> dict[bytes, list[memoryview]]:
         """Bring the keys that are READY on SSD but not in DRAM into DRAM (or wait for the
         promotion already bringing them); see :class:`kvserver.daemon.promotion.Promotions`."""
-        if not self._opened:
+        if not self.opened:
             return {}
         return await self.promotions.promote(ns_id, keys, direct=direct)
 
@@ -376,46 +320,61 @@ class SsdTier:
         meanwhile."""
         slot = self.index.unpin(entry)
         if slot is not None:
-            self._discard(slot)
+            self.writeback.discard(slot)
 
     async def read(self, entry: SsdEntry, use_pool: bool) -> tuple[memoryview, bool] | None:
-        """Read and verify one slot on a thread: (buffer, whether it came from the ``reads``
-        pool; its payload starts at HEADER_BYTES), or None on failure — then the chunk is
-        dropped (counted, BlockRemoved DISK, slot discarded) and is a miss.
+        """Read and verify one slot on a thread (with the other reads of this loop turn, see
+        :class:`~kvserver.daemon.tier_jobs.ReadQueue`): (buffer, whether it came from the
+        ``reads`` pool; its payload starts at HEADER_BYTES), or None on failure — then the
+        chunk is dropped (counted, BlockRemoved DISK, slot discarded) and is a miss.
         REQUIRES: ``entry`` pinned by the caller."""
         size = entry.slot_bytes
         buf = self.reads.acquire(size) if use_pool else None
         pooled = buf is not None
         if buf is None:
             buf = aligned_buffer(size)
-        expect = (entry.ns_id, entry.key, entry.seq)
-        try:
-            await self._run(self.store.read_chunk, entry.slot_bytes, entry.slot, expect, buf)
-        except StorageError as exc:
-            if isinstance(exc, CorruptChunk):
-                self.counters.corrupt_chunks += 1
-                logger.warning("SSD tier: dropped a corrupt chunk (a miss): %s", exc)
-            else:
-                self.counters.io_errors += 1
-                logger.warning("SSD tier: dropped an unreadable chunk (a miss): %s", exc)
-            if self.index.get(entry.ns_id, entry.key) is entry:
-                slot = self.index.remove(entry)
-                self._event(entry.ns_id, False, entry.key)
-                if slot is not None:
-                    self._discard(slot)
-            if pooled:
+        fut: asyncio.Future[tuple[memoryview, bool] | None]
+        fut = asyncio.get_running_loop().create_future()
+
+        def done(result: ReadResult) -> None:
+            got = self._read_done(entry, buf, pooled, result)
+            if not fut.cancelled():
+                fut.set_result(got)
+            elif got is not None and pooled:  # the caller is gone: the buffer comes back
                 self.reads.release(buf)
-            return None
-        self.counters.loaded_chunks += 1
-        self.counters.bytes_read += size
-        return buf, pooled
+
+        expect = (entry.ns_id, entry.key, entry.seq)
+        self._read_queue.submit(size, ChunkRead(entry.slot, expect, buf), done)
+        return await fut
+
+    def _read_done(
+        self, entry: SsdEntry, buf: memoryview, pooled: bool, result: ReadResult
+    ) -> tuple[memoryview, bool] | None:
+        if isinstance(result, ChunkHeader):
+            self.counters.loaded_chunks += 1
+            self.counters.bytes_read += entry.slot_bytes
+            return buf, pooled
+        if isinstance(result, CorruptChunk):
+            self.counters.corrupt_chunks += 1
+            logger.warning("SSD tier: dropped a corrupt chunk (a miss): %s", result)
+        else:
+            self.counters.io_errors += 1
+            logger.warning("SSD tier: dropped an unreadable chunk (a miss): %s", result)
+        if self.index.get(entry.ns_id, entry.key) is entry:
+            slot = self.index.remove(entry)
+            self.event(entry.ns_id, False, entry.key)
+            if slot is not None:
+                self.writeback.discard(slot)
+        if pooled:
+            self.reads.release(buf)
+        return None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
     # ================================================================== events, namespaces
 
-    def _event(self, ns_id: str, stored: bool, key: bytes) -> None:
+    def event(self, ns_id: str, stored: bool, key: bytes) -> None:
         """Queue a DISK event; flushed (batched per namespace and kind) on the next loop turn."""
         if not self._events:
             asyncio.get_running_loop().call_soon(self.flush_events)
@@ -435,30 +394,30 @@ class SsdTier:
             self._publish()
 
     def _unsaved(self) -> bool:
-        return not set(self.engine.namespaces) <= self._durable
+        return not set(self.engine.namespaces) <= self.durable
 
     def namespaces_changed(self) -> None:
         """Save the namespace specs with the data (off the loop) if some are not saved yet.
         Chunks of a namespace are written down only once its spec is durable. One save at a
         time; a change during a save is saved right after it."""
-        if not self._opened or self._ns_saving or not self._unsaved():
+        if not self.opened or self._ns_saving or not self._unsaved():
             return
         for ns_id, spec in self.engine.namespaces.items():
             self._saved.setdefault(ns_id, spec.to_dict())
         specs = dict(self._saved)
         self._ns_saving = True
         fut = asyncio.get_running_loop().run_in_executor(
-            self._threads, self.store.save_namespaces, list(specs.values())
+            self.threads, self.store.save_namespaces, list(specs.values())
         )
-        self._track(fut, partial(self._saved_namespaces, set(specs)))
+        self.track(fut, partial(self._saved_namespaces, set(specs)))
 
     def _saved_namespaces(self, ns_ids: set[str], fut: asyncio.Future[Any]) -> None:
         self._ns_saving = False
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if exc is not None:
-            self._failed_write(exc)  # retried by the retry task, or by the next write-back
+            self.failed_write(exc)  # retried by the retry task, or by the next write-back
             return
-        self._durable |= ns_ids
+        self.durable |= ns_ids
         self.namespaces_changed()
 
     # ================================================================== stats
@@ -469,7 +428,7 @@ class SsdTier:
             "condition": self.condition,
             "condition_detail": self.reason,
             "directory": self.store.directory,
-            "io_mode": self.store.io_mode if self._opened else "",
+            "io_mode": self.store.io_mode if self.opened else "",
             "policy": self.config.policy,
             "admission": self.config.admission,
             "capacity_bytes": index.capacity_bytes,
@@ -480,7 +439,7 @@ class SsdTier:
             "writes_in_flight": index.num_writing,
             "promoting_chunks": self.promotions.num_in_flight,
             "joined_promotion_chunks": self.promotions.joined_chunks,
-            "unsaved_namespaces": len(set(self.engine.namespaces) - self._durable),
+            "unsaved_namespaces": len(set(self.engine.namespaces) - self.durable),
             "staging_bytes": self.staging.in_use_bytes,
             "rebuild_s": self.rebuild_s,
             **asdict(self.counters),

@@ -3,7 +3,8 @@
 Every system call the tier makes goes through one :class:`FileIO` object, so tests subclass it
 to inject faults (ENOSPC on the nth write, EIO on reads, a torn write that stops halfway) and
 recovery paths run without a broken disk. Methods raise :class:`OSError` exactly like ``os``;
-the store wraps them in :class:`~kvserver.errors.StorageError` with the path and errno.
+the store wraps them in :class:`~kvserver.errors.StorageError` with the path and errno
+(:func:`storage_error`).
 
 Thread-safety: stateless; safe from any thread (pread/pwrite on shared descriptors are
 positional). Buffers from :func:`aligned_buffer` are anonymous mmaps, hence page aligned as
@@ -18,7 +19,10 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Sequence
 from typing import Any
+
+from kvserver.errors import StorageError
 
 _libc: Any = None
 
@@ -34,6 +38,13 @@ def _fallocate() -> Any:
         fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
         fn.restype = ctypes.c_int
     return fn
+
+
+def storage_error(what: str, exc: OSError, path: str) -> StorageError:
+    """``exc`` as a StorageError carrying the path, errno and its symbolic name."""
+    code = exc.errno or 0
+    name = errno.errorcode.get(code, str(code))
+    return StorageError(f"{what}: {exc.strerror or exc} ({name})", path=path, errno=code)
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -57,8 +68,16 @@ class FileIO:
         """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; returns the count."""
         return os.preadv(fd, [buf], offset)
 
+    def preadv_into(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        """Read into ``bufs`` back to back from ``offset`` in one system call; the count."""
+        return os.preadv(fd, bufs, offset)
+
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.pwrite(fd, buf, offset)
+
+    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        """Write ``bufs`` back to back at ``offset`` in one system call; returns the count."""
+        return os.pwritev(fd, bufs, offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

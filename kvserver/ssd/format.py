@@ -53,6 +53,8 @@ DATA_SUFFIX = ".dat"
 _BODY = struct.Struct("<8sHHIQQQQIHH16s64s16s")
 _CHECK = struct.Struct("<Q")  # header checksum (xxh3-64 of the body)
 HEADER_USED = _BODY.size + _CHECK.size  # 160 bytes; the rest of the block is zero
+_HEADER_PAD = bytes(HEADER_BYTES - HEADER_USED)
+_ZERO_BLOCK = memoryview(bytes(HEADER_BYTES))
 
 
 class CorruptChunk(StorageError):
@@ -142,7 +144,7 @@ def encode_header(h: ChunkHeader, out: memoryview) -> None:
     block = out[:HEADER_BYTES]
     block[: _BODY.size] = body
     block[_BODY.size : HEADER_USED] = _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-    block[HEADER_USED:] = bytes(HEADER_BYTES - HEADER_USED)
+    block[HEADER_USED:] = _HEADER_PAD
 
 
 def decode_header(block: memoryview | bytes) -> ChunkHeader:
@@ -204,6 +206,40 @@ def verify_payload(h: ChunkHeader, payload: memoryview) -> None:
     """Raise :class:`CorruptChunk` (``payload_checksum``) unless the payload matches."""
     if payload_checksum(payload[: h.payload_bytes]) != h.checksum:
         raise CorruptChunk("payload_checksum", ns=h.ns_id, key=h.key)
+
+
+def prepare_slot(buf: memoryview, slot_bytes: int, meta: ChunkHeader) -> ChunkHeader:
+    """Make ``buf`` (a slot whose payload area holds the parts) ready for its first write:
+    zero its header block and its padding. Returns ``meta`` with the slot size and the
+    payload checksum, the header to write once the slot is on disk."""
+    payload = meta.payload_bytes
+    buf[:HEADER_BYTES] = _ZERO_BLOCK
+    buf[HEADER_BYTES + payload : slot_bytes] = _ZERO_BLOCK[: slot_bytes - HEADER_BYTES - payload]
+    checksum = payload_checksum(buf[HEADER_BYTES : HEADER_BYTES + payload])
+    return ChunkHeader(
+        meta.ns_id, meta.key, meta.seq, slot_bytes, meta.part_bytes, meta.num_parts, checksum
+    )
+
+
+def check_slot(
+    buf: memoryview,
+    slot_bytes: int,
+    nbytes: int,
+    expect: tuple[str, bytes, int],
+    **context: Any,
+) -> ChunkHeader:
+    """Check a slot read into ``buf`` (``nbytes`` of it were read): a valid header naming the
+    (ns_id, key, seq) the index ``expect``s in a slot of this size, a complete payload that
+    matches its checksum. Raises :class:`CorruptChunk` (with ``context``) otherwise."""
+    if nbytes < HEADER_BYTES:
+        raise CorruptChunk("geometry", "slot is truncated", **context)
+    header = decode_header(buf[:HEADER_BYTES])
+    if (header.ns_id, header.key, header.seq) != expect or header.slot_bytes != slot_bytes:
+        raise CorruptChunk("mismatch", "slot holds another chunk", **context)
+    if nbytes < HEADER_BYTES + header.payload_bytes:
+        raise CorruptChunk("geometry", "slot is truncated", **context)
+    verify_payload(header, buf[HEADER_BYTES:])
+    return header
 
 
 # ---------------------------------------------------------------------- directory metadata

@@ -1,17 +1,19 @@
 """Slot files of the SSD tier: positional chunk I/O, O_DIRECT detection, rebuild by scanning.
 
 Runs on the daemon's I/O threads (never on the event loop). Thread-safety: after :meth:`open`,
-``write_chunk`` / ``read_chunk`` / ``discard`` may run concurrently from several threads on
-*different* slots (positional I/O on shared descriptors; lazily opened files are guarded by a
-lock); the caller (the tier, via the pure :class:`~kvserver.ssd.index.SsdIndex`) guarantees
-that no two operations touch one slot at once. ``open``/``scan``/``close`` run alone.
+``write_chunks`` / ``read_chunks`` / ``discard_slots`` may run concurrently from several
+threads on *different* slots (positional I/O on shared descriptors; lazily opened files are
+guarded by a lock); the caller (the tier, via the pure :class:`~kvserver.ssd.index.SsdIndex`)
+guarantees that no two operations touch one slot at once. ``open``/``scan``/``close`` run
+alone.
 
 Crash safety (the whole argument; the format is in ``format.py`` and docs/ssd_format.md):
 
-1. A slot is written in two system calls: the whole slot with a zeroed header block (the
-   payload), then the header block. The header holds the payload checksum, so a header that
-   decodes and passes its own checksum describes a payload that was completely written before
-   it (a SIGKILL between the two leaves the zero header: an empty slot).
+1. A slot is written in two steps: the whole slot with a zeroed header block (the payload;
+   consecutive slots of one batch go down in one ``pwritev``), then, once that call returned,
+   the header block. The header holds the payload checksum, so a header that decodes and
+   passes its own checksum describes a payload that was completely written before it (a
+   SIGKILL between the two leaves the zero header: an empty slot).
 2. A slot is only reused after :meth:`discard` has zeroed its header block, so a slot being
    rewritten never carries a valid header of an older chunk.
 3. A torn header write fails the header checksum and the slot reads as invalid.
@@ -24,8 +26,8 @@ while writes that extend a file or fill holes are serialised by the filesystem (
 the bandwidth with 4 threads). Discarded slots keep their blocks (a cache of fixed budget);
 :meth:`truncate` returns the unused tail of a file at start-up.
 
-Rebuild (:meth:`scan`) reads one header block per slot that holds data (holes are skipped with
-SEEK_DATA), never the payloads, on several threads (a 4 KiB read is latency bound).
+Rebuild (:meth:`scan`, in ``scan.py``) reads one header block per slot that holds data (holes
+are skipped with SEEK_DATA), never the payloads, on several threads.
 
 O_DIRECT: with ``direct="auto"`` :meth:`open` probes the directory (open with O_DIRECT, write
 and read back one aligned block). If the filesystem refuses (EINVAL: some tmpfs, overlay and
@@ -40,12 +42,11 @@ import errno
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from kvserver.errors import StorageError
-from kvserver.ssd.fileio import FileIO, aligned_buffer
+from kvserver.ssd.fileio import FileIO, aligned_buffer, storage_error
 from kvserver.ssd.format import (
     BLOCK,
     FORMAT_FILE,
@@ -56,48 +57,42 @@ from kvserver.ssd.format import (
     ChunkHeader,
     CorruptChunk,
     check_format_file,
+    check_slot,
     data_file_name,
-    decode_header,
     decode_namespaces,
     encode_format_file,
     encode_header,
     encode_namespaces,
     parse_data_file_name,
-    payload_checksum,
-    verify_payload,
+    prepare_slot,
 )
+from kvserver.ssd.scan import ScanResult, scan_files
 
 logger = logging.getLogger(__name__)
 
-_ZERO_BLOCK = bytes(HEADER_BYTES)
+#: an aligned zero header block (discards write it; nothing ever writes into it).
+_ZERO_ALIGNED = aligned_buffer(HEADER_BYTES)
 #: a data file is preallocated this far ahead of its last slot (at least one slot).
 ALLOCATE_STEP = 64 << 20
+#: most slots written by one pwritev (well under IOV_MAX).
+MAX_RUN_SLOTS = 64
 
 
-def storage_error(what: str, exc: OSError, path: str) -> StorageError:
-    """``exc`` as a StorageError carrying the path, errno and its symbolic name."""
-    code = exc.errno or 0
-    name = errno.errorcode.get(code, str(code))
-    return StorageError(f"{what}: {exc.strerror or exc} ({name})", path=path, errno=code)
+class ChunkWrite(NamedTuple):
+    """One chunk for :meth:`SlotStore.write_chunks`: its slot, header fields, slot buffer."""
 
-
-@dataclass(frozen=True, slots=True)
-class ScannedSlot:
-    slot_bytes: int
     slot: int
-    header: ChunkHeader
+    meta: ChunkHeader
+    buf: memoryview
 
 
-@dataclass(slots=True)
-class ScanResult:
-    """What :meth:`SlotStore.scan` found: valid headers, damaged slots, file extents."""
+class ChunkRead(NamedTuple):
+    """One chunk for :meth:`SlotStore.read_chunks`: its slot, the (ns_id, key, seq) the index
+    expects there, and a slot-sized aligned buffer to read into."""
 
-    chunks: list[ScannedSlot] = field(default_factory=list)
-    #: non-blank slots whose header is invalid (torn, flipped, wrong version): to discard.
-    invalid: list[tuple[int, int]] = field(default_factory=list)
-    #: slots per data file (its length in slots), by slot size.
-    num_slots: dict[int, int] = field(default_factory=dict)
-    headers_read: int = 0
+    slot: int
+    expect: tuple[str, bytes, int]
+    buf: memoryview
 
 
 class SlotStore:
@@ -198,10 +193,12 @@ class SlotStore:
 
     # ------------------------------------------------------------------ files
 
-    def _path(self, slot_bytes: int) -> str:
+    def path(self, slot_bytes: int) -> str:
+        """The data file of slots of ``slot_bytes``."""
         return os.path.join(self.directory, data_file_name(slot_bytes))
 
-    def _fd(self, slot_bytes: int) -> int:
+    def fd(self, slot_bytes: int) -> int:
+        """The open descriptor of :meth:`path` (opened, and created, on first use)."""
         fd = self._fds.get(slot_bytes)
         if fd is not None:
             return fd
@@ -209,7 +206,7 @@ class SlotStore:
             fd = self._fds.get(slot_bytes)
             if fd is None:
                 flags = os.O_RDWR | os.O_CREAT | (self.io.O_DIRECT if self.direct else 0)
-                fd = self.io.open(self._path(slot_bytes), flags)
+                fd = self.io.open(self.path(slot_bytes), flags)
                 self._fds[slot_bytes] = fd
             return fd
 
@@ -229,36 +226,55 @@ class SlotStore:
     # ------------------------------------------------------------------ chunk I/O
 
     def write_chunk(self, slot_bytes: int, slot: int, meta: ChunkHeader, buf: memoryview) -> None:
-        """Write one chunk into a free slot: the slot with a zero header, then the header
-        (crash rule 1).
+        """Write one chunk: :meth:`write_chunks` of one, raising its error."""
+        (err,) = self.write_chunks(slot_bytes, [ChunkWrite(slot, meta, buf)])
+        if err is not None:
+            raise err
 
-        ``buf`` is a slot-sized aligned buffer whose payload area (from HEADER_BYTES) holds the
-        parts; ``meta.checksum`` is ignored and computed here. REQUIRES: the slot was
-        discarded or never written (crash rule 2). Raises StorageError on any OS error; its
-        context ``slot_touched`` is False when the slot was not written at all (the space
-        could not be allocated), so it needs no discard.
+    def write_chunks(
+        self, slot_bytes: int, writes: Sequence[ChunkWrite]
+    ) -> list[StorageError | None]:
+        """Write chunks into free slots of one data file (crash rule 1): each run of
+        consecutive slots in one ``pwritev`` of the whole slots with zeroed header blocks,
+        then each chunk's header block once that call returned.
+
+        Each ``buf`` is a slot-sized aligned buffer whose payload area (from HEADER_BYTES)
+        holds the parts; ``meta.checksum`` is ignored and computed here. REQUIRES: every slot
+        was discarded or never written (crash rule 2), no slot twice. Returns one entry per
+        write, in order: None, or the StorageError (path, errno) that failed it; its context
+        ``slot_touched`` is False when the slot was not written at all (the space could not
+        be allocated), so it needs no discard. A failed run does not stop the others.
         """
-        payload = meta.payload_bytes
-        buf[:HEADER_BYTES] = _ZERO_BLOCK
-        buf[HEADER_BYTES + payload : slot_bytes] = bytes(slot_bytes - HEADER_BYTES - payload)
-        checksum = payload_checksum(buf[HEADER_BYTES : HEADER_BYTES + payload])
-        header = ChunkHeader(
-            meta.ns_id, meta.key, meta.seq, slot_bytes, meta.part_bytes, meta.num_parts, checksum
-        )
-        path, base = self._path(slot_bytes), slot * slot_bytes
-        touched = False
+        if not writes:
+            return []
+        path = self.path(slot_bytes)
+        headers = [prepare_slot(w.buf, slot_bytes, w.meta) for w in writes]
+        errors: list[StorageError | None] = [None] * len(writes)
         try:
-            fd = self._fd(slot_bytes)
-            self._preallocate(fd, slot_bytes, base + slot_bytes)
-            touched = True
-            # one write allocates the whole slot (filling a hole block by block is slow)
-            self._pwrite_all(fd, buf[:slot_bytes], base)
-            encode_header(header, buf)
-            self._pwrite_all(fd, buf[:HEADER_BYTES], base)
+            fd = self.fd(slot_bytes)
+            self._preallocate(fd, slot_bytes, (max(w.slot for w in writes) + 1) * slot_bytes)
         except OSError as exc:
-            err = storage_error("cannot write a chunk", exc, path)
-            err.context["slot_touched"] = touched  # False: nothing reached the slot
-            raise err from None
+            return [_write_error(exc, path, touched=False) for _ in writes]
+        for run in _runs([w.slot for w in writes]):
+            views = [writes[i].buf[:slot_bytes] for i in run]
+            try:
+                # one call per run allocates its slots (filling holes block by block is slow)
+                self._pwritev_all(fd, views, writes[run[0]].slot * slot_bytes)
+            except OSError as exc:
+                for i in run:
+                    errors[i] = _write_error(exc, path, touched=True)
+                continue
+            for i in run:
+                w = writes[i]
+                try:
+                    encode_header(headers[i], w.buf)  # StorageError: a key that does not fit
+                    self._pwrite_all(fd, w.buf[:HEADER_BYTES], w.slot * slot_bytes)
+                except OSError as exc:
+                    errors[i] = _write_error(exc, path, touched=True)
+                except StorageError as exc:
+                    exc.context["slot_touched"] = True
+                    errors[i] = exc
+        return errors
 
     def _preallocate(self, fd: int, slot_bytes: int, end: int) -> None:
         """Make sure ``[0, end)`` of the file is allocated, growing it by ALLOCATE_STEP."""
@@ -293,48 +309,89 @@ class SlotStore:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             view, offset = view[n:], offset + n
 
+    def _pwritev_all(self, fd: int, views: list[memoryview], offset: int) -> None:
+        while views:
+            n = self.io.pwritev(fd, views, offset)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            offset += n
+            while views and n >= views[0].nbytes:  # a short write (rare): go on after it
+                n -= views[0].nbytes
+                views = views[1:]
+            if n:
+                views[0] = views[0][n:]
+
     def read_chunk(
         self, slot_bytes: int, slot: int, expect: tuple[str, bytes, int], buf: memoryview
     ) -> ChunkHeader:
-        """Read and verify one chunk into ``buf`` (slot-sized, aligned); the payload is then at
-        ``buf[HEADER_BYTES:HEADER_BYTES + header.payload_bytes]``.
+        """Read and verify one chunk: :meth:`read_chunks` of one, raising its error."""
+        (got,) = self.read_chunks(slot_bytes, [ChunkRead(slot, expect, buf)])
+        if isinstance(got, StorageError):
+            raise got
+        return got
 
-        ``expect`` is (ns_id, key, seq) from the index. Raises :class:`CorruptChunk` if the
-        header is invalid, names another chunk or the payload checksum fails; StorageError on
-        an OS error.
+    def read_chunks(
+        self, slot_bytes: int, reads: Sequence[ChunkRead]
+    ) -> list[ChunkHeader | StorageError]:
+        """Read and verify chunks of one data file, each into its ``buf`` (slot-sized,
+        aligned; the payload is then at ``buf[HEADER_BYTES:HEADER_BYTES + payload_bytes]``);
+        each run of consecutive slots in one system call.
+
+        ``expect`` is (ns_id, key, seq) from the index. One result per read, in order: the
+        verified header, a :class:`CorruptChunk` if the header is invalid, names another chunk
+        or the payload checksum fails, or a StorageError (path, errno) on an OS error.
         """
-        path = self._path(slot_bytes)
-        try:
-            n = self.io.pread_into(self._fd(slot_bytes), buf[:slot_bytes], slot * slot_bytes)
-        except OSError as exc:
-            raise storage_error("cannot read a chunk", exc, path) from None
-        if n < HEADER_BYTES:
-            raise CorruptChunk("geometry", "slot is truncated", path=path, slot=slot)
-        header = decode_header(buf[:HEADER_BYTES])
-        if (header.ns_id, header.key, header.seq) != expect or header.slot_bytes != slot_bytes:
-            raise CorruptChunk("mismatch", "slot holds another chunk", path=path, slot=slot)
-        if n < HEADER_BYTES + header.payload_bytes:
-            raise CorruptChunk("geometry", "slot is truncated", path=path, slot=slot)
-        verify_payload(header, buf[HEADER_BYTES:])
-        return header
+        path = self.path(slot_bytes)
+        out: list[ChunkHeader | StorageError] = [StorageError("not read")] * len(reads)
+        for run in _runs([r.slot for r in reads]):
+            views = [reads[i].buf[:slot_bytes] for i in run]
+            base = reads[run[0]].slot * slot_bytes
+            try:
+                fd = self.fd(slot_bytes)
+                if len(views) == 1:
+                    n = self.io.pread_into(fd, views[0], base)
+                else:
+                    n = self.io.preadv_into(fd, views, base)
+            except OSError as exc:
+                for i in run:
+                    out[i] = storage_error("cannot read a chunk", exc, path)
+                continue
+            for k, i in enumerate(run):
+                got = max(0, min(slot_bytes, n - k * slot_bytes))
+                r = reads[i]
+                try:
+                    out[i] = check_slot(r.buf, slot_bytes, got, r.expect, path=path, slot=r.slot)
+                except CorruptChunk as bad:
+                    out[i] = bad
+        return out
 
     def discard(self, slot_bytes: int, slot: int) -> None:
         """Invalidate a slot so it can be reused (crash rule 2): zero its header block."""
-        path = self._path(slot_bytes)
-        try:
-            self._pwrite_all(self._fd(slot_bytes), aligned_buffer(HEADER_BYTES), slot * slot_bytes)
-        except OSError as exc:
-            raise storage_error("cannot discard a slot", exc, path) from None
+        (err,) = self.discard_slots([(slot_bytes, slot)])
+        if err is not None:
+            raise err
+
+    def discard_slots(self, slots: Sequence[tuple[int, int]]) -> list[StorageError | None]:
+        """:meth:`discard` of each (slot_bytes, slot); one result per slot, in order: None or
+        the StorageError that failed it (the others are still discarded)."""
+        errors: list[StorageError | None] = []
+        for slot_bytes, slot in slots:
+            try:
+                self._pwrite_all(self.fd(slot_bytes), _ZERO_ALIGNED, slot * slot_bytes)
+                errors.append(None)
+            except OSError as exc:
+                errors.append(storage_error("cannot discard a slot", exc, self.path(slot_bytes)))
+        return errors
 
     def truncate(self, slot_bytes: int, num_slots: int) -> None:
         """Cut a data file to ``num_slots`` slots; a file cut to 0 is removed. REQUIRES: no
         I/O in flight on the file (start-up)."""
-        path = self._path(slot_bytes)
+        path = self.path(slot_bytes)
         try:
             with self._alloc_lock:
                 self._allocated.pop(slot_bytes, None)
             if num_slots:
-                self.io.truncate(self._fd(slot_bytes), num_slots * slot_bytes)
+                self.io.truncate(self.fd(slot_bytes), num_slots * slot_bytes)
                 return
             with self._fds_lock:
                 fd = self._fds.pop(slot_bytes, None)
@@ -348,56 +405,9 @@ class SlotStore:
 
     def scan(self, workers: int = 8) -> ScanResult:
         """Read the header of every slot holding data, in every data file (not the payloads),
-        on ``workers`` threads. Blank slots are left out; slots with an invalid header are
-        listed in ``invalid``. Results are in (file, slot) order."""
-        result = ScanResult()
-        jobs: list[tuple[int, int, int]] = []  # (slot_bytes, first slot, end slot)
-        for slot_bytes, path in sorted(self.data_files().items()):
-            try:
-                size = self.io.size(self._fd(slot_bytes))
-            except OSError as exc:
-                raise storage_error("cannot open a data file", exc, path) from None
-            num = -(-size // slot_bytes)
-            result.num_slots[slot_bytes] = num
-            step = max(256, -(-num // workers))
-            jobs += [(slot_bytes, lo, min(num, lo + step)) for lo in range(0, num, step)]
-        with ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
-            for part in pool.map(lambda job: self._scan_range(*job), jobs):
-                result.chunks += part.chunks
-                result.invalid += part.invalid
-                result.headers_read += part.headers_read
-        return result
-
-    def _scan_range(self, slot_bytes: int, lo: int, hi: int) -> ScanResult:
-        out = ScanResult()
-        block = aligned_buffer(HEADER_BYTES)
-        path = self._path(slot_bytes)
-        try:
-            fd = self._fd(slot_bytes)
-            pos = lo * slot_bytes
-            while pos < hi * slot_bytes:
-                data = self.io.seek_data(fd, pos)
-                if data is None or data >= hi * slot_bytes:
-                    break
-                slot = data // slot_bytes
-                pos = (slot + 1) * slot_bytes
-                n = self.io.pread_into(fd, block, slot * slot_bytes)
-                out.headers_read += 1
-                try:
-                    if n < HEADER_BYTES:
-                        raise CorruptChunk("geometry")
-                    header = decode_header(block)
-                except CorruptChunk as bad:
-                    if bad.reason != "blank":
-                        out.invalid.append((slot_bytes, slot))
-                    continue
-                if header.slot_bytes != slot_bytes:
-                    out.invalid.append((slot_bytes, slot))
-                    continue
-                out.chunks.append(ScannedSlot(slot_bytes, slot, header))
-        except OSError as exc:
-            raise storage_error("cannot scan a data file", exc, path) from None
-        return out
+        on ``workers`` threads (``scan.py``). Blank slots are left out; slots with an invalid
+        header are listed in ``invalid``. Results are in (file, slot) order."""
+        return scan_files(self, workers)
 
     # ------------------------------------------------------------------ namespaces
 
@@ -418,3 +428,21 @@ class SlotStore:
             self.io.write_file_atomic(path, encode_namespaces(specs))
         except OSError as exc:
             raise storage_error("cannot write the namespaces file", exc, path) from None
+
+
+def _runs(slots: Sequence[int]) -> list[list[int]]:
+    """Indexes of ``slots`` grouped into runs of consecutive slots (at most MAX_RUN_SLOTS)."""
+    runs: list[list[int]] = []
+    for i in sorted(range(len(slots)), key=slots.__getitem__):
+        run = runs[-1] if runs else None
+        if run and len(run) < MAX_RUN_SLOTS and slots[run[-1]] + 1 == slots[i]:
+            run.append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _write_error(exc: OSError, path: str, *, touched: bool) -> StorageError:
+    err = storage_error("cannot write a chunk", exc, path)
+    err.context["slot_touched"] = touched  # False: nothing reached the slot
+    return err

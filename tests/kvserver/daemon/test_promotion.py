@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -37,21 +37,30 @@ KEYS = make_keys(10, tag="promo")
 
 
 class Gate:
-    """Holds every SSD read of ``node`` until :meth:`open`; counts the reads that started."""
+    """Holds every SSD read of ``node`` until :meth:`open`; counts the read system calls that
+    started (one per run of consecutive slots read together)."""
 
     def __init__(self, node: Node) -> None:
         self.reads = 0
         self._entered = threading.Event()
         self._open = threading.Event()
-        read = node.io.pread_into
+        read, readv = node.io.pread_into, node.io.preadv_into
 
-        def held(fd: int, buf: memoryview, offset: int) -> int:
+        def hold() -> None:
             self.reads += 1
             self._entered.set()
             self._open.wait(30)
+
+        def held(fd: int, buf: memoryview, offset: int) -> int:
+            hold()
             return read(fd, buf, offset)
 
+        def heldv(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+            hold()
+            return readv(fd, bufs, offset)
+
         node.io.pread_into = held  # type: ignore[method-assign]
+        node.io.preadv_into = heldv  # type: ignore[method-assign]
 
     async def wait_for_read(self) -> None:
         entered = await asyncio.get_running_loop().run_in_executor(None, self._entered.wait, 30)

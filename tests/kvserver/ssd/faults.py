@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Sequence
 
 from kvserver.ssd.fileio import FileIO
 
@@ -17,7 +18,8 @@ class FaultyIO(FileIO):
 
     def __init__(self) -> None:
         self.bytes_read = 0
-        self.writes = 0
+        self.reads = 0  # read system calls (pread_into + preadv_into)
+        self.writes = 0  # write system calls (pwrite + pwritev)
         #: raise this errno on the next pwrite (one-shot unless ``sticky``)
         self.write_errno: int | None = None
         self.sticky = False
@@ -40,13 +42,32 @@ class FaultyIO(FileIO):
         return super().open(path, flags, mode)
 
     def pread_into(self, fd: int, buf: memoryview, offset: int) -> int:
-        if self.read_errno is not None:
-            raise OSError(self.read_errno, os.strerror(self.read_errno))
+        self._before_read()
         n = super().pread_into(fd, buf, offset)
         self.bytes_read += n
         return n
 
+    def preadv_into(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        self._before_read()
+        n = super().preadv_into(fd, bufs, offset)
+        self.bytes_read += n
+        return n
+
+    def _before_read(self) -> None:
+        self.reads += 1
+        if self.read_errno is not None:
+            raise OSError(self.read_errno, os.strerror(self.read_errno))
+
     def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        self._before_write(fd, [buf], offset)
+        return super().pwrite(fd, buf, offset)
+
+    def pwritev(self, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+        """Counts as one write (one system call), like :meth:`pwrite`."""
+        self._before_write(fd, bufs, offset)
+        return super().pwritev(fd, bufs, offset)
+
+    def _before_write(self, fd: int, bufs: Sequence[memoryview], offset: int) -> None:
         self.writes += 1
         if self.write_errno is not None:
             code = self.write_errno
@@ -57,11 +78,10 @@ class FaultyIO(FileIO):
             if self.torn:  # only the first bytes reach the file (any length: not O_DIRECT)
                 plain = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
                 try:
-                    os.pwrite(plain, buf[: self.torn], offset)
+                    os.pwrite(plain, b"".join(bytes(b) for b in bufs)[: self.torn], offset)
                 finally:
                     os.close(plain)
             raise Crash
-        return super().pwrite(fd, buf, offset)
 
     def allocate(self, fd: int, offset: int, length: int) -> bool:
         self.allocations += 1
