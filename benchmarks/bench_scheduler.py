@@ -3,7 +3,8 @@
 Each configuration is one :class:`scheduler.scheduler.Scheduler` with 256 requests in steady
 decode (512-token prompts sharing a 256-token system prefix, so the prefix cache is in play),
 answered by an in-process synthetic worker (not timed). Timed: ``schedule()`` — the figure —
-and, for information, a whole step's scheduler work ``schedule()`` + ``update_from_output()``.
+and, for information, a whole step's scheduler work ``schedule()`` + ``update_from_output()``;
+both as wall time and as the measuring thread's CPU time (``time.thread_time``).
 
 Configurations:
 - ``off``: no connector (the reference);
@@ -13,23 +14,32 @@ Configurations:
   scheduler's own work;
 - ``kvserver``: the real ``KVServerSchedulerConnector`` against a daemon (``--kvserver ADDR``,
   or ``--start-daemon`` to start one on loopback): adds the client's side of its daemon calls
-  — one store reservation per step sent at the end of ``build_connector_meta`` and collected
-  at the start of the next, one completion per step sent from ``update_from_output`` — none
-  of them waited for inside the step unless the daemon is slower than the workers' step. Its
-  row also reports the daemon calls per step (``calls_per_step``, by op).
+  — one store reservation per step sent at the end of ``build_connector_meta``, its reply read
+  once the workers' step is over, one completion per step sent from ``update_from_output`` —
+  none of them waited for inside the step unless the daemon is slower than the workers' step.
+  Its row also reports the daemon calls per step (``calls_per_step``, by op).
 
-Configurations are measured round-robin, ``--steps`` steps each per round, so noise on a
-shared machine hits them alike, with the cyclic garbage collector run between runs rather than
-inside them; medians over all timed steps. ratio = median(config) /
+Configurations are measured round-robin, ``--steps`` steps each per round (a multiple of the
+16-step cycle of the workload: every 16 steps each request fills a block), short rounds so that
+load changes on a shared machine hit them alike, with the cyclic garbage collector run between
+runs rather than inside them; medians over all timed steps. ratio = median(config) /
 median(off); target <= 1.2.
 
-Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon]
+CPU placement (``--pin``, the default where the OS allows it and two CPUs are available): this
+process runs on one CPU and the daemon it starts on another, as in a deployment, where the
+daemon has cores of its own. Unpinned on a 2-CPU machine the daemon's work for each request
+competes with the measuring thread: a send wakes the client's and the daemon's threads, which
+then preempt the scheduler thread (~0.3 ms of wall time per send), so the kvserver row measures
+core sharing more than the connector; ``--no-pin`` shows that.
+
+Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon] [--no-pin]
 With --json, also writes FILE with the .png suffix (a bar chart) when matplotlib is importable.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -75,24 +85,29 @@ class Config:
     worker: SyntheticWorker
     schedule_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    #: the same, as CPU time of the measuring thread.
+    schedule_cpu_s: list[float] = field(default_factory=list)
+    step_cpu_s: list[float] = field(default_factory=list)
     #: the kvserver client's requests sent by op (kvserver connector only).
     sent_by_op: Counter[str] | None = None
     calls: Counter[str] = field(default_factory=Counter)
 
     def run(self, steps: int, timed: bool = True) -> None:
         before = Counter(self.sent_by_op or ())
-        s, worker, perf = self.scheduler, self.worker, time.perf_counter
+        s, worker, perf, cpu = self.scheduler, self.worker, time.perf_counter, time.thread_time
         for _ in range(steps):
-            t0 = perf()
+            c0, t0 = cpu(), perf()
             plan = s.schedule()
-            t1 = perf()
+            t1, c1 = perf(), cpu()
             results = [worker.execute(plan)]
-            t2 = perf()
+            c2, t2 = cpu(), perf()
             s.update_from_output(plan, results)
-            t3 = perf()
+            t3, c3 = perf(), cpu()
             if timed:
                 self.schedule_s.append(t1 - t0)
                 self.step_s.append((t1 - t0) + (t3 - t2))
+                self.schedule_cpu_s.append(c1 - c0)
+                self.step_cpu_s.append((c1 - c0) + (c3 - c2))
         if timed and self.sent_by_op is not None:
             self.calls += Counter(self.sent_by_op) - before
 
@@ -147,9 +162,19 @@ def kvserver_connector(address: str) -> KVServerSchedulerConnector:
     return KVServerSchedulerConnector(KVConnectorConfig(address, spec, op_timeout_s=5.0))
 
 
+def pin_cpus() -> tuple[int, int] | None:
+    """(CPU of this process, CPU of the daemon): the first two CPUs this process may use;
+    None when fewer than two are available or the OS cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
 @contextmanager
-def daemon() -> Iterator[str]:
-    """A ``kvserver start`` on ephemeral loopback ports; yields its ZMQ address."""
+def daemon(cpu: int | None = None) -> Iterator[str]:
+    """A ``kvserver start`` on ephemeral loopback ports (on CPU ``cpu`` only, when given, with
+    every thread it starts); yields its ZMQ address."""
     with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
         ready = Path(tmp) / "ready.json"
         args = [
@@ -157,7 +182,8 @@ def daemon() -> Iterator[str]:
             "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "-1", "--dram", "1GiB",
             "--ready-file", str(ready), "--log-level", "WARNING",
         ]  # fmt: skip
-        proc = subprocess.Popen(args)
+        pin = None if cpu is None else functools.partial(os.sched_setaffinity, 0, {cpu})
+        proc = subprocess.Popen(args, preexec_fn=pin)
         try:
             deadline = time.monotonic() + 30
             while not ready.exists():
@@ -187,25 +213,30 @@ def measure(configs: list[Config], rounds: int, steps: int) -> None:
 
 def results(configs: list[Config]) -> list[dict[str, Any]]:
     off = configs[0]
-    ref = statistics.median(off.schedule_s)
-    ref_step = statistics.median(off.step_s)
+    med = statistics.median
+    ref, ref_step = med(off.schedule_s), med(off.step_s)
+    ref_cpu, ref_step_cpu = med(off.schedule_cpu_s), med(off.step_cpu_s)
     out = []
     for c in configs:
-        med = statistics.median(c.schedule_s)
-        med_step = statistics.median(c.step_s)
+        value, step = med(c.schedule_s), med(c.step_s)
+        cpu, step_cpu = med(c.schedule_cpu_s), med(c.step_cpu_s)
         p90 = statistics.quantiles(c.schedule_s, n=10)[-1]
         out.append(
             {
                 "name": f"schedule() with {NUM_REQUESTS} running, connector {c.name}",
                 "config": c.name,
-                "value": med * 1e6,
+                "value": value * 1e6,
                 "unit": "us",
                 "p90_us": p90 * 1e6,
                 "reference": ref * 1e6,
-                "ratio": med / ref,
+                "ratio": value / ref,
                 "target": TARGET,
-                "step_us": med_step * 1e6,
-                "step_ratio": med_step / ref_step,
+                "step_us": step * 1e6,
+                "step_ratio": step / ref_step,
+                "cpu_us": cpu * 1e6,
+                "cpu_ratio": cpu / ref_cpu,
+                "step_cpu_us": step_cpu * 1e6,
+                "step_cpu_ratio": step_cpu / ref_step_cpu,
                 "samples": len(c.schedule_s),
             }
         )
@@ -219,11 +250,12 @@ def results(configs: list[Config]) -> list[dict[str, Any]]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{NUM_REQUESTS} running requests in decode, block {BLOCK_SIZE}, medians")
     print(f"{'connector':<10} {'schedule() us':>14} {'p90 us':>9} {'ratio':>7} "
-          f"{'step us':>9} {'step ratio':>10}")  # fmt: skip
+          f"{'step us':>9} {'step ratio':>10} {'cpu ratio':>10} {'cpu step r.':>11}")  # fmt: skip
     for r in rows:
         print(
             f"{r['config']:<10} {r['value']:>14.1f} {r['p90_us']:>9.1f} {r['ratio']:>7.3f} "
-            f"{r['step_us']:>9.1f} {r['step_ratio']:>10.3f}"
+            f"{r['step_us']:>9.1f} {r['step_ratio']:>10.3f} {r['cpu_ratio']:>10.3f} "
+            f"{r['step_cpu_ratio']:>11.3f}"
         )
     print(f"target: ratio <= {TARGET}")
     for r in rows:
@@ -264,17 +296,23 @@ def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 50 steps")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per round")
+    parser.add_argument("--quick", action="store_true", help="4 rounds of 32 steps")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=48, help="timed steps per round")
     parser.add_argument("--kvserver", metavar="ADDR", help="also measure the real connector")
     parser.add_argument("--start-daemon", action="store_true",
                         help="start a daemon on loopback for the real connector")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON here")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="this process and the daemon on different CPUs (default)")  # fmt: skip
     args = parser.parse_args(argv)
-    rounds, steps = (3, 50) if args.quick else (args.rounds, args.steps)
+    rounds, steps = (4, 32) if args.quick else (args.rounds, args.steps)
     max_steps = rounds * steps + 64
-    with daemon() if args.start_daemon else nullcontext(args.kvserver) as addr:
+    cpus = pin_cpus() if args.pin else None
+    if cpus is not None:  # before any thread starts (the client's I/O thread inherits it)
+        os.sched_setaffinity(0, {cpus[0]})
+    daemon_cpu = None if cpus is None else cpus[1]
+    with daemon(daemon_cpu) if args.start_daemon else nullcontext(args.kvserver) as addr:
         configs = [make("off", None, max_steps)]
         configs.append(make("memory", MemoryConnector(BLOCK_SIZE, CHUNK_BLOCKS, log_calls=False),
                             max_steps))  # fmt: skip
@@ -290,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        pinned = None if cpus is None else {"bench": cpus[0], "daemon": cpus[1]}
         meta = {"num_requests": NUM_REQUESTS, "block_size": BLOCK_SIZE, "rounds": rounds,
-                "steps_per_round": steps, "cpus": os.cpu_count()}  # fmt: skip
+                "steps_per_round": steps, "cpus": os.cpu_count(), "pinned": pinned}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
         chart = args.json.with_suffix(".png")
         if write_chart(rows, chart):

@@ -1,8 +1,9 @@
 """Value types of the scheduler-side KV connector (:mod:`scheduler.kv_connector`).
 
 Its configuration and counters, what it reads from a scheduled step, and the records it keeps
-per request and per daemon lease. Pure data; the records belong to one connector and are
-mutated only by it (scheduler thread).
+per request and per daemon lease, plus :func:`block_hashes` (a request's chunk keys come from
+its block hashes). Data only; the records belong to one connector and are mutated only by it
+(scheduler thread).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvserver.client import Pending
 from kvserver.connector_messages import RequestTransfers
 from kvserver.engine_types import StoreGrant
 from kvserver.errors import InvalidArgument
+from kvserver.hashing import BlockHash, BlockHasher
 from kvserver.namespace import NamespaceSpec
 from scheduler.connector_base import RequestLike
 
@@ -100,23 +102,23 @@ class ConnectorStats:
 @dataclass(slots=True, eq=False)
 class TransferJob:
     """One request's transfers under one daemon lease: its load (a lease of its own), or its
-    share of one step's store batch (the lease is shared by the batch's requests)."""
+    share of one step's store batch (the lease is shared by the batch's requests). ``id``
+    is ``(is_load, req_id, lease_id)``, how the workers' reports name it."""
 
     transfers: RequestTransfers
     is_load: bool
     keys: list[bytes]
     deadline: float
+    id: tuple[bool, str, int]
     #: loads: per key, the first token it fills (a failure invalidates from there on).
     first_tokens: list[int] = field(default_factory=list)
     #: loads: the chunk index of keys[0] in the request (a failure moves the cursor back).
     first_chunk: int = 0
     shipped: bool = False
-    ranks: set[int] = field(default_factory=set)
+    #: bit ``r`` is set once TP rank ``r`` has reported the job.
+    ranks: int = 0
+    #: keys some rank failed to copy.
     failed: set[bytes] = field(default_factory=set)
-
-    @property
-    def id(self) -> tuple[bool, str, int]:
-        return self.is_load, self.transfers.req_id, self.transfers.lease_id
 
 
 @dataclass(slots=True, eq=False)
@@ -129,7 +131,8 @@ class RequestState:
     #: (num_local_tokens, first chunk, hit keys) of the last lookup, until allocation.
     plan: tuple[int, int, list[bytes]] | None = None
     num_loads: int = 0
-    #: store jobs in flight, plus 1 while the request has chunks in the store batch in flight.
+    #: its store jobs, plus 1 for its share of the store batch in flight (until a job takes
+    #: its place, or the reply gave it none).
     num_stores: int = 0
     #: request_finished returned True: report finished_sending when the jobs are over.
     finished: bool = False
@@ -145,17 +148,21 @@ class PlannedStore:
     state: RequestState
     first: int
     end: int
-    keys: list[bytes]
+    keys: Sequence[bytes]
     block_ids: list[int]
 
 
 @dataclass(slots=True, eq=False)
 class StoreBatch:
-    """The one ``prepare_store`` of a step, in flight: ``keys`` (deduplicated) for ``planned``."""
+    """The one ``prepare_store`` of a step, in flight: ``keys`` (deduplicated) for ``planned``;
+    ``grant`` once its reply was taken (the jobs queued), and then ``ungranted``: the planned
+    requests left without a job."""
 
     pending: Pending[StoreGrant | None]
     planned: list[PlannedStore]
     keys: list[bytes]
+    grant: StoreGrant | None = None
+    ungranted: list[PlannedStore] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -166,3 +173,27 @@ class Completion:
     pending: Pending[Any]
     kind: Literal["store", "rollback", "load"]
     lease_id: int
+
+
+def block_hashes(state: RequestState, hasher: BlockHasher) -> Sequence[bytes]:
+    """The request's own block hashes, else ones computed (and extended) here, with
+    ``hasher`` (the namespace's), into ``state.hashes``."""
+    req = state.request
+    if req.block_hashes:
+        return req.block_hashes
+    bs, done, tokens = hasher.block_size, len(state.hashes), req.all_token_ids
+    if len(tokens) // bs > done:
+        state.hashes += hasher.hash_blocks(
+            tokens[done * bs : len(tokens) // bs * bs],
+            cache_salt=req.cache_salt,
+            lora=_lora(req),
+            parent=BlockHash(state.hashes[-1]) if done else None,
+            start_block=done,
+        )
+    return state.hashes
+
+
+def _lora(request: RequestLike) -> tuple[str, str] | None:
+    """(name, path) of vLLM's ``request.lora_request`` when the request has one."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else (str(lora.lora_name), str(lora.lora_path))

@@ -1,0 +1,276 @@
+"""Transfers under daemon leases, from planned to completed (:class:`LeaseBook`).
+
+Runs in the scheduler process, on the scheduler's thread, as part of
+:class:`~scheduler.kv_connector.KVServerSchedulerConnector`; not thread-safe.
+
+A :class:`~scheduler.kv_connector_types.TransferJob` is one request's transfers under one
+lease: its load (a lease of its own, added by the load planner) or its share of one step's
+store batch (added by the store planner). Life of a job::
+
+    add_load | add_store_jobs ──► ship (into the next metadata)
+        ──► apply_outputs (every TP rank has reported it) ──► finish (request counters, report)
+        ──► send_completions (one per lease, not waited for)
+        ──► collect_completions (the next update_connector_output)
+    or, shipped and unreported by its lease's deadline: expire ──► finish (no completion)
+
+Invariants:
+- ``jobs`` holds every job planned or in flight, keyed by ``TransferJob.id``; ``to_ship``
+  the ones not shipped yet; a request's ``num_loads`` / ``num_stores`` count its jobs (plus,
+  for stores, its share of the store batch in flight);
+- no job's deadline is earlier than ``_next_deadline`` (so :meth:`expire` is one comparison
+  per step until a lease may really have expired);
+- a finished request (``request_finished`` returned True) is reported in ``finished_sending``
+  and forgotten as soon as it has no job and no share of the store batch left;
+- every lease taken is completed, rolled back, or left to expire on the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+from kvserver.client import Pending
+from kvserver.connector_messages import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
+from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
+from scheduler.connector_base import TransferReport
+from scheduler.kv_connector_link import DaemonLink
+from scheduler.kv_connector_types import (
+    Completion,
+    ConnectorStats,
+    RequestState,
+    TransferJob,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseBook:
+    """Jobs, their completion on the daemon, and what the scheduler is told about them."""
+
+    def __init__(
+        self,
+        reqs: dict[str, RequestState],
+        link: DaemonLink,
+        stats: ConnectorStats,
+        clock: Callable[[], float],
+    ) -> None:
+        """``reqs``: the connector's requests (shared, not copied)."""
+        self.ns_id = link.config.spec.ns_id
+        self._world = link.config.spec.tp_world_size
+        #: ``TransferJob.ranks`` once every TP rank has reported.
+        self._all_ranks = (1 << self._world) - 1
+        self._reqs = reqs
+        self._link = link
+        self._stats = stats
+        self._clock = clock
+        self.jobs: dict[tuple[bool, str, int], TransferJob] = {}
+        #: loads planned in this step and stores reserved for the previous one.
+        self.to_ship: list[TransferJob] = []
+        #: a lower bound of the deadlines of the jobs (only a later clock can expire one).
+        self._next_deadline = math.inf
+        #: completions sent by update_connector_output, replies not applied yet.
+        self.completions: list[Completion] = []
+        self.report = TransferReport()
+        #: hits that could not be pinned since the last metadata (shipped as failed_loads).
+        self.failed_loads: list[FailedLoad] = []
+        self.events: list[Event] = []
+        self._event_seq = 0
+
+    def clear(self) -> None:
+        """Forget every job and reply still due (replies are dropped: see ``reset``)."""
+        for completion in self.completions:
+            completion.pending.cancel()
+        self.completions.clear()
+        self.jobs.clear()
+        self.to_ship.clear()
+        self._next_deadline = math.inf
+        self.failed_loads.clear()
+        self.report = TransferReport()
+
+    # ------------------------------------------------------------------ jobs
+
+    def add_load(self, state: RequestState, job: TransferJob) -> None:
+        """The load job of ``state``'s request, shipped by the next :meth:`ship`."""
+        self.jobs[job.id] = job
+        self.to_ship.append(job)
+        if job.deadline < self._next_deadline:
+            self._next_deadline = job.deadline
+        state.num_loads += 1
+
+    def add_store_jobs(self, jobs: list[TransferJob], deadline: float) -> None:
+        """The store jobs of one grant (lease deadline ``deadline``), shipped by the next
+        :meth:`ship`. Each takes the place of its request's share of the store batch, already
+        counted in ``num_stores``."""
+        self.jobs.update([(job.id, job) for job in jobs])
+        self.to_ship += jobs
+        if deadline < self._next_deadline:
+            self._next_deadline = deadline
+
+    def ship(self, meta: ConnectorMetadata) -> None:
+        """Move the jobs not shipped yet, and the failed pins, into ``meta``."""
+        meta.failed_loads = self.failed_loads
+        self.failed_loads = []
+        to_ship, self.to_ship = self.to_ship, []
+        for job in to_ship:
+            job.shipped = True
+        meta.loads += [job.transfers for job in to_ship if job.is_load]
+        meta.stores += [job.transfers for job in to_ship if not job.is_load]
+
+    def apply_outputs(self, outputs: Sequence[Any]) -> list[TransferJob]:
+        """Count each rank's reports; finish and return the jobs every rank has reported.
+        Raises InvalidArgument if an output is not a ConnectorWorkerOutput."""
+        jobs, world, all_ranks = self.jobs, self._world, self._all_ranks
+        finished: list[TransferJob] = []
+        for out in outputs:
+            if not isinstance(out, ConnectorWorkerOutput):
+                raise InvalidArgument("outputs must be ConnectorWorkerOutput", got=type(out))
+            if not 0 <= out.rank < world:
+                logger.warning("ignoring a report from rank %s (world %d)", out.rank, world)
+                continue
+            bit = 1 << out.rank
+            for is_load, results in ((True, out.loads), (False, out.stores)):
+                for res in results:
+                    job = jobs.get((is_load, res.req_id, res.lease_id))
+                    if job is None or not job.shipped:
+                        logger.debug("ignoring a report of unknown lease %d", res.lease_id)
+                        continue
+                    job.ranks |= bit
+                    if res.failed_keys:
+                        job.failed.update(k for k in res.failed_keys if k in job.keys)
+                    if job.ranks == all_ranks:
+                        self.finish(job)
+                        finished.append(job)
+        return finished
+
+    def finish(self, job: TransferJob, *, expired: bool = False) -> None:
+        """Every rank reported (or the lease expired): update the request and the report. The
+        daemon calls are :meth:`send_completions`' (none for an expired lease: the daemon
+        reclaimed it already)."""
+        del self.jobs[job.id]
+        req_id = job.transfers.req_id
+        state = self._reqs.get(req_id)
+        if state is None:
+            return
+        if not job.is_load:
+            state.num_stores -= 1
+            if state.finished:
+                self.release_if_done(state)
+            return
+        state.num_loads -= 1
+        self.report.finished_recving.add(req_id)
+        bad = [i for i, k in enumerate(job.keys) if k in job.failed]
+        if bad:
+            first = min(job.first_tokens[i] for i in bad)
+            blocks = [c.block_ids for c in job.transfers.loads if c.key in job.failed]
+            self.load_error(req_id, first, blocks)
+            # those chunks are recomputed: store them afterwards
+            state.cursor = min(state.cursor, job.first_chunk + bad[0])
+        self.release_if_done(state)
+
+    def release_if_done(self, state: RequestState) -> None:
+        """A finished request with nothing planned or in flight: its blocks may be freed."""
+        if state.finished and not state.num_loads and not state.num_stores:
+            req_id = state.request.request_id
+            self.report.finished_sending.add(req_id)
+            self._reqs.pop(req_id, None)
+
+    def expire(self) -> None:
+        """Leases no worker completed by their deadline: the workers are presumed dead, the
+        daemon has rolled the lease back. Loads fail (recompute), stores are dropped."""
+        now = self._clock()
+        if now <= self._next_deadline:
+            return
+        for job in [j for j in self.jobs.values() if j.shipped and j.deadline < now]:
+            logger.warning("lease %d of %s expired unreported", job.id[2], job.id[1])
+            self._stats.expired_jobs += 1
+            job.failed.update(job.keys)
+            self.finish(job, expired=True)
+        self._next_deadline = min((j.deadline for j in self.jobs.values()), default=math.inf)
+
+    # ------------------------------------------------------------------ completions
+
+    def send_completions(self, jobs: list[TransferJob]) -> None:
+        """Complete the finished leases on the daemon without waiting: one complete_store per
+        store lease (its chunks every rank wrote, all jobs of the lease together), one rollback
+        per lease with chunks some rank failed, one complete_load per load lease."""
+        stores: dict[int, tuple[list[bytes], list[bytes]]] = {}
+        loads: list[int] = []
+        for job in jobs:
+            lease_id = job.transfers.lease_id
+            if job.is_load:
+                loads.append(lease_id)
+                continue
+            if (entry := stores.get(lease_id)) is None:
+                entry = stores[lease_id] = ([], [])
+            ok, bad = entry
+            if not job.failed:
+                ok += job.keys
+                continue
+            for key in job.keys:
+                (bad if key in job.failed else ok).append(key)
+        for lease_id, (ok, bad) in stores.items():
+            if ok:
+                self._send_completion("store", lease_id, ok)
+            if bad:
+                self._send_completion("rollback", lease_id, bad)
+        for lease_id in dict.fromkeys(loads):
+            self._send_completion("load", lease_id, [])
+
+    def _send_completion(
+        self, kind: Literal["store", "rollback", "load"], lease_id: int, keys: list[bytes]
+    ) -> None:
+        if kind == "load":
+            pending: Pending[Any] | None = self._link.submit(
+                lambda kv: kv.submit_complete_load(lease_id)
+            )
+        else:
+            pending = self._link.submit(
+                lambda kv: kv.submit_complete_store(lease_id, success=kind == "store", keys=keys)
+            )
+        if pending is None:  # skipped: the daemon reclaims the lease at its deadline
+            self._stats.completion_errors += 1
+            return
+        self.completions.append(Completion(pending, kind, lease_id))
+
+    def collect_completions(self, *, wait: bool) -> None:
+        """Apply completion replies: chunks made ready count as stored (a BlockStored event);
+        an error is logged and counted, its chunks are not stored. ``wait``: wait for each
+        (at most ``op_timeout_s``); else only those that already arrived."""
+        left: list[Completion] = []
+        for completion in self.completions:
+            if not wait and not completion.pending.done():
+                left.append(completion)
+                continue
+            try:
+                ready = self._link.result(completion.pending)
+            except KVServerError as exc:
+                self._stats.completion_errors += 1
+                logger.info("%s of lease %d failed: %s", completion.kind, completion.lease_id, exc)
+                continue
+            if completion.kind == "store":
+                self._stats.stored_chunks += len(ready)
+                self.emit(BlockStored, ready)
+        self.completions = left
+
+    # ------------------------------------------------------------------ report and events
+
+    def take_report(self) -> TransferReport:
+        report, self.report = self.report, TransferReport()
+        return report
+
+    def load_error(self, req_id: str, num_valid: int, blocks: Iterable[list[int]]) -> None:
+        """Tell the scheduler: only the first ``num_valid`` tokens of ``req_id`` are valid,
+        ``blocks`` were not filled."""
+        self._stats.load_errors += 1
+        errors = self.report.load_errors
+        errors[req_id] = min(num_valid, errors.get(req_id, num_valid))
+        for ids in blocks:
+            self.report.invalid_block_ids.update(ids)
+
+    def emit(self, kind: type[BlockStored | BlockRemoved], keys: Sequence[bytes]) -> None:
+        if keys:
+            self._event_seq += 1
+            self.events.append(kind(self._event_seq, self.ns_id, tuple(keys), MEDIUM_DRAM))

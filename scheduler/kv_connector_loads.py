@@ -1,0 +1,172 @@
+"""The load side of the scheduler connector: lookups and pins (:class:`LoadPlanner`).
+
+Runs in the scheduler process, on the scheduler's thread, inside ``schedule()`` (admission of
+a waiting request); not thread-safe; part of
+:class:`~scheduler.kv_connector.KVServerSchedulerConnector`.
+
+Call order, per admitted request::
+
+    offer(state, num_computed)           lookup (record, touch) -> (n_ext | None, is_async)
+    ... the scheduler allocates GPU blocks ...
+    pin(state, block_ids, n_ext)         prepare_load of the offered hit -> one load job
+
+Both calls are synchronous and bounded (``lookup_timeout_s``, ``op_timeout_s``) behind the
+link's circuit breaker. Only chunks wholly inside the first ``num_tokens - 1`` tokens are
+offered; a hit is always asynchronous. "Ask again" (None) is answered only while an earlier
+transfer of the request is in flight, or while the first missing chunk is being stored by
+this connector (the hit grows once that store lands). A hit that can no longer be pinned
+(evicted meanwhile, daemon unreachable) becomes a load error from its first missing chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from kvserver.connector_messages import ChunkLoad, FailedLoad, RequestTransfers
+from kvserver.engine_types import LoadGrant
+from kvserver.errors import InvalidArgument, KVServerError, UnknownKey
+from kvserver.events import BlockRemoved
+from kvserver.hashing import BlockHasher
+from scheduler.kv_connector_leases import LeaseBook
+from scheduler.kv_connector_link import DaemonLink
+from scheduler.kv_connector_types import ConnectorStats, RequestState, TransferJob, block_hashes
+
+logger = logging.getLogger(__name__)
+
+
+class LoadPlanner:
+    """Offers external hits to the scheduler and pins them once blocks are allocated."""
+
+    def __init__(
+        self,
+        link: DaemonLink,
+        leases: LeaseBook,
+        stats: ConnectorStats,
+        hasher: BlockHasher,
+        is_storing: Callable[[bytes], bool],
+    ) -> None:
+        """``is_storing(key)``: a store of chunk ``key`` is planned or in flight."""
+        self.config = link.config
+        self.spec = link.config.spec
+        self.ns_id = self.spec.ns_id  # a property that hashes the spec: computed once
+        self._link = link
+        self._leases = leases
+        self._stats = stats
+        self._hasher = hasher
+        self._is_storing = is_storing
+
+    def offer(self, state: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens`` for ``state.request``: look the chunks past the
+        local hit up and remember the hit (``state.plan``) for :meth:`pin`."""
+        request = state.request
+        state.plan = None
+        if state.num_loads or state.num_stores:
+            return None, False  # an earlier transfer of this request is in flight
+        ct, cb = self.spec.chunk_tokens, self.spec.chunk_blocks
+        hashes = block_hashes(state, self._hasher)
+        # Only chunks within the first num_tokens - 1 tokens: one token is left to compute.
+        max_chunks = min(len(hashes) // cb, (len(request.all_token_ids) - 1) // ct)
+        start = num_computed_tokens // ct
+        if max_chunks <= start:
+            return 0, False
+        keys = list(hashes[start * cb + cb - 1 : max_chunks * cb : cb])
+        self._stats.lookups += 1
+        ns_id = self.ns_id
+        try:
+            hits = self._link.call(
+                self.config.lookup_timeout_s,
+                lambda kv: kv.lookup(ns_id, keys, record=True, touch=True).hit_chunks,
+            )
+        except KVServerError as exc:
+            self._stats.lookups_failed += 1
+            logger.debug("lookup for %s failed, no external hit: %s", request.request_id, exc)
+            return 0, False
+        if hits < len(keys) and self._is_storing(keys[hits]):
+            return None, False  # the next chunk is being stored right now: ask again
+        if hits == 0:
+            return 0, False
+        num_external = (start + hits) * ct - num_computed_tokens
+        state.plan = (num_computed_tokens, start, keys[:hits])
+        self._stats.hit_tokens += num_external
+        return num_external, True
+
+    def pin(self, state: RequestState, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: pins the offered hit and pairs its chunks with
+        ``block_ids`` (the request's blocks from 0) as one load job.
+
+        Raises InvalidArgument (nothing changed) if ``num_external_tokens`` is neither 0 nor
+        what the last :meth:`offer` offered, or the blocks do not cover it. A hit that can no
+        longer be pinned is reported by the next report as a finished load with a load error
+        (the scheduler recomputes those tokens).
+        """
+        req_id, plan = state.request.request_id, state.plan
+        bs, ct, cb = self.spec.block_size, self.spec.chunk_tokens, self.spec.chunk_blocks
+        if num_external_tokens and plan is None:
+            raise InvalidArgument("no external tokens were offered", request=req_id)
+        if not num_external_tokens or plan is None:
+            # A request without a block table is new or preempted: store from chunk 0. One
+            # that holds blocks is admitted after its load landed: keep its cursor (past the
+            # loaded chunks), or the stored chunks would be planned again.
+            if not state.block_ids:
+                state.cursor = 0
+            state.block_ids, state.plan = list(block_ids), None
+            return
+        num_local, start, keys = plan
+        end = start + len(keys)
+        if num_local + num_external_tokens != end * ct or len(block_ids) < end * cb:
+            raise InvalidArgument(
+                "num_external_tokens or block_ids do not match the offered hit",
+                got=num_external_tokens, offered=end * ct - num_local, blocks=len(block_ids),
+            )  # fmt: skip
+        state.block_ids, state.plan = list(block_ids), None
+        loads: list[ChunkLoad] = []
+        first_tokens: list[int] = []
+        for i, key in enumerate(keys, start):
+            skip = max(0, num_local // bs - i * cb)  # leading sub-blocks already on the GPU
+            loads.append(ChunkLoad(key, state.block_ids[i * cb + skip : (i + 1) * cb], skip))
+            first_tokens.append(max(num_local, (i * cb + skip) * bs))
+        self._stats.loads += 1
+        grant: LoadGrant | None = None
+        ns_id, lease_s = self.ns_id, self.config.lease_s
+        try:
+            grant = self._link.op(lambda kv: kv.prepare_load(ns_id, keys, lease_s=lease_s))
+        except UnknownKey:  # evicted since the lookup: pin what is left of the prefix
+            grant = self._pin_prefix(keys)
+        except KVServerError as exc:
+            logger.info("cannot pin the hit of %s, recomputing it: %s", req_id, exc)
+        num_ok = len(grant.keys) if grant is not None else 0
+        leases = self._leases
+        if num_ok < len(keys):
+            failed = [c.block_ids for c in loads[num_ok:]]
+            leases.load_error(req_id, first_tokens[num_ok], failed)
+            leases.failed_loads.append(
+                FailedLoad(req_id, [b for ids in failed for b in ids], finished=not num_ok)
+            )
+        if grant is None or not num_ok:
+            leases.report.finished_recving.add(req_id)
+            return
+        # kvserver has the loaded chunks, the GPU prefix cache the ones before: store after.
+        state.cursor = start + num_ok
+        for load, location in zip(loads, grant.locations, strict=False):
+            load.extents = [list(extents) for extents in location]
+        transfers = RequestTransfers(req_id, grant.lease_id, loads=loads[:num_ok])
+        job = TransferJob(
+            transfers, True, keys[:num_ok], grant.deadline, (True, req_id, grant.lease_id),
+            first_tokens[:num_ok], start,
+        )  # fmt: skip
+        leases.add_load(state, job)
+
+    def _pin_prefix(self, keys: list[bytes]) -> LoadGrant | None:
+        """Pin the leading run of ``keys`` still ready; announce the first one that is gone."""
+        ns_id, lease_s = self.ns_id, self.config.lease_s
+        try:
+            hits = self._link.op(lambda kv: kv.lookup(ns_id, keys).hit_chunks)
+            self._leases.emit(BlockRemoved, keys[hits : hits + 1])
+            if hits:
+                return self._link.op(
+                    lambda kv: kv.prepare_load(ns_id, keys[:hits], lease_s=lease_s)
+                )
+        except KVServerError as exc:
+            logger.info("cannot pin what is left of a hit: %s", exc)
+        return None

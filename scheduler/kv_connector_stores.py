@@ -1,0 +1,277 @@
+"""The store side of the scheduler connector: one store batch per step (:class:`StorePlanner`).
+
+Runs in the scheduler process, on the scheduler's thread; not thread-safe; part of
+:class:`~scheduler.kv_connector.KVServerSchedulerConnector`.
+
+Call order, per step::
+
+    build_connector_meta:    collect()   apply the previous batch's reply: cursors, store jobs
+                             ... the connector ships the jobs ...
+                             plan(step)  block tables, the chunks full after the step, and
+                                         ONE prepare_store, sent without waiting
+    update_connector_output: prepare()   if that reply has arrived, take it: store jobs
+                                         queued for the next metadata, cursors moved
+
+``collect`` reads the reply itself (waiting at most ``op_timeout_s``) when ``prepare`` did not
+find it, so the outcome is the same either way; the round trip overlaps the workers' step.
+``prepare`` changes nothing the scheduler can observe: the jobs it queues ship with the next
+metadata either way, the cursors are read only by the next ``plan``, and the requests left
+without a job are let go only by ``collect``.
+``drain`` and ``reset`` go through ``collect`` / ``cancel``.
+
+Cost per step (256 decoding requests): one pass over the step's requests that appends new
+block ids and compares one integer per request (the tokens after this step against the
+request's store cursor); only requests with a chunk full after this step do more.
+
+Invariants:
+- at most one batch is in flight; each request with chunks in it counts it once in
+  ``num_stores``: as its share of the batch until the reply is taken, then as its store job
+  (or, without one, until ``collect``);
+- :meth:`is_storing` is true exactly for the keys of the batch in flight and of the store
+  jobs not finished (lookups answer "ask again" for them). The set is built on demand, by a
+  lookup, and dropped whenever the batch or the store jobs may change: by ``collect``,
+  ``cancel``, the send of a batch, and :meth:`changed`, which the connector calls at the
+  start of ``build_connector_meta`` and ``update_connector_output`` (nothing looks up while
+  they run);
+- a chunk below a request's ``cursor`` is never planned again: the cursor moves past the
+  planned chunks when the reservation is granted (or refused for good), and stays when it
+  could not be made (daemon unreachable, cache full: planned again next step);
+- a full cache halves the next batch (down to 1 chunk); each granted batch doubles the limit
+  back up to ``max_store_batch_chunks``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvserver.connector_messages import ChunkStore, RequestTransfers
+from kvserver.engine_types import StoreGrant
+from kvserver.errors import KVServerError, Unavailable
+from kvserver.hashing import BlockHasher
+from scheduler.kv_connector_leases import LeaseBook
+from scheduler.kv_connector_link import DaemonLink
+from scheduler.kv_connector_types import (
+    ConnectorStats,
+    PlannedStore,
+    RequestState,
+    ScheduledStep,
+    StoreBatch,
+    TransferJob,
+    block_hashes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StorePlanner:
+    """Plans, reserves and hands over (as jobs) the stores of every scheduled request."""
+
+    def __init__(
+        self,
+        reqs: dict[str, RequestState],
+        link: DaemonLink,
+        leases: LeaseBook,
+        stats: ConnectorStats,
+        hasher: BlockHasher,
+    ) -> None:
+        """``reqs``: the connector's requests (shared, not copied)."""
+        self.spec = link.config.spec
+        self.ns_id = self.spec.ns_id  # a property that hashes the spec: computed once
+        self._reqs = reqs
+        self._link = link
+        self._leases = leases
+        self._stats = stats
+        self._hasher = hasher
+        self._lease = link.config.lease_s
+        self._max_batch = link.config.max_store_batch_chunks
+        #: this step's prepare_store, sent at the end of build_connector_meta.
+        self.batch: StoreBatch | None = None
+        self._batch_limit = self._max_batch
+        #: keys with a store planned or in flight; None: to be built again.
+        self._storing: set[bytes] | None = None
+
+    def cancel(self) -> None:
+        """Forget the batch in flight (its reply is dropped; the caller releases its lease)."""
+        if self.batch is not None:
+            self.batch.pending.cancel()
+            self.batch = None
+        self._storing = None
+
+    def is_storing(self, key: bytes) -> bool:
+        """True while a store of chunk ``key`` is planned or in flight (in the batch or in a
+        store job of this connector)."""
+        storing = self._storing
+        if storing is None:
+            storing = {k for j in self._leases.jobs.values() if not j.is_load for k in j.keys}
+            if self.batch is not None:
+                storing.update(self.batch.keys)
+            self._storing = storing
+        return key in storing
+
+    def changed(self) -> None:
+        """The batch or the store jobs may have changed: :meth:`is_storing` looks again."""
+        self._storing = None
+
+    def plan(self, step: ScheduledStep) -> None:
+        """Take the step's block tables (new_reqs replace, cached_reqs append) and send one
+        prepare_store for the chunks from each request's cursor to the last one full after
+        this step (at most the batch limit, in step order), without waiting. REQUIRES: the
+        previous batch was collected."""
+        reqs, sched, ct = self._reqs, step.num_scheduled_tokens, self.spec.chunk_tokens
+        state_of, num_scheduled = reqs.get, sched.get
+        due: list[tuple[RequestState, int]] = []
+        for new in getattr(step, "new_reqs", ()):
+            if (state := state_of(new.req_id)) is not None:
+                state.block_ids = list(new.block_ids)
+                done = new.num_computed_tokens + num_scheduled(new.req_id, 0)
+                if done // ct > state.cursor:
+                    due.append((state, done))
+        # The hot loop (every running request, every step): one integer check per request.
+        for cached in getattr(step, "cached_reqs", ()):
+            req_id = cached.req_id
+            if (state := state_of(req_id)) is None:
+                continue
+            if cached.new_block_ids:
+                state.block_ids += cached.new_block_ids
+            done = cached.num_computed_tokens + num_scheduled(req_id, 0)
+            if done // ct > state.cursor:
+                due.append((state, done))
+        if due:
+            self._plan(due)
+
+    def _plan(self, due: list[tuple[RequestState, int]]) -> None:
+        """For each (request, tokens after this step), in order while the batch has room: the
+        chunks from its cursor up to the last one full after the step; then send them."""
+        bs, cb = self.spec.block_size, self.spec.chunk_blocks
+        room = self._batch_limit
+        planned: list[PlannedStore] = []
+        keys: list[bytes] = []
+        for state, done in due:
+            if state.finished:
+                continue
+            req, blocks, first = state.request, state.block_ids, state.cursor
+            hashes = req.block_hashes or block_hashes(state, self._hasher)
+            # the last chunk full after the step: bounded by the tokens, hashes and blocks known
+            num_tokens = len(req.all_token_ids)
+            end = (done if done < num_tokens else num_tokens) // bs
+            if len(hashes) < end:
+                end = len(hashes)
+            if len(blocks) < end:
+                end = len(blocks)
+            end = min(end // cb, first + room)
+            if end <= first:
+                continue
+            chunk_keys = hashes[first * cb + cb - 1 : end * cb : cb]
+            keys += chunk_keys
+            planned.append(
+                PlannedStore(state, first, end, chunk_keys, blocks[first * cb : end * cb])
+            )
+            room -= end - first
+            if room <= 0:
+                break
+        if planned:
+            self._send(planned, keys)
+
+    def _send(self, planned: list[PlannedStore], keys: list[bytes]) -> None:
+        """One prepare_store for every planned chunk (``keys``, in plan order), not waited for.
+        Unsent (daemon down or unreachable): the cursors stay, so the chunks are planned again
+        next step."""
+        self._stats.planned_chunks += len(keys)
+        unique = list(dict.fromkeys(keys))
+        ns_id, lease_s = self.ns_id, self._lease
+        pending = self._link.submit(
+            lambda kv: kv.submit_prepare_store(ns_id, unique, lease_s=lease_s)
+        )
+        if pending is None:
+            return
+        for p in planned:
+            p.state.num_stores += 1
+        self.batch = StoreBatch(pending, planned, unique)
+        self._storing = None
+
+    def prepare(self) -> None:
+        """Take the reply of the batch in flight if it has arrived (never waits): the store
+        jobs are built and queued for the next metadata (:meth:`_take`), leaving to
+        :meth:`collect` only what the scheduler can see — the requests none of whose chunks
+        was granted stop counting the batch, and are released if finished — exactly as if it
+        had read the reply itself. Called once the workers' step is over, so that
+        ``build_connector_meta`` has little left to do."""
+        batch = self.batch
+        if batch is None or batch.grant is not None or not batch.pending.done():
+            return
+        try:
+            grant = self._link.result(batch.pending)
+        except KVServerError:
+            return  # collect() gets the same outcome again and handles it
+        if grant is not None:
+            self._take(batch, grant)
+
+    def collect(self) -> None:
+        """Apply the reply of the store batch in flight (waiting at most ``op_timeout_s`` unless
+        :meth:`prepare` took it already): each granted chunk becomes a ChunkStore of the first
+        request that planned it, one job per request (all in the batch's one lease), shipped
+        by the next metadata; cursors move past what was planned. Unreachable or a full cache:
+        cursors stay (a full cache halves the next batch)."""
+        batch, self.batch = self.batch, None
+        self._storing = None
+        if batch is None:
+            return
+        if batch.grant is None:
+            try:
+                grant = self._link.result(batch.pending)
+            except Unavailable:
+                self._drop(batch, skip=False)
+                return
+            except KVServerError as exc:
+                logger.warning("prepare_store of %d chunks refused: %s", len(batch.keys), exc)
+                self._drop(batch, skip=True)  # it would fail again
+                return
+            if grant is None:
+                self._stats.store_rejections += 1
+                self._batch_limit = max(1, len(batch.keys) // 2)
+                self._drop(batch, skip=False)
+                return
+            self._take(batch, grant)
+        for p in batch.ungranted:  # present already, filtered, or another request's
+            p.state.num_stores -= 1
+            self._leases.release_if_done(p.state)
+
+    def _take(self, batch: StoreBatch, grant: StoreGrant) -> None:
+        """Turn ``grant`` into one store job per request with granted chunks (a key's location
+        goes to the first request that planned it), queued for the next metadata; move every
+        planned request's cursor past its chunks; note in ``batch.ungranted`` the requests
+        left without a job, for :meth:`collect`. A request's share of the batch, counted once
+        in ``num_stores``, is its job's count from here on."""
+        batch.grant = grant
+        self._batch_limit = min(self._batch_limit * 2, self._max_batch)
+        locations: dict[bytes, Any] = dict(zip(grant.keys, grant.locations, strict=True))
+        take, lease_id, deadline = locations.pop, grant.lease_id, grant.deadline
+        cb = self.spec.chunk_blocks
+        jobs: list[TransferJob] = []
+        for p in batch.planned:
+            state, blocks = p.state, p.block_ids
+            if state.cursor < p.end:
+                state.cursor = p.end
+            stores: list[ChunkStore] = []
+            for i, key in enumerate(p.keys):
+                if (location := take(key, None)) is not None:
+                    chunk_blocks = blocks[i * cb : (i + 1) * cb]
+                    stores.append(ChunkStore(key, chunk_blocks, list(map(list, location))))
+            if not stores:
+                batch.ungranted.append(p)
+                continue
+            keys = list(p.keys) if len(stores) == len(p.keys) else [c.key for c in stores]
+            req_id = state.request.request_id
+            transfers = RequestTransfers(req_id, lease_id, [], stores)
+            jobs.append(TransferJob(transfers, False, keys, deadline, (False, req_id, lease_id)))
+        if jobs:
+            self._leases.add_store_jobs(jobs, deadline)
+
+    def _drop(self, batch: StoreBatch, *, skip: bool) -> None:
+        """Nothing reserved: the chunks are planned again next step, or never (``skip``)."""
+        for p in batch.planned:
+            p.state.num_stores -= 1
+            if skip and p.state.cursor < p.end:
+                p.state.cursor = p.end
+            self._leases.release_if_done(p.state)
