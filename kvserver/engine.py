@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 from kvserver.arena import SharedArena
 from kvserver.engine_index import DramIndex, IndexKey
@@ -96,6 +97,8 @@ class StorageEngine:
         # Last: everything that validates input runs first, so a bad config leaks no shm file.
         self.arena = SharedArena(config.num_pages * config.page_size, directory=config.shm_dir)
         self._namespaces = NamespaceTable(config.max_keys_per_request)
+        #: ``ns_id`` of each namespace index (``NamespaceSpec.ns_id`` hashes the spec per call).
+        self._ns_ids: list[str] = []
         self.totals = self._namespaces.totals
         self._pins = PinBook(self._dram, self._namespaces)
         self.leases = self._pins.leases
@@ -105,8 +108,9 @@ class StorageEngine:
         self._events: list[Event] = []
         self._next_seq = 1
         #: called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
-        #: index and the policy and BEFORE their pages are freed, so it may read their bytes
-        #: (``arena.views(entry.extents[rank])``). It must not call back into the engine; an
+        #: index and the policy and BEFORE their pages are freed or handed to the new entries
+        #: of the same ``prepare_store``, so it may read their bytes (``arena.views(
+        #: entry.extents[rank])``), then and only then. It must not call back into the engine; an
         #: exception it raises is logged and ignored (the eviction completes regardless).
         self.on_evict: Callable[[NamespaceSpec, list[Entry]], None] | None = None
 
@@ -128,6 +132,7 @@ class StorageEngine:
                 capacity=self.config.dram_bytes,
             )
         self._namespaces.add(spec)
+        self._ns_ids.append(ns_id)
         logger.info("registered namespace %s (%s, %d B/part)", ns_id, spec.model, spec.part_bytes)
         return ns_id
 
@@ -136,7 +141,7 @@ class StorageEngine:
 
     @property
     def namespaces(self) -> dict[str, NamespaceSpec]:
-        return {spec.ns_id: spec for spec in self._namespaces.specs}
+        return dict(zip(self._ns_ids, self._namespaces.specs, strict=True))
 
     # ================================================================== queries
 
@@ -209,14 +214,11 @@ class StorageEngine:
         new_keys: list[bytes] = []
         present: list[bytes] = []
         filtered: list[bytes] = []
-        seen: set[bytes] = set()
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
+        gate = gated and self.reuse.enabled
+        for key in dict.fromkeys(keys):  # request order, duplicates removed
             if (ns, key) in index:
                 present.append(key)
-            elif gated and not self.reuse.admits((ns, key)):
+            elif gate and not self.reuse.admits((ns, key)):
                 filtered.append(key)
             else:
                 new_keys.append(key)
@@ -226,19 +228,21 @@ class StorageEngine:
                 c.filtered_chunks += len(filtered)
             return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
 
-        evicted = self._dram.make_room(self._dram.pages_for(spec, len(new_keys)), ns, seen)
+        # Only keys in the index can be chosen as victims: protect this request's present ones.
+        evicted = self._dram.make_room(self._dram.pages_for(spec, len(new_keys)), ns, present)
         if evicted is None:
             for c in counters:
                 c.store_rejections += 1
             return None
         if evicted:
-            self._drop_evicted(evicted)
+            self._evicted(evicted)
         for c in counters:
             c.filtered_chunks += len(filtered)
 
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.STORE, client, ns, new_keys, deadline)
-        locations = self._dram.reserve(ns, spec, new_keys, lease.lease_id)
+        # the victims' pages go to the new entries (or back to the allocator) only now
+        locations = self._dram.reserve(ns, spec, new_keys, lease.lease_id, evicted)
         return StoreGrant(
             lease.lease_id,
             deadline,
@@ -272,10 +276,13 @@ class StorageEngine:
         mask = select_ranks(lease, ranks, spec.tp_world_size)
         selected = select_keys(lease, keys)
         ns = lease.ns
-        if success:
+        if success and ranks is None and keys is None and not lease.done_ranks:
+            # the whole lease at once (a co-located batch): every part of every key written
+            became_ready, lease.keys = lease.keys, []
+            self._dram.make_ready(ns, became_ready)
+        elif success:
             became_ready = record_parts(lease, selected, mask, spec.tp_world_size)
-            for key in became_ready:
-                self._dram.make_ready(self._index[(ns, key)])
+            self._dram.make_ready(ns, became_ready)
             finish_keys(lease, became_ready)
         else:
             became_ready = []
@@ -284,7 +291,7 @@ class StorageEngine:
         if not lease.keys:
             self.leases.end(lease, "completed")
         if became_ready:
-            self._emit(BlockStored(self._seq(), spec.ns_id, tuple(became_ready), MEDIUM_DRAM))
+            self._emit(BlockStored(self._seq(), self._ns_ids[ns], tuple(became_ready), MEDIUM_DRAM))
             for c in self._namespaces.pair(ns):
                 c.stored_chunks += len(became_ready)
         return became_ready
@@ -321,20 +328,21 @@ class StorageEngine:
         self._namespaces.check_keys(ns, keys)
         lease_s = self._check_lease_s(lease_s)
         self._reap()
-        index = self._index
-        entries: list[Entry] = []
-        for key in keys:
-            entry = index.get((ns, key))
-            if entry is None or entry.state is not EntryState.READY:
+        get = self._index.get
+        ikeys = [(ns, key) for key in keys]
+        entries = [get(ikey) for ikey in ikeys]
+        ready = EntryState.READY
+        for key, entry in zip(keys, entries, strict=True):
+            if entry is None or entry.state is not ready:
                 raise UnknownKey("chunk not present", ns=ns_id, key=key)
-            entries.append(entry)
-        self._pins.pin_load(entries)
-        self.policy.touch([(ns, k) for k in keys])
+        loaded = cast(list[Entry], entries)  # every one checked above
+        self._pins.pin_load(loaded)
+        self.policy.touch(ikeys)
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.LOAD, client, ns, list(keys), deadline)
         for c in self._namespaces.pair(ns):
             c.loaded_chunks += len(keys)
-        return LoadGrant(lease.lease_id, deadline, ns_id, list(keys), [e.extents for e in entries])
+        return LoadGrant(lease.lease_id, deadline, ns_id, list(keys), [e.extents for e in loaded])
 
     def complete_load(self, lease_id: int) -> None:
         """Release the pins of a load lease. A finished or expired lease raises LeaseError."""
@@ -455,12 +463,16 @@ class StorageEngine:
     def _emit(self, event: Event) -> None:
         self._events.append(event)
 
-    def _drop_evicted(self, evicted: list[Entry]) -> None:
-        """Hand evicted entries (already out of the index) to ``on_evict``, free their pages,
-        announce them."""
+    def _evicted(self, evicted: list[Entry]) -> None:
+        """Hand evicted entries (already out of the index, pages not yet reused) to
+        ``on_evict``, announce them, count them."""
         by_ns: dict[int, list[Entry]] = {}
         for entry in evicted:
-            by_ns.setdefault(entry.ns, []).append(entry)
+            group = by_ns.get(entry.ns)
+            if group is None:
+                by_ns[entry.ns] = [entry]
+            else:
+                group.append(entry)
         specs = self._namespaces.specs
         if self.on_evict is not None:
             for ns, entries in by_ns.items():
@@ -468,11 +480,9 @@ class StorageEngine:
                     self.on_evict(specs[ns], entries)
                 except Exception:  # a lower tier's failure must not break this tier
                     logger.exception("on_evict hook failed")
-        for entries in by_ns.values():
-            self._dram.free(entries)
         for ns, entries in by_ns.items():
-            keys = [entry.key for entry in entries]
-            self._emit(BlockRemoved(self._seq(), specs[ns].ns_id, tuple(keys), MEDIUM_DRAM))
+            keys = tuple([entry.key for entry in entries])
+            self._emit(BlockRemoved(self._seq(), self._ns_ids[ns], keys, MEDIUM_DRAM))
             for c in self._namespaces.pair(ns):
                 c.evicted_chunks += len(keys)
 

@@ -4,12 +4,18 @@ Runs inside the storage engine (``kvserver/engine.py``), its only caller: single
 locks, no I/O. It knows nothing of leases, namespaces, events or counters; the engine adds
 those around each call. Call order for one chunk::
 
-    make_room(need, ns, keep)               -> READY victims removed from index + policy, or None
-    reserve(ns, spec, keys, lease_id)       -> WRITING entries, pages taken from the allocator
-    make_ready(entry)                       -> READY, tracked by the eviction policy
-    rollback(entry)                         -> a WRITING entry removed, its pages freed
-    free(entries)                           -> the pages of evicted entries returned
-    add_pin / drop_pin / extend_ttl / clear_ttl   pinned-page accounting of READY entries
+    make_room(need, ns, keep)         -> READY victims removed from index + policy, or None
+    reserve(ns, spec, keys, lease_id, victims)
+                                      -> WRITING entries: the victims' parts recycled, other
+                                         pages taken from the allocator
+    make_ready(ns, keys)              -> READY, tracked by the eviction policy
+    rollback(entry)                   -> a WRITING entry removed, its pages freed
+    free(entries)                     -> the pages of evicted entries returned
+    add_pins / drop_pins / extend_ttl / clear_ttl   pinned-page accounting of READY entries
+
+Every call that takes several keys does its work for the whole batch (one allocation, one
+free, one accounting update), since a batch of a co-located store or load is hundreds of keys
+and this runs right after the client's copies have evicted the daemon's data from the caches.
 
 Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
 - every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
@@ -20,7 +26,7 @@ Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvserver.allocator import Extents, PageAllocator
 from kvserver.engine_types import Entry, EntryState
@@ -51,58 +57,105 @@ class DramIndex:
     def make_room(self, need: int, ns: int, keep: Iterable[bytes]) -> list[Entry] | None:
         """Evict READY unpinned entries until ``need`` pages are free.
 
-        Keys of ``keep`` (in namespace ``ns``: the request's own keys) are never chosen. The
-        victims leave the index and the policy and are returned in eviction order with their
-        pages still allocated: the caller may read their bytes, then MUST call :meth:`free`.
-        Returns ``[]`` if ``need`` pages are free already, and ``None`` — with nothing changed,
-        not even the policy state — if they cannot be made free.
+        Keys of ``keep`` (in namespace ``ns``: the request's own keys that are in the index)
+        are never chosen. The victims leave the index and the policy and are returned in
+        eviction order with their pages still allocated: the caller may read their bytes, then
+        MUST pass them to :meth:`reserve` (which recycles their pages) or :meth:`free`.
+        Returns ``[]`` if ``need`` pages are free already, and ``None`` — with nothing
+        changed, not even the policy state — if they cannot be made free.
         """
         shortfall = need - self.allocator.num_free
         if shortfall <= 0:
             return []
         entries = self.entries
         protected = {(ns, k) for k in keep}
-        victims = self.policy.evict(
-            shortfall,
-            self._cost,
-            lambda k: k not in protected and not entries[k].is_pinned,  # type: ignore[index]
-        )
+
+        def evictable(k: Hashable) -> bool:
+            e = entries[k]  # type: ignore[index]
+            return e.pins <= 0 and e.ttl_until <= 0.0 and (not protected or k not in protected)
+
+        victims = self.policy.evict(shortfall, self._cost, evictable)
         if victims is None:
             return None
-        return [entries.pop(victim) for victim in victims]  # type: ignore[call-overload]
+        pop = entries.pop
+        return [pop(victim) for victim in victims]  # type: ignore[call-overload]
 
     def reserve(
-        self, ns: int, spec: NamespaceSpec, keys: list[bytes], lease_id: int
+        self,
+        ns: int,
+        spec: NamespaceSpec,
+        keys: list[bytes],
+        lease_id: int,
+        victims: Sequence[Entry] = (),
     ) -> list[list[Extents]]:
         """Add a WRITING entry per key, pages allocated; returns each key's per-rank extents.
 
+        ``victims`` (what :meth:`make_room` returned for this reservation, pages not freed yet)
+        are recycled: a victim part with the page count of a new part becomes that part as it
+        is (its pages are not freed and taken again, its extents are reused when the byte
+        size matches), and the victims' other pages are freed. The rest of the batch's pages
+        are taken in one allocation (ascending) and cut into parts in key order, so a batch on
+        free contiguous pages gets contiguous parts.
         REQUIRES: no key is in the index; :meth:`make_room` made ``pages_for(spec, len(keys))``
-        pages free.
+        pages free, counting ``victims``' pages.
         """
         allocator = self.allocator
         part_pages = allocator.pages_for(spec.part_bytes)
+        world = spec.tp_world_size
+        nbytes = spec.part_bytes
+        parts: list[tuple[list[int], Extents]] = []
+        if victims:
+            need = world * len(keys)
+            unused: list[int] = []
+            for victim in victims:
+                for pages, extents in zip(victim.pages, victim.extents, strict=True):
+                    if len(parts) < need and len(pages) == part_pages:
+                        if sum(length for _, length in extents) != nbytes:
+                            extents = allocator.extents(pages, nbytes)
+                        parts.append((pages, extents))
+                    else:
+                        unused.extend(pages)
+            if unused:
+                allocator.free(unused)
+        fresh = allocator.allocate(part_pages * (world * len(keys) - len(parts)))
+        assert fresh is not None, "eviction freed less than it promised"
+        page_size, last = allocator.page_size, part_pages - 1
+        for pos in range(0, len(fresh), part_pages):
+            pages = fresh[pos : pos + part_pages]
+            first = pages[0]
+            if pages[last] - first == last:  # contiguous: one extent, no per-page work
+                parts.append((pages, ((first * page_size, nbytes),)))
+            else:
+                parts.append((pages, allocator.extents(pages, nbytes)))
+        entries = self.entries
+        writing = EntryState.WRITING
         locations: list[list[Extents]] = []
-        for key in keys:
-            pages: list[list[int]] = []
-            extents: list[Extents] = []
-            for _rank in range(spec.tp_world_size):
-                got = allocator.allocate(part_pages)
-                assert got is not None, "eviction freed less than it promised"
-                pages.append(got)
-                extents.append(allocator.extents(got, spec.part_bytes))
-            self.entries[(ns, key)] = Entry(ns, key, EntryState.WRITING, pages, extents, lease_id)
-            locations.append(extents)
-        self.reserved_pages += part_pages * spec.tp_world_size * len(keys)
+        for i, key in enumerate(keys):
+            mine = parts[i * world : (i + 1) * world]
+            where = [extents for _, extents in mine]
+            entries[(ns, key)] = Entry(ns, key, writing, [p for p, _ in mine], where, lease_id)
+            locations.append(where)
+        self.reserved_pages += part_pages * world * len(keys)
         self.num_writing += len(keys)
         return locations
 
-    def make_ready(self, entry: Entry) -> None:
-        """WRITING → READY: visible, evictable, tracked by the policy."""
-        entry.state = EntryState.READY
-        entry.lease_id = 0
-        self.reserved_pages -= entry.num_pages
-        self.num_writing -= 1
-        self.policy.insert((entry.ns, entry.key))
+    def make_ready(self, ns: int, keys: Iterable[bytes]) -> None:
+        """WRITING → READY for the entries of ``keys``: visible, evictable, tracked by the
+        policy (in the order of ``keys``). REQUIRES: each is WRITING."""
+        entries = self.entries
+        insert = self.policy.insert
+        ready = EntryState.READY
+        pages = count = 0
+        for key in keys:
+            ikey = (ns, key)
+            entry = entries[ikey]
+            entry.state = ready
+            entry.lease_id = 0
+            pages += entry.num_pages
+            count += 1
+            insert(ikey)
+        self.reserved_pages -= pages
+        self.num_writing -= count
 
     def rollback(self, entry: Entry) -> None:
         """Remove a WRITING entry and free its pages. REQUIRES: ``entry`` is WRITING."""
@@ -113,27 +166,37 @@ class DramIndex:
             self.allocator.free(pages)
 
     def free(self, entries: Iterable[Entry]) -> None:
-        """Return the pages of entries :meth:`make_room` removed."""
-        for entry in entries:
-            for pages in entry.pages:
-                self.allocator.free(pages)
+        """Return the pages of entries :meth:`make_room` removed (in one call)."""
+        pages = [p for entry in entries for part in entry.pages for p in part]
+        if pages:
+            self.allocator.free(pages)
 
     def _cost(self, key: Hashable) -> int:
         return self.entries[key].num_pages  # type: ignore[index]
 
     # ------------------------------------------------------------------ pin accounting
 
-    def add_pin(self, entry: Entry) -> None:
-        """One more in-flight load of ``entry``."""
-        if not entry.is_pinned:
-            self.pinned_pages += entry.num_pages
-        entry.pins += 1
+    def add_pins(self, entries: Iterable[Entry]) -> None:
+        """One more in-flight load of each of ``entries`` (+1 use each)."""
+        pages = 0
+        for entry in entries:
+            if entry.pins <= 0 and entry.ttl_until <= 0.0:
+                pages += entry.num_pages
+            entry.pins += 1
+            entry.uses += 1
+        self.pinned_pages += pages
 
-    def drop_pin(self, entry: Entry) -> None:
-        """One in-flight load of ``entry`` finished. REQUIRES: ``entry.pins > 0``."""
-        entry.pins -= 1
-        if not entry.is_pinned:
-            self.pinned_pages -= entry.num_pages
+    def drop_pins(self, ns: int, keys: Iterable[bytes]) -> None:
+        """One in-flight load of each entry of ``keys`` finished. REQUIRES: each has
+        ``pins > 0`` (taken by :meth:`add_pins`)."""
+        entries = self.entries
+        pages = 0
+        for key in keys:
+            entry = entries[(ns, key)]
+            entry.pins -= 1
+            if entry.pins <= 0 and entry.ttl_until <= 0.0:
+                pages += entry.num_pages
+        self.pinned_pages -= pages
 
     def extend_ttl(self, entry: Entry, until: float) -> bool:
         """TTL-pin ``entry`` until ``until`` unless it is pinned longer; True if extended."""

@@ -51,17 +51,11 @@ class PinBook:
 
     def pin_load(self, entries: Iterable[Entry]) -> None:
         """Pin each entry once more and count the use. REQUIRES: every entry is READY."""
-        add_pin = self._dram.add_pin
-        for entry in entries:
-            add_pin(entry)
-            entry.uses += 1
+        self._dram.add_pins(entries)
 
     def release_load(self, lease: Lease) -> None:
         """Drop the pins of a load lease (one per key). REQUIRES: taken by :meth:`pin_load`."""
-        entries = self._dram.entries
-        drop_pin = self._dram.drop_pin
-        for key in lease.keys:
-            drop_pin(entries[(lease.ns, key)])
+        self._dram.drop_pins(lease.ns, lease.keys)
 
     def roll_back(self, lease: Lease, keys: Iterable[bytes]) -> None:
         """Remove the WRITING entries of ``keys``, free their pages and forget their progress.

@@ -78,7 +78,7 @@ class Entry:
     num_pages: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_pages = sum(len(p) for p in self.pages)
+        self.num_pages = sum(map(len, self.pages))
 
     @property
     def is_pinned(self) -> bool:

@@ -39,6 +39,8 @@ from kvserver.client.common import (
     PutResult,
     Session,
     T,
+    readinto_part,
+    write_part,
 )
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, UnknownNamespace
@@ -256,14 +258,14 @@ class AsyncKVClient:
 
     def write(self, extents: Extents, data: Any) -> None:
         """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
-        self._s.mapped().write(extents, data)
+        write_part(self._s.mapped(), extents, data)
 
     def read(self, extents: Extents) -> bytes:
         """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents."""
         return self._s.mapped().read(extents)
 
     def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
-        self._s.mapped().readinto(extents, out)
+        readinto_part(self._s.mapped(), extents, out)
 
     # ------------------------------------------------------------------ payload frames
 

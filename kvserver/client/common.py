@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 from kvserver import wire
+from kvserver.allocator import Extents
 from kvserver.arena import ArenaView
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
@@ -152,7 +153,7 @@ class Session:
     def decode(self, frames: Sequence[Any]) -> wire.Reply | None:
         """The reply header in ``frames``; None (logged) when it cannot be read."""
         try:
-            return wire.decode_reply(frames[0].buffer)
+            return wire.decode_reply(_buffer(frames[0]))
         except InvalidArgument as exc:
             logger.warning("discarding unreadable reply from %s: %s", self.address, exc)
             return None
@@ -165,7 +166,7 @@ class Session:
             self.needs_hello = True
         if reply.error is not None:
             return reply.error
-        return Answer(reply.result, [f.buffer for f in frames[1:]])
+        return Answer(reply.result, [_buffer(f) for f in frames[1:]])
 
     def timed_out(self, call: Call, timeout: float) -> Unavailable:
         self.needs_hello = True
@@ -354,7 +355,7 @@ class Session:
                         "need one part per TP rank", parts=per_key, tp_world_size=len(extents)
                     )
                 for rank, ext in enumerate(extents):
-                    arena.write(ext, flat[index[key] * per_key + rank])
+                    write_part(arena, ext, flat[index[key] * per_key + rank])
         except Exception:
             with contextlib.suppress(KVServerError):
                 yield Call(wire.COMPLETE_STORE, {"lease_id": grant.lease_id, "success": False})
@@ -377,7 +378,7 @@ class Session:
                 row = []
                 for ext in chosen:
                     buf = bytearray(sum(length for _, length in ext))
-                    arena.readinto(ext, buf)
+                    readinto_part(arena, ext, buf)
                     row.append(memoryview(buf))
                 out.append(row)
         finally:
@@ -390,6 +391,39 @@ class Session:
         if self.arena is None:
             raise InvalidState("the arena is not mapped (daemon not co-located): use put/get")
         return self.arena
+
+
+def _buffer(frame: Any) -> memoryview:
+    """A received frame's bytes: a ``zmq.Frame``'s buffer, or a view from the local channel."""
+    return frame if isinstance(frame, memoryview) else frame.buffer
+
+
+def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:
+    """Copy one part into the arena: a one-extent part of bytes-like ``data`` is one slice
+    assignment (one memcpy, as the memcpy reference does); anything else (several extents,
+    other formats, a wrong size: ``ArenaView.write`` says what) takes the checked path."""
+    if len(extents) == 1:
+        offset, length = extents[0]
+        try:
+            arena.buf[offset : offset + length] = data
+            return
+        except (TypeError, ValueError):  # not a byte buffer of exactly this length
+            pass
+    arena.write(extents, data)
+
+
+def readinto_part(arena: ArenaView, extents: Extents, out: bytearray | memoryview) -> None:
+    """Copy one part out of the arena into ``out`` (exactly its size); one slice assignment
+    for a one-extent part, else ``ArenaView.readinto``."""
+    if len(extents) == 1:
+        offset, length = extents[0]
+        dst = out if type(out) is memoryview else memoryview(out)
+        try:
+            dst[:] = arena.buf[offset : offset + length]  # a memoryview never resizes
+            return
+        except (TypeError, ValueError):  # another format or shape, or the wrong size
+            pass
+    arena.readinto(extents, out)
 
 
 def _lookup_result(answer: Answer) -> LookupResult:

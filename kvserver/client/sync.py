@@ -1,7 +1,8 @@
 """The blocking kvserver client (scheduler, workers, tools).
 
 Runs in any client process. Not thread-safe: use one ``KVClient`` per thread (each has its own
-DEALER socket). Every call waits at most ``timeout`` seconds and raises
+DEALER socket, and its own connection to the daemon's local channel when co-located: see
+:mod:`kvserver.client.transport`). Every call waits at most ``timeout`` seconds and raises
 :class:`~kvserver.errors.Unavailable` after that; the socket is then replaced by a fresh one
 (new routing id) and the next call renews the session transparently (hello, arena mapping,
 namespace re-registration) — also when the daemon was restarted on the same address.
@@ -26,19 +27,14 @@ still outstanding on it with ``Unavailable`` (see :mod:`kvserver.client.pending`
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, cast
-
-import zmq
+from typing import Any
 
 from kvserver import wire
 from kvserver.allocator import Extents
 from kvserver.client.common import (
     DEFAULT_TIMEOUT_S,
-    RECONNECT_IVL_MAX_MS,
-    RECONNECT_IVL_MS,
     Answer,
     Call,
     LookupResult,
@@ -48,10 +44,13 @@ from kvserver.client.common import (
     PutResult,
     Session,
     T,
+    readinto_part,
+    write_part,
 )
 from kvserver.client.pending import Pending, Slot
+from kvserver.client.transport import Transport
 from kvserver.engine_types import LoadGrant, StoreGrant
-from kvserver.errors import KVServerError, Unavailable, UnknownNamespace
+from kvserver.errors import KVServerError, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
@@ -59,7 +58,8 @@ logger = logging.getLogger(__name__)
 
 class KVClient:
     """Blocking client; see the module docstring. ``colocated``: None = auto, False = never
-    use shared memory, True = require it."""
+    use shared memory, True = require it. ``local``: send requests over the daemon's local
+    channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1)."""
 
     def __init__(
         self,
@@ -69,15 +69,11 @@ class KVClient:
         client_id: str | None = None,
         auth_token: str = "",
         colocated: bool | None = None,
+        local: bool = True,
     ) -> None:
         self.timeout = timeout
         self._s = Session(address, client_id=client_id, auth_token=auth_token, colocated=colocated)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock: zmq.Socket[bytes] | None = None
-        #: requests outstanding on the current socket, by request id (oldest first).
-        self._slots: dict[int, Slot] = {}
-        #: requests sent on the wire, by op (session renewals and retries included).
-        self.sent_by_op: Counter[str] = Counter()
+        self._t = Transport(self._s, local=local)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -90,10 +86,21 @@ class KVClient:
         """True once a hello mapped the daemon's arena (shared-memory data path)."""
         return self._s.arena is not None
 
+    @property
+    def is_local(self) -> bool:
+        """True while requests go over the daemon's local channel (a Unix socket) rather
+        than ZMQ: co-located, the daemon announced one, and it could be connected."""
+        return self._t.is_local
+
+    @property
+    def sent_by_op(self) -> Counter[str]:
+        """Requests sent on the wire, by op (session renewals and retries included)."""
+        return self._t.sent_by_op
+
     def close(self) -> None:
         """Close the socket and unmap the arena. Leases are not released (see release());
         outstanding submitted requests fail with Unavailable."""
-        self._drop_socket("the client was closed")
+        self._t.drop("the client was closed")
         self._s.close()
 
     def __enter__(self) -> KVClient:
@@ -104,88 +111,17 @@ class KVClient:
 
     # ------------------------------------------------------------------ driver
 
-    def _drop_socket(self, why: str = "the connection was reset") -> None:
-        """Close the socket; every request outstanding on it fails with Unavailable."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-        slots, self._slots = self._slots, {}
-        for slot in slots.values():
-            slot.outcome = Unavailable(f"{why} before a reply from {self._s.address}",
-                                       op=slot.call.op)  # fmt: skip
-
-    def _socket(self) -> zmq.Socket[bytes]:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-            sock.connect(self._s.address)
-            self._sock = sock
-        return self._sock
-
-    def _send(self, call: Call) -> tuple[int, Slot]:
-        """Send ``call`` without waiting; its reply will land in the returned slot."""
-        sock = self._socket()
-        req_id, frames = self._s.encode(call)
-        try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self._drop_socket()
-            raise self._s.timed_out(call, self.timeout) from None
-        self.sent_by_op[call.op] += 1
-        slot = self._slots[req_id] = Slot(call)
-        return req_id, slot
-
-    def _wait(self, slot: Slot, timeout: float) -> Answer:
-        """Read replies until ``slot`` has its outcome, for at most ``timeout`` seconds;
-        returns its Answer or raises its error. A timeout replaces the socket."""
-        deadline = time.monotonic() + timeout
-        while slot.outcome is None:
-            sock = self._sock
-            if sock is None:  # cannot happen: dropping the socket sets every outcome
-                raise Unavailable("the socket is gone", op=slot.call.op)
-            if not _has_reply(sock):  # nothing queued yet: wait
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                    error = self._s.timed_out(slot.call, timeout)
-                    self._drop_socket(f"an earlier call timed out ({slot.call.op})")
-                    raise error
-            self._route(sock.recv_multipart(copy=False))
-        if isinstance(slot.outcome, KVServerError):
-            raise slot.outcome
-        return slot.outcome
-
-    def _route(self, frames: list[zmq.Frame]) -> None:
-        """Hand one reply to the slot of its request; stale and unreadable ones are dropped."""
-        reply = self._s.decode(frames)
-        if reply is None:
-            return
-        req_id = reply.req_id
-        if req_id == 0 and not reply.ok and self._slots:
-            # the daemon could not read a header: replies come in request order, so it is the
-            # oldest request still outstanding
-            req_id = next(iter(self._slots))
-        slot = self._slots.pop(req_id, None)
-        if slot is None or slot.cancelled:
-            logger.debug("discarding stale reply %d", reply.req_id)
-            return
-        slot.outcome = self._s.outcome(reply, frames)
+    def _exchange(self, call: Call) -> Answer:
+        _, slot = self._t.send(call, self.timeout)
+        return self._t.wait(slot, self.timeout)
 
     def _read_arrived(self) -> None:
-        """Route every reply already received, without blocking."""
-        sock = self._sock
-        while sock is not None and self._slots and _has_reply(sock):
-            self._route(sock.recv_multipart(copy=False))
+        """Route every reply already received, without blocking (for Pending.done)."""
+        self._t.read_arrived(self.timeout)
 
     def _forget(self, req_id: int) -> None:
         """Its reply will be dropped (kept in order until then: see the id 0 rule)."""
-        if (slot := self._slots.get(req_id)) is not None:
-            slot.cancelled = True
-
-    def _exchange(self, call: Call) -> Answer:
-        _, slot = self._send(call)
-        return self._wait(slot, self.timeout)
+        self._t.forget(req_id)
 
     def _retry_in_namespace(self, call: Call) -> Answer | None:
         """After ``unknown_namespace`` for a namespace this client registered: register it
@@ -241,7 +177,7 @@ class KVClient:
         self._renew()
         call = next(proc)
         try:
-            req_id, slot = self._send(call)
+            req_id, slot = self._t.send(call, self.timeout)
         except BaseException:
             proc.close()
             raise
@@ -253,7 +189,7 @@ class KVClient:
         try:
             try:
                 try:
-                    answer = self._wait(slot, timeout)
+                    answer = self._t.wait(slot, timeout)
                 except UnknownNamespace:
                     retried = self._retry_in_namespace(slot.call)
                     if retried is None:
@@ -359,14 +295,14 @@ class KVClient:
 
     def write(self, extents: Extents, data: Any) -> None:
         """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
-        self._s.mapped().write(extents, data)
+        write_part(self._s.mapped(), extents, data)
 
     def read(self, extents: Extents) -> bytes:
         """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents."""
         return self._s.mapped().read(extents)
 
     def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
-        self._s.mapped().readinto(extents, out)
+        readinto_part(self._s.mapped(), extents, out)
 
     # ------------------------------------------------------------------ payload frames
 
@@ -450,8 +386,3 @@ class KVClient:
     def submit_complete_load(self, lease_id: int) -> Pending[None]:
         """:meth:`complete_load`, sent without waiting."""
         return self._submit(self._s.complete_load(lease_id))
-
-
-def _has_reply(sock: zmq.Socket[bytes]) -> bool:
-    """A message can be received now (ZMQ_EVENTS: cheaper than a poll, which builds a Poller)."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)

@@ -16,13 +16,11 @@ bytes directly. Handlers raise ``KVServerError`` for refused requests (nothing c
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import zmq
-
-from kvserver import wire
+from kvserver import wire, wire_local
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
@@ -30,12 +28,21 @@ from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 
 
+class PayloadFrame(Protocol):
+    """A received frame: a ``zmq.Frame``, or a frame of the local channel."""
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+    def __len__(self) -> int: ...
+
+
 @dataclass(slots=True)
 class Call:
     """One validated request as a handler sees it."""
 
     args: dict[str, Any]
-    frames: list[zmq.Frame]  # payload frames (after the header)
+    frames: Sequence[PayloadFrame]  # payload frames (after the header)
     client: str  # lease owner: the header's "client", else the ROUTER routing id
 
 
@@ -59,6 +66,8 @@ class ZmqOps:
         self._config = config
         self._sid = sid
         self._sender = sender
+        #: the local channel's socket, announced by ``hello`` (set by the front end).
+        self.local_path: str | None = None
         svc = service
         self._handlers: dict[str, Callable[[Call], Result | Deferred]] = {
             wire.HELLO: self._hello,
@@ -95,6 +104,8 @@ class ZmqOps:
             "sid": self._sid,
             "protocol_version": wire.PROTOCOL_VERSION,
             "max_message_bytes": self._config.max_message_bytes,
+            "local_path": self.local_path,
+            "local_version": wire_local.LOCAL_VERSION if self.local_path else None,
         }
         return self._service.hello() | extra
 
@@ -232,7 +243,7 @@ def _done(fn: Callable[..., None], *args: Any) -> dict[str, Any]:
     return {}
 
 
-def check_frames(frames: list[zmq.Frame], expected: int, part_bytes: int | None) -> None:
+def check_frames(frames: Sequence[PayloadFrame], expected: int, part_bytes: int | None) -> None:
     """Refuse a payload with the wrong number of frames or (when given) of the wrong size."""
     if len(frames) != expected:
         raise InvalidArgument(

@@ -4,7 +4,8 @@ Runs in the daemon process, on its event loop; used by :mod:`kvserver.daemon.zmq
 send) and :mod:`kvserver.daemon.zmq_ops` (the pin). Not thread-safe: loop only.
 
 Call order: ``pin(ns_id, keys)`` → read the parts (``KVService.read_part``) into a
-:class:`Parts` → ``await send(router, ident, req_id, sid, parts)`` → the pin is released once
+:class:`Parts` → ``send(router, ident, req_id, sid, parts)`` (non-blocking: a ROUTER send never
+waits) → the pin is released once
 ZMQ has finished with every frame → ``await close()`` at shutdown (cancels the watchers and
 releases every pin left; the sockets close with linger 0 right after, so ZMQ drops the frames).
 
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from kvserver import wire
 from kvserver.daemon.service import KVService
@@ -71,14 +71,15 @@ class ZeroCopySender:
             except KVServerError as exc:  # expired (a send stuck for max_lease_s) or closed
                 logger.warning("send pin %d: %s", guard, exc)
 
-    async def send(
-        self, router: zmq.asyncio.Socket, ident: bytes, req_id: int, sid: str, reply: Parts
+    def send(
+        self, router: zmq.Socket[bytes], ident: bytes, req_id: int, sid: str, reply: Parts
     ) -> None:
-        """Send ``reply``: large views zero-copy and tracked, released once ZMQ is done."""
+        """Send ``reply``: large views zero-copy and tracked, released once ZMQ is done.
+        REQUIRES: a running event loop (the release is watched by a task)."""
         out: list[Any] = []
         tracked: list[zmq.Frame] = []
-        result, parts, guard = reply.result, reply.parts, reply.guard
-        for views in parts:
+        guard = reply.guard
+        for views in reply.parts:
             for view in views:
                 if view.nbytes >= zmq.COPY_THRESHOLD:
                     frame = zmq.Frame(view, copy=False, track=True)
@@ -86,11 +87,9 @@ class ZeroCopySender:
                     out.append(frame)
                 else:
                     out.append(bytes(view))
-        if any(len(views) != 1 for views in parts):
-            result["part_frames"] = [len(views) for views in parts]
-        header = wire.encode_reply(req_id, sid, result)
+        header = _header(req_id, sid, reply)
         try:
-            await router.send_multipart([ident, header, *out], copy=False)
+            router.send_multipart([ident, header, *out], copy=False)
         finally:
             if tracked:
                 task = asyncio.get_running_loop().create_task(
@@ -100,6 +99,16 @@ class ZeroCopySender:
                 task.add_done_callback(self._watchers.discard)
             else:
                 self.release(guard)
+
+    def copy_out(self, req_id: int, sid: str, reply: Parts) -> list[bytes]:
+        """``reply`` as frames that own their bytes (header, then a copy of every view), for
+        a transport that may write them later; the pin ends now."""
+        try:
+            return [_header(req_id, sid, reply)] + [
+                bytes(view) for views in reply.parts for view in views
+            ]
+        finally:
+            self.release(reply.guard)
 
     async def close(self) -> None:
         """Stop watching sends and release every pin. Idempotent."""
@@ -122,3 +131,11 @@ class ZeroCopySender:
             # on cancellation (stop) the sockets close with linger 0 right after: ZMQ drops
             # the frames, so releasing here is safe too.
             self.release(guard)
+
+
+def _header(req_id: int, sid: str, reply: Parts) -> bytes:
+    """The reply header of ``reply`` (``part_frames`` when a part spans several views)."""
+    result = reply.result
+    if any(len(views) != 1 for views in reply.parts):
+        result["part_frames"] = [len(views) for views in reply.parts]
+    return wire.encode_reply(req_id, sid, result)

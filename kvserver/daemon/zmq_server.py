@@ -1,29 +1,42 @@
-"""The daemon's ZMQ front end: the data-plane ROUTER and the KV-event PUB.
+"""The daemon's data-plane front end: the ZMQ ROUTER, the local channel and the KV-event PUB.
 
-Runs in the daemon process, on its one event loop (uvloop in production; zmq.asyncio watches the
-sockets' file descriptors with ``add_reader``, which every asyncio loop provides). Not
+Runs in the daemon process, on its one event loop (uvloop in production; the sockets' file
+descriptors are watched with ``add_reader``, which every asyncio loop provides). Not
 thread-safe: one instance per daemon, used from the loop only.
 
-Call order: ``start()`` (bind both sockets, start the receive loop and the event publisher) →
-serving → ``stop()`` (stop reading, close sockets with linger 0, release send pins).
+Call order: ``start()`` (bind the ROUTER, the local channel's Unix socket next to the arena and
+the PUB, start reading and the event publisher) → serving → ``stop()`` (stop reading, close the
+local channel and the sockets with linger 0, release send pins).
 
 Modules: this one reads, checks and answers requests (the receive loop, per-connection order,
 replies); ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy
-under pins; ``zmq_events.py`` publishes KV events and serves vLLM's replay protocol.
+under pins; ``local_server.py`` frames the local channel's messages (clients on this host);
+``zmq_events.py`` publishes KV events and serves vLLM's replay protocol.
 
-One receive loop reads one message at a time and answers it before reading the next: every
-handler is a synchronous call into :class:`~kvserver.daemon.service.KVService`, so requests are
-applied in arrival order. The exception is a load (``prepare_load``, ``get``) naming chunks
-that are only on SSD: its handler returns a ``Deferred``, and the rest of that request —
-promotion (disk reads on the SSD tier's threads), then the load, then the reply — runs as a
-task of its own, a *lane*, while the loop goes on reading. Order per connection (ROUTER routing
-id) is kept: until the lane has answered, every later message of that connection is queued on
-the lane and handled there, in order, after it (a ``complete_load`` or ``release`` never
-overtakes the load before it, and replies leave in request order); other connections are
-served by the loop meanwhile. The lane ends once its queue is empty; the queue holds what its
-connection sends meanwhile, as the ROUTER's receive buffer would have (``stop`` drops it). How
-many promotions read at once, and that a chunk is promoted once however many requests want it,
-is the SSD tier's business (``promotion.Promotions``).
+A connection of the local channel is served exactly like a ROUTER connection (same messages,
+handlers, lanes and order); its messages arrive from its protocol callbacks instead of the
+ROUTER's reader, and its replies (payload copied) go to its transport.
+
+The ROUTER is read by a reader callback on its file descriptor (``loop.add_reader``), not by
+a coroutine awaiting ``recv``: each wake-up drains every message already queued (at most
+:data:`MAX_DRAIN` before yielding to the loop) with non-blocking receives, and answers each one
+before reading the next: every handler is a synchronous call into
+:class:`~kvserver.daemon.service.KVService` and the reply is sent at once (a ROUTER send never
+blocks: at the high-water mark ZMQ drops the message), so requests are applied in arrival order
+with no task switch, future or pyzmq asyncio bookkeeping per request. The exception is a load
+(``prepare_load``, ``get``) naming chunks that are only on SSD: its handler returns a
+``Deferred``, and the rest of that request — promotion (disk reads on the SSD tier's threads),
+then the load, then the reply — runs as a task of its own, a *lane*, while the loop goes on
+reading; a replay request runs on a lane too. Order per connection (ROUTER routing id) is
+kept: until the lane has answered, every later message of that connection is queued on the
+lane and handled there, in order, after it (a ``complete_load`` or ``release`` never overtakes
+the load before it, and replies leave in request order); other connections are served by the
+loop meanwhile. The lane ends once its queue is empty; the queue holds what its connection
+sends meanwhile, as the ROUTER's receive buffer would have (``stop`` drops it). How many
+promotions read at once, and that a chunk is promoted once however many requests want it, is
+the SSD tier's business (``promotion.Promotions``). ZMQ's descriptor is edge-triggered: a send
+from a lane can consume the wake-up of a message that arrived meanwhile, so lanes schedule one
+more drain after they send.
 
 Every request gets exactly one reply — an error reply (request id 0 when the header is
 unreadable) for anything malformed, unauthenticated, too large or refused; an unexpected
@@ -41,18 +54,25 @@ import hmac
 import logging
 import secrets
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
-from kvserver import wire
+from kvserver import wire, wire_local
 from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.local_server import (
+    LocalConnection,
+    LocalFrame,
+    LocalListener,
+    LocalMessage,
+    TooLarge,
+)
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
-from kvserver.daemon.zmq_ops import Call, Deferred, Result, ZmqOps
+from kvserver.daemon.zmq_ops import Call, Deferred, PayloadFrame, Result, ZmqOps
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 
@@ -60,6 +80,8 @@ logger = logging.getLogger(__name__)
 
 PUB_HWM = 100_000
 ROUTER_SNDHWM = REPLAY_MAX_BATCHES + 100
+#: messages one reader wake-up handles before it lets the loop run other callbacks.
+MAX_DRAIN = 64
 
 
 @dataclass(slots=True)
@@ -71,12 +93,17 @@ class _Answer:
     error: tuple[str, str] | None = None
 
 
-#: the rest of a request that waits for promotion (run by its connection's lane).
-_Later = Callable[[], Awaitable[_Answer]]
+#: the rest of a request that must wait (promotion, replay), run on its connection's lane.
+_Job = Callable[[], Awaitable[None]]
+#: a connection: a ROUTER routing id, or a connection of the local channel.
+_Peer = bytes | LocalConnection
+#: one message of a peer: ROUTER frames after the routing id, or a local message.
+_Message = list[zmq.Frame] | LocalMessage
 
 
 class ZmqFrontend:
-    """Serves the ZMQ data plane and publishes KV events; see the module docstring."""
+    """Serves the data plane (ZMQ and the local channel) and publishes KV events; see the
+    module docstring."""
 
     def __init__(self, service: KVService, config: DaemonConfig) -> None:
         self._service = service
@@ -84,23 +111,35 @@ class ZmqFrontend:
         self._sid = secrets.token_hex(8)  # changes on every daemon start
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
+        #: the same ROUTER without the asyncio layer: non-blocking receives and sends.
+        self._raw: zmq.Socket[bytes] | None = None
+        self._fd: int | None = None
         self._pub: zmq.asyncio.Socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        #: routing id → messages waiting behind that connection's deferred request
-        self._lanes: dict[bytes, deque[list[zmq.Frame]]] = {}
+        #: connection → messages waiting behind that connection's lane
+        self._lanes: dict[_Peer, deque[_Message]] = {}
+        self._local: LocalListener | None = None
+        self._reading = False  # inside the reader callback
+        self._drain_scheduled = False
         self._sender = ZeroCopySender(service)
         self._ops = ZmqOps(service, config, self._sid, self._sender)
         self._events = EventPublisher(service)
 
     @property
     def num_lanes(self) -> int:
-        """Connections whose requests wait for a promotion."""
+        """Connections whose requests wait for a promotion or a replay."""
         return len(self._lanes)
+
+    @property
+    def local_path(self) -> str | None:
+        """The local channel's socket path; None when it could not be bound."""
+        return self._local.path if self._local is not None else None
 
     # ------------------------------------------------------------------ lifetime
 
     async def start(self) -> tuple[int, int]:
-        """Bind ROUTER (and PUB unless pub_port is -1); returns (data_port, pub_port or -1)."""
+        """Bind ROUTER, the local channel (unless it cannot be bound) and PUB (unless pub_port
+        is -1); returns (data_port, pub_port or -1)."""
         cfg = self._config
         self._ctx = zmq.asyncio.Context()
         try:
@@ -119,14 +158,40 @@ class ZmqFrontend:
             await self.stop()
             raise
         self._events.set_pod(data_port)
-        self._spawn(self._serve(self._router))
+        self._raw = zmq.Socket.shadow(self._router.underlying)
+        fd = self._fd = cast(int, self._raw.getsockopt(zmq.FD))
+        asyncio.get_running_loop().add_reader(fd, self._drain)
+        self._schedule_drain()  # anything that arrived before the reader was added
+        await self._start_local()
         if self._pub is not None:
             self._spawn(self._events.publish_forever(self._pub))
         return data_port, pub_port
 
+    async def _start_local(self) -> None:
+        """Open the local channel next to the arena (``<arena path>.sock``); without it (a
+        path too long for a Unix socket, a directory we cannot write) clients use ZMQ."""
+        path = f"{self._service.engine.arena.path}.sock"
+        max_size = wire_local.max_size(self._config.max_message_bytes)
+        local = LocalListener(path, self._accept, max_size)
+        try:
+            await local.start()
+        except OSError as exc:
+            logger.warning("no local channel (clients on this host use ZMQ): %s", exc)
+            return
+        self._local = local
+        self._ops.local_path = path
+        logger.info("local channel for clients on this host: %s", path)
+
     async def stop(self) -> None:
-        """Stop reading (and drop the requests lanes still hold), close both sockets (linger
-        0), release send pins. Idempotent."""
+        """Stop reading (and drop the requests lanes still hold), close the sockets (linger
+        0) and the local channel, release send pins. Idempotent."""
+        local, self._local = self._local, None
+        if local is not None:
+            await local.stop()
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = None
+        self._raw = None  # a shadow: the socket itself is closed below
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -150,69 +215,110 @@ class ZmqFrontend:
 
     # ------------------------------------------------------------------ receive loop
 
-    async def _serve(self, router: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                msg = await router.recv_multipart(copy=False)
-            except zmq.ZMQError as exc:
-                if router.closed or exc.errno == zmq.ETERM:
+    def _drain(self) -> None:
+        """Reader callback: handle the messages already queued (at most MAX_DRAIN, then
+        continue in a later callback so other work on the loop is not starved)."""
+        self._drain_scheduled = False
+        raw = self._raw
+        if raw is None:
+            return
+        self._reading = True
+        try:
+            for _ in range(MAX_DRAIN):
+                if not cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
+                msg = raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._accept(msg[0].bytes, msg[1:])
+            self._schedule_drain()  # more may be queued: after the loop's other callbacks
+        except zmq.Again:
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ETERM and not raw.closed:
                 logger.warning("ZMQ receive failed: %s", exc)
-                continue
-            ident = msg[0].bytes
-            lane = self._lanes.get(ident)
-            if lane is not None:  # this connection waits for a promotion: keep its order
-                lane.append(msg)
-                continue
-            later = await self._serve_one(router, ident, msg)
-            if later is not None:
-                self._lanes[ident] = deque()
-                self._spawn(self._run_lane(router, ident, later))
+                self._schedule_drain()
+        finally:
+            self._reading = False
 
-    async def _run_lane(self, router: zmq.asyncio.Socket, ident: bytes, later: _Later) -> None:
-        """Finish ``later``, then the connection's queued messages in order; see the module
-        docstring. Ends (and the loop takes the connection back) once the queue is empty."""
-        queue = self._lanes[ident]
-        pending: _Later | None = later
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._raw is not None:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _accept(self, peer: _Peer, message: _Message) -> None:
+        """One message of ``peer`` (the reader, or a local connection, calls this in order)."""
+        lane = self._lanes.get(peer)
+        if lane is not None:  # this connection waits for a lane: keep its order
+            lane.append(message)
+            return
+        job = self._serve_one(peer, message)
+        if job is not None:
+            self._lanes[peer] = deque()
+            self._spawn(self._run_lane(peer, job))
+
+    async def _run_lane(self, peer: _Peer, job: _Job) -> None:
+        """Run ``job``, then the connection's queued messages in order; see the module
+        docstring. Ends (and the reader takes the connection back) once the queue is empty."""
+        queue = self._lanes[peer]
+        pending: _Job | None = job
         try:
             while pending is not None:
-                await self._answer(router, ident, pending)
+                try:
+                    await pending()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("failed to answer a ZMQ request")
                 pending = None
                 while queue and pending is None:
-                    pending = await self._serve_one(router, ident, queue.popleft())
+                    pending = self._serve_one(peer, queue.popleft())
             # the queue is empty and nothing is awaited before the lane is removed below
         finally:
-            if self._lanes.get(ident) is queue:
-                del self._lanes[ident]
+            if self._lanes.get(peer) is queue:
+                del self._lanes[peer]
+            self._schedule_drain()  # our sends may have consumed the descriptor's wake-up
 
-    async def _serve_one(
-        self, router: zmq.asyncio.Socket, ident: bytes, msg: list[zmq.Frame]
-    ) -> _Later | None:
+    def _serve_one(self, peer: _Peer, message: _Message) -> _Job | None:
         """Handle one message: answer it now and return None, or return the rest of it."""
         try:
-            frames = msg[1:]
-            if len(frames) == 2 and len(frames[0]) == 0 and len(frames[1]) == wire.SEQ_BYTES:
-                await self._events.replay(router, ident, frames[1].bytes)
-                return None
-            answer = self._handle(ident, frames)
+            if isinstance(peer, bytes):
+                frames: Sequence[PayloadFrame] = cast(list[zmq.Frame], message)
+                if len(frames) == 2 and len(frames[0]) == 0 and len(frames[1]) == wire.SEQ_BYTES:
+                    router, start = self._router, frames[1].buffer.tobytes()
+                    if router is None:
+                        return None
+                    return lambda: self._events.replay(router, peer, start)
+                owner = peer.hex()
+            else:
+                if isinstance(message, TooLarge):  # the stream cannot be resynchronized
+                    size, limit = message.size, message.limit
+                    error = InvalidArgument("message too large", size=size, max=limit)
+                    self._send(peer, _failed(0, error))
+                    peer.close()
+                    return None
+                try:
+                    views = wire_local.decode(cast(memoryview, message))
+                except InvalidArgument as exc:
+                    self._send(peer, _failed(0, exc))
+                    return None
+                frames = [LocalFrame(view) for view in views]
+                owner = peer.name
+            answer = self._handle(owner, frames)
             if not isinstance(answer, _Answer):
-                return answer
-            await self._send(router, ident, answer)
-        except asyncio.CancelledError:
-            raise
+                later = answer
+                return lambda: self._answer_later(peer, later)
+            self._send(peer, answer)
         except Exception:  # a reply that cannot be sent must not end the loop
             logger.exception("failed to answer a ZMQ request")
         return None
 
-    async def _answer(self, router: zmq.asyncio.Socket, ident: bytes, later: _Later) -> None:
-        try:
-            await self._send(router, ident, await later())
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("failed to answer a ZMQ request")
+    async def _answer_later(self, peer: _Peer, later: Callable[[], Awaitable[_Answer]]) -> None:
+        self._send(peer, await later())
 
-    def _handle(self, ident: bytes, frames: list[zmq.Frame]) -> _Answer | _Later:
+    def _handle(
+        self, owner: str, frames: Sequence[PayloadFrame]
+    ) -> _Answer | Callable[[], Awaitable[_Answer]]:
+        """Check and carry out one request; ``owner`` owns its leases unless it names its
+        ``client``."""
         req_id = 0
         try:
             total = sum(len(f) for f in frames)
@@ -227,24 +333,38 @@ class ZmqFrontend:
             self._check_auth(req)
             if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
                 raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
-            out = self._ops.handle(req.op, Call(req.args, frames[1:], req.client or ident.hex()))
+            out = self._ops.handle(req.op, Call(req.args, frames[1:], req.client or owner))
         except Exception as exc:
             return _failed(req_id, exc)
         if isinstance(out, Deferred):
             return lambda: _finish(req_id, out)
         return _Answer(req_id, out)
 
-    async def _send(self, router: zmq.asyncio.Socket, ident: bytes, answer: _Answer) -> None:
+    def _send(self, peer: _Peer, answer: _Answer) -> None:
+        """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send
+        outside the reader callback, make sure messages that arrived meanwhile are read."""
         req_id, result = answer.req_id, answer.result
+        if not isinstance(peer, bytes):
+            if answer.error is not None:
+                peer.send([wire.encode_error(req_id, self._sid, *answer.error)])
+            elif isinstance(result, Parts):  # copied: the transport may write them later
+                peer.send(self._sender.copy_out(req_id, self._sid, result))
+            else:
+                assert result is not None  # an _Answer holds a result or an error
+                peer.send([wire.encode_reply(req_id, self._sid, result)])
+            return
+        raw = self._raw
+        if raw is None:  # stopping: the socket is gone
+            return
         if answer.error is not None:
-            code, message = answer.error
-            header = wire.encode_error(req_id, self._sid, code, message)
-            await router.send_multipart([ident, header])
+            raw.send_multipart([peer, wire.encode_error(req_id, self._sid, *answer.error)])
         elif isinstance(result, Parts):
-            await self._sender.send(router, ident, req_id, self._sid, result)
+            self._sender.send(raw, peer, req_id, self._sid, result)
         else:
             assert result is not None  # an _Answer holds a result or an error
-            await router.send_multipart([ident, wire.encode_reply(req_id, self._sid, result)])
+            raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])
+        if not self._reading:
+            self._schedule_drain()
 
     def _check_auth(self, req: wire.Request) -> None:
         token = self._config.auth_token.encode()

@@ -696,6 +696,39 @@ def test_payload_of_other_entries_untouched_by_eviction_and_reuse() -> None:
             assert read_back(engine, load.lease_id, key, 0) == pattern(key, 0, spec.part_bytes)
 
 
+@pytest.mark.parametrize("policy", ALL)
+def test_victims_parts_are_recycled_by_the_store_that_evicts_them(policy: str) -> None:
+    """A store that evicts chunks with parts of its own page count takes their parts as they
+    are (pages and extents, with the byte size fixed up when it differs); the victims' other
+    pages are freed and allocated to the rest; every byte read back is the stored one."""
+    same = make_spec(model="test/same", part_bytes_override=2 * PAGE)
+    shorter = make_spec(model="test/shorter", part_bytes_override=2 * PAGE - 100)
+    small = make_spec(model="test/small")  # one page per part
+    with make_engine(policy, num_pages=8) as engine:
+        a, b, c = (engine.register_namespace(spec) for spec in (same, shorter, small))
+        k = make_keys(12)
+        store(engine, a, k[:2])
+        store(engine, c, k[2:6])
+        old = {key: engine._index[(0, key)].pages for key in k[:2]}
+        engine.touch(c, k[2:6])  # the two 2-page chunks are the oldest: evicted first
+        grant = store(engine, b, k[6:8])  # evicts k0, k1: same page count, fewer bytes
+        assert engine.lookup(a, k[:2]) == 0
+        assert sorted(engine._index[(1, key)].pages for key in k[6:8]) == sorted(old.values())
+        for key, extents in zip(grant.keys, grant.locations, strict=True):
+            assert sum(length for _, length in extents[0]) == shorter.part_bytes
+            assert engine._index[(1, key)].extents == extents
+        engine.check_invariants()
+        store(engine, c, k[8:12])  # evicts 2-page chunks for 1-page parts: freed, reallocated
+        engine.check_invariants()
+        assert engine.allocator.num_free == 0
+        load = engine.prepare_load(c, k[8:12])
+        for key in k[8:12]:
+            assert read_back(engine, load.lease_id, key, 0) == pattern(key, 0, small.part_bytes)
+        engine.complete_load(load.lease_id)
+        owned = [p for e in engine._index.values() for part in e.pages for p in part]
+        assert len(owned) == len(set(owned)) == 8
+
+
 # ============================================================================ TTL pins
 
 

@@ -6,6 +6,7 @@ timeouts against a dead port, and transparent reconnection after a restart on th
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -284,14 +285,22 @@ async def test_async_client_survives_a_daemon_restart_on_the_same_port(tmp_path:
 # ----------------------------------------------------------------------------- pipelined calls
 
 
+#: the blocking client on ZMQ (remote) and on the daemon's local channel (co-located).
+TRANSPORTS = pytest.mark.parametrize("colocated", [False, None], ids=["zmq", "local"])
+
+
 @pytest.mark.multiprocess
-def test_submitted_calls_are_collected_in_any_order(daemon: DaemonProc) -> None:
-    """Several requests outstanding on one socket: replies read by a blocking call or by
+@TRANSPORTS
+def test_submitted_calls_are_collected_in_any_order(
+    daemon: DaemonProc, colocated: bool | None
+) -> None:
+    """Several requests outstanding on one connection: replies read by a blocking call or by
     another Pending's result() are kept for their own Pending; a cancelled one's reply is
     discarded; nothing is mixed up."""
-    with KVClient(daemon.zmq_address, colocated=False) as kv:
+    with KVClient(daemon.zmq_address, colocated=colocated) as kv:
         ns = kv.register_namespace(SPEC)
-        a, b, c = (make_keys(2, tag=f"pipe-{t}") for t in "abc")
+        assert kv.is_local is (colocated is None)
+        a, b, c = (make_keys(2, tag=f"pipe-{t}-{colocated}") for t in "abc")
         p_a = kv.submit_prepare_store(ns.ns_id, a)
         p_look = kv.submit_lookup(ns.ns_id, a)
         p_c = kv.submit_prepare_store(ns.ns_id, c)
@@ -321,11 +330,15 @@ def test_submitted_calls_are_collected_in_any_order(daemon: DaemonProc) -> None:
 
 
 @pytest.mark.multiprocess
-def test_unreadable_request_error_goes_to_the_oldest_outstanding(daemon: DaemonProc) -> None:
+@TRANSPORTS
+def test_unreadable_request_error_goes_to_the_oldest_outstanding(
+    daemon: DaemonProc, colocated: bool | None
+) -> None:
     """A header the daemon cannot read is answered with id 0; replies come in request order,
     so it belongs to the oldest request still outstanding, not to whoever reads it."""
-    with KVClient(daemon.zmq_address, colocated=False) as kv:
+    with KVClient(daemon.zmq_address, colocated=colocated) as kv:
         ns = kv.register_namespace(SPEC)
+        assert kv.is_local is (colocated is None)
         first = kv.submit_lookup(ns.ns_id, make_keys(1, tag="first"))
         huge = [bytes([i % 251]) * 64 for i in range(300_000)]  # a > 16 MiB header
         bad = kv.submit_lookup(ns.ns_id, huge)
@@ -337,14 +350,19 @@ def test_unreadable_request_error_goes_to_the_oldest_outstanding(daemon: DaemonP
 
 
 @pytest.mark.multiprocess
-def test_submitted_call_times_out_and_fails_the_others(tmp_path: Path) -> None:
+@TRANSPORTS
+def test_submitted_call_times_out_and_fails_the_others(
+    tmp_path: Path, colocated: bool | None
+) -> None:
     """The daemon is gone after the session was set up: result() gives up after its timeout
     and the socket is replaced, so the other outstanding request fails at once; once a daemon
-    listens again the client works."""
+    listens again the client works. (On the local channel the requests find it closed and
+    are queued on ZMQ instead, as a DEALER would queue them.)"""
     d = start_daemon(tmp_path)
     try:
-        with KVClient(d.zmq_address, timeout=0.3, colocated=False) as kv:
+        with KVClient(d.zmq_address, timeout=0.3, colocated=colocated) as kv:
             ns = kv.register_namespace(SPEC)
+            assert kv.is_local is (colocated is None)
             assert d.terminate() == 0
             first = kv.submit_lookup(ns.ns_id, [])  # no hello needed: sent at once
             second = kv.submit_complete_load(7)
@@ -363,7 +381,8 @@ def test_submitted_call_times_out_and_fails_the_others(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_daemon_restart_between_submit_and_collect(tmp_path: Path) -> None:
+@TRANSPORTS
+def test_daemon_restart_between_submit_and_collect(tmp_path: Path, colocated: bool | None) -> None:
     """A reply read before the restart is the old daemon's (its lease is gone: completing it
     is a lease error, and the client renews its session). A request sent while the daemon is
     down is queued by the socket and answered by the new daemon: the namespace is registered
@@ -371,8 +390,9 @@ def test_daemon_restart_between_submit_and_collect(tmp_path: Path) -> None:
     d = start_daemon(tmp_path)
     keys = make_keys(2, tag="pipe-restart")
     try:
-        with KVClient(d.zmq_address, timeout=5.0, colocated=False) as kv:
+        with KVClient(d.zmq_address, timeout=5.0, colocated=colocated) as kv:
             ns = kv.register_namespace(SPEC)
+            assert kv.is_local is (colocated is None)
             old = kv.submit_prepare_store(ns.ns_id, keys)
             kv.stats()  # its reply is in
             d = restart(d, tmp_path)
@@ -388,5 +408,45 @@ def test_daemon_restart_between_submit_and_collect(tmp_path: Path) -> None:
             assert grant is not None and grant.keys == keys
             assert kv.submit_complete_store(grant.lease_id).result() == keys
             assert kv.lookup(ns.ns_id, keys).hit_chunks == 2
+            assert kv.is_local is (colocated is None)  # on the new daemon's channel
     finally:
         d.terminate()
+
+
+@pytest.mark.multiprocess
+def test_local_channel_lost_with_requests_outstanding(tmp_path: Path) -> None:
+    """Requests written to the local channel of a daemon that then dies fail with Unavailable
+    when the channel closes (not after the client's 60 s timeout), all of them at once."""
+    d = start_daemon(tmp_path)
+    try:
+        with KVClient(d.zmq_address, timeout=60.0) as kv:
+            ns = kv.register_namespace(SPEC)
+            assert kv.is_local
+            d.proc.send_signal(signal.SIGSTOP)  # written, never read
+            first = kv.submit_lookup(ns.ns_id, make_keys(1, tag="lost-1"))
+            second = kv.submit_lookup(ns.ns_id, make_keys(1, tag="lost-2"))
+            d.proc.kill()
+            d.proc.wait(30)
+            with pytest.raises(Unavailable, match="local channel"):
+                first.result()
+            assert second.done()
+            with pytest.raises(Unavailable, match="local channel"):
+                second.result()
+            assert not kv.is_local
+    finally:
+        d.kill()  # SIGKILL: also ends a stopped process
+
+
+@pytest.mark.multiprocess
+def test_local_channel_only_when_colocated_and_wanted(daemon: DaemonProc) -> None:
+    for colocated, local, expected in (
+        (None, True, True),
+        (False, True, False),
+        (None, False, False),
+    ):
+        with KVClient(daemon.zmq_address, colocated=colocated, local=local) as kv:
+            ns = kv.register_namespace(SPEC)
+            keys = make_keys(2, tag=f"which-{colocated}-{local}")
+            assert kv.store(ns.ns_id, keys, parts(keys)) == keys
+            assert as_bytes(kv.load(ns.ns_id, keys)) == parts(keys)
+            assert kv.is_local is expected

@@ -1,14 +1,17 @@
-"""Fuzzing every ZMQ message type against the real daemon process.
+"""Fuzzing every message type against the real daemon process, on both of its data-plane
+sockets: the ZMQ ROUTER and the local channel (Unix socket, ``docs/wire.md`` §1).
 
 Malformed msgpack, wrong types, missing fields, unknown ops, wrong protocol versions, truncated
-and oversized frames, payloads that do not match the slot: each gets exactly one error reply
-with a clear code (never ``internal``), and every test ends with a byte-exact round trip by a
-well-behaved client. "Exactly one reply" is checked without waiting for silence: each fuzzed
-message is followed by a sentinel ``hello`` on the same socket, whose reply must come second.
+and oversized frames, payloads that do not match the slot, and (local channel) broken framing:
+each gets exactly one error reply with a clear code (never ``internal``), and every test ends
+with a byte-exact round trip by a well-behaved client. "Exactly one reply" is checked without
+waiting for silence: each fuzzed message is followed by a sentinel ``hello`` on the same
+connection, whose reply must come second.
 """
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserver import wire
+from kvserver import wire, wire_local
 from kvserver.client import KVClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.daemon.local_conn import LocalConn
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
@@ -48,18 +52,23 @@ FUZZ = settings(
 
 
 class Fuzzed:
-    """The module's daemon, a registered namespace, and one raw DEALER socket."""
+    """The module's daemon, a registered namespace, and one raw connection: a DEALER socket
+    (``transport`` "zmq") or a local-channel connection ("local")."""
 
-    def __init__(self, daemon: DaemonProc, *, auth_token: str = "") -> None:
+    def __init__(self, daemon: DaemonProc, *, auth_token: str = "", transport: str = "zmq") -> None:
         self.daemon = daemon
+        self.transport = transport
         self.ctx = zmq.Context.instance()
-        self.sock = self.new_socket()
         self.keys = make_keys(4, tag="fuzz-ready")
         with KVClient(daemon.zmq_address, auth_token=auth_token) as kv:
             self.ns = kv.register_namespace(SPEC)
             kv.store(self.ns.ns_id, self.keys, parts(self.keys))
+            self.local_path = str(kv.hello()["local_path"])
+        self.sock = self.new_socket()
 
-    def new_socket(self) -> zmq.Socket[bytes]:
+    def new_socket(self) -> Any:
+        if self.transport == "local":
+            return LocalConn(self.local_path)
         sock = self.ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(self.daemon.zmq_address)
@@ -67,7 +76,7 @@ class Fuzzed:
 
     def recv(self) -> list[bytes]:
         assert self.sock.poll(10_000), "no reply from the daemon"
-        return self.sock.recv_multipart()
+        return list(self.sock.recv_multipart())
 
     def exchange(self, frames: list[bytes]) -> tuple[wire.Reply, list[bytes]]:
         """Send ``frames`` then a sentinel; returns the one reply to ``frames``."""
@@ -98,8 +107,10 @@ def parts(keys: list[bytes]) -> list[list[bytes]]:
     return [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in keys]
 
 
-@pytest.fixture(scope="module")
-def fz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+@pytest.fixture(scope="module", params=["zmq", "local"])
+def fz(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Fuzzed]:
     d = start_daemon(
         tmp_path_factory.mktemp("fuzz"),
         "--page-size",
@@ -108,7 +119,7 @@ def fz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
         "8MiB",
         env={"KVSERVER_MAX_MESSAGE_BYTES": str(LIMIT)},
     )
-    fuzzed = Fuzzed(d)
+    fuzzed = Fuzzed(d, transport=request.param)
     yield fuzzed
     fuzzed.close()
     assert d.proc.poll() is None, "the daemon died while being fuzzed"
@@ -284,7 +295,12 @@ def test_fuzz_truncated_requests(fz: Fuzzed) -> None:
 
 
 def test_fuzz_replay_requests(fz: Fuzzed) -> None:
-    """[b"", 8 bytes] is vLLM's replay request: answered by batches and the end marker."""
+    """[b"", 8 bytes] is vLLM's replay request: answered by batches and the end marker (on
+    the ROUTER; on the local channel it is a message with an empty header, an error)."""
+    if fz.transport == "local":
+        fz.error([b"", bytes(8)], "invalid_argument", "empty header frame")
+        assert_round_trip(fz, "replay")
+        return
 
     @FUZZ
     @given(st.binary(min_size=8, max_size=8))
@@ -365,9 +381,13 @@ def test_payloads_that_do_not_match_the_slot(fz: Fuzzed) -> None:
 
 def test_oversized_messages(fz: Fuzzed) -> None:
     """Over max_message_bytes in total: an error reply. One frame over it: ZMQ drops that
-    connection (the frame is never buffered); the peer reconnects and is served again."""
+    connection (the frame is never buffered); the peer reconnects and is served again. (The
+    local channel: ``test_local_message_over_the_limit_closes_the_connection``.)"""
     half = bytes(LIMIT // 2 + 1)
     fz.error([req(wire.STATS, {}), half, half], "invalid_argument", "message too large")
+    if fz.transport == "local":
+        assert_round_trip(fz, "oversized")
+        return
     sock = fz.new_socket()
     try:
         sock.send_multipart([req(wire.STATS, {}), bytes(LIMIT + 1)])
@@ -386,9 +406,10 @@ def test_oversized_messages(fz: Fuzzed) -> None:
     assert_round_trip(fz, "oversized")
 
 
-def test_wrong_auth_tokens_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["zmq", "local"])
+def test_wrong_auth_tokens_are_refused(tmp_path: Path, transport: str) -> None:
     d = start_daemon(tmp_path, "--auth-token", "s3cret")
-    fuzzed = Fuzzed(d, auth_token="s3cret")
+    fuzzed = Fuzzed(d, auth_token="s3cret", transport=transport)
     try:
 
         @FUZZ
@@ -408,3 +429,88 @@ def test_wrong_auth_tokens_are_refused(tmp_path: Path) -> None:
     finally:
         fuzzed.close()
         assert d.terminate() == 0
+
+
+# ----------------------------------------------------------------------------- local framing
+
+
+#: the module's daemon, through its local channel only.
+LOCAL = pytest.mark.parametrize("fz", ["local"], indirect=True)
+
+
+@LOCAL
+def test_fuzz_local_framing(fz: Fuzzed) -> None:
+    """Any body under a size the daemon accepts: a frame count and lengths that do not add up
+    are one error reply (request id 0) and the stream goes on with the next message."""
+    conn: LocalConn = fz.sock
+
+    @FUZZ
+    @given(st.binary(max_size=64))
+    def check(body: bytes) -> None:
+        conn.send_raw(wire_local.SIZE.pack(len(body)) + body)
+        fz.sock.send_multipart([wire.encode_request(SENTINEL, wire.HELLO, {})])
+        first = wire.decode_reply(fz.recv()[0])
+        if first.req_id != SENTINEL:  # the body was answered first (an error, or a reply)
+            if not first.ok:
+                assert first.error is not None and first.error.code in ERROR_CODES
+            first = wire.decode_reply(fz.recv()[0])
+        assert first.req_id == SENTINEL and first.ok
+
+    check()
+    for body, match in (
+        (b"", "too short"),
+        (wire_local.COUNT.pack(0), "bad frame count"),
+        (wire_local.COUNT.pack(2) + bytes(8), "bad frame count"),
+        (wire_local.COUNT.pack(1) + wire_local.SIZE.pack(5) + b"abc", "do not add up"),
+    ):
+        conn.send_raw(wire_local.SIZE.pack(len(body)) + body)
+        reply = wire.decode_reply(fz.recv()[0])
+        assert not reply.ok and reply.req_id == 0 and reply.error is not None
+        assert reply.error.code == "invalid_argument" and match in str(reply.error)
+    assert_round_trip(fz, "framing")
+
+
+@LOCAL
+def test_local_message_over_the_limit_closes_the_connection(fz: Fuzzed) -> None:
+    """A size field over the limit cannot be skipped on a stream: one error reply, then the
+    daemon closes that connection; a new one is served."""
+    conn = fz.new_socket()
+    try:
+        conn.send_raw(wire_local.SIZE.pack(wire_local.max_size(LIMIT) + 1))
+        reply = wire.decode_reply(conn.recv_multipart()[0])
+        assert not reply.ok and reply.req_id == 0 and reply.error is not None
+        assert reply.error.code == "invalid_argument" and "too large" in str(reply.error)
+        assert conn.closed_by_peer()
+    finally:
+        conn.close()
+    assert_round_trip(fz, "local-oversized")
+
+
+@LOCAL
+def test_local_truncated_message_then_close(fz: Fuzzed) -> None:
+    """A connection that dies mid-message (size sent, body cut short) costs nothing."""
+    full = b"".join(wire_local.encode([req(wire.STATS, {}), bytes(5000)]))
+    for cut in (3, 8, 12, 30, len(full) - 1):
+        conn = fz.new_socket()
+        conn.send_raw(full[:cut])
+        conn.close()
+    assert_round_trip(fz, "local-truncated")
+
+
+def test_local_socket_is_private_and_removed_at_exit(tmp_path: Path) -> None:
+    """0600 next to the arena (only the daemon's user can connect, as only it can map the
+    arena), announced by hello with its framing version, gone once the daemon stops."""
+    d = start_daemon(tmp_path)
+    try:
+        with KVClient(d.zmq_address) as kv:
+            info = kv.hello()
+            kv.stats()  # the first call after hello connects the local channel
+            assert kv.is_local
+        path = info["local_path"]
+        assert path == f"{info['arena_path']}.sock"
+        assert info["local_version"] == wire_local.LOCAL_VERSION
+        st_mode = Path(path).stat().st_mode
+        assert stat.S_ISSOCK(st_mode) and stat.S_IMODE(st_mode) == 0o600
+    finally:
+        assert d.terminate() == 0
+    assert not Path(path).exists()

@@ -32,6 +32,7 @@ from kvserver import wire
 from kvserver.client import KVClient
 from kvserver.ssd import format as fmt
 from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.daemon.local_conn import LocalConn
 from tests.support.daemon import READY_TIMEOUT_S, DaemonProc, wait_for_ready_file, wait_until
 
 pytestmark = pytest.mark.multiprocess
@@ -234,15 +235,24 @@ def test_two_loads_of_one_ssd_chunk_read_it_once(
         wait_until(lambda: watcher.stats()["num_leases"] == 0)  # both loads let go
 
 
-def test_a_connection_keeps_its_order_behind_its_promotion(daemon: DaemonProc, gate: Path) -> None:
-    """prepare_load (promoting), then lookup and release pipelined on the same connection:
-    another client is served meanwhile; the replies come back in request order, the lookup
-    sees the chunk in DRAM and the release releases the load's lease (neither overtook)."""
+@pytest.mark.parametrize("transport", ["zmq", "local"])
+def test_a_connection_keeps_its_order_behind_its_promotion(
+    daemon: DaemonProc, gate: Path, transport: str
+) -> None:
+    """prepare_load (promoting), then lookup and release pipelined on the same connection (a
+    DEALER, or a connection of the local channel): another client is served meanwhile; the
+    replies come back in request order, the lookup sees the chunk in DRAM and the release
+    releases the load's lease (neither overtook)."""
     ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVTIMEO, 60_000)
-    dealer.connect(daemon.zmq_address)
+    conn: Any
+    if transport == "local":
+        with KVClient(daemon.zmq_address) as kv:
+            conn = LocalConn(str(kv.hello()["local_path"]), timeout=60)
+    else:
+        conn = ctx.socket(zmq.DEALER)
+        conn.setsockopt(zmq.LINGER, 0)
+        conn.setsockopt(zmq.RCVTIMEO, 60_000)
+        conn.connect(daemon.zmq_address)
     try:
         with KVClient(daemon.zmq_address) as other:
             other.register_namespace(SPEC)
@@ -254,18 +264,18 @@ def test_a_connection_keeps_its_order_behind_its_promotion(daemon: DaemonProc, g
                     (2, wire.LOOKUP, {"ns_id": ns, "keys": keys}),
                     (3, wire.RELEASE, {}),
                 ):
-                    dealer.send(wire.encode_request(req_id, op, args, client="ordered"))
+                    conn.send_multipart([wire.encode_request(req_id, op, args, client="ordered")])
                 wait_for_read()
                 assert other.lookup(ns, keys).tiers["ssd"] == 1  # served; still on SSD only
-                assert dealer.poll(0) == 0  # nothing answered while the read is held
-            replies = [wire.decode_reply(dealer.recv()) for _ in range(3)]
+                assert not conn.poll(0)  # nothing answered while the read is held
+            replies = [wire.decode_reply(conn.recv_multipart()[0]) for _ in range(3)]
         assert [r.req_id for r in replies] == [1, 2, 3]
         assert all(r.ok for r in replies), [r.error for r in replies]
         assert replies[0].result["grant"]["keys"] == keys
         assert replies[1].result["tiers"] == {"dram": 1, "ssd": 0}
         assert replies[2].result["released"] == 1
     finally:
-        dealer.close(linger=0)
+        conn.close()
         ctx.term()
 
 

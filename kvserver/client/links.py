@@ -1,0 +1,154 @@
+"""The blocking client's two connections to the daemon: the ZMQ DEALER and the local channel.
+
+Runs in client processes, on the thread that owns the :class:`~kvserver.client.KVClient`; not
+thread-safe. Both links carry the same messages (``docs/wire.md``) and have the same shape:
+``send(frames, timeout)`` / ``ready()`` / ``wait(timeout)`` / ``recv(timeout)`` in any order,
+then ``close()``; which one a request takes is the client's business (``sync.py``).
+
+- :class:`ZmqLink`: a DEALER socket to the daemon's ROUTER (any host). It reconnects by itself
+  and queues requests while the daemon is away; ``send`` raises TimeoutError only when its
+  queue is full.
+- :class:`LocalLink`: a Unix-domain stream socket to the daemon's local channel, framed by
+  :mod:`kvserver.wire_local`. A co-located client (it mapped the arena) connects when ``hello``
+  announces a ``local_path`` of a framing version it speaks, and then sends every request
+  there: a round trip wakes two threads instead of six (the client's and the daemon's ZMQ I/O
+  threads drop out), which is most of a co-located batch's protocol cost. Every failure of the
+  connection (the daemon closed it or exited, a timeout) raises OSError, after which the link
+  is unusable.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from collections.abc import Sequence
+from typing import Any, cast
+
+import zmq
+
+from kvserver import wire_local
+from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
+from kvserver.errors import InvalidArgument
+
+RECV_BUFFER = 256 << 10
+#: messages up to this size are written with one system call (joined), larger ones piecewise.
+JOIN_LIMIT = 64 << 10
+
+
+class ZmqLink:
+    """A DEALER socket to the daemon's ROUTER; see the module docstring."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.connect(address)
+        self._sock = sock
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def send(self, frames: Sequence[Any], timeout: float) -> None:
+        """Queue one message; TimeoutError if the DEALER's queue is full (never blocks)."""
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise TimeoutError("the DEALER's send queue is full") from None
+
+    def ready(self) -> bool:
+        """A message can be received now (ZMQ_EVENTS: cheaper than a poll)."""
+        return bool(cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def wait(self, timeout: float) -> bool:
+        return self.ready() or bool(self._sock.poll(max(1, int(timeout * 1000)), zmq.POLLIN))
+
+    def recv(self, timeout: float) -> list[zmq.Frame]:
+        """One message. REQUIRES: ``ready()`` (ZMQ delivers whole messages)."""
+        return self._sock.recv_multipart(copy=False)
+
+
+class LocalLink:
+    """One connection to the local channel; see the module docstring."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+        self._buf = bytearray(RECV_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # received, not yet returned: _buf[_start:_end]
+
+    @classmethod
+    def connect(cls, path: str, timeout: float) -> LocalLink:
+        """Connect to ``path``. Raises OSError (no daemon there, no permission, timeout)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def send(self, frames: Sequence[Any], timeout: float) -> None:
+        """Write one message (``frames``: header, then payload). Raises OSError."""
+        buffers = wire_local.encode(frames)
+        self._sock.settimeout(max(timeout, 1e-3))
+        if sum(memoryview(b).nbytes for b in buffers) <= JOIN_LIMIT:
+            self._sock.sendall(b"".join(buffers))
+        else:
+            for buf in buffers:
+                self._sock.sendall(buf)
+
+    def ready(self) -> bool:
+        """True if a reply can be read now: received, or at least started (the daemon writes
+        each reply at once, so ``recv`` then waits only for the rest of it to stream in)."""
+        return self._end > self._start or bool(self._poller.poll(0))
+
+    def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for a reply to start arriving."""
+        return self._end > self._start or bool(self._poller.poll(max(1, int(timeout * 1000))))
+
+    def recv(self, timeout: float) -> list[memoryview]:
+        """Read one whole message; its frames. Raises OSError (EOF included)."""
+        self._sock.settimeout(max(timeout, 1e-3))
+        size_len = wire_local.SIZE.size
+        self._fill(size_len)
+        (size,) = wire_local.SIZE.unpack_from(self._buf, self._start)
+        self._start += size_len
+        have = self._end - self._start
+        if size <= have:
+            body = memoryview(bytes(self._view[self._start : self._start + size]))
+            self._start += size
+        else:  # the rest goes straight into a buffer of its own
+            whole = bytearray(size)
+            whole[:have] = self._view[self._start : self._end]
+            self._start = self._end = 0
+            body = memoryview(whole)
+            while have < size:
+                got = self._sock.recv_into(body[have:])
+                if got == 0:
+                    raise ConnectionResetError("the daemon closed the local channel")
+                have += got
+        if self._start == self._end:
+            self._start = self._end = 0
+        try:
+            return wire_local.decode(body)
+        except InvalidArgument as exc:  # not the daemon's framing: the stream cannot be trusted
+            raise ConnectionResetError(f"unreadable local message: {exc}") from None
+
+    def _fill(self, need: int) -> None:
+        """Receive until ``need`` bytes are buffered (``need`` <= the buffer size)."""
+        if self._start + need > len(self._buf):  # move what is left to the front
+            n = self._end - self._start
+            self._buf[:n] = bytes(self._view[self._start : self._end])  # they may overlap
+            self._start, self._end = 0, n
+        while self._end - self._start < need:
+            got = self._sock.recv_into(self._view[self._end :])
+            if got == 0:
+                raise ConnectionResetError("the daemon closed the local channel")
+            self._end += got

@@ -1,0 +1,185 @@
+"""Where the blocking client's requests go, and where its replies are matched to them.
+
+Runs in client processes, on the thread that owns the :class:`~kvserver.client.KVClient`; not
+thread-safe. :class:`Transport` owns the client's links (``links.py``: the ZMQ DEALER, and the
+daemon's local channel when co-located) and the requests outstanding on them (one
+:class:`~kvserver.client.pending.Slot` each, by request id, oldest first).
+
+Call order: ``send(call)`` → its slot → ``wait(slot, timeout)`` (or ``read_arrived()`` to route
+what is already in) → the slot's outcome; ``forget(req_id)`` drops a reply to come; ``drop(why)``
+closes both links and fails everything outstanding.
+
+Which link: the local channel once it is connected, else the DEALER. A co-located session
+(arena mapped, ``hello`` announced a ``local_path`` of our framing version) connects it before
+a request is sent with nothing outstanding, so every outstanding request is always on the one
+active link and replies cannot overtake each other across links. When the local channel fails
+its outstanding requests fail with Unavailable; a request that could not be written to it (the
+daemon closed it: gone, or restarting) goes to the DEALER instead, which queues it for
+whichever daemon comes next, as it would have without the local channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from kvserver import wire_local
+from kvserver.client.common import Answer, Call, Session
+from kvserver.client.links import LocalLink, ZmqLink
+from kvserver.client.pending import Slot
+from kvserver.errors import KVServerError, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class Transport:
+    """The links and outstanding requests of one blocking client; see the module docstring."""
+
+    def __init__(self, session: Session, *, local: bool) -> None:
+        self._s = session
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._zmq: ZmqLink | None = None
+        self._local: LocalLink | None = None
+        #: use the daemon's local channel when co-located (and it announces one).
+        self._use_local = local
+        self._local_refused: str | None = None  # a path that could not be used
+        #: requests outstanding on the current link, by request id (oldest first).
+        self._slots: dict[int, Slot] = {}
+        #: requests sent on the wire, by op (session renewals and retries included).
+        self.sent_by_op: Counter[str] = Counter()
+
+    @property
+    def is_local(self) -> bool:
+        return self._local is not None
+
+    def drop(self, why: str = "the connection was reset") -> None:
+        """Close both links; every request outstanding fails with Unavailable."""
+        for link in (self._zmq, self._local):
+            if link is not None:
+                link.close()
+        self._zmq = self._local = None
+        self._fail_outstanding(why)
+
+    def _fail_outstanding(self, why: str) -> None:
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            slot.outcome = Unavailable(f"{why} before a reply from {self._s.address}",
+                                       op=slot.call.op)  # fmt: skip
+
+    def _lose_local(self, why: str) -> None:
+        """The local channel failed: every request outstanding on it fails with Unavailable
+        (what the daemon did with it is unknown). The next request connects again, or goes
+        to ZMQ if that fails (the daemon is gone: a DEALER queues it for the next one, whose
+        new session id renews the session)."""
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+        self._fail_outstanding(f"the local channel failed ({why})")
+
+    def _link(self, timeout: float) -> ZmqLink | LocalLink:
+        """The link of the next request: the local channel once connected, else the DEALER.
+        Every outstanding request is on this link (switching waits until none is)."""
+        if self._local is None and self._use_local and not self._slots:
+            self._connect_local(timeout)
+        if self._local is not None:
+            return self._local
+        if self._zmq is None:
+            self._zmq = ZmqLink(self._ctx, self._s.address)
+        return self._zmq
+
+    def _connect_local(self, timeout: float) -> None:
+        info, s = self._s.server, self._s
+        path = info.get("local_path")
+        if (
+            s.needs_hello
+            or s.arena is None
+            or not isinstance(path, str)
+            or info.get("local_version") != wire_local.LOCAL_VERSION
+            or path == self._local_refused
+        ):
+            return
+        try:
+            self._local = LocalLink.connect(path, timeout)
+        except OSError as exc:
+            logger.info("cannot use the local channel %s (%s); using ZMQ", path, exc)
+            self._local_refused = path
+
+    def send(self, call: Call, timeout: float) -> tuple[int, Slot]:
+        """Send ``call`` without waiting (``timeout``: for writing it and connecting); its
+        reply will land in the returned slot."""
+        req_id, frames = self._s.encode(call)
+        link = self._link(timeout)
+        try:
+            link.send(frames, timeout)
+        except OSError as exc:
+            if link is not self._local:  # the DEALER's queue is full
+                self.drop()
+                raise self._s.timed_out(call, timeout) from None
+            # nothing of it was read: the daemon closed the channel (it is gone or
+            # restarting). As a DEALER would, queue it for whichever daemon comes next.
+            self._local_refused = self._s.server.get("local_path")
+            self._lose_local(str(exc))
+            return self.send(call, timeout)
+        self.sent_by_op[call.op] += 1
+        slot = self._slots[req_id] = Slot(call)
+        return req_id, slot
+
+    def wait(self, slot: Slot, timeout: float) -> Answer:
+        """Read replies until ``slot`` has its outcome, for at most ``timeout`` seconds;
+        returns its Answer or raises its error. A timeout replaces both links."""
+        deadline = time.monotonic() + timeout
+        while slot.outcome is None:
+            link = self._local or self._zmq
+            if link is None:  # cannot happen: dropping the links sets every outcome
+                raise Unavailable("the socket is gone", op=slot.call.op)
+            remaining = deadline - time.monotonic()
+            if not link.ready() and (remaining <= 0 or not link.wait(remaining)):
+                error = self._s.timed_out(slot.call, timeout)
+                self.drop(f"an earlier call timed out ({slot.call.op})")
+                raise error
+            self._read_one(link, max(remaining, 1e-3))
+        if isinstance(slot.outcome, KVServerError):
+            raise slot.outcome
+        return slot.outcome
+
+    def _read_one(self, link: ZmqLink | LocalLink, timeout: float) -> None:
+        try:
+            frames = link.recv(timeout)
+        except OSError as exc:  # only the local channel fails here (closed, timed out)
+            self._lose_local(str(exc))
+            return
+        self._route(frames)
+
+    def _route(self, frames: Sequence[Any]) -> None:
+        """Hand one reply to the slot of its request; stale and unreadable ones are dropped."""
+        reply = self._s.decode(frames)
+        if reply is None:
+            return
+        req_id = reply.req_id
+        if req_id == 0 and not reply.ok and self._slots:
+            # the daemon could not read a header: replies come in request order, so it is the
+            # oldest request still outstanding
+            req_id = next(iter(self._slots))
+        slot = self._slots.pop(req_id, None)
+        if slot is None or slot.cancelled:
+            logger.debug("discarding stale reply %d", reply.req_id)
+            return
+        slot.outcome = self._s.outcome(reply, frames)
+
+    def read_arrived(self, timeout: float) -> None:
+        """Route every reply already received (``timeout``: for the rest of one that is
+        partly in)."""
+        link = self._local or self._zmq
+        while link is not None and self._slots and link.ready():
+            self._read_one(link, timeout)
+            link = self._local or self._zmq
+
+    def forget(self, req_id: int) -> None:
+        """Its reply will be dropped (kept in order until then: see the id 0 rule)."""
+        if (slot := self._slots.get(req_id)) is not None:
+            slot.cancelled = True
