@@ -211,9 +211,6 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         """Finished requests hold blocks until their stores are over: wait, do not preempt."""
         return bool(self._delayed)
 
-    def get_kv_connector_stats(self) -> None:
-        return None
-
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._events.forget(req_id)
