@@ -68,6 +68,10 @@ class DaemonConfig:
     event_capacity: int = 100_000
     #: largest ZMQ message (all frames) accepted, bytes.
     max_message_bytes: int = 1 << 30
+    #: local channel: bytes of partly received large messages all connections may hold.
+    local_inflight_bytes: int = 1 << 30
+    #: local channel: most connections at once (one more is closed at once).
+    local_max_connections: int = 256
     #: seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.25
     #: written (JSON: pid, ports, arena path) once every listener is up.
@@ -175,7 +179,9 @@ class DaemonConfig:
 
 
 def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
-    if name in ("dram", "page_size", "max_message_bytes", "ssd", "ssd_staging"):
+    if name in (
+        "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes"
+    ):
         return parse_size(value)
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     if kind == "bool":

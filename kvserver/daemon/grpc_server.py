@@ -107,6 +107,36 @@ _SSD_COUNTERS = (
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+#: how an RPC ends in error: status, details, trailing metadata.
+_Failure = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
+
+
+def _failure(exc: Exception) -> _Failure:
+    """The status, details and trailing metadata for ``exc`` (logs unexpected exceptions)."""
+    extra: tuple[tuple[str, str], ...] = ()
+    if isinstance(exc, DecodeError):
+        exc = InvalidArgument(f"cannot decode the request: {exc}")
+    if isinstance(exc, EventGap):
+        exc = _CannotResume(f"{exc}; resynchronise, then resume from seq {exc.oldest}", exc.oldest)
+    if isinstance(exc, _CannotResume):
+        status, code, details = grpc.StatusCode.OUT_OF_RANGE, EVENTS_DROPPED_CODE, str(exc)
+        extra = ((OLDEST_SEQ_KEY, str(exc.oldest)),)
+    elif isinstance(exc, KVServerError):
+        status, code, details = status_for(exc), exc.code, str(exc)
+    else:
+        logger.error("gRPC handler failed", exc_info=exc)
+        status, code = grpc.StatusCode.INTERNAL, "internal"
+        details = f"internal error ({type(exc).__name__}); see the daemon log"
+    return status, details[:MAX_STATUS_DETAILS], ((ERROR_CODE_KEY, code), *extra)
+
+
+async def _abort(context: grpc.aio.ServicerContext, failure: _Failure) -> NoReturn:
+    """End the RPC with ``failure``; call it outside any except clause (see ``_unary``)."""
+    status, details, metadata = failure
+    await context.abort(status, details, trailing_metadata=metadata)
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
 def status_for(exc: KVServerError) -> grpc.StatusCode:
     """The gRPC status code of a kvserver error (by ``code``, walking up its classes)."""
     for cls in type(exc).__mro__:
@@ -207,7 +237,12 @@ class GrpcFrontend:
                 data: bytes = method(parse(raw)).SerializeToString()
                 return data
             except Exception as exc:
-                await self._abort(context, exc)
+                failure = _failure(exc)
+            # Abort outside the except clause, the request dropped: an abort raised inside it
+            # chains the error, whose traceback holds this frame and so the request's bytes
+            # until the cycle collector runs (150 refused 10 MB requests grew RSS by 2.6 GB).
+            del raw
+            await _abort(context, failure)
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
@@ -218,28 +253,6 @@ class GrpcFrontend:
                     return
                 break
         raise Unauthenticated("missing or wrong 'authorization: Bearer <token>' metadata")
-
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-        """End the RPC with the status mapped from ``exc`` (logs unexpected exceptions)."""
-        extra: tuple[tuple[str, str], ...] = ()
-        if isinstance(exc, DecodeError):
-            exc = InvalidArgument(f"cannot decode the request: {exc}")
-        if isinstance(exc, EventGap):
-            exc = _CannotResume(
-                f"{exc}; resynchronise, then resume from seq {exc.oldest}", exc.oldest
-            )
-        if isinstance(exc, _CannotResume):
-            status, code, details = grpc.StatusCode.OUT_OF_RANGE, EVENTS_DROPPED_CODE, str(exc)
-            extra = ((OLDEST_SEQ_KEY, str(exc.oldest)),)
-        elif isinstance(exc, KVServerError):
-            status, code, details = status_for(exc), exc.code, str(exc)
-        else:
-            logger.exception("gRPC handler failed")
-            status, code = grpc.StatusCode.INTERNAL, "internal"
-            details = f"internal error ({type(exc).__name__}); see the daemon log"
-        metadata = ((ERROR_CODE_KEY, code), *extra)
-        await context.abort(status, details[:MAX_STATUS_DETAILS], trailing_metadata=metadata)
-        raise AssertionError("context.abort returned")  # pragma: no cover
 
     def _namespace(self, ns_id: str) -> NamespaceSpec:
         """The spec of ``ns_id``; InvalidArgument if empty/oversized, UnknownNamespace."""
@@ -391,15 +404,20 @@ class GrpcFrontend:
             if self._auth:
                 self._authenticate(context)
             from_seq = self._resume_point(pb.WatchEventsRequest.FromString(raw))
+            failure = None
         except Exception as exc:
-            await self._abort(context, exc)
+            failure = _failure(exc)
+        if failure is not None:
+            await _abort(context, failure)
         await context.send_initial_metadata(
             ((LOG_ID_KEY, self.log_id), (FROM_SEQ_KEY, str(from_seq)))
         )
         try:
             await self._follow(from_seq, context)
+            return
         except EventGap as exc:  # the subscriber fell behind the bounded log
-            await self._abort(context, exc)
+            failure = _failure(exc)
+        await _abort(context, failure)
 
     def _resume_point(self, req: pb.WatchEventsRequest) -> int:
         """The first seq to send; _CannotResume (OUT_OF_RANGE) if the log cannot supply it."""

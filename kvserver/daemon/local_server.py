@@ -14,13 +14,22 @@ Call order: ``LocalListener(path, deliver, max_size)`` → ``await start()`` (bi
 mode 0600: only the daemon's user can connect, as only it can map the arena) → the loop calls
 ``deliver(connection, message)`` for every complete message of every connection, in order;
 ``message`` is the body after the size field (:func:`kvserver.wire_local.decode` splits it) or
-:class:`TooLarge` → the front end answers with ``connection.send(frames)`` → ``await stop()``
+:class:`Refused` → the front end answers with ``connection.send(frames)`` → ``await stop()``
 (closes every connection, removes ``path``).
 
 Reception: a connection reads into a fixed buffer and copies each complete message out of it
-(a message larger than the buffer is received straight into a buffer of its own); while its
-replies wait in the transport above the high-water mark, it stops reading (backpressure: a
-client that does not read its replies cannot grow the daemon's memory).
+(a message larger than the buffer is received into a buffer of its own); while its replies wait
+in the transport above the high-water mark, it stops reading (backpressure: a client that does
+not read its replies cannot grow the daemon's memory).
+
+Memory is bounded whatever a peer announces: a message's own buffer is only started once the
+fixed buffer is full of it, and grows (doubling, at most to the announced size) as its bytes
+arrive, never ahead of them; every byte of those buffers is taken from one
+:class:`InflightBudget` shared by the listener's connections (``max_inflight`` bytes in all).
+A message that would exceed the budget, or whose size field exceeds the per-message limit, is
+refused (:class:`Refused`, answered, then the connection closes: the stream cannot be
+resynchronized). The listener holds at most ``max_connections`` connections; one more is closed
+at once. An idle connection thus costs its fixed buffer (:data:`RECV_BUFFER`) and nothing else.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from kvserver import wire_local
+from kvserver.errors import CapacityError, InvalidArgument, KVServerError
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +55,35 @@ RECV_BUFFER = 256 << 10
 WRITE_HIGH_WATER = 0
 #: longest path a Unix socket can be bound to (sun_path is 108 bytes with its NUL).
 MAX_PATH_BYTES = 107
+#: default bound on the connections of one listener.
+MAX_CONNECTIONS = 256
 
 
-class TooLarge:
-    """A message whose size field exceeds the limit: answered, then the connection closes."""
+class Refused:
+    """A message that cannot be received (its size field exceeds the limit, or its buffer the
+    in-flight budget): ``error`` is answered, then the connection closes."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        self.size = size
+    def __init__(self, error: KVServerError) -> None:
+        self.error = error
+
+
+class InflightBudget:
+    """Bytes of message buffers all connections of a listener may hold at once.
+
+    Invariant: ``0 <= used <= limit``; ``take`` either takes all of ``n`` or nothing."""
+
+    def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 class LocalFrame:
@@ -67,7 +98,7 @@ class LocalFrame:
         return self.buffer.nbytes
 
 
-LocalMessage = memoryview | TooLarge
+LocalMessage = memoryview | Refused
 Deliver = Callable[["LocalConnection", LocalMessage], None]
 
 
@@ -80,18 +111,23 @@ class LocalConnection(asyncio.BufferedProtocol):
         deliver: Deliver,
         max_size: int,
         forget: Callable[[LocalConnection], None] | None = None,
+        budget: InflightBudget | None = None,
     ) -> None:
         self.name = name
         self._deliver = deliver
         self._max_size = max_size
         self._forget = forget
+        self._budget = budget if budget is not None else InflightBudget(max_size)
         self._transport: asyncio.Transport | None = None
         self._buf = bytearray(RECV_BUFFER)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unparsed bytes: _buf[_start:_end]
-        self._big: memoryview | None = None  # a message larger than _buf, being received
+        #: a message larger than _buf, being received: _big[:_big_pos] of _big_size bytes;
+        #: len(_big) bytes are taken from the budget.
+        self._big: memoryview | None = None
         self._big_pos = 0
-        self._failed = False  # a TooLarge was delivered: read nothing more
+        self._big_size = 0
+        self._failed = False  # a Refused was delivered: read nothing more
         self._write_paused = False  # replies wait in the transport: handle nothing more
 
     @property
@@ -106,7 +142,7 @@ class LocalConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        self._big = None
+        self._drop_big()
         if self._forget is not None:
             self._forget(self)
 
@@ -135,9 +171,12 @@ class LocalConnection(asyncio.BufferedProtocol):
             return
         if self._big is not None:
             self._big_pos += nbytes
-            if self._big_pos == self._big.nbytes:
-                body, self._big = self._big, None
+            if self._big_pos == self._big_size:
+                body = self._big
+                self._drop_big()
                 self._deliver(self, body)
+            elif self._big_pos == self._big.nbytes:
+                self._grow(self._big[: self._big_pos])
             return
         self._end += nbytes
         self._parse()
@@ -153,25 +192,48 @@ class LocalConnection(asyncio.BufferedProtocol):
             start = self._start
             (size,) = wire_local.SIZE.unpack_from(self._buf, start)
             if size > self._max_size:
-                self._fail(TooLarge(size, self._max_size))
+                error = InvalidArgument("message too large", size=size, max=self._max_size)
+                self._fail(Refused(error))
                 return
             have = self._end - start - size_len
             if have >= size:
                 body = bytes(self._view[start + size_len : start + size_len + size])
                 self._start = start + size_len + size
                 self._deliver(self, memoryview(body))
-            elif size_len + size > len(self._buf):  # receive it in a buffer of its own
-                big = memoryview(bytearray(size))
-                big[:have] = self._view[start + size_len : self._end]
-                self._big, self._big_pos = big, have
+            elif size_len + size > len(self._buf) and self._end == len(self._buf):
+                # the buffer is full of the start of a larger message: a buffer of its own
+                self._big_size = size
                 self._start = self._end = 0
+                self._grow(self._view[start + size_len :])
                 return
             else:
-                break
+                break  # wait for more (get_buffer moves the tail to the front when full)
         if self._start == self._end:
             self._start = self._end = 0
 
-    def _fail(self, why: TooLarge) -> None:
+    def _grow(self, have: memoryview) -> None:
+        """Continue the large message in a buffer twice the size of ``have`` (its bytes so far),
+        at most its announced size, taken from the budget; refuse it when the budget is out."""
+        cap = min(self._big_size, max(2 * have.nbytes, RECV_BUFFER))
+        old = self._big.nbytes if self._big is not None else 0
+        if not self._budget.take(cap - old):
+            self._drop_big()
+            error = CapacityError(
+                "local channel: in-flight message buffers exhausted; retry later",
+                limit=self._budget.limit,
+            )
+            self._fail(Refused(error))
+            return
+        big = memoryview(bytearray(cap))
+        big[: have.nbytes] = have
+        self._big, self._big_pos = big, have.nbytes
+
+    def _drop_big(self) -> None:
+        if self._big is not None:
+            self._budget.give(self._big.nbytes)
+            self._big = None
+
+    def _fail(self, why: Refused) -> None:
         self._failed = True
         self._start = self._end = 0
         if self._transport is not None:
@@ -193,10 +255,20 @@ class LocalConnection(asyncio.BufferedProtocol):
 class LocalListener:
     """The listening socket and its connections; see the module docstring."""
 
-    def __init__(self, path: str, deliver: Deliver, max_size: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        deliver: Deliver,
+        max_size: int,
+        *,
+        max_inflight: int | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.path = path
         self._deliver = deliver
         self._max_size = max_size
+        self.budget = InflightBudget(max_size if max_inflight is None else max_inflight)
+        self._max_connections = max_connections
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[LocalConnection] = set()
         self._names = itertools.count(1)
@@ -213,9 +285,18 @@ class LocalListener:
             os.umask(old)
         os.chmod(self.path, 0o600)
 
-    def _connection(self) -> LocalConnection:
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
+    def _connection(self) -> asyncio.BufferedProtocol:
+        if len(self._connections) >= self._max_connections:
+            logger.warning("local channel: %d connections, refusing more", self._max_connections)
+            return _Rejected()
         name = f"local-{os.getpid()}-{next(self._names)}"
-        conn = LocalConnection(name, self._deliver, self._max_size, self._connections.discard)
+        conn = LocalConnection(
+            name, self._deliver, self._max_size, self._connections.discard, self.budget
+        )
         self._connections.add(conn)
         return conn
 
@@ -231,3 +312,18 @@ class LocalListener:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+class _Rejected(asyncio.BufferedProtocol):
+    """A connection over the listener's bound: closed at once, nothing read."""
+
+    _scratch = bytearray(64)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        pass

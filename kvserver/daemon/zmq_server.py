@@ -68,7 +68,7 @@ from kvserver.daemon.local_server import (
     LocalFrame,
     LocalListener,
     LocalMessage,
-    TooLarge,
+    Refused,
 )
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
@@ -172,7 +172,13 @@ class ZmqFrontend:
         path too long for a Unix socket, a directory we cannot write) clients use ZMQ."""
         path = f"{self._service.engine.arena.path}.sock"
         max_size = wire_local.max_size(self._config.max_message_bytes)
-        local = LocalListener(path, self._accept, max_size)
+        local = LocalListener(
+            path,
+            self._accept,
+            max_size,
+            max_inflight=self._config.local_inflight_bytes,
+            max_connections=self._config.local_max_connections,
+        )
         try:
             await local.start()
         except OSError as exc:
@@ -289,10 +295,8 @@ class ZmqFrontend:
                     return lambda: self._events.replay(router, peer, start)
                 owner = peer.hex()
             else:
-                if isinstance(message, TooLarge):  # the stream cannot be resynchronized
-                    size, limit = message.size, message.limit
-                    error = InvalidArgument("message too large", size=size, max=limit)
-                    self._send(peer, _failed(0, error))
+                if isinstance(message, Refused):  # the stream cannot be resynchronized
+                    self._send(peer, _failed(0, message.error))
                     peer.close()
                     return None
                 try:

@@ -9,7 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserver import wire_local
-from kvserver.daemon.local_server import RECV_BUFFER, LocalConnection, LocalMessage, TooLarge
+from kvserver.daemon.local_server import (
+    RECV_BUFFER,
+    InflightBudget,
+    LocalConnection,
+    LocalMessage,
+    Refused,
+)
 
 LIMIT = 4 << 20
 
@@ -45,15 +51,15 @@ class Harness:
     """A connection on a fake transport; ``feed`` pushes bytes through get_buffer and
     buffer_updated in pieces of the given sizes, as an event loop would."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: InflightBudget | None = None) -> None:
         self.got: list[LocalMessage] = []
-        self.conn = LocalConnection("local-test", self.deliver, LIMIT)
+        self.conn = LocalConnection("local-test", self.deliver, LIMIT, budget=budget)
         self.transport = FakeTransport()
         self.conn.connection_made(self.transport)  # type: ignore[arg-type]
 
     def deliver(self, conn: LocalConnection, message: LocalMessage) -> None:
         assert conn is self.conn
-        self.got.append(message if isinstance(message, TooLarge) else bytes(message))
+        self.got.append(message if isinstance(message, Refused) else bytes(message))
 
     def feed(self, data: bytes, pieces: list[int]) -> None:
         pos = 0
@@ -100,7 +106,8 @@ def test_a_size_over_the_limit_is_delivered_once_and_reading_stops() -> None:
     h.feed(ok + wire_local.SIZE.pack(wire_local.max_size(0) + LIMIT + 1) + bytes(100), [])
     assert h.got[0] == ok_body
     (refused,) = h.got[1:]
-    assert isinstance(refused, TooLarge) and refused.limit == LIMIT
+    assert isinstance(refused, Refused) and refused.error.code == "invalid_argument"
+    assert refused.error.context["max"] == LIMIT
     assert not h.transport.reading
     h.conn.buffer_updated(0)  # anything more is ignored
     assert len(h.got) == 2
@@ -138,3 +145,42 @@ def test_messages_that_straddle_the_end_of_the_receive_buffer() -> None:
     h = Harness()
     h.feed(b"".join(wire_bytes), [RECV_BUFFER // 5, 3, RECV_BUFFER // 2, 1000] * 10)
     assert h.got == list(bodies)
+
+
+def test_an_announced_size_allocates_nothing_until_its_bytes_arrive() -> None:
+    """Memory amplification: a size field announcing the limit, then a trickle of bytes,
+    takes budget only as the bytes arrive (at most twice what arrived)."""
+    budget = InflightBudget(LIMIT)
+    h = Harness(budget)
+    h.feed(wire_local.SIZE.pack(LIMIT) + bytes(100), [])
+    assert budget.used == 0 and h.got == []
+    h.feed(bytes(RECV_BUFFER), [])  # the fixed buffer fills up: now a buffer of its own
+    assert 0 < budget.used <= 2 * RECV_BUFFER + 200
+    h.feed(bytes(RECV_BUFFER), [])
+    assert budget.used <= 4 * RECV_BUFFER + 400
+    h.conn.connection_lost(None)
+    assert budget.used == 0
+
+
+def test_a_message_larger_than_the_budget_left_is_refused_with_a_capacity_error() -> None:
+    """Two connections share a budget: the second one's large message does not fit while
+    the first one holds its buffer; it is refused and reading stops; the first completes."""
+    budget = InflightBudget(3 * RECV_BUFFER)
+    first, second = Harness(budget), Harness(budget)
+    body = bytes(range(256)) * (2 * RECV_BUFFER // 256)
+    data, want = message([body])
+    first.feed(data[: RECV_BUFFER + 10], [])
+    second.feed(data[: 2 * RECV_BUFFER], [])
+    (refused,) = second.got
+    assert isinstance(refused, Refused) and refused.error.code == "capacity"
+    assert not second.transport.reading
+    first.feed(data[RECV_BUFFER + 10 :], [])
+    assert first.got == [want]
+    assert budget.used == 0
+
+
+def test_the_budget_takes_all_or_nothing() -> None:
+    budget = InflightBudget(10)
+    assert budget.take(6) and not budget.take(5) and budget.used == 6
+    budget.give(6)
+    assert budget.take(10) and budget.used == 10

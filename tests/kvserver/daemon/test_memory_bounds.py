@@ -1,0 +1,89 @@
+"""Memory stays bounded whatever a peer announces or repeats, measured on a real daemon
+process (its RSS from /proc): idle local-channel connections announcing 1 GiB each, a bound on
+local connections, and refused oversized gRPC requests sent over and over."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvserver import wire_local
+from kvserver.client import KVClient
+from tests.kvserver.daemon.local_conn import LocalConn
+from tests.support.daemon import DaemonProc, start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+MIB = 1 << 20
+
+
+def rss(pid: int) -> int:
+    """Resident set size of ``pid`` in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    d = start_daemon(
+        tmp_path_factory.mktemp("bounds"),
+        "--dram",
+        "32MiB",
+        env={"KVSERVER_LOCAL_MAX_CONNECTIONS": "100"},
+    )
+    yield d
+    d.terminate()
+
+
+def test_idle_connections_announcing_a_gibibyte_each_cost_little(daemon: DaemonProc) -> None:
+    """100 connections each send a size field announcing 1 GiB and a few bytes, then wait:
+    the daemon's RSS grows by less than 64 MiB, one more connection is closed at once, and a
+    well-behaved client is still served."""
+    with KVClient(daemon.zmq_address) as kv:
+        kv.hello()
+        before = rss(daemon.proc.pid)
+        conns = [LocalConn(f"{daemon.arena_path}.sock") for _ in range(100)]
+        try:
+            for conn in conns:
+                conn.send_raw(wire_local.SIZE.pack(1 << 30) + bytes(4000))
+            extra = LocalConn(f"{daemon.arena_path}.sock")
+            assert extra.poll(10_000) and extra.closed_by_peer()
+            extra.close()
+            assert kv.hello()["protocol_version"] > 0
+            grew = rss(daemon.proc.pid) - before
+            assert grew < 64 * MIB, grew
+        finally:
+            for conn in conns:
+                conn.close()
+
+
+def test_oversized_grpc_requests_sent_again_and_again_do_not_grow_memory(
+    daemon: DaemonProc,
+) -> None:
+    """150 sequential 10 MB Lookup requests, each refused: RSS grows by less than 64 MiB."""
+    body = bytes([0x0A]) + b"\xff" * 3 + bytes(10_000_000)  # a field announcing more bytes
+    with grpc.insecure_channel(
+        daemon.grpc_address, options=[("grpc.max_send_message_length", 64 * MIB)]
+    ) as channel:
+        lookup = channel.unary_unary("/kvserver.v1.KVServer/Lookup")
+        codes = set()
+
+        def once() -> None:
+            try:
+                lookup(body, timeout=20)
+            except grpc.RpcError as exc:
+                codes.add(exc.code())
+
+        for _ in range(10):  # warm up: the first requests size grpc's own pools
+            once()
+        before = rss(daemon.proc.pid)
+        for _ in range(150):
+            once()
+        grew = rss(daemon.proc.pid) - before
+    assert codes and grpc.StatusCode.OK not in codes
+    assert grew < 64 * MIB, grew
