@@ -396,7 +396,7 @@ class StorageEngine:
 
     def announce(self, ns_id: str, keys: Sequence[bytes], medium: Medium, *, stored: bool) -> None:
         """Emit BlockStored (``stored``) or BlockRemoved for ``keys`` of another tier (medium
-        DISK), numbered in the engine's one gap-free event sequence. No-op without keys."""
+        STORAGE), numbered in the engine's one gap-free event sequence. No-op without keys."""
         if keys:
             self._ns(ns_id)
             cls = BlockStored if stored else BlockRemoved

@@ -58,7 +58,7 @@ _SPEC_OPTIONAL = (
     "kv_factor",
     "part_bytes_override",
 )
-_MEDIUM_NAMES: dict[int, Medium] = {pb.MEDIUM_CPU: "CPU", pb.MEDIUM_DISK: "DISK"}
+_MEDIUM_NAMES: dict[int, Medium] = {pb.MEDIUM_CPU: Medium.CPU, pb.MEDIUM_STORAGE: Medium.STORAGE}
 
 
 class EventsDropped(KVServerError):
@@ -103,7 +103,7 @@ def namespace_to_proto(spec: NamespaceSpec) -> pb.Namespace:
 
 def event_from_proto(msg: pb.Event) -> Event:
     """The :mod:`kvserver.events` value of a ``kvserver.v1.Event``."""
-    medium = _MEDIUM_NAMES.get(msg.medium, "CPU")
+    medium = _MEDIUM_NAMES.get(msg.medium, Medium.CPU)
     kind = msg.WhichOneof("kind")
     if kind == "block_stored":
         return BlockStored(msg.seq, msg.namespace_id, tuple(msg.block_stored.keys), medium)

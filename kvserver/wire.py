@@ -16,16 +16,15 @@ type-checks the envelope and the op's arguments against :data:`OPS`. Everything 
 a socket is untrusted: each failure raises :class:`~kvserver.errors.InvalidArgument` (or
 :class:`~kvserver.errors.UnsupportedVersion`) with a message that names the field.
 
-Events (daemon PUB) use vLLM's KV-event format: ``[topic, seq (8-byte big-endian), payload]``
-where ``payload`` is a msgpack ``KVEventBatch`` as msgspec encodes it (array-like structs,
-tagged with the class name). See :func:`event_to_vllm`.
+Events (daemon PUB) use vLLM's KV-event format: ``[topic, seq (8-byte big-endian), payload]``;
+the framing is here, the ``KVEventBatch`` payload in :mod:`kvserver.wire_events`.
 """
 
 from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,6 @@ import msgpack
 
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
-from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -395,39 +393,3 @@ def seq_bytes(seq: int) -> bytes:
 def event_topic(pod: str, model: str) -> bytes:
     """PUB topic ``kv@<pod>@<model>`` (llm-d's convention; ``pod`` names the cache location)."""
     return f"{TOPIC_PREFIX}{pod}@{model}".encode()
-
-
-def event_to_vllm(event: Event, block_size: int) -> list[Any]:
-    """One event as msgspec encodes vLLM's tagged array-like struct.
-
-    BlockStored  = [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-                    medium, lora_name]
-    BlockRemoved = [tag, block_hashes, medium];  AllBlocksCleared = [tag]
-    Our chunk keys are the block hashes (bytes); token ids are not known to the daemon.
-    """
-    if isinstance(event, BlockStored):
-        return ["BlockStored", list(event.keys), None, [], block_size, None, event.medium, None]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.keys), event.medium]
-    if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
-    raise AssertionError(f"unknown event {event!r}")
-
-
-def encode_event_batch(ts: float, events: Sequence[list[Any]]) -> bytes:
-    """A KVEventBatch ``[ts, [event, ...]]`` (data_parallel_rank omitted, as msgspec does)."""
-    return _pack([ts, list(events)])
-
-
-def decode_event_batch(payload: bytes | memoryview) -> tuple[float, list[list[Any]]]:
-    """Decode a KVEventBatch (subscribers, tests). Raises InvalidArgument if malformed."""
-    obj = unpack_header(payload)
-    if (
-        not isinstance(obj, list)
-        or len(obj) not in (2, 3)
-        or type(obj[0]) not in (int, float)
-        or not isinstance(obj[1], list)
-        or not all(isinstance(e, list) and e and isinstance(e[0], str) for e in obj[1])
-    ):
-        raise InvalidArgument("not a KVEventBatch")
-    return float(obj[0]), obj[1]

@@ -39,7 +39,7 @@ from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
 from kvserver.daemon.service import KVService
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
-from kvserver.events import Event
+from kvserver.events import Event, Medium
 from kvserver.grpc_client import (
     ERROR_CODE_KEY,
     EVENTS_DROPPED_CODE,
@@ -73,7 +73,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
 
 MAX_NAMESPACE_ID = 64
 MAX_STATUS_DETAILS = 1024
-_MEDIUM = {"CPU": pb.MEDIUM_CPU, "DISK": pb.MEDIUM_DISK}
+_MEDIUM = {Medium.CPU: pb.MEDIUM_CPU, Medium.STORAGE: pb.MEDIUM_STORAGE}
 _NS_COUNTERS = (
     "entries",
     "bytes",
@@ -357,7 +357,7 @@ class GrpcFrontend:
             tiers.append(
                 pb.TierStats(
                     name="ssd",
-                    medium=pb.MEDIUM_DISK,
+                    medium=pb.MEDIUM_STORAGE,
                     policy=ssd["policy"],
                     capacity_bytes=ssd["capacity_bytes"],
                     used_bytes=ssd["used_bytes"],

@@ -17,7 +17,7 @@ saved in the directory, not yet on SSD, gets a staging buffer and an SSD slot (e
 victims by the tier's own policy); its parts are copied into the buffer and the writes (slots,
 then headers) run on a thread, several chunks per job (``tier_jobs.py``). Whatever does not fit
 (staging full, SSD full of chunks being read, tier degraded) is simply dropped and counted. On
-completion the entry becomes READY (BlockStored, medium DISK); on failure its slot is
+completion the entry becomes READY (BlockStored, medium STORAGE); on failure its slot is
 discarded and the tier turns ``degraded``.
 
 Promotion (``promote``, awaited by the ZMQ front end before a load, in a task of its own;
@@ -26,7 +26,7 @@ verify their slots on threads (:meth:`SsdTier.read`; the reads of one loop turn 
 ``tier_jobs.ReadQueue``), copy them into the arena and complete the store. Several run at once
 (at most ``max_promotions`` reading); a key is promoted by one of them at a time, the others
 wait for it. A chunk that fails verification is dropped from the index (counted, slot
-discarded, BlockRemoved DISK) and is a miss. When DRAM cannot take the chunks and the caller
+discarded, BlockRemoved STORAGE) and is a miss. When DRAM cannot take the chunks and the caller
 asked for ``direct``, the verified bytes are returned for it to send (remote ``get``).
 
 Conditions: ``ok``; ``degraded`` (a write failed: ENOSPC, EIO, EACCES ...; write-backs are
@@ -326,7 +326,7 @@ class SsdTier:
         """Read and verify one slot on a thread (with the other reads of this loop turn, see
         :class:`~kvserver.daemon.tier_jobs.ReadQueue`): (buffer, whether it came from the
         ``reads`` pool; its payload starts at HEADER_BYTES), or None on failure — then the
-        chunk is dropped (counted, BlockRemoved DISK, slot discarded) and is a miss.
+        chunk is dropped (counted, BlockRemoved STORAGE, slot discarded) and is a miss.
         REQUIRES: ``entry`` pinned by the caller."""
         size = entry.slot_bytes
         buf = self.reads.acquire(size) if use_pool else None
@@ -375,13 +375,13 @@ class SsdTier:
     # ================================================================== events, namespaces
 
     def event(self, ns_id: str, stored: bool, key: bytes) -> None:
-        """Queue a DISK event; flushed (batched per namespace and kind) on the next loop turn."""
+        """Queue a STORAGE event; flushed (batched per namespace and kind) on the next loop turn."""
         if not self._events:
             asyncio.get_running_loop().call_soon(self.flush_events)
         self._events.append((ns_id, stored, key))
 
     def flush_events(self) -> None:
-        """Announce the queued DISK events now (also runs by itself on the next loop turn)."""
+        """Announce the queued STORAGE events now (also runs by itself on the next loop turn)."""
         events, self._events = self._events, []
         run: list[bytes] = []
         for i, (ns_id, stored, key) in enumerate(events):

@@ -12,7 +12,7 @@ buffer. Whatever does not fit (staging full, SSD full of chunks being read, tier
 dropped and counted. The admitted chunks go to the threads in jobs of about ``BATCH_BYTES``
 (a long eviction is cut, each job submitted as soon as it is full, so the disk starts while the
 loop still copies). When a job is done, each written entry becomes READY (BlockStored, medium
-DISK); a failed one is aborted, its slot discarded, and the tier turns ``degraded`` — while
+STORAGE); a failed one is aborted, its slot discarded, and the tier turns ``degraded`` — while
 degraded one write (the ``probe``) is let through every ``retry_s``.
 
 Invariants: every staging buffer acquired here is released exactly once, when its job is done;

@@ -22,7 +22,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from kvserver import wire
+from kvserver import wire, wire_events
 from kvserver.daemon.eventlog import EventGap
 from kvserver.daemon.service import KVService
 from kvserver.errors import KVServerError
@@ -77,7 +77,7 @@ class EventPublisher:
             meta = (wire.event_topic(f"{self._pod}/{event.ns_id}", spec.model), spec.chunk_tokens)
             self._topics[event.ns_id] = meta
         topic, block_size = meta
-        return topic, wire.encode_event_batch(ts, [wire.event_to_vllm(event, block_size)])
+        return topic, wire_events.encode_batch(ts, [wire_events.to_wire(event, block_size)])
 
     async def replay(self, router: zmq.asyncio.Socket, ident: bytes, start: bytes) -> None:
         """vLLM's replay protocol: every retained batch with seq >= start, then the end mark."""

@@ -88,12 +88,12 @@ def test_announce_numbers_other_tiers_events_in_the_same_sequence() -> None:
         ns_id = engine.register_namespace(make_spec())
         keys = make_keys(2)
         store(engine, ns_id, keys)
-        engine.announce(ns_id, keys, "DISK", stored=True)
-        engine.announce(ns_id, [], "DISK", stored=False)  # nothing to say: no event
-        engine.announce(ns_id, keys[:1], "DISK", stored=False)
+        engine.announce(ns_id, keys, "STORAGE", stored=True)
+        engine.announce(ns_id, [], "STORAGE", stored=False)  # nothing to say: no event
+        engine.announce(ns_id, keys[:1], "STORAGE", stored=False)
         events = engine.take_events()
         assert [e.seq for e in events] == [1, 2, 3]
-        assert isinstance(events[1], BlockStored) and events[1].medium == "DISK"
+        assert isinstance(events[1], BlockStored) and events[1].medium == "STORAGE"
         assert isinstance(events[2], BlockRemoved) and events[2].keys == (keys[0],)
         with pytest.raises(UnknownNamespace):
-            engine.announce("ffffffffffffffff", keys, "DISK", stored=True)
+            engine.announce("ffffffffffffffff", keys, "STORAGE", stored=True)

@@ -20,7 +20,6 @@ from kvserver.errors import (
     UnknownNamespace,
     UnsupportedVersion,
 )
-from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 KEY = b"k" * 32
 
@@ -288,97 +287,13 @@ def test_grants_round_trip_with_the_deadline_on_the_receivers_clock() -> None:
         wire.load_grant_from_wire({"lease_id": 1}, now=0.0)
 
 
-# ----------------------------------------------------------------------------- events
+# ----------------------------------------------------------------------------- framing
 
 
-def test_events_use_vllms_array_like_tagged_structs() -> None:
-    keys = (KEY, b"j" * 32)
-    assert wire.event_to_vllm(BlockStored(1, "ns", keys, "CPU"), 32) == [
-        "BlockStored",
-        list(keys),
-        None,
-        [],
-        32,
-        None,
-        "CPU",
-        None,
-    ]
-    assert wire.event_to_vllm(BlockRemoved(2, "ns", keys, "DISK"), 32) == [
-        "BlockRemoved",
-        list(keys),
-        "DISK",
-    ]
-    assert wire.event_to_vllm(AllBlocksCleared(3, "ns", "CPU"), 32) == ["AllBlocksCleared"]
-    payload = wire.encode_event_batch(
-        12.5, [wire.event_to_vllm(BlockStored(1, "n", keys, "CPU"), 16)]
-    )
-    ts, events = wire.decode_event_batch(payload)
-    assert ts == 12.5 and events[0][0] == "BlockStored" and events[0][1] == list(keys)
+def test_event_framing_is_vllms() -> None:
     assert wire.seq_bytes(258) == b"\x00" * 6 + b"\x01\x02"
     assert wire.REPLAY_END_SEQ == b"\xff" * 8
     assert wire.event_topic("host:1/ns", "m") == b"kv@host:1/ns@m"
-
-
-@pytest.mark.parametrize(
-    "payload",
-    [msgpack.packb({"ts": 1}), msgpack.packb([1.0, [1]]), msgpack.packb(["x", []]), b"\xc1"],
-)
-def test_decode_event_batch_rejects_non_batches(payload: bytes) -> None:
-    with pytest.raises(InvalidArgument):
-        wire.decode_event_batch(payload)
-
-
-def test_vllm_msgspec_decoders_accept_our_batches() -> None:
-    """An indexer built on vLLM's msgspec structs (old 6-field or new 7-field BlockStored)
-    decodes our payloads."""
-    msgspec = pytest.importorskip("msgspec")
-    Hash = bytes | int
-    opts: dict[str, Any] = {"array_like": True, "omit_defaults": True, "gc": False}
-    old_fields = [
-        ("block_hashes", list[Hash]),
-        ("parent_block_hash", Hash | None),
-        ("token_ids", list[int]),
-        ("block_size", int),
-        ("lora_id", int | None),
-        ("medium", str | None),
-    ]
-    new_fields = [
-        *old_fields,
-        ("lora_name", str | None),
-        ("extra_keys", Any, None),
-        ("group_idx", int | None, None),
-    ]
-    removed_cls = msgspec.defstruct(
-        "BlockRemoved",
-        [("block_hashes", list[Hash]), ("medium", str | None), ("group_idx", int | None, None)],
-        tag=True,
-        **opts,
-    )
-    cleared_cls = msgspec.defstruct("AllBlocksCleared", [], tag=True, **opts)
-    events = [
-        wire.event_to_vllm(BlockStored(1, "ns", (KEY,), "CPU"), 16),
-        wire.event_to_vllm(BlockRemoved(2, "ns", (KEY,), "CPU"), 16),
-        wire.event_to_vllm(AllBlocksCleared(3, "ns", "CPU"), 16),
-    ]
-    payload = wire.encode_event_batch(1.25, events)
-    for fields in (old_fields, new_fields):
-        stored_cls = msgspec.defstruct("BlockStored", fields, tag=True, **opts)
-        batch_cls = msgspec.defstruct(
-            "KVEventBatch",
-            [
-                ("ts", float),
-                ("events", list[stored_cls | removed_cls | cleared_cls]),
-                ("data_parallel_rank", int | None, None),
-            ],
-            **opts,
-        )
-        batch = msgspec.msgpack.decode(payload, type=batch_cls)
-        assert batch.ts == 1.25 and batch.data_parallel_rank is None
-        stored, removed, cleared = batch.events
-        assert isinstance(stored, stored_cls)
-        assert stored.block_hashes == [KEY] and stored.medium == "CPU" and stored.block_size == 16
-        assert isinstance(removed, removed_cls) and removed.block_hashes == [KEY]
-        assert isinstance(cleared, cleared_cls)
 
 
 def test_host_id_is_shared_with_the_daemon() -> None:

@@ -2,7 +2,7 @@
 over a real SSD directory, faults injected through the FileIO seam, time through a fake clock.
 
 Write-back and promotion byte-exact (TP 1 and 2, parts that are not a multiple of the block);
-the admission rule; DISK events in the engine's one sequence; disk full (DRAM keeps serving,
+the admission rule; STORAGE events in the engine's one sequence; disk full (DRAM keeps serving,
 the condition is visible, writes resume); flipped bytes (a miss, counted, space reclaimed);
 read errors; restart (recovered, namespaces re-registered); serving straight from SSD when DRAM
 is fully pinned; an unusable directory; a full staging area.
@@ -181,7 +181,7 @@ async def test_disk_events_share_the_engine_sequence(node: Node) -> None:
     await node.tier.wait_idle()
     events = node.svc.events.replay(1)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
-    disk = [k for e in events if e.medium == "DISK" and e.type == "BlockStored" for k in e.keys]
+    disk = [k for e in events if e.medium == "STORAGE" and e.type == "BlockStored" for k in e.keys]
     assert sorted(disk) == sorted(on_ssd(node, spec, keys))
 
 
@@ -262,7 +262,7 @@ async def test_flipped_bytes_are_a_counted_miss_and_the_space_is_reclaimed(node:
     # evicted to make room for the promotion attempt)
     assert node.tier.index.slot_state(entry.location) in ("free", "held")
     removed = [e for e in node.svc.events.replay(1) if e.type == "BlockRemoved"]
-    assert any(victim in e.keys and e.medium == "DISK" for e in removed)
+    assert any(victim in e.keys and e.medium == "STORAGE" for e in removed)
 
 
 async def test_read_error_is_a_miss(node: Node) -> None:
@@ -346,7 +346,7 @@ async def test_restart_recovers_chunks_and_namespaces(tmp_path: Path) -> None:
         for i in range(0, len(down), 2):  # DRAM holds 4 chunks of this namespace
             batch = down[i : i + 2]
             assert await load(node, spec, batch) == [expected(spec, k) for k in batch]
-        stored = [e for e in node.svc.events.replay(1) if e.medium == "DISK"]
+        stored = [e for e in node.svc.events.replay(1) if e.medium == "STORAGE"]
         assert stored[0].type == "BlockStored" and sorted(stored[0].keys) == sorted(down)
         node.tier.index.check_invariants()
         node.engine.check_invariants()

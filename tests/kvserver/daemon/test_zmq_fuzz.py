@@ -22,7 +22,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserver import wire, wire_local
+from kvserver import wire, wire_events, wire_local
 from kvserver.client import KVClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.local_conn import LocalConn
@@ -312,7 +312,7 @@ def test_fuzz_replay_requests(fz: Fuzzed) -> None:
             if seq == wire.REPLAY_END_SEQ:
                 break
             assert int.from_bytes(seq, "big") >= int.from_bytes(start, "big")
-            wire.decode_event_batch(payload)
+            wire_events.decode_batch(payload)
 
     check()
     fz.error([b"", b"1234567"], "invalid_argument")  # 7 bytes: not a replay request

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvserver import wire
+from kvserver import wire, wire_events
 from kvserver.client import KVClient
 from kvserver.errors import KVServerError
+from kvserver.events import Medium
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
@@ -199,11 +200,13 @@ def test_events_on_pub_in_vllm_format_with_replay(tmp_path: Path) -> None:
                 received.append(sub.recv_multipart())
             seqs = [int.from_bytes(m[1], "big") for m in received]
             assert seqs == [last + 1, last + 2]
-            batches = [wire.decode_event_batch(m[2]) for m in received]
-            (removed,) = batches[0][1]
-            (stored,) = batches[1][1]
-            assert removed[0] == "BlockRemoved" and removed[2] == "CPU"
-            assert stored == ["BlockStored", keys, None, [], spec.chunk_tokens, None, "CPU", None]
+            batches = [wire_events.decode_batch(m[2]) for m in received]
+            (removed,) = batches[0].events
+            (stored,) = batches[1].events
+            assert isinstance(removed, wire_events.RemovedEvent) and removed.medium == "CPU"
+            assert stored == wire_events.StoredEvent(
+                keys, None, [], spec.chunk_tokens, None, Medium.CPU, None
+            )
 
             replay.send_multipart([b"", wire.seq_bytes(last + 1)])
             replayed = []
@@ -213,8 +216,9 @@ def test_events_on_pub_in_vllm_format_with_replay(tmp_path: Path) -> None:
                 if seq_b == wire.REPLAY_END_SEQ:
                     assert payload == b""
                     break
-                replayed.append((int.from_bytes(seq_b, "big"), wire.decode_event_batch(payload)[1]))
-            assert replayed == [(last + 1, batches[0][1]), (last + 2, batches[1][1])]
+                events = wire_events.decode_batch(payload).events
+                replayed.append((int.from_bytes(seq_b, "big"), events))
+            assert replayed == [(last + 1, batches[0].events), (last + 2, batches[1].events)]
     finally:
         sub.close()
         replay.close()

@@ -12,10 +12,10 @@ class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MEDIUM_UNSPECIFIED: _ClassVar[Medium]
     MEDIUM_CPU: _ClassVar[Medium]
-    MEDIUM_DISK: _ClassVar[Medium]
+    MEDIUM_STORAGE: _ClassVar[Medium]
 MEDIUM_UNSPECIFIED: Medium
 MEDIUM_CPU: Medium
-MEDIUM_DISK: Medium
+MEDIUM_STORAGE: Medium
 
 class TokenPrefix(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "lora")
