@@ -72,7 +72,8 @@ _SCHEMAS = {
     HELLO: "",
     REGISTER_NAMESPACE: "spec:map",
     NAMESPACES: "",
-    LOOKUP: "ns_id:str keys:keys record:bool? touch:bool?",
+    # local: this daemon's own tiers only, never its peers (a peer's question)
+    LOOKUP: "ns_id:str keys:keys record:bool? touch:bool? local:bool?",
     LOOKUP_TOKENS: "ns_id:str token_ids:ints cache_salt:str? lora:str_pair?",
     TOUCH: "ns_id:str keys:keys",
     PREPARE_STORE: "ns_id:str keys:keys lease_s:float?",
@@ -81,8 +82,10 @@ _SCHEMAS = {
     COMPLETE_LOAD: "lease_id:int",
     # payload: len(keys) x tp_world_size frames, key-major (key 0 rank 0, key 0 rank 1, ...)
     PUT: "ns_id:str keys:keys lease_s:float?",
-    # reply payload: len(keys) x len(ranks) parts, key-major ("part_frames" if split)
-    GET: "ns_id:str keys:keys ranks:ints?",
+    # reply payload: len(keys) x len(ranks) parts, key-major ("part_frames" if split);
+    # leading: only the leading run of keys this daemon holds in its own tiers (a peer's
+    # fetch: never fetched from its peers in turn), the reply's "keys" say which
+    GET: "ns_id:str keys:keys ranks:ints? leading:bool?",
     # payload: one frame per key, this rank's part
     WRITE_PARTS: "lease_id:int keys:keys rank:int complete:bool?",
     # reply payload: one part per key, as GET

@@ -193,10 +193,17 @@ class AsyncKVClient:
     # ------------------------------------------------------------------ queries
 
     async def lookup(
-        self, ns_id: str, keys: Sequence[bytes], *, record: bool = False, touch: bool = False
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        record: bool = False,
+        touch: bool = False,
+        local: bool = False,
     ) -> LookupResult:
-        """Length of the leading run of ready ``keys`` (``record``: count for reuse gating)."""
-        return await self._run(self._s.lookup(ns_id, keys, record, touch))
+        """Length of the leading run of ready ``keys`` (``record``: count for reuse gating;
+        ``local``: in the daemon's own tiers only, not counting what its peers hold)."""
+        return await self._run(self._s.lookup(ns_id, keys, record, touch, local))
 
     async def lookup_tokens(
         self,
@@ -276,10 +283,17 @@ class AsyncKVClient:
         return await self._run(self._s.put(ns_id, keys, parts, lease_s))
 
     async def get(
-        self, ns_id: str, keys: Sequence[bytes], *, ranks: Sequence[int] | None = None
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        ranks: Sequence[int] | None = None,
+        leading: bool = False,
     ) -> list[list[memoryview]]:
-        """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``."""
-        return await self._run(self._s.get(ns_id, keys, ranks))
+        """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
+        ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
+        does not ask its peers); the result may then be shorter than ``keys``."""
+        return await self._run(self._s.get(ns_id, keys, ranks, leading))
 
     async def write_parts(
         self,

@@ -227,9 +227,11 @@ class Session:
         return [NamespaceSpec.from_dict(d) for d in answer.result["namespaces"]]
 
     def lookup(
-        self, ns_id: str, keys: Sequence[bytes], record: bool, touch: bool
+        self, ns_id: str, keys: Sequence[bytes], record: bool, touch: bool, local: bool = False
     ) -> Proc[LookupResult]:
         args = {"ns_id": ns_id, "keys": list(keys), "record": record, "touch": touch}
+        if local:
+            args["local"] = True
         answer = yield Call(wire.LOOKUP, args)
         return _lookup_result(answer)
 
@@ -309,11 +311,27 @@ class Session:
         return PutResult(r["stored"], r["present"], r["filtered"], r["rejected"])
 
     def get(
-        self, ns_id: str, keys: Sequence[bytes], ranks: Sequence[int] | None
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        ranks: Sequence[int] | None,
+        leading: bool = False,
     ) -> Proc[list[list[memoryview]]]:
-        args = {"ns_id": ns_id, "keys": list(keys), "ranks": list(ranks) if ranks else None}
+        """Parts of ``keys``; ``leading``: of the leading run the daemon holds in its own
+        tiers (as many rows as keys it sent, at most ``len(keys)``)."""
+        args: dict[str, Any] = {
+            "ns_id": ns_id,
+            "keys": list(keys),
+            "ranks": list(ranks) if ranks else None,
+            "leading": True if leading else None,
+        }
         answer = yield Call(wire.GET, args)
-        return _split_parts(answer, len(keys))
+        if not leading:
+            return _split_parts(answer, len(keys))
+        sent = answer.result.get("keys")
+        if not isinstance(sent, list) or len(sent) > len(keys) or sent != list(keys[: len(sent)]):
+            raise InvalidArgument("get reply names keys that were not asked for")
+        return _split_parts(answer, len(sent))
 
     def write_parts(
         self,

@@ -194,19 +194,31 @@ class ZmqOps:
         return {"ready": ready}
 
     def _get(self, c: Call) -> Result | Deferred:
-        """Pin ``keys`` (every one must be ready) and send the parts of ``ranks``."""
+        """Pin ``keys`` (every one must be ready, unless ``leading``: then the leading run of
+        those held here) and send the parts of ``ranks``."""
         ns_id, keys = c.args["ns_id"], c.args["keys"]
         tp = self._service.engine.namespace(ns_id).tp_world_size
         ranks = c.args["ranks"] if c.args["ranks"] is not None else list(range(tp))
         for rank in ranks:
             if not rank < tp:
                 raise InvalidArgument("rank out of range", rank=rank, tp_world_size=tp)
+        leading = c.args["leading"] is True
         if self._service.needs_promotion(ns_id, keys):
-            return Deferred(lambda: self._promote_then_get(ns_id, keys, ranks))
+            return Deferred(lambda: self._promote_then_get(ns_id, keys, ranks, leading))
+        if leading:
+            keys = keys[: self._service.engine.lookup(ns_id, keys)]
         return self._get_now(ns_id, keys, ranks, {})
 
-    async def _promote_then_get(self, ns_id: str, keys: list[bytes], ranks: list[int]) -> Result:
+    async def _promote_then_get(
+        self, ns_id: str, keys: list[bytes], ranks: list[int], leading: bool
+    ) -> Result:
         direct = await self._service.promote(ns_id, keys, direct=True)
+        if leading:
+            engine = self._service.engine
+            n = 0
+            while n < len(keys) and (keys[n] in direct or engine.lookup(ns_id, keys[n : n + 1])):
+                n += 1
+            keys = keys[:n]
         return self._get_now(ns_id, keys, ranks, direct)
 
     def _get_now(

@@ -1,0 +1,41 @@
+"""Who the peers are and which of them hold which chunk: the seam to the fleet index.
+
+Runs in the daemon process, on its event loop. :class:`PeerDirectory` is a protocol: the fleet
+index on Redis implements it, and so does :class:`~kvserver.daemon.peers.static.StaticDirectory`
+(a configured list of peers, asked directly). The answers may lag the truth (a peer evicted a
+chunk a moment ago, or died): the network tier never trusts them for bytes, only for whom to
+ask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """One other daemon of the fleet, as the directory knows it.
+
+    ``incarnation`` changes at every start of that daemon; a link opened to one incarnation
+    is not used for another (its chunks are not the same). ``data_address`` is its ZMQ data
+    plane (``tcp://host:port``, the address it advertises)."""
+
+    host_id: str
+    incarnation: str
+    data_address: str
+
+
+class PeerDirectory(Protocol):
+    """Membership and chunk locations; see the module docstring."""
+
+    def peers(self) -> Mapping[str, Peer]:
+        """The live peers (never this daemon), by host id; cheap (no I/O)."""
+        ...
+
+    async def holders(self, ns_id: str, keys: Sequence[bytes]) -> list[frozenset[str]]:
+        """For each of ``keys``, in order, the host ids that hold it in any tier (empty when
+        none). May stop early: a shorter list means the keys after it are held by no peer.
+        Raises nothing for an unreachable index: it answers no holders then."""
+        ...

@@ -1,0 +1,242 @@
+"""Fetches from peers under way, and placing what they bring in DRAM.
+
+Runs in the daemon process, on its event loop; part of :class:`~kvserver.daemon.peers.tier.
+PeerTier`. Not thread-safe: loop only.
+
+:meth:`PeerFetches.fetch` is given the keys a load needs from peers (each with the hosts the
+directory says hold it) and:
+
+1. claims the keys no other fetch is bringing; for the others it waits (without asking again)
+   for the fetch that claimed them;
+2. cuts its own keys into runs, one per peer: each key goes to a holder that is not suspect,
+   preferring the one that holds the longest run from that key, so a prompt held by one peer is
+   one call; the runs are fetched concurrently, each bounded by the peer timeout;
+3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
+   DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
+   the request's keys already in DRAM from the eviction it may cause), ``write_part`` of every
+   part, ``complete_store`` of the keys written; the BlockStored events then go out on the
+   normal path (``publish``), which also announces the chunks in the fleet index;
+4. keys a peer did not send (it no longer holds them, it failed, it timed out) are tried once
+   more with another holder; after that they are a miss (the load reports them missing). A
+   peer that failed or timed out is marked suspect.
+
+When DRAM cannot take a run (every page pinned or reserved) and the caller asked for
+``direct``, its checked parts are returned instead, for a remote ``get`` to send on.
+
+Invariant: a (namespace, key) is in the in-flight map from the moment one fetch claims it until
+that fetch has finished with it (placed, returned direct, or given up), and maps to that
+fetch's future, which is resolved exactly then with its direct parts ({} on failure or
+cancellation), never with an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from kvserver.daemon.peers.book import PeerBook
+from kvserver.daemon.peers.directory import Peer
+from kvserver.daemon.peers.link import PeerFailed
+from kvserver.engine import StorageEngine
+from kvserver.errors import KVServerError
+from kvserver.namespace import NamespaceSpec
+
+logger = logging.getLogger(__name__)
+
+#: lease owner of the DRAM reservations that fetched chunks are placed into.
+FETCH_CLIENT = "kvserver-peer-fetch"
+#: rounds of fetching: the first holder of each key, then another for what it did not send.
+ROUNDS = 2
+
+_Parts = dict[bytes, list[memoryview]]
+
+
+class PeerFetches:
+    """The fetches of one daemon under way; see the module docstring."""
+
+    def __init__(
+        self, engine: StorageEngine, book: PeerBook, *, publish: Callable[[], None]
+    ) -> None:
+        self._engine = engine
+        self._book = book
+        self._publish = publish
+        self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
+
+    @property
+    def num_in_flight(self) -> int:
+        """Keys claimed by a fetch that has not finished."""
+        return len(self._inflight)
+
+    def in_flight(self, ns_id: str, key: bytes) -> bool:
+        return (ns_id, key) in self._inflight
+
+    async def fetch(
+        self,
+        spec: NamespaceSpec,
+        wanted: Sequence[tuple[bytes, frozenset[str]]],
+        peers: Mapping[str, Peer],
+        *,
+        protect: Sequence[bytes] = (),
+        direct: bool = False,
+    ) -> _Parts:
+        """Bring the keys of ``wanted`` (key, holders) into DRAM (see the module docstring);
+        returns, when ``direct``, the parts of keys DRAM could not take, else {}."""
+        ns_id = spec.ns_id
+        mine: list[tuple[bytes, frozenset[str]]] = []
+        theirs: dict[int, asyncio.Future[_Parts]] = {}
+        for key, holders in dict(wanted).items():
+            fut = self._inflight.get((ns_id, key))
+            if fut is not None:
+                theirs[id(fut)] = fut
+                self._book.counters.joined_chunks += 1
+            elif not self._engine.contains(ns_id, key):
+                mine.append((key, holders))
+        out: _Parts = {}
+        if mine:
+            out.update(await self._run(spec, mine, peers, protect, direct))
+        wanted_keys = {k for k, _ in wanted}
+        for fut in theirs.values():
+            shared = await asyncio.shield(fut)  # our cancellation must not cancel theirs
+            if direct:
+                out.update((k, v) for k, v in shared.items() if k in wanted_keys)
+        return out
+
+    async def _run(
+        self,
+        spec: NamespaceSpec,
+        mine: list[tuple[bytes, frozenset[str]]],
+        peers: Mapping[str, Peer],
+        protect: Sequence[bytes],
+        direct: bool,
+    ) -> _Parts:
+        """Claim ``mine``, fetch and place them, release the claim, share the result."""
+        ns_id = spec.ns_id
+        fut: asyncio.Future[_Parts] = asyncio.get_running_loop().create_future()
+        for key, _ in mine:
+            self._inflight[(ns_id, key)] = fut
+        got: _Parts = {}
+        try:
+            todo = mine
+            tried: dict[bytes, set[str]] = {key: set() for key, _ in mine}
+            for _round in range(ROUNDS):
+                runs = self._plan(todo, peers, tried)
+                if not runs:
+                    break
+                results = await asyncio.gather(
+                    *(self._fetch_run(spec, peers[h], keys, protect, direct) for h, keys in runs)
+                )
+                done: set[bytes] = set()
+                for sent, parts in results:
+                    done.update(sent)
+                    got.update(parts)
+                todo = [(k, hs) for k, hs in todo if k not in done]
+            self._book.counters.missed_chunks += len(todo)
+            return got
+        finally:
+            for key, _ in mine:
+                del self._inflight[(ns_id, key)]
+            fut.set_result(got)
+
+    def _plan(
+        self,
+        todo: list[tuple[bytes, frozenset[str]]],
+        peers: Mapping[str, Peer],
+        tried: dict[bytes, set[str]],
+    ) -> list[tuple[str, list[bytes]]]:
+        """Runs of consecutive keys, one holder each (see the module docstring); records in
+        ``tried`` whom each key is asked."""
+        book = self._book
+        usable = [
+            {h for h in hs if h in peers and h not in tried[k] and not book.is_suspect(h)}
+            for k, hs in todo
+        ]
+        runs: list[tuple[str, list[bytes]]] = []
+        i = 0
+        while i < len(todo):
+            if not usable[i]:
+                i += 1
+                continue
+
+            def reach(h: str, start: int = i) -> int:
+                j = start
+                while j < len(todo) and h in usable[j]:
+                    j += 1
+                return j
+
+            best = max(sorted(usable[i]), key=reach)
+            end = reach(best)
+            keys = [k for k, _ in todo[i:end]]
+            for k in keys:
+                tried[k].add(best)
+            runs.append((best, keys))
+            i = end
+        return runs
+
+    async def _fetch_run(
+        self,
+        spec: NamespaceSpec,
+        peer: Peer,
+        keys: list[bytes],
+        protect: Sequence[bytes],
+        direct: bool,
+    ) -> tuple[list[bytes], _Parts]:
+        """Fetch one run from ``peer`` and place it; returns (keys it sent, direct parts)."""
+        book = self._book
+        book.counters.fetches += 1
+        try:
+            rows = await book.link(peer).fetch(spec, keys)
+        except PeerFailed as exc:
+            if exc.timed_out:
+                book.counters.timeouts += 1
+            else:
+                book.counters.failures += 1
+            book.suspect(peer.host_id, str(exc))
+            return [], {}
+        sent = keys[: len(rows)]
+        book.counters.fetched_chunks += len(rows)
+        book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
+        return sent, self._place(spec, sent, rows, protect, direct)
+
+    def _place(
+        self,
+        spec: NamespaceSpec,
+        keys: list[bytes],
+        rows: list[list[memoryview]],
+        protect: Sequence[bytes],
+        direct: bool,
+    ) -> _Parts:
+        """Write fetched ``rows`` into DRAM (synchronously: nothing else runs meanwhile);
+        returns the rows DRAM did not take when ``direct``."""
+        if not keys:
+            return {}
+        engine, ns_id = self._engine, spec.ns_id
+        fetched = set(keys)
+        keep = [k for k in dict.fromkeys(protect) if k not in fetched and engine.contains(ns_id, k)]
+        out: _Parts = {}
+        grant = None
+        try:
+            grant = engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False)
+        except KVServerError as exc:  # e.g. more than the whole tier
+            logger.warning("network tier: cannot place fetched chunks: %s", exc)
+        reserved = set(grant.keys) if grant is not None else set()
+        written: list[bytes] = []
+        try:
+            for key, row in zip(keys, rows, strict=True):
+                if key in reserved:
+                    for rank, part in enumerate(row):
+                        engine.write_part(grant.lease_id, key, rank, part)  # type: ignore[union-attr]
+                    written.append(key)
+                elif direct and not engine.contains(ns_id, key):
+                    out[key] = row
+        finally:
+            if grant is not None and grant.keys:
+                with contextlib.suppress(KVServerError):
+                    if written:
+                        self._book.counters.placed_chunks += len(
+                            engine.complete_store(grant.lease_id, keys=written)
+                        )
+                    engine.complete_store(grant.lease_id, success=False)
+            self._publish()
+        return out

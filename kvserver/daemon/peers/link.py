@@ -1,0 +1,180 @@
+"""The data-plane connections to one peer, and the checks on what it sends.
+
+Runs in the daemon process, on its event loop (``zmq.asyncio``). Not thread-safe: loop only.
+
+Call order: ``PeerLink(peer, ...)`` → ``await fetch(spec, keys)`` / ``await lookup(...)``, from
+any number of tasks at once (each call takes one of at most ``connections`` DEALER sockets,
+opened on first use; more calls wait for one) → ``await close()``.
+
+A peer is asked with the data plane's ``get`` and ``leading=True``: it sends the leading run
+of the keys it holds in its own tiers (DRAM, or promoted from its SSD) and never asks its own
+peers in turn, so fetches cannot chain or loop. The connections are remote ones
+(``colocated=False``) even when the peer runs on this host, so its arena is never mapped.
+
+Every call is bounded by ``timeout_s`` in all (connecting, the session handshake, the reply):
+past it, or when the peer's reply is malformed, the call raises :class:`PeerFailed` and the
+socket it used is closed (a late reply cannot be mistaken for the next one). What the peer
+sends is checked before anyone sees it (:func:`check_rows`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from kvserver.client.aio import AsyncKVClient
+from kvserver.daemon.peers.directory import Peer
+from kvserver.errors import KVServerError, Unavailable, UnknownKey, UnknownNamespace
+from kvserver.namespace import NamespaceSpec
+
+T = TypeVar("T")
+
+#: DEALER sockets per peer unless configured otherwise.
+DEFAULT_CONNECTIONS = 2
+
+
+class PeerFailed(Unavailable):
+    """A peer did not answer in time, or answered with something it should not have sent.
+    ``timed_out`` tells which."""
+
+    def __init__(self, message: str, *, timed_out: bool, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.timed_out = timed_out
+
+
+class PeerLink:
+    """Connections to one incarnation of one peer; see the module docstring."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        timeout_s: float,
+        auth_token: str = "",
+        connections: int = DEFAULT_CONNECTIONS,
+        client_id: str | None = None,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        if timeout_s <= 0 or connections < 1:
+            raise ValueError("need timeout_s > 0 and connections >= 1")
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self._auth_token = auth_token
+        self._client_id = client_id
+        self._options = dict(client_options or {})
+        self._max = connections
+        self._idle: list[AsyncKVClient] = []
+        self._opened = 0
+        self._freed = asyncio.Condition()
+        self._closed = False
+
+    async def fetch(self, spec: NamespaceSpec, keys: Sequence[bytes]) -> list[list[memoryview]]:
+        """The parts (one per rank, rank order) of the leading run of ``keys`` the peer holds:
+        ``result[i]`` belongs to ``keys[i]``, and ``len(result) <= len(keys)`` (0: it holds
+        none of them, or not this namespace). Raises :class:`PeerFailed`."""
+        ns_id = spec.ns_id
+        try:
+            rows = await self._call(lambda kv: kv.get(ns_id, keys, leading=True))
+        except (UnknownNamespace, UnknownKey):
+            return []
+        check_rows(spec, keys, rows, self.peer)
+        return rows
+
+    async def lookup(self, ns_id: str, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (a leading run) the peer holds in its own tiers. Raises
+        :class:`PeerFailed`."""
+        try:
+            result = await self._call(lambda kv: kv.lookup(ns_id, keys, local=True))
+        except UnknownNamespace:
+            return 0
+        if not 0 <= result.hit_chunks <= len(keys):
+            msg = "peer answered an impossible lookup"
+            raise PeerFailed(msg, timed_out=False, peer=self.peer.host_id, hits=result.hit_chunks)
+        return result.hit_chunks
+
+    async def close(self) -> None:
+        """Close every idle connection; connections in use close when their call ends."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for kv in idle:
+            await kv.close()
+
+    async def _call(self, op: Callable[[AsyncKVClient], Awaitable[T]]) -> T:
+        """Run ``op(client)`` on a connection of ours within ``timeout_s`` in all."""
+        kv: AsyncKVClient | None = None
+        ok = False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                kv = await self._acquire()
+                result = await op(kv)
+            ok = True
+            return result
+        except TimeoutError:
+            raise PeerFailed(
+                "peer did not answer in time",
+                timed_out=True,
+                peer=self.peer.host_id,
+                timeout_s=self.timeout_s,
+            ) from None
+        except (UnknownNamespace, UnknownKey):
+            ok = True  # a clean answer: the connection is fine
+            raise
+        except Unavailable as exc:
+            msg = f"peer unavailable: {exc.message}"
+            raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+        except KVServerError as exc:
+            msg = f"peer refused: {exc}"
+            raise PeerFailed(msg, timed_out=False, peer=self.peer.host_id) from None
+        finally:
+            if kv is not None:
+                await self._release(kv, reuse=ok)
+
+    async def _acquire(self) -> AsyncKVClient:
+        async with self._freed:
+            while not self._idle and self._opened >= self._max:
+                await self._freed.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._opened += 1
+        return AsyncKVClient(
+            self.peer.data_address,
+            timeout=self.timeout_s,
+            client_id=self._client_id,
+            auth_token=self._auth_token,
+            colocated=False,
+            **self._options,
+        )
+
+    async def _release(self, kv: AsyncKVClient, *, reuse: bool) -> None:
+        if reuse and not self._closed:
+            self._idle.append(kv)
+        else:
+            self._opened -= 1
+            with contextlib.suppress(Exception):
+                await asyncio.shield(kv.close())
+        async with self._freed:
+            self._freed.notify()
+
+
+def check_rows(
+    spec: NamespaceSpec, keys: Sequence[bytes], rows: list[list[memoryview]], peer: Peer
+) -> None:
+    """Refuse (:class:`PeerFailed`) a fetch reply that is not at most ``len(keys)`` rows of
+    exactly one part per rank, each exactly ``part_bytes`` long."""
+    if len(rows) > len(keys):
+        msg = "peer sent more chunks than were asked for"
+        raise PeerFailed(msg, timed_out=False, peer=peer.host_id, rows=len(rows), keys=len(keys))
+    tp, size = spec.tp_world_size, spec.part_bytes
+    for i, row in enumerate(rows):
+        if len(row) != tp or any(part.nbytes != size for part in row):
+            raise PeerFailed(
+                "peer sent parts of the wrong number or size",
+                timed_out=False,
+                peer=peer.host_id,
+                key=keys[i],
+                parts=len(row),
+                tp_world_size=tp,
+                part_bytes=size,
+            )

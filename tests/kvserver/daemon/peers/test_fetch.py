@@ -1,0 +1,212 @@
+"""Daemon-to-daemon fetch: a real peer daemon process, this daemon's side in process.
+
+The peer ("A") is a real ``kvserver start`` on loopback with ephemeral ports; chunks are stored
+into it with the real client. The fetching side is the network tier's own classes over a real
+storage engine ("B"), so the tests can look at B's DRAM directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserver.client import KVClient
+from kvserver.daemon.peers.book import PeerBook, PeerSettings
+from kvserver.daemon.peers.directory import Peer
+from kvserver.daemon.peers.fetch import PeerFetches
+from kvserver.daemon.peers.link import PeerFailed, PeerLink, check_rows
+from kvserver.engine import StorageEngine
+from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
+from tests.support.daemon import DaemonProc, start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = make_spec(tp_world_size=2)  # two parts per chunk, 4 KiB each
+
+
+@pytest.fixture
+def peer_a(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path / "a", "--dram", "8MiB")
+    try:
+        yield d
+    finally:
+        d.kill()
+
+
+def store(daemon: DaemonProc, keys: list[bytes]) -> None:
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        kv.register_namespace(SPEC)
+        parts = [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in keys]
+        assert kv.put(SPEC.ns_id, keys, parts).stored == keys
+
+
+def engine_b() -> StorageEngine:
+    engine = make_engine(num_pages=64)
+    engine.register_namespace(SPEC)
+    return engine
+
+
+def held_bytes(engine: StorageEngine, keys: list[bytes]) -> list[list[bytes]]:
+    grant = engine.prepare_load(SPEC.ns_id, keys)
+    try:
+        return [[b"".join(engine.read_part(grant.lease_id, k, r)) for r in range(2)] for k in keys]
+    finally:
+        engine.complete_load(grant.lease_id)
+
+
+def expected(keys: list[bytes]) -> list[list[bytes]]:
+    return [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in keys]
+
+
+def peer_of(d: DaemonProc, host_id: str = "A") -> Peer:
+    return Peer(host_id, "", d.zmq_address)
+
+
+async def test_a_fetch_places_the_peers_chunks_in_dram_byte_for_byte(peer_a: DaemonProc) -> None:
+    keys = make_keys(5)
+    store(peer_a, keys)
+    with engine_b() as engine:
+        book = PeerBook(PeerSettings(timeout_s=5))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        holders = frozenset({"A"})
+        direct = await fetches.fetch(SPEC, [(k, holders) for k in keys], {"A": peer_of(peer_a)})
+        assert direct == {}
+        assert engine.lookup(SPEC.ns_id, keys) == 5
+        assert held_bytes(engine, keys) == expected(keys)
+        c = book.counters
+        assert (c.fetches, c.fetched_chunks, c.placed_chunks) == (1, 5, 5)
+        assert c.fetched_bytes == 5 * 2 * SPEC.part_bytes
+        await book.close()
+
+
+async def test_keys_the_peer_no_longer_holds_are_a_miss_and_the_rest_is_placed(
+    peer_a: DaemonProc,
+) -> None:
+    keys = make_keys(5)
+    store(peer_a, keys[:3])  # the directory says A holds all five: it lags
+    with engine_b() as engine:
+        book = PeerBook(PeerSettings(timeout_s=5))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
+        assert engine.lookup(SPEC.ns_id, keys) == 3
+        assert held_bytes(engine, keys[:3]) == expected(keys[:3])
+        assert book.counters.missed_chunks == 2
+        assert not book.is_suspect("A")  # it answered correctly: not its fault
+        await book.close()
+
+
+async def test_a_dead_peer_is_a_bounded_miss_and_becomes_suspect(peer_a: DaemonProc) -> None:
+    keys = make_keys(3)
+    store(peer_a, keys)
+    peer_a.kill()
+    with engine_b() as engine:
+        book = PeerBook(PeerSettings(timeout_s=0.5, suspect_s=60))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        start = time.monotonic()
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
+        assert time.monotonic() - start < 2.0
+        assert engine.lookup(SPEC.ns_id, keys) == 0
+        assert book.is_suspect("A")
+        assert book.counters.timeouts == 1
+        # a suspect peer is not asked again: no second timeout
+        start = time.monotonic()
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
+        assert time.monotonic() - start < 0.2
+        assert book.counters.fetches == 1
+        await book.close()
+
+
+async def test_concurrent_loads_of_the_same_keys_fetch_them_once(peer_a: DaemonProc) -> None:
+    keys = make_keys(4)
+    store(peer_a, keys)
+    with engine_b() as engine:
+        book = PeerBook(PeerSettings(timeout_s=5))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        wanted = [(k, frozenset({"A"})) for k in keys]
+        peers = {"A": peer_of(peer_a)}
+        await asyncio.gather(*(fetches.fetch(SPEC, wanted, peers) for _ in range(3)))
+        assert book.counters.fetches == 1
+        assert book.counters.joined_chunks == 8
+        assert held_bytes(engine, keys) == expected(keys)
+        assert fetches.num_in_flight == 0
+        await book.close()
+
+
+async def test_a_second_holder_is_asked_for_what_the_first_did_not_send(
+    tmp_path: Path, peer_a: DaemonProc
+) -> None:
+    keys = make_keys(4)
+    store(peer_a, keys[:2])
+    c = start_daemon(tmp_path / "c", "--dram", "8MiB")
+    try:
+        store(c, keys)
+        with engine_b() as engine:
+            book = PeerBook(PeerSettings(timeout_s=5))
+            fetches = PeerFetches(engine, book, publish=lambda: None)
+            both = frozenset({"A", "C"})
+            only_a = {"A": peer_of(peer_a), "C": peer_of(c, "C")}
+            # A is preferred for every key (sorted first among equals): it sends two
+            await fetches.fetch(SPEC, [(k, both) for k in keys], only_a)
+            assert held_bytes(engine, keys) == expected(keys)
+            assert book.counters.fetches == 2
+            assert book.counters.missed_chunks == 0
+            await book.close()
+    finally:
+        c.kill()
+
+
+async def test_dram_that_cannot_take_the_chunks_hands_them_back_for_a_direct_send(
+    peer_a: DaemonProc,
+) -> None:
+    keys = make_keys(2)
+    store(peer_a, keys)
+    with make_engine(num_pages=2) as engine:  # room for one chunk (2 parts of one page)
+        engine.register_namespace(SPEC)
+        filler = make_keys(1, tag="filler")
+        grant = engine.prepare_store(SPEC.ns_id, filler)
+        assert grant is not None  # reserved, never completed: DRAM is full and unevictable
+        book = PeerBook(PeerSettings(timeout_s=5))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        wanted = [(k, frozenset({"A"})) for k in keys]
+        direct = await fetches.fetch(SPEC, wanted, {"A": peer_of(peer_a)}, direct=True)
+        assert sorted(direct) == sorted(keys)
+        assert [[bytes(p) for p in direct[k]] for k in keys] == expected(keys)
+        assert engine.lookup(SPEC.ns_id, keys) == 0
+        await book.close()
+
+
+async def test_leading_get_and_local_lookup_answer_the_run_the_peer_holds(
+    peer_a: DaemonProc,
+) -> None:
+    keys = make_keys(4)
+    store(peer_a, keys[:2] + keys[3:])  # a hole at key 2
+    link = PeerLink(peer_of(peer_a), timeout_s=5)
+    try:
+        rows = await link.fetch(SPEC, keys)
+        assert [[bytes(p) for p in row] for row in rows] == expected(keys[:2])
+        assert await link.lookup(SPEC.ns_id, keys) == 2
+        other = make_spec(model="never/registered")
+        assert await link.fetch(other, keys) == []
+        assert await link.lookup(other.ns_id, keys) == 0
+    finally:
+        await link.close()
+
+
+def test_rows_of_the_wrong_number_or_size_are_refused() -> None:
+    keys = make_keys(2)
+    peer = Peer("A", "", "tcp://127.0.0.1:1")
+    good = [memoryview(b"x" * SPEC.part_bytes)] * 2
+    check_rows(SPEC, keys, [good, good], peer)
+    bad_rows = [
+        [good, good, good],  # more rows than keys
+        [good[:1]],  # a rank missing
+        [[good[0], memoryview(b"x" * (SPEC.part_bytes - 1))]],  # a short part
+    ]
+    for rows in bad_rows:
+        with pytest.raises(PeerFailed) as info:
+            check_rows(SPEC, keys, rows, peer)
+        assert not info.value.timed_out
