@@ -3,7 +3,7 @@ against the ideal reuse of that workload.
 
 One kvserver daemon, two real TP worker processes (worker/model.py's tiny transformer on CPU)
 and, twice, a real scheduler over them: without ``--kvserver`` and with it (prefix caching on
-in both). Each run sends the same multi-turn conversation workload (tests/support/cluster.py:
+in both). Each run sends the same multi-turn conversation workload (benchmarks/harness/cluster.py:
 ``C`` conversations interleaved round-robin, each later prompt = previous prompt + its output +
 new user tokens) one request at a time, over a GPU block pool too small to keep the earlier
 turns of the other conversations, and collects every request's prompt-token sources from
@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tqdm import tqdm
 
-from tests.scheduler.procs import Proc, start_scheduler
-from tests.support.cluster import (
+from benchmarks.harness.cluster import (
     Workload,
     WorkloadResult,
     ideal_reusable,
     run_workload,
     start_tp_workers,
 )
-from tests.support.daemon import start_daemon
+from benchmarks.harness.daemon import start_daemon
+from benchmarks.harness.procs import Proc, start_scheduler
 
 BLOCK_SIZE = 16
 

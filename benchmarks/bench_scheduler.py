@@ -8,7 +8,7 @@ both as wall time and as the measuring thread's CPU time (``time.thread_time``).
 
 Configurations:
 - ``off``: no connector (the reference);
-- ``memory``: the in-memory connector of tests/scheduler/fakes.py — the kvserver connector's
+- ``memory``: the in-memory connector of scheduler/memory_connector.py — the kvserver connector's
   planning bookkeeping (chunk keys, store cursors, per-step store leases, completion once
   every rank reported, deferred frees) without a network: the cost the connector adds to the
   scheduler's own work;
@@ -61,9 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from scheduler.config import SchedulerConfig
 from scheduler.connector_base import SchedulerConnector
+from scheduler.memory_connector import MemoryConnector
 from scheduler.scheduler import Scheduler
 from scheduler.synthetic import SYNTHETIC_KV_LAYOUT, SyntheticWorker
-from tests.scheduler.fakes import MemoryConnector
 
 if TYPE_CHECKING:
     from scheduler.kv_connector import KVServerSchedulerConnector
@@ -150,12 +150,13 @@ def kvserver_connector(address: str) -> KVServerSchedulerConnector:
     from scheduler.kv_connector import KVServerSchedulerConnector
     from scheduler.kv_connector_types import KVConnectorConfig
 
+    layout: dict[str, Any] = SYNTHETIC_KV_LAYOUT
     spec = NamespaceSpec(
         model="bench-scheduler",
-        dtype=SYNTHETIC_KV_LAYOUT["dtype"],
-        num_layers=SYNTHETIC_KV_LAYOUT["num_layers"],
-        num_kv_heads=SYNTHETIC_KV_LAYOUT["num_kv_heads"],
-        head_dim=SYNTHETIC_KV_LAYOUT["head_dim"],
+        dtype=layout["dtype"],
+        num_layers=layout["num_layers"],
+        num_kv_heads=layout["num_kv_heads"],
+        head_dim=layout["head_dim"],
         block_size=BLOCK_SIZE,
         chunk_blocks=CHUNK_BLOCKS,
     )

@@ -3,16 +3,45 @@
 Each subcommand is a ``_cmd_<name>(args) -> int`` function registered in :func:`build_parser`.
 Subcommands that need heavy imports (grpc, zmq, torch) import them inside the function so
 ``kvserver hash`` stays fast.
+
+The library's own subcommands (``hash``, ``start``, ``status``, ``lookup``) are registered
+here. The packages above the library (``scheduler``, ``worker``, ``benchmarks``) add theirs
+through the ``kvserver.commands`` entry-point group (declared in pyproject.toml): each entry
+point is a function ``add(sub)`` that registers one subparser, so this module never imports
+them (the library imports nothing above it). Where the installed metadata does not declare a
+command this tree knows of (an old install, or the source tree on PYTHONPATH only), the command
+still parses and says how to get it (:data:`PROVIDED_ELSEWHERE`), exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+
+#: the entry-point group through which packages above the library add subcommands
+COMMANDS_GROUP = "kvserver.commands"
+
+#: subcommands this project's other packages provide:
+#: name -> (package, the module that runs it alone, help, extra to install)
+PROVIDED_ELSEWHERE: dict[str, tuple[str, str, str, str]] = {
+    "scheduler": ("scheduler", "scheduler", "run the scheduler process", ""),
+    "worker": ("worker", "worker", "run a worker process (one per GPU)", "[torch]"),
+    "bench": (
+        "benchmarks",
+        "benchmarks.bench_daemon",
+        "benchmark the data paths and Lookup latency",
+        "[bench]",
+    ),
+}
+
+Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``kvserver`` parser: the library's subcommands and those of the
+    ``kvserver.commands`` entry points (stand-ins for the missing ones)."""
     parser = argparse.ArgumentParser(
         prog="kvserver",
         description="KV-cache service for LLM inference.",
@@ -26,16 +55,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_status(sub)
     add_lookup(sub)
-    from kvserver.bench import add_bench
-
-    add_bench(sub)
-    from scheduler.cli import add_scheduler
-
-    add_scheduler(sub)
-    from worker.cli import add_worker
-
-    add_worker(sub)
+    for add in _entry_point_commands():
+        add(sub)
+    for name, (package, module, help_text, install_extra) in PROVIDED_ELSEWHERE.items():
+        if name not in sub.choices:
+            _add_missing(sub, name, help_text, _how_to_get(name, package, module, install_extra))
     return parser
+
+
+def _entry_point_commands() -> list[Adder]:
+    """The ``add(sub)`` functions the installed distributions declare, once per name."""
+    adders: dict[str, Adder] = {}
+    for ep in entry_points(group=COMMANDS_GROUP):
+        adders.setdefault(ep.name, ep.load())
+    return list(adders.values())
+
+
+def _how_to_get(name: str, package: str, module: str, install_extra: str) -> str:
+    return (
+        f"kvserver {name}: not available: this subcommand comes from the '{package}' package "
+        f"through the '{COMMANDS_GROUP}' entry point, which this installation does not "
+        f"declare. Install kvserver with its entry points (in a source tree: "
+        f"pip install -e '.{install_extra}'), or run the command from the source tree as "
+        f"'python3 -m {module} ARGS...' (the same arguments as 'kvserver {name}')."
+    )
+
+
+def _add_missing(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_text: str,
+    message: str,
+) -> None:
+    """A stand-in for a subcommand whose entry point is not installed: it takes any arguments
+    and prints ``message`` (how to get the real one), exit status 2."""
+    p = sub.add_parser(name, help=f"{help_text} (not installed: run it for how to get it)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def missing(_args: argparse.Namespace) -> int:
+        print(message, file=sys.stderr)
+        return 2
+
+    p.set_defaults(func=missing, accepts_unknown=True)
+
+
+def run_alone(add: Adder, name: str, argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand registered by ``add`` as if it were ``kvserver NAME ARGV...``
+    without the entry points: what ``python3 -m scheduler`` (and the like) run."""
+    parser = argparse.ArgumentParser(prog="kvserver")
+    add(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
+    rc: int = args.func(args)
+    return rc
 
 
 # --------------------------------------------------------------------------- hash
@@ -137,7 +208,9 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -1,7 +1,7 @@
 """glibc allocator settings for processes that receive large ZMQ messages.
 
 Runs in the daemon (``process.main`` applies them at start-up unless ``tune_malloc`` is off) and
-in the bench's processes (``kvserver.bench_refs``, ``kvserver bench``); it imports nothing else
+in the bench's processes (``benchmarks.daemon_refs``, ``kvserver bench``); it imports nothing else
 from the daemon, so any process may use it. Call :func:`tune_malloc` early, before threads that
 allocate (ZMQ contexts, the gRPC server, I/O pools) exist: ``M_ARENA_MAX`` only limits arenas
 created afterwards.

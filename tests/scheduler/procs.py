@@ -1,100 +1,23 @@
-"""Start real scheduler and synthetic worker processes on loopback (tests only)."""
+"""The tests' import point for ``benchmarks.harness.procs``
+(which the benchmarks import too: they never import the tests)."""
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import grpc
-
-from kvserver._proto.kvserver.v1 import engine_pb2 as pb
-from kvserver._proto.kvserver.v1 import engine_pb2_grpc
-from tests.support.daemon import wait_for_ready_file
-
-READY_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Proc:
-    proc: subprocess.Popen[bytes]
-    info: dict[str, Any]
-    log_path: Path
-    args: list[str] = field(default_factory=list)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
-    except RuntimeError as exc:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        raise RuntimeError(f"{args[2:4]} {exc}:\n{log_path.read_text()}") from None
-    return Proc(proc, json.loads(ready.read_text()), log_path, args)
-
-
-def start_worker(tmp_path: Path, name: str, bind: str = "tcp://127.0.0.1:0") -> Proc:
-    """``python -m scheduler.synthetic`` bound on loopback; ``info["endpoint"]``."""
-    ready = tmp_path / f"{name}.ready"
-    args = [sys.executable, "-m", "scheduler.synthetic", "--bind", bind, "--ready-file", str(ready)]
-    return _start(args, ready, tmp_path / f"{name}.log")
-
-
-def start_scheduler(tmp_path: Path, *extra: str) -> Proc:
-    """``kvserver scheduler`` with an ephemeral gRPC port; ``info["grpc_port"]``."""
-    ready = tmp_path / f"scheduler-{time.monotonic_ns()}.ready"
-    args = [
-        sys.executable, "-m", "kvserver.cli", "scheduler",
-        "--host", "127.0.0.1", "--grpc-port", "0", "--ready-file", str(ready), *extra,
-    ]  # fmt: skip
-    return _start(args, ready, tmp_path / f"scheduler-{time.monotonic_ns()}.log")
-
-
-class EngineClient:
-    """A tiny blocking client of kvserver.v1.Engine (closes its channel)."""
-
-    def __init__(self, port: int) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = engine_pb2_grpc.EngineStub(self.channel)
-
-    def __enter__(self) -> EngineClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.channel.close()
-
-    def stream(self, tokens: list[int], max_tokens: int, **kw: Any) -> Iterator[Any]:
-        req = pb.GenerateRequest(token_ids=tokens, max_tokens=max_tokens, greedy=True, **kw)
-        return self.stub.Generate(req, timeout=60)  # type: ignore[no-any-return]
-
-    def generate(self, tokens: list[int], max_tokens: int, **kw: Any) -> list[Any]:
-        return list(self.stream(tokens, max_tokens, **kw))
-
-    def stats(self) -> Any:
-        return self.stub.EngineStats(pb.EngineStatsRequest(), timeout=10)
-
-
-def output_tokens(msgs: list[Any]) -> list[int]:
-    return [t for m in msgs for t in m.token_ids]
+from benchmarks.harness.procs import (
+    READY_TIMEOUT_S as READY_TIMEOUT_S,
+)
+from benchmarks.harness.procs import (
+    EngineClient as EngineClient,
+)
+from benchmarks.harness.procs import (
+    Proc as Proc,
+)
+from benchmarks.harness.procs import (
+    output_tokens as output_tokens,
+)
+from benchmarks.harness.procs import (
+    start_scheduler as start_scheduler,
+)
+from benchmarks.harness.procs import (
+    start_worker as start_worker,
+)

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvserver.connector_messages import StepPlan
 from kvserver.errors import CapacityError, InvalidArgument
+from scheduler.memory_connector import MemoryConnector
 from scheduler.request import RequestStatus
 from tests.scheduler.builders import expected_output, harness, tokens
-from tests.scheduler.fakes import MemoryConnector
 
 
 def scheduled(plan: StepPlan) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """The scheduler driving a connector at its five touchpoints (seed 000 §3): external hits,
 WAITING_FOR_REMOTE_KVS while loads land, failed loads recomputed, blocks kept until the
-connector's stores are done. Uses the in-memory connector of tests/scheduler/fakes.py."""
+connector's stores are done. Uses the in-memory connector of scheduler/memory_connector.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from kvserver.connector_messages import (
     StepResult,
     TransferResult,
 )
+from scheduler.memory_connector import MemoryConnector
 from scheduler.request import RequestStatus
 from tests.scheduler.builders import expected_output, harness, tokens
-from tests.scheduler.fakes import MemoryConnector
 
 PROMPT = tokens(12, 500)
 

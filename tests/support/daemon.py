@@ -1,112 +1,20 @@
-"""Start a real kvserver daemon process on loopback with ephemeral ports (tests only)."""
+"""The tests' import point for ``benchmarks.harness.daemon``
+(which the benchmarks import too: they never import the tests)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-READY_TIMEOUT_S = 30.0
-
-
-@dataclass
-class DaemonProc:
-    proc: subprocess.Popen[bytes]
-    info: dict[str, Any]
-    log_path: Path
-    args: list[str] = field(default_factory=list)
-
-    @property
-    def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.info['grpc_port']}"
-
-    @property
-    def zmq_address(self) -> str:
-        return f"tcp://127.0.0.1:{self.info['zmq_port']}"
-
-    @property
-    def pub_address(self) -> str:
-        return f"tcp://127.0.0.1:{self.info['pub_port']}"
-
-    @property
-    def arena_path(self) -> str:
-        return str(self.info["arena_path"])
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def wait_for_ready_file(ready: Path, proc: subprocess.Popen[bytes], deadline: float) -> None:
-    """Poll for ``ready`` until ``deadline`` (monotonic); RuntimeError if ``proc`` exits first or
-    the deadline passes. The caller adds its log and cleans up."""
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError("not ready before the deadline")
-        time.sleep(0.02)  # polling for the ready file, bounded by the deadline above
-
-
-def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> DaemonProc:
-    """Start ``kvserver start`` with ephemeral ports; returns once every listener is up."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
-    log_path = tmp_path / f"daemon-{time.monotonic_ns()}.log"
-    args = [
-        sys.executable,
-        "-m",
-        "kvserver.cli",
-        "start",
-        "--host",
-        "127.0.0.1",
-        "--grpc-port",
-        "0",
-        "--zmq-port",
-        "0",
-        "--pub-port",
-        "0",
-        "--ready-file",
-        str(ready),
-        *extra,
-    ]
-    full_env = {**os.environ, **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    try:
-        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
-    except RuntimeError as exc:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        raise RuntimeError(f"daemon {exc}:\n{log_path.read_text()}") from None
-    info = json.loads(ready.read_text())
-    return DaemonProc(proc, info, log_path, args)
-
-
-def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.02) -> Any:
-    """Poll ``predicate()`` until it returns a truthy value; raise AssertionError on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
-        time.sleep(interval)
+from benchmarks.harness.daemon import (
+    READY_TIMEOUT_S as READY_TIMEOUT_S,
+)
+from benchmarks.harness.daemon import (
+    DaemonProc as DaemonProc,
+)
+from benchmarks.harness.daemon import (
+    start_daemon as start_daemon,
+)
+from benchmarks.harness.daemon import (
+    wait_for_ready_file as wait_for_ready_file,
+)
+from benchmarks.harness.daemon import (
+    wait_until as wait_until,
+)

@@ -1,4 +1,4 @@
-"""Rows, targets and output of ``kvserver bench`` (kvserver/bench_report.py), with made-up
+"""Rows, targets and output of ``kvserver bench`` (benchmarks/daemon_report.py), with made-up
 timings: no daemon, no Redis, nothing timed."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.bench import BenchConfig, _start_redis
-from kvserver.bench_report import (
+from benchmarks.bench_daemon import BenchConfig, _start_redis
+from benchmarks.daemon_report import (
     BANDWIDTH_TARGET,
     REDIS_TARGET,
     REDIS_WHAT,

@@ -9,7 +9,7 @@ A row (:class:`Result`) is one figure and the reference measured in the same run
 
 - bandwidth against memcpy or raw ZMQ: ratio >= :data:`BANDWIDTH_TARGET` (0.8);
 - remote bandwidth against Redis SET/GET: ratio >= :data:`REDIS_TARGET` (3). Redis is measured
-  in two client modes (``bench_redis.MODES``), one row each; the headline ratio of a part size
+  in two client modes (``daemon_redis.MODES``), one row each; the headline ratio of a part size
   (:func:`redis_ratios`) is the lower one, i.e. kvserver against the faster Redis;
 - Lookup p99 latency, whose reference *is* the 2 ms target: ratio <= 1.
 """

@@ -6,10 +6,10 @@ start`` as a subprocess on ephemeral loopback ports, stopped with SIGTERM at the
 the same run, interleaved repeat by repeat with the measurement so that noise on a shared
 machine hits both alike (medians are reported):
 
-1. co-located store + load (shared memory) vs single-thread memcpy (``bench_refs``);
+1. co-located store + load (shared memory) vs single-thread memcpy (``daemon_refs``);
 2. remote store + load (``put``/``get`` over TCP loopback) vs raw ZMQ PUSH/PULL between two
-   processes with the same frames and round trips (``bench_refs.ZmqPeer``), and vs Redis
-   SET/GET of the same parts, pipelined and one command at a time (``bench_redis.RedisRef``;
+   processes with the same frames and round trips (``daemon_refs.ZmqPeer``), and vs Redis
+   SET/GET of the same parts, pipelined and one command at a time (``daemon_redis.RedisRef``;
    skipped, saying why, when ``redis-server`` or the ``redis`` package is missing);
 3. gRPC ``Lookup`` latency of a 32k-token prompt (2,048 blocks of 16), by keys (target p99 <=
    2 ms) and, for information, by token ids. Latency rows use the 2 ms target as reference.
@@ -17,7 +17,7 @@ machine hits both alike (medians are reported):
 Bandwidth = bytes moved (stored + loaded) / seconds. Before timing, the arena is cycled once by
 each path so that its pages are mapped in both processes (steady state, as in a long-running
 daemon; the memcpy reference buffers are likewise touched in advance). Not thread-safe.
-Rows, targets, the table, the JSON document and the chart are in ``bench_report``.
+Rows, targets, the table, the JSON document and the chart are in ``daemon_report``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserver.bench_redis import MODES as REDIS_MODES
-from kvserver.bench_report import (
+from benchmarks.daemon_redis import MODES as REDIS_MODES
+from benchmarks.daemon_report import (
     LOOKUP_TARGET_MS,
     Result,
     document,
@@ -50,8 +50,8 @@ from kvserver.bench_report import (
 )
 
 if TYPE_CHECKING:
-    from kvserver.bench_redis import RedisRef
-    from kvserver.bench_refs import Target, ZmqPeer
+    from benchmarks.daemon_redis import RedisRef
+    from benchmarks.daemon_refs import Target, ZmqPeer
     from kvserver.client import KVClient
     from kvserver.namespace import NamespaceSpec
 
@@ -71,7 +71,7 @@ class BenchConfig:
     token_iters: int
     dram: str
     progress: bool = True
-    #: give every process the same glibc allocator settings (bench_refs.MALLOC_ENV).
+    #: give every process the same glibc allocator settings (daemon_refs.MALLOC_ENV).
     tune_malloc: bool = True
     #: the ``redis-server`` executable of the Redis reference; None: no Redis reference.
     redis_server: str | None = "redis-server"
@@ -184,7 +184,7 @@ def bench_bandwidth(
     progress: _Progress,
     redis: RedisRef | None = None,
 ) -> list[Result]:
-    from kvserver.bench_refs import ZmqPeer
+    from benchmarks.daemon_refs import ZmqPeer
     from kvserver.client import KVClient
 
     max_bytes = max(cfg.count(s) * s for s in cfg.sizes)
@@ -243,7 +243,7 @@ def _bench_colocated(
     progress: _Progress,
 ) -> tuple[float, float]:
     """GB/s of (ours, memcpy), rounds interleaved; ``dst`` holds what our last load read."""
-    from kvserver.bench_refs import memcpy_round
+    from benchmarks.daemon_refs import memcpy_round
 
     moved = 2 * sum(part.nbytes for part in src)
     ours_s: list[float] = []
@@ -363,7 +363,7 @@ def _percentile(values: list[float], pct: float) -> float:
 def run(cfg: BenchConfig, target: Target | None) -> tuple[list[Result], dict[str, Any]]:
     """Run every benchmark against ``target`` (or a daemon of our own); returns the rows and
     the ``redis`` section of the report (what was compared, or why Redis was skipped)."""
-    from kvserver.bench_refs import MALLOC_ENV, own_daemon, tune_malloc
+    from benchmarks.daemon_refs import MALLOC_ENV, own_daemon, tune_malloc
 
     # --default-malloc: glibc's defaults everywhere, the daemon included (it tunes itself
     # unless told not to)
@@ -421,7 +421,7 @@ def _start_redis(
     A missing ``redis-server`` or ``redis`` package skips the reference; a server that is
     present but will not start raises RuntimeError.
     """
-    from kvserver.bench_redis import RedisRef, redis_unavailable
+    from benchmarks.daemon_redis import RedisRef, redis_unavailable
 
     if cfg.redis_server is None:
         return None, "not requested (--no-redis)"
@@ -438,7 +438,7 @@ def _start_redis(
 
 
 def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``kvserver bench`` (called by kvserver/cli.py)."""
+    """Register ``kvserver bench`` (the ``kvserver.commands`` entry point ``bench``)."""
     p = sub.add_parser(
         "bench",
         help="benchmark the data paths and Lookup latency against same-run references",
@@ -458,7 +458,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add(
         "--default-malloc",
         action="store_true",
-        help="keep glibc's allocator defaults in every process (see kvserver/bench_refs.py)",
+        help="keep glibc's allocator defaults in every process (see benchmarks/daemon_refs.py)",
     )
     add("--no-redis", action="store_true", help="skip the Redis SET/GET reference")
     add(
@@ -493,7 +493,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (KVServerError, ValueError) as exc:
         print(f"kvserver bench: error: {exc}", file=sys.stderr)
         return 2
-    from kvserver.bench_refs import Target
+    from benchmarks.daemon_refs import Target
 
     target = Target(args.zmq, args.server) if args.zmq else None
     try:
@@ -509,3 +509,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         write_chart(results, chart)
         print(f"wrote {args.json} and {chart}")
     return 0
+
+
+if __name__ == "__main__":
+    from kvserver.cli import run_alone
+
+    sys.exit(run_alone(add_bench, "bench"))

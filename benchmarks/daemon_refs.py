@@ -1,7 +1,7 @@
 """The other processes of ``kvserver bench`` and its references: what is compared to what.
 
 Runs in the bench process (:func:`own_daemon`, :func:`memcpy_round`, :class:`ZmqPeer`) and in
-the helper process that :class:`ZmqPeer` starts (``python -m kvserver.bench_refs STORE_EP
+the helper process that :class:`ZmqPeer` starts (``python -m benchmarks.daemon_refs STORE_EP
 LOAD_EP``). Nothing here imports daemon code but the allocator settings
 (``kvserver/daemon/malloc.py``, shared with the daemon); nothing is thread-safe (one bench, one
 thread).
@@ -144,7 +144,7 @@ class ZmqPeer:
 
     def start(self, env: dict[str, str] | None = None) -> None:
         """Start the peer process (``env`` added to ours) and wait until both pipes work."""
-        args = [sys.executable, "-m", "kvserver.bench_refs", *self._endpoints]
+        args = [sys.executable, "-m", "benchmarks.daemon_refs", *self._endpoints]
         self._proc = subprocess.Popen(args, env={**os.environ, **(env or {})})
         self._push.send_multipart([b"ping"])
         self._expect(b"pong")

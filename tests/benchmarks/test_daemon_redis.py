@@ -1,7 +1,7 @@
-"""The Redis reference of ``kvserver bench`` (kvserver/bench_redis.py).
+"""The Redis reference of ``kvserver bench`` (benchmarks/daemon_redis.py).
 
 The end-to-end test needs ``redis-server`` and the ``redis`` package (the ``bench`` extra) and is
-skipped without them; the arithmetic around it is covered by test_bench_report.py, and the skip
+skipped without them; the arithmetic around it is covered by test_daemon_report.py, and the skip
 path by :func:`test_unavailable_names_the_missing_binary` and test_bench.py. Nothing is timed.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.bench_redis import MAXMEMORY_HEADROOM, MODES, RedisRef, redis_unavailable
+from benchmarks.daemon_redis import MAXMEMORY_HEADROOM, MODES, RedisRef, redis_unavailable
 
 WHY_NOT = redis_unavailable()
 

@@ -1,4 +1,4 @@
-"""``kvserver bench`` (kvserver/bench.py): smoke runs of the real command, schema only.
+"""``kvserver bench`` (benchmarks/bench_daemon.py): smoke runs of the real command, schema only.
 
 A benchmark, not a timed test: nothing here asserts a speed. The first run points the Redis
 reference at a missing binary (so it runs the same everywhere and covers the skip path); the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.bench_redis import redis_unavailable
+from benchmarks.daemon_redis import redis_unavailable
 
 QUICK = [
     sys.executable, "-m", "kvserver.cli", "bench", "--quick", "--sizes", "256KiB",
