@@ -10,8 +10,11 @@ Data plane (daemon ROUTER, clients DEALER). A message is ``[header, payload*]``:
     reply    {"v": 1, "id": int, "sid": str, "ok": true,  "result": map}
              {"v": 1, "id": int, "sid": str, "ok": false, "error": {"code": str, "message": str}}
 
-Call order on the receiving side: :func:`unpack_header` → :func:`request_id_of` (so even a
-request that fails validation is answered with its id, or 0) → :func:`parse_request`, which
+Call order on the receiving side: :func:`peek_auth` when the daemon requires a token (reads
+the header's top-level keys only, skipping every other value without decoding it, so that an
+unauthenticated request costs next to nothing whatever it carries) → :func:`unpack_header` →
+:func:`request_id_of` (so even a request that fails validation is answered with its id, or 0)
+→ :func:`parse_request`, which
 type-checks the envelope and the op's arguments against :data:`OPS`. Everything that comes off
 a socket is untrusted: each failure raises :class:`~kvserver.errors.InvalidArgument` (or
 :class:`~kvserver.errors.UnsupportedVersion`) with a message that names the field.
@@ -189,6 +192,66 @@ def unpack_header(frame: bytes | memoryview) -> Any:
         raise InvalidArgument(f"malformed msgpack header ({detail})") from None
 
 
+class _Chunks:
+    """A file-like view of a frame for msgpack.Unpacker: it copies only what it is asked for."""
+
+    def __init__(self, frame: bytes | memoryview) -> None:
+        self._view = memoryview(frame).cast("B")
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._view.nbytes if n < 0 else self._pos + n
+        out = bytes(self._view[self._pos : end])
+        self._pos += len(out)
+        return out
+
+
+def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
+    """The ``auth`` field and request id (0 if none) of an undecoded request header, read at a
+    cost that does not depend on what else the header carries: the top-level fields are read
+    in order up to ``auth``; only ``v``, ``id`` and ``op`` may come before it, and only with
+    scalar values (clients send ``auth`` first: :func:`encode_request`); at anything else (a
+    container, ``args``) it stops and the header has no ``auth``. Raises InvalidArgument for a
+    frame that does not start as a msgpack map of string keys."""
+    view = memoryview(frame).cast("B")
+    size = view.nbytes
+    if size == 0 or size > MAX_HEADER_BYTES:
+        raise InvalidArgument("empty or oversized header frame", size=size, max=MAX_HEADER_BYTES)
+    unpacker = msgpack.Unpacker(
+        _Chunks(view),
+        read_size=min(size, 256),
+        raw=False,
+        max_buffer_size=size,
+        max_str_len=MAX_STR_LEN,
+        max_bin_len=MAX_STR_LEN,
+        max_array_len=0,
+        max_map_len=MAX_MAP_LEN,
+        max_ext_len=0,
+    )
+    req_id = 0
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            pos = unpacker.tell()
+            if pos >= size or view[pos] in _CONTAINER_BYTES:
+                break
+            if key == "auth":
+                auth = unpacker.unpack()
+                return (auth if isinstance(auth, str) else None), req_id
+            if key not in ("v", "id", "op"):
+                break
+            value = unpacker.unpack()
+            if key == "id" and type(value) is int and 0 < value <= MAX_INT:
+                req_id = value
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.OutOfData) as exc:
+        raise InvalidArgument(f"malformed msgpack header ({type(exc).__name__})") from None
+    return None, req_id
+
+
+#: first bytes of msgpack maps and arrays (fixmap, fixarray, array16/32, map16/32).
+_CONTAINER_BYTES = frozenset([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+
+
 def request_id_of(obj: Any) -> int:
     """The request id of a decoded header if it has a valid one, else 0 (for error replies)."""
     if isinstance(obj, dict):
@@ -270,8 +333,11 @@ def _check_value(kind: str, value: Any) -> bool:
             not value
             or (set(map(type, value)) == {bytes} and max(map(len, value)) <= MAX_KEY_BYTES)
         )
-    if kind == "ints":
-        return isinstance(value, list) and all(_is_uint(v) for v in value)
+    if kind == "ints":  # without a Python loop either: lookup_tokens carries 1M token ids
+        return isinstance(value, list) and (
+            not value
+            or (set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_INT)
+        )
     if kind == "str_pair":
         return isinstance(value, list) and len(value) == 2 and all(type(v) is str for v in value)
     raise AssertionError(f"unknown argument kind {kind}")
@@ -294,11 +360,11 @@ def encode_request(
     auth: str | None = None,
     client: str | None = None,
 ) -> bytes:
-    """Encode a request header (the client side; arguments that are None are omitted)."""
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": req_id, "op": op}
+    """Encode a request header (the client side; arguments that are None are omitted). ``auth``
+    goes first, so that the daemon's :func:`peek_auth` reads a few bytes only."""
+    header: dict[str, Any] = {"auth": auth} if auth else {}
+    header |= {"v": PROTOCOL_VERSION, "id": req_id, "op": op}
     header["args"] = {k: v for k, v in args.items() if v is not None}
-    if auth:
-        header["auth"] = auth
     if client is not None:
         header["client"] = client
     return _pack(header)

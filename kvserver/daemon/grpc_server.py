@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
 from kvserver.daemon.service import KVService
@@ -71,6 +71,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "internal": grpc.StatusCode.INTERNAL,
 }
 
+BEARER = "Bearer "
 MAX_NAMESPACE_ID = 64
 MAX_STATUS_DETAILS = 1024
 _MEDIUM = {Medium.CPU: pb.MEDIUM_CPU, Medium.STORAGE: pb.MEDIUM_STORAGE}
@@ -149,12 +150,14 @@ def status_for(exc: KVServerError) -> grpc.StatusCode:
 class GrpcFrontend:
     """Serves the query/control API of one :class:`KVService` over grpc.aio."""
 
-    def __init__(self, service: KVService, config: DaemonConfig) -> None:
+    def __init__(
+        self, service: KVService, config: DaemonConfig, auth: Authenticator | None = None
+    ) -> None:
         self.service = service
         self.config = config
         #: identity of this daemon run's event log (sequence numbers restart with the daemon).
         self.log_id = secrets.token_hex(8)
-        self._auth = f"Bearer {config.auth_token}".encode() if config.auth_token else b""
+        self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
         self._specs: dict[str, NamespaceSpec] = {}
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -228,12 +231,9 @@ class GrpcFrontend:
         self, request_type: type[Message], method: Callable[[Any], Message]
     ) -> grpc.RpcMethodHandler:
         parse = request_type.FromString
-        auth = self._auth
-
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                if auth:
-                    self._authenticate(context)
+                self._authenticate(context)
                 data: bytes = method(parse(raw)).SerializeToString()
                 return data
             except Exception as exc:
@@ -246,12 +246,13 @@ class GrpcFrontend:
 
         return grpc.unary_unary_rpc_method_handler(handle)
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
+        """The caller's principal, from ``authorization: Bearer <token>`` metadata."""
+        if not self._auth.required:
+            return ANONYMOUS
         for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str):
-                if hmac.compare_digest(value.encode(), self._auth):
-                    return
-                break
+            if key == "authorization" and isinstance(value, str) and value.startswith(BEARER):
+                return self._auth.check(value[len(BEARER) :])
         raise Unauthenticated("missing or wrong 'authorization: Bearer <token>' metadata")
 
     def _namespace(self, ns_id: str) -> NamespaceSpec:
@@ -401,8 +402,7 @@ class GrpcFrontend:
 
     async def _watch_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         try:
-            if self._auth:
-                self._authenticate(context)
+            self._authenticate(context)
             from_seq = self._resume_point(pb.WatchEventsRequest.FromString(raw))
             failure = None
         except Exception as exc:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 from collections import deque
@@ -62,6 +61,7 @@ import zmq
 import zmq.asyncio
 
 from kvserver import wire, wire_local
+from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.local_server import (
     LocalConnection,
@@ -82,6 +82,10 @@ PUB_HWM = 100_000
 ROUTER_SNDHWM = REPLAY_MAX_BATCHES + 100
 #: messages one reader wake-up handles before it lets the loop run other callbacks.
 MAX_DRAIN = 64
+#: request headers larger than this are decoded and validated on a thread, off the loop.
+OFFLOAD_HEADER_BYTES = 256 << 10
+#: ROUTER connections remembered as authenticated (for replay requests, which carry no token).
+MAX_AUTHENTICATED_PEERS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -105,9 +109,14 @@ class ZmqFrontend:
     """Serves the data plane (ZMQ and the local channel) and publishes KV events; see the
     module docstring."""
 
-    def __init__(self, service: KVService, config: DaemonConfig) -> None:
+    def __init__(
+        self, service: KVService, config: DaemonConfig, auth: Authenticator | None = None
+    ) -> None:
         self._service = service
         self._config = config
+        self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
+        #: ROUTER connections that sent an authenticated request (oldest first, bounded)
+        self._authenticated: dict[bytes, None] = {}
         self._sid = secrets.token_hex(8)  # changes on every daemon start
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -292,6 +301,12 @@ class ZmqFrontend:
                     router, start = self._router, frames[1].buffer.tobytes()
                     if router is None:
                         return None
+                    if self._auth.required and peer not in self._authenticated:
+                        error = Unauthenticated(
+                            "replay needs a connection that sent an authenticated request"
+                        )
+                        self._send(peer, _failed(0, error))
+                        return None
                     return lambda: self._events.replay(router, peer, start)
                 owner = peer.hex()
             else:
@@ -306,7 +321,7 @@ class ZmqFrontend:
                     return None
                 frames = [LocalFrame(view) for view in views]
                 owner = peer.name
-            answer = self._handle(owner, frames)
+            answer = self._handle(peer, owner, frames)
             if not isinstance(answer, _Answer):
                 later = answer
                 return lambda: self._answer_later(peer, later)
@@ -319,10 +334,12 @@ class ZmqFrontend:
         self._send(peer, await later())
 
     def _handle(
-        self, owner: str, frames: Sequence[PayloadFrame]
+        self, peer: _Peer, owner: str, frames: Sequence[PayloadFrame]
     ) -> _Answer | Callable[[], Awaitable[_Answer]]:
         """Check and carry out one request; ``owner`` owns its leases unless it names its
-        ``client``."""
+        ``client``. The token is checked first, before anything else of the header is decoded
+        (``wire.peek_auth``); a header over :data:`OFFLOAD_HEADER_BYTES` is decoded and
+        validated on a thread (the rest of the request then runs on the connection's lane)."""
         req_id = 0
         try:
             total = sum(len(f) for f in frames)
@@ -331,18 +348,54 @@ class ZmqFrontend:
                 raise InvalidArgument("message too large", size=total, max=limit)
             if not frames:
                 raise InvalidArgument("empty message")
+            if self._auth.required:
+                token, req_id = wire.peek_auth(frames[0].buffer)
+                self._auth.check(token)
+                if isinstance(peer, bytes):
+                    self._remember(peer)
+            if len(frames[0]) > OFFLOAD_HEADER_BYTES:
+                header = frames[0].buffer
+                return lambda: self._handle_offloaded(req_id, header, owner, frames)
             obj = wire.unpack_header(frames[0].buffer)
             req_id = wire.request_id_of(obj)
-            req = wire.parse_request(obj)
-            self._check_auth(req)
-            if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
-                raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
-            out = self._ops.handle(req.op, Call(req.args, frames[1:], req.client or owner))
+            out = self._carry_out(wire.parse_request(obj), owner, frames)
         except Exception as exc:
             return _failed(req_id, exc)
         if isinstance(out, Deferred):
             return lambda: _finish(req_id, out)
         return _Answer(req_id, out)
+
+    async def _handle_offloaded(
+        self, req_id: int, header: memoryview, owner: str, frames: Sequence[PayloadFrame]
+    ) -> _Answer:
+        """A large request: decoded and validated on a thread, carried out on the loop."""
+        try:
+            obj = await asyncio.to_thread(wire.unpack_header, header)
+            req_id = wire.request_id_of(obj)
+            req = await asyncio.to_thread(wire.parse_request, obj)
+            out = self._carry_out(req, owner, frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return _failed(req_id, exc)
+        if isinstance(out, Deferred):
+            return await _finish(req_id, out)
+        return _Answer(req_id, out)
+
+    def _remember(self, peer: bytes) -> None:
+        """Note an authenticated ROUTER connection (the oldest is forgotten past the bound)."""
+        known = self._authenticated
+        if peer not in known:
+            if len(known) >= MAX_AUTHENTICATED_PEERS:
+                del known[next(iter(known))]
+            known[peer] = None
+
+    def _carry_out(
+        self, req: wire.Request, owner: str, frames: Sequence[PayloadFrame]
+    ) -> Result | Deferred:
+        if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
+            raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
+        return self._ops.handle(req.op, Call(req.args, frames[1:], req.client or owner))
 
     def _send(self, peer: _Peer, answer: _Answer) -> None:
         """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send
@@ -369,12 +422,6 @@ class ZmqFrontend:
             raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])
         if not self._reading:
             self._schedule_drain()
-
-    def _check_auth(self, req: wire.Request) -> None:
-        token = self._config.auth_token.encode()
-        if token and not (req.auth is not None and hmac.compare_digest(req.auth.encode(), token)):
-            raise Unauthenticated("missing or wrong auth token")
-
 
 async def _finish(req_id: int, deferred: Deferred) -> _Answer:
     try:

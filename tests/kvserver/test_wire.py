@@ -344,3 +344,59 @@ def test_arbitrary_headers_only_raise_invalid_argument(op: Any, args: Any, versi
 def test_float_arguments_accept_integers() -> None:
     req = parse(header(op=wire.PIN, args={"ns_id": "n", "keys": [], "ttl_s": 3}))
     assert req.args["ttl_s"] == 3 and not math.isnan(req.args["ttl_s"])
+
+
+# ----------------------------------------------------------------------------- peek_auth
+
+
+@pytest.mark.parametrize("op", sorted(wire.OPS))
+def test_peek_auth_finds_the_token_clients_send_first(op: str) -> None:
+    frame = wire.encode_request(42, op, valid_args(op, optional=True), auth="secret")
+    assert wire.peek_auth(frame) == ("secret", 0)
+    assert next(iter(msgpack.unpackb(frame))) == "auth"
+
+
+@pytest.mark.parametrize(
+    "header, expected",
+    [
+        ({"v": 1, "id": 7, "op": "hello", "auth": "t"}, ("t", 7)),
+        ({"v": 1, "id": 7, "args": {}, "auth": "t"}, (None, 7)),  # stops at args
+        ({"x": 1, "auth": "t"}, (None, 0)),  # stops at an unknown field
+        ({"v": [1, 2], "auth": "t"}, (None, 0)),  # stops at a container
+        ({"id": {"a": 1}, "auth": "t"}, (None, 0)),
+        ({"auth": 5}, (None, 0)),
+        ({"id": -3, "auth": "t"}, ("t", 0)),
+        ({}, (None, 0)),
+    ],
+)
+def test_peek_auth_reads_only_scalars_before_the_token(
+    header: dict[str, Any], expected: tuple[str | None, int]
+) -> None:
+    assert wire.peek_auth(msgpack.packb(header)) == expected
+
+
+def test_peek_auth_does_not_decode_a_huge_header() -> None:
+    """2^21 keys after the envelope fields: the peek stops at ``args`` and returns the id;
+    a huge container before ``auth`` is not decoded either."""
+    keys = [b"k" * 4] * (1 << 21)
+    frame = msgpack.packb({"v": 1, "id": 9, "op": "lookup", "args": {"keys": keys}, "auth": "t"})
+    assert wire.peek_auth(frame) == (None, 9)
+    assert wire.peek_auth(msgpack.packb({"v": keys, "auth": "t"})) == (None, 0)
+
+
+@given(st.binary(max_size=300))
+def test_peek_auth_on_random_bytes_returns_or_raises_invalid_argument(data: bytes) -> None:
+    try:
+        token, req_id = wire.peek_auth(data)
+    except InvalidArgument:
+        return
+    assert token is None or isinstance(token, str)
+    assert 0 <= req_id <= wire.MAX_INT
+
+
+def test_ints_arguments_are_checked_without_a_python_loop_and_still_refuse_bad_items() -> None:
+    ok = wire.check_args(wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": list(range(1 << 20))})
+    assert len(ok["token_ids"]) == 1 << 20
+    for bad in ([1, -1], [1, True], [1, 2.0], [wire.MAX_INT + 1], ["1"]):
+        with pytest.raises(InvalidArgument, match="token_ids"):
+            wire.check_args(wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": bad})

@@ -514,3 +514,51 @@ def test_local_socket_is_private_and_removed_at_exit(tmp_path: Path) -> None:
     finally:
         assert d.terminate() == 0
     assert not Path(path).exists()
+
+
+def test_no_work_before_authentication(tmp_path: Path) -> None:
+    """With a token: a 2^21-key request without it is refused as unauthenticated, answered
+    with its id; a replay request on a connection that never authenticated is refused, and
+    served once that connection sent an authenticated request; an authenticated 1M-token
+    lookup (validated off the loop) is answered, and a small request behind it on the same
+    connection comes after it."""
+    d = start_daemon(tmp_path, "--auth-token", "s3cret")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(d.zmq_address)
+
+    def recv() -> list[bytes]:
+        assert sock.poll(30_000), "no reply from the daemon"
+        return list(sock.recv_multipart())
+
+    try:
+        with KVClient(d.zmq_address, auth_token="s3cret") as kv:
+            ns = kv.register_namespace(SPEC)
+        keys = [b"k" * 4] * (1 << 21)
+        sock.send_multipart([req(wire.LOOKUP, {"ns_id": ns.ns_id, "keys": keys}, rid=99)])
+        reply = wire.decode_reply(recv()[0])
+        assert reply.req_id == 99 and reply.error is not None
+        assert reply.error.code == "unauthenticated"
+
+        sock.send_multipart([b"", wire.seq_bytes(1)])
+        reply = wire.decode_reply(recv()[0])
+        assert reply.error is not None and reply.error.code == "unauthenticated"
+
+        sock.send_multipart([wire.encode_request(5, wire.HELLO, {}, auth="s3cret")])
+        assert wire.decode_reply(recv()[0]).ok
+        sock.send_multipart([b"", wire.seq_bytes(1)])
+        frames = recv()
+        while frames[1] != wire.REPLAY_END_SEQ:
+            frames = recv()
+        assert frames[0] == b""
+
+        tokens = list(range(1 << 20))
+        big = {"ns_id": ns.ns_id, "token_ids": tokens}
+        sock.send_multipart([wire.encode_request(6, wire.LOOKUP_TOKENS, big, auth="s3cret")])
+        sock.send_multipart([wire.encode_request(7, wire.HELLO, {}, auth="s3cret")])
+        first, second = wire.decode_reply(recv()[0]), wire.decode_reply(recv()[0])
+        assert (first.req_id, second.req_id) == (6, 7) and first.ok and second.ok
+        assert first.result["num_chunks"] == len(tokens) // SPEC.chunk_tokens
+    finally:
+        sock.close()
+        assert d.terminate() == 0
