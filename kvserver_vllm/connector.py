@@ -53,11 +53,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvserver.connector_messages import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 from kvserver.errors import KVServerError
 from kvserver_vllm.config import PluginConfig, load_config
 from kvserver_vllm.steps import EventSource, VllmStep
 from scheduler.kv_connector import KVServerSchedulerConnector
+from step_protocol import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 from worker.kv_connector import KVServerWorkerConnector
 
 if TYPE_CHECKING:

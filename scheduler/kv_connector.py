@@ -3,7 +3,7 @@
 Runs in the scheduler process, on the scheduler's thread, inside ``schedule()`` and
 ``update_from_output()``; not thread-safe; holds no tensors: it plans, workers copy bytes. Call
 order: :mod:`scheduler.connector_base`; per-step flow, metadata, worker contract, failures:
-docs/connector.md and :class:`~kvserver.connector_messages.ConnectorMetadata`.
+docs/connector.md and :class:`~step_protocol.ConnectorMetadata`.
 
 Modules (one concept each; imports go one way, from this facade to the parts, which share the
 connector's request records by reference):
@@ -72,7 +72,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvserver.client import KVClient
-from kvserver.connector_messages import ConnectorMetadata
 from kvserver.errors import KVServerError
 from kvserver.events import Event
 from kvserver.hashing import BlockHasher
@@ -88,6 +87,7 @@ from scheduler.kv_connector_types import (
     ScheduledStep,
     TransferJob,
 )
+from step_protocol import ConnectorMetadata
 
 __all__ = ["KVConnectorConfig", "KVServerSchedulerConnector"]
 

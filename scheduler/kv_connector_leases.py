@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from kvserver.client import Pending
-from kvserver.connector_messages import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
 from scheduler.connector_base import TransferReport
@@ -43,6 +42,7 @@ from scheduler.kv_connector_types import (
     RequestState,
     TransferJob,
 )
+from step_protocol import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 
 logger = logging.getLogger(__name__)
 

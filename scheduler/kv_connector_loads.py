@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvserver.connector_messages import ChunkLoad, FailedLoad, RequestTransfers
 from kvserver.engine_types import LoadGrant
 from kvserver.errors import InvalidArgument, KVServerError, UnknownKey
 from kvserver.events import BlockRemoved
@@ -31,6 +30,7 @@ from kvserver.hashing import BlockHasher
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink
 from scheduler.kv_connector_types import ConnectorStats, RequestState, TransferJob, block_hashes
+from step_protocol import ChunkLoad, FailedLoad, RequestTransfers
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvserver.connector_messages import ChunkStore, RequestTransfers
 from kvserver.engine_types import StoreGrant
 from kvserver.errors import KVServerError, Unavailable
 from kvserver.hashing import BlockHasher
@@ -60,6 +59,7 @@ from scheduler.kv_connector_types import (
     TransferJob,
     block_hashes,
 )
+from step_protocol import ChunkStore, RequestTransfers
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kvserver.client import Pending
-from kvserver.connector_messages import RequestTransfers
 from kvserver.engine_types import StoreGrant
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import BlockHash, BlockHasher
 from kvserver.namespace import NamespaceSpec
 from scheduler.connector_base import RequestLike
+from step_protocol import RequestTransfers
 
 
 class NewReqLike(Protocol):
@@ -34,7 +34,7 @@ class CachedReqLike(Protocol):
 
 
 class ScheduledStep(Protocol):
-    """What ``build_connector_meta`` reads (``kvserver.connector_messages.StepPlan``; a vLLM
+    """What ``build_connector_meta`` reads (``step_protocol.StepPlan``; a vLLM
     wrapper adapts SchedulerOutput): ``new_reqs[i].block_ids`` is a request's whole block
     table, ``cached_reqs[i].new_block_ids`` are appended to it, ``num_computed_tokens`` counts
     the tokens computed before this step."""

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserver.connector_messages import (
+from scheduler.connector_base import RequestLike, SchedulerConnector, TransferReport
+from step_protocol import (
     ChunkLoad,
     ChunkStore,
     ConnectorMetadata,
     ConnectorWorkerOutput,
     RequestTransfers,
 )
-from scheduler.connector_base import RequestLike, SchedulerConnector, TransferReport
 
 
 @dataclass(slots=True, eq=False)

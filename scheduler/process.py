@@ -37,7 +37,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserver.connector_messages import WorkerHello, WorkerInfo
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 from scheduler.config import ProcessConfig
 from scheduler.connector_base import SchedulerConnector
@@ -45,6 +44,7 @@ from scheduler.engine_service import EngineService, GenerateParams
 from scheduler.request import RequestOutput, RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.workers import WorkerFailure, WorkerGroup
+from step_protocol import WorkerHello, WorkerInfo
 
 logger = logging.getLogger("scheduler.process")
 

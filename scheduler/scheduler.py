@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from kvserver.connector_messages import CachedRequestData, NewRequestData, StepPlan, StepResult
 from kvserver.errors import CapacityError, InvalidArgument
 from kvserver.hashing import BlockHasher
 from scheduler.block_pool import BlockPool, KVCacheBlock
@@ -54,6 +53,7 @@ from scheduler.request import (
     create_queue,
 )
 from scheduler.trace import StepTrace
+from step_protocol import CachedRequestData, NewRequestData, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 

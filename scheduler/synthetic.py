@@ -9,7 +9,7 @@ gRPC front door) run anywhere. Two faces:
   does not depend on how the prompt's KV was obtained (computed, prefix-cached, loaded).
   Connector transfers are reported done (every chunk of every lease) without moving bytes.
 - ``python -m scheduler.synthetic --bind tcp://127.0.0.1:0 [--ready-file F]``: the same behind
-  a ZMQ ROUTER socket, speaking the step protocol of :mod:`kvserver.connector_messages`. It
+  a ZMQ ROUTER socket, speaking the step protocol of :mod:`step_protocol`. It
   serves one request at a time, in order; exits on ``stop``, SIGTERM or SIGINT.
 """
 
@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserver.connector_messages import (
+from kvserver.errors import InvalidArgument, KVServerError
+from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
     KIND_RESULT,
@@ -43,7 +44,6 @@ from kvserver.connector_messages import (
     decode,
     encode_body,
 )
-from kvserver.errors import InvalidArgument, KVServerError
 
 logger = logging.getLogger(__name__)
 

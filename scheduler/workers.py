@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvserver.connector_messages import (
+from kvserver.errors import KVServerError, Unavailable
+from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
     KIND_RESULT,
@@ -39,7 +40,6 @@ from kvserver.connector_messages import (
     decode,
     encode_body,
 )
-from kvserver.errors import KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
 

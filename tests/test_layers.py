@@ -21,7 +21,9 @@ import kvserver.cli
 from tests.support.entry_points import declared_commands
 
 ROOT = Path(__file__).resolve().parent.parent
-ABOVE_THE_LIBRARY = {"scheduler", "worker", "kvserver_vllm", "benchmarks", "tests", "torch"}
+ABOVE_THE_LIBRARY = {
+    "scheduler", "worker", "kvserver_vllm", "step_protocol", "benchmarks", "tests", "torch",
+}  # fmt: skip
 
 
 def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
@@ -52,6 +54,13 @@ def imports_of(package: str, forbidden: set[str]) -> list[str]:
 
 def test_the_library_imports_nothing_above_it() -> None:
     assert imports_of("kvserver", ABOVE_THE_LIBRARY) == []
+
+
+def test_the_step_protocol_is_shared_and_depends_on_neither_end() -> None:
+    """scheduler/ and worker/ meet only in step_protocol/, which imports neither of them."""
+    assert imports_of("step_protocol", ABOVE_THE_LIBRARY - {"step_protocol"}) == []
+    assert imports_of("scheduler", {"worker", "kvserver_vllm", "torch"}) == []
+    assert imports_of("worker", {"scheduler", "kvserver_vllm"}) == []
 
 
 def test_benchmarks_do_not_import_the_tests() -> None:

@@ -1,7 +1,7 @@
 """KVServerWorkerConnector: the worker half of the kvserver KV connector (seed 000 §2.2).
 
 Runs in each worker process (one per GPU / TP rank), on the worker's thread; not thread-safe.
-It executes the :class:`~kvserver.connector_messages.ConnectorMetadata` that the scheduler
+It executes the :class:`~step_protocol.ConnectorMetadata` that the scheduler
 connector (scheduler/kv_connector.py) ships every step, with a transfer engine
 (worker/transfer.py: CUDA streams, or threads on CPU), and reports per lease what its rank
 finished. It never completes leases: the scheduler does, once every rank reported.
@@ -27,7 +27,7 @@ Data paths: **co-located** (the daemon's arena file can be mapped here): copies 
 between the KV blocks and ``extents[rank]`` of the mapped arena; **remote**: stores copy into a
 staging buffer and send it with ``write_parts(lease, keys, rank, complete=False)``, loads fetch
 with ``read_parts`` and copy out; that I/O runs on the engine's threads with one client per
-direction. Part layout: kvserver/connector_messages.py (block ``j`` of a part at ``j *
+direction. Part layout: step_protocol/connector.py (block ``j`` of a part at ``j *
 block_bytes``; a load's ``block_ids[j]`` receives sub-block ``skip_blocks + j``); block bytes:
 worker/layout.py.
 """
@@ -41,14 +41,14 @@ from typing import Any
 import torch
 
 from kvserver.client import KVClient
-from kvserver.connector_messages import (
+from kvserver.errors import InvalidArgument, InvalidState, KVServerError
+from kvserver.wire import host_id
+from step_protocol import (
     ConnectorMetadata,
     ConnectorWorkerOutput,
     RequestTransfers,
     TransferResult,
 )
-from kvserver.errors import InvalidArgument, InvalidState, KVServerError
-from kvserver.wire import host_id
 from worker.config import WorkerConnectorConfig
 from worker.host import MappedArena, staging_buffer, tensor_memoryview
 from worker.layout import CanonicalKVCaches, canonicalize, plan_copies

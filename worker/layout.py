@@ -14,7 +14,7 @@ uint8 views (dimensions physically outside the block dimension, e.g. FlashAttent
 ``2``, are split off into separate views). Nothing is copied.
 
 Byte layout of one block (and therefore of a stored part, block ``j`` of a part at bytes
-``[j * block_bytes, (j + 1) * block_bytes)``, kvserver/connector_messages.py): the pages of the
+``[j * block_bytes, (j + 1) * block_bytes)``, step_protocol/connector.py): the pages of the
 canonical views in order, i.e. tensors in registration order (layers in order), and within one
 tensor the physically outer sub-views in order (K before V). A per-layer FlashAttention cache
 and a cross-layer ``(num_blocks, layers, 2, ...)`` cache of the same model therefore produce
@@ -239,7 +239,7 @@ def plan_copies(
 
     Store: ``block_ids`` are the part's ``chunk_blocks`` sub-blocks. Load: ``block_ids[j]``
     receives sub-block ``skip + j`` (``chunk_blocks - skip`` ids); the skipped leading
-    sub-blocks are neither read nor written (kvserver/connector_messages.py). Raises
+    sub-blocks are neither read nor written (step_protocol/connector.py). Raises
     InvalidArgument for ids or extents that do not fit, before building anything. The copies
     come from :func:`strided_copies` when the caches and ``host`` are on the CPU, else (or
     with ``contiguous=True``) from :func:`contiguous_copies`.

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvserver.connector_messages import (
+from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.namespace import NamespaceSpec
+from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
     KIND_RESULT,
@@ -45,8 +47,6 @@ from kvserver.connector_messages import (
     decode,
     encode_body,
 )
-from kvserver.errors import InvalidArgument, KVServerError
-from kvserver.namespace import NamespaceSpec
 from worker.config import WorkerConnectorConfig
 from worker.kv_connector import KVServerWorkerConnector
 from worker.model import SeqInput, TransformerModel, sample_greedy

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserver.connector_messages import StepPlan, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.connector_base import SchedulerConnector
 from scheduler.request import Request, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.synthetic import SyntheticWorker, next_token
 from scheduler.trace import StepTrace
+from step_protocol import StepPlan, StepResult
 
 BLOCK = 4
 

@@ -23,7 +23,15 @@ import pytest
 
 from kvserver.allocator import Extents
 from kvserver.client import KVClient
-from kvserver.connector_messages import (
+from kvserver.errors import InvalidArgument
+from kvserver.events import BlockRemoved, BlockStored
+from kvserver.hashing import BlockHasher
+from kvserver.namespace import NamespaceSpec
+from kvserver.wire import COMPLETE_STORE, LOOKUP, PREPARE_STORE
+from scheduler.connector_base import TransferReport
+from scheduler.kv_connector import KVServerSchedulerConnector
+from scheduler.kv_connector_types import KVConnectorConfig
+from step_protocol import (
     CachedRequestData,
     ChunkLoad,
     ChunkStore,
@@ -37,14 +45,6 @@ from kvserver.connector_messages import (
     decode,
     encode,
 )
-from kvserver.errors import InvalidArgument
-from kvserver.events import BlockRemoved, BlockStored
-from kvserver.hashing import BlockHasher
-from kvserver.namespace import NamespaceSpec
-from kvserver.wire import COMPLETE_STORE, LOOKUP, PREPARE_STORE
-from scheduler.connector_base import TransferReport
-from scheduler.kv_connector import KVServerSchedulerConnector
-from scheduler.kv_connector_types import KVConnectorConfig
 from tests.support.daemon import DaemonProc, start_daemon
 
 mp = pytest.mark.multiprocess

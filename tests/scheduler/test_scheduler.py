@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserver.connector_messages import StepPlan
 from kvserver.errors import CapacityError, InvalidArgument
 from scheduler.memory_connector import MemoryConnector
 from scheduler.request import RequestStatus
+from step_protocol import StepPlan
 from tests.scheduler.builders import expected_output, harness, tokens
 
 

@@ -4,14 +4,14 @@ connector's stores are done. Uses the in-memory connector of scheduler/memory_co
 
 from __future__ import annotations
 
-from kvserver.connector_messages import (
+from scheduler.memory_connector import MemoryConnector
+from scheduler.request import RequestStatus
+from step_protocol import (
     ConnectorMetadata,
     ConnectorWorkerOutput,
     StepResult,
     TransferResult,
 )
-from scheduler.memory_connector import MemoryConnector
-from scheduler.request import RequestStatus
 from tests.scheduler.builders import expected_output, harness, tokens
 
 PROMPT = tokens(12, 500)

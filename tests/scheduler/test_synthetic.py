@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserver.connector_messages import (
+from kvserver.errors import InvalidArgument
+from scheduler.synthetic import SyntheticWorker, next_token
+from step_protocol import (
     KIND_RESULT,
     KIND_STEP,
     CachedRequestData,
@@ -21,8 +23,6 @@ from kvserver.connector_messages import (
     decode,
     encode_body,
 )
-from kvserver.errors import InvalidArgument
-from scheduler.synthetic import SyntheticWorker, next_token
 from tests.scheduler.builders import harness, tokens
 
 

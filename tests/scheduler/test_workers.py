@@ -16,7 +16,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvserver.connector_messages import (
+from scheduler.synthetic import SyntheticWorker
+from scheduler.workers import WorkerFailure, WorkerGroup
+from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
     KIND_RESULT,
@@ -26,8 +28,6 @@ from kvserver.connector_messages import (
     decode,
     encode_body,
 )
-from scheduler.synthetic import SyntheticWorker
-from scheduler.workers import WorkerFailure, WorkerGroup
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, output_tokens, start_scheduler, start_worker
 from tests.support.daemon import wait_until

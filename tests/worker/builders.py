@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
-from kvserver.connector_messages import (
+from kvserver.hashing import BlockHasher
+from kvserver.namespace import NamespaceSpec
+from scheduler.connector_base import TransferReport
+from scheduler.kv_connector import KVServerSchedulerConnector
+from scheduler.kv_connector_types import KVConnectorConfig
+from step_protocol import (
     CachedRequestData,
     ConnectorMetadata,
     NewRequestData,
@@ -19,11 +24,6 @@ from kvserver.connector_messages import (
     decode,
     encode,
 )
-from kvserver.hashing import BlockHasher
-from kvserver.namespace import NamespaceSpec
-from scheduler.connector_base import TransferReport
-from scheduler.kv_connector import KVServerSchedulerConnector
-from scheduler.kv_connector_types import KVConnectorConfig
 from worker.config import WorkerConnectorConfig
 from worker.kv_connector import KVServerWorkerConnector
 from worker.layout import CanonicalKVCaches

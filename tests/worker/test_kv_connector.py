@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvserver.client import KVClient  # noqa: E402
-from kvserver.connector_messages import ConnectorMetadata  # noqa: E402
 from kvserver.errors import InvalidArgument  # noqa: E402
+from step_protocol import ConnectorMetadata  # noqa: E402
 from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
 from tests.support.gate import Gate  # noqa: E402
 from tests.worker.builders import (  # noqa: E402

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvserver.connector_messages import (
+from kvserver.errors import InvalidArgument
+from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
     KIND_RESULT,
@@ -25,7 +26,6 @@ from kvserver.connector_messages import (
     decode,
     encode_body,
 )
-from kvserver.errors import InvalidArgument
 from worker.model import ModelConfig, generate, load_model, write_random_model
 from worker.process import ModelWorker
 
