@@ -143,6 +143,14 @@ class StorageEngine:
     def namespaces(self) -> dict[str, NamespaceSpec]:
         return dict(zip(self._ns_ids, self._namespaces.specs, strict=True))
 
+    def held_keys(self) -> dict[str, list[bytes]]:
+        """The READY (visible) chunk keys per namespace id: what the fleet index mirrors."""
+        out: dict[str, list[bytes]] = {}
+        for (ns, key), entry in self._dram.entries.items():
+            if entry.state is EntryState.READY:
+                out.setdefault(self._ns_ids[ns], []).append(key)
+        return out
+
     # ================================================================== queries
 
     def lookup(

@@ -43,6 +43,17 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction, default=None,
                    help="glibc allocator settings for large messages (default on; no-op "
                         "without glibc)")
+    p.add_argument("--cluster", metavar="URL",
+                   help="join a fleet on Redis/Valkey: redis://HOST:PORT/DB, rediss://..., "
+                        "redis+cluster://H1:P1,H2:P2 (docs/cluster.md; default: standalone)")
+    p.add_argument("--advertise-addr", metavar="HOST",
+                   help="address peers and routers reach this daemon at (default: --host)")
+    p.add_argument("--host-id", help="this daemon's name in the fleet (default: hostname/boot id)")
+    p.add_argument("--cluster-ttl-s", type=float,
+                   help="seconds a member lives without a heartbeat (default 10)")
+    p.add_argument("--cluster-timeout-s", type=float, help="bound on Redis calls (default 1)")
+    p.add_argument("--cluster-tier-weights", metavar="W",
+                   help="ScoreHosts tier weights (default dram=1,ssd=0.5)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -56,7 +67,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
         for k in ("host", "grpc_port", "zmq_port", "pub_port", "dram", "page_size", "policy",
                   "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
                   "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
-                  "ssd_promotions", "tune_malloc")
+                  "ssd_promotions", "tune_malloc", "cluster", "advertise_addr", "host_id",
+                  "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

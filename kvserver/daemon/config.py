@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvserver.cluster.config import ClusterConfig, parse_weights
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.policies import make_policy
@@ -94,6 +96,20 @@ class DaemonConfig:
     ssd_direct: str = "auto"
     #: promotions (SSD → DRAM batches) reading at once; more wait their turn.
     ssd_promotions: int = 4
+    #: fleet state on Redis / Valkey (docs/cluster.md): redis://HOST:PORT/DB, rediss://...,
+    #: redis+cluster://H1:P1,H2:P2; "" = this daemon is not part of a fleet.
+    cluster: str = ""
+    #: address peers and routers reach this daemon at ("" = host, or this host's name when
+    #: host is a wildcard address).
+    advertise_addr: str = ""
+    #: this daemon's name in the fleet ("" = kvserver.wire.host_id()).
+    host_id: str = ""
+    #: seconds a fleet member (and its index entries) lives without a heartbeat.
+    cluster_ttl_s: float = 10.0
+    #: bound on every Redis call, seconds.
+    cluster_timeout_s: float = 1.0
+    #: ScoreHosts tier weights, e.g. "dram=1,ssd=0.5".
+    cluster_tier_weights: str = "dram=1,ssd=0.5"
     #: apply the glibc allocator settings of ``kvserver/daemon/malloc.py`` at start-up.
     tune_malloc: bool = True
 
@@ -112,6 +128,28 @@ class DaemonConfig:
         make_policy(self.ssd_policy)  # names the valid choices when wrong
         if self.ssd_dir:
             self.tier_config()
+        if self.cluster:
+            self.cluster_config()
+
+    def cluster_config(self) -> ClusterConfig | None:
+        """The fleet settings, or None when no ``cluster`` URL is given."""
+        if not self.cluster:
+            return None
+        return ClusterConfig(
+            self.cluster,
+            ttl_s=self.cluster_ttl_s,
+            timeout_s=self.cluster_timeout_s,
+            tier_weights=parse_weights(self.cluster_tier_weights),
+        )
+
+    @property
+    def advertised_host(self) -> str:
+        """The host part of the addresses this daemon advertises to its fleet."""
+        if self.advertise_addr:
+            return self.advertise_addr
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return self.host
 
     def tier_config(self) -> TierConfig | None:
         """The SSD tier's settings, or None when no ``ssd_dir`` is given."""

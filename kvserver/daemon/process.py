@@ -8,9 +8,12 @@ Start-up: apply the glibc allocator settings (``malloc.py``; before any thread e
 tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
 retried, the daemon serves DRAM) → start the ZMQ front end → start the gRPC front end → start
-the lease reaper → write the ready file → log where it listens.
+the lease reaper → join the fleet when ``--cluster`` is set (``kvserver/cluster/node.py``:
+register, resync the fleet index; an unreachable Redis does not stop the daemon) → write the
+ready file → log where it listens.
 
-Shutdown on SIGTERM/SIGINT, in order: stop accepting (gRPC server stops taking new RPCs, ZMQ
+Shutdown on SIGTERM/SIGINT, in order: leave the fleet (record and index entries removed) →
+stop accepting (gRPC server stops taking new RPCs, ZMQ
 sockets stop reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight
 writes and close its files → roll back in-flight reservations and release pins → stop event
 streams → remove the shared-memory arena → exit 0.
@@ -27,12 +30,15 @@ import signal
 import sys
 
 from kvserver.arena import reap_stale_arenas
+from kvserver.cluster.node import ClusterNode
+from kvserver.cluster.schema import check_host_id
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import ZmqFrontend
+from kvserver.wire import host_id
 
 logger = logging.getLogger("kvserver.daemon")
 
@@ -53,6 +59,7 @@ async def serve(
     grpc_front = GrpcFrontend(service, config)
     reaper: asyncio.Task[None] | None = None
     tier: SsdTier | None = None
+    node: ClusterNode | None = None
     try:
         tier_config = config.tier_config()
         if tier_config is not None:
@@ -68,6 +75,7 @@ async def serve(
         grpc_port = await grpc_front.start()
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
         dram_bytes = service.engine.stats().capacity_bytes
+        node = await _join_fleet(config, service, data_port, grpc_port, tier)
         info: dict[str, object] = {
             "pid": os.getpid(),
             "host": config.host,
@@ -80,6 +88,9 @@ async def serve(
             "ssd_condition": tier.condition if tier is not None else "",
             "ssd_recovered_chunks": tier.counters.recovered_chunks if tier is not None else 0,
             "malloc_tuned": malloc_tuned,
+            "cluster_host_id": node.host_id if node is not None else "",
+            "cluster_incarnation": node.incarnation if node is not None else "",
+            "cluster_condition": node.condition if node is not None else "",
         }
         if config.ready_file:
             _write_atomic(config.ready_file, json.dumps(info))
@@ -99,6 +110,8 @@ async def serve(
         await stop.wait()
         logger.info("shutting down")
     finally:
+        if node is not None:  # leave the fleet first: peers stop routing here
+            await node.stop()
         await grpc_front.stop(SHUTDOWN_GRACE_S)
         await zmq_front.stop()
         if reaper is not None:
@@ -112,6 +125,44 @@ async def serve(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)
         logger.info("stopped; shared-memory arena removed")
+
+
+async def _join_fleet(
+    config: DaemonConfig,
+    service: KVService,
+    data_port: int,
+    grpc_port: int,
+    tier: SsdTier | None,
+) -> ClusterNode | None:
+    """Register this daemon in its fleet (``--cluster``); None when standalone. Never fails
+    for Redis: an unreachable Redis leaves the node ``unavailable`` and retried."""
+    cluster_config = config.cluster_config()
+    if cluster_config is None:
+        return None
+    from kvserver.cluster.schema import HostInfo
+
+    host = config.advertised_host
+    capacity = {"dram": service.engine.stats().capacity_bytes}
+    if tier is not None and config.tier_config() is not None:
+        capacity["ssd"] = config.ssd
+    identity = HostInfo(
+        host_id=check_host_id(config.host_id or host_id()),
+        incarnation="",
+        data_address=f"tcp://{host}:{data_port}",
+        grpc_address=f"{host}:{grpc_port}",
+        tiers=tuple(capacity),
+        capacity=capacity,
+    )
+    node = ClusterNode(
+        cluster_config,
+        identity,
+        service.events,
+        service.held_chunks,
+        lambda: {s.ns_id: json.dumps(s.to_dict()) for s in service.list_namespaces()},
+    )
+    await node.start()
+    service.cluster = node
+    return node
 
 
 async def _reap_forever(service: KVService, interval: float) -> None:

@@ -56,6 +56,8 @@ class KVService:
         self.events = EventLog(event_capacity)
         self.host_id = host_id()
         self.ssd: SsdTier | None = None
+        #: the fleet membership (``kvserver.cluster.ClusterNode``) when ``--cluster`` is set.
+        self.cluster: Any = None
         self._hashers: dict[str, BlockHasher] = {}
 
     def attach_ssd(self, tier: SsdTier) -> None:
@@ -154,6 +156,14 @@ class KVService:
         out["events_last_seq"] = self.events.last_seq
         out["server_version"] = __version__
         out["ssd"] = self.ssd.stats() if self.ssd is not None else None
+        out["cluster"] = self.cluster.stats() if self.cluster is not None else None
+        return out
+
+    def held_chunks(self) -> dict[tuple[str, str], list[bytes]]:
+        """Visible chunk keys per (namespace id, tier "dram"/"ssd"): the fleet index's resync."""
+        out = {(ns, "dram"): keys for ns, keys in self.engine.held_keys().items()}
+        if self.ssd is not None:
+            out.update({(ns, "ssd"): keys for ns, keys in self.ssd.index.held_keys().items()})
         return out
 
     # ------------------------------------------------------------------ store / load

@@ -115,6 +115,14 @@ class SsdIndex:
     def entries(self) -> Iterable[SsdEntry]:
         return self._entries.values()
 
+    def held_keys(self) -> dict[str, list[bytes]]:
+        """The READY (visible) chunk keys per namespace id: what the fleet index mirrors."""
+        out: dict[str, list[bytes]] = {}
+        for (ns_id, key), entry in self._entries.items():
+            if entry.state is SsdState.READY:
+                out.setdefault(ns_id, []).append(key)
+        return out
+
     @property
     def num_discarding(self) -> int:
         return len(self._discarding)

@@ -1,0 +1,192 @@
+"""Cluster settings and the Redis / Valkey connection.
+
+``ClusterConfig.parse(url, ...)`` validates everything up front (a bad URL is an
+``InvalidArgument`` at start-up, not a failure later); ``connect()`` builds the redis-py
+asyncio client, which connects lazily (so a daemon starts while Redis is down).
+
+URLs:
+
+- ``redis://[USER:PASSWORD@]HOST:PORT[/DB]``: one Redis / Valkey server;
+- ``rediss://...``: the same over TLS (query parameters ``ssl_ca_certs``, ``ssl_certfile``,
+  ``ssl_keyfile``, ``ssl_cert_reqs=none|optional|required``);
+- ``redis+cluster://[USER:PASSWORD@]H1:P1,H2:P2,...`` (and ``rediss+cluster://``): a Redis
+  Cluster; the listed nodes are seeds, the client discovers the others (DB must be 0).
+
+Every Redis call is bounded by ``timeout_s`` (socket connect and read timeouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from kvserver.cluster.schema import TIERS
+from kvserver.errors import InvalidArgument
+
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+DEFAULT_TTL_S = 10.0
+DEFAULT_TIMEOUT_S = 1.0
+#: score weight per tier (a token in DRAM counts 1, on SSD 0.5); overridable per request.
+DEFAULT_TIER_WEIGHTS = {"dram": 1.0, "ssd": 0.5}
+_TLS_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    url: str
+    #: seconds a member (and its index) lives without a heartbeat.
+    ttl_s: float = DEFAULT_TTL_S
+    #: seconds between heartbeats; default ttl_s / 3.
+    heartbeat_s: float = 0.0
+    #: bound on every Redis call (connect, read).
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    #: readers cache the member list this long (seconds).
+    members_max_age_s: float = 0.5
+    #: most events buffered while a batch is in flight; beyond, they are dropped and the
+    #: index is resynchronised from the daemon's own tiers.
+    max_pending_keys: int = 1_000_000
+    tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+
+    def __post_init__(self) -> None:
+        self.target()  # validates the URL
+        if self.ttl_s <= 0 or self.timeout_s <= 0 or self.members_max_age_s < 0:
+            raise InvalidArgument("cluster ttl_s and timeout_s must be positive")
+        if self.heartbeat_s < 0 or self.heartbeat_s >= self.ttl_s:
+            raise InvalidArgument("cluster heartbeat_s must be below ttl_s", ttl_s=self.ttl_s)
+        check_weights(self.tier_weights)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s or self.ttl_s / 3
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    def target(self) -> RedisTarget:
+        return parse_url(self.url)
+
+
+def check_weights(weights: dict[str, float]) -> dict[str, float]:
+    for tier, w in weights.items():
+        if tier not in TIERS:
+            raise InvalidArgument(f"unknown tier {tier!r} in weights; valid: {', '.join(TIERS)}")
+        if not 0.0 <= w <= 1e6:
+            raise InvalidArgument("tier weight must be in [0, 1e6]", tier=tier, weight=w)
+    return weights
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"dram=1,ssd=0.5"`` → ``{"dram": 1.0, "ssd": 0.5}`` (unnamed tiers keep defaults)."""
+    out = dict(DEFAULT_TIER_WEIGHTS)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise InvalidArgument(f"bad tier weight {part!r}; example: dram=1,ssd=0.5") from None
+    return check_weights(out)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """A parsed cluster URL."""
+
+    nodes: tuple[tuple[str, int], ...]
+    cluster: bool
+    tls: bool
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls_options: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The URL without credentials (for logs and status)."""
+        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{hosts}" + ("" if self.cluster else f"/{self.db}")
+
+
+def parse_url(url: str) -> RedisTarget:
+    """Validate and split a cluster URL (module docstring); InvalidArgument names the forms."""
+    forms = "redis://HOST:PORT/DB, rediss://..., redis+cluster://H1:P1,H2:P2"
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise InvalidArgument(f"bad cluster URL; forms: {forms}", url=url) from None
+    if parts.scheme not in SCHEMES:
+        raise InvalidArgument(f"bad cluster URL scheme; forms: {forms}", url=url)
+    cluster = parts.scheme.endswith("+cluster")
+    tls = parts.scheme.startswith("rediss")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        username, password = (unquote(user) or None), (unquote(pw) or None)
+    nodes: list[tuple[str, int]] = []
+    for item in filter(None, hostlist.split(",")):
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "6379"
+        try:
+            port_no = int(port)
+        except ValueError:
+            raise InvalidArgument(f"bad port in cluster URL; forms: {forms}", url=url) from None
+        if not host or not 0 < port_no < 65536:
+            raise InvalidArgument(f"bad host:port in cluster URL; forms: {forms}", url=url)
+        nodes.append((host.strip("[]"), port_no))
+    if not nodes or (len(nodes) > 1 and not cluster):
+        raise InvalidArgument(f"cluster URL needs one host (several with +cluster); {forms}")
+    path = parts.path.strip("/")
+    try:
+        db = int(path) if path else 0
+    except ValueError:
+        raise InvalidArgument("cluster URL database must be a number", url=url) from None
+    if cluster and db:
+        raise InvalidArgument("a Redis Cluster has only database 0", url=url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - set(_TLS_PARAMS)
+    if unknown or (query and not tls):
+        raise InvalidArgument(
+            f"cluster URL parameters allowed (rediss only): {', '.join(_TLS_PARAMS)}", url=url
+        )
+    return RedisTarget(tuple(nodes), cluster, tls, db, username, password, query)
+
+
+def connect(config: ClusterConfig) -> Any:
+    """A redis-py asyncio client (``Redis`` or ``RedisCluster``) for ``config``; connects
+    lazily, every call bounded by ``config.timeout_s``."""
+    try:
+        import redis.asyncio as aioredis
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+    except ImportError:
+        raise InvalidArgument(
+            "--cluster needs the redis package: pip install 'kvserver[cluster]'"
+        ) from None
+
+    t = config.target()
+    common: dict[str, Any] = {
+        "username": t.username,
+        "password": t.password,
+        "socket_timeout": config.timeout_s,
+        "socket_connect_timeout": config.timeout_s,
+        "decode_responses": False,
+        # no hidden retries: every call is bounded by timeout_s; the node retries itself.
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if t.tls:
+        common["ssl"] = True
+        common.update({k: v for k, v in t.tls_options.items()})
+    if t.cluster:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
+            require_full_coverage=False,
+            **common,
+        )
+    host, port = t.nodes[0]
+    return aioredis.Redis(host=host, port=port, db=t.db, **common)

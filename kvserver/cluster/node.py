@@ -1,0 +1,334 @@
+"""``ClusterNode``: this daemon as a member of the fleet (membership + its part of the index).
+
+Runs on the daemon's event loop; created and started by ``kvserver/daemon/process.py`` after
+the front ends are up (it advertises their addresses), stopped before they close. One task
+does every Redis write, in order; a second one follows the daemon's ``EventLog``.
+
+Call order: ``ClusterNode(config, identity, events, snapshot, namespace_specs)`` →
+``await start()`` (never fails for Redis: an unreachable Redis leaves the node
+``unavailable`` and retried) → ``reader`` / ``stats()`` any time → ``await stop()``
+(leaves the fleet: record and index sets removed, best effort, bounded by the timeout).
+
+Lifecycle of the member (docs/cluster.md):
+
+1. **Register**: a new ``incarnation`` id per start; the previous incarnation's record (same
+   host id, if still alive) names its index sets, which are unlinked; the record is written
+   with ``PX ttl`` and the host id added to the hosts set.
+2. **Resync**: the daemon's own tiers (``snapshot()``: chunk keys per (namespace, tier)) replace
+   every index set of this incarnation; namespace specs are published.
+3. **Steady state**: storage events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU
+   → dram, DISK → ssd) are coalesced by the ``IndexWriter`` and written as one pipeline per
+   loop turn of this task; a heartbeat every ``heartbeat_interval_s`` rewrites the record
+   (``SET .. XX PX ttl``) and renews the TTL of the index sets.
+4. **Degraded**: any Redis error or timeout → condition ``unavailable`` (with the error),
+   pending changes dropped; the daemon keeps serving its own tiers. Retried every heartbeat
+   interval; on success → back to 1 (register, full resync) → ``ok``. A heartbeat that finds
+   its record gone (Redis restarted, or this daemon stalled past the TTL) does the same.
+
+Conditions: ``connecting`` (not registered yet), ``ok``, ``unavailable``, ``stopped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvserver.cluster import schema
+from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.cluster.reader import FleetReader
+from kvserver.cluster.schema import HostInfo
+from kvserver.cluster.writer import Batch, IndexWriter, SetId
+from kvserver.daemon.eventlog import EventGap, EventLog
+
+logger = logging.getLogger(__name__)
+
+
+#: what the daemon holds: chunk keys per (namespace id, tier).
+Snapshot = Callable[[], Mapping[SetId, Sequence[bytes]]]
+#: the daemon's namespace specs as JSON, by namespace id.
+Specs = Callable[[], Mapping[str, str]]
+
+
+@dataclass(slots=True)
+class NodeCounters:
+    registrations: int = 0
+    resyncs: int = 0
+    heartbeats: int = 0
+    batches: int = 0
+    commands: int = 0
+    indexed_keys: int = 0
+    errors: int = 0
+    dropped_keys: int = 0
+
+
+class ClusterNode:
+    """This daemon's membership and index writing (module docstring)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        identity: HostInfo,
+        events: EventLog,
+        snapshot: Snapshot,
+        namespace_specs: Specs,
+        *,
+        redis: Any = None,
+    ) -> None:
+        self.config = config
+        self.redis = redis if redis is not None else connect(config)
+        self.info = replace(identity, incarnation=uuid.uuid4().hex[:16], started_at=time.time())
+        self.events = events
+        self.snapshot = snapshot
+        self.namespace_specs = namespace_specs
+        self.reader = FleetReader(self.redis, config)
+        self.writer = IndexWriter(self.info.host_id, self.info.incarnation, config.ttl_ms)
+        self.counters = NodeCounters()
+        self.condition = "connecting"
+        self.condition_detail = ""
+        self._registered = False
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ns_specs: dict[str, str] = {}
+        #: the newest storage event reflected in Redis.
+        self.written_seq = 0
+        self._written_changed = asyncio.Event()
+
+    @property
+    def host_id(self) -> str:
+        return self.info.host_id
+
+    @property
+    def incarnation(self) -> str:
+        return self.info.incarnation
+
+    async def start(self) -> None:
+        """Start following events and writing; tries to register once before returning."""
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="cluster-events"),
+            asyncio.create_task(self._run(), name="cluster-writer"),
+        ]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_attempt(), self.config.timeout_s * 3)
+
+    async def _first_attempt(self) -> None:
+        while self.condition == "connecting":
+            await asyncio.sleep(0.01)  # bounded by start()'s wait_for
+
+    async def stop(self) -> None:
+        """Leave the fleet (best effort, bounded) and close the client."""
+        self._stopping = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._registered:
+            try:
+                await asyncio.wait_for(self._leave(), self.config.timeout_s)
+            except Exception as exc:
+                logger.warning("cluster: could not leave cleanly (%s); entries expire by TTL", exc)
+        self.condition = "stopped"
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "condition": self.condition,
+            "condition_detail": self.condition_detail,
+            "url": self.config.target().describe(),
+            "host_id": self.host_id,
+            "incarnation": self.incarnation,
+            "namespaces": len(self.writer.namespaces),
+            "pending_keys": self.writer.pending_keys,
+            "registrations": c.registrations,
+            "resyncs": c.resyncs,
+            "heartbeats": c.heartbeats,
+            "batches": c.batches,
+            "commands": c.commands,
+            "indexed_keys": c.indexed_keys,
+            "errors": c.errors,
+            "dropped_keys": c.dropped_keys,
+        }
+
+    async def wait_written(self, seq: int | None = None, timeout_s: float = 10.0) -> bool:
+        """Until the index reflects event ``seq`` (default: the newest so far); False if that
+        did not happen within ``timeout_s``. For tests, benchmarks and orderly hand-offs."""
+        target = self.events.last_seq if seq is None else seq
+        deadline = time.monotonic() + timeout_s
+        while self.written_seq < target:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            waiter = self._written_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter.wait(), left)
+        return True
+
+    def _written(self, seq: int) -> None:
+        self.written_seq = max(self.written_seq, seq)
+        self._written_changed.set()
+        self._written_changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ tasks
+
+    async def _follow(self) -> None:
+        """Feed the event log into the writer (drops them while Redis is unreachable)."""
+        next_seq = self.events.last_seq + 1
+        while not self._stopping:
+            try:
+                async for ev in self.events.follow(next_seq):
+                    next_seq = ev.seq + 1
+                    if self._registered:
+                        self.writer.add((ev,))
+                        if self.writer.pending_keys > self.config.max_pending_keys:
+                            self._lost("too many pending index changes")
+                    self._wake.set()
+                return
+            except EventGap:
+                next_seq = self.events.last_seq + 1
+                self._lost("missed storage events")
+
+    def _lost(self, why: str) -> None:
+        """Pending changes cannot be written: drop them and resync from the tiers."""
+        self.counters.dropped_keys += self.writer.pending_keys
+        self.writer.drop()
+        if self._registered:
+            logger.warning("cluster: %s; resyncing the index from this daemon's tiers", why)
+        self._registered = False
+
+    async def _run(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_beat = 0.0
+        while not self._stopping:
+            try:
+                if not self._registered:
+                    await self._register_and_resync()
+                    next_beat = time.monotonic() + interval
+                if time.monotonic() >= next_beat:
+                    await self._heartbeat()
+                    next_beat = time.monotonic() + interval
+                    continue
+                batch = self.writer.take_batch()
+                if batch is not None:
+                    await self._write(batch)
+                    continue
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), next_beat - time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed(exc)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(interval, 1.0))
+                self._wake.clear()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counters.errors += 1
+        detail = f"{type(exc).__name__}: {exc}"
+        if self.condition != "unavailable":
+            logger.warning(
+                "cluster: Redis unreachable (%s); serving local tiers only, retrying", detail
+            )
+        self.condition, self.condition_detail = "unavailable", detail
+        self.counters.dropped_keys += self.writer.pending_keys
+        self.writer.drop()
+        self._registered = False
+
+    # ------------------------------------------------------------------ Redis writes
+
+    async def _bounded(self, pipe: Any) -> list[Any]:
+        result: list[Any] = await asyncio.wait_for(pipe.execute(), self.config.timeout_s * 4)
+        return result
+
+    async def _register_and_resync(self) -> None:
+        r = self.redis
+        old_raw = await asyncio.wait_for(
+            r.get(schema.host_key(self.host_id)), self.config.timeout_s
+        )
+        old_keys: list[str] = []
+        if old_raw is not None:
+            with contextlib.suppress(Exception):
+                old = HostInfo.decode(old_raw)
+                if old.incarnation != self.incarnation:
+                    old_keys = old.index_keys()
+        snap = self.snapshot()  # no await between this and the batch: events after it follow
+        self._ns_specs = dict(self.namespace_specs())
+        batch = self.writer.full_batch(snap, self.events.last_seq)
+        self._registered = True  # events from here on go to the writer
+        pipe = r.pipeline(transaction=False)
+        for key in old_keys:
+            pipe.unlink(key)
+        commands = len(old_keys) + self.writer.apply(pipe, batch)
+        commands += self._queue_record(pipe, exists=False)
+        await self._bounded(pipe)
+        self._written(batch.last_seq)
+        self.counters.registrations += 1
+        self.counters.resyncs += 1
+        self.counters.commands += commands
+        self.counters.indexed_keys += batch.num_keys
+        if self.condition != "ok":
+            logger.info(
+                "cluster: registered %s (incarnation %s) at %s; %d chunk(s) indexed%s",
+                self.host_id,
+                self.incarnation,
+                self.config.target().describe(),
+                batch.num_keys,
+                f", {len(old_keys)} stale set(s) of a previous incarnation removed"
+                if old_keys
+                else "",
+            )
+        self.condition, self.condition_detail = "ok", ""
+
+    def _queue_record(self, pipe: Any, *, exists: bool) -> int:
+        """Queue the record (with the current namespaces), the hosts set and the specs."""
+        self.info = replace(self.info, namespaces=tuple(sorted(self.writer.namespaces)))
+        pipe.set(
+            schema.host_key(self.host_id), self.info.encode(), px=self.config.ttl_ms, xx=exists
+        )
+        pipe.sadd(schema.hosts_key(), self.host_id)
+        if self._ns_specs:
+            pipe.hset(schema.namespaces_key(), mapping=self._ns_specs)
+            return 3
+        return 2
+
+    async def _write(self, batch: Batch) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        commands = self.writer.apply(pipe, batch)
+        if batch.new_namespaces:
+            self._ns_specs.update(self.namespace_specs())
+            commands += self._queue_record(pipe, exists=True)
+        await self._bounded(pipe)
+        self._written(batch.last_seq)
+        self.counters.batches += 1
+        self.counters.commands += commands
+        self.counters.indexed_keys += batch.num_keys
+
+    async def _heartbeat(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self._queue_record(pipe, exists=True)
+        for key in self.writer.index_keys():
+            pipe.pexpire(key, self.config.ttl_ms)
+        replies = await self._bounded(pipe)
+        self.counters.heartbeats += 1
+        self.counters.commands += len(replies)
+        if replies[0] is None:  # record gone: Redis lost it, or we stalled past the TTL
+            logger.warning("cluster: membership record was gone; re-registering")
+            self._registered = False
+
+    async def _leave(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for key in self.writer.index_keys():
+            pipe.unlink(key)
+        pipe.delete(schema.host_key(self.host_id))
+        pipe.srem(schema.hosts_key(), self.host_id)
+        await pipe.execute()

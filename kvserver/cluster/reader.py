@@ -1,0 +1,186 @@
+"""``FleetReader``: what the fleet holds, read from Redis / Valkey (schema in ``schema.py``).
+
+Runs in any process with an asyncio loop: the daemon (its peer tier and ``ScoreHosts``), a
+router, ``kvserver lookup --fleet``. One reader per loop; not thread-safe. Every call is
+bounded by a timeout and raises :class:`~kvserver.errors.Unavailable` when Redis does not
+answer in time (the caller then treats the fleet as empty: the index is an optimisation).
+
+API (the contract the peer tier and routers code against)::
+
+    reader = FleetReader(redis_client, config)     # client from config.connect()
+    hosts  = await reader.hosts()                  # live members, cached members_max_age_s
+    runs   = await reader.lookup(ns_id, keys, hosts=None, exclude=(my_host_id,))
+    # -> [HostRun(host=HostInfo, hit_chunks=n, tiers={"dram": a, "ssd": b})], one per live
+    #    host with n >= 1, longest first; n = the leading run of ``keys`` that host holds.
+    spec   = await reader.namespace_spec(ns_id)    # spec JSON published by a member, or None
+
+Liveness: a host is live while its record exists (``PX`` = the member TTL, renewed by its
+heartbeat); only the incarnation named in the record is read, so a restarted host's old
+entries are ignored at once and expire within the TTL.
+
+Exactness: ``lookup(..., exact=True)`` (default) tests every key up to the first miss, per
+host, in one server-side script (``SMISMEMBER``, native). ``exact=False`` finds the run by
+binary search, assuming what a host holds of one prompt is prefix-closed (true unless a middle
+chunk was evicted alone, when the run is over-estimated); it costs O(log n) lookups per host
+instead of O(n) and is what ``ScoreHosts`` uses by default for long prompts. The index lags
+the truth either way: it is never trusted for bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from kvserver.cluster import schema
+from kvserver.cluster.config import ClusterConfig
+from kvserver.cluster.schema import HostInfo
+from kvserver.cluster.scoring import HostRun
+from kvserver.errors import Unavailable
+
+T = TypeVar("T")
+
+# KEYS: the host's DRAM set, its SSD set. ARGV: concatenated fingerprints, their width,
+# "1" exact / "0" binary search. Returns {dram, ssd}: the leading run split by tier.
+_RUN_SCRIPT = """
+local blob, w, exact = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local n = #blob / w
+local function fp(j) return string.sub(blob, (j - 1) * w + 1, j * w) end
+if exact then
+  local fps = {}
+  for j = 1, n do fps[j] = fp(j) end
+  local d = redis.call('SMISMEMBER', KEYS[1], unpack(fps))
+  local s = nil
+  local nd, ns = 0, 0
+  for j = 1, n do
+    if d[j] == 1 then nd = nd + 1
+    else
+      if s == nil then s = redis.call('SMISMEMBER', KEYS[2], unpack(fps)) end
+      if s[j] == 1 then ns = ns + 1 else break end
+    end
+  end
+  return {nd, ns}
+end
+local function last(keys, hi)
+  local lo = 0
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    local k = fp(mid)
+    local hit = false
+    for _, key in ipairs(keys) do
+      if redis.call('SISMEMBER', key, k) == 1 then hit = true break end
+    end
+    if hit then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+local total = last({KEYS[1], KEYS[2]}, n)
+local dram = last({KEYS[1]}, total)
+return {dram, total - dram}
+"""
+
+
+class FleetReader:
+    """Reads membership and the fleet index (module docstring)."""
+
+    def __init__(self, redis: Any, config: ClusterConfig) -> None:
+        self.redis = redis
+        self.config = config
+        self._hosts: list[HostInfo] = []
+        self._hosts_at = -1e9
+
+    async def hosts(
+        self, *, refresh: bool = False, timeout_s: float | None = None
+    ) -> list[HostInfo]:
+        """Live members sorted by host id; cached for ``members_max_age_s`` unless ``refresh``."""
+        now = time.monotonic()
+        if refresh or now - self._hosts_at > self.config.members_max_age_s:
+            self._hosts = await self._bounded(self._read_hosts(), timeout_s)
+            self._hosts_at = time.monotonic()
+        return list(self._hosts)
+
+    async def _read_hosts(self) -> list[HostInfo]:
+        ids = sorted(x.decode() for x in await self.redis.smembers(schema.hosts_key()))
+        if not ids:
+            return []
+        raws = await self.redis.mget([schema.host_key(h) for h in ids])
+        live, gone = [], []
+        for host_id, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                gone.append(host_id)
+                continue
+            try:
+                live.append(HostInfo.decode(raw))
+            except Exception:  # another version's record: not ours to read
+                continue
+        if gone:  # lazily forget members whose record expired (re-added by their heartbeat)
+            await self.redis.srem(schema.hosts_key(), *gone)
+        return live
+
+    async def lookup(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        hosts: Iterable[str] | None = None,
+        exclude: Iterable[str] = (),
+        exact: bool = True,
+        timeout_s: float | None = None,
+    ) -> list[HostRun]:
+        """Per live host (of ``hosts`` if given, minus ``exclude``) holding at least the first
+        chunk: its leading run of ``keys``, longest first (module docstring)."""
+        if not keys:
+            return []
+        members = await self.hosts(timeout_s=timeout_s)
+        wanted = set(hosts) if hosts is not None else None
+        skip = set(exclude)
+        chosen = [
+            h for h in members
+            if (wanted is None or h.host_id in wanted) and h.host_id not in skip
+            and ns_id in h.namespaces
+        ]  # fmt: skip
+        if not chosen:
+            return []
+        blob = b"".join(schema.fingerprint(k) for k in keys)
+        calls = [
+            self.redis.eval(
+                _RUN_SCRIPT,
+                2,
+                schema.index_key(h.host_id, h.incarnation, ns_id, schema.TIER_DRAM),
+                schema.index_key(h.host_id, h.incarnation, ns_id, schema.TIER_SSD),
+                blob,
+                schema.FP_BYTES,
+                "1" if exact else "0",
+            )
+            for h in chosen
+        ]
+        replies = await self._bounded(asyncio.gather(*calls), timeout_s)
+        runs = []
+        for host, (dram, ssd) in zip(chosen, replies, strict=True):
+            if dram + ssd:
+                tiers = {schema.TIER_DRAM: int(dram), schema.TIER_SSD: int(ssd)}
+                runs.append(HostRun(host, int(dram) + int(ssd), tiers))
+        runs.sort(key=lambda r: (-r.hit_chunks, r.host.host_id))
+        return runs
+
+    async def namespace_spec(self, ns_id: str, *, timeout_s: float | None = None) -> str | None:
+        """The namespace spec JSON a member published for ``ns_id``, or None."""
+        raw = await self._bounded(self.redis.hget(schema.namespaces_key(), ns_id), timeout_s)
+        return None if raw is None else bytes(raw).decode()
+
+    async def _bounded(self, call: Awaitable[T], timeout_s: float | None) -> T:
+        try:
+            return await asyncio.wait_for(call, timeout_s or self.config.timeout_s)
+        except TimeoutError:
+            raise Unavailable("fleet index: Redis did not answer in time") from None
+        except Exception as exc:
+            if _is_redis_error(exc):
+                raise Unavailable(f"fleet index: {type(exc).__name__}: {exc}") from None
+            raise
+
+
+def _is_redis_error(exc: BaseException) -> bool:
+    from redis.exceptions import RedisError
+
+    return isinstance(exc, RedisError | OSError)

@@ -1,0 +1,151 @@
+"""``IndexWriter``: a daemon's own storage events → batches of Redis commands on its index sets.
+
+Runs on the daemon's event loop, owned by ``ClusterNode`` (single owner, no locks). Pure
+bookkeeping: it never awaits; ``apply`` only queues commands on a pipeline the node executes.
+
+Call order: ``add(events)`` any number of times (coalesces) → ``take_batch()`` → ``apply(pipe,
+batch)`` → the node executes the pipeline. ``drop()`` forgets pending changes (Redis is
+unreachable; the node will resync); ``full_batch(snapshot)`` builds a resync that replaces
+every index set of this incarnation with the daemon's true contents.
+
+Invariant: after a batch is applied, each index set equals the keys the daemon's tier held
+when the last event of the batch was emitted (events of one key coalesce, last wins; an
+``AllBlocksCleared`` empties the set first). Each set gets its TTL when created (``PEXPIRE ..
+NX``); the node's heartbeat renews it.
+
+Cost: per batch and per (namespace, tier) touched, at most one ``SREM`` and one ``SADD`` per
+``MAX_ARGS`` keys plus one ``PEXPIRE``: commands per stored chunk fall as batches grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserver.cluster import schema
+from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+#: most fingerprints in one SADD / SREM.
+MAX_ARGS = 8192
+
+SetId = tuple[str, str]  # (ns_id, tier)
+
+
+@dataclass(slots=True)
+class _SetChanges:
+    cleared: bool = False
+    #: fingerprint -> True (add) / False (remove); last event wins.
+    ops: dict[bytes, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    #: per set: (unlink first, fingerprints to add, fingerprints to remove)
+    sets: dict[SetId, tuple[bool, list[bytes], list[bytes]]]
+    #: namespaces this batch writes for the first time (the record must list them).
+    new_namespaces: tuple[str, ...]
+    #: the newest event seq the batch reflects.
+    last_seq: int = 0
+
+    @property
+    def num_keys(self) -> int:
+        return sum(len(a) + len(r) for _, a, r in self.sets.values())
+
+
+class IndexWriter:
+    """Coalesces events into batches for one incarnation's index sets (module docstring)."""
+
+    def __init__(self, host_id: str, incarnation: str, ttl_ms: int) -> None:
+        self.host_id = host_id
+        self.incarnation = incarnation
+        self.ttl_ms = ttl_ms
+        #: namespaces with index sets in this incarnation (listed in the host record).
+        self.namespaces: set[str] = set()
+        self._pending: dict[SetId, _SetChanges] = {}
+        self.pending_keys = 0
+        #: the newest event seq added.
+        self.last_seq = 0
+
+    def add(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            self.last_seq = max(self.last_seq, ev.seq)
+            tier = schema.MEDIUM_TIER.get(ev.medium)
+            if tier is None:
+                continue
+            changes = self._pending.get((ev.ns_id, tier))
+            if changes is None:
+                changes = self._pending[(ev.ns_id, tier)] = _SetChanges()
+            if isinstance(ev, AllBlocksCleared):
+                self.pending_keys -= len(changes.ops)
+                changes.ops.clear()
+                changes.cleared = True
+                continue
+            added = isinstance(ev, BlockStored)
+            assert added or isinstance(ev, BlockRemoved)
+            before = len(changes.ops)
+            for key in ev.keys:
+                changes.ops[schema.fingerprint(key)] = added
+            self.pending_keys += len(changes.ops) - before
+
+    def drop(self) -> None:
+        """Forget pending changes (the node resyncs instead)."""
+        self._pending.clear()
+        self.pending_keys = 0
+
+    def take_batch(self) -> Batch | None:
+        """The pending changes as one batch (and none pending after), or None."""
+        if not self._pending:
+            return None
+        sets: dict[SetId, tuple[bool, list[bytes], list[bytes]]] = {}
+        for set_id, ch in self._pending.items():
+            adds = [fp for fp, add in ch.ops.items() if add]
+            removes = [] if ch.cleared else [fp for fp, add in ch.ops.items() if not add]
+            sets[set_id] = (ch.cleared, adds, removes)
+        self.drop()
+        return Batch(sets, self._claim({ns for ns, _ in sets}), self.last_seq)
+
+    def full_batch(self, snapshot: Mapping[SetId, Sequence[bytes]], last_seq: int) -> Batch:
+        """A resync: every set of this incarnation replaced by ``snapshot`` (chunk keys per
+        (namespace, tier), as of event ``last_seq``); sets of namespaces it lacks are emptied."""
+        self.drop()
+        self.last_seq = last_seq
+        sets: dict[SetId, tuple[bool, list[bytes], list[bytes]]] = {
+            (ns, tier): (True, [], []) for ns in self.namespaces for tier in schema.TIERS
+        }
+        for (ns, tier), keys in snapshot.items():
+            if keys:
+                sets[(ns, tier)] = (True, [schema.fingerprint(k) for k in keys], [])
+        claimed = self._claim({ns for (ns, _), (_, a, _) in sets.items() if a})
+        return Batch(sets, claimed, last_seq)
+
+    def _claim(self, namespaces: set[str]) -> tuple[str, ...]:
+        new = tuple(sorted(namespaces - self.namespaces))
+        self.namespaces.update(new)
+        return new
+
+    def key(self, ns_id: str, tier: str) -> str:
+        return schema.index_key(self.host_id, self.incarnation, ns_id, tier)
+
+    def index_keys(self) -> list[str]:
+        return [self.key(ns, tier) for ns in sorted(self.namespaces) for tier in schema.TIERS]
+
+    def apply(self, pipe: Any, batch: Batch) -> int:
+        """Queue ``batch`` on ``pipe`` (a non-transactional redis-py pipeline); returns the
+        number of commands queued."""
+        commands = 0
+        for (ns, tier), (unlink, adds, removes) in batch.sets.items():
+            key = self.key(ns, tier)
+            if unlink:
+                pipe.unlink(key)
+                commands += 1
+            for i in range(0, len(removes), MAX_ARGS):
+                pipe.srem(key, *removes[i : i + MAX_ARGS])
+                commands += 1
+            for i in range(0, len(adds), MAX_ARGS):
+                pipe.sadd(key, *adds[i : i + MAX_ARGS])
+                commands += 1
+            if adds:
+                pipe.pexpire(key, self.ttl_ms, nx=True)
+                commands += 1
+        return commands

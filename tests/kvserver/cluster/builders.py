@@ -1,0 +1,95 @@
+"""An in-process fleet member over a real EventLog and a real redis-server (tests only).
+
+``Member`` stands in for a daemon's tiers: ``store`` / ``evict`` change what it holds and emit
+the storage events the engine would, so the ``ClusterNode`` under test sees exactly what it
+sees in a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvserver.cluster import ClusterConfig, ClusterNode, HostInfo
+from kvserver.daemon.eventlog import EventLog
+from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+NS = "ns0000000000000a"
+MEDIUM = {"dram": "CPU", "ssd": "DISK"}
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return [seed.to_bytes(4, "big") + i.to_bytes(4, "big") + os.urandom(24) for i in range(n)]
+
+
+def cluster_config(url: str, **kw: float) -> ClusterConfig:
+    defaults: dict[str, float] = {"ttl_s": 1.5, "timeout_s": 0.5, "members_max_age_s": 0.0}
+    defaults.update(kw)
+    return ClusterConfig(url, **defaults)  # type: ignore[arg-type]
+
+
+@dataclass
+class Member:
+    host_id: str
+    config: ClusterConfig
+    log: EventLog = field(default_factory=EventLog)
+    held: dict[tuple[str, str], list[bytes]] = field(default_factory=dict)
+    seq: int = 0
+    node: ClusterNode | None = None
+
+    def _emit(self, ev: Event) -> None:
+        self.log.extend([ev])
+
+    def store(self, ks: list[bytes], tier: str = "dram", ns: str = NS) -> None:
+        have = self.held.setdefault((ns, tier), [])
+        have.extend(k for k in ks if k not in have)
+        self.seq += 1
+        self._emit(BlockStored(self.seq, ns, tuple(ks), MEDIUM[tier]))  # type: ignore[arg-type]
+
+    def evict(self, ks: list[bytes], tier: str = "dram", ns: str = NS) -> None:
+        have = self.held.setdefault((ns, tier), [])
+        self.held[(ns, tier)] = [k for k in have if k not in ks]
+        self.seq += 1
+        self._emit(BlockRemoved(self.seq, ns, tuple(ks), MEDIUM[tier]))  # type: ignore[arg-type]
+
+    def clear(self, tier: str = "dram", ns: str = NS) -> None:
+        self.held[(ns, tier)] = []
+        self.seq += 1
+        self._emit(AllBlocksCleared(self.seq, ns, MEDIUM[tier]))  # type: ignore[arg-type]
+
+    async def start(self) -> ClusterNode:
+        identity = HostInfo(
+            self.host_id, "", f"tcp://127.0.0.1:1{len(self.host_id)}", "127.0.0.1:2", ("dram",)
+        )
+        self.node = ClusterNode(
+            self.config, identity, self.log, lambda: dict(self.held), lambda: {NS: "{}"}
+        )
+        await self.node.start()
+        return self.node
+
+    async def crash(self) -> None:
+        """Stop writing without leaving (as SIGKILL would)."""
+        assert self.node is not None
+        node = self.node
+        node._registered = False  # its stop() then does not leave
+        await node.stop()
+
+    async def settled(self) -> None:
+        """Until every event so far is written (bounded)."""
+        assert self.node is not None
+        assert await self.node.wait_written(timeout_s=5.0), self.node.stats()
+
+
+async def eventually(check: Callable[[], Awaitable[object]], timeout: float = 10.0) -> object:
+    """Poll ``check`` until truthy; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout}s")
+        await asyncio.sleep(0.02)

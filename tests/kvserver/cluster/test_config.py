@@ -1,0 +1,78 @@
+"""Cluster URLs and settings: every form parses, every bad one is a clear InvalidArgument."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserver.cluster.config import ClusterConfig, parse_url, parse_weights
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import InvalidArgument
+
+
+@pytest.mark.parametrize(
+    ("url", "nodes", "cluster", "tls", "db"),
+    [
+        ("redis://10.0.0.1:6380/2", (("10.0.0.1", 6380),), False, False, 2),
+        ("redis://r", (("r", 6379),), False, False, 0),
+        ("rediss://u:p@r:6390/0?ssl_ca_certs=/ca.pem", (("r", 6390),), False, True, 0),
+        ("redis+cluster://a:1,b:2,c:3", (("a", 1), ("b", 2), ("c", 3)), True, False, 0),
+        ("rediss+cluster://a:1", (("a", 1),), True, True, 0),
+    ],
+)
+def test_every_url_form_parses(
+    url: str, nodes: tuple[tuple[str, int], ...], cluster: bool, tls: bool, db: int
+) -> None:
+    t = parse_url(url)
+    assert (t.nodes, t.cluster, t.tls, t.db) == (nodes, cluster, tls, db)
+    assert "p@" not in t.describe()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://r:1",
+        "redis://a:1,b:2",
+        "redis://r:notaport",
+        "redis://r:1/x",
+        "redis+cluster://a:1/3",
+        "redis://r:1?ssl_ca_certs=x",
+        "rediss://r:1?bogus=1",
+        "redis://:0",
+    ],
+)
+def test_bad_urls_are_refused_naming_the_forms(url: str) -> None:
+    with pytest.raises(InvalidArgument):
+        parse_url(url)
+
+
+def test_credentials_are_read_and_hidden() -> None:
+    t = parse_url("rediss://me:s%40cret@r:1")
+    assert (t.username, t.password) == ("me", "s@cret")
+    assert "cret" not in repr(t)
+
+
+def test_weights_parse_with_defaults_and_refuse_unknown_tiers() -> None:
+    assert parse_weights("ssd=0.25") == {"dram": 1.0, "ssd": 0.25}
+    for bad in ("gpu=1", "dram", "dram=x", "dram=-1"):
+        with pytest.raises(InvalidArgument):
+            parse_weights(bad)
+
+
+def test_heartbeat_must_be_below_the_ttl() -> None:
+    assert ClusterConfig("redis://r", ttl_s=9).heartbeat_interval_s == 3
+    with pytest.raises(InvalidArgument):
+        ClusterConfig("redis://r", ttl_s=1, heartbeat_s=2)
+
+
+def test_daemon_config_carries_the_cluster_settings() -> None:
+    cfg = DaemonConfig.load(
+        env={"KVSERVER_CLUSTER": "redis://r:1/0", "KVSERVER_CLUSTER_TTL_S": "4"},
+        overrides={"advertise_addr": "10.1.2.3", "host_id": "node-7"},
+    )
+    cc = cfg.cluster_config()
+    assert cc is not None and cc.ttl_s == 4.0 and cc.target().nodes == (("r", 1),)
+    assert cfg.advertised_host == "10.1.2.3"
+    assert DaemonConfig().cluster_config() is None
+    assert DaemonConfig(host="0.0.0.0").advertised_host not in ("0.0.0.0", "")
+    with pytest.raises(InvalidArgument):
+        DaemonConfig(cluster="mysql://x")

@@ -1,0 +1,160 @@
+"""ClusterNode + FleetReader against a real redis-server: membership, index, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserver.cluster import FleetReader, schema
+from kvserver.cluster.config import connect
+from kvserver.errors import Unavailable
+from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
+from tests.support.redis import RedisServer
+
+
+async def runs_by_host(reader: FleetReader, ks: list[bytes], **kw: bool) -> dict[str, object]:
+    return {r.host.host_id: (r.hit_chunks, r.tiers) for r in await reader.lookup(NS, ks, **kw)}
+
+
+@pytest.fixture
+async def reader(redis_server: RedisServer):  # type: ignore[no-untyped-def]
+    config = cluster_config(redis_server.url)
+    r = FleetReader(connect(config), config)
+    yield r
+    await r.redis.aclose()
+
+
+async def test_a_member_registers_and_its_stores_are_indexed_per_tier(
+    redis_server: RedisServer, reader: FleetReader
+) -> None:
+    a = Member("host-a", cluster_config(redis_server.url))
+    node = await a.start()
+    try:
+        assert node.condition == "ok"
+        (info,) = await reader.hosts()
+        assert (info.host_id, info.incarnation) == ("host-a", node.incarnation)
+        ks = keys(10)
+        a.store(ks[:6])
+        a.store(ks[4:8], tier="ssd")
+        await a.settled()
+        for exact in (True, False):
+            got = await runs_by_host(reader, ks, exact=exact)
+            assert got == {"host-a": (8, {"dram": 6, "ssd": 2})}
+        a.evict(ks[2:3])
+        await a.settled()
+        assert await runs_by_host(reader, ks) == {"host-a": (2, {"dram": 2, "ssd": 0})}
+        a.clear()
+        await a.settled()
+        assert await runs_by_host(reader, ks) == {}
+    finally:
+        await node.stop()
+
+
+async def test_a_member_that_stops_leaves_at_once_and_one_that_crashes_within_the_ttl(
+    redis_server: RedisServer, reader: FleetReader
+) -> None:
+    config = cluster_config(redis_server.url, ttl_s=1.0)
+    a, b = Member("host-a", config), Member("host-b", config)
+    await a.start()
+    await b.start()
+    ks = keys(4)
+    for m in (a, b):
+        m.store(ks)
+        await m.settled()
+    assert sorted(await runs_by_host(reader, ks)) == ["host-a", "host-b"]
+    await a.node.stop()  # type: ignore[union-attr]
+    assert sorted(await runs_by_host(reader, ks)) == ["host-b"]
+    assert [h.host_id for h in await reader.hosts()] == ["host-b"]
+    b_keys = b.node.writer.index_keys()  # type: ignore[union-attr]
+    await b.crash()
+
+    async def gone() -> bool:
+        return not await reader.hosts() and not int(redis_server.cli("EXISTS", *b_keys))
+
+    await eventually(gone, timeout=3.0)
+
+
+async def test_a_restarted_member_gets_a_new_incarnation_and_its_old_entries_go(
+    redis_server: RedisServer, reader: FleetReader
+) -> None:
+    config = cluster_config(redis_server.url, ttl_s=30.0)
+    first = Member("host-a", config)
+    node1 = await first.start()
+    ks = keys(5)
+    first.store(ks)
+    await first.settled()
+    old_keys = node1.writer.index_keys()
+    assert int(redis_server.cli("EXISTS", *old_keys)) == 1
+    await first.crash()
+    second = Member("host-a", config)  # restarted: holds nothing yet
+    node2 = await second.start()
+    try:
+        assert node2.incarnation != node1.incarnation
+        (info,) = await reader.hosts()
+        assert info.incarnation == node2.incarnation
+        assert await runs_by_host(reader, ks) == {}
+        assert int(redis_server.cli("EXISTS", *old_keys)) == 0  # unlinked, not left to expire
+    finally:
+        await node2.stop()
+
+
+async def test_redis_killed_and_restarted_the_member_degrades_then_resyncs(
+    redis_server: RedisServer, reader: FleetReader
+) -> None:
+    a = Member("host-a", cluster_config(redis_server.url, ttl_s=3.0))
+    node = await a.start()
+    try:
+        ks = keys(6)
+        a.store(ks[:3])
+        await a.settled()
+        redis_server.kill()
+        a.store(ks[3:])  # while Redis is down: the daemon keeps its tiers
+
+        async def unavailable() -> bool:
+            return node.condition == "unavailable"
+
+        await eventually(unavailable, timeout=5.0)
+        with pytest.raises(Unavailable):
+            await reader.lookup(NS, ks)
+        assert node.stats()["condition_detail"]
+        redis_server.restart()  # empty: persistence is off
+        await eventually(lambda: _ok(node), timeout=10.0)
+        await a.settled()
+        assert await runs_by_host(reader, ks) == {"host-a": (6, {"dram": 6, "ssd": 0})}
+        assert node.counters.resyncs >= 2
+    finally:
+        await node.stop()
+
+
+async def _ok(node: object) -> bool:
+    return getattr(node, "condition", "") == "ok"
+
+
+async def test_a_daemon_starts_while_redis_is_down_and_joins_when_it_comes_up(
+    redis_server: RedisServer, reader: FleetReader
+) -> None:
+    redis_server.kill()
+    a = Member("host-a", cluster_config(redis_server.url))
+    node = await a.start()
+    try:
+        assert node.condition == "unavailable"
+        a.store(keys(2))
+        redis_server.restart()
+        await eventually(lambda: _ok(node), timeout=10.0)
+        await a.settled()
+        assert [h.host_id for h in await reader.hosts()] == ["host-a"]
+    finally:
+        await node.stop()
+
+
+async def test_index_sets_always_carry_a_ttl(redis_server: RedisServer) -> None:
+    a = Member("host-a", cluster_config(redis_server.url, ttl_s=5.0))
+    node = await a.start()
+    try:
+        a.store(keys(3))
+        a.store(keys(2, seed=1), tier="ssd")
+        await a.settled()
+        for key in node.writer.index_keys():
+            assert 0 < int(redis_server.cli("PTTL", key)) <= 5000
+        assert 0 < int(redis_server.cli("PTTL", schema.host_key("host-a"))) <= 5000
+    finally:
+        await node.stop()

@@ -1,0 +1,69 @@
+"""IndexWriter: events coalesce into the commands that leave each set equal to the tier."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserver.cluster import schema
+from kvserver.cluster.writer import IndexWriter
+from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+K = [bytes([i]) * 32 for i in range(6)]
+FP = [schema.fingerprint(k) for k in K]
+
+
+class RecordingPipe:
+    """Records queued commands (the writer only queues; the node executes)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **kw: self.calls.append((name, *a, *sorted(kw.items())))
+
+
+def writer() -> IndexWriter:
+    return IndexWriter("h", "inc", 1000)
+
+
+def test_last_event_of_a_key_wins_within_a_batch() -> None:
+    w = writer()
+    w.add([BlockStored(1, "ns", (K[0], K[1]), "CPU"), BlockRemoved(2, "ns", (K[1], K[2]), "CPU")])
+    w.add([BlockStored(3, "ns", (K[2],), "CPU")])
+    batch = w.take_batch()
+    assert batch is not None and batch.last_seq == 3 and batch.new_namespaces == ("ns",)
+    unlink, adds, removes = batch.sets[("ns", "dram")]
+    assert (unlink, sorted(adds), removes) == (False, sorted([FP[0], FP[2]]), [FP[1]])
+    assert w.take_batch() is None and w.pending_keys == 0
+
+
+def test_media_map_to_tiers_and_a_clear_empties_the_set_first() -> None:
+    w = writer()
+    w.add([BlockStored(1, "ns", (K[0],), "DISK"), AllBlocksCleared(2, "ns", "CPU")])
+    w.add([BlockStored(3, "ns", (K[3],), "CPU")])
+    batch = w.take_batch()
+    assert batch is not None
+    assert batch.sets[("ns", "ssd")] == (False, [FP[0]], [])
+    assert batch.sets[("ns", "dram")] == (True, [FP[3]], [])
+    pipe = RecordingPipe()
+    n = w.apply(pipe, batch)
+    assert n == len(pipe.calls)
+    dram = schema.index_key("h", "inc", "ns", "dram")
+    assert ("unlink", dram) in pipe.calls
+    assert ("pexpire", dram, 1000, ("nx", True)) in pipe.calls
+    # the namespace is claimed once: a later batch does not report it new
+    w.add([BlockStored(4, "ns", (K[4],), "CPU")])
+    later = w.take_batch()
+    assert later is not None and later.new_namespaces == ()
+
+
+def test_a_resync_replaces_every_set_and_empties_those_no_longer_held() -> None:
+    w = writer()
+    w.add([BlockStored(1, "old", (K[0],), "CPU")])
+    w.take_batch()
+    w.add([BlockStored(2, "new", (K[1],), "CPU")])  # pending: dropped by the resync
+    batch = w.full_batch({("new", "dram"): [K[5]]}, last_seq=2)
+    assert batch.sets[("new", "dram")] == (True, [FP[5]], [])
+    assert batch.sets[("old", "dram")] == (True, [], [])
+    assert batch.sets[("old", "ssd")] == (True, [], [])
+    assert w.pending_keys == 0 and w.namespaces == {"old", "new"}
