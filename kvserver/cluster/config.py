@@ -176,8 +176,9 @@ def connect(config: ClusterConfig) -> Any:
         "socket_timeout": config.timeout_s,
         "socket_connect_timeout": config.timeout_s,
         "decode_responses": False,
-        # no hidden retries: every call is bounded by timeout_s; the node retries itself.
-        "retry": Retry(NoBackoff(), 0),
+        # one immediate retry (a pooled connection found closed after a Redis restart); every
+        # call stays bounded by the caller's timeout.
+        "retry": Retry(NoBackoff(), 1),
     }
     if t.tls:
         common["ssl"] = True

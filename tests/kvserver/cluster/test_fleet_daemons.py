@@ -1,0 +1,150 @@
+"""Real daemons (``kvserver start --cluster``) joined in one fleet on a real redis-server.
+
+Three daemons as hosts: chunks stored through each show up in the fleet index under that
+host at the right tier; a SIGKILLed daemon leaves the fleet within the TTL and its entries
+expire; a restarted daemon comes back under a new incarnation and its old entries are gone;
+SIGTERM leaves at once; Redis killed and restarted: every daemon keeps serving, reports
+``unavailable`` in its stats, then re-registers and resyncs its entries from its own tiers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserver.client import KVClient
+from kvserver.cluster import FleetReader
+from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.namespace import NamespaceSpec
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.cluster.builders import eventually
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.redis import RedisServer
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = make_spec()
+TTL_S = 2.0
+
+
+def start_host(tmp_path: Path, redis: RedisServer, host_id: str) -> DaemonProc:
+    return start_daemon(
+        tmp_path / host_id,
+        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", redis.url,
+        "--host-id", host_id, "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "0.5",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[DaemonProc]]:
+    procs: list[DaemonProc] = []
+    yield procs
+    for d in procs:
+        d.kill()
+
+
+def store(d: DaemonProc, keys: list[bytes], spec: NamespaceSpec = SPEC) -> str:
+    with KVClient(d.zmq_address) as kv:
+        ns_id = kv.register_namespace(spec).ns_id
+        parts = [[pattern(k, 0, spec.part_bytes)] for k in keys]
+        assert kv.store(ns_id, keys, parts) == keys
+        return ns_id
+
+
+def cluster_stats(d: DaemonProc) -> dict[str, Any]:
+    with KVClient(d.zmq_address) as kv:
+        stats: dict[str, Any] = kv.stats()["cluster"]
+        return stats
+
+
+def reader_for(redis: RedisServer) -> FleetReader:
+    config = ClusterConfig(redis.url, timeout_s=0.5, members_max_age_s=0.0)
+    return FleetReader(connect(config), config)
+
+
+async def runs(reader: FleetReader, ns_id: str, keys: list[bytes]) -> dict[str, int]:
+    return {r.host.host_id: r.hit_chunks for r in await reader.lookup(ns_id, keys)}
+
+
+async def test_three_hosts_join_and_a_killed_one_leaves_within_the_ttl_and_comes_back_new(
+    tmp_path: Path, redis_server: RedisServer, daemons: list[DaemonProc]
+) -> None:
+    for name in ("a", "b", "c"):
+        daemons.append(start_host(tmp_path, redis_server, name))
+    a, b, c = daemons
+    assert all(d.info["cluster_condition"] == "ok" for d in daemons)
+    keys = make_keys(12, tag="fleet")
+    ns_id = store(a, keys)
+    store(b, keys[:5])
+    reader = reader_for(redis_server)
+    try:
+        hosts = {h.host_id: h for h in await reader.hosts()}
+        assert sorted(hosts) == ["a", "b", "c"]
+        assert hosts["a"].data_address == a.zmq_address
+        assert hosts["a"].incarnation == a.info["cluster_incarnation"]
+
+        async def indexed() -> bool:
+            return await runs(reader, ns_id, keys) == {"a": 12, "b": 5}
+
+        await eventually(indexed, timeout=5.0)
+        old_sets = [k for k in redis_server.cli("KEYS", "kvs1:{h:a}*").split() if k]
+        assert old_sets
+        killed_at = time.monotonic()
+        a.kill()
+
+        async def a_gone() -> bool:
+            return "a" not in {h.host_id for h in await reader.hosts()}
+
+        await eventually(a_gone, timeout=TTL_S + 2.0)
+        assert await runs(reader, ns_id, keys) == {"b": 5}
+        wait_until(lambda: not int(redis_server.cli("EXISTS", *old_sets)), timeout=TTL_S + 2.0)
+        assert time.monotonic() - killed_at <= TTL_S + 1.5  # within the TTL (+ one heartbeat)
+
+        again = start_host(tmp_path, redis_server, "a")
+        daemons.append(again)
+        assert again.info["cluster_incarnation"] != a.info["cluster_incarnation"]
+        hosts = {h.host_id: h for h in await reader.hosts()}
+        assert hosts["a"].incarnation == again.info["cluster_incarnation"]
+        assert await runs(reader, ns_id, keys) == {"b": 5}  # the restarted host holds nothing
+
+        assert c.terminate() == 0  # SIGTERM leaves at once
+
+        async def c_left() -> bool:
+            return "c" not in {h.host_id for h in await reader.hosts()}
+
+        assert await c_left()
+        assert not redis_server.cli("KEYS", "kvs1:{h:c}*")
+    finally:
+        await reader.redis.aclose()
+
+
+async def test_redis_killed_and_restarted_daemons_serve_then_resync(
+    tmp_path: Path, redis_server: RedisServer, daemons: list[DaemonProc]
+) -> None:
+    daemons.append(start_host(tmp_path, redis_server, "a"))
+    (a,) = daemons
+    keys = make_keys(8, tag="resync")
+    ns_id = store(a, keys[:4])
+    reader = reader_for(redis_server)
+    try:
+        await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=5.0)
+        redis_server.kill()
+        wait_until(lambda: cluster_stats(a)["condition"] == "unavailable", timeout=10.0)
+        assert cluster_stats(a)["condition_detail"]
+        store(a, keys[4:])  # the daemon keeps serving its own tiers
+        with KVClient(a.zmq_address) as kv:
+            assert kv.lookup(ns_id, keys).hit_chunks == 8
+        redis_server.restart()  # empty: persistence is off
+        wait_until(lambda: cluster_stats(a)["condition"] == "ok", timeout=10.0)
+        await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 8}), timeout=5.0)
+        assert cluster_stats(a)["resyncs"] >= 2
+    finally:
+        await reader.redis.aclose()
+
+
+async def _eq(value: Any, expected: Any) -> bool:
+    return bool(await value == expected)
