@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvserver.errors import InvalidArgument
+from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD
 
 SCHEMA_VERSION = 1
 PREFIX = f"kvs{SCHEMA_VERSION}"
@@ -49,7 +50,7 @@ TIER_SSD = "ssd"
 TIERS = (TIER_DRAM, TIER_SSD)
 _TIER_CODE = {TIER_DRAM: "d", TIER_SSD: "s"}
 #: storage-event medium (kvserver/events.py) -> index tier.
-MEDIUM_TIER = {"CPU": TIER_DRAM, "DISK": TIER_SSD}
+MEDIUM_TIER = {MEDIUM_DRAM: TIER_DRAM, MEDIUM_SSD: TIER_SSD}
 
 _HOST_ID = re.compile(r"[^\s{}]{1,200}")
 

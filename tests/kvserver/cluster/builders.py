@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 
 from kvserver.cluster import ClusterConfig, ClusterNode, HostInfo
 from kvserver.daemon.eventlog import EventLog
-from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvserver.events import (
+    MEDIUM_DRAM,
+    MEDIUM_SSD,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 NS = "ns0000000000000a"
-MEDIUM = {"dram": "CPU", "ssd": "DISK"}
+MEDIUM = {"dram": MEDIUM_DRAM, "ssd": MEDIUM_SSD}
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:
@@ -47,18 +54,18 @@ class Member:
         have = self.held.setdefault((ns, tier), [])
         have.extend(k for k in ks if k not in have)
         self.seq += 1
-        self._emit(BlockStored(self.seq, ns, tuple(ks), MEDIUM[tier]))  # type: ignore[arg-type]
+        self._emit(BlockStored(self.seq, ns, tuple(ks), MEDIUM[tier]))
 
     def evict(self, ks: list[bytes], tier: str = "dram", ns: str = NS) -> None:
         have = self.held.setdefault((ns, tier), [])
         self.held[(ns, tier)] = [k for k in have if k not in ks]
         self.seq += 1
-        self._emit(BlockRemoved(self.seq, ns, tuple(ks), MEDIUM[tier]))  # type: ignore[arg-type]
+        self._emit(BlockRemoved(self.seq, ns, tuple(ks), MEDIUM[tier]))
 
     def clear(self, tier: str = "dram", ns: str = NS) -> None:
         self.held[(ns, tier)] = []
         self.seq += 1
-        self._emit(AllBlocksCleared(self.seq, ns, MEDIUM[tier]))  # type: ignore[arg-type]
+        self._emit(AllBlocksCleared(self.seq, ns, MEDIUM[tier]))
 
     async def start(self) -> ClusterNode:
         identity = HostInfo(

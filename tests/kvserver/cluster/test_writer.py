@@ -6,7 +6,7 @@ from typing import Any
 
 from kvserver.cluster import schema
 from kvserver.cluster.writer import IndexWriter
-from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD, AllBlocksCleared, BlockRemoved, BlockStored
 
 K = [bytes([i]) * 32 for i in range(6)]
 FP = [schema.fingerprint(k) for k in K]
@@ -28,8 +28,13 @@ def writer() -> IndexWriter:
 
 def test_last_event_of_a_key_wins_within_a_batch() -> None:
     w = writer()
-    w.add([BlockStored(1, "ns", (K[0], K[1]), "CPU"), BlockRemoved(2, "ns", (K[1], K[2]), "CPU")])
-    w.add([BlockStored(3, "ns", (K[2],), "CPU")])
+    w.add(
+        [
+            BlockStored(1, "ns", (K[0], K[1]), MEDIUM_DRAM),
+            BlockRemoved(2, "ns", (K[1], K[2]), MEDIUM_DRAM),
+        ]
+    )
+    w.add([BlockStored(3, "ns", (K[2],), MEDIUM_DRAM)])
     batch = w.take_batch()
     assert batch is not None and batch.last_seq == 3 and batch.new_namespaces == ("ns",)
     unlink, adds, removes = batch.sets[("ns", "dram")]
@@ -39,8 +44,8 @@ def test_last_event_of_a_key_wins_within_a_batch() -> None:
 
 def test_media_map_to_tiers_and_a_clear_empties_the_set_first() -> None:
     w = writer()
-    w.add([BlockStored(1, "ns", (K[0],), "DISK"), AllBlocksCleared(2, "ns", "CPU")])
-    w.add([BlockStored(3, "ns", (K[3],), "CPU")])
+    w.add([BlockStored(1, "ns", (K[0],), MEDIUM_SSD), AllBlocksCleared(2, "ns", MEDIUM_DRAM)])
+    w.add([BlockStored(3, "ns", (K[3],), MEDIUM_DRAM)])
     batch = w.take_batch()
     assert batch is not None
     assert batch.sets[("ns", "ssd")] == (False, [FP[0]], [])
@@ -52,16 +57,16 @@ def test_media_map_to_tiers_and_a_clear_empties_the_set_first() -> None:
     assert ("unlink", dram) in pipe.calls
     assert ("pexpire", dram, 1000, ("nx", True)) in pipe.calls
     # the namespace is claimed once: a later batch does not report it new
-    w.add([BlockStored(4, "ns", (K[4],), "CPU")])
+    w.add([BlockStored(4, "ns", (K[4],), MEDIUM_DRAM)])
     later = w.take_batch()
     assert later is not None and later.new_namespaces == ()
 
 
 def test_a_resync_replaces_every_set_and_empties_those_no_longer_held() -> None:
     w = writer()
-    w.add([BlockStored(1, "old", (K[0],), "CPU")])
+    w.add([BlockStored(1, "old", (K[0],), MEDIUM_DRAM)])
     w.take_batch()
-    w.add([BlockStored(2, "new", (K[1],), "CPU")])  # pending: dropped by the resync
+    w.add([BlockStored(2, "new", (K[1],), MEDIUM_DRAM)])  # pending: dropped by the resync
     batch = w.full_batch({("new", "dram"): [K[5]]}, last_seq=2)
     assert batch.sets[("new", "dram")] == (True, [FP[5]], [])
     assert batch.sets[("old", "dram")] == (True, [], [])
