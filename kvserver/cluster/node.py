@@ -96,6 +96,8 @@ class ClusterNode:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._ns_specs: dict[str, str] = {}
+        #: the live members (this daemon included) as of the last heartbeat, by host id order.
+        self.members: list[HostInfo] = []
         #: the newest storage event reflected in Redis.
         self.written_seq = 0
         self._written_changed = asyncio.Event()
@@ -147,6 +149,7 @@ class ClusterNode:
             "host_id": self.host_id,
             "incarnation": self.incarnation,
             "namespaces": len(self.writer.namespaces),
+            "live_hosts": len(self.members),
             "pending_keys": self.writer.pending_keys,
             "registrations": c.registrations,
             "resyncs": c.resyncs,
@@ -288,6 +291,7 @@ class ClusterNode:
                 else "",
             )
         self.condition, self.condition_detail = "ok", ""
+        self.members = await self.reader.hosts(refresh=True)
 
     def _queue_record(self, pipe: Any, *, exists: bool) -> int:
         """Queue the record (with the current namespaces), the hosts set and the specs."""
@@ -324,6 +328,8 @@ class ClusterNode:
         if replies[0] is None:  # record gone: Redis lost it, or we stalled past the TTL
             logger.warning("cluster: membership record was gone; re-registering")
             self._registered = False
+            return
+        self.members = await self.reader.hosts(refresh=True)
 
     async def _leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -6,6 +6,7 @@ import pytest
 
 from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import connect
+from kvserver.cluster.directory import FleetDirectory
 from kvserver.errors import Unavailable
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import RedisServer
@@ -158,3 +159,37 @@ async def test_index_sets_always_carry_a_ttl(redis_server: RedisServer) -> None:
         assert 0 < int(redis_server.cli("PTTL", schema.host_key("host-a"))) <= 5000
     finally:
         await node.stop()
+
+
+async def test_the_fleet_directory_names_other_members_and_per_key_holders(
+    redis_server: RedisServer,
+) -> None:
+    config = cluster_config(redis_server.url, ttl_s=5.0)
+    a, b, c = Member("host-a", config), Member("host-b", config), Member("host-c", config)
+    d = Member("host-d", config)
+    for m in (a, b, c):
+        await m.start()
+    try:
+        ks = keys(6)
+        a.store(ks)
+        b.store(ks[:4])
+        c.store(ks[:2], tier="ssd")
+        for m in (a, b, c):
+            await m.settled()
+        await a.node.stop()  # type: ignore[union-attr]
+        a.node = None
+        node_d = await d.start()
+        directory = FleetDirectory(node_d)
+        assert {h: p.incarnation for h, p in directory.peers().items()} == {
+            "host-b": b.node.incarnation,  # type: ignore[union-attr]
+            "host-c": c.node.incarnation,  # type: ignore[union-attr]
+        }
+        holders = await directory.holders(NS, ks)
+        assert holders == [frozenset({"host-b", "host-c"})] * 2 + [frozenset({"host-b"})] * 2
+        redis_server.kill()
+        assert await directory.holders(NS, ks) == []  # unreachable: no holders, no error
+        assert directory.unavailable_lookups == 1
+    finally:
+        for m in (b, c, d):
+            if m.node is not None:
+                await m.node.stop()

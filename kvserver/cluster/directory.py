@@ -1,0 +1,58 @@
+"""``FleetDirectory``: the network tier's ``PeerDirectory`` over the fleet index on Redis.
+
+Runs in the daemon process, on its event loop (loop only, not thread-safe). The network tier
+(``kvserver/daemon/peers/``) asks it who the peers are and which of them hold which chunk;
+it answers from the ``ClusterNode``'s view of the fleet:
+
+- ``peers()``: the live members other than this daemon, from the member list the node
+  refreshes at every heartbeat (no I/O; a member that died is listed until its record
+  expires and the next heartbeat notices, at most TTL + one heartbeat interval; a fetch from
+  it fails and the tier marks it suspect meanwhile);
+- ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one script call
+  per live member, bounded by the cluster timeout), turned into per-key holder sets; an
+  unreachable Redis answers no holders (the tier then serves local tiers only).
+
+Usage (``kvserver/daemon/process.py`` when both ``--cluster`` and the network tier are on)::
+
+    directory = FleetDirectory(node)      # node: the started ClusterNode
+    PeerTier(..., directory=directory)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from kvserver.cluster.node import ClusterNode
+from kvserver.daemon.peers.directory import Peer
+from kvserver.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class FleetDirectory:
+    """A :class:`~kvserver.daemon.peers.directory.PeerDirectory` over the fleet index."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+        self.unavailable_lookups = 0
+
+    def peers(self) -> Mapping[str, Peer]:
+        me = self.node.host_id
+        return {
+            h.host_id: Peer(h.host_id, h.incarnation, h.data_address)
+            for h in self.node.members
+            if h.host_id != me
+        }
+
+    async def holders(self, ns_id: str, keys: Sequence[bytes]) -> list[frozenset[str]]:
+        try:
+            runs = await self.node.reader.lookup(ns_id, keys, exclude=(self.node.host_id,))
+        except Unavailable as exc:
+            self.unavailable_lookups += 1
+            logger.debug("fleet directory: %s", exc)
+            return []
+        if not runs:
+            return []
+        longest = runs[0].hit_chunks  # runs come longest first
+        return [frozenset(r.host.host_id for r in runs if r.hit_chunks > i) for i in range(longest)]
