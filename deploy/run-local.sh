@@ -32,7 +32,7 @@ fi
 
 SERVICES=(kvserver worker-0 worker-1 scheduler)
 declare -A CMD
-CMD[kvserver]="start --host 127.0.0.1 --grpc-port $KVSERVER_GRPC --zmq-port $KVSERVER_ZMQ \
+CMD[kvserver]="start --host 127.0.0.1 --insecure-remote --grpc-port $KVSERVER_GRPC --zmq-port $KVSERVER_ZMQ \
 --pub-port $KVSERVER_PUB --dram 1GiB --ssd-dir $DIR/kvdata/ssd --ssd 8GiB \
 --ready-file $DIR/kvserver.ready"
 for rank in 0 1; do

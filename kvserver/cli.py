@@ -4,7 +4,7 @@ Each subcommand is a ``_cmd_<name>(args) -> int`` function registered in :func:`
 Subcommands that need heavy imports (grpc, zmq, torch) import them inside the function so
 ``kvserver hash`` stays fast.
 
-The library's own subcommands (``hash``, ``start``, ``status``, ``lookup``) are registered
+The library's own subcommands (``hash``, ``start``, ``status``, ``lookup``, ``keys``) are registered
 here. The packages above the library (``scheduler``, ``worker``, ``benchmarks``) add theirs
 through the ``kvserver.commands`` entry-point group (declared in pyproject.toml): each entry
 point is a function ``add(sub)`` that registers one subparser, so this module never imports
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_status(sub)
     add_lookup(sub)
+    from kvserver.cli_keys import add_keys
+
+    add_keys(sub)
     for add in _entry_point_commands():
         add(sub)
     for name, (package, module, help_text, install_extra) in PROVIDED_ELSEWHERE.items():

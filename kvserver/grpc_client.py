@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import grpc
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.crypto import TlsClient
 from kvserver.errors import (
     InvalidArgument,
     KVServerError,
@@ -289,19 +290,25 @@ class GrpcClient:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         auth_token: str | None = None,
+        tls: TlsClient | None = None,
     ) -> None:
+        """``tls``: connect with TLS, trusting its CA (and presenting its client certificate
+        when it has one); None: plain TCP."""
         if timeout <= 0:
             raise InvalidArgument("timeout must be positive", timeout=timeout)
         self.target = target
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if tls is not None:
+            self._channel = grpc.secure_channel(
+                target, tls.credentials(), options=[*options, *tls.options()]
+            )
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._methods: dict[str, Any] = {}
 
     def close(self) -> None:

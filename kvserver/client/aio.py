@@ -42,6 +42,7 @@ from kvserver.client.common import (
     readinto_part,
     write_part,
 )
+from kvserver.crypto import CurveClient
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
@@ -59,9 +60,12 @@ class AsyncKVClient:
         client_id: str | None = None,
         auth_token: str = "",
         colocated: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.timeout = timeout
-        self._s = Session(address, client_id=client_id, auth_token=auth_token, colocated=colocated)
+        self._s = Session(
+            address, client_id=client_id, auth_token=auth_token, colocated=colocated, curve=curve
+        )
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._lock = asyncio.Lock()
@@ -103,6 +107,8 @@ class AsyncKVClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            if self._s.curve is not None:
+                self._s.curve.apply(sock)
             sock.connect(self._s.address)
             self._sock = sock
         return self._sock

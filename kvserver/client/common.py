@@ -32,6 +32,7 @@ from typing import Any, TypeAlias, TypeVar
 from kvserver import wire
 from kvserver.allocator import Extents
 from kvserver.arena import ArenaView
+from kvserver.crypto import CurveClient
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
 from kvserver.namespace import NamespaceSpec
@@ -108,10 +109,13 @@ class Session:
         client_id: str | None = None,
         auth_token: str = "",
         colocated: bool | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.address = address
         self.client_id = client_id or default_client_id()
         self.auth_token = auth_token
+        #: CURVE settings applied to every ZMQ socket of this session (None: plain TCP).
+        self.curve = curve
         #: None: use shared memory when possible; False: never; True: required.
         self.colocated_mode = colocated
         self.needs_hello = True

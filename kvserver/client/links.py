@@ -28,6 +28,7 @@ import zmq
 
 from kvserver import wire_local
 from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
+from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
 
 RECV_BUFFER = 256 << 10
@@ -38,11 +39,15 @@ JOIN_LIMIT = 64 << 10
 class ZmqLink:
     """A DEALER socket to the daemon's ROUTER; see the module docstring."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, curve: CurveClient | None = None
+    ) -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        if curve is not None:
+            curve.apply(sock)
         sock.connect(address)
         self._sock = sock
 

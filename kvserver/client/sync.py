@@ -49,6 +49,7 @@ from kvserver.client.common import (
 )
 from kvserver.client.pending import Pending, Slot
 from kvserver.client.transport import Transport
+from kvserver.crypto import CurveClient
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
@@ -69,10 +70,13 @@ class KVClient:
         client_id: str | None = None,
         auth_token: str = "",
         colocated: bool | None = None,
+        curve: CurveClient | None = None,
         local: bool = True,
     ) -> None:
         self.timeout = timeout
-        self._s = Session(address, client_id=client_id, auth_token=auth_token, colocated=colocated)
+        self._s = Session(
+            address, client_id=client_id, auth_token=auth_token, colocated=colocated, curve=curve
+        )
         self._t = Transport(self._s, local=local)
 
     # ------------------------------------------------------------------ lifetime

@@ -89,7 +89,7 @@ class Transport:
         if self._local is not None:
             return self._local
         if self._zmq is None:
-            self._zmq = ZmqLink(self._ctx, self._s.address)
+            self._zmq = ZmqLink(self._ctx, self._s.address, self._s.curve)
         return self._zmq
 
     def _connect_local(self, timeout: float) -> None:

@@ -32,6 +32,16 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="seconds a reservation or load pin lives without completion (default 30)")
     p.add_argument("--shm-dir", help="tmpfs directory for the arena (default /dev/shm)")
     p.add_argument("--auth-token", help="shared secret required on both APIs (default: none)")
+    p.add_argument("--curve-secret-key-file", metavar="FILE",
+                   help="ZMQ CURVE: the daemon's NAME.key_secret (see docs/security.md)")
+    p.add_argument("--curve-clients-dir", metavar="DIR",
+                   help="ZMQ CURVE: admit only clients whose NAME.key is in DIR")
+    p.add_argument("--tls-cert-file", metavar="PEM", help="gRPC TLS certificate chain")
+    p.add_argument("--tls-key-file", metavar="PEM", help="gRPC TLS private key")
+    p.add_argument("--tls-client-ca-file", metavar="PEM",
+                   help="gRPC mutual TLS: client certificates must be signed by this CA")
+    p.add_argument("--insecure-remote", action="store_true", default=None,
+                   help="allow a host beyond loopback without CURVE and TLS (clear text)")
     p.add_argument("--ssd-dir", help="SSD tier directory (default: no SSD tier)")
     p.add_argument("--ssd", help="SSD tier capacity, e.g. 100GiB (default 1GiB)")
     p.add_argument("--ssd-admission", type=int,
@@ -68,7 +78,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
                   "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
                   "ssd_promotions", "tune_malloc", "cluster", "advertise_addr", "host_id",
-                  "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights")
+                  "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
+                  "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
+                  "tls_client_ca_file", "insecure_remote")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvserver.cluster.config import ClusterConfig, parse_weights
+from kvserver.crypto import is_loopback
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.policies import make_policy
@@ -67,6 +68,17 @@ class DaemonConfig:
     shm_dir: str = "/dev/shm"
     #: shared secret required on both APIs when non-empty.
     auth_token: str = field(default="", repr=False)
+    #: ZMQ CURVE for the ROUTER and PUB: the daemon's NAME.key_secret (docs/security.md).
+    curve_secret_key_file: str = ""
+    #: when set, only CURVE clients whose NAME.key is in this directory may connect.
+    curve_clients_dir: str = ""
+    #: gRPC TLS: certificate chain and private key (PEM).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    #: when set, gRPC clients must present a certificate signed by this CA (mutual TLS).
+    tls_client_ca_file: str = ""
+    #: listen beyond loopback without CURVE and TLS (traffic in clear: an explicit choice).
+    insecure_remote: bool = False
     event_capacity: int = 100_000
     #: largest ZMQ message (all frames) accepted, bytes.
     max_message_bytes: int = 1 << 30
@@ -124,6 +136,27 @@ class DaemonConfig:
             raise InvalidArgument("reap_interval_s must be positive")
         if self.ssd_promotions < 1:
             raise InvalidArgument("ssd_promotions must be >= 1", value=self.ssd_promotions)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise InvalidArgument("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.curve_clients_dir and not self.curve_secret_key_file:
+            raise InvalidArgument("curve_clients_dir needs curve_secret_key_file")
+        if not is_loopback(self.host) and not self.insecure_remote:
+            missing = [
+                name
+                for name, value in (
+                    ("curve_secret_key_file", self.curve_secret_key_file),
+                    ("tls_cert_file", self.tls_cert_file),
+                )
+                if not value
+            ]
+            if missing:
+                raise InvalidArgument(
+                    f"host {self.host} is beyond loopback: set {' and '.join(missing)} "
+                    "(CURVE and TLS, docs/security.md; make keys with 'kvserver keys'), "
+                    "or pass --insecure-remote to send traffic in clear"
+                )
         self.engine_config()  # validates the engine part
         make_policy(self.ssd_policy)  # names the valid choices when wrong
         if self.ssd_dir:

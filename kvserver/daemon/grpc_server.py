@@ -15,8 +15,10 @@ mapping from :class:`~kvserver.errors.KVServerError` codes to gRPC status codes 
 only (:data:`STATUS_BY_CODE`, documented in docs/grpc.md); every error also carries trailing
 metadata ``kvserver-error-code`` so clients can rebuild the typed error.
 
-Auth: when ``config.auth_token`` is non-empty, every KVServer RPC needs metadata
-``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise); health and reflection stay open.
+TLS: with ``tls_cert_file``/``tls_key_file`` the port is TLS only (``tls_client_ca_file``:
+client certificates required, mutual TLS). Auth: when tokens are configured, every KVServer RPC
+needs metadata ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise); health and
+reflection stay open.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
@@ -202,8 +205,13 @@ class GrpcFrontend:
             if ":" in host
             else f"{host}:{self.config.grpc_port}"
         )
+        cfg = self.config
         try:
-            port: int = server.add_insecure_port(address)
+            if cfg.tls_cert_file:
+                tls = TlsServer(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+                port: int = server.add_secure_port(address, tls.credentials())
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as exc:
             raise KVServerError(f"cannot bind gRPC to {address}: {exc}") from None
         if port == 0:
@@ -231,6 +239,7 @@ class GrpcFrontend:
         self, request_type: type[Message], method: Callable[[Any], Message]
     ) -> grpc.RpcMethodHandler:
         parse = request_type.FromString
+
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
                 self._authenticate(context)

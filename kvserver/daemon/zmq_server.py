@@ -5,8 +5,10 @@ descriptors are watched with ``add_reader``, which every asyncio loop provides).
 thread-safe: one instance per daemon, used from the loop only.
 
 Call order: ``start()`` (bind the ROUTER, the local channel's Unix socket next to the arena and
-the PUB, start reading and the event publisher) → serving → ``stop()`` (stop reading, close the
-local channel and the sockets with linger 0, release send pins).
+the PUB — both CURVE servers when a key is configured, with ZAP admitting only listed client
+keys when a clients directory is — start reading and the event publisher) → serving →
+``stop()`` (stop reading, close the local channel and the sockets with linger 0, release send
+pins).
 
 Modules: this one reads, checks and answers requests (the receive loop, per-connection order,
 replies); ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy
@@ -59,8 +61,10 @@ from typing import Any, cast
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvserver import wire, wire_local
+from kvserver.crypto import CurveServer
 from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.local_server import (
@@ -124,6 +128,7 @@ class ZmqFrontend:
         self._raw: zmq.Socket[bytes] | None = None
         self._fd: int | None = None
         self._pub: zmq.asyncio.Socket | None = None
+        self._zap: AsyncioAuthenticator | None = None  # CURVE client allow-list, when set
         self._tasks: set[asyncio.Task[None]] = set()
         #: connection → messages waiting behind that connection's lane
         self._lanes: dict[_Peer, deque[_Message]] = {}
@@ -152,7 +157,18 @@ class ZmqFrontend:
         cfg = self._config
         self._ctx = zmq.asyncio.Context()
         try:
+            curve = (
+                CurveServer.from_file(cfg.curve_secret_key_file, cfg.curve_clients_dir)
+                if cfg.curve_secret_key_file
+                else None
+            )
+            if curve is not None and curve.clients_dir:
+                self._zap = AsyncioAuthenticator(self._ctx)
+                self._zap.start()
+                self._zap.configure_curve(domain="*", location=curve.clients_dir)
             self._router = self._ctx.socket(zmq.ROUTER)
+            if curve is not None:
+                curve.apply(self._router)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
             self._router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
@@ -160,6 +176,8 @@ class ZmqFrontend:
             pub_port = -1
             if cfg.pub_port >= 0:
                 self._pub = self._ctx.socket(zmq.PUB)
+                if curve is not None:
+                    curve.apply(self._pub)
                 self._pub.setsockopt(zmq.LINGER, 0)
                 self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
                 pub_port = _bind(self._pub, cfg.host, cfg.pub_port)
@@ -219,6 +237,9 @@ class ZmqFrontend:
             if sock is not None:
                 sock.close(linger=0)
         self._router = self._pub = None
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
         if self._ctx is not None:
             self._ctx.term()  # every socket is closed: returns at once, frees queued frames
             self._ctx = None
@@ -422,6 +443,7 @@ class ZmqFrontend:
             raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])
         if not self._reading:
             self._schedule_drain()
+
 
 async def _finish(req_id: int, deferred: Deferred) -> _Answer:
     try:

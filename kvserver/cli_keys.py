@@ -1,0 +1,58 @@
+"""``kvserver keys``: make the key files of docs/security.md.
+
+``kvserver keys curve DIR [--name NAME]`` writes a ZMQ CURVE pair (``NAME.key``,
+``NAME.key_secret`` 0600); ``kvserver keys tls DIR --host H [--host H ...] [--name NAME]`` a
+self-signed TLS certificate for those host names / addresses (``NAME.crt``, ``NAME.pem``
+0600; needs the ``cryptography`` package, extra ``tls``). Never overwrites a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserver.errors import KVServerError
+
+
+def add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="make CURVE keys or a TLS certificate (docs/security.md)")
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+    curve = kinds.add_parser("curve", help="a ZMQ CURVE key pair")
+    curve.add_argument("directory")
+    curve.add_argument("--name", default="server", help="file name stem (default: server)")
+    tls = kinds.add_parser("tls", help="a self-signed TLS certificate and key")
+    tls.add_argument("directory")
+    tls.add_argument("--name", default="server", help="file name stem (default: server)")
+    tls.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        help="a DNS name or IP address the certificate is valid for (repeat)",
+    )
+    tls.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    p.set_defaults(func=_cmd_keys)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from kvserver.crypto import make_curve_keys, make_tls_cert
+
+    try:
+        if args.kind == "curve":
+            paths = make_curve_keys(args.directory, args.name)
+        else:
+            try:
+                paths = make_tls_cert(args.directory, args.name, args.host, days=args.days)
+            except ImportError:
+                print(
+                    "kvserver keys tls: needs the 'cryptography' package "
+                    "(pip install 'kvserver[tls]'), or make one with openssl "
+                    "(docs/security.md)",
+                    file=sys.stderr,
+                )
+                return 2
+    except KVServerError as exc:
+        print(f"kvserver keys: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0

@@ -1,0 +1,244 @@
+"""Encryption and peer authentication on the wire: ZMQ CURVE keys and gRPC TLS credentials.
+
+Runs in any process: the daemon (server side), every client, and a daemon acting as a client
+of another daemon (the peer tier) — the client-side settings are one small value,
+:class:`CurveClient`, that any code opening a DEALER or SUB applies with ``apply(sock)``.
+Immutable settings plus pure functions: thread-safe.
+
+Keys and certificates come from files (``docs/security.md``):
+
+- CURVE: libzmq's certificate format (what ``zmq.auth.create_certificates`` writes):
+  ``NAME.key`` holds the public key, ``NAME.key_secret`` (mode 0600) both keys. The daemon reads
+  its ``.key_secret``; a client needs the daemon's ``.key`` and, when the daemon only admits
+  listed clients, a ``.key_secret`` of its own whose ``.key`` is in the daemon's clients
+  directory. Without one a client uses a fresh key pair per process.
+- TLS: PEM files. The daemon: certificate chain + private key, and optionally a CA bundle
+  whose certificates client certificates must chain to (mutual TLS). A client: the CA bundle
+  that signed the daemon's certificate (a self-signed certificate is its own CA), optionally
+  its own certificate + key.
+
+:func:`make_curve_keys` and :func:`make_tls_cert` create them (``kvserver keys``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+
+from kvserver.errors import InvalidArgument
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an address to bind) only accepts connections from this host."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_text(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}", path=path) from None
+
+
+def load_curve_keys(path: str) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) Z85 keys from a libzmq certificate file (``.key`` or
+    ``.key_secret``). Raises InvalidArgument naming the file."""
+    _read_text(path, "CURVE key file")  # a clear error for a missing/unreadable file
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as exc:
+        raise InvalidArgument(f"not a CURVE key file: {path}: {exc}", path=path) from None
+    if public is None or len(public) != 40:
+        raise InvalidArgument(f"no public key in CURVE key file {path}", path=path)
+    return public, secret
+
+
+@dataclass(frozen=True, slots=True)
+class CurveServer:
+    """The daemon's CURVE identity for its ROUTER and PUB; ``clients_dir``: when set, only
+    clients whose public key is a ``.key`` file there may connect (checked by ZAP)."""
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    clients_dir: str = ""
+
+    @classmethod
+    def from_file(cls, secret_file: str, clients_dir: str = "") -> CurveServer:
+        public, secret = load_curve_keys(secret_file)
+        if secret is None:
+            raise InvalidArgument(f"no secret key in {secret_file} (use NAME.key_secret)")
+        if clients_dir and not Path(clients_dir).is_dir():
+            raise InvalidArgument(f"CURVE clients directory not found: {clients_dir}")
+        return cls(public, secret, clients_dir)
+
+    def apply(self, sock: Any) -> None:
+        """Make ``sock`` (not yet bound) a CURVE server."""
+        sock.curve_secretkey = self.secret_key
+        sock.curve_publickey = self.public_key
+        sock.curve_server = True
+
+
+@dataclass(frozen=True, slots=True)
+class CurveClient:
+    """What a client needs to reach a CURVE daemon: its public key, and the client's pair."""
+
+    server_key: bytes
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+
+    @classmethod
+    def from_files(cls, server_key_file: str, client_secret_file: str = "") -> CurveClient:
+        """The daemon's public key from ``server_key_file`` (its ``.key``); the client's pair
+        from ``client_secret_file``, or a fresh one."""
+        server, _ = load_curve_keys(server_key_file)
+        if client_secret_file:
+            public, secret = load_curve_keys(client_secret_file)
+            if secret is None:
+                raise InvalidArgument(f"no secret key in {client_secret_file}")
+        else:
+            public, secret = zmq.curve_keypair()
+        return cls(server, public, secret)
+
+    def apply(self, sock: Any) -> None:
+        """Make ``sock`` (not yet connected) a CURVE client of the daemon."""
+        sock.curve_serverkey = self.server_key
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+
+
+@dataclass(frozen=True, slots=True)
+class TlsServer:
+    """The daemon's gRPC TLS: ``cert_file`` + ``key_file``; ``client_ca_file``: when set,
+    clients must present a certificate signed by it (mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str = ""
+
+    def credentials(self) -> Any:
+        import grpc
+
+        cert = _read_text(self.cert_file, "TLS certificate")
+        key = _read_text(self.key_file, "TLS key")
+        ca = _read_text(self.client_ca_file, "TLS client CA") if self.client_ca_file else None
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TlsClient:
+    """A gRPC client's TLS: the CA that signed the daemon's certificate; its own certificate
+    and key when the daemon requires client certificates; ``server_name`` overrides the name
+    checked against the certificate (default: the host of the target)."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+
+    def credentials(self) -> Any:
+        import grpc
+
+        ca = _read_text(self.ca_file, "TLS CA")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise InvalidArgument("a TLS client certificate needs both cert_file and key_file")
+        cert = _read_text(self.cert_file, "TLS certificate") if self.cert_file else None
+        key = _read_text(self.key_file, "TLS key") if self.key_file else None
+        return grpc.ssl_channel_credentials(ca, key, cert)
+
+    def options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+# ----------------------------------------------------------------------------- making keys
+
+
+def make_curve_keys(directory: str, name: str) -> tuple[str, str]:
+    """Create ``NAME.key`` and ``NAME.key_secret`` (0600) in ``directory``; returns their
+    paths. Refuses to overwrite."""
+    os.makedirs(directory, exist_ok=True)
+    public = os.path.join(directory, f"{name}.key")
+    secret = public + "_secret"
+    for path in (public, secret):
+        if os.path.exists(path):
+            raise InvalidArgument(f"refusing to overwrite {path}")
+    old = os.umask(0o077)
+    try:
+        zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(old)
+    os.chmod(secret, 0o600)
+    os.chmod(public, 0o644)
+    return public, secret
+
+
+def make_tls_cert(
+    directory: str, name: str, hosts: Sequence[str], *, days: int = 365
+) -> tuple[str, str]:
+    """A self-signed certificate (its own CA) for ``hosts`` (DNS names or IP addresses):
+    ``NAME.crt`` and ``NAME.pem`` (private key, 0600) in ``directory``; returns their paths.
+    Refuses to overwrite. Uses the ``cryptography`` package."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if not hosts:
+        raise InvalidArgument("a TLS certificate needs at least one host name or address")
+    os.makedirs(directory, exist_ok=True)
+    cert_path = os.path.join(directory, f"{name}.crt")
+    key_path = os.path.join(directory, f"{name}.pem")
+    for path in (cert_path, key_path):
+        if os.path.exists(path):
+            raise InvalidArgument(f"refusing to overwrite {path}")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])
+    alt: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            alt.append(x509.DNSName(host))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    old = os.umask(0o077)
+    try:
+        with open(key_path, "wb") as fh:
+            fh.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+    finally:
+        os.umask(old)
+    with open(cert_path, "wb") as fh:
+        fh.write(cert.public_bytes(serialization.Encoding.PEM))
+    os.chmod(cert_path, 0o644)
+    return cert_path, key_path
