@@ -12,6 +12,7 @@ Exit status: 0 ok; 1 the daemon is unreachable or refused the request (message o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -91,6 +92,17 @@ def add_lookup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--namespace", metavar="NS_ID", help="namespace id (when several match)")
     p.add_argument("--cache-salt", metavar="SALT", help="the request's cache_salt")
     p.add_argument("--lora", metavar="NAME:PATH", help="the request's LoRA adapter")
+    p.add_argument(
+        "--fleet",
+        action="store_true",
+        help="score every host of the daemon's fleet (ScoreHosts; --cluster daemons)",
+    )
+    p.add_argument("--hosts", metavar="IDS", help="with --fleet: only these host ids (comma)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="with --fleet: test every chunk instead of a binary search",
+    )
     p.set_defaults(func=cmd_lookup)
 
 
@@ -137,8 +149,17 @@ def _status(client: Any, args: argparse.Namespace) -> str:
     head = (
         f"kvserver {stats.server_version} at {args.server}  host {stats.host_id}\n"
         f"leases {stats.num_leases}  events: seq {stats.events_oldest_seq}.."
-        f"{stats.events_last_seq} (log {stats.event_log_id})\n\n"
+        f"{stats.events_last_seq} (log {stats.event_log_id})\n"
     )
+    if stats.cluster is not None:
+        c = stats.cluster
+        head += (
+            f"fleet {c.get('url', '')}: {c.get('condition', '')}  as {c.get('host_id', '')} "
+            f"(incarnation {c.get('incarnation', '')}), {c.get('live_hosts', 0)} live host(s)"
+            + (f"\n  ({c['condition_detail']})" if c.get("condition_detail") else "")
+            + "\n"
+        )
+    head += "\n"
     tiers = _table(
         [
             "TIER",
@@ -228,6 +249,8 @@ def _tier_notes(tiers: Sequence[Any]) -> str:
 def _lookup(client: Any, args: argparse.Namespace) -> str:
     tokens = _read_tokens(args)
     lora = _parse_lora(args.lora)
+    if args.fleet:
+        return _fleet(client, args, tokens)
     ns = _find_namespace(client, args.model, args.namespace)
     reply = client.lookup_tokens(ns.namespace_id, tokens, cache_salt=args.cache_salt, lora=lora)
     if args.json:
@@ -253,6 +276,32 @@ def _lookup(client: Any, args: argparse.Namespace) -> str:
         f"{reply.num_chunks} chunks ({_pct(reply.hit_chunks, reply.num_chunks)})\n"
         f"tiers: {tiers or 'none'}\n"
     )
+
+
+def _fleet(client: Any, args: argparse.Namespace, tokens: list[int]) -> str:
+    """``lookup --fleet``: ScoreHosts through the daemon (any namespace of its fleet)."""
+    from kvserver.cluster.rpc import call_score_hosts
+
+    if args.cache_salt or args.lora:
+        raise _UsageError("--fleet takes no --cache-salt or --lora yet")
+    ns_id = args.namespace or _find_namespace(client, args.model, None).namespace_id
+    hosts = [h for h in (args.hosts or "").split(",") if h]
+    scored = call_score_hosts(
+        client, ns_id, token_ids=tokens, candidate_hosts=hosts, exact=args.exact
+    )
+    if args.json:
+        rows = [dataclasses.asdict(h) for h in scored]
+        return json.dumps({"namespace_id": ns_id, "hosts": rows}, indent=2) + "\n"
+    if not scored:
+        return f"namespace {ns_id}: no live host in the fleet\n"
+    return f"namespace {ns_id}, {len(tokens)} tokens\n" + _table(
+        ["HOST", "SCORE", "HIT TOKENS", "CHUNKS", "DRAM", "SSD", "DATA PLANE"],
+        [
+            [h.host_id, f"{h.score:g}", h.hit_tokens, h.hit_chunks, h.tiers.get("dram", 0),
+             h.tiers.get("ssd", 0), h.data_address]
+            for h in scored
+        ],
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- helpers

@@ -202,6 +202,8 @@ class ServerStats:
     event_log_id: str
     events_last_seq: int
     events_oldest_seq: int
+    #: the ClusterStats fields (docs/cluster.md) when the daemon is in a fleet, else None.
+    cluster: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -349,7 +351,12 @@ class GrpcClient:
             _copy(NamespaceStats, n, tiers={u.tier: (u.entries, u.bytes) for u in n.tiers})
             for n in msg.namespaces
         ]
-        stats: ServerStats = _copy(ServerStats, msg, tiers=tiers, namespaces=namespaces)
+        cluster = (
+            {f.name: v for f, v in msg.cluster.ListFields()} if msg.HasField("cluster") else None
+        )
+        stats: ServerStats = _copy(
+            ServerStats, msg, tiers=tiers, namespaces=namespaces, cluster=cluster
+        )
         return stats
 
     def list_namespaces(

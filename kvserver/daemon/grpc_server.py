@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import secrets
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -36,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.cluster.rpc import cluster_stats, score_hosts
 from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
@@ -190,6 +193,7 @@ class GrpcFrontend:
             "Pin": self._unary(pb.PinRequest, self._pin),
             "Unpin": self._unary(pb.UnpinRequest, self._unpin),
             "WatchEvents": grpc.unary_stream_rpc_method_handler(self._watch_events),
+            "ScoreHosts": self._unary(pb.ScoreHostsRequest, partial(score_hosts, self.service)),
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
@@ -236,14 +240,17 @@ class GrpcFrontend:
     # ------------------------------------------------------------------ plumbing
 
     def _unary(
-        self, request_type: type[Message], method: Callable[[Any], Message]
+        self, request_type: type[Message], method: Callable[[Any], Any]
     ) -> grpc.RpcMethodHandler:
+        """A unary handler over ``method`` (sync, or async for calls that wait on I/O)."""
         parse = request_type.FromString
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
                 self._authenticate(context)
-                data: bytes = method(parse(raw)).SerializeToString()
+                reply = method(parse(raw))
+                reply = await reply if inspect.isawaitable(reply) else reply
+                data: bytes = reply.SerializeToString()
                 return data
             except Exception as exc:
                 failure = _failure(exc)
@@ -405,6 +412,7 @@ class GrpcFrontend:
             event_log_id=self.log_id,
             events_last_seq=log.last_seq,
             events_oldest_seq=log.oldest_seq,
+            cluster=cluster_stats(s.get("cluster")),
         )
 
     # ------------------------------------------------------------------ WatchEvents

@@ -77,12 +77,65 @@ class TierHits(_message.Message):
     tokens: int
     def __init__(self, tier: _Optional[str] = ..., chunks: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class ScoreHostsRequest(_message.Message):
+    __slots__ = ("namespace_id", "tokens", "keys", "candidate_hosts", "tier_weights", "exact")
+    class TierWeightsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    tokens: TokenPrefix
+    keys: KeyPrefix
+    candidate_hosts: _containers.RepeatedScalarFieldContainer[str]
+    tier_weights: _containers.ScalarMap[str, float]
+    exact: bool
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Union[TokenPrefix, _Mapping]] = ..., keys: _Optional[_Union[KeyPrefix, _Mapping]] = ..., candidate_hosts: _Optional[_Iterable[str]] = ..., tier_weights: _Optional[_Mapping[str, float]] = ..., exact: _Optional[bool] = ...) -> None: ...
+
+class ScoreHostsResponse(_message.Message):
+    __slots__ = ("namespace_id", "num_chunks", "chunk_tokens", "hosts")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    num_chunks: int
+    chunk_tokens: int
+    hosts: _containers.RepeatedCompositeFieldContainer[HostScore]
+    def __init__(self, namespace_id: _Optional[str] = ..., num_chunks: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., hosts: _Optional[_Iterable[_Union[HostScore, _Mapping]]] = ...) -> None: ...
+
+class HostScore(_message.Message):
+    __slots__ = ("host_id", "data_address", "grpc_address", "hit_chunks", "hit_tokens", "tiers", "score")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    data_address: str
+    grpc_address: str
+    hit_chunks: int
+    hit_tokens: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierHits]
+    score: float
+    def __init__(self, host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., grpc_address: _Optional[str] = ..., hit_chunks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierHits, _Mapping]]] = ..., score: _Optional[float] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("server_version", "host_id", "tiers", "namespaces", "num_leases", "event_log_id", "events_last_seq", "events_oldest_seq")
+    __slots__ = ("server_version", "host_id", "tiers", "namespaces", "num_leases", "event_log_id", "events_last_seq", "events_oldest_seq", "cluster")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +144,7 @@ class StatsResponse(_message.Message):
     EVENT_LOG_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_OLDEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     host_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -99,7 +153,42 @@ class StatsResponse(_message.Message):
     event_log_id: str
     events_last_seq: int
     events_oldest_seq: int
-    def __init__(self, server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., event_log_id: _Optional[str] = ..., events_last_seq: _Optional[int] = ..., events_oldest_seq: _Optional[int] = ...) -> None: ...
+    cluster: ClusterStats
+    def __init__(self, server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., event_log_id: _Optional[str] = ..., events_last_seq: _Optional[int] = ..., events_oldest_seq: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+
+class ClusterStats(_message.Message):
+    __slots__ = ("condition", "condition_detail", "url", "host_id", "incarnation", "live_hosts", "pending_keys", "registrations", "resyncs", "heartbeats", "batches", "commands", "indexed_keys", "errors", "dropped_keys")
+    CONDITION_FIELD_NUMBER: _ClassVar[int]
+    CONDITION_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LIVE_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    condition: str
+    condition_detail: str
+    url: str
+    host_id: str
+    incarnation: str
+    live_hosts: int
+    pending_keys: int
+    registrations: int
+    resyncs: int
+    heartbeats: int
+    batches: int
+    commands: int
+    indexed_keys: int
+    errors: int
+    dropped_keys: int
+    def __init__(self, condition: _Optional[str] = ..., condition_detail: _Optional[str] = ..., url: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., live_hosts: _Optional[int] = ..., pending_keys: _Optional[int] = ..., registrations: _Optional[int] = ..., resyncs: _Optional[int] = ..., heartbeats: _Optional[int] = ..., batches: _Optional[int] = ..., commands: _Optional[int] = ..., indexed_keys: _Optional[int] = ..., errors: _Optional[int] = ..., dropped_keys: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("name", "medium", "policy", "capacity_bytes", "used_bytes", "pinned_bytes", "reserved_bytes", "entries", "hit_chunks", "miss_chunks", "evicted_chunks", "stored_chunks", "loaded_chunks", "lookups", "condition", "condition_detail", "corrupt_chunks", "recovered_chunks", "promoted_chunks", "io_errors", "skipped_chunks", "io_mode")

@@ -70,6 +70,11 @@ class KVServerStub:
                 request_serializer=kvserver_dot_v1_dot_kvserver__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.UnpinResponse.FromString,
                 _registered_method=True)
+        self.ScoreHosts = channel.unary_unary(
+                '/kvserver.v1.KVServer/ScoreHosts',
+                request_serializer=kvserver_dot_v1_dot_kvserver__pb2.ScoreHostsRequest.SerializeToString,
+                response_deserializer=kvserver_dot_v1_dot_kvserver__pb2.ScoreHostsResponse.FromString,
+                _registered_method=True)
 
 
 class KVServerServicer:
@@ -130,6 +135,19 @@ class KVServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreHosts(self, request, context):
+        """Which hosts of the fleet hold the longest cached prefix of a prompt (daemons started with
+        --cluster; docs/cluster.md). Per live host: the leading run of the prompt's chunks it
+        holds per the fleet index, split per tier, and a score = sum over tiers of weight x
+        tokens (the pattern of llm-d's GetPodScores). Answered from the index on Redis/Valkey,
+        which may lag the truth by a batch. FAILED_PRECONDITION when this daemon is not in a
+        fleet; UNAVAILABLE when Redis does not answer within the cluster timeout; NOT_FOUND when
+        the namespace is registered nowhere in the fleet (tokens need its hashing parameters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +185,11 @@ def add_KVServerServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.UnpinRequest.FromString,
                     response_serializer=kvserver_dot_v1_dot_kvserver__pb2.UnpinResponse.SerializeToString,
+            ),
+            'ScoreHosts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreHosts,
+                    request_deserializer=kvserver_dot_v1_dot_kvserver__pb2.ScoreHostsRequest.FromString,
+                    response_serializer=kvserver_dot_v1_dot_kvserver__pb2.ScoreHostsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +381,33 @@ class KVServer:
             '/kvserver.v1.KVServer/Unpin',
             kvserver_dot_v1_dot_kvserver__pb2.UnpinRequest.SerializeToString,
             kvserver_dot_v1_dot_kvserver__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreHosts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserver.v1.KVServer/ScoreHosts',
+            kvserver_dot_v1_dot_kvserver__pb2.ScoreHostsRequest.SerializeToString,
+            kvserver_dot_v1_dot_kvserver__pb2.ScoreHostsResponse.FromString,
             options,
             channel_credentials,
             insecure,

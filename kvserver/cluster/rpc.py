@@ -1,0 +1,173 @@
+"""``ScoreHosts`` and the cluster part of ``Stats`` on the gRPC API: both ends of the mapping
+between protobuf messages and ``kvserver.cluster`` values (docs/grpc.md, docs/cluster.md).
+
+Server side (runs on the daemon's event loop, called by ``kvserver/daemon/grpc_server.py``):
+``await score_hosts(service, request)`` → ``ScoreHostsResponse``; ``cluster_stats(dict)`` →
+``ClusterStats``. Client side (any process): ``call_score_hosts(grpc_client, ...)`` →
+``list[HostScore]``-like dicts for ``kvserver lookup --fleet`` and routers.
+
+The prompt is hashed with the namespace's parameters: the daemon's own registration, or
+else the spec a member published in the fleet (``kvs1:{fleet}:ns``), so any daemon of the
+fleet can score a prompt of any model in it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.cluster.config import check_weights
+from kvserver.cluster.schema import TIERS
+from kvserver.cluster.scoring import HostScore, score_runs
+from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
+from kvserver.hashing import BlockHasher
+from kvserver.namespace import NamespaceSpec
+
+if TYPE_CHECKING:
+    from kvserver.daemon.service import KVService
+
+MAX_KEYS = 1 << 16
+MAX_TOKENS = 1 << 21
+MAX_NAMESPACE_ID = 64
+
+
+async def score_hosts(service: KVService, req: Any) -> Any:
+    """Answer one ``ScoreHostsRequest`` (see the proto for the contract)."""
+    node = service.cluster
+    if node is None:
+        raise InvalidState("this daemon is not part of a fleet (start it with --cluster)")
+    ns_id = req.namespace_id
+    if not ns_id or len(ns_id) > MAX_NAMESPACE_ID:
+        raise InvalidArgument("namespace_id is required (at most 64 characters)")
+    weights = dict(node.config.tier_weights)
+    weights.update(check_weights(dict(req.tier_weights)))
+    spec = await _spec(service, ns_id)
+    keys = _keys(spec, req)
+    candidates = list(req.candidate_hosts) or None
+    runs = await node.reader.lookup(ns_id, keys, hosts=candidates, exact=req.exact)
+    scores = score_runs(runs, spec.chunk_tokens, weights)
+    seen = {s.host.host_id for s in scores}
+    wanted = set(candidates) if candidates is not None else None
+    for host in await node.reader.hosts():
+        if host.host_id not in seen and (wanted is None or host.host_id in wanted):
+            scores.append(HostScore(host, 0, 0, dict.fromkeys(TIERS, 0), 0.0))
+    reply = pb.ScoreHostsResponse(
+        namespace_id=ns_id, num_chunks=len(keys), chunk_tokens=spec.chunk_tokens
+    )
+    for s in scores:
+        reply.hosts.append(
+            pb.HostScore(
+                host_id=s.host.host_id,
+                data_address=s.host.data_address,
+                grpc_address=s.host.grpc_address,
+                hit_chunks=s.hit_chunks,
+                hit_tokens=s.hit_tokens,
+                tiers=[
+                    pb.TierHits(tier=t, chunks=n // spec.chunk_tokens, tokens=n)
+                    for t, n in s.tier_tokens.items()
+                ],
+                score=s.score,
+            )
+        )
+    return reply
+
+
+async def _spec(service: KVService, ns_id: str) -> NamespaceSpec:
+    local = service.engine.namespaces.get(ns_id)
+    if local is not None:
+        return local
+    raw = await service.cluster.reader.namespace_spec(ns_id)
+    if raw is None:
+        raise UnknownNamespace("namespace registered nowhere in the fleet", ns=ns_id)
+    try:
+        return NamespaceSpec.from_dict(json.loads(raw))
+    except (ValueError, InvalidArgument) as exc:
+        raise UnknownNamespace(f"the fleet's spec of this namespace is unusable: {exc}") from None
+
+
+def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
+    which = req.WhichOneof("prefix")
+    if which == "keys":
+        keys = list(req.keys.keys)
+        if len(keys) > MAX_KEYS:
+            raise InvalidArgument("too many keys", count=len(keys), max=MAX_KEYS)
+        if any(len(k) != spec.key_size for k in keys):
+            raise InvalidArgument("every key must be key_size bytes", key_size=spec.key_size)
+        return keys
+    if which == "tokens":
+        t = req.tokens
+        if len(t.token_ids) > MAX_TOKENS:
+            raise InvalidArgument("too many tokens", count=len(t.token_ids))
+        lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
+        hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
+        blocks = hasher.hash_blocks(t.token_ids, cache_salt=t.cache_salt or None, lora=lora)
+        return [bytes(k) for k in hasher.chunk_keys(blocks, spec.chunk_blocks)]
+    raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
+
+
+def cluster_stats(stats: dict[str, Any] | None) -> Any:
+    """The ``ClusterStats`` message of ``KVService.stats()["cluster"]`` (None: unset)."""
+    if stats is None:
+        return None
+    fields = pb.ClusterStats.DESCRIPTOR.fields_by_name
+    return pb.ClusterStats(**{k: v for k, v in stats.items() if k in fields})
+
+
+# ---------------------------------------------------------------------- client side
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredHost:
+    """One host of a ``ScoreHosts`` reply."""
+
+    host_id: str
+    data_address: str
+    grpc_address: str
+    hit_chunks: int
+    hit_tokens: int
+    #: tokens of the run per tier.
+    tiers: dict[str, int]
+    score: float
+
+
+def call_score_hosts(
+    client: Any,
+    ns_id: str,
+    *,
+    keys: Sequence[bytes] | None = None,
+    token_ids: Sequence[int] | None = None,
+    candidate_hosts: Sequence[str] = (),
+    tier_weights: dict[str, float] | None = None,
+    exact: bool = False,
+    timeout: float | None = None,
+) -> list[ScoredHost]:
+    """``ScoreHosts`` through ``client`` (a ``kvserver.grpc_client.GrpcClient``)."""
+    if (keys is None) == (token_ids is None):
+        raise InvalidArgument("pass exactly one of keys= or token_ids=")
+    req = pb.ScoreHostsRequest(
+        namespace_id=ns_id,
+        candidate_hosts=list(candidate_hosts),
+        tier_weights=tier_weights or {},
+        exact=exact,
+    )
+    if keys is not None:
+        req.keys.keys.extend(keys)
+        req.keys.SetInParent()
+    else:
+        req.tokens.token_ids.extend(token_ids or ())
+    reply = client._call("ScoreHosts", req, pb.ScoreHostsResponse, timeout)
+    return [
+        ScoredHost(
+            h.host_id,
+            h.data_address,
+            h.grpc_address,
+            h.hit_chunks,
+            h.hit_tokens,
+            {t.tier: t.tokens for t in h.tiers},
+            h.score,
+        )
+        for h in reply.hosts
+    ]
