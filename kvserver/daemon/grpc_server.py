@@ -242,13 +242,12 @@ class GrpcFrontend:
     def _unary(
         self, request_type: type[Message], method: Callable[[Any], Any]
     ) -> grpc.RpcMethodHandler:
-        """A unary handler over ``method`` (sync, or async for calls that wait on I/O)."""
         parse = request_type.FromString
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
                 self._authenticate(context)
-                reply = method(parse(raw))
+                reply = method(parse(raw))  # async for calls that wait on I/O (ScoreHosts)
                 reply = await reply if inspect.isawaitable(reply) else reply
                 data: bytes = reply.SerializeToString()
                 return data
