@@ -141,19 +141,18 @@ class DramIndex:
 
     def make_ready(self, ns: int, keys: Iterable[bytes]) -> None:
         """WRITING → READY for the entries of ``keys``: visible, evictable, tracked by the
-        policy (in the order of ``keys``). REQUIRES: each is WRITING."""
+        policy as one batch in the order of ``keys`` (request order). REQUIRES: each is WRITING."""
         entries = self.entries
-        insert = self.policy.insert
         ready = EntryState.READY
-        pages = count = 0
-        for key in keys:
-            ikey = (ns, key)
+        pages = 0
+        ikeys = [(ns, key) for key in keys]
+        for ikey in ikeys:
             entry = entries[ikey]
             entry.state = ready
             entry.lease_id = 0
             pages += entry.num_pages
-            count += 1
-            insert(ikey)
+        count = len(ikeys)
+        self.policy.insert_batch(ikeys)
         self.reserved_pages -= pages
         self.num_writing -= count
 

@@ -11,11 +11,22 @@ from kvserver.errors import InvalidArgument
 from kvserver.policies.arc import ARCPolicy
 from kvserver.policies.base import EvictionPolicy
 from kvserver.policies.lru import LRUPolicy
+from kvserver.policies.prefix import PrefixPolicy
 
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy", "policy_names"]
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PrefixPolicy",
+    "make_policy",
+    "policy_names",
+]
 
 #: registry name → policy class
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, ARCPolicy)}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, ARCPolicy, PrefixPolicy)
+}
 
 
 def policy_names() -> list[str]:

@@ -4,6 +4,9 @@ Runs inside the storage engine (single owner, no locks, no I/O). A policy tracks
 *ready* entries of one tier; the engine tells it about every change:
 
     insert(key)        an entry became ready in this tier (after complete_store / promotion)
+    insert_batch(keys) several did at once, in the order of their store request: the engine
+                       passes a store's keys in request order, so within one batch a prefix
+                       chain's chunks come head first (default: ``insert`` each in order)
     touch(keys)        the keys were used (lookup hit, load); feeds recency/frequency
     remove(key)        an entry left the tier for a reason other than evict() (rollback, drop)
     evict(need, ...)   choose victims whose costs sum to >= need, atomically
@@ -22,7 +25,7 @@ Invariants every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -37,6 +40,13 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: Hashable) -> None:
         """Track a newly ready key as most recently used. REQUIRES: key not tracked."""
+
+    def insert_batch(self, keys: Sequence[Hashable]) -> None:
+        """Track the keys of one store batch, given in request order (a prefix chain's head
+        before its tail). The default inserts them one by one in that order; prefix-aware
+        policies may use the positions. REQUIRES: no key tracked."""
+        for key in keys:
+            self.insert(key)
 
     @abstractmethod
     def remove(self, key: Hashable) -> None:

@@ -88,6 +88,13 @@ def store(engine: StorageEngine, ns_id: str, keys: list[bytes], **kwargs: Any) -
     return grant
 
 
+def store_each(engine: StorageEngine, ns_id: str, keys: list[bytes]) -> None:
+    """:func:`store` one key per request, in order: the first key is the oldest for every
+    policy (within one request a prefix-aware policy evicts the later keys first)."""
+    for key in keys:
+        store(engine, ns_id, [key])
+
+
 def read_back(engine: StorageEngine, lease_id: int, key: bytes, rank: int) -> bytes:
     """The bytes of one pinned part, joined from its zero-copy views."""
     return b"".join(bytes(view) for view in engine.read_part(lease_id, key, rank))

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
 from kvserver.errors import InvalidArgument
 from kvserver.policies import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvserver.policies.arc import ARCPolicy
+from kvserver.policies.prefix import PrefixPolicy
 
 ALL = sorted(POLICIES)
 
@@ -66,7 +67,7 @@ class BoundedCache:
 
 
 def test_registry_names() -> None:
-    assert policy_names() == sorted(POLICIES) == ["arc", "lru"]
+    assert policy_names() == sorted(POLICIES) == ["arc", "lru", "prefix"]
     for name, cls in POLICIES.items():
         assert cls.name == name
         assert isinstance(make_policy(name), cls)
@@ -282,3 +283,65 @@ def test_arc_ghost_lists_bounded_by_resident_count() -> None:
     policy = cache.policy
     assert isinstance(policy, ARCPolicy)
     assert len(policy) == 10 and policy.num_ghosts <= 10
+
+
+# ---------------------------------------------------------------------------- prefix specifics
+
+
+def test_prefix_batch_tail_leaves_before_head() -> None:
+    """A stored chain loses its deepest chunk first, so what stays is still a usable prefix."""
+    policy = make_policy("prefix")
+    policy.insert_batch(["a0", "a1", "a2"])
+    policy.insert_batch(["b0", "b1"])
+    assert policy.evict(2, unit, always) == ["a2", "a1"]
+    assert list(policy) == ["b1", "a0", "b0"]  # deeper chunks have less credit
+
+
+def test_prefix_batch_order_is_lru_order_for_single_inserts() -> None:
+    """Without batches the policy orders like LRU (the shared contract tests rely on it)."""
+    policy = filled("prefix", range(4))
+    policy.touch([2, 0])
+    assert list(policy) == [1, 3, 0, 2]  # as LRU: the first key touched ends most recent
+
+
+def test_prefix_shared_head_survives_a_long_one_off_document() -> None:
+    """A system prompt read by many conversations outlives a 100-chunk document scan that
+    flushes it from LRU."""
+    head = [f"sys{i}" for i in range(8)]
+    results = {}
+    for name in ("lru", "prefix"):
+        policy, size, capacity = make_policy(name), 0, 40
+        for conversation in range(4):
+            chain = head + [f"c{conversation}-{i}" for i in range(4)]
+            hits = 0
+            while hits < len(chain) and chain[hits] in policy:
+                hits += 1
+            policy.touch(chain[:hits])
+            new = chain[hits:]
+            policy.insert_batch(new)
+            size += len(new)
+        document = [f"doc{i}" for i in range(100)]
+        for start in range(0, len(document), 10):  # stored in batches of 10
+            batch = document[start : start + 10]
+            victims = policy.evict(size + len(batch) - capacity, unit, always)
+            assert victims is not None
+            size -= len(victims)
+            policy.insert_batch(batch)
+            size += len(batch)
+        results[name] = sum(key in policy for key in head)
+    assert results == {"lru": 0, "prefix": len(head)}
+
+
+def test_prefix_ghost_keeps_use_count_and_ghosts_stay_bounded() -> None:
+    policy = make_policy("prefix")
+    assert isinstance(policy, PrefixPolicy)
+    policy.insert("hot")
+    policy.touch(["hot"] * 5)
+    policy.insert("cold")
+    assert policy.evict(2, unit, always) == ["cold", "hot"]
+    assert policy.num_ghosts == 0  # bounded by the (now zero) tracked keys
+    cache = BoundedCache(make_policy("prefix"), capacity=10)
+    for key in range(1000):
+        cache.access(key)
+    assert isinstance(cache.policy, PrefixPolicy)
+    assert len(cache.policy) == 10 and cache.policy.num_ghosts <= 10

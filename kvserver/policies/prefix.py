@@ -1,0 +1,186 @@
+"""Prefix-aware eviction: GreedyDual over use counts, a chain's tail before its head.
+
+Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
+:mod:`kvserver.policies.base` for the call contract.
+
+Why. KV chunks form prefix chains: a lookup's hits stop at its first miss, so a chunk is
+worth keeping only while every chunk before it is kept. Three observations drive the policy:
+
+- a chain is always read from its head, so an ancestor is used at least as often as any of its
+  descendants: ordering by use count keeps what is cached prefix-closed, and on equal priority
+  the later (deeper) chunk of a batch leaves first;
+- chunks used by many conversations (shared system prompts) gather uses and outlive one-off
+  chunks, while an ageing term (GreedyDual's ``L``) lets counts of chunks nobody reads any more
+  lose their weight;
+- a chunk deep in one long store batch (a long one-off document) is worth less than a shallow
+  one: its reuse needs every chunk before it in the batch. Its initial credit is divided by
+  ``1 + position / DEPTH_SCALE`` (scan resistance).
+
+Priority. Each tracked key ``k`` has ``H(k) = L + uses(k) * credit(k)`` set when it is inserted
+or touched; ``evict`` takes keys in ascending ``(H, tie)`` order and raises ``L`` to the ``H`` of
+the last victim, so whatever is not used falls behind everything that is. ``credit`` is
+``1 / (1 + position / DEPTH_SCALE)`` where ``position`` is the key's index in its
+``insert_batch`` (0 for ``insert``). Ties: inserts of one batch are numbered last-to-first (the
+tail gets the lower number and leaves first), touches likewise (the first key of a touch ends
+latest), batches and touches in call order.
+
+Ghosts. An evicted key's use count is remembered (an OrderedDict, oldest first, at most as many
+ghosts as tracked keys); re-inserting it resumes from that count.
+
+Invariants: ``_prio`` holds exactly the tracked keys; ``_uses`` and ``_credit`` have the same
+keys; every tracked key has exactly one heap entry equal to ``(*_prio[k], k)`` (other heap
+entries are stale and skipped); ghosts and tracked keys are disjoint. ``evict`` changes nothing
+before it has chosen every victim, so a ``None`` leaves the state untouched. Costs: insert and
+touch O(log n) amortised (stale entries are compacted away once they outnumber live ones);
+evict O(v log v) for v heap entries visited (victims, skipped non-evictable and stale ones).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+
+from kvserver.policies.base import EvictionPolicy
+
+#: position in a store batch at which a chunk's initial credit is halved
+DEPTH_SCALE = 64
+
+_Entry = tuple[float, int, Hashable]  # (H, tie, key)
+
+
+class PrefixPolicy(EvictionPolicy):
+    """GreedyDual-Frequency over prefix chains (see the module docstring)."""
+
+    name = "prefix"
+
+    def __init__(self) -> None:
+        self._age = 0.0  # L
+        self._tie = 0
+        self._prio: dict[Hashable, tuple[float, int]] = {}
+        self._uses: dict[Hashable, int] = {}
+        self._credit: dict[Hashable, float] = {}
+        self._heap: list[_Entry] = []
+        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
+
+    # ------------------------------------------------------------------ observability
+
+    @property
+    def age(self) -> float:
+        """GreedyDual's L: the priority of the last victim."""
+        return self._age
+
+    @property
+    def num_ghosts(self) -> int:
+        return len(self._ghosts)
+
+    # ------------------------------------------------------------------ contract
+
+    def insert(self, key: Hashable) -> None:
+        """Track ``key`` as a batch of one; a tracked key is treated as ``touch([key])``."""
+        self.insert_batch((key,))
+
+    def insert_batch(self, keys: Sequence[Hashable]) -> None:
+        """Track ``keys`` of one store batch in chain order (see the module docstring for
+        what the position changes). Tracked keys in it are touched instead."""
+        for position in range(len(keys) - 1, -1, -1):
+            key = keys[position]
+            if key in self._prio:
+                self.touch((key,))
+                continue
+            self._uses[key] = 1 + self._ghosts.pop(key, 0)
+            self._credit[key] = 1.0 / (1.0 + position / DEPTH_SCALE)
+            self._set(key)
+
+    def remove(self, key: Hashable) -> None:
+        if self._prio.pop(key, None) is not None:
+            del self._uses[key], self._credit[key]
+            self._compact()
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        uses = self._uses
+        for key in reversed(list(keys)):
+            if key in uses:
+                uses[key] += 1
+                self._set(key)
+
+    def evict(
+        self,
+        need: int,
+        cost: Callable[[Hashable], int],
+        evictable: Callable[[Hashable], bool],
+    ) -> list[Hashable] | None:
+        if need <= 0:
+            return []
+        victims: list[Hashable] = []
+        freed = 0
+        top = self._age
+        for key, h in self._in_order():
+            if not evictable(key):
+                continue
+            victims.append(key)
+            top = max(top, h)
+            freed += cost(key)
+            if freed >= need:
+                break
+        else:
+            return None  # not enough evictable cost: nothing changed
+        self._age = top
+        ghosts = self._ghosts
+        for key in victims:
+            del self._prio[key], self._credit[key]
+            ghosts[key] = self._uses.pop(key)
+        while len(ghosts) > len(self._prio):
+            ghosts.popitem(last=False)
+        self._compact()
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._prio
+
+    def __len__(self) -> int:
+        return len(self._prio)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """Tracked keys in eviction order (first = next victim, ignoring pins)."""
+        return iter([key for key, _ in self._in_order()])
+
+    # ------------------------------------------------------------------ internals
+
+    def _set(self, key: Hashable) -> None:
+        self._tie += 1
+        h = self._age + self._uses[key] * self._credit[key]
+        self._prio[key] = (h, self._tie)
+        heapq.heappush(self._heap, (h, self._tie, key))
+        if len(self._heap) > 2 * len(self._prio) + 64:
+            self._rebuild()
+
+    def _in_order(self) -> Iterator[tuple[Hashable, float]]:
+        """Live keys with their H in ascending priority, without changing the heap: a second
+        heap holds the frontier of heap indexes still to visit."""
+        heap, prio = self._heap, self._prio
+        if not heap:
+            return
+        frontier: list[tuple[float, int, int]] = [(heap[0][0], heap[0][1], 0)]
+        size = len(heap)
+        while frontier:
+            h, tie, i = heapq.heappop(frontier)
+            key = heap[i][2]
+            if prio.get(key) == (h, tie):
+                yield key, h
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < size:
+                    child = heap[j]
+                    heapq.heappush(frontier, (child[0], child[1], j))
+
+    def _compact(self) -> None:
+        """Drop stale entries from the top of the heap; rebuild when they dominate."""
+        heap, prio = self._heap, self._prio
+        while heap and prio.get(heap[0][2]) != (heap[0][0], heap[0][1]):
+            heapq.heappop(heap)
+        if len(heap) > 2 * len(prio) + 64:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(h, tie, key) for key, (h, tie) in self._prio.items()]
+        heapq.heapify(self._heap)
