@@ -14,8 +14,8 @@
 # given), KVSERVER_CMD (default: `kvserver` when on PATH, else `python3 -m kvserver.cli`).
 set -euo pipefail
 
-KVSERVER_GRPC=9470 KVSERVER_ZMQ=9471 KVSERVER_PUB=9472
-WORKER0_LISTEN=9500 WORKER1_LISTEN=9501 DIST_INIT=29500 SCHEDULER_GRPC=9480
+KVSERVER_GRPC=9470 KVSERVER_ZMQ=9471 KVSERVER_PUB=9472 KVSERVER_METRICS=9473
+WORKER0_LISTEN=9500 WORKER1_LISTEN=9501 DIST_INIT=29500 SCHEDULER_GRPC=9480 SCHEDULER_METRICS=9481
 
 if [[ -n "${KVSERVER_LOCAL_DIR:-}" ]]; then
   DIR="$KVSERVER_LOCAL_DIR" KEEP_DIR=1
@@ -32,8 +32,9 @@ fi
 
 SERVICES=(kvserver worker-0 worker-1 scheduler)
 declare -A CMD
-CMD[kvserver]="start --host 127.0.0.1 --insecure-remote --grpc-port $KVSERVER_GRPC --zmq-port $KVSERVER_ZMQ \
---pub-port $KVSERVER_PUB --dram 1GiB --ssd-dir $DIR/kvdata/ssd --ssd 8GiB \
+CMD[kvserver]="start --host 127.0.0.1 --insecure-remote --grpc-port $KVSERVER_GRPC \
+--zmq-port $KVSERVER_ZMQ --pub-port $KVSERVER_PUB --metrics-port $KVSERVER_METRICS --dram 1GiB \
+--ssd-dir $DIR/kvdata/ssd --ssd 8GiB \
 --ready-file $DIR/kvserver.ready"
 for rank in 0 1; do
   listen=$WORKER0_LISTEN
@@ -43,7 +44,7 @@ for rank in 0 1; do
 --write-random-model-seed 7 --device cpu --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ \
 --chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
 done
-CMD[scheduler]="scheduler --host 127.0.0.1 --grpc-port $SCHEDULER_GRPC \
+CMD[scheduler]="scheduler --host 127.0.0.1 --grpc-port $SCHEDULER_GRPC --metrics-port $SCHEDULER_METRICS \
 --workers tcp://127.0.0.1:$WORKER0_LISTEN,tcp://127.0.0.1:$WORKER1_LISTEN \
 --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ --model tiny --num-gpu-blocks 256 --block-size 16 \
 --chunk-blocks 1 --ready-file $DIR/scheduler.ready"
@@ -107,6 +108,7 @@ kvserver cluster up (files in $DIR):
   daemon     gRPC 127.0.0.1:$KVSERVER_GRPC  ZMQ tcp://127.0.0.1:$KVSERVER_ZMQ  events tcp://127.0.0.1:$KVSERVER_PUB
   workers    tcp://127.0.0.1:$WORKER0_LISTEN (rank 0)  tcp://127.0.0.1:$WORKER1_LISTEN (rank 1)
   scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC
+  metrics    http://127.0.0.1:$KVSERVER_METRICS/metrics (daemon)  http://127.0.0.1:$SCHEDULER_METRICS/metrics (scheduler)
 Try: ${KV[*]} status --server 127.0.0.1:$KVSERVER_GRPC
 Ctrl-C stops everything.
 MSG

@@ -29,6 +29,12 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=9480, help="gRPC port (default 9480, 0=any)")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9481,
+        help="Prometheus /metrics HTTP port (default 9481, 0=any, -1=off)",
+    )
+    p.add_argument(
         "--kvserver",
         metavar="ADDR",
         help="kvserver daemon ZMQ address, e.g. tcp://127.0.0.1:9471 (default: off)",
@@ -110,6 +116,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
             synthetic_workers=args.synthetic_workers or 0,
             host=args.host,
             grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
             kvserver=args.kvserver,
             chunk_blocks=args.chunk_blocks,
             model=args.model,

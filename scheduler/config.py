@@ -21,6 +21,9 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise InvalidArgument(f"{name} must be an int >= {minimum}", **{name: value})
 
 
+#: the scheduler's Prometheus port (next to its gRPC port 9480).
+DEFAULT_METRICS_PORT = 9481
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """What :class:`~scheduler.scheduler.Scheduler` needs; see docs/scheduler.md.
@@ -105,6 +108,8 @@ class ProcessConfig:
     synthetic_workers: int = 0
     host: str = "127.0.0.1"
     grpc_port: int = 9480
+    #: Prometheus /metrics over HTTP (docs/metrics.md); 0 = ephemeral, -1 = disabled.
+    metrics_port: int = DEFAULT_METRICS_PORT
     #: kvserver daemon ZMQ address (``tcp://host:port``); None = no connector.
     kvserver: str | None = None
     chunk_blocks: int = 1
@@ -125,6 +130,11 @@ class ProcessConfig:
             raise InvalidArgument("give exactly one of --workers and --synthetic-workers")
         _check_int("synthetic_workers", self.synthetic_workers, 0)
         _check_int("grpc_port", self.grpc_port, 0)
+        _check_int("metrics_port", self.metrics_port, -1)
+        if self.metrics_port > 65535 or self.grpc_port > 65535:
+            raise InvalidArgument(
+                "port out of range", grpc_port=self.grpc_port, metrics_port=self.metrics_port
+            )
         _check_int("chunk_blocks", self.chunk_blocks, 1)
         for address in self.workers:
             if not address.startswith(("tcp://", "ipc://", "inproc://")):

@@ -71,6 +71,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from prometheus_client import Histogram
+
 from kvserver.client import KVClient
 from kvserver.errors import KVServerError
 from kvserver.events import Event
@@ -121,6 +123,11 @@ class KVServerSchedulerConnector(SchedulerConnector):
             self._link, self._leases, self.stats, hasher, self._stores.is_storing
         )
         self._preempted: set[str] = set()
+
+    @property
+    def lookup_seconds(self) -> Histogram:
+        """Latency of the lookups behind ``get_num_new_matched_tokens`` (for /metrics)."""
+        return self._loads.lookup_seconds
 
     @property
     def client(self) -> KVClient:

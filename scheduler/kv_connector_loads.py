@@ -27,6 +27,7 @@ from kvserver.engine_types import LoadGrant
 from kvserver.errors import InvalidArgument, KVServerError, UnknownKey
 from kvserver.events import BlockRemoved
 from kvserver.hashing import BlockHasher
+from kvserver.prometheus import latency_histogram
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink
 from scheduler.kv_connector_types import ConnectorStats, RequestState, TransferJob, block_hashes
@@ -55,6 +56,11 @@ class LoadPlanner:
         self._stats = stats
         self._hasher = hasher
         self._is_storing = is_storing
+        #: seconds per lookup (daemon round trip, timeouts included); /metrics shows it
+        self.lookup_seconds = latency_histogram(
+            "scheduler_connector_lookup_duration_seconds",
+            "Time of the connector's kvserver lookup (get_num_new_matched_tokens).",
+        )
 
     def offer(self, state: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens`` for ``state.request``: look the chunks past the
@@ -74,10 +80,11 @@ class LoadPlanner:
         self._stats.lookups += 1
         ns_id = self.ns_id
         try:
-            hits = self._link.call(
-                self.config.lookup_timeout_s,
-                lambda kv: kv.lookup(ns_id, keys, record=True, touch=True).hit_chunks,
-            )
+            with self.lookup_seconds.time():
+                hits = self._link.call(
+                    self.config.lookup_timeout_s,
+                    lambda kv: kv.lookup(ns_id, keys, record=True, touch=True).hit_chunks,
+                )
         except KVServerError as exc:
             self._stats.lookups_failed += 1
             logger.debug("lookup for %s failed, no external hit: %s", request.request_id, exc)

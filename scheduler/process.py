@@ -4,8 +4,9 @@ This is the only scheduler module that knows it is a process (event loop, childr
 
 Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
 connect and hello every worker (their KV layout names the kvserver namespace) → build the
-kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC → write the
-ready file.
+kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC → serve
+Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound is logged, not fatal) →
+write the ready file.
 
 The step loop (:class:`EngineCore`) runs ``schedule()`` → every worker → ``update_from_output()``
 while there is work, and sleeps on an event otherwise. A worker that dies, errs or times out
@@ -15,10 +16,11 @@ queued stay queued while the loop tries to bring the workers back every ``probe_
 requests are refused at once. The loop never dies on a bad step: an unexpected exception is
 logged and fails the requests in flight.
 
-Shutdown on SIGTERM/SIGINT, in order: gRPC stops accepting and in-flight streams get a short
-grace (the loop still serves them) → remaining streams are cancelled (their requests aborted)
-→ the step loop stops → workers are told to stop and synthetic children reaped → the
-connector's leases are released → the trace is closed → the ready file is removed → exit 0.
+Shutdown on SIGTERM/SIGINT, in order: metrics stop → gRPC stops accepting and in-flight streams
+get a short grace (the loop still serves them) → remaining streams are cancelled (their
+requests aborted) → the step loop stops → workers are told to stop and synthetic children
+reaped → the connector's leases are released → the trace is closed → the ready file is
+removed → exit 0.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+from kvserver.prometheus import serve_metrics
 from scheduler.config import ProcessConfig
 from scheduler.connector_base import SchedulerConnector
 from scheduler.engine_service import EngineService, GenerateParams
+from scheduler.metrics import SchedulerCollector
 from scheduler.request import RequestOutput, RequestStatus
 from scheduler.scheduler import Scheduler
 from scheduler.workers import WorkerFailure, WorkerGroup
@@ -266,6 +270,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
     service: EngineService | None = None
     core: EngineCore | None = None
     loop_task: asyncio.Task[None] | None = None
+    metrics_server = None
     try:
         addresses = list(config.workers)
         if config.synthetic_workers:
@@ -282,7 +287,15 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         loop_task = asyncio.create_task(core.run(), name="step-loop")
         service = EngineService(core, config.host, config.grpc_port)
         port = await service.start()
-        info = {"pid": os.getpid(), "host": config.host, "grpc_port": port, "workers": addresses}
+        collector = SchedulerCollector(core, asyncio.get_running_loop())
+        metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
+        info = {
+            "pid": os.getpid(),
+            "host": config.host,
+            "grpc_port": port,
+            "metrics_port": metrics_port,
+            "workers": addresses,
+        }
         if config.ready_file:
             _write_atomic(config.ready_file, json.dumps(info))
         logger.info(
@@ -297,6 +310,9 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
             loop_task.result()  # the loop never returns on its own: surface its error
         logger.info("shutting down")
     finally:
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.shutdown)  # a scrape in flight needs the loop
+            metrics_server.server_close()
         if service is not None:
             await service.stop(config.shutdown_grace_s)
         if core is not None:

@@ -209,6 +209,23 @@ class PromptUsage:
 
 
 @dataclass(slots=True)
+class PromptTotals:
+    """Monotonic sums of :class:`PromptUsage` over the requests that ended after admission:
+    where prompt tokens came from (computed here, this scheduler's GPU prefix cache, kvserver)."""
+
+    requests: int = 0
+    computed_tokens: int = 0
+    gpu_cached_tokens: int = 0
+    kvserver_tokens: int = 0
+
+    def add(self, usage: PromptUsage) -> None:
+        self.requests += 1
+        self.computed_tokens += usage.computed_tokens
+        self.gpu_cached_tokens += usage.gpu_cached_tokens
+        self.kvserver_tokens += usage.kvserver_tokens
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: new tokens and, at the end, why it finished."""
 

@@ -45,6 +45,7 @@ from scheduler.connector_base import SchedulerConnector
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.kv_transfers import TransferTracker
 from scheduler.request import (
+    PromptTotals,
     PromptUsage,
     Request,
     RequestOutput,
@@ -95,6 +96,7 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
         )
         self.requests: dict[str, Request] = {}
+        self.prompt_totals = PromptTotals()
         self.waiting: RequestQueue = create_queue(config.policy)
         #: requests deferred in an earlier step: loading from kvserver, or connector undecided
         self.skipped_waiting: RequestQueue = create_queue(config.policy)
@@ -519,6 +521,8 @@ class Scheduler:
         req_id = request.request_id
         del self.requests[req_id]
         self._finished_req_ids.append(req_id)
+        if request.num_cached_tokens >= 0:  # it was admitted: count where its prompt came from
+            self.prompt_totals.add(self._usage(request))
         delay = False
         if self.connector is not None:
             delay, _ = self.connector.request_finished(request, self.kv.get_block_ids(req_id))

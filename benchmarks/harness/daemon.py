@@ -35,6 +35,10 @@ class DaemonProc:
         return f"tcp://127.0.0.1:{self.info['pub_port']}"
 
     @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.info['metrics_port']}/metrics"
+
+    @property
     def arena_path(self) -> str:
         return str(self.info["arena_path"])
 
@@ -81,6 +85,8 @@ def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None)
         "--zmq-port",
         "0",
         "--pub-port",
+        "0",
+        "--metrics-port",
         "0",
         "--ready-file",
         str(ready),

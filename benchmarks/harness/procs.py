@@ -67,7 +67,8 @@ def start_scheduler(tmp_path: Path, *extra: str) -> Proc:
     ready = tmp_path / f"scheduler-{time.monotonic_ns()}.ready"
     args = [
         sys.executable, "-m", "kvserver.cli", "scheduler",
-        "--host", "127.0.0.1", "--grpc-port", "0", "--ready-file", str(ready), *extra,
+        "--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0",
+        "--ready-file", str(ready), *extra,
     ]  # fmt: skip
     return _start(args, ready, tmp_path / f"scheduler-{time.monotonic_ns()}.log")
 

@@ -23,6 +23,8 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--grpc-port", type=int, help="gRPC query API port (default 9470, 0=any)")
     p.add_argument("--zmq-port", type=int, help="ZMQ data-plane port (default 9471, 0=any)")
     p.add_argument("--pub-port", type=int, help="ZMQ KV-event PUB port (default 9472, -1=off)")
+    p.add_argument("--metrics-port", type=int,
+                   help="Prometheus /metrics HTTP port (default 9473, 0=any, -1=off)")
     p.add_argument("--dram", help="DRAM tier size, e.g. 256MiB, 8GiB (default 256MiB)")
     p.add_argument("--page-size", help="arena page size (default 64KiB)")
     p.add_argument("--policy", help="eviction policy: lru, arc or prefix (default lru)")
@@ -74,7 +76,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     overrides = {
         k: getattr(args, k)
-        for k in ("host", "grpc_port", "zmq_port", "pub_port", "dram", "page_size", "policy",
+        for k in ("host", "grpc_port", "zmq_port", "pub_port", "metrics_port",
+                  "dram", "page_size", "policy",
                   "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
                   "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
                   "ssd_promotions", "tune_malloc", "cluster", "advertise_addr", "host_id",

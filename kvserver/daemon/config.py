@@ -28,6 +28,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRPC_PORT = 9470
 DEFAULT_ZMQ_PORT = 9471
 DEFAULT_PUB_PORT = 9472
+DEFAULT_METRICS_PORT = 9473
 
 _UNITS = {
     "": 1, "b": 1,
@@ -59,6 +60,8 @@ class DaemonConfig:
     zmq_port: int = DEFAULT_ZMQ_PORT
     #: ZMQ PUB socket for KV events (vLLM wire format); 0 = ephemeral, -1 = disabled.
     pub_port: int = DEFAULT_PUB_PORT
+    #: Prometheus /metrics over HTTP (docs/metrics.md); 0 = ephemeral, -1 = disabled.
+    metrics_port: int = DEFAULT_METRICS_PORT
     dram: int = 256 << 20
     page_size: int = 64 << 10
     policy: str = "lru"
@@ -130,8 +133,9 @@ class DaemonConfig:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise InvalidArgument(f"{name} out of range", value=port)
-        if not -1 <= self.pub_port <= 65535:
-            raise InvalidArgument("pub_port out of range", value=self.pub_port)
+        for name in ("pub_port", "metrics_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise InvalidArgument(f"{name} out of range", value=getattr(self, name))
         if self.reap_interval_s <= 0:
             raise InvalidArgument("reap_interval_s must be positive")
         if self.ssd_promotions < 1:

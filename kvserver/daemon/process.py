@@ -8,15 +8,16 @@ Start-up: apply the glibc allocator settings (``malloc.py``; before any thread e
 tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
 retried, the daemon serves DRAM) → start the ZMQ front end → start the gRPC front end → start
-the lease reaper → join the fleet when ``--cluster`` is set (``kvserver/cluster/node.py``:
-register, resync the fleet index; an unreachable Redis does not stop the daemon) → write the
-ready file → log where it listens.
+the lease reaper → serve Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound
+is logged, the daemon serves without) → join the fleet when ``--cluster`` is set
+(``kvserver/cluster/node.py``: register, resync the fleet index; an unreachable Redis does not
+stop the daemon) → write the ready file → log where it listens.
 
 Shutdown on SIGTERM/SIGINT, in order: leave the fleet (record and index entries removed) →
-stop accepting (gRPC server stops taking new RPCs, ZMQ
-sockets stop reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight
-writes and close its files → roll back in-flight reservations and release pins → stop event
-streams → remove the shared-memory arena → exit 0.
+stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ sockets stop
+reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight writes and close
+its files → roll back in-flight reservations and release pins → stop event streams → remove
+the shared-memory arena → exit 0.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from kvserver.cluster.schema import check_host_id
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.malloc import tune_malloc
+from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import ZmqFrontend
+from kvserver.prometheus import serve_metrics
 from kvserver.wire import host_id
 
 logger = logging.getLogger("kvserver.daemon")
@@ -60,6 +63,7 @@ async def serve(
     reaper: asyncio.Task[None] | None = None
     tier: SsdTier | None = None
     node: ClusterNode | None = None
+    metrics_server = None
     try:
         tier_config = config.tier_config()
         if tier_config is not None:
@@ -74,6 +78,8 @@ async def serve(
         data_port, pub_port = await zmq_front.start()
         grpc_port = await grpc_front.start()
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
+        collector = DaemonCollector(service, asyncio.get_running_loop())
+        metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
         dram_bytes = service.engine.stats().capacity_bytes
         node = await _join_fleet(config, service, data_port, grpc_port, tier)
         info: dict[str, object] = {
@@ -82,6 +88,7 @@ async def serve(
             "grpc_port": grpc_port,
             "zmq_port": data_port,
             "pub_port": pub_port,
+            "metrics_port": metrics_port,
             "arena_path": service.engine.arena.path,
             "dram_bytes": dram_bytes,
             "ssd_dir": config.ssd_dir,
@@ -96,13 +103,15 @@ async def serve(
             _write_atomic(config.ready_file, json.dumps(info))
         logger.info(
             "kvserver listening: gRPC %s:%d, ZMQ data tcp://%s:%d, events tcp://%s:%s, "
-            "DRAM %d MiB (%s) in %s",
+            "metrics http://%s:%s/metrics, DRAM %d MiB (%s) in %s",
             config.host,
             grpc_port,
             config.host,
             data_port,
             config.host,
             pub_port if pub_port >= 0 else "off",
+            config.host,
+            metrics_port if metrics_port >= 0 else "off",
             dram_bytes >> 20,
             config.policy,
             info["arena_path"],
@@ -112,6 +121,9 @@ async def serve(
     finally:
         if node is not None:  # leave the fleet first: peers stop routing here
             await node.stop()
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.shutdown)  # a scrape in flight needs the loop
+            metrics_server.server_close()
         await grpc_front.stop(SHUTDOWN_GRACE_S)
         await zmq_front.stop()
         if reaper is not None:

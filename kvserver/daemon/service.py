@@ -31,6 +31,7 @@ from kvserver.engine_types import EngineConfig, LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
+from kvserver.prometheus import latency_histogram
 from kvserver.wire import host_id
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class KVService:
         #: the fleet membership (``kvserver.cluster.ClusterNode``) when ``--cluster`` is set.
         self.cluster: Any = None
         self._hashers: dict[str, BlockHasher] = {}
+        #: seconds per data-plane op (ZMQ and local channel), label ``op``; see daemon/metrics.py
+        self.op_seconds = latency_histogram(
+            "kvserver_op_duration_seconds", "Time to carry out one data-plane request.", ["op"]
+        )
 
     def attach_ssd(self, tier: SsdTier) -> None:
         """Put ``tier`` below the DRAM tier: evictions are offered to it for write-back."""

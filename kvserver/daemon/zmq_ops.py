@@ -95,8 +95,23 @@ class ZmqOps:
         }
 
     def handle(self, op: str, call: Call) -> Result | Deferred:
-        """Carry out ``op`` (a valid op name) now, or return the rest of it as a Deferred."""
-        return self._handlers[op](call)
+        """Carry out ``op`` (a valid op name) now, or return the rest of it as a Deferred.
+        Its time (a Deferred's until its answer) goes to ``service.op_seconds``."""
+        timer = self._service.op_seconds.labels(op)
+        start = time.perf_counter()
+        out = self._handlers[op](call)
+        if not isinstance(out, Deferred):
+            timer.observe(time.perf_counter() - start)
+            return out
+        run = out.run
+
+        async def timed() -> Result:
+            try:
+                return await run()
+            finally:
+                timer.observe(time.perf_counter() - start)
+
+        return Deferred(timed)
 
     def _hello(self, c: Call) -> Result:
         extra = {

@@ -20,7 +20,10 @@ COMPOSE = ROOT / "deploy" / "docker-compose.yml"
 RUN_LOCAL = ROOT / "deploy" / "run-local.sh"
 
 #: (service, the flag naming one of its listen ports) for the daemon and the scheduler
-PORT_FLAGS = {"start": ("--grpc-port", "--zmq-port", "--pub-port"), "scheduler": ("--grpc-port",)}
+PORT_FLAGS = {
+    "start": ("--grpc-port", "--zmq-port", "--pub-port", "--metrics-port"),
+    "scheduler": ("--grpc-port", "--metrics-port"),
+}
 _ADDR = re.compile(r"(?:tcp://)?(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)")
 
 

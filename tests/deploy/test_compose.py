@@ -13,6 +13,7 @@ import pytest
 
 from kvserver.cli import build_parser
 from tests.deploy.compose import (
+    PORT_FLAGS,
     ROOT,
     RUN_LOCAL,
     Service,
@@ -140,7 +141,7 @@ def test_published_ports_are_listen_ports(svcs: dict[str, Service]) -> None:
             assert host == container
             assert int(container) in listen_ports(svc), (svc.name, spec)
     published = {int(str(p).split(":")[1]) for p in svcs["scheduler"].raw["ports"]}
-    assert published == {int(flag(svcs["scheduler"].command, "--grpc-port"))}
+    assert published == {int(flag(svcs["scheduler"].command, f)) for f in PORT_FLAGS["scheduler"]}
 
 
 def test_start_order(svcs: dict[str, Service]) -> None:
@@ -175,8 +176,8 @@ def test_run_local_runs_the_same_commands(doc: dict[str, Any], tmp_path: Path) -
         got[name] = shlex.split(cmd)
     ports = {
         ("kvserver", 9470): 9470, ("kvserver", 9471): 9471, ("kvserver", 9472): 9472,
-        ("worker-0", 9500): 9500, ("worker-1", 9500): 9501, ("worker-0", 29500): 29500,
-        ("scheduler", 9480): 9480,
+        ("kvserver", 9473): 9473, ("worker-0", 9500): 9500, ("worker-1", 9500): 9501,
+        ("worker-0", 29500): 29500, ("scheduler", 9480): 9480, ("scheduler", 9481): 9481,
     }  # fmt: skip
     assert got == localize(doc, ports, tmp_path)
     assert not (tmp_path / "kvdata").exists()  # --print-commands starts nothing

@@ -67,6 +67,8 @@ def test_compose_commands_as_local_processes_serve_generate(tmp_path: Path) -> N
         assert (tmp_path / "kvdata" / "ssd").is_dir()  # the SSD tier lives on the volume
         assert daemon.info["zmq_port"] == ports[("kvserver", 9471)]
         assert scheduler.info["grpc_port"] == ports[("scheduler", 9480)]
+        assert daemon.info["metrics_port"] == ports[("kvserver", 9473)]
+        assert scheduler.info["metrics_port"] == ports[("scheduler", 9481)]
         assert [worker0.info["rank"], worker1.info["rank"]] == [0, 1]
 
         prompt = list(range(1, 41))

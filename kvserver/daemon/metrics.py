@@ -1,0 +1,118 @@
+"""The daemon's Prometheus metrics: its own stats, read at scrape time (``docs/metrics.md``).
+
+Runs in the daemon process: the snapshot (:meth:`DaemonCollector.snapshot`, ``service.stats()``)
+on the event loop, the rest on prometheus_client's scrape thread (see :mod:`kvserver.prometheus`).
+Nothing here counts anything: every value is a counter or gauge the engine, the SSD tier or the
+front ends already keep, so ``kvserver status``, gRPC ``Stats`` and ``/metrics`` cannot disagree.
+
+Per-tier series carry a ``tier`` label (``dram``, ``ssd``; a future tier adds a value, not a
+name). Chunk counters count chunks (one key's KV, all TP ranks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    StateSetMetricFamily,
+)
+from prometheus_client.metrics_core import Metric
+
+from kvserver.daemon.service import KVService
+from kvserver.daemon.tiering import DEGRADED, OK, UNAVAILABLE
+from kvserver.prometheus import LoopCollector
+
+#: every condition the SSD tier can be in (a state set: exactly one is 1).
+SSD_CONDITIONS = (OK, DEGRADED, UNAVAILABLE)
+
+#: per-tier gauges: (metric name, help, key of the tier's values)
+_TIER_GAUGES = (
+    ("kvserver_tier_capacity_bytes", "Bytes the tier can hold.", "capacity_bytes"),
+    ("kvserver_tier_used_bytes", "Bytes the tier holds (ready, reserved or pinned).", "used_bytes"),
+    ("kvserver_tier_pinned_bytes", "Bytes pinned (loads in flight, TTL pins).", "pinned_bytes"),
+    ("kvserver_tier_reserved_bytes", "Bytes reserved by stores in flight.", "reserved_bytes"),
+    ("kvserver_tier_entries", "Chunks in the tier.", "entries"),
+)
+#: per-tier counters: (metric name without _total, help, stats counter)
+_TIER_COUNTERS = (
+    ("kvserver_lookups", "Lookups answered by the tier.", "lookups"),
+    ("kvserver_hits", "Chunks found by lookups and loads.", "hit_chunks"),
+    ("kvserver_misses", "Chunks not found by lookups and loads.", "miss_chunks"),
+    ("kvserver_stores", "Chunks stored (on ssd: written down from DRAM).", "stored_chunks"),
+    ("kvserver_loads", "Chunks read by clients (on ssd: read from disk).", "loaded_chunks"),
+    ("kvserver_evictions", "Chunks evicted to make room.", "evicted_chunks"),
+)
+#: DRAM-only counters: (metric name without _total, help, engine counter)
+_DRAM_COUNTERS = (
+    ("kvserver_rolled_back_chunks", "Reserved chunks rolled back.", "rolled_back_chunks"),
+    ("kvserver_store_rejections", "Store requests refused (full, gated).", "store_rejections"),
+    ("kvserver_filtered_chunks", "Chunks not admitted by reuse gating.", "filtered_chunks"),
+    ("kvserver_leases_expired", "Leases that expired before completion.", "expired_leases"),
+    ("kvserver_leases_released", "Leases released when their client went away.", "released_leases"),
+)  # fmt: skip
+#: SSD-only counters: (metric name without _total, help, tier counter)
+_SSD_COUNTERS = (
+    ("kvserver_promotions", "Chunks promoted from SSD to DRAM.", "promoted_chunks"),
+    ("kvserver_writedowns", "Chunks written down from DRAM to SSD.", "stored_chunks"),
+    ("kvserver_corrupt_chunks", "Chunks that failed verification on read.", "corrupt_chunks"),
+    ("kvserver_io_errors", "Failed disk reads and writes.", "io_errors"),
+    ("kvserver_ssd_written_bytes", "Bytes written to the SSD tier.", "bytes_written"),
+    ("kvserver_ssd_read_bytes", "Bytes read from the SSD tier.", "bytes_read"),
+)
+
+
+class DaemonCollector(LoopCollector):
+    """``/metrics`` of one daemon: a snapshot of ``service.stats()`` plus the op histogram."""
+
+    def __init__(self, service: KVService, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._service = service
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._service.stats()
+
+    def families(self, snapshot: Any) -> Iterator[Metric]:
+        s: dict[str, Any] = snapshot
+        ssd: dict[str, Any] | None = s["ssd"]
+        page = s["page_size"]
+        dram = {
+            "capacity_bytes": s["capacity_bytes"],
+            "used_bytes": s["used_bytes"],
+            "pinned_bytes": s["pinned_pages"] * page,
+            "reserved_bytes": s["reserved_pages"] * page,
+            "entries": s["num_entries"],
+            **s["totals"],
+        }
+        tiers = [("dram", dram)] + ([("ssd", ssd)] if ssd is not None else [])
+        for name, doc, key in _TIER_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, values in tiers:
+                g.add_metric([tier], values[key])
+            yield g
+        for name, doc, key in _TIER_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, values in tiers:
+                c.add_metric([tier], values[key])
+            yield c
+        for name, doc, key in _DRAM_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=s["totals"][key])
+        yield GaugeMetricFamily("kvserver_leases", "Leases in flight.", s["num_leases"])
+        yield CounterMetricFamily("kvserver_events", "KV events emitted.", s["events_last_seq"])
+        yield InfoMetricFamily("kvserver_build", "The version.", {"version": s["server_version"]})
+        if ssd is not None:
+            for name, doc, key in _SSD_COUNTERS:
+                yield CounterMetricFamily(name, doc, value=ssd[key])
+            yield StateSetMetricFamily(
+                "kvserver_ssd_condition",
+                "The SSD tier's condition (ok, degraded: writes failing, unavailable).",
+                {c: ssd["condition"] == c for c in SSD_CONDITIONS},
+            )
+            yield GaugeMetricFamily(
+                "kvserver_ssd_writes_in_flight", "Write-downs in flight.", ssd["writes_in_flight"]
+            )
+        yield from self._service.op_seconds.collect()
