@@ -263,9 +263,12 @@ class LocalListener:
         *,
         max_inflight: int | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        closed: Callable[[LocalConnection], None] | None = None,
     ) -> None:
+        """``closed(connection)`` is called once when a connection is lost (client gone)."""
         self.path = path
         self._deliver = deliver
+        self._closed = closed
         self._max_size = max_size
         self.budget = InflightBudget(max_size if max_inflight is None else max_inflight)
         self._max_connections = max_connections
@@ -294,11 +297,14 @@ class LocalListener:
             logger.warning("local channel: %d connections, refusing more", self._max_connections)
             return _Rejected()
         name = f"local-{os.getpid()}-{next(self._names)}"
-        conn = LocalConnection(
-            name, self._deliver, self._max_size, self._connections.discard, self.budget
-        )
+        conn = LocalConnection(name, self._deliver, self._max_size, self._lost, self.budget)
         self._connections.add(conn)
         return conn
+
+    def _lost(self, conn: LocalConnection) -> None:
+        self._connections.discard(conn)
+        if self._closed is not None:
+            self._closed(conn)
 
     async def stop(self) -> None:
         """Stop accepting, close every connection, remove the socket file. Idempotent."""

@@ -17,7 +17,9 @@ under pins; ``local_server.py`` frames the local channel's messages (clients on 
 
 A connection of the local channel is served exactly like a ROUTER connection (same messages,
 handlers, lanes and order); its messages arrive from its protocol callbacks instead of the
-ROUTER's reader, and its replies (payload copied) go to its transport.
+ROUTER's reader, and its replies (payload copied) go to its transport. When it closes (the
+client exited or was killed), the reservations and pins of every client its requests named are
+released at once (after its lane, if one runs), not when their leases expire.
 
 The ROUTER is read by a reader callback on its file descriptor (``loop.add_reader``), not by
 a coroutine awaiting ``recv``: each wake-up drains every message already queued (at most
@@ -119,6 +121,8 @@ class ZmqFrontend:
         self._service = service
         self._config = config
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
+        #: local-channel connection → the lease owners (clients) its requests named
+        self._local_clients: dict[LocalConnection, set[str]] = {}
         #: ROUTER connections that sent an authenticated request (oldest first, bounded)
         self._authenticated: dict[bytes, None] = {}
         self._sid = secrets.token_hex(8)  # changes on every daemon start
@@ -205,6 +209,7 @@ class ZmqFrontend:
             max_size,
             max_inflight=self._config.local_inflight_bytes,
             max_connections=self._config.local_max_connections,
+            closed=self._local_closed,
         )
         try:
             await local.start()
@@ -311,6 +316,8 @@ class ZmqFrontend:
         finally:
             if self._lanes.get(peer) is queue:
                 del self._lanes[peer]
+            if isinstance(peer, LocalConnection) and peer.closed:
+                self._release_local(peer)
             self._schedule_drain()  # our sends may have consumed the descriptor's wake-up
 
     def _serve_one(self, peer: _Peer, message: _Message) -> _Job | None:
@@ -376,10 +383,10 @@ class ZmqFrontend:
                     self._remember(peer)
             if len(frames[0]) > OFFLOAD_HEADER_BYTES:
                 header = frames[0].buffer
-                return lambda: self._handle_offloaded(req_id, header, owner, frames)
+                return lambda: self._handle_offloaded(req_id, header, peer, owner, frames)
             obj = wire.unpack_header(frames[0].buffer)
             req_id = wire.request_id_of(obj)
-            out = self._carry_out(wire.parse_request(obj), owner, frames)
+            out = self._carry_out(wire.parse_request(obj), peer, owner, frames)
         except Exception as exc:
             return _failed(req_id, exc)
         if isinstance(out, Deferred):
@@ -387,14 +394,19 @@ class ZmqFrontend:
         return _Answer(req_id, out)
 
     async def _handle_offloaded(
-        self, req_id: int, header: memoryview, owner: str, frames: Sequence[PayloadFrame]
+        self,
+        req_id: int,
+        header: memoryview,
+        peer: _Peer,
+        owner: str,
+        frames: Sequence[PayloadFrame],
     ) -> _Answer:
         """A large request: decoded and validated on a thread, carried out on the loop."""
         try:
             obj = await asyncio.to_thread(wire.unpack_header, header)
             req_id = wire.request_id_of(obj)
             req = await asyncio.to_thread(wire.parse_request, obj)
-            out = self._carry_out(req, owner, frames)
+            out = self._carry_out(req, peer, owner, frames)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -412,11 +424,28 @@ class ZmqFrontend:
             known[peer] = None
 
     def _carry_out(
-        self, req: wire.Request, owner: str, frames: Sequence[PayloadFrame]
+        self, req: wire.Request, peer: _Peer, owner: str, frames: Sequence[PayloadFrame]
     ) -> Result | Deferred:
         if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
             raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
-        return self._ops.handle(req.op, Call(req.args, frames[1:], req.client or owner))
+        client = req.client or owner
+        if isinstance(peer, LocalConnection):
+            self._local_clients.setdefault(peer, set()).add(client)
+        return self._ops.handle(req.op, Call(req.args, frames[1:], client))
+
+    def _local_closed(self, conn: LocalConnection) -> None:
+        """A local-channel client is gone: release its reservations and pins now, rather
+        than when their leases expire (once its lane, if any, has ended)."""
+        if self._local is None:  # stopping: the service rolls everything back itself
+            self._local_clients.clear()
+        elif conn not in self._lanes:
+            self._release_local(conn)
+
+    def _release_local(self, conn: LocalConnection) -> None:
+        for client in self._local_clients.pop(conn, ()):
+            released = self._service.release_client(client)
+            if released:
+                logger.info("released %d lease(s) of %s: its connection closed", released, client)
 
     def _send(self, peer: _Peer, answer: _Answer) -> None:
         """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send

@@ -228,13 +228,16 @@ def test_events_on_pub_in_vllm_format_with_replay(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- crashed clients
 
 
-def child_hold(address: str, mode: str, path: str, spec_json: str, keys_hex: str) -> None:
+def child_hold(
+    address: str, mode: str, path: str, spec_json: str, keys_hex: str, lease_s: str = "1.0"
+) -> None:
     """Reserve (and half-write) or pin, say "ready", then block until killed."""
+    lease = float(lease_s)
     kv = KVClient(address, colocated=path == "shm")
     ns = kv.register_namespace(NamespaceSpec.from_dict(json.loads(spec_json)))
     keys = [bytes.fromhex(k) for k in keys_hex.split(",")]
     if mode == "store":
-        grant = kv.prepare_store(ns.ns_id, keys, lease_s=1.0)
+        grant = kv.prepare_store(ns.ns_id, keys, lease_s=lease)
         assert grant is not None and grant.keys == keys
         part = bytes(ns.part_bytes)
         if path == "shm":
@@ -242,7 +245,7 @@ def child_hold(address: str, mode: str, path: str, spec_json: str, keys_hex: str
         else:
             kv.write_parts(grant.lease_id, keys[:1], 0, [part], complete=False)
     else:
-        grant = kv.prepare_load(ns.ns_id, keys, lease_s=1.0)
+        grant = kv.prepare_load(ns.ns_id, keys, lease_s=lease)
         if path == "shm":
             kv.read(grant.locations[0][0])
         else:
@@ -290,13 +293,45 @@ def test_client_killed_mid_operation_is_reclaimed(daemon: DaemonProc, mode: str)
             child.stdin.close()
             child.stdout.close()
         wait_until(lambda: idle(kv), timeout=10)
-        assert kv.stats()["totals"]["expired_leases"] >= before + 2
+        # the ZMQ client's lease expired; the co-located one's was released when its local
+        # channel closed (test_a_local_client_killed_..._is_released_at_once)
+        assert kv.stats()["totals"]["expired_leases"] >= before + 1
         for _child, keys in children:
             if mode == "store":  # rolled back: invisible, and storable again
                 assert kv.lookup(ns.ns_id, keys).hit_chunks == 0
                 assert kv.store(ns.ns_id, keys, parts_for(keys, spec)) == keys
             loaded = kv.load(ns.ns_id, keys)
             assert [[bytes(p) for p in row] for row in loaded] == parts_for(keys, spec)
+
+
+def test_a_local_client_killed_mid_store_and_mid_load_is_released_at_once(
+    daemon: DaemonProc,
+) -> None:
+    """Co-located clients (local channel) reserve or pin with 600 s leases and are killed:
+    the daemon releases both when their connections close, long before the leases expire."""
+    spec = TP_SPECS[1]
+    with KVClient(daemon.zmq_address) as kv:
+        ns = kv.register_namespace(spec)
+        before = kv.stats()["totals"]["expired_leases"]
+        children = []
+        for mode in ("store", "load"):
+            keys = make_keys(3, tag=f"early-{mode}")
+            if mode == "load":
+                assert kv.store(ns.ns_id, keys, parts_for(keys, spec)) == keys
+            args = ("hold", daemon.zmq_address, mode, "shm", json.dumps(spec.to_dict()))
+            children.append(spawn(*args, ",".join(k.hex() for k in keys), "600"))
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        held = kv.stats()
+        assert held["reserved_pages"] > 0 and held["pinned_pages"] > 0
+        for child in children:
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.close()
+            child.stdout.close()
+        wait_until(lambda: idle(kv), timeout=20)  # the leases had 600 s to run
+        assert kv.stats()["totals"]["expired_leases"] == before  # released, not expired
 
 
 # ----------------------------------------------------------------------------- many clients
@@ -382,7 +417,7 @@ def test_sixteen_concurrent_clients_no_errors_bounded_memory(tmp_path: Path) -> 
 
 if __name__ == "__main__":
     if sys.argv[1] == "hold":
-        child_hold(*sys.argv[2:7])
+        child_hold(*sys.argv[2:8])
     elif sys.argv[1] == "stress":
         child_stress(*sys.argv[2:5])
     else:
