@@ -270,7 +270,7 @@ class ClusterNode:
         self._registered = True  # events from here on go to the writer
         pipe = r.pipeline(transaction=False)
         for key in old_keys:
-            pipe.unlink(key)
+            pipe.execute_command("UNLINK", key)
         commands = len(old_keys) + self.writer.apply(pipe, batch)
         commands += self._queue_record(pipe, exists=False)
         await self._bounded(pipe)
@@ -334,7 +334,7 @@ class ClusterNode:
     async def _leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for key in self.writer.index_keys():
-            pipe.unlink(key)
-        pipe.delete(schema.host_key(self.host_id))
+            pipe.execute_command("UNLINK", key)
+        pipe.execute_command("DEL", schema.host_key(self.host_id))
         pipe.srem(schema.hosts_key(), self.host_id)
         await pipe.execute()

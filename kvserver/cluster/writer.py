@@ -137,7 +137,7 @@ class IndexWriter:
         for (ns, tier), (unlink, adds, removes) in batch.sets.items():
             key = self.key(ns, tier)
             if unlink:
-                pipe.unlink(key)
+                pipe.execute_command("UNLINK", key)
                 commands += 1
             for i in range(0, len(removes), MAX_ARGS):
                 pipe.srem(key, *removes[i : i + MAX_ARGS])

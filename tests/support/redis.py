@@ -109,7 +109,10 @@ class RedisCluster:
                 d = directory / f"node{i}"
                 d.mkdir(parents=True, exist_ok=True)
                 conf = str(d / "nodes.conf")
-                flags = ("--cluster-enabled", "yes", "--cluster-config-file", conf)
+                # the bus port, explicit: the default (port + 10000) may exceed 65535
+                bus = str(_free_port())
+                flags = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
+                         "--cluster-port", bus)  # fmt: skip
                 cluster.servers.append(
                     RedisServer.start(d, *flags, "--cluster-node-timeout", "2000")
                 )

@@ -54,7 +54,7 @@ def test_media_map_to_tiers_and_a_clear_empties_the_set_first() -> None:
     n = w.apply(pipe, batch)
     assert n == len(pipe.calls)
     dram = schema.index_key("h", "inc", "ns", "dram")
-    assert ("unlink", dram) in pipe.calls
+    assert ("execute_command", "UNLINK", dram) in pipe.calls
     assert ("pexpire", dram, 1000, ("nx", True)) in pipe.calls
     # the namespace is claimed once: a later batch does not report it new
     w.add([BlockStored(4, "ns", (K[4],), MEDIUM_DRAM)])

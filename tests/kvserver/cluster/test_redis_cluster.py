@@ -1,0 +1,71 @@
+"""The fleet on a 3-node Redis Cluster on loopback (``redis+cluster://``): membership, index
+writes (pipelines spanning nodes), leading-run scripts (one slot per host by hash tag),
+crash expiry and restart, through redis-py's cluster client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserver.cluster import FleetReader, schema
+from kvserver.cluster.config import connect
+from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
+from tests.support.redis import RedisCluster, require_redis
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    require_redis()
+    cluster = RedisCluster.start(tmp_path / "rc", nodes=3)
+    yield cluster
+    cluster.stop()
+
+
+def slot_of(cluster: RedisCluster, key: str) -> int:
+    return int(cluster.servers[0].cli("CLUSTER", "KEYSLOT", key))
+
+
+async def test_a_fleet_on_a_redis_cluster(redis_cluster: RedisCluster) -> None:
+    config = cluster_config(redis_cluster.url, ttl_s=1.5)
+    reader = FleetReader(connect(config), config)
+    hosts = [Member(f"host-{i}", config) for i in range(6)]
+    try:
+        for m in hosts:
+            await m.start()
+        ks = keys(20)
+        for i, m in enumerate(hosts):
+            m.store(ks[: 3 * (i + 1)])
+            m.store(ks[: i + 1], tier="ssd")
+            await m.settled()
+        runs = {
+            r.host.host_id: (r.hit_chunks, r.tiers["dram"]) for r in await reader.lookup(NS, ks)
+        }
+        assert runs == {f"host-{i}": (3 * (i + 1), 3 * (i + 1)) for i in range(6)}
+        # one host's sets share a slot; hosts spread over the nodes
+        node = hosts[0].node
+        assert node is not None
+        own = node.writer.index_keys()
+        assert len({slot_of(redis_cluster, k) for k in own}) == 1
+        slots = {
+            slot_of(redis_cluster, schema.index_key(m.host_id, "x", NS, "dram")) for m in hosts
+        }
+        assert len(slots) == 6
+        await hosts[5].crash()
+
+        async def gone() -> bool:
+            return "host-5" not in {h.host_id for h in await reader.hosts()}
+
+        await eventually(gone, timeout=3.0)
+        again = Member("host-5", config)
+        node2 = await again.start()
+        hosts[5] = again
+        (info,) = [h for h in await reader.hosts() if h.host_id == "host-5"]
+        assert info.incarnation == node2.incarnation
+        assert "host-5" not in {r.host.host_id for r in await reader.lookup(NS, ks)}
+    finally:
+        for m in hosts:
+            if m.node is not None:
+                await m.node.stop()
+        await reader.redis.aclose()
