@@ -1,4 +1,4 @@
-"""``kvserver bench``: the daemon's data-path and query benchmarks (DESIGN.md §5).
+"""``kvserver bench``: the daemon's data-path and query benchmarks (targets: docs/benchmarks.md).
 
 Runs in the bench process, which is always a *client*: it starts its own daemon (``kvserver
 start`` as a subprocess on ephemeral loopback ports, stopped with SIGTERM at the end) unless

@@ -1,6 +1,6 @@
 """Block-hashing throughput: a 32k-token prompt (2,048 blocks of 16) per hash algorithm.
 
-This is the work the daemon does for a gRPC Lookup by token ids (DESIGN.md §5, p99 <= 2 ms for
+This is the work the daemon does for a gRPC Lookup by token ids (target: p99 <= 2 ms for
 the whole call), so the per-prompt time is printed too. Reference, measured in the same run:
 hashlib.sha256 over the same token ids packed as 4-byte ints, in one call: the raw hashing floor
 with no per-block Python work. ratio = tokens/s of the algorithm / tokens/s of the reference.

@@ -1,4 +1,4 @@
-"""Scheduler step time with 256 running requests: KV connector on vs off (DESIGN.md §5).
+"""Scheduler step time with 256 running requests: KV connector on vs off.
 
 Each configuration is one :class:`scheduler.scheduler.Scheduler` with 256 requests in steady
 decode (512-token prompts sharing a 256-token system prefix, so the prefix cache is in play),

@@ -1,6 +1,6 @@
 """SSD tier: write-down and promotion bandwidth against ``dd`` with O_DIRECT, index rebuild time.
 
-DESIGN.md §5: SSD write-down / promotion bandwidth >= 0.7x of ``dd`` with O_DIRECT on the same
+Target: SSD write-down / promotion bandwidth >= 0.7x of ``dd`` with O_DIRECT on the same
 filesystem. Everything runs in one run on one directory (``--dir``, default a fresh directory
 under /tmp):
 

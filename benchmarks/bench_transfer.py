@@ -1,6 +1,6 @@
 """Transfer engine: store (KV blocks → arena) and load (arena → KV blocks) bandwidth.
 
-DESIGN.md §5: co-located copies should run at >= 0.8x of a plain copy of the same bytes, and
+Target: co-located copies should run at >= 0.8x of a plain copy of the same bytes, and
 GPU↔arena copies at >= 0.8x of pinned cudaMemcpy H2D/D2H (only when a GPU is present).
 Everything runs in one process, one run:
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1,
         help="torch intra-op threads for every copy, engine and reference (default 1: the "
-        "reference is a single-thread memcpy, DESIGN.md §5)",
+        "reference is a single-thread memcpy)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

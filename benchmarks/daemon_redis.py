@@ -1,4 +1,4 @@
-"""The Redis reference of ``kvserver bench``: what users run today (DESIGN.md §5, target >= 3x).
+"""The Redis reference of ``kvserver bench``: what users run today (target >= 3x).
 
 Runs in the bench process, which starts one ``redis-server`` child (:class:`RedisRef`) and talks
 to it with redis-py; one bench, one thread, nothing here is thread-safe. Call order:

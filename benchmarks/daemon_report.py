@@ -5,7 +5,7 @@ rows, no sockets and no processes, so the arithmetic is tested without a daemon 
 matplotlib is imported only to draw the chart. Not thread-safe (nothing here keeps state).
 
 A row (:class:`Result`) is one figure and the reference measured in the same run:
-``ratio = value / reference``. Targets (DESIGN.md §5) by kind of row:
+``ratio = value / reference``. Targets (docs/benchmarks.md) by kind of row:
 
 - bandwidth against memcpy or raw ZMQ: ratio >= :data:`BANDWIDTH_TARGET` (0.8);
 - remote bandwidth against Redis SET/GET: ratio >= :data:`REDIS_TARGET` (3). Redis is measured

@@ -3,7 +3,7 @@
 Runs inside the daemon, on its one event loop; it is also usable as a plain library (tests,
 benchmarks). It has no sockets, no threads and no locks: exactly one owner calls it.
 
-Lifecycle of a chunk (seed 000 §7, one logical entry with one part per TP rank)::
+Lifecycle of a chunk (one logical entry with one part per TP rank)::
 
     lookup(keys)           -> length of the leading run of READY entries
     prepare_store(keys)    -> StoreGrant | None   new entries WRITING (invisible), pages reserved

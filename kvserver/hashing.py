@@ -5,7 +5,7 @@ scheduler-side connector and ``kvserver hash``. Pure computation: no I/O, no log
 Thread safety: :class:`BlockHasher` is immutable and may be shared by threads. The only shared
 state is the CBOR integer table, which is replaced whole (never mutated) when it grows.
 
-Scheme (seed 001 "Block Hash Computation", DESIGN.md §3), with ``H`` one of :data:`HASH_ALGOS`::
+Scheme (vLLM V1's block hashing), with ``H`` one of :data:`HASH_ALGOS`::
 
     NONE_HASH = H(seed)
     block_hash[i] = H((parent, tuple(tokens of block i), extra_keys[i]))
@@ -18,7 +18,7 @@ Only full blocks are hashed; a partial tail is dropped. A stored chunk spans ``c
 consecutive blocks and is keyed by the hash of its last block (:func:`chunk_keys`).
 
 Compatibility contract:
-- ../shared/vectors/block_hashes.json pins every algorithm bit for bit (tests/kvserver).
+- tests/vectors/block_hashes.json pins every algorithm bit for bit (tests/kvserver/test_hashing.py).
 - vLLM derives NONE_HASH from ``PYTHONHASHSEED`` (random when unset). A vLLM replica agrees
   with kvserver only when it runs with ``PYTHONHASHSEED=<seed>`` and the same algorithm and
   block size.

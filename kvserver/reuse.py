@@ -1,4 +1,4 @@
-"""Reuse gating (seed 000 §9): do not store a chunk until it has been seen enough times.
+"""Reuse gating: do not store a chunk until it has been seen enough times.
 
 Offloading a chunk costs a copy and a slot; a chunk that is never read back wasted both. The
 tracker counts sightings of keys in ``lookup`` calls that ask for it (the scheduler's planning

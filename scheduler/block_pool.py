@@ -15,7 +15,7 @@ operation):
   blocks whose ``ref_cnt`` reached 0 stay in the map as eviction candidates until the queue
   hands them out again (LRU eviction); a prefix hit on one takes it out of the queue (touch).
 
-Seed 001 "Block Allocation & Deallocation" is the reference; the free queue is a doubly linked
+vLLM V1's block pool is the reference; the free queue is a doubly linked
 list threaded through the blocks themselves (two sentinels, no wrapper objects), because a hit
 must remove a block from the middle of the queue in O(1), which ``deque`` cannot.
 """

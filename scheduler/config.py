@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
 
-#: scheduling policies (seed 001 "Queue Selection"): first come first served, or by priority.
+#: scheduling policies: first come first served, or by priority.
 POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 
@@ -37,7 +37,7 @@ class SchedulerConfig:
       fits the step's remaining budget whole.
     - ``max_model_len``: prompt + output cap per request (0 = every usable block).
     - ``hash_algo`` / ``hash_seed``: the block-hash chain; must match kvserver's namespace.
-    - ``trace_path``: per-step JSONL trace (seed 001 feature B), ``None`` = off.
+    - ``trace_path``: per-step JSONL trace, ``None`` = off.
     """
 
     num_gpu_blocks: int = 1024

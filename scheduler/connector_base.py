@@ -2,10 +2,10 @@
 
 Runs inside the scheduler process, synchronously inside ``schedule()`` and
 ``update_from_output()``; it holds no tensors and never blocks a step on the network for longer
-than its bounded timeouts. Mirrors vLLM V1's ``KVConnectorBase_V1`` scheduler role (seed 000
-§2.1) so the same implementation can be wrapped for vLLM.
+than its bounded timeouts. Mirrors vLLM V1's ``KVConnectorBase_V1`` scheduler role
+so the same implementation can be wrapped for vLLM.
 
-Call order per engine step (the five touchpoints of seed 000 §3)::
+Call order per engine step (the connector's five touchpoints, as in vLLM V1)::
 
     for each WAITING request, after the local GPU prefix-cache lookup:
         get_num_new_matched_tokens(req, num_local_computed)   -> (n_ext | None, is_async)

@@ -4,7 +4,7 @@ Runs in the scheduler process; the scheduler is its only caller. Not thread-safe
 
 A request's blocks are append-only: new blocks are added at the end, existing entries never move
 (workers keep block tables). Slot layout of one :meth:`KVCacheManager.allocate_slots` call
-(seed 001 "allocate_slots()")::
+(as vLLM V1's ``allocate_slots()``)::
 
     | computed | new local hits | external (kvserver) | new tokens |
     |<- already held ->|                              |<- computed this step ->|

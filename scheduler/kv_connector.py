@@ -1,4 +1,4 @@
-"""KVServerSchedulerConnector: the scheduler half of the kvserver KV connector (seed 000 §2.1).
+"""KVServerSchedulerConnector: the scheduler half of the kvserver KV connector.
 
 Runs in the scheduler process, on the scheduler's thread, inside ``schedule()`` and
 ``update_from_output()``; not thread-safe; holds no tensors: it plans, workers copy bytes. Call
@@ -35,7 +35,7 @@ without waiting. Its reply is taken by ``update_connector_output`` if it has arr
 (never waiting there: the store jobs are built and queued, nothing the scheduler can observe
 changes), and applied at the start of the next ``build_connector_meta`` — read there, waiting
 at most ``op_timeout_s``, if it had not arrived — when those stores ship anyway (deferred one
-step, seed 000 §11.2): the round trip overlaps the workers' step instead of lengthening the
+step): the round trip overlaps the workers' step instead of lengthening the
 scheduler's. A lease is
 completed once every TP rank has reported it: one ``complete_store`` per lease with finished
 chunks (plus one rollback when a rank failed some) and one ``complete_load`` per finished load,

@@ -125,7 +125,7 @@ class TransferJob:
 class RequestState:
     request: RequestLike
     block_ids: list[int] = field(default_factory=list)
-    #: next chunk index to store (seed 000 §11.1): chunks below it are stored, being stored,
+    #: next chunk index to store: chunks below it are stored, being stored,
     #: or were loaded from kvserver.
     cursor: int = 0
     #: (num_local_tokens, first chunk, hit keys) of the last lookup, until allocation.

@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it, its lifecycle, and the waiting queues (seed 001).
+"""A request as the scheduler sees it, its lifecycle, and the waiting queues.
 
 Runs in the scheduler process; plain objects, no locks (one owner: the scheduler).
 

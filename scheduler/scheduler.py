@@ -1,4 +1,4 @@
-"""The scheduler: which requests compute how many tokens in each engine step (seed 001).
+"""The scheduler: which requests compute how many tokens in each engine step.
 
 Runs in the scheduler process, called by its step loop (``scheduler/process.py``); plain and
 synchronous, no I/O, not thread-safe. Per step::
@@ -16,7 +16,7 @@ the scheduler preempts (FCFS: the tail of the running list; priority: the lowest
 request), freeing all its KV; the victim goes back to the head of the waiting queue and is
 recomputed, mostly from the prefix cache, when readmitted.
 
-Connector touchpoints (seed 000 §3), when a connector is configured:
+Connector touchpoints, when a connector is configured:
 ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` at admission,
 ``build_connector_meta`` at the end of ``schedule()``, ``update_connector_output`` at the start of
 ``update_from_output()``, ``request_finished`` when a request ends. A request whose external

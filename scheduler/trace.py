@@ -1,4 +1,4 @@
-"""Per-step JSONL trace of the scheduler (seed 001, fork feature B). Off by default.
+"""Per-step JSONL trace of the scheduler. Off by default.
 
 Runs in the scheduler process, called from ``Scheduler.schedule()``; not thread-safe. When
 ``SchedulerConfig.trace_path`` is unset the scheduler holds no tracer at all, so the cost in

@@ -3,7 +3,7 @@ the step plan) and ConnectorWorkerOutput (each worker → scheduler connector, i
 result). Producer: scheduler/kv_connector.py; consumers: worker/kv_connector.py and the vLLM
 plug-in. See docs/connector.md.
 
-Chunk transfers (seed 000 §10-§12). A chunk spans ``chunk_blocks`` GPU blocks and is stored
+Chunk transfers. A chunk spans ``chunk_blocks`` GPU blocks and is stored
 under its key as one part per TP rank.
 - ``ChunkLoad``: copy chunk ``key``'s part for this rank from the daemon into GPU blocks
   ``block_ids``; the first ``skip_blocks`` sub-blocks of the chunk are already on the GPU (a
@@ -70,7 +70,7 @@ class RequestTransfers:
 
 @dataclass(slots=True)
 class ConnectorMetadata:
-    """Everything a worker's connector does in one step (seed 000 §2.1 build_connector_meta).
+    """Everything a worker's connector does in one step.
 
     Worker contract, in this order:
 
@@ -79,7 +79,7 @@ class ConnectorMetadata:
        blocks before any load of this step writes GPU blocks and before this step's forward
        pass: the scheduler may already have given those blocks to another request.
     2. ``stores``: GPU blocks → chunk parts. Their KV was computed in an earlier step (stores
-       are deferred one step, seed 000 §11.2). Apart from (1) they may run alongside compute.
+       are deferred one step). Apart from (1) they may run alongside compute.
     3. ``loads``: chunk parts → GPU blocks. The request does not run until they are reported.
 
     ``failed_loads`` (informational): hits this step that could not be pinned. A worker that

@@ -17,7 +17,7 @@ class WorkerConnectorConfig:
 
     ``colocated``: None = map the arena when the daemon is on this host, False = always use
     payload frames, True = require the arena. ``defer_stores``: submit a step's stores at the
-    start of the next step (seed 000 §11.2) rather than at once.
+    start of the next step rather than at once.
     """
 
     address: str

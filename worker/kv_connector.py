@@ -1,4 +1,4 @@
-"""KVServerWorkerConnector: the worker half of the kvserver KV connector (seed 000 §2.2).
+"""KVServerWorkerConnector: the worker half of the kvserver KV connector.
 
 Runs in each worker process (one per GPU / TP rank), on the worker's thread; not thread-safe.
 It executes the :class:`~step_protocol.ConnectorMetadata` that the scheduler
@@ -17,7 +17,7 @@ Call order, every step (empty metadata included: deferred stores and reports nee
     build_connector_worker_meta()  → ConnectorWorkerOutput for this rank (what finished)
     clear_connector_metadata()
 
-Stores are deferred to the start of the next step (seed 000 §11.2: the copy starts after the
+Stores are deferred to the start of the next step (the copy starts after the
 step's sampling, not against it); a store of a request named in ``flush_req_ids`` is never
 deferred. Barrier (contract point 1): before this step's loads are submitted (and so before
 the forward pass), every store of a flushed request, in this metadata, deferred or in flight,

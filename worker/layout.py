@@ -1,4 +1,4 @@
-"""Canonical KV-cache layout: any paged KV tensor as per-block byte rows (seed 000 §12.1).
+"""Canonical KV-cache layout: any paged KV tensor as per-block byte rows.
 
 Runs in the worker process, once at start-up (:func:`canonicalize`) and then per chunk
 (:func:`plan_copies`, on the worker's thread). No locks: the result is immutable and may be

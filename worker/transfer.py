@@ -5,7 +5,7 @@ Runs in the worker process. The connector (worker/kv_connector.py) builds one
 later collects it from :meth:`TransferEngine.poll` (non-blocking) or blocks on
 :meth:`TransferEngine.wait` (the preemption barrier). Two handlers, one per direction:
 ``STORE`` (KV blocks → host: the arena or a staging buffer) and ``LOAD`` (host → KV blocks),
-like vLLM's per-(src, dst) OffloadingHandlers (seed 000 §12).
+like vLLM's per-(src, dst) OffloadingHandlers.
 
 Ordering guarantee (both engines): within one direction a transfer never starts before the
 previous one submitted in that direction has finished; the two directions run independently.

@@ -1,4 +1,4 @@
-"""The CUDA transfer engine and pinned host memory (seed 000 §12.2).
+"""The CUDA transfer engine and pinned host memory.
 
 Runs in the worker process; importable without CUDA (nothing touches the driver until an
 engine is built). Each direction has a small pool of dedicated streams; every transfer takes

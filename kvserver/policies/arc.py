@@ -1,7 +1,8 @@
 """ARC eviction policy: adaptive balance between recency (T1) and frequency (T2).
 
 Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
-:mod:`kvserver.policies.base` for the call contract and seed 000 §8.2 for the algorithm.
+:mod:`kvserver.policies.base` for the call contract. The algorithm is Megiddo and Modha's ARC
+(FAST 2003).
 
 State:
 - ``T1``: resident keys seen once; ``T2``: resident keys seen at least twice. Both are

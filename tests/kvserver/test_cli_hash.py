@@ -14,7 +14,7 @@ from kvserver.hashing import BlockHasher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# From ../shared/vectors/block_hashes.json (tests/kvserver/test_hashing.py checks all of them).
+# From tests/vectors/block_hashes.json (tests/kvserver/test_hashing.py checks all of them).
 COUNTING_64 = [str(t) for t in range(64)]
 WITH_LORA_SHA256_CBOR = [
     "adc803fcae840973111bd63bf15dac6da359258fb73e16dbe87f95a5c33d7ef1",

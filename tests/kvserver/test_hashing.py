@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,40 +25,22 @@ from kvserver.hashing import (
     none_hash,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VECTORS_FILE = "block_hashes.json"
+#: facts about vLLM's block hashing, kept in the repository (tests/vectors/README.md)
+VECTORS_FILE = Path(__file__).resolve().parents[1] / "vectors" / "block_hashes.json"
 
 
 # ------------------------------------------------------------------------------ builders
 
 
-def find_vectors_file() -> tuple[Path | None, list[Path]]:
-    """KVSERVER_VECTORS_DIR if set, else <repo>/../shared/vectors, else <repo>/shared/vectors."""
-    env = os.environ.get("KVSERVER_VECTORS_DIR")
-    if env:
-        dirs = [Path(env)]
-    else:
-        dirs = [REPO_ROOT.parent / "shared" / "vectors", REPO_ROOT / "shared" / "vectors"]
-    tried = [d / VECTORS_FILE for d in dirs]
-    return next((p for p in tried if p.is_file()), None), tried
+def load_vectors() -> list[dict[str, Any]]:
+    vectors: list[dict[str, Any]] = json.loads(VECTORS_FILE.read_text())["vectors"]
+    return vectors
 
 
-def load_vectors() -> tuple[list[dict[str, Any]], str | None]:
-    """(vectors, None) or ([], why they could not be loaded)."""
-    path, tried = find_vectors_file()
-    if path is None:
-        where = ", ".join(str(p) for p in tried)
-        return [], f"block-hash vectors not found (tried {where}); set KVSERVER_VECTORS_DIR"
-    vectors: list[dict[str, Any]] = json.loads(path.read_text())["vectors"]
-    return vectors, None
-
-
-VECTORS, VECTORS_ERROR = load_vectors()
+VECTORS = load_vectors()
 
 
 def vector_params() -> list[Any]:
-    if VECTORS_ERROR is not None:
-        return [pytest.param(None, id="vectors-missing")]
     return [pytest.param(v, id=f"{v['algo']}-{v['name']}") for v in VECTORS]
 
 
@@ -78,7 +59,7 @@ def reference_hashes(
     cache_salt: str | None = None,
     lora: tuple[str, str] | None = None,
 ) -> list[bytes]:
-    """The scheme of DESIGN.md §3 spelled out literally: one H call per full block."""
+    """kvserver/hashing.py's scheme spelled out literally: one H call per full block."""
     h = hash_function(algo)
     parent = h(seed)
     out = []
@@ -110,9 +91,7 @@ loras = st.one_of(st.none(), st.tuples(st.text(max_size=6), st.text(max_size=6))
 
 
 @pytest.mark.parametrize("vector", vector_params())
-def test_reproduces_vector_bit_for_bit(vector: dict[str, Any] | None) -> None:
-    if vector is None:
-        pytest.fail(VECTORS_ERROR or "no vectors")
+def test_reproduces_vector_bit_for_bit(vector: dict[str, Any]) -> None:
     hasher = BlockHasher(vector["algo"], vector["block_size"], vector["seed"])
     assert none_hash(vector["algo"], vector["seed"]).hex() == vector["none_hash"]
     assert hasher.none_hash.hex() == vector["none_hash"]
@@ -120,17 +99,13 @@ def test_reproduces_vector_bit_for_bit(vector: dict[str, Any] | None) -> None:
 
 
 def test_vectors_cover_every_algorithm() -> None:
-    if VECTORS_ERROR is not None:
-        pytest.fail(VECTORS_ERROR)
     assert len(VECTORS) >= 18
     assert {v["algo"] for v in VECTORS} == set(HASH_ALGOS)
 
 
 @pytest.mark.parametrize("vector", vector_params())
-def test_reference_scheme_matches_vector(vector: dict[str, Any] | None) -> None:
+def test_reference_scheme_matches_vector(vector: dict[str, Any]) -> None:
     """The literal oracle used by the property tests below is itself pinned by the vectors."""
-    if vector is None:
-        pytest.fail(VECTORS_ERROR or "no vectors")
     lora = tuple(vector["lora"]) if vector.get("lora") else None
     got = reference_hashes(
         vector["algo"],

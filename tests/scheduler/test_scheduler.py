@@ -1,6 +1,6 @@
-"""Scheduler scenarios of seed 001, driven with synthetic worker outputs: the shared token
-budget, chunked prefill, prefix-cache hits and eviction, preemption from the tail and
-resumption by recomputation, FCFS and priority order, stop conditions."""
+"""Scheduler scenarios (those of vLLM V1's scheduler), driven with synthetic worker outputs:
+the shared token budget, chunked prefill, prefix-cache hits and eviction, preemption from the
+tail and resumption by recomputation, FCFS and priority order, stop conditions."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scheduler driving a connector at its five touchpoints (seed 000 §3): external hits,
+"""The scheduler driving a connector at its five touchpoints: external hits,
 WAITING_FOR_REMOTE_KVS while loads land, failed loads recomputed, blocks kept until the
 connector's stores are done. Uses the in-memory connector of scheduler/memory_connector.py."""
 

@@ -1,4 +1,4 @@
-"""The per-step JSONL trace (seed 001 feature B): off by default; when on, per step a
+"""The per-step JSONL trace : off by default; when on, per step a
 snapshot, the admission lookups and the decision, all under the plan's step number."""
 
 from __future__ import annotations
