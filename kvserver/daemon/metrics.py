@@ -30,6 +30,21 @@ from kvserver.prometheus import LoopCollector
 #: every condition the SSD tier can be in (a state set: exactly one is 1).
 SSD_CONDITIONS = (OK, DEGRADED, UNAVAILABLE)
 
+#: every condition of the fleet membership (kvserver/cluster/node.py; a state set).
+CLUSTER_CONDITIONS = ("connecting", "ok", "unavailable", "stopped")
+#: fleet counters: (metric name without _total, help, ClusterNode stats key)
+_CLUSTER_COUNTERS = (
+    ("kvserver_cluster_registrations", "Registrations in the fleet (start, Redis back).",
+     "registrations"),
+    ("kvserver_cluster_resyncs", "Full resyncs of this daemon's fleet index entries.", "resyncs"),
+    ("kvserver_cluster_batches", "Index batches (pipelines) written to Redis.", "batches"),
+    ("kvserver_cluster_commands", "Redis commands sent by the fleet membership.", "commands"),
+    ("kvserver_cluster_indexed_keys", "Index entries written (adds and removes).", "indexed_keys"),
+    ("kvserver_cluster_errors", "Redis calls that failed or timed out.", "errors"),
+    ("kvserver_cluster_dropped_keys", "Index changes dropped while Redis was unreachable.",
+     "dropped_keys"),
+)  # fmt: skip
+
 #: per-tier gauges: (metric name, help, key of the tier's values)
 _TIER_GAUGES = (
     ("kvserver_tier_capacity_bytes", "Bytes the tier can hold.", "capacity_bytes"),
@@ -115,4 +130,16 @@ class DaemonCollector(LoopCollector):
             yield GaugeMetricFamily(
                 "kvserver_ssd_writes_in_flight", "Write-downs in flight.", ssd["writes_in_flight"]
             )
+        cluster: dict[str, Any] | None = s.get("cluster")
+        if cluster is not None:
+            yield StateSetMetricFamily(
+                "kvserver_cluster_condition",
+                "Fleet membership on Redis/Valkey (unavailable: serving local tiers only).",
+                {c: cluster["condition"] == c for c in CLUSTER_CONDITIONS},
+            )
+            yield GaugeMetricFamily(
+                "kvserver_cluster_live_hosts", "Live fleet members seen.", cluster["live_hosts"]
+            )
+            for name, doc, key in _CLUSTER_COUNTERS:
+                yield CounterMetricFamily(name, doc, value=cluster[key])
         yield from self._service.op_seconds.collect()

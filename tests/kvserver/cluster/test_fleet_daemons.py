@@ -4,7 +4,8 @@ Three daemons as hosts: chunks stored through each show up in the fleet index un
 host at the right tier; a SIGKILLed daemon leaves the fleet within the TTL and its entries
 expire; a restarted daemon comes back under a new incarnation and its old entries are gone;
 SIGTERM leaves at once; Redis killed and restarted: every daemon keeps serving, reports
-``unavailable`` in its stats, then re-registers and resyncs its entries from its own tiers.
+``unavailable`` in its stats and metrics, then re-registers and resyncs its entries from its
+own tiers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.cluster.builders import eventually
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.metrics import scrape
 from tests.support.redis import RedisServer
 
 pytestmark = pytest.mark.multiprocess
@@ -132,9 +134,14 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
     reader = reader_for(redis_server)
     try:
         await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=5.0)
+        condition = "kvserver_cluster_condition"
+        assert scrape(a.metrics_url).value(condition, **{condition: "ok"}) == 1
         redis_server.kill()
         wait_until(lambda: cluster_stats(a)["condition"] == "unavailable", timeout=10.0)
         assert cluster_stats(a)["condition_detail"]
+        metrics = scrape(a.metrics_url)
+        assert metrics.value(condition, **{condition: "unavailable"}) == 1
+        assert metrics.value("kvserver_cluster_errors_total") >= 1
         store(a, keys[4:])  # the daemon keeps serving its own tiers
         with KVClient(a.zmq_address) as kv:
             assert kv.lookup(ns_id, keys).hit_chunks == 8
