@@ -6,7 +6,7 @@ order: :mod:`scheduler.connector_base`; per-step flow, metadata, worker contract
 docs/connector.md and :class:`~step_protocol.ConnectorMetadata`.
 
 Modules (one concept each; imports go one way, from this facade to the parts, which share the
-connector's request records by reference):
+connector's request records by reference and change them only through their methods):
 
 - :mod:`scheduler.kv_connector_link` — ``DaemonLink``: the client, the timeouts, the circuit
   breaker;
@@ -15,6 +15,9 @@ connector's request records by reference):
   the one store batch per step (plan, send, read the reply, hand the jobs over);
 - :mod:`scheduler.kv_connector_leases` — ``LeaseBook``: jobs under leases, shipping, the
   workers' reports, lease completion, expiry, the report and the events;
+- :mod:`scheduler.kv_connector_request` — ``RequestState``: one request's block table, store
+  cursor and transfers in flight, changed only through its methods, which enforce its
+  invariants;
 - :mod:`scheduler.kv_connector_types` — configuration, counters and records.
 
 **Lookups never stall a step.** They are synchronous with a tight timeout (``lookup_timeout_s``,
@@ -81,14 +84,9 @@ from scheduler.connector_base import RequestLike, SchedulerConnector, TransferRe
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink
 from scheduler.kv_connector_loads import LoadPlanner
+from scheduler.kv_connector_request import RequestState
 from scheduler.kv_connector_stores import StorePlanner
-from scheduler.kv_connector_types import (
-    ConnectorStats,
-    KVConnectorConfig,
-    RequestState,
-    ScheduledStep,
-    TransferJob,
-)
+from scheduler.kv_connector_types import ConnectorStats, KVConnectorConfig, ScheduledStep
 from step_protocol import ConnectorMetadata
 
 __all__ = ["KVConnectorConfig", "KVServerSchedulerConnector"]
@@ -116,8 +114,6 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._link = DaemonLink(config, self.stats, clock, client)
         self._reqs: dict[str, RequestState] = {}
         self._leases = LeaseBook(self._reqs, self._link, self.stats, clock)
-        #: every load or store planned or in flight, by TransferJob.id (the lease book's).
-        self._jobs: dict[tuple[bool, str, int], TransferJob] = self._leases.jobs
         self._stores = StorePlanner(self._reqs, self._link, self._leases, self.stats, hasher)
         self._loads = LoadPlanner(
             self._link, self._leases, self.stats, hasher, self._stores.is_storing
@@ -155,7 +151,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._leases.clear()
         if holds_leases and not self.is_daemon_down:
             try:
-                self._link.op(lambda kv: kv.release())
+                self._link.release()
             except KVServerError as exc:
                 logger.info("could not release leases on reset: %s", exc)
         self._reqs.clear()
@@ -165,7 +161,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def has_pending_transfers(self) -> bool:
         """True while a transfer is planned or in flight: keep stepping (empty steps too).
         Completions sent but not yet answered do not count (see :meth:`drain`)."""
-        return bool(self._jobs) or self._stores.batch is not None
+        return self._leases.has_jobs or self._stores.batch is not None
 
     def num_pending(self, req_id: str) -> tuple[int, int]:
         """(loads, stores) of request ``req_id`` planned or in flight; (0, 0) if none."""
@@ -249,8 +245,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         """True while loads or stores of the request are planned or in flight: its blocks are
         freed once it appears in a report's ``finished_sending``."""
         state = self._reqs.get(request.request_id)
-        if state is not None and (state.num_loads or state.num_stores):
-            state.finished, state.plan = True, None
+        if state is not None and state.finish_when_idle():
             return True, None
         self._reqs.pop(request.request_id, None)
         return False, None
@@ -259,11 +254,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         """BlockStored for chunks this connector made ready, BlockRemoved for hit chunks it
         found gone; ``seq`` counts this connector's events. Applies the completion replies
         that already arrived first (without waiting)."""
-        leases = self._leases
-        if leases.completions:
-            leases.collect_completions(wait=False)
-        events, leases.events = leases.events, []
-        return events
+        return self._leases.take_events()
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> set[str]:
         """Notes preempted requests (``build_connector_meta`` also reads the step's
@@ -274,7 +265,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         for req_id in req_ids:
             if (state := self._reqs.get(req_id)) is not None:
                 self._preempted.add(req_id)
-                state.block_ids, state.plan = [], None
+                state.preempted()
                 if state.num_stores:
                     barrier.add(req_id)
         return barrier

@@ -16,7 +16,8 @@ store batch (added by the store planner). Life of a job::
 Invariants:
 - ``jobs`` holds every job planned or in flight, keyed by ``TransferJob.id``; ``to_ship``
   the ones not shipped yet; a request's ``num_loads`` / ``num_stores`` count its jobs (plus,
-  for stores, its share of the store batch in flight);
+  for stores, its share of the store batch in flight), changed only through the methods of
+  :class:`~scheduler.kv_connector_request.RequestState`;
 - no job's deadline is earlier than ``_next_deadline`` (so :meth:`expire` is one comparison
   per step until a lease may really have expired);
 - a finished request (``request_finished`` returned True) is reported in ``finished_sending``
@@ -36,12 +37,8 @@ from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
 from scheduler.connector_base import TransferReport
 from scheduler.kv_connector_link import DaemonLink
-from scheduler.kv_connector_types import (
-    Completion,
-    ConnectorStats,
-    RequestState,
-    TransferJob,
-)
+from scheduler.kv_connector_request import RequestState
+from scheduler.kv_connector_types import Completion, ConnectorStats, TransferJob
 from step_protocol import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 
 logger = logging.getLogger(__name__)
@@ -92,13 +89,35 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ jobs
 
-    def add_load(self, state: RequestState, job: TransferJob) -> None:
-        """The load job of ``state``'s request, shipped by the next :meth:`ship`."""
+    @property
+    def has_jobs(self) -> bool:
+        """A job is planned or in flight."""
+        return bool(self.jobs)
+
+    def store_keys(self) -> set[bytes]:
+        """The keys of the store jobs planned or in flight."""
+        return {k for j in self.jobs.values() if not j.is_load for k in j.keys}
+
+    def add_load(self, job: TransferJob) -> None:
+        """A load job (its request counted it: ``RequestState.load_pinned``), shipped by the
+        next :meth:`ship`."""
         self.jobs[job.id] = job
         self.to_ship.append(job)
         if job.deadline < self._next_deadline:
             self._next_deadline = job.deadline
-        state.num_loads += 1
+
+    def pin_failed(
+        self, req_id: str, num_valid: int, blocks: list[list[int]], *, finished: bool
+    ) -> None:
+        """A hit of ``req_id`` could not be pinned from token ``num_valid`` on: ``blocks`` will
+        not be filled (a load error now, a failed load in the next metadata). ``finished``:
+        nothing of it was pinned, so its load is over (reported as received)."""
+        self.load_error(req_id, num_valid, blocks)
+        self.failed_loads.append(
+            FailedLoad(req_id, [b for ids in blocks for b in ids], finished=finished)
+        )
+        if finished:
+            self.report.finished_recving.add(req_id)
 
     def add_store_jobs(self, jobs: list[TransferJob], deadline: float) -> None:
         """The store jobs of one grant (lease deadline ``deadline``), shipped by the next
@@ -155,11 +174,11 @@ class LeaseBook:
         if state is None:
             return
         if not job.is_load:
-            state.num_stores -= 1
+            state.store_finished()
             if state.finished:
                 self.release_if_done(state)
             return
-        state.num_loads -= 1
+        state.load_finished()
         self.report.finished_recving.add(req_id)
         bad = [i for i, k in enumerate(job.keys) if k in job.failed]
         if bad:
@@ -167,13 +186,13 @@ class LeaseBook:
             blocks = [c.block_ids for c in job.transfers.loads if c.key in job.failed]
             self.load_error(req_id, first, blocks)
             # those chunks are recomputed: store them afterwards
-            state.cursor = min(state.cursor, job.first_chunk + bad[0])
+            state.load_failed(job.first_chunk + bad[0])
         self.release_if_done(state)
 
     def release_if_done(self, state: RequestState) -> None:
         """A finished request with nothing planned or in flight: its blocks may be freed."""
-        if state.finished and not state.num_loads and not state.num_stores:
-            req_id = state.request.request_id
+        if state.is_done:
+            req_id = state.req_id
             self.report.finished_sending.add(req_id)
             self._reqs.pop(req_id, None)
 
@@ -222,14 +241,11 @@ class LeaseBook:
     def _send_completion(
         self, kind: Literal["store", "rollback", "load"], lease_id: int, keys: list[bytes]
     ) -> None:
+        pending: Pending[Any] | None
         if kind == "load":
-            pending: Pending[Any] | None = self._link.submit(
-                lambda kv: kv.submit_complete_load(lease_id)
-            )
+            pending = self._link.send_complete_load(lease_id)
         else:
-            pending = self._link.submit(
-                lambda kv: kv.submit_complete_store(lease_id, success=kind == "store", keys=keys)
-            )
+            pending = self._link.send_complete_store(lease_id, keys, success=kind == "store")
         if pending is None:  # skipped: the daemon reclaims the lease at its deadline
             self._stats.completion_errors += 1
             return
@@ -256,6 +272,14 @@ class LeaseBook:
         self.completions = left
 
     # ------------------------------------------------------------------ report and events
+
+    def take_events(self) -> list[Event]:
+        """The events emitted since the last call (applies the completion replies that
+        already arrived first, without waiting)."""
+        if self.completions:
+            self.collect_completions(wait=False)
+        events, self.events = self.events, []
+        return events
 
     def take_report(self) -> TransferReport:
         report, self.report = self.report, TransferReport()

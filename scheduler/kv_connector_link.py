@@ -3,21 +3,26 @@
 Runs in the scheduler process, on the scheduler's thread (the client is not thread-safe); used
 by every part of :class:`~scheduler.kv_connector.KVServerSchedulerConnector`.
 
-Every call is bounded: lookups by ``lookup_timeout_s``, everything else by ``op_timeout_s``.
-An ``Unavailable`` (no reply in time, or the socket was replaced by a timeout meanwhile) marks
-the daemon down for ``down_backoff_s``; while it is down every call is refused at once with
-``Unavailable`` ("daemon marked down") without touching the network, so a dead daemon costs
-one timeout per backoff period, not one per request per step. The namespace is registered on
-the first call (and again by the client after a daemon restart).
+One named method per daemon call the connector makes (blocking: :meth:`lookup`,
+:meth:`prepare_load`, :meth:`release`; sent without waiting, the reply read later with
+:meth:`result`: ``send_*``); no caller hands the client a closure. Every call is bounded:
+lookups by ``lookup_timeout_s``, everything else by ``op_timeout_s``. An ``Unavailable`` (no
+reply in time, or the socket was replaced by a timeout meanwhile) marks the daemon down for
+``down_backoff_s``; while it is down every call is refused at once with ``Unavailable``
+("daemon marked down") without touching the network, so a dead daemon costs one timeout per
+backoff period, not one per request per step. The namespace is registered on the first call
+(and again by the client after a daemon restart).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from kvserver.client import KVClient, Pending
+from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, Unavailable
 from scheduler.kv_connector_types import ConnectorStats, KVConnectorConfig
 
@@ -43,6 +48,7 @@ class DaemonLink:
             config.address, timeout=config.op_timeout_s, client_id=config.client_id,
             auth_token=config.auth_token, colocated=False,
         )  # fmt: skip
+        self.ns_id = config.spec.ns_id  # a property that hashes the spec: computed once
         self._clock = clock
         self._registered = False
         self._down_until = 0.0
@@ -52,9 +58,59 @@ class DaemonLink:
         """True while the daemon is marked down (every call is refused at once)."""
         return self._clock() < self._down_until
 
-    def call(self, timeout: float, fn: Callable[[KVClient], T]) -> T:
-        """One client call under ``timeout``, skipped at once while the daemon is marked down.
-        Raises the call's KVServerError; Unavailable marks the daemon down."""
+    # ------------------------------------------------------------------ the daemon calls
+
+    def lookup(self, keys: list[bytes], *, planning: bool) -> int:
+        """How many leading chunks of ``keys`` are ready. ``planning``: the admission lookup
+        of ``get_num_new_matched_tokens`` (recorded for reuse gating, touched; under
+        ``lookup_timeout_s``); else a plain lookup under ``op_timeout_s``."""
+        timeout = self.config.lookup_timeout_s if planning else self.config.op_timeout_s
+        with self._guard(timeout) as kv:
+            return kv.lookup(self.ns_id, keys, record=planning, touch=planning).hit_chunks
+
+    def prepare_load(self, keys: list[bytes]) -> LoadGrant:
+        """Pin ``keys`` for a load (blocking, ``op_timeout_s``)."""
+        with self._guard(self.config.op_timeout_s) as kv:
+            return kv.prepare_load(self.ns_id, keys, lease_s=self.config.lease_s)
+
+    def release(self) -> None:
+        """Roll back this client's reservations and release its pins (blocking)."""
+        with self._guard(self.config.op_timeout_s) as kv:
+            kv.release()
+
+    def send_prepare_store(self, keys: list[bytes]) -> Pending[StoreGrant | None] | None:
+        """Reserve ``keys`` for a store without waiting; None if not sent (:meth:`_not_sent`)."""
+        try:
+            with self._guard(self.config.op_timeout_s) as kv:
+                return kv.submit_prepare_store(self.ns_id, keys, lease_s=self.config.lease_s)
+        except KVServerError as exc:
+            return self._not_sent(exc)
+
+    def send_complete_store(
+        self, lease_id: int, keys: list[bytes], *, success: bool
+    ) -> Pending[list[bytes]] | None:
+        """Make ``keys`` of store lease ``lease_id`` ready (``success``) or roll them back,
+        without waiting; None if not sent (:meth:`_not_sent`)."""
+        try:
+            with self._guard(self.config.op_timeout_s) as kv:
+                return kv.submit_complete_store(lease_id, success=success, keys=keys)
+        except KVServerError as exc:
+            return self._not_sent(exc)
+
+    def send_complete_load(self, lease_id: int) -> Pending[None] | None:
+        """Unpin load lease ``lease_id`` without waiting; None if not sent (:meth:`_not_sent`)."""
+        try:
+            with self._guard(self.config.op_timeout_s) as kv:
+                return kv.submit_complete_load(lease_id)
+        except KVServerError as exc:
+            return self._not_sent(exc)
+
+    # ------------------------------------------------------------------ the breaker
+
+    @contextmanager
+    def _guard(self, timeout: float) -> Iterator[KVClient]:
+        """The client for one call under ``timeout``, refused at once while the daemon is
+        marked down. The call's KVServerError propagates; Unavailable marks the daemon down."""
         if self.is_down:
             raise Unavailable("daemon marked down", address=self.config.address)
         self.kv.timeout = timeout
@@ -62,23 +118,16 @@ class DaemonLink:
             if not self._registered:
                 self.kv.register_namespace(self.config.spec)
                 self._registered = True
-            return fn(self.kv)
+            yield self.kv
         except Unavailable:
             self._mark_down()
             raise
 
-    def op(self, fn: Callable[[KVClient], T]) -> T:
-        """:meth:`call` under ``op_timeout_s`` (prepare_*, complete_*, release)."""
-        return self.call(self.config.op_timeout_s, fn)
-
-    def submit(self, fn: Callable[[KVClient], Pending[T]]) -> Pending[T] | None:
-        """Send one call without waiting; None (logged) when it could not be sent: the daemon
-        is marked down, or unreachable now (which marks it down)."""
-        try:
-            return self.op(fn)
-        except KVServerError as exc:
-            logger.debug("not sent: %s", exc)
-            return None
+    @staticmethod
+    def _not_sent(exc: KVServerError) -> None:
+        """A call sent without waiting could not be sent: the daemon is marked down, or was
+        unreachable now (which marked it down). Logged; the caller skips it."""
+        logger.debug("not sent: %s", exc)
 
     def result(self, pending: Pending[T]) -> T:
         """The reply of a call sent earlier, waited for at most ``op_timeout_s``. Unavailable

@@ -30,8 +30,9 @@ from kvserver.hashing import BlockHasher
 from kvserver.prometheus import latency_histogram
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink
-from scheduler.kv_connector_types import ConnectorStats, RequestState, TransferJob, block_hashes
-from step_protocol import ChunkLoad, FailedLoad, RequestTransfers
+from scheduler.kv_connector_request import RequestState
+from scheduler.kv_connector_types import ConnectorStats, TransferJob
+from step_protocol import ChunkLoad, RequestTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,7 @@ class LoadPlanner:
         is_storing: Callable[[bytes], bool],
     ) -> None:
         """``is_storing(key)``: a store of chunk ``key`` is planned or in flight."""
-        self.config = link.config
         self.spec = link.config.spec
-        self.ns_id = self.spec.ns_id  # a property that hashes the spec: computed once
         self._link = link
         self._leases = leases
         self._stats = stats
@@ -64,13 +63,13 @@ class LoadPlanner:
 
     def offer(self, state: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens`` for ``state.request``: look the chunks past the
-        local hit up and remember the hit (``state.plan``) for :meth:`pin`."""
+        local hit up and remember the hit (``state.offer``) for :meth:`pin`."""
         request = state.request
-        state.plan = None
-        if state.num_loads or state.num_stores:
+        state.offered(None)
+        if state.is_busy:
             return None, False  # an earlier transfer of this request is in flight
         ct, cb = self.spec.chunk_tokens, self.spec.chunk_blocks
-        hashes = block_hashes(state, self._hasher)
+        hashes = state.block_hashes(self._hasher)
         # Only chunks within the first num_tokens - 1 tokens: one token is left to compute.
         max_chunks = min(len(hashes) // cb, (len(request.all_token_ids) - 1) // ct)
         start = num_computed_tokens // ct
@@ -78,13 +77,9 @@ class LoadPlanner:
             return 0, False
         keys = list(hashes[start * cb + cb - 1 : max_chunks * cb : cb])
         self._stats.lookups += 1
-        ns_id = self.ns_id
         try:
             with self.lookup_seconds.time():
-                hits = self._link.call(
-                    self.config.lookup_timeout_s,
-                    lambda kv: kv.lookup(ns_id, keys, record=True, touch=True).hit_chunks,
-                )
+                hits = self._link.lookup(keys, planning=True)
         except KVServerError as exc:
             self._stats.lookups_failed += 1
             logger.debug("lookup for %s failed, no external hit: %s", request.request_id, exc)
@@ -94,7 +89,7 @@ class LoadPlanner:
         if hits == 0:
             return 0, False
         num_external = (start + hits) * ct - num_computed_tokens
-        state.plan = (num_computed_tokens, start, keys[:hits])
+        state.offered((num_computed_tokens, start, keys[:hits]))
         self._stats.hit_tokens += num_external
         return num_external, True
 
@@ -107,26 +102,27 @@ class LoadPlanner:
         longer be pinned is reported by the next report as a finished load with a load error
         (the scheduler recomputes those tokens).
         """
-        req_id, plan = state.request.request_id, state.plan
+        req_id, offer = state.req_id, state.offer
         bs, ct, cb = self.spec.block_size, self.spec.chunk_tokens, self.spec.chunk_blocks
-        if num_external_tokens and plan is None:
+        if num_external_tokens and offer is None:
             raise InvalidArgument("no external tokens were offered", request=req_id)
-        if not num_external_tokens or plan is None:
+        if not num_external_tokens or offer is None:
             # A request without a block table is new or preempted: store from chunk 0. One
             # that holds blocks is admitted after its load landed: keep its cursor (past the
             # loaded chunks), or the stored chunks would be planned again.
-            if not state.block_ids:
-                state.cursor = 0
-            state.block_ids, state.plan = list(block_ids), None
+            is_new_table = not state.block_ids
+            state.take_offer(block_ids)
+            if is_new_table:
+                state.restart(0)
             return
-        num_local, start, keys = plan
+        num_local, start, keys = offer
         end = start + len(keys)
         if num_local + num_external_tokens != end * ct or len(block_ids) < end * cb:
             raise InvalidArgument(
                 "num_external_tokens or block_ids do not match the offered hit",
                 got=num_external_tokens, offered=end * ct - num_local, blocks=len(block_ids),
             )  # fmt: skip
-        state.block_ids, state.plan = list(block_ids), None
+        state.take_offer(block_ids)
         loads: list[ChunkLoad] = []
         first_tokens: list[int] = []
         for i, key in enumerate(keys, start):
@@ -135,26 +131,20 @@ class LoadPlanner:
             first_tokens.append(max(num_local, (i * cb + skip) * bs))
         self._stats.loads += 1
         grant: LoadGrant | None = None
-        ns_id, lease_s = self.ns_id, self.config.lease_s
         try:
-            grant = self._link.op(lambda kv: kv.prepare_load(ns_id, keys, lease_s=lease_s))
+            grant = self._link.prepare_load(keys)
         except UnknownKey:  # evicted since the lookup: pin what is left of the prefix
             grant = self._pin_prefix(keys)
         except KVServerError as exc:
             logger.info("cannot pin the hit of %s, recomputing it: %s", req_id, exc)
         num_ok = len(grant.keys) if grant is not None else 0
-        leases = self._leases
         if num_ok < len(keys):
             failed = [c.block_ids for c in loads[num_ok:]]
-            leases.load_error(req_id, first_tokens[num_ok], failed)
-            leases.failed_loads.append(
-                FailedLoad(req_id, [b for ids in failed for b in ids], finished=not num_ok)
-            )
+            self._leases.pin_failed(req_id, first_tokens[num_ok], failed, finished=not num_ok)
         if grant is None or not num_ok:
-            leases.report.finished_recving.add(req_id)
             return
         # kvserver has the loaded chunks, the GPU prefix cache the ones before: store after.
-        state.cursor = start + num_ok
+        state.load_pinned(start + num_ok)
         for load, location in zip(loads, grant.locations, strict=False):
             load.extents = [list(extents) for extents in location]
         transfers = RequestTransfers(req_id, grant.lease_id, loads=loads[:num_ok])
@@ -162,18 +152,15 @@ class LoadPlanner:
             transfers, True, keys[:num_ok], grant.deadline, (True, req_id, grant.lease_id),
             first_tokens[:num_ok], start,
         )  # fmt: skip
-        leases.add_load(state, job)
+        self._leases.add_load(job)
 
     def _pin_prefix(self, keys: list[bytes]) -> LoadGrant | None:
         """Pin the leading run of ``keys`` still ready; announce the first one that is gone."""
-        ns_id, lease_s = self.ns_id, self.config.lease_s
         try:
-            hits = self._link.op(lambda kv: kv.lookup(ns_id, keys).hit_chunks)
+            hits = self._link.lookup(keys, planning=False)
             self._leases.emit(BlockRemoved, keys[hits : hits + 1])
             if hits:
-                return self._link.op(
-                    lambda kv: kv.prepare_load(ns_id, keys[:hits], lease_s=lease_s)
-                )
+                return self._link.prepare_load(keys[:hits])
         except KVServerError as exc:
             logger.info("cannot pin what is left of a hit: %s", exc)
         return None

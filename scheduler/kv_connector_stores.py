@@ -33,9 +33,10 @@ Invariants:
   ``cancel``, the send of a batch, and :meth:`changed`, which the connector calls at the
   start of ``build_connector_meta`` and ``update_connector_output`` (nothing looks up while
   they run);
-- a chunk below a request's ``cursor`` is never planned again: the cursor moves past the
-  planned chunks when the reservation is granted (or refused for good), and stays when it
-  could not be made (daemon unreachable, cache full: planned again next step);
+- a chunk below a request's ``cursor`` is never planned again (``RequestState.store_planned``
+  enforces it): the cursor moves past the planned chunks when the reservation is granted (or
+  refused for good), and stays when it could not be made (daemon unreachable, cache full:
+  planned again next step);
 - a full cache halves the next batch (down to 1 chunk); each granted batch doubles the limit
   back up to ``max_store_batch_chunks``.
 """
@@ -50,14 +51,13 @@ from kvserver.errors import KVServerError, Unavailable
 from kvserver.hashing import BlockHasher
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink
+from scheduler.kv_connector_request import RequestState
 from scheduler.kv_connector_types import (
     ConnectorStats,
     PlannedStore,
-    RequestState,
     ScheduledStep,
     StoreBatch,
     TransferJob,
-    block_hashes,
 )
 from step_protocol import ChunkStore, RequestTransfers
 
@@ -77,13 +77,11 @@ class StorePlanner:
     ) -> None:
         """``reqs``: the connector's requests (shared, not copied)."""
         self.spec = link.config.spec
-        self.ns_id = self.spec.ns_id  # a property that hashes the spec: computed once
         self._reqs = reqs
         self._link = link
         self._leases = leases
         self._stats = stats
         self._hasher = hasher
-        self._lease = link.config.lease_s
         self._max_batch = link.config.max_store_batch_chunks
         #: this step's prepare_store, sent at the end of build_connector_meta.
         self.batch: StoreBatch | None = None
@@ -103,7 +101,7 @@ class StorePlanner:
         store job of this connector)."""
         storing = self._storing
         if storing is None:
-            storing = {k for j in self._leases.jobs.values() if not j.is_load for k in j.keys}
+            storing = self._leases.store_keys()
             if self.batch is not None:
                 storing.update(self.batch.keys)
             self._storing = storing
@@ -123,7 +121,7 @@ class StorePlanner:
         due: list[tuple[RequestState, int]] = []
         for new in getattr(step, "new_reqs", ()):
             if (state := state_of(new.req_id)) is not None:
-                state.block_ids = list(new.block_ids)
+                state.new_block_table(new.block_ids)
                 done = new.num_computed_tokens + num_scheduled(new.req_id, 0)
                 if done // ct > state.cursor:
                     due.append((state, done))
@@ -133,7 +131,7 @@ class StorePlanner:
             if (state := state_of(req_id)) is None:
                 continue
             if cached.new_block_ids:
-                state.block_ids += cached.new_block_ids
+                state.append_blocks(cached.new_block_ids)
             done = cached.num_computed_tokens + num_scheduled(req_id, 0)
             if done // ct > state.cursor:
                 due.append((state, done))
@@ -151,7 +149,7 @@ class StorePlanner:
             if state.finished:
                 continue
             req, blocks, first = state.request, state.block_ids, state.cursor
-            hashes = req.block_hashes or block_hashes(state, self._hasher)
+            hashes = req.block_hashes or state.block_hashes(self._hasher)
             # the last chunk full after the step: bounded by the tokens, hashes and blocks known
             num_tokens = len(req.all_token_ids)
             end = (done if done < num_tokens else num_tokens) // bs
@@ -179,14 +177,11 @@ class StorePlanner:
         next step."""
         self._stats.planned_chunks += len(keys)
         unique = list(dict.fromkeys(keys))
-        ns_id, lease_s = self.ns_id, self._lease
-        pending = self._link.submit(
-            lambda kv: kv.submit_prepare_store(ns_id, unique, lease_s=lease_s)
-        )
+        pending = self._link.send_prepare_store(unique)
         if pending is None:
             return
         for p in planned:
-            p.state.num_stores += 1
+            p.state.store_planned(p.first, p.end)
         self.batch = StoreBatch(pending, planned, unique)
         self._storing = None
 
@@ -234,7 +229,7 @@ class StorePlanner:
                 return
             self._take(batch, grant)
         for p in batch.ungranted:  # present already, filtered, or another request's
-            p.state.num_stores -= 1
+            p.state.store_share_over()
             self._leases.release_if_done(p.state)
 
     def _take(self, batch: StoreBatch, grant: StoreGrant) -> None:
@@ -251,8 +246,7 @@ class StorePlanner:
         jobs: list[TransferJob] = []
         for p in batch.planned:
             state, blocks = p.state, p.block_ids
-            if state.cursor < p.end:
-                state.cursor = p.end
+            state.store_reserved(p.end)
             stores: list[ChunkStore] = []
             for i, key in enumerate(p.keys):
                 if (location := take(key, None)) is not None:
@@ -262,7 +256,7 @@ class StorePlanner:
                 batch.ungranted.append(p)
                 continue
             keys = list(p.keys) if len(stores) == len(p.keys) else [c.key for c in stores]
-            req_id = state.request.request_id
+            req_id = state.req_id
             transfers = RequestTransfers(req_id, lease_id, [], stores)
             jobs.append(TransferJob(transfers, False, keys, deadline, (False, req_id, lease_id)))
         if jobs:
@@ -271,7 +265,5 @@ class StorePlanner:
     def _drop(self, batch: StoreBatch, *, skip: bool) -> None:
         """Nothing reserved: the chunks are planned again next step, or never (``skip``)."""
         for p in batch.planned:
-            p.state.num_stores -= 1
-            if skip and p.state.cursor < p.end:
-                p.state.cursor = p.end
+            p.state.store_refused(p.end, for_good=skip)
             self._leases.release_if_done(p.state)

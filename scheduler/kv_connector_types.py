@@ -1,9 +1,9 @@
 """Value types of the scheduler-side KV connector (:mod:`scheduler.kv_connector`).
 
 Its configuration and counters, what it reads from a scheduled step, and the records it keeps
-per request and per daemon lease, plus :func:`block_hashes` (a request's chunk keys come from
-its block hashes). Data only; the records belong to one connector and are mutated only by it
-(scheduler thread).
+per daemon lease (the per-request state, with its invariants, is
+:mod:`scheduler.kv_connector_request`). Data only; the records belong to one connector and are
+mutated only by it (scheduler thread).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any, Literal, Protocol
 from kvserver.client import Pending
 from kvserver.engine_types import StoreGrant
 from kvserver.errors import InvalidArgument
-from kvserver.hashing import BlockHash, BlockHasher
 from kvserver.namespace import NamespaceSpec
-from scheduler.connector_base import RequestLike
+from scheduler.kv_connector_request import RequestState
 from step_protocol import RequestTransfers
 
 
@@ -122,25 +121,6 @@ class TransferJob:
 
 
 @dataclass(slots=True, eq=False)
-class RequestState:
-    request: RequestLike
-    block_ids: list[int] = field(default_factory=list)
-    #: next chunk index to store: chunks below it are stored, being stored,
-    #: or were loaded from kvserver.
-    cursor: int = 0
-    #: (num_local_tokens, first chunk, hit keys) of the last lookup, until allocation.
-    plan: tuple[int, int, list[bytes]] | None = None
-    num_loads: int = 0
-    #: its store jobs, plus 1 for its share of the store batch in flight (until a job takes
-    #: its place, or the reply gave it none).
-    num_stores: int = 0
-    #: request_finished returned True: report finished_sending when the jobs are over.
-    finished: bool = False
-    #: block hashes computed here when the request carries none.
-    hashes: list[bytes] = field(default_factory=list)
-
-
-@dataclass(slots=True, eq=False)
 class PlannedStore:
     """One request's share of a store batch: its chunks ``[first, end)``, their keys, and the
     GPU blocks they occupy (taken when planned: the table may be dropped before the reply)."""
@@ -173,27 +153,3 @@ class Completion:
     pending: Pending[Any]
     kind: Literal["store", "rollback", "load"]
     lease_id: int
-
-
-def block_hashes(state: RequestState, hasher: BlockHasher) -> Sequence[bytes]:
-    """The request's own block hashes, else ones computed (and extended) here, with
-    ``hasher`` (the namespace's), into ``state.hashes``."""
-    req = state.request
-    if req.block_hashes:
-        return req.block_hashes
-    bs, done, tokens = hasher.block_size, len(state.hashes), req.all_token_ids
-    if len(tokens) // bs > done:
-        state.hashes += hasher.hash_blocks(
-            tokens[done * bs : len(tokens) // bs * bs],
-            cache_salt=req.cache_salt,
-            lora=_lora(req),
-            parent=BlockHash(state.hashes[-1]) if done else None,
-            start_block=done,
-        )
-    return state.hashes
-
-
-def _lora(request: RequestLike) -> tuple[str, str] | None:
-    """(name, path) of vLLM's ``request.lora_request`` when the request has one."""
-    lora = getattr(request, "lora_request", None)
-    return None if lora is None else (str(lora.lora_name), str(lora.lora_path))

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import BlockHash, BlockHasher
+from step_protocol import NewRequestData
 
 
 class RequestStatus(enum.IntEnum):
@@ -177,6 +178,47 @@ class Request:
                 parent=self.block_hashes[-1] if num_hashed else None,
                 start_block=num_hashed,
             )
+
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus:
+        """Its status after sampling ``token`` (already appended): stopped, capped, or running."""
+        if token in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return RequestStatus.RUNNING
+
+    def clamp_external(self, num_local: int, ext: int, load_async: bool) -> int:
+        """External (kvserver) hit tokens past ``num_local``, never more than the prompt; a
+        synchronous load leaves the last token to compute (an async one is trimmed when it
+        lands, ``TransferTracker.land``)."""
+        ext = max(0, min(ext, self.num_tokens - num_local))
+        if not load_async and num_local + ext >= self.num_tokens:
+            ext = self.num_tokens - 1 - num_local
+        return max(0, ext)
+
+    def new_request_data(self, block_ids: list[int]) -> NewRequestData:
+        """What the workers are told of it when it is scheduled with no state on them (first
+        time, or resumed after preemption); ``block_ids`` is its whole block table."""
+        return NewRequestData(
+            req_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            block_ids=block_ids,
+            num_computed_tokens=self.num_computed_tokens,
+            max_tokens=self.max_tokens,
+            output_token_ids=self.output_token_ids,
+            greedy=self.greedy,
+            seed=self.seed,
+        )
+
+    def usage(self) -> PromptUsage:
+        """Where its prompt's KV came from on its first admission."""
+        cached = max(0, self.num_cached_tokens)
+        return PromptUsage(
+            prompt_tokens=self.num_prompt_tokens,
+            gpu_cached_tokens=cached - self.num_external_computed_tokens,
+            kvserver_tokens=self.num_external_computed_tokens,
+            num_preemptions=self.num_preemptions,
+        )
 
     def __lt__(self, other: Request) -> bool:
         """Priority order: lower ``priority`` first, then earlier arrival (creation order on a

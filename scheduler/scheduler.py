@@ -46,7 +46,6 @@ from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.kv_transfers import TransferTracker
 from scheduler.request import (
     PromptTotals,
-    PromptUsage,
     Request,
     RequestOutput,
     RequestQueue,
@@ -54,7 +53,7 @@ from scheduler.request import (
     create_queue,
 )
 from scheduler.trace import StepTrace
-from step_protocol import CachedRequestData, NewRequestData, StepPlan, StepResult
+from step_protocol import CachedRequestData, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +167,7 @@ class Scheduler:
             self.connector.reset()  # drop planned transfers: the GPU contents are gone
         self.kv.reset_prefix_cache()
         return [
-            RequestOutput(r.request_id, [], True, "error", self._usage(r), error=reason)
+            RequestOutput(r.request_id, [], True, "error", r.usage(), error=reason)
             for r in failed
         ]
 
@@ -280,7 +279,10 @@ class Scheduler:
 
         plan = StepPlan(
             step=step,
-            new_reqs=[self._new_request_data(r) for r in (*scheduled_new, *scheduled_resumed)],
+            new_reqs=[
+                r.new_request_data(kv.get_block_ids(r.request_id))
+                for r in (*scheduled_new, *scheduled_resumed)
+            ],
             cached_reqs=[
                 CachedRequestData(
                     r.request_id,
@@ -351,7 +353,7 @@ class Scheduler:
                     if ext is None:  # connector undecided: ask again next step
                         deferred.add(queue.pop())
                         continue
-                    num_external = self._clamp_external(request, num_local, ext, load_async)
+                    num_external = request.clamp_external(num_local, ext, load_async)
                     load_async = load_async and num_external > 0
                 if trace is not None:
                     trace.prefix_cache(
@@ -428,14 +430,6 @@ class Scheduler:
             return self.waiting
         return self.skipped_waiting
 
-    def _clamp_external(self, request: Request, num_local: int, ext: int, load_async: bool) -> int:
-        """Never more than the prompt; a synchronous load leaves the last token to compute
-        (an async one is trimmed when it lands, :meth:`TransferTracker.land`)."""
-        ext = max(0, min(ext, request.num_tokens - num_local))
-        if not load_async and num_local + ext >= request.num_tokens:
-            ext = request.num_tokens - 1 - num_local
-        return max(0, ext)
-
     def _preempt(self, request: Request, *, requeue: bool = True) -> None:
         """Free all its KV; it is recomputed (prefix cache permitting) when readmitted."""
         self.kv.free(request)
@@ -444,18 +438,6 @@ class Scheduler:
         request.num_preemptions += 1
         if requeue:
             self.waiting.prepend(request)
-
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens,
-            max_tokens=request.max_tokens,
-            output_token_ids=request.output_token_ids,
-            greedy=request.greedy,
-            seed=request.seed,
-        )
 
     # ------------------------------------------------------------------ update_from_output()
 
@@ -485,7 +467,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_ERROR
             else:
                 request.append_output_token(token)
-                request.status = self._stop_status(request, token)
+                request.status = request.stop_status(token, self.max_model_len)
             first = request.num_output_tokens == 1
             if request.status.is_finished:
                 stopped.append(request)
@@ -495,7 +477,7 @@ class Scheduler:
                     [token] if token is not None else [],
                     request.status.is_finished,
                     request.finish_reason,
-                    self._usage(request) if first or request.status.is_finished else None,
+                    request.usage() if first or request.status.is_finished else None,
                     request.error,
                 )
             )
@@ -506,15 +488,6 @@ class Scheduler:
                 self._free_request(request)
         return outputs
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus:
-        if token in request.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return _RUNNING
-
     def _free_request(self, request: Request, *, was_loading: bool = False) -> None:
         """A request ended: tell the workers and the connector; release or park its blocks
         (``was_loading``: it ended in WAITING_FOR_REMOTE_KVS)."""
@@ -522,17 +495,8 @@ class Scheduler:
         del self.requests[req_id]
         self._finished_req_ids.append(req_id)
         if request.num_cached_tokens >= 0:  # it was admitted: count where its prompt came from
-            self.prompt_totals.add(self._usage(request))
+            self.prompt_totals.add(request.usage())
         delay = False
         if self.connector is not None:
             delay, _ = self.connector.request_finished(request, self.kv.get_block_ids(req_id))
         self.transfers.finished(request, was_loading, delay)
-
-    def _usage(self, request: Request) -> PromptUsage:
-        cached = max(0, request.num_cached_tokens)
-        return PromptUsage(
-            prompt_tokens=request.num_prompt_tokens,
-            gpu_cached_tokens=cached - request.num_external_computed_tokens,
-            kvserver_tokens=request.num_external_computed_tokens,
-            num_preemptions=request.num_preemptions,
-        )
