@@ -372,6 +372,16 @@ class PriorityQueue:
         return iter(sorted(self._heap))
 
 
+def select_queue(policy: str, waiting: RequestQueue, skipped: RequestQueue) -> RequestQueue:
+    """The queue to admit from next (``skipped``: requests deferred in an earlier step). FCFS:
+    deferred requests first (they are older); priority: the better head."""
+    if policy == "fcfs" or not (waiting and skipped):
+        return skipped or waiting
+    if waiting.peek() < skipped.peek():
+        return waiting
+    return skipped
+
+
 def create_queue(policy: str) -> RequestQueue:
     """The queue type of ``policy`` (``fcfs`` or ``priority``)."""
     if policy == "priority":

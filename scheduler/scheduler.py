@@ -51,6 +51,7 @@ from scheduler.request import (
     RequestQueue,
     RequestStatus,
     create_queue,
+    select_queue,
 )
 from scheduler.trace import StepTrace
 from step_protocol import CachedRequestData, StepPlan, StepResult
@@ -337,7 +338,7 @@ class Scheduler:
         while (self.waiting or self.skipped_waiting) and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            queue = self._select_queue()
+            queue = select_queue(cfg.policy, self.waiting, self.skipped_waiting)
             request = queue.peek()
             req_id = request.request_id
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -421,14 +422,6 @@ class Scheduler:
         if deferred:
             self.skipped_waiting.prepend_all(deferred)
         return budget
-
-    def _select_queue(self) -> RequestQueue:
-        """FCFS: deferred requests first (they are older); priority: the better head."""
-        if self.config.policy == "fcfs" or not (self.waiting and self.skipped_waiting):
-            return self.skipped_waiting or self.waiting
-        if self.waiting.peek() < self.skipped_waiting.peek():
-            return self.waiting
-        return self.skipped_waiting
 
     def _preempt(self, request: Request, *, requeue: bool = True) -> None:
         """Free all its KV; it is recomputed (prefix cache permitting) when readmitted."""
