@@ -8,7 +8,7 @@ named after the event that causes the change.
 Invariants (stated once, here, and enforced by the methods):
 
 - **A chunk below the cursor is never planned again.** ``cursor`` is the next chunk index to
-  store (seed 000 §11.1): chunks below it are stored, being stored, loaded from kvserver, or
+  store: chunks below it are stored, being stored, loaded from kvserver, or
   were refused for good. :meth:`store_planned` raises ``InvalidState`` for a plan that starts
   below it. The cursor moves forward when a store reservation is answered
   (:meth:`store_reserved`, :meth:`store_refused` for good), and back only in two cases:
