@@ -2,8 +2,18 @@
 
 Runs in every process that names KV blocks: the daemon (gRPC Lookup by token ids), the
 scheduler-side connector and ``kvserver hash``. Pure computation: no I/O, no logging.
-Thread safety: :class:`BlockHasher` is immutable and may be shared by threads. The only shared
-state is the CBOR integer table, which is replaced whole (never mutated) when it grows.
+Thread safety: :class:`BlockHasher` is immutable (its results depend on its fields only) and may
+be shared by threads. Shared state: the CBOR integer table, replaced whole (never mutated) when
+it grows, and each hasher's :class:`_GroupCache` of already-hashed chain segments, behind a
+lock.
+
+Reuse of already-hashed prefixes. Prompts repeat and extend one another (multi-turn chats,
+shared system prompts, routers asking about the same prompt again), so each hasher keeps a
+bounded LRU cache of chain segments: the hashes of :data:`GROUP_BLOCKS` consecutive full blocks,
+keyed by exactly what determines them (the parent hash before the segment, the extra keys of
+its first and of its other blocks, the segment's token ids packed as bytes). A hit is therefore
+the same value a recomputation would give, bit for bit; only whole segments aligned to the
+call's first block are cached, so the short incremental calls of a scheduler never touch it.
 
 Scheme (vLLM V1's block hashing), with ``H`` one of :data:`HASH_ALGOS`::
 
@@ -36,6 +46,9 @@ import hashlib
 import pickle
 import struct
 import sys
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -57,6 +70,11 @@ DEFAULT_SEED = "vllm-none-hash"
 # 3.8-3.13. A future Python that raises it would silently change every "sha256" key; with the
 # protocol pinned, the vectors test fails loudly instead (and we can decide to follow vLLM).
 PICKLE_PROTOCOL = 5
+
+#: blocks per cached chain segment (512 tokens at block size 16)
+GROUP_BLOCKS = 32
+#: most segments one hasher caches (~8 KiB each at block size 16: 16k blocks, 256k tokens)
+CACHE_GROUPS = 1024
 
 
 def _sha256_pickle(obj: object) -> bytes:
@@ -126,11 +144,13 @@ class BlockHasher:
     block_size: int
     seed: str = DEFAULT_SEED
     _none_hash: BlockHash = field(init=False, repr=False, compare=False)
+    _cache: _GroupCache = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or self.block_size < 1:
             raise InvalidArgument("block_size must be an int >= 1", block_size=self.block_size)
         object.__setattr__(self, "_none_hash", none_hash(self.algo, self.seed))
+        object.__setattr__(self, "_cache", _GroupCache(CACHE_GROUPS))
 
     @property
     def none_hash(self) -> BlockHash:
@@ -162,7 +182,7 @@ class BlockHasher:
         bool, int subclasses and numpy integers are rejected because they would pickle or
         encode differently — or for an inconsistent parent/start_block.
         """
-        tokens = _check_tokens(token_ids)
+        tokens, packed_all = _check_tokens(token_ids)
         first_keys, rest_keys = self._extra_keys(cache_salt, lora)
         if type(start_block) is not int or start_block < 0:
             raise InvalidArgument("start_block must be an int >= 0", start_block=start_block)
@@ -182,9 +202,42 @@ class BlockHasher:
         end = len(tokens) // block_size * block_size
         if end == 0:
             return []
+        group = GROUP_BLOCKS * block_size
+        out: list[BlockHash] = []
+        keys = first_keys
+        start = 0
+        cache = self._cache
+        size = array("I").itemsize
+        while end - start >= group:  # whole segments: from the cache or computed and cached
+            segment = tokens[start : start + group]
+            if packed_all is None:  # ids >= 2**32: no cache for them
+                hashes = self._chain(segment, group, parent, keys, rest_keys)
+            else:
+                key = (parent, keys, rest_keys, packed_all[start * size : (start + group) * size])
+                cached = cache.get(key)
+                if cached is None:
+                    hashes = self._chain(segment, group, parent, keys, rest_keys)
+                    cache.put(key, hashes)
+                else:
+                    hashes = cached
+            out += hashes
+            parent, keys, start = hashes[-1], rest_keys, start + group
+        if start < end:  # the tail, fewer than GROUP_BLOCKS blocks: computed, not cached
+            tail = tokens[start:end] if start else tokens
+            out += self._chain(tail, end - start, parent, keys, rest_keys)
+        return out
+
+    def _chain(
+        self,
+        tokens: tuple[int, ...],
+        end: int,
+        parent: bytes,
+        first_keys: object,
+        rest_keys: object,
+    ) -> list[BlockHash]:
         if self.algo == "sha256":
-            return _chain_pickle(tokens, end, block_size, parent, first_keys, rest_keys)
-        return _chain_cbor(self.algo, tokens, end, block_size, parent, first_keys, rest_keys)
+            return _chain_pickle(tokens, end, self.block_size, parent, first_keys, rest_keys)
+        return _chain_cbor(self.algo, tokens, end, self.block_size, parent, first_keys, rest_keys)
 
     def chunk_keys(self, block_hashes: Sequence[BlockHash], chunk_blocks: int) -> list[BlockHash]:
         """See :func:`chunk_keys`."""
@@ -209,7 +262,45 @@ class BlockHasher:
         return first or None, rest or None
 
 
-def _check_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
+class _GroupCache:
+    """A bounded LRU of chain segments (see the module docstring); thread-safe.
+
+    Values are lists of block hashes that callers must not mutate (``hash_blocks`` copies
+    them into its result).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._segments: OrderedDict[tuple[object, ...], list[BlockHash]] = OrderedDict()
+
+    def get(self, key: tuple[object, ...]) -> list[BlockHash] | None:
+        with self._lock:
+            hashes = self._segments.get(key)
+            if hashes is not None:
+                self._segments.move_to_end(key)
+            return hashes
+
+    def put(self, key: tuple[object, ...], hashes: list[BlockHash]) -> None:
+        with self._lock:
+            self._segments[key] = hashes
+            while len(self._segments) > self._capacity:
+                self._segments.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+
+def _check_tokens(token_ids: Sequence[int]) -> tuple[tuple[int, ...], bytes | None]:
+    """(the token ids as a tuple, packed as 4-byte ints or None if one is >= 2**32).
+
+    An ``array`` of an unsigned type is taken as it is (its items are plain ints >= 0);
+    anything else is checked item by item (plain ``int``, >= 0).
+    """
+    if type(token_ids) is array and token_ids.typecode in "BHIL":
+        tokens = tuple(token_ids)
+        packed = token_ids.tobytes() if token_ids.typecode == "I" else None
+        return tokens, packed if packed is not None else _pack(tokens)
     try:
         tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     except TypeError:
@@ -225,10 +316,19 @@ def _check_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
                     token=token,
                     type=type(token).__name__,
                 )
-    if tokens and min(tokens) < 0:
+    packed = _pack(tokens)  # in range [0, 2**32): no id is negative
+    if packed is None and tokens and min(tokens) < 0:
         index = next(i for i, t in enumerate(tokens) if t < 0)
         raise InvalidArgument("token ids must be >= 0", index=index, token=tokens[index])
-    return tokens
+    return tokens, packed
+
+
+def _pack(tokens: tuple[int, ...]) -> bytes | None:
+    """The ids as native 4-byte unsigned ints, or None if one is out of [0, 2**32)."""
+    try:
+        return array("I", tokens).tobytes()
+    except OverflowError:
+        return None
 
 
 def _chain_pickle(
@@ -315,11 +415,10 @@ def _chain_cbor(
     head = b"\x83" + _cbor_head(2, len(parent))  # every parent has the digest size
     array_head = _cbor_head(4, block_size)
     rest_tail = cbor2.dumps(rest_keys, canonical=True)
-    # Everything after the parent, per block: array head, token encodings, extra keys.
-    blocks = [
-        array_head + join(encoded[s : s + block_size]) + rest_tail
-        for s in range(0, end, block_size)
-    ]
+    # Everything after the parent, per block: array head, token encodings, extra keys; the
+    # grouping (zip over one iterator) and the joins run in C, no Python loop per block.
+    it = iter(encoded)
+    blocks = list(map(join, zip(repeat(array_head), *[it] * block_size, repeat(rest_tail))))
     blocks[0] = array_head + join(encoded[:block_size]) + cbor2.dumps(first_keys, canonical=True)
     out: list[bytes] = []
     append = out.append

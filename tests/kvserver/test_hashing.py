@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import json
+import random
 import sys
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,11 @@ from hypothesis import strategies as st
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import (
     DEFAULT_SEED,
+    GROUP_BLOCKS,
     HASH_ALGOS,
     BlockHash,
     BlockHasher,
+    _GroupCache,
     chunk_keys,
     digest_size,
     hash_function,
@@ -377,3 +381,73 @@ def test_bad_hasher_config_rejected(kwargs: dict[str, Any]) -> None:
 def test_bad_extra_keys_rejected(extra: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgument):
         BlockHasher("sha256", 4).hash_blocks(counting(8), **extra)
+
+
+# ------------------------------------------------------------------- cached chain segments
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("extra", [{}, {"cache_salt": "s"}, {"lora": ("a", "/p")}])
+def test_long_prompts_match_the_reference_cold_and_cached(algo: str, extra: Any) -> None:
+    """Prompts spanning several cached segments (and a tail) hash as the literal scheme says,
+    the first time and again from the cache, and an extended prompt reuses its prefix."""
+    block_size = 4
+    rng = random.Random(algo)
+    tokens = [rng.choice(CBOR_EDGES) for _ in range(block_size * (2 * GROUP_BLOCKS + 5) + 3)]
+    want = reference_hashes(algo, tokens, block_size, **extra)
+    hasher = BlockHasher(algo, block_size)
+    assert hasher.hash_blocks(tokens, **extra) == want
+    assert len(hasher._cache) == 2
+    assert hasher.hash_blocks(tokens, **extra) == want  # from the cache
+    longer = tokens + [7] * (block_size * GROUP_BLOCKS)
+    assert hasher.hash_blocks(longer, **extra) == reference_hashes(
+        algo, longer, block_size, **extra
+    )
+    assert len(hasher._cache) == 3
+    other = BlockHasher(algo, block_size, seed="other")
+    assert other.hash_blocks(tokens, **extra) != want  # the parent is part of the key
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_cached_segments_do_not_cross_extra_keys_or_start_block(algo: str) -> None:
+    """The same tokens under another salt, LoRA or parent never come from another's segment."""
+    block_size = 2
+    tokens = list(range(block_size * GROUP_BLOCKS))
+    hasher = BlockHasher(algo, block_size)
+    plain = hasher.hash_blocks(tokens)
+    salted = hasher.hash_blocks(tokens, cache_salt="x")
+    lora = hasher.hash_blocks(tokens, lora=("n", "p"))
+    assert salted == reference_hashes(algo, tokens, block_size, cache_salt="x")
+    assert lora == reference_hashes(algo, tokens, block_size, lora=("n", "p"))
+    # the same tokens as blocks 32.. of a longer prompt: the parent differs
+    continued = hasher.hash_blocks(tokens, parent=plain[-1], start_block=GROUP_BLOCKS)
+    assert continued == hasher.hash_blocks(tokens + tokens)[GROUP_BLOCKS:]
+    assert len({tuple(plain), tuple(salted), tuple(lora), tuple(continued)}) == 4
+
+
+def test_segment_cache_is_bounded_lru() -> None:
+    hasher = BlockHasher("xxhash_cbor", 1)
+    object.__setattr__(hasher, "_cache", _GroupCache(2))
+    prompts = [[p] * GROUP_BLOCKS for p in range(3)]
+    results = [hasher.hash_blocks(p) for p in prompts]
+    assert len(hasher._cache) == 2
+    assert [hasher.hash_blocks(p) for p in prompts] == results
+    assert len(hasher._cache) == 2
+
+
+def test_ids_beyond_32_bits_are_hashed_without_the_cache() -> None:
+    tokens = [2**40] * GROUP_BLOCKS
+    hasher = BlockHasher("sha256_cbor", 1)
+    assert hasher.hash_blocks(tokens) == reference_hashes("sha256_cbor", tokens, 1)
+    assert len(hasher._cache) == 0
+
+
+@pytest.mark.parametrize("typecode", ["B", "H", "I", "L", "i", "q"])
+def test_arrays_of_ids_hash_like_lists(typecode: str) -> None:
+    """Front ends may pass decoded ids as an ``array``; unsigned ones skip the item checks."""
+    tokens = [0, 1, 23, 24, 255] * 20
+    hasher = BlockHasher("sha256_cbor", 4)
+    assert hasher.hash_blocks(array(typecode, tokens)) == reference_hashes("sha256_cbor", tokens, 4)
+    if typecode in "iq":
+        with pytest.raises(InvalidArgument, match=">= 0"):
+            hasher.hash_blocks(array(typecode, [*tokens, -1]))
