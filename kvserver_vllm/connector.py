@@ -7,11 +7,15 @@ Load it with one line (docs/vllm.md)::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": "tcp://127.0.0.1:7070"}}'
 
-vLLM builds one instance per role. The **scheduler** instance wraps
-:class:`~scheduler.kv_connector.KVServerSchedulerConnector` (lookups, pins, store planning,
-lease completion); each **worker** instance wraps
-:class:`~worker.kv_connector.KVServerWorkerConnector` (the copies between the paged KV cache
-and kvserver). Configuration: :mod:`kvserver_vllm.config`.
+vLLM builds one instance per role, and this class only delegates by role, as vLLM's own
+OffloadingConnector does: the **scheduler** instance holds a
+:class:`~kvserver_vllm.scheduler_role.KVServerConnectorScheduler` (over
+:class:`~scheduler.kv_connector.KVServerSchedulerConnector`: lookups, pins, store planning,
+lease completion); each **worker** instance a
+:class:`~kvserver_vllm.worker_role.KVServerConnectorWorker` (over
+:class:`~worker.kv_connector.KVServerWorkerConnector`: the copies between the paged KV cache
+and kvserver). Each role keeps its own bookkeeping; what passes between them is
+:mod:`kvserver_vllm.metadata`. Configuration: :mod:`kvserver_vllm.config`.
 
 How the two halves' verdicts reach vLLM's scheduler:
 
@@ -36,13 +40,10 @@ vLLM keeps scheduling (no hits, no stores).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
-from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -50,14 +51,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvserver.errors import KVServerError
 from kvserver_vllm.config import PluginConfig, load_config
-from kvserver_vllm.steps import EventSource, VllmStep
+from kvserver_vllm.metadata import KVServerConnectorMetadata, KVServerWorkerMetadata
+from kvserver_vllm.scheduler_role import KVServerConnectorScheduler
+from kvserver_vllm.worker_role import KVServerConnectorWorker
 from scheduler.kv_connector import KVServerSchedulerConnector
-from step_protocol import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 from worker.kv_connector import KVServerWorkerConnector
 
 if TYPE_CHECKING:
@@ -69,28 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
-
-
-class KVServerConnectorMetadata(KVConnectorMetadata):
-    """Scheduler → workers, every step: the connector's plan (``inner``) and the requests that
-    finished holding their blocks for stores (``delayed_req_ids``)."""
-
-    def __init__(self, inner: ConnectorMetadata, delayed_req_ids: list[str]) -> None:
-        self.inner = inner
-        self.delayed_req_ids = delayed_req_ids
-
-
-class KVServerWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers → scheduler: what each rank finished (vLLM aggregates the ranks' objects)."""
-
-    def __init__(self, outputs: list[ConnectorWorkerOutput]) -> None:
-        self.outputs = outputs
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVServerWorkerMetadata:
-        if not isinstance(other, KVServerWorkerMetadata):
-            return self
-        return KVServerWorkerMetadata(self.outputs + other.outputs)
+__all__ = ["KVServerConnector", "KVServerConnectorMetadata", "KVServerWorkerMetadata"]
 
 
 class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
@@ -103,141 +82,88 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.config: PluginConfig = load_config(vllm_config, kv_cache_config)
-        self._num_blocks = int(kv_cache_config.num_blocks)
-        self.scheduler_half: KVServerSchedulerConnector | None = None
-        self.worker_half: KVServerWorkerConnector | None = None
+        self.connector_scheduler: KVServerConnectorScheduler | None = None
+        self.connector_worker: KVServerConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_half = KVServerSchedulerConnector(self.config.scheduler)
+            self.connector_scheduler = KVServerConnectorScheduler(
+                self.config, is_consumer=bool(self._kv_transfer_config.is_kv_consumer)
+            )
         else:
-            self.worker_half = KVServerWorkerConnector(self.config.worker(_tp_rank()))
-        spec = self.config.spec
-        # scheduler state
-        self._events = EventSource(spec.block_size, spec.chunk_blocks)
-        self._requests: dict[str, Request] = {}
-        self._delayed: set[str] = set()
-        self._delayed_new: list[str] = []
-        self._unpinnable: list[FailedLoad] = []
-        # worker state
-        self._awaiting_send: set[str] = set()
-        self._relayed_recving: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._unreported: list[ConnectorWorkerOutput] = []
+            self.connector_worker = KVServerConnectorWorker(
+                self.config, _tp_rank(), int(kv_cache_config.num_blocks)
+            )
+
+    @property
+    def scheduler_half(self) -> KVServerSchedulerConnector | None:
+        """The project's scheduler connector under the scheduler role (None on a worker)."""
+        role = self.connector_scheduler
+        return None if role is None else role.connector
+
+    @property
+    def worker_half(self) -> KVServerWorkerConnector | None:
+        """The project's worker connector under the worker role (None on the scheduler)."""
+        role = self.connector_worker
+        return None if role is None else role.connector
 
     # ================================================================ scheduler side
 
     @property
-    def _sched(self) -> KVServerSchedulerConnector:
-        assert self.scheduler_half is not None, "a scheduler-side method on a worker"
-        return self.scheduler_half
+    def _sched(self) -> KVServerConnectorScheduler:
+        assert self.connector_scheduler is not None, "a scheduler-side method on a worker"
+        return self.connector_scheduler
 
     def on_new_request(self, request: Request) -> None:
-        self._requests[request.request_id] = request
+        self._sched.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        self._requests.setdefault(request.request_id, request)
-        if not self._kv_transfer_config.is_kv_consumer:
-            return 0, False  # kv_producer: this instance only stores
-        hit, is_async = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-        if hit is not None and 0 < hit < self.config.min_hit_tokens:
-            return 0, False  # too short to be worth a load (the plan is dropped on alloc)
-        return hit, is_async
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = list(blocks.get_block_ids()[0])
-        try:
-            self._sched.update_state_after_alloc(request, block_ids, num_external_tokens)
-        except KVServerError as exc:
-            if not num_external_tokens:
-                raise
-            # vLLM changed the hit we offered (it may cap it); load nothing, recompute it.
-            logger.warning("cannot load the hit of %s, recomputing: %s", request.request_id, exc)
-            bs = self.config.spec.block_size
-            first = request.num_computed_tokens // bs
-            last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
-            self._unpinnable.append(FailedLoad(request.request_id, block_ids[first:last], True))
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        inner = self._sched.build_connector_meta(VllmStep.of(scheduler_output))
-        inner.failed_loads += self._unpinnable
-        self._unpinnable = []
-        for t in inner.stores:
-            if (request := self._requests.get(t.req_id)) is not None:
-                self._events.record(request, (c.key for c in t.stores))
-        meta = KVServerConnectorMetadata(inner, self._delayed_new)
-        self._delayed_new = []
-        return meta
+        return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        worker_meta = connector_output.kv_connector_worker_meta
-        outputs = worker_meta.outputs if isinstance(worker_meta, KVServerWorkerMetadata) else []
-        # vLLM learns of finished transfers from the workers' own reports; the scheduler
-        # connector's report only repeats them (failed pins were shipped as failed_loads).
-        self._sched.update_connector_output(outputs)
-        for req_id in connector_output.finished_sending or ():
-            self._delayed.discard(req_id)
-            self._forget(req_id)
+        self._sched.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        delay, _ = self._sched.request_finished(request, block_ids)
-        if delay and self._sched.num_pending(req_id)[1]:
-            self._delayed.add(req_id)
-            self._delayed_new.append(req_id)
-            return True, None
-        # nothing in flight, or only a load: vLLM holds the blocks until it is reported
-        self._forget(req_id)
-        return False, None
+        return self._sched.request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        return self._sched.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[Any]:
-        events = self._sched.take_events()
-        if not events:
-            return ()
-        return self._events.convert(
-            events, (VllmBlockStored, VllmBlockRemoved, maybe_convert_block_hash)
-        )
+        return self._sched.take_events()
 
     def has_pending_block_frees(self) -> bool:
         """Finished requests hold blocks until their stores are over: wait, do not preempt."""
-        return bool(self._delayed)
-
-    def _forget(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
-        self._events.forget(req_id)
+        return self._sched.has_pending_block_frees()
 
     # ================================================================ worker side
 
     @property
-    def _worker(self) -> KVServerWorkerConnector:
-        assert self.worker_half is not None, "a worker-side method on the scheduler"
-        return self.worker_half
+    def _worker(self) -> KVServerConnectorWorker:
+        assert self.connector_worker is not None, "a worker-side method on the scheduler"
+        return self.connector_worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches, self._num_blocks)
+        self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if isinstance(kv_connector_metadata, KVServerConnectorMetadata):
-            self._worker.flush(kv_connector_metadata.inner)
+        self._worker.handle_preemptions(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, KVServerConnectorMetadata)
-        self._worker.bind_connector_metadata(connector_metadata.inner)
-        self._awaiting_send.update(connector_metadata.delayed_req_ids)
-        for failed in connector_metadata.inner.failed_loads:
-            self._load_errors.update(failed.block_ids)
-            if failed.finished:
-                self._relayed_recving.add(failed.req_id)
+        self._worker.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -258,42 +184,22 @@ class KVServerConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending, finished receiving) on this rank since the last call. The only
-        place that polls the worker half: the same results go to the scheduler connector in
-        this pass's ``build_connector_worker_meta``, so both see every transfer once."""
-        report = self._worker.build_connector_worker_meta()
-        if report.loads or report.stores:
-            self._unreported.append(report)
-        recving = {r.req_id for r in report.loads} | self._relayed_recving
-        self._relayed_recving = set()
-        sending = {r for r in self._awaiting_send if not self._worker.stores_pending(r)}
-        self._awaiting_send -= sending
-        return sending or None, recving or None
+        """(finished sending, finished receiving) on this rank since the last call."""
+        return self._worker.get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self._load_errors |= self._worker.take_load_error_block_ids()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._worker.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """What ``get_finished`` polled since the previous call, for the scheduler side."""
-        if not self._unreported:
-            return None
-        reports, self._unreported = self._unreported, []
-        merged = ConnectorWorkerOutput(reports[0].rank)
-        for report in reports:
-            merged.loads += report.loads
-            merged.stores += report.stores
-        return KVServerWorkerMetadata([merged])
+        return self._worker.build_connector_worker_meta()
 
     # ================================================================ both
 
     def shutdown(self) -> None:
-        if self.scheduler_half is not None:
-            self.scheduler_half.close()
-        if self.worker_half is not None:
-            self.worker_half.drain()
-            self.worker_half.close()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
 
 
 def _tp_rank() -> int:

@@ -76,6 +76,26 @@ def test_both_roles_agree_on_the_namespace(model_dir: Path) -> None:
         worker.shutdown()
 
 
+def test_each_instance_holds_the_bookkeeping_of_its_own_role_only(model_dir: Path) -> None:
+    """As in vLLM's OffloadingConnector: the scheduler instance has a scheduler role and no
+    worker role, a worker instance the reverse, and a method of the other role is refused."""
+    config = make_vllm_config(model_dir, {"address": "tcp://127.0.0.1:1"})
+    kv_cache = make_kv_cache_config(config, 32)
+    sched = KVServerConnector(config, KVConnectorRole.SCHEDULER, kv_cache)
+    worker = KVServerConnector(config, KVConnectorRole.WORKER, kv_cache)
+    try:
+        assert sched.connector_scheduler is not None and sched.connector_worker is None
+        assert worker.connector_worker is not None and worker.connector_scheduler is None
+        assert sched.worker_half is None and worker.scheduler_half is None
+        with pytest.raises(AssertionError, match="worker-side method on the scheduler"):
+            sched.get_block_ids_with_load_errors()
+        with pytest.raises(AssertionError, match="scheduler-side method on a worker"):
+            worker.has_pending_block_frees()
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
