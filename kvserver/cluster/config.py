@@ -43,6 +43,9 @@ class ClusterConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: readers cache the member list this long (seconds).
     members_max_age_s: float = 0.5
+    #: seconds pending index changes wait to join one batch (fewer, larger pipelines: the
+    #: index lags the daemon by about this much more).
+    batch_linger_s: float = 0.01
     #: most events buffered while a batch is in flight; beyond, they are dropped and the
     #: index is resynchronised from the daemon's own tiers.
     max_pending_keys: int = 1_000_000
@@ -50,6 +53,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         self.target()  # validates the URL
+        if self.batch_linger_s < 0 or self.batch_linger_s >= self.ttl_s:
+            raise InvalidArgument("cluster batch_linger_s must be in [0, ttl_s)")
         if self.ttl_s <= 0 or self.timeout_s <= 0 or self.members_max_age_s < 0:
             raise InvalidArgument("cluster ttl_s and timeout_s must be positive")
         if self.heartbeat_s < 0 or self.heartbeat_s >= self.ttl_s:

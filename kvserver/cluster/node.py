@@ -17,9 +17,10 @@ Lifecycle of the member (docs/cluster.md):
 2. **Resync**: the daemon's own tiers (``snapshot()``: chunk keys per (namespace, tier)) replace
    every index set of this incarnation; namespace specs are published.
 3. **Steady state**: storage events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU
-   → dram, DISK → ssd) are coalesced by the ``IndexWriter`` and written as one pipeline per
-   loop turn of this task; a heartbeat every ``heartbeat_interval_s`` rewrites the record
-   (``SET .. XX PX ttl``) and renews the TTL of the index sets.
+   → dram, STORAGE → ssd) are coalesced by the ``IndexWriter`` and written as one pipeline
+   at most every ``batch_linger_s`` (default 10 ms); a heartbeat every
+   ``heartbeat_interval_s`` rewrites the record (``SET .. XX PX ttl``) and renews the TTL of
+   the index sets.
 4. **Degraded**: any Redis error or timeout → condition ``unavailable`` (with the error),
    pending changes dropped; the daemon keeps serving its own tiers. Retried every heartbeat
    interval; on success → back to 1 (register, full resync) → ``ok``. A heartbeat that finds
@@ -47,6 +48,9 @@ from kvserver.cluster.writer import Batch, IndexWriter, SetId
 from kvserver.daemon.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
+
+#: pending index changes that are written at once, without waiting for the batch linger.
+MAX_BATCH_KEYS = 65_536
 
 
 #: what the daemon holds: chunk keys per (namespace id, tier).
@@ -96,6 +100,7 @@ class ClusterNode:
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._ns_specs: dict[str, str] = {}
+        self._last_write = 0.0
         #: the live members (this daemon included) as of the last heartbeat, by host id order.
         self.members: list[HostInfo] = []
         #: the newest storage event reflected in Redis.
@@ -219,9 +224,14 @@ class ClusterNode:
                     await self._heartbeat()
                     next_beat = time.monotonic() + interval
                     continue
+                if self.writer.pending_keys:
+                    linger = self._last_write + self.config.batch_linger_s - time.monotonic()
+                    if linger > 0 and self.writer.pending_keys < MAX_BATCH_KEYS:
+                        await asyncio.sleep(min(linger, next_beat - time.monotonic()))
                 batch = self.writer.take_batch()
                 if batch is not None:
                     await self._write(batch)
+                    self._last_write = time.monotonic()
                     continue
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):

@@ -143,8 +143,10 @@ class FleetReader:
         if not chosen:
             return []
         blob = b"".join(schema.fingerprint(k) for k in keys)
-        calls = [
-            self.redis.eval(
+        pipe = self.redis.pipeline(transaction=False)  # one round trip (per node) for all
+        for h in chosen:
+            pipe.execute_command(
+                "EVAL",
                 _RUN_SCRIPT,
                 2,
                 schema.index_key(h.host_id, h.incarnation, ns_id, schema.TIER_DRAM),
@@ -153,9 +155,7 @@ class FleetReader:
                 schema.FP_BYTES,
                 "1" if exact else "0",
             )
-            for h in chosen
-        ]
-        replies = await self._bounded(asyncio.gather(*calls), timeout_s)
+        replies = await self._bounded(pipe.execute(), timeout_s)
         runs = []
         for host, (dram, ssd) in zip(chosen, replies, strict=True):
             if dram + ssd:

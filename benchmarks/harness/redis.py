@@ -1,0 +1,130 @@
+"""Real ``redis-server`` processes on loopback with ephemeral ports (tests and benchmarks).
+
+``RedisServer.start(tmp)``: one server, persistence off, its log in ``tmp``; ``kill()`` (SIGKILL,
+data lost as in a crash) and ``restart()`` (same port) for failure tests. ``RedisCluster``
+starts N servers with ``--cluster-enabled yes`` and joins them with ``redis-cli --cluster
+create`` (masters only). Both wait until the server answers PING / the cluster is ``ok``.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 20.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+    out = subprocess.run(
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return out.stdout.strip()
+
+
+@dataclass
+class RedisServer:
+    directory: Path
+    port: int
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @classmethod
+    def start(cls, directory: Path, *extra: str, port: int = 0) -> RedisServer:
+        directory.mkdir(parents=True, exist_ok=True)
+        server = cls(directory, port or _free_port(), extra)
+        server.restart()
+        return server
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def restart(self) -> None:
+        """(Re)start on the same port; returns once it answers PING."""
+        assert self.proc is None or self.proc.poll() is not None, "still running"
+        self.starts += 1
+        log = self.directory / f"redis-{self.port}-{self.starts}.log"
+        args = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+            "--logfile", str(log), *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while _cli(self.port, "PING") != "PONG":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {log.read_text()}")
+            time.sleep(0.02)  # polling for readiness, bounded by the deadline
+
+    def cli(self, *args: str) -> str:
+        return _cli(self.port, *args)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@dataclass
+class RedisCluster:
+    servers: list[RedisServer] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, directory: Path, nodes: int = 3) -> RedisCluster:
+        cluster = cls()
+        try:
+            for i in range(nodes):
+                d = directory / f"node{i}"
+                d.mkdir(parents=True, exist_ok=True)
+                conf = str(d / "nodes.conf")
+                # the bus port, explicit: the default (port + 10000) may exceed 65535
+                bus = str(_free_port())
+                flags = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
+                         "--cluster-port", bus)  # fmt: skip
+                cluster.servers.append(
+                    RedisServer.start(d, *flags, "--cluster-node-timeout", "2000")
+                )
+            subprocess.run(
+                ["redis-cli", "--cluster", "create",
+                 *[f"127.0.0.1:{s.port}" for s in cluster.servers], "--cluster-yes"],
+                capture_output=True, check=True, timeout=30,
+            )  # fmt: skip
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in cluster.servers):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis cluster did not become ok")
+                time.sleep(0.05)  # polling for cluster state, bounded by the deadline
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
