@@ -142,7 +142,7 @@ class FleetReader:
         ]  # fmt: skip
         if not chosen:
             return []
-        blob = b"".join(schema.fingerprint(k) for k in keys)
+        blob = b"".join(map(schema.fingerprint, keys))
         pipe = self.redis.pipeline(transaction=False)  # one round trip (per node) for all
         for h in chosen:
             pipe.execute_command(

@@ -21,8 +21,8 @@ multi-key commands and scripts below never cross slots)::
   restarted daemon (new incarnation) writes new sets, readers only read the incarnation named
   by the host's live record, and the old sets expire (their TTL is no longer renewed) or are
   unlinked at once by the new incarnation.
-- Members of the index sets are **fingerprints**: the first ``FP_BYTES`` (8) bytes of the chunk
-  key. Chunk keys are cryptographic hashes (sha256 or xxh3-128), so 8 bytes are uniform; a
+- Members of the index sets are **fingerprints**: ``xxh3_64`` of the chunk key (``FP_BYTES`` =
+  8 bytes, a quarter of a sha256 key; hashing rather than truncating keeps any key uniform). A
   false positive needs a 64-bit collision within one host's set (about 1e-13 per lookup at
   1 M chunks). The index is never trusted for bytes, so a collision costs one failed fetch.
 - Every index set has a TTL (``PEXPIRE ... NX`` when a batch creates it, renewed by each
@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import xxhash
 
 from kvserver.errors import InvalidArgument
 from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD
@@ -81,9 +84,8 @@ def index_key(host_id: str, incarnation: str, ns_id: str, tier: str) -> str:
     return f"{PREFIX}:{{h:{host_id}}}:{incarnation}:{ns_id}:{_TIER_CODE[tier]}"
 
 
-def fingerprint(key: bytes) -> bytes:
-    """The index member for chunk key ``key``."""
-    return key[:FP_BYTES]
+#: the index member for a chunk key (bytes -> FP_BYTES bytes).
+fingerprint: Callable[[bytes], bytes] = xxhash.xxh3_64_digest
 
 
 @dataclass(frozen=True, slots=True)
