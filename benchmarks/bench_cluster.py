@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ async def populate(url: str, ns_id: str, prompt: list[bytes], fill: int) -> None
         if i % 2 == 0:
             held[(ns_id, "ssd")] = prompt[n:]
         identity = HostInfo(f"bench-{i}", "", f"tcp://10.0.0.{i}:9471", f"10.0.0.{i}:9470")
-        node = ClusterNode(config, identity, log, lambda h=held: h, lambda: {})
+        node = ClusterNode(config, identity, log, partial(dict, held), dict)
         await node.start()
         log.extend([BlockStored(1, ns_id, tuple(prompt[:1]), MEDIUM_DRAM)])
         if i % 2 == 0:
@@ -165,7 +166,9 @@ def bench_score(redis: RedisServer, on: DaemonProc, calls: int, fill: int) -> di
     return out
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(
+    quick: bool, *, chunks: int = 2048, calls: int | None = None, fill: int | None = None
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         d = Path(tmp)
         redis = RedisServer.start(d / "redis")
