@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvserver",
         description="KV-cache service for LLM inference.",
     )
+    from kvserver import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvserver {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_hash(sub)
     from kvserver.daemon.cli import add_start
@@ -172,27 +175,14 @@ def _add_hash(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
-    import re
-
+    from kvserver.cli_ops import parse_lora, parse_tokens
     from kvserver.errors import KVServerError
     from kvserver.hashing import BlockHasher
 
     try:
-        pieces: list[str] = []
-        for arg in args.tokens:
-            text = sys.stdin.read() if arg == "-" else arg
-            pieces += (piece for piece in re.split(r"[\s,]+", text) if piece)
-        tokens: list[int] = []
-        for piece in pieces:
-            if not piece.isascii() or not piece.isdigit():
-                raise ValueError(f"bad token {piece!r}: expected a non-negative integer")
-            tokens.append(int(piece))
-        lora: tuple[str, str] | None = None
-        if args.lora is not None:
-            name, sep, path = args.lora.partition(":")
-            if not sep or not name:
-                raise ValueError(f"bad --lora {args.lora!r}: expected NAME:PATH")
-            lora = (name, path)
+        text = " ".join(sys.stdin.read() if arg == "-" else arg for arg in args.tokens)
+        tokens = parse_tokens(text)
+        lora = parse_lora(args.lora)
         hasher = BlockHasher(args.algo, args.block_size, args.seed)
         hashes = hasher.hash_blocks(tokens, cache_salt=args.cache_salt, lora=lora)
         keys = hasher.chunk_keys(hashes, args.chunk_blocks)

@@ -22,10 +22,11 @@ from typing import Any
 
 from kvserver.errors import KVServerError, Unavailable
 
-DEFAULT_SERVER = "127.0.0.1:9470"
+DEFAULT_GRPC_PORT = 9470
+DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
 
 
-class _UsageError(Exception):
+class _UsageError(ValueError):
     """Bad user input: exit status 2."""
 
 
@@ -35,9 +36,13 @@ class _UsageError(Exception):
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server",
+        type=server_address,
         default=os.environ.get("KVSERVER_SERVER", DEFAULT_SERVER),
-        metavar="HOST:PORT",
-        help=f"the daemon's gRPC address (default: $KVSERVER_SERVER or {DEFAULT_SERVER})",
+        metavar="HOST[:PORT]",
+        help=(
+            f"the daemon's gRPC address, port {DEFAULT_GRPC_PORT} when not given "
+            f"(default: $KVSERVER_SERVER or {DEFAULT_SERVER})"
+        ),
     )
     p.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="seconds per call (default 5)"
@@ -248,7 +253,7 @@ def _tier_notes(tiers: Sequence[Any]) -> str:
 
 def _lookup(client: Any, args: argparse.Namespace) -> str:
     tokens = _read_tokens(args)
-    lora = _parse_lora(args.lora)
+    lora = parse_lora(args.lora)
     if args.fleet:
         return _fleet(client, args, tokens)
     ns = _find_namespace(client, args.model, args.namespace)
@@ -350,8 +355,23 @@ def _read_tokens(args: argparse.Namespace) -> list[int]:
     return parse_tokens(text)
 
 
+def server_address(text: str) -> str:
+    """``HOST[:PORT]`` as a gRPC target: without a port, the daemon's default gRPC port (gRPC
+    itself would dial 443). IPv6 hosts may be bracketed; targets with a scheme pass as they are.
+    """
+    if "://" in text or text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return text
+    if text.startswith("["):  # [v6] or [v6]:port
+        return text if "]:" in text else f"{text}:{DEFAULT_GRPC_PORT}"
+    if text.count(":") > 1:  # a bare IPv6 address
+        return f"[{text}]:{DEFAULT_GRPC_PORT}"
+    return text if ":" in text else f"{text}:{DEFAULT_GRPC_PORT}"
+
+
 def parse_tokens(text: str) -> list[int]:
-    """``"1, 2 3\\n4"`` → [1, 2, 3, 4]; raises a usage error naming the first bad token."""
+    """``"1, 2 3\\n4"`` → [1, 2, 3, 4]; raises a usage error (a ValueError) naming the first bad
+    token. The one token parser of the CLI (``lookup``, ``hash``): ids are 32-bit, as on the
+    wire (gRPC ``uint32``) and in vLLM."""
     tokens: list[int] = []
     for piece in re.split(r"[\s,]+", text):
         if not piece:
@@ -362,7 +382,8 @@ def parse_tokens(text: str) -> list[int]:
     return tokens
 
 
-def _parse_lora(text: str | None) -> tuple[str, str] | None:
+def parse_lora(text: str | None) -> tuple[str, str] | None:
+    """``NAME:PATH`` → (name, path); None stays None; a usage error (a ValueError) otherwise."""
     if text is None:
         return None
     name, sep, path = text.partition(":")

@@ -1,16 +1,24 @@
 """``kvserver worker``: one TP rank of a real model behind the step protocol (worker/process.py).
 
 Importing this module does not import torch (``kvserver start`` must stay torch-free); the
-command function does.
+command function does, after the arguments have been checked: a missing torch, a missing model
+file, ``--device cuda`` without CUDA or a malformed ``--listen`` is a one-line message and exit
+status 2 (usage), a failure while serving (an address in use, a broken model file) one line
+and exit status 1; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 
 from kvserver.errors import KVServerError
+
+#: what ``--listen`` accepts: a ZMQ endpoint this worker can bind
+_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?:\d{1,5}|\*)|ipc://\S+")
 
 
 def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,14 +55,45 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=_cmd_worker)
 
 
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments (checked before any start-up work), or None."""
+    if not _ENDPOINT.fullmatch(args.listen):
+        return (
+            f"bad --listen {args.listen!r}: expected a ZMQ endpoint such as "
+            "tcp://0.0.0.0:9500, tcp://127.0.0.1:0 or ipc:///tmp/worker.sock"
+        )
+    port = args.listen.rpartition(":")[2]
+    if args.listen.startswith("tcp://") and port != "*" and int(port) > 65535:
+        return f"bad --listen {args.listen!r}: port out of range"
+    if not os.path.isfile(args.model_file) and args.write_random_model_seed is None:
+        return (
+            f"model file not found: {args.model_file} (give a safetensors file, or add "
+            "--write-random-model-seed S to write a random test model there first)"
+        )
+    try:
+        import torch
+    except ImportError as exc:
+        return (
+            f"needs torch, which is not installed ({exc}); install the worker's extra: "
+            "pip install 'kvserver[torch]' (in a source tree: pip install -e '.[torch]')"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no usable GPU"
+        return f"--device cuda, but torch {torch.__version__} has {build}; use --device cpu"
+    return None
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
+    problem = _usage_error(args)
+    if problem is not None:
+        print(f"kvserver worker: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    import os
-
     import torch
+    import zmq
 
     from worker.model import load_model, write_random_model
     from worker.process import KVServerSettings, ModelWorker, init_distributed, serve
@@ -80,4 +119,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file)
     except KVServerError as exc:
         print(f"kvserver worker: {exc}", file=sys.stderr)
+        return 1
+    except zmq.ZMQError as exc:
+        print(f"kvserver worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, RuntimeError) as exc:  # unreadable model, rendezvous failure
+        logging.getLogger("worker").debug("worker failed", exc_info=True)  # --log-level DEBUG
+        print(f"kvserver worker: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -99,11 +99,12 @@ def test_lora_path_may_contain_colons(capsys: pytest.CaptureFixture[str]) -> Non
         (["--algo", "sha256", "--block-size", "16", "1", "x"], "bad token 'x'"),
         (["--algo", "sha256", "--block-size", "16", "1,-5"], "bad token '-5'"),
         (["--algo", "sha256", "--block-size", "16", "1.5"], "bad token '1.5'"),
+        (["--algo", "sha256", "--block-size", "16", str(1 << 32)], "in [0, 2**32)"),
         (["--algo", "sha256", "--block-size", "16", "--lora", "nocolon", "1"], "NAME:PATH"),
         (["--algo", "sha256", "--block-size", "0", "1"], "block_size"),
         (["--algo", "sha256", "--block-size", "4", "--chunk-blocks", "0", "1"], "chunk_blocks"),
     ],
-    ids=["algo", "token", "negative", "float", "lora", "block-size", "chunk-blocks"],
+    ids=["algo", "token", "negative", "float", "over-32-bit", "lora", "block-size", "chunk-blocks"],
 )
 def test_bad_input_exits_2_with_a_message(
     capsys: pytest.CaptureFixture[str], args: list[str], message: str
@@ -119,6 +120,24 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["hash", "--block-size", "16", "1"])
     assert info.value.code == 2
     assert "--algo" in capsys.readouterr().err
+
+
+def test_hash_and_lookup_share_one_token_parser() -> None:
+    """Token ids are parsed in one place (kvserver.cli_ops.parse_tokens), one limit for both."""
+    from kvserver import cli_ops
+
+    assert cli_ops.parse_tokens(f"0, {(1 << 32) - 1}\n7") == [0, (1 << 32) - 1, 7]
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        cli_ops.parse_tokens(str(1 << 32))
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserver import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"kvserver {__version__}\n"
 
 
 def test_console_entry_point_runs_as_a_process() -> None:

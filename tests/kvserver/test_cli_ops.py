@@ -213,3 +213,28 @@ def test_real_cli_against_real_daemon(tmp_path: Path, capsys: pytest.CaptureFixt
         assert proc.terminate() == 0
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("given", "target"),
+    [
+        ("127.0.0.1", "127.0.0.1:9470"),
+        ("kvserver", "kvserver:9470"),
+        ("127.0.0.1:9", "127.0.0.1:9"),
+        ("[::1]", "[::1]:9470"),
+        ("::1", "[::1]:9470"),
+        ("[::1]:5", "[::1]:5"),
+        ("dns:///kvserver:9470", "dns:///kvserver:9470"),
+        ("unix:/run/kvserver.sock", "unix:/run/kvserver.sock"),
+    ],
+)
+def test_server_without_a_port_gets_the_daemons_grpc_port(given: str, target: str) -> None:
+    """--server 127.0.0.1 dialled 443 (gRPC's default) instead of the daemon's 9470."""
+    assert cli_ops.server_address(given) == target
+
+
+def test_status_server_without_port_reaches_the_default_port(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, _out, err = run(capsys, "status", "--server", "127.0.0.2", "--timeout", "0.5")
+    assert rc == 1 and "127.0.0.2:9470" in err
