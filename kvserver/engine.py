@@ -87,7 +87,9 @@ class StorageEngine:
         config: EngineConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        prefault_progress: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``prefault_progress(done, total)``: reports the arena's pre-fault (bytes)."""
         self.config = config = config or EngineConfig()
         self._clock = clock
         self._dram = DramIndex(config.num_pages, config.page_size, config.policy)
@@ -95,7 +97,11 @@ class StorageEngine:
         self.allocator = self._dram.allocator
         self.reuse = ReuseTracker(config.store_threshold, config.max_tracker_size)
         # Last: everything that validates input runs first, so a bad config leaks no shm file.
-        self.arena = SharedArena(config.num_pages * config.page_size, directory=config.shm_dir)
+        self.arena = SharedArena(
+            config.num_pages * config.page_size,
+            directory=config.shm_dir,
+            progress=prefault_progress,
+        )
         self._namespaces = NamespaceTable(config.max_keys_per_request)
         #: ``ns_id`` of each namespace index (``NamespaceSpec.ns_id`` hashes the spec per call).
         self._ns_ids: list[str] = []

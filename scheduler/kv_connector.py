@@ -120,6 +120,16 @@ class KVServerSchedulerConnector(SchedulerConnector):
         )
         self._preempted: set[str] = set()
 
+    def probe(self) -> str | None:
+        """Reach the daemon now and register the namespace (a start-up check): None when it
+        answered, else why not (a daemon that does not answer is then marked down, as on any
+        call; the connector keeps trying at every lookup after the back-off)."""
+        try:
+            self._link.op(lambda kv: None)
+        except KVServerError as exc:
+            return str(exc)
+        return None
+
     @property
     def lookup_seconds(self) -> Histogram:
         """Latency of the lookups behind ``get_num_new_matched_tokens`` (for /metrics)."""

@@ -16,8 +16,8 @@ queued stay queued while the loop tries to bring the workers back every ``probe_
 requests are refused at once. The loop never dies on a bad step: an unexpected exception is
 logged and fails the requests in flight.
 
-Shutdown on SIGTERM/SIGINT, in order: metrics stop → gRPC stops accepting and in-flight streams
-get a short grace (the loop still serves them) → remaining streams are cancelled (their
+Shutdown on SIGTERM/SIGINT/SIGHUP, in order: metrics stop → gRPC stops accepting and in-flight
+streams get a short grace (the loop still serves them) → remaining streams are cancelled (their
 requests aborted) → the step loop stops → workers are told to stop and synthetic children
 reaped → the connector's leases are released → the trace is closed → the ready file is
 removed → exit 0.
@@ -257,7 +257,17 @@ def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> Scheduler
         hash_seed=sched.hash_seed,
         tp_world_size=len(infos),
     )
-    return KVServerSchedulerConnector(KVConnectorConfig(config.kvserver, spec))
+    connector = KVServerSchedulerConnector(KVConnectorConfig(config.kvserver, spec))
+    problem = connector.probe()
+    if problem is None:
+        logger.info("kvserver daemon at %s answers; namespace %s", config.kvserver, spec.ns_id)
+    else:
+        logger.warning(
+            "kvserver daemon at %s is unreachable (%s): serving without it, prompts are "
+            "computed until it answers (retried on later lookups)",
+            config.kvserver, problem,
+        )  # fmt: skip
+    return connector
 
 
 async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> None:
@@ -360,7 +370,7 @@ def main(config: ProcessConfig) -> int:
     async def _main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: terminal closed
             loop.add_signal_handler(sig, stop.set)
         await serve(config, stop)
 

@@ -72,8 +72,12 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
-    from kvserver.daemon.config import DaemonConfig
+    import os
 
+    from kvserver.daemon.config import DaemonConfig, unknown_env
+
+    for warning in unknown_env(os.environ):
+        print(f"kvserver start: warning: {warning}", file=sys.stderr)
     overrides = {
         k: getattr(args, k)
         for k in ("host", "grpc_port", "zmq_port", "pub_port", "metrics_port",

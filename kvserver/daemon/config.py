@@ -9,6 +9,7 @@ are ``KVSERVER_<FIELD>`` in upper case (``KVSERVER_DRAM=8GiB``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import socket
@@ -162,7 +163,8 @@ class DaemonConfig:
                     "or pass --insecure-remote to send traffic in clear"
                 )
         self.engine_config()  # validates the engine part
-        make_policy(self.ssd_policy)  # names the valid choices when wrong
+        make_policy(self.policy)  # names the valid choices when wrong, before any start-up
+        make_policy(self.ssd_policy)
         if self.ssd_dir:
             self.tier_config()
         if self.cluster:
@@ -251,6 +253,31 @@ class DaemonConfig:
 
     def replace(self, **changes: Any) -> DaemonConfig:
         return dataclasses.replace(self, **changes)
+
+
+#: KVSERVER_* variables that are not daemon settings: read by the CLI, the tests or
+#: deploy/run-local.sh (which passes its environment on to the daemon it starts).
+ENV_ELSEWHERE = frozenset(
+    f"KVSERVER_{name}"
+    for name in (
+        "SERVER", "REQUIRE_VLLM", "VLLM_ENGINE_PYTHON", "LOCAL_DIR", "CMD",
+        "GRPC", "ZMQ", "PUB", "METRICS",
+    )
+)  # fmt: skip
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``KVSERVER_*`` variable in ``env`` that names no setting (a typo
+    would otherwise be ignored silently), with the closest setting when there is one."""
+    settings = [f.name.upper() for f in fields(DaemonConfig)]
+    out = []
+    for name in sorted(env):
+        setting = name.removeprefix("KVSERVER_")
+        if setting != name and setting not in settings and name not in ENV_ELSEWHERE:
+            close = difflib.get_close_matches(setting, settings, n=1, cutoff=0.75)
+            hint = f" (did you mean KVSERVER_{close[0]}?)" if close else ""
+            out.append(f"ignoring unknown environment variable {name}{hint}")
+    return out
 
 
 def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:

@@ -13,11 +13,11 @@ is logged, the daemon serves without) → join the fleet when ``--cluster`` is s
 (``kvserver/cluster/node.py``: register, resync the fleet index; an unreachable Redis does not
 stop the daemon) → write the ready file → log where it listens.
 
-Shutdown on SIGTERM/SIGINT, in order: leave the fleet (record and index entries removed) →
-stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ sockets stop
-reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight writes and close
-its files → roll back in-flight reservations and release pins → stop event streams → remove
-the shared-memory arena → exit 0.
+Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index entries
+removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
+sockets stop reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight
+writes and close its files → roll back in-flight reservations and release pins → stop event
+streams → remove the shared-memory arena → exit 0.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
+
+from tqdm import tqdm
 
 from kvserver.arena import reap_stale_arenas
 from kvserver.cluster.node import ClusterNode
@@ -57,7 +60,16 @@ async def serve(
     stop = stop or asyncio.Event()
     for path in reap_stale_arenas(config.shm_dir):
         logger.warning("removed arena %s left by a daemon that is no longer running", path)
-    service = KVService(config.engine_config(), event_capacity=config.event_capacity)
+    engine_config = config.engine_config()
+    logger.info(
+        "pre-faulting the DRAM arena: %d MiB in %s (the tier's memory is committed now)",
+        engine_config.num_pages * engine_config.page_size >> 20,
+        config.shm_dir,
+    )
+    with _Progress("pre-faulting the DRAM arena") as progress:
+        service = KVService(
+            engine_config, event_capacity=config.event_capacity, prefault_progress=progress
+        )
     zmq_front = ZmqFrontend(service, config)
     grpc_front = GrpcFrontend(service, config)
     reaper: asyncio.Task[None] | None = None
@@ -177,6 +189,30 @@ async def _join_fleet(
     return node
 
 
+class _Progress:
+    """A tqdm bar over bytes on stderr, shown only when stderr is a terminal (tqdm's
+    ``disable=None``); call it as ``progress(done, total)``."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._bar: tqdm[Any] | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            self._bar = tqdm(
+                desc=self._what, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=None, file=sys.stderr, leave=False,
+            )  # fmt: skip
+        self._bar.update(done - self._bar.n)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 async def _reap_forever(service: KVService, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
@@ -208,7 +244,7 @@ def main(config: DaemonConfig) -> int:
     async def _main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: terminal closed
             loop.add_signal_handler(sig, stop.set)
         await serve(config, stop, malloc_tuned=malloc_tuned)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +52,14 @@ class LookupResult:
 class KVService:
     """Transport-independent operations over one storage engine."""
 
-    def __init__(self, engine_config: EngineConfig, *, event_capacity: int = 100_000) -> None:
-        self.engine = StorageEngine(engine_config)
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        *,
+        event_capacity: int = 100_000,
+        prefault_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.engine = StorageEngine(engine_config, prefault_progress=prefault_progress)
         self.events = EventLog(event_capacity)
         self.host_id = host_id()
         self.ssd: SsdTier | None = None

@@ -4,6 +4,7 @@ computed), maps errors to status codes, aborts cancelled requests, shuts down in
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,3 +166,27 @@ def test_prompt_kv_comes_back_from_kvserver(tmp_path: Path) -> None:
     finally:
         proc.kill()
         daemon.kill()
+
+
+def test_an_unreachable_daemon_is_said_at_start_and_prompts_are_computed(
+    tmp_path: Path,
+) -> None:
+    """The scheduler used to start without a word when its --kvserver did not answer."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start_scheduler(
+        tmp_path,
+        "--synthetic-workers", "1", "--num-gpu-blocks", "17", "--block-size", "16",
+        "--kvserver", f"tcp://127.0.0.1:{port}",
+    )  # fmt: skip
+    try:
+        assert f"kvserver daemon at tcp://127.0.0.1:{port} is unreachable" in proc.log()
+        with EngineClient(proc.info["grpc_port"]) as c:
+            p = tokens(48, 3)
+            out = c.generate(p, 2)
+            assert out[0].usage.computed_tokens == 48
+            assert output_tokens(out) == expected_output(p, 2)
+        assert proc.terminate() == 0, proc.log()
+    finally:
+        proc.kill()
