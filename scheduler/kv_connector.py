@@ -125,7 +125,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         answered, else why not (a daemon that does not answer is then marked down, as on any
         call; the connector keeps trying at every lookup after the back-off)."""
         try:
-            self._link.op(lambda kv: None)
+            self._link.register()
         except KVServerError as exc:
             return str(exc)
         return None

@@ -73,6 +73,12 @@ class DaemonLink:
         with self._guard(self.config.op_timeout_s) as kv:
             return kv.prepare_load(self.ns_id, keys, lease_s=self.config.lease_s)
 
+    def register(self) -> None:
+        """Register the namespace now (blocking, ``op_timeout_s``): the start-up check; without
+        it the first call registers."""
+        with self._guard(self.config.op_timeout_s):
+            pass
+
     def release(self) -> None:
         """Roll back this client's reservations and release its pins (blocking)."""
         with self._guard(self.config.op_timeout_s) as kv:
