@@ -23,9 +23,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+def _cli(port: int, *args: str, timeout: float = 10.0, cacert: str = "") -> str:
+    tls = ["--tls", "--cacert", cacert] if cacert else []
     out = subprocess.run(
-        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *tls, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -40,16 +41,25 @@ class RedisServer:
     extra: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    #: TLS only (``--tls-port``): the server's certificate (its own CA) and key files.
+    tls_cert: str = ""
+    tls_key: str = ""
 
     @classmethod
-    def start(cls, directory: Path, *extra: str, port: int = 0) -> RedisServer:
+    def start(
+        cls, directory: Path, *extra: str, port: int = 0, tls: tuple[str, str] | None = None
+    ) -> RedisServer:
+        """``tls``: (certificate, key) files: serve TLS only, no client certificates."""
         directory.mkdir(parents=True, exist_ok=True)
-        server = cls(directory, port or _free_port(), extra)
+        cert, key = tls or ("", "")
+        server = cls(directory, port or _free_port(), extra, tls_cert=cert, tls_key=key)
         server.restart()
         return server
 
     @property
     def url(self) -> str:
+        if self.tls_cert:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls_cert}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def restart(self) -> None:
@@ -57,20 +67,25 @@ class RedisServer:
         assert self.proc is None or self.proc.poll() is not None, "still running"
         self.starts += 1
         log = self.directory / f"redis-{self.port}-{self.starts}.log"
+        listen = ["--port", str(self.port)]
+        if self.tls_cert:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                      self.tls_cert, "--tls-key-file", self.tls_key, "--tls-ca-cert-file",
+                      self.tls_cert, "--tls-auth-clients", "no"]  # fmt: skip
         args = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "redis-server", *listen, "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
             "--logfile", str(log), *self.extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while _cli(self.port, "PING") != "PONG":
+        while self.cli("PING") != "PONG":
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start: {log.read_text()}")
             time.sleep(0.02)  # polling for readiness, bounded by the deadline
 
     def cli(self, *args: str) -> str:
-        return _cli(self.port, *args)
+        return _cli(self.port, *args, cacert=self.tls_cert)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import connect
 from kvserver.cluster.directory import FleetDirectory
+from kvserver.crypto import make_tls_cert
 from kvserver.errors import Unavailable
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, require_redis
 
 
 async def runs_by_host(reader: FleetReader, ks: list[bytes], **kw: bool) -> dict[str, object]:
@@ -193,3 +196,28 @@ async def test_the_fleet_directory_names_other_members_and_per_key_holders(
         for m in (b, c, d):
             if m.node is not None:
                 await m.node.stop()
+
+
+async def test_a_member_over_tls_rediss(tmp_path: Path) -> None:
+    """rediss://: the whole member lifecycle over TLS to a redis-server with --tls-port."""
+    require_redis()
+    pytest.importorskip("cryptography")
+    cert, key = make_tls_cert(str(tmp_path / "tls"), "redis", ["127.0.0.1"])
+    try:
+        server = RedisServer.start(tmp_path / "redis-tls", tls=(cert, key))
+    except RuntimeError as exc:  # a redis-server built without TLS
+        pytest.skip(f"redis-server cannot serve TLS here: {exc}")
+    try:
+        config = cluster_config(server.url)
+        assert config.target().tls
+        a = Member("host-a", config)
+        node = await a.start()
+        ks = keys(3)
+        a.store(ks)
+        await a.settled()
+        reader = FleetReader(connect(config), config)
+        assert await runs_by_host(reader, ks) == {"host-a": (3, {"dram": 3, "ssd": 0})}
+        await reader.redis.aclose()
+        await node.stop()
+    finally:
+        server.stop()
