@@ -19,7 +19,8 @@ heartbeat); only the incarnation named in the record is read, so a restarted hos
 entries are ignored at once and expire within the TTL.
 
 Exactness: ``lookup(..., exact=True)`` (default) tests every key up to the first miss, per
-host, in one server-side script (``SMISMEMBER``, native). ``exact=False`` finds the run by
+host, in a server-side script (``SMISMEMBER``, native; one script for all hosts on one
+server, one per host on a Redis Cluster). ``exact=False`` finds the run by
 binary search, assuming what a host holds of one prompt is prefix-closed (true unless a middle
 chunk was evicted alone, when the run is over-estimated); it costs O(log n) lookups per host
 instead of O(n) and is what ``ScoreHosts`` uses by default for long prompts. The index lags
@@ -41,26 +42,29 @@ from kvserver.errors import Unavailable
 
 T = TypeVar("T")
 
-# KEYS: the host's DRAM set, its SSD set. ARGV: concatenated fingerprints, their width,
-# "1" exact / "0" binary search. Returns {dram, ssd}: the leading run split by tier.
+# KEYS: per host, its DRAM set then its SSD set. ARGV: the concatenated fingerprints, their
+# width, "1" exact / "0" binary search. Returns per host {dram, ssd}: its leading run by tier.
 _RUN_SCRIPT = """
 local blob, w, exact = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local n = #blob / w
 local function fp(j) return string.sub(blob, (j - 1) * w + 1, j * w) end
-if exact then
-  local fps = {}
-  for j = 1, n do fps[j] = fp(j) end
-  local d = redis.call('SMISMEMBER', KEYS[1], unpack(fps))
+local fps = nil
+local function exact_run(dkey, skey)
+  if fps == nil then
+    fps = {}
+    for j = 1, n do fps[j] = fp(j) end
+  end
+  local d = redis.call('SMISMEMBER', dkey, unpack(fps))
   local s = nil
   local nd, ns = 0, 0
   for j = 1, n do
     if d[j] == 1 then nd = nd + 1
     else
-      if s == nil then s = redis.call('SMISMEMBER', KEYS[2], unpack(fps)) end
+      if s == nil then s = redis.call('SMISMEMBER', skey, unpack(fps)) end
       if s[j] == 1 then ns = ns + 1 else break end
     end
   end
-  return {nd, ns}
+  return nd, ns
 end
 local function last(keys, hi)
   local lo = 0
@@ -75,9 +79,19 @@ local function last(keys, hi)
   end
   return lo
 end
-local total = last({KEYS[1], KEYS[2]}, n)
-local dram = last({KEYS[1]}, total)
-return {dram, total - dram}
+local out = {}
+for i = 1, #KEYS, 2 do
+  local nd, ns
+  if exact then nd, ns = exact_run(KEYS[i], KEYS[i + 1])
+  else
+    local total = last({KEYS[i], KEYS[i + 1]}, n)
+    nd = last({KEYS[i]}, total)
+    ns = total - nd
+  end
+  out[#out + 1] = nd
+  out[#out + 1] = ns
+end
+return out
 """
 
 
@@ -143,24 +157,27 @@ class FleetReader:
         if not chosen:
             return []
         blob = b"".join(map(schema.fingerprint, keys))
-        pipe = self.redis.pipeline(transaction=False)  # one round trip (per node) for all
-        for h in chosen:
-            pipe.execute_command(
-                "EVAL",
-                _RUN_SCRIPT,
-                2,
-                schema.index_key(h.host_id, h.incarnation, ns_id, schema.TIER_DRAM),
-                schema.index_key(h.host_id, h.incarnation, ns_id, schema.TIER_SSD),
-                blob,
-                schema.FP_BYTES,
-                "1" if exact else "0",
-            )
+        # A Redis Cluster: one script per host (its sets share a slot), in one pipeline (one
+        # round trip per node). One server: one script for every host, the prompt sent once.
+        groups = [[h] for h in chosen] if self.config.target().cluster else [chosen]
+        pipe = self.redis.pipeline(transaction=False)
+        for group in groups:
+            sets = [
+                schema.index_key(h.host_id, h.incarnation, ns_id, tier)
+                for h in group
+                for tier in (schema.TIER_DRAM, schema.TIER_SSD)
+            ]
+            mode = "1" if exact else "0"
+            pipe.execute_command("EVAL", _RUN_SCRIPT, len(sets), *sets, blob, schema.FP_BYTES, mode)
         replies = await self._bounded(pipe.execute(), timeout_s)
+        counts = [int(n) for reply in replies for n in reply]
         runs = []
-        for host, (dram, ssd) in zip(chosen, replies, strict=True):
+        for i, host in enumerate(chosen):
+            dram, ssd = counts[2 * i], counts[2 * i + 1]
             if dram + ssd:
-                tiers = {schema.TIER_DRAM: int(dram), schema.TIER_SSD: int(ssd)}
-                runs.append(HostRun(host, int(dram) + int(ssd), tiers))
+                runs.append(
+                    HostRun(host, dram + ssd, {schema.TIER_DRAM: dram, schema.TIER_SSD: ssd})
+                )
         runs.sort(key=lambda r: (-r.hit_chunks, r.host.host_id))
         return runs
 
