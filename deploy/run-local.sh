@@ -11,14 +11,30 @@
 # test_compose.py checks this correspondence, so edit both together.
 #
 # Environment: KVSERVER_LOCAL_DIR (default: a new temporary directory, removed on exit unless
-# given), KVSERVER_CMD (default: `kvserver` when on PATH, else `python3 -m kvserver.cli`).
+# given; --print-commands creates none), KVSERVER_CMD (default: `kvserver` when on PATH, else
+# `python3 -m kvserver.cli`). Local ports, each overridable by a variable of the same name:
+# KVSERVER_GRPC (9470), KVSERVER_ZMQ (9471), KVSERVER_PUB (9472), KVSERVER_METRICS (9473),
+# WORKER0_LISTEN (9500), WORKER1_LISTEN (9501), DIST_INIT (29500), SCHEDULER_GRPC (9480),
+# SCHEDULER_METRICS (9481); e.g. KVSERVER_GRPC=19470 deploy/run-local.sh.
 set -euo pipefail
 
-KVSERVER_GRPC=9470 KVSERVER_ZMQ=9471 KVSERVER_PUB=9472 KVSERVER_METRICS=9473
-WORKER0_LISTEN=9500 WORKER1_LISTEN=9501 DIST_INIT=29500 SCHEDULER_GRPC=9480 SCHEDULER_METRICS=9481
+KVSERVER_GRPC=${KVSERVER_GRPC:-9470} KVSERVER_ZMQ=${KVSERVER_ZMQ:-9471}
+KVSERVER_PUB=${KVSERVER_PUB:-9472} KVSERVER_METRICS=${KVSERVER_METRICS:-9473}
+WORKER0_LISTEN=${WORKER0_LISTEN:-9500} WORKER1_LISTEN=${WORKER1_LISTEN:-9501}
+DIST_INIT=${DIST_INIT:-29500}
+SCHEDULER_GRPC=${SCHEDULER_GRPC:-9480} SCHEDULER_METRICS=${SCHEDULER_METRICS:-9481}
 
+MODE=run
+if [[ "${1:-}" == "--print-commands" ]]; then
+  MODE=print
+elif [[ $# -gt 0 ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2
+  exit 2
+fi
 if [[ -n "${KVSERVER_LOCAL_DIR:-}" ]]; then
   DIR="$KVSERVER_LOCAL_DIR" KEEP_DIR=1
+elif [[ $MODE == print ]]; then # printing starts nothing and creates nothing
+  DIR="${TMPDIR:-/tmp}/kvserver-local.XXXXXX" KEEP_DIR=1
 else
   DIR="$(mktemp -d -t kvserver-local.XXXXXX)" KEEP_DIR=0
 fi
@@ -49,12 +65,9 @@ CMD[scheduler]="scheduler --host 127.0.0.1 --grpc-port $SCHEDULER_GRPC --metrics
 --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ --model tiny --num-gpu-blocks 256 --block-size 16 \
 --chunk-blocks 1 --ready-file $DIR/scheduler.ready"
 
-if [[ "${1:-}" == "--print-commands" ]]; then
+if [[ $MODE == print ]]; then
   for s in "${SERVICES[@]}"; do echo "$s: ${CMD[$s]}"; done
   exit 0
-elif [[ $# -gt 0 ]]; then
-  sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2
-  exit 2
 fi
 
 # Job control: every service gets its own process group, so a terminal's Ctrl-C reaches only

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -162,22 +163,80 @@ def test_start_order(svcs: dict[str, Service]) -> None:
         assert svcs[name].raw["healthcheck"]["test"] == ["CMD", "test", "-f", ready]
 
 
-def test_run_local_runs_the_same_commands(doc: dict[str, Any], tmp_path: Path) -> None:
-    """deploy/run-local.sh = the compose commands, localized by the same rules as the
-    integration test, with its fixed local ports."""
-    env = {**os.environ, "KVSERVER_LOCAL_DIR": str(tmp_path)}
+def print_commands(env: dict[str, str]) -> dict[str, list[str]]:
     out = subprocess.run(
         ["bash", str(RUN_LOCAL), "--print-commands"],
-        env=env, capture_output=True, text=True, check=True, timeout=30,
+        env={**os.environ, **env}, capture_output=True, text=True, check=True, timeout=30,
     ).stdout  # fmt: skip
     got = {}
     for line in out.splitlines():
         name, cmd = line.split(": ", 1)
         got[name] = shlex.split(cmd)
-    ports = {
-        ("kvserver", 9470): 9470, ("kvserver", 9471): 9471, ("kvserver", 9472): 9472,
-        ("kvserver", 9473): 9473, ("worker-0", 9500): 9500, ("worker-1", 9500): 9501,
-        ("worker-0", 29500): 29500, ("scheduler", 9480): 9480, ("scheduler", 9481): 9481,
-    }  # fmt: skip
-    assert got == localize(doc, ports, tmp_path)
+    return got
+
+
+#: run-local.sh's default local ports: (service, container port) -> local port
+LOCAL_PORTS = {
+    ("kvserver", 9470): 9470, ("kvserver", 9471): 9471, ("kvserver", 9472): 9472,
+    ("kvserver", 9473): 9473, ("worker-0", 9500): 9500, ("worker-1", 9500): 9501,
+    ("worker-0", 29500): 29500, ("scheduler", 9480): 9480, ("scheduler", 9481): 9481,
+}  # fmt: skip
+#: the variable that overrides each local port
+PORT_VARS = {
+    ("kvserver", 9470): "KVSERVER_GRPC", ("kvserver", 9471): "KVSERVER_ZMQ",
+    ("kvserver", 9472): "KVSERVER_PUB", ("kvserver", 9473): "KVSERVER_METRICS",
+    ("worker-0", 9500): "WORKER0_LISTEN", ("worker-1", 9500): "WORKER1_LISTEN",
+    ("worker-0", 29500): "DIST_INIT", ("scheduler", 9480): "SCHEDULER_GRPC",
+    ("scheduler", 9481): "SCHEDULER_METRICS",
+}  # fmt: skip
+
+
+def test_run_local_runs_the_same_commands(doc: dict[str, Any], tmp_path: Path) -> None:
+    """deploy/run-local.sh = the compose commands, localized by the same rules as the
+    integration test, with its default local ports."""
+    got = print_commands({"KVSERVER_LOCAL_DIR": str(tmp_path)})
+    assert got == localize(doc, LOCAL_PORTS, tmp_path)
     assert not (tmp_path / "kvdata").exists()  # --print-commands starts nothing
+
+
+def test_run_local_ports_are_overridable(doc: dict[str, Any], tmp_path: Path) -> None:
+    assert PORT_VARS.keys() == LOCAL_PORTS.keys()
+    ports = {key: 20000 + i for i, key in enumerate(PORT_VARS)}
+    env = {PORT_VARS[key]: str(port) for key, port in ports.items()}
+    got = print_commands({**env, "KVSERVER_LOCAL_DIR": str(tmp_path)})
+    assert got == localize(doc, ports, tmp_path)
+
+
+def test_run_local_print_commands_leaves_no_temporary_directory(tmp_path: Path) -> None:
+    """--print-commands without KVSERVER_LOCAL_DIR used to leak a new temporary directory."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVER_LOCAL_DIR"}
+    got = print_commands({**env, "TMPDIR": str(tmp_path)})
+    assert set(got) == {"kvserver", "worker-0", "worker-1", "scheduler"}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compose_file_works_with_compose_v1_and_v2(doc: dict[str, Any]) -> None:
+    """docker-compose v1 refuses a top-level `name:`; v1.27+ and v2 read the Compose
+    Specification without `version:`. The file says which Compose it needs."""
+    assert set(doc) <= {"services", "volumes", "x-image"}, set(doc)
+    assert "docker-compose v1.27+" in (ROOT / "deploy" / "docker-compose.yml").read_text()
+
+
+def test_the_image_holds_every_installed_package() -> None:
+    """Every top-level package pyproject.toml installs is copied into the image (the image
+    used to leave kvserver_vllm and step_protocol out) and not excluded from the context."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {
+        p.name
+        for p in ROOT.iterdir()
+        if (p / "__init__.py").is_file() and any(fnmatch(p.name, pat) for pat in patterns)
+    }
+    assert {"kvserver", "kvserver_vllm", "scheduler", "worker"} <= packages
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    ignored = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().split()
+    for name in packages:
+        assert f"COPY {name} ./{name}" in dockerfile, name
+        assert name not in ignored, name

@@ -1,6 +1,7 @@
 """The compose cluster's very commands, run as local processes: the daemon with its SSD tier,
 two tensor-parallel CPU workers and the scheduler; one Generate through the scheduler's gRPC
-Engine; every process exits 0 on SIGTERM."""
+Engine; the same prompt after a scheduler restart is served from kvserver (docs/deploy.md,
+"Seeing kvserver at work"); every process exits 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from tests.deploy.compose import listen_ports, load_compose, localize, services
 from tests.scheduler.procs import EngineClient, Proc, output_tokens
-from tests.support.daemon import wait_for_ready_file
+from tests.support.daemon import wait_for_ready_file, wait_until
+from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,6 +77,20 @@ def test_compose_commands_as_local_processes_serve_generate(tmp_path: Path) -> N
         with EngineClient(scheduler.info["grpc_port"]) as client:
             out = output_tokens(client.generate(prompt, MAX_TOKENS))
         assert len(out) == MAX_TOKENS
+
+        # The same prompt again would hit the scheduler's own prefix cache (kvserver sees no
+        # hit). A restarted scheduler has an empty GPU cache: its prompt comes from kvserver.
+        metrics = f"http://127.0.0.1:{daemon.info['metrics_port']}/metrics"
+        wait_until(lambda: scrape(metrics).value("kvserver_tier_entries", tier="dram") >= 2)
+        assert scheduler.terminate() == 0, scheduler.log()
+        scheduler = started[3] = _wait_ready(
+            "scheduler", _start("scheduler", cmds["scheduler"], tmp_path), tmp_path
+        )
+        with EngineClient(scheduler.info["grpc_port"]) as client:
+            again = client.generate(prompt, MAX_TOKENS)
+        assert again[0].usage.kvserver_tokens == 32  # two full 16-token blocks
+        assert output_tokens(again) == out
+        assert scrape(metrics).value("kvserver_hits_total", tier="dram") >= 2
 
         for p in reversed(started):  # scheduler, workers, daemon: the compose stop order
             assert p.terminate() == 0, p.log()
