@@ -74,8 +74,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
         import torch
     except ImportError as exc:
         return (
-            f"needs torch, which is not installed ({exc}); install the worker's extra: "
-            "pip install 'kvserver[torch]' (in a source tree: pip install -e '.[torch]')"
+            f"needs torch, which is not installed ({exc}); install kvserver with the "
+            "worker's extra from a checkout: pip install '.[torch]'"
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "no usable GPU"

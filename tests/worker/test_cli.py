@@ -64,4 +64,4 @@ def test_without_torch_it_says_which_extra_to_install(tmp_path: Path) -> None:
         "--listen", "tcp://127.0.0.1:0", "--model-file", str(model),
         prelude="import sys; sys.modules['torch'] = None; ",
     )  # fmt: skip
-    refused(result, "needs torch", "kvserver[torch]")
+    refused(result, "needs torch", "pip install '.[torch]'")
