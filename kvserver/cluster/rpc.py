@@ -76,7 +76,7 @@ async def score_hosts(service: KVService, req: Any) -> Any:
 
 
 async def _spec(service: KVService, ns_id: str) -> NamespaceSpec:
-    local = service.engine.namespaces.get(ns_id)
+    local = service.find_namespace(ns_id)
     if local is not None:
         return local
     raw = await service.cluster.reader.namespace_spec(ns_id)

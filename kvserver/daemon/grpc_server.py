@@ -28,7 +28,7 @@ import contextlib
 import inspect
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, NoReturn
 
@@ -43,7 +43,7 @@ from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
-from kvserver.daemon.service import KVService
+from kvserver.daemon.service import KVService, LookupResult, Pending
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.events import Event, Medium
 from kvserver.grpc_client import (
@@ -103,13 +103,11 @@ _TIER_COUNTERS = (
     "loaded_chunks",
     "lookups",
 )
-_SSD_COUNTERS = (
-    *_TIER_COUNTERS,
-    "corrupt_chunks",
-    "recovered_chunks",
-    "promoted_chunks",
-    "io_errors",
-    "skipped_chunks",
+#: the TierStats fields a lower tier's ``stats()`` fills by name (``kvserver/daemon/tiers.py``)
+_LOWER_TIER_FIELDS = tuple(
+    f.name
+    for f in pb.TierStats.DESCRIPTOR.fields
+    if f.name not in ("name", "medium", "condition_detail")
 )
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -300,21 +298,18 @@ class GrpcFrontend:
 
     # ------------------------------------------------------------------ unary methods
 
-    def _lookup(self, req: pb.LookupRequest) -> pb.LookupResponse:
+    def _lookup(self, req: pb.LookupRequest) -> Message | Awaitable[Message]:
         ns_id = req.namespace_id
         chunk_tokens = self._namespace(ns_id).chunk_tokens
         result = self.service.lookup(ns_id, self._prefix_keys(ns_id, req))
-        return pb.LookupResponse(
-            namespace_id=ns_id,
-            hit_chunks=result.hit_chunks,
-            hit_tokens=result.hit_tokens,
-            num_chunks=result.num_chunks,
-            chunk_tokens=chunk_tokens,
-            tiers=[
-                pb.TierHits(tier=tier, chunks=n, tokens=n * chunk_tokens)
-                for tier, n in result.tiers.items()
-            ],
-        )
+        if isinstance(result, Pending):
+            pending = result
+
+            async def finish() -> Message:
+                return _lookup_response(ns_id, chunk_tokens, await pending.run())
+
+            return finish()
+        return _lookup_response(ns_id, chunk_tokens, result)
 
     def _pin(self, req: pb.PinRequest) -> pb.PinResponse:
         self._namespace(req.namespace_id)
@@ -366,33 +361,23 @@ class GrpcFrontend:
             **{k: totals[k] for k in _TIER_COUNTERS},
         )
         tiers = [dram]
-        ssd = s.get("ssd")
-        ssd_usage: dict[str, tuple[int, int]] = {}
-        if ssd is not None:
-            ssd_usage = ssd["namespaces"]
+        lower = self.service.tier_stats()
+        for tier, st in lower:
             tiers.append(
                 pb.TierStats(
-                    name="ssd",
-                    medium=pb.MEDIUM_STORAGE,
-                    policy=ssd["policy"],
-                    capacity_bytes=ssd["capacity_bytes"],
-                    used_bytes=ssd["used_bytes"],
-                    pinned_bytes=ssd["pinned_bytes"],
-                    reserved_bytes=ssd["reserved_bytes"],
-                    entries=ssd["entries"],
-                    condition=ssd["condition"],
-                    condition_detail=ssd["condition_detail"][:MAX_STATUS_DETAILS],
-                    io_mode=ssd["io_mode"],
-                    **{k: ssd[k] for k in _SSD_COUNTERS},
+                    name=tier.name,
+                    medium=_MEDIUM.get(tier.medium, pb.MEDIUM_UNSPECIFIED),
+                    condition_detail=st.get("condition_detail", "")[:MAX_STATUS_DETAILS],
+                    **{k: st[k] for k in _LOWER_TIER_FIELDS if k in st},
                 )
             )
         namespaces = []
         for ns_id, row in s["namespaces"].items():
             counters = {k: row[k] for k in _NS_COUNTERS if k in row}
             usage = [pb.TierUsage(tier="dram", entries=row["entries"], bytes=row["bytes"])]
-            if ssd is not None:
-                entries, nbytes = ssd_usage.get(ns_id, (0, 0))
-                usage.append(pb.TierUsage(tier="ssd", entries=entries, bytes=nbytes))
+            for tier, st in lower:
+                entries, nbytes = st.get("namespaces", {}).get(ns_id, (0, 0))
+                usage.append(pb.TierUsage(tier=tier.name, entries=entries, bytes=nbytes))
             namespaces.append(
                 pb.NamespaceStats(
                     namespace_id=ns_id,
@@ -504,3 +489,17 @@ class _CannotResume(Exception):
     def __init__(self, message: str, oldest: int) -> None:
         super().__init__(message)
         self.oldest = oldest
+
+
+def _lookup_response(ns_id: str, chunk_tokens: int, result: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(
+        namespace_id=ns_id,
+        hit_chunks=result.hit_chunks,
+        hit_tokens=result.hit_tokens,
+        num_chunks=result.num_chunks,
+        chunk_tokens=chunk_tokens,
+        tiers=[
+            pb.TierHits(tier=tier, chunks=n, tokens=n * chunk_tokens)
+            for tier, n in result.tiers.items()
+        ],
+    )

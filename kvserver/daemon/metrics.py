@@ -24,7 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.metrics_core import Metric
 
 from kvserver.daemon.service import KVService
-from kvserver.daemon.tiering import DEGRADED, OK, UNAVAILABLE
+from kvserver.daemon.tiers import DEGRADED, OK, UNAVAILABLE
 from kvserver.prometheus import LoopCollector
 
 #: every condition the SSD tier can be in (a state set: exactly one is 1).

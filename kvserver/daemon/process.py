@@ -15,9 +15,10 @@ stop the daemon) → write the ready file → log where it listens.
 
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index entries
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
-sockets stop reading) → give in-flight RPCs a short grace → drain the SSD tier's in-flight
-writes and close its files → roll back in-flight reservations and release pins → stop event
-streams → remove the shared-memory arena → exit 0.
+sockets stop reading) → give in-flight RPCs a short grace → close the tiers below DRAM,
+slowest first (the SSD tier drains its in-flight writes and closes its files) → roll back
+in-flight reservations and release pins → stop event streams → remove the shared-memory
+arena → exit 0.
 """
 
 from __future__ import annotations
@@ -73,27 +74,28 @@ async def serve(
     zmq_front = ZmqFrontend(service, config)
     grpc_front = GrpcFrontend(service, config)
     reaper: asyncio.Task[None] | None = None
-    tier: SsdTier | None = None
+    ssd: SsdTier | None = None
     node: ClusterNode | None = None
     metrics_server = None
     try:
+        # the tiers below DRAM, fastest first (kvserver/daemon/tiers.py)
         tier_config = config.tier_config()
         if tier_config is not None:
-            tier = SsdTier(
+            ssd = SsdTier(
                 service.engine,
                 tier_config,
                 publish=service.publish,
                 max_promotions=config.ssd_promotions,
             )
-            await tier.open()
-            service.attach_ssd(tier)
+            service.add_tier(ssd)
+        await service.open_tiers()
         data_port, pub_port = await zmq_front.start()
         grpc_port = await grpc_front.start()
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
         collector = DaemonCollector(service, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
-        dram_bytes = service.engine.stats().capacity_bytes
-        node = await _join_fleet(config, service, data_port, grpc_port, tier)
+        dram_bytes = service.dram_bytes
+        node = await _join_fleet(config, service, data_port, grpc_port, ssd)
         info: dict[str, object] = {
             "pid": os.getpid(),
             "host": config.host,
@@ -101,11 +103,11 @@ async def serve(
             "zmq_port": data_port,
             "pub_port": pub_port,
             "metrics_port": metrics_port,
-            "arena_path": service.engine.arena.path,
+            "arena_path": service.arena_path,
             "dram_bytes": dram_bytes,
             "ssd_dir": config.ssd_dir,
-            "ssd_condition": tier.condition if tier is not None else "",
-            "ssd_recovered_chunks": tier.counters.recovered_chunks if tier is not None else 0,
+            "ssd_condition": ssd.condition if ssd is not None else "",
+            "ssd_recovered_chunks": ssd.counters.recovered_chunks if ssd is not None else 0,
             "malloc_tuned": malloc_tuned,
             "cluster_host_id": node.host_id if node is not None else "",
             "cluster_incarnation": node.incarnation if node is not None else "",
@@ -142,8 +144,7 @@ async def serve(
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-        if tier is not None:
-            await tier.close()
+        await service.close_tiers()
         service.close()
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):
@@ -166,7 +167,7 @@ async def _join_fleet(
     from kvserver.cluster.schema import HostInfo
 
     host = config.advertised_host
-    capacity = {"dram": service.engine.stats().capacity_bytes}
+    capacity = {"dram": service.dram_bytes}
     if tier is not None and config.tier_config() is not None:
         capacity["ssd"] = config.ssd
     identity = HostInfo(

@@ -1,7 +1,10 @@
 """Promotion: bring chunks that are only on SSD back into the DRAM tier before a load.
 
-Runs on the daemon's event loop, as part of :class:`~kvserver.daemon.tiering.SsdTier` (its
+Runs on the daemon's event loop, owned by :class:`~kvserver.daemon.tiering.SsdTier` (its
 ``promote`` delegates to :class:`Promotions`); the slot reads run on the tier's I/O threads.
+:class:`Promotions` is given the collaborators it uses — the DRAM engine, the SSD index, the
+read-buffer pool, the counters, and the tier's ``read``/``unpin``/``flush_events`` — and knows
+nothing else of the tier.
 Several promotions may be under way at once (the ZMQ front end runs each load that needs one as
 its own task), so :class:`Promotions` keeps the keys being promoted, per namespace and key:
 
@@ -13,7 +16,7 @@ its own task), so :class:`Promotions` keeps the keys being promoted, per namespa
 - at most ``limit`` batches read at once (an ``asyncio.Semaphore``); the others wait their turn
   with their keys already claimed, so later requests for those keys join them.
 
-One batch (:func:`promote_batch`):
+One batch (:meth:`Promotions.promote_batch`):
 
 1. plan: the request's keys that are in DRAM (protected from the eviction below) and the
    claimed keys READY on SSD but not in DRAM (pinned in the SSD index so they are not evicted
@@ -40,16 +43,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
+from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
+from kvserver.ssd.buffers import BufferPool
+from kvserver.ssd.config import TierCounters
 from kvserver.ssd.format import HEADER_BYTES
-from kvserver.ssd.index import SsdEntry
-
-if TYPE_CHECKING:
-    from kvserver.daemon.tiering import SsdTier
+from kvserver.ssd.index import SsdEntry, SsdIndex
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ PROMOTE_CLIENT = "kvserver-ssd-promote"
 DEFAULT_PROMOTIONS = 4
 
 _Parts = dict[bytes, list[memoryview]]
+#: read and verify one pinned slot: (buffer, whether from the reads pool) or None (a miss)
+SlotRead = Callable[[SsdEntry, bool], Awaitable["tuple[memoryview, bool] | None"]]
 
 
 class Promotions:
@@ -70,10 +74,29 @@ class Promotions:
     failure or cancellation), never with an exception.
     """
 
-    def __init__(self, tier: SsdTier, limit: int = DEFAULT_PROMOTIONS) -> None:
+    def __init__(
+        self,
+        *,
+        engine: StorageEngine,
+        index: SsdIndex,
+        reads: BufferPool,
+        counters: TierCounters,
+        read: SlotRead,
+        unpin: Callable[[SsdEntry], None],
+        flush_events: Callable[[], None],
+        window_bytes: int,
+        limit: int = DEFAULT_PROMOTIONS,
+    ) -> None:
         if limit < 1:
             raise ValueError("at least one promotion must be allowed")
-        self._tier = tier
+        self._engine = engine
+        self._index = index
+        self._reads = reads
+        self._counters = counters
+        self._read = read
+        self._unpin = unpin
+        self._flush_events = flush_events
+        self._window_bytes = window_bytes
         self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
         #: keys a request waited for because another batch was promoting them.
@@ -91,8 +114,7 @@ class Promotions:
         """True if ``key`` is being promoted, or READY on SSD and not in DRAM."""
         if (ns_id, key) in self._inflight:
             return True
-        tier = self._tier
-        return not tier.engine.contains(ns_id, key) and tier.index.ready(ns_id, key) is not None
+        return not self._engine.contains(ns_id, key) and self._index.ready(ns_id, key) is not None
 
     async def promote(self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False) -> _Parts:
         """Promote the keys of ``keys`` that need it, joining batches already promoting some;
@@ -129,99 +151,97 @@ class Promotions:
         got: _Parts = {}
         try:
             async with self._slots:
-                got = await promote_batch(self._tier, ns_id, keys, set(mine), direct=direct)
+                got = await self.promote_batch(ns_id, keys, set(mine), direct=direct)
             return got
         finally:
             for key in mine:
                 del self._inflight[(ns_id, key)]
             fut.set_result(got)
 
+    async def promote_batch(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        claimed: Collection[bytes],
+        *,
+        direct: bool = False,
+    ) -> dict[bytes, list[memoryview]]:
+        """Promote the keys of ``claimed`` that are READY on SSD but not in DRAM; the keys of
+        ``keys`` in DRAM are protected from the eviction this may cause (module docstring).
 
-async def promote_batch(
-    tier: SsdTier,
-    ns_id: str,
-    keys: Sequence[bytes],
-    claimed: Collection[bytes],
-    *,
-    direct: bool = False,
-) -> dict[bytes, list[memoryview]]:
-    """Promote the keys of ``claimed`` that are READY on SSD but not in DRAM; the keys of
-    ``keys`` in DRAM are protected from the eviction this may cause (module docstring).
-
-    Returns, when ``direct``, the parts (one view per rank) of keys DRAM could not take;
-    otherwise {}. Keys in neither tier and keys that fail verification are left for the
-    caller's load to report missing. Raises what ``prepare_store`` raises for bad input
-    (nothing changed then). REQUIRES: no other batch promotes a key of ``claimed``.
-    """
-    engine = tier.engine
-    spec = engine.namespace(ns_id)
-    todo: list[SsdEntry] = []
-    protect: list[bytes] = []
-    for key in dict.fromkeys(keys):
-        if engine.contains(ns_id, key):
-            protect.append(key)
-        elif key in claimed and (entry := tier.index.ready(ns_id, key)) is not None:
-            todo.append(entry)
-    if not todo:
-        return {}
-    for entry in todo:
-        tier.index.pin(entry)
-    out: dict[bytes, list[memoryview]] = {}
-    lease = 0
-    done: list[bytes] = []
-    try:
-        grant = engine.prepare_store(
-            ns_id,
-            protect + [e.key for e in todo],
-            client=PROMOTE_CLIENT,
-            lease_s=engine.config.max_lease_s,
-            gated=False,
-        )
-        tier.flush_events()
-        reserved = set(grant.keys) if grant is not None else set()
-        lease = grant.lease_id if grant is not None else 0
-        wanted = [e for e in todo if e.key in reserved or direct]
-
-        async def take(entry: SsdEntry) -> None:
-            """Read one chunk, then (as soon as it is verified, while the others are still
-            being read) copy it into its reserved pages or keep its bytes to send."""
-            got = await tier.read(entry, entry.key in reserved)
-            if got is None:
-                return
-            buf, pooled = got
-            parts = _parts(buf, spec)
-            if entry.key not in reserved:
-                out[entry.key] = parts  # the caller sends them; the buffer is its own
-                tier.counters.served_direct_chunks += 1
-                return
-            try:
-                for rank, part in enumerate(parts):
-                    engine.write_part(lease, entry.key, rank, part)
-                done.append(entry.key)
-            except KVServerError as exc:  # the lease expired under a very slow disk
-                logger.warning("SSD tier: promotion of a chunk failed: %s", exc)
-            finally:
-                if pooled:
-                    tier.reads.release(buf)
-
-        for window in _windows(wanted, tier.config.staging_bytes):
-            await asyncio.gather(*(take(e) for e in window))
-    finally:
+        Returns, when ``direct``, the parts (one view per rank) of keys DRAM could not take;
+        otherwise {}. Keys in neither tier and keys that fail verification are left for the
+        caller's load to report missing. Raises what ``prepare_store`` raises for bad input
+        (nothing changed then). REQUIRES: no other batch promotes a key of ``claimed``.
+        """
+        engine, index = self._engine, self._index
+        spec = engine.namespace(ns_id)
+        todo: list[SsdEntry] = []
+        protect: list[bytes] = []
+        for key in dict.fromkeys(keys):
+            if engine.contains(ns_id, key):
+                protect.append(key)
+            elif key in claimed and (entry := index.ready(ns_id, key)) is not None:
+                todo.append(entry)
+        if not todo:
+            return {}
         for entry in todo:
-            tier.unpin(entry)
-        if lease:
-            _finish(tier, lease, done)
-        tier.flush_events()
-    return out
+            index.pin(entry)
+        out: dict[bytes, list[memoryview]] = {}
+        lease = 0
+        done: list[bytes] = []
+        try:
+            grant = engine.prepare_store(
+                ns_id,
+                protect + [e.key for e in todo],
+                client=PROMOTE_CLIENT,
+                lease_s=engine.config.max_lease_s,
+                gated=False,
+            )
+            self._flush_events()
+            reserved = set(grant.keys) if grant is not None else set()
+            lease = grant.lease_id if grant is not None else 0
+            wanted = [e for e in todo if e.key in reserved or direct]
 
+            async def take(entry: SsdEntry) -> None:
+                """Read one chunk, then (as soon as it is verified, while the others are still
+                being read) copy it into its reserved pages or keep its bytes to send."""
+                got = await self._read(entry, entry.key in reserved)
+                if got is None:
+                    return
+                buf, pooled = got
+                parts = _parts(buf, spec)
+                if entry.key not in reserved:
+                    out[entry.key] = parts  # the caller sends them; the buffer is its own
+                    self._counters.served_direct_chunks += 1
+                    return
+                try:
+                    for rank, part in enumerate(parts):
+                        engine.write_part(lease, entry.key, rank, part)
+                    done.append(entry.key)
+                except KVServerError as exc:  # the lease expired under a very slow disk
+                    logger.warning("SSD tier: promotion of a chunk failed: %s", exc)
+                finally:
+                    if pooled:
+                        self._reads.release(buf)
 
-def _finish(tier: SsdTier, lease: int, done: list[bytes]) -> None:
-    """Complete the promoted keys; roll back whatever else the lease still reserves."""
-    engine = tier.engine
-    with contextlib.suppress(KVServerError):  # lease already ended (all done) or expired
-        if done:
-            tier.counters.promoted_chunks += len(engine.complete_store(lease, keys=done))
-        engine.complete_store(lease, success=False)
+            for window in _windows(wanted, self._window_bytes):
+                await asyncio.gather(*(take(e) for e in window))
+        finally:
+            for entry in todo:
+                self._unpin(entry)
+            if lease:
+                self._finish(lease, done)
+            self._flush_events()
+        return out
+
+    def _finish(self, lease: int, done: list[bytes]) -> None:
+        """Complete the promoted keys; roll back whatever else the lease still reserves."""
+        engine = self._engine
+        with contextlib.suppress(KVServerError):  # lease already ended (all done) or expired
+            if done:
+                self._counters.promoted_chunks += len(engine.complete_store(lease, keys=done))
+            engine.complete_store(lease, success=False)
 
 
 def _windows(entries: list[SsdEntry], budget: int) -> list[list[SsdEntry]]:

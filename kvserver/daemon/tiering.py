@@ -1,5 +1,8 @@
 """The SSD tier inside the daemon: write-back of DRAM evictions, promotion on load, rebuild.
 
+A :class:`~kvserver.daemon.tiers.Tier` (the seam and its contracts: ``tiers.py``), named
+``ssd``, medium ``DISK``.
+
 Runs on the daemon's one event loop. Every disk operation runs on the tier's own thread pool
 (``io_threads``) through :class:`~kvserver.ssd.store.SlotStore`; the loop only keeps the books
 (:class:`~kvserver.ssd.index.SsdIndex`), copies evicted bytes into the staging area and copies
@@ -8,7 +11,7 @@ verified promoted bytes into the arena. Not thread-safe: loop only.
 Call order: ``SsdTier(engine, config, publish=...)`` → ``await open()`` (lock the directory,
 scan headers, restore the index and re-register the saved namespaces (``rebuild.py``), cut
 data files after their last live slot; on failure the tier is ``unavailable`` and retried
-every ``retry_s``) → ``engine.on_evict = tier.on_evict`` (done by ``KVService.attach_ssd``) →
+every ``retry_s``) → ``engine.on_evict = tier.on_evict`` (done by ``KVService.add_tier``) →
 serving → ``await close()`` (drain writes, stop the threads, close the files).
 
 Write-back (``on_evict``, synchronous, called by the engine before the victim's pages are
@@ -29,10 +32,15 @@ wait for it. A chunk that fails verification is dropped from the index (counted,
 discarded, BlockRemoved STORAGE) and is a miss. When DRAM cannot take the chunks and the caller
 asked for ``direct``, the verified bytes are returned for it to send (remote ``get``).
 
-Conditions: ``ok``; ``degraded`` (a write failed: ENOSPC, EIO, EACCES ...; write-backs are
-skipped, DRAM and SSD reads keep serving, and one write is let through every ``retry_s`` —
-the first success returns to ``ok``); ``unavailable`` (the directory could not be opened;
-retried every ``retry_s``). Transitions are logged once each and shown in ``stats()``.
+Conditions (``tier_health.TierHealth``): ``ok``; ``degraded`` (a write failed: ENOSPC, EIO,
+EACCES ...; write-backs are skipped, DRAM and SSD reads keep serving, and one write is let
+through every ``retry_s`` — the first success returns to ``ok``); ``unavailable`` (the
+directory could not be opened; retried every ``retry_s``). Transitions are logged once each
+and shown in ``stats()``.
+
+Who owns what: the tier owns the slot store, the SSD index, the staging and read pools, the
+threads, the counters and the health; it hands :class:`~kvserver.daemon.writeback.WriteBack`
+and :class:`~kvserver.daemon.promotion.Promotions` the ones each uses.
 """
 
 from __future__ import annotations
@@ -47,9 +55,11 @@ from dataclasses import asdict
 from functools import partial
 from typing import Any, TypeVar
 
-from kvserver.daemon import promotion
+from kvserver.daemon.promotion import DEFAULT_PROMOTIONS, Promotions
 from kvserver.daemon.rebuild import rebuild
+from kvserver.daemon.tier_health import TierHealth
 from kvserver.daemon.tier_jobs import ReadQueue, ReadResult
+from kvserver.daemon.tiers import OK, UNAVAILABLE, DirectParts, Tier
 from kvserver.daemon.writeback import WriteBack
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import Entry
@@ -67,12 +77,13 @@ from kvserver.ssd.store import ChunkRead, SlotStore
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
-_NOT_OPENED = "not opened yet"
 
 
-class SsdTier:
+class SsdTier(Tier):
     """The SSD tier of one daemon; see the module docstring."""
+
+    name = "ssd"
+    medium = MEDIUM_SSD
 
     def __init__(
         self,
@@ -82,8 +93,10 @@ class SsdTier:
         publish: Callable[[], None] = lambda: None,
         fileio: FileIO | None = None,
         clock: Callable[[], float] = time.monotonic,
-        max_promotions: int = promotion.DEFAULT_PROMOTIONS,
+        max_promotions: int = DEFAULT_PROMOTIONS,
     ) -> None:
+        if max_promotions < 1:
+            raise ValueError("at least one promotion must be allowed")
         self.engine = engine
         self.config = config
         self.store = SlotStore(config.directory, fileio=fileio, direct=config.direct)
@@ -91,21 +104,40 @@ class SsdTier:
         self.staging = BufferPool(config.staging_bytes)
         self.reads = BufferPool(config.staging_bytes)
         self.counters = TierCounters()
-        self.condition, self.reason = UNAVAILABLE, _NOT_OPENED
+        self.health = TierHealth("SSD tier", config.retry_s, self.counters, clock)
         self.rebuild_s = 0.0
         self._publish = publish
-        self._clock = clock
         self.threads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvserver-ssd")
         self.opened = False
-        self._retry_at = 0.0
         self._inflight: set[asyncio.Future[Any]] = set()
         self._events: list[tuple[str, bool, bytes]] = []
         self._saved: dict[str, dict[str, Any]] = {}  # namespace specs in the directory
         self.durable: set[str] = set()  # ns_ids whose spec is on disk
         self._ns_saving = False
         self._retry_task: asyncio.Task[None] | None = None
-        self.promotions = promotion.Promotions(self, max_promotions)
-        self.writeback = WriteBack(self)
+        self.promotions = Promotions(
+            engine=engine,
+            index=self.index,
+            reads=self.reads,
+            counters=self.counters,
+            read=self.read,
+            unpin=self.unpin,
+            flush_events=self.flush_events,
+            window_bytes=config.staging_bytes,
+            limit=max_promotions,
+        )
+        self.writeback = WriteBack(
+            index=self.index,
+            staging=self.staging,
+            store=self.store,
+            threads=self.threads,
+            counters=self.counters,
+            health=self.health,
+            views=engine.arena.views,
+            admission=config.admission,
+            event=self.event,
+            track=self.track,
+        )
         self._read_queue = ReadQueue(
             self.store, self.threads, config.io_threads, track=self._inflight_add
         )
@@ -119,8 +151,8 @@ class SsdTier:
         self._retry_task = asyncio.get_running_loop().create_task(self._retry_forever())
 
     async def close(self) -> None:
-        """Drain in-flight I/O (at most ``drain_timeout_s``), stop the threads, close files."""
-        self.engine.on_evict = None
+        """Drain in-flight I/O (at most ``drain_timeout_s``), stop the threads, close files.
+        REQUIRES: the engine no longer offers evictions (``KVService.close_tiers``)."""
         if self._retry_task is not None:
             self._retry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -141,6 +173,7 @@ class SsdTier:
             )
         self.staging.clear()
         self.reads.clear()
+        self.opened = False  # evictions offered from now on are skipped
 
     async def wait_idle(self) -> None:
         """Return once no disk operation is in flight (writes, discards, reads, namespace
@@ -154,7 +187,7 @@ class SsdTier:
         try:
             saved, scan = await self._run(self._open_and_scan)
         except StorageError as exc:
-            self.set_condition(UNAVAILABLE, str(exc))
+            self.health.set(UNAVAILABLE, str(exc))
             return False
         trimmed = self._restore(saved, scan)
         if trimmed:
@@ -164,7 +197,7 @@ class SsdTier:
                 logger.warning("SSD tier: %s", exc)
         self.rebuild_s = time.perf_counter() - start
         self.opened = True
-        self.set_condition(OK, "")
+        self.health.set(OK, "")
         logger.info(
             "SSD tier %s (%s I/O, %s): recovered %d chunks (%d MiB) in %.3f s from %d headers",
             self.store.directory,
@@ -215,50 +248,25 @@ class SsdTier:
 
     # ================================================================== conditions
 
-    def set_condition(self, condition: str, reason: str) -> None:
-        if (condition, reason) != (self.condition, self.reason):
-            if condition == OK:
-                if self.reason != _NOT_OPENED:
-                    logger.info("SSD tier: ok again (was %s)", self.condition)
-            else:
-                logger.warning(
-                    "SSD tier %s: %s; DRAM keeps serving, retrying every %g s",
-                    condition,
-                    reason,
-                    self.config.retry_s,
-                )
-        self.condition, self.reason = condition, reason
+    @property
+    def condition(self) -> str:
+        return self.health.condition
 
     @property
-    def is_ok(self) -> bool:
-        return self.condition == OK
-
-    def write_succeeded(self) -> None:
-        """A write went through: a degraded tier is ``ok`` again."""
-        if self.condition == DEGRADED:
-            self.set_condition(OK, "")
-
-    def failed_write(self, exc: BaseException) -> None:
-        """A write failed: the tier is ``degraded``, the next probe in ``retry_s``."""
-        self.counters.io_errors += 1
-        self._retry_at = self._clock() + self.config.retry_s
-        self.set_condition(DEGRADED, f"write failed: {exc}")
-
-    def writable(self) -> bool:
-        """Writes go through when ok; when degraded, one write (a probe) once ``retry_s`` has
-        passed since the last failure."""
-        if self.condition == OK:
-            return True
-        return (
-            self.condition == DEGRADED
-            and self.writeback.probe is None
-            and self._clock() >= self._retry_at
-        )
+    def reason(self) -> str:
+        """Why the tier is not ``ok`` ("" when it is)."""
+        return self.health.reason
 
     # ================================================================== write-back
 
     def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
-        """The engine's eviction hook (:meth:`WriteBack.on_evict`). Never calls the engine."""
+        """The engine's eviction hook (:meth:`WriteBack.on_evict` once the namespace is saved
+        in the directory; skipped and counted before). Never calls the engine."""
+        if not self.opened or spec.ns_id not in self.durable:
+            self.counters.skipped_chunks += len(victims)
+            if self.writeback.writable():
+                self.namespaces_changed()
+            return
         self.writeback.on_evict(spec, victims)
 
     def track(self, fut: asyncio.Future[Any], done: Callable[[asyncio.Future[Any]], None]) -> None:
@@ -272,30 +280,22 @@ class SsdTier:
 
     # ================================================================== lookups
 
-    def lookup_tail(
-        self, ns_id: str, keys: Sequence[bytes], dram_hits: int, *, touch: bool
-    ) -> tuple[int, int]:
-        """Continue a lookup past the leading DRAM run: returns (further DRAM hits, SSD hits)
-        of the leading run of keys present in DRAM or READY on SSD."""
-        dram = ssd = 0
-        ssd_keys: list[bytes] = []
-        if self.opened and len(self.index):
-            contains, ready = self.engine.contains, self.index.ready
-            for key in keys[dram_hits:]:
-                if contains(ns_id, key):
-                    dram += 1
-                elif ready(ns_id, key) is not None:
-                    ssd += 1
-                    ssd_keys.append(key)
-                else:
-                    break
+    def holds(self, ns_id: str, key: bytes) -> bool:
+        """True if ``key`` is READY on SSD (never needs I/O: the index is in memory)."""
+        return self.opened and self.index.ready(ns_id, key) is not None
+
+    def held_keys(self) -> dict[str, list[bytes]]:
+        return self.index.held_keys()
+
+    def record_lookup(self, ns_id: str, hits: Sequence[bytes], misses: int, *, touch: bool) -> None:
+        """Count the lookup (``hit_chunks``: its keys found only here, ``miss_chunks``: those
+        in no tier); ``touch`` refreshes ``hits`` in the SSD eviction order."""
         c = self.counters
         c.lookups += 1
-        c.hit_chunks += ssd
-        c.miss_chunks += len(keys) - dram_hits - dram - ssd
-        if touch and ssd_keys:
-            self.index.touch(ns_id, ssd_keys)
-        return dram, ssd
+        c.hit_chunks += len(hits)
+        c.miss_chunks += misses
+        if touch and hits:
+            self.index.touch(ns_id, hits)
 
     def needs_promotion(self, ns_id: str, keys: Sequence[bytes]) -> bool:
         """True if some key is READY on SSD but not in DRAM."""
@@ -308,7 +308,7 @@ class SsdTier:
 
     async def promote(
         self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
-    ) -> dict[bytes, list[memoryview]]:
+    ) -> DirectParts:
         """Bring the keys that are READY on SSD but not in DRAM into DRAM (or wait for the
         promotion already bringing them); see :class:`kvserver.daemon.promotion.Promotions`."""
         if not self.opened:
@@ -415,7 +415,7 @@ class SsdTier:
         self._ns_saving = False
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if exc is not None:
-            self.failed_write(exc)  # retried by the retry task, or by the next write-back
+            self.health.failed_write(exc)  # retried by the retry task, or by the next write-back
             return
         self.durable |= ns_ids
         self.namespaces_changed()
@@ -425,8 +425,8 @@ class SsdTier:
     def stats(self) -> dict[str, Any]:
         index = self.index
         return {
-            "condition": self.condition,
-            "condition_detail": self.reason,
+            "condition": self.health.condition,
+            "condition_detail": self.health.reason,
             "directory": self.store.directory,
             "io_mode": self.store.io_mode if self.opened else "",
             "policy": self.config.policy,

@@ -1,12 +1,16 @@
 """Write-back: DRAM victims written down to the SSD tier, in batches.
 
-Runs on the daemon's event loop, as part of :class:`~kvserver.daemon.tiering.SsdTier` (its
-``on_evict`` delegates to :meth:`WriteBack.on_evict`); the disk work runs on the tier's
-threads as :class:`~kvserver.daemon.tier_jobs.WriteBatch` jobs. Not thread-safe: loop only.
+Runs on the daemon's event loop, owned by :class:`~kvserver.daemon.tiering.SsdTier` (its
+``on_evict`` delegates to :meth:`WriteBack.on_evict` once the namespace is saved in the
+directory); the disk work runs on the tier's threads as
+:class:`~kvserver.daemon.tier_jobs.WriteBatch` jobs. It is given the collaborators it uses —
+the SSD index, the staging pool, the slot store and its threads, the counters, the tier's
+health, the arena's views, and the tier's ``event``/``track`` callbacks — and knows nothing
+else of the tier. Not thread-safe: loop only.
 
 ``on_evict`` is synchronous and called by the engine before the victims' pages are freed: a
-victim used at least ``admission`` times, of a namespace already saved in the directory, not
-yet on SSD, gets a staging buffer and an SSD slot (the reservation may evict SSD victims by the
+victim used at least ``admission`` times, not yet on SSD, gets a staging buffer and an SSD
+slot (the reservation may evict SSD victims by the
 tier's own policy: their slots are discarded by the same job); its parts are copied into the
 buffer. Whatever does not fit (staging full, SSD full of chunks being read, tier degraded) is
 dropped and counted. The admitted chunks go to the threads in jobs of about ``BATCH_BYTES``
@@ -24,57 +28,87 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvserver.allocator import Extents
+from kvserver.daemon.tier_health import TierHealth
 from kvserver.daemon.tier_jobs import DISCARD_BATCH, WriteBatch, run_batch
 from kvserver.engine_types import Entry
 from kvserver.errors import StorageError
 from kvserver.namespace import NamespaceSpec
+from kvserver.ssd.buffers import BufferPool
+from kvserver.ssd.config import TierCounters
 from kvserver.ssd.format import HEADER_BYTES, ChunkHeader, slot_bytes_for
-from kvserver.ssd.index import Slot, SsdEntry
-from kvserver.ssd.store import ChunkWrite
-
-if TYPE_CHECKING:
-    from kvserver.daemon.tiering import SsdTier
+from kvserver.ssd.index import Slot, SsdEntry, SsdIndex
+from kvserver.ssd.store import ChunkWrite, SlotStore
 
 logger = logging.getLogger(__name__)
+
+#: queue a DISK event (ns_id, stored, key)
+EventSink = Callable[[str, bool, bytes], None]
+#: count a future as disk work in flight, then call the callback with it
+Tracker = Callable[["asyncio.Future[Any]", Callable[["asyncio.Future[Any]"], None]], None]
 
 
 class WriteBack:
     """The write-back of one tier; see the module docstring. Loop only."""
 
-    def __init__(self, tier: SsdTier) -> None:
-        self._tier = tier
+    def __init__(
+        self,
+        *,
+        index: SsdIndex,
+        staging: BufferPool,
+        store: SlotStore,
+        threads: Executor,
+        counters: TierCounters,
+        health: TierHealth,
+        views: Callable[[Extents], list[memoryview]],
+        admission: int,
+        event: EventSink,
+        track: Tracker,
+    ) -> None:
+        self._index = index
+        self._staging = staging
+        self._store = store
+        self._threads = threads
+        self._counters = counters
+        self._health = health
+        self._views = views
+        self._admission = admission
+        self._event = event
+        self._track = track
         #: the one write let through while degraded (None when none is in flight)
         self.probe: SsdEntry | None = None
 
+    def writable(self) -> bool:
+        """Whether a write may go through now (``TierHealth.writable``)."""
+        return self._health.writable(self.probe is not None)
+
     def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
-        """Write down the admitted ``victims`` of ``spec`` (see the module docstring)."""
-        t = self._tier
-        c = t.counters
+        """Write down the admitted ``victims`` of ``spec`` (see the module docstring).
+        REQUIRES: the tier is open and ``spec`` is saved in its directory."""
+        c = self._counters
+        index, staging = self._index, self._staging
         ns_id = spec.ns_id
-        writable = t.writable()
-        if not t.opened or ns_id not in t.durable:
-            c.skipped_chunks += len(victims)
-            if writable:
-                t.namespaces_changed()
-            return
+        writable = self.writable()
         tp, part = spec.tp_world_size, spec.part_bytes
         slot_bytes = slot_bytes_for(tp * part)
-        views = t.engine.arena.views
+        views = self._views
         batch = WriteBatch(slot_bytes)
         for victim in victims:
-            if t.index.get(ns_id, victim.key) is not None:
+            if index.get(ns_id, victim.key) is not None:
                 continue  # already on SSD (inclusive tiers) or being written
-            if victim.uses < t.config.admission:
+            if victim.uses < self._admission:
                 c.not_admitted_chunks += 1
                 continue
-            buf = t.staging.acquire(slot_bytes) if writable else None
-            got = t.index.reserve(ns_id, victim.key, slot_bytes) if buf is not None else None
+            buf = staging.acquire(slot_bytes) if writable else None
+            got = index.reserve(ns_id, victim.key, slot_bytes) if buf is not None else None
             if buf is None or got is None:
                 if buf is not None:
-                    t.staging.release(buf)
+                    staging.release(buf)
                 c.skipped_chunks += 1
                 continue
             entry, ssd_victims = got
@@ -88,7 +122,7 @@ class WriteBack:
             meta = ChunkHeader(ns_id, victim.key, entry.seq, slot_bytes, part, tp, 0)
             batch.entries.append(entry)
             batch.writes.append(ChunkWrite(entry.slot, meta, buf))
-            if not t.is_ok:  # degraded: this write is the probe, skip the rest
+            if not self._health.is_ok:  # degraded: this write is the probe, skip the rest
                 self.probe, writable = entry, False
             if batch.is_full:
                 self._submit(batch)  # the threads start while the loop copies the rest
@@ -98,10 +132,9 @@ class WriteBack:
 
     def _submit(self, batch: WriteBatch) -> None:
         """One thread job for the batch: its discards, then its writes."""
-        t = self._tier
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(t.threads, run_batch, t.store, batch)
-        t.track(fut, partial(self._batch_done, batch))
+        fut = loop.run_in_executor(self._threads, run_batch, self._store, batch)
+        self._track(fut, partial(self._batch_done, batch))
 
     def _batch_done(self, batch: WriteBatch, fut: asyncio.Future[Any]) -> None:
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
@@ -115,30 +148,28 @@ class WriteBack:
             self._write_done(entry, w.buf, err)
 
     def _write_done(self, entry: SsdEntry, buf: memoryview, exc: BaseException | None) -> None:
-        t = self._tier
-        t.staging.release(buf)
+        self._staging.release(buf)
         if self.probe is entry:
             self.probe = None
         if exc is None:
-            t.index.commit(entry)
-            t.counters.stored_chunks += 1
-            t.counters.bytes_written += entry.slot_bytes
-            t.event(entry.ns_id, True, entry.key)
-            t.write_succeeded()
+            self._index.commit(entry)
+            self._counters.stored_chunks += 1
+            self._counters.bytes_written += entry.slot_bytes
+            self._event(entry.ns_id, True, entry.key)
+            self._health.write_succeeded()
             return
-        slot = t.index.abort(entry)
+        slot = self._index.abort(entry)
         if isinstance(exc, StorageError) and exc.context.get("slot_touched") is False:
-            t.index.discarded(slot)  # nothing was written there: free at once
+            self._index.discarded(slot)  # nothing was written there: free at once
         else:
             self.discard(slot)
-        t.failed_write(exc)
+        self._health.failed_write(exc)
 
     def _evicted(self, victims: list[SsdEntry]) -> list[Slot]:
         """Count and announce SSD victims; their slots, to discard."""
-        t = self._tier
         for victim in victims:
-            t.counters.evicted_chunks += 1
-            t.event(victim.ns_id, False, victim.key)
+            self._counters.evicted_chunks += 1
+            self._event(victim.ns_id, False, victim.key)
         return [victim.location for victim in victims]
 
     def discard(self, *slots: Slot) -> None:
@@ -147,10 +178,9 @@ class WriteBack:
             self._submit(WriteBatch(0, discards=list(slots[i : i + DISCARD_BATCH])))
 
     def _discard_done(self, slot: Slot, exc: BaseException | None) -> None:
-        t = self._tier
         if exc is None:
-            t.index.discarded(slot)
+            self._index.discarded(slot)
         else:
-            t.index.discard_failed(slot)
-            t.counters.io_errors += 1
+            self._index.discard_failed(slot)
+            self._counters.io_errors += 1
             logger.warning("SSD tier: slot %s not reusable: %s", slot, exc)

@@ -73,7 +73,7 @@ class EventPublisher:
         """(topic, payload) of one event as a batch of one, stamped ``ts``."""
         meta = self._topics.get(event.ns_id)
         if meta is None:
-            spec = self._service.engine.namespace(event.ns_id)
+            spec = self._service.namespace(event.ns_id)
             meta = (wire.event_topic(f"{self._pod}/{event.ns_id}", spec.model), spec.chunk_tokens)
             self._topics[event.ns_id] = meta
         topic, block_size = meta

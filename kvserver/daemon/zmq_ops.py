@@ -6,11 +6,13 @@ Not thread-safe: loop only.
 
 Every handler is a synchronous call into :class:`~kvserver.daemon.service.KVService` that
 returns the reply's result map, or a :class:`~kvserver.daemon.zmq_send.Parts` for replies with
-payload. The exception is a load (``prepare_load``, ``get``) naming chunks that are only on SSD:
-its handler returns a :class:`Deferred` instead — the rest of the work, to run (in a task of
-the front end's) after their promotion — so the front end can serve other connections while
-the disk is read. A ``get`` whose chunks DRAM cannot take is answered from the verified SSD
-bytes directly. Handlers raise ``KVServerError`` for refused requests (nothing changed then).
+payload. The exception is an operation that needs a lower tier's I/O (the service returns a
+:class:`~kvserver.daemon.service.Pending`: a load — ``prepare_load``, ``get`` — naming chunks
+that are only below DRAM, or a lookup a tier cannot answer without I/O): its handler returns a
+:class:`Deferred` instead — the rest of the work, to run in a task of the front end's — so the
+front end can serve other connections meanwhile. A ``get`` whose chunks DRAM cannot take is
+answered from the lower tier's verified bytes directly. Handlers raise ``KVServerError`` for
+refused requests (nothing changed then).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from typing import Any, Protocol
 
 from kvserver import wire, wire_local
 from kvserver.daemon.config import DaemonConfig
-from kvserver.daemon.service import KVService
-from kvserver.daemon.zmq_send import Parts, ZeroCopySender
-from kvserver.errors import InvalidArgument
+from kvserver.daemon.service import Fetched, KVService, LookupResult, Pending, check_parts
+from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
+from kvserver.engine_types import LoadGrant
 from kvserver.namespace import NamespaceSpec
 
 
@@ -51,7 +53,7 @@ Result = dict[str, Any] | Parts
 
 @dataclass(slots=True)
 class Deferred:
-    """A request that must wait for SSD promotion: ``run()`` promotes, then answers."""
+    """A request that must wait for a lower tier's I/O: ``run()`` waits, then answers."""
 
     run: Callable[[], Awaitable[Result]]
 
@@ -124,18 +126,20 @@ class ZmqOps:
         }
         return self._service.hello() | extra
 
-    def _lookup(self, c: Call) -> Result:
+    def _lookup(self, c: Call) -> Result | Deferred:
         a = c.args
-        record, touch = a["record"] is True, a["touch"] is True
-        r = self._service.lookup(a["ns_id"], a["keys"], record=record, touch=touch)
-        return {name: getattr(r, name) for name in wire.LOOKUP_FIELDS}
+        record, touch, local = a["record"] is True, a["touch"] is True, a["local"] is True
+        return _lookup_reply(
+            self._service.lookup(a["ns_id"], a["keys"], record=record, touch=touch, local=local)
+        )
 
-    def _lookup_tokens(self, c: Call) -> Result:
+    def _lookup_tokens(self, c: Call) -> Result | Deferred:
         a = c.args
         lora = (a["lora"][0], a["lora"][1]) if a["lora"] is not None else None
         salt = a["cache_salt"]
-        r = self._service.lookup_tokens(a["ns_id"], a["token_ids"], cache_salt=salt, lora=lora)
-        return {name: getattr(r, name) for name in wire.LOOKUP_FIELDS}
+        return _lookup_reply(
+            self._service.lookup_tokens(a["ns_id"], a["token_ids"], cache_salt=salt, lora=lora)
+        )
 
     def _prepare_store(self, c: Call) -> Result:
         a = c.args
@@ -152,55 +156,38 @@ class ZmqOps:
         return {"ready": ready}
 
     def _prepare_load(self, c: Call) -> Result | Deferred:
-        if self._service.needs_promotion(c.args["ns_id"], c.args["keys"]):
-            return Deferred(lambda: self._promote_then_prepare_load(c))
-        return self._prepare_load_now(c)
-
-    async def _promote_then_prepare_load(self, c: Call) -> Result:
-        await self._service.promote(c.args["ns_id"], c.args["keys"])
-        return self._prepare_load_now(c)
-
-    def _prepare_load_now(self, c: Call) -> Result:
         a = c.args
-        grant = self._service.prepare_load(
-            a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"]
-        )
-        return {"grant": wire.grant_to_wire(grant, time.monotonic())}
+        got = self._service.load(a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"])
+        if isinstance(got, Pending):
+            pending = got
+
+            async def finish() -> Result:
+                return _load_reply(await pending.run())
+
+            return Deferred(finish)
+        return _load_reply(got)
 
     def _put(self, c: Call) -> Result:
         """Store whole entries in one round trip: len(keys) x tp frames, key-major."""
-        ns_id, keys = c.args["ns_id"], c.args["keys"]
-        spec = self._service.engine.namespace(ns_id)
-        tp = spec.tp_world_size
-        if len(set(keys)) != len(keys):
-            raise InvalidArgument("put: duplicate keys")
-        check_frames(c.frames, len(keys) * tp, spec.part_bytes)
-        grant = self._service.prepare_store(ns_id, keys, client=c.client, lease_s=c.args["lease_s"])
-        if grant is None:
-            return {"stored": [], "present": [], "filtered": [], "rejected": True}
-        stored: list[bytes] = []
-        if grant.keys:
-            index = {key: i for i, key in enumerate(keys)}
-            try:
-                for key in grant.keys:
-                    for rank in range(tp):
-                        frame = c.frames[index[key] * tp + rank]
-                        self._service.write_part(grant.lease_id, key, rank, frame.buffer)
-            except BaseException:
-                self._service.complete_store(grant.lease_id, success=False)
-                raise
-            stored = self._service.complete_store(grant.lease_id, success=True)
+        a = c.args
+        r = self._service.put(
+            a["ns_id"],
+            a["keys"],
+            [frame.buffer for frame in c.frames],
+            client=c.client,
+            lease_s=a["lease_s"],
+        )
         return {
-            "stored": stored,
-            "present": grant.present,
-            "filtered": grant.filtered,
-            "rejected": False,
+            "stored": r.stored,
+            "present": r.present,
+            "filtered": r.filtered,
+            "rejected": r.rejected,
         }
 
     def _write_parts(self, c: Call) -> Result:
         """One rank's parts into an existing store lease (TP by rank over the network)."""
         lease_id, keys, rank = c.args["lease_id"], c.args["keys"], c.args["rank"]
-        check_frames(c.frames, len(keys), None)
+        check_parts(c.frames, len(keys), None)
         for key, frame in zip(keys, c.frames, strict=True):
             self._service.write_part(lease_id, key, rank, frame.buffer)
         ready: list[bytes] = []
@@ -210,52 +197,26 @@ class ZmqOps:
 
     def _get(self, c: Call) -> Result | Deferred:
         """Pin ``keys`` (every one must be ready, unless ``leading``: then the leading run of
-        those held here) and send the parts of ``ranks``."""
-        ns_id, keys = c.args["ns_id"], c.args["keys"]
-        tp = self._service.engine.namespace(ns_id).tp_world_size
-        ranks = c.args["ranks"] if c.args["ranks"] is not None else list(range(tp))
-        for rank in ranks:
-            if not rank < tp:
-                raise InvalidArgument("rank out of range", rank=rank, tp_world_size=tp)
-        leading = c.args["leading"] is True
-        if self._service.needs_promotion(ns_id, keys):
-            return Deferred(lambda: self._promote_then_get(ns_id, keys, ranks, leading))
-        if leading:
-            keys = keys[: self._service.engine.lookup(ns_id, keys)]
-        return self._get_now(ns_id, keys, ranks, {})
+        those held in this daemon's own tiers) and send the parts of ``ranks``."""
+        a = c.args
+        got = self._service.get(
+            a["ns_id"], a["keys"], a["ranks"], client=ZMQ_SEND_CLIENT, leading=a["leading"] is True
+        )
+        if isinstance(got, Pending):
+            pending = got
 
-    async def _promote_then_get(
-        self, ns_id: str, keys: list[bytes], ranks: list[int], leading: bool
-    ) -> Result:
-        direct = await self._service.promote(ns_id, keys, direct=True)
-        if leading:
-            engine = self._service.engine
-            n = 0
-            while n < len(keys) and (keys[n] in direct or engine.lookup(ns_id, keys[n : n + 1])):
-                n += 1
-            keys = keys[:n]
-        return self._get_now(ns_id, keys, ranks, direct)
+            async def finish() -> Result:
+                return self._get_reply(await pending.run())
 
-    def _get_now(
-        self,
-        ns_id: str,
-        keys: list[bytes],
-        ranks: list[int],
-        direct: dict[bytes, list[memoryview]],
-    ) -> Result:
-        """Parts from the arena under a send pin, except ``direct`` ones (read from SSD)."""
-        in_dram = [k for k in keys if k not in direct] if direct else keys
-        guard = self._sender.pin(ns_id, in_dram) if in_dram or not direct else 0
-        try:
-            parts = [
-                [direct[k][r]] if k in direct else self._service.read_part(guard, k, r)
-                for k in keys
-                for r in ranks
-            ]
-        except BaseException:
-            self._sender.release(guard)
-            raise
-        return Parts({"keys": keys, "ranks": ranks}, parts, guard)
+            return Deferred(finish)
+        return self._get_reply(got)
+
+    def _get_reply(self, got: Fetched) -> Result:
+        """The parts under a send pin (the lease ``get`` took; none for parts read from a
+        lower tier's buffers)."""
+        return Parts(
+            {"keys": got.keys, "ranks": got.ranks}, got.parts, self._sender.adopt(got.lease_id)
+        )
 
     def _read_parts(self, c: Call) -> Result:
         """One rank's parts of a load lease the caller holds (it must cover ``keys``)."""
@@ -270,18 +231,20 @@ def _done(fn: Callable[..., None], *args: Any) -> dict[str, Any]:
     return {}
 
 
-def check_frames(frames: Sequence[PayloadFrame], expected: int, part_bytes: int | None) -> None:
-    """Refuse a payload with the wrong number of frames or (when given) of the wrong size."""
-    if len(frames) != expected:
-        raise InvalidArgument(
-            "wrong number of payload frames", frames=len(frames), expected=expected
-        )
-    if part_bytes is not None:
-        for i, frame in enumerate(frames):
-            if len(frame) != part_bytes:
-                raise InvalidArgument(
-                    "payload size does not match the slot",
-                    frame=i,
-                    size=len(frame),
-                    part_bytes=part_bytes,
-                )
+def _lookup_reply(r: LookupResult | Pending[LookupResult]) -> Result | Deferred:
+    if isinstance(r, Pending):
+        pending = r
+
+        async def finish() -> Result:
+            return _lookup_fields(await pending.run())
+
+        return Deferred(finish)
+    return _lookup_fields(r)
+
+
+def _lookup_fields(r: LookupResult) -> Result:
+    return {name: getattr(r, name) for name in wire.LOOKUP_FIELDS}
+
+
+def _load_reply(grant: LoadGrant) -> Result:
+    return {"grant": wire.grant_to_wire(grant, time.monotonic())}

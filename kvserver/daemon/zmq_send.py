@@ -57,10 +57,14 @@ class ZeroCopySender:
 
     def pin(self, ns_id: str, keys: list[bytes]) -> int:
         """Pin ``keys`` for a send; returns the guard (raises what ``prepare_load`` raises)."""
-        lease_s = self._service.engine.config.max_lease_s
-        grant = self._service.prepare_load(ns_id, keys, client=ZMQ_SEND_CLIENT, lease_s=lease_s)
-        self._guards.add(grant.lease_id)
-        return grant.lease_id
+        return self.adopt(self._service.hold(ns_id, keys, client=ZMQ_SEND_CLIENT))
+
+    def adopt(self, lease_id: int) -> int:
+        """Take a load lease of ``ZMQ_SEND_CLIENT`` (``KVService.hold``/``get``) as a send
+        pin; returns it as the guard (0 stays 0: nothing pinned)."""
+        if lease_id:
+            self._guards.add(lease_id)
+        return lease_id
 
     def release(self, guard: int) -> None:
         """End a send pin (no-op for 0 or an unknown guard)."""

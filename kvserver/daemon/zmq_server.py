@@ -27,10 +27,11 @@ a coroutine awaiting ``recv``: each wake-up drains every message already queued 
 before reading the next: every handler is a synchronous call into
 :class:`~kvserver.daemon.service.KVService` and the reply is sent at once (a ROUTER send never
 blocks: at the high-water mark ZMQ drops the message), so requests are applied in arrival order
-with no task switch, future or pyzmq asyncio bookkeeping per request. The exception is a load
-(``prepare_load``, ``get``) naming chunks that are only on SSD: its handler returns a
-``Deferred``, and the rest of that request — promotion (disk reads on the SSD tier's threads),
-then the load, then the reply — runs as a task of its own, a *lane*, while the loop goes on
+with no task switch, future or pyzmq asyncio bookkeeping per request. The exception is a request
+that needs a lower tier's I/O (a load — ``prepare_load``, ``get`` — naming chunks that are only
+below DRAM; a lookup a tier cannot answer without I/O): its handler returns a ``Deferred``, and
+the rest of that request — e.g. promotion (disk reads on the SSD tier's threads), then the
+load, then the reply — runs as a task of its own, a *lane*, while the loop goes on
 reading; a replay request runs on a lane too. Order per connection (ROUTER routing id) is
 kept: until the lane has answered, every later message of that connection is queued on the
 lane and handled there, in order, after it (a ``complete_load`` or ``release`` never overtakes
@@ -38,9 +39,9 @@ the load before it, and replies leave in request order); other connections are s
 loop meanwhile. The lane ends once its queue is empty; the queue holds what its connection
 sends meanwhile, as the ROUTER's receive buffer would have (``stop`` drops it). How many
 promotions read at once, and that a chunk is promoted once however many requests want it, is
-the SSD tier's business (``promotion.Promotions``). ZMQ's descriptor is edge-triggered: a send
-from a lane can consume the wake-up of a message that arrived meanwhile, so lanes schedule one
-more drain after they send.
+the tier's business (for SSD, ``promotion.Promotions``). ZMQ's descriptor is edge-triggered:
+a send from a lane can consume the wake-up of a message that arrived meanwhile, so lanes
+schedule one more drain after they send.
 
 Every request gets exactly one reply — an error reply (request id 0 when the header is
 unreadable) for anything malformed, unauthenticated, too large or refused; an unexpected
@@ -201,7 +202,7 @@ class ZmqFrontend:
     async def _start_local(self) -> None:
         """Open the local channel next to the arena (``<arena path>.sock``); without it (a
         path too long for a Unix socket, a directory we cannot write) clients use ZMQ."""
-        path = f"{self._service.engine.arena.path}.sock"
+        path = f"{self._service.arena_path}.sock"
         max_size = wire_local.max_size(self._config.max_message_bytes)
         local = LocalListener(
             path,

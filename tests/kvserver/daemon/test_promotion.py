@@ -17,10 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.daemon.promotion import Promotions
+from kvserver.daemon.service import KVService
+from kvserver.daemon.tiering import SsdTier
+from kvserver.engine_types import EngineConfig
 from kvserver.errors import UnknownKey
-from tests.kvserver.builders import make_keys
+from kvserver.ssd.config import TierConfig
+from tests.kvserver.builders import PAGE, make_keys
 from tests.kvserver.daemon.test_tiering import (
+    DRAM_PAGES,
     SPECS,
     Node,
     expected,
@@ -139,9 +143,8 @@ async def test_a_joiner_reads_what_the_batch_it_joined_left_out(tmp_path: Path) 
     load (not direct) claims the victim and waits for the slot; a direct request joins it. The
     load's batch reads nothing (DRAM cannot take the chunk), so the joiner reads the chunk
     itself afterwards and gets its bytes."""
-    n = await start(tmp_path / "ssd")
+    n = await start(tmp_path / "ssd", max_promotions=1)
     try:
-        n.tier.promotions = Promotions(n.tier, 1)
         await register(n, SPEC)
         other, victim = (await cold_keys(n))[:2]
         in_dram = [k for k in KEYS if n.engine.contains(SPEC.ns_id, k)]
@@ -187,9 +190,8 @@ async def test_a_failed_read_wakes_the_joined_request(node: Node) -> None:
 async def test_at_most_limit_batches_read_at_once(tmp_path: Path) -> None:
     """With a limit of 1, a second batch (another chunk) claims its key but pins and reads
     nothing until the first is done."""
-    n = await start(tmp_path / "ssd")
+    n = await start(tmp_path / "ssd", max_promotions=1)
     try:
-        n.tier.promotions = Promotions(n.tier, 1)
         await register(n, SPEC)
         a, b = (await cold_keys(n))[:2]
         gate = Gate(n)
@@ -208,6 +210,10 @@ async def test_at_most_limit_batches_read_at_once(tmp_path: Path) -> None:
         await stop(n)
 
 
-def test_the_limit_must_allow_one_promotion() -> None:
-    with pytest.raises(ValueError):
-        Promotions(None, 0)  # type: ignore[arg-type]
+def test_the_limit_must_allow_one_promotion(tmp_path: Path) -> None:
+    svc = KVService(EngineConfig(dram_bytes=DRAM_PAGES * PAGE, page_size=PAGE))
+    try:
+        with pytest.raises(ValueError, match="at least one promotion"):
+            SsdTier(svc.engine, TierConfig(str(tmp_path / "ssd")), max_promotions=0)
+    finally:
+        svc.close()

@@ -53,7 +53,7 @@ class Node:
         return self.svc.engine
 
 
-async def start(directory: Path, **config: Any) -> Node:
+async def start(directory: Path, *, max_promotions: int = 4, **config: Any) -> Node:
     io, clock = FaultyIO(), FakeClock()
     svc = KVService(EngineConfig(dram_bytes=DRAM_PAGES * PAGE, page_size=PAGE))
     settings: dict[str, Any] = {"capacity_bytes": 1 << 20, "admission": 1, "retry_s": 1.0}
@@ -64,14 +64,15 @@ async def start(directory: Path, **config: Any) -> Node:
         publish=svc.publish,
         fileio=io,
         clock=clock,
+        max_promotions=max_promotions,
     )
-    await tier.open()
-    svc.attach_ssd(tier)
+    svc.add_tier(tier)
+    await svc.open_tiers()
     return Node(svc, tier, io, clock)
 
 
 async def stop(node: Node) -> None:
-    await node.tier.close()
+    await node.svc.close_tiers()
     node.svc.close()
 
 
@@ -292,8 +293,8 @@ async def test_unusable_directory_then_usable(tmp_path: Path) -> None:
     io = FaultyIO()
     io.deny_dir = str(io_denied)
     tier = SsdTier(svc.engine, TierConfig(str(io_denied), retry_s=0.01), fileio=io)
-    await tier.open()
-    svc.attach_ssd(tier)
+    svc.add_tier(tier)
+    await svc.open_tiers()
     try:
         assert tier.condition == "unavailable" and "EACCES" in tier.reason
         svc.register_namespace(SPECS[1])
@@ -305,7 +306,7 @@ async def test_unusable_directory_then_usable(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         assert tier.condition == "ok"
     finally:
-        await tier.close()
+        await svc.close_tiers()
         svc.close()
 
 
