@@ -1,7 +1,7 @@
 """The SSD tier inside the daemon: write-back of DRAM evictions, promotion on load, rebuild.
 
 A :class:`~kvserver.daemon.tiers.Tier` (the seam and its contracts: ``tiers.py``), named
-``ssd``, medium ``DISK``.
+``ssd``, medium ``STORAGE``.
 
 Runs on the daemon's one event loop. Every disk operation runs on the tier's own thread pool
 (``io_threads``) through :class:`~kvserver.ssd.store.SlotStore`; the loop only keeps the books

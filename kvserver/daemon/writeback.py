@@ -47,7 +47,7 @@ from kvserver.ssd.store import ChunkWrite, SlotStore
 
 logger = logging.getLogger(__name__)
 
-#: queue a DISK event (ns_id, stored, key)
+#: queue a STORAGE event (ns_id, stored, key)
 EventSink = Callable[[str, bool, bytes], None]
 #: count a future as disk work in flight, then call the callback with it
 Tracker = Callable[["asyncio.Future[Any]", Callable[["asyncio.Future[Any]"], None]], None]
