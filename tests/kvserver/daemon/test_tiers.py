@@ -164,6 +164,7 @@ async def test_zmq_lookup_and_load_defer_when_a_tier_needs_io(svc: KVService) ->
     sender = ZeroCopySender(svc)
     ops = ZmqOps(svc, config, "sid", sender)
     args = {"ns_id": SPEC.ns_id, "keys": keys[:3], "record": None, "touch": None}
+    args["local"] = None
     deferred = ops.handle("lookup", Call(args, [], "c"))
     assert isinstance(deferred, Deferred)
     reply = await deferred.run()
@@ -228,3 +229,22 @@ def test_tier_names_are_unique_in_a_stack() -> None:
             service.add_tier(MemoryTier(service))
     finally:
         service.close()
+
+
+async def test_a_peers_question_never_reaches_a_tier_of_other_hosts(svc: KVService) -> None:
+    """lookup local= and get leading= (asked by a peer) consult this host's own tiers only."""
+
+    class Remote(MemoryTier):
+        local = False
+
+    tier = Remote(svc)
+    svc.add_tier(tier)
+    keys = make_keys(6, tag="p")
+    put(svc, keys)  # keys 0, 1 only in the remote tier
+    result = svc.lookup(SPEC.ns_id, keys, local=True)
+    assert isinstance(result, LookupResult)  # no I/O: the remote tier is not asked
+    assert result.tiers == {"dram": 0} and tier.queries == 0
+    got = svc.get(SPEC.ns_id, keys[2:] + keys[:2], None, client="c", leading=True)
+    assert isinstance(got, Fetched)  # nothing to promote from this host's tiers
+    assert got.keys == keys[2:]
+    svc.complete_load(got.lease_id)
