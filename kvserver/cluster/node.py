@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 #: pending index changes that are written at once, without waiting for the batch linger.
 MAX_BATCH_KEYS = 65_536
+#: time allowed per index key of a pipeline, on top of the call timeout (seconds).
+KEY_WRITE_S = 1e-5
 
 
 #: what the daemon holds: chunk keys per (namespace id, tier).
@@ -259,8 +261,11 @@ class ClusterNode:
 
     # ------------------------------------------------------------------ Redis writes
 
-    async def _bounded(self, pipe: Any) -> list[Any]:
-        result: list[Any] = await asyncio.wait_for(pipe.execute(), self.config.timeout_s * 4)
+    async def _bounded(self, pipe: Any, num_keys: int = 0) -> list[Any]:
+        """Execute ``pipe`` within 4 timeouts plus 10 us per index key it carries (a resync of
+        1 M chunks sends 8 MB: it must not time out, and then retry, forever)."""
+        limit = self.config.timeout_s * 4 + num_keys * KEY_WRITE_S
+        result: list[Any] = await asyncio.wait_for(pipe.execute(), limit)
         return result
 
     async def _register_and_resync(self) -> None:
@@ -283,7 +288,7 @@ class ClusterNode:
             pipe.execute_command("UNLINK", key)
         commands = len(old_keys) + self.writer.apply(pipe, batch)
         commands += self._queue_record(pipe, exists=False)
-        await self._bounded(pipe)
+        await self._bounded(pipe, batch.num_keys)
         self._written(batch.last_seq)
         self.counters.registrations += 1
         self.counters.resyncs += 1
@@ -321,7 +326,7 @@ class ClusterNode:
         if batch.new_namespaces:
             self._ns_specs.update(self.namespace_specs())
             commands += self._queue_record(pipe, exists=True)
-        await self._bounded(pipe)
+        await self._bounded(pipe, batch.num_keys)
         self._written(batch.last_seq)
         self.counters.batches += 1
         self.counters.commands += commands
