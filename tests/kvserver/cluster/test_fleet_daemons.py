@@ -155,3 +155,45 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
 
 async def _eq(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+async def test_write_downs_reach_the_index_as_ssd_and_a_resync_keeps_them(
+    tmp_path: Path, redis_server: RedisServer, daemons: list[DaemonProc]
+) -> None:
+    """DRAM holds 40 chunks; 100 stored: the evicted ones written down to SSD show in the index
+    under tier ssd, exactly as the daemon's own Lookup splits them, also after Redis lost
+    everything and the daemon resynced from its tiers (the SSD index included)."""
+    spec = make_spec(model="test/fleet-ssd", part_bytes_override=12_000)  # 3 pages of 4 KiB
+    d = start_daemon(
+        tmp_path / "ssd-host",
+        "--page-size", "4KiB", "--dram", "480KiB", "--ssd-dir", str(tmp_path / "ssd"),
+        "--ssd", "8MiB", "--ssd-admission", "1", "--cluster", redis_server.url,
+        "--host-id", "s", "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "0.5",
+        env={"KVSERVER_SSD_RETRY_S": "0.2"},
+    )  # fmt: skip
+    daemons.append(d)
+    keys = make_keys(100, tag="fleet-ssd")
+    with KVClient(d.zmq_address) as kv:
+        ns_id = kv.register_namespace(spec).ns_id
+        wait_until(lambda: kv.stats()["ssd"]["unsaved_namespaces"] == 0)
+        for i in range(0, 100, 10):
+            batch = keys[i : i + 10]
+            assert kv.store(ns_id, batch, [[pattern(k, 0, spec.part_bytes)] for k in batch])
+        wait_until(lambda: kv.stats()["ssd"]["writes_in_flight"] == 0)
+        local = kv.lookup(ns_id, keys)
+    assert local.tiers["ssd"] > 0
+    reader = reader_for(redis_server)
+    try:
+
+        async def matches() -> bool:
+            found = await reader.lookup(ns_id, keys, exact=True)
+            return [(r.hit_chunks, r.tiers) for r in found] == [(local.hit_chunks, local.tiers)]
+
+        await eventually(matches, timeout=10.0)
+        redis_server.kill()
+        wait_until(lambda: cluster_stats(d)["condition"] == "unavailable", timeout=10.0)
+        redis_server.restart()
+        wait_until(lambda: cluster_stats(d)["condition"] == "ok", timeout=10.0)
+        await eventually(matches, timeout=10.0)
+    finally:
+        await reader.redis.aclose()
