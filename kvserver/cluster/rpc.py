@@ -13,6 +13,7 @@ fleet can score a prompt of any model in it.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,10 +103,16 @@ def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
         if len(t.token_ids) > MAX_TOKENS:
             raise InvalidArgument("too many tokens", count=len(t.token_ids))
         lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
-        hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
+        hasher = _hasher(spec)
         blocks = hasher.hash_blocks(t.token_ids, cache_salt=t.cache_salt or None, lora=lora)
         return [bytes(k) for k in hasher.chunk_keys(blocks, spec.chunk_blocks)]
     raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
+
+
+@functools.lru_cache(maxsize=64)
+def _hasher(spec: NamespaceSpec) -> BlockHasher:
+    """One hasher per namespace (building one computes its NONE_HASH)."""
+    return BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
 
 
 def cluster_stats(stats: dict[str, Any] | None) -> Any:
