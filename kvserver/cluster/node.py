@@ -242,9 +242,9 @@ class ClusterNode:
                 raise
             except Exception as exc:
                 self._failed(exc)
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(interval, 1.0))
+                # retry after a pause that events do not cut short (a refused connection
+                # fails at once: retrying per event would spin while Redis is down)
+                await asyncio.sleep(min(interval, 1.0))
                 self._wake.clear()
 
     def _failed(self, exc: BaseException) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,27 @@ async def test_a_member_over_tls_rediss(tmp_path: Path) -> None:
         await node.stop()
     finally:
         server.stop()
+
+
+async def test_events_while_redis_is_down_do_not_make_the_member_spin(
+    redis_server: RedisServer,
+) -> None:
+    """Regression: a refused connection fails at once; retrying on every event would spin."""
+    a = Member("host-a", cluster_config(redis_server.url, ttl_s=3.0))
+    node = await a.start()
+    try:
+        redis_server.kill()
+
+        async def unavailable() -> bool:
+            return node.condition == "unavailable"
+
+        await eventually(unavailable, timeout=5.0)
+        before = node.counters.errors
+        ks = keys(200)
+        for i in range(200):  # 200 events over about 1 s
+            a.store(ks[i : i + 1])
+            await asyncio.sleep(0.005)
+        assert node.counters.errors - before <= 3
+        assert node.writer.pending_keys == 0  # dropped: a resync replaces them
+    finally:
+        await node.stop()
