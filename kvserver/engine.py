@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat, takewhile
 from typing import cast
 
 from kvserver.arena import SharedArena
@@ -169,16 +170,12 @@ class StorageEngine:
         """
         ns = self._ns(ns_id)
         self._namespaces.check_keys(ns, keys)
-        index = self._index
-        hits = 0
-        count_use = record or touch
-        for key in keys:
-            entry = index.get((ns, key))
-            if entry is None or entry.state is not EntryState.READY:
-                break
-            if count_use:
-                entry.uses += 1
-            hits += 1
+        # the leading run of READY keys, counted without a Python loop per key
+        hits = len(list(takewhile(self._dram.ready.__contains__, zip(repeat(ns), keys))))
+        if record or touch:
+            index = self._index
+            for key in keys[:hits]:
+                index[(ns, key)].uses += 1
         if record and self.reuse.enabled:
             self.reuse.record([(ns, k) for k in keys])
         if touch and hits:

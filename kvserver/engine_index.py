@@ -20,7 +20,8 @@ and this runs right after the client's copies have evicted the daemon's data fro
 Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
 - every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
   (READY, pinned); ``reserved_pages`` and ``pinned_pages`` are the counts of the middle two;
-- every READY entry is tracked by the policy and no other key is;
+- every READY entry is tracked by the policy and no other key is; ``ready`` holds exactly
+  the keys of the READY entries;
 - pinned and WRITING entries are never evicted; eviction removes whole entries, all or nothing.
 """
 
@@ -44,6 +45,9 @@ class DramIndex:
         self.policy = make_policy(policy)
         self.allocator = PageAllocator(num_pages, page_size)
         self.entries: dict[IndexKey, Entry] = {}
+        #: keys of the READY entries (what a lookup may hit), kept beside ``entries`` so that
+        #: a lookup finds its leading run of hits without a Python loop
+        self.ready: set[IndexKey] = set()
         self.reserved_pages = 0
         self.pinned_pages = 0
         self.num_writing = 0
@@ -77,6 +81,7 @@ class DramIndex:
         victims = self.policy.evict(shortfall, self._cost, evictable)
         if victims is None:
             return None
+        self.ready.difference_update(victims)
         pop = entries.pop
         return [pop(victim) for victim in victims]  # type: ignore[call-overload]
 
@@ -152,6 +157,7 @@ class DramIndex:
             entry.lease_id = 0
             pages += entry.num_pages
         count = len(ikeys)
+        self.ready.update(ikeys)
         self.policy.insert_batch(ikeys)
         self.reserved_pages -= pages
         self.num_writing -= count
@@ -250,3 +256,4 @@ class DramIndex:
         assert writing == self.num_writing
         assert free + reserved + pinned + ready == self.allocator.num_pages
         assert len(self.policy) == len(self.entries) - writing
+        assert self.ready == {k for k, e in self.entries.items() if e.state is EntryState.READY}

@@ -178,6 +178,10 @@ class BlockHasher:
         ``start_block > 0``. ``cache_salt`` only affects block 0 (an empty salt is no salt, as
         in vLLM); ``lora`` = (name, path) affects every block.
 
+        ``token_ids`` may also be a one-dimensional buffer of unsigned integers (an
+        ``array.array``, a numpy array: front ends that decode ids in bulk); its items are
+        plain ints >= 0 by construction and are not checked one by one.
+
         Raises InvalidArgument (nothing computed) for token ids that are not ``int`` >= 0 —
         bool, int subclasses and numpy integers are rejected because they would pickle or
         encode differently — or for an inconsistent parent/start_block.
@@ -209,7 +213,7 @@ class BlockHasher:
         cache = self._cache
         size = array("I").itemsize
         while end - start >= group:  # whole segments: from the cache or computed and cached
-            segment = tokens[start : start + group]
+            segment = tuple(tokens[start : start + group])
             if packed_all is None:  # ids >= 2**32: no cache for them
                 hashes = self._chain(segment, group, parent, keys, rest_keys)
             else:
@@ -223,7 +227,7 @@ class BlockHasher:
             out += hashes
             parent, keys, start = hashes[-1], rest_keys, start + group
         if start < end:  # the tail, fewer than GROUP_BLOCKS blocks: computed, not cached
-            tail = tokens[start:end] if start else tokens
+            tail = tuple(tokens[start:end] if start else tokens)
             out += self._chain(tail, end - start, parent, keys, rest_keys)
         return out
 
@@ -291,16 +295,28 @@ class _GroupCache:
         return len(self._segments)
 
 
-def _check_tokens(token_ids: Sequence[int]) -> tuple[tuple[int, ...], bytes | None]:
-    """(the token ids as a tuple, packed as 4-byte ints or None if one is >= 2**32).
+_UNSIGNED_FORMATS = frozenset("BHILQ")
 
-    An ``array`` of an unsigned type is taken as it is (its items are plain ints >= 0);
-    anything else is checked item by item (plain ``int``, >= 0).
+
+def _check_tokens(token_ids: Sequence[int]) -> tuple[Sequence[int], bytes | None]:
+    """(the token ids as a tuple or an ``array('I')``, packed as native 4-byte unsigned ints
+    or None if one is >= 2**32); InvalidArgument names the first bad id.
+
+    A buffer of unsigned ints (see ``hash_blocks``) is taken as it is; anything else is
+    checked item by item (plain ``int``, >= 0).
     """
-    if type(token_ids) is array and token_ids.typecode in "BHIL":
-        tokens = tuple(token_ids)
-        packed = token_ids.tobytes() if token_ids.typecode == "I" else None
-        return tokens, packed if packed is not None else _pack(tokens)
+    if type(token_ids) is not tuple and type(token_ids) is not list:
+        try:
+            view = memoryview(token_ids)  # type: ignore[arg-type]
+        except TypeError:
+            view = None
+        if view is not None and view.ndim == 1 and view.format.lstrip("@=") in _UNSIGNED_FORMATS:
+            if view.format.lstrip("@=") == "I" and view.itemsize == 4:
+                ids = array("I")
+                ids.frombytes(view.cast("B") if view.c_contiguous else view.tobytes())
+                return ids, ids.tobytes()
+            values = tuple(view.tolist())
+            return values, _pack(values)
     try:
         tokens = token_ids if type(token_ids) is tuple else tuple(token_ids)
     except TypeError:

@@ -28,11 +28,12 @@ import contextlib
 import inspect
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
+import numpy
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -291,8 +292,11 @@ class GrpcFrontend:
         if which == "tokens":
             t = request.tokens
             lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
+            # protobuf hands a repeated uint32 field to numpy in bulk (32k ids: 5 us instead
+            # of 0.9 ms for a tuple of ints); the hasher takes the array as it is
+            token_ids = cast("Sequence[int]", numpy.asarray(t.token_ids, dtype=numpy.uint32))
             return self.service.chunk_keys_for_tokens(
-                ns_id, t.token_ids, cache_salt=t.cache_salt or None, lora=lora
+                ns_id, token_ids, cache_salt=t.cache_salt or None, lora=lora
             )
         raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
 

@@ -451,3 +451,19 @@ def test_arrays_of_ids_hash_like_lists(typecode: str) -> None:
     if typecode in "iq":
         with pytest.raises(InvalidArgument, match=">= 0"):
             hasher.hash_blocks(array(typecode, [*tokens, -1]))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "uint64"])
+def test_numpy_unsigned_arrays_hash_like_lists(dtype: str) -> None:
+    """What the gRPC front end passes (protobuf's repeated uint32 field, decoded in bulk)."""
+    np = pytest.importorskip("numpy")
+    tokens = [0, 1, 23, 24, 255] * 20 + list(range(100))
+    want = reference_hashes("sha256_cbor", tokens, 4)
+    hasher = BlockHasher("sha256_cbor", 4)
+    assert hasher.hash_blocks(np.array(tokens, dtype=dtype)) == want
+    strided = np.array([t for pair in zip(tokens, tokens, strict=True) for t in pair], dtype)
+    assert hasher.hash_blocks(strided[::2]) == want  # not contiguous
+    with pytest.raises(InvalidArgument, match="plain ints"):
+        hasher.hash_blocks(np.array(tokens, dtype="int64"))  # numpy integers, one by one
+    with pytest.raises(InvalidArgument, match="plain ints"):
+        hasher.hash_blocks(np.array([tokens[:4], tokens[4:8]], dtype=dtype))  # 2-D
