@@ -36,11 +36,12 @@ def test_bench_quick_writes_json_and_chart(tmp_path: Path) -> None:
     assert f"Redis reference skipped: '{missing}' not found" in proc.stdout
     rows = doc["results"]
     names = [row["name"] for row in rows]
-    assert len(rows) == 8 and len(set(names)) == 8
+    assert len(rows) == 10 and len(set(names)) == 10
     assert sum(name.startswith("co-located store+load 256KiB x4") for name in names) == 1
     assert sum(name.startswith("remote put+get 256KiB x4") for name in names) == 1
     assert sum(name.startswith("gRPC Lookup by 2,048 keys p99") for name in names) == 1
-    assert sum(name.startswith("gRPC Lookup by 32k token ids") for name in names) == 2
+    assert sum(name.startswith("gRPC Lookup by 32k token ids, the same") for name in names) == 2
+    assert sum(name.startswith("gRPC Lookup by 32k token ids, a new") for name in names) == 2
     for row in rows:
         assert set(row) == {"name", "value", "unit", "reference", "ratio"}
         assert row["unit"] in ("GB/s", "ms")
@@ -62,7 +63,7 @@ def test_bench_quick_with_redis_reports_the_redis_ratio(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     label = "256KiB x4 (1MiB batch)"
     rows = [r for r in doc["results"] if " vs Redis SET/GET (" in r["name"]]
-    assert len(doc["results"]) == 10
+    assert len(doc["results"]) == 12
     assert [r["name"] for r in rows] == [
         f"remote put+get {label} vs Redis SET/GET (pipelined)",
         f"remote put+get {label} vs Redis SET/GET (per-command)",
