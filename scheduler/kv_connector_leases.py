@@ -15,8 +15,9 @@ store batch (added by the store planner). Life of a job::
 
 Invariants:
 - ``jobs`` holds every job planned or in flight, keyed by ``TransferJob.id``; ``to_ship``
-  the ones not shipped yet; a request's ``num_loads`` / ``num_stores`` count its jobs (plus,
-  for stores, its share of the store batch in flight), changed only through the methods of
+  the ones not shipped yet; ``loading`` counts, per chunk key, the load jobs in ``jobs``
+  that read it; a request's ``num_loads`` / ``num_stores`` count its jobs (plus, for stores,
+  its share of the store batch in flight), changed only through the methods of
   :class:`~scheduler.kv_connector_request.RequestState`;
 - no job's deadline is earlier than ``_next_deadline`` (so :meth:`expire` is one comparison
   per step until a lease may really have expired);
@@ -64,6 +65,8 @@ class LeaseBook:
         self._stats = stats
         self._clock = clock
         self.jobs: dict[tuple[bool, str, int], TransferJob] = {}
+        #: chunk key -> load jobs (planned or in flight) reading it.
+        self.loading: dict[bytes, int] = {}
         #: loads planned in this step and stores reserved for the previous one.
         self.to_ship: list[TransferJob] = []
         #: a lower bound of the deadlines of the jobs (only a later clock can expire one).
@@ -82,6 +85,7 @@ class LeaseBook:
             completion.pending.cancel()
         self.completions.clear()
         self.jobs.clear()
+        self.loading.clear()
         self.to_ship.clear()
         self._next_deadline = math.inf
         self.failed_loads.clear()
@@ -102,6 +106,9 @@ class LeaseBook:
         """A load job (its request counted it: ``RequestState.load_pinned``), shipped by the
         next :meth:`ship`."""
         self.jobs[job.id] = job
+        loading = self.loading
+        for key in job.keys:
+            loading[key] = loading.get(key, 0) + 1
         self.to_ship.append(job)
         if job.deadline < self._next_deadline:
             self._next_deadline = job.deadline
@@ -169,6 +176,13 @@ class LeaseBook:
         daemon calls are :meth:`send_completions`' (none for an expired lease: the daemon
         reclaimed it already)."""
         del self.jobs[job.id]
+        if job.is_load:
+            loading = self.loading
+            for key in job.keys:
+                if loading[key] == 1:
+                    del loading[key]
+                else:
+                    loading[key] -= 1
         req_id = job.transfers.req_id
         state = self._reqs.get(req_id)
         if state is None:

@@ -11,11 +11,20 @@ Call order, per admitted request::
     pin(state, block_ids, n_ext)         prepare_load of the offered hit -> one load job
 
 Both calls are synchronous and bounded (``lookup_timeout_s``, ``op_timeout_s``) behind the
-link's circuit breaker. Only chunks wholly inside the first ``num_tokens - 1`` tokens are
-offered; a hit is always asynchronous. "Ask again" (None) is answered only while an earlier
-transfer of the request is in flight, or while the first missing chunk is being stored by
-this connector (the hit grows once that store lands). A hit that can no longer be pinned
-(evicted meanwhile, daemon unreachable) becomes a load error from its first missing chunk.
+link's circuit breaker. The offer ends where vLLM's own prefix cache would: at the last full
+block before the last token (one token is always left to compute). A chunk whose blocks are
+all full blocks of the prompt is looked up even when that limit cuts it: its leading blocks
+are loaded, its trailing ones are not (so a hit costs the same recomputation as a local
+prefix-cache hit, whatever the chunk size). A hit is always asynchronous.
+
+"Ask again" (None) is answered only while an earlier transfer of the request is in flight;
+while the first missing chunk is being stored by this connector (the hit grows once that
+store lands); or while the first chunk past the local hit is being loaded for another
+request: once that load has landed, the scheduler's prefix cache holds those blocks and
+serves them to this request as well, instead of a second copy of the same chunks into blocks
+of its own (many requests sharing a prefix often arrive together). A hit that can no longer
+be pinned (evicted meanwhile, daemon unreachable) becomes a load error from its first missing
+chunk.
 """
 
 from __future__ import annotations
@@ -68,14 +77,18 @@ class LoadPlanner:
         state.offered(None)
         if state.is_busy:
             return None, False  # an earlier transfer of this request is in flight
-        ct, cb = self.spec.chunk_tokens, self.spec.chunk_blocks
+        bs, ct, cb = self.spec.block_size, self.spec.chunk_tokens, self.spec.chunk_blocks
         hashes = state.block_hashes(self._hasher)
-        # Only chunks within the first num_tokens - 1 tokens: one token is left to compute.
-        max_chunks = min(len(hashes) // cb, (len(request.all_token_ids) - 1) // ct)
+        # Blocks before the last token (one token is left to compute), in chunks of which
+        # every block is a full block of the prompt (a chunk's key is its last block's hash).
+        max_blocks = min(len(hashes), (len(request.all_token_ids) - 1) // bs)
+        max_chunks = min(len(hashes) // cb, -(-max_blocks // cb))
         start = num_computed_tokens // ct
-        if max_chunks <= start:
-            return 0, False
+        if max_chunks <= start or max_blocks * bs <= num_computed_tokens:
+            return 0, False  # nothing past the local hit could be offered: no lookup
         keys = list(hashes[start * cb + cb - 1 : max_chunks * cb : cb])
+        if keys[0] in self._leases.loading:
+            return None, False  # being loaded for another request: ask again once it landed
         self._stats.lookups += 1
         try:
             with self.lookup_seconds.time():
@@ -86,10 +99,11 @@ class LoadPlanner:
             return 0, False
         if hits < len(keys) and self._is_storing(keys[hits]):
             return None, False  # the next chunk is being stored right now: ask again
-        if hits == 0:
+        end_tokens = min((start + hits) * ct, max_blocks * bs)
+        if end_tokens <= num_computed_tokens:
             return 0, False
-        num_external = (start + hits) * ct - num_computed_tokens
-        state.offered((num_computed_tokens, start, keys[:hits]))
+        num_external = end_tokens - num_computed_tokens
+        state.offered((num_computed_tokens, start, keys[:hits], end_tokens))
         self._stats.hit_tokens += num_external
         return num_external, True
 
@@ -103,7 +117,7 @@ class LoadPlanner:
         (the scheduler recomputes those tokens).
         """
         req_id, offer = state.req_id, state.offer
-        bs, ct, cb = self.spec.block_size, self.spec.chunk_tokens, self.spec.chunk_blocks
+        bs, cb = self.spec.block_size, self.spec.chunk_blocks
         if num_external_tokens and offer is None:
             raise InvalidArgument("no external tokens were offered", request=req_id)
         if not num_external_tokens or offer is None:
@@ -115,19 +129,20 @@ class LoadPlanner:
             if is_new_table:
                 state.restart(0)
             return
-        num_local, start, keys = offer
-        end = start + len(keys)
-        if num_local + num_external_tokens != end * ct or len(block_ids) < end * cb:
+        num_local, start, keys, end_tokens = offer
+        end_block = end_tokens // bs
+        if num_local + num_external_tokens != end_tokens or len(block_ids) < end_block:
             raise InvalidArgument(
                 "num_external_tokens or block_ids do not match the offered hit",
-                got=num_external_tokens, offered=end * ct - num_local, blocks=len(block_ids),
+                got=num_external_tokens, offered=end_tokens - num_local, blocks=len(block_ids),
             )  # fmt: skip
         state.take_offer(block_ids)
         loads: list[ChunkLoad] = []
         first_tokens: list[int] = []
         for i, key in enumerate(keys, start):
             skip = max(0, num_local // bs - i * cb)  # leading sub-blocks already on the GPU
-            loads.append(ChunkLoad(key, state.block_ids[i * cb + skip : (i + 1) * cb], skip))
+            last = min((i + 1) * cb, end_block)  # the offer may end inside the last chunk
+            loads.append(ChunkLoad(key, state.block_ids[i * cb + skip : last], skip))
             first_tokens.append(max(num_local, (i * cb + skip) * bs))
         self._stats.loads += 1
         grant: LoadGrant | None = None

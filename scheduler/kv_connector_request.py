@@ -32,8 +32,9 @@ from kvserver.errors import InvalidState
 from kvserver.hashing import BlockHash, BlockHasher
 from scheduler.connector_base import RequestLike
 
-#: (num_local_tokens, first chunk, hit keys) of the last lookup, until allocation.
-Offer = tuple[int, int, list[bytes]]
+#: (num_local_tokens, first chunk, hit keys, end of the offer in tokens) of the last lookup,
+#: until allocation.
+Offer = tuple[int, int, list[bytes], int]
 
 
 class RequestState:

@@ -15,8 +15,10 @@ for co-located workers the arena extents of every rank's part (``extents[rank]``
 Part layout: a chunk's part for one rank is its ``chunk_blocks`` GPU blocks in order, block j at
 bytes [j * block_bytes, (j + 1) * block_bytes). ``ChunkStore.block_ids[j]`` is the GPU block of
 sub-block j (exactly ``chunk_blocks`` ids). ``ChunkLoad.block_ids[j]`` receives sub-block
-``skip_blocks + j`` (``chunk_blocks - skip_blocks`` ids): the skipped leading sub-blocks of a
-partly-cached first chunk are neither read into nor overwritten on the GPU.
+``skip_blocks + j`` (1 to ``chunk_blocks - skip_blocks`` ids): the skipped leading sub-blocks of
+a partly-cached first chunk are neither read into nor overwritten on the GPU, and a load that
+ends inside its last chunk (the offer stops before the prompt's last token) lists fewer ids:
+its trailing sub-blocks are not read.
 """
 
 from __future__ import annotations

@@ -192,6 +192,14 @@ class KVServerWorkerConnector:
         self.handle_preemptions(flush)
         for t in meta.loads:
             self._submit(t, is_load=True)
+        if meta.loads and self.engine is not None and self.arena is not None and (
+            not self.caches_on_cuda
+        ):
+            # CPU caches and the daemon's arena mapped: a load is a memcpy by the cores the
+            # forward pass uses anyway. Finished here, it is reported by this step's
+            # get_finished and the request runs in the next step, instead of idling in
+            # WAITING_FOR_REMOTE_KVS for as many steps as the copy thread needs.
+            self.engine.wait([self._inflight[(True, t.req_id, t.lease_id)] for t in meta.loads])
 
     def wait_for_save(self) -> None:
         """Queue this metadata's stores for the next ``start_load_kv`` (never blocks)."""

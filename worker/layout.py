@@ -238,14 +238,16 @@ def plan_copies(
     part's bytes are at ``extents`` of it, in order).
 
     Store: ``block_ids`` are the part's ``chunk_blocks`` sub-blocks. Load: ``block_ids[j]``
-    receives sub-block ``skip + j`` (``chunk_blocks - skip`` ids); the skipped leading
-    sub-blocks are neither read nor written (step_protocol/connector.py). Raises
+    receives sub-block ``skip + j`` (1 to ``chunk_blocks - skip`` ids); the skipped leading
+    sub-blocks, and the trailing ones past the ids, are neither read nor written
+    (step_protocol/connector.py). Raises
     InvalidArgument for ids or extents that do not fit, before building anything. The copies
     come from :func:`strided_copies` when the caches and ``host`` are on the CPU, else (or
     with ``contiguous=True``) from :func:`contiguous_copies`.
     """
-    want = chunk_blocks - skip if is_load else chunk_blocks
-    if not 0 <= skip < chunk_blocks or len(block_ids) != want:
+    most = chunk_blocks - skip if is_load else chunk_blocks
+    least = 1 if is_load else chunk_blocks
+    if not 0 <= skip < chunk_blocks or not least <= len(block_ids) <= most:
         raise InvalidArgument("block_ids do not fit the chunk", blocks=len(block_ids),
                               skip_blocks=skip, chunk_blocks=chunk_blocks)  # fmt: skip
     ids = tuple(block_ids)

@@ -335,9 +335,10 @@ def test_miss_store_then_hit_loads_the_right_bytes(harness: Harness, daemon: Dae
     assert daemon_stats(daemon)["pinned_pages"] == 0  # complete_load once every rank reported
     assert h.admit(FakeRequest("c", tokens(33, base=5000), spec)) == (0, False)
     assert h.admit(FakeRequest("d", tokens(33), spec, cache_salt="tenant-2")) == (0, False)
-    # a full hit leaves the last token to compute: a 32-token prompt loads 3 chunks, not 4
-    assert h.conn.get_num_new_matched_tokens(FakeRequest("e", tokens(32), spec), 0) == (24, True)
-    assert h.conn.stats.hit_tokens == 24 + 24
+    # a full hit leaves the last token to compute, as vLLM's prefix cache does: a 32-token
+    # prompt (8 blocks, all 4 chunks stored) is offered 7 blocks
+    assert h.conn.get_num_new_matched_tokens(FakeRequest("e", tokens(32), spec), 0) == (28, True)
+    assert h.conn.stats.hit_tokens == 24 + 28
 
 
 @mp
@@ -359,6 +360,48 @@ def test_partial_first_chunk_skips_blocks_already_on_gpu(harness: Harness) -> No
     assert report.finished_recving == {"b"}
     assert all(w.gpu[blk] == b"LOCAL" for w in h.workers for blk in local)
     h.assert_loaded(b, range(3, 8))
+
+
+@mp
+def test_full_hit_loads_the_last_chunk_up_to_the_block_before_the_last_token(
+    harness: Harness,
+) -> None:
+    """A 32-token prompt whose 4 chunks are stored: 7 of its 8 blocks are loaded (the last
+    chunk's first block only), as many as vLLM's own prefix cache would give it."""
+    h, spec = harness, harness.spec
+    h.prefill(FakeRequest("a", tokens(33), spec))
+    b = FakeRequest("b", tokens(32), spec)
+    assert h.admit(b) == (28, True)
+    for w in h.workers:
+        w.gpu[h.blocks["b"][7]] = b"UNTOUCHED"
+    meta, report = h.step()
+    loads = meta.loads[0].loads
+    assert [(c.skip_blocks, c.block_ids) for c in loads] == [
+        (0, h.blocks["b"][0:2]), (0, h.blocks["b"][2:4]), (0, h.blocks["b"][4:6]),
+        (0, [h.blocks["b"][6]]),
+    ]  # fmt: skip
+    assert report.finished_recving == {"b"} and not report.load_errors
+    h.assert_loaded(b, range(7))
+    assert all(w.gpu[h.blocks["b"][7]] == b"UNTOUCHED" for w in h.workers)
+
+
+@mp
+def test_a_prefix_loading_for_one_request_makes_the_next_one_wait(harness: Harness) -> None:
+    """Two requests sharing a stored prefix arrive together: the second is asked to wait
+    (None, no lookup) while the first one's load is in flight, instead of copying the same
+    chunks into blocks of its own; once the load landed the prefix cache serves it, and the
+    connector offers nothing more (no lookup either)."""
+    h, spec = harness, harness.spec
+    h.prefill(FakeRequest("a", tokens(33), spec))
+    b, c = FakeRequest("b", tokens(33), spec), FakeRequest("c", tokens(33), spec)
+    assert h.admit(b) == (32, True)
+    lookups = h.conn.stats.lookups
+    assert h.conn.get_num_new_matched_tokens(c, 0) == (None, False)
+    meta, report = h.step()
+    assert [t.req_id for t in meta.loads] == ["b"] and report.finished_recving == {"b"}
+    assert h.conn.get_num_new_matched_tokens(c, 32) == (0, False)  # the local hit: 8 blocks
+    assert h.conn.stats.lookups == lookups
+    assert h.admit(FakeRequest("d", tokens(33), spec)) == (32, True)  # no load in flight
 
 
 @mp

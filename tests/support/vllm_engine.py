@@ -144,9 +144,10 @@ class EngineProc:
         self.send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
         return self.expect("done")
 
-    def stats(self) -> dict[str, Any]:
-        self.send({"op": "stats"})
-        return self.expect("stats")
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's own prefix cache (not kvserver)."""
+        self.send({"op": "reset_prefix_cache"})
+        return bool(self.expect("reset")["ok"])
 
     def close(self) -> None:
         if self.proc.poll() is None:

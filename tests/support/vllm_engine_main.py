@@ -15,7 +15,7 @@ the test process: :mod:`tests.support.vllm_engine` starts it and speaks its prot
         → optionally ``@@ {"op": "paused", "steps": K}`` after K engine steps, then waits for
           one stdin line (``{"op": "resume"}``), adds the ``later`` prompts and goes on;
         → ``@@ {"op": "done", "tokens": {ID: [...]}, "ttft_s": {ID: s}, "steps": n}``
-    {"op": "stats"}   → ``@@ {"op": "stats", "prefix_cache_hits": ..., ...}`` (engine counters)
+    {"op": "reset_prefix_cache"}   → ``@@ {"op": "reset", "ok": bool}`` (vLLM's own cache only)
     {"op": "exit"}
 
 Greedy sampling (temperature 0) and token-id prompts, no tokenizer (``skip_tokenizer_init``).
@@ -34,6 +34,8 @@ import time
 from typing import Any
 
 MARK = "@@ "
+#: bound on stepping after the last output, until vLLM's scheduler holds no request
+DRAIN_TIMEOUT_S = 60.0
 
 
 def _say(obj: dict[str, Any]) -> None:
@@ -89,8 +91,8 @@ def serve(args: argparse.Namespace) -> None:
         op = cmd.get("op")
         if op == "exit":
             break
-        if op == "stats":
-            _say({"op": "stats", **_engine_stats(engine)})
+        if op == "reset_prefix_cache":
+            _say({"op": "reset", "ok": bool(engine.reset_prefix_cache())})
             continue
         if op != "generate":
             _say({"op": "error", "error": f"unknown op {op!r}"})
@@ -129,15 +131,14 @@ def _generate(engine: Any, cmd: dict[str, Any], sampling_params: Any) -> dict[st
             _say({"op": "paused", "steps": steps})
             sys.stdin.readline()  # the driver's "resume"
             add(cmd.get("later", {}))
+    # vLLM's engine-core loop keeps stepping while its scheduler holds requests (finished ones
+    # whose stores are in flight, too); LLMEngine.step's callers stop at the last output.
+    scheduler = engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        engine.step()
+        steps += 1
     return {"op": "done", "tokens": tokens, "ttft_s": ttft, "steps": steps}
-
-
-def _engine_stats(engine: Any) -> dict[str, Any]:
-    """The engine's prefix-cache counters, read from vLLM's scheduler (in-process core)."""
-    core = engine.engine_core.engine_core
-    stats = core.scheduler.kv_cache_manager.prefix_cache_stats
-    return {"prefix_cache_queries": int(stats.queries) if stats else -1,
-            "prefix_cache_hits": int(stats.hits) if stats else -1}  # fmt: skip
 
 
 def main() -> None:
