@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvserver.client import KVClient
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.vllm_engine import EngineProc, engine_python_or_skip, make_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -36,17 +36,19 @@ def _prompts(prefix: str, lengths: list[int], seed: int) -> dict[str, list[int]]
             for i, n in enumerate(lengths)}  # fmt: skip
 
 
-#: served by engine A, then by engine B from kvserver
-SHARED = _prompts("shared-", [300, 200], seed=1)
+#: served by engine A, then by engine B from kvserver: 320 tokens = 10 blocks = 5 chunks, of
+#: which 9 blocks are loaded (vLLM's prefix cache too stops before the last token's block);
+#: 200 tokens = 6 full blocks = 3 chunks, all loaded (the last token is in block 7)
+SHARED = _prompts("shared-", [320, 200], seed=1)
+SHARED_LOADED_CHUNKS = 5 + 3
+#: four requests at once sharing shared-0's first 4 chunks (stored by A), suffixes their own
+FANOUT = {f"fanout-{i}": SHARED["shared-0"][:256] + p for i, p in
+          enumerate(_prompts("", [40] * 4, seed=4).values())}  # fmt: skip
+FANOUT_PREFIX_CHUNKS = 4
 #: stored by engine A, loading in engine B when the daemon is killed
 KILLED = _prompts("killed-", [260, 330, 140], seed=2)
 #: submitted to engine B after the daemon died
 AFTER = _prompts("after-", [250, 100], seed=3)
-
-
-def _loadable_chunks(tokens: list[int]) -> int:
-    """Chunks the connector offers for a prompt: whole chunks within its first len-1 tokens."""
-    return (len(tokens) - 1) // CHUNK_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def model(python: Path, workdir: Path) -> Path:
 def reference(python: Path, model: Path, workdir: Path) -> dict[str, list[int]]:
     """Every prompt's tokens from vLLM without the connector."""
     with EngineProc(python, model, log_path=workdir / "reference.log", **ENGINE) as engine:
-        return engine.generate({**SHARED, **KILLED, **AFTER}, MAX_TOKENS)["tokens"]  # type: ignore[no-any-return]
+        return engine.generate({**SHARED, **FANOUT, **KILLED, **AFTER}, MAX_TOKENS)["tokens"]  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,18 @@ def _totals(daemon: DaemonProc) -> dict[str, Any]:
         return kv.stats()["totals"]  # type: ignore[no-any-return]
 
 
+def _lookup_hits(daemon: DaemonProc, tokens: list[int]) -> int:
+    """Chunks of ``tokens`` the daemon holds (its one namespace, hashed by the daemon)."""
+    with KVClient(daemon.zmq_address, timeout=5.0) as kv:
+        (ns_id,) = kv.stats()["namespaces"]
+        return int(kv.lookup_tokens(ns_id, tokens).hit_chunks)
+
+
+def _stored_at_least(daemon: DaemonProc, num_chunks: int) -> dict[str, Any] | None:
+    totals = _totals(daemon)
+    return totals if totals["stored_chunks"] >= num_chunks else None
+
+
 def test_second_engine_is_served_from_kvserver_with_identical_tokens(
     reference: dict[str, list[int]], daemon: DaemonProc, engine_a: EngineProc,
     engine_b: EngineProc,
@@ -108,18 +122,34 @@ def test_second_engine_is_served_from_kvserver_with_identical_tokens(
     before = _totals(daemon)
     out_a = engine_a.generate(SHARED, MAX_TOKENS)["tokens"]
     assert out_a == {k: reference[k] for k in SHARED}
-    stored = _totals(daemon)
     full_chunks = sum(len(t) // CHUNK_TOKENS for t in SHARED.values())
+    # the engine stepped until its stores were reported; the daemon applies their completion
+    # messages in its own time
+    stored = wait_until(lambda: _stored_at_least(daemon, before["stored_chunks"] + full_chunks))
     assert stored["stored_chunks"] - before["stored_chunks"] == full_chunks
     assert stored["loaded_chunks"] == before["loaded_chunks"]  # A computed everything
 
     out_b = engine_b.generate(SHARED, MAX_TOKENS)["tokens"]
     assert out_b == out_a
     served = _totals(daemon)
-    expected = sum(_loadable_chunks(t) for t in SHARED.values())
-    assert served["loaded_chunks"] - stored["loaded_chunks"] == expected
-    assert served["hit_chunks"] - stored["hit_chunks"] >= expected
+    assert served["loaded_chunks"] - stored["loaded_chunks"] == SHARED_LOADED_CHUNKS
+    assert served["hit_chunks"] - stored["hit_chunks"] >= SHARED_LOADED_CHUNKS
     assert served["stored_chunks"] == stored["stored_chunks"]  # B stored nothing twice
+
+
+def test_requests_sharing_a_prefix_load_it_once(
+    reference: dict[str, list[int]], daemon: DaemonProc, engine_a: EngineProc,
+    engine_b: EngineProc,
+) -> None:  # fmt: skip
+    """Four requests submitted together share a 4-chunk prefix kvserver holds: it is loaded
+    once, for the first; the others wait for that load and get it from vLLM's prefix cache."""
+    engine_a.generate({"seed-prefix": SHARED["shared-0"]}, 1)  # A stores it, if not yet
+    wait_until(lambda: _lookup_hits(daemon, FANOUT["fanout-0"]) >= FANOUT_PREFIX_CHUNKS)
+    assert engine_b.reset_prefix_cache()
+    before = _totals(daemon)
+    out = engine_b.generate(FANOUT, MAX_TOKENS)["tokens"]
+    assert out == {k: reference[k] for k in FANOUT}
+    assert _totals(daemon)["loaded_chunks"] - before["loaded_chunks"] == FANOUT_PREFIX_CHUNKS
 
 
 def test_daemon_killed_mid_run_every_request_finishes_with_identical_tokens(
