@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvserver.cluster.config import ClusterConfig, parse_weights
+from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import is_loopback
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
@@ -169,6 +170,8 @@ class DaemonConfig:
             self.tier_config()
         if self.cluster:
             self.cluster_config()
+        if self.host_id:
+            check_host_id(self.host_id)
 
     def cluster_config(self) -> ClusterConfig | None:
         """The fleet settings, or None when no ``cluster`` URL is given."""

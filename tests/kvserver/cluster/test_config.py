@@ -77,3 +77,27 @@ def test_daemon_config_carries_the_cluster_settings() -> None:
     assert wildcard.advertised_host not in ("0.0.0.0", "")
     with pytest.raises(InvalidArgument):
         DaemonConfig(cluster="mysql://x")
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--cluster", "mysql://db:3306"], "redis://HOST:PORT/DB"),
+        (["--cluster", "redis://r:1", "--host-id", "a b"], "host id"),
+        (["--cluster", "redis://r:1", "--cluster-tier-weights", "gpu=1"], "unknown tier"),
+    ],
+)
+def test_kvserver_start_refuses_bad_cluster_settings_before_starting(
+    flags: list[str], words: str
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "start", "--grpc-port", "0", "--zmq-port", "0",
+         "--pub-port", "-1", "--metrics-port", "-1", *flags],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr  # a usage error, nothing started
+    assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
