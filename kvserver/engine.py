@@ -15,15 +15,15 @@ Lifecycle of a chunk (one logical entry with one part per TP rank)::
     complete_load(lease)                           pins released
     touch(keys), pin(keys, ttl)/unpin(keys), take_events(), stats()
 
-Lower tiers (the SSD tier, ``kvserver/daemon/tiering.py``) attach through two seams: the
-``on_evict`` hook sees every evicted entry while its pages still hold its bytes (write-back),
-and ``prepare_store(..., gated=False)`` + ``write_part`` + ``complete_store`` bring a chunk
-back up (promotion); ``announce`` puts their events in the one gap-free event sequence.
+Lower tiers (``kvserver/daemon/tiers.py``) attach through two seams: ``on_evict`` sees every
+evicted entry while its pages still hold its bytes (write-down), and ``prepare_store(...,
+gated=False)`` + ``write_part`` + ``complete_store`` bring a chunk back up (promotion);
+``announce`` puts their events in the one gap-free event sequence.
 
 Layout: this module is the facade (validation, the public calls, events and counters); the
 mechanics sit in one module per concept, each used only from here:
 ``engine_index.DramIndex`` (entries, pages, eviction, page accounting),
-``engine_pins.PinBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
+``engine_leases.LeaseBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
 (specs, per-namespace counters, key validation); value types are in ``engine_types``.
 
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
@@ -45,21 +45,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import repeat, takewhile
+from types import MappingProxyType
 from typing import cast
 
 from kvserver.arena import SharedArena
 from kvserver.engine_index import DramIndex, IndexKey
+from kvserver.engine_leases import LeaseBook
 from kvserver.engine_namespaces import NamespaceTable
-from kvserver.engine_pins import (
-    PinBook,
-    check_store_part,
-    finish_keys,
-    record_parts,
-    select_keys,
-    select_ranks,
-)
 from kvserver.engine_types import (
     Counters,
     EngineConfig,
@@ -107,11 +101,8 @@ class StorageEngine:
         #: ``ns_id`` of each namespace index (``NamespaceSpec.ns_id`` hashes the spec per call).
         self._ns_ids: list[str] = []
         self.totals = self._namespaces.totals
-        self._pins = PinBook(self._dram, self._namespaces)
-        self.leases = self._pins.leases
-        # Views of the parts above (the same objects), for tests that inspect the state.
-        self._index = self._dram.entries
-        self._ns_index = self._namespaces.ids
+        self._holds = LeaseBook(self._dram, self._namespaces)
+        self.leases = self._holds.leases
         self._events: list[Event] = []
         self._next_seq = 1
         #: called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
@@ -173,7 +164,7 @@ class StorageEngine:
         # the leading run of READY keys, counted without a Python loop per key
         hits = len(list(takewhile(self._dram.ready.__contains__, zip(repeat(ns), keys))))
         if record or touch:
-            index = self._index
+            index = self._dram.entries
             for key in keys[:hits]:
                 index[(ns, key)].uses += 1
         if record and self.reuse.enabled:
@@ -194,7 +185,7 @@ class StorageEngine:
 
     def contains(self, ns_id: str, key: bytes) -> bool:
         """True if ``key`` is READY in the namespace."""
-        entry = self._index.get((self._ns(ns_id), key))
+        entry = self._dram.entries.get((self._ns(ns_id), key))
         return entry is not None and entry.state is EntryState.READY
 
     # ================================================================== store path
@@ -221,7 +212,7 @@ class StorageEngine:
         self._namespaces.check_keys(ns, keys)
         lease_s = self._check_lease_s(lease_s)
         self._reap()
-        index = self._index
+        index = self._dram.entries
         new_keys: list[bytes] = []
         present: list[bytes] = []
         filtered: list[bytes] = []
@@ -284,25 +275,26 @@ class StorageEngine:
         self._reap()
         lease = self.leases.get(lease_id, LeaseKind.STORE)
         spec = self._namespaces.specs[lease.ns]
-        mask = select_ranks(lease, ranks, spec.tp_world_size)
-        selected = select_keys(lease, keys)
+        mask = lease.select_ranks(ranks, spec.tp_world_size)
+        selected = lease.select_keys(keys)
         ns = lease.ns
         if success and ranks is None and keys is None and not lease.done_ranks:
             # the whole lease at once (a co-located batch): every part of every key written
-            became_ready, lease.keys = lease.keys, []
+            became_ready = lease.finish_all()
             self._dram.make_ready(ns, became_ready)
         elif success:
-            became_ready = record_parts(lease, selected, mask, spec.tp_world_size)
+            became_ready = lease.record_parts(selected, mask, spec.tp_world_size)
             self._dram.make_ready(ns, became_ready)
-            finish_keys(lease, became_ready)
+            lease.finish(became_ready)
         else:
             became_ready = []
-            self._pins.roll_back(lease, selected)
-            finish_keys(lease, selected)
+            self._holds.roll_back(lease, selected)
+            lease.finish(selected)
         if not lease.keys:
             self.leases.end(lease, "completed")
         if became_ready:
-            self._emit(BlockStored(self._seq(), self._ns_ids[ns], tuple(became_ready), MEDIUM_DRAM))
+            event = BlockStored(self._seq(), self._ns_ids[ns], tuple(became_ready), MEDIUM_DRAM)
+            self._events.append(event)
             for c in self._namespaces.pair(ns):
                 c.stored_chunks += len(became_ready)
         return became_ready
@@ -311,8 +303,8 @@ class StorageEngine:
         """Copy one part's payload into the arena (remote clients). Does not complete it."""
         lease = self.leases.get(lease_id, LeaseKind.STORE)
         spec = self._namespaces.specs[lease.ns]
-        check_store_part(lease, key, rank, spec.tp_world_size)
-        entry = self._index[(lease.ns, key)]
+        lease.check_part(key, rank, spec.tp_world_size)
+        entry = self._dram.entries[(lease.ns, key)]
         if memoryview(data).nbytes != spec.part_bytes:
             raise InvalidArgument(
                 "payload size does not match the part size",
@@ -339,7 +331,7 @@ class StorageEngine:
         self._namespaces.check_keys(ns, keys)
         lease_s = self._check_lease_s(lease_s)
         self._reap()
-        get = self._index.get
+        get = self._dram.entries.get
         ikeys = [(ns, key) for key in keys]
         entries = [get(ikey) for ikey in ikeys]
         ready = EntryState.READY
@@ -347,7 +339,7 @@ class StorageEngine:
             if entry is None or entry.state is not ready:
                 raise UnknownKey("chunk not present", ns=ns_id, key=key)
         loaded = cast(list[Entry], entries)  # every one checked above
-        self._pins.pin_load(loaded)
+        self._dram.add_pins(loaded)
         self.policy.touch(ikeys)
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.LOAD, client, ns, list(keys), deadline)
@@ -359,7 +351,7 @@ class StorageEngine:
         """Release the pins of a load lease. A finished or expired lease raises LeaseError."""
         self._reap()
         lease = self.leases.get(lease_id, LeaseKind.LOAD)
-        self._pins.release_load(lease)
+        self._dram.drop_pins(lease.ns, lease.keys)
         self.leases.end(lease, "completed")
 
     def read_part(self, lease_id: int, key: bytes, rank: int) -> list[memoryview]:
@@ -370,7 +362,7 @@ class StorageEngine:
             raise InvalidArgument("rank out of range", rank=rank)
         if key not in lease.keys:
             raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
-        return self.arena.views(self._index[(lease.ns, key)].extents[rank])
+        return self.arena.views(self._dram.entries[(lease.ns, key)].extents[rank])
 
     # ================================================================== explicit pins
 
@@ -386,14 +378,14 @@ class StorageEngine:
                 "ttl out of range", ttl_s=ttl_s, max_pin_ttl_s=self.config.max_pin_ttl_s
             )
         self._reap()
-        return self._pins.pin_ttl(ns, keys, self._clock() + float(ttl_s))
+        return self._holds.pin_ttl(ns, keys, self._clock() + float(ttl_s))
 
     def unpin(self, ns_id: str, keys: Sequence[bytes]) -> int:
         """Drop explicit TTL pins of ``keys``; returns how many were TTL-pinned."""
         ns = self._ns(ns_id)
         self._namespaces.check_keys(ns, keys)
         self._reap()
-        return self._pins.unpin_ttl(ns, keys)
+        return self._holds.unpin_ttl(ns, keys)
 
     # ================================================================== maintenance
 
@@ -403,7 +395,7 @@ class StorageEngine:
 
     def release_client(self, client: str) -> int:
         """Roll back every reservation and release every load pin held by ``client``."""
-        return self._pins.release_client(client)
+        return self._holds.release_client(client)
 
     def announce(self, ns_id: str, keys: Sequence[bytes], medium: Medium, *, stored: bool) -> None:
         """Emit BlockStored (``stored``) or BlockRemoved for ``keys`` of another tier (medium
@@ -411,7 +403,7 @@ class StorageEngine:
         if keys:
             self._ns(ns_id)
             cls = BlockStored if stored else BlockRemoved
-            self._emit(cls(self._seq(), ns_id, tuple(keys), medium))
+            self._events.append(cls(self._seq(), ns_id, tuple(keys), medium))
 
     def take_events(self) -> list[Event]:
         """Drain the events emitted since the last call, in sequence order."""
@@ -430,7 +422,7 @@ class StorageEngine:
             reserved_pages=dram.reserved_pages,
             ready_pages=dram.ready_pages,
             pinned_pages=dram.pinned_pages,
-            num_entries=len(self._index) - dram.num_writing,
+            num_entries=len(self._dram.entries) - dram.num_writing,
             num_writing=dram.num_writing,
             num_leases=len(self.leases),
             policy=self.policy.name,
@@ -447,6 +439,15 @@ class StorageEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def entries(self) -> Mapping[IndexKey, Entry]:
+        """Every entry, by (namespace index, key), in any state: a read-only view (tests,
+        tools). Namespace indexes count registrations from 0 (:meth:`namespace_index`)."""
+        return MappingProxyType(self._dram.entries)
+
+    def namespace_index(self, ns_id: str) -> int:
+        """The index of a registered namespace in :meth:`entries` and the policy's keys."""
+        return self._ns(ns_id)
 
     def check_invariants(self) -> None:
         """Recompute the accounting from scratch and compare (tests; O(entries))."""
@@ -471,19 +472,12 @@ class StorageEngine:
         self._next_seq += 1
         return seq
 
-    def _emit(self, event: Event) -> None:
-        self._events.append(event)
-
     def _evicted(self, evicted: list[Entry]) -> None:
         """Hand evicted entries (already out of the index, pages not yet reused) to
         ``on_evict``, announce them, count them."""
         by_ns: dict[int, list[Entry]] = {}
         for entry in evicted:
-            group = by_ns.get(entry.ns)
-            if group is None:
-                by_ns[entry.ns] = [entry]
-            else:
-                group.append(entry)
+            by_ns.setdefault(entry.ns, []).append(entry)
         specs = self._namespaces.specs
         if self.on_evict is not None:
             for ns, entries in by_ns.items():
@@ -493,10 +487,10 @@ class StorageEngine:
                     logger.exception("on_evict hook failed")
         for ns, entries in by_ns.items():
             keys = tuple([entry.key for entry in entries])
-            self._emit(BlockRemoved(self._seq(), self._ns_ids[ns], keys, MEDIUM_DRAM))
+            self._events.append(BlockRemoved(self._seq(), self._ns_ids[ns], keys, MEDIUM_DRAM))
             for c in self._namespaces.pair(ns):
                 c.evicted_chunks += len(keys)
 
     def _reap(self) -> int:
         """Reclaim expired leases and TTL pins (called at the top of mutating calls)."""
-        return self._pins.reap(self._clock())
+        return self._holds.reap(self._clock())

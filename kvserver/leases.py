@@ -6,6 +6,12 @@ deadline has passed so the engine can roll back reservations and release pins. E
 remembered (bounded) so a late ``complete_*`` gets ``LeaseExpired`` rather than a generic
 "unknown lease".
 
+A store lease tracks which parts of its keys are written; its own methods change that, in this
+order: :meth:`Lease.select_ranks` / :meth:`Lease.select_keys` (validate a completion's
+selection), :meth:`Lease.check_part` (before a part is written), :meth:`Lease.record_parts`
+(atomic: raises with nothing recorded), :meth:`Lease.finish` (keys completed or rolled back
+leave the lease). The checks raise before anything changes.
+
 Single owner (the storage engine); no locks. Time comes from the engine's injected clock.
 """
 
@@ -14,9 +20,10 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvserver.errors import LeaseError, LeaseExpired
+from kvserver.errors import InvalidArgument, InvalidState, LeaseError, LeaseExpired
 
 #: how many expired/cancelled lease ids are remembered for error messages.
 EXPIRED_MEMORY = 65536
@@ -40,6 +47,79 @@ class Lease:
     deadline: float
     #: store leases: TP ranks whose part has been written, per key.
     done_ranks: dict[bytes, int] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ store-lease parts
+
+    def select_ranks(self, ranks: Iterable[int] | None, world: int) -> int:
+        """Bit mask of the TP ranks ``ranks`` names (``None``: every rank of ``world``)."""
+        if ranks is None:
+            return (1 << world) - 1
+        mask = 0
+        ranks = list(ranks)
+        if not ranks:
+            raise InvalidArgument("ranks must name at least one rank", lease=self.lease_id)
+        for r in ranks:
+            if type(r) is not int or not 0 <= r < world:
+                raise InvalidArgument("rank out of range", rank=r, tp_world_size=world)
+            mask |= 1 << r
+        return mask
+
+    def select_keys(self, keys: Iterable[bytes] | None) -> list[bytes]:
+        """The keys ``keys`` names, duplicates removed (``None``: every key still held)."""
+        if keys is None:
+            return list(self.keys)
+        selected = list(dict.fromkeys(keys))
+        in_lease = set(self.keys)
+        for key in selected:
+            if key not in in_lease:
+                raise InvalidArgument(
+                    "key is not reserved by this lease", key=key, lease=self.lease_id
+                )
+        return selected
+
+    def check_part(self, key: bytes, rank: int, world: int) -> None:
+        """Raise unless ``rank``'s part of ``key`` is reserved here and not written yet."""
+        if type(rank) is not int or not 0 <= rank < world:
+            raise InvalidArgument("rank out of range", rank=rank)
+        if key not in self.keys:
+            raise InvalidArgument("key is not reserved by this lease", key=key, lease=self.lease_id)
+        if self.done_ranks.get(key, 0) >> rank & 1:
+            raise InvalidState("part already completed", key=key, rank=rank)
+
+    def record_parts(self, keys: list[bytes], mask: int, world: int) -> list[bytes]:
+        """Record the parts ``mask`` of ``keys`` as written; returns the keys now complete.
+
+        Atomic: raises InvalidState, with nothing recorded, if any of those parts was recorded
+        before. A complete key's progress is forgotten (it is the caller's to make READY, then
+        :meth:`finish`).
+        """
+        done = self.done_ranks
+        for key in keys:
+            if done.get(key, 0) & mask:
+                raise InvalidState("part completed twice", key=key, lease=self.lease_id)
+        all_mask = (1 << world) - 1
+        complete: list[bytes] = []
+        for key in keys:
+            got = done.get(key, 0) | mask
+            if got == all_mask:
+                done.pop(key, None)
+                complete.append(key)
+            else:
+                done[key] = got
+        return complete
+
+    def finish(self, keys: Iterable[bytes]) -> None:
+        """Drop ``keys`` (completed or rolled back) and their progress from a store lease."""
+        finished = set(keys)
+        for key in finished:
+            self.done_ranks.pop(key, None)
+        self.keys = [k for k in self.keys if k not in finished]
+
+    def finish_all(self) -> list[bytes]:
+        """Drop every key (all of them complete at once); returns them."""
+        keys, self.keys = self.keys, []
+        self.done_ranks.clear()
+        return keys
 
 
 class LeaseTable:

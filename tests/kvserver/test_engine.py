@@ -52,7 +52,7 @@ def snapshot(engine: StorageEngine) -> Any:
         {ns: {"entries": row["entries"]} for ns, row in stats.namespaces.items()},
         list(engine.policy),
         copy.deepcopy(vars(engine.policy)),
-        {k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in engine._index.items()},
+        {k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in engine.entries().items()},
         sorted(lease.lease_id for lease in engine.leases),
         list(engine._events),
         engine.allocator.num_free,
@@ -280,7 +280,7 @@ def test_writing_entries_never_evicted(policy: str) -> None:
         grant = engine.prepare_store(ns, k[4:6])
         assert grant is not None and grant.num_evicted == 2
         writing_keys = [
-            key for (_, key), e in engine._index.items() if e.state is EntryState.WRITING
+            key for (_, key), e in engine.entries().items() if e.state is EntryState.WRITING
         ]
         assert set(k[2:4]) <= set(writing_keys)
         write_all(engine, writing)
@@ -575,9 +575,9 @@ def test_duplicate_keys_in_a_load_pin_twice_and_release_both() -> None:
         k = make_keys(3)
         store(engine, ns, k[:2])
         load = engine.prepare_load(ns, [k[0], k[0]])
-        assert engine._index[(0, k[0])].pins == 2
+        assert engine.entries()[(0, k[0])].pins == 2
         engine.complete_load(load.lease_id)
-        assert engine._index[(0, k[0])].pins == 0
+        assert engine.entries()[(0, k[0])].pins == 0
         assert engine.stats().pinned_pages == 0
         engine.check_invariants()
 
@@ -710,14 +710,14 @@ def test_victims_parts_are_recycled_by_the_store_that_evicts_them(policy: str) -
         k = make_keys(12)
         store_each(engine, a, k[:2])
         store(engine, c, k[2:6])
-        old = {key: engine._index[(0, key)].pages for key in k[:2]}
+        old = {key: engine.entries()[(0, key)].pages for key in k[:2]}
         engine.touch(c, k[2:6])  # the two 2-page chunks are the oldest: evicted first
         grant = store(engine, b, k[6:8])  # evicts k0, k1: same page count, fewer bytes
         assert engine.lookup(a, k[:2]) == 0
-        assert sorted(engine._index[(1, key)].pages for key in k[6:8]) == sorted(old.values())
+        assert sorted(engine.entries()[(1, key)].pages for key in k[6:8]) == sorted(old.values())
         for key, extents in zip(grant.keys, grant.locations, strict=True):
             assert sum(length for _, length in extents[0]) == shorter.part_bytes
-            assert engine._index[(1, key)].extents == extents
+            assert engine.entries()[(1, key)].extents == extents
         engine.check_invariants()
         engine.touch(c, k[2:6])  # b's 2-page chunks are the least used now, for every policy
         store(engine, c, k[8:12])  # evicts 2-page chunks for 1-page parts: freed, reallocated
@@ -727,7 +727,7 @@ def test_victims_parts_are_recycled_by_the_store_that_evicts_them(policy: str) -
         for key in k[8:12]:
             assert read_back(engine, load.lease_id, key, 0) == pattern(key, 0, small.part_bytes)
         engine.complete_load(load.lease_id)
-        owned = [p for e in engine._index.values() for part in e.pages for p in part]
+        owned = [p for e in engine.entries().values() for part in e.pages for p in part]
         assert len(owned) == len(set(owned)) == 8
 
 
@@ -835,7 +835,7 @@ def test_release_client_releases_only_that_client(policy: str) -> None:
         assert engine.release_client("a") == 2
         assert engine.release_client("a") == 0
         assert engine.release_client("nobody") == 0
-        pins = [engine._index[(0, key)].pins for key in k[:4]]
+        pins = [engine.entries()[(0, key)].pins for key in k[:4]]
         assert pins == [0, 1, 1, 0]
         stats = engine.stats()
         assert stats.reserved_pages == 2 and stats.pinned_pages == 3  # k1, k2 (b), k3 (TTL)

@@ -154,7 +154,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.drain() == ([], [])
 
     def ready_in_index(self) -> set[Item]:
-        return {k for k, e in self.eng._index.items() if e.state is EntryState.READY}
+        return {k for k, e in self.eng.entries().items() if e.state is EntryState.READY}
 
     def pick_keys(self, ns: int, idx: list[int], from_ready: bool) -> list[bytes]:
         """Keys of the universe by index or, with ``from_ready``, ready keys of ``ns`` in
@@ -187,7 +187,8 @@ class EngineMachine(RuleBasedStateMachine):
         )
         self.ns_ids = [self.engine.register_namespace(spec) for spec in SPECS]
         # Policy keys are (namespace index, key): the index is the registration order.
-        assert [self.engine._ns_index[ns_id] for ns_id in self.ns_ids] == list(range(len(SPECS)))
+        indexes = [self.engine.namespace_index(ns_id) for ns_id in self.ns_ids]
+        assert indexes == list(range(len(SPECS)))
 
     @rule(ns=namespaces, idx=key_lists, record=st.booleans(), touch=st.booleans())
     def lookup_keys(self, ns: int, idx: list[int], record: bool, touch: bool) -> None:
@@ -262,8 +263,10 @@ class EngineMachine(RuleBasedStateMachine):
         # Leases or TTL pins past their deadline: prepare_store reaps them before anything else.
         any_pending = any(
             lease.status == "pending" for lease in [*self.stores.values(), *self.loads.values()]
-        ) or any(0.0 < e.ttl_until <= self.clock.now for e in eng._index.values())
-        index_before = {k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in eng._index.items()}
+        ) or any(0.0 < e.ttl_until <= self.clock.now for e in eng.entries().values())
+        index_before = {
+            k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in eng.entries().items()
+        }
         policy_before = (list(eng.policy), copy.deepcopy(vars(eng.policy)))
         grant = eng.prepare_store(self.ns_ids[ns], keys, client=client, lease_s=lease_s)
         self.reaped()
@@ -290,7 +293,9 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.ready_in_index() == self.ready
             assert (list(eng.policy), copy.deepcopy(vars(eng.policy))) == policy_before
             if not any_pending:
-                after = {k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in eng._index.items()}
+                after = {
+                    k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in eng.entries().items()
+                }
                 assert after == index_before
             self.drain_nothing()
             return None
@@ -445,7 +450,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.drain_nothing()
             return lease
         else:
-            pins_before = {k: e.pins for k, e in eng._index.items()}
+            pins_before = {k: e.pins for k, e in eng.entries().items()}
             pending = [lease for lease in self.loads.values() if lease.status == "pending"]
             with pytest.raises(UnknownKey):
                 eng.prepare_load(self.ns_ids[ns], keys, client=client, lease_s=lease_s)
@@ -453,8 +458,8 @@ class EngineMachine(RuleBasedStateMachine):
             for lease in pending:  # reaped by this call
                 for key in lease.keys:
                     pins_before[(lease.ns, key)] -= 1
-            assert {k: e.pins for k, e in eng._index.items()} == {
-                k: n for k, n in pins_before.items() if k in eng._index
+            assert {k: e.pins for k, e in eng.entries().items()} == {
+                k: n for k, n in pins_before.items() if k in eng.entries()
             }
             self.drain_nothing()
             return None
@@ -570,7 +575,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def pages_owned_once_and_within_capacity(self) -> None:
         eng = self.eng
-        owned = [p for e in eng._index.values() for pages in e.pages for p in pages]
+        owned = [p for e in eng.entries().values() for pages in e.pages for p in pages]
         assert len(owned) == len(set(owned)) <= NUM_PAGES
         assert set(owned).isdisjoint(eng.allocator._free)
         assert len(owned) + eng.allocator.num_free == NUM_PAGES
@@ -584,7 +589,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def pinned_and_reserved_chunks_still_there(self) -> None:
-        index = self.eng._index
+        index = self.eng.entries()
         for item in self.pinned():
             assert item in self.ready, "a pinned chunk was evicted"
             assert index[item].is_pinned
