@@ -239,10 +239,17 @@ class KVClient:
     # ------------------------------------------------------------------ queries
 
     def lookup(
-        self, ns_id: str, keys: Sequence[bytes], *, record: bool = False, touch: bool = False
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        record: bool = False,
+        touch: bool = False,
+        local: bool = False,
     ) -> LookupResult:
-        """Length of the leading run of ready ``keys`` (``record``: count for reuse gating)."""
-        return self._run(self._s.lookup(ns_id, keys, record, touch))
+        """Length of the leading run of ready ``keys`` (``record``: count for reuse gating;
+        ``local``: in the daemon's own tiers only, not counting what its peers hold)."""
+        return self._run(self._s.lookup(ns_id, keys, record, touch, local))
 
     def lookup_tokens(
         self,
@@ -317,10 +324,17 @@ class KVClient:
         return self._run(self._s.put(ns_id, keys, parts, lease_s))
 
     def get(
-        self, ns_id: str, keys: Sequence[bytes], *, ranks: Sequence[int] | None = None
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        ranks: Sequence[int] | None = None,
+        leading: bool = False,
     ) -> list[list[memoryview]]:
-        """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``."""
-        return self._run(self._s.get(ns_id, keys, ranks))
+        """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
+        ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
+        does not ask its peers); the result may then be shorter than ``keys``."""
+        return self._run(self._s.get(ns_id, keys, ranks, leading))
 
     def write_parts(
         self,

@@ -7,7 +7,9 @@ it answers from the ``ClusterNode``'s view of the fleet:
 - ``peers()``: the live members other than this daemon, from the member list the node
   refreshes at every heartbeat (no I/O; a member that died is listed until its record
   expires and the next heartbeat notices, at most TTL + one heartbeat interval; a fetch from
-  it fails and the tier marks it suspect meanwhile);
+  it fails and the tier marks it suspect meanwhile); none while the node is not ``ok``
+  (Redis unreachable: the tier then answers at once from local tiers instead of waiting for
+  a Redis timeout on every lookup), and ``error`` says why;
 - ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one script call
   per live member, bounded by the cluster timeout), turned into per-key holder sets; an
   unreachable Redis answers no holders (the tier then serves local tiers only).
@@ -37,7 +39,18 @@ class FleetDirectory:
         self.node = node
         self.unavailable_lookups = 0
 
+    @property
+    def error(self) -> str:
+        """Why the fleet state cannot be read now ("" while the node is ``ok``)."""
+        node = self.node
+        if node.condition == "ok":
+            return ""
+        detail = node.condition_detail
+        return f"{node.condition}: {detail}" if detail else node.condition
+
     def peers(self) -> Mapping[str, Peer]:
+        if self.node.condition != "ok":  # Redis unreachable: no peers, so no lookup waits on it
+            return {}
         me = self.node.host_id
         return {
             h.host_id: Peer(h.host_id, h.incarnation, h.data_address)

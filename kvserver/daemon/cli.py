@@ -66,6 +66,16 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--cluster-timeout-s", type=float, help="bound on Redis calls (default 1)")
     p.add_argument("--cluster-tier-weights", metavar="W",
                    help="ScoreHosts tier weights (default dram=1,ssd=0.5)")
+    p.add_argument("--peers", metavar="ADDRS",
+                   help="network tier without a fleet index: the data-plane addresses of the "
+                        "other daemons, comma-separated (tcp://HOST:PORT,...)")
+    p.add_argument("--peer-timeout-s", type=float,
+                   help="bound on every call to a peer daemon (default 2)")
+    p.add_argument("--peer-suspect-s", type=float,
+                   help="seconds a peer that failed is left alone (default 10)")
+    p.add_argument("--peer-curve-server-key-file", metavar="FILE",
+                   help="the peers' CURVE public key (default: the public half of "
+                        "--curve-secret-key-file, one key pair for the fleet)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -87,7 +97,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "ssd_promotions", "tune_malloc", "cluster", "advertise_addr", "host_id",
                   "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
-                  "tls_client_ca_file", "insecure_remote")
+                  "tls_client_ca_file", "insecure_remote", "peers", "peer_timeout_s",
+                  "peer_suspect_s", "peer_curve_server_key_file")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

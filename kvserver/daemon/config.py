@@ -25,6 +25,7 @@ from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.policies import make_policy
 from kvserver.ssd.config import TierConfig
+from kvserver.wire import host_id as wire_host_id
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRPC_PORT = 9470
@@ -127,6 +128,18 @@ class DaemonConfig:
     cluster_timeout_s: float = 1.0
     #: ScoreHosts tier weights, e.g. "dram=1,ssd=0.5".
     cluster_tier_weights: str = "dram=1,ssd=0.5"
+    #: the network tier without a fleet index: other daemons' data planes, comma-separated
+    #: (``tcp://HOST:PORT,...``); "" = none (docs/cluster.md, "Network tier").
+    peers: str = ""
+    #: bound on every call to a peer daemon, seconds.
+    peer_timeout_s: float = 2.0
+    #: seconds a peer that failed or timed out is left out of lookups and fetches.
+    peer_suspect_s: float = 10.0
+    #: data-plane connections to each peer (concurrent fetches beyond wait their turn).
+    peer_connections: int = 4
+    #: the peers' CURVE public key file ("" = the public half of ``curve_secret_key_file``:
+    #: one key pair for the whole fleet; neither: peers are called without CURVE).
+    peer_curve_server_key_file: str = ""
     #: apply the glibc allocator settings of ``kvserver/daemon/malloc.py`` at start-up.
     tune_malloc: bool = True
 
@@ -163,6 +176,15 @@ class DaemonConfig:
                     "(CURVE and TLS, docs/security.md; make keys with 'kvserver keys'), "
                     "or pass --insecure-remote to send traffic in clear"
                 )
+        if self.peer_timeout_s <= 0 or self.peer_suspect_s < 0 or self.peer_connections < 1:
+            raise InvalidArgument(
+                "need peer_timeout_s > 0, peer_suspect_s >= 0 and peer_connections >= 1"
+            )
+        if self.peers and self.cluster:
+            raise InvalidArgument("peers and cluster exclude each other (the fleet names peers)")
+        for address in self.peer_addresses:
+            if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", address):
+                raise InvalidArgument("a peer address must be tcp://HOST:PORT", peer=address)
         self.engine_config()  # validates the engine part
         make_policy(self.policy)  # names the valid choices when wrong, before any start-up
         make_policy(self.ssd_policy)
@@ -192,6 +214,20 @@ class DaemonConfig:
         if self.host in ("0.0.0.0", "::", ""):
             return socket.gethostname()
         return self.host
+
+    @property
+    def member_id(self) -> str:
+        """This daemon's name in its fleet and in its KV-event topics: ``host_id``; with a
+        ``cluster`` and no ``host_id``, ``kvserver.wire.host_id()``; else "" (standalone:
+        topics then name ``<hostname>:<data port>``)."""
+        if self.host_id or not self.cluster:
+            return self.host_id
+        return wire_host_id()
+
+    @property
+    def peer_addresses(self) -> list[str]:
+        """``peers`` as a list (empty when none)."""
+        return [a.strip() for a in self.peers.split(",") if a.strip()]
 
     def tier_config(self) -> TierConfig | None:
         """The SSD tier's settings, or None when no ``ssd_dir`` is given."""

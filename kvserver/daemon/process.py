@@ -7,11 +7,13 @@ Start-up: apply the glibc allocator settings (``malloc.py``; before any thread e
 ``tune_malloc`` is off) → build the service (creates the shared-memory arena) → open the SSD
 tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
-retried, the daemon serves DRAM) → start the ZMQ front end → start the gRPC front end → start
-the lease reaper → serve Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound
-is logged, the daemon serves without) → join the fleet when ``--cluster`` is set
+retried, the daemon serves DRAM) → below it the network tier over a fixed peer list when
+``--peers`` is set → start the ZMQ front end → start the gRPC front end → start the lease
+reaper → serve Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound is logged,
+the daemon serves without) → join the fleet when ``--cluster`` is set
 (``kvserver/cluster/node.py``: register, resync the fleet index; an unreachable Redis does not
-stop the daemon) → write the ready file → log where it listens.
+stop the daemon) and put the network tier over the fleet index at the bottom of the stack
+(``kvserver/daemon/peers/``) → write the ready file → log where it listens.
 
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index entries
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
@@ -35,17 +37,21 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserver.arena import reap_stale_arenas
+from kvserver.cluster.directory import FleetDirectory
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
+from kvserver.crypto import CurveClient
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
+from kvserver.daemon.peers.book import PeerBook, PeerSettings
+from kvserver.daemon.peers.static import StaticDirectory
+from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import ZmqFrontend
 from kvserver.prometheus import serve_metrics
-from kvserver.wire import host_id
 
 logger = logging.getLogger("kvserver.daemon")
 
@@ -88,6 +94,8 @@ async def serve(
                 max_promotions=config.ssd_promotions,
             )
             service.add_tier(ssd)
+        if config.peer_addresses:
+            service.add_tier(_static_peer_tier(config, service))
         await service.open_tiers()
         data_port, pub_port = await zmq_front.start()
         grpc_port = await grpc_front.start()
@@ -96,6 +104,10 @@ async def serve(
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
         dram_bytes = service.dram_bytes
         node = await _join_fleet(config, service, data_port, grpc_port, ssd)
+        if node is not None:  # the network tier over the fleet index, at the bottom
+            peer_tier = _fleet_peer_tier(config, service, node)
+            service.add_tier(peer_tier)
+            await peer_tier.open()
         info: dict[str, object] = {
             "pid": os.getpid(),
             "host": config.host,
@@ -171,7 +183,7 @@ async def _join_fleet(
     if tier is not None and config.tier_config() is not None:
         capacity["ssd"] = config.ssd
     identity = HostInfo(
-        host_id=check_host_id(config.host_id or host_id()),
+        host_id=check_host_id(config.member_id),
         incarnation="",
         data_address=f"tcp://{host}:{data_port}",
         grpc_address=f"{host}:{grpc_port}",
@@ -212,6 +224,38 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _peer_settings(config: DaemonConfig) -> PeerSettings:
+    """How this daemon calls its peers: the fleet's auth token, and CURVE when configured
+    (the peers' public key: ``peer_curve_server_key_file``, else the public half of this
+    daemon's own ``curve_secret_key_file`` (one key pair for the fleet); this daemon's pair
+    as the client's, so a ``curve_clients_dir`` can admit it)."""
+    options: tuple[tuple[str, object], ...] = ()
+    server_key = config.peer_curve_server_key_file or config.curve_secret_key_file
+    if server_key:
+        curve = CurveClient.from_files(server_key, config.curve_secret_key_file)
+        options = (("curve", curve),)
+    return PeerSettings(
+        timeout_s=config.peer_timeout_s,
+        suspect_s=config.peer_suspect_s,
+        connections=config.peer_connections,
+        auth_token=config.auth_token,
+        client_options=options,
+    )
+
+
+def _static_peer_tier(config: DaemonConfig, service: KVService) -> PeerTier:
+    """The network tier over a configured peer list (``--peers``)."""
+    book = PeerBook(_peer_settings(config))
+    directory = StaticDirectory(config.peer_addresses, book)
+    return PeerTier(service.engine, directory, book, publish=service.publish)
+
+
+def _fleet_peer_tier(config: DaemonConfig, service: KVService, node: ClusterNode) -> PeerTier:
+    """The network tier over the fleet index (``--cluster``)."""
+    book = PeerBook(_peer_settings(config))
+    return PeerTier(service.engine, FleetDirectory(node), book, publish=service.publish)
 
 
 async def _reap_forever(service: KVService, interval: float) -> None:

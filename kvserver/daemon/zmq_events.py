@@ -43,9 +43,11 @@ class EventPublisher:
         self._pod = socket.gethostname()
         self._topics: dict[str, tuple[bytes, int]] = {}  # ns_id → (topic, block size)
 
-    def set_pod(self, data_port: int) -> None:
-        """Name this daemon in topics as ``<hostname>:<data_port>``."""
-        self._pod = f"{socket.gethostname()}:{data_port}"
+    def set_pod(self, data_port: int, host_id: str = "") -> None:
+        """Name this daemon in topics as ``host_id`` (its name in the fleet, so indexers that
+        read the topics see the hosts the fleet index and ``ScoreHosts`` name), else as
+        ``<hostname>:<data_port>``."""
+        self._pod = host_id or f"{socket.gethostname()}:{data_port}"
         self._topics.clear()
 
     async def publish_forever(self, pub: zmq.asyncio.Socket) -> None:

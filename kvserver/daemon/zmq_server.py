@@ -189,7 +189,7 @@ class ZmqFrontend:
         except BaseException:
             await self.stop()
             raise
-        self._events.set_pod(data_port)
+        self._events.set_pod(data_port, cfg.member_id)
         self._raw = zmq.Socket.shadow(self._router.underlying)
         fd = self._fd = cast(int, self._raw.getsockopt(zmq.FD))
         asyncio.get_running_loop().add_reader(fd, self._drain)

@@ -30,6 +30,11 @@ class Peer:
 class PeerDirectory(Protocol):
     """Membership and chunk locations; see the module docstring."""
 
+    @property
+    def error(self) -> str:
+        """Why the directory cannot be read now ("" when it can)."""
+        ...
+
     def peers(self) -> Mapping[str, Peer]:
         """The live peers (never this daemon), by host id; cheap (no I/O)."""
         ...

@@ -10,7 +10,8 @@ directory says hold it) and:
    for the fetch that claimed them;
 2. cuts its own keys into runs, one per peer: each key goes to a holder that is not suspect,
    preferring the one that holds the longest run from that key, so a prompt held by one peer is
-   one call; the runs are fetched concurrently, each bounded by the peer timeout;
+   one call per window of :data:`WINDOW_BYTES`; the windows are fetched concurrently (as many
+   at once as the link has connections), each bounded by the peer timeout;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
    DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
    the request's keys already in DRAM from the eviction it may cause), ``write_part`` of every
@@ -49,6 +50,10 @@ logger = logging.getLogger(__name__)
 FETCH_CLIENT = "kvserver-peer-fetch"
 #: rounds of fetching: the first holder of each key, then another for what it did not send.
 ROUNDS = 2
+#: a run is asked for in windows of at most this many payload bytes (at least one chunk
+#: each), all at once (as many in flight as the link has connections): the copy of one
+#: window into the arena overlaps the transfer of the next.
+WINDOW_BYTES = 8 << 20
 
 _Parts = dict[bytes, list[memoryview]]
 
@@ -121,7 +126,7 @@ class PeerFetches:
             todo = mine
             tried: dict[bytes, set[str]] = {key: set() for key, _ in mine}
             for _round in range(ROUNDS):
-                runs = self._plan(todo, peers, tried)
+                runs = self._plan(todo, peers, tried, spec.part_bytes * spec.tp_world_size)
                 if not runs:
                     break
                 results = await asyncio.gather(
@@ -144,9 +149,12 @@ class PeerFetches:
         todo: list[tuple[bytes, frozenset[str]]],
         peers: Mapping[str, Peer],
         tried: dict[bytes, set[str]],
+        chunk_bytes: int,
     ) -> list[tuple[str, list[bytes]]]:
-        """Runs of consecutive keys, one holder each (see the module docstring); records in
-        ``tried`` whom each key is asked."""
+        """Runs of consecutive keys, one holder each (see the module docstring), cut into
+        windows of at most :data:`WINDOW_BYTES`; records in ``tried`` whom each key is
+        asked."""
+        per_window = max(1, WINDOW_BYTES // chunk_bytes)
         book = self._book
         usable = [
             {h for h in hs if h in peers and h not in tried[k] and not book.is_suspect(h)}
@@ -170,7 +178,7 @@ class PeerFetches:
             keys = [k for k, _ in todo[i:end]]
             for k in keys:
                 tried[k].add(best)
-            runs.append((best, keys))
+            runs.extend((best, keys[j : j + per_window]) for j in range(0, len(keys), per_window))
             i = end
         return runs
 

@@ -32,7 +32,7 @@ from kvserver.namespace import NamespaceSpec
 T = TypeVar("T")
 
 #: DEALER sockets per peer unless configured otherwise.
-DEFAULT_CONNECTIONS = 2
+DEFAULT_CONNECTIONS = 4
 
 
 class PeerFailed(Unavailable):

@@ -23,6 +23,9 @@ from kvserver.daemon.peers.link import PeerFailed
 class StaticDirectory:
     """A :class:`~kvserver.daemon.peers.directory.PeerDirectory` over fixed addresses."""
 
+    #: never fails as a whole: each peer's failure makes that peer suspect.
+    error = ""
+
     def __init__(self, addresses: Sequence[str], book: PeerBook) -> None:
         self._peers = {a: Peer(a, "", a) for a in dict.fromkeys(addresses)}
         self._book = book

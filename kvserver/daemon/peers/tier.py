@@ -1,0 +1,164 @@
+"""``PeerTier``: the network tier, the lowest of the daemon's tier stack (``tiers.py``).
+
+Runs in the daemon process, on its event loop. Not thread-safe: loop only.
+
+What it does for the service (the seam's contracts):
+
+- **Lookup**: ``holds`` cannot tell without I/O whenever the directory knows a peer that is
+  not suspect (it answers None, so the service finishes the lookup asynchronously), and is
+  False otherwise (a lone daemon pays nothing). ``query`` asks the directory which peers hold
+  the keys: a key counts for this tier when a peer that is not suspect holds it; the service
+  then reports the run across its own tiers and then peers (``{"dram", "ssd", "peer"}``).
+- **Promotion**: a load or ``get`` naming keys in no local tier (``needs_promotion``: some key
+  not in DRAM while a usable peer is known) awaits ``promote``: the directory names the
+  holders of the missing keys (up to the first one no usable peer holds: the load needs every
+  key), :class:`~kvserver.daemon.peers.fetch.PeerFetches` fetches them (once however many
+  loads want them), checks them and places them in DRAM; what could not be brought is a miss
+  for the load. Never raises for a peer's or the directory's failure.
+- **Write-down**: none. A network tier does not accept evictions (``on_evict`` ignores them):
+  what this daemon evicts stays wherever else the fleet holds it.
+- **Local-only requests**: a peer asking this daemon (``lookup local=``, ``get leading=``) is
+  answered from the local tiers only; the service skips tiers that are not :attr:`local`, so
+  fetches never chain or loop between daemons.
+- **Condition**: ``ok``; ``degraded`` while some known peers are suspect or the directory
+  could not be read (its error is the detail); the daemon serves its own tiers in every
+  condition.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kvserver.daemon.peers.book import PeerBook
+from kvserver.daemon.peers.directory import PeerDirectory
+from kvserver.daemon.peers.fetch import PeerFetches
+from kvserver.daemon.tiers import DEGRADED, OK, DirectParts, Tier
+from kvserver.engine import StorageEngine
+from kvserver.engine_types import Entry
+from kvserver.events import MEDIUM_DRAM, Medium
+from kvserver.namespace import NamespaceSpec
+
+logger = logging.getLogger(__name__)
+
+
+class PeerTier(Tier):
+    """Chunks held by other daemons of the fleet; see the module docstring."""
+
+    name: ClassVar[str] = "peer"
+    #: never announces anything itself: fetched chunks are announced by DRAM (CPU).
+    medium: ClassVar[Medium] = MEDIUM_DRAM
+    local: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        engine: StorageEngine,
+        directory: PeerDirectory,
+        book: PeerBook,
+        *,
+        publish: Any = lambda: None,
+    ) -> None:
+        self._engine = engine
+        self.directory = directory
+        self.book = book
+        self.fetches = PeerFetches(engine, book, publish=publish)
+        #: keys of lookups credited to peers.
+        self.hit_chunks = 0
+
+    # ------------------------------------------------------------------ lifetime
+
+    async def open(self) -> None:
+        logger.info("network tier: %d peer(s) known", len(self.directory.peers()))
+
+    async def close(self) -> None:
+        await self.book.close()
+
+    # ------------------------------------------------------------------ lookup
+
+    def _usable(self) -> bool:
+        book = self.book
+        return any(not book.is_suspect(h) for h in self.directory.peers())
+
+    def holds(self, ns_id: str, key: bytes) -> bool | None:
+        """None (ask :meth:`query`) while a usable peer is known, else False."""
+        return None if self._usable() else False
+
+    async def query(self, ns_id: str, keys: Sequence[bytes]) -> list[bool]:
+        out = [False] * len(keys)
+        if not keys or not self._usable():
+            return out
+        self.book.counters.directory_lookups += 1
+        holders = await self.directory.holders(ns_id, keys)
+        book = self.book
+        for i, hosts in enumerate(holders[: len(keys)]):
+            out[i] = any(not book.is_suspect(h) for h in hosts)
+        return out
+
+    def record_lookup(self, ns_id: str, hits: Sequence[bytes], misses: int, *, touch: bool) -> None:
+        self.hit_chunks += len(hits)
+
+    # ------------------------------------------------------------------ promotion
+
+    def needs_promotion(self, ns_id: str, keys: Sequence[bytes]) -> bool:
+        if not self._usable():
+            return False
+        contains = self._engine.contains
+        return any(not contains(ns_id, k) for k in keys)
+
+    async def promote(
+        self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
+    ) -> DirectParts:
+        spec = self._engine.namespace(ns_id)  # UnknownNamespace: bad input, nothing changed
+        contains = self._engine.contains
+        unique = list(dict.fromkeys(keys))
+        missing = [k for k in unique if not contains(ns_id, k)]
+        if not missing or not self._usable():
+            return {}
+        self.book.counters.directory_lookups += 1
+        holders = await self.directory.holders(ns_id, missing)
+        wanted: list[tuple[bytes, frozenset[str]]] = []
+        book = self.book
+        for key, hosts in zip(missing, holders, strict=False):
+            if not any(not book.is_suspect(h) for h in hosts):
+                break  # the load needs every key: the ones after this one are of no use
+            wanted.append((key, hosts))
+        if not wanted:
+            return {}
+        protect = [k for k in unique if contains(ns_id, k)]
+        peers = self.directory.peers()
+        return await self.fetches.fetch(spec, wanted, peers, protect=protect, direct=direct)
+
+    # ------------------------------------------------------------------ write-down
+
+    def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
+        """A network tier takes no evictions (module docstring)."""
+
+    # ------------------------------------------------------------------ condition, stats
+
+    @property
+    def condition(self) -> str:
+        return OK if not self.condition_detail else DEGRADED
+
+    @property
+    def condition_detail(self) -> str:
+        problems = []
+        suspects = self.book.suspects(self.directory.peers())
+        if suspects:
+            problems.append(f"suspect peers: {', '.join(sorted(suspects))}")
+        error = self.directory.error
+        if error:
+            problems.append(f"directory: {error}")
+        return "; ".join(problems)
+
+    def stats(self) -> dict[str, Any]:
+        peers = self.directory.peers()
+        return {
+            "condition": self.condition,
+            "condition_detail": self.condition_detail,
+            "peers_known": len(peers),
+            "peers_suspect": len(self.book.suspects(peers)),
+            "hit_chunks": self.hit_chunks,
+            "fetching_chunks": self.fetches.num_in_flight,
+            **self.book.counters.to_dict(),
+        }
