@@ -1,0 +1,201 @@
+"""The network tier in real daemons: three hosts on loopback, chunks stored through one, looked
+up and loaded through the others (``--peers``: every daemon names the other two).
+
+A peer killed in the middle of a fetch is a fault the test times with the SSD read gate of
+``test_zmq_promotion`` (the peer's promotion for the fetch waits at a FIFO: the fetch is then
+in flight, deterministically, when the peer is SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvserver.client import KVClient
+from kvserver.crypto import CurveClient, make_curve_keys
+from kvserver.errors import UnknownKey
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.daemon.test_zmq_promotion import gate_closed, start_gated
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = make_spec(tp_world_size=2)
+TIMEOUT = "1.5"  # --peer-timeout-s
+
+
+def parts(key: bytes) -> list[bytes]:
+    return [pattern(key, r, SPEC.part_bytes) for r in range(SPEC.tp_world_size)]
+
+
+def rows(got: list[list[memoryview]]) -> list[list[bytes]]:
+    return [[bytes(p) for p in row] for row in got]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[list[DaemonProc]]:
+    """A, B and C, each with the other two as peers (ports known only once they listen, so
+    A starts first alone, then B and C name it and each other through A's restart-free
+    order: A has no peers, B names A, C names A and B)."""
+    a = start_daemon(tmp_path / "a", "--dram", "8MiB")
+    b = start_daemon(tmp_path / "b", "--dram", "8MiB", "--peers", a.zmq_address,
+                     "--peer-timeout-s", TIMEOUT)  # fmt: skip
+    c = start_daemon(tmp_path / "c", "--dram", "8MiB", "--peers",
+                     f"{a.zmq_address},{b.zmq_address}", "--peer-timeout-s", TIMEOUT)  # fmt: skip
+    try:
+        yield [a, b, c]
+    finally:
+        for d in (a, b, c):
+            d.kill()
+
+
+def test_chunks_stored_through_a_are_looked_up_and_loaded_through_b_and_c(
+    fleet: list[DaemonProc],
+) -> None:
+    a, b, c = fleet
+    keys = make_keys(6)
+    with KVClient(a.zmq_address) as kv:
+        kv.register_namespace(SPEC)
+        assert kv.store(SPEC.ns_id, keys[:4], [parts(k) for k in keys[:4]]) == keys[:4]
+    for daemon, colocated in ((b, True), (c, False)):
+        with KVClient(daemon.zmq_address, colocated=colocated) as kv:
+            kv.register_namespace(SPEC)
+            assert kv.is_colocated is colocated
+            hit = kv.lookup(SPEC.ns_id, keys)
+            assert (hit.hit_chunks, hit.tiers) == (4, {"dram": 0, "peer": 4})
+            assert rows(kv.load(SPEC.ns_id, keys[:4])) == [parts(k) for k in keys[:4]]
+            hit = kv.lookup(SPEC.ns_id, keys)  # now in this daemon's own DRAM
+            assert (hit.hit_chunks, hit.tiers) == (4, {"dram": 4, "peer": 0})
+            peer = kv.stats()["peer"]
+            assert (peer["fetched_chunks"], peer["placed_chunks"], peer["condition"]) == (
+                4, 4, "ok")  # fmt: skip
+            with pytest.raises(UnknownKey):  # held by no one: a miss, as without peers
+                kv.load(SPEC.ns_id, keys[4:])
+
+
+def test_a_peers_own_request_is_answered_from_local_tiers_only(
+    fleet: list[DaemonProc],
+) -> None:
+    """A holds a chunk. B would fetch it for its clients, but a request marked as a peer's
+    (``lookup local=``, ``get leading=``) is answered from B's own tiers: fetches never chain."""
+    a, b, _ = fleet
+    (key,) = make_keys(1, tag="only-a")
+    with KVClient(a.zmq_address, colocated=False) as kv:
+        kv.register_namespace(SPEC)
+        assert kv.put(SPEC.ns_id, [key], [parts(key)]).stored == [key]
+    with KVClient(b.zmq_address, colocated=False) as kv:
+        kv.register_namespace(SPEC)
+        assert kv.lookup(SPEC.ns_id, [key], local=True).tiers == {"dram": 0}
+        assert kv.get(SPEC.ns_id, [key], leading=True) == []
+        assert kv.stats()["peer"]["fetches"] == 0
+        assert kv.lookup(SPEC.ns_id, [key]).tiers["peer"] == 1  # its own clients see A's
+
+
+def test_concurrent_loads_of_a_peer_chunk_fetch_it_once(fleet: list[DaemonProc]) -> None:
+    a, b, _ = fleet
+    keys = make_keys(3, tag="shared")
+    with KVClient(a.zmq_address) as kv:
+        kv.register_namespace(SPEC)
+        kv.store(SPEC.ns_id, keys, [parts(k) for k in keys])
+
+    def load() -> list[list[bytes]]:
+        with KVClient(b.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            return rows(kv.load(SPEC.ns_id, keys))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: load(), range(4)))
+    assert results == [[parts(k) for k in keys]] * 4
+    with KVClient(b.zmq_address) as kv:
+        peer = kv.stats()["peer"]
+    assert peer["fetched_chunks"] == 3  # whatever the interleaving, fetched once
+
+
+SLOW_SPEC = make_spec(part_bytes_override=12_000)  # the gated daemon's geometry
+
+
+def test_a_peer_killed_mid_fetch_is_a_miss_no_hang_and_suspect(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    (tmp_path / "a").mkdir()
+    a = start_gated(tmp_path / "a", gate)
+    b = start_daemon(tmp_path / "b", "--dram", "8MiB", "--peers", a.zmq_address,
+                     "--peer-timeout-s", TIMEOUT, "--peer-suspect-s", "60")  # fmt: skip
+    try:
+        keys = make_keys(60, tag="cold")
+        data = {k: [pattern(k, 0, SLOW_SPEC.part_bytes)] for k in keys}
+        with KVClient(a.zmq_address) as kv:
+            kv.register_namespace(SLOW_SPEC)
+            wait_until(lambda: kv.stats()["ssd"]["unsaved_namespaces"] == 0)
+            for i in range(0, len(keys), 6):
+                batch = keys[i : i + 6]
+                assert kv.store(SLOW_SPEC.ns_id, batch, [data[k] for k in batch]) == batch
+            wait_until(lambda: kv.stats()["ssd"]["writes_in_flight"] == 0)
+            cold = [k for k in keys if kv.lookup(SLOW_SPEC.ns_id, [k]).tiers.get("ssd") == 1]
+        assert len(cold) >= 2
+        with (
+            KVClient(b.zmq_address, colocated=False, timeout=30) as kv,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            kv.register_namespace(SLOW_SPEC)
+            assert kv.lookup(SLOW_SPEC.ns_id, cold[:1]).tiers["peer"] == 1
+            with gate_closed(gate) as wait_for_read:
+
+                def load() -> list[list[bytes]]:
+                    with KVClient(b.zmq_address, colocated=False, timeout=30) as other:
+                        other.register_namespace(SLOW_SPEC)
+                        return rows(other.load(SLOW_SPEC.ns_id, cold[:1]))
+
+                waiting = pool.submit(load)
+                wait_for_read()  # A is reading the chunk for B's fetch
+                a.kill()
+                start = time.monotonic()
+                with pytest.raises(UnknownKey):  # a miss: nothing served, nothing wrong
+                    waiting.result(timeout=30)
+                assert time.monotonic() - start < float(TIMEOUT) + 2
+            peer = kv.stats()["peer"]
+            assert (peer["timeouts"], peer["placed_chunks"], peer["peers_suspect"]) == (1, 0, 1)
+            assert peer["condition"] == "degraded" and a.zmq_address in peer["condition_detail"]
+            start = time.monotonic()  # a suspect peer costs nothing: no lookup waits for it
+            assert kv.lookup(SLOW_SPEC.ns_id, cold).hit_chunks == 0
+            assert time.monotonic() - start < 0.5
+            (fresh,) = make_keys(1, tag="fresh")  # and B serves its own chunks as before
+            kv.store(SLOW_SPEC.ns_id, [fresh], [data[keys[0]]])
+            assert rows(kv.load(SLOW_SPEC.ns_id, [fresh])) == [data[keys[0]]]
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_peers_call_each_other_over_curve_with_the_fleet_key_pair(tmp_path: Path) -> None:
+    """A and B share one CURVE key pair (the fleet's): B fetches from A over CURVE; C, started
+    without the key, is refused by A's handshake and misses (its call times out)."""
+    public, secret = make_curve_keys(str(tmp_path / "keys"), "fleet")
+    a = start_daemon(tmp_path / "a", "--dram", "8MiB", "--curve-secret-key-file", secret)
+    b = start_daemon(tmp_path / "b", "--dram", "8MiB", "--curve-secret-key-file", secret,
+                     "--peers", a.zmq_address, "--peer-timeout-s", TIMEOUT)  # fmt: skip
+    c = start_daemon(tmp_path / "c", "--dram", "8MiB", "--peers", a.zmq_address,
+                     "--peer-timeout-s", "0.5", "--peer-suspect-s", "60")  # fmt: skip
+    try:
+        keys = make_keys(3, tag="curve")
+        curve = CurveClient.from_files(public)
+        with KVClient(a.zmq_address, colocated=False, curve=curve) as kv:
+            kv.register_namespace(SPEC)
+            assert kv.put(SPEC.ns_id, keys, [parts(k) for k in keys]).stored == keys
+        with KVClient(b.zmq_address, colocated=False, curve=curve) as kv:
+            kv.register_namespace(SPEC)
+            assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+            assert kv.stats()["peer"]["fetched_chunks"] == 3
+        with KVClient(c.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 0
+            with pytest.raises(UnknownKey):
+                kv.load(SPEC.ns_id, keys)
+            peer = kv.stats()["peer"]
+            assert peer["fetched_chunks"] == 0 and peer["timeouts"] >= 1
+    finally:
+        for d in (a, b, c):
+            d.kill()
