@@ -18,6 +18,7 @@ import pytest
 from kvserver.client import KVClient
 from kvserver.crypto import CurveClient, make_curve_keys
 from kvserver.errors import UnknownKey
+from kvserver.grpc_client import GrpcClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.test_zmq_promotion import gate_closed, start_gated
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
@@ -61,6 +62,13 @@ def test_chunks_stored_through_a_are_looked_up_and_loaded_through_b_and_c(
     with KVClient(a.zmq_address) as kv:
         kv.register_namespace(SPEC)
         assert kv.store(SPEC.ns_id, keys[:4], [parts(k) for k in keys[:4]]) == keys[:4]
+    with KVClient(b.zmq_address) as kv:
+        kv.register_namespace(SPEC)
+    with GrpcClient(b.grpc_address) as g:  # the gRPC Lookup carries the peer count too
+        reply = g.lookup_keys(SPEC.ns_id, keys)
+        assert (reply.hit_chunks, reply.tiers) == (4, {"dram": 0, "peer": 4})
+        (peer_tier,) = [t for t in g.stats().tiers if t.name == "peer"]
+        assert (peer_tier.condition, peer_tier.hit_chunks) == ("ok", 4)
     for daemon, colocated in ((b, True), (c, False)):
         with KVClient(daemon.zmq_address, colocated=colocated) as kv:
             kv.register_namespace(SPEC)
