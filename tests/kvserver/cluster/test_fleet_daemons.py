@@ -182,6 +182,7 @@ async def test_write_downs_reach_the_index_as_ssd_and_a_resync_keeps_them(
         wait_until(lambda: kv.stats()["ssd"]["writes_in_flight"] == 0)
         local = kv.lookup(ns_id, keys)
     assert local.tiers["ssd"] > 0
+    assert local.tiers.pop("peer") == 0  # the network tier's count: nothing the index records
     reader = reader_for(redis_server)
     try:
 
