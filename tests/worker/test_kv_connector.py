@@ -7,6 +7,7 @@ computed. Stored parts are checked in the daemon, loads by comparing block bytes
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +107,37 @@ def test_store_then_load_into_other_blocks(
     assert report.finished_recving == {"b"} and not report.load_errors
     c.assert_same_kv(b, range(6))
     assert all(w.conn.num_pending == 0 for w in c.workers)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_colocated_cpu_load_is_reported_by_the_step_that_shipped_it(
+    make_cluster: Any, tp: int
+) -> None:
+    """CPU caches with the arena mapped: start_load_kv finishes its loads, so the same step's
+    report has them (no waiting, no extra steps) and the request can run in the next one."""
+    c = make_cluster(tp=tp)
+    c.prefill(FakeRequest("a", tokens(33), c.spec))
+    b = FakeRequest("b", tokens(33), c.spec)
+    assert c.admit(b) == (32, True)
+    # Each worker's load thread is held for a while first: start_load_kv must outwait it
+    # (without the wait, the check right after it finds the loads still queued).
+    gates = [Gate(w.conn, Direction.LOAD) for w in c.workers]
+    timers = [threading.Timer(0.3, g.open) for g in gates]
+    for t in timers:
+        t.start()
+    landed: list[bool] = []
+
+    def loads_landed() -> None:  # right after every worker's start_load_kv
+        for w in c.workers:
+            queue = w.conn.engine._inflight[Direction.LOAD]
+            landed.append(bool(queue) and all(t.future.done() for t in queue))
+
+    _, report = c.step(before_forward=loads_landed)
+    for t in timers:
+        t.join()
+    assert landed == [True] * tp
+    assert report.finished_recving == {"b"} and not report.load_errors
+    c.assert_same_kv(b, range(8))
 
 
 def test_different_layouts_share_parts(make_cluster: Any) -> None:
