@@ -1,6 +1,6 @@
 """Network tier: a peer fetch through daemon B against raw ZMQ between two processes.
 
-DESIGN.md §5: peer fetch through another host's daemon >= 0.8x raw ZMQ between two processes.
+Target: peer fetch through another host's daemon >= 0.8x raw ZMQ between two processes.
 Everything runs in one run, on loopback:
 
 - the fleet: daemon A (``kvserver start``) holds ``BATCHES`` batches of chunks, stored with
