@@ -30,6 +30,12 @@ with ``read_parts`` and copy out; that I/O runs on the engine's threads with one
 direction. Part layout: step_protocol/connector.py (block ``j`` of a part at ``j *
 block_bytes``; a load's ``block_ids[j]`` receives sub-block ``skip_blocks + j``); block bytes:
 worker/layout.py.
+
+Failures never raise into the caller's step: a daemon that cannot be reached fails the chunks
+of the transfers it is given (reported per lease; vLLM recomputes them), and so does a
+co-located daemon that removed its arena file (stopped with SIGTERM, or restarted after a
+crash): the transfers of that step and of the next fail, then the worker connects again and
+maps the new arena.
 """
 
 from __future__ import annotations
@@ -83,6 +89,10 @@ class KVServerWorkerConnector:
         self._load_errors: set[int] = set()
         #: False until the namespace is registered (the daemon may be down at start-up).
         self._connected = False
+        #: metadata bound so far; transfers fail while it is below _fail_until (_arena_gone).
+        self._binds = 0
+        self._fail_until = 0
+        self._flushing = False
         self._inflight: dict[JobId, Transfer] = {}
         self._stores_left: dict[str, int] = {}
         self._output = ConnectorWorkerOutput(self.rank)
@@ -166,6 +176,7 @@ class KVServerWorkerConnector:
         if not self._saved:
             self.wait_for_save()
         self._meta, self._saved = meta, False
+        self._binds += 1
         self._submitted_now, self._flushed = self._flushed, set()
 
     def clear_connector_metadata(self) -> None:
@@ -222,12 +233,16 @@ class KVServerWorkerConnector:
         flush = set(meta.flush_req_ids)
         if not flush:
             return
-        for t in meta.stores:
-            job: JobId = (False, t.req_id, t.lease_id)
-            if t.req_id in flush and job not in self._flushed:
-                self._submit(t, is_load=False)
-                self._flushed.add(job)
-        self.handle_preemptions(flush)
+        self._flushing = True  # ``meta`` is bound after this call
+        try:
+            for t in meta.stores:
+                job: JobId = (False, t.req_id, t.lease_id)
+                if t.req_id in flush and job not in self._flushed:
+                    self._submit(t, is_load=False)
+                    self._flushed.add(job)
+            self.handle_preemptions(flush)
+        finally:
+            self._flushing = False
 
     def stores_pending(self, req_id: str) -> bool:
         """True while a store of ``req_id`` is deferred or in flight on this rank."""
@@ -324,15 +339,19 @@ class KVServerWorkerConnector:
             return
         if not is_load and not counted:
             self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
-        if not self._connected:
+        if self.arena is not None and self.arena.is_stale:
+            self._arena_gone()
+        arena_lost = self._binds < self._fail_until
+        if not self._connected and not arena_lost:
             try:
                 self._connect()
-            except KVServerError as exc:
+            except (KVServerError, OSError) as exc:
                 logger.warning("kvserver unreachable; lease %d of %s fails: %s",
                                t.lease_id, t.req_id, exc)  # fmt: skip
-        if self.arena is not None and self.arena.is_stale:
-            self._remap()
-        transfer = self._plan(t, is_load) if self._connected else self._unreachable(t, is_load)
+        if self._connected and not arena_lost:
+            transfer = self._plan(t, is_load)
+        else:
+            transfer = self._unreachable(t, is_load)
         if is_load:
             self._load_blocks[job] = {c.key: c.block_ids for c in t.loads}
         self._inflight[job] = transfer
@@ -467,15 +486,25 @@ class KVServerWorkerConnector:
                 raise
             logger.info("cannot map the arena (%s); using payload frames", exc)
 
-    def _remap(self) -> None:
-        """The daemon restarted (its arena file is gone): wait for copies, map the new one."""
-        logger.info("the daemon's arena file is gone; mapping its new arena")
+    def _arena_gone(self) -> None:
+        """The daemon removed its arena file (it stopped, or restarted after a crash): wait for
+        the copies into the old mapping, unmap it and close the clients (their sessions
+        went with that daemon). The transfers of this step's
+        metadata and of the next one fail (vLLM recomputes): their extents may have been
+        granted by the daemon that is gone, and must be neither read from nor written to a
+        new arena (the next metadata can still ship stores reserved before it stopped). The
+        first transfer after that connects again, mapping the daemon's new arena."""
+        logger.warning("the daemon's arena file is gone; failing this step's and the next "
+                       "step's transfers, then mapping its new arena")  # fmt: skip
         if self.engine is not None:
             self.engine.wait(list(self._inflight.values()))
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-        assert self.caches is not None
-        self._map_arena(self.caches.device)
-        if self.arena is None:
-            raise InvalidState("the daemon's arena can no longer be mapped")
+        # the daemon's sessions went with it: start over with new clients
+        for kv in (self._kv, *self._io.values()):
+            kv.close()
+        self._kv, self._io = self._client("main"), {}
+        self._connected = False
+        # this step's metadata: the bound one, or (in flush) the one about to be bound
+        self._fail_until = self._binds + (3 if self._flushing else 2)
