@@ -79,6 +79,41 @@ def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert modules == expected
 
 
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports (anywhere in it, type-only included)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package.replace(".", "/")).glob("*.py")):
+        module = f"{package}.{path.stem}"
+        graph[module] = {
+            m for _, m in imported_modules(path) if m.startswith(package + ".") and m != module
+        }
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle (as a path back to its start) found by depth-first search."""
+    found: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for dep in sorted(graph.get(module, ())):
+            if dep == path[0]:
+                found.append([*path, dep])
+            elif dep not in path and dep > path[0]:  # each cycle once, from its least module
+                visit(dep, [*path, dep])
+
+    for module in sorted(graph):
+        visit(module, [module])
+    return found
+
+
+def test_the_client_modules_import_each_other_without_cycles() -> None:
+    """kvserver/client: pending, sync and transport (and the rest) form no import cycle."""
+    graph = import_graph("kvserver.client")
+    assert "kvserver.client.transport" in graph["kvserver.client.pending"]  # not vacuous
+    assert cycles(graph) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
 @pytest.mark.parametrize("name", sorted(declared_commands()))
 def test_each_declared_command_registers_its_subcommand(name: str) -> None:
     """pyproject's entry point ``name`` loads to a function that adds ``kvserver name``."""

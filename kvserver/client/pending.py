@@ -23,28 +23,21 @@ restart with its new session id: the client then renews the session on its next 
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic
+from typing import Generic, Protocol
 
-from kvserver.client.common import Answer, Call, Proc, T
+from kvserver.client.common import Proc, T
+from kvserver.client.transport import Slot
 from kvserver.errors import InvalidState, KVServerError
 
-if TYPE_CHECKING:
-    from kvserver.client.sync import KVClient
 
+class PendingOwner(Protocol):
+    """What a :class:`Pending` needs of the client that made it (the blocking client)."""
 
-@dataclass(slots=True, eq=False)
-class Slot:
-    """One request outstanding on the client's current socket; ``outcome`` is set once, when
-    its reply is read (an Answer or the daemon's typed error) or the socket is replaced
-    (Unavailable)."""
+    timeout: float
 
-    call: Call
-    outcome: Answer | KVServerError | None = None
-    sent_at: float = field(default_factory=time.monotonic)
-    #: its Pending was cancelled: the reply is dropped when it comes.
-    cancelled: bool = False
+    def _read_arrived(self) -> None: ...
+    def _finish(self, proc: Proc[T], slot: Slot, timeout: float) -> T: ...
+    def _forget(self, req_id: int) -> None: ...
 
 
 class Pending(Generic[T]):
@@ -62,7 +55,7 @@ class Pending(Generic[T]):
 
     __slots__ = ("_client", "_error", "_proc", "_req_id", "_slot", "_state", "_value")
 
-    def __init__(self, client: KVClient, proc: Proc[T], slot: Slot, req_id: int) -> None:
+    def __init__(self, client: PendingOwner, proc: Proc[T], slot: Slot, req_id: int) -> None:
         self._client = client
         self._proc = proc
         self._slot = slot

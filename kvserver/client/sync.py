@@ -47,8 +47,8 @@ from kvserver.client.common import (
     readinto_part,
     write_part,
 )
-from kvserver.client.pending import Pending, Slot
-from kvserver.client.transport import Transport
+from kvserver.client.pending import Pending
+from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
 from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, UnknownNamespace

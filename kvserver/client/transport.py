@@ -3,7 +3,8 @@
 Runs in client processes, on the thread that owns the :class:`~kvserver.client.KVClient`; not
 thread-safe. :class:`Transport` owns the client's links (``links.py``: the ZMQ DEALER, and the
 daemon's local channel when co-located) and the requests outstanding on them (one
-:class:`~kvserver.client.pending.Slot` each, by request id, oldest first).
+:class:`Slot` each, by request id, oldest first; a submitted request's
+:class:`~kvserver.client.pending.Pending` holds its slot).
 
 Call order: ``send(call)`` → its slot → ``wait(slot, timeout)`` (or ``read_arrived()`` to route
 what is already in) → the slot's outcome; ``forget(req_id)`` drops a reply to come; ``drop(why)``
@@ -24,6 +25,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -31,10 +33,22 @@ import zmq
 from kvserver import wire_local
 from kvserver.client.common import Answer, Call, Session
 from kvserver.client.links import LocalLink, ZmqLink
-from kvserver.client.pending import Slot
 from kvserver.errors import KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One request outstanding on the client's current socket; ``outcome`` is set once, when
+    its reply is read (an Answer or the daemon's typed error) or the socket is replaced
+    (Unavailable)."""
+
+    call: Call
+    outcome: Answer | KVServerError | None = None
+    sent_at: float = field(default_factory=time.monotonic)
+    #: its Pending was cancelled: the reply is dropped when it comes.
+    cancelled: bool = False
 
 
 class Transport:
