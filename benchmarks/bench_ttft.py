@@ -37,9 +37,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
+from benchmarks.harness.daemon import start_daemon, wait_until
+from benchmarks.harness.vllm_engine import EngineProc, engine_python, make_model
 from kvserver.client import KVClient
-from tests.support.daemon import start_daemon, wait_until
-from tests.support.vllm_engine import EngineProc, engine_python, make_model
 
 FULL = {"layers": 8, "hidden": 1024, "prompt": 6144, "repeats": 3, "fanout": 64,
         "fanout_prefix": 1024}  # fmt: skip

