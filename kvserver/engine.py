@@ -60,11 +60,10 @@ from kvserver.engine_types import (
     EngineStats,
     Entry,
     EntryState,
-    LoadGrant,
-    StoreGrant,
 )
 from kvserver.errors import CapacityError, InvalidArgument, UnknownKey
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
+from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.leases import LeaseKind
 from kvserver.namespace import NamespaceSpec
 from kvserver.reuse import ReuseTracker

@@ -1,4 +1,6 @@
-"""Value types of the storage engine: configuration, grants, the per-chunk record, statistics.
+"""Value types of the storage engine: configuration, the per-chunk record, statistics.
+
+The grants (``StoreGrant``, ``LoadGrant``) are data-plane wire values: ``kvserver/grants.py``.
 
 Pure data; no behaviour beyond validation and derived properties.
 """
@@ -83,43 +85,6 @@ class Entry:
     @property
     def is_pinned(self) -> bool:
         return self.pins > 0 or self.ttl_until > 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class StoreGrant:
-    """Result of ``prepare_store``: where to write each new chunk's parts.
-
-    ``keys`` are the chunks reserved by this grant (request order, duplicates removed);
-    ``locations[i][rank]`` are the extents of ``keys[i]``'s part for ``rank``. The grant must be
-    completed with ``complete_store(lease_id, ...)`` before ``deadline`` (engine clock) or it is
-    rolled back. ``lease_id`` is 0 when nothing was reserved (every key present or filtered).
-    """
-
-    lease_id: int
-    deadline: float
-    ns_id: str
-    keys: list[bytes]
-    locations: list[list[Extents]]
-    #: keys already present (ready or being written by someone else).
-    present: list[bytes] = field(default_factory=list)
-    #: keys refused by reuse gating (seen fewer than store_threshold times).
-    filtered: list[bytes] = field(default_factory=list)
-    #: number of chunks evicted to make room.
-    num_evicted: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LoadGrant:
-    """Result of ``prepare_load``: the pinned chunks and where their parts are.
-
-    Pinned until ``complete_load(lease_id)`` or until ``deadline`` passes.
-    """
-
-    lease_id: int
-    deadline: float
-    ns_id: str
-    keys: list[bytes]
-    locations: list[list[Extents]]
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ WatchEvents stream has none unless asked: it is meant to stay open). Errors are 
 daemon cannot be reached in time, :class:`EventsDropped` when a WatchEvents resume point is
 gone.
 
-This module also holds the wire constants and the NamespaceSpec ↔ protobuf conversions that
-the daemon's front end (``kvserver/daemon/grpc_server.py``) shares, so the two cannot drift.
+The wire constants and the protobuf conversions are in ``kvserver/grpc_format.py``, which the
+daemon's front end imports too.
 """
 
 from __future__ import annotations
@@ -33,33 +33,24 @@ from kvserver.errors import (
     Unavailable,
     error_from_code,
 )
-from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
+from kvserver.events import Event
+from kvserver.grpc_format import (
+    ERROR_CODE_KEY,
+    EVENTS_DROPPED_CODE,
+    FROM_SEQ_KEY,
+    LOG_ID_KEY,
+    MAX_MESSAGE_BYTES,
+    MEDIUM_FROM_PROTO,
+    OLDEST_SEQ_KEY,
+    SERVICE_NAME,
+    event_from_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
 from kvserver.namespace import NamespaceSpec
 
-SERVICE_NAME = "kvserver.v1.KVServer"
-#: trailing metadata: the kvserver error code of a failed call.
-ERROR_CODE_KEY = "kvserver-error-code"
-#: trailing metadata of an OUT_OF_RANGE WatchEvents: the oldest seq still available.
-OLDEST_SEQ_KEY = "kvserver-oldest-seq"
-EVENTS_DROPPED_CODE = "events_dropped"
-#: initial metadata of WatchEvents: the daemon's event log id and the first seq it will send.
-LOG_ID_KEY = "kvserver-log-id"
-FROM_SEQ_KEY = "kvserver-from-seq"
-#: largest message either side accepts (a 2M-token Lookup fits).
-MAX_MESSAGE_BYTES = 16 << 20
 DEFAULT_TARGET = "127.0.0.1:9470"
 DEFAULT_TIMEOUT_S = 5.0
-
-_SPEC_REQUIRED = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
-_SPEC_OPTIONAL = (
-    "chunk_blocks",
-    "hash_algo",
-    "hash_seed",
-    "tp_world_size",
-    "kv_factor",
-    "part_bytes_override",
-)
-_MEDIUM_NAMES: dict[int, Medium] = {pb.MEDIUM_CPU: Medium.CPU, pb.MEDIUM_STORAGE: Medium.STORAGE}
 
 
 class EventsDropped(KVServerError):
@@ -73,44 +64,6 @@ class EventsDropped(KVServerError):
     def __init__(self, message: str, *, oldest_seq: int = 0) -> None:
         super().__init__(message)
         self.oldest_seq = oldest_seq
-
-
-# ---------------------------------------------------------------------- wire conversions
-
-
-def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
-    """A fully populated ``kvserver.v1.NamespaceSpec``."""
-    values = {name: getattr(spec, name) for name in (*_SPEC_REQUIRED, *_SPEC_OPTIONAL)}
-    return pb.NamespaceSpec(label=spec.label, **values)
-
-
-def spec_from_proto(msg: pb.NamespaceSpec) -> NamespaceSpec:
-    """Validated spec; unset optional fields take NamespaceSpec's defaults (InvalidArgument)."""
-    values = {name: getattr(msg, name) for name in _SPEC_REQUIRED}
-    values.update({name: getattr(msg, name) for name in _SPEC_OPTIONAL if msg.HasField(name)})
-    values["label"] = msg.label
-    return NamespaceSpec.from_dict(values)
-
-
-def namespace_to_proto(spec: NamespaceSpec) -> pb.Namespace:
-    return pb.Namespace(
-        namespace_id=spec.ns_id,
-        spec=spec_to_proto(spec),
-        part_bytes=spec.part_bytes,
-        key_size=spec.key_size,
-        chunk_tokens=spec.chunk_tokens,
-    )
-
-
-def event_from_proto(msg: pb.Event) -> Event:
-    """The :mod:`kvserver.events` value of a ``kvserver.v1.Event``."""
-    medium = _MEDIUM_NAMES.get(msg.medium, Medium.CPU)
-    kind = msg.WhichOneof("kind")
-    if kind == "block_stored":
-        return BlockStored(msg.seq, msg.namespace_id, tuple(msg.block_stored.keys), medium)
-    if kind == "block_removed":
-        return BlockRemoved(msg.seq, msg.namespace_id, tuple(msg.block_removed.keys), medium)
-    return AllBlocksCleared(msg.seq, msg.namespace_id, medium)
 
 
 # ---------------------------------------------------------------------- results
@@ -346,7 +299,7 @@ class GrpcClient:
 
     def stats(self, *, timeout: float | None = None) -> ServerStats:
         msg = self._call("Stats", pb.StatsRequest(), pb.StatsResponse, timeout)
-        tiers = [_copy(TierStats, t, medium=_MEDIUM_NAMES.get(t.medium, "")) for t in msg.tiers]
+        tiers = [_copy(TierStats, t, medium=MEDIUM_FROM_PROTO.get(t.medium, "")) for t in msg.tiers]
         namespaces = [
             _copy(NamespaceStats, n, tiers={u.tier: (u.entries, u.bytes) for u in n.tiers})
             for n in msg.namespaces

@@ -33,8 +33,8 @@ from typing import Any
 
 import msgpack
 
-from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
+from kvserver.grants import LoadGrant, StoreGrant
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)

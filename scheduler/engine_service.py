@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver.errors import InvalidArgument, KVServerError
-from kvserver.grpc_client import ERROR_CODE_KEY, MAX_MESSAGE_BYTES
+from kvserver.grpc_format import ERROR_CODE_KEY, MAX_MESSAGE_BYTES
 from scheduler.request import PromptUsage, RequestOutput
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from kvserver.client import KVClient, Pending
-from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, Unavailable
+from kvserver.grants import LoadGrant, StoreGrant
 from scheduler.kv_connector_types import ConnectorStats, KVConnectorConfig
 
 logger = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvserver.engine_types import LoadGrant
 from kvserver.errors import InvalidArgument, KVServerError, UnknownKey
 from kvserver.events import BlockRemoved
+from kvserver.grants import LoadGrant
 from kvserver.hashing import BlockHasher
 from kvserver.prometheus import latency_histogram
 from scheduler.kv_connector_leases import LeaseBook

@@ -46,8 +46,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvserver.engine_types import StoreGrant
 from kvserver.errors import KVServerError, Unavailable
+from kvserver.grants import StoreGrant
 from kvserver.hashing import BlockHasher
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink

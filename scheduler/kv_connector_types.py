@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kvserver.client import Pending
-from kvserver.engine_types import StoreGrant
 from kvserver.errors import InvalidArgument
+from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
 from scheduler.kv_connector_request import RequestState
 from step_protocol import RequestTransfers

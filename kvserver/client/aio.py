@@ -43,8 +43,8 @@ from kvserver.client.common import (
     write_part,
 )
 from kvserver.crypto import CurveClient
-from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, UnknownNamespace
+from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 
 

@@ -33,8 +33,8 @@ from kvserver import wire
 from kvserver.allocator import Extents
 from kvserver.arena import ArenaView
 from kvserver.crypto import CurveClient
-from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
+from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)

@@ -50,8 +50,8 @@ from kvserver.client.common import (
 from kvserver.client.pending import Pending
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
-from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import KVServerError, UnknownNamespace
+from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)

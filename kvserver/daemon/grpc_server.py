@@ -46,15 +46,17 @@ from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
 from kvserver.daemon.service import KVService, LookupResult, Pending
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
-from kvserver.events import Event, Medium
-from kvserver.grpc_client import (
+from kvserver.events import Event
+from kvserver.grpc_format import (
     ERROR_CODE_KEY,
     EVENTS_DROPPED_CODE,
     FROM_SEQ_KEY,
     LOG_ID_KEY,
     MAX_MESSAGE_BYTES,
+    MEDIUM_TO_PROTO,
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
+    event_to_proto,
     namespace_to_proto,
     spec_from_proto,
 )
@@ -81,7 +83,6 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
 BEARER = "Bearer "
 MAX_NAMESPACE_ID = 64
 MAX_STATUS_DETAILS = 1024
-_MEDIUM = {Medium.CPU: pb.MEDIUM_CPU, Medium.STORAGE: pb.MEDIUM_STORAGE}
 _NS_COUNTERS = (
     "entries",
     "bytes",
@@ -370,7 +371,7 @@ class GrpcFrontend:
             tiers.append(
                 pb.TierStats(
                     name=tier.name,
-                    medium=_MEDIUM.get(tier.medium, pb.MEDIUM_UNSPECIFIED),
+                    medium=MEDIUM_TO_PROTO.get(tier.medium, pb.MEDIUM_UNSPECIFIED),
                     condition_detail=st.get("condition_detail", "")[:MAX_STATUS_DETAILS],
                     **{k: st[k] for k in _LOWER_TIER_FIELDS if k in st},
                 )
@@ -472,19 +473,7 @@ class GrpcFrontend:
                 await aclose()
 
     def _event_message(self, event: Event) -> pb.Event:
-        msg = pb.Event(
-            seq=event.seq,
-            log_id=self.log_id,
-            namespace_id=event.ns_id,
-            medium=_MEDIUM.get(event.medium, pb.MEDIUM_UNSPECIFIED),
-        )
-        if event.type == "BlockStored":
-            msg.block_stored.keys.extend(event.keys)
-        elif event.type == "BlockRemoved":
-            msg.block_removed.keys.extend(event.keys)
-        else:
-            msg.all_blocks_cleared.SetInParent()
-        return msg
+        return event_to_proto(event, self.log_id)
 
 
 class _CannotResume(Exception):

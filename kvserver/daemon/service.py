@@ -32,8 +32,9 @@ from kvserver import __version__
 from kvserver.daemon.eventlog import EventLog
 from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig, Entry, LoadGrant, StoreGrant
+from kvserver.engine_types import EngineConfig, Entry
 from kvserver.errors import InvalidArgument
+from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 from kvserver.prometheus import latency_histogram

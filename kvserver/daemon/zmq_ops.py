@@ -26,7 +26,7 @@ from kvserver import wire, wire_local
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.service import Fetched, KVService, LookupResult, Pending, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
-from kvserver.engine_types import LoadGrant
+from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec
 
 

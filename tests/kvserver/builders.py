@@ -7,7 +7,8 @@ import hashlib
 from typing import Any
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig, StoreGrant
+from kvserver.engine_types import EngineConfig
+from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
 
 #: the smallest page the allocator accepts; test arenas are a handful of these.

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserver import wire
-from kvserver.engine_types import LoadGrant, StoreGrant
 from kvserver.errors import (
     InvalidArgument,
     KVServerError,
@@ -20,6 +19,7 @@ from kvserver.errors import (
     UnknownNamespace,
     UnsupportedVersion,
 )
+from kvserver.grants import LoadGrant, StoreGrant
 
 KEY = b"k" * 32
 

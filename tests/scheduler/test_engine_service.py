@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserver.grpc_client import ERROR_CODE_KEY
+from kvserver.grpc_format import ERROR_CODE_KEY
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
 from tests.support.daemon import start_daemon, wait_until

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
-from kvserver.grpc_client import MAX_MESSAGE_BYTES, GrpcClient
+from kvserver.grpc_client import GrpcClient
+from kvserver.grpc_format import MAX_MESSAGE_BYTES
 from kvserver.namespace import DTYPE_SIZES, HASH_ALGOS
 from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.test_grpc_server import InProcessServer

@@ -22,8 +22,9 @@ from kvserver.daemon.service import Fetched, KVService, LookupResult, Pending
 from kvserver.daemon.tiers import OK, DirectParts, Tier
 from kvserver.daemon.zmq_ops import Call, Deferred, ZmqOps
 from kvserver.daemon.zmq_send import ZeroCopySender
-from kvserver.engine_types import EngineConfig, Entry, LoadGrant
+from kvserver.engine_types import EngineConfig, Entry
 from kvserver.events import MEDIUM_SSD
+from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import PAGE, make_keys, make_spec, pattern
 

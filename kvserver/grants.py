@@ -1,0 +1,49 @@
+"""The grants of the data plane: what ``prepare_store`` and ``prepare_load`` hand a client.
+
+Made by the storage engine (``kvserver/engine.py``), carried by the data-plane wire
+(``kvserver/wire.py``: ``grant_to_wire`` / ``grant_from_wire``, ``docs/wire.md``) and used by
+every client; defined here, beside the wire, so both ends import one definition. Pure data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserver.allocator import Extents
+
+
+@dataclass(frozen=True, slots=True)
+class StoreGrant:
+    """Result of ``prepare_store``: where to write each new chunk's parts.
+
+    ``keys`` are the chunks reserved by this grant (request order, duplicates removed);
+    ``locations[i][rank]`` are the extents of ``keys[i]``'s part for ``rank``. The grant must be
+    completed with ``complete_store(lease_id, ...)`` before ``deadline`` (engine clock) or it is
+    rolled back. ``lease_id`` is 0 when nothing was reserved (every key present or filtered).
+    """
+
+    lease_id: int
+    deadline: float
+    ns_id: str
+    keys: list[bytes]
+    locations: list[list[Extents]]
+    #: keys already present (ready or being written by someone else).
+    present: list[bytes] = field(default_factory=list)
+    #: keys refused by reuse gating (seen fewer than store_threshold times).
+    filtered: list[bytes] = field(default_factory=list)
+    #: number of chunks evicted to make room.
+    num_evicted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadGrant:
+    """Result of ``prepare_load``: the pinned chunks and where their parts are.
+
+    Pinned until ``complete_load(lease_id)`` or until ``deadline`` passes.
+    """
+
+    lease_id: int
+    deadline: float
+    ns_id: str
+    keys: list[bytes]
+    locations: list[list[Extents]]
