@@ -10,13 +10,23 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvserver.ssd.fileio import aligned_buffer, storage_error
+from kvserver.ssd.fileio import FileIO, aligned_buffer, storage_error
 from kvserver.ssd.format import HEADER_BYTES, ChunkHeader, CorruptChunk, decode_header
 
-if TYPE_CHECKING:
-    from kvserver.ssd.store import SlotStore
+
+class SlotFiles(Protocol):
+    """What a scan reads: the data files of a directory (``store.SlotStore`` is one)."""
+
+    @property
+    def io(self) -> FileIO: ...
+
+    def data_files(self) -> dict[int, str]: ...
+
+    def fd(self, slot_bytes: int) -> int: ...
+
+    def path(self, slot_bytes: int) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +48,7 @@ class ScanResult:
     headers_read: int = 0
 
 
-def scan_files(store: SlotStore, workers: int) -> ScanResult:
+def scan_files(store: SlotFiles, workers: int) -> ScanResult:
     """See :meth:`SlotStore.scan`. Raises StorageError (path, errno) on an OS error."""
     result = ScanResult()
     jobs: list[tuple[int, int, int]] = []  # (slot_bytes, first slot, end slot)
@@ -59,7 +69,7 @@ def scan_files(store: SlotStore, workers: int) -> ScanResult:
     return result
 
 
-def _scan_range(store: SlotStore, slot_bytes: int, lo: int, hi: int) -> ScanResult:
+def _scan_range(store: SlotFiles, slot_bytes: int, lo: int, hi: int) -> ScanResult:
     out = ScanResult()
     block = aligned_buffer(HEADER_BYTES)
     path = store.path(slot_bytes)
