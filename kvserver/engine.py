@@ -57,9 +57,9 @@ from kvserver.engine_namespaces import NamespaceTable
 from kvserver.engine_types import (
     Counters,
     EngineConfig,
-    EngineStats,
     Entry,
     EntryState,
+    StorageStats,
 )
 from kvserver.errors import CapacityError, InvalidArgument, UnknownKey
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
@@ -409,11 +409,11 @@ class StorageEngine:
         events, self._events = self._events, []
         return events
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> StorageStats:
         self._reap()
         dram = self._dram
         totals = self._namespaces.totals
-        return EngineStats(
+        return StorageStats(
             capacity_bytes=self.allocator.num_pages * self.allocator.page_size,
             page_size=self.allocator.page_size,
             total_pages=self.allocator.num_pages,

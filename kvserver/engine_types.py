@@ -105,7 +105,7 @@ class Counters:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
+class StorageStats:
     capacity_bytes: int
     page_size: int
     total_pages: int

@@ -90,7 +90,7 @@ class PinReply:
 
 
 @dataclass(frozen=True, slots=True)
-class NamespaceInfo:
+class NamespaceReply:
     namespace_id: str
     spec: NamespaceSpec
     part_bytes: int
@@ -314,18 +314,18 @@ class GrpcClient:
 
     def list_namespaces(
         self, model: str | None = None, *, timeout: float | None = None
-    ) -> list[NamespaceInfo]:
+    ) -> list[NamespaceReply]:
         """Registered namespaces (only ``model``'s when given)."""
         req = pb.ListNamespacesRequest(model=model or "")
         msg = self._call("ListNamespaces", req, pb.ListNamespacesResponse, timeout)
-        return [_namespace_info(ns) for ns in msg.namespaces]
+        return [_namespace_reply(ns) for ns in msg.namespaces]
 
     def register_namespace(
         self, spec: NamespaceSpec, *, timeout: float | None = None
-    ) -> NamespaceInfo:
+    ) -> NamespaceReply:
         """Register ``spec`` (idempotent); returns it with its namespace_id."""
         req = pb.RegisterNamespaceRequest(spec=spec_to_proto(spec))
-        return _namespace_info(self._call("RegisterNamespace", req, pb.Namespace, timeout))
+        return _namespace_reply(self._call("RegisterNamespace", req, pb.Namespace, timeout))
 
     # ------------------------------------------------------------------ pins
 
@@ -448,8 +448,8 @@ def _lookup_reply(msg: Any) -> LookupReply:
     return reply
 
 
-def _namespace_info(msg: Any) -> NamespaceInfo:
-    info: NamespaceInfo = _copy(NamespaceInfo, msg, spec=spec_from_proto(msg.spec))
+def _namespace_reply(msg: Any) -> NamespaceReply:
+    info: NamespaceReply = _copy(NamespaceReply, msg, spec=spec_from_proto(msg.spec))
     return info
 
 

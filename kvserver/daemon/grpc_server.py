@@ -44,7 +44,7 @@ from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
-from kvserver.daemon.service import KVService, LookupResult, Pending
+from kvserver.daemon.service import KVService, LookupHits, Pending
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.events import Event
 from kvserver.grpc_format import (
@@ -484,7 +484,7 @@ class _CannotResume(Exception):
         self.oldest = oldest
 
 
-def _lookup_response(ns_id: str, chunk_tokens: int, result: LookupResult) -> pb.LookupResponse:
+def _lookup_response(ns_id: str, chunk_tokens: int, result: LookupHits) -> pb.LookupResponse:
     return pb.LookupResponse(
         namespace_id=ns_id,
         hit_chunks=result.hit_chunks,

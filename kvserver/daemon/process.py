@@ -50,7 +50,7 @@ from kvserver.daemon.peers.static import StaticDirectory
 from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
-from kvserver.daemon.zmq_server import ZmqFrontend
+from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.prometheus import serve_metrics
 
 logger = logging.getLogger("kvserver.daemon")
@@ -77,7 +77,7 @@ async def serve(
         service = KVService(
             engine_config, event_capacity=config.event_capacity, prefault_progress=progress
         )
-    zmq_front = ZmqFrontend(service, config)
+    zmq_front = DataFrontend(service, config)
     grpc_front = GrpcFrontend(service, config)
     reaper: asyncio.Task[None] | None = None
     ssd: SsdTier | None = None

@@ -57,7 +57,7 @@ class Pending(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
+class LookupHits:
     ns_id: str
     hit_chunks: int
     hit_tokens: int
@@ -206,7 +206,7 @@ class KVService:
         record: bool = False,
         touch: bool = False,
         local: bool = False,
-    ) -> LookupResult | Pending[LookupResult]:
+    ) -> LookupHits | Pending[LookupHits]:
         """The leading run of ``keys`` held by some tier, split per tier (a key counts for the
         fastest tier holding it); ``Pending`` when a tier cannot tell without I/O (then the
         rest is ``await pending.run()``). ``record``/``touch`` as ``StorageEngine.lookup``;
@@ -215,7 +215,7 @@ class KVService:
         spec = self.engine.namespace(ns_id)
         tiers = self._stack(local)
         if not tiers:
-            return LookupResult(ns_id, hits, hits * spec.chunk_tokens, len(keys), {"dram": hits})
+            return LookupHits(ns_id, hits, hits * spec.chunk_tokens, len(keys), {"dram": hits})
         found = self._walk(ns_id, keys, hits, tiers, None)
         if found is None:
             return Pending(
@@ -231,7 +231,7 @@ class KVService:
         tiers: list[Tier],
         touch: bool,
         chunk_tokens: int,
-    ) -> LookupResult:
+    ) -> LookupHits:
         rest = keys[hits:]
         masks = await asyncio.gather(*(tier.query(ns_id, rest) for tier in tiers))
         found = self._walk(ns_id, keys, hits, tiers, masks)
@@ -276,7 +276,7 @@ class KVService:
         found: list[int],
         touch: bool,
         chunk_tokens: int,
-    ) -> LookupResult:
+    ) -> LookupHits:
         total = hits + len(found)
         misses = len(keys) - total
         counts = {"dram": hits + found.count(-1)}
@@ -286,7 +286,7 @@ class KVService:
             tier.record_lookup(ns_id, mine, misses, touch=touch)
         if touch and counts["dram"] > hits:
             self.engine.touch(ns_id, keys[:total])
-        return LookupResult(ns_id, total, total * chunk_tokens, len(keys), counts)
+        return LookupHits(ns_id, total, total * chunk_tokens, len(keys), counts)
 
     def chunk_keys_for_tokens(
         self,
@@ -322,7 +322,7 @@ class KVService:
         *,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
-    ) -> LookupResult | Pending[LookupResult]:
+    ) -> LookupHits | Pending[LookupHits]:
         keys = self.chunk_keys_for_tokens(ns_id, token_ids, cache_salt=cache_salt, lora=lora)
         return self.lookup(ns_id, keys)
 

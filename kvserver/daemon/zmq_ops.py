@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from kvserver import wire, wire_local
 from kvserver.daemon.config import DaemonConfig
-from kvserver.daemon.service import Fetched, KVService, LookupResult, Pending, check_parts
+from kvserver.daemon.service import Fetched, KVService, LookupHits, Pending, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec
@@ -40,7 +40,7 @@ class PayloadFrame(Protocol):
 
 
 @dataclass(slots=True)
-class Call:
+class OpCall:
     """One validated request as a handler sees it."""
 
     args: dict[str, Any]
@@ -58,8 +58,9 @@ class Deferred:
     run: Callable[[], Awaitable[Result]]
 
 
-class ZmqOps:
-    """The handlers of one front end; see the module docstring."""
+class DataOps:
+    """The handlers of the data plane (ZMQ and the local channel alike); see the module
+    docstring."""
 
     def __init__(
         self, service: KVService, config: DaemonConfig, sid: str, sender: ZeroCopySender
@@ -71,7 +72,7 @@ class ZmqOps:
         #: the local channel's socket, announced by ``hello`` (set by the front end).
         self.local_path: str | None = None
         svc = service
-        self._handlers: dict[str, Callable[[Call], Result | Deferred]] = {
+        self._handlers: dict[str, Callable[[OpCall], Result | Deferred]] = {
             wire.HELLO: self._hello,
             wire.REGISTER_NAMESPACE: lambda c: svc.register_namespace(
                 NamespaceSpec.from_dict(c.args["spec"])
@@ -96,7 +97,7 @@ class ZmqOps:
             wire.RELEASE: lambda c: {"released": svc.release_client(c.client)},
         }
 
-    def handle(self, op: str, call: Call) -> Result | Deferred:
+    def handle(self, op: str, call: OpCall) -> Result | Deferred:
         """Carry out ``op`` (a valid op name) now, or return the rest of it as a Deferred.
         Its time (a Deferred's until its answer) goes to ``service.op_seconds``."""
         timer = self._service.op_seconds.labels(op)
@@ -115,7 +116,7 @@ class ZmqOps:
 
         return Deferred(timed)
 
-    def _hello(self, c: Call) -> Result:
+    def _hello(self, c: OpCall) -> Result:
         extra = {
             "client": c.client,
             "sid": self._sid,
@@ -126,14 +127,14 @@ class ZmqOps:
         }
         return self._service.hello() | extra
 
-    def _lookup(self, c: Call) -> Result | Deferred:
+    def _lookup(self, c: OpCall) -> Result | Deferred:
         a = c.args
         record, touch, local = a["record"] is True, a["touch"] is True, a["local"] is True
         return _lookup_reply(
             self._service.lookup(a["ns_id"], a["keys"], record=record, touch=touch, local=local)
         )
 
-    def _lookup_tokens(self, c: Call) -> Result | Deferred:
+    def _lookup_tokens(self, c: OpCall) -> Result | Deferred:
         a = c.args
         lora = (a["lora"][0], a["lora"][1]) if a["lora"] is not None else None
         salt = a["cache_salt"]
@@ -141,21 +142,21 @@ class ZmqOps:
             self._service.lookup_tokens(a["ns_id"], a["token_ids"], cache_salt=salt, lora=lora)
         )
 
-    def _prepare_store(self, c: Call) -> Result:
+    def _prepare_store(self, c: OpCall) -> Result:
         a = c.args
         grant = self._service.prepare_store(
             a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"]
         )
         return {"grant": None if grant is None else wire.grant_to_wire(grant, time.monotonic())}
 
-    def _complete_store(self, c: Call) -> Result:
+    def _complete_store(self, c: OpCall) -> Result:
         a = c.args
         ready = self._service.complete_store(
             a["lease_id"], success=a["success"] is not False, ranks=a["ranks"], keys=a["keys"]
         )
         return {"ready": ready}
 
-    def _prepare_load(self, c: Call) -> Result | Deferred:
+    def _prepare_load(self, c: OpCall) -> Result | Deferred:
         a = c.args
         got = self._service.load(a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"])
         if isinstance(got, Pending):
@@ -167,7 +168,7 @@ class ZmqOps:
             return Deferred(finish)
         return _load_reply(got)
 
-    def _put(self, c: Call) -> Result:
+    def _put(self, c: OpCall) -> Result:
         """Store whole entries in one round trip: len(keys) x tp frames, key-major."""
         a = c.args
         r = self._service.put(
@@ -184,7 +185,7 @@ class ZmqOps:
             "rejected": r.rejected,
         }
 
-    def _write_parts(self, c: Call) -> Result:
+    def _write_parts(self, c: OpCall) -> Result:
         """One rank's parts into an existing store lease (TP by rank over the network)."""
         lease_id, keys, rank = c.args["lease_id"], c.args["keys"], c.args["rank"]
         check_parts(c.frames, len(keys), None)
@@ -195,7 +196,7 @@ class ZmqOps:
             ready = self._service.complete_store(lease_id, ranks=[rank], keys=keys)
         return {"ready": ready}
 
-    def _get(self, c: Call) -> Result | Deferred:
+    def _get(self, c: OpCall) -> Result | Deferred:
         """Pin ``keys`` (every one must be ready, unless ``leading``: then the leading run of
         those held in this daemon's own tiers) and send the parts of ``ranks``."""
         a = c.args
@@ -218,7 +219,7 @@ class ZmqOps:
             {"keys": got.keys, "ranks": got.ranks}, got.parts, self._sender.adopt(got.lease_id)
         )
 
-    def _read_parts(self, c: Call) -> Result:
+    def _read_parts(self, c: OpCall) -> Result:
         """One rank's parts of a load lease the caller holds (it must cover ``keys``)."""
         lease_id, keys, rank = c.args["lease_id"], c.args["keys"], c.args["rank"]
         parts = [self._service.read_part(lease_id, key, rank) for key in keys]
@@ -231,7 +232,7 @@ def _done(fn: Callable[..., None], *args: Any) -> dict[str, Any]:
     return {}
 
 
-def _lookup_reply(r: LookupResult | Pending[LookupResult]) -> Result | Deferred:
+def _lookup_reply(r: LookupHits | Pending[LookupHits]) -> Result | Deferred:
     if isinstance(r, Pending):
         pending = r
 
@@ -242,7 +243,7 @@ def _lookup_reply(r: LookupResult | Pending[LookupResult]) -> Result | Deferred:
     return _lookup_fields(r)
 
 
-def _lookup_fields(r: LookupResult) -> Result:
+def _lookup_fields(r: LookupHits) -> Result:
     return {name: getattr(r, name) for name in wire.LOOKUP_FIELDS}
 
 

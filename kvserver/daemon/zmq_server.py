@@ -79,7 +79,7 @@ from kvserver.daemon.local_server import (
 )
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
-from kvserver.daemon.zmq_ops import Call, Deferred, PayloadFrame, Result, ZmqOps
+from kvserver.daemon.zmq_ops import DataOps, Deferred, OpCall, PayloadFrame, Result
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 
@@ -112,7 +112,7 @@ _Peer = bytes | LocalConnection
 _Message = list[zmq.Frame] | LocalMessage
 
 
-class ZmqFrontend:
+class DataFrontend:
     """Serves the data plane (ZMQ and the local channel) and publishes KV events; see the
     module docstring."""
 
@@ -141,7 +141,7 @@ class ZmqFrontend:
         self._reading = False  # inside the reader callback
         self._drain_scheduled = False
         self._sender = ZeroCopySender(service)
-        self._ops = ZmqOps(service, config, self._sid, self._sender)
+        self._ops = DataOps(service, config, self._sid, self._sender)
         self._events = EventPublisher(service)
 
     @property
@@ -432,7 +432,7 @@ class ZmqFrontend:
         client = req.client or owner
         if isinstance(peer, LocalConnection):
             self._local_clients.setdefault(peer, set()).add(client)
-        return self._ops.handle(req.op, Call(req.args, frames[1:], client))
+        return self._ops.handle(req.op, OpCall(req.args, frames[1:], client))
 
     def _local_closed(self, conn: LocalConnection) -> None:
         """A local-channel client is gone: release its reservations and pins now, rather

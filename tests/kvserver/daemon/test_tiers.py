@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from kvserver.daemon.config import DaemonConfig
-from kvserver.daemon.service import Fetched, KVService, LookupResult, Pending
+from kvserver.daemon.service import Fetched, KVService, LookupHits, Pending
 from kvserver.daemon.tiers import OK, DirectParts, Tier
-from kvserver.daemon.zmq_ops import Call, Deferred, ZmqOps
+from kvserver.daemon.zmq_ops import DataOps, Deferred, OpCall
 from kvserver.daemon.zmq_send import ZeroCopySender
 from kvserver.engine_types import EngineConfig, Entry
 from kvserver.events import MEDIUM_SSD
@@ -138,7 +138,7 @@ async def test_a_lookup_through_a_tier_that_needs_io_is_pending_then_split_per_t
     put(svc, keys)  # 4 fit: keys 0, 1 evicted into the tier
     assert [k for k in keys if svc.engine.contains(SPEC.ns_id, k)] == keys[2:]
     result = await finish(svc.lookup(SPEC.ns_id, [*keys, b"x" * 32]))
-    assert isinstance(result, LookupResult)
+    assert isinstance(result, LookupHits)
     assert result.tiers == {"dram": 4, "mem": 2}
     assert result.hit_chunks == 6 and result.num_chunks == 7
     assert tier.recorded == [(keys[:2], 1)]
@@ -151,7 +151,7 @@ async def test_a_lookup_that_all_hits_dram_asks_no_tier_for_io(svc: KVService) -
     keys = make_keys(2, tag="d")
     put(svc, keys)
     result = svc.lookup(SPEC.ns_id, keys)
-    assert isinstance(result, LookupResult)  # synchronous: the fast path
+    assert isinstance(result, LookupHits)  # synchronous: the fast path
     assert result.tiers == {"dram": 2, "mem": 0}
     assert tier.queries == 0
 
@@ -163,15 +163,15 @@ async def test_zmq_lookup_and_load_defer_when_a_tier_needs_io(svc: KVService) ->
     put(svc, keys)
     config = DaemonConfig()
     sender = ZeroCopySender(svc)
-    ops = ZmqOps(svc, config, "sid", sender)
+    ops = DataOps(svc, config, "sid", sender)
     args = {"ns_id": SPEC.ns_id, "keys": keys[:3], "record": None, "touch": None}
     args["local"] = None
-    deferred = ops.handle("lookup", Call(args, [], "c"))
+    deferred = ops.handle("lookup", OpCall(args, [], "c"))
     assert isinstance(deferred, Deferred)
     reply = await deferred.run()
     assert isinstance(reply, dict)
     assert reply["tiers"] == {"dram": 1, "mem": 2}
-    load = ops.handle("prepare_load", Call({**args, "lease_s": None}, [], "c"))
+    load = ops.handle("prepare_load", OpCall({**args, "lease_s": None}, [], "c"))
     assert isinstance(load, Deferred)  # keys 0, 1 must be promoted first
     grant = await load.run()
     assert isinstance(grant, dict) and grant["grant"]["lease_id"] > 0
@@ -243,7 +243,7 @@ async def test_a_peers_question_never_reaches_a_tier_of_other_hosts(svc: KVServi
     keys = make_keys(6, tag="p")
     put(svc, keys)  # keys 0, 1 only in the remote tier
     result = svc.lookup(SPEC.ns_id, keys, local=True)
-    assert isinstance(result, LookupResult)  # no I/O: the remote tier is not asked
+    assert isinstance(result, LookupHits)  # no I/O: the remote tier is not asked
     assert result.tiers == {"dram": 0} and tier.queries == 0
     got = svc.get(SPEC.ns_id, keys[2:] + keys[:2], None, client="c", leading=True)
     assert isinstance(got, Fetched)  # nothing to promote from this host's tiers
