@@ -51,6 +51,7 @@ from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
+from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
 
 logger = logging.getLogger("kvserver.daemon")
@@ -126,7 +127,7 @@ async def serve(
             "cluster_condition": node.condition if node is not None else "",
         }
         if config.ready_file:
-            _write_atomic(config.ready_file, json.dumps(info))
+            write_atomic(config.ready_file, json.dumps(info))
         logger.info(
             "kvserver listening: gRPC %s:%d, ZMQ data tcp://%s:%d, events tcp://%s:%s, "
             "metrics http://%s:%s/metrics, DRAM %d MiB (%s) in %s",
@@ -265,13 +266,6 @@ async def _reap_forever(service: KVService, interval: float) -> None:
             service.expire()
         except Exception:  # never let housekeeping kill the daemon
             logger.exception("lease reaper failed")
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def main(config: DaemonConfig) -> int:
