@@ -22,12 +22,12 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver.errors import InvalidArgument, KVServerError
-from kvserver.grpc_format import ERROR_CODE_KEY, MAX_MESSAGE_BYTES
+from kvserver.grpc_format import ERROR_CODE_KEY
+from kvserver.grpc_serve import start_server
 from scheduler.request import PromptUsage, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -139,39 +139,14 @@ class EngineService:
     async def start(self) -> int:
         """Bind ``host:port`` (0 = ephemeral) and serve; returns the port. Raises
         KVServerError if the address cannot be bound."""
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ]
-        )
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(self._generate),
             "EngineStats": grpc.unary_unary_rpc_method_handler(self._engine_stats),
         }
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        self._server, self.port = await start_server(
+            SERVICE_NAME, handlers, self._health, self.host, self.port
         )
-        server.add_registered_method_handlers(SERVICE_NAME, handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        host = self.host
-        address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
-        try:
-            port: int = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise KVServerError(f"cannot bind gRPC to {address}: {exc}") from None
-        if port == 0:
-            raise KVServerError(f"cannot bind gRPC to {address}")
-        await server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server, self.port = server, port
-        logger.info("gRPC serving %s on %s:%d", SERVICE_NAME, host, port)
-        return port
+        return self.port
 
     async def stop(self, grace: float) -> None:
         """Refuse new RPCs, give in-flight ones ``grace`` seconds, then cancel. Idempotent."""

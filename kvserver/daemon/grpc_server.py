@@ -35,8 +35,7 @@ from typing import Any, NoReturn, cast
 import grpc
 import numpy
 from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.rpc import cluster_stats, score_hosts
@@ -52,7 +51,6 @@ from kvserver.grpc_format import (
     EVENTS_DROPPED_CODE,
     FROM_SEQ_KEY,
     LOG_ID_KEY,
-    MAX_MESSAGE_BYTES,
     MEDIUM_TO_PROTO,
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
@@ -60,6 +58,7 @@ from kvserver.grpc_format import (
     namespace_to_proto,
     spec_from_proto,
 )
+from kvserver.grpc_serve import start_server
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
@@ -178,13 +177,6 @@ class GrpcFrontend:
         REQUIRES: called on the daemon's running event loop, once. Raises KVServerError if the
         address cannot be bound (in use, bad host).
         """
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ]
-        )
         handlers = {
             "Lookup": self._unary(pb.LookupRequest, self._lookup),
             "Stats": self._unary(pb.StatsRequest, self._stats),
@@ -195,37 +187,15 @@ class GrpcFrontend:
             "WatchEvents": grpc.unary_stream_rpc_method_handler(self._watch_events),
             "ScoreHosts": self._unary(pb.ScoreHostsRequest, partial(score_hosts, self.service)),
         }
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
-        )
-        server.add_registered_method_handlers(SERVICE_NAME, handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        host = self.config.host
-        address = (
-            f"[{host}]:{self.config.grpc_port}"
-            if ":" in host
-            else f"{host}:{self.config.grpc_port}"
-        )
         cfg = self.config
-        try:
-            if cfg.tls_cert_file:
-                tls = TlsServer(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-                port: int = server.add_secure_port(address, tls.credentials())
-            else:
-                port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise KVServerError(f"cannot bind gRPC to {address}: {exc}") from None
-        if port == 0:
-            raise KVServerError(f"cannot bind gRPC to {address}")
-        await server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, _SERVING)
-        self._server, self.port = server, port
-        logger.info("gRPC serving %s on %s", SERVICE_NAME, address.rsplit(":", 1)[0] + f":{port}")
-        return port
+        credentials = None
+        if cfg.tls_cert_file:
+            tls = TlsServer(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            credentials = tls.credentials()
+        self._server, self.port = await start_server(
+            SERVICE_NAME, handlers, self._health, cfg.host, cfg.grpc_port, credentials=credentials
+        )
+        return self.port
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, end WatchEvents streams, let in-flight RPCs finish within ``grace``
