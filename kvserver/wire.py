@@ -243,7 +243,10 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
             value = unpacker.unpack()
             if key == "id" and type(value) is int and 0 < value <= MAX_INT:
                 req_id = value
-    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.OutOfData) as exc:
+    except (
+        ValueError, TypeError, OverflowError, RecursionError, msgpack.OutOfData,
+        msgpack.BufferFull,  # a truncated map16/map32 header (b"\xde")
+    ) as exc:  # fmt: skip
         raise InvalidArgument(f"malformed msgpack header ({type(exc).__name__})") from None
     return None, req_id
 

@@ -384,6 +384,13 @@ def test_peek_auth_does_not_decode_a_huge_header() -> None:
     assert wire.peek_auth(msgpack.packb({"v": keys, "auth": "t"})) == (None, 0)
 
 
+@pytest.mark.parametrize("frame", [b"\xde", b"\xdf", b"\xde\x00"])
+def test_peek_auth_on_a_truncated_map_header_is_invalid_argument(frame: bytes) -> None:
+    """Regression: b"\\xde" (map16 without its length) raised msgpack's BufferFull."""
+    with pytest.raises(InvalidArgument, match="malformed msgpack header"):
+        wire.peek_auth(frame)
+
+
 @given(st.binary(max_size=300))
 def test_peek_auth_on_random_bytes_returns_or_raises_invalid_argument(data: bytes) -> None:
     try:
