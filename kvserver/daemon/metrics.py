@@ -6,7 +6,9 @@ Nothing here counts anything: every value is a counter or gauge the engine, the 
 front ends already keep, so ``kvserver status``, gRPC ``Stats`` and ``/metrics`` cannot disagree.
 
 Per-tier series carry a ``tier`` label (``dram``, ``ssd``; a future tier adds a value, not a
-name). Chunk counters count chunks (one key's KV, all TP ranks).
+name). Chunk counters count chunks (one key's KV, all TP ranks). The network tier (``peer``)
+has series of its own (``kvserver_peer_*``: fetches, bytes, timeouts, failures, peers known and
+suspect, condition): it holds no bytes, so the per-tier capacity series do not apply.
 """
 
 from __future__ import annotations
@@ -79,6 +81,18 @@ _SSD_COUNTERS = (
     ("kvserver_ssd_written_bytes", "Bytes written to the SSD tier.", "bytes_written"),
     ("kvserver_ssd_read_bytes", "Bytes read from the SSD tier.", "bytes_read"),
 )
+#: network-tier counters: (metric name without _total, help, tier counter)
+_PEER_COUNTERS = (
+    ("kvserver_peer_fetches", "Fetch calls (windows) to peer daemons.", "fetches"),
+    ("kvserver_peer_fetched_chunks", "Chunks fetched from peer daemons.", "fetched_chunks"),
+    ("kvserver_peer_fetched_bytes", "Payload bytes fetched from peer daemons.", "fetched_bytes"),
+    ("kvserver_peer_timeouts", "Peer calls that timed out or found no peer.", "timeouts"),
+    ("kvserver_peer_failures", "Peer calls answered with what was refused.", "failures"),
+    ("kvserver_peer_missed_chunks", "Chunks a peer was named for but none sent.", "missed_chunks"),
+    ("kvserver_peer_joined_chunks", "Chunks a load waited for another fetch of.", "joined_chunks"),
+)  # fmt: skip
+#: every condition the network tier can be in.
+PEER_CONDITIONS = (OK, DEGRADED)
 
 
 class DaemonCollector(LoopCollector):
@@ -129,6 +143,21 @@ class DaemonCollector(LoopCollector):
             )
             yield GaugeMetricFamily(
                 "kvserver_ssd_writes_in_flight", "Write-downs in flight.", ssd["writes_in_flight"]
+            )
+        peer: dict[str, Any] | None = s.get("peer")
+        if peer is not None:
+            for name, doc, key in _PEER_COUNTERS:
+                yield CounterMetricFamily(name, doc, value=peer[key])
+            known = peer["peers_known"]
+            yield GaugeMetricFamily("kvserver_peers_known", "Peer daemons known.", known)
+            yield GaugeMetricFamily(
+                "kvserver_peers_suspect", "Peer daemons left alone after a failure.",
+                peer["peers_suspect"],
+            )  # fmt: skip
+            yield StateSetMetricFamily(
+                "kvserver_peer_condition",
+                "The network tier's condition (degraded: peers suspect or directory unreadable).",
+                {c: peer["condition"] == c for c in PEER_CONDITIONS},
             )
         cluster: dict[str, Any] | None = s.get("cluster")
         if cluster is not None:

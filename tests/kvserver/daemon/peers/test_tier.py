@@ -22,6 +22,7 @@ from kvserver.grpc_client import GrpcClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.test_zmq_promotion import gate_closed, start_gated
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -170,6 +171,10 @@ def test_a_peer_killed_mid_fetch_is_a_miss_no_hang_and_suspect(tmp_path: Path) -
             start = time.monotonic()  # a suspect peer costs nothing: no lookup waits for it
             assert kv.lookup(SLOW_SPEC.ns_id, cold).hit_chunks == 0
             assert time.monotonic() - start < 0.5
+            m = scrape(b.metrics_url)  # the same in /metrics, by prometheus_client's parser
+            assert m.value("kvserver_peer_timeouts_total") == 1
+            assert m.value("kvserver_peers_suspect") == 1 and m.value("kvserver_peers_known") == 1
+            assert m.value("kvserver_peer_condition", kvserver_peer_condition="degraded") == 1
             (fresh,) = make_keys(1, tag="fresh")  # and B serves its own chunks as before
             kv.store(SLOW_SPEC.ns_id, [fresh], [data[keys[0]]])
             assert rows(kv.load(SLOW_SPEC.ns_id, [fresh])) == [data[keys[0]]]
