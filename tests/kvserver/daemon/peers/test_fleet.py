@@ -159,7 +159,7 @@ def index_is_true(redis: RedisServer, hosts: dict[str, DaemonProc], keys: list[b
 
 
 KEYS = make_keys(12, tag="prop")
-FILLER = make_keys(16, tag="filler")  # more than a host's DRAM: storing them evicts the rest
+FILLER = make_keys(8, tag="filler")  # a host's whole DRAM: storing them evicts the rest
 Op = tuple[str, str, int]
 ops_strategy = st.lists(
     st.tuples(
@@ -199,7 +199,10 @@ def test_every_byte_served_equals_what_was_stored_and_the_index_is_true_within_t
             if op == "store" and alive:
                 store(d, keys)
             elif op == "evict" and alive:
-                store(d, FILLER)
+                with KVClient(d.zmq_address, colocated=False) as kv:
+                    kv.register_namespace(SPEC)
+                    put = kv.put(SPEC.ns_id, FILLER, [parts(k) for k in FILLER])
+                    assert not put.rejected  # the whole DRAM, every other chunk evicted
             elif op == "kill" and alive:
                 d.kill()
             elif op == "restart" and not alive:
