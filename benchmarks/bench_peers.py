@@ -257,7 +257,7 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
     ]
     ax.barh([r["name"] for r in rows], [r["ratio"] for r in rows], xerr=spread, capsize=3)
     ax.axvline(TARGET, color="red", linestyle="--", label=f"target {TARGET}")
-    ax.set_xlabel("peer fetch through B / raw ZMQ (same run; whiskers: per-round range)")
+    ax.set_xlabel("fetch through B / raw ZMQ, same run (whiskers: per-round range)")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
