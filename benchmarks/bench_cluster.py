@@ -11,7 +11,7 @@ how fast ``ScoreHosts`` answers for a long prompt over several hosts.
    storage events in this process, each holding a different leading run of the prompt plus
    ``--fill`` other chunks) and the indexed daemon; ``ScoreHosts`` by block hashes over gRPC,
    binary-search and exact modes, p50 / p99 (target p99 <= 5 ms). Reference in the same run:
-   gRPC ``Lookup`` of the same 2,048 keys on the same daemon (its local index only).
+   gRPC ``Lookup`` of the same 2,048 keys on the standalone daemon (its local index only).
 
 Usage: python benchmarks/bench_cluster.py [--quick] [--json FILE]
 With --json, also writes FILE with the .png suffix when matplotlib is importable.
@@ -140,17 +140,22 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-def bench_score(redis: RedisServer, on: DaemonProc, calls: int, fill: int) -> dict[str, Any]:
-    with KVClient(on.zmq_address) as kv:
-        ns_id = kv.register_namespace(SPEC).ns_id
+def bench_score(
+    redis: RedisServer, on: DaemonProc, off: DaemonProc, calls: int, fill: int
+) -> dict[str, Any]:
+    """The reference is the standalone daemon's Lookup: the indexed one's would also ask the
+    fleet (its network tier) for the keys it does not hold."""
+    for d in (on, off):
+        with KVClient(d.zmq_address) as kv:
+            ns_id = kv.register_namespace(SPEC).ns_id
     prompt = [b"p" + i.to_bytes(4, "big") + os.urandom(27) for i in range(PROMPT_BLOCKS)]
     asyncio.run(populate(redis.url, ns_id, prompt, fill))
     out: dict[str, Any] = {"name": f"{PROMPT_BLOCKS}-block prompt, {HOSTS} hosts + 1"}
-    with GrpcClient(on.grpc_address) as client:
+    with GrpcClient(on.grpc_address) as client, GrpcClient(off.grpc_address) as local:
         top = call_score_hosts(client, ns_id, keys=prompt)
         assert top[0].host_id == f"bench-{HOSTS - 1}" and top[0].hit_chunks == PROMPT_BLOCKS
         for name, call in (
-            ("lookup_local", lambda: client.lookup_keys(ns_id, prompt)),
+            ("lookup_local", lambda: local.lookup_keys(ns_id, prompt)),
             ("score_hosts", lambda: call_score_hosts(client, ns_id, keys=prompt)),
             ("score_hosts_exact", lambda: call_score_hosts(client, ns_id, keys=prompt, exact=True)),
         ):
@@ -179,10 +184,10 @@ def run(
             daemons.append(off)
             on = start_daemon(d / "on", *common, "--cluster", redis.url, "--host-id", "bench-on")
             daemons.append(on)
-            store = bench_store(redis, on, off, rounds=3 if quick else 7, chunks=2048, batch=64)
-            score = bench_score(
-                redis, on, calls=50 if quick else 300, fill=10_000 if quick else 100_000
-            )
+            store = bench_store(redis, on, off, rounds=3 if quick else 7, chunks=chunks, batch=64)
+            calls = calls or (50 if quick else 300)
+            fill = fill if fill is not None else (10_000 if quick else 100_000)
+            score = bench_score(redis, on, off, calls=calls, fill=fill)
         finally:
             for p in daemons:
                 p.terminate()
