@@ -10,8 +10,8 @@ it answers from the ``ClusterNode``'s view of the fleet:
   it fails and the tier marks it suspect meanwhile); none while the node is not ``ok``
   (Redis unreachable: the tier then answers at once from local tiers instead of waiting for
   a Redis timeout on every lookup), and ``error`` says why;
-- ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one script call
-  per live member, bounded by the cluster timeout), turned into per-key holder sets; an
+- ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one server-side
+  script for all live members, bounded by the cluster timeout), turned into per-key holder sets; an
   unreachable Redis answers no holders (the tier then serves local tiers only).
 
 Usage (``kvserver/daemon/process.py`` when both ``--cluster`` and the network tier are on)::
