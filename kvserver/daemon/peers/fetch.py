@@ -51,8 +51,8 @@ FETCH_CLIENT = "kvserver-peer-fetch"
 #: rounds of fetching: the first holder of each key, then another for what it did not send.
 ROUNDS = 2
 #: a run is asked for in windows of at most this many payload bytes (at least one chunk
-#: each), all at once (as many in flight as the link has connections): the copy of one
-#: window into the arena overlaps the transfer of the next.
+#: each), all at once (as many in flight as the link has connections); each is copied into
+#: the arena as soon as it has arrived, so copies can overlap the transfer of later windows.
 WINDOW_BYTES = 8 << 20
 
 _Parts = dict[bytes, list[memoryview]]
