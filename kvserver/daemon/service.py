@@ -6,9 +6,10 @@ engine and the event log; after every mutating call it moves the engine's new ev
 log (which wakes WatchEvents streams and the ZMQ PUB publisher).
 
 Below the DRAM engine the service composes an ordered stack of tiers (``add_tier``; the seam
-and its contracts are in ``tiers.py``): lookups report the leading run over all tiers with the
-per-tier split (and may need I/O: then :meth:`KVService.lookup` returns a
-:class:`PendingLookup` for the front end to await), loads first ``await promote()`` the keys
+and its contracts are in ``tiers.py``, the stack in ``tier_stack.py``): lookups report the
+leading run over all tiers with the per-tier split (and may need I/O: then
+:meth:`KVService.lookup` returns a :class:`~kvserver.daemon.results.Pending` for the front
+end to await), loads first ``await promote()`` the keys
 that are only below DRAM (``needs_promotion`` tells the front end whether it must), namespace
 registrations are passed on, and ``stats()`` carries one section per tier under its name.
 The composite operations (``put``, ``get`` with promotion) are here too, so the front ends
@@ -21,18 +22,18 @@ status codes by the front ends only.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvserver import __version__
 from kvserver.daemon.eventlog import EventLog
+from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
+from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig, Entry
+from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.hashing import BlockHasher
@@ -43,52 +44,6 @@ from kvserver.wire import host_id
 logger = logging.getLogger(__name__)
 
 MAX_LOOKUP_TOKENS = 1 << 21  # 2M tokens: far beyond any context window
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Pending(Generic[T]):
-    """The rest of an operation that must wait for a lower tier's I/O: ``await run()``.
-    Returned instead of the result when the answer is not known without I/O; the ZMQ front end
-    runs it as a ``zmq_ops.Deferred``, the gRPC front end awaits it."""
-
-    run: Callable[[], Awaitable[T]]
-
-
-@dataclass(frozen=True, slots=True)
-class LookupHits:
-    ns_id: str
-    hit_chunks: int
-    hit_tokens: int
-    num_chunks: int
-    #: chunks found per tier, e.g. {"dram": 3, "ssd": 0}
-    tiers: dict[str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """What :meth:`KVService.put` did: the keys it stored, those already present, those the
-    reuse gate filtered; ``rejected`` when the cache could not take them (nothing stored)."""
-
-    stored: list[bytes]
-    present: list[bytes]
-    filtered: list[bytes]
-    rejected: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """What :meth:`KVService.get` read: key-major parts (one list of views per key and rank of
-    ``ranks``) and ``lease_id``, a load lease of the caller's ``client`` that keeps the arena
-    views valid (0 when nothing is pinned): the caller ends it (``complete_load``) once the
-    views are no longer used."""
-
-    keys: list[bytes]
-    ranks: list[int]
-    parts: list[list[memoryview]]
-    lease_id: int
-
 
 class KVService:
     """Transport-independent operations over one storage engine and the tiers below it.
@@ -107,8 +62,8 @@ class KVService:
         self.engine = StorageEngine(engine_config, prefault_progress=prefault_progress)
         self.events = EventLog(event_capacity)
         self.host_id = host_id()
-        #: the tiers below DRAM, fastest first (``tiers.py``).
-        self.tiers: list[Tier] = []
+        #: the tiers below DRAM, fastest first (``tier_stack.py``).
+        self.stack = TierStack(self.engine)
         #: the fleet membership (``kvserver.cluster.ClusterNode``) when ``--cluster`` is set.
         self.cluster: Any = None
         self._hashers: dict[str, BlockHasher] = {}
@@ -118,32 +73,14 @@ class KVService:
         )
 
     def add_tier(self, tier: Tier) -> None:
-        """Put ``tier`` below the tiers already added: DRAM evictions are offered to it
-        (after the tiers above it), lookups and loads consult it. REQUIRES: a unique name."""
-        if tier.name == "dram" or any(t.name == tier.name for t in self.tiers):
-            raise ValueError(f"a tier named {tier.name!r} is already in the stack")
-        self.tiers.append(tier)
-        offers = [t.on_evict for t in self.tiers]
-        if len(offers) == 1:
-            self.engine.on_evict = offers[0]
-        else:
-
-            def on_evict(spec: NamespaceSpec, victims: list[Entry]) -> None:
-                for offer in offers:
-                    offer(spec, victims)
-
-            self.engine.on_evict = on_evict
+        """Put ``tier`` below the tiers already added (``TierStack.add``)."""
+        self.stack.add(tier)
 
     async def open_tiers(self) -> None:
-        """Open the tiers, fastest first (a tier never raises for an I/O problem)."""
-        for tier in self.tiers:
-            await tier.open()
+        await self.stack.open()
 
     async def close_tiers(self) -> None:
-        """Close the tiers, slowest first; evictions are no longer offered to them."""
-        self.engine.on_evict = None
-        for tier in reversed(self.tiers):
-            await tier.close()
+        await self.stack.close()
 
     # ------------------------------------------------------------------ session
 
@@ -161,8 +98,7 @@ class KVService:
 
     def register_namespace(self, spec: NamespaceSpec) -> dict[str, Any]:
         ns_id = self.engine.register_namespace(spec)
-        for tier in self.tiers:
-            tier.namespaces_changed()
+        self.stack.namespaces_changed()
         return {
             "ns_id": ns_id,
             "part_bytes": spec.part_bytes,
@@ -194,10 +130,6 @@ class KVService:
 
     # ------------------------------------------------------------------ queries
 
-    def _stack(self, local: bool) -> list[Tier]:
-        """The tiers below DRAM to consult: all, or (``local``) this host's own only."""
-        return [t for t in self.tiers if t.local] if local else self.tiers
-
     def lookup(
         self,
         ns_id: str,
@@ -212,81 +144,8 @@ class KVService:
         rest is ``await pending.run()``). ``record``/``touch`` as ``StorageEngine.lookup``;
         ``local``: this daemon's own tiers only (a peer's question)."""
         hits = self.engine.lookup(ns_id, keys, record=record, touch=touch)
-        spec = self.engine.namespace(ns_id)
-        tiers = self._stack(local)
-        if not tiers:
-            return LookupHits(ns_id, hits, hits * spec.chunk_tokens, len(keys), {"dram": hits})
-        found = self._walk(ns_id, keys, hits, tiers, None)
-        if found is None:
-            return Pending(
-                lambda: self._lookup_io(ns_id, keys, hits, tiers, touch, spec.chunk_tokens)
-            )
-        return self._lookup_result(ns_id, keys, hits, tiers, found, touch, spec.chunk_tokens)
-
-    async def _lookup_io(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        hits: int,
-        tiers: list[Tier],
-        touch: bool,
-        chunk_tokens: int,
-    ) -> LookupHits:
-        rest = keys[hits:]
-        masks = await asyncio.gather(*(tier.query(ns_id, rest) for tier in tiers))
-        found = self._walk(ns_id, keys, hits, tiers, masks)
-        assert found is not None  # masks answer every key
-        return self._lookup_result(ns_id, keys, hits, tiers, found, touch, chunk_tokens)
-
-    def _walk(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        hits: int,
-        tiers: list[Tier],
-        masks: Sequence[Sequence[bool]] | None,
-    ) -> list[int] | None:
-        """Continue the run after the ``hits`` leading DRAM keys: for each key of the run, the
-        index of the tier holding it (-1: DRAM); None if a tier needs I/O (``masks`` absent).
-        ``masks[t][i]``: whether tier ``t`` holds ``keys[hits + i]``."""
-        contains = self.engine.contains
-        found: list[int] = []
-        for i in range(len(keys) - hits):
-            key = keys[hits + i]
-            if contains(ns_id, key):
-                found.append(-1)
-                continue
-            for t, tier in enumerate(tiers):
-                held = masks[t][i] if masks is not None else tier.holds(ns_id, key)
-                if held is None:
-                    return None
-                if held:
-                    found.append(t)
-                    break
-            else:
-                break
-        return found
-
-    def _lookup_result(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        hits: int,
-        tiers: list[Tier],
-        found: list[int],
-        touch: bool,
-        chunk_tokens: int,
-    ) -> LookupHits:
-        total = hits + len(found)
-        misses = len(keys) - total
-        counts = {"dram": hits + found.count(-1)}
-        for t, tier in enumerate(tiers):
-            mine = [keys[hits + i] for i, owner in enumerate(found) if owner == t]
-            counts[tier.name] = len(mine)
-            tier.record_lookup(ns_id, mine, misses, touch=touch)
-        if touch and counts["dram"] > hits:
-            self.engine.touch(ns_id, keys[:total])
-        return LookupHits(ns_id, total, total * chunk_tokens, len(keys), counts)
+        chunk_tokens = self.engine.namespace(ns_id).chunk_tokens
+        return self.stack.lookup(ns_id, keys, hits, chunk_tokens, touch=touch, local=local)
 
     def chunk_keys_for_tokens(
         self,
@@ -334,21 +193,20 @@ class KVService:
         out["events_last_seq"] = self.events.last_seq
         out["server_version"] = __version__
         out["ssd"] = None  # docs/wire.md: nil without an SSD tier
-        for tier in self.tiers:
-            out[tier.name] = tier.stats()
+        for tier, tier_stats in self.stack.stats():
+            out[tier.name] = tier_stats
         out["cluster"] = self.cluster.stats() if self.cluster is not None else None
         return out
 
     def held_chunks(self) -> dict[tuple[str, str], list[bytes]]:
         """Visible chunk keys per (namespace id, tier name): the fleet index's resync."""
         out = {(ns, "dram"): keys for ns, keys in self.engine.held_keys().items()}
-        for tier in self.tiers:
-            out.update({(ns, tier.name): keys for ns, keys in tier.held_keys().items()})
+        out.update(self.stack.held_keys())
         return out
 
     def tier_stats(self) -> list[tuple[Tier, dict[str, Any]]]:
         """Each tier below DRAM with its ``stats()``, fastest first."""
-        return [(tier, tier.stats()) for tier in self.tiers]
+        return self.stack.stats()
 
     # ------------------------------------------------------------------ store / load
 
@@ -381,7 +239,7 @@ class KVService:
     ) -> bool:
         """True if some of ``keys`` must be promoted from a lower tier (``local``: of this
         host's own) before a load can pin them."""
-        return any(tier.needs_promotion(ns_id, keys) for tier in self._stack(local))
+        return self.stack.needs_promotion(ns_id, keys, local=local)
 
     async def promote(
         self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False, local: bool = False
@@ -389,13 +247,8 @@ class KVService:
         """Promote the keys that are only in lower tiers into DRAM, asking each tier in order
         (``local``: this host's own only) for the keys not yet served (``Tier.promote``);
         returns, when ``direct``, the parts of keys DRAM could not take."""
-        out: DirectParts = {}
         try:
-            for tier in self._stack(local):
-                rest = [k for k in keys if k not in out] if out else keys
-                if tier.needs_promotion(ns_id, rest):
-                    out.update(await tier.promote(ns_id, rest, direct=direct))
-            return out
+            return await self.stack.promote(ns_id, keys, direct=direct, local=local)
         finally:
             self._publish()
 

@@ -3,7 +3,8 @@
 Runs in the daemon process, on its one event loop (not thread-safe: loop only). The DRAM tier is
 the storage engine (:class:`~kvserver.engine.StorageEngine`); below it
 :class:`~kvserver.daemon.service.KVService` holds an ORDERED list of :class:`Tier` objects,
-fastest first (today ``[SsdTier]``; next e.g. ``[SsdTier, PeerTier]``). The service is the only
+fastest first (``[SsdTier, PeerTier]`` with both configured), in a
+:class:`~kvserver.daemon.tier_stack.TierStack`. The service (through the stack) is the only
 caller of these methods; the front ends never see a tier.
 
 Call order (the service drives it)::

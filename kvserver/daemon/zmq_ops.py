@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 from kvserver import wire, wire_local
 from kvserver.daemon.config import DaemonConfig
-from kvserver.daemon.service import Fetched, KVService, LookupHits, Pending, check_parts
+from kvserver.daemon.results import Fetched, LookupHits, Pending
+from kvserver.daemon.service import KVService, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from kvserver.daemon.config import DaemonConfig
-from kvserver.daemon.service import Fetched, KVService, LookupHits, Pending
+from kvserver.daemon.results import Fetched, LookupHits, Pending
+from kvserver.daemon.service import KVService
 from kvserver.daemon.tiers import OK, DirectParts, Tier
 from kvserver.daemon.zmq_ops import DataOps, Deferred, OpCall
 from kvserver.daemon.zmq_send import ZeroCopySender
