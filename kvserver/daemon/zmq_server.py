@@ -1,55 +1,51 @@
 """The daemon's data-plane front end: the ZMQ ROUTER, the local channel and the KV-event PUB.
 
 Runs in the daemon process, on its one event loop (uvloop in production; the sockets' file
-descriptors are watched with ``add_reader``, which every asyncio loop provides). Not
-thread-safe: one instance per daemon, used from the loop only.
+descriptors are watched with ``add_reader``, which every asyncio loop provides). Not thread-safe:
+one instance per daemon, used from the loop only.
 
-Call order: ``start()`` (bind the ROUTER, the local channel's Unix socket next to the arena and
-the PUB — both CURVE servers when a key is configured, with ZAP admitting only listed client
-keys when a clients directory is — start reading and the event publisher) → serving →
-``stop()`` (stop reading, close the local channel and the sockets with linger 0, release send
-pins).
+Call order: ``start()`` (bind the ROUTER, the local channel's Unix socket next to the arena and the
+PUB — both CURVE servers when a key is configured, with ZAP admitting only listed client keys when
+a clients directory is — start reading and the event publisher) → serving → ``stop()`` (stop
+reading, close the local channel and the sockets with linger 0, release send pins).
 
 Modules: this one reads, checks and answers requests (the receive loop, per-connection order,
-replies); ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy
-under pins; ``local_server.py`` frames the local channel's messages (clients on this host);
+replies); ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under
+pins; ``local_server.py`` frames the local channel's messages (clients on this host);
 ``zmq_events.py`` publishes KV events and serves vLLM's replay protocol.
 
 A connection of the local channel is served exactly like a ROUTER connection (same messages,
-handlers, lanes and order); its messages arrive from its protocol callbacks instead of the
-ROUTER's reader, and its replies (payload copied) go to its transport. When it closes (the
-client exited or was killed), the reservations and pins of every client its requests named are
-released at once (after its lane, if one runs), not when their leases expire.
+handlers, lanes and order); its messages arrive from its protocol callbacks instead of the ROUTER's
+reader, and its replies (payload copied) go to its transport. When it closes (the client exited or
+was killed), the reservations and pins of every client its requests named are released at once
+(after its lane, if one runs), not when their leases expire.
 
-The ROUTER is read by a reader callback on its file descriptor (``loop.add_reader``), not by
-a coroutine awaiting ``recv``: each wake-up drains every message already queued (at most
+The ROUTER is read by a reader callback on its file descriptor (``loop.add_reader``), not by a
+coroutine awaiting ``recv``: each wake-up drains every message already queued (at most
 :data:`MAX_DRAIN` before yielding to the loop) with non-blocking receives, and answers each one
 before reading the next: every handler is a synchronous call into
 :class:`~kvserver.daemon.service.KVService` and the reply is sent at once (a ROUTER send never
 blocks: at the high-water mark ZMQ drops the message), so requests are applied in arrival order
 with no task switch, future or pyzmq asyncio bookkeeping per request. The exception is a request
-that needs a lower tier's I/O (a load — ``prepare_load``, ``get`` — naming chunks that are only
-below DRAM; a lookup a tier cannot answer without I/O): its handler returns a ``Deferred``, and
-the rest of that request — e.g. promotion (disk reads on the SSD tier's threads), then the
-load, then the reply — runs as a task of its own, a *lane*, while the loop goes on
-reading; a replay request runs on a lane too. Order per connection (ROUTER routing id) is
-kept: until the lane has answered, every later message of that connection is queued on the
-lane and handled there, in order, after it (a ``complete_load`` or ``release`` never overtakes
-the load before it, and replies leave in request order); other connections are served by the
-loop meanwhile. The lane ends once its queue is empty; the queue holds what its connection
-sends meanwhile, as the ROUTER's receive buffer would have (``stop`` drops it). How many
-promotions read at once, and that a chunk is promoted once however many requests want it, is
-the tier's business (for SSD, ``promotion.Promotions``). ZMQ's descriptor is edge-triggered:
-a send from a lane can consume the wake-up of a message that arrived meanwhile, so lanes
-schedule one more drain after they send.
+that needs a lower tier's I/O (a load naming chunks only below DRAM, a lookup a tier cannot answer
+without I/O): its handler returns a ``Deferred``, and the rest of it (e.g. promotion, the load, the
+reply) runs as a task of its own, a *lane*, while the loop goes on reading; a replay request runs
+on a lane too. Order per connection (ROUTER routing id) is kept: until the lane has answered, every
+later message of that connection is queued on the lane and handled there, in order, after it (a
+``complete_load`` or ``release`` never overtakes the load before it, and replies leave in request
+order); other connections are served meanwhile. The lane ends once its queue is empty; the queue
+holds what its connection sends meanwhile, as the ROUTER's receive buffer would have (``stop``
+drops it). How many promotions run at once, and that a chunk is promoted once however many requests
+want it, is the tier's business. ZMQ's descriptor is edge- triggered: a send from a lane can
+consume the wake-up of a message that arrived meanwhile, so lanes schedule one more drain after
+they send.
 
-Every request gets exactly one reply — an error reply (request id 0 when the header is
-unreadable) for anything malformed, unauthenticated, too large or refused; an unexpected
-exception is logged and answered ``internal``. The loop never dies on input.
+Every request gets exactly one reply — an error reply (request id 0 when the header is unreadable)
+for anything malformed, unauthenticated, too large or refused; an unexpected exception is logged
+and answered ``internal``. The loop never dies on input.
 
-A request with an empty first frame and an 8-byte second frame is vLLM's replay request
-(``[b"", start_seq]``, ``zmq_events.py``); it is ordered like any other request.
-"""
+A request with an empty first frame and an 8-byte second frame is vLLM's replay request (``[b"",
+start_seq]``, ``zmq_events.py``); it is ordered like any other request."""
 
 from __future__ import annotations
 
@@ -113,8 +109,7 @@ _Message = list[zmq.Frame] | LocalMessage
 
 
 class DataFrontend:
-    """Serves the data plane (ZMQ and the local channel) and publishes KV events; see the
-    module docstring."""
+    """Serves the data plane (ZMQ, the local channel) and the KV-event PUB; see the module."""
 
     def __init__(
         self, service: KVService, config: DaemonConfig, auth: Authenticator | None = None
