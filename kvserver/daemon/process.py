@@ -224,6 +224,7 @@ class _Progress:
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
+            self._bar.refresh()  # draw the last state (updates within mininterval are not drawn)
             self._bar.close()
 
 
