@@ -48,6 +48,7 @@ from kvserver.grpc_format import (
     spec_to_proto,
 )
 from kvserver.namespace import NamespaceSpec
+from kvserver.token_file import TokenFile
 
 DEFAULT_TARGET = "127.0.0.1:9470"
 DEFAULT_TIMEOUT_S = 5.0
@@ -253,7 +254,9 @@ class GrpcClient:
             raise InvalidArgument("timeout must be positive", timeout=timeout)
         self.target = target
         self.timeout = timeout
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._auth_token = auth_token
+        #: without a token of our own: the one a daemon on this host left for its user
+        self._token_file = TokenFile(target) if not auth_token else None
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -265,6 +268,10 @@ class GrpcClient:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._methods: dict[str, Any] = {}
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        token = self._auth_token if self._token_file is None else self._token_file.token()
+        return (("authorization", f"Bearer {token}"),) if token else None
 
     def close(self) -> None:
         self._channel.close()
@@ -373,7 +380,7 @@ class GrpcClient:
         """
         method = self._method("WatchEvents", pb.Event, stream=True)
         req = pb.WatchEventsRequest(from_seq=from_seq, log_id=log_id)
-        call = method(req, timeout=timeout, metadata=self._metadata)
+        call = method(req, timeout=timeout, metadata=self._metadata())
         return EventStream(call, self.target, from_seq, log_id)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
@@ -410,7 +417,7 @@ class GrpcClient:
     def _call(self, name: str, request: Any, response_type: Any, timeout: float | None) -> Any:
         method = self._method(name, response_type)
         try:
-            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _error(exc, self.target) from None
 

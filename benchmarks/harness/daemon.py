@@ -42,6 +42,13 @@ class DaemonProc:
     def arena_path(self) -> str:
         return str(self.info["arena_path"])
 
+    @property
+    def token(self) -> str:
+        """The token the daemon left for this user (kvserver/token_file.py); "" if none."""
+        from kvserver.token_file import TokenFile
+
+        return TokenFile(self.zmq_address).token()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

@@ -36,6 +36,7 @@ from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
+from kvserver.token_file import TokenFile
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Session:
         self.address = address
         self.client_id = client_id or default_client_id()
         self.auth_token = auth_token
+        #: without a token of our own: the one a daemon on this host left for its user
+        self._token_file = TokenFile(address) if not auth_token else None
         #: CURVE settings applied to every ZMQ socket of this session (None: plain TCP).
         self.curve = curve
         #: None: use shared memory when possible; False: never; True: required.
@@ -130,8 +133,9 @@ class Session:
     def encode(self, call: Call) -> tuple[int, list[Any]]:
         """Frames of ``call`` with a fresh request id."""
         self._next_id += 1
+        auth = self.auth_token if self._token_file is None else self._token_file.token()
         header = wire.encode_request(
-            self._next_id, call.op, call.args, auth=self.auth_token, client=self.client_id
+            self._next_id, call.op, call.args, auth=auth, client=self.client_id
         )
         return self._next_id, [header, *call.payload]
 

@@ -33,7 +33,11 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--default-lease-s", type=float,
                    help="seconds a reservation or load pin lives without completion (default 30)")
     p.add_argument("--shm-dir", help="tmpfs directory for the arena (default /dev/shm)")
-    p.add_argument("--auth-token", help="shared secret required on both APIs (default: none)")
+    p.add_argument("--auth-token",
+                   help="shared secret required on both APIs (default: a random one, left for "
+                        "this user's clients in a 0600 file; docs/security.md)")
+    p.add_argument("--no-auth", action="store_true", default=None,
+                   help="require no token: any local user may read and write every chunk")
     p.add_argument("--curve-secret-key-file", metavar="FILE",
                    help="ZMQ CURVE: the daemon's NAME.key_secret (see docs/security.md)")
     p.add_argument("--curve-clients-dir", metavar="DIR",
@@ -98,7 +102,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
                   "tls_client_ca_file", "insecure_remote", "peers", "peer_timeout_s",
-                  "peer_suspect_s", "peer_curve_server_key_file")
+                  "peer_suspect_s", "peer_curve_server_key_file", "no_auth")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

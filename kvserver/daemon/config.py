@@ -72,8 +72,10 @@ class DaemonConfig:
     max_tracker_size: int = 64_000
     default_lease_s: float = 30.0
     shm_dir: str = "/dev/shm"
-    #: shared secret required on both APIs when non-empty.
+    #: shared secret required on both APIs; "" = a random one made at start (docs/security.md).
     auth_token: str = field(default="", repr=False)
+    #: require no token at all (any local user may then read and write every chunk).
+    no_auth: bool = False
     #: ZMQ CURVE for the ROUTER and PUB: the daemon's NAME.key_secret (docs/security.md).
     curve_secret_key_file: str = ""
     #: when set, only CURVE clients whose NAME.key is in this directory may connect.
@@ -155,6 +157,8 @@ class DaemonConfig:
             raise InvalidArgument("reap_interval_s must be positive")
         if self.ssd_promotions < 1:
             raise InvalidArgument("ssd_promotions must be >= 1", value=self.ssd_promotions)
+        if self.no_auth and self.auth_token:
+            raise InvalidArgument("no_auth and auth_token contradict each other")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:

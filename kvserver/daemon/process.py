@@ -8,9 +8,11 @@ Start-up: apply the glibc allocator settings (``malloc.py``; before any thread e
 tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
 retried, the daemon serves DRAM) → below it the network tier over a fixed peer list when
-``--peers`` is set → start the ZMQ front end → start the gRPC front end → start the lease
-reaper → serve Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound is logged,
-the daemon serves without) → join the fleet when ``--cluster`` is set
+``--peers`` is set → start the ZMQ front end → start the gRPC front end → leave the token (a
+random one unless configured, or none with ``no_auth``) for this user's clients
+(``kvserver/token_file.py``) → start the lease reaper → serve Prometheus ``/metrics``
+(``metrics.py``; a port that cannot be bound is logged, the daemon serves without) → join the
+fleet when ``--cluster`` is set
 (``kvserver/cluster/node.py``: register, resync the fleet index; an unreachable Redis does not
 stop the daemon) and put the network tier over the fleet index at the bottom of the stack
 (``kvserver/daemon/peers/``) → write the ready file → log where it listens.
@@ -20,7 +22,7 @@ removed) → stop serving metrics → stop accepting (gRPC server stops taking n
 sockets stop reading) → give in-flight RPCs a short grace → close the tiers below DRAM,
 slowest first (the SSD tier drains its in-flight writes and closes its files) → roll back
 in-flight reservations and release pins → stop event streams → remove the shared-memory
-arena → exit 0.
+arena and the token files → exit 0.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 from typing import Any
@@ -41,6 +44,7 @@ from kvserver.cluster.directory import FleetDirectory
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import CurveClient
+from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.malloc import tune_malloc
@@ -66,6 +70,11 @@ async def serve(
     ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
     file."""
     stop = stop or asyncio.Event()
+    # safe by default (docs/security.md): a random token unless one is configured or no_auth;
+    # config keeps the configured one (what this daemon sends its peers: "" = their own files)
+    token = config.auth_token or ("" if config.no_auth else secrets.token_urlsafe(32))
+    auth = Authenticator.single(token)
+    token_files: list[str] = []
     for path in reap_stale_arenas(config.shm_dir):
         logger.warning("removed arena %s left by a daemon that is no longer running", path)
     engine_config = config.engine_config()
@@ -78,8 +87,8 @@ async def serve(
         service = KVService(
             engine_config, event_capacity=config.event_capacity, prefault_progress=progress
         )
-    zmq_front = DataFrontend(service, config)
-    grpc_front = GrpcFrontend(service, config)
+    zmq_front = DataFrontend(service, config, auth)
+    grpc_front = GrpcFrontend(service, config, auth)
     reaper: asyncio.Task[None] | None = None
     ssd: SsdTier | None = None
     node: ClusterNode | None = None
@@ -100,6 +109,8 @@ async def serve(
         await service.open_tiers()
         data_port, pub_port = await zmq_front.start()
         grpc_port = await grpc_front.start()
+        if token:
+            token_files = write_token_files(token, {data_port, grpc_port}, config.shm_dir)
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
         collector = DaemonCollector(service, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
@@ -159,6 +170,7 @@ async def serve(
                 await reaper
         await service.close_tiers()
         service.close()
+        remove_token_files(token_files)
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)

@@ -78,6 +78,9 @@ def test_every_published_and_replayed_batch_decodes_with_vllms_classes(tmp_path:
                 live.append((int.from_bytes(seq_b, "big"), decoder.decode(payload)))
             assert [s for s, _ in live] == list(range(live[0][0], last + 1))  # no gap
 
+            # replay is served on a connection that authenticated (docs/wire.md, Replay)
+            replay.send_multipart([wire.encode_request(1, wire.HELLO, {}, auth=d.token)])
+            assert replay.poll(5000) and wire.decode_reply(replay.recv_multipart()[0]).ok
             replay.send_multipart([b"", wire.seq_bytes(1)])
             replayed: list[tuple[int, Any]] = []
             while True:

@@ -23,6 +23,7 @@ from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.grpc_client import GrpcClient
 from kvserver.grpc_format import MAX_MESSAGE_BYTES
 from kvserver.namespace import DTYPE_SIZES, HASH_ALGOS
+from kvserver.token_file import TokenFile
 from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.test_grpc_server import InProcessServer
 from tests.support.daemon import DaemonProc, start_daemon
@@ -41,6 +42,8 @@ class Target:
         self.channel = grpc.insecure_channel(
             address, options=[("grpc.max_send_message_length", 64 << 20)]
         )
+        token = TokenFile(address).token()  # a real daemon's default token ("" in-process)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.client = GrpcClient(address, timeout=20)
         self.ns = self.client.register_namespace(make_spec(model="fuzz/a")).namespace_id
         self.ns16 = self.client.register_namespace(
@@ -55,7 +58,7 @@ class Target:
         if call is None:
             call = self._methods[method] = self.channel.unary_unary(SERVICE + method)
         try:
-            call(body, timeout=20)
+            call(body, timeout=20, metadata=self.metadata)
         except grpc.RpcError as exc:
             details = exc.details() or ""
             assert len(details) <= 1100, "status details must stay bounded"
@@ -64,7 +67,9 @@ class Target:
 
     def watch(self, body: bytes) -> grpc.StatusCode:
         """Status of WatchEvents: OK if the stream was established (then cancelled)."""
-        call = self.channel.unary_stream(SERVICE + "WatchEvents")(body, timeout=20)
+        call = self.channel.unary_stream(SERVICE + "WatchEvents")(
+            body, timeout=20, metadata=self.metadata
+        )
         call.initial_metadata()  # headers of an accepted stream, or the end of a refused one
         if dict(call.initial_metadata()).get("kvserver-log-id"):
             call.cancel()

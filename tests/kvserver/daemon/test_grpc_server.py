@@ -387,7 +387,8 @@ def zmq_put(daemon: DaemonProc, ns_id: str, keys: list[bytes], part_bytes: int) 
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(daemon.zmq_address)
-        header = wire.encode_request(1, wire.PUT, {"ns_id": ns_id, "keys": keys}, client="t")
+        args = {"ns_id": ns_id, "keys": keys}
+        header = wire.encode_request(1, wire.PUT, args, auth=daemon.token, client="t")
         sock.send_multipart([header, *(bytes(part_bytes) for _ in keys)])
         assert sock.poll(20_000), "no reply to put"
         reply = wire.decode_reply(sock.recv_multipart()[0])

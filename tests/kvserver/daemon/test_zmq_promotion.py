@@ -264,7 +264,10 @@ def test_a_connection_keeps_its_order_behind_its_promotion(
                     (2, wire.LOOKUP, {"ns_id": ns, "keys": keys}),
                     (3, wire.RELEASE, {}),
                 ):
-                    conn.send_multipart([wire.encode_request(req_id, op, args, client="ordered")])
+                    frame = wire.encode_request(
+                        req_id, op, args, auth=daemon.token, client="ordered"
+                    )
+                    conn.send_multipart([frame])
                 wait_for_read()
                 assert other.lookup(ns, keys).tiers["ssd"] == 1  # served; still on SSD only
                 assert not conn.poll(0)  # nothing answered while the read is held

@@ -208,6 +208,9 @@ def test_events_on_pub_in_vllm_format_with_replay(tmp_path: Path) -> None:
                 keys, None, [], spec.chunk_tokens, None, Medium.CPU, None
             )
 
+            # replay is served on a connection that authenticated (docs/wire.md, Replay)
+            replay.send_multipart([wire.encode_request(1, wire.HELLO, {}, auth=d.token)])
+            assert replay.poll(5000) and wire.decode_reply(replay.recv_multipart()[0]).ok
             replay.send_multipart([b"", wire.seq_bytes(last + 1)])
             replayed = []
             while True:

@@ -1,0 +1,114 @@
+"""The daemon's default token, left in a file only its own user can read.
+
+Runs in the daemon (writes) and in every client process (reads); plain functions and one small
+class, thread-safe as far as the filesystem is.
+
+Safe by default: a daemon started without ``--auth-token`` (and without ``--no-auth``) makes a
+random token and requires it on every data-plane request and KVServer RPC. It writes the token
+(or the configured one) to ``<shm_dir>/kvserver-tokens-<uid>/port-<port>.token`` for each of its
+TCP ports — the directory 0700 and owned by the daemon's user, the files 0600 — beside its
+arena, and removes them on shutdown. A client of the same user that connects to a loopback
+address without a token of its own reads the file of that port (:class:`TokenFile`); another
+user cannot read it, so cannot use the daemon. A token is never looked up for a non-loopback
+address (it would be sent to another host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+from collections.abc import Iterable
+
+from kvserver.arena import DEFAULT_SHM_DIR
+from kvserver.crypto import is_loopback
+from kvserver.errors import KVServerError
+
+SHM_DIR_ENV = "KVSERVER_SHM_DIR"
+_ADDRESS = re.compile(r"^(?:tcp://)?(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d+)$")
+
+
+def token_dir(shm_dir: str | None = None) -> str:
+    """This user's token directory under ``shm_dir`` (default: $KVSERVER_SHM_DIR, /dev/shm)."""
+    base = shm_dir or os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR
+    return os.path.join(base, f"kvserver-tokens-{os.getuid()}")
+
+
+def token_path(port: int, shm_dir: str | None = None) -> str:
+    return os.path.join(token_dir(shm_dir), f"port-{port}.token")
+
+
+def _private_dir(path: str) -> None:
+    """Create ``path`` 0700, or check that an existing one is ours and private."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise KVServerError(
+            f"token directory {path} is not a private directory of this user; remove it "
+            "(or choose another --shm-dir)",
+            path=path,
+        )
+
+
+def write_token_files(token: str, ports: Iterable[int], shm_dir: str | None = None) -> list[str]:
+    """Write ``token`` for each port (0600, atomically); returns the paths. Raises
+    KVServerError when the directory is not private to this user, OSError when unwritable."""
+    directory = token_dir(shm_dir)
+    _private_dir(directory)
+    paths = []
+    for port in ports:
+        path = token_path(port, shm_dir)
+        tmp = f"{path}.tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def remove_token_files(paths: Iterable[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _port_of(address: str) -> int | None:
+    """The port of a loopback ``address`` (``tcp://127.0.0.1:9471``, ``localhost:9470``,
+    ``[::1]:9470``); None for anything else."""
+    m = _ADDRESS.match(address.strip())
+    if m is None or not is_loopback(m["host"]):
+        return None
+    return int(m["port"])
+
+
+class TokenFile:
+    """The default token of the daemon at ``address``: read from its file when the file
+    changes (a restarted daemon writes a new one), "" when there is none. Cheap enough to ask
+    per request (one ``stat``)."""
+
+    def __init__(self, address: str, shm_dir: str | None = None) -> None:
+        port = _port_of(address)
+        self.path = token_path(port, shm_dir) if port is not None else None
+        self._seen: tuple[int, int] | None = None
+        self._token = ""
+
+    def token(self) -> str:
+        if self.path is None:
+            return ""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._seen, self._token = None, ""
+            return ""
+        seen = (st.st_ino, st.st_mtime_ns)
+        if seen != self._seen:
+            try:
+                with open(self.path) as fh:
+                    self._token = fh.read().strip()
+            except OSError:  # another user's, or gone meanwhile
+                self._token = ""
+            self._seen = seen
+        return self._token

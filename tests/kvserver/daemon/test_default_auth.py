@@ -1,0 +1,76 @@
+"""Safe by default, on a real daemon started without any auth option: a random token in a
+private file that this user's clients pick up by themselves; TCP without it is refused, health
+stays open; ``--no-auth`` opts out. (Another user cannot read the 0600 file in the 0700
+directory; that is the file modes checked here: this machine's users cannot run its Python.)"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import grpc
+import pytest
+import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserver import wire
+from kvserver.client import KVClient
+from kvserver.grpc_client import GrpcClient
+from kvserver.token_file import token_path
+from tests.kvserver.builders import make_keys, make_spec
+from tests.support.daemon import start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+
+def raw_request(address: str, frame: bytes) -> wire.Reply:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    try:
+        sock.send(frame)
+        assert sock.poll(10_000)
+        return wire.decode_reply(sock.recv_multipart()[0])
+    finally:
+        sock.close()
+
+
+def test_a_daemon_without_options_requires_its_own_random_token(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    try:
+        paths = [token_path(d.info["zmq_port"]), token_path(d.info["grpc_port"])]
+        for path in paths:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert len(d.token) >= 32
+
+        spec = make_spec(model="test/default-auth")
+        keys = make_keys(2, tag="default-auth")
+        with KVClient(d.zmq_address, colocated=False) as kv:  # finds the token by itself
+            ns = kv.register_namespace(spec)
+            parts = [[bytes([i]) * spec.part_bytes] for i in range(2)]
+            assert kv.store(ns.ns_id, keys, parts) == keys
+        with GrpcClient(d.grpc_address) as g:
+            assert g.lookup_keys(ns.ns_id, keys).hit_chunks == 2
+
+        reply = raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {}))
+        assert reply.error is not None and reply.error.code == "unauthenticated"
+        with grpc.insecure_channel(d.grpc_address) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                channel.unary_unary("/kvserver.v1.KVServer/ListNamespaces")(b"", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            check = health_pb2_grpc.HealthStub(channel).Check
+            status = check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert d.terminate() == 0
+    assert not any(Path(p).exists() for p in paths)
+
+
+def test_no_auth_opts_out(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--no-auth")
+    try:
+        assert not Path(token_path(d.info["zmq_port"])).exists()
+        assert raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {})).ok
+    finally:
+        assert d.terminate() == 0
