@@ -215,8 +215,10 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
     frame that does not start as a msgpack map of string keys."""
     view = memoryview(frame).cast("B")
     size = view.nbytes
-    if size == 0 or size > MAX_HEADER_BYTES:
-        raise InvalidArgument("empty or oversized header frame", size=size, max=MAX_HEADER_BYTES)
+    if size == 0:
+        raise InvalidArgument("empty header frame")
+    if size > MAX_HEADER_BYTES:
+        raise InvalidArgument("header frame too large", size=size, max=MAX_HEADER_BYTES)
     unpacker = msgpack.Unpacker(
         _Chunks(view),
         read_size=min(size, 256),
