@@ -43,7 +43,7 @@ from kvserver.client.common import (
     write_part,
 )
 from kvserver.crypto import CurveClient
-from kvserver.errors import KVServerError, UnknownNamespace
+from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 
@@ -144,6 +144,11 @@ class AsyncKVClient:
                 await self._renew()  # the daemon restarted: re-registers every namespace
             else:
                 await self._drive(self._s.register_namespace(spec))
+            answer = await self._exchange(call)
+        except Unauthenticated:
+            if not self._s.token_changed():
+                raise
+            await self._renew()  # a restarted daemon with a new token: retry once with it
             answer = await self._exchange(call)
         await self._renew()
         return answer

@@ -117,6 +117,7 @@ class Session:
         self.auth_token = auth_token
         #: without a token of our own: the one a daemon on this host left for its user
         self._token_file = TokenFile(address) if not auth_token else None
+        self._sent_token = auth_token  # the token of the last request encoded
         #: CURVE settings applied to every ZMQ socket of this session (None: plain TCP).
         self.curve = curve
         #: None: use shared memory when possible; False: never; True: required.
@@ -134,6 +135,7 @@ class Session:
         """Frames of ``call`` with a fresh request id."""
         self._next_id += 1
         auth = self.auth_token if self._token_file is None else self._token_file.token()
+        self._sent_token = auth
         header = wire.encode_request(
             self._next_id, call.op, call.args, auth=auth, client=self.client_id
         )
@@ -175,6 +177,14 @@ class Session:
         if reply.error is not None:
             return reply.error
         return Answer(reply.result, [_buffer(f) for f in frames[1:]])
+
+    def token_changed(self) -> bool:
+        """True when the daemon's token file now holds another token than the one our last
+        request carried (a restarted daemon refused it): worth retrying once."""
+        if self._token_file is None:
+            return False
+        token = self._token_file.token()
+        return bool(token) and token != self._sent_token
 
     def timed_out(self, call: Call, timeout: float) -> Unavailable:
         self.needs_hello = True

@@ -50,7 +50,7 @@ from kvserver.client.common import (
 from kvserver.client.pending import Pending
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
-from kvserver.errors import KVServerError, UnknownNamespace
+from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 
@@ -149,6 +149,11 @@ class KVClient:
             if retried is None:
                 raise
             answer = retried
+        except Unauthenticated:
+            if not self._s.token_changed():
+                raise
+            self._renew()  # a restarted daemon with a new token: retry once with it
+            answer = self._exchange(call)
         self._renew()
         return answer
 
@@ -199,6 +204,11 @@ class KVClient:
                     if retried is None:
                         raise
                     answer = retried
+                except Unauthenticated:
+                    if not self._s.token_changed():
+                        raise
+                    self._renew()  # a restarted daemon with a new token: retry once with it
+                    answer = self._exchange(slot.call)
             except KVServerError as exc:
                 call = proc.throw(exc)
             else:

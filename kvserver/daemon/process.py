@@ -57,10 +57,12 @@ from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
+from kvserver.token_file import remove_token_files, write_token_files
 
 logger = logging.getLogger("kvserver.daemon")
 
 SHUTDOWN_GRACE_S = 2.0
+SWITCH_INTERVAL_S = 0.0005
 
 
 async def serve(
@@ -284,6 +286,9 @@ async def _reap_forever(service: KVService, interval: float) -> None:
 def main(config: DaemonConfig) -> int:
     """Run the daemon in this process; returns the exit code (0 on orderly shutdown)."""
     malloc_tuned = config.tune_malloc and tune_malloc()  # first: before any thread exists
+    # A thread doing Python work (a large request validated or hashed off the loop, SSD I/O)
+    # hands the GIL back to the loop after at most this long (default 5 ms: the loop's stall).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=getattr(logging, config.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -10,13 +10,15 @@ payload. The exception is an operation that needs a lower tier's I/O (the servic
 :class:`~kvserver.daemon.service.Pending`: a load — ``prepare_load``, ``get`` — naming chunks
 that are only below DRAM, or a lookup a tier cannot answer without I/O): its handler returns a
 :class:`Deferred` instead — the rest of the work, to run in a task of the front end's — so the
-front end can serve other connections meanwhile. A ``get`` whose chunks DRAM cannot take is
+front end can serve other connections meanwhile; so does a ``lookup_tokens`` of more than
+:data:`HASH_OFF_LOOP_TOKENS` tokens, hashed on a thread. A ``get`` whose chunks DRAM cannot take is
 answered from the lower tier's verified bytes directly. Handlers raise ``KVServerError`` for
 refused requests (nothing changed then).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,9 @@ from kvserver.daemon.service import KVService, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec
+
+#: lookup_tokens of more tokens than this hash on a thread (the lookup itself on the loop).
+HASH_OFF_LOOP_TOKENS = 1 << 16
 
 
 class PayloadFrame(Protocol):
@@ -139,9 +144,21 @@ class DataOps:
         a = c.args
         lora = (a["lora"][0], a["lora"][1]) if a["lora"] is not None else None
         salt = a["cache_salt"]
+        if len(a["token_ids"]) > HASH_OFF_LOOP_TOKENS:  # hash on a thread, look up on the loop
+            return Deferred(lambda: self._hash_then_lookup(a["ns_id"], a["token_ids"], salt, lora))
         return _lookup_reply(
             self._service.lookup_tokens(a["ns_id"], a["token_ids"], cache_salt=salt, lora=lora)
         )
+
+    async def _hash_then_lookup(
+        self, ns_id: str, token_ids: list[int], salt: str | None, lora: tuple[str, str] | None
+    ) -> Result:
+        self._service.namespace(ns_id)  # UnknownNamespace before any hashing
+        keys = await asyncio.to_thread(
+            self._service.chunk_keys_for_tokens, ns_id, token_ids, cache_salt=salt, lora=lora
+        )
+        r = self._service.lookup(ns_id, keys)
+        return _lookup_fields(await r.run() if isinstance(r, Pending) else r)
 
     def _prepare_store(self, c: OpCall) -> Result:
         a = c.args

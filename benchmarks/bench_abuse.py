@@ -1,0 +1,263 @@
+"""The daemon under abuse: its RSS growth, and the worst stall an authenticated client sees.
+
+Starts a real daemon (loopback, its default random token) and, one abuse at a time:
+
+- ``idle_local``: 100 local-channel connections, each sending a size field announcing 1 GiB
+  and a few bytes, then nothing (target: RSS growth < 64 MiB);
+- ``grpc_10mb``: 150 sequential 10 MB Lookup requests the daemon refuses (target: < 64 MiB);
+- ``unauth_2m``: attacker processes sending unauthenticated lookups of 2^21 keys (a 12 MB
+  header) back to back (target: an authenticated lookup < 5 ms);
+- ``auth_1m_tokens``: an authenticated attacker sending 1M-token lookup_tokens back to back
+  (validated off the loop).
+
+While each abuse runs, an authenticated client (the bench process, its token picked up from the
+daemon's file) times small ZMQ lookups; the reference is the same lookups with no abuse,
+measured in the same run against the same daemon: ratio = p99 under abuse / p99 reference.
+RSS is the daemon's VmRSS before and after each abuse.
+
+Usage: python benchmarks/bench_abuse.py [--quick] [--json FILE]
+With --json, also writes FILE with the .png suffix (two bar charts) when matplotlib is
+importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
+
+import grpc
+import msgpack
+import zmq
+
+from benchmarks.harness.daemon import DaemonProc, start_daemon
+from kvserver import wire, wire_local
+from kvserver.client import KVClient
+from kvserver.namespace import NamespaceSpec
+
+MIB = 1 << 20
+SPEC = NamespaceSpec(
+    model="bench/abuse", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16
+)
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise RuntimeError("no VmRSS")
+
+
+def lookup_latencies(kv: KVClient, ns_id: str, seconds: float) -> list[float]:
+    """Times of back-to-back authenticated 1-key lookups for ``seconds`` (ms)."""
+    keys = [bytes(SPEC.key_size)]
+    out = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        kv.lookup(ns_id, keys)
+        out.append((time.perf_counter() - start) * 1e3)
+    return out
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "n": len(ordered),
+        "p50_ms": statistics.median(ordered),
+        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+        "max_ms": ordered[-1],
+    }
+
+
+# ----------------------------------------------------------------------------- attackers
+
+
+def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
+    """Run in a child process: send ``kind`` requests back to back (one outstanding)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    args: dict[str, Any]
+    if kind == "unauth_2m":
+        args = {"ns_id": "x", "keys": [b"k" * 4] * (1 << 21)}
+        frame = msgpack.packb({"v": 1, "id": 1, "op": wire.LOOKUP, "args": args})
+    else:
+        token_ids: list[int] = list(range(1 << 20))
+        args = {"ns_id": token.split(":", 1)[1], "token_ids": token_ids}
+        frame = wire.encode_request(1, wire.LOOKUP_TOKENS, args, auth=token.split(":", 1)[0])
+    sent = 0
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline:
+        sock.send(frame, copy=False)
+        if not sock.poll(30_000):
+            break
+        sock.recv_multipart()
+        sent += 1
+    print(sent, flush=True)
+
+
+def spawn_attackers(kind: str, d: DaemonProc, n: int, seconds: float, token: str) -> list[Any]:
+    return [
+        subprocess.Popen(
+            [sys.executable, __file__, "attack", kind, d.zmq_address, str(seconds), token],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
+
+
+# ----------------------------------------------------------------------------- abuses
+
+
+def idle_local(d: DaemonProc) -> dict[str, Any]:
+    import socket
+
+    conns = []
+    before = rss(d.proc.pid)
+    for _ in range(100):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(f"{d.arena_path}.sock")
+        s.sendall(wire_local.SIZE.pack(1 << 30) + bytes(4000))
+        conns.append(s)
+    time.sleep(1.0)  # let the daemon read what they sent (nothing to wait on: they are idle)
+    grew = rss(d.proc.pid) - before
+    for s in conns:
+        s.close()
+    return {"rss_growth_mib": grew / MIB, "target_mib": 64}
+
+
+def grpc_10mb(d: DaemonProc) -> dict[str, Any]:
+    body = bytes([0x0A]) + b"\xff" * 3 + bytes(10_000_000)
+    token = d.token
+    metadata = (("authorization", f"Bearer {token}"),)
+    with grpc.insecure_channel(
+        d.grpc_address, options=[("grpc.max_send_message_length", 64 * MIB)]
+    ) as channel:
+        lookup = channel.unary_unary("/kvserver.v1.KVServer/Lookup")
+        codes = set()
+        before = rss(d.proc.pid)
+        for _ in range(150):
+            try:
+                lookup(body, timeout=30, metadata=metadata)
+            except grpc.RpcError as exc:
+                codes.add(exc.code().name)
+        grew = rss(d.proc.pid) - before
+    return {"rss_growth_mib": grew / MIB, "target_mib": 64, "codes": sorted(codes)}
+
+
+def under_attack(
+    d: DaemonProc, kv: KVClient, ns_id: str, kind: str, n: int, seconds: float, token: str
+) -> dict[str, Any]:
+    before = rss(d.proc.pid)
+    procs = spawn_attackers(kind, d, n, seconds + 1.0, token)
+    time.sleep(0.5)  # the attackers' first requests are under way
+    samples = lookup_latencies(kv, ns_id, seconds)
+    sent = 0
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        sent += int(out.strip() or 0)
+    return {
+        **summary(samples),
+        "attack_requests": sent,
+        "rss_growth_mib": (rss(d.proc.pid) - before) / MIB,
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    seconds = 2.0 if quick else 6.0
+    with tempfile.TemporaryDirectory() as tmp:
+        d = start_daemon(Path(tmp), "--dram", "64MiB")
+        try:
+            with KVClient(d.zmq_address, colocated=False) as kv:
+                ns_id = kv.register_namespace(SPEC).ns_id
+                lookup_latencies(kv, ns_id, 0.5)  # warm-up
+                reference = summary(lookup_latencies(kv, ns_id, seconds))
+                results: dict[str, Any] = {"reference": reference}
+                results["idle_local"] = idle_local(d)
+                results["grpc_10mb"] = grpc_10mb(d)
+                results["unauth_2m"] = under_attack(d, kv, ns_id, "unauth_2m", 2, seconds, "")
+                token = f"{d.token}:{ns_id}"
+                results["auth_1m_tokens"] = under_attack(
+                    d, kv, ns_id, "auth_1m_tokens", 1, seconds, token
+                )
+                for name in ("unauth_2m", "auth_1m_tokens"):
+                    results[name]["ratio_p99"] = results[name]["p99_ms"] / reference["p99_ms"]
+        finally:
+            d.terminate()
+    return results
+
+
+def print_table(r: dict[str, Any]) -> None:
+    ref = r["reference"]
+    print(f"reference (no abuse): authenticated lookup p50 {ref['p50_ms']:.3f} ms, "
+          f"p99 {ref['p99_ms']:.3f} ms, max {ref['max_ms']:.3f} ms ({ref['n']} lookups)")
+    head = ("RSS +MiB", "p99 ms", "max ms", "p99/ref", "attacks")
+    print(f"{'abuse':<16} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
+    for name in ("idle_local", "grpc_10mb", "unauth_2m", "auth_1m_tokens"):
+        row = r[name]
+        p99 = f"{row['p99_ms']:.3f}" if "p99_ms" in row else "-"
+        mx = f"{row['max_ms']:.3f}" if "max_ms" in row else "-"
+        ratio = f"{row['ratio_p99']:.2f}" if "ratio_p99" in row else "-"
+        att = str(row.get("attack_requests", "-"))
+        print(f"{name:<16} {row['rss_growth_mib']:>9.1f} {p99:>8} {mx:>8} {ratio:>8} {att:>8}")
+
+
+def write_chart(r: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = ["idle_local", "grpc_10mb", "unauth_2m", "auth_1m_tokens"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    left.bar(names, [r[n]["rss_growth_mib"] for n in names])
+    left.axhline(64, color="red", linestyle="--", label="target 64 MiB")
+    left.set_ylabel("daemon RSS growth (MiB)")
+    left.legend()
+    left.tick_params(axis="x", rotation=20)
+    lat = ["reference", "unauth_2m", "auth_1m_tokens"]
+    right.bar([f"{n} p99" for n in lat], [r[n]["p99_ms"] for n in lat])
+    right.bar([f"{n} max" for n in lat], [r[n]["max_ms"] for n in lat])
+    right.axhline(5, color="red", linestyle="--", label="target 5 ms")
+    right.set_ylabel("authenticated lookup (ms)")
+    right.legend()
+    right.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "attack":
+        attack(*argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 s per abuse instead of 6 s")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON here")
+    args = parser.parse_args(argv)
+    results = run(args.quick)
+    print_table(results)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        chart = args.json.with_suffix(".png")
+        print(f"wrote {args.json}" + (f" and {chart}" if write_chart(results, chart) else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
