@@ -53,7 +53,8 @@ from tqdm import tqdm
 from kvserver.arena import SharedArena
 from worker.host import MappedArena
 from worker.layout import CanonicalKVCaches, canonicalize, plan_copies
-from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine, make_engine
+from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine
+from worker.transfer_factory import make_engine
 
 MiB = 1 << 20
 TARGET = 0.8

@@ -11,16 +11,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from kvserver.prometheus import LoopCollector
 from scheduler.kv_connector import KVServerSchedulerConnector
+from scheduler.scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from scheduler.process import EngineCore
+
+class CoreView(Protocol):
+    """What the collector reads of the process's engine core (scheduler/process.py's
+    ``EngineCore``), stated here so that this module does not import the process module."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 #: prompt token sources: label value → PromptTotals field
 _PROMPT_SOURCES = (
@@ -44,7 +52,7 @@ _CONNECTOR_COUNTERS = (
 class SchedulerCollector(LoopCollector):
     """``/metrics`` of one scheduler process."""
 
-    def __init__(self, core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, core: CoreView, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
         self._core = core
         connector = core.scheduler.connector

@@ -58,7 +58,8 @@ from step_protocol import (
 from worker.config import WorkerConnectorConfig
 from worker.host import MappedArena, staging_buffer, tensor_memoryview
 from worker.layout import CanonicalKVCaches, canonicalize, plan_copies
-from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine, make_engine
+from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine
+from worker.transfer_factory import make_engine
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ not; a failure of one key's copies fails that key only (``Transfer.failed_keys``
 Implementations: :class:`CpuTransferEngine` here (one single-thread executor per direction,
 copies with ``torch`` ``copy_``, ``index_select`` and ``index_copy_``), and
 ``CudaTransferEngine`` in worker/transfer_cuda.py (dedicated streams, start/end events chained
-across transfers). :func:`make_engine` picks one by device. Thread safety:
+across transfers); ``make_engine`` in worker/transfer_factory.py picks one by device. Thread safety:
 ``submit``/``poll``/``wait``/``close`` are called from one thread (the worker's); the engine's
 own threads only run the transfer bodies, in order.
 """
@@ -311,11 +311,3 @@ class CpuTransferEngine(TransferEngine):
         else:
             torch.index_select(copy.src, 0, copy.index, out=copy.dst)
 
-
-def make_engine(device: torch.device) -> TransferEngine:
-    """The engine for KV caches on ``device``: CUDA streams for a CUDA device, else threads."""
-    if device.type == "cuda":
-        from worker.transfer_cuda import CudaTransferEngine
-
-        return CudaTransferEngine(device)
-    return CpuTransferEngine()

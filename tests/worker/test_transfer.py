@@ -18,8 +18,8 @@ from worker.transfer import (  # noqa: E402
     KeyCopies,
     Transfer,
     TransferEngine,
-    make_engine,
 )
+from worker.transfer_factory import make_engine  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
