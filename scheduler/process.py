@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
 from scheduler.config import ProcessConfig
 from scheduler.connector_base import SchedulerConnector
@@ -307,7 +308,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
             "workers": addresses,
         }
         if config.ready_file:
-            _write_atomic(config.ready_file, json.dumps(info))
+            write_atomic(config.ready_file, json.dumps(info))
         logger.info(
             "scheduler serving %s:%d: %d workers, %d GPU blocks of %d tokens, kvserver %s",
             config.host, port, len(addresses), sched.num_gpu_blocks, sched.block_size,
@@ -349,13 +350,6 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
                 os.unlink(config.ready_file)
         shutil.rmtree(tmpdir, ignore_errors=True)
         logger.info("stopped")
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def main(config: ProcessConfig) -> int:

@@ -16,24 +16,16 @@ gRPC front door) run anywhere. Two faces:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import json
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.errors import InvalidArgument
 from step_protocol import (
-    KIND_ERROR,
-    KIND_HELLO,
-    KIND_RESULT,
-    KIND_STEP,
-    KIND_STOP,
     ConnectorMetadata,
     ConnectorWorkerOutput,
     StepPlan,
@@ -41,9 +33,8 @@ from step_protocol import (
     TransferResult,
     WorkerHello,
     WorkerInfo,
-    decode,
-    encode_body,
 )
+from step_protocol.serve import serve_steps
 
 logger = logging.getLogger(__name__)
 
@@ -160,64 +151,10 @@ def serve(
     bind: str, *, ready_file: str | None, delay_s: float, parent_pid: int | None = None
 ) -> int:
     """Serve the step protocol on a ROUTER bound at ``bind`` until ``stop``, a signal, or (with
-    ``parent_pid``) the parent process going away."""
-    import zmq
-
-    worker = SyntheticWorker(delay_s=delay_s)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.linger = 0
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    try:
-        sock.bind(bind)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if ready_file:
-            tmp = f"{ready_file}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"pid": os.getpid(), "endpoint": endpoint}, f)
-            os.replace(tmp, ready_file)
-        logger.info("synthetic worker %d serving on %s", os.getpid(), endpoint)
-        while not stopping:
-            if not sock.poll(200):  # wake up regularly to notice a signal or an orphaning
-                if parent_pid is not None and os.getppid() != parent_pid:
-                    logger.info("parent %d is gone: exiting", parent_pid)
-                    break
-                continue
-            frames = sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            ident, data = frames
-            kind = ""
-            body: dict[str, Any] = {}
-            try:
-                kind, body = decode(data)
-                if kind == KIND_STEP:
-                    plan = StepPlan.from_wire(body)
-                    reply = encode_body(KIND_RESULT, worker.execute(plan).to_wire())
-                elif kind == KIND_HELLO:
-                    info = worker.hello(WorkerHello.from_wire(body)).to_wire()
-                    reply = encode_body(KIND_HELLO, {**info, "seq": body.get("seq")})
-                elif kind == KIND_STOP:
-                    break
-                else:
-                    raise InvalidArgument("unknown message kind", kind=kind)
-            except KVServerError as exc:
-                seq = body.get("step", body.get("seq", -1)) if kind else -1
-                reply = encode_body(KIND_ERROR, {"step": seq, "message": str(exc)})
-            sock.send_multipart([ident, reply])
-    finally:
-        sock.close(0)
-        ctx.term()
-        if ready_file:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(ready_file)
+    ``parent_pid``) the parent process going away (:func:`step_protocol.serve.serve_steps`)."""
+    serve_steps(
+        SyntheticWorker(delay_s=delay_s), bind, ready_file=ready_file, parent_pid=parent_pid
+    )
     return 0
 
 

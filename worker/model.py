@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from kvserver.errors import InvalidArgument
+from kvserver.files import write_atomic
 
 #: torch dtype of every supported kvserver namespace dtype name
 DTYPES: dict[str, torch.dtype] = {
@@ -99,7 +100,8 @@ class ModelConfig:
 
 
 def write_random_model(path: str | Path, config: ModelConfig | None = None, seed: int = 0) -> None:
-    """Write a random model with ``config`` to ``path`` (safetensors): same seed, same bytes."""
+    """Write a random model with ``config`` to ``path`` (safetensors): same seed, same bytes.
+    Atomic (:func:`kvserver.files.write_atomic`): ranks racing to write it leave one whole file."""
     config = config or ModelConfig()
     gen = torch.Generator().manual_seed(seed)
     dtype = DTYPES[config.dtype]
@@ -123,7 +125,7 @@ def write_random_model(path: str | Path, config: ModelConfig | None = None, seed
         weights[p + "w_down"] = rand(h, c.intermediate_size, std=c.intermediate_size**-0.5)
     weights["norm"] = 1.0 + rand(h, std=0.1)
     weights["lm_head"] = rand(c.vocab_size, h, std=h**-0.5)
-    save_file(weights, str(path), metadata={"config": config.to_json()})
+    write_atomic(str(path), save(weights, metadata={"config": config.to_json()}))
 
 
 @dataclass(slots=True)

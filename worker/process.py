@@ -19,34 +19,24 @@ Every rank receives the same plan, so every rank runs the same collectives in th
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import logging
 import os
-import signal
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from step_protocol import (
-    KIND_ERROR,
-    KIND_HELLO,
-    KIND_RESULT,
-    KIND_STEP,
-    KIND_STOP,
     ConnectorMetadata,
     StepPlan,
     StepResult,
     WorkerHello,
     WorkerInfo,
-    decode,
-    encode_body,
 )
+from step_protocol.serve import serve_steps
 from worker.config import WorkerConnectorConfig
 from worker.kv_connector import KVServerWorkerConnector
 from worker.model import SeqInput, TransformerModel, sample_greedy
@@ -226,66 +216,11 @@ def init_distributed(
 
 
 def serve(worker: ModelWorker, listen: str, *, ready_file: str | None) -> int:
-    """Serve the step protocol on a ROUTER bound at ``listen`` until ``stop`` or a signal."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.linger = 0
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    try:
-        sock.bind(listen)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if ready_file:
-            tmp = f"{ready_file}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"pid": os.getpid(), "endpoint": endpoint, "rank": worker.rank}, f)
-            os.replace(tmp, ready_file)
-        logger.info("worker rank %d (pid %d) serving on %s", worker.rank, os.getpid(), endpoint)
-        while not stopping:
-            if not sock.poll(200):  # wake up regularly to notice a signal
-                continue
-            frames = sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            ident, data = frames
-            reply = _handle(worker, data)
-            if reply is None:
-                break
-            sock.send_multipart([ident, reply])
-    finally:
-        sock.close(0)
-        ctx.term()
-        worker.close()
-        if ready_file:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(ready_file)
+    """Serve the step protocol on a ROUTER bound at ``listen`` until ``stop`` or a signal
+    (:func:`step_protocol.serve.serve_steps`); closes ``worker`` on the way out."""
+    serve_steps(
+        worker, listen, ready_file=ready_file, ready_info={"rank": worker.rank},
+        on_exit=worker.close,
+    )  # fmt: skip
     logger.info("worker rank %d stopped", worker.rank)
     return 0
-
-
-def _handle(worker: ModelWorker, data: bytes) -> bytes | None:
-    """One message → its reply; None for ``stop``."""
-    kind = ""
-    body: dict[str, Any] = {}
-    try:
-        kind, body = decode(data)
-        if kind == KIND_STEP:
-            return encode_body(KIND_RESULT, worker.execute(StepPlan.from_wire(body)).to_wire())
-        if kind == KIND_HELLO:
-            info = worker.hello(WorkerHello.from_wire(body)).to_wire()
-            return encode_body(KIND_HELLO, {**info, "seq": body.get("seq")})
-        if kind == KIND_STOP:
-            return None
-        raise InvalidArgument("unknown message kind", kind=kind)
-    except KVServerError as exc:
-        seq = body.get("step", body.get("seq", -1)) if kind else -1
-        logger.warning("rank %d: %s failed: %s", worker.rank, kind or "message", exc)
-        return encode_body(KIND_ERROR, {"step": seq, "message": str(exc)})

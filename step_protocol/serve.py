@@ -1,0 +1,130 @@
+"""The worker end of the step protocol: one ROUTER socket, one message at a time.
+
+Runs in a worker process (worker/process.py's model worker, scheduler/synthetic.py's synthetic
+one); :func:`serve_steps` is the process's main loop and owns its signals (SIGTERM and SIGINT
+end it). The scheduler's WorkerGroup is the other end (DEALER sockets). Requests are served
+in arrival order; a malformed or failing one gets a ``KIND_ERROR`` reply and the loop goes on.
+``zmq`` is imported on call, so that the step protocol's messages stay importable without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.files import write_atomic
+from step_protocol.codec import decode, encode_body
+from step_protocol.step import (
+    KIND_ERROR,
+    KIND_HELLO,
+    KIND_RESULT,
+    KIND_STEP,
+    KIND_STOP,
+    StepPlan,
+    StepResult,
+    WorkerHello,
+    WorkerInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+#: how often (ms) the loop wakes without a message, to notice a signal or an orphaning
+POLL_MS = 200
+
+
+class StepWorker(Protocol):
+    """What :func:`serve_steps` drives: one rank's ``hello`` and ``execute``."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def hello(self, msg: WorkerHello) -> WorkerInfo: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+def handle_message(worker: StepWorker, data: bytes) -> bytes | None:
+    """One message → its reply; None for ``stop``. A ``KVServerError`` raised by the worker
+    or by decoding becomes a ``KIND_ERROR`` reply carrying the step (or hello seq)."""
+    kind = ""
+    body: dict[str, Any] = {}
+    try:
+        kind, body = decode(data)
+        if kind == KIND_STEP:
+            return encode_body(KIND_RESULT, worker.execute(StepPlan.from_wire(body)).to_wire())
+        if kind == KIND_HELLO:
+            info = worker.hello(WorkerHello.from_wire(body)).to_wire()
+            return encode_body(KIND_HELLO, {**info, "seq": body.get("seq")})
+        if kind == KIND_STOP:
+            return None
+        raise InvalidArgument("unknown message kind", kind=kind)
+    except KVServerError as exc:
+        seq = body.get("step", body.get("seq", -1)) if kind else -1
+        logger.warning("rank %d: %s failed: %s", worker.rank, kind or "message", exc)
+        return encode_body(KIND_ERROR, {"step": seq, "message": str(exc)})
+
+
+def serve_steps(
+    worker: StepWorker,
+    bind: str,
+    *,
+    ready_file: str | None,
+    ready_info: Mapping[str, Any] | None = None,
+    parent_pid: int | None = None,
+    on_exit: Callable[[], None] | None = None,
+) -> None:
+    """Serve the step protocol for ``worker`` on a ROUTER bound at ``bind`` until ``stop``,
+    SIGTERM/SIGINT, or (with ``parent_pid``) the parent process going away. Once bound, writes
+    ``{"pid", "endpoint", **ready_info}`` to ``ready_file`` atomically. On the way out (also
+    on an error) closes the socket, then calls ``on_exit`` (the worker's own cleanup), then
+    removes ``ready_file``. Raises zmq.ZMQError when ``bind`` cannot be bound."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    stopping = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        sock.bind(bind)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if ready_file:
+            info = {"pid": os.getpid(), "endpoint": endpoint, **(ready_info or {})}
+            write_atomic(ready_file, json.dumps(info))
+        logger.info("rank %d (pid %d) serving on %s", worker.rank, os.getpid(), endpoint)
+        while not stopping:
+            if not sock.poll(POLL_MS):
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    logger.info("parent %d is gone: exiting", parent_pid)
+                    break
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            ident, data = frames
+            reply = handle_message(worker, data)
+            if reply is None:
+                break
+            sock.send_multipart([ident, reply])
+    finally:
+        sock.close(0)
+        ctx.term()
+        try:
+            if on_exit is not None:
+                on_exit()
+        finally:
+            if ready_file:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(ready_file)
