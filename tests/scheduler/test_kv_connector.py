@@ -45,6 +45,7 @@ from step_protocol import (
     decode,
     encode,
 )
+from tests.support.connector import admit
 from tests.support.daemon import DaemonProc, start_daemon
 
 mp = pytest.mark.multiprocess
@@ -193,16 +194,7 @@ class Harness:
         self, req: FakeRequest, num_local: int = 0, blocks: list[int] | None = None
     ) -> tuple[int | None, bool]:
         """get_num_new_matched_tokens + allocation (whole prompt) + update_state_after_alloc."""
-        ext, is_async = self.conn.get_num_new_matched_tokens(req, num_local)
-        if ext is None:
-            return ext, is_async
-        blocks = list(blocks or [])
-        blocks += self.alloc(-(-len(req.all_token_ids) // BS) - len(blocks))
-        self.conn.update_state_after_alloc(req, blocks, ext)
-        self.blocks[req.request_id] = blocks
-        self.sent.discard(req.request_id)
-        req.num_computed_tokens = num_local + ext
-        return ext, is_async
+        return admit(self, req, BS, num_local, blocks)
 
     def step(
         self,

@@ -24,6 +24,7 @@ from step_protocol import (
     decode,
     encode,
 )
+from tests.support.connector import admit
 from worker.config import WorkerConnectorConfig
 from worker.kv_connector import KVServerWorkerConnector
 from worker.layout import CanonicalKVCaches
@@ -139,16 +140,7 @@ class Cluster:
 
     def admit(self, req: FakeRequest, num_local: int = 0,
               blocks: list[int] | None = None) -> tuple[int | None, bool]:  # fmt: skip
-        ext, is_async = self.conn.get_num_new_matched_tokens(req, num_local)
-        if ext is None:
-            return ext, is_async
-        blocks = list(blocks or [])
-        blocks += self.alloc(-(-len(req.all_token_ids) // BS) - len(blocks))
-        self.conn.update_state_after_alloc(req, blocks, ext)
-        self.blocks[req.request_id] = blocks
-        self.sent.discard(req.request_id)
-        req.num_computed_tokens = num_local + ext
-        return ext, is_async
+        return admit(self, req, BS, num_local, blocks)
 
     def plan(self, sched: dict[str, tuple[FakeRequest, int]] | None = None,
              preempted: tuple[str, ...] = ()) -> ConnectorMetadata:  # fmt: skip
