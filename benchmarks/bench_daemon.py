@@ -12,7 +12,8 @@ machine hits both alike (medians are reported):
    SET/GET of the same parts, pipelined and one command at a time (``daemon_redis.RedisRef``;
    skipped, saying why, when ``redis-server`` or the ``redis`` package is missing);
 3. gRPC ``Lookup`` latency of a 32k-token prompt (2,048 blocks of 16), by keys (target p99 <=
-   2 ms) and, for information, by token ids. Latency rows use the 2 ms target as reference.
+   2 ms) and, for information, by token ids (``daemon_lookup``). Latency rows use the 2 ms
+   target as reference.
 
 Bandwidth = bytes moved (stored + loaded) / seconds. Before timing, the arena is cycled once by
 each path so that its pages are mapped in both processes (steady state, as in a long-running
@@ -24,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -38,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.daemon_lookup import bench_lookup
 from benchmarks.daemon_redis import MODES as REDIS_MODES
 from benchmarks.daemon_report import (
-    LOOKUP_TARGET_MS,
     Result,
     document,
     gbps,
@@ -58,7 +57,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SIZES = "256KiB,2MiB,8MiB"
 DEFAULT_DRAM = "1GiB"
-LOOKUP_TOKENS = 32 * 1024
 LOOKUP_BLOCK_SIZE = 16
 CLIENT_TIMEOUT_S = 60.0
 
@@ -305,70 +303,6 @@ def _check_remote(parts: list[list[memoryview]], src: list[memoryview]) -> None:
         raise RuntimeError("remote get returned different bytes")
 
 
-# --------------------------------------------------------------------------- lookup latency
-
-
-def bench_lookup(cfg: BenchConfig, target: Target, progress: _Progress) -> list[Result]:
-    from kvserver.client import KVClient
-    from kvserver.grpc_client import GrpcClient
-    from kvserver.hashing import BlockHasher
-
-    spec = _spec(1024, "lookup")
-    rng = random.Random(1)
-    tokens = [rng.randrange(128_256) for _ in range(LOOKUP_TOKENS)]
-    hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
-    keys = [bytes(k) for k in hasher.chunk_keys(hasher.hash_blocks(tokens), spec.chunk_blocks)]
-    with KVClient(target.zmq, timeout=CLIENT_TIMEOUT_S) as kv:
-        ns_id = kv.register_namespace(spec).ns_id
-        grant = kv.prepare_store(ns_id, keys)  # the whole prompt cached: the longest probe
-        if grant is None:
-            raise RuntimeError("cannot store the lookup prompt (DRAM too small?)")
-        kv.complete_store(grant.lease_id)
-    results: list[Result] = []
-    with GrpcClient(target.grpc, timeout=CLIENT_TIMEOUT_S) as grpc:
-        firsts = itertools.count(1)
-
-        def new_prompt() -> Any:
-            """A prompt nobody asked about: another first token changes every block's hash
-            (the copy of the ids, ~0.1 ms, is timed with the call)."""
-            return grpc.lookup_tokens(ns_id, [next(firsts) % 128_256, *tokens[1:]])
-
-        cases: list[tuple[str, int, Callable[[], Any], int | None]] = [
-            ("by 2,048 keys", cfg.lookup_iters, lambda: grpc.lookup_keys(ns_id, keys),
-             len(keys)),
-            ("by 32k token ids, the same prompt again (informational)", cfg.token_iters,
-             lambda: grpc.lookup_tokens(ns_id, tokens), len(keys)),
-            ("by 32k token ids, a new prompt each call (informational)", cfg.token_iters,
-             new_prompt, 0),
-            ("floor: Health.Check round trip (informational)", cfg.lookup_iters, grpc.health,
-             None),
-        ]  # fmt: skip
-        for what, iters, call, hits in cases:
-            progress.phase(f"gRPC {what.split(' (')[0]}")
-            reply = call()
-            if hits is not None and reply.hit_chunks != hits:
-                raise RuntimeError(f"lookup hit {reply.hit_chunks} of {len(keys)} chunks")
-            for _ in range(min(50, iters)):
-                call()
-            times_ms = []
-            for _ in range(iters):
-                times_ms.append(_timed(call) * 1e3)
-                progress.step()
-            p50 = statistics.median(times_ms)
-            p99 = _percentile(times_ms, 99)
-            for label, value in (("p50", p50), ("p99", p99)):
-                name = f"gRPC Lookup {what} {label} (reference: {LOOKUP_TARGET_MS:g} ms target)"
-                if what.startswith("floor"):
-                    name = f"gRPC {what.removeprefix('floor: ')} {label}"
-                results.append(Result.of(name, value, "ms", LOOKUP_TARGET_MS))
-    return results
-
-
-def _percentile(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
-
-
 # --------------------------------------------------------------------------- run and report
 
 
@@ -417,7 +351,10 @@ def run(cfg: BenchConfig, target: Target | None) -> tuple[list[Result], dict[str
         progress = _Progress(total, cfg.progress)
         stack.callback(progress.close)
         results = bench_bandwidth(cfg, target, arena_size, env, progress, redis)
-        results += bench_lookup(cfg, target, progress)
+        results += bench_lookup(
+            target, _spec(1024, "lookup"), cfg.lookup_iters, cfg.token_iters, progress,
+            CLIENT_TIMEOUT_S,
+        )  # fmt: skip
     if redis is None:
         return results, redis_reference(results, skipped=skipped)
     return results, redis_reference(
