@@ -3,7 +3,8 @@
 Runs in each worker process (one per GPU / TP rank), on the worker's thread; not thread-safe.
 It executes the :class:`~step_protocol.ConnectorMetadata` that the scheduler
 connector (scheduler/kv_connector.py) ships every step, with a transfer engine
-(worker/transfer.py: CUDA streams, or threads on CPU), and reports per lease what its rank
+(worker/transfer.py: CUDA streams, or threads on CPU; each lease's transfer planned by
+worker/transfer_plan.py), and reports per lease what its rank
 finished. It never completes leases: the scheduler does, once every rank reported.
 
 Call order, every step (empty metadata included: deferred stores and reports need it)::
@@ -56,10 +57,11 @@ from step_protocol import (
     TransferResult,
 )
 from worker.config import WorkerConnectorConfig
-from worker.host import MappedArena, staging_buffer, tensor_memoryview
-from worker.layout import CanonicalKVCaches, canonicalize, plan_copies
-from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine
+from worker.host import MappedArena
+from worker.layout import CanonicalKVCaches, canonicalize
+from worker.transfer import Direction, Transfer, TransferEngine
 from worker.transfer_factory import make_engine
+from worker.transfer_plan import TransferPlanner, unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class KVServerWorkerConnector:
         self.caches: CanonicalKVCaches | None = None
         self.engine: TransferEngine | None = None
         self.arena: MappedArena | None = None
+        self._planner: TransferPlanner | None = None
         self._kv = self._client("main")
         self._io: dict[Direction, KVClient] = {}
         self._meta: ConnectorMetadata | None = None
@@ -127,6 +130,7 @@ class KVServerWorkerConnector:
             raise InvalidArgument("KV caches do not match the namespace",
                                   block_bytes=caches.block_bytes, want=want)  # fmt: skip
         self.caches, self.engine = caches, make_engine(caches.device)
+        self._planner = TransferPlanner(self.spec, self.rank, caches)
         try:
             self._connect()
         except KVServerError as exc:
@@ -325,12 +329,12 @@ class KVServerWorkerConnector:
         """Transfers deferred or in flight."""
         return len(self._deferred) + len(self._inflight)
 
-    # ------------------------------------------------------------------ planning
+    # ------------------------------------------------------------------ submitting
 
     def _submit(self, t: RequestTransfers, *, is_load: bool, counted: bool = False) -> None:
         """Plan and submit one lease's transfer (``counted``: a deferred store, already in
         ``_stores_left``)."""
-        if self.engine is None or self.caches is None:
+        if self.engine is None or self._planner is None:
             raise InvalidState("register_kv_caches first")
         job: JobId = (is_load, t.req_id, t.lease_id)
         if job in self._inflight:
@@ -350,118 +354,17 @@ class KVServerWorkerConnector:
                 logger.warning("kvserver unreachable; lease %d of %s fails: %s",
                                t.lease_id, t.req_id, exc)  # fmt: skip
         if self._connected and not arena_lost:
-            transfer = self._plan(t, is_load)
+            transfer = self._planner.plan(t, is_load, self.arena, self._io)
         else:
-            transfer = self._unreachable(t, is_load)
+            transfer = unreachable(t, is_load)
         if is_load:
             self._load_blocks[job] = {c.key: c.block_ids for c in t.loads}
         self._inflight[job] = transfer
         self.engine.submit(transfer)
 
-    @staticmethod
-    def _unreachable(t: RequestTransfers, is_load: bool) -> Transfer:
-        """A transfer whose every chunk fails: the daemon could not be reached."""
-        keys = [c.key for c in (t.loads if is_load else t.stores)]
-        transfer = Transfer(
-            Direction.LOAD if is_load else Direction.STORE, (is_load, t.req_id, t.lease_id), keys
-        )
-        transfer.copies = [KeyCopies(key, error="kvserver unreachable") for key in keys]
-        return transfer
-
-    def _plan(self, t: RequestTransfers, is_load: bool) -> Transfer:
-        direction = Direction.LOAD if is_load else Direction.STORE
-        chunks: list[tuple[bytes, list[int], int, list[tuple[int, int]]]] = [
-            (c.key, c.block_ids, c.skip_blocks, self._rank_extents(c.extents)) for c in t.loads
-        ] if is_load else [
-            (c.key, c.block_ids, 0, self._rank_extents(c.extents)) for c in t.stores
-        ]  # fmt: skip
-        keys = [c[0] for c in chunks]
-        transfer = Transfer(direction, (is_load, t.req_id, t.lease_id), keys)
-        arena = self.arena
-        if arena is not None:
-            for key, blocks, skip, extents in chunks:
-                transfer.copies.append(
-                    self._key_copies(key, blocks, skip, is_load, arena.tensor, extents, arena)
-                )
-            return transfer
-        pb = self.spec.part_bytes
-        staging = staging_buffer(pb * len(chunks), pinned=self.caches_on_cuda)
-        transfer.keepalive.append(staging)
-        for i, (key, blocks, skip, _) in enumerate(chunks):
-            host = staging[i * pb : (i + 1) * pb]
-            transfer.copies.append(
-                self._key_copies(key, blocks, skip, is_load, host, [(0, pb)], None)
-            )
-        io = self._io[direction]
-        if is_load:
-            transfer.prepare = lambda: self._remote_read(io, t, transfer, staging)
-        else:
-            transfer.finish = lambda ok: self._remote_write(io, t, ok, staging, keys)
-        return transfer
-
     @property
     def caches_on_cuda(self) -> bool:
         return self.caches is not None and self.caches.device.type == "cuda"
-
-    def _rank_extents(self, extents: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
-        return list(extents[self.rank]) if self.rank < len(extents) else []
-
-    def _key_copies(
-        self,
-        key: bytes,
-        block_ids: list[int],
-        skip: int,
-        is_load: bool,
-        host: torch.Tensor,
-        extents: list[tuple[int, int]],
-        arena: MappedArena | None,
-    ) -> KeyCopies:
-        """The (src, dst) pairs of one part; planning errors fail this key only."""
-        assert self.caches is not None
-        try:
-            if arena is not None:
-                arena.check_extents(extents, self.spec.part_bytes)
-            return plan_copies(
-                self.caches, key, block_ids, self.spec.chunk_blocks, host, extents,
-                skip=skip, is_load=is_load,
-            )  # fmt: skip
-        except InvalidArgument as exc:
-            logger.warning("cannot plan chunk %s: %s", key.hex()[:16], exc)
-            return KeyCopies(key, error=str(exc))
-
-    # ------------------------------------------------------------ remote path (engine threads)
-
-    def _remote_read(
-        self, io: KVClient, t: RequestTransfers, transfer: Transfer, staging: torch.Tensor
-    ) -> list[KeyCopies]:
-        pb = self.spec.part_bytes
-        index = {c.key: i for i, c in enumerate(t.loads)}
-        wanted = [kc.key for kc in transfer.copies if kc.error is None]
-        if wanted:
-            parts = io.read_parts(self.spec.ns_id, t.lease_id, wanted, self.rank)
-            dst = tensor_memoryview(staging)
-            for key, part in zip(wanted, parts, strict=True):
-                if part.nbytes != pb:
-                    raise InvalidArgument("part of the wrong size", size=part.nbytes)
-                i = index[key]
-                dst[i * pb : (i + 1) * pb] = part.cast("B")
-        return transfer.copies
-
-    def _remote_write(
-        self,
-        io: KVClient,
-        t: RequestTransfers,
-        ok: list[bytes],
-        staging: torch.Tensor,
-        keys: list[bytes],
-    ) -> None:
-        if not ok:
-            return
-        pb = self.spec.part_bytes
-        view = tensor_memoryview(staging)
-        index = {k: i for i, k in enumerate(keys)}
-        parts = [view[index[k] * pb : (index[k] + 1) * pb] for k in ok]
-        io.write_parts(t.lease_id, ok, self.rank, parts, complete=False)
 
     # ------------------------------------------------------------------ session
 
