@@ -34,14 +34,12 @@ from kvserver.client.common import (
     Call,
     LookupResult,
     NamespaceInfo,
-    Parts,
     Proc,
     PutResult,
     Session,
     T,
-    readinto_part,
-    write_part,
 )
+from kvserver.client.parts import Parts, readinto_part, write_part
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.grants import LoadGrant, StoreGrant

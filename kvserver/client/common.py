@@ -30,8 +30,15 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 from kvserver import wire
-from kvserver.allocator import Extents
 from kvserver.arena import ArenaView
+from kvserver.client.parts import (
+    Parts,
+    flatten_parts,
+    frame_buffer,
+    readinto_part,
+    split_parts,
+    write_part,
+)
 from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
 from kvserver.grants import LoadGrant, StoreGrant
@@ -42,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Buffer: TypeAlias = bytes | bytearray | memoryview
-#: per key: one buffer (TP=1) or one buffer per rank (index = rank).
-Parts: TypeAlias = Sequence[Any]
 
 DEFAULT_TIMEOUT_S = 10.0
 RECONNECT_IVL_MS = 100
@@ -163,7 +168,7 @@ class Session:
     def decode(self, frames: Sequence[Any]) -> wire.Reply | None:
         """The reply header in ``frames``; None (logged) when it cannot be read."""
         try:
-            return wire.decode_reply(_buffer(frames[0]))
+            return wire.decode_reply(frame_buffer(frames[0]))
         except InvalidArgument as exc:
             logger.warning("discarding unreadable reply from %s: %s", self.address, exc)
             return None
@@ -176,7 +181,7 @@ class Session:
             self.needs_hello = True
         if reply.error is not None:
             return reply.error
-        return Answer(reply.result, [_buffer(f) for f in frames[1:]])
+        return Answer(reply.result, [frame_buffer(f) for f in frames[1:]])
 
     def token_changed(self) -> bool:
         """True when the daemon's token file now holds another token than the one our last
@@ -321,7 +326,7 @@ class Session:
     def put(
         self, ns_id: str, keys: Sequence[bytes], parts: Parts, lease_s: float | None
     ) -> Proc[PutResult]:
-        payload = _flatten(keys, parts)
+        payload = flatten_parts(keys, parts)
         answer = yield Call(
             wire.PUT, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}, payload
         )
@@ -345,11 +350,11 @@ class Session:
         }
         answer = yield Call(wire.GET, args)
         if not leading:
-            return _split_parts(answer, len(keys))
+            return split_parts(answer.result, answer.payload, len(keys))
         sent = answer.result.get("keys")
         if not isinstance(sent, list) or len(sent) > len(keys) or sent != list(keys[: len(sent)]):
             raise InvalidArgument("get reply names keys that were not asked for")
-        return _split_parts(answer, len(sent))
+        return split_parts(answer.result, answer.payload, len(sent))
 
     def write_parts(
         self,
@@ -368,7 +373,7 @@ class Session:
     ) -> Proc[list[memoryview]]:
         args = {"ns_id": ns_id, "lease_id": lease_id, "keys": list(keys), "rank": rank}
         answer = yield Call(wire.READ_PARTS, args)
-        return [views[0] for views in _split_parts(answer, len(keys))]
+        return [views[0] for views in split_parts(answer.result, answer.payload, len(keys))]
 
     def store(
         self, ns_id: str, keys: Sequence[bytes], parts: Parts, lease_s: float | None
@@ -378,7 +383,7 @@ class Session:
             result = yield from self.put(ns_id, keys, parts, lease_s)
             return result.stored
         arena = self.arena
-        flat = _flatten(keys, parts)
+        flat = flatten_parts(keys, parts)
         per_key = len(flat) // len(keys) if keys else 0
         grant = yield from self.prepare_store(ns_id, keys, lease_s)
         if grant is None or not grant.keys:
@@ -429,74 +434,6 @@ class Session:
         return self.arena
 
 
-def _buffer(frame: Any) -> memoryview:
-    """A received frame's bytes: a ``zmq.Frame``'s buffer, or a view from the local channel."""
-    return frame if isinstance(frame, memoryview) else frame.buffer
-
-
-def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:
-    """Copy one part into the arena: a one-extent part of bytes-like ``data`` is one slice
-    assignment (one memcpy, as the memcpy reference does); anything else (several extents,
-    other formats, a wrong size: ``ArenaView.write`` says what) takes the checked path."""
-    if len(extents) == 1:
-        offset, length = extents[0]
-        try:
-            arena.buf[offset : offset + length] = data
-            return
-        except (TypeError, ValueError):  # not a byte buffer of exactly this length
-            pass
-    arena.write(extents, data)
-
-
-def readinto_part(arena: ArenaView, extents: Extents, out: bytearray | memoryview) -> None:
-    """Copy one part out of the arena into ``out`` (exactly its size); one slice assignment
-    for a one-extent part, else ``ArenaView.readinto``."""
-    if len(extents) == 1:
-        offset, length = extents[0]
-        dst = out if type(out) is memoryview else memoryview(out)
-        try:
-            dst[:] = arena.buf[offset : offset + length]  # a memoryview never resizes
-            return
-        except (TypeError, ValueError):  # another format or shape, or the wrong size
-            pass
-    arena.readinto(extents, out)
-
-
 def _lookup_result(answer: Answer) -> LookupResult:
     r = answer.result
     return LookupResult(r["hit_chunks"], r["hit_tokens"], r["num_chunks"], dict(r["tiers"]))
-
-
-def _flatten(keys: Sequence[bytes], parts: Parts) -> list[Any]:
-    """Key-major payload frames: a buffer per key, or a sequence of buffers (one per rank)."""
-    if len(parts) != len(keys):
-        raise InvalidArgument("need one entry of parts per key", keys=len(keys), parts=len(parts))
-    flat: list[Any] = []
-    counts = set()
-    for entry in parts:
-        try:
-            memoryview(entry)
-        except TypeError:
-            flat.extend(entry)
-            counts.add(len(entry))
-        else:
-            flat.append(entry)
-            counts.add(1)
-    if len(counts) > 1:
-        raise InvalidArgument("every key needs the same number of parts (one per TP rank)")
-    return flat
-
-
-def _split_parts(answer: Answer, num_keys: int) -> list[list[memoryview]]:
-    """Group a GET reply's frames: key-major, len(ranks) parts per key, joined if split."""
-    counts = answer.result.get("part_frames")
-    frames = answer.payload
-    if counts is None:
-        parts = frames
-    else:
-        parts, pos = [], 0
-        for n in counts:
-            parts.append(memoryview(b"".join(frames[pos : pos + n])))
-            pos += n
-    per_key = len(parts) // num_keys if num_keys else 0
-    return [parts[i * per_key : (i + 1) * per_key] for i in range(num_keys)]

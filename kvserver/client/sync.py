@@ -39,14 +39,12 @@ from kvserver.client.common import (
     Call,
     LookupResult,
     NamespaceInfo,
-    Parts,
     Proc,
     PutResult,
     Session,
     T,
-    readinto_part,
-    write_part,
 )
+from kvserver.client.parts import Parts, readinto_part, write_part
 from kvserver.client.pending import Pending
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient

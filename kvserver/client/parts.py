@@ -1,0 +1,89 @@
+"""Parts on the client side: the payload frames of ``put``/``get``/``write_parts`` and the
+arena copies of the shared-memory path.
+
+Runs in client processes; used by the sans-I/O core (kvserver/client/common.py) and by both
+clients (sync and asyncio). Stateless functions; thread safety is the caller's (one client
+object, one thread). A part is the bytes of one chunk for one TP rank (docs/wire.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+from kvserver.allocator import Extents
+from kvserver.arena import ArenaView
+from kvserver.errors import InvalidArgument
+
+#: per key: one buffer (TP=1) or one buffer per rank (index = rank).
+Parts: TypeAlias = Sequence[Any]
+
+
+def frame_buffer(frame: Any) -> memoryview:
+    """A received frame's bytes: a ``zmq.Frame``'s buffer, or a view from the local channel."""
+    return frame if isinstance(frame, memoryview) else frame.buffer
+
+
+def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:
+    """Copy one part into the arena: a one-extent part of bytes-like ``data`` is one slice
+    assignment (one memcpy, as the memcpy reference does); anything else (several extents,
+    other formats, a wrong size: ``ArenaView.write`` says what) takes the checked path."""
+    if len(extents) == 1:
+        offset, length = extents[0]
+        try:
+            arena.buf[offset : offset + length] = data
+            return
+        except (TypeError, ValueError):  # not a byte buffer of exactly this length
+            pass
+    arena.write(extents, data)
+
+
+def readinto_part(arena: ArenaView, extents: Extents, out: bytearray | memoryview) -> None:
+    """Copy one part out of the arena into ``out`` (exactly its size); one slice assignment
+    for a one-extent part, else ``ArenaView.readinto``."""
+    if len(extents) == 1:
+        offset, length = extents[0]
+        dst = out if type(out) is memoryview else memoryview(out)
+        try:
+            dst[:] = arena.buf[offset : offset + length]  # a memoryview never resizes
+            return
+        except (TypeError, ValueError):  # another format or shape, or the wrong size
+            pass
+    arena.readinto(extents, out)
+
+
+def flatten_parts(keys: Sequence[bytes], parts: Parts) -> list[Any]:
+    """Key-major payload frames: a buffer per key, or a sequence of buffers (one per rank)."""
+    if len(parts) != len(keys):
+        raise InvalidArgument("need one entry of parts per key", keys=len(keys), parts=len(parts))
+    flat: list[Any] = []
+    counts = set()
+    for entry in parts:
+        try:
+            memoryview(entry)
+        except TypeError:
+            flat.extend(entry)
+            counts.add(len(entry))
+        else:
+            flat.append(entry)
+            counts.add(1)
+    if len(counts) > 1:
+        raise InvalidArgument("every key needs the same number of parts (one per TP rank)")
+    return flat
+
+
+def split_parts(
+    result: dict[str, Any], frames: list[memoryview], num_keys: int
+) -> list[list[memoryview]]:
+    """Group a GET reply's payload ``frames`` (its ``result`` says how many frames make each
+    part): key-major, len(ranks) parts per key, joined if split."""
+    counts = result.get("part_frames")
+    if counts is None:
+        parts = frames
+    else:
+        parts, pos = [], 0
+        for n in counts:
+            parts.append(memoryview(b"".join(frames[pos : pos + n])))
+            pos += n
+    per_key = len(parts) // num_keys if num_keys else 0
+    return [parts[i * per_key : (i + 1) * per_key] for i in range(num_keys)]
