@@ -9,7 +9,6 @@ the second engine's output equals the first's.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,12 @@ from kvserver.hashing import BlockHasher
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
 from tests.support.cluster import start_tp_workers
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import RedisServer
 
 pytestmark = pytest.mark.multiprocess
 
 BLOCK_SIZE = 16
 PROMPT, MAX_TOKENS = 80, 6  # 5 full blocks
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis()
-    server = RedisServer.start(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 def start_host(tmp_path: Path, redis: RedisServer, host_id: str) -> DaemonProc:

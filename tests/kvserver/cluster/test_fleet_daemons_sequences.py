@@ -6,7 +6,6 @@ chunks its own Lookup finds; a SIGKILLed daemon's record and sets are gone withi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from kvserver.client import KVClient
 from kvserver.cluster import schema
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import RedisServer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -88,14 +87,6 @@ def run(tmp: Path, redis: RedisServer, ops: list[tuple[object, ...]]) -> None:
         for d in live.values():
             d.kill()
         r.close()
-
-
-@pytest.fixture(scope="module")
-def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    require_redis()
-    server = RedisServer.start(Path(tmp_path_factory.mktemp("redis")))
-    yield server
-    server.stop()
 
 
 #: sequences over every kind of step (stores of 30 and 60 chunks evict from 40-chunk DRAM);

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import connect
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, keys
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import RedisServer
 
 TTL_S = 1.5
 KEYS = keys(12)
@@ -31,14 +28,6 @@ op = st.one_of(
     st.tuples(st.just("kill"), st.sampled_from(HOSTS)),
     st.tuples(st.just("restart"), st.sampled_from(HOSTS)),
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    require_redis()
-    server = RedisServer.start(Path(tmp_path_factory.mktemp("redis")))
-    yield server
-    server.stop()
 
 
 def true_run(m: Member) -> tuple[int, int]:

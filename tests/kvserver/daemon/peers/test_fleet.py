@@ -26,7 +26,7 @@ from kvserver.cluster.config import ClusterConfig, connect
 from kvserver.errors import UnknownKey
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import RedisServer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,14 +34,6 @@ SPEC = make_spec(tp_world_size=2)
 TTL_S = 4.0
 #: generous: Redis shares this machine with everything else the suite runs
 REDIS_TIMEOUT_S = "2"
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis()
-    server = RedisServer.start(tmp_path / "redis")
-    yield server
-    server.stop()
 
 
 def start_host(tmp_path: Path, redis: RedisServer, host_id: str, *extra: str) -> DaemonProc:
