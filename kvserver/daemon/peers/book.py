@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.link import DEFAULT_CONNECTIONS, PeerLink
+from kvserver.daemon.peers.link import DEFAULT_CONNECTIONS, PeerFailed, PeerLink
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,15 @@ class PeerBook:
             suspect_s = self.settings.suspect_s
             logger.warning("peer %s is suspect for %.1fs: %s", host_id, suspect_s, why)
         self._suspect_until[host_id] = self._clock() + self.settings.suspect_s
+
+    def failed(self, peer: Peer, exc: PeerFailed) -> None:
+        """A call to ``peer`` failed: count it (a timeout or another failure) and suspect the
+        peer."""
+        if exc.timed_out:
+            self.counters.timeouts += 1
+        else:
+            self.counters.failures += 1
+        self.suspect(peer.host_id, str(exc))
 
     def suspects(self, known: Iterable[str]) -> list[str]:
         return [h for h in known if self.is_suspect(h)]

@@ -196,11 +196,7 @@ class PeerFetches:
         try:
             rows = await book.link(peer).fetch(spec, keys)
         except PeerFailed as exc:
-            if exc.timed_out:
-                book.counters.timeouts += 1
-            else:
-                book.counters.failures += 1
-            book.suspect(peer.host_id, str(exc))
+            book.failed(peer, exc)
             return [], {}
         sent = keys[: len(rows)]
         book.counters.fetched_chunks += len(rows)

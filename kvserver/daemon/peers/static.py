@@ -49,9 +49,5 @@ class StaticDirectory:
         try:
             return await book.link(peer).lookup(ns_id, keys)
         except PeerFailed as exc:
-            if exc.timed_out:
-                book.counters.timeouts += 1
-            else:
-                book.counters.failures += 1
-            book.suspect(peer.host_id, str(exc))
+            book.failed(peer, exc)
             return 0
