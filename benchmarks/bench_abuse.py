@@ -23,7 +23,6 @@ importable.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import msgpack
 import zmq
 
 from benchmarks.harness.daemon import DaemonProc, start_daemon
+from benchmarks.report import save_report
 from kvserver import wire, wire_local
 from kvserver.client import KVClient
 from kvserver.namespace import NamespaceSpec
@@ -252,10 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args.quick)
     print_table(results)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        chart = args.json.with_suffix(".png")
-        print(f"wrote {args.json}" + (f" and {chart}" if write_chart(results, chart) else ""))
+        save_report(args.json, results, lambda png: write_chart(results, png))
     return 0
 
 

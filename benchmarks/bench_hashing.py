@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import random
 import statistics
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
+from benchmarks.report import save_report
 from kvserver.hashing import HASH_ALGOS, BlockHasher
 
 NUM_TOKENS = 32 * 1024
@@ -144,13 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(repeats)
     print_table(results, repeats)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
-        chart = args.json.with_suffix(".png")
-        if write_chart(results, chart):
-            print(f"wrote {args.json} and {chart}")
-        else:
-            print(f"wrote {args.json} (no matplotlib: no chart)")
+        save_report(args.json, {"results": results}, lambda png: write_chart(results, png))
     return 0
 
 

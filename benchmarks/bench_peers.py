@@ -36,7 +36,6 @@ With --json, also writes FILE with the .png suffix (chart) when matplotlib is im
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -52,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import zmq
 
 from benchmarks.harness.daemon import DaemonProc, start_daemon
+from benchmarks.report import save_report
 from kvserver.client import KVClient
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
 from kvserver.namespace import NamespaceSpec
@@ -286,13 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print_table(report)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        chart = args.json.with_suffix(".png")
-        if write_chart(report, chart):
-            print(f"wrote {args.json} and {chart}")
-        else:
-            print(f"wrote {args.json} (no matplotlib: no chart)")
+        save_report(args.json, report, lambda png: write_chart(report, png))
     return 0
 
 

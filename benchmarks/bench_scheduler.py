@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
+from benchmarks.report import save_report
 from scheduler.config import SchedulerConfig
 from scheduler.connector_base import SchedulerConnector
 from scheduler.memory_connector import MemoryConnector
@@ -328,16 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = results(configs)
     print_table(rows)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         pinned = None if cpus is None else {"bench": cpus[0], "daemon": cpus[1]}
         meta = {"num_requests": NUM_REQUESTS, "block_size": BLOCK_SIZE, "rounds": rounds,
                 "steps_per_round": steps, "cpus": os.cpu_count(), "pinned": pinned}  # fmt: skip
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-        chart = args.json.with_suffix(".png")
-        if write_chart(rows, chart):
-            print(f"wrote {args.json} and {chart}")
-        else:
-            print(f"wrote {args.json} (no matplotlib: no chart)")
+        save_report(args.json, {"meta": meta, "results": rows}, lambda png: write_chart(rows, png))
     return 0
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tqdm import tqdm
 
+from benchmarks.report import save_report
 from kvserver.daemon.tiering import SsdTier
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EngineConfig
@@ -393,13 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         cleanup()
     print_table(report)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        chart = args.json.with_suffix(".png")
-        if write_chart(report, chart):
-            print(f"wrote {args.json} and {chart}")
-        else:
-            print(f"wrote {args.json} (no matplotlib: no chart)")
+        save_report(args.json, report, lambda png: write_chart(report, png))
     return 0
 
 
