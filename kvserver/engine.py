@@ -136,6 +136,11 @@ class StorageEngine:
     def namespace(self, ns_id: str) -> NamespaceSpec:
         return self._namespaces.specs[self._ns(ns_id)]
 
+    def lease_namespace(self, lease_id: int) -> NamespaceSpec | None:
+        """The namespace of live lease ``lease_id`` (None: no such lease)."""
+        lease = self.leases.find(lease_id)
+        return None if lease is None else self._namespaces.specs[lease.ns]
+
     @property
     def namespaces(self) -> dict[str, NamespaceSpec]:
         return dict(zip(self._ns_ids, self._namespaces.specs, strict=True))

@@ -96,6 +96,13 @@ class Unauthenticated(KVServerError):
     code = "unauthenticated"
 
 
+class PermissionDenied(KVServerError):
+    """An authenticated caller (a tenant) asked for a namespace, cache_salt or operation its
+    token does not grant; nothing changed."""
+
+    code = "permission_denied"
+
+
 class Unavailable(KVServerError):
     """The daemon could not be reached within the call's timeout."""
 
@@ -116,6 +123,7 @@ ERRORS_BY_CODE: dict[str, type[KVServerError]] = {
         CapacityError,
         StorageError,
         Unauthenticated,
+        PermissionDenied,
         Unavailable,
     )
 }

@@ -146,6 +146,10 @@ class LeaseTable:
         heapq.heappush(self._heap, (deadline, lease.lease_id))
         return lease
 
+    def find(self, lease_id: int) -> Lease | None:
+        """The live lease ``lease_id`` of any kind, or None."""
+        return self._leases.get(lease_id)
+
     def get(self, lease_id: int, kind: LeaseKind) -> Lease:
         """The live lease ``lease_id`` of ``kind``; raises LeaseExpired / LeaseError otherwise."""
         lease = self._leases.get(lease_id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +35,12 @@ MAX_TOKENS = 1 << 21
 MAX_NAMESPACE_ID = 64
 
 
-async def score_hosts(service: KVService, req: Any) -> Any:
-    """Answer one ``ScoreHostsRequest`` (see the proto for the contract)."""
+async def score_hosts(
+    service: KVService, req: Any, *, allow: Callable[[NamespaceSpec, Any], None] | None = None
+) -> Any:
+    """Answer one ``ScoreHostsRequest`` (see the proto for the contract). ``allow(spec,
+    req)``, when given, raises (e.g. PermissionDenied) if the caller may not ask about the
+    namespace, before any hashing or fleet lookup."""
     node = service.cluster
     if node is None:
         raise InvalidState("this daemon is not part of a fleet (start it with --cluster)")
@@ -46,6 +50,8 @@ async def score_hosts(service: KVService, req: Any) -> Any:
     weights = dict(node.config.tier_weights)
     weights.update(check_weights(dict(req.tier_weights)))
     spec = await _spec(service, ns_id)
+    if allow is not None:
+        allow(spec, req)
     keys = _keys(spec, req)
     candidates = list(req.candidate_hosts) or None
     runs = await node.reader.lookup(ns_id, keys, hosts=candidates, exact=req.exact)

@@ -10,6 +10,13 @@ the unrestricted :data:`ANONYMOUS` principal (the daemon's own-user default is a
 token, ``kvserver/daemon/process.py``; no token is an explicit choice). Tokens are compared by
 their SHA-256 digests, so the time a check takes does not depend on how much of a guess
 matches.
+
+Tenants (``[[tenants]]`` in the config file, ``kvserver/daemon/tenants.py``) are restricted
+principals: the namespace models they may use, optionally the cache_salt values they may hash
+with, and whether they may write. The daemon's own token (and no token at all) is the
+unrestricted admin principal. The checks live here, in :class:`Principal`, and only here: both
+front ends call them (``kvserver/daemon/access.py`` for the data plane, ``grpc_server.py``) for
+every operation that names a namespace, before anything changes.
 """
 
 from __future__ import annotations
@@ -18,18 +25,72 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserver.errors import Unauthenticated
+from kvserver.errors import PermissionDenied, Unauthenticated
+from kvserver.namespace import NamespaceSpec
+
+#: in a tenant's ``models``: every model.
+ANY_MODEL = "*"
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """An authenticated caller."""
+    """An authenticated caller: the admin (every field at its default) or a tenant.
+
+    ``models``: the namespace models it may use (None: any; ``"*"`` in it: any);
+    ``cache_salts``: the cache_salt values it may hash prompts with (None: any, including
+    none); ``read_only``: lookups, loads, stats and events only (no register, store or pin).
+    """
 
     name: str
+    models: frozenset[str] | None = None
+    cache_salts: frozenset[str] | None = None
+    read_only: bool = False
+
+    @property
+    def is_admin(self) -> bool:
+        """True for the unrestricted principal (the daemon's own token, or no auth)."""
+        return self.models is None and self.cache_salts is None and not self.read_only
+
+    def sees(self, spec: NamespaceSpec) -> bool:
+        """True if this caller may use namespace ``spec`` at all (listing, stats, events)."""
+        return self.models is None or ANY_MODEL in self.models or spec.model in self.models
+
+    def may_use(self, spec: NamespaceSpec, *, write: bool = False) -> None:
+        """Raise PermissionDenied unless this caller may use ``spec`` (``write``: register,
+        store or pin in it)."""
+        if not self.sees(spec):
+            raise PermissionDenied(
+                f"tenant {self.name!r} may not use namespaces of model {spec.model[:64]!r}",
+                ns=spec.ns_id,
+            )
+        if write:
+            self.may_write()
+
+    def may_write(self) -> None:
+        """Raise PermissionDenied for a read-only caller."""
+        if self.read_only:
+            raise PermissionDenied(f"tenant {self.name!r} is read-only")
+
+    def may_salt(self, cache_salt: str | None) -> None:
+        """Raise PermissionDenied unless this caller may hash with ``cache_salt`` (None or
+        "": no salt, allowed only when ``cache_salts`` is unset or lists "")."""
+        if self.cache_salts is None or (cache_salt or "") in self.cache_salts:
+            return
+        raise PermissionDenied(
+            f"tenant {self.name!r} may not use this cache_salt",
+            cache_salt=(cache_salt or "")[:64],
+        )
+
+    def owner(self, client: str) -> str:
+        """The lease owner of a request naming ``client``: a tenant's clients live in a name
+        space of their own (one tenant cannot release another's leases by naming them)."""
+        return client if self.is_admin else f"{self.name}/{client}"
 
 
 #: the caller when the daemon requires no token.
 ANONYMOUS = Principal("anonymous")
+#: the holder of the daemon's own token.
+ADMIN = Principal("default")
 
 
 def _digest(token: str) -> bytes:
@@ -45,7 +106,7 @@ class Authenticator:
     @classmethod
     def single(cls, token: str) -> Authenticator:
         """One shared token for the daemon's own principal ("" = no token required)."""
-        return cls([(token, Principal("default"))] if token else [])
+        return cls([(token, ADMIN)] if token else [])
 
     @property
     def required(self) -> bool:

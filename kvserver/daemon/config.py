@@ -21,6 +21,7 @@ from typing import Any
 from kvserver.cluster.config import ClusterConfig, parse_weights
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import is_loopback
+from kvserver.daemon.tenants import Tenant, parse_tenants
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.policies import make_policy
@@ -76,6 +77,8 @@ class DaemonConfig:
     auth_token: str = field(default="", repr=False)
     #: require no token at all (any local user may then read and write every chunk).
     no_auth: bool = False
+    #: restricted tokens (``[[tenants]]`` tables of the config file, kvserver/daemon/tenants.py).
+    tenants: tuple[Tenant, ...] = field(default=(), repr=False)
     #: ZMQ CURVE for the ROUTER and PUB: the daemon's NAME.key_secret (docs/security.md).
     curve_secret_key_file: str = ""
     #: when set, only CURVE clients whose NAME.key is in this directory may connect.
@@ -159,6 +162,10 @@ class DaemonConfig:
             raise InvalidArgument("ssd_promotions must be >= 1", value=self.ssd_promotions)
         if self.no_auth and self.auth_token:
             raise InvalidArgument("no_auth and auth_token contradict each other")
+        if self.tenants and self.no_auth:
+            raise InvalidArgument("tenants need auth: no_auth would let anyone use everything")
+        if self.auth_token and any(t.token == self.auth_token for t in self.tenants):
+            raise InvalidArgument("a tenant's token is the daemon's own (admin) auth_token")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise InvalidArgument("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
@@ -324,6 +331,8 @@ def unknown_env(env: Mapping[str, str]) -> list[str]:
 
 
 def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    if name == "tenants":
+        return parse_tenants(value)
     if name in (
         "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes"
     ):

@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.rpc import cluster_stats, score_hosts
 from kvserver.crypto import TlsServer
+from kvserver.daemon.access import allow_prefix
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.eventlog import EventGap
@@ -76,6 +77,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "storage_error": grpc.StatusCode.INTERNAL,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
 }
@@ -186,7 +188,7 @@ class GrpcFrontend:
             "Pin": self._unary(pb.PinRequest, self._pin),
             "Unpin": self._unary(pb.UnpinRequest, self._unpin),
             "WatchEvents": grpc.unary_stream_rpc_method_handler(self._watch_events),
-            "ScoreHosts": self._unary(pb.ScoreHostsRequest, partial(score_hosts, self.service)),
+            "ScoreHosts": self._unary(pb.ScoreHostsRequest, self._score_hosts),
         }
         cfg = self.config
         credentials = None
@@ -211,14 +213,15 @@ class GrpcFrontend:
     # ------------------------------------------------------------------ plumbing
 
     def _unary(
-        self, request_type: type[Message], method: Callable[[Any], Any]
+        self, request_type: type[Message], method: Callable[[Principal, Any], Any]
     ) -> grpc.RpcMethodHandler:
+        """``method(principal, request)``: the caller's principal decides what it may do."""
         parse = request_type.FromString
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                self._authenticate(context)
-                reply = method(parse(raw))  # async for calls that wait on I/O (ScoreHosts)
+                who = self._authenticate(context)
+                reply = method(who, parse(raw))  # async for calls that wait on I/O (ScoreHosts)
                 reply = await reply if inspect.isawaitable(reply) else reply
                 data: bytes = reply.SerializeToString()
                 return data
@@ -274,9 +277,11 @@ class GrpcFrontend:
 
     # ------------------------------------------------------------------ unary methods
 
-    def _lookup(self, req: pb.LookupRequest) -> Message | Awaitable[Message]:
+    def _lookup(self, who: Principal, req: pb.LookupRequest) -> Message | Awaitable[Message]:
         ns_id = req.namespace_id
-        chunk_tokens = self._namespace(ns_id).chunk_tokens
+        spec = self._namespace(ns_id)
+        allow_prefix(who, spec, req)
+        chunk_tokens = spec.chunk_tokens
         result = self.service.lookup(ns_id, self._prefix_keys(ns_id, req))
         if isinstance(result, Pending):
             pending = result
@@ -287,32 +292,39 @@ class GrpcFrontend:
             return finish()
         return _lookup_response(ns_id, chunk_tokens, result)
 
-    def _pin(self, req: pb.PinRequest) -> pb.PinResponse:
-        self._namespace(req.namespace_id)
+    def _score_hosts(self, who: Principal, req: pb.ScoreHostsRequest) -> Awaitable[Message]:
+        allow = None if who.is_admin else partial(allow_prefix, who)
+        return score_hosts(self.service, req, allow=allow)
+
+    def _pin(self, who: Principal, req: pb.PinRequest) -> pb.PinResponse:
+        allow_prefix(who, self._namespace(req.namespace_id), req, write=True)
         keys = self._prefix_keys(req.namespace_id, req)
         pinned = self.service.pin(req.namespace_id, keys, req.ttl_s)
         return pb.PinResponse(pinned_chunks=pinned, num_chunks=len(keys))
 
-    def _unpin(self, req: pb.UnpinRequest) -> pb.UnpinResponse:
-        self._namespace(req.namespace_id)
+    def _unpin(self, who: Principal, req: pb.UnpinRequest) -> pb.UnpinResponse:
+        allow_prefix(who, self._namespace(req.namespace_id), req, write=True)
         keys = self._prefix_keys(req.namespace_id, req)
         unpinned = self.service.unpin(req.namespace_id, keys)
         return pb.UnpinResponse(unpinned_chunks=unpinned, num_chunks=len(keys))
 
-    def _list_namespaces(self, req: pb.ListNamespacesRequest) -> pb.ListNamespacesResponse:
+    def _list_namespaces(
+        self, who: Principal, req: pb.ListNamespacesRequest
+    ) -> pb.ListNamespacesResponse:
         reply = pb.ListNamespacesResponse()
         for spec in self.service.list_namespaces():
-            if req.model in ("", spec.model):
+            if req.model in ("", spec.model) and who.sees(spec):
                 try:
                     reply.namespaces.append(namespace_to_proto(spec))
                 except ValueError:  # registered over ZMQ with values beyond the proto's ints
                     logger.warning("namespace %s cannot be listed over gRPC", spec.ns_id)
         return reply
 
-    def _register(self, req: pb.RegisterNamespaceRequest) -> pb.Namespace:
+    def _register(self, who: Principal, req: pb.RegisterNamespaceRequest) -> pb.Namespace:
         if not req.HasField("spec"):
             raise InvalidArgument("spec is required")
         spec = spec_from_proto(req.spec)
+        who.may_use(spec, write=True)
         try:
             reply = namespace_to_proto(spec)  # check before registering: nothing half-done
         except ValueError as exc:
@@ -320,10 +332,10 @@ class GrpcFrontend:
         self.service.register_namespace(spec)
         return reply
 
-    def _stats(self, req: pb.StatsRequest) -> pb.StatsResponse:
+    def _stats(self, who: Principal, req: pb.StatsRequest) -> pb.StatsResponse:
         s = self.service.stats()
         totals, page = s["totals"], s["page_size"]
-        models = {spec.ns_id: spec.model for spec in self.service.list_namespaces()}
+        specs = {spec.ns_id: spec for spec in self.service.list_namespaces()}
         dram = pb.TierStats(
             name="dram",
             medium=pb.MEDIUM_CPU,
@@ -349,6 +361,9 @@ class GrpcFrontend:
             )
         namespaces = []
         for ns_id, row in s["namespaces"].items():
+            spec = specs.get(ns_id)
+            if not who.is_admin and (spec is None or not who.sees(spec)):
+                continue  # another tenant's
             counters = {k: row[k] for k in _NS_COUNTERS if k in row}
             usage = [pb.TierUsage(tier="dram", entries=row["entries"], bytes=row["bytes"])]
             for tier, st in lower:
@@ -357,7 +372,7 @@ class GrpcFrontend:
             namespaces.append(
                 pb.NamespaceStats(
                     namespace_id=ns_id,
-                    model=models.get(ns_id, ""),
+                    model=spec.model if spec is not None else "",
                     tiers=usage,
                     **counters,
                 )
@@ -378,8 +393,9 @@ class GrpcFrontend:
     # ------------------------------------------------------------------ WatchEvents
 
     async def _watch_events(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        who = ANONYMOUS
         try:
-            self._authenticate(context)
+            who = self._authenticate(context)
             from_seq = self._resume_point(pb.WatchEventsRequest.FromString(raw))
             failure = None
         except Exception as exc:
@@ -390,7 +406,7 @@ class GrpcFrontend:
             ((LOG_ID_KEY, self.log_id), (FROM_SEQ_KEY, str(from_seq)))
         )
         try:
-            await self._follow(from_seq, context)
+            await self._follow(from_seq, context, who)
             return
         except EventGap as exc:  # the subscriber fell behind the bounded log
             failure = _failure(exc)
@@ -416,8 +432,11 @@ class GrpcFrontend:
         log.replay(from_seq)  # raises EventGap now rather than after the first write
         return from_seq
 
-    async def _follow(self, from_seq: int, context: grpc.aio.ServicerContext) -> None:
-        """Write events from ``from_seq`` on until the client leaves or the server stops."""
+    async def _follow(
+        self, from_seq: int, context: grpc.aio.ServicerContext, who: Principal
+    ) -> None:
+        """Write events from ``from_seq`` on until the client leaves or the server stops;
+        only those of namespaces ``who`` sees (a tenant's stream skips other tenants')."""
         follower = self.service.events.follow(from_seq)
         stopping = asyncio.ensure_future(self._stopping.wait())
         pending: asyncio.Future[Event] | None = None
@@ -432,6 +451,8 @@ class GrpcFrontend:
                 except StopAsyncIteration:
                     return  # the event log was closed
                 pending = None
+                if not who.is_admin and not self._sees(who, event.ns_id):
+                    continue
                 await context.write(self._event_message(event).SerializeToString())
         finally:
             stopping.cancel()
@@ -442,6 +463,10 @@ class GrpcFrontend:
             aclose = getattr(follower, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    def _sees(self, who: Principal, ns_id: str) -> bool:
+        spec = self.service.find_namespace(ns_id)
+        return spec is not None and who.sees(spec)
 
     def _event_message(self, event: Event) -> pb.Event:
         return event_to_proto(event, self.log_id)

@@ -44,7 +44,7 @@ from kvserver.cluster.directory import FleetDirectory
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import CurveClient
-from kvserver.daemon.auth import Authenticator
+from kvserver.daemon.auth import ADMIN, Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.malloc import tune_malloc
@@ -53,6 +53,7 @@ from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.static import StaticDirectory
 from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService
+from kvserver.daemon.tenants import tenant_tokens
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
@@ -76,6 +77,15 @@ async def serve(
     # config keeps the configured one (what this daemon sends its peers: "" = their own files)
     token = config.auth_token or ("" if config.no_auth else secrets.token_urlsafe(32))
     auth = Authenticator.single(token)
+    if config.tenants:  # restricted tokens beside the daemon's own (docs/security.md, "Tenants")
+        auth = Authenticator([(token, ADMIN), *tenant_tokens(config.tenants)])
+        logger.info("tenants: %s", ", ".join(t.name for t in config.tenants))
+        if config.pub_port >= 0 and not config.curve_clients_dir:
+            logger.warning(
+                "the KV-event PUB carries every tenant's events and cannot check tokens: "
+                "give it to trusted consumers only (curve_clients_dir) or disable it "
+                "(pub_port = -1)"
+            )
     token_files: list[str] = []
     for path in reap_stale_arenas(config.shm_dir):
         logger.warning("removed arena %s left by a daemon that is no longer running", path)

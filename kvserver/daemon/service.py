@@ -114,6 +114,10 @@ class KVService:
         """The spec of a registered namespace (``UnknownNamespace`` otherwise)."""
         return self.engine.namespace(ns_id)
 
+    def lease_namespace(self, lease_id: int) -> NamespaceSpec | None:
+        """The namespace of live lease ``lease_id``, or None (the op then fails itself)."""
+        return self.engine.lease_namespace(lease_id)
+
     def find_namespace(self, ns_id: str) -> NamespaceSpec | None:
         """The spec of ``ns_id`` if registered here, else None."""
         return self.engine.namespaces.get(ns_id)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvserver import wire, wire_local
+from kvserver.daemon.access import authorize, visible_namespaces, visible_stats
+from kvserver.daemon.auth import ADMIN, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService, check_parts
@@ -52,6 +54,7 @@ class OpCall:
     args: dict[str, Any]
     frames: Sequence[PayloadFrame]  # payload frames (after the header)
     client: str  # lease owner: the header's "client", else the ROUTER routing id
+    who: Principal = ADMIN  # the caller (kvserver/daemon/access.py decides what it may do)
 
 
 Result = dict[str, Any] | Parts
@@ -83,7 +86,9 @@ class DataOps:
             wire.REGISTER_NAMESPACE: lambda c: svc.register_namespace(
                 NamespaceSpec.from_dict(c.args["spec"])
             ),
-            wire.NAMESPACES: lambda c: {"namespaces": [s.to_dict() for s in svc.list_namespaces()]},
+            wire.NAMESPACES: lambda c: {
+                "namespaces": [s.to_dict() for s in visible_namespaces(c.who, svc)]
+            },
             wire.LOOKUP: self._lookup,
             wire.LOOKUP_TOKENS: self._lookup_tokens,
             wire.TOUCH: lambda c: _done(svc.touch, c.args["ns_id"], c.args["keys"]),
@@ -99,13 +104,15 @@ class DataOps:
                 "count": svc.pin(c.args["ns_id"], c.args["keys"], c.args["ttl_s"])
             },
             wire.UNPIN: lambda c: {"count": svc.unpin(c.args["ns_id"], c.args["keys"])},
-            wire.STATS: lambda c: svc.stats(),
+            wire.STATS: lambda c: visible_stats(c.who, svc, svc.stats()),
             wire.RELEASE: lambda c: {"released": svc.release_client(c.client)},
         }
 
     def handle(self, op: str, call: OpCall) -> Result | Deferred:
         """Carry out ``op`` (a valid op name) now, or return the rest of it as a Deferred.
-        Its time (a Deferred's until its answer) goes to ``service.op_seconds``."""
+        Its time (a Deferred's until its answer) goes to ``service.op_seconds``. Raises
+        PermissionDenied (nothing done) when ``call.who`` may not make it (``access.py``)."""
+        authorize(call.who, self._service, op, call.args)
         timer = self._service.op_seconds.labels(op)
         start = time.perf_counter()
         out = self._handlers[op](call)

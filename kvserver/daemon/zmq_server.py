@@ -64,7 +64,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvserver import wire, wire_local
 from kvserver.crypto import CurveServer
-from kvserver.daemon.auth import Authenticator
+from kvserver.daemon.access import replay_refusal
+from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.local_server import (
     LocalConnection,
@@ -77,7 +78,7 @@ from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
 from kvserver.daemon.zmq_ops import DataOps, Deferred, OpCall, PayloadFrame, Result
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
-from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
+from kvserver.errors import InvalidArgument, KVServerError
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ _Job = Callable[[], Awaitable[None]]
 _Peer = bytes | LocalConnection
 #: one message of a peer: ROUTER frames after the routing id, or a local message.
 _Message = list[zmq.Frame] | LocalMessage
+_Frames = Sequence[PayloadFrame]
 
 
 class DataFrontend:
@@ -119,8 +121,8 @@ class DataFrontend:
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
         #: local-channel connection → the lease owners (clients) its requests named
         self._local_clients: dict[LocalConnection, set[str]] = {}
-        #: ROUTER connections that sent an authenticated request (oldest first, bounded)
-        self._authenticated: dict[bytes, None] = {}
+        #: ROUTER connection → principal of its last authenticated request (oldest first, bounded)
+        self._authenticated: dict[bytes, Principal] = {}
         self._sid = secrets.token_hex(8)  # changes on every daemon start
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -325,10 +327,8 @@ class DataFrontend:
                     router, start = self._router, frames[1].buffer.tobytes()
                     if router is None:
                         return None
-                    if self._auth.required and peer not in self._authenticated:
-                        error = Unauthenticated(
-                            "replay needs a connection that sent an authenticated request"
-                        )
+                    error = self._auth.required and replay_refusal(self._authenticated.get(peer))
+                    if error:
                         self._send(peer, _failed(0, error))
                         return None
                     return lambda: self._events.replay(router, peer, start)
@@ -364,7 +364,7 @@ class DataFrontend:
         ``client``. The token is checked first, before anything else of the header is decoded
         (``wire.peek_auth``); a header over :data:`OFFLOAD_HEADER_BYTES` is decoded and
         validated on a thread (the rest of the request then runs on the connection's lane)."""
-        req_id = 0
+        req_id, who = 0, ANONYMOUS
         try:
             total = sum(len(f) for f in frames)
             limit = self._config.max_message_bytes
@@ -374,15 +374,15 @@ class DataFrontend:
                 raise InvalidArgument("empty message")
             if self._auth.required:
                 token, req_id = wire.peek_auth(frames[0].buffer)
-                self._auth.check(token)
+                who = self._auth.check(token)
                 if isinstance(peer, bytes):
-                    self._remember(peer)
+                    self._remember(peer, who)
             if len(frames[0]) > OFFLOAD_HEADER_BYTES:
                 header = frames[0].buffer
-                return lambda: self._handle_offloaded(req_id, header, peer, owner, frames)
+                return lambda: self._handle_offloaded(req_id, header, peer, owner, frames, who)
             obj = wire.unpack_header(frames[0].buffer)
             req_id = wire.request_id_of(obj)
-            out = self._carry_out(wire.parse_request(obj), peer, owner, frames)
+            out = self._carry_out(wire.parse_request(obj), peer, owner, frames, who)
         except Exception as exc:
             return _failed(req_id, exc)
         if isinstance(out, Deferred):
@@ -395,14 +395,15 @@ class DataFrontend:
         header: memoryview,
         peer: _Peer,
         owner: str,
-        frames: Sequence[PayloadFrame],
+        frames: _Frames,
+        who: Principal,
     ) -> _Answer:
         """A large request: decoded and validated on a thread, carried out on the loop."""
         try:
             obj = await asyncio.to_thread(wire.unpack_header, header)
             req_id = wire.request_id_of(obj)
             req = await asyncio.to_thread(wire.parse_request, obj)
-            out = self._carry_out(req, peer, owner, frames)
+            out = self._carry_out(req, peer, owner, frames, who)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -411,23 +412,22 @@ class DataFrontend:
             return await _finish(req_id, out)
         return _Answer(req_id, out)
 
-    def _remember(self, peer: bytes) -> None:
-        """Note an authenticated ROUTER connection (the oldest is forgotten past the bound)."""
+    def _remember(self, peer: bytes, who: Principal) -> None:
+        """Note who a ROUTER connection is (the oldest is forgotten past the bound)."""
         known = self._authenticated
-        if peer not in known:
-            if len(known) >= MAX_AUTHENTICATED_PEERS:
-                del known[next(iter(known))]
-            known[peer] = None
+        if peer not in known and len(known) >= MAX_AUTHENTICATED_PEERS:
+            del known[next(iter(known))]
+        known[peer] = who
 
     def _carry_out(
-        self, req: wire.Request, peer: _Peer, owner: str, frames: Sequence[PayloadFrame]
+        self, req: wire.Request, peer: _Peer, owner: str, frames: _Frames, who: Principal
     ) -> Result | Deferred:
         if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
             raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
-        client = req.client or owner
+        client = who.owner(req.client or owner)
         if isinstance(peer, LocalConnection):
             self._local_clients.setdefault(peer, set()).add(client)
-        return self._ops.handle(req.op, OpCall(req.args, frames[1:], client))
+        return self._ops.handle(req.op, OpCall(req.args, frames[1:], client, who))
 
     def _local_closed(self, conn: LocalConnection) -> None:
         """A local-channel client is gone: release its reservations and pins now, rather
