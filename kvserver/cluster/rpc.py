@@ -152,6 +152,7 @@ def call_score_hosts(
     *,
     keys: Sequence[bytes] | None = None,
     token_ids: Sequence[int] | None = None,
+    cache_salt: str | None = None,
     candidate_hosts: Sequence[str] = (),
     tier_weights: dict[str, float] | None = None,
     exact: bool = False,
@@ -171,6 +172,7 @@ def call_score_hosts(
         req.keys.SetInParent()
     else:
         req.tokens.token_ids.extend(token_ids or ())
+        req.tokens.cache_salt = cache_salt or ""
     reply = client._call("ScoreHosts", req, pb.ScoreHostsResponse, timeout)
     return [
         ScoredHost(
