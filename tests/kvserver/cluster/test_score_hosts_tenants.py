@@ -64,9 +64,8 @@ def test_score_hosts_is_limited_to_the_tenants_namespaces(
                 timeout=10.0,
             )
             assert call_score_hosts(router, ns, token_ids=prompt, cache_salt="any")
-        with GrpcClient(d.grpc_address, auth_token=TOKEN_B) as b:
-            with pytest.raises(PermissionDenied):
-                call_score_hosts(b, ns, keys=keys)
+        with GrpcClient(d.grpc_address, auth_token=TOKEN_B) as b, pytest.raises(PermissionDenied):
+            call_score_hosts(b, ns, keys=keys)
         with GrpcClient(d.grpc_address, auth_token=TOKEN_A) as ga:
             assert [h.hit_chunks for h in call_score_hosts(ga, ns, keys=keys)] == [3]
             assert call_score_hosts(ga, ns, token_ids=prompt, cache_salt="salt-a")
