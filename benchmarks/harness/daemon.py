@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness.proc import Proc as Proc
+from benchmarks.harness.proc import wait_for_ready_file as wait_for_ready_file
 
 READY_TIMEOUT_S = 30.0
 
 
-@dataclass
-class DaemonProc:
-    proc: subprocess.Popen[bytes]
-    info: dict[str, Any]
-    log_path: Path
-    args: list[str] = field(default_factory=list)
+class DaemonProc(Proc):
+    """A started daemon: its addresses from its ready file (``info``)."""
 
     @property
     def grpc_address(self) -> str:
@@ -48,31 +45,6 @@ class DaemonProc:
         from kvserver.token_file import TokenFile
 
         return TokenFile(self.zmq_address).token()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def wait_for_ready_file(ready: Path, proc: subprocess.Popen[bytes], deadline: float) -> None:
-    """Poll for ``ready`` until ``deadline`` (monotonic); RuntimeError if ``proc`` exits first or
-    the deadline passes. The caller adds its log and cleans up."""
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError("not ready before the deadline")
-        time.sleep(0.02)  # polling for the ready file, bounded by the deadline above
 
 
 def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> DaemonProc:

@@ -3,43 +3,21 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from benchmarks.harness.daemon import wait_for_ready_file
+from benchmarks.harness.proc import Proc as Proc
+from benchmarks.harness.proc import wait_for_ready_file as wait_for_ready_file
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver._proto.kvserver.v1 import engine_pb2_grpc
 
 READY_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Proc:
-    proc: subprocess.Popen[bytes]
-    info: dict[str, Any]
-    log_path: Path
-    args: list[str] = field(default_factory=list)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
