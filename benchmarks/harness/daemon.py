@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.proc import READY_TIMEOUT_S as READY_TIMEOUT_S
 from benchmarks.harness.proc import Proc as Proc
+from benchmarks.harness.proc import start_process
 from benchmarks.harness.proc import wait_for_ready_file as wait_for_ready_file
-
-READY_TIMEOUT_S = 30.0
 
 
 class DaemonProc(Proc):
@@ -72,16 +70,7 @@ def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None)
         *extra,
     ]
     full_env = {**os.environ, **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    try:
-        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
-    except RuntimeError as exc:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        raise RuntimeError(f"daemon {exc}:\n{log_path.read_text()}") from None
-    info = json.loads(ready.read_text())
+    proc, info = start_process(args, ready, log_path, name="daemon", env=full_env)
     return DaemonProc(proc, info, log_path, args)
 
 

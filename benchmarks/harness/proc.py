@@ -3,12 +3,15 @@ ready file (each process writes one, atomically, once it serves)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+READY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -45,3 +48,26 @@ def wait_for_ready_file(ready: Path, proc: subprocess.Popen[bytes], deadline: fl
         if time.monotonic() > deadline:
             raise RuntimeError("not ready before the deadline")
         time.sleep(0.02)  # polling for the ready file, bounded by the deadline above
+
+
+def start_process(
+    args: list[str],
+    ready: Path,
+    log_path: Path,
+    *,
+    name: str,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start ``args`` (output to ``log_path``) and wait up to READY_TIMEOUT_S for its ready
+    file; returns the process and the ready file's content. RuntimeError, naming ``name`` and
+    carrying the log, if it exits first or is not ready in time (it is killed then)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
+    except RuntimeError as exc:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        raise RuntimeError(f"{name} {exc}:\n{log_path.read_text()}") from None
+    return proc, json.loads(ready.read_text())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -12,25 +10,17 @@ from typing import Any
 
 import grpc
 
+from benchmarks.harness.proc import READY_TIMEOUT_S as READY_TIMEOUT_S
 from benchmarks.harness.proc import Proc as Proc
+from benchmarks.harness.proc import start_process
 from benchmarks.harness.proc import wait_for_ready_file as wait_for_ready_file
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver._proto.kvserver.v1 import engine_pb2_grpc
 
-READY_TIMEOUT_S = 30.0
-
 
 def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
-    except RuntimeError as exc:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        raise RuntimeError(f"{args[2:4]} {exc}:\n{log_path.read_text()}") from None
-    return Proc(proc, json.loads(ready.read_text()), log_path, args)
+    proc, info = start_process(args, ready, log_path, name=str(args[2:4]))
+    return Proc(proc, info, log_path, args)
 
 
 def start_worker(tmp_path: Path, name: str, bind: str = "tcp://127.0.0.1:0") -> Proc:
