@@ -20,7 +20,8 @@ import zmq
 from kvserver import wire
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.client import KVClient
-from kvserver.errors import PermissionDenied
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import InvalidArgument, PermissionDenied
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec
@@ -328,3 +329,20 @@ def test_a_malformed_tenants_section_stops_start_up(
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "tenant" in proc.stderr
+
+
+def test_tenants_come_from_the_config_file_only_and_need_auth(tmp_path: Path) -> None:
+    """KVSERVER_TENANTS (a string) is refused, as are tenants with no_auth or a tenant whose
+    token is the admin's: each a clear InvalidArgument before anything starts."""
+    config = write_config(
+        tmp_path, f'[[tenants]]\nname = "x"\ntoken = "{TOKEN_A}"\nmodels = ["m"]\n'
+    )
+    loaded = DaemonConfig.load(config_file=str(config), env={})
+    assert [(t.name, t.models, t.read_only) for t in loaded.tenants] == [("x", ("m",), False)]
+    assert TOKEN_A not in repr(loaded)
+    with pytest.raises(InvalidArgument, match="config file"):
+        DaemonConfig.load(env={"KVSERVER_TENANTS": "x"})
+    with pytest.raises(InvalidArgument, match="no_auth"):
+        DaemonConfig.load(config_file=str(config), env={}, overrides={"no_auth": True})
+    with pytest.raises(InvalidArgument, match="admin"):
+        DaemonConfig.load(config_file=str(config), env={}, overrides={"auth_token": TOKEN_A})
