@@ -58,7 +58,7 @@ from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
-from kvserver.token_file import remove_token_files, write_token_files
+from kvserver.token_file import remove_token_files, token_path, write_token_files
 
 logger = logging.getLogger("kvserver.daemon")
 
@@ -123,6 +123,8 @@ async def serve(
         grpc_port = await grpc_front.start()
         if token:
             token_files = write_token_files(token, {data_port, grpc_port}, config.shm_dir)
+        else:  # a file left for these ports by a daemon that was SIGKILLed is stale now
+            remove_token_files(token_path(p, config.shm_dir) for p in {data_port, grpc_port})
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
         collector = DaemonCollector(service, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)

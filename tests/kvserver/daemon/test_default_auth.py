@@ -74,3 +74,18 @@ def test_no_auth_opts_out(tmp_path: Path) -> None:
         assert raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {})).ok
     finally:
         assert d.terminate() == 0
+
+
+def test_no_auth_removes_a_token_file_left_for_its_port(tmp_path: Path) -> None:
+    """A daemon SIGKILLed on a port leaves its token file; a --no-auth daemon that gets the
+    same port removes it (else same-user clients would send a stale token)."""
+    killed = start_daemon(tmp_path / "killed")
+    port = killed.info["zmq_port"]
+    killed.kill()
+    assert Path(token_path(port)).exists()
+    d = start_daemon(tmp_path / "open", "--no-auth", "--zmq-port", str(port))
+    try:
+        assert not Path(token_path(port)).exists()
+        assert raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {})).ok
+    finally:
+        assert d.terminate() == 0
