@@ -8,12 +8,7 @@ prefix from kvserver, and the generated tokens are those of a run with every cac
 
 from __future__ import annotations
 
-import json
 import random
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,50 +17,14 @@ import torch
 from kvserver.client import KVClient
 from kvserver.hashing import BlockHasher
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
-from tests.support.daemon import start_daemon, wait_for_ready_file
+from tests.support.cluster import start_tp_workers
+from tests.support.daemon import start_daemon
 
 pytestmark = pytest.mark.multiprocess
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 10  # 9 usable blocks (144 tokens): one conversation's turn evicts the other's
 TURNS, FIRST, USER, MAX_TOKENS = 3, 48, 24, 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_workers(tmp_path: Path, daemon_zmq: str, world: int = 2) -> list[Proc]:
-    model_file = tmp_path / "model.safetensors"
-    dist_init = f"tcp://127.0.0.1:{_free_port()}"
-    pending = []
-    for rank in range(world):
-        ready = tmp_path / f"worker{rank}.ready"
-        log_path = tmp_path / f"worker{rank}.log"
-        args = [
-            sys.executable, "-m", "kvserver.cli", "worker",
-            "--rank", str(rank), "--world-size", str(world),
-            "--listen", "tcp://127.0.0.1:0", "--dist-init", dist_init,
-            "--model-file", str(model_file), "--write-random-model-seed", "7",
-            "--device", "cpu", "--kvserver", daemon_zmq, "--chunk-blocks", "1",
-            "--ready-file", str(ready),
-        ]  # fmt: skip
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        pending.append((proc, ready, log_path, args))
-    procs: list[Proc] = []
-    deadline = time.monotonic() + 60
-    for proc, ready, log_path, args in pending:
-        try:
-            wait_for_ready_file(ready, proc, deadline)
-        except RuntimeError as exc:
-            for p, *_ in pending:
-                p.kill()
-            raise RuntimeError(f"worker did not start ({exc}):\n{log_path.read_text()}") from None
-        procs.append(Proc(proc, json.loads(ready.read_text()), log_path, args))
-    return procs
 
 
 def _conversations(n: int) -> list[list[int]]:
@@ -99,7 +58,7 @@ def test_multi_turn_conversations_load_their_prefix_from_kvserver(tmp_path: Path
     daemon = start_daemon(tmp_path / "daemon", "--dram", "16MiB")
     workers: list[Proc] = []
     try:
-        workers = _start_workers(tmp_path, daemon.zmq_address)
+        workers = start_tp_workers(tmp_path, daemon.zmq_address)
         addrs = ",".join(w.info["endpoint"] for w in workers)
         common = ["--workers", addrs, "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
                   "--block-size", str(BLOCK_SIZE), "--model", "tiny-e2e"]  # fmt: skip
@@ -180,7 +139,7 @@ def test_loaded_kv_bytes_equal_what_the_model_computes(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path / "daemon", "--dram", "16MiB")
     workers: list[Proc] = []
     try:
-        workers = _start_workers(tmp_path, daemon.zmq_address)
+        workers = start_tp_workers(tmp_path, daemon.zmq_address)
         addrs = ",".join(w.info["endpoint"] for w in workers)
         on = start_scheduler(
             tmp_path, "--workers", addrs, "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
