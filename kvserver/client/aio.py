@@ -1,10 +1,13 @@
-"""The asyncio kvserver client (workers and schedulers that run an event loop).
+"""The asyncio kvserver client (workers, schedulers and the daemon's peer fetches).
 
 Runs in any client process, on the loop where it is first used (zmq.asyncio; uvloop works).
-Calls may be awaited concurrently from several tasks of that loop: exchanges on the one DEALER
-socket are serialised by a lock (use several clients for parallel transfers). Same operations,
-timeouts and session renewal as :class:`~kvserver.client.sync.KVClient`; the arena helpers
-(``write``/``read``/``readinto``) are plain memcpy and stay synchronous.
+Calls may be awaited concurrently from several tasks of that loop; they are pipelined: each is
+sent at once and its reply matched by request id (:mod:`kvserver.client.aio_transport`), and
+the daemon applies them in the order they were sent. The operations, their signatures and the
+session behaviour (timeouts, renewal after a restart, shared memory and the local channel when
+co-located) are those of :class:`~kvserver.client.sync.KVClient`, defined once in
+:mod:`kvserver.client.ops`; the arena helpers (``write``/``read``/``readinto``) are plain
+memcpy and stay synchronous.
 
 Usage::
 
@@ -12,43 +15,60 @@ Usage::
         ns = await kv.register_namespace(spec)
         await kv.store(ns.ns_id, keys, parts)
         parts = await kv.load(ns.ns_id, keys)
+
+Pipelining without tasks: ``p = await kv.submit_prepare_store(...)`` returns once the request
+is sent, with an :class:`asyncio.Task` for its value (``await p``; ``p.cancel()`` forgets the
+reply, the daemon still carries the request out).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine
+from functools import wraps
+from typing import Any, Concatenate, ParamSpec
 
-import zmq
-import zmq.asyncio
-
-from kvserver import wire
-from kvserver.allocator import Extents
-from kvserver.client.common import (
-    DEFAULT_TIMEOUT_S,
-    RECONNECT_IVL_MAX_MS,
-    RECONNECT_IVL_MS,
-    Answer,
-    Call,
-    LookupResult,
-    NamespaceInfo,
-    Proc,
-    PutResult,
-    Session,
-    T,
-)
-from kvserver.client.parts import Parts, readinto_part, write_part
+from kvserver.client import ops
+from kvserver.client.aio_transport import AioSlot, AioTransport
+from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, Session, T
+from kvserver.client.ops import ClientBase
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
-from kvserver.grants import LoadGrant, StoreGrant
-from kvserver.namespace import NamespaceSpec
+
+P = ParamSpec("P")
 
 
-class AsyncKVClient:
+def awaiting(
+    op: Callable[Concatenate[Session, P], Proc[T]],
+) -> Callable[Concatenate[AsyncKVClient, P], Coroutine[Any, Any, T]]:
+    """The coroutine method of operation ``op``: renew the session, drive ``op``."""
+
+    @wraps(op)
+    async def method(self: AsyncKVClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(op(self._s, *args, **kwargs))
+
+    return method
+
+
+def submitting(
+    op: Callable[Concatenate[Session, P], Proc[T]],
+) -> Callable[Concatenate[AsyncKVClient, P], Coroutine[Any, Any, asyncio.Task[T]]]:
+    """The pipelined method of operation ``op``: returns once its first call is sent."""
+
+    @wraps(op)
+    async def method(self: AsyncKVClient, /, *args: P.args, **kwargs: P.kwargs) -> asyncio.Task[T]:
+        return await self._submit(op(self._s, *args, **kwargs))
+
+    method.__doc__ = f":meth:`{op.__name__}`, sent now; a Task for its value."
+    return method
+
+
+class AsyncKVClient(ClientBase):
     """Asyncio client; see the module docstring. ``colocated``: None = auto, False = never
-    use shared memory, True = require it."""
+    use shared memory, True = require it. ``local``: send requests over the daemon's local
+    channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1)."""
+
+    _t: AioTransport
 
     def __init__(
         self,
@@ -59,32 +79,27 @@ class AsyncKVClient:
         auth_token: str = "",
         colocated: bool | None = None,
         curve: CurveClient | None = None,
+        local: bool = True,
     ) -> None:
         self.timeout = timeout
         self._s = Session(
             address, client_id=client_id, auth_token=auth_token, colocated=colocated, curve=curve
         )
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._lock = asyncio.Lock()
+        self._t = AioTransport(self._s, local=local)
         self._renew_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifetime
 
     @property
-    def client_id(self) -> str:
-        return self._s.client_id
-
-    @property
-    def is_colocated(self) -> bool:
-        """True once a hello mapped the daemon's arena (shared-memory data path)."""
-        return self._s.arena is not None
+    def outstanding(self) -> int:
+        """Requests sent whose replies have not come yet (pipelined)."""
+        return self._t.outstanding
 
     async def close(self) -> None:
-        """Close the socket and unmap the arena. Leases are not released (see release())."""
-        async with self._lock:
-            self._drop_socket()
-            self._s.close()
+        """Close the links and unmap the arena. Leases are not released (see release());
+        requests still outstanding fail with Unavailable."""
+        await self._t.close("the client was closed")
+        self._s.close()
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -94,46 +109,18 @@ class AsyncKVClient:
 
     # ------------------------------------------------------------------ driver
 
-    def _drop_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-
-    def _socket(self) -> zmq.asyncio.Socket:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-            if self._s.curve is not None:
-                self._s.curve.apply(sock)
-            sock.connect(self._s.address)
-            self._sock = sock
-        return self._sock
-
     async def _exchange(self, call: Call) -> Answer:
-        async with self._lock:
-            sock = self._socket()
-            req_id, frames = self._s.encode(call)
-            deadline = time.monotonic() + self.timeout
-            try:
-                await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self._drop_socket()
-                raise self._s.timed_out(call, self.timeout) from None
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not await sock.poll(max(1, int(remaining * 1000))):
-                    self._drop_socket()
-                    raise self._s.timed_out(call, self.timeout)
-                answer = self._s.accept(await sock.recv_multipart(copy=False), req_id)
-                if answer is not None:
-                    return answer
+        slot = await self._t.send(call, self.timeout)
+        return await self._t.wait(slot, self.timeout)
 
-    async def _exchange_renewing(self, call: Call) -> Answer:
-        """Exchange; after a daemon restart renew the session, retrying a namespace miss."""
+    async def _exchange_renewing(self, call: Call, sent: AioSlot | None = None) -> Answer:
+        """Exchange (or wait for ``sent``, already sent); after a daemon restart renew the
+        session, retrying a namespace miss and a refused token once."""
         try:
-            answer = await self._exchange(call)
+            if sent is None:
+                answer = await self._exchange(call)
+            else:
+                answer = await self._t.wait(sent, self.timeout)
         except UnknownNamespace:
             spec = self._s.specs.get(call.args.get("ns_id", ""))
             if spec is None:
@@ -158,13 +145,20 @@ class AsyncKVClient:
                 for spec in list(self._s.specs.values()):
                     await self._drive(self._s.register_namespace(spec))
 
-    async def _drive(self, proc: Proc[T], *, renewing: bool = False) -> T:
-        exchange = self._exchange_renewing if renewing else self._exchange
+    async def _drive(
+        self, proc: Proc[T], *, renewing: bool = False, sent: tuple[Call, AioSlot] | None = None
+    ) -> T:
         try:
-            call = next(proc)
+            call = next(proc) if sent is None else sent[0]
             while True:
                 try:
-                    answer = await exchange(call)
+                    if sent is not None:
+                        answer = await self._exchange_renewing(call, sent[1])
+                        sent = None
+                    elif renewing:
+                        answer = await self._exchange_renewing(call)
+                    else:
+                        answer = await self._exchange(call)
                 except KVServerError as exc:
                     call = proc.throw(exc)
                 else:
@@ -176,162 +170,44 @@ class AsyncKVClient:
         await self._renew()
         return await self._drive(proc, renewing=True)
 
-    # ------------------------------------------------------------------ session
-
-    async def hello(self) -> dict[str, Any]:
-        """Handshake (also done implicitly): daemon version, host_id, arena, sid, client id."""
-        self._s.needs_hello = True
+    async def _submit(self, proc: Proc[T]) -> asyncio.Task[T]:
+        """Renew the session if needed, send the first call of ``proc``; a Task for the rest."""
         await self._renew()
-        return dict(self._s.server)
+        call = next(proc)
+        try:
+            slot = await self._t.send(call, self.timeout)
+        except BaseException:
+            proc.close()
+            raise
+        return asyncio.ensure_future(self._drive(proc, renewing=True, sent=(call, slot)))
 
-    async def register_namespace(self, spec: NamespaceSpec) -> NamespaceInfo:
-        """Register ``spec`` (idempotent); re-registered automatically after a restart."""
-        return await self._run(self._s.register_namespace(spec))
+    # ------------------------------------------------------------------ operations
+    # defined once in kvserver/client/ops.py (signatures, defaults, contracts)
 
-    async def namespaces(self) -> list[NamespaceSpec]:
-        return await self._run(self._s.namespaces())
+    hello = awaiting(ops.hello)
+    register_namespace = awaiting(ops.register_namespace)
+    namespaces = awaiting(ops.namespaces)
+    stats = awaiting(ops.stats)
+    release = awaiting(ops.release)
+    lookup = awaiting(ops.lookup)
+    lookup_tokens = awaiting(ops.lookup_tokens)
+    touch = awaiting(ops.touch)
+    pin = awaiting(ops.pin)
+    unpin = awaiting(ops.unpin)
+    prepare_store = awaiting(ops.prepare_store)
+    complete_store = awaiting(ops.complete_store)
+    prepare_load = awaiting(ops.prepare_load)
+    complete_load = awaiting(ops.complete_load)
+    put = awaiting(ops.put)
+    get = awaiting(ops.get)
+    write_parts = awaiting(ops.write_parts)
+    read_parts = awaiting(ops.read_parts)
+    store = awaiting(ops.store)
+    load = awaiting(ops.load)
 
-    async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._run(self._s.simple(wire.STATS, {}))
-        return result
-
-    async def release(self) -> int:
-        """Roll back every reservation and release every pin held by this client id."""
-        return int(await self._run(self._s.simple(wire.RELEASE, {}, "released")))
-
-    # ------------------------------------------------------------------ queries
-
-    async def lookup(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        *,
-        record: bool = False,
-        touch: bool = False,
-        local: bool = False,
-    ) -> LookupResult:
-        """Length of the leading run of ready ``keys`` (``record``: count for reuse gating;
-        ``local``: in the daemon's own tiers only, not counting what its peers hold)."""
-        return await self._run(self._s.lookup(ns_id, keys, record, touch, local))
-
-    async def lookup_tokens(
-        self,
-        ns_id: str,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora: tuple[str, str] | None = None,
-    ) -> LookupResult:
-        """Lookup by token ids; the daemon hashes them as a vLLM replica would."""
-        return await self._run(self._s.lookup_tokens(ns_id, token_ids, cache_salt, lora))
-
-    async def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:
-        await self._run(self._s.simple(wire.TOUCH, {"ns_id": ns_id, "keys": list(keys)}))
-
-    async def pin(self, ns_id: str, keys: Sequence[bytes], ttl_s: float) -> int:
-        """Keep ready ``keys`` from eviction for ``ttl_s``; returns how many were pinned."""
-        args = {"ns_id": ns_id, "keys": list(keys), "ttl_s": ttl_s}
-        return int(await self._run(self._s.simple(wire.PIN, args, "count")))
-
-    async def unpin(self, ns_id: str, keys: Sequence[bytes]) -> int:
-        args = {"ns_id": ns_id, "keys": list(keys)}
-        return int(await self._run(self._s.simple(wire.UNPIN, args, "count")))
-
-    # ------------------------------------------------------------------ leases (co-located)
-
-    async def prepare_store(
-        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
-    ) -> StoreGrant | None:
-        """Reserve the new keys; None if the cache cannot make room. Complete before
-        ``grant.deadline`` (this process's monotonic clock) or it is rolled back."""
-        return await self._run(self._s.prepare_store(ns_id, keys, lease_s))
-
-    async def complete_store(
-        self,
-        lease_id: int,
-        *,
-        success: bool = True,
-        ranks: Sequence[int] | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> list[bytes]:
-        """Mark parts written (or roll back); returns the keys that became ready."""
-        args = {
-            "lease_id": lease_id,
-            "success": success,
-            "ranks": None if ranks is None else list(ranks),
-            "keys": None if keys is None else list(keys),
-        }
-        return list(await self._run(self._s.simple(wire.COMPLETE_STORE, args, "ready")))
-
-    async def prepare_load(
-        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
-    ) -> LoadGrant:
-        """Pin ``keys`` (all must be ready); pinned until complete_load or the deadline."""
-        return await self._run(self._s.prepare_load(ns_id, keys, lease_s))
-
-    async def complete_load(self, lease_id: int) -> None:
-        await self._run(self._s.simple(wire.COMPLETE_LOAD, {"lease_id": lease_id}))
-
-    def write(self, extents: Extents, data: Any) -> None:
-        """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
-        write_part(self._s.mapped(), extents, data)
-
-    def read(self, extents: Extents) -> bytes:
-        """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents."""
-        return self._s.mapped().read(extents)
-
-    def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
-        readinto_part(self._s.mapped(), extents, out)
-
-    # ------------------------------------------------------------------ payload frames
-
-    async def put(
-        self, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
-    ) -> PutResult:
-        """Store whole entries in one round trip (``parts[i]``: a buffer, or one per rank)."""
-        return await self._run(self._s.put(ns_id, keys, parts, lease_s))
-
-    async def get(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        *,
-        ranks: Sequence[int] | None = None,
-        leading: bool = False,
-    ) -> list[list[memoryview]]:
-        """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
-        ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
-        does not ask its peers); the result may then be shorter than ``keys``."""
-        return await self._run(self._s.get(ns_id, keys, ranks, leading))
-
-    async def write_parts(
-        self,
-        lease_id: int,
-        keys: Sequence[bytes],
-        rank: int,
-        parts: Sequence[Any],
-        *,
-        complete: bool = True,
-    ) -> list[bytes]:
-        """Write one rank's parts into a store lease (TP by rank); returns keys made ready."""
-        return await self._run(self._s.write_parts(lease_id, keys, rank, parts, complete))
-
-    async def read_parts(
-        self, ns_id: str, lease_id: int, keys: Sequence[bytes], rank: int
-    ) -> list[memoryview]:
-        """One rank's parts of keys pinned by load lease ``lease_id`` (TP by rank)."""
-        return await self._run(self._s.read_parts(ns_id, lease_id, keys, rank))
-
-    # ------------------------------------------------------------------ either path
-
-    async def store(
-        self, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
-    ) -> list[bytes]:
-        """Store whole entries through shared memory when co-located, else as frames."""
-        return await self._run(self._s.store(ns_id, keys, parts, lease_s))
-
-    async def load(
-        self, ns_id: str, keys: Sequence[bytes], *, ranks: Sequence[int] | None = None
-    ) -> list[list[memoryview]]:
-        """Load ready entries through shared memory when co-located, else as frames."""
-        return await self._run(self._s.load(ns_id, keys, ranks))
+    # pipelined: sent now, collected later (a Task)
+    submit_lookup = submitting(ops.lookup)
+    submit_prepare_store = submitting(ops.prepare_store)
+    submit_complete_store = submitting(ops.complete_store)
+    submit_prepare_load = submitting(ops.prepare_load)
+    submit_complete_load = submitting(ops.complete_load)

@@ -27,38 +27,54 @@ still outstanding on it with ``Unavailable`` (see :mod:`kvserver.client.pending`
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
+from functools import wraps
+from typing import Concatenate, ParamSpec
 
-from kvserver import wire
-from kvserver.allocator import Extents
-from kvserver.client.common import (
-    DEFAULT_TIMEOUT_S,
-    Answer,
-    Call,
-    LookupResult,
-    NamespaceInfo,
-    Proc,
-    PutResult,
-    Session,
-    T,
-)
-from kvserver.client.parts import Parts, readinto_part, write_part
+from kvserver.client import ops
+from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, Session, T
+from kvserver.client.ops import ClientBase
 from kvserver.client.pending import Pending
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
-from kvserver.grants import LoadGrant, StoreGrant
-from kvserver.namespace import NamespaceSpec
+
+P = ParamSpec("P")
 
 logger = logging.getLogger(__name__)
 
 
-class KVClient:
+def blocking(
+    op: Callable[Concatenate[Session, P], Proc[T]],
+) -> Callable[Concatenate[KVClient, P], T]:
+    """The blocking method of operation ``op``: renew the session, drive ``op`` to its value."""
+
+    @wraps(op)
+    def method(self: KVClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(op(self._s, *args, **kwargs))
+
+    return method
+
+
+def submitting(
+    op: Callable[Concatenate[Session, P], Proc[T]],
+) -> Callable[Concatenate[KVClient, P], Pending[T]]:
+    """The pipelined method of operation ``op``: send its first call now; a Pending."""
+
+    @wraps(op)
+    def method(self: KVClient, /, *args: P.args, **kwargs: P.kwargs) -> Pending[T]:
+        return self._submit(op(self._s, *args, **kwargs))
+
+    method.__doc__ = f":meth:`{op.__name__}`, sent without waiting for the reply."
+    return method
+
+
+class KVClient(ClientBase):
     """Blocking client; see the module docstring. ``colocated``: None = auto, False = never
     use shared memory, True = require it. ``local``: send requests over the daemon's local
     channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1)."""
+
+    _t: Transport
 
     def __init__(
         self,
@@ -78,26 +94,6 @@ class KVClient:
         self._t = Transport(self._s, local=local)
 
     # ------------------------------------------------------------------ lifetime
-
-    @property
-    def client_id(self) -> str:
-        return self._s.client_id
-
-    @property
-    def is_colocated(self) -> bool:
-        """True once a hello mapped the daemon's arena (shared-memory data path)."""
-        return self._s.arena is not None
-
-    @property
-    def is_local(self) -> bool:
-        """True while requests go over the daemon's local channel (a Unix socket) rather
-        than ZMQ: co-located, the daemon announced one, and it could be connected."""
-        return self._t.is_local
-
-    @property
-    def sent_by_op(self) -> Counter[str]:
-        """Requests sent on the wire, by op (session renewals and retries included)."""
-        return self._t.sent_by_op
 
     def close(self) -> None:
         """Close the socket and unmap the arena. Leases are not released (see release());
@@ -221,194 +217,33 @@ class KVClient:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
-    # ------------------------------------------------------------------ session
+    # ------------------------------------------------------------------ operations
+    # defined once in kvserver/client/ops.py (signatures, defaults, contracts)
 
-    def hello(self) -> dict[str, Any]:
-        """Handshake (also done implicitly): daemon version, host_id, arena, sid, client id."""
-        self._s.needs_hello = True
-        self._renew()
-        return dict(self._s.server)
+    hello = blocking(ops.hello)
+    register_namespace = blocking(ops.register_namespace)
+    namespaces = blocking(ops.namespaces)
+    stats = blocking(ops.stats)
+    release = blocking(ops.release)
+    lookup = blocking(ops.lookup)
+    lookup_tokens = blocking(ops.lookup_tokens)
+    touch = blocking(ops.touch)
+    pin = blocking(ops.pin)
+    unpin = blocking(ops.unpin)
+    prepare_store = blocking(ops.prepare_store)
+    complete_store = blocking(ops.complete_store)
+    prepare_load = blocking(ops.prepare_load)
+    complete_load = blocking(ops.complete_load)
+    put = blocking(ops.put)
+    get = blocking(ops.get)
+    write_parts = blocking(ops.write_parts)
+    read_parts = blocking(ops.read_parts)
+    store = blocking(ops.store)
+    load = blocking(ops.load)
 
-    def register_namespace(self, spec: NamespaceSpec) -> NamespaceInfo:
-        """Register ``spec`` (idempotent); re-registered automatically after a restart."""
-        return self._run(self._s.register_namespace(spec))
-
-    def namespaces(self) -> list[NamespaceSpec]:
-        return self._run(self._s.namespaces())
-
-    def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._run(self._s.simple(wire.STATS, {}))
-        return result
-
-    def release(self) -> int:
-        """Roll back every reservation and release every pin held by this client id."""
-        return int(self._run(self._s.simple(wire.RELEASE, {}, "released")))
-
-    # ------------------------------------------------------------------ queries
-
-    def lookup(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        *,
-        record: bool = False,
-        touch: bool = False,
-        local: bool = False,
-    ) -> LookupResult:
-        """Length of the leading run of ready ``keys`` (``record``: count for reuse gating;
-        ``local``: in the daemon's own tiers only, not counting what its peers hold)."""
-        return self._run(self._s.lookup(ns_id, keys, record, touch, local))
-
-    def lookup_tokens(
-        self,
-        ns_id: str,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora: tuple[str, str] | None = None,
-    ) -> LookupResult:
-        """Lookup by token ids; the daemon hashes them as a vLLM replica would."""
-        return self._run(self._s.lookup_tokens(ns_id, token_ids, cache_salt, lora))
-
-    def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:
-        self._run(self._s.simple(wire.TOUCH, {"ns_id": ns_id, "keys": list(keys)}))
-
-    def pin(self, ns_id: str, keys: Sequence[bytes], ttl_s: float) -> int:
-        """Keep ready ``keys`` from eviction for ``ttl_s``; returns how many were pinned."""
-        args = {"ns_id": ns_id, "keys": list(keys), "ttl_s": ttl_s}
-        return int(self._run(self._s.simple(wire.PIN, args, "count")))
-
-    def unpin(self, ns_id: str, keys: Sequence[bytes]) -> int:
-        args = {"ns_id": ns_id, "keys": list(keys)}
-        return int(self._run(self._s.simple(wire.UNPIN, args, "count")))
-
-    # ------------------------------------------------------------------ leases (co-located)
-
-    def prepare_store(
-        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
-    ) -> StoreGrant | None:
-        """Reserve the new keys; None if the cache cannot make room. Complete before
-        ``grant.deadline`` (this process's monotonic clock) or it is rolled back."""
-        return self._run(self._s.prepare_store(ns_id, keys, lease_s))
-
-    def complete_store(
-        self,
-        lease_id: int,
-        *,
-        success: bool = True,
-        ranks: Sequence[int] | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> list[bytes]:
-        """Mark parts written (or roll back); returns the keys that became ready."""
-        return self._run(self._s.complete_store(lease_id, success, ranks, keys))
-
-    def prepare_load(
-        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
-    ) -> LoadGrant:
-        """Pin ``keys`` (all must be ready); pinned until complete_load or the deadline."""
-        return self._run(self._s.prepare_load(ns_id, keys, lease_s))
-
-    def complete_load(self, lease_id: int) -> None:
-        """Release the pins of load lease ``lease_id``."""
-        self._run(self._s.complete_load(lease_id))
-
-    def write(self, extents: Extents, data: Any) -> None:
-        """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
-        write_part(self._s.mapped(), extents, data)
-
-    def read(self, extents: Extents) -> bytes:
-        """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents."""
-        return self._s.mapped().read(extents)
-
-    def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
-        readinto_part(self._s.mapped(), extents, out)
-
-    # ------------------------------------------------------------------ payload frames
-
-    def put(
-        self, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
-    ) -> PutResult:
-        """Store whole entries in one round trip (``parts[i]``: a buffer, or one per rank)."""
-        return self._run(self._s.put(ns_id, keys, parts, lease_s))
-
-    def get(
-        self,
-        ns_id: str,
-        keys: Sequence[bytes],
-        *,
-        ranks: Sequence[int] | None = None,
-        leading: bool = False,
-    ) -> list[list[memoryview]]:
-        """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
-        ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
-        does not ask its peers); the result may then be shorter than ``keys``."""
-        return self._run(self._s.get(ns_id, keys, ranks, leading))
-
-    def write_parts(
-        self,
-        lease_id: int,
-        keys: Sequence[bytes],
-        rank: int,
-        parts: Sequence[Any],
-        *,
-        complete: bool = True,
-    ) -> list[bytes]:
-        """Write one rank's parts into a store lease (TP by rank); returns keys made ready."""
-        return self._run(self._s.write_parts(lease_id, keys, rank, parts, complete))
-
-    def read_parts(
-        self, ns_id: str, lease_id: int, keys: Sequence[bytes], rank: int
-    ) -> list[memoryview]:
-        """One rank's parts of keys pinned by load lease ``lease_id`` (TP by rank)."""
-        return self._run(self._s.read_parts(ns_id, lease_id, keys, rank))
-
-    # ------------------------------------------------------------------ either path
-
-    def store(
-        self, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
-    ) -> list[bytes]:
-        """Store whole entries through shared memory when co-located, else as frames."""
-        return self._run(self._s.store(ns_id, keys, parts, lease_s))
-
-    def load(
-        self, ns_id: str, keys: Sequence[bytes], *, ranks: Sequence[int] | None = None
-    ) -> list[list[memoryview]]:
-        """Load ready entries through shared memory when co-located, else as frames."""
-        return self._run(self._s.load(ns_id, keys, ranks))
-
-    # ------------------------------------------------------------------ pipelined (no wait)
-
-    def submit_lookup(
-        self, ns_id: str, keys: Sequence[bytes], *, record: bool = False, touch: bool = False
-    ) -> Pending[LookupResult]:
-        """:meth:`lookup`, sent without waiting for the reply."""
-        return self._submit(self._s.lookup(ns_id, keys, record, touch))
-
-    def submit_prepare_store(
-        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
-    ) -> Pending[StoreGrant | None]:
-        """:meth:`prepare_store`, sent without waiting. The grant's deadline counts from the
-        send, so a reply collected late still leaves the caller on the safe side."""
-        return self._submit(self._s.prepare_store(ns_id, keys, lease_s))
-
-    def submit_complete_store(
-        self,
-        lease_id: int,
-        *,
-        success: bool = True,
-        ranks: Sequence[int] | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> Pending[list[bytes]]:
-        """:meth:`complete_store`, sent without waiting. The daemon applies requests in
-        arrival order, so a later call of this client already sees the chunks ready."""
-        return self._submit(self._s.complete_store(lease_id, success, ranks, keys))
-
-    def submit_prepare_load(
-        self, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
-    ) -> Pending[LoadGrant]:
-        """:meth:`prepare_load`, sent without waiting (deadline from the send)."""
-        return self._submit(self._s.prepare_load(ns_id, keys, lease_s))
-
-    def submit_complete_load(self, lease_id: int) -> Pending[None]:
-        """:meth:`complete_load`, sent without waiting."""
-        return self._submit(self._s.complete_load(lease_id))
+    # pipelined: sent now, collected later (Pending)
+    submit_lookup = submitting(ops.lookup)
+    submit_prepare_store = submitting(ops.prepare_store)
+    submit_complete_store = submitting(ops.complete_store)
+    submit_prepare_load = submitting(ops.prepare_load)
+    submit_complete_load = submitting(ops.complete_load)

@@ -1,0 +1,246 @@
+"""Where the asyncio client's requests go, and where its replies are matched to them.
+
+Runs in client processes, on the event loop that owns the
+:class:`~kvserver.client.AsyncKVClient`; not thread-safe. The asyncio twin of
+:mod:`kvserver.client.transport`, with the same rules: the links are the ZMQ DEALER and, when
+co-located, the daemon's local channel (a Unix socket, framed by :mod:`kvserver.wire_local`);
+the local channel is connected only while nothing is outstanding, so every outstanding request
+is on the one active link; replies are matched to requests by id (id 0: the oldest), so any
+number of requests may be in flight (pipelining: concurrent tasks, or ``submit_*``).
+
+Call order: ``await send(call, timeout)`` → its :class:`AioSlot` → ``await wait(slot,
+timeout)``; ``drop(why)`` closes both links and fails everything outstanding. One reader task
+per link routes every reply to its slot's future. A timeout replaces both links (every request
+outstanding fails with Unavailable); a failed local channel fails what is outstanding on it,
+and a request that could not be written to it goes to the DEALER instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvserver import wire_local
+from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Answer, Call, Session
+from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class AioSlot:
+    """One request outstanding; its future gets the Answer or the typed error."""
+
+    call: Call
+    future: asyncio.Future[Answer]
+    sent_at: float = field(default_factory=time.monotonic)
+    #: nobody waits for it any more: the reply is dropped when it comes.
+    cancelled: bool = False
+
+
+class AioLocalLink:
+    """One connection to the daemon's local channel (asyncio streams)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def connect(cls, path: str, timeout: float) -> AioLocalLink:
+        """Raises OSError (no daemon there, no permission, timeout)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        return cls(reader, writer)
+
+    async def send(self, frames: Sequence[Any], timeout: float) -> None:
+        self._writer.writelines(wire_local.encode(frames))
+        await asyncio.wait_for(self._writer.drain(), max(timeout, 1e-3))
+
+    async def recv(self) -> list[memoryview]:
+        """One whole message. Raises OSError (EOF included)."""
+        try:
+            head = await self._reader.readexactly(wire_local.SIZE.size)
+            (size,) = wire_local.SIZE.unpack(head)
+            body = await self._reader.readexactly(size)
+        except asyncio.IncompleteReadError:
+            raise ConnectionResetError("the daemon closed the local channel") from None
+        try:
+            return wire_local.decode(memoryview(body))
+        except InvalidArgument as exc:
+            raise ConnectionResetError(f"unreadable local message: {exc}") from None
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class AioTransport:
+    """The links and outstanding requests of one asyncio client; see the module docstring."""
+
+    def __init__(self, session: Session, *, local: bool) -> None:
+        self._s = session
+        self._ctx = zmq.asyncio.Context.instance()
+        self._zmq: zmq.asyncio.Socket | None = None
+        self._local: AioLocalLink | None = None
+        self._use_local = local
+        self._local_refused: str | None = None
+        self._slots: dict[int, AioSlot] = {}
+        self._readers: dict[object, asyncio.Task[None]] = {}
+        self._send_lock = asyncio.Lock()
+        #: requests sent on the wire, by op (session renewals and retries included).
+        self.sent_by_op: Counter[str] = Counter()
+
+    @property
+    def is_local(self) -> bool:
+        return self._local is not None
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._slots)
+
+    def drop(self, why: str = "the connection was reset") -> None:
+        """Close both links; every request outstanding fails with Unavailable."""
+        for task in self._readers.values():
+            task.cancel()
+        self._readers.clear()
+        if self._local is not None:
+            self._local.close()
+        if self._zmq is not None:
+            self._zmq.close(linger=0)
+        self._zmq = self._local = None
+        self._fail_outstanding(why)
+
+    async def close(self, why: str) -> None:
+        tasks = list(self._readers.values())
+        self.drop(why)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _fail_outstanding(self, why: str) -> None:
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            if not slot.future.done() and not slot.cancelled:
+                error = Unavailable(f"{why} before a reply from {self._s.address}", op=slot.call.op)
+                slot.future.set_exception(error)
+
+    def _lose_local(self, why: str) -> None:
+        if self._local is not None:
+            self._readers.pop(self._local, None)
+            self._local.close()
+            self._local = None
+        self._fail_outstanding(f"the local channel failed ({why})")
+
+    async def _connect_local(self, timeout: float) -> None:
+        info, s = self._s.server, self._s
+        path = info.get("local_path")
+        if (
+            s.needs_hello
+            or s.arena is None
+            or not isinstance(path, str)
+            or info.get("local_version") != wire_local.LOCAL_VERSION
+            or path == self._local_refused
+        ):
+            return
+        try:
+            self._local = await AioLocalLink.connect(path, timeout)
+        except (TimeoutError, OSError) as exc:
+            logger.info("cannot use the local channel %s (%s); using ZMQ", path, exc)
+            self._local_refused = path
+
+    def _dealer(self) -> zmq.asyncio.Socket:
+        if self._zmq is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            if self._s.curve is not None:
+                self._s.curve.apply(sock)
+            sock.connect(self._s.address)
+            self._zmq = sock
+        return self._zmq
+
+    async def send(self, call: Call, timeout: float) -> AioSlot:
+        """Send ``call`` without waiting for its reply; the reply will land in the slot."""
+        async with self._send_lock:  # requests leave in the order they were sent
+            if self._local is None and self._use_local and not self._slots:
+                await self._connect_local(timeout)
+            req_id, frames = self._s.encode(call)
+            slot = self._slots[req_id] = AioSlot(call, asyncio.get_running_loop().create_future())
+            local = self._local
+            if local is not None:
+                try:
+                    await local.send(frames, timeout)
+                except (TimeoutError, OSError) as exc:
+                    # the daemon closed the channel: as a DEALER would, queue it for the next
+                    self._slots.pop(req_id, None)
+                    self._local_refused = self._s.server.get("local_path")
+                    self._lose_local(str(exc))
+                    self._slots[req_id] = slot
+                    local = None
+            if local is None:
+                try:
+                    self._dealer().send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self._slots.pop(req_id, None)
+                    self.drop()
+                    raise self._s.timed_out(call, timeout) from None
+            self.sent_by_op[call.op] += 1
+            link: object = local if local is not None else self._zmq
+            if link not in self._readers:
+                self._readers[link] = asyncio.ensure_future(self._read_loop(link))
+            return slot
+
+    async def wait(self, slot: AioSlot, timeout: float) -> Answer:
+        """The slot's Answer (or its error), within ``timeout`` seconds; a timeout replaces
+        both links and fails everything outstanding."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot.future), timeout)
+        except TimeoutError:
+            if slot.future.done():
+                return slot.future.result()
+            error = self._s.timed_out(slot.call, timeout)
+            slot.cancelled = True  # its future is never awaited again
+            self.drop(f"an earlier call timed out ({slot.call.op})")
+            raise error from None
+        except asyncio.CancelledError:
+            slot.cancelled = True
+            raise
+
+    async def _read_loop(self, link: object) -> None:
+        while True:
+            try:
+                if isinstance(link, AioLocalLink):
+                    frames: Sequence[Any] = await link.recv()
+                else:
+                    assert isinstance(link, zmq.asyncio.Socket)
+                    frames = await link.recv_multipart(copy=False)
+            except OSError as exc:  # only the local channel fails here
+                if link is self._local:
+                    self._lose_local(str(exc))
+                return
+            self._route(frames)
+
+    def _route(self, frames: Sequence[Any]) -> None:
+        reply = self._s.decode(frames)
+        if reply is None:
+            return
+        req_id = reply.req_id
+        if req_id == 0 and not reply.ok and self._slots:
+            req_id = next(iter(self._slots))  # replies come in request order: the oldest
+        slot = self._slots.pop(req_id, None)
+        if slot is None or slot.cancelled or slot.future.done():
+            logger.debug("discarding stale reply %d", reply.req_id)
+            return
+        outcome = self._s.outcome(reply, frames)
+        if isinstance(outcome, KVServerError):
+            slot.future.set_exception(outcome)
+        else:
+            slot.future.set_result(outcome)

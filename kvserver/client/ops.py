@@ -1,0 +1,242 @@
+"""The client's public operations, defined once for :class:`KVClient` and
+:class:`AsyncKVClient`: their signatures, defaults and contracts, as sans-I/O procedures.
+
+Runs in client processes; imports no sockets. Each function takes the client's
+:class:`~kvserver.client.common.Session` and the public arguments and returns a
+:data:`~kvserver.client.common.Proc` (the calls to exchange, then the value). A client turns
+one into a method with its own driver: ``lookup = blocking(ops.lookup)`` in ``sync.py`` (the
+method returns the value), ``lookup = awaiting(ops.lookup)`` in ``aio.py`` (a coroutine), and
+``submit_lookup = submitting(ops.lookup)`` in both (sent now, collected later). A function is
+called when its method is called, before the driver renews the session; the generator body
+runs after. :class:`ClientBase` holds what is the same in both and needs no I/O (identity,
+the arena helpers).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from kvserver import wire
+from kvserver.allocator import Extents
+from kvserver.client.common import LookupResult, NamespaceInfo, Proc, PutResult, Session
+from kvserver.client.parts import Parts, readinto_part, write_part
+from kvserver.grants import LoadGrant, StoreGrant
+from kvserver.namespace import NamespaceSpec
+
+
+class ClientBase:
+    """What both clients share without I/O. Subclasses set ``_s`` and ``_t`` (a transport
+    with ``is_local`` and ``sent_by_op``)."""
+
+    _s: Session
+    _t: Any
+
+    @property
+    def client_id(self) -> str:
+        return self._s.client_id
+
+    @property
+    def is_colocated(self) -> bool:
+        """True once a hello mapped the daemon's arena (shared-memory data path)."""
+        return self._s.arena is not None
+
+    @property
+    def is_local(self) -> bool:
+        """True while requests go over the daemon's local channel (a Unix socket) rather
+        than ZMQ: co-located, the daemon announced one, and it could be connected."""
+        return bool(self._t.is_local)
+
+    @property
+    def sent_by_op(self) -> Counter[str]:
+        """Requests sent on the wire, by op (session renewals and retries included)."""
+        counts: Counter[str] = self._t.sent_by_op
+        return counts
+
+    def write(self, extents: Extents, data: Any) -> None:
+        """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
+        write_part(self._s.mapped(), extents, data)
+
+    def read(self, extents: Extents) -> bytes:
+        """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents."""
+        return self._s.mapped().read(extents)
+
+    def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
+        readinto_part(self._s.mapped(), extents, out)
+
+
+# ---------------------------------------------------------------------- session
+
+
+def hello(s: Session) -> Proc[dict[str, Any]]:
+    """Handshake (also done implicitly): daemon version, host_id, arena, sid, client id."""
+    s.needs_hello = True  # now: the driver renews the session before running the proc
+    return _server_info(s)
+
+
+def _server_info(s: Session) -> Proc[dict[str, Any]]:
+    yield from ()  # makes no call
+    return dict(s.server)
+
+
+def register_namespace(s: Session, spec: NamespaceSpec) -> Proc[NamespaceInfo]:
+    """Register ``spec`` (idempotent); re-registered automatically after a restart."""
+    return s.register_namespace(spec)
+
+
+def namespaces(s: Session) -> Proc[list[NamespaceSpec]]:
+    return s.namespaces()
+
+
+def stats(s: Session) -> Proc[dict[str, Any]]:
+    result: dict[str, Any] = yield from s.simple(wire.STATS, {})
+    return result
+
+
+def release(s: Session) -> Proc[int]:
+    """Roll back every reservation and release every pin held by this client id."""
+    return int((yield from s.simple(wire.RELEASE, {}, "released")))
+
+
+# ---------------------------------------------------------------------- queries
+
+
+def lookup(
+    s: Session,
+    ns_id: str,
+    keys: Sequence[bytes],
+    *,
+    record: bool = False,
+    touch: bool = False,
+    local: bool = False,
+) -> Proc[LookupResult]:
+    """Length of the leading run of ready ``keys`` (``record``: count for reuse gating;
+    ``local``: in the daemon's own tiers only, not counting what its peers hold)."""
+    return s.lookup(ns_id, keys, record, touch, local)
+
+
+def lookup_tokens(
+    s: Session,
+    ns_id: str,
+    token_ids: Sequence[int],
+    *,
+    cache_salt: str | None = None,
+    lora: tuple[str, str] | None = None,
+) -> Proc[LookupResult]:
+    """Lookup by token ids; the daemon hashes them as a vLLM replica would."""
+    return s.lookup_tokens(ns_id, token_ids, cache_salt, lora)
+
+
+def touch(s: Session, ns_id: str, keys: Sequence[bytes]) -> Proc[None]:
+    yield from s.simple(wire.TOUCH, {"ns_id": ns_id, "keys": list(keys)})
+
+
+def pin(s: Session, ns_id: str, keys: Sequence[bytes], ttl_s: float) -> Proc[int]:
+    """Keep ready ``keys`` from eviction for ``ttl_s``; returns how many were pinned."""
+    args = {"ns_id": ns_id, "keys": list(keys), "ttl_s": ttl_s}
+    return int((yield from s.simple(wire.PIN, args, "count")))
+
+
+def unpin(s: Session, ns_id: str, keys: Sequence[bytes]) -> Proc[int]:
+    args = {"ns_id": ns_id, "keys": list(keys)}
+    return int((yield from s.simple(wire.UNPIN, args, "count")))
+
+
+# ---------------------------------------------------------------------- leases (co-located)
+
+
+def prepare_store(
+    s: Session, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
+) -> Proc[StoreGrant | None]:
+    """Reserve the new keys; None if the cache cannot make room. Complete before
+    ``grant.deadline`` (this process's monotonic clock, counted from the send) or it is
+    rolled back."""
+    return s.prepare_store(ns_id, keys, lease_s)
+
+
+def complete_store(
+    s: Session,
+    lease_id: int,
+    *,
+    success: bool = True,
+    ranks: Sequence[int] | None = None,
+    keys: Sequence[bytes] | None = None,
+) -> Proc[list[bytes]]:
+    """Mark parts written (or roll back); returns the keys that became ready. The daemon
+    applies requests in arrival order, so a later call of this client sees them ready."""
+    return s.complete_store(lease_id, success, ranks, keys)
+
+
+def prepare_load(
+    s: Session, ns_id: str, keys: Sequence[bytes], *, lease_s: float | None = None
+) -> Proc[LoadGrant]:
+    """Pin ``keys`` (all must be ready); pinned until complete_load or the deadline
+    (counted from the send)."""
+    return s.prepare_load(ns_id, keys, lease_s)
+
+
+def complete_load(s: Session, lease_id: int) -> Proc[None]:
+    """Release the pins of load lease ``lease_id``."""
+    return s.complete_load(lease_id)
+
+
+# ---------------------------------------------------------------------- payload frames
+
+
+def put(
+    s: Session, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
+) -> Proc[PutResult]:
+    """Store whole entries in one round trip (``parts[i]``: a buffer, or one per rank)."""
+    return s.put(ns_id, keys, parts, lease_s)
+
+
+def get(
+    s: Session,
+    ns_id: str,
+    keys: Sequence[bytes],
+    *,
+    ranks: Sequence[int] | None = None,
+    leading: bool = False,
+) -> Proc[list[list[memoryview]]]:
+    """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
+    ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
+    does not ask its peers); the result may then be shorter than ``keys``."""
+    return s.get(ns_id, keys, ranks, leading)
+
+
+def write_parts(
+    s: Session,
+    lease_id: int,
+    keys: Sequence[bytes],
+    rank: int,
+    parts: Sequence[Any],
+    *,
+    complete: bool = True,
+) -> Proc[list[bytes]]:
+    """Write one rank's parts into a store lease (TP by rank); returns keys made ready."""
+    return s.write_parts(lease_id, keys, rank, parts, complete)
+
+
+def read_parts(
+    s: Session, ns_id: str, lease_id: int, keys: Sequence[bytes], rank: int
+) -> Proc[list[memoryview]]:
+    """One rank's parts of keys pinned by load lease ``lease_id`` (TP by rank)."""
+    return s.read_parts(ns_id, lease_id, keys, rank)
+
+
+# ---------------------------------------------------------------------- either path
+
+
+def store(
+    s: Session, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
+) -> Proc[list[bytes]]:
+    """Store whole entries through shared memory when co-located, else as frames."""
+    return s.store(ns_id, keys, parts, lease_s)
+
+
+def load(
+    s: Session, ns_id: str, keys: Sequence[bytes], *, ranks: Sequence[int] | None = None
+) -> Proc[list[list[memoryview]]]:
+    """Load ready entries through shared memory when co-located, else as frames."""
+    return s.load(ns_id, keys, ranks)
