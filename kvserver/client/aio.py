@@ -207,6 +207,7 @@ class AsyncKVClient(ClientBase):
 
     # pipelined: sent now, collected later (a Task)
     submit_lookup = submitting(ops.lookup)
+    submit_put = submitting(ops.put)
     submit_prepare_store = submitting(ops.prepare_store)
     submit_complete_store = submitting(ops.complete_store)
     submit_prepare_load = submitting(ops.prepare_load)
