@@ -1,7 +1,7 @@
 """Python clients of the kvserver daemon's ZMQ data plane: :class:`KVClient` (blocking) and
 :class:`AsyncKVClient` (asyncio), with the same operations and the same session behaviour
-(timeouts, reconnection, shared-memory data path when co-located); the blocking one can also
-pipeline requests (``submit_*`` → :class:`Pending`). See ``docs/wire.md``."""
+(timeouts, reconnection, shared-memory data path and local channel when co-located,
+pipelining: ``submit_*``), defined once in :mod:`kvserver.client.ops`. See ``docs/wire.md``."""
 
 from kvserver.client.aio import AsyncKVClient
 from kvserver.client.common import LookupResult, NamespaceInfo, PutResult

@@ -18,6 +18,10 @@ Usage::
 Low-level co-located flow: ``prepare_store`` → ``write(extents, data)`` per part →
 ``complete_store``; ``prepare_load`` → ``read``/``readinto`` → ``complete_load``.
 
+The operations (signatures, defaults, contracts) are defined once in :mod:`kvserver.client.ops`
+and shared with :class:`~kvserver.client.aio.AsyncKVClient`; this module is their blocking
+driver.
+
 Pipelining: ``submit_*`` send a request and return a :class:`~kvserver.client.pending.Pending`
 at once; its ``result()`` is collected later, in any order, while other calls (blocking or
 submitted) go on over the same socket. A timeout replaces the socket, failing every request
