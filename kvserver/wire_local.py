@@ -3,9 +3,9 @@
 Runs in the daemon (``kvserver/daemon/local_server.py``) and in both clients
 (``kvserver/client/links.py``, ``kvserver/client/aio_transport.py``). Pure constants and
 functions: no sockets, no state, thread-safe. Described for humans in ``docs/wire.md`` §1
-("Local channel"); the messages themselves (headers, ops, payload frames) are exactly those of the ZMQ data plane
-(:mod:`kvserver.wire`), only the framing differs. Version :data:`LOCAL_VERSION`, announced by
-``hello`` as ``local_version`` next to ``local_path``.
+("Local channel"); the messages themselves (headers, ops, payload frames) are exactly
+those of the ZMQ data plane (:mod:`kvserver.wire`), only the framing differs. Version
+:data:`LOCAL_VERSION`, announced by ``hello`` as ``local_version`` next to ``local_path``.
 
 One message, all integers big-endian::
 
