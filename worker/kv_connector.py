@@ -388,7 +388,7 @@ class KVServerWorkerConnector:
         except KVServerError as exc:
             if mode:
                 raise
-            logger.info("cannot map the arena (%s); using payload frames", exc)
+            logger.warning("cannot map the arena (%s); using payload frames", exc)
 
     def _arena_gone(self) -> None:
         """The daemon removed its arena file (it stopped, or restarted after a crash): wait for
