@@ -21,6 +21,8 @@ from tests.support.cluster import start_tp_workers
 from tests.support.daemon import start_daemon
 
 pytestmark = pytest.mark.multiprocess
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 10  # 9 usable blocks (144 tokens): one conversation's turn evicts the other's
@@ -54,11 +56,24 @@ def _run(port: int) -> tuple[list[list[int]], list[int]]:
     return outputs, from_kvserver
 
 
-def test_multi_turn_conversations_load_their_prefix_from_kvserver(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("device", "world"),
+    [
+        pytest.param("cpu", 2, id="cpu-tp2"),
+        # one rank: the GPU machines we are lent have one GPU, and NCCL refuses two ranks on one
+        pytest.param("cuda", 1, id="cuda-tp1", marks=[gpu, needs_cuda]),
+    ],
+)
+def test_multi_turn_conversations_load_their_prefix_from_kvserver(
+    tmp_path: Path, device: str, world: int
+) -> None:
+    """CUDA: the workers' KV caches are on the GPU, the daemon's arena is page-locked in the
+    worker (cudaHostRegister) and stores/loads run on the transfer engine's CUDA streams; the
+    tokens must still equal the cache-off run's."""
     daemon = start_daemon(tmp_path / "daemon", "--dram", "16MiB")
     workers: list[Proc] = []
     try:
-        workers = start_tp_workers(tmp_path, daemon.zmq_address)
+        workers = start_tp_workers(tmp_path, daemon.zmq_address, world=world, device=device)
         addrs = ",".join(w.info["endpoint"] for w in workers)
         common = ["--workers", addrs, "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
                   "--block-size", str(BLOCK_SIZE), "--model", "tiny-e2e"]  # fmt: skip

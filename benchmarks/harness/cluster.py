@@ -36,10 +36,12 @@ def start_tp_workers(
     listen: Sequence[str] | None = None,
     chunk_blocks: int = 1,
     tag: str = "",
+    device: str = "cpu",
 ) -> list[Proc]:
-    """Start ``world`` ranks of ``kvserver worker`` (a fresh TP group) on CPU; returns once
-    every rank wrote its ready file (``info["endpoint"]``). ``listen``: one bind address per
-    rank (restart at the same address), default ephemeral ports."""
+    """Start ``world`` ranks of ``kvserver worker`` (a fresh TP group) on ``device`` (``cpu``,
+    or ``cuda``: every rank on one machine's GPUs, rank ``r`` on GPU ``r`` mod their count);
+    returns once every rank wrote its ready file (``info["endpoint"]``). ``listen``: one bind
+    address per rank (restart at the same address), default ephemeral ports."""
     model_file = tmp_path / "model.safetensors"
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     addrs = list(listen) if listen is not None else ["tcp://127.0.0.1:0"] * world
@@ -52,7 +54,7 @@ def start_tp_workers(
             "--rank", str(rank), "--world-size", str(world),
             "--listen", addrs[rank], "--dist-init", dist_init,
             "--model-file", str(model_file), "--write-random-model-seed", str(MODEL_SEED),
-            "--device", "cpu", "--chunk-blocks", str(chunk_blocks), "--ready-file", str(ready),
+            "--device", device, "--chunk-blocks", str(chunk_blocks), "--ready-file", str(ready),
         ]  # fmt: skip
         if daemon_zmq is not None:
             args += ["--kvserver", daemon_zmq]
