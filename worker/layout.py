@@ -26,9 +26,11 @@ calls per chunk is what matters for small pages. On the CPU, :func:`strided_copi
 of whole sub-blocks with one call per registered tensor (a :class:`ViewGroup`: all its views,
 e.g. K and V, and all the blocks at once, as ``(blocks, views, page)`` strided views on both
 sides), an ``index_select``/``index_copy_`` per tensor when the block ids are not consecutive,
-and only sub-blocks cut by an extent boundary page piece by page piece. CUDA copies want
-contiguous host memory, so :func:`contiguous_copies` gives one piece per page (merged where
-both sides continue).
+and only sub-blocks cut by an extent boundary page piece by page piece. For CUDA caches
+:func:`staged_copies` only describes the part (a :class:`~worker.staging.StagedPart`): the
+engine gathers the parts of a whole transfer on the device and copies them to the host in one
+DMA per extent (worker/staging.py). :func:`contiguous_copies` (one contiguous piece per page,
+merged where both sides continue) is the per-piece form, the staged path's fallback.
 """
 
 from __future__ import annotations
@@ -36,31 +38,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
 import torch
 
 from kvserver.errors import InvalidArgument
+from worker.staging import Piece, StagedPart, ViewGroup, widest
 from worker.transfer import Copy, IndexedCopy, KeyCopies
 
 #: (view index, byte offset in the view's flat bytes, byte offset in the part, length)
 Segment = tuple[int, int, int, int]
-#: (offset in the host tensor, byte offset in the part, length): one extent piece of a part.
-Piece = tuple[int, int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class ViewGroup:
-    """The views cut from one registered tensor, as one strided byte tensor.
-
-    ``rows[b, k]`` is the page of view ``first + k`` in block ``b``; shape ``(num_blocks,
-    count, page)``. Its pages lie back to back in a block's bytes from ``offset`` on.
-    """
-
-    rows: torch.Tensor
-    first: int
-    offset: int
-    count: int
-    page: int
+#: How a part's copies are built (:func:`plan_copies`).
+Builder = Literal["strided", "contiguous", "staged"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +222,7 @@ def plan_copies(
     *,
     skip: int = 0,
     is_load: bool,
-    contiguous: bool | None = None,
+    builder: Builder | None = None,
 ) -> KeyCopies:
     """The copies moving one part between KV blocks and ``host`` (a flat uint8 tensor; the
     part's bytes are at ``extents`` of it, in order).
@@ -242,8 +232,8 @@ def plan_copies(
     sub-blocks, and the trailing ones past the ids, are neither read nor written
     (step_protocol/connector.py). Raises
     InvalidArgument for ids or extents that do not fit, before building anything. The copies
-    come from :func:`strided_copies` when the caches and ``host`` are on the CPU, else (or
-    with ``contiguous=True``) from :func:`contiguous_copies`.
+    come from ``builder``: by default :func:`strided_copies` when the caches and ``host`` are
+    on the CPU, else :func:`staged_copies`; ``"contiguous"`` is :func:`contiguous_copies`.
     """
     most = chunk_blocks - skip if is_load else chunk_blocks
     least = 1 if is_load else chunk_blocks
@@ -262,9 +252,9 @@ def plan_copies(
     for at, _, n in pieces:
         if at < 0 or at + n > size:
             raise InvalidArgument("extent outside the host buffer", offset=at, length=n)
-    if contiguous is None:
-        contiguous = not (host.is_cpu and caches.views[0].is_cpu)
-    build = contiguous_copies if contiguous else strided_copies
+    if builder is None:
+        builder = "strided" if host.is_cpu and caches.views[0].is_cpu else "staged"
+    build = _BUILDERS[builder]
     return KeyCopies(key, build(caches, ids, skip, host, pieces, is_load), size=length)
 
 
@@ -330,28 +320,11 @@ def _whole_copies(
     for g in caches.groups:
         part = host.as_strided((n, g.count, g.page), (bb, g.page, 1), origin + g.offset)
         if is_load:
-            src, dst = _widest(part, g.rows)
+            src, dst = widest(part, g.rows)
             out.append(IndexedCopy(src, dst, index, scatter=True))
         else:
             out.append(IndexedCopy(g.rows, part, index, scatter=False))
     return out
-
-
-#: Element types an indexed scatter may view bytes as, widest first (its loop is per element).
-_WIDE = ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16))
-
-
-def _widest(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` and ``b`` (uint8, last dimension contiguous) viewed as the widest element type
-    both allow (aligned addresses, strides and row length), else as they are."""
-    for width, dtype in _WIDE:
-        if all(
-            t.data_ptr() % width == 0 and t.shape[-1] % width == 0
-            and all(s % width == 0 for s in t.stride()[:-1])
-            for t in (a, b)
-        ):  # fmt: skip
-            return a.view(dtype), b.view(dtype)
-    return a, b
 
 
 def _range_copies(
@@ -400,3 +373,22 @@ def contiguous_copies(
             h = host[host_off : host_off + n]
             pairs.append((h, dev) if is_load else (dev, h))
     return pairs
+
+
+def staged_copies(
+    caches: CanonicalKVCaches,
+    block_ids: tuple[int, ...],
+    skip: int,
+    host: torch.Tensor,
+    pieces: Sequence[Piece],
+    is_load: bool,
+) -> list[Copy]:
+    """The part as one :class:`~worker.staging.StagedPart` (nothing built: the engine stages
+    the parts of a transfer together); its fallback is :func:`contiguous_copies`."""
+    pieces = tuple(pieces)
+    fallback = partial(contiguous_copies, caches, block_ids, skip, host, pieces, is_load)
+    return [StagedPart(caches.groups, caches.block_bytes, block_ids, skip, host, pieces,
+                       is_load, fallback)]  # fmt: skip
+
+
+_BUILDERS = {"strided": strided_copies, "contiguous": contiguous_copies, "staged": staged_copies}

@@ -12,6 +12,9 @@ previous one submitted in that direction has finished; the two directions run in
 Every transfer is collected exactly once, in submission order per direction, successful or
 not; a failure of one key's copies fails that key only (``Transfer.failed_keys``).
 
+Copies come as ``(src, dst)`` pairs, indexed copies (a gather or scatter of rows) or staged
+parts (worker/staging.py: consecutive staged parts of a transfer are gathered into, or
+scattered from, the direction's staging buffer together, with one copy per host extent).
 Implementations: :class:`CpuTransferEngine` here (one single-thread executor per direction,
 copies with ``torch`` ``copy_``, ``index_select`` and ``index_copy_``), and
 ``CudaTransferEngine`` in worker/transfer_cuda.py (dedicated streams, start/end events chained
@@ -33,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from worker.staging import STAGING_BYTES, StagedPart, StagingBuffer, run_staged
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +64,13 @@ class IndexedCopy:
         return dense.numel() * dense.element_size()
 
 
-#: One copy: a ``(src, dst)`` pair of equal shape (``dst.copy_(src)``), or an indexed copy.
-Copy = tuple[torch.Tensor, torch.Tensor] | IndexedCopy
+#: One copy: a ``(src, dst)`` pair of equal shape (``dst.copy_(src)``), an indexed copy, or a
+#: part to move through the engine's staging buffer (worker/staging.py).
+Copy = tuple[torch.Tensor, torch.Tensor] | IndexedCopy | StagedPart
 
 
 def copy_bytes(copy: Copy) -> int:
-    if isinstance(copy, IndexedCopy):
+    if isinstance(copy, IndexedCopy | StagedPart):
         return copy.nbytes
     return copy[0].numel() * copy[0].element_size()
 
@@ -124,8 +130,10 @@ class EngineStats:
 class TransferEngine(ABC):
     """Ordered per-direction transfers; see the module docstring for the guarantees."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, staging_bytes: int = STAGING_BYTES) -> None:
         self.stats = EngineStats()
+        #: one staging buffer per direction (used by that direction's thread only).
+        self._staging = {d: StagingBuffer(staging_bytes) for d in Direction}
         self._executors = {
             d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-{d.value}")
             for d in Direction
@@ -173,6 +181,8 @@ class TransferEngine(ABC):
             ex.shutdown(wait=True)
         for queue in self._inflight.values():
             self.wait(queue)
+        for buf in self._staging.values():
+            buf.release()
 
     # ------------------------------------------------------------------ the transfer body
 
@@ -204,18 +214,38 @@ class TransferEngine(ABC):
         """Engine thread: run the copies of ``keys``, all in one batch; if that raises, key by
         key so that a bad copy fails its key only. Returns ``id()`` of the keys that failed."""
         try:
-            self._copy_batch([c for kc in keys for c in kc.pairs])
+            self._copy_all(transfer.direction, [c for kc in keys for c in kc.pairs])
             return set()
         except Exception:
             pass
         failed: set[int] = set()
         for kc in keys:
             try:
-                self._copy_batch(kc.pairs)
+                self._copy_all(transfer.direction, kc.pairs)
             except Exception as exc:  # a bad view: this key only
                 logger.warning("copy of one key failed (%s): %s", transfer.tag, exc)
                 failed.add(id(kc))
         return failed
+
+    def _copy_all(self, direction: Direction, copies: list[Copy]) -> None:
+        """Engine thread: ``copies`` in order; runs of staged parts go through the direction's
+        staging buffer together (:func:`~worker.staging.run_staged`), the rest to
+        :meth:`_copy_batch`."""
+        run: list[Copy] = []
+        for c in copies:
+            if run and isinstance(c, StagedPart) != isinstance(run[0], StagedPart):
+                self._copy_run(direction, run)
+                run = []
+            run.append(c)
+        if run:
+            self._copy_run(direction, run)
+
+    def _copy_run(self, direction: Direction, run: list[Copy]) -> None:
+        if isinstance(run[0], StagedPart):
+            parts = [c for c in run if isinstance(c, StagedPart)]
+            run_staged(parts, self._staging[direction], self._copy_batch)
+        else:
+            self._copy_batch(run)
 
     def _collect(self, transfer: Transfer) -> Transfer:
         d = transfer.direction.value
@@ -243,12 +273,14 @@ class TransferEngine(ABC):
         """Engine thread: one copy (may be asynchronous until :meth:`_landed`)."""
 
     def _copy_batch(self, copies: list[Copy]) -> None:
-        """Engine thread: ``copies`` in order. Default: one call each."""
+        """Engine thread: ``copies`` (no staged parts) in order. Default: one call each."""
         for c in copies:
             if isinstance(c, IndexedCopy):
                 self._copy_indexed(c)
-            else:
+            elif isinstance(c, tuple):
                 self._copy(c[0], c[1])
+            else:
+                raise TypeError("staged parts go through _copy_all")
 
     def _copy_indexed(self, copy: IndexedCopy) -> None:
         """Engine thread: one indexed copy. Default: one :meth:`_copy` per row (any engine,
@@ -293,14 +325,16 @@ class CpuTransferEngine(TransferEngine):
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
         for c in copies:
-            if isinstance(c, IndexedCopy):
-                if dsts:
-                    torch._foreach_copy_(dsts, srcs)
-                    srcs, dsts = [], []
-                self._copy_indexed(c)
-            else:
+            if isinstance(c, tuple):
                 srcs.append(c[0])
                 dsts.append(c[1])
+                continue
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+                srcs, dsts = [], []
+            if not isinstance(c, IndexedCopy):
+                raise TypeError("staged parts go through _copy_all")
+            self._copy_indexed(c)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
@@ -310,4 +344,3 @@ class CpuTransferEngine(TransferEngine):
             copy.dst.index_copy_(0, copy.index, copy.src)
         else:
             torch.index_select(copy.src, 0, copy.index, out=copy.dst)
-

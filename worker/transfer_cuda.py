@@ -11,12 +11,17 @@ the next stream, waits for
 - the previous transfer of its direction (``wait_event`` on its end event): transfers of one
   direction never overlap, so they finish in submission order;
 
-then records a start event, issues one ``copy_(non_blocking=True)`` per contiguous piece
-(cudaMemcpyAsync underneath; worker/layout.py plans contiguous pieces for CUDA caches, and the
-base class runs any indexed copy row by row) and records an end event; :meth:`poll` queries
-end events without blocking. Copies are launched from the direction's thread (so a remote
-transfer's daemon I/O never runs on the worker's thread); the GPU-side order comes from the
-events alone.
+then records a start event, issues the transfer's work and records an end event; :meth:`poll`
+queries end events without blocking. The work, for CUDA caches as worker/layout.py plans them:
+staged parts (worker/staging.py): per batch of sub-blocks, the block-id index (one H2D copy),
+one ``index_select`` per registered tensor into the direction's device staging buffer and one
+``copy_(non_blocking=True)`` (cudaMemcpyAsync) per arena extent, or for a load the reverse
+(H2D per extent, one ``index_copy_`` per tensor); plain ``(src, dst)`` pairs (a staged part's
+per-page fallback, or copies built by hand) as one ``copy_(non_blocking=True)`` each; an
+indexed copy row by row. The staging buffer of a direction is reused without further
+synchronisation because its transfers run one after the other on the GPU (the event chain).
+Copies are launched from the direction's thread (so a remote transfer's daemon I/O never runs
+on the worker's thread); the GPU-side order comes from the events alone.
 
 :class:`HostRegistration` page-locks an existing host mapping (the daemon's arena) with
 ``cudaHostRegister`` so the copies DMA straight into kvserver's shared memory; it is undone on
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 
+from worker.staging import STAGING_BYTES
 from worker.transfer import Direction, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -48,7 +54,11 @@ class CudaTransferEngine(TransferEngine):
     """Per-direction stream pools with chained start/end events; see the module docstring."""
 
     def __init__(
-        self, device: torch.device, *, streams_per_direction: int = STREAMS_PER_DIRECTION
+        self,
+        device: torch.device,
+        *,
+        streams_per_direction: int = STREAMS_PER_DIRECTION,
+        staging_bytes: int = STAGING_BYTES,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaTransferEngine needs CUDA")
@@ -60,7 +70,7 @@ class CudaTransferEngine(TransferEngine):
         self._next = dict.fromkeys(Direction, 0)
         #: end event of the last transfer launched per direction (engine threads only).
         self._last_end: dict[Direction, torch.cuda.Event | None] = dict.fromkeys(Direction)
-        super().__init__()
+        super().__init__(staging_bytes=staging_bytes)
 
     def _on_submit(self, transfer: Transfer) -> Any:
         ready = _cuda.Event()

@@ -74,10 +74,9 @@ class TransferPlanner:
         pb = self.spec.part_bytes
         staging = staging_buffer(pb * len(chunks), pinned=self.caches.device.type == "cuda")
         transfer.keepalive.append(staging)
-        for i, (key, blocks, skip, _) in enumerate(chunks):
-            host = staging[i * pb : (i + 1) * pb]
+        for i, (key, blocks, skip, _) in enumerate(chunks):  # one host tensor: the DMAs merge
             transfer.copies.append(
-                self._key_copies(key, blocks, skip, is_load, host, [(0, pb)], None)
+                self._key_copies(key, blocks, skip, is_load, staging, [(i * pb, pb)], None)
             )
         client = io[direction]
         if is_load:

@@ -1,7 +1,8 @@
 """Planning and building the copies of one chunk part (worker/layout.py ``plan_copies``):
 byte-exact stores and loads through the real CPU engine, for every canonical layout, partial
 first chunks, fragmented extents cutting blocks and pages anywhere, consecutive, scattered and
-repeated block ids, and both builders (strided on the CPU, contiguous as on CUDA)."""
+repeated block ids, and every builder (strided on the CPU, staged as on CUDA, and the per-piece
+contiguous copies), all through the CPU engine."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvserver.errors import InvalidArgument  # noqa: E402
-from worker.layout import CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
+from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
 from worker.transfer import (  # noqa: E402
     Copy,
     CpuTransferEngine,
@@ -125,7 +126,7 @@ class Scenario:
     order: list[int]
     gaps: list[int]
     lead: int
-    contiguous: bool
+    builder: Builder
     seed: int
 
 
@@ -158,7 +159,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     order = list(draw(st.permutations(range(len(set(cuts)) + 1))))
     gaps = draw(st.lists(st.integers(0, 40), min_size=1, max_size=5))
     return Scenario(kind, nb, chunk_blocks, skip, ids, is_load, cuts, order, gaps,
-                    draw(st.integers(0, 17)), draw(st.booleans()),
+                    draw(st.integers(0, 17)),
+                    draw(st.sampled_from(["strided", "contiguous", "staged"])),
                     draw(st.integers(0, 1000)))  # fmt: skip
 
 
@@ -176,7 +178,7 @@ def test_copies_move_exactly_the_part_bytes(s: Scenario) -> None:
     before_blocks = [block(c, b) for b in range(s.nb)]
     before_part, before_outside = part.data(), part.outside()
     kc = plan_copies(c, b"k", s.ids, s.chunk_blocks, part.host, part.extents, skip=s.skip,
-                     is_load=s.is_load, contiguous=s.contiguous)  # fmt: skip
+                     is_load=s.is_load, builder=s.builder)  # fmt: skip
     engine = CpuTransferEngine()
     try:
         t = run(engine, kc, s.is_load)
@@ -197,10 +199,10 @@ def test_copies_move_exactly_the_part_bytes(s: Scenario) -> None:
 
 def planned(c: CanonicalKVCaches, ids: list[int], host: torch.Tensor,
             extents: list[tuple[int, int]], *, is_load: bool,
-            contiguous: bool | None = None) -> list[Copy]:  # fmt: skip
+            builder: Builder | None = None) -> list[Copy]:  # fmt: skip
     """The copies of a whole chunk of ``ids``, built."""
     kc = plan_copies(c, b"k", ids, len(ids), host, extents, is_load=is_load,
-                     contiguous=contiguous)  # fmt: skip
+                     builder=builder)  # fmt: skip
     return kc.pairs
 
 
@@ -228,13 +230,14 @@ def test_scattered_blocks_are_one_indexed_copy_per_tensor() -> None:
 
 
 def test_contiguous_builder_gives_contiguous_pieces() -> None:
-    """What the CUDA engine copies with copy_(non_blocking=True): every piece contiguous on
-    both sides; an extent boundary inside a page splits it."""
+    """The per-piece copies (a staged part's fallback, what copy_(non_blocking=True) between
+    a CUDA device and pinned memory wants): every piece contiguous on both sides; an extent
+    boundary inside a page splits it."""
     c = make_caches("flash", 8)
     bb, page = c.block_bytes, c.page_bytes[0]
     host = torch.zeros(4 * bb + 64, dtype=torch.uint8)
     extents = [(64, bb + page // 2), (bb + page // 2 + 64, 3 * bb - page // 2)]
-    copies = planned(c, [2, 3, 4, 5], host, extents, is_load=False, contiguous=True)
+    copies = planned(c, [2, 3, 4, 5], host, extents, is_load=False, builder="contiguous")
     assert all(isinstance(p, tuple) and p[0].is_contiguous() and p[1].is_contiguous()
                for p in copies)  # fmt: skip
     assert sum(p[0].numel() for p in copies if isinstance(p, tuple)) == 4 * bb
