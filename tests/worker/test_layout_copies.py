@@ -17,6 +17,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvserver.errors import InvalidArgument  # noqa: E402
+from tests.worker.staged_scenarios import LAYOUTS, kv_tensors  # noqa: E402
 from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
 from worker.transfer import (  # noqa: E402
     Copy,
@@ -27,40 +28,11 @@ from worker.transfer import (  # noqa: E402
     Transfer,
 )
 
-LAYOUTS = ["flash", "blocks_first", "cross", "hnd", "flat", "odd"]
-
 
 def make_caches(kind: str, nb: int, seed: int = 0) -> CanonicalKVCaches:
     """Random KV caches of ``nb`` blocks in one of the layouts canonicalize accepts."""
-    caches, block_dim = _tensors(kind, nb, seed)
+    caches, block_dim = kv_tensors(kind, nb, seed)
     return canonicalize(caches, nb, block_dim=block_dim)
-
-
-def _tensors(kind: str, nb: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize),
-                            dtype=torch.uint8, generator=g)  # fmt: skip
-        return raw.view(dtype)
-
-    bs, h, d = 2, 2, 4
-    if kind == "flash":  # (2, blocks, block_size, heads, dim) per layer: K and V views
-        return {f"l{i}": rand(2, nb, bs, h, d) for i in range(3)}, 1
-    if kind == "blocks_first":  # (blocks, 2, block_size, heads, dim): one view per layer
-        return {f"l{i}": rand(nb, 2, bs, h, d) for i in range(2)}, 0
-    if kind == "cross":  # one (blocks, layers, 2, ...) tensor: one view
-        return {"all": rand(nb, 3, 2, bs, h, d)}, 0
-    if kind == "hnd":  # physical HND seen as logical NHD
-        return {f"l{i}": rand(2, nb, h, bs, d).transpose(2, 3) for i in range(2)}, 1
-    if kind == "flat":  # cross-layer bytes
-        return {"all": rand(nb, 96, dtype=torch.uint8)}, 0
-    assert kind == "odd"  # pages of different, odd sizes and alignments
-    return {
-        "a": rand(2, nb, 5, dtype=torch.uint8),
-        "b": rand(2, nb, 3, dtype=torch.float32),
-        "c": rand(1, nb, 7, dtype=torch.uint8),
-    }, 1
 
 
 def block(c: CanonicalKVCaches, b: int) -> bytes:
