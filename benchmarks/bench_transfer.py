@@ -14,7 +14,12 @@ Everything runs in one process, one run:
   the worker's thread: checks and builds the copies' views; its cost per chunk is reported as
   ``plan_us_per_chunk``, outside ``ratio``), one Transfer per 16 chunks, all submitted, then
   waited for; timed from the first submit to the last completion. ``ratio_with_plan`` adds
-  the planning time;
+  the planning time. The device's own builder (``builder``: ``strided`` on the CPU, ``staged``
+  on CUDA: a gather into a device staging buffer per transfer, then one DMA per extent);
+  ``alt_ratio`` is the same engine with the other builder (``alt_builder``: ``staged`` on the
+  CPU, ``contiguous`` on CUDA, i.e. one ``cudaMemcpyAsync`` per page piece, the CUDA plan
+  before the staged one), measured in the same rounds; ``copies`` counts the plan's entries
+  for one chunk (a staged part is one);
 - reference: one ``copy_`` of the same total bytes between two contiguous, written tensors
   (CPU: plain memcpy, torch limited to ``--threads`` threads, default 1, for both sides; CUDA:
   pinned host ↔ device, the cudaMemcpy peak);
@@ -52,7 +57,7 @@ from tqdm import tqdm
 
 from kvserver.arena import SharedArena
 from worker.host import MappedArena
-from worker.layout import CanonicalKVCaches, canonicalize, plan_copies
+from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies
 from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine
 from worker.transfer_factory import make_engine
 
@@ -98,10 +103,14 @@ class Chunks:
 
 
 def plan_chunks(
-    caches: CanonicalKVCaches, arena: MappedArena, direction: Direction, chunks: Chunks
+    caches: CanonicalKVCaches,
+    arena: MappedArena,
+    direction: Direction,
+    chunks: Chunks,
+    builder: Builder | None = None,
 ) -> list[list[KeyCopies]]:
-    """What the connector does on the worker's thread: ``plan_copies`` per chunk, grouped
-    CHUNKS_PER_TRANSFER chunks to a Transfer."""
+    """What the connector does on the worker's thread: ``plan_copies`` per chunk (with
+    ``builder``; default: the device's), grouped CHUNKS_PER_TRANSFER chunks to a Transfer."""
     is_load = direction is Direction.LOAD
     part = caches.block_bytes * chunks.blocks
     planned = []
@@ -111,7 +120,7 @@ def plan_chunks(
             ids = list(range(chunks.starts[i], chunks.starts[i] + chunks.blocks))
             copies.append(plan_copies(
                 caches, i.to_bytes(8, "big"), ids, chunks.blocks, arena.tensor,
-                [(chunks.slots[i] * part, part)], is_load=is_load,
+                [(chunks.slots[i] * part, part)], is_load=is_load, builder=builder,
             ))  # fmt: skip
         planned.append(copies)
     return planned
@@ -183,6 +192,8 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows: list[dict[str, Any]] = []
+    builder: Builder = "staged" if cuda else "strided"
+    alt: Builder = "contiguous" if cuda else "staged"
     work = [(lay, p, d) for lay in ("cross", "flash") for p in pages for d in Direction]
     arena = SharedArena(total)
     mapped = MappedArena(arena.path, pin=cuda)
@@ -206,28 +217,31 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
             plan_s = math.inf
             for _ in range(3):  # the least of three: the first call also warms up
                 t0 = time.perf_counter()
-                planned = plan_chunks(caches, mapped, direction, chunks)
+                planned = plan_chunks(caches, mapped, direction, chunks, builder)
                 plan_s = min(plan_s, time.perf_counter() - t0)
-            fns = [ref, engine_run(engine, direction, planned)]
+            other = plan_chunks(caches, mapped, direction, chunks, builder=alt)
+            fns = [ref, engine_run(engine, direction, planned),
+                   engine_run(engine, direction, other)]  # fmt: skip
             if not cuda:
                 views = 1 if layout == "cross" else LAYERS * 2
                 fns.append(pattern_run(page_rows, views, mapped, direction, chunks))
             times = interleaved(fns, sync, rounds)
             row = {
                 "device": device.type, "layout": layout, "page_kib": page >> 10,
-                "direction": direction.value, "part_kib": part >> 10,
+                "direction": direction.value, "part_kib": part >> 10, "builder": builder,
                 "copies_per_chunk": len(planned[0][0].pairs), "bytes": nbytes,
                 "plan_us_per_chunk": plan_s / num_chunks * 1e6,
                 "engine_gbps": nbytes / statistics.median(times[1]) / 1e9,
                 "reference_gbps": nbytes / statistics.median(times[0]) / 1e9,
                 "ratio": median_ratio(times[0], times[1]),
+                "alt_builder": alt, "alt_ratio": median_ratio(times[0], times[2]),
                 "ratio_with_plan": statistics.median(times[0])
                 / (statistics.median(times[1]) + plan_s),
             }  # fmt: skip
             if not cuda:
-                row["pattern_ratio"] = median_ratio(times[0], times[2])
+                row["pattern_ratio"] = median_ratio(times[0], times[3])
             rows.append(row)
-            del caches, raw, page_rows, dev_buf, host_buf, src, dst, fns, planned
+            del caches, raw, page_rows, dev_buf, host_buf, src, dst, fns, planned, other
     finally:
         engine.close()
         mapped.close()
@@ -279,15 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
     rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks)]
-    print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'copies':>6} {'plan µs':>7} "
-          f"{'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
-          f"{'pattern':>7}")  # fmt: skip
+    print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
+          f"{'plan µs':>7} {'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
+          f"{'alt':>16} {'pattern':>7}")  # fmt: skip
     for r in rows:
         pattern = f"{r['pattern_ratio']:>7.2f}" if "pattern_ratio" in r else f"{'-':>7}"
+        alt = f"{r['alt_builder']} {r['alt_ratio']:.2f}"
         print(f"{r['device']:6} {r['layout']:6} {r['page_kib']:>5}K {r['direction']:5} "
-              f"{r['copies_per_chunk']:>6} {r['plan_us_per_chunk']:>7.1f} "
+              f"{r['builder']:8} {r['copies_per_chunk']:>6} {r['plan_us_per_chunk']:>7.1f} "
               f"{r['engine_gbps']:>11.2f} {r['reference_gbps']:>9.2f} "
-              f"{r['ratio']:>6.2f} {r['ratio_with_plan']:>6.2f} {pattern}")  # fmt: skip
+              f"{r['ratio']:>6.2f} {r['ratio_with_plan']:>6.2f} {alt:>16} "
+              f"{pattern}")  # fmt: skip
     if args.json:
         meta = {
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

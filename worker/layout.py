@@ -384,7 +384,12 @@ def staged_copies(
     is_load: bool,
 ) -> list[Copy]:
     """The part as one :class:`~worker.staging.StagedPart` (nothing built: the engine stages
-    the parts of a transfer together); its fallback is :func:`contiguous_copies`."""
+    the parts of a transfer together); its fallback is :func:`contiguous_copies`. A part that
+    is already contiguous on the device (one view, consecutive block ids: a cross-layer
+    cache) needs no staging: its :func:`contiguous_copies` are one DMA per extent piece."""
+    first = block_ids[0]
+    if len(caches.views) == 1 and block_ids == tuple(range(first, first + len(block_ids))):
+        return contiguous_copies(caches, block_ids, skip, host, pieces, is_load)
     pieces = tuple(pieces)
     fallback = partial(contiguous_copies, caches, block_ids, skip, host, pieces, is_load)
     return [StagedPart(caches.groups, caches.block_bytes, block_ids, skip, host, pieces,

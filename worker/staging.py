@@ -152,33 +152,27 @@ def run_staged(
     index = torch.tensor(ids, dtype=torch.int64)
     if device.type != "cpu":  # pinned, so that the H2D copy is asynchronous
         index = index.pin_memory().to(device, non_blocking=True)
-    starts: dict[int, int] = {}  # id(part) -> its first row in ``index``
-    row = 0
-    for p in parts:
-        starts[id(p)] = row
-        row += len(p.block_ids)
-    for batch in _batches(parts, buf.numel()):
+    for batch, at in _batches(parts, buf.numel()):
         if isinstance(batch, StagedPart):
             plain(batch.fallback())
             continue
-        p0, lo0, _ = batch[0]
-        at = starts[id(p0)] + lo0
         rows = sum(hi - lo for _, lo, hi in batch)
         _run_batch(batch, buf, index[at : at + rows])
 
 
-def _batches(parts: Sequence[StagedPart], capacity: int) -> list[_Batch | StagedPart]:
+def _batches(parts: Sequence[StagedPart], capacity: int) -> list[tuple[_Batch | StagedPart, int]]:
     """Cut ``parts`` into runs of sub-blocks that fit ``capacity`` bytes, of one set of
-    caches, with no block id twice in a load batch; a part that cannot be staged alone."""
-    out: list[_Batch | StagedPart] = []
+    caches, with no block id twice in a load batch; a part that cannot be staged alone. Each
+    with the position of its first sub-block in all the parts' block ids."""
+    out: list[tuple[_Batch | StagedPart, int]] = []
     batch: _Batch = []
-    used = 0
+    used = start = row = 0  # row: position of the current part's first id
     seen: set[int] = set()
 
     def flush() -> None:
         nonlocal batch, used
         if batch:
-            out.append(batch)
+            out.append((batch, start))
         batch, used = [], 0
         seen.clear()
 
@@ -188,7 +182,8 @@ def _batches(parts: Sequence[StagedPart], capacity: int) -> list[_Batch | Staged
             flush()
         if bb > capacity:
             flush()
-            out.append(p)
+            out.append((p, row))
+            row += n
             continue
         lo = 0
         while lo < n:
@@ -203,9 +198,12 @@ def _batches(parts: Sequence[StagedPart], capacity: int) -> list[_Batch | Staged
             if hi == lo:
                 flush()
                 continue
+            if not batch:
+                start = row + lo
             batch.append((p, lo, hi))
             used += (hi - lo) * bb
             lo = hi
+        row += n
     flush()
     return out
 

@@ -49,10 +49,13 @@ def part(ids: list[int], is_load: bool, groups: tuple[object, ...] = (), bb: int
                       lambda: [])  # fmt: skip
 
 
-def rows(batches: list[object]) -> list[object]:
+def rows(batches: list[tuple[object, int]]) -> list[object]:
     """Each batch as its (block ids) list, or "fallback" for a part run by itself."""
     out: list[object] = []
-    for b in batches:
+    row = 0
+    for b, at in batches:
+        assert at == row  # where the batch starts in all the parts' ids (none skipped)
+        row += len(b.block_ids) if isinstance(b, StagedPart) else sum(hi - lo for _, lo, hi in b)
         if isinstance(b, StagedPart):
             out.append("fallback")
         else:
