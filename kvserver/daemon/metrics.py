@@ -55,6 +55,12 @@ _TIER_GAUGES = (
     ("kvserver_tier_reserved_bytes", "Bytes reserved by stores in flight.", "reserved_bytes"),
     ("kvserver_tier_entries", "Chunks in the tier.", "entries"),
 )
+#: the ZMQ front end's unauthenticated requests (refusals.py): (name without _total, help, key)
+_REFUSAL_COUNTERS = (
+    ("kvserver_unauthenticated_requests", "ZMQ requests refused: no or wrong token.", "refused"),
+    ("kvserver_unauthenticated_replies_held", "Their error replies held back.", "held_back"),
+    ("kvserver_unauthenticated_replies_dropped", "Their error replies not sent.", "dropped"),
+)
 #: per-tier counters: (metric name without _total, help, stats counter)
 _TIER_COUNTERS = (
     ("kvserver_lookups", "Lookups answered by the tier.", "lookups"),
@@ -132,6 +138,9 @@ class DaemonCollector(LoopCollector):
             yield CounterMetricFamily(name, doc, value=s["totals"][key])
         yield GaugeMetricFamily("kvserver_leases", "Leases in flight.", s["num_leases"])
         yield CounterMetricFamily("kvserver_events", "KV events emitted.", s["events_last_seq"])
+        refusals = s["refusals"]
+        for name, doc, key in _REFUSAL_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=refusals[key])
         yield InfoMetricFamily("kvserver_build", "The version.", {"version": s["server_version"]})
         if ssd is not None:
             for name, doc, key in _SSD_COUNTERS:

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvserver import __version__
 from kvserver.daemon.eventlog import EventLog
+from kvserver.daemon.refusals import RefusalThrottle
 from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
@@ -71,6 +72,9 @@ class KVService:
         self.op_seconds = latency_histogram(
             "kvserver_op_duration_seconds", "Time to carry out one data-plane request.", ["op"]
         )
+        #: the ZMQ front end's throttle of error replies to unauthenticated requests
+        #: (``refusals.py``); its counters are in ``stats()`` as ``refusals``.
+        self.refusals = RefusalThrottle()
 
     def add_tier(self, tier: Tier) -> None:
         """Put ``tier`` below the tiers already added (``TierStack.add``)."""
@@ -200,6 +204,7 @@ class KVService:
         for tier, tier_stats in self.stack.stats():
             out[tier.name] = tier_stats
         out["cluster"] = self.cluster.stats() if self.cluster is not None else None
+        out["refusals"] = self.refusals.stats()
         return out
 
     def held_chunks(self) -> dict[tuple[str, str], list[bytes]]:

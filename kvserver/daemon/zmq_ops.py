@@ -19,6 +19,7 @@ refused requests (nothing changed then).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
+from kvserver.errors import KVServerError
 from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec
+
+logger = logging.getLogger(__name__)
 
 #: lookup_tokens of more tokens than this hash on a thread (the lookup itself on the loop).
 HASH_OFF_LOOP_TOKENS = 1 << 16
@@ -65,6 +69,15 @@ class Deferred:
     """A request that must wait for a lower tier's I/O: ``run()`` waits, then answers."""
 
     run: Callable[[], Awaitable[Result]]
+
+
+@dataclass(slots=True)
+class Answer:
+    """What the front end replies to one request: ``result``, or the error ``(code, message)``."""
+
+    req_id: int
+    result: Result | None = None
+    error: tuple[str, str] | None = None
 
 
 class DataOps:
@@ -274,3 +287,21 @@ def _lookup_fields(r: LookupHits) -> Result:
 
 def _load_reply(grant: LoadGrant) -> Result:
     return {"grant": wire.grant_to_wire(grant, time.monotonic())}
+
+
+async def finish(req_id: int, deferred: Deferred) -> Answer:
+    """The answer once ``deferred`` has run."""
+    try:
+        return Answer(req_id, await deferred.run())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        return failed(req_id, exc)
+
+
+def failed(req_id: int, exc: Exception) -> Answer:
+    """The error reply for ``exc``: its code when it is a KVServerError, else ``internal``."""
+    if isinstance(exc, KVServerError):
+        return Answer(req_id, error=(exc.code, str(exc)))
+    logger.error("internal error handling request %d", req_id, exc_info=exc)
+    return Answer(req_id, error=("internal", f"internal error: {exc!r}"))

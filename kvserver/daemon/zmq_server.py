@@ -42,7 +42,9 @@ they send.
 
 Every request gets exactly one reply — an error reply (request id 0 when the header is unreadable)
 for anything malformed, unauthenticated, too large or refused; an unexpected exception is logged
-and answered ``internal``. The loop never dies on input.
+and answered ``internal``. The loop never dies on input. One exception: a ROUTER connection's
+unauthenticated requests get their error replies at most once per second each (the first at
+once; ``refusals.py``), and none past a bound on replies held back.
 
 A request with an empty first frame and an 8-byte second frame is vLLM's replay request (``[b"",
 start_seq]``, ``zmq_events.py``); it is ordered like any other request."""
@@ -55,7 +57,6 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import zmq
@@ -76,9 +77,18 @@ from kvserver.daemon.local_server import (
 )
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
-from kvserver.daemon.zmq_ops import DataOps, Deferred, OpCall, PayloadFrame, Result
+from kvserver.daemon.zmq_ops import (
+    Answer,
+    DataOps,
+    Deferred,
+    OpCall,
+    PayloadFrame,
+    Result,
+    failed,
+    finish,
+)
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
-from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +100,6 @@ MAX_DRAIN = 64
 OFFLOAD_HEADER_BYTES = 256 << 10
 #: ROUTER connections remembered as authenticated (for replay requests, which carry no token).
 MAX_AUTHENTICATED_PEERS = 1 << 16
-
-
-@dataclass(slots=True)
-class _Answer:
-    """What to reply to one request: ``result``, or the error ``(code, message)``."""
-
-    req_id: int
-    result: Result | None = None
-    error: tuple[str, str] | None = None
 
 
 #: the rest of a request that must wait (promotion, replay), run on its connection's lane.
@@ -329,24 +330,26 @@ class DataFrontend:
                         return None
                     error = self._auth.required and replay_refusal(self._authenticated.get(peer))
                     if error:
-                        self._send(peer, _failed(0, error))
+                        self._send(peer, failed(0, error))
                         return None
                     return lambda: self._events.replay(router, peer, start)
                 owner = peer.hex()
             else:
                 if isinstance(message, Refused):  # the stream cannot be resynchronized
-                    self._send(peer, _failed(0, message.error))
+                    self._send(peer, failed(0, message.error))
                     peer.close()
                     return None
                 try:
                     views = wire_local.decode(cast(memoryview, message))
                 except InvalidArgument as exc:
-                    self._send(peer, _failed(0, exc))
+                    self._send(peer, failed(0, exc))
                     return None
                 frames = [LocalFrame(view) for view in views]
                 owner = peer.name
             answer = self._handle(peer, owner, frames)
-            if not isinstance(answer, _Answer):
+            if answer is None:  # an error reply held back or dropped (refusals.py)
+                return None
+            if not isinstance(answer, Answer):
                 later = answer
                 return lambda: self._answer_later(peer, later)
             self._send(peer, answer)
@@ -354,12 +357,12 @@ class DataFrontend:
             logger.exception("failed to answer a ZMQ request")
         return None
 
-    async def _answer_later(self, peer: _Peer, later: Callable[[], Awaitable[_Answer]]) -> None:
+    async def _answer_later(self, peer: _Peer, later: Callable[[], Awaitable[Answer]]) -> None:
         self._send(peer, await later())
 
     def _handle(
         self, peer: _Peer, owner: str, frames: Sequence[PayloadFrame]
-    ) -> _Answer | Callable[[], Awaitable[_Answer]]:
+    ) -> Answer | Callable[[], Awaitable[Answer]] | None:
         """Check and carry out one request; ``owner`` owns its leases unless it names its
         ``client``. The token is checked first, before anything else of the header is decoded
         (``wire.peek_auth``); a header over :data:`OFFLOAD_HEADER_BYTES` is decoded and
@@ -374,7 +377,14 @@ class DataFrontend:
                 raise InvalidArgument("empty message")
             if self._auth.required:
                 token, req_id = wire.peek_auth(frames[0].buffer)
-                who = self._auth.check(token)
+                try:
+                    who = self._auth.check(token)
+                except Unauthenticated as exc:
+                    if not isinstance(peer, bytes):
+                        raise
+                    refusal = failed(req_id, exc)  # sent now, later or never (refusals.py)
+                    self._service.refusals.answer(peer, lambda: self._send(peer, refusal))
+                    return None
                 if isinstance(peer, bytes):
                     self._remember(peer, who)
             if len(frames[0]) > OFFLOAD_HEADER_BYTES:
@@ -384,10 +394,10 @@ class DataFrontend:
             req_id = wire.request_id_of(obj)
             out = self._carry_out(wire.parse_request(obj), peer, owner, frames, who)
         except Exception as exc:
-            return _failed(req_id, exc)
+            return failed(req_id, exc)
         if isinstance(out, Deferred):
-            return lambda: _finish(req_id, out)
-        return _Answer(req_id, out)
+            return lambda: finish(req_id, out)
+        return Answer(req_id, out)
 
     async def _handle_offloaded(
         self,
@@ -397,7 +407,7 @@ class DataFrontend:
         owner: str,
         frames: _Frames,
         who: Principal,
-    ) -> _Answer:
+    ) -> Answer:
         """A large request: decoded and validated on a thread, carried out on the loop."""
         try:
             obj = await asyncio.to_thread(wire.unpack_header, header)
@@ -407,13 +417,14 @@ class DataFrontend:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            return _failed(req_id, exc)
+            return failed(req_id, exc)
         if isinstance(out, Deferred):
-            return await _finish(req_id, out)
-        return _Answer(req_id, out)
+            return await finish(req_id, out)
+        return Answer(req_id, out)
 
     def _remember(self, peer: bytes, who: Principal) -> None:
         """Note who a ROUTER connection is (the oldest is forgotten past the bound)."""
+        self._service.refusals.forgive(peer)
         known = self._authenticated
         if peer not in known and len(known) >= MAX_AUTHENTICATED_PEERS:
             del known[next(iter(known))]
@@ -443,7 +454,7 @@ class DataFrontend:
             if released:
                 logger.info("released %d lease(s) of %s: its connection closed", released, client)
 
-    def _send(self, peer: _Peer, answer: _Answer) -> None:
+    def _send(self, peer: _Peer, answer: Answer) -> None:
         """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send
         outside the reader callback, make sure messages that arrived meanwhile are read."""
         req_id, result = answer.req_id, answer.result
@@ -453,7 +464,7 @@ class DataFrontend:
             elif isinstance(result, Parts):  # copied: the transport may write them later
                 peer.send(self._sender.copy_out(req_id, self._sid, result))
             else:
-                assert result is not None  # an _Answer holds a result or an error
+                assert result is not None  # an Answer holds a result or an error
                 peer.send([wire.encode_reply(req_id, self._sid, result)])
             return
         raw = self._raw
@@ -464,27 +475,10 @@ class DataFrontend:
         elif isinstance(result, Parts):
             self._sender.send(raw, peer, req_id, self._sid, result)
         else:
-            assert result is not None  # an _Answer holds a result or an error
+            assert result is not None  # an Answer holds a result or an error
             raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])
         if not self._reading:
             self._schedule_drain()
-
-
-async def _finish(req_id: int, deferred: Deferred) -> _Answer:
-    try:
-        return _Answer(req_id, await deferred.run())
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        return _failed(req_id, exc)
-
-
-def _failed(req_id: int, exc: Exception) -> _Answer:
-    """The error reply for ``exc``: its code when it is a KVServerError, else ``internal``."""
-    if isinstance(exc, KVServerError):
-        return _Answer(req_id, error=(exc.code, str(exc)))
-    logger.error("internal error handling request %d", req_id, exc_info=exc)
-    return _Answer(req_id, error=("internal", f"internal error: {exc!r}"))
 
 
 def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:

@@ -1,0 +1,163 @@
+"""Throttling the error replies to ZMQ connections whose requests fail authentication.
+
+Runs in the daemon process, on its event loop: the ZMQ front end (``zmq_server.py``) asks
+:meth:`RefusalThrottle.refuse` what to do with each ``unauthenticated`` error reply of a ROUTER
+connection; ``KVService.stats()`` carries :meth:`RefusalThrottle.stats` as ``refusals``. Not
+thread-safe.
+
+Why: ZMQ delivers whole messages, so the daemon has read every byte of a request (up to 16 MiB
+of header) before it can see that its token is wrong; what it can decide is how fast it lets a
+refused client come back. A client sending request after request, each waiting for its reply
+(a misconfigured client retrying in a loop, or an attacker pushing big unauthenticated
+requests), is slowed to one reply per :data:`REFUSAL_INTERVAL_S` per connection: the daemon's
+ZMQ I/O thread, which also carries every authenticated client's messages, then no longer
+spends its time copying that client's bytes (docs/benchmarks.md, the abuse section).
+
+Rules, per ROUTER connection (routing id):
+
+- the error replies of its first :data:`REFUSAL_BURST` refused requests leave at once (and so
+  do those of a connection quiet for a while: the allowance comes back at one per
+  :data:`REFUSAL_INTERVAL_S`): an honest, misconfigured client gets its clear
+  ``unauthenticated`` error without delay, and so do the few requests a pipelining client had
+  in flight with a stale token (the daemon restarted with a new one);
+- past that, each reply leaves one :data:`REFUSAL_INTERVAL_S` after the previous one (held
+  back: :meth:`RefusalThrottle.refuse` returns the delay), in request order;
+- at most :data:`MAX_HELD_PER_CONNECTION` replies of a connection, and :data:`MAX_HELD` in
+  all, wait at a time; a refused request beyond that gets no reply (dropped, counted): only a
+  client that does not wait for its replies gets there;
+- a request with a valid token is served at once as always, and lifts the connection's
+  penalty (a client that re-read a rotated token goes on at full speed). Its reply may then
+  leave before error replies still held back for that connection; request ids tell them apart.
+
+What it does not do: stop a client that sends without waiting for replies from being read —
+only authentication at the ZMQ handshake can (see docs/security.md). The held replies hold no
+request bytes: the request's frames are released at once; a held reply is its short error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+#: past the burst, error replies of one connection leave at most once per this many seconds.
+REFUSAL_INTERVAL_S = 1.0
+#: error replies of one connection that may leave at once.
+REFUSAL_BURST = 8
+#: error replies waiting to be sent, per connection and in all.
+MAX_HELD_PER_CONNECTION = 8
+MAX_HELD = 4096
+#: connections remembered (the oldest is forgotten past it).
+MAX_CONNECTIONS = 1 << 16
+
+
+@dataclass(slots=True)
+class _Penalty:
+    due: float  # the connection's replies so far, spaced one interval apart, end here
+    held: int = 0  # its error replies waiting
+
+
+class RefusalThrottle:
+    """When to send each error reply of a refused ROUTER request; see the module docstring.
+
+    :meth:`answer` sends, holds or drops one reply (on the running loop); :meth:`refuse`
+    is its decision alone. ``clock`` is the time in seconds (monotonic)."""
+
+    def __init__(
+        self,
+        interval_s: float = REFUSAL_INTERVAL_S,
+        *,
+        burst: int = REFUSAL_BURST,
+        max_held_per_connection: int = MAX_HELD_PER_CONNECTION,
+        max_held: int = MAX_HELD,
+        max_connections: int = MAX_CONNECTIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._interval = interval_s
+        self._burst = burst
+        self._max_held_per_connection = max_held_per_connection
+        self._max_held = max_held
+        self._max_connections = max_connections
+        self._clock = clock
+        self._penalties: dict[bytes, _Penalty] = {}
+        self._held = 0
+        self.refused = 0  # requests refused as unauthenticated (every one counts)
+        self.held_back = 0  # error replies sent later than at once
+        self.dropped = 0  # refused requests that got no reply (over the bounds)
+
+    def answer(self, peer: bytes, send: Callable[[], None]) -> None:
+        """A request of ``peer`` was refused: ``send()`` its error reply now, later (a timer
+        on the running loop; ``send`` must then still be callable, e.g. do nothing once the
+        socket is closed) or never."""
+        delay = self.refuse(peer)
+        if delay == 0.0:
+            send()
+        elif delay is not None:
+            asyncio.get_running_loop().call_later(delay, self._release, peer, send)
+
+    def _release(self, peer: bytes, send: Callable[[], None]) -> None:
+        self.sent(peer)
+        try:
+            send()
+        except Exception:  # a reply that cannot be sent must not end the loop
+            logger.exception("failed to send a held error reply")
+
+    def refuse(self, peer: bytes) -> float | None:
+        """A request of ``peer`` was refused: its error reply leaves after this many seconds
+        (0.0: at once), or None: send none."""
+        self.refused += 1
+        now = self._clock()
+        penalty = self._penalties.get(peer)
+        if penalty is None:
+            penalty = _Penalty(now)
+            self._note(peer, penalty)
+        # GCRA: the replies so far, one interval each, end at ``due``; the burst may leave early
+        due = max(penalty.due, now) + self._interval
+        delay = due - self._burst * self._interval - now
+        if delay <= 1e-9:  # within the burst (up to rounding)
+            penalty.due = due
+            return 0.0
+        if penalty.held >= self._max_held_per_connection or self._held >= self._max_held:
+            self.dropped += 1
+            return None
+        penalty.due = due
+        penalty.held += 1
+        self._held += 1
+        self.held_back += 1
+        return delay
+
+    def sent(self, peer: bytes) -> None:
+        """A held reply of ``peer`` was sent (or given up)."""
+        penalty = self._penalties.get(peer)
+        if penalty is not None and penalty.held > 0:  # else forgotten: no longer counted
+            penalty.held -= 1
+            self._held -= 1
+
+    def forgive(self, peer: bytes) -> None:
+        """``peer`` sent a request with a valid token: no penalty for it any more (the
+        replies already held for it still leave when due)."""
+        penalty = self._penalties.get(peer)
+        if penalty is not None and penalty.held == 0:
+            del self._penalties[peer]
+
+    def _note(self, peer: bytes, penalty: _Penalty) -> None:
+        penalties = self._penalties
+        while len(penalties) >= self._max_connections:
+            oldest = next(iter(penalties))
+            self._held -= penalties.pop(oldest).held  # its held replies stop counting
+        penalties[peer] = penalty
+
+    def stats(self) -> dict[str, int]:
+        """``refused``, ``held_back``, ``dropped`` (counters since start), ``held`` and
+        ``connections`` (now)."""
+        return {
+            "refused": self.refused,
+            "held_back": self.held_back,
+            "dropped": self.dropped,
+            "held": self._held,
+            "connections": len(self._penalties),
+        }
