@@ -5,15 +5,23 @@ Starts a real daemon (loopback, its default random token) and, one abuse at a ti
 - ``idle_local``: 100 local-channel connections, each sending a size field announcing 1 GiB
   and a few bytes, then nothing (target: RSS growth < 64 MiB);
 - ``grpc_10mb``: 150 sequential 10 MB Lookup requests the daemon refuses (target: < 64 MiB);
-- ``unauth_2m``: attacker processes sending unauthenticated lookups of 2^21 keys (a 12 MB
-  header) back to back (target: an authenticated lookup < 5 ms);
+- ``unauth_2m``: 2 attacker processes sending unauthenticated lookups of 2^21 keys (a 12 MB
+  header) back to back, each waiting for its reply (target: an authenticated lookup < 5 ms);
+- ``unauth_2m_pipelined``: the same without waiting for replies (as fast as ZMQ takes them);
 - ``auth_1m_tokens``: an authenticated attacker sending 1M-token lookup_tokens back to back
   (validated off the loop).
+
+The contention floors, in the same run: ``busy_2`` (2 busy-loop processes that do not talk to
+the daemon) and ``sink_2m`` / ``sink_2m_pipelined`` (the same attackers sending the same
+messages to a bare ZMQ ROUTER in another process, which answers each with a short error: the
+CPU and memory traffic of the attack without the daemon in it).
 
 While each abuse runs, an authenticated client (the bench process, its token picked up from the
 daemon's file) times small ZMQ lookups; the reference is the same lookups with no abuse,
 measured in the same run against the same daemon: ratio = p99 under abuse / p99 reference.
-RSS is the daemon's VmRSS before and after each abuse.
+Each row also has the CPU the attackers and the daemon's ZMQ I/O thread used (cores), the
+1-minute load average, and for attacks on the daemon its ``refusals`` counters. RSS is the
+daemon's VmRSS before and after each abuse.
 
 Usage: python benchmarks/bench_abuse.py [--quick] [--json FILE]
 With --json, also writes FILE with the .png suffix (two bar charts) when matplotlib is
@@ -23,6 +31,8 @@ importable.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +51,7 @@ from benchmarks.harness.daemon import DaemonProc, start_daemon
 from benchmarks.report import save_report
 from kvserver import wire, wire_local
 from kvserver.client import KVClient
+from kvserver.daemon.malloc import MALLOC_ENV
 from kvserver.namespace import NamespaceSpec
 
 MIB = 1 << 20
@@ -82,12 +93,20 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
-    """Run in a child process: send ``kind`` requests back to back (one outstanding)."""
+    """Run in a child process: send ``kind`` requests back to back for ``seconds``, one
+    outstanding (``*_pipelined``: as fast as ZMQ takes them, replies read when they come;
+    ``busy``: no requests, a busy loop). Prints how many were sent."""
+    deadline = time.monotonic() + float(seconds)
+    if kind == "busy":
+        while time.monotonic() < deadline:
+            pass
+        print(0, flush=True)
+        return
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(address)
     args: dict[str, Any]
-    if kind == "unauth_2m":
+    if kind.startswith("unauth_2m"):
         args = {"ns_id": "x", "keys": [b"k" * 4] * (1 << 21)}
         frame = msgpack.packb({"v": 1, "id": 1, "op": wire.LOOKUP, "args": args})
     else:
@@ -95,7 +114,16 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
         args = {"ns_id": token.split(":", 1)[1], "token_ids": token_ids}
         frame = wire.encode_request(1, wire.LOOKUP_TOKENS, args, auth=token.split(":", 1)[0])
     sent = 0
-    deadline = time.monotonic() + float(seconds)
+    if kind.endswith("_pipelined"):
+        sock.sndhwm = 4  # a few 12 MB messages queued: the daemon, not the queue, sets the pace
+        while time.monotonic() < deadline:
+            while sock.poll(0, zmq.POLLIN):
+                sock.recv_multipart()
+            if sock.poll(100, zmq.POLLOUT):
+                sock.send(frame, copy=False)
+                sent += 1
+        print(sent, flush=True)
+        return
     while time.monotonic() < deadline:
         sock.send(frame, copy=False)
         if not sock.poll(30_000):
@@ -105,15 +133,43 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
     print(sent, flush=True)
 
 
-def spawn_attackers(kind: str, d: DaemonProc, n: int, seconds: float, token: str) -> list[Any]:
+def sink() -> None:
+    """Run in a child process: a bare ROUTER answering every message with a short error, the
+    same work as the daemon's for an unauthenticated request; prints its port, runs until
+    killed. The attack sent here instead of the daemon is the contention floor."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    error = wire.encode_error(0, "sink", "unauthenticated", "missing or wrong auth token")
+    while True:
+        msg = sock.recv_multipart(copy=False)
+        sock.send_multipart([msg[0].bytes, error])
+
+
+def spawn_attackers(kind: str, address: str, n: int, seconds: float, token: str) -> list[Any]:
     return [
         subprocess.Popen(
-            [sys.executable, __file__, "attack", kind, d.zmq_address, str(seconds), token],
+            [sys.executable, __file__, "attack", kind, address, str(seconds), token],
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **MALLOC_ENV},  # the daemon's allocator settings
         )
         for _ in range(n)
     ]
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each thread of ``pid`` used so far, by thread name."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 # ----------------------------------------------------------------------------- abuses
@@ -156,60 +212,124 @@ def grpc_10mb(d: DaemonProc) -> dict[str, Any]:
 
 
 def under_attack(
-    d: DaemonProc, kv: KVClient, ns_id: str, kind: str, n: int, seconds: float, token: str
+    d: DaemonProc,
+    kv: KVClient,
+    ns_id: str,
+    kind: str,
+    n: int,
+    seconds: float,
+    token: str = "",
+    address: str = "",
 ) -> dict[str, Any]:
+    """Authenticated lookups while ``n`` ``kind`` children run (sending to ``address``, by
+    default the daemon); CPU use in cores: the children, and the daemon's ZMQ I/O thread."""
     before = rss(d.proc.pid)
-    procs = spawn_attackers(kind, d, n, seconds + 1.0, token)
+    procs = spawn_attackers(kind, address or d.zmq_address, n, seconds + 1.0, token)
     time.sleep(0.5)  # the attackers' first requests are under way
+    kids0 = sum(sum(cpu_seconds(p.pid).values()) for p in procs)
+    daemon0 = cpu_seconds(d.proc.pid)
+    start = time.monotonic()
+    load = os.getloadavg()[0]
     samples = lookup_latencies(kv, ns_id, seconds)
+    wall = time.monotonic() - start
+    kids1 = sum(sum(cpu_seconds(p.pid).values()) for p in procs)
+    daemon1 = cpu_seconds(d.proc.pid)
     sent = 0
     for p in procs:
         out, _ = p.communicate(timeout=120)
         sent += int(out.strip() or 0)
+    io = [name for name in daemon1 if name.startswith("ZMQbg/IO")]
     return {
         **summary(samples),
         "attack_requests": sent,
         "rss_growth_mib": (rss(d.proc.pid) - before) / MIB,
+        "load_1min": load,
+        "attackers_cores": (kids1 - kids0) / wall,
+        "daemon_zmq_io_cores": sum(daemon1[k] - daemon0.get(k, 0.0) for k in io) / wall,
+        "daemon_cores": (sum(daemon1.values()) - sum(daemon0.values())) / wall,
     }
+
+
+def refusals(kv: KVClient) -> dict[str, int]:
+    """The daemon's ``refusals`` counters (none from a daemon older than them)."""
+    return dict(kv.stats().get("refusals") or {})
+
+
+#: the stall rows: (name, child kind, children, sent to the sink instead of the daemon)
+STALLS = (
+    ("busy_2", "busy", 2, False),
+    ("sink_2m", "unauth_2m", 2, True),
+    ("unauth_2m", "unauth_2m", 2, False),
+    ("sink_2m_pipelined", "unauth_2m_pipelined", 2, True),
+    ("unauth_2m_pipelined", "unauth_2m_pipelined", 2, False),
+)
 
 
 def run(quick: bool) -> dict[str, Any]:
     seconds = 2.0 if quick else 6.0
     with tempfile.TemporaryDirectory() as tmp:
         d = start_daemon(Path(tmp), "--dram", "64MiB")
+        sink_proc = subprocess.Popen(
+            [sys.executable, __file__, "sink"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **MALLOC_ENV},
+        )
         try:
+            assert sink_proc.stdout is not None
+            sink_address = f"tcp://127.0.0.1:{sink_proc.stdout.readline().strip()}"
             with KVClient(d.zmq_address, colocated=False) as kv:
                 ns_id = kv.register_namespace(SPEC).ns_id
                 lookup_latencies(kv, ns_id, 0.5)  # warm-up
-                reference = summary(lookup_latencies(kv, ns_id, seconds))
-                results: dict[str, Any] = {"reference": reference}
+                results: dict[str, Any] = {}
+                results["reference"] = under_attack(d, kv, ns_id, "busy", 0, seconds)
                 results["idle_local"] = idle_local(d)
                 results["grpc_10mb"] = grpc_10mb(d)
-                results["unauth_2m"] = under_attack(d, kv, ns_id, "unauth_2m", 2, seconds, "")
+                for name, kind, n, to_sink in STALLS:
+                    before = refusals(kv)
+                    address = sink_address if to_sink else ""
+                    row = under_attack(d, kv, ns_id, kind, n, seconds, address=address)
+                    if not to_sink and kind != "busy":
+                        after = refusals(kv)
+                        row["refusals"] = {k: after[k] - before.get(k, 0) for k in after}
+                    results[name] = row
                 token = f"{d.token}:{ns_id}"
                 results["auth_1m_tokens"] = under_attack(
                     d, kv, ns_id, "auth_1m_tokens", 1, seconds, token
                 )
-                for name in ("unauth_2m", "auth_1m_tokens"):
-                    results[name]["ratio_p99"] = results[name]["p99_ms"] / reference["p99_ms"]
+                ref = results["reference"]["p99_ms"]
+                for name in (*(row[0] for row in STALLS), "auth_1m_tokens"):
+                    results[name]["ratio_p99"] = results[name]["p99_ms"] / ref
         finally:
+            sink_proc.kill()
+            sink_proc.wait()
             d.terminate()
     return results
+
+
+ROWS = ("idle_local", "grpc_10mb", *(row[0] for row in STALLS), "auth_1m_tokens")
 
 
 def print_table(r: dict[str, Any]) -> None:
     ref = r["reference"]
     print(f"reference (no abuse): authenticated lookup p50 {ref['p50_ms']:.3f} ms, "
-          f"p99 {ref['p99_ms']:.3f} ms, max {ref['max_ms']:.3f} ms ({ref['n']} lookups)")
-    head = ("RSS +MiB", "p99 ms", "max ms", "p99/ref", "attacks")
-    print(f"{'abuse':<16} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
-    for name in ("idle_local", "grpc_10mb", "unauth_2m", "auth_1m_tokens"):
+          f"p99 {ref['p99_ms']:.3f} ms, max {ref['max_ms']:.3f} ms ({ref['n']} lookups, "
+          f"load {ref['load_1min']:.1f})")
+    head = ("RSS +MiB", "p99 ms", "max ms", "p99/ref", "sent", "kids cpu", "io cpu", "load")
+    print(f"{'abuse':<20} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
+    for name in ROWS:
         row = r[name]
-        p99 = f"{row['p99_ms']:.3f}" if "p99_ms" in row else "-"
-        mx = f"{row['max_ms']:.3f}" if "max_ms" in row else "-"
-        ratio = f"{row['ratio_p99']:.2f}" if "ratio_p99" in row else "-"
-        att = str(row.get("attack_requests", "-"))
-        print(f"{name:<16} {row['rss_growth_mib']:>9.1f} {p99:>8} {mx:>8} {ratio:>8} {att:>8}")
+
+        def cell(key: str, fmt: str, row: dict[str, Any] = row) -> str:
+            return format(row[key], fmt) if key in row else "-"
+
+        print(f"{name:<20} {row['rss_growth_mib']:>9.1f} {cell('p99_ms', '.3f'):>8} "
+              f"{cell('max_ms', '.3f'):>8} {cell('ratio_p99', '.2f'):>8} "
+              f"{cell('attack_requests', 'd'):>8} {cell('attackers_cores', '.2f'):>8} "
+              f"{cell('daemon_zmq_io_cores', '.2f'):>8} {cell('load_1min', '.1f'):>8}")
+    for name in ROWS:
+        if "refusals" in r[name]:
+            print(f"{name}: daemon refusals {r[name]['refusals']}")
 
 
 def write_chart(r: dict[str, Any], path: Path) -> bool:
@@ -220,14 +340,14 @@ def write_chart(r: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = ["idle_local", "grpc_10mb", "unauth_2m", "auth_1m_tokens"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    names = ["idle_local", "grpc_10mb", "unauth_2m", "unauth_2m_pipelined", "auth_1m_tokens"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.2))
     left.bar(names, [r[n]["rss_growth_mib"] for n in names])
     left.axhline(64, color="red", linestyle="--", label="target 64 MiB")
     left.set_ylabel("daemon RSS growth (MiB)")
     left.legend()
     left.tick_params(axis="x", rotation=20)
-    lat = ["reference", "unauth_2m", "auth_1m_tokens"]
+    lat = ["reference", *(row[0] for row in STALLS), "auth_1m_tokens"]
     right.bar([f"{n} p99" for n in lat], [r[n]["p99_ms"] for n in lat])
     right.bar([f"{n} max" for n in lat], [r[n]["max_ms"] for n in lat])
     right.axhline(5, color="red", linestyle="--", label="target 5 ms")
@@ -244,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attack":
         attack(*argv[1:])
+        return 0
+    if argv and argv[0] == "sink":
+        sink()
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 s per abuse instead of 6 s")
