@@ -3,9 +3,14 @@
 Runs in every process that names KV blocks: the daemon (gRPC Lookup by token ids), the
 scheduler-side connector and ``kvserver hash``. Pure computation: no I/O, no logging.
 Thread safety: :class:`BlockHasher` is immutable (its results depend on its fields only) and may
-be shared by threads. Shared state: the CBOR integer table, replaced whole (never mutated) when
-it grows, and each hasher's :class:`_GroupCache` of already-hashed chain segments, behind a
-lock.
+be shared by threads. Shared state: each hasher's :class:`_GroupCache` of already-hashed chain
+segments, behind a lock.
+
+How. The chain is sequential (each block's payload holds its parent's digest), so one Python
+loop computes one digest per block; what a block costs besides the digest is its payload. For
+the CBOR algorithms a call of :data:`BULK_MIN_BLOCKS` blocks or more encodes every block's
+payload at once with numpy (:mod:`kvserver.hash_payloads`) and the loop splices the parent in;
+``sha256`` (pickle) and short calls call ``H`` once per block, the scheme as written.
 
 Reuse of already-hashed prefixes. Prompts repeat and extend one another (multi-turn chats,
 shared system prompts, routers asking about the same prompt again), so each hasher keeps a
@@ -44,21 +49,20 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import struct
 import sys
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import itemgetter
 from typing import NewType, cast
 
 import cbor2
+import numpy
 import xxhash
 
 from kvserver.errors import InvalidArgument
+from kvserver.hash_payloads import Payloads, encode_blocks
 
 BlockHash = NewType("BlockHash", bytes)
 """An opaque block (or chunk) key: the raw digest, 32 bytes for sha256*, 16 for xxhash_cbor."""
@@ -75,6 +79,11 @@ PICKLE_PROTOCOL = 5
 GROUP_BLOCKS = 32
 #: most segments one hasher caches (~8 KiB each at block size 16: 16k blocks, 256k tokens)
 CACHE_GROUPS = 1024
+#: fewest blocks the CBOR algorithms hash through the bulk encoder (``hash_payloads``); fewer
+#: (a scheduler's next block) cost less with one H call each than the encoder's fixed ~20 us
+BULK_MIN_BLOCKS = 16
+#: bytes per token id in the packed form that keys the cache and feeds the bulk encoder
+_PACKED_ID_SIZE = 4
 
 
 def _sha256_pickle(obj: object) -> bytes:
@@ -202,46 +211,65 @@ class BlockHasher:
                     parent=parent,
                 )
             first_keys = rest_keys
-        block_size = self.block_size
-        end = len(tokens) // block_size * block_size
-        if end == 0:
-            return []
-        group = GROUP_BLOCKS * block_size
+        num_blocks = len(tokens) // self.block_size
         out: list[BlockHash] = []
-        keys = first_keys
-        start = 0
+        keys, done = first_keys, 0
         cache = self._cache
-        size = array("I").itemsize
-        while end - start >= group:  # whole segments: from the cache or computed and cached
-            segment = tuple(tokens[start : start + group])
-            if packed_all is None:  # ids >= 2**32: no cache for them
-                hashes = self._chain(segment, group, parent, keys, rest_keys)
-            else:
-                key = (parent, keys, rest_keys, packed_all[start * size : (start + group) * size])
-                cached = cache.get(key)
+        if packed_all is not None:  # whole segments from the cache while they are there
+            while num_blocks - done >= GROUP_BLOCKS:
+                cached = cache.get(self._segment_key(parent, keys, rest_keys, packed_all, done))
                 if cached is None:
-                    hashes = self._chain(segment, group, parent, keys, rest_keys)
-                    cache.put(key, hashes)
-                else:
-                    hashes = cached
-            out += hashes
-            parent, keys, start = hashes[-1], rest_keys, start + group
-        if start < end:  # the tail, fewer than GROUP_BLOCKS blocks: computed, not cached
-            tail = tuple(tokens[start:end] if start else tokens)
-            out += self._chain(tail, end - start, parent, keys, rest_keys)
+                    break
+                out += cached
+                parent, keys, done = cached[-1], rest_keys, done + GROUP_BLOCKS
+        if done == num_blocks:
+            return out
+        hashes = self._chain(tokens, packed_all, done, num_blocks, parent, keys, rest_keys)
+        if packed_all is not None:  # remember the whole segments just computed
+            for at in range(0, len(hashes) - GROUP_BLOCKS + 1, GROUP_BLOCKS):
+                before, seg_keys = (hashes[at - 1], rest_keys) if at else (parent, keys)
+                key = self._segment_key(before, seg_keys, rest_keys, packed_all, done + at)
+                cache.put(key, hashes[at : at + GROUP_BLOCKS])
+        out += hashes
         return out
+
+    def _segment_key(
+        self,
+        parent: bytes,
+        keys: object,
+        rest_keys: object,
+        packed_all: bytes,
+        first_block: int,
+    ) -> tuple[object, ...]:
+        """What determines the hashes of the segment of blocks from ``first_block`` on."""
+        size = self.block_size * _PACKED_ID_SIZE
+        at = first_block * size
+        return (parent, keys, rest_keys, packed_all[at : at + GROUP_BLOCKS * size])
 
     def _chain(
         self,
-        tokens: tuple[int, ...],
-        end: int,
+        tokens: Sequence[int],
+        packed_all: bytes | None,
+        first_block: int,
+        end_block: int,
         parent: bytes,
         first_keys: object,
         rest_keys: object,
     ) -> list[BlockHash]:
-        if self.algo == "sha256":
-            return _chain_pickle(tokens, end, self.block_size, parent, first_keys, rest_keys)
-        return _chain_cbor(self.algo, tokens, end, self.block_size, parent, first_keys, rest_keys)
+        """Hashes of blocks ``first_block`` to ``end_block - 1`` of ``tokens``, the first one's
+        parent ``parent``: CBOR payloads encoded in bulk (:mod:`kvserver.hash_payloads`), or
+        one H call per block (pickle, which ``pickle.dumps`` writes in C; a few blocks; ids
+        >= 2**32)."""
+        bs = self.block_size
+        lo, hi = first_block * bs, end_block * bs
+        bulk = self.algo != "sha256" and end_block - first_block >= BULK_MIN_BLOCKS
+        if packed_all is None or not bulk:
+            return _chain_literal(
+                self.algo, tuple(tokens[lo:hi]), bs, parent, first_keys, rest_keys
+            )
+        ids = numpy.frombuffer(packed_all, dtype=numpy.uint32)[lo:hi]
+        payloads = encode_blocks(ids, bs, self.digest_size, first_keys, rest_keys)
+        return _chain_payloads(self.algo, payloads, parent)
 
     def chunk_keys(self, block_hashes: Sequence[BlockHash], chunk_blocks: int) -> list[BlockHash]:
         """See :func:`chunk_keys`."""
@@ -347,112 +375,26 @@ def _pack(tokens: tuple[int, ...]) -> bytes | None:
         return None
 
 
-def _chain_pickle(
-    tokens: tuple[int, ...],
-    end: int,
-    block_size: int,
-    parent: bytes,
-    first_keys: object,
-    rest_keys: object,
-) -> list[BlockHash]:
-    """The "sha256" chain, inlined: one pickle.dumps and one sha256 per block."""
-    dumps, sha256, protocol = pickle.dumps, hashlib.sha256, PICKLE_PROTOCOL
-    prev = sha256(dumps((parent, tokens[:block_size], first_keys), protocol)).digest()
-    out = [prev]
-    append = out.append
-    for start in range(block_size, end, block_size):
-        block = tokens[start : start + block_size]
-        prev = sha256(dumps((prev, block, rest_keys), protocol)).digest()
-        append(prev)
-    return cast("list[BlockHash]", out)
-
-
-# ---------------------------------------------------------------------------------- CBOR
-# cbor2 encodes an int in ~120 ns (one write call each), which made CBOR 3x slower than pickle.
-# The payload H hashes here always has the same shape, so it is assembled from pieces:
-#   0x83 | bytes-head + parent | array-head(block_size) + one encoding per token | extra keys
-# with the token encodings looked up in a table of canonical CBOR uints (0..table size) and the
-# extra keys encoded by cbor2 itself. tests/kvserver/test_hashing.py checks this against
-# cbor2.dumps(canonical=True) at every integer width. Tokens >= _CBOR_TABLE_LIMIT (no real
-# vocabulary) fall back to cbor2 for every block.
-
-_CBOR_TABLE_LIMIT = 1 << 18  # 256 Ki entries, ~12 MB; a 128k vocabulary needs ~6 MB
-_cbor_uint_table: list[bytes] = []
-
-
-def _cbor_head(major: int, value: int) -> bytes:
-    """Canonical (shortest) CBOR head for major type ``major`` and argument ``value``."""
-    if value < 24:
-        return bytes((major << 5 | value,))
-    for info, fmt in ((24, ">BB"), (25, ">BH"), (26, ">BI"), (27, ">BQ")):
-        if value < 1 << (8 << (info - 24)):
-            return struct.pack(fmt, major << 5 | info, value)
-    raise InvalidArgument("value too large for a CBOR head", value=value)
-
-
-def _cbor_uints(max_token: int) -> list[bytes] | None:
-    """A table whose entry ``t`` is the canonical CBOR encoding of ``t``, covering max_token."""
-    global _cbor_uint_table
-    table = _cbor_uint_table
-    if max_token < len(table):
-        return table
-    if max_token >= _CBOR_TABLE_LIMIT:
-        return None
-    size = max(1 << 16, 1 << max_token.bit_length())
-    table = [bytes((t,)) for t in range(24)]
-    table += [bytes((0x18, t)) for t in range(24, 256)]
-    table += map(struct.Struct(">BH").pack, repeat(0x19), range(256, 1 << 16))
-    table += map(struct.Struct(">BI").pack, repeat(0x1A), range(1 << 16, size))
-    _cbor_uint_table = table
-    return table
-
-
-def _chain_cbor(
-    algo: str,
-    tokens: tuple[int, ...],
-    end: int,
-    block_size: int,
-    parent: bytes,
-    first_keys: object,
-    rest_keys: object,
-) -> list[BlockHash]:
-    """The "sha256_cbor" / "xxhash_cbor" chain over pre-encoded token blocks."""
-    hashed = tokens if end == len(tokens) else tokens[:end]
-    try:
-        encoded = itemgetter(*hashed)(_cbor_uint_table)
-    except IndexError:
-        table = _cbor_uints(max(hashed))
-        if table is None:
-            return _chain_generic(algo, hashed, block_size, parent, first_keys, rest_keys)
-        encoded = itemgetter(*hashed)(table)
-    if end == 1:
-        encoded = (encoded,)
-    join = b"".join
-    head = b"\x83" + _cbor_head(2, len(parent))  # every parent has the digest size
-    array_head = _cbor_head(4, block_size)
-    rest_tail = cbor2.dumps(rest_keys, canonical=True)
-    # Everything after the parent, per block: array head, token encodings, extra keys; the
-    # grouping (zip over one iterator) and the joins run in C, no Python loop per block.
-    it = iter(encoded)
-    blocks = list(map(join, zip(repeat(array_head), *[it] * block_size, repeat(rest_tail))))
-    blocks[0] = array_head + join(encoded[:block_size]) + cbor2.dumps(first_keys, canonical=True)
+def _chain_payloads(algo: str, payloads: Payloads, parent: bytes) -> list[BlockHash]:
+    """The CBOR chain over payloads encoded in bulk: one digest per block, parent spliced in."""
+    data, head, starts, ends = payloads
     out: list[bytes] = []
     append = out.append
     prev = parent
     if algo == "xxhash_cbor":
         xxh = xxhash.xxh3_128_digest
-        for block in blocks:
-            prev = xxh(head + prev + block)
+        for start, end in zip(starts, ends, strict=True):
+            prev = xxh(head + prev + data[start:end])
             append(prev)
     else:
         sha256 = hashlib.sha256
-        for block in blocks:
-            prev = sha256(head + prev + block).digest()
+        for start, end in zip(starts, ends, strict=True):
+            prev = sha256(head + prev + data[start:end]).digest()
             append(prev)
     return cast("list[BlockHash]", out)
 
 
-def _chain_generic(
+def _chain_literal(
     algo: str,
     tokens: tuple[int, ...],
     block_size: int,
@@ -460,7 +402,7 @@ def _chain_generic(
     first_keys: object,
     rest_keys: object,
 ) -> list[BlockHash]:
-    """Reference chain through :func:`hash_function`: slow, any input."""
+    """The scheme as written, one H((parent, block, keys)) per block: any ids, no set-up."""
     fn = _HASH_FUNCTIONS[algo]
     out: list[bytes] = []
     keys = first_keys

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,9 +35,10 @@ from kvserver.errors import (
 )
 from kvserver.events import BlockRemoved, BlockStored, Event
 from kvserver.grpc_client import EventsDropped, GrpcClient
-from kvserver.hashing import BlockHasher
+from kvserver.hashing import HASH_ALGOS, BlockHasher
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec
+from tests.kvserver.test_hashing import reference_hashes
 from tests.support.daemon import DaemonProc, start_daemon
 
 T = TypeVar("T")
@@ -449,6 +451,34 @@ def test_daemon_lookup_stats_and_events(daemon: DaemonProc) -> None:
         assert stats.tiers[0].capacity_bytes == 4 << 20
         (row,) = [n for n in stats.namespaces if n.namespace_id == ns.namespace_id]
         assert (row.entries, row.stored_chunks) == (5, 5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_daemon_lookup_of_a_long_new_prompt_matches_the_literal_scheme(
+    daemon: DaemonProc, algo: str
+) -> None:
+    """Lookup by token ids of a never-seen 80-block prompt (the bulk CBOR encoder, then the
+    segment cache), ids of every width, salted and with a LoRA: the daemon's keys are the
+    scheme's spelled out block by block."""
+    spec = make_spec(model=f"real/long-{algo}", hash_algo=algo, chunk_blocks=1)
+    rng = random.Random(algo)
+    edges = [0, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32 - 1]
+    tokens = [
+        rng.choice(edges) if rng.random() < 0.3 else rng.randrange(2 ** rng.randrange(1, 33))
+        for _ in range(16 * 80 + 5)
+    ]
+    extra: dict[str, Any] = {"cache_salt": "tenant", "lora": ("ad", "/p")}
+    keys = reference_hashes(algo, tokens, 16, seed=spec.hash_seed, **extra)  # 1 block a chunk
+    with GrpcClient(daemon.grpc_address, timeout=10) as client:
+        ns_id = client.register_namespace(spec).namespace_id
+        zmq_put(daemon, ns_id, keys[:50], spec.part_bytes)
+        for _ in range(2):  # hashed, then from the daemon's segment cache
+            reply = client.lookup_tokens(ns_id, tokens, **extra)
+            assert (reply.hit_chunks, reply.num_chunks) == (50, 80)
+        other = client.lookup_tokens(ns_id, tokens, cache_salt="other", lora=("ad", "/p"))
+        assert other.hit_chunks == 0
+        assert client.lookup_tokens(ns_id, tokens[:-5] + [1] * 16, **extra).hit_chunks == 50
 
 
 @pytest.mark.multiprocess
