@@ -301,7 +301,8 @@ class GrpcClient:
         timeout: float | None = None,
     ) -> LookupReply:
         """Like :meth:`lookup_keys`, the daemon hashing ``token_ids`` as vLLM would."""
-        req = pb.LookupRequest(namespace_id=ns_id, tokens=_tokens(token_ids, cache_salt, lora))
+        req = pb.LookupRequest(namespace_id=ns_id)
+        _set_tokens(req.tokens, token_ids, cache_salt, lora)
         return _lookup_reply(self._call("Lookup", req, pb.LookupResponse, timeout))
 
     def stats(self, *, timeout: float | None = None) -> ServerStats:
@@ -427,11 +428,17 @@ def _serialize(msg: Any) -> bytes:
     return data
 
 
-def _tokens(token_ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None) -> Any:
-    msg = pb.TokenPrefix(token_ids=token_ids, cache_salt=cache_salt or "")
+def _set_tokens(
+    msg: Any, token_ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None
+) -> None:
+    """Fill the request's TokenPrefix in place: ``extend`` converts 32k ids in ~0.45 ms where a
+    constructor took ~0.8 ms and copying a built TokenPrefix into the request more."""
+    msg.token_ids.extend(token_ids)
+    msg.SetInParent()
+    if cache_salt:
+        msg.cache_salt = cache_salt
     if lora is not None:
         msg.lora.name, msg.lora.path = lora
-    return msg
 
 
 def _set_prefix(
@@ -447,7 +454,7 @@ def _set_prefix(
         req.keys.keys.extend(keys)
         req.keys.SetInParent()
     else:
-        req.tokens.CopyFrom(_tokens(token_ids or (), cache_salt, lora))
+        _set_tokens(req.tokens, token_ids or (), cache_salt, lora)
 
 
 def _lookup_reply(msg: Any) -> LookupReply:

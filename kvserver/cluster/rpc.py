@@ -17,7 +17,9 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
@@ -110,7 +112,9 @@ def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
             raise InvalidArgument("too many tokens", count=len(t.token_ids))
         lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
         hasher = _hasher(spec)
-        blocks = hasher.hash_blocks(t.token_ids, cache_salt=t.cache_salt or None, lora=lora)
+        # the ids in bulk, as the daemon's Lookup takes them (grpc_server._prefix_keys)
+        token_ids = cast("Sequence[int]", numpy.asarray(t.token_ids, dtype=numpy.uint32))
+        blocks = hasher.hash_blocks(token_ids, cache_salt=t.cache_salt or None, lora=lora)
         return [bytes(k) for k in hasher.chunk_keys(blocks, spec.chunk_blocks)]
     raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
 
