@@ -14,6 +14,7 @@ suspect, condition): it holds no bytes, so the per-tier capacity series do not a
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,7 +110,7 @@ class DaemonCollector(LoopCollector):
         self._service = service
 
     def snapshot(self) -> dict[str, Any]:
-        return self._service.stats()
+        return {**self._service.stats(), "gc": (gc.get_stats(), gc.get_freeze_count())}
 
     def families(self, snapshot: Any) -> Iterator[Metric]:
         s: dict[str, Any] = snapshot
@@ -180,4 +181,16 @@ class DaemonCollector(LoopCollector):
             )
             for name, doc, key in _CLUSTER_COUNTERS:
                 yield CounterMetricFamily(name, doc, value=cluster[key])
+        generations, frozen = s["gc"]
+        collections = CounterMetricFamily(
+            "kvserver_gc_collections",
+            "Cycle-collector passes, by generation.",
+            labels=["generation"],
+        )
+        for generation, stats in enumerate(generations):
+            collections.add_metric([str(generation)], stats["collections"])
+        yield collections
+        yield GaugeMetricFamily(
+            "kvserver_gc_frozen_objects", "Objects frozen after start-up (never collected).", frozen
+        )
         yield from self._service.op_seconds.collect()

@@ -48,6 +48,8 @@ FAMILIES = {
     "kvserver_ssd_condition": "gauge",  # a state set: one series per condition, 1 or 0
     "kvserver_op_duration_seconds": "histogram",
     "kvserver_build_info": "gauge",
+    "kvserver_gc_collections": "counter",
+    "kvserver_gc_frozen_objects": "gauge",
 }
 
 
@@ -104,6 +106,9 @@ def test_metrics_move_with_real_operations(tmp_path: Path) -> None:
         assert after.value("kvserver_op_duration_seconds_sum", op="put") > 0
         assert after.value("kvserver_op_duration_seconds_bucket", op="put", le="+Inf") == 8
         assert after.value("kvserver_build_info", version=kv_version()) == 1
+        # start-up's objects were frozen before the ready file: no collection walks them
+        assert after.value("kvserver_gc_frozen_objects") > 10_000
+        assert after.value("kvserver_gc_collections_total", generation="2") >= 1
     finally:
         assert d.terminate() == 0, d.log()
 
