@@ -103,6 +103,8 @@ class FleetReader:
         self.config = config
         self._hosts: list[HostInfo] = []
         self._hosts_at = -1e9
+        #: a Redis Cluster (one script per host) or one server (one script for all hosts)
+        self._per_host = config.target().cluster
 
     async def hosts(
         self, *, refresh: bool = False, timeout_s: float | None = None
@@ -159,7 +161,7 @@ class FleetReader:
         blob = b"".join(map(schema.fingerprint, keys))
         # A Redis Cluster: one script per host (its sets share a slot), in one pipeline (one
         # round trip per node). One server: one script for every host, the prompt sent once.
-        groups = [[h] for h in chosen] if self.config.target().cluster else [chosen]
+        groups = [[h] for h in chosen] if self._per_host else [chosen]
         pipe = self.redis.pipeline(transaction=False)
         for group in groups:
             sets = [

@@ -20,7 +20,7 @@ import pytest
 
 from kvserver.client import KVClient
 from kvserver.cluster.rpc import call_score_hosts
-from kvserver.errors import InvalidState, UnknownNamespace
+from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
 from kvserver.grpc_client import GrpcClient
 from kvserver.hashing import BlockHasher
 from tests.kvserver.builders import make_spec, pattern
@@ -61,9 +61,21 @@ def _top(client: GrpcClient) -> list[tuple[str, int]]:
     return [(h.host_id, h.hit_chunks) for h in scored]
 
 
-def test_hosts_are_scored_best_first_with_their_runs_per_tier(fleet: list[DaemonProc]) -> None:
+def redis_calls(redis: RedisServer, command: str) -> int:
+    stats = redis.cli("INFO", "commandstats")
+    head = f"cmdstat_{command}:calls="
+    return int(stats.split(head)[1].split(",")[0]) if head in stats else 0
+
+
+def test_hosts_are_scored_best_first_with_their_runs_per_tier(
+    fleet: list[DaemonProc], redis_server: RedisServer
+) -> None:
     a, b, c = fleet
     ct = SPEC.chunk_tokens
+    # C has no such namespace: it read A's spec from the fleet once, and keeps it (an ns id
+    # is a digest of the spec)
+    hgets = redis_calls(redis_server, "hget")
+    assert hgets >= 1
     with GrpcClient(c.grpc_address) as client:
         for exact in (False, True):
             by_tokens = call_score_hosts(client, SPEC.ns_id, token_ids=TOKENS, exact=exact)
@@ -83,6 +95,12 @@ def test_hosts_are_scored_best_first_with_their_runs_per_tier(fleet: list[Daemon
         assert weighted[0].score == 12 * ct * 0.25
         with pytest.raises(UnknownNamespace):
             call_score_hosts(client, "0" * 16, token_ids=TOKENS)
+        keys = chunk_keys(TOKENS)
+        for bad in ([keys[0][:-1]], [*keys[:3], keys[3] + b"x"]):  # every key is checked
+            with pytest.raises(InvalidArgument, match="key_size"):
+                call_score_hosts(client, SPEC.ns_id, keys=bad)
+        assert call_score_hosts(client, SPEC.ns_id, keys=[])[0].hit_chunks == 0
+        assert redis_calls(redis_server, "hget") == hgets + 1  # the unknown one: not cached
         stats = client.stats()
         assert stats.cluster is not None and stats.cluster["condition"] == "ok"
         assert stats.cluster["host_id"] == "c" and stats.cluster["live_hosts"] == 3
