@@ -1,4 +1,5 @@
-"""Prefix-aware eviction: GreedyDual over use counts, a chain's tail before its head.
+"""Prefix-aware eviction: GreedyDual over use counts, learned credit for new chunks, a chain's
+tail before its head.
 
 Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
 :mod:`kvserver.policies.base` for the call contract.
@@ -12,27 +13,32 @@ worth keeping only while every chunk before it is kept. Three observations drive
 - chunks used by many conversations (shared system prompts) gather uses and outlive one-off
   chunks, while an ageing term (GreedyDual's ``L``) lets counts of chunks nobody reads any more
   lose their weight;
-- a chunk deep in one long store batch (a long one-off document) is worth less than a shallow
-  one: its reuse needs every chunk before it in the batch. Its initial credit is divided by
-  ``1 + position / DEPTH_SCALE`` (scan resistance).
+- whether a *new* chunk will be read again depends on where it sits in its store batch: the
+  next turn of a chat re-reads a short batch, a long one-off document is never read again. The
+  policy learns it (:class:`ReusePredictor`, after SHiP's signature-based insertion): the
+  signature of a stored chunk is (log2 of its position in the batch, log2 of the batch
+  length); the predictor counts, per signature, the chunks stored and the chunks read again
+  before they left, and a new chunk's credit is that signature's reuse rate (scan
+  resistance that adapts to the workload).
 
-Priority. Each tracked key ``k`` has ``H(k) = L + uses(k) * credit(k)`` set when it is inserted
-or touched; ``evict`` takes keys in ascending ``(H, tie)`` order and raises ``L`` to the ``H`` of
-the last victim, so whatever is not used falls behind everything that is. ``credit`` is
-``1 / (1 + position / DEPTH_SCALE)`` where ``position`` is the key's index in its
-``insert_batch`` (0 for ``insert``). Ties: inserts of one batch are numbered last-to-first (the
-tail gets the lower number and leaves first), touches likewise (the first key of a touch ends
-latest), batches and touches in call order.
+Priority. Each tracked key ``k`` has ``H(k) = L + value(k)`` set when it is inserted or
+touched; ``evict`` takes keys in ascending ``(H, tie)`` order and raises ``L`` to the ``H`` of
+the last victim, so whatever is not used falls behind everything that is. ``value`` is the
+number of touches of a touched key, the predicted reuse rate (in (0, 1)) of a new one, and
+``1 + uses`` of a ghost inserted again (a returning chain). Ties: inserts of one batch are
+numbered last-to-first (the tail gets the lower number and leaves first), touches likewise
+(the first key of a touch ends latest), batches and touches in call order.
 
 Ghosts. An evicted key's use count is remembered (an OrderedDict, oldest first, at most as many
 ghosts as tracked keys); re-inserting it resumes from that count.
 
-Invariants: ``_prio`` holds exactly the tracked keys; ``_uses`` and ``_credit`` have the same
-keys; every tracked key has exactly one heap entry equal to ``(*_prio[k], k)`` (other heap
-entries are stale and skipped); ghosts and tracked keys are disjoint. ``evict`` changes nothing
-before it has chosen every victim, so a ``None`` leaves the state untouched. Costs: insert and
-touch O(log n) amortised (stale entries are compacted away once they outnumber live ones);
-evict O(v log v) for v heap entries visited (victims, skipped non-evictable and stale ones).
+Invariants: ``_prio`` holds exactly the tracked keys; ``_uses`` has the same keys; ``_pending``
+(the signature of a new key not yet touched) a subset of them; every tracked key has exactly
+one heap entry equal to ``(*_prio[k], k)`` (other heap entries are stale and skipped); ghosts
+and tracked keys are disjoint. ``evict`` changes nothing (predictor included) before it has
+chosen every victim, so a ``None`` leaves the state untouched. Costs: insert and touch
+O(log n) amortised (stale entries are compacted away once they outnumber live ones); evict
+O(v log v) for v heap entries visited (victims, skipped non-evictable and stale ones).
 """
 
 from __future__ import annotations
@@ -43,14 +49,60 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from kvserver.policies.base import EvictionPolicy
 
-#: position in a store batch at which a chunk's initial credit is halved
+#: position in a store batch at which a chunk's prior credit (before any learning) is halved
 DEPTH_SCALE = 64
+#: weight, in outcomes, of that prior in a signature's reuse rate
+PRIOR_WEIGHT = 2.0
+#: a signature's counts are halved when its outcome count reaches this (recent ones win)
+HALF_LIFE = 4096
 
+_Signature = tuple[int, int]
 _Entry = tuple[float, int, Hashable]  # (H, tie, key)
 
 
+class ReusePredictor:
+    """Per-signature reuse rate of newly stored chunks: ``(reused + w * prior) / (seen + w)``
+    with ``prior = 1 / (1 + position / DEPTH_SCALE)`` and ``w = PRIOR_WEIGHT``, where ``seen``
+    counts the outcomes learnt (a new chunk touched: reused; evicted untouched: not). Rates
+    change only when an outcome is learnt, so keys stored in a row get equal credit (and
+    leave in LRU order). O(1) per call.
+
+    Invariant: for every signature, ``0 <= reused <= seen`` (both halved together)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[_Signature, float] = {}
+        self._reused: dict[_Signature, float] = {}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ReusePredictor):
+            return NotImplemented
+        return (self._seen, self._reused) == (other._seen, other._reused)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    @staticmethod
+    def signature(position: int, length: int) -> _Signature:
+        return (position.bit_length(), length.bit_length())
+
+    def rate(self, sig: _Signature) -> float:
+        """The predicted share of chunks with ``sig`` that are read again, in (0, 1]."""
+        prior = 1.0 / (1.0 + ((1 << sig[0]) >> 1) / DEPTH_SCALE)
+        return (self._reused.get(sig, 0.0) + PRIOR_WEIGHT * prior) / (
+            self._seen.get(sig, 0.0) + PRIOR_WEIGHT
+        )
+
+    def learn(self, sig: _Signature, reused: bool) -> None:
+        """One outcome of a chunk stored with ``sig``."""
+        seen = self._seen.get(sig, 0.0) + 1.0
+        hits = self._reused.get(sig, 0.0) + (1.0 if reused else 0.0)
+        if seen >= HALF_LIFE:
+            seen, hits = seen / 2, hits / 2
+        self._seen[sig], self._reused[sig] = seen, hits
+
+
 class PrefixPolicy(EvictionPolicy):
-    """GreedyDual-Frequency over prefix chains (see the module docstring)."""
+    """GreedyDual-Frequency over prefix chains with learned insertion (see the module
+    docstring)."""
 
     name = "prefix"
 
@@ -59,9 +111,10 @@ class PrefixPolicy(EvictionPolicy):
         self._tie = 0
         self._prio: dict[Hashable, tuple[float, int]] = {}
         self._uses: dict[Hashable, int] = {}
-        self._credit: dict[Hashable, float] = {}
+        self._pending: dict[Hashable, _Signature] = {}
         self._heap: list[_Entry] = []
         self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
+        self._predictor = ReusePredictor()
 
     # ------------------------------------------------------------------ observability
 
@@ -74,6 +127,11 @@ class PrefixPolicy(EvictionPolicy):
     def num_ghosts(self) -> int:
         return len(self._ghosts)
 
+    @property
+    def predictor(self) -> ReusePredictor:
+        """The learned reuse rates of new chunks (read-only use)."""
+        return self._predictor
+
     # ------------------------------------------------------------------ contract
 
     def insert(self, key: Hashable) -> None:
@@ -83,26 +141,38 @@ class PrefixPolicy(EvictionPolicy):
     def insert_batch(self, keys: Sequence[Hashable]) -> None:
         """Track ``keys`` of one store batch in chain order (see the module docstring for
         what the position changes). Tracked keys in it are touched instead."""
-        for position in range(len(keys) - 1, -1, -1):
+        length = len(keys)
+        predictor = self._predictor
+        for position in range(length - 1, -1, -1):
             key = keys[position]
             if key in self._prio:
                 self.touch((key,))
                 continue
-            self._uses[key] = 1 + self._ghosts.pop(key, 0)
-            self._credit[key] = 1.0 / (1.0 + position / DEPTH_SCALE)
-            self._set(key)
+            ghost = self._ghosts.pop(key, None)
+            if ghost is not None:  # a returning chain: it was read before
+                self._uses[key] = ghost + 1
+                self._set(key, ghost + 1.0)
+                continue
+            sig = predictor.signature(position, length)
+            self._uses[key] = 0
+            self._pending[key] = sig
+            self._set(key, predictor.rate(sig))
 
     def remove(self, key: Hashable) -> None:
         if self._prio.pop(key, None) is not None:
-            del self._uses[key], self._credit[key]
+            del self._uses[key]
+            self._pending.pop(key, None)
             self._compact()
 
     def touch(self, keys: Iterable[Hashable]) -> None:
-        uses = self._uses
+        uses, pending = self._uses, self._pending
         for key in reversed(list(keys)):
             if key in uses:
-                uses[key] += 1
-                self._set(key)
+                sig = pending.pop(key, None)
+                if sig is not None:
+                    self._predictor.learn(sig, reused=True)
+                count = uses[key] = uses[key] + 1
+                self._set(key, float(count))
 
     def evict(
         self,
@@ -126,9 +196,12 @@ class PrefixPolicy(EvictionPolicy):
         else:
             return None  # not enough evictable cost: nothing changed
         self._age = top
-        ghosts = self._ghosts
+        ghosts, pending, learn = self._ghosts, self._pending, self._predictor.learn
         for key in victims:
-            del self._prio[key], self._credit[key]
+            del self._prio[key]
+            sig = pending.pop(key, None)
+            if sig is not None:
+                learn(sig, reused=False)
             ghosts[key] = self._uses.pop(key)
         while len(ghosts) > len(self._prio):
             ghosts.popitem(last=False)
@@ -147,9 +220,9 @@ class PrefixPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ internals
 
-    def _set(self, key: Hashable) -> None:
+    def _set(self, key: Hashable, value: float) -> None:
         self._tie += 1
-        h = self._age + self._uses[key] * self._credit[key]
+        h = self._age + value
         self._prio[key] = (h, self._tie)
         heapq.heappush(self._heap, (h, self._tie, key))
         if len(self._heap) > 2 * len(self._prio) + 64:

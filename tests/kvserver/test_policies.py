@@ -345,3 +345,27 @@ def test_prefix_ghost_keeps_use_count_and_ghosts_stay_bounded() -> None:
         cache.access(key)
     assert isinstance(cache.policy, PrefixPolicy)
     assert len(cache.policy) == 10 and cache.policy.num_ghosts <= 10
+
+
+def test_prefix_learns_that_long_batches_are_not_read_again() -> None:
+    """Chunks of long one-off batches that left unread lower the credit of the next long
+    batch below that of a short batch, whose chunks were read again."""
+    policy = make_policy("prefix")
+    assert isinstance(policy, PrefixPolicy)
+    long_sig = policy.predictor.signature(40, 64)
+    short_sig = policy.predictor.signature(1, 2)
+    before = policy.predictor.rate(long_sig)
+    for round_ in range(20):
+        short = [f"s{round_}-0", f"s{round_}-1"]
+        policy.insert_batch(short)
+        policy.touch(short)  # a chat's next turn re-reads it
+        policy.insert_batch([f"d{round_}-{i}" for i in range(64)])
+        victims = policy.evict(64, unit, lambda k: str(k).startswith("d"))
+        assert victims is not None and len(victims) == 64
+    assert policy.predictor.rate(long_sig) < before / 2
+    assert policy.predictor.rate(long_sig) < policy.predictor.rate(short_sig) / 2
+    policy.insert_batch(["S0", "S1"])
+    policy.insert_batch([f"D{i}" for i in range(64)])
+    order = list(policy)
+    # even the document's head (prior credit 1.0, above S1's 0.98) now leaves before S1
+    assert order.index("D0") < order.index("S1")
