@@ -112,6 +112,9 @@ class PrefixPolicy(EvictionPolicy):
         self._prio: dict[Hashable, tuple[float, int]] = {}
         self._uses: dict[Hashable, int] = {}
         self._pending: dict[Hashable, _Signature] = {}
+        self._child: dict[Hashable, Hashable] = {}  # the first child seen after a key
+        self._branches: set[Hashable] = set()  # keys seen with two different children
+        self._shared: set[Hashable] = set()  # keys valued by their use count
         self._heap: list[_Entry] = []
         self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
         self._predictor = ReusePredictor()
@@ -126,6 +129,10 @@ class PrefixPolicy(EvictionPolicy):
     @property
     def num_ghosts(self) -> int:
         return len(self._ghosts)
+
+    def is_shared(self, key: Hashable) -> bool:
+        """Whether ``key`` was last used as part of a shared prefix (valued by its uses)."""
+        return key in self._shared
 
     @property
     def predictor(self) -> ReusePredictor:
@@ -142,16 +149,20 @@ class PrefixPolicy(EvictionPolicy):
         """Track ``keys`` of one store batch in chain order (see the module docstring for
         what the position changes). Tracked keys in it are touched instead."""
         length = len(keys)
-        predictor = self._predictor
+        predictor, child = self._predictor, self._child
         for position in range(length - 1, -1, -1):
             key = keys[position]
             if key in self._prio:
                 self.touch((key,))
                 continue
+            if position + 1 < length:
+                child.setdefault(key, keys[position + 1])
             ghost = self._ghosts.pop(key, None)
             if ghost is not None:  # a returning chain: it was read before
                 self._uses[key] = ghost + 1
-                self._set(key, ghost + 1.0)
+                if ghost:
+                    self._shared.add(key)
+                self._set(key, ghost + 1.0 if ghost else 1.0)
                 continue
             sig = predictor.signature(position, length)
             self._uses[key] = 0
@@ -161,18 +172,42 @@ class PrefixPolicy(EvictionPolicy):
     def remove(self, key: Hashable) -> None:
         if self._prio.pop(key, None) is not None:
             del self._uses[key]
-            self._pending.pop(key, None)
+            self._forget(key)
             self._compact()
 
     def touch(self, keys: Iterable[Hashable]) -> None:
-        uses, pending = self._uses, self._pending
-        for key in reversed(list(keys)):
-            if key in uses:
-                sig = pending.pop(key, None)
-                if sig is not None:
-                    self._predictor.learn(sig, reused=True)
-                count = uses[key] = uses[key] + 1
+        """Use ``keys`` (a chain, head first). The keys up to the deepest branch point among
+        them are a shared prefix, valued by their use counts; the rest are private to one chain
+        and valued 1, so they age in LRU order (see the module docstring)."""
+        keys = list(keys)
+        uses, pending, child, branches = self._uses, self._pending, self._child, self._branches
+        deepest = -1  # index of the deepest branch point in keys
+        for i in range(len(keys)):
+            key = keys[i]
+            if key not in uses:
+                continue
+            if i + 1 < len(keys):
+                if child.setdefault(key, keys[i + 1]) != keys[i + 1]:
+                    branches.add(key)
+            elif child.get(key) in uses:
+                branches.add(key)  # the chain read ends here although a known child is held
+            if key in branches:
+                deepest = i
+        shared = self._shared
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            if key not in uses:
+                continue
+            sig = pending.pop(key, None)
+            if sig is not None:
+                self._predictor.learn(sig, reused=True)
+            count = uses[key] = uses[key] + 1
+            if i <= deepest:
+                shared.add(key)
                 self._set(key, float(count))
+            else:
+                shared.discard(key)
+                self._set(key, 1.0)
 
     def evict(
         self,
@@ -202,7 +237,9 @@ class PrefixPolicy(EvictionPolicy):
             sig = pending.pop(key, None)
             if sig is not None:
                 learn(sig, reused=False)
-            ghosts[key] = self._uses.pop(key)
+            count = self._uses.pop(key)
+            ghosts[key] = count if key in self._shared else 0
+            self._forget(key)
         while len(ghosts) > len(self._prio):
             ghosts.popitem(last=False)
         self._compact()
@@ -219,6 +256,13 @@ class PrefixPolicy(EvictionPolicy):
         return iter([key for key, _ in self._in_order()])
 
     # ------------------------------------------------------------------ internals
+
+    def _forget(self, key: Hashable) -> None:
+        """Drop the per-key state besides ``_prio``/``_uses`` of a key that left."""
+        self._pending.pop(key, None)
+        self._child.pop(key, None)
+        self._branches.discard(key)
+        self._shared.discard(key)
 
     def _set(self, key: Hashable, value: float) -> None:
         self._tie += 1

@@ -335,11 +335,18 @@ def test_prefix_shared_head_survives_a_long_one_off_document() -> None:
 def test_prefix_ghost_keeps_use_count_and_ghosts_stay_bounded() -> None:
     policy = make_policy("prefix")
     assert isinstance(policy, PrefixPolicy)
-    policy.insert("hot")
-    policy.touch(["hot"] * 5)
-    policy.insert("cold")
-    assert policy.evict(2, unit, always) == ["cold", "hot"]
-    assert policy.num_ghosts == 0  # bounded by the (now zero) tracked keys
+    policy.insert_batch(["hot", "a"])
+    for i in range(5):
+        policy.touch(["hot", f"x{i}"])  # read by five different chains: a shared prefix
+    assert policy.is_shared("hot")
+    policy.insert_batch(["f0", "f1", "f2"])
+    assert policy.evict(1, unit, lambda k: k == "hot") == ["hot"]
+    assert policy.num_ghosts == 1
+    policy.insert("hot")  # it returns: resumes from its use count, above every fresh key
+    policy.insert("new")
+    assert list(policy)[-1] == "hot" and policy.is_shared("hot")
+    assert policy.evict(5, unit, always) == ["f2", "a", "f1", "f0", "new"]  # by prior credit
+    assert policy.num_ghosts == 1  # bounded by the (now one) tracked key
     cache = BoundedCache(make_policy("prefix"), capacity=10)
     for key in range(1000):
         cache.access(key)
