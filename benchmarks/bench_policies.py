@@ -41,7 +41,7 @@ References, in the same run:
 
 Budgets are fractions of the trace's distinct-chunk count. Hit rates are deterministic (no
 timing noise); the per-operation cost of each policy (one replay each, chat at 5 %, median of
-3, against LRU in the same run) is wall time and varies with the machine's load.
+5, against LRU in the same run) is CPU time and still varies with the machine's load.
 
 Output: a table per trace (mean over the seeds, and the share of the ARC→Belady gap closed
 per seed), a JSON file (default benchmarks/results/policies.json), a PNG plot beside it.
@@ -257,18 +257,19 @@ def gap_closed(rates: dict[str, float], name: str, baseline: str = "arc") -> flo
     return (rates[name] - rates[baseline]) / gap if gap > 1e-9 else None
 
 
-def op_costs(cfg: TraceConfig, budget: float = 0.05, repeats: int = 3) -> dict[str, Any]:
-    """Wall time per chunk operation (touched + inserted + evicted) of each policy replaying
-    ``cfg`` at ``budget``, median of ``repeats`` interleaved rounds, and the ratio to LRU."""
+def op_costs(cfg: TraceConfig, budget: float = 0.05, repeats: int = 5) -> dict[str, Any]:
+    """CPU time of this process per chunk operation (touched + inserted + evicted) of each
+    policy replaying ``cfg`` at ``budget`` (the replay's own bookkeeping included, the same
+    for every policy), median of ``repeats`` interleaved rounds, and the ratio to LRU."""
     trace = generate_trace(cfg)
     capacity = max(1, round(budget * len({key for keys in trace for key in keys})))
     per_op: dict[str, list[float]] = {name: [] for name in sorted(POLICIES)}
     for _ in range(repeats):
         for name, samples in per_op.items():
             count = _Counting()
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             replay_policy(make_policy(name), trace, capacity, count)
-            samples.append((time.perf_counter() - t0) / count.ops * 1e6)
+            samples.append((time.process_time() - t0) / count.ops * 1e6)
     medians = {name: statistics.median(samples) for name, samples in per_op.items()}
     return {
         "trace": cfg.arrivals,

@@ -60,6 +60,25 @@ _Signature = tuple[int, int]
 _Entry = tuple[float, int, Hashable]  # (H, tie, key)
 
 
+class _Heap(list[_Entry]):
+    """A binary heap of ``(H, tie, key)`` entries (``heapq`` on a list). Two heaps are equal
+    when they hold the same entries, whatever their layout: a refused ``evict`` pops entries
+    and pushes them back, which keeps the entries but may move them."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, list):
+            return NotImplemented
+        return sorted(self, key=_order) == sorted(other, key=_order)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+
+def _order(entry: _Entry) -> tuple[float, int]:
+    return entry[0], entry[1]  # ties are unique: keys are never compared
+
+
 class ReusePredictor:
     """Per-signature reuse rate of newly stored chunks: ``(reused + w * prior) / (seen + w)``
     with ``prior = 1 / (1 + position / DEPTH_SCALE)`` and ``w = PRIOR_WEIGHT``, where ``seen``
@@ -115,7 +134,7 @@ class PrefixPolicy(EvictionPolicy):
         self._child: dict[Hashable, Hashable] = {}  # the first child seen after a key
         self._branches: set[Hashable] = set()  # keys seen with two different children
         self._shared: set[Hashable] = set()  # keys valued by their use count
-        self._heap: list[_Entry] = []
+        self._heap = _Heap()
         self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
         self._predictor = ReusePredictor()
 
@@ -193,7 +212,8 @@ class PrefixPolicy(EvictionPolicy):
                 branches.add(key)  # the chain read ends here although a known child is held
             if key in branches:
                 deepest = i
-        shared = self._shared
+        shared, prio, heap, push = self._shared, self._prio, self._heap, heapq.heappush
+        age, tie = self._age, self._tie
         for i in range(len(keys) - 1, -1, -1):
             key = keys[i]
             if key not in uses:
@@ -204,10 +224,16 @@ class PrefixPolicy(EvictionPolicy):
             count = uses[key] = uses[key] + 1
             if i <= deepest:
                 shared.add(key)
-                self._set(key, float(count))
+                h = age + count
             else:
                 shared.discard(key)
-                self._set(key, 1.0)
+                h = age + 1.0
+            tie += 1
+            prio[key] = (h, tie)
+            push(heap, (h, tie, key))
+        self._tie = tie
+        if len(heap) > 2 * len(prio) + 64:
+            self._rebuild()
 
     def evict(
         self,
@@ -217,11 +243,20 @@ class PrefixPolicy(EvictionPolicy):
     ) -> list[Hashable] | None:
         if need <= 0:
             return []
+        heap, prio = self._heap, self._prio
+        popped: list[_Entry] = []  # every entry taken off the heap, to undo a refusal
+        held: list[_Entry] = []  # live entries of keys that are not evictable
         victims: list[Hashable] = []
         freed = 0
         top = self._age
-        for key, h in self._in_order():
+        while heap:
+            entry = heapq.heappop(heap)
+            popped.append(entry)
+            h, tie, key = entry
+            if prio.get(key) != (h, tie):
+                continue  # stale: dropped for good unless the eviction is refused
             if not evictable(key):
+                held.append(entry)
                 continue
             victims.append(key)
             top = max(top, h)
@@ -229,7 +264,11 @@ class PrefixPolicy(EvictionPolicy):
             if freed >= need:
                 break
         else:
-            return None  # not enough evictable cost: nothing changed
+            for entry in popped:  # not enough evictable cost: the same entries, unchanged
+                heapq.heappush(heap, entry)
+            return None
+        for entry in held:
+            heapq.heappush(heap, entry)
         self._age = top
         ghosts, pending, learn = self._ghosts, self._pending, self._predictor.learn
         for key in victims:
@@ -299,5 +338,5 @@ class PrefixPolicy(EvictionPolicy):
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(h, tie, key) for key, (h, tie) in self._prio.items()]
+        self._heap = _Heap((h, tie, key) for key, (h, tie) in self._prio.items())
         heapq.heapify(self._heap)
