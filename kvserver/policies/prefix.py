@@ -1,44 +1,48 @@
-"""Prefix-aware eviction: GreedyDual over use counts, learned credit for new chunks, a chain's
-tail before its head.
+"""Prefix-aware eviction: shared prefixes by use count, private chains by recency, new chunks by
+a learned reuse rate, a chain's tail before its head.
 
 Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
 :mod:`kvserver.policies.base` for the call contract.
 
 Why. KV chunks form prefix chains: a lookup's hits stop at its first miss, so a chunk is
-worth keeping only while every chunk before it is kept. Three observations drive the policy:
+worth keeping only while every chunk before it is kept. What the policy can see: a touch is
+one request's hits, head first; a store batch is its new chunks, head first. From that:
 
-- a chain is always read from its head, so an ancestor is used at least as often as any of its
-  descendants: ordering by use count keeps what is cached prefix-closed, and on equal priority
-  the later (deeper) chunk of a batch leaves first;
-- chunks used by many conversations (shared system prompts) gather uses and outlive one-off
-  chunks, while an ageing term (GreedyDual's ``L``) lets counts of chunks nobody reads any more
-  lose their weight;
-- whether a *new* chunk will be read again depends on where it sits in its store batch: the
-  next turn of a chat re-reads a short batch, a long one-off document is never read again. The
-  policy learns it (:class:`ReusePredictor`, after SHiP's signature-based insertion): the
-  signature of a stored chunk is (log2 of its position in the batch, log2 of the batch
-  length); the predictor counts, per signature, the chunks stored and the chunks read again
-  before they left, and a new chunk's credit is that signature's reuse rate (scan
-  resistance that adapts to the workload).
+- **shared vs private.** A key followed by two different keys (in touches or batches), or at
+  which a chain read ends while a known child is still held, is a *branch point*: at least two
+  chains pass through it. In a touch, every key up to the deepest branch point is a *shared
+  prefix* (a system prompt, a document several questions start from) and is valued by its use
+  count, which grows with the number of requests passing through it. The keys after it are
+  private to one chain (one conversation): its count says how many turns the conversation had,
+  not how likely it is to return, so they are all valued 1 and age in LRU order (the chain
+  touched last stays longest);
+- **new chunks** are valued by a learned reuse rate (:class:`ReusePredictor`, after SHiP's
+  signature-based insertion): the signature of a stored chunk is (log2 of its position in the
+  batch, log2 of the batch length); per signature the policy counts the chunks read again
+  and those evicted unread. A chat's next turn re-reads a short batch; a one-off document of
+  hundreds of chunks is never read again, so its chunks come in just above the eviction line
+  and leave first (scan resistance that adapts to the workload);
+- **tail before head**: an ancestor is read whenever its descendants are and is valued at
+  least as high; on equal priority the deeper key leaves first (inserts and touches are
+  numbered tail first), so what stays is a usable prefix.
 
-Priority. Each tracked key ``k`` has ``H(k) = L + value(k)`` set when it is inserted or
-touched; ``evict`` takes keys in ascending ``(H, tie)`` order and raises ``L`` to the ``H`` of
-the last victim, so whatever is not used falls behind everything that is. ``value`` is the
-number of touches of a touched key, the predicted reuse rate (in (0, 1)) of a new one, and
-``1 + uses`` of a ghost inserted again (a returning chain). Ties: inserts of one batch are
-numbered last-to-first (the tail gets the lower number and leaves first), touches likewise
-(the first key of a touch ends latest), batches and touches in call order.
+Priority. GreedyDual: each tracked key ``k`` has ``H(k) = L + value(k)`` set when it is inserted
+or touched; ``evict`` takes keys in ascending ``(H, tie)`` order and raises ``L`` to the ``H`` of
+the last victim, so whatever is not used falls behind everything that is. ``value`` is the use
+count of a shared key, 1 for a private one, the predicted reuse rate (in (0, 1]) of a new one.
 
-Ghosts. An evicted key's use count is remembered (an OrderedDict, oldest first, at most as many
-ghosts as tracked keys); re-inserting it resumes from that count.
+Ghosts. An evicted key's use count (0 if it was private) is remembered (an OrderedDict, oldest
+first, at most as many ghosts as tracked keys); a ghost inserted again resumes from it.
 
-Invariants: ``_prio`` holds exactly the tracked keys; ``_uses`` has the same keys; ``_pending``
-(the signature of a new key not yet touched) a subset of them; every tracked key has exactly
-one heap entry equal to ``(*_prio[k], k)`` (other heap entries are stale and skipped); ghosts
-and tracked keys are disjoint. ``evict`` changes nothing (predictor included) before it has
-chosen every victim, so a ``None`` leaves the state untouched. Costs: insert and touch
-O(log n) amortised (stale entries are compacted away once they outnumber live ones); evict
-O(v log v) for v heap entries visited (victims, skipped non-evictable and stale ones).
+Invariants: ``_prio`` holds exactly the tracked keys; ``_uses`` has the same keys;
+``_pending`` (the signature of a new key not yet touched), ``_child``, ``_branches`` and
+``_shared`` only tracked keys; every tracked key has exactly one heap entry equal to
+``(*_prio[k], k)`` (other heap entries are stale and skipped); ghosts and tracked keys are
+disjoint. ``evict`` changes nothing (predictor included) before it has chosen every victim,
+and a refusal pushes back what it popped, so a ``None`` leaves the same state. Costs: insert
+and touch O(log n) per key (a heap push; stale entries are dropped when evict pops them and
+the heap is rebuilt once they outnumber live ones); evict O(v log n) for v entries popped
+(victims, skipped non-evictable and stale ones); ``bench_policies`` measures it against LRU.
 """
 
 from __future__ import annotations

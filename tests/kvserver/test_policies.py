@@ -376,3 +376,20 @@ def test_prefix_learns_that_long_batches_are_not_read_again() -> None:
     order = list(policy)
     # even the document's head (prior credit 1.0, above S1's 0.98) now leaves before S1
     assert order.index("D0") < order.index("S1")
+
+
+def test_prefix_shared_prefix_by_uses_private_chain_by_recency() -> None:
+    """A prefix that two chains branch from is valued by its uses; a chain read many times on
+    its own (one conversation) gains nothing from its count and ages in LRU order, so a
+    conversation that was just extended outlives an old one that was read often."""
+    policy = make_policy("prefix")
+    assert isinstance(policy, PrefixPolicy)
+    policy.insert_batch(["sys", "a0", "a1"])
+    for _ in range(6):
+        policy.touch(["sys", "a0", "a1"])  # conversation a, read six times
+    policy.insert_batch(["b0"])  # conversation b's first turn after the shared prompt ...
+    policy.touch(["sys", "b0"])  # ... read once: "sys" has two children now
+    assert policy.is_shared("sys")
+    assert not policy.is_shared("a0") and not policy.is_shared("b0")
+    order = list(policy)
+    assert order.index("a1") < order.index("a0") < order.index("b0") < order.index("sys")
