@@ -104,7 +104,8 @@ class PermissionDenied(KVServerError):
 
 
 class Unavailable(KVServerError):
-    """The daemon could not be reached within the call's timeout."""
+    """The daemon could not be reached within the call's timeout, or the connection a
+    request was outstanding on failed or was lost (what the daemon did with it is unknown)."""
 
     code = "unavailable"
 

@@ -12,7 +12,8 @@ Call order: ``await send(call, timeout)`` → its :class:`AioSlot` → ``await w
 timeout)``; ``drop(why)`` closes both links and fails everything outstanding. One reader task
 per link routes every reply to its slot's future. A timeout replaces both links (every request
 outstanding fails with Unavailable); a failed local channel fails what is outstanding on it,
-and a request that could not be written to it goes to the DEALER instead.
+and a request that could not be written to it goes to the DEALER instead; a DEALER whose
+connection was lost is replaced before the next request is sent.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import zmq
 import zmq.asyncio
 
 from kvserver import wire_local
-from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Answer, Call, Session
+from kvserver.client.common import Answer, Call, Session
+from kvserver.client.links import ConnectionWatch, open_dealer
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class AioTransport:
         self._s = session
         self._ctx = zmq.asyncio.Context.instance()
         self._zmq: zmq.asyncio.Socket | None = None
+        self._watch: ConnectionWatch | None = None
         self._local: AioLocalLink | None = None
         self._use_local = local
         self._local_refused: str | None = None
@@ -112,9 +115,11 @@ class AioTransport:
         self._readers.clear()
         if self._local is not None:
             self._local.close()
+        if self._watch is not None:
+            self._watch.close()
         if self._zmq is not None:
             self._zmq.close(linger=0)
-        self._zmq = self._local = None
+        self._zmq = self._local = self._watch = None
         self._fail_outstanding(why)
 
     async def close(self, why: str) -> None:
@@ -155,16 +160,16 @@ class AioTransport:
             logger.info("cannot use the local channel %s (%s); using ZMQ", path, exc)
             self._local_refused = path
 
-    def _dealer(self) -> zmq.asyncio.Socket:
+    def _dealer(self, sending: int) -> zmq.asyncio.Socket:
+        """The DEALER of request ``sending``: a new one when the connection was lost (the
+        daemon went away), failing the other requests outstanding on the old one (the sync
+        twin: ``Transport._link``)."""
+        if self._watch is not None and self._watch.lost():
+            slot = self._slots.pop(sending)
+            self.drop("the connection to the daemon was lost")
+            self._slots[sending] = slot
         if self._zmq is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-            if self._s.curve is not None:
-                self._s.curve.apply(sock)
-            sock.connect(self._s.address)
-            self._zmq = sock
+            self._zmq, self._watch = open_dealer(self._ctx, self._s.address, self._s.curve)
         return self._zmq
 
     async def send(self, call: Call, timeout: float) -> AioSlot:
@@ -187,7 +192,7 @@ class AioTransport:
                     local = None
             if local is None:
                 try:
-                    self._dealer().send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    self._dealer(req_id).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self._slots.pop(req_id, None)
                     self.drop()
@@ -215,6 +220,10 @@ class AioTransport:
             raise
 
     async def _read_loop(self, link: object) -> None:
+        """Route every reply of ``link`` until it fails or is dropped. Any failure (OSError of
+        the local channel, ZMQError of the DEALER, anything unexpected) ends the link: every
+        request outstanding on it fails at once with Unavailable naming the cause, instead
+        of waiting for its timeout; the next request opens a new link."""
         while True:
             try:
                 if isinstance(link, AioLocalLink):
@@ -222,11 +231,27 @@ class AioTransport:
                 else:
                     assert isinstance(link, zmq.asyncio.Socket)
                     frames = await link.recv_multipart(copy=False)
-            except OSError as exc:  # only the local channel fails here
-                if link is self._local:
-                    self._lose_local(str(exc))
+                self._route(frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._link_failed(link, exc)
                 return
-            self._route(frames)
+
+    def _link_failed(self, link: object, exc: Exception) -> None:
+        """``link``'s reader failed with ``exc``: close the link and fail what is outstanding
+        on it (every outstanding request is on the active link)."""
+        why = f"{type(exc).__name__}: {exc}"
+        if link is self._local:
+            self._lose_local(why)
+        elif link is self._zmq and self._zmq is not None:
+            logger.warning("the connection to %s failed (%s)", self._s.address, why)
+            self._readers.pop(link, None)
+            if self._watch is not None:
+                self._watch.close()
+            self._zmq.close(linger=0)
+            self._zmq = self._watch = None
+            self._fail_outstanding(f"the connection failed ({why})")
 
     def _route(self, frames: Sequence[Any]) -> None:
         reply = self._s.decode(frames)

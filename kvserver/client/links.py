@@ -7,7 +7,8 @@ then ``close()``; which one a request takes is the client's business (``sync.py`
 
 - :class:`ZmqLink`: a DEALER socket to the daemon's ROUTER (any host). It reconnects by itself
   and queues requests while the daemon is away; ``send`` raises TimeoutError only when its
-  queue is full.
+  queue is full. Its :class:`ConnectionWatch` tells when its connection was lost: the
+  client then replaces the socket before sending (see :func:`open_dealer`).
 - :class:`LocalLink`: a Unix-domain stream socket to the daemon's local channel, framed by
   :mod:`kvserver.wire_local`. A co-located client (it mapped the arena) connects when ``hello``
   announces a ``local_path`` of a framing version it speaks, and then sends every request
@@ -19,12 +20,15 @@ then ``close()``; which one a request takes is the client's business (``sync.py`
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import select
 import socket
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvserver import wire_local
 from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
@@ -35,6 +39,72 @@ RECV_BUFFER = 256 << 10
 #: messages up to this size are written with one system call (joined), larger ones piecewise.
 JOIN_LIMIT = 64 << 10
 
+S = TypeVar("S", bound=zmq.Socket[Any])
+_watch_ids = itertools.count()
+
+
+class ConnectionWatch:
+    """Whether a DEALER's connection to the daemon is up, from the socket's monitor events.
+
+    Why: a DEALER whose connection broke (the daemon exited) reconnects by itself, but waits
+    ``RECONNECT_IVL`` and then ever longer, up to ``RECONNECT_IVL_MAX``, between attempts; a
+    request sent meanwhile waits in its queue, so the first request to a daemon restarted on
+    the same address could go unanswered within its timeout although the daemon was up. A
+    client asks :meth:`lost` before it sends and, when True, replaces the socket: a new
+    DEALER's first connection attempt is immediate. Nothing is sent twice: the requests
+    outstanding on the old socket fail (their replies cannot come back over a new
+    connection), and the ones not yet written are discarded with it.
+
+    ``lost()`` is True once an established connection broke (``EVENT_DISCONNECTED``), until
+    the socket connects again. A socket that never connected (no daemon listening yet) is not
+    lost: it is still trying, and a request waiting on it times out and replaces it anyway.
+    Not thread-safe: the socket's owner calls it (one non-blocking check of an inproc PAIR
+    socket when nothing happened).
+    """
+
+    EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        """Watch ``sock``; call before ``sock.connect`` so no event is missed."""
+        addr = f"inproc://kvserver-client-watch-{id(self):x}-{next(_watch_ids)}"
+        sock.monitor(addr, self.EVENTS)
+        # a plain socket on the same libzmq context (inproc needs it), also for zmq.asyncio
+        pair: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(addr)
+        self._sock, self._pair = sock, pair
+        self._lost = False
+
+    def lost(self) -> bool:
+        """True while the connection is broken (see the class docstring)."""
+        pair = self._pair
+        while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            event = parse_monitor_message(pair.recv_multipart())["event"]
+            self._lost = event != zmq.EVENT_CONNECTED
+        return self._lost
+
+    def close(self) -> None:
+        """Stop watching (before the socket is closed)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._pair.close(linger=0)
+
+
+def open_dealer(
+    ctx: zmq.Context[S], address: str, curve: CurveClient | None
+) -> tuple[S, ConnectionWatch]:
+    """A DEALER connected to ``address`` (LINGER 0, the client's reconnect intervals, CURVE
+    when given), watched from before its first connection attempt. Both clients' sockets."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    if curve is not None:
+        curve.apply(sock)
+    watch = ConnectionWatch(sock)
+    sock.connect(address)
+    return sock, watch
+
 
 class ZmqLink:
     """A DEALER socket to the daemon's ROUTER; see the module docstring."""
@@ -42,17 +112,15 @@ class ZmqLink:
     def __init__(
         self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, curve: CurveClient | None = None
     ) -> None:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        if curve is not None:
-            curve.apply(sock)
-        sock.connect(address)
-        self._sock = sock
+        self._sock, self._watch = open_dealer(ctx, address, curve)
 
     def close(self) -> None:
+        self._watch.close()
         self._sock.close(linger=0)
+
+    def lost(self) -> bool:
+        """The connection broke (the daemon went away): replace this link before sending."""
+        return self._watch.lost()
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
         """Queue one message; TimeoutError if the DEALER's queue is full (never blocks)."""

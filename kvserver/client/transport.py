@@ -17,6 +17,11 @@ active link and replies cannot overtake each other across links. When the local 
 its outstanding requests fail with Unavailable; a request that could not be written to it (the
 daemon closed it: gone, or restarting) goes to the DEALER instead, which queues it for
 whichever daemon comes next, as it would have without the local channel.
+
+A DEALER whose connection broke (the daemon exited or is restarting) is replaced before the
+next request is sent (:class:`~kvserver.client.links.ConnectionWatch`), so that request
+reaches a restarted daemon at once instead of waiting for the old socket's next reconnect
+attempt; the requests outstanding on it fail with Unavailable (none is sent twice).
 """
 
 from __future__ import annotations
@@ -102,6 +107,10 @@ class Transport:
             self._connect_local(timeout)
         if self._local is not None:
             return self._local
+        if self._zmq is not None and self._zmq.lost():
+            # the daemon went away (exited, restarting): a new socket connects at once,
+            # where this one would retry on its own, ever more slowly (links.ConnectionWatch)
+            self.drop("the connection to the daemon was lost")
         if self._zmq is None:
             self._zmq = ZmqLink(self._ctx, self._s.address, self._s.curve)
         return self._zmq
@@ -164,8 +173,11 @@ class Transport:
     def _read_one(self, link: ZmqLink | LocalLink, timeout: float) -> None:
         try:
             frames = link.recv(timeout)
-        except OSError as exc:  # only the local channel fails here (closed, timed out)
+        except OSError as exc:  # the local channel (closed, timed out)
             self._lose_local(str(exc))
+            return
+        except zmq.ZMQError as exc:  # the DEALER: what is outstanding on it fails at once
+            self.drop(f"the connection failed ({type(exc).__name__}: {exc})")
             return
         self._route(frames)
 

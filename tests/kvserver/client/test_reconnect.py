@@ -1,0 +1,150 @@
+"""Both clients when the connection breaks: a daemon SIGKILLed and restarted on the same port
+is reached by the very next call (the lost DEALER is replaced instead of left to its own,
+ever slower reconnect attempts), and a link that fails while requests are outstanding fails
+them at once with Unavailable naming the cause, instead of leaving them to their timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvserver import wire
+from kvserver.client import AsyncKVClient, KVClient, LookupResult, links
+from kvserver.errors import Unavailable
+from tests.kvserver.builders import make_keys
+from tests.kvserver.client.test_client import SPEC, parts
+from tests.support.daemon import DaemonProc, start_daemon
+
+#: every call's timeout: ample for one round trip on a loaded machine, far below the reconnect
+#: interval the sockets are given here.
+TIMEOUT_S = 5.0
+
+#: the clients on ZMQ (remote) and on the daemon's local channel (co-located).
+TRANSPORTS = pytest.mark.parametrize("colocated", [False, None], ids=["zmq", "local"])
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture
+def slow_reconnects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DEALER left to itself retries a lost connection only after a minute here, so only a
+    client that notices the loss and replaces the socket reaches a restarted daemon in time
+    (the default intervals make the same race a matter of luck)."""
+    monkeypatch.setattr(links, "RECONNECT_IVL_MS", 60_000)
+    monkeypatch.setattr(links, "RECONNECT_IVL_MAX_MS", 60_000)
+
+
+def kill_and_restart(d: DaemonProc, tmp_path: Path) -> DaemonProc:
+    """SIGKILL (no goodbye on any socket), then a new daemon on the same ZMQ port."""
+    d.kill()
+    return start_daemon(tmp_path / "restarted", "--zmq-port", str(d.info["zmq_port"]))
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path / "first")
+    yield d
+    d.kill()
+
+
+@TRANSPORTS
+def test_sync_client_reaches_a_daemon_killed_and_restarted_with_its_next_call(
+    daemon: DaemonProc, tmp_path: Path, colocated: bool | None, slow_reconnects: None
+) -> None:
+    """Restart after SIGKILL: the first call afterwards is answered by the new daemon within
+    its one timeout (no Unavailable first), the session is renewed, nothing sent twice."""
+    keys = make_keys(2, tag=f"kill-{colocated}")
+    with KVClient(daemon.zmq_address, timeout=TIMEOUT_S, colocated=colocated) as kv:
+        ns = kv.register_namespace(SPEC)
+        assert kv.store(ns.ns_id, keys, parts(keys)) == keys
+        assert kv.is_local is (colocated is None)
+        puts = kv.sent_by_op[wire.PUT]
+        restarted = kill_and_restart(daemon, tmp_path)
+        try:
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 0  # the new daemon answered
+            assert kv.hello()["arena_path"] == restarted.arena_path
+            assert kv.put(ns.ns_id, keys, parts(keys)).stored == keys
+            assert kv.sent_by_op[wire.PUT] == puts + 1
+        finally:
+            restarted.kill()
+
+
+@TRANSPORTS
+async def test_async_client_reaches_a_daemon_killed_and_restarted_with_its_next_call(
+    daemon: DaemonProc, tmp_path: Path, colocated: bool | None, slow_reconnects: None
+) -> None:
+    """The asyncio twin of the test above."""
+    keys = make_keys(2, tag=f"akill-{colocated}")
+    async with AsyncKVClient(daemon.zmq_address, timeout=TIMEOUT_S, colocated=colocated) as kv:
+        ns = await kv.register_namespace(SPEC)
+        assert await kv.store(ns.ns_id, keys, parts(keys)) == keys
+        assert kv.is_local is (colocated is None)
+        puts = kv.sent_by_op[wire.PUT]
+        restarted = await asyncio.to_thread(kill_and_restart, daemon, tmp_path)
+        try:
+            assert (await kv.lookup(ns.ns_id, keys)).hit_chunks == 0
+            assert (await kv.hello())["arena_path"] == restarted.arena_path
+            assert (await kv.put(ns.ns_id, keys, parts(keys))).stored == keys
+            assert kv.sent_by_op[wire.PUT] == puts + 1
+        finally:
+            restarted.kill()
+
+
+# ------------------------------------------------------------------ a link that fails (injected)
+
+
+def broken_recv(*_: Any, **__: Any) -> Any:
+    """A DEALER's receive failing as libzmq can (e.g. its context terminated), which the real
+    socket does not do on demand."""
+    raise zmq.ZMQError(zmq.ETERM)
+
+
+async def async_broken_recv(*_: Any, **__: Any) -> Any:
+    raise zmq.ZMQError(zmq.ETERM)
+
+
+def test_sync_client_fails_fast_when_its_dealer_fails(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ZMQError while reading fails the call at once with Unavailable naming it (not the raw
+    ZMQError, not a timeout); the next call opens a new socket and is answered."""
+    with KVClient(daemon.zmq_address, timeout=60.0, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        link = kv._t._zmq
+        assert link is not None
+        monkeypatch.setattr(link._sock, "recv_multipart", broken_recv)
+        with pytest.raises(Unavailable, match=r"connection failed.*ZMQError"):
+            kv.lookup(ns.ns_id, make_keys(1, tag="broken"))
+        assert kv.lookup(ns.ns_id, make_keys(1, tag="broken")).hit_chunks == 0
+
+
+async def test_async_client_fails_outstanding_requests_when_its_reader_fails(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DEALER's reader task meets a ZMQError while two requests are outstanding:
+    both fail at once with Unavailable naming it (not after their 60 s timeout); the next
+    call opens a new socket and is answered."""
+    async with AsyncKVClient(daemon.zmq_address, timeout=60.0, colocated=False) as kv:
+        ns = await kv.register_namespace(SPEC)
+        sock = kv._t._zmq
+        assert sock is not None
+        # the reader is parked in a receive begun before the fault: the reply to `first`
+        # completes it, and the reader's next receive fails
+        monkeypatch.setattr(sock, "recv_multipart", async_broken_recv)
+        first = await kv.submit_lookup(ns.ns_id, make_keys(1, tag="a"))
+        second = await kv.submit_lookup(ns.ns_id, make_keys(1, tag="b"))
+        third = await kv.submit_lookup(ns.ns_id, make_keys(1, tag="c"))
+        outcomes = await asyncio.gather(first, second, third, return_exceptions=True)
+        assert isinstance(outcomes[0], LookupResult), outcomes
+        for error in outcomes[1:]:
+            assert isinstance(error, Unavailable), outcomes
+            assert "connection failed" in str(error) and "ZMQError" in str(error)
+        assert kv.outstanding == 0
+        assert (await kv.lookup(ns.ns_id, make_keys(1, tag="d"))).hit_chunks == 0
+        assert kv._t._zmq is not sock
