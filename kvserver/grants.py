@@ -33,6 +33,8 @@ class StoreGrant:
     filtered: list[bytes] = field(default_factory=list)
     #: number of chunks evicted to make room.
     num_evicted: int = 0
+    #: the daemon incarnation that made it (see :class:`LoadGrant`).
+    granted_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,12 @@ class LoadGrant:
     """Result of ``prepare_load``: the pinned chunks and where their parts are.
 
     Pinned until ``complete_load(lease_id)`` or until ``deadline`` passes.
+
+    ``granted_by`` (both grants): the incarnation of the daemon that made the grant, i.e. its
+    session id (``sid``, new at every daemon start), filled in by the client from the reply
+    that carried it; "" when not known. The lease id and extents mean something only to that
+    incarnation and in its arena: a co-located worker copies only when the arena it mapped
+    is that incarnation's (``docs/connector.md``).
     """
 
     lease_id: int
@@ -47,3 +55,4 @@ class LoadGrant:
     ns_id: str
     keys: list[bytes]
     locations: list[list[Extents]]
+    granted_by: str = ""

@@ -422,24 +422,29 @@ def grant_to_wire(grant: StoreGrant | LoadGrant, now: float) -> dict[str, Any]:
     return out
 
 
-def store_grant_from_wire(data: Any, now: float) -> StoreGrant:
-    """Rebuild a StoreGrant from a reply map; ``deadline`` is on the receiver's clock ``now``."""
+def store_grant_from_wire(data: Any, now: float, granted_by: str = "") -> StoreGrant:
+    """Rebuild a StoreGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
+    ``granted_by``: the ``sid`` of the reply that carried it."""
     try:
         g = load_grant_from_wire(data, now)
         extra = (list(data["present"]), list(data["filtered"]), int(data["num_evicted"]))
-        return StoreGrant(g.lease_id, g.deadline, g.ns_id, g.keys, g.locations, *extra)
+        return StoreGrant(
+            g.lease_id, g.deadline, g.ns_id, g.keys, g.locations, *extra, granted_by=granted_by
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
 
 
-def load_grant_from_wire(data: Any, now: float) -> LoadGrant:
-    """Rebuild a LoadGrant from a reply map; ``deadline`` is on the receiver's clock ``now``."""
+def load_grant_from_wire(data: Any, now: float, granted_by: str = "") -> LoadGrant:
+    """Rebuild a LoadGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
+    ``granted_by``: the ``sid`` of the reply that carried it."""
     try:
         locations = [[_extents(part) for part in loc] for loc in data["locations"]]
         deadline = now + float(data["expires_in_s"])
         return LoadGrant(
-            int(data["lease_id"]), deadline, str(data["ns_id"]), list(data["keys"]), locations
-        )
+            int(data["lease_id"]), deadline, str(data["ns_id"]), list(data["keys"]), locations,
+            granted_by,
+        )  # fmt: skip
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
 

@@ -162,7 +162,9 @@ class LoadPlanner:
         state.load_pinned(start + num_ok)
         for load, location in zip(loads, grant.locations, strict=False):
             load.extents = [list(extents) for extents in location]
-        transfers = RequestTransfers(req_id, grant.lease_id, loads=loads[:num_ok])
+        transfers = RequestTransfers(
+            req_id, grant.lease_id, loads=loads[:num_ok], granted_by=grant.granted_by
+        )
         job = TransferJob(
             transfers, True, keys[:num_ok], grant.deadline, (True, req_id, grant.lease_id),
             first_tokens[:num_ok], start,

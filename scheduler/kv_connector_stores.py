@@ -257,7 +257,7 @@ class StorePlanner:
                 continue
             keys = list(p.keys) if len(stores) == len(p.keys) else [c.key for c in stores]
             req_id = state.req_id
-            transfers = RequestTransfers(req_id, lease_id, [], stores)
+            transfers = RequestTransfers(req_id, lease_id, [], stores, grant.granted_by)
             jobs.append(TransferJob(transfers, False, keys, deadline, (False, req_id, lease_id)))
         if jobs:
             self._leases.add_store_jobs(jobs, deadline)

@@ -9,8 +9,9 @@ under its key as one part per TP rank.
   ``block_ids``; the first ``skip_blocks`` sub-blocks of the chunk are already on the GPU (a
   partly-cached first chunk) and are not overwritten.
 - ``ChunkStore``: copy GPU blocks ``block_ids`` into chunk ``key``'s part for this rank.
-Loads and stores carry the daemon lease under which the scheduler pinned / reserved them, plus
-for co-located workers the arena extents of every rank's part (``extents[rank]``).
+Loads and stores carry the daemon lease under which the scheduler pinned / reserved them, the
+daemon incarnation that granted it (``granted_by``), plus for co-located workers the arena
+extents of every rank's part (``extents[rank]``).
 
 Part layout: a chunk's part for one rank is its ``chunk_blocks`` GPU blocks in order, block j at
 bytes [j * block_bytes, (j + 1) * block_bytes). ``ChunkStore.block_ids[j]`` is the GPU block of
@@ -62,12 +63,20 @@ class FailedLoad:
 
 @dataclass(slots=True)
 class RequestTransfers:
-    """All chunk transfers of one request in one step, under one daemon lease."""
+    """All chunk transfers of one request in one step, under one daemon lease.
+
+    ``granted_by``: the daemon incarnation that granted the lease (its session id ``sid``,
+    :attr:`kvserver.grants.LoadGrant.granted_by`); "" when the producer does not say. The
+    lease id and the extents are that incarnation's: a co-located worker copies only if the
+    arena it has mapped belongs to it, and otherwise fails the transfer (never reading or
+    writing another arena at these offsets).
+    """
 
     req_id: str
     lease_id: int
     loads: list[ChunkLoad] = field(default_factory=list)
     stores: list[ChunkStore] = field(default_factory=list)
+    granted_by: str = ""
 
 
 @dataclass(slots=True)
@@ -202,6 +211,7 @@ def _transfers_from_wire(body: Any) -> RequestTransfers:
         lease_id=typed_field(d, "lease_id", int),
         loads=loads,
         stores=stores,
+        granted_by=checked(d.get("granted_by", ""), str, "granted_by"),
     )
 
 

@@ -32,11 +32,19 @@ direction. Part layout: step_protocol/connector.py (block ``j`` of a part at ``j
 block_bytes``; a load's ``block_ids[j]`` receives sub-block ``skip_blocks + j``); block bytes:
 worker/layout.py.
 
+Which daemon: every lease in the metadata names the daemon incarnation that granted it
+(``RequestTransfers.granted_by``, its session id). A co-located worker copies only for leases
+granted by the incarnation whose arena it has mapped (the ``sid`` of the ``hello`` it mapped
+it after); any other lease fails (its extents are offsets in another arena), so a restarted
+daemon's arena is never read or written at its predecessor's offsets, whatever the timing.
+
 Failures never raise into the caller's step: a daemon that cannot be reached fails the chunks
 of the transfers it is given (reported per lease; vLLM recomputes them), and so does a
 co-located daemon that removed its arena file (stopped with SIGTERM, or restarted after a
-crash): the transfers of that step and of the next fail, then the worker connects again and
-maps the new arena.
+crash): the worker unmaps it, connects again at once and maps the new arena, and the leases
+the old daemon granted fail by the rule above. A lease granted by an incarnation other than
+the mapped one while the mapped arena file is still in place (a restart that did not reap
+it) makes the worker ask the daemon which incarnation it is, and map again if it changed.
 """
 
 from __future__ import annotations
@@ -93,10 +101,8 @@ class KVServerWorkerConnector:
         self._load_errors: set[int] = set()
         #: False until the namespace is registered (the daemon may be down at start-up).
         self._connected = False
-        #: metadata bound so far; transfers fail while it is below _fail_until (_arena_gone).
-        self._binds = 0
-        self._fail_until = 0
-        self._flushing = False
+        #: the daemon incarnation (session id) whose arena is mapped; "" when none is.
+        self._arena_sid = ""
         self._inflight: dict[JobId, Transfer] = {}
         self._stores_left: dict[str, int] = {}
         self._output = ConnectorWorkerOutput(self.rank)
@@ -181,7 +187,6 @@ class KVServerWorkerConnector:
         if not self._saved:
             self.wait_for_save()
         self._meta, self._saved = meta, False
-        self._binds += 1
         self._submitted_now, self._flushed = self._flushed, set()
 
     def clear_connector_metadata(self) -> None:
@@ -238,16 +243,12 @@ class KVServerWorkerConnector:
         flush = set(meta.flush_req_ids)
         if not flush:
             return
-        self._flushing = True  # ``meta`` is bound after this call
-        try:
-            for t in meta.stores:
-                job: JobId = (False, t.req_id, t.lease_id)
-                if t.req_id in flush and job not in self._flushed:
-                    self._submit(t, is_load=False)
-                    self._flushed.add(job)
-            self.handle_preemptions(flush)
-        finally:
-            self._flushing = False
+        for t in meta.stores:
+            job: JobId = (False, t.req_id, t.lease_id)
+            if t.req_id in flush and job not in self._flushed:
+                self._submit(t, is_load=False)
+                self._flushed.add(job)
+        self.handle_preemptions(flush)
 
     def stores_pending(self, req_id: str) -> bool:
         """True while a store of ``req_id`` is deferred or in flight on this rank."""
@@ -344,19 +345,25 @@ class KVServerWorkerConnector:
             return
         if not is_load and not counted:
             self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
-        if self.arena is not None and self.arena.is_stale:
+        if self.arena is not None and (
+            self.arena.is_stale or (t.granted_by != self._arena_sid and self._restarted())
+        ):
             self._arena_gone()
-        arena_lost = self._binds < self._fail_until
-        if not self._connected and not arena_lost:
+        if not self._connected:
             try:
                 self._connect()
             except (KVServerError, OSError) as exc:
                 logger.warning("kvserver unreachable; lease %d of %s fails: %s",
                                t.lease_id, t.req_id, exc)  # fmt: skip
-        if self._connected and not arena_lost:
-            transfer = self._planner.plan(t, is_load, self.arena, self._io)
-        else:
+        if not self._connected:
             transfer = unreachable(t, is_load)
+        elif self.arena is not None and t.granted_by != self._arena_sid:
+            logger.info("lease %d of %s was granted by another daemon instance (%r, mapped: "
+                        "%r); it fails", t.lease_id, t.req_id, t.granted_by,
+                        self._arena_sid)  # fmt: skip
+            transfer = unreachable(t, is_load, "granted by another daemon instance")
+        else:
+            transfer = self._planner.plan(t, is_load, self.arena, self._io)
         if is_load:
             self._load_blocks[job] = {c.key: c.block_ids for c in t.loads}
         self._inflight[job] = transfer
@@ -385,30 +392,36 @@ class KVServerWorkerConnector:
             if info.get("host_id") != host_id() or not isinstance(path, str):
                 raise InvalidState("the daemon runs on another host")
             self.arena = MappedArena(path, pin=device.type == "cuda")
+            self._arena_sid = str(info.get("sid", ""))
         except KVServerError as exc:
             if mode:
                 raise
             logger.warning("cannot map the arena (%s); using payload frames", exc)
 
+    def _restarted(self) -> bool:
+        """Whether the daemon is no longer the incarnation whose arena is mapped (asked with
+        one ``hello``; a daemon that does not answer has not been seen to restart)."""
+        try:
+            return str(self._kv.hello().get("sid", "")) != self._arena_sid
+        except KVServerError:
+            return False
+
     def _arena_gone(self) -> None:
-        """The daemon removed its arena file (it stopped, or restarted after a crash): wait for
-        the copies into the old mapping, unmap it and close the clients (their sessions
-        went with that daemon). The transfers of this step's
-        metadata and of the next one fail (vLLM recomputes): their extents may have been
-        granted by the daemon that is gone, and must be neither read from nor written to a
-        new arena (the next metadata can still ship stores reserved before it stopped). The
-        first transfer after that connects again, mapping the daemon's new arena."""
-        logger.warning("the daemon's arena file is gone; failing this step's and the next "
-                       "step's transfers, then mapping its new arena")  # fmt: skip
+        """The mapped arena is not the daemon's any more (its file was removed: the daemon
+        stopped, or restarted after a crash): wait for the copies into the old mapping, unmap
+        it and close the clients (their sessions went with that daemon). The caller connects
+        again, mapping the daemon's new arena; leases the old daemon granted then fail by
+        their ``granted_by`` (vLLM recomputes them)."""
+        logger.warning("the daemon's arena is gone (it stopped or restarted); leases it "
+                       "granted fail, the next transfer maps its new arena")  # fmt: skip
         if self.engine is not None:
             self.engine.wait(list(self._inflight.values()))
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        self._arena_sid = ""
         # the daemon's sessions went with it: start over with new clients
         for kv in (self._kv, *self._io.values()):
             kv.close()
         self._kv, self._io = self._client("main"), {}
         self._connected = False
-        # this step's metadata: the bound one, or (in flush) the one about to be bound
-        self._fail_until = self._binds + (3 if self._flushing else 2)

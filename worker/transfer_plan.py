@@ -29,13 +29,16 @@ from worker.transfer import Direction, KeyCopies, Transfer
 logger = logging.getLogger(__name__)
 
 
-def unreachable(t: RequestTransfers, is_load: bool) -> Transfer:
-    """A transfer whose every chunk fails: the daemon could not be reached."""
+def unreachable(
+    t: RequestTransfers, is_load: bool, why: str = "kvserver unreachable"
+) -> Transfer:
+    """A transfer whose every chunk fails with ``why`` (by default: the daemon could not be
+    reached)."""
     keys = [c.key for c in (t.loads if is_load else t.stores)]
     transfer = Transfer(
         Direction.LOAD if is_load else Direction.STORE, (is_load, t.req_id, t.lease_id), keys
     )
-    transfer.copies = [KeyCopies(key, error="kvserver unreachable") for key in keys]
+    transfer.copies = [KeyCopies(key, error=why) for key in keys]
     return transfer
 
 

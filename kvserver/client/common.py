@@ -66,6 +66,8 @@ class Call:
 class Answer:
     result: dict[str, Any]
     payload: list[memoryview]
+    #: the session id of the daemon incarnation that replied ("" when not known)
+    sid: str = ""
 
 
 Proc: TypeAlias = Generator[Call, Answer, T]
@@ -181,7 +183,7 @@ class Session:
             self.needs_hello = True
         if reply.error is not None:
             return reply.error
-        return Answer(reply.result, [frame_buffer(f) for f in frames[1:]])
+        return Answer(reply.result, [frame_buffer(f) for f in frames[1:]], reply.sid)
 
     def token_changed(self) -> bool:
         """True when the daemon's token file now holds another token than the one our last
@@ -291,7 +293,7 @@ class Session:
         data = answer.result["grant"]
         if data is None:
             return None
-        return wire.store_grant_from_wire(data, sent)
+        return wire.store_grant_from_wire(data, sent, answer.sid)
 
     def prepare_load(
         self, ns_id: str, keys: Sequence[bytes], lease_s: float | None
@@ -300,7 +302,7 @@ class Session:
         answer = yield Call(
             wire.PREPARE_LOAD, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
         )
-        return wire.load_grant_from_wire(answer.result["grant"], sent)
+        return wire.load_grant_from_wire(answer.result["grant"], sent, answer.sid)
 
     def complete_store(
         self,
