@@ -8,7 +8,8 @@ then ``close()``; which one a request takes is the client's business (``sync.py`
 - :class:`ZmqLink`: a DEALER socket to the daemon's ROUTER (any host). It reconnects by itself
   and queues requests while the daemon is away; ``send`` raises TimeoutError only when its
   queue is full. Its :class:`ConnectionWatch` tells when its connection was lost: the
-  client then replaces the socket before sending (see :func:`open_dealer`).
+  client then replaces the socket before sending. :func:`open_dealer` makes the DEALER and
+  its watch for both clients (the asyncio one, ``aio_transport.py``, uses them directly).
 - :class:`LocalLink`: a Unix-domain stream socket to the daemon's local channel, framed by
   :mod:`kvserver.wire_local`. A co-located client (it mapped the arena) connects when ``hello``
   announces a ``local_path`` of a framing version it speaks, and then sends every request
