@@ -1,0 +1,141 @@
+"""kvserver/daemon/zmq_send.py in one process: a real KVService and a real ROUTER/DEALER pair
+on loopback.
+
+A zero-copy reply references arena pages until ZMQ has written it; its send pin must hold
+them that long, and no longer. The receiving DEALER is throttled (receive high-water mark 1,
+one message already queued, small socket buffers), so ZMQ cannot finish the large reply while
+the test evicts everything else and overwrites the pages it frees; then the DEALER reads, gets
+the original bytes, and the pin ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import zmq
+
+from kvserver import wire
+from kvserver.daemon.results import Fetched
+from kvserver.daemon.service import KVService
+from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
+from kvserver.engine_types import EngineConfig
+from tests.kvserver.builders import make_keys, make_spec, pattern
+
+PART = 1 << 20
+SPEC = make_spec(model="test/zero-copy", part_bytes_override=PART)
+DRAM = 8 * PART
+WAIT_S = 30.0
+
+
+@pytest.fixture
+async def svc() -> AsyncIterator[KVService]:
+    service = KVService(EngineConfig(dram_bytes=DRAM, page_size=PART))  # a part: one page
+    service.register_namespace(SPEC)
+    yield service
+    service.engine.check_invariants()
+    service.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.setsockopt(zmq.SNDBUF, 4096)
+    dealer.setsockopt(zmq.RCVBUF, 4096)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.setsockopt(zmq.ROUTING_ID, b"d")
+    dealer.setsockopt(zmq.RCVTIMEO, int(WAIT_S * 1000))
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send(b"hi")  # the ROUTER learns the DEALER's routing id
+    assert router.poll(int(WAIT_S * 1000)) and router.recv_multipart() == [b"d", b"hi"]
+    yield router, dealer
+    router.close(linger=0)
+    dealer.close(linger=0)
+    ctx.term()
+
+
+def fetched(svc: KVService, keys: list[bytes]) -> Fetched:
+    """``get`` of ``keys`` (all in DRAM): pinned under a lease of the send client."""
+    got = svc.get(SPEC.ns_id, keys, None, client=ZMQ_SEND_CLIENT)
+    assert isinstance(got, Fetched)
+    return got
+
+
+def store(svc: KVService, keys: list[bytes], tag: int) -> None:
+    parts = [pattern(k, tag, PART) for k in keys]
+    assert svc.put(SPEC.ns_id, keys, parts, client="c").stored == keys
+
+
+async def until(condition: object, what: str) -> None:
+    """Let the loop run until ``condition()`` holds (bounded: fails after WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_reply_zmq_still_holds_keeps_its_pages_pinned_until_sent(
+    svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
+    router, dealer = pair
+    sender = ZeroCopySender(svc)
+    sent = make_keys(4, tag="sent")
+    store(svc, sent, 0)
+    got = fetched(svc, sent)
+    router.send_multipart([b"d", b"filler", b"x" * PART])  # fills the DEALER's queue (HWM 1)
+    reply = Parts({"keys": got.keys, "ranks": got.ranks}, got.parts, sender.adopt(got.lease_id))
+    sender.send(router, b"d", 7, "sid", reply)
+    # ZMQ cannot write the whole 4 MiB while the DEALER is throttled; the loop turns and the
+    # I/O thread's progress meanwhile must not end the pin
+    await asyncio.sleep(0.05)
+    assert sender.num_pins == 1
+    assert svc.stats()["pinned_pages"] == 4
+
+    others = make_keys(8, tag="other")
+    for i in range(0, 8, 2):  # DRAM turns over; the pinned chunks must stay untouched
+        store(svc, others[i : i + 2], 1)
+    assert all(svc.engine.contains(SPEC.ns_id, k) for k in sent)
+
+    assert dealer.recv_multipart()[0] == b"filler"
+    frames = dealer.recv_multipart()
+    assert wire.unpack_header(frames[0])["id"] == 7
+    assert frames[1:] == [pattern(k, 0, PART) for k in sent]
+    await until(lambda: sender.num_pins == 0, "the send pin to end")
+    assert svc.stats()["pinned_pages"] == 0
+    store(svc, make_keys(8, tag="after"), 2)  # now the sent chunks can be evicted
+    assert not any(svc.engine.contains(SPEC.ns_id, k) for k in sent)
+    await sender.close()
+
+
+async def test_small_parts_are_copied_and_the_pin_ends_at_once(
+    svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
+    router, dealer = pair
+    sender = ZeroCopySender(svc)
+    keys = make_keys(2, tag="small")
+    store(svc, keys, 0)
+    got = fetched(svc, keys)
+    small = [[view[:100] for view in row] for row in got.parts]  # under COPY_THRESHOLD
+    sender.send(router, b"d", 8, "sid", Parts({"keys": keys}, small, sender.adopt(got.lease_id)))
+    await until(lambda: sender.num_pins == 0, "the pin of a copied reply to end")
+    assert dealer.recv_multipart()[1:] == [pattern(k, 0, PART)[:100] for k in keys]
+    await sender.close()
+
+
+async def test_close_releases_pins_of_replies_still_queued(
+    svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
+    router, _dealer = pair
+    sender = ZeroCopySender(svc)
+    keys = make_keys(4, tag="queued")
+    store(svc, keys, 0)
+    router.send_multipart([b"d", b"filler", b"x" * PART])
+    got = fetched(svc, keys)
+    sender.send(router, b"d", 9, "sid", Parts({}, got.parts, sender.adopt(got.lease_id)))
+    assert sender.num_pins == 1  # ZMQ cannot have written it: the DEALER is throttled
+    await sender.close()  # the daemon stops: pins end, the late frame release is a no-op
+    assert sender.num_pins == 0 and svc.stats()["pinned_pages"] == 0
