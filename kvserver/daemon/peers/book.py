@@ -47,6 +47,8 @@ class PeerCounters:
     missed_chunks: int = 0
     #: lookups that asked the directory.
     directory_lookups: int = 0
+    #: keys a load found holders for in a lookup's recent answer (the directory not asked).
+    directory_reused: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

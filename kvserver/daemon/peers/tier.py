@@ -15,6 +15,12 @@ What it does for the service (the seam's contracts):
   key), :class:`~kvserver.daemon.peers.fetch.PeerFetches` fetches them (once however many
   loads want them), checks them and places them in DRAM; what could not be brought is a miss
   for the load. Never raises for a peer's or the directory's failure.
+- **A lookup's answer is reused**: the holders ``query`` learnt are kept for
+  :data:`HOLDERS_TTL_S` (at most :data:`HOLDERS_MAX` keys, oldest dropped first), and a
+  promotion takes the leading run of its missing keys from them, asking the directory only
+  for the rest: the usual lookup-then-load asks the directory (Redis, or every static peer)
+  once, not twice. A reused answer is as trustworthy as a fresh one (the directory may lag
+  either way): a holder that no longer sends a key makes it a miss or another holder's.
 - **Write-down**: none. A network tier does not accept evictions (``on_evict`` ignores them):
   what this daemon evicts stays wherever else the fleet holds it.
 - **Local-only requests**: a peer asking this daemon (``lookup local=``, ``get leading=``) is
@@ -28,7 +34,8 @@ What it does for the service (the seam's contracts):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from kvserver.daemon.peers.book import PeerBook
@@ -41,6 +48,11 @@ from kvserver.events import MEDIUM_DRAM, Medium
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
+
+#: how long a lookup's answer (which peers hold which keys) serves the loads that follow.
+HOLDERS_TTL_S = 2.0
+#: keys whose holders are remembered at most (the oldest are dropped first).
+HOLDERS_MAX = 1 << 16
 
 
 class PeerTier(Tier):
@@ -58,13 +70,17 @@ class PeerTier(Tier):
         book: PeerBook,
         *,
         publish: Any = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
+        self._clock = clock
         self.directory = directory
         self.book = book
         self.fetches = PeerFetches(engine, book, publish=publish)
         #: keys of lookups credited to peers.
         self.hit_chunks = 0
+        #: (ns_id, key) -> (expiry, holders) from recent lookups, oldest first.
+        self._holders: dict[tuple[str, bytes], tuple[float, frozenset[str]]] = {}
 
     # ------------------------------------------------------------------ lifetime
 
@@ -91,8 +107,38 @@ class PeerTier(Tier):
         self.book.counters.directory_lookups += 1
         holders = await self.directory.holders(ns_id, keys)
         book = self.book
+        self._remember(ns_id, keys, holders)
         for i, hosts in enumerate(holders[: len(keys)]):
             out[i] = any(not book.is_suspect(h) for h in hosts)
+        return out
+
+    def _remember(
+        self, ns_id: str, keys: Sequence[bytes], holders: Sequence[frozenset[str]]
+    ) -> None:
+        """Keep a lookup's answer for the loads that follow (module docstring)."""
+        cache = self._holders
+        expiry = self._clock() + HOLDERS_TTL_S
+        for key, hosts in zip(keys, holders, strict=False):
+            if hosts:
+                cache.pop((ns_id, key), None)  # re-inserted last: the newest
+                cache[(ns_id, key)] = (expiry, hosts)
+        while len(cache) > HOLDERS_MAX:
+            del cache[next(iter(cache))]
+
+    async def _holders_of(self, ns_id: str, keys: list[bytes]) -> list[frozenset[str]]:
+        """Holders of ``keys`` as ``PeerDirectory.holders`` answers: the leading run a
+        recent lookup answered, then the directory's answer for the rest."""
+        cache, now = self._holders, self._clock()
+        out: list[frozenset[str]] = []
+        for key in keys:
+            known = cache.get((ns_id, key))
+            if known is None or known[0] < now:
+                break
+            out.append(known[1])
+        self.book.counters.directory_reused += len(out)
+        if len(out) < len(keys):
+            self.book.counters.directory_lookups += 1
+            out += await self.directory.holders(ns_id, keys[len(out) :])
         return out
 
     def record_lookup(self, ns_id: str, hits: Sequence[bytes], misses: int, *, touch: bool) -> None:
@@ -115,8 +161,7 @@ class PeerTier(Tier):
         missing = [k for k in unique if not contains(ns_id, k)]
         if not missing or not self._usable():
             return {}
-        self.book.counters.directory_lookups += 1
-        holders = await self.directory.holders(ns_id, missing)
+        holders = await self._holders_of(ns_id, missing)
         wanted: list[tuple[bytes, frozenset[str]]] = []
         book = self.book
         for key, hosts in zip(missing, holders, strict=False):

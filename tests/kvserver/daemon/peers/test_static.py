@@ -9,8 +9,9 @@ import pytest
 
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.static import StaticDirectory
+from kvserver.daemon.peers.tier import HOLDERS_TTL_S, PeerTier
 from tests.kvserver.builders import make_keys
-from tests.kvserver.daemon.peers.test_fetch import SPEC, store
+from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes, store
 from tests.support.daemon import start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -38,3 +39,41 @@ async def test_holders_are_the_peers_whose_leading_run_covers_each_key(tmp_path:
     finally:
         a.kill()
         c.kill()
+
+
+async def test_a_load_after_a_lookup_reuses_its_answer_until_it_is_stale(tmp_path: Path) -> None:
+    """Lookup then load through the network tier asks the directory (here: every peer) once;
+    an answer older than HOLDERS_TTL_S is not reused; a reused holder that no longer sends
+    the chunk makes it a miss, not an error."""
+    keys = make_keys(6)
+    a = start_daemon(tmp_path / "a", "--dram", "1MiB", "--page-size", "4KiB")  # 128 chunks
+    now = [100.0]
+    try:
+        store(a, keys)
+        with engine_b() as engine:
+            book = PeerBook(PeerSettings(timeout_s=5))
+            tier = PeerTier(engine, StaticDirectory([a.zmq_address], book), book,
+                            clock=lambda: now[0])  # fmt: skip
+            c = book.counters
+            assert await tier.query(SPEC.ns_id, keys[:3]) == [True] * 3
+            assert c.directory_lookups == 1
+            await tier.promote(SPEC.ns_id, keys[:3])
+            assert (c.directory_lookups, c.directory_reused, c.fetched_chunks) == (1, 3, 3)
+            assert held_bytes(engine, keys[:3]) == expected(keys[:3])
+
+            assert await tier.query(SPEC.ns_id, keys[3:]) == [True] * 3
+            await tier.promote(SPEC.ns_id, keys[3:5])  # two reused, none asked
+            assert (c.directory_lookups, c.directory_reused) == (2, 5)
+            now[0] += HOLDERS_TTL_S + 1
+            await tier.promote(SPEC.ns_id, keys[5:])  # stale: the directory is asked
+            assert (c.directory_lookups, c.directory_reused, c.fetched_chunks) == (3, 5, 6)
+
+            fresh = make_keys(2, tag="gone")
+            store(a, fresh)
+            assert await tier.query(SPEC.ns_id, fresh) == [True, True]
+            store(a, make_keys(128, tag="flood"))  # A's whole DRAM: it drops them
+            await tier.promote(SPEC.ns_id, fresh)
+            assert engine.lookup(SPEC.ns_id, fresh) == 0 and c.missed_chunks == 2
+            await book.close()
+    finally:
+        a.kill()
