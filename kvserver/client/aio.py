@@ -24,14 +24,15 @@ reply, the daemon still carries the request out).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from functools import wraps
 from typing import Any, Concatenate, ParamSpec
 
 from kvserver.client import ops
 from kvserver.client.aio_transport import AioSlot, AioTransport
-from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, Session, T
+from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, PutResult, Session, T
 from kvserver.client.ops import ClientBase
+from kvserver.client.parts import Parts
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
 
@@ -198,7 +199,23 @@ class AsyncKVClient(ClientBase):
     complete_store = awaiting(ops.complete_store)
     prepare_load = awaiting(ops.prepare_load)
     complete_load = awaiting(ops.complete_load)
-    put = awaiting(ops.put)
+
+    async def put(
+        self, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
+    ) -> PutResult:
+        """:func:`kvserver.client.ops.put`; a payload over ``ops.PUT_WINDOW_BYTES`` goes as
+        several puts sent back to back, each stored or rejected on its own. Raises the first
+        window's error (after every window's reply is in)."""
+        windows = ops.put_windows(keys, parts)
+        if len(windows) == 1 or len(keys) != len(parts):  # a mismatch: the daemon says so
+            return await self._run(ops.put(self._s, ns_id, keys, parts, lease_s=lease_s))
+        sent = [await self.submit_put(ns_id, k, p, lease_s=lease_s) for k, p in windows]
+        results = await asyncio.gather(*sent, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return ops.merge_puts([r for r in results if isinstance(r, PutResult)])
+
     get = awaiting(ops.get)
     write_parts = awaiting(ops.write_parts)
     read_parts = awaiting(ops.read_parts)

@@ -187,8 +187,48 @@ def complete_load(s: Session, lease_id: int) -> Proc[None]:
 def put(
     s: Session, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
 ) -> Proc[PutResult]:
-    """Store whole entries in one round trip (``parts[i]``: a buffer, or one per rank)."""
+    """Store whole entries in one round trip (``parts[i]``: a buffer, or one per rank). The
+    clients' ``put`` methods send a payload of more than :data:`PUT_WINDOW_BYTES` as several
+    of these, pipelined (:func:`put_windows`, :func:`merge_puts`)."""
     return s.put(ns_id, keys, parts, lease_s)
+
+
+#: payload bytes per ``put`` message. A larger ``put`` travels as several puts of at most this
+#: many bytes (at least one key each), sent back to back without waiting: the daemon copies one
+#: into its arena while the next is still on the wire, instead of copying the whole payload
+#: after the last byte arrived. Each is stored, or rejected, on its own.
+PUT_WINDOW_BYTES = 16 << 20
+
+
+def put_windows(keys: Sequence[bytes], parts: Parts) -> list[tuple[Sequence[bytes], Parts]]:
+    """``keys`` and ``parts`` cut into consecutive runs of at most :data:`PUT_WINDOW_BYTES`
+    of payload (one run when they fit; a key larger than that is a run of its own). Entries
+    are not checked here: the daemon checks each window as it checks any put."""
+    runs: list[tuple[Sequence[bytes], Parts]] = []
+    start = size = 0
+    for i, entry in enumerate(parts):
+        try:
+            nbytes = memoryview(entry).nbytes
+        except TypeError:  # one buffer per rank
+            nbytes = sum(memoryview(p).nbytes for p in entry)
+        if size and size + nbytes > PUT_WINDOW_BYTES:
+            runs.append((keys[start:i], parts[start:i]))
+            start, size = i, 0
+        size += nbytes
+    if start < len(parts) or not runs:
+        runs.append((keys[start:], parts[start:]))
+    return runs
+
+
+def merge_puts(results: Sequence[PutResult]) -> PutResult:
+    """The windows' results as one: their keys in order; ``rejected`` when any window was
+    (the other windows' keys may then be stored)."""
+    return PutResult(
+        [k for r in results for k in r.stored],
+        [k for r in results for k in r.present],
+        [k for r in results for k in r.filtered],
+        rejected=any(r.rejected for r in results),
+    )
 
 
 def get(

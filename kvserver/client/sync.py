@@ -31,13 +31,14 @@ still outstanding on it with ``Unavailable`` (see :mod:`kvserver.client.pending`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import wraps
 from typing import Concatenate, ParamSpec
 
 from kvserver.client import ops
-from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, Session, T
+from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, PutResult, Session, T
 from kvserver.client.ops import ClientBase
+from kvserver.client.parts import Parts
 from kvserver.client.pending import Pending
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
@@ -238,7 +239,28 @@ class KVClient(ClientBase):
     complete_store = blocking(ops.complete_store)
     prepare_load = blocking(ops.prepare_load)
     complete_load = blocking(ops.complete_load)
-    put = blocking(ops.put)
+
+    def put(
+        self, ns_id: str, keys: Sequence[bytes], parts: Parts, *, lease_s: float | None = None
+    ) -> PutResult:
+        """:func:`kvserver.client.ops.put`; a payload over ``ops.PUT_WINDOW_BYTES`` goes as
+        several puts sent back to back, each stored or rejected on its own. Raises the first
+        window's error (after every window's reply is in)."""
+        windows = ops.put_windows(keys, parts)
+        if len(windows) == 1 or len(keys) != len(parts):  # a mismatch: the daemon says so
+            return self._run(ops.put(self._s, ns_id, keys, parts, lease_s=lease_s))
+        sent = [self.submit_put(ns_id, k, p, lease_s=lease_s) for k, p in windows]
+        results: list[PutResult] = []
+        error: KVServerError | None = None
+        for pending in sent:
+            try:
+                results.append(pending.result())
+            except KVServerError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return ops.merge_puts(results)
+
     get = blocking(ops.get)
     write_parts = blocking(ops.write_parts)
     read_parts = blocking(ops.read_parts)

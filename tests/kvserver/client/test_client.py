@@ -19,7 +19,8 @@ import zmq
 
 from kvserver import wire
 from kvserver.client import AsyncKVClient, KVClient
-from kvserver.client.common import Answer, Call, Session
+from kvserver.client.common import Answer, Call, PutResult, Session
+from kvserver.client.ops import PUT_WINDOW_BYTES, merge_puts
 from kvserver.errors import (
     InvalidArgument,
     InvalidState,
@@ -450,3 +451,43 @@ def test_local_channel_only_when_colocated_and_wanted(daemon: DaemonProc) -> Non
             assert kv.store(ns.ns_id, keys, parts(keys)) == keys
             assert as_bytes(kv.load(ns.ns_id, keys)) == parts(keys)
             assert kv.is_local is expected
+
+
+@pytest.mark.multiprocess
+def test_a_large_put_goes_as_windows_and_is_stored_whole(tmp_path: Path) -> None:
+    """A put of more than PUT_WINDOW_BYTES is several messages (sync and asyncio clients),
+    each of at most that much payload; every byte is stored; a window's error is raised."""
+    spec = make_spec(model="test/windows", part_bytes_override=1 << 20)
+    n = 2 * PUT_WINDOW_BYTES // spec.part_bytes + 3  # three windows, the last one short
+    d = start_daemon(tmp_path, "--dram", "96MiB")
+    try:
+        keys = make_keys(n, tag="win")
+        data = [pattern(k, 0, spec.part_bytes) for k in keys]
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            ns = kv.register_namespace(spec)
+            r = kv.put(ns.ns_id, keys, data)
+            assert (r.stored, r.present, r.rejected) == (keys, [], False)
+            assert kv.sent_by_op[wire.PUT] == 3
+            assert [bytes(row[0]) for row in kv.get(ns.ns_id, keys)] == data
+            with pytest.raises(InvalidArgument):  # the last window's last part is too short
+                kv.put(ns.ns_id, make_keys(n, tag="bad"), [*data[:-1], b"short"])
+
+        async def put_async() -> None:
+            async with AsyncKVClient(d.zmq_address, colocated=False) as akv:
+                ns = await akv.register_namespace(spec)
+                more = make_keys(n, tag="win-aio")
+                r = await akv.put(ns.ns_id, more, [[p] for p in data])  # one buffer per rank
+                assert (r.stored, r.present) == (more, [])
+                assert akv.sent_by_op[wire.PUT] == 3
+                got = await akv.get(ns.ns_id, more)
+                assert [bytes(row[0]) for row in got] == data
+
+        asyncio.run(put_async())
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+def test_window_results_merge_in_order() -> None:
+    a = PutResult([b"1"], [b"2"], [], rejected=False)
+    b = PutResult([b"3"], [], [b"4"], rejected=True)
+    assert merge_puts([a, b]) == PutResult([b"1", b"3"], [b"2"], [b"4"], rejected=True)
