@@ -10,8 +10,11 @@ directory says hold it) and:
    for the fetch that claimed them;
 2. cuts its own keys into runs, one per peer: each key goes to a holder that is not suspect,
    preferring the one that holds the longest run from that key, so a prompt held by one peer is
-   one call per window of :data:`WINDOW_BYTES`; the windows are fetched concurrently (as many
-   at once as the link has connections), each bounded by the peer timeout;
+   one call per window of :data:`WINDOW_BYTES`; a peer's windows are pipelined on one of its
+   link's connections (``PeerLink.connection``), all asked at once, each bounded by the peer
+   timeout: they arrive one after another, in order, so each window is copied into DRAM while
+   the next is still on the wire (windows on separate connections would arrive together, at
+   the end); different peers are asked concurrently;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
    DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
    the request's keys already in DRAM from the eviction it may cause), ``write_part`` of every
@@ -37,9 +40,10 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
+from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.link import PeerFailed
+from kvserver.daemon.peers.link import PeerFailed, PeerLink
 from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
@@ -51,9 +55,9 @@ FETCH_CLIENT = "kvserver-peer-fetch"
 #: rounds of fetching: the first holder of each key, then another for what it did not send.
 ROUNDS = 2
 #: a run is asked for in windows of at most this many payload bytes (at least one chunk
-#: each), all at once (as many in flight as the link has connections); each is copied into
-#: the arena as soon as it has arrived, so copies can overlap the transfer of later windows.
-WINDOW_BYTES = 8 << 20
+#: each), pipelined on one connection; each is copied into the arena as soon as it has
+#: arrived, while the later ones are still on the wire.
+WINDOW_BYTES = 4 << 20
 
 _Parts = dict[bytes, list[memoryview]]
 
@@ -129,11 +133,15 @@ class PeerFetches:
                 runs = self._plan(todo, peers, tried, spec.part_bytes * spec.tp_world_size)
                 if not runs:
                     break
+                by_peer: dict[str, list[list[bytes]]] = {}
+                for h, keys in runs:
+                    by_peer.setdefault(h, []).append(keys)
                 results = await asyncio.gather(
-                    *(self._fetch_run(spec, peers[h], keys, protect, direct) for h, keys in runs)
-                )
+                    *(self._fetch_windows(spec, peers[h], ws, protect, direct)
+                      for h, ws in by_peer.items())
+                )  # fmt: skip
                 done: set[bytes] = set()
-                for sent, parts in results:
+                for sent, parts in (r for windows in results for r in windows):
                     done.update(sent)
                     got.update(parts)
                 todo = [(k, hs) for k, hs in todo if k not in done]
@@ -182,19 +190,41 @@ class PeerFetches:
             i = end
         return runs
 
+    async def _fetch_windows(
+        self,
+        spec: NamespaceSpec,
+        peer: Peer,
+        windows: list[list[bytes]],
+        protect: Sequence[bytes],
+        direct: bool,
+    ) -> list[tuple[list[bytes], _Parts]]:
+        """Fetch ``windows`` from ``peer``, pipelined on one connection, placing each as it
+        arrives; per window (keys it sent, direct parts)."""
+        link = self._book.link(peer)
+        try:
+            async with link.connection() as kv:
+                runs = (self._fetch_run(spec, peer, link, kv, w, protect, direct) for w in windows)
+                return await asyncio.gather(*runs)
+        except PeerFailed as exc:  # no connection in time
+            self._book.failed(peer, exc)
+            return []
+
     async def _fetch_run(
         self,
         spec: NamespaceSpec,
         peer: Peer,
+        link: PeerLink,
+        via: AsyncKVClient,
         keys: list[bytes],
         protect: Sequence[bytes],
         direct: bool,
     ) -> tuple[list[bytes], _Parts]:
-        """Fetch one run from ``peer`` and place it; returns (keys it sent, direct parts)."""
+        """Fetch one window from ``peer`` on ``via`` (a connection of ``link``) and place
+        it; returns (keys it sent, direct parts)."""
         book = self._book
         book.counters.fetches += 1
         try:
-            rows = await book.link(peer).fetch(spec, keys)
+            rows = await link.fetch(spec, keys, via=via)
         except PeerFailed as exc:
             book.failed(peer, exc)
             return [], {}

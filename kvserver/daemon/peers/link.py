@@ -4,7 +4,11 @@ Runs in the daemon process, on its event loop (``zmq.asyncio``). Not thread-safe
 
 Call order: ``PeerLink(peer, ...)`` → ``await fetch(spec, keys)`` / ``await lookup(...)``, from
 any number of tasks at once (each call takes one of at most ``connections`` DEALER sockets,
-opened on first use; more calls wait for one) → ``await close()``.
+opened on first use; more calls wait for one) → ``await close()``. Calls that belong together
+(the windows of one fetch) can share one socket instead: ``async with connection() as kv``,
+then ``fetch(spec, keys, via=kv)`` from concurrent tasks: they are pipelined on it, and the
+replies arrive one after another, each whole, in the order asked (one TCP stream), so the
+caller can copy one while the next is still on the wire.
 
 A peer is asked with the data plane's ``get`` and ``leading=True``: it sends the leading run
 of the keys it holds in its own tiers (DRAM, or promoted from its SSD) and never asks its own
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from kvserver.client.aio import AsyncKVClient
@@ -69,14 +73,43 @@ class PeerLink:
         self._opened = 0
         self._freed = asyncio.Condition()
         self._closed = False
+        #: shared connections (``connection()``) a call failed on: closed when given back.
+        self._spoiled: set[AsyncKVClient] = set()
 
-    async def fetch(self, spec: NamespaceSpec, keys: Sequence[bytes]) -> list[list[memoryview]]:
+    @property
+    def connections_open(self) -> int:
+        """Connections opened and not closed (in use or idle)."""
+        return self._opened
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[AsyncKVClient]:
+        """One of our connections for calls pipelined on it (``via=``; module docstring),
+        taken within ``timeout_s`` (else :class:`PeerFailed`) and given back when the block
+        ends: kept for reuse unless a call on it failed (then closed, so that a late reply
+        cannot be taken for another's)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                kv = await self._acquire()
+        except TimeoutError:
+            msg = "no connection to the peer in time"
+            raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+        try:
+            yield kv
+        finally:
+            spoiled = kv in self._spoiled
+            self._spoiled.discard(kv)
+            await self._release(kv, reuse=not spoiled)
+
+    async def fetch(
+        self, spec: NamespaceSpec, keys: Sequence[bytes], *, via: AsyncKVClient | None = None
+    ) -> list[list[memoryview]]:
         """The parts (one per rank, rank order) of the leading run of ``keys`` the peer holds:
         ``result[i]`` belongs to ``keys[i]``, and ``len(result) <= len(keys)`` (0: it holds
-        none of them, or not this namespace). Raises :class:`PeerFailed`."""
+        none of them, or not this namespace). ``via``: a connection of ``connection()``
+        (else one is taken for this call). Raises :class:`PeerFailed`."""
         ns_id = spec.ns_id
         try:
-            rows = await self._call(lambda kv: kv.get(ns_id, keys, leading=True))
+            rows = await self._call(lambda kv: kv.get(ns_id, keys, leading=True), via)
         except (UnknownNamespace, UnknownKey):
             return []
         check_rows(spec, keys, rows, self.peer)
@@ -101,13 +134,17 @@ class PeerLink:
         for kv in idle:
             await kv.close()
 
-    async def _call(self, op: Callable[[AsyncKVClient], Awaitable[T]]) -> T:
-        """Run ``op(client)`` on a connection of ours within ``timeout_s`` in all."""
-        kv: AsyncKVClient | None = None
+    async def _call(
+        self, op: Callable[[AsyncKVClient], Awaitable[T]], via: AsyncKVClient | None = None
+    ) -> T:
+        """Run ``op(client)`` within ``timeout_s`` in all, on ``via`` (a shared connection:
+        marked spoiled if the call fails) or on a connection taken for it."""
+        kv: AsyncKVClient | None = via
         ok = False
         try:
             async with asyncio.timeout(self.timeout_s):
-                kv = await self._acquire()
+                if kv is None:
+                    kv = await self._acquire()
                 result = await op(kv)
             ok = True
             return result
@@ -128,7 +165,10 @@ class PeerLink:
             msg = f"peer refused: {exc}"
             raise PeerFailed(msg, timed_out=False, peer=self.peer.host_id) from None
         finally:
-            if kv is not None:
+            if via is not None:
+                if not ok:
+                    self._spoiled.add(via)
+            elif kv is not None:
                 await self._release(kv, reuse=ok)
 
     async def _acquire(self) -> AsyncKVClient:

@@ -17,7 +17,7 @@ import pytest
 from kvserver.client import KVClient
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.fetch import PeerFetches
+from kvserver.daemon.peers.fetch import WINDOW_BYTES, PeerFetches
 from kvserver.daemon.peers.link import PeerFailed, PeerLink, check_rows
 from kvserver.engine import StorageEngine
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
@@ -210,3 +210,34 @@ def test_rows_of_the_wrong_number_or_size_are_refused() -> None:
         with pytest.raises(PeerFailed) as info:
             check_rows(SPEC, keys, rows, peer)
         assert not info.value.timed_out
+
+
+async def test_a_peers_windows_are_pipelined_on_one_connection(tmp_path: Path) -> None:
+    """Twelve 1 MiB chunks are three windows of WINDOW_BYTES, asked at once on one connection
+    (their replies arrive in order, each copied while the next is on the wire); every byte is
+    placed and the connection is kept for the next fetch."""
+    spec = make_spec(model="test/windows", part_bytes_override=1 << 20)
+    a = start_daemon(tmp_path / "a", "--dram", "32MiB")
+    try:
+        keys = make_keys(12, tag="win")
+        data = [pattern(k, 0, spec.part_bytes) for k in keys]
+        with KVClient(a.zmq_address, colocated=False) as kv:
+            kv.register_namespace(spec)
+            assert kv.put(spec.ns_id, keys, data).stored == keys
+        assert 12 * spec.part_bytes == 3 * WINDOW_BYTES
+        with make_engine(num_pages=16, page_size=1 << 20) as engine:  # 16 MiB
+            engine.register_namespace(spec)
+            book = PeerBook(PeerSettings(timeout_s=10))
+            fetches = PeerFetches(engine, book, publish=lambda: None)
+            peer = peer_of(a)
+            await fetches.fetch(spec, [(k, frozenset({"A"})) for k in keys], {"A": peer})
+            assert book.counters.fetches == 3 and book.counters.placed_chunks == 12
+            assert book.link(peer).connections_open == 1
+            grant = engine.prepare_load(spec.ns_id, keys)
+            got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys]
+            engine.complete_load(grant.lease_id)
+            assert got == data
+            engine.check_invariants()
+            await book.close()
+    finally:
+        a.kill()
