@@ -7,6 +7,7 @@ Starts a real daemon (loopback, its default random token) and, one abuse at a ti
 - ``grpc_10mb``: 150 sequential 10 MB Lookup requests the daemon refuses (target: < 64 MiB);
 - ``unauth_2m``: 2 attacker processes sending unauthenticated lookups of 2^21 keys (a 12 MB
   header) back to back, each waiting for its reply (target: an authenticated lookup < 5 ms);
+- ``unauth_2m_reconnecting``: the same, each request on a new connection (a fresh routing id);
 - ``unauth_2m_pipelined``: the same without waiting for replies (as fast as ZMQ takes them);
 - ``auth_1m_tokens``: an authenticated attacker sending 1M-token lookup_tokens back to back
   (validated off the loop).
@@ -95,16 +96,15 @@ def summary(samples: list[float]) -> dict[str, float]:
 def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
     """Run in a child process: send ``kind`` requests back to back for ``seconds``, one
     outstanding (``*_pipelined``: as fast as ZMQ takes them, replies read when they come;
-    ``busy``: no requests, a busy loop). Prints how many were sent."""
+    ``*_reconnecting``: each on a new connection; ``busy``: no requests, a busy loop). Prints
+    how many were sent."""
     deadline = time.monotonic() + float(seconds)
     if kind == "busy":
         while time.monotonic() < deadline:
             pass
         print(0, flush=True)
         return
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(address)
+    sock = dealer(address)
     args: dict[str, Any]
     if kind.startswith("unauth_2m"):
         args = {"ns_id": "x", "keys": [b"k" * 4] * (1 << 21)}
@@ -125,12 +125,22 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
         print(sent, flush=True)
         return
     while time.monotonic() < deadline:
+        if kind.endswith("_reconnecting"):  # a new connection (routing id) for every request
+            sock.close()
+            sock = dealer(address)
         sock.send(frame, copy=False)
         if not sock.poll(30_000):
             break
         sock.recv_multipart()
         sent += 1
     print(sent, flush=True)
+
+
+def dealer(address: str) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(address)
+    return sock
 
 
 def sink() -> None:
@@ -260,6 +270,7 @@ STALLS = (
     ("busy_2", "busy", 2, False),
     ("sink_2m", "unauth_2m", 2, True),
     ("unauth_2m", "unauth_2m", 2, False),
+    ("unauth_2m_reconnecting", "unauth_2m_reconnecting", 2, False),
     ("sink_2m_pipelined", "unauth_2m_pipelined", 2, True),
     ("unauth_2m_pipelined", "unauth_2m_pipelined", 2, False),
 )
@@ -316,14 +327,14 @@ def print_table(r: dict[str, Any]) -> None:
           f"p99 {ref['p99_ms']:.3f} ms, max {ref['max_ms']:.3f} ms ({ref['n']} lookups, "
           f"load {ref['load_1min']:.1f})")
     head = ("RSS +MiB", "p99 ms", "max ms", "p99/ref", "sent", "kids cpu", "io cpu", "load")
-    print(f"{'abuse':<20} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
+    print(f"{'abuse':<24} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
     for name in ROWS:
         row = r[name]
 
         def cell(key: str, fmt: str, row: dict[str, Any] = row) -> str:
             return format(row[key], fmt) if key in row else "-"
 
-        print(f"{name:<20} {row['rss_growth_mib']:>9.1f} {cell('p99_ms', '.3f'):>8} "
+        print(f"{name:<24} {row['rss_growth_mib']:>9.1f} {cell('p99_ms', '.3f'):>8} "
               f"{cell('max_ms', '.3f'):>8} {cell('ratio_p99', '.2f'):>8} "
               f"{cell('attack_requests', 'd'):>8} {cell('attackers_cores', '.2f'):>8} "
               f"{cell('daemon_zmq_io_cores', '.2f'):>8} {cell('load_1min', '.1f'):>8}")

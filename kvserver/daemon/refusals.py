@@ -9,7 +9,8 @@ Why: ZMQ delivers whole messages, so the daemon has read every byte of a request
 of header) before it can see that its token is wrong; what it can decide is how fast it lets a
 refused client come back. A client sending request after request, each waiting for its reply
 (a misconfigured client retrying in a loop, or an attacker pushing big unauthenticated
-requests), is slowed to one reply per :data:`REFUSAL_INTERVAL_S` per connection: the daemon's
+requests), is slowed to one reply per :data:`REFUSAL_INTERVAL_S` per connection, and all of
+them together to :data:`REFUSED_BYTES_PER_S` of refused requests: the daemon's
 ZMQ I/O thread, which also carries every authenticated client's messages, then no longer
 spends its time copying that client's bytes (docs/benchmarks.md, the abuse section).
 
@@ -25,6 +26,11 @@ Rules, per ROUTER connection (routing id):
 - at most :data:`MAX_HELD_PER_CONNECTION` replies of a connection, and :data:`MAX_HELD` in
   all, wait at a time; a refused request beyond that gets no reply (dropped, counted): only a
   client that does not wait for its replies gets there;
+- daemon-wide, the bytes of refused requests (all connections together) get their replies at
+  once up to :data:`REFUSED_BYTES_BURST`, then at :data:`REFUSED_BYTES_PER_S`: a reply leaves
+  no earlier than both allowances permit. A client that opens a new connection for a fresh
+  allowance gains nothing once it sends big requests; the small requests of an honest client
+  are held only while such a flood goes on;
 - a request with a valid token is served at once as always, and lifts the connection's
   penalty (a client that re-read a rotated token goes on at full speed). Its reply may then
   leave before error replies still held back for that connection; request ids tell them apart.
@@ -48,6 +54,10 @@ logger = logging.getLogger(__name__)
 REFUSAL_INTERVAL_S = 1.0
 #: error replies of one connection that may leave at once.
 REFUSAL_BURST = 8
+#: refused bytes, all connections together, whose error replies may leave at once; and then
+#: per second.
+REFUSED_BYTES_BURST = 64 << 20
+REFUSED_BYTES_PER_S = 16 << 20
 #: error replies waiting to be sent, per connection and in all.
 MAX_HELD_PER_CONNECTION = 8
 MAX_HELD = 4096
@@ -72,6 +82,8 @@ class RefusalThrottle:
         interval_s: float = REFUSAL_INTERVAL_S,
         *,
         burst: int = REFUSAL_BURST,
+        bytes_burst: int = REFUSED_BYTES_BURST,
+        bytes_per_s: int = REFUSED_BYTES_PER_S,
         max_held_per_connection: int = MAX_HELD_PER_CONNECTION,
         max_held: int = MAX_HELD,
         max_connections: int = MAX_CONNECTIONS,
@@ -79,6 +91,9 @@ class RefusalThrottle:
     ) -> None:
         self._interval = interval_s
         self._burst = burst
+        self._bytes_burst = bytes_burst
+        self._bytes_per_s = bytes_per_s
+        self._bytes_due = clock()  # the refused bytes so far, at bytes_per_s, end here
         self._max_held_per_connection = max_held_per_connection
         self._max_held = max_held
         self._max_connections = max_connections
@@ -89,11 +104,11 @@ class RefusalThrottle:
         self.held_back = 0  # error replies sent later than at once
         self.dropped = 0  # refused requests that got no reply (over the bounds)
 
-    def answer(self, peer: bytes, send: Callable[[], None]) -> None:
-        """A request of ``peer`` was refused: ``send()`` its error reply now, later (a timer
-        on the running loop; ``send`` must then still be callable, e.g. do nothing once the
-        socket is closed) or never."""
-        delay = self.refuse(peer)
+    def answer(self, peer: bytes, size: int, send: Callable[[], None]) -> None:
+        """A request of ``peer`` (``size`` bytes) was refused: ``send()`` its error reply now,
+        later (a timer on the running loop; ``send`` must then still be callable, e.g. do
+        nothing once the socket is closed) or never."""
+        delay = self.refuse(peer, size)
         if delay == 0.0:
             send()
         elif delay is not None:
@@ -106,25 +121,31 @@ class RefusalThrottle:
         except Exception:  # a reply that cannot be sent must not end the loop
             logger.exception("failed to send a held error reply")
 
-    def refuse(self, peer: bytes) -> float | None:
-        """A request of ``peer`` was refused: its error reply leaves after this many seconds
-        (0.0: at once), or None: send none."""
+    def refuse(self, peer: bytes, size: int = 0) -> float | None:
+        """A request of ``peer`` (``size`` bytes) was refused: its error reply leaves after
+        this many seconds (0.0: at once), or None: send none."""
         self.refused += 1
         now = self._clock()
         penalty = self._penalties.get(peer)
         if penalty is None:
             penalty = _Penalty(now)
             self._note(peer, penalty)
-        # GCRA: the replies so far, one interval each, end at ``due``; the burst may leave early
+        # GCRA, twice: the replies so far end at ``due`` (one interval each) and the refused
+        # bytes at ``bytes_due`` (at bytes_per_s); a burst may leave that much earlier
         due = max(penalty.due, now) + self._interval
-        delay = due - self._burst * self._interval - now
-        if delay <= 1e-9:  # within the burst (up to rounding)
-            penalty.due = due
+        cost = min(size, self._bytes_burst) / self._bytes_per_s
+        bytes_due = max(self._bytes_due, now) + cost
+        delay = max(
+            due - self._burst * self._interval - now,
+            bytes_due - self._bytes_burst / self._bytes_per_s - now,
+        )
+        if delay <= 1e-9:  # within both bursts (up to rounding)
+            penalty.due, self._bytes_due = due, bytes_due
             return 0.0
         if penalty.held >= self._max_held_per_connection or self._held >= self._max_held:
             self.dropped += 1
             return None
-        penalty.due = due
+        penalty.due, self._bytes_due = due, bytes_due
         penalty.held += 1
         self._held += 1
         self.held_back += 1

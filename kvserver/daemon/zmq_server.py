@@ -42,9 +42,9 @@ they send.
 
 Every request gets exactly one reply — an error reply (request id 0 when the header is unreadable)
 for anything malformed, unauthenticated, too large or refused; an unexpected exception is logged
-and answered ``internal``. The loop never dies on input. One exception: a ROUTER connection's
-unauthenticated requests get their error replies at most once per second each (the first at
-once; ``refusals.py``), and none past a bound on replies held back.
+and answered ``internal``. The loop never dies on input. One exception: the error replies to a
+ROUTER connection's unauthenticated requests are throttled (``refusals.py``: a burst at once,
+then held back), and none is sent past a bound on replies held back.
 
 A request with an empty first frame and an 8-byte second frame is vLLM's replay request (``[b"",
 start_seq]``, ``zmq_events.py``); it is ordered like any other request."""
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from collections import deque
@@ -383,7 +384,8 @@ class DataFrontend:
                     if not isinstance(peer, bytes):
                         raise
                     refusal = failed(req_id, exc)  # sent now, later or never (refusals.py)
-                    self._service.refusals.answer(peer, lambda: self._send(peer, refusal))
+                    send = functools.partial(self._send, peer, refusal)
+                    self._service.refusals.answer(peer, total, send)
                     return None
                 if isinstance(peer, bytes):
                     self._remember(peer, who)

@@ -22,7 +22,8 @@ def clock() -> Clock:
 
 
 def throttle(clock: Clock, **kw: int) -> RefusalThrottle:
-    return RefusalThrottle(1.0, burst=kw.pop("burst", 3), clock=clock, **kw)
+    kw.setdefault("burst", 3)
+    return RefusalThrottle(1.0, clock=clock, **kw)
 
 
 def test_the_burst_is_answered_at_once_then_one_per_interval(clock: Clock) -> None:
@@ -83,3 +84,18 @@ def test_the_connections_remembered_are_bounded(clock: Clock) -> None:
     t.sent(b"a")  # its reply left after all: nothing to count down
     assert t.stats()["held"] == 0
     assert t.refuse(b"a") == 0.0  # a new record
+
+
+def test_refused_bytes_are_limited_across_connections(clock: Clock) -> None:
+    t = throttle(clock, burst=100, bytes_burst=100, bytes_per_s=10)
+    assert t.refuse(b"a", 60) == 0.0 and t.refuse(b"b", 40) == 0.0  # the daemon-wide burst
+    assert t.refuse(b"c", 20) == pytest.approx(2.0)  # a new connection gains nothing
+    assert t.refuse(b"d", 0) == pytest.approx(2.0)  # a small request waits behind the flood
+    clock.now += 100.0  # quiet: the whole byte allowance is back
+    assert t.refuse(b"e", 100) == 0.0
+
+
+def test_a_request_over_the_byte_burst_is_answered_when_the_budget_is_whole(clock: Clock) -> None:
+    t = throttle(clock, burst=100, bytes_burst=100, bytes_per_s=10)
+    assert t.refuse(b"a", 10_000) == 0.0  # counts as the whole burst, not more
+    assert t.refuse(b"b", 1) == pytest.approx(0.1)
