@@ -306,8 +306,8 @@ def settle_gc() -> None:
     """Once started: collect what start-up left, freeze what survived (modules, the engine, the
     front ends: alive until exit) so that no collection walks it again, and collect the young
     generation every :data:`GC_YOUNG_THRESHOLD` new objects. Reference counting frees almost
-    everything a request allocates; the cycle collector is for the rest, and its full passes
-    over start-up's ~50k objects took 50-70 ms on the loop (issue 15)."""
+    everything a request allocates; the cycle collector is for the rest, and a full pass over
+    start-up's ~50k objects takes 50-70 ms on the loop (issue 15)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
