@@ -20,14 +20,16 @@ and this runs right after the client's copies have evicted the daemon's data fro
 Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
 - every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
   (READY, pinned); ``reserved_pages`` and ``pinned_pages`` are the counts of the middle two;
-- every READY entry is tracked by the policy and no other key is; ``ready`` holds exactly
-  the keys of the READY entries;
+- every READY entry is tracked by the policy and no other key is; ``ready[ns]`` holds exactly
+  the keys of namespace ``ns``'s READY entries;
 - pinned and WRITING entries are never evicted; eviction removes whole entries, all or nothing.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import cast
 
 from kvserver.allocator import Extents, PageAllocator
 from kvserver.engine_types import Entry, EntryState
@@ -45,9 +47,10 @@ class DramIndex:
         self.policy = make_policy(policy)
         self.allocator = PageAllocator(num_pages, page_size)
         self.entries: dict[IndexKey, Entry] = {}
-        #: keys of the READY entries (what a lookup may hit), kept beside ``entries`` so that
-        #: a lookup finds its leading run of hits without a Python loop
-        self.ready: set[IndexKey] = set()
+        #: per namespace, the keys of its READY entries (what a lookup may hit), kept beside
+        #: ``entries`` so that a lookup finds its leading run of hits in C, with no Python loop
+        #: and no (ns, key) tuple per key
+        self.ready: defaultdict[int, set[bytes]] = defaultdict(set)
         self.reserved_pages = 0
         self.pinned_pages = 0
         self.num_writing = 0
@@ -81,7 +84,10 @@ class DramIndex:
         victims = self.policy.evict(shortfall, self._cost, evictable)
         if victims is None:
             return None
-        self.ready.difference_update(victims)
+        ready = self.ready
+        for victim in victims:
+            victim_ns, victim_key = cast("IndexKey", victim)
+            ready[victim_ns].discard(victim_key)
         pop = entries.pop
         return [pop(victim) for victim in victims]  # type: ignore[call-overload]
 
@@ -150,6 +156,7 @@ class DramIndex:
         entries = self.entries
         ready = EntryState.READY
         pages = 0
+        keys = list(keys)
         ikeys = [(ns, key) for key in keys]
         for ikey in ikeys:
             entry = entries[ikey]
@@ -157,7 +164,7 @@ class DramIndex:
             entry.lease_id = 0
             pages += entry.num_pages
         count = len(ikeys)
-        self.ready.update(ikeys)
+        self.ready[ns].update(keys)
         self.policy.insert_batch(ikeys)
         self.reserved_pages -= pages
         self.num_writing -= count
@@ -256,4 +263,5 @@ class DramIndex:
         assert writing == self.num_writing
         assert free + reserved + pinned + ready == self.allocator.num_pages
         assert len(self.policy) == len(self.entries) - writing
-        assert self.ready == {k for k, e in self.entries.items() if e.state is EntryState.READY}
+        held = {(ns, k) for ns, keys in self.ready.items() for k in keys}
+        assert held == {k for k, e in self.entries.items() if e.state is EntryState.READY}

@@ -81,6 +81,7 @@ def test_lookup_counts_leading_run_and_stops_at_first_miss(policy: str) -> None:
         assert engine.lookup(ns, [k[2], k[0]]) == 0
         assert engine.lookup(ns, []) == 0
         assert engine.lookup(ns, (k[0],)) == 1
+        assert engine.lookup(ns, [k[0], k[0], k[1]]) == 3  # every key held: one superset test
 
 
 @pytest.mark.parametrize("policy", ALL)
