@@ -20,7 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvserver.errors import KVServerError, Unavailable
+from kvserver.crypto import ClientSecurity, add_client_security_args
+from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 
 DEFAULT_GRPC_PORT = 9470
 DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
@@ -54,6 +55,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="shared secret when the daemon requires one (default: $KVSERVER_AUTH_TOKEN)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_client_security_args(p, curve=False, tls=True)
 
 
 def add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -128,7 +130,13 @@ def _run(name: str, args: argparse.Namespace, body: Any) -> int:
     try:
         if args.timeout <= 0:
             raise _UsageError("--timeout must be positive")
-        with GrpcClient(args.server, timeout=args.timeout, auth_token=args.auth_token) as client:
+        try:
+            tls = ClientSecurity.from_mapping(args).tls()
+        except InvalidArgument as exc:
+            raise _UsageError(exc.message) from None
+        with GrpcClient(
+            args.server, timeout=args.timeout, auth_token=args.auth_token, tls=tls
+        ) as client:
             text: str = body(client, args)
     except _UsageError as exc:
         print(f"kvserver {name}: error: {exc}", file=sys.stderr)

@@ -164,6 +164,84 @@ class TlsClient:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
+#: the client options, named as the daemon's flags (``docs/security.md``, "Client options"):
+#: option -> what it is. The same names are CLI flags (``--curve-server-key-file``), config
+#: fields and the vLLM plug-in's ``kv_connector_extra_config`` keys.
+CLIENT_OPTIONS: dict[str, str] = {
+    "curve_server_key_file": "the daemon's CURVE public key (its NAME.key): use CURVE on ZMQ",
+    "curve_secret_key_file": (
+        "this client's CURVE key pair (NAME.key_secret) when the daemon lists its clients "
+        "(curve_clients_dir); default: a fresh pair per process"
+    ),
+    "tls_ca_file": "the CA (PEM) that signed the daemon's gRPC certificate: use TLS on gRPC",
+    "tls_cert_file": "this client's certificate (PEM) when the daemon requires one (mTLS)",
+    "tls_key_file": "this client's private key (PEM), with tls_cert_file",
+    "tls_server_name": "the name checked against the daemon's certificate (default: the host)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSecurity:
+    """How a client secures its connections to a daemon, by the names of
+    :data:`CLIENT_OPTIONS` (file paths; "" = unset). ``curve()`` / ``tls()`` read the files
+    and raise InvalidArgument naming the option for a missing or malformed one."""
+
+    curve_server_key_file: str = ""
+    curve_secret_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
+
+    def __post_init__(self) -> None:
+        for name in CLIENT_OPTIONS:
+            if not isinstance(getattr(self, name), str):
+                raise InvalidArgument(f"{name} must be a string (a file path)")
+        if self.curve_secret_key_file and not self.curve_server_key_file:
+            raise InvalidArgument("curve_secret_key_file needs curve_server_key_file")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument("tls_cert_file and tls_key_file go together")
+        if (self.tls_cert_file or self.tls_server_name) and not self.tls_ca_file:
+            raise InvalidArgument(
+                "tls_cert_file, tls_key_file and tls_server_name need tls_ca_file"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Any) -> ClientSecurity:
+        """From any object with the option names as keys (a dict) or attributes (argparse's
+        Namespace); missing or None ones are unset."""
+        if isinstance(values, dict):
+            return cls(**{k: values.get(k) or "" for k in CLIENT_OPTIONS})
+        return cls(**{k: getattr(values, k, None) or "" for k in CLIENT_OPTIONS})
+
+    def curve(self) -> CurveClient | None:
+        """The CURVE client settings (keys read now); None without curve_server_key_file."""
+        if not self.curve_server_key_file:
+            return None
+        return CurveClient.from_files(self.curve_server_key_file, self.curve_secret_key_file)
+
+    def tls(self) -> TlsClient | None:
+        """The gRPC TLS settings (files read when a channel is made); None without
+        tls_ca_file."""
+        if not self.tls_ca_file:
+            return None
+        client = TlsClient(self.tls_ca_file, self.tls_cert_file, self.tls_key_file,
+                           self.tls_server_name)  # fmt: skip
+        client.credentials()  # a missing or unreadable file: an error now, naming it
+        return client
+
+
+def add_client_security_args(parser: Any, *, curve: bool = True, tls: bool = False) -> None:
+    """Add the :data:`CLIENT_OPTIONS` flags (``--curve-*`` for a ZMQ client, ``--tls-*`` for
+    a gRPC client) to an argparse parser; read them back with
+    :meth:`ClientSecurity.from_mapping`."""
+    for name, help_text in CLIENT_OPTIONS.items():
+        if (name.startswith("curve") and curve) or (name.startswith("tls") and tls):
+            metavar = "NAME" if name == "tls_server_name" else "FILE"
+            parser.add_argument("--" + name.replace("_", "-"), metavar=metavar, default="",
+                                help=help_text + " (docs/security.md)")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- making keys
 
 

@@ -255,6 +255,7 @@ class GrpcClient:
         self.target = target
         self.timeout = timeout
         self._auth_token = auth_token
+        self._tls = tls is not None
         #: without a token of our own: the one a daemon on this host left for its user
         self._token_file = TokenFile(target) if not auth_token else None
         options = [
@@ -398,7 +399,7 @@ class GrpcClient:
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout or self.timeout
             )
         except grpc.RpcError as exc:
-            raise _error(exc, self.target) from None
+            raise _error(exc, self.target, tls=self._tls) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status))
 
     # ------------------------------------------------------------------ plumbing
@@ -420,7 +421,7 @@ class GrpcClient:
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata())
         except grpc.RpcError as exc:
-            raise _error(exc, self.target) from None
+            raise _error(exc, self.target, tls=self._tls) from None
 
 
 def _serialize(msg: Any) -> bytes:
@@ -467,8 +468,10 @@ def _namespace_reply(msg: Any) -> NamespaceReply:
     return info
 
 
-def _error(exc: grpc.RpcError, target: str) -> KVServerError:
-    """The kvserver error of a failed call (typed when the daemon said which)."""
+def _error(exc: grpc.RpcError, target: str, tls: bool | None = None) -> KVServerError:
+    """The kvserver error of a failed call (typed when the daemon said which). ``tls``:
+    whether the channel uses TLS (None: unknown), to say when a TLS mismatch is the likely
+    reason a connection failed."""
     call: Any = exc
     status = call.code()
     details = call.details() or status.name
@@ -480,9 +483,29 @@ def _error(exc: grpc.RpcError, target: str) -> KVServerError:
     if isinstance(code, str) and code:
         return error_from_code(code, details)
     if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"kvserver at {target} is unreachable ({status.name}): {details}")
+        hint = _tls_hint(details, tls)
+        return Unavailable(
+            f"kvserver at {target} is unreachable ({status.name}): {details}{hint}"
+        )
     if status == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(details)
     if status in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return InvalidArgument(details, status=status.name)
     return KVServerError(details, status=status.name)
+
+
+def _tls_hint(details: str, tls: bool | None) -> str:
+    """What a connection failure's ``details`` say about TLS, in the client options' names."""
+    low = details.lower()
+    if tls and any(w in low for w in ("ssl", "handshake", "certificate", "tls")):
+        return (
+            "; the TLS handshake failed: tls_ca_file must be the CA of the daemon's "
+            "certificate, tls_server_name a name in it, and tls_cert_file/tls_key_file a "
+            "client certificate when the daemon requires one (docs/security.md)"
+        )
+    if tls is False and "socket closed" in low:
+        return (
+            "; the daemon closed the connection: if it serves gRPC over TLS, give tls_ca_file "
+            "(--tls-ca-file; docs/security.md)"
+        )
+    return ""

@@ -18,6 +18,10 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
     colocated          null   null: map the daemon's arena when it runs on this host;
                               false: always send payload frames; true: require the arena
     auth_token         ""     the daemon's shared secret, if it has one
+    curve_server_key_file ""  the daemon's CURVE public key file (its NAME.key): required
+                              when the daemon uses CURVE (docs/security.md)
+    curve_secret_key_file ""  this engine's CURVE key pair (NAME.key_secret), when the daemon
+                              admits listed clients only (curve_clients_dir)
     max_store_batch_chunks 65536  most chunks reserved by one step
     min_hit_tokens     1      policy hint: a smaller external hit is not loaded (recomputing a
                               short prefix can be cheaper than waiting a step for it)
@@ -34,6 +38,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvserver.crypto import CLIENT_OPTIONS, ClientSecurity, CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import DTYPE_SIZES, NamespaceSpec
 from scheduler.kv_connector_types import KVConnectorConfig
@@ -45,10 +50,12 @@ VLLM_DEFAULT_SEED = "vllm-none-hash"
 #: vLLM ``prefix_caching_hash_algo`` -> kvserver hash algorithm (same bytes, see hashing.py).
 HASH_ALGOS = {"sha256": "sha256", "sha256_cbor": "sha256_cbor", "xxhash_cbor": "xxhash_cbor"}
 
+#: the ZMQ client options of docs/security.md (the connector speaks no gRPC: no tls_* keys)
+_CURVE_KEYS = tuple(k for k in CLIENT_OPTIONS if k.startswith("curve_"))
 _FLOAT_KEYS = ("lookup_timeout_s", "op_timeout_s", "down_backoff_s", "transfer_timeout_s")
 _KEYS = {
     "address", "chunk_blocks", "model_id", "lease_s", "colocated", "auth_token",
-    "max_store_batch_chunks", "min_hit_tokens", *_FLOAT_KEYS,
+    "max_store_batch_chunks", "min_hit_tokens", *_FLOAT_KEYS, *_CURVE_KEYS,
 }  # fmt: skip
 
 
@@ -63,12 +70,13 @@ class PluginConfig:
     transfer_timeout_s: float
     auth_token: str
     min_hit_tokens: int = 1
+    curve: CurveClient | None = None
 
     def worker(self, rank: int) -> WorkerConnectorConfig:
         return WorkerConnectorConfig(
             address=self.address, spec=self.spec, rank=rank, colocated=self.colocated,
             timeout_s=self.transfer_timeout_s, auth_token=self.auth_token,
-            client_id=f"vllm-worker-{os.getpid()}-r{rank}",
+            client_id=f"vllm-worker-{os.getpid()}-r{rank}", curve=self.curve,
         )  # fmt: skip
 
 
@@ -94,17 +102,23 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
     if colocated is not None and not isinstance(colocated, bool):
         raise InvalidArgument("kv_connector_extra_config.colocated must be true, false or null")
     auth = _get(extra, "auth_token", str, "")
+    for key in _CURVE_KEYS:
+        _get(extra, key, str, "")
+    try:
+        curve = ClientSecurity.from_mapping({k: extra.get(k) for k in _CURVE_KEYS}).curve()
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"kv_connector_extra_config: {exc.message}") from None
     spec = namespace_spec(vllm_config, kv_cache_config, chunk_blocks, extra.get("model_id"))
     scheduler = KVConnectorConfig(
         address=address, spec=spec, lookup_timeout_s=floats["lookup_timeout_s"],
         op_timeout_s=floats["op_timeout_s"], down_backoff_s=floats["down_backoff_s"],
-        lease_s=None if lease is None else float(lease), auth_token=auth,
+        lease_s=None if lease is None else float(lease), auth_token=auth, curve=curve,
         client_id=f"vllm-scheduler-{os.getpid()}",
         max_store_batch_chunks=_get(extra, "max_store_batch_chunks", int, 1 << 16),
     )  # fmt: skip
     return PluginConfig(
         spec, scheduler, address, colocated, floats["transfer_timeout_s"], auth,
-        min_hit_tokens=_get(extra, "min_hit_tokens", int, 1),
+        min_hit_tokens=_get(extra, "min_hit_tokens", int, 1), curve=curve,
     )  # fmt: skip
 
 

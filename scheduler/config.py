@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
 
@@ -112,6 +113,10 @@ class ProcessConfig:
     metrics_port: int = DEFAULT_METRICS_PORT
     #: kvserver daemon ZMQ address (``tcp://host:port``); None = no connector.
     kvserver: str | None = None
+    #: the daemon's token ("": the one a daemon on this host left for its user)
+    kvserver_auth_token: str = ""
+    #: CURVE settings for a daemon that uses CURVE (docs/security.md)
+    kvserver_curve: CurveClient | None = None
     chunk_blocks: int = 1
     model: str = "synthetic"
     step_timeout_s: float = 10.0

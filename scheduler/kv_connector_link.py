@@ -46,7 +46,7 @@ class DaemonLink:
         self.stats = stats
         self.kv = client or KVClient(
             config.address, timeout=config.op_timeout_s, client_id=config.client_id,
-            auth_token=config.auth_token, colocated=False,
+            auth_token=config.auth_token, colocated=False, curve=config.curve,
         )  # fmt: skip
         self.ns_id = config.spec.ns_id  # a property that hashes the spec: computed once
         self._clock = clock
@@ -125,8 +125,8 @@ class DaemonLink:
                 self.kv.register_namespace(self.config.spec)
                 self._registered = True
             yield self.kv
-        except Unavailable:
-            self._mark_down()
+        except Unavailable as exc:
+            self._mark_down(exc)
             raise
 
     @staticmethod
@@ -141,15 +141,15 @@ class DaemonLink:
         down unless it already is."""
         try:
             return pending.result(self.config.op_timeout_s)
-        except Unavailable:
+        except Unavailable as exc:
             if not self.is_down:
-                self._mark_down()
+                self._mark_down(exc)
             raise
 
-    def _mark_down(self) -> None:
+    def _mark_down(self, why: Unavailable) -> None:
         self.stats.timeouts += 1
         self._down_until = self._clock() + self.config.down_backoff_s
         logger.warning(
-            "kvserver at %s unreachable; skipped for %.1fs",
-            self.config.address, self.config.down_backoff_s,
+            "kvserver at %s unreachable (%s); skipped for %.1fs",
+            self.config.address, why.message, self.config.down_backoff_s,
         )  # fmt: skip

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kvserver.client import Pending
+from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
@@ -61,6 +62,8 @@ class KVConnectorConfig:
     #: store reservation / load pin lifetime (None: the daemon's default).
     lease_s: float | None = None
     auth_token: str = ""
+    #: CURVE settings for the daemon's data plane (None: plain TCP; docs/security.md)
+    curve: CurveClient | None = None
     client_id: str | None = None
     #: most chunks one step's prepare_store asks for (the daemon's default keys-per-request
     #: limit); a batch the cache cannot hold is halved until it fits.

@@ -258,7 +258,10 @@ def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> Scheduler
         hash_seed=sched.hash_seed,
         tp_world_size=len(infos),
     )
-    connector = KVServerSchedulerConnector(KVConnectorConfig(config.kvserver, spec))
+    connector = KVServerSchedulerConnector(
+        KVConnectorConfig(config.kvserver, spec, auth_token=config.kvserver_auth_token,
+                          curve=config.kvserver_curve)
+    )  # fmt: skip
     problem = connector.probe()
     if problem is None:
         logger.info("kvserver daemon at %s answers; namespace %s", config.kvserver, spec.ns_id)

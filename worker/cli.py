@@ -15,6 +15,7 @@ import os
 import re
 import sys
 
+from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import KVServerError
 
 #: what ``--listen`` accepts: a ZMQ endpoint this worker can bind
@@ -46,6 +47,14 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kvserver", metavar="ADDR", help="kvserver daemon ZMQ address (default off)")
+    p.add_argument(
+        "--auth-token",
+        default=os.environ.get("KVSERVER_AUTH_TOKEN", ""),
+        metavar="TOKEN",
+        help="the daemon's token (default: $KVSERVER_AUTH_TOKEN, else the token file a daemon "
+        "on this host left for its user)",
+    )
+    add_client_security_args(p, curve=True)
     p.add_argument("--chunk-blocks", type=int, default=1, help="must match the scheduler's")
     p.add_argument("--hash-algo", default="sha256_cbor", help="must match the scheduler's")
     p.add_argument("--hash-seed", default="vllm-none-hash", help="must match the scheduler's")
@@ -85,6 +94,11 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     problem = _usage_error(args)
+    if problem is None:
+        try:  # the key files are read now: a bad one is a usage error
+            curve = ClientSecurity.from_mapping(args).curve()
+        except KVServerError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"kvserver worker: {problem}", file=sys.stderr)
         return 2
@@ -114,7 +128,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         init_distributed(args.rank, args.world_size, args.dist_init, device)
         kv = None
         if args.kvserver:
-            kv = KVServerSettings(args.kvserver, args.chunk_blocks, args.hash_algo, args.hash_seed)
+            kv = KVServerSettings(
+                args.kvserver, args.chunk_blocks, args.hash_algo, args.hash_seed,
+                auth_token=args.auth_token, curve=curve,
+            )  # fmt: skip
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file)
     except KVServerError as exc:
         print(f"kvserver worker: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 
@@ -28,6 +29,8 @@ class WorkerConnectorConfig:
     timeout_s: float = 10.0
     auth_token: str = ""
     client_id: str | None = None
+    #: CURVE settings for the daemon's data plane (None: plain TCP; docs/security.md)
+    curve: CurveClient | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.spec.tp_world_size:

@@ -380,6 +380,7 @@ class KVServerWorkerConnector:
         return KVClient(
             self.config.address, timeout=self.config.timeout_s, auth_token=self.config.auth_token,
             client_id=f"{base}-{role}" if base else None, colocated=False,
+            curve=self.config.curve,
         )  # fmt: skip
 
     def _map_arena(self, device: torch.device) -> None:

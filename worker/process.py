@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from step_protocol import (
@@ -53,6 +54,10 @@ class KVServerSettings:
     chunk_blocks: int = 1
     hash_algo: str = "sha256_cbor"
     hash_seed: str = "vllm-none-hash"
+    #: the daemon's token ("": the one a daemon on this host left for its user)
+    auth_token: str = ""
+    #: CURVE settings for a daemon that uses CURVE (docs/security.md)
+    curve: CurveClient | None = None
 
 
 @dataclass(slots=True)
@@ -111,9 +116,11 @@ class ModelWorker:
             hash_seed=self.kvserver.hash_seed,
             tp_world_size=msg.world_size,
         )
-        conn = KVServerWorkerConnector(
-            WorkerConnectorConfig(self.kvserver.address, spec, rank=self.rank)
+        kv = self.kvserver
+        config = WorkerConnectorConfig(
+            kv.address, spec, rank=self.rank, auth_token=kv.auth_token, curve=kv.curve
         )
+        conn = KVServerWorkerConnector(config)
         try:
             names = {f"layer{i}": t for i, t in enumerate(self.caches)}
             conn.register_kv_caches(names, msg.num_gpu_blocks, block_dim=1)

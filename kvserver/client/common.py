@@ -193,8 +193,12 @@ class Session:
         token = self._token_file.token()
         return bool(token) and token != self._sent_token
 
-    def timed_out(self, call: Call, timeout: float) -> Unavailable:
+    def timed_out(self, call: Call, timeout: float, why: str | None = None) -> Unavailable:
+        """The error of a call without a reply; ``why``: the failed handshake that explains
+        it (:mod:`kvserver.client.handshake`)."""
         self.needs_hello = True
+        if why is not None:
+            return Unavailable(f"cannot talk to {self.address}: {why}", op=call.op)
         return Unavailable(f"no reply from {self.address} within {timeout}s", op=call.op)
 
     def close(self) -> None:

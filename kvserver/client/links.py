@@ -8,8 +8,10 @@ then ``close()``; which one a request takes is the client's business (``sync.py`
 - :class:`ZmqLink`: a DEALER socket to the daemon's ROUTER (any host). It reconnects by itself
   and queues requests while the daemon is away; ``send`` raises TimeoutError only when its
   queue is full. Its :class:`ConnectionWatch` tells when its connection was lost: the
-  client then replaces the socket before sending. :func:`open_dealer` makes the DEALER and
-  its watch for both clients (the asyncio one, ``aio_transport.py``, uses them directly).
+  client then replaces the socket before sending; and why a security handshake failed
+  (:mod:`kvserver.client.handshake`), which ends a ``wait`` at once and becomes the error.
+  :func:`open_dealer` makes the DEALER and its watch for both clients (the asyncio one,
+  ``aio_transport.py``, uses them directly).
 - :class:`LocalLink`: a Unix-domain stream socket to the daemon's local channel, framed by
   :mod:`kvserver.wire_local`. A co-located client (it mapped the arena) connects when ``hello``
   announces a ``local_path`` of a framing version it speaks, and then sends every request
@@ -25,6 +27,7 @@ import contextlib
 import itertools
 import select
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
@@ -32,6 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvserver import wire_local
+from kvserver.client import handshake
 from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
 from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
@@ -59,14 +63,17 @@ class ConnectionWatch:
     ``lost()`` is True once an established connection broke (``EVENT_DISCONNECTED``), until
     the socket connects again. A socket that never connected (no daemon listening yet) is not
     lost: it is still trying, and a request waiting on it times out and replaces it anyway.
-    Not thread-safe: the socket's owner calls it (one non-blocking check of an inproc PAIR
-    socket when nothing happened).
+    ``failure()``: why the latest security handshake failed (None when it succeeded or none
+    was tried); ``succeeded``: the latest one read succeeded (the blocking client then waits
+    on the DEALER alone). Not thread-safe: the socket's owner calls it (one non-blocking check
+    of an inproc PAIR socket when nothing happened).
     """
 
-    EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+    EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake.EVENTS
 
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
-        """Watch ``sock``; call before ``sock.connect`` so no event is missed."""
+    def __init__(self, sock: zmq.Socket[Any], *, curve: bool = False) -> None:
+        """Watch ``sock`` (``curve``: it uses CURVE); call before ``sock.connect`` so no
+        event is missed."""
         addr = f"inproc://kvserver-client-watch-{id(self):x}-{next(_watch_ids)}"
         sock.monitor(addr, self.EVENTS)
         # a plain socket on the same libzmq context (inproc needs it), also for zmq.asyncio
@@ -74,15 +81,36 @@ class ConnectionWatch:
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(addr)
         self._sock, self._pair = sock, pair
+        self._curve = curve
         self._lost = False
+        self._failure: str | None = None
+        self.succeeded = False
+
+    @property
+    def fd(self) -> zmq.Socket[bytes]:
+        """The monitor socket, for a zmq.Poller: readable when an event came in."""
+        return self._pair
+
+    def _read(self) -> None:
+        pair = self._pair
+        while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            message = parse_monitor_message(pair.recv_multipart())
+            event = int(message["event"])
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
+                self._lost = event == zmq.EVENT_DISCONNECTED
+            else:
+                self._failure = handshake.explain(event, int(message["value"]), self._curve)
+                self.succeeded = self._failure is None
 
     def lost(self) -> bool:
         """True while the connection is broken (see the class docstring)."""
-        pair = self._pair
-        while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            event = parse_monitor_message(pair.recv_multipart())["event"]
-            self._lost = event != zmq.EVENT_CONNECTED
+        self._read()
         return self._lost
+
+    def failure(self) -> str | None:
+        """Why the latest handshake failed; None if it did not (see the class docstring)."""
+        self._read()
+        return self._failure
 
     def close(self) -> None:
         """Stop watching (before the socket is closed)."""
@@ -102,7 +130,7 @@ def open_dealer(
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     if curve is not None:
         curve.apply(sock)
-    watch = ConnectionWatch(sock)
+    watch = ConnectionWatch(sock, curve=curve is not None)
     sock.connect(address)
     return sock, watch
 
@@ -114,10 +142,17 @@ class ZmqLink:
         self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, curve: CurveClient | None = None
     ) -> None:
         self._sock, self._watch = open_dealer(ctx, address, curve)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._watch.fd, zmq.POLLIN)
 
     def close(self) -> None:
         self._watch.close()
         self._sock.close(linger=0)
+
+    def handshake_failure(self) -> str | None:
+        """Why the latest handshake with the daemon failed; None if it did not."""
+        return self._watch.failure()
 
     def lost(self) -> bool:
         """The connection broke (the daemon went away): replace this link before sending."""
@@ -135,7 +170,21 @@ class ZmqLink:
         return bool(cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def wait(self, timeout: float) -> bool:
-        return self.ready() or bool(self._sock.poll(max(1, int(timeout * 1000)), zmq.POLLIN))
+        """Wait at most ``timeout`` seconds for a message; False at once when a handshake
+        with the daemon failed (the socket would only retry and fail again)."""
+        if self.ready():
+            return True
+        if self._watch.succeeded:  # the common case: one plain poll
+            return bool(self._sock.poll(max(1, int(timeout * 1000)), zmq.POLLIN))
+        deadline = time.monotonic() + timeout
+        while True:
+            ms = max(1, int((deadline - time.monotonic()) * 1000))
+            ready = dict(self._poller.poll(ms))
+            failed = self._watch.failure() is not None
+            if self._sock in ready:
+                return True
+            if failed or time.monotonic() >= deadline:
+                return False
 
     def recv(self, timeout: float) -> list[zmq.Frame]:
         """One message. REQUIRES: ``ready()`` (ZMQ delivers whole messages)."""

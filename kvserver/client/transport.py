@@ -162,7 +162,8 @@ class Transport:
                 raise Unavailable("the socket is gone", op=slot.call.op)
             remaining = deadline - time.monotonic()
             if not link.ready() and (remaining <= 0 or not link.wait(remaining)):
-                error = self._s.timed_out(slot.call, timeout)
+                why = link.handshake_failure() if isinstance(link, ZmqLink) else None
+                error = self._s.timed_out(slot.call, timeout, why)
                 self.drop(f"an earlier call timed out ({slot.call.op})")
                 raise error
             self._read_one(link, max(remaining, 1e-3))
