@@ -37,11 +37,13 @@ def start_tp_workers(
     chunk_blocks: int = 1,
     tag: str = "",
     device: str = "cpu",
+    extra: Sequence[str] = (),
 ) -> list[Proc]:
     """Start ``world`` ranks of ``kvserver worker`` (a fresh TP group) on ``device`` (``cpu``,
     or ``cuda``: every rank on one machine's GPUs, rank ``r`` on GPU ``r`` mod their count);
     returns once every rank wrote its ready file (``info["endpoint"]``). ``listen``: one bind
-    address per rank (restart at the same address), default ephemeral ports."""
+    address per rank (restart at the same address), default ephemeral ports; ``extra``: more
+    flags for every rank (``--auth-token``, ``--curve-*``)."""
     model_file = tmp_path / "model.safetensors"
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     addrs = list(listen) if listen is not None else ["tcp://127.0.0.1:0"] * world
@@ -58,6 +60,7 @@ def start_tp_workers(
         ]  # fmt: skip
         if daemon_zmq is not None:
             args += ["--kvserver", daemon_zmq]
+        args += extra
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         pending.append((proc, ready, log_path, args))

@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
+from kvserver.crypto import load_curve_keys, make_curve_keys  # noqa: E402
 from kvserver.errors import InvalidArgument  # noqa: E402
 from kvserver.hashing import BlockHasher  # noqa: E402
 from kvserver_vllm.config import load_config  # noqa: E402
@@ -108,6 +109,10 @@ def test_each_instance_holds_the_bookkeeping_of_its_own_role_only(model_dir: Pat
         ({"lease_s": "long"}, "lease_s must be a number or null"),
         ({"colocated": "yes"}, "colocated must be true, false or null"),
         ({"address": 7070}, "address has the wrong type"),
+        ({"curve_server_key_file": 5}, "curve_server_key_file has the wrong type"),
+        ({"curve_secret_key_file": "/k"}, "curve_secret_key_file needs curve_server_key_file"),
+        ({"curve_server_key_file": "/absent/server.key"}, "cannot read CURVE key file /absent"),
+        ({"tls_ca_file": "/ca.crt"}, "unknown kv_connector_extra_config keys: tls_ca_file"),
     ],
 )
 def test_bad_extra_config_is_a_clear_error(model_dir: Path, extra: Any, needle: str) -> None:
@@ -172,3 +177,16 @@ def test_block_hashes_agree_with_vllm_including_lora_and_cache_salt(
         )  # fmt: skip
         assert [bytes(h) for h in got] == expected, (lora, salt)
         assert len(expected) == 5
+
+
+def test_curve_keys_reach_both_halves(model_dir: Path, tmp_path: Path) -> None:
+    """The CURVE options of docs/security.md: the daemon's public key and the engine's pair,
+    read from files once, used by the scheduler half and every worker rank."""
+    server_key, _ = make_curve_keys(str(tmp_path), "server")
+    engine_key, engine_secret = make_curve_keys(str(tmp_path), "engine")
+    cfg = load(model_dir, curve_server_key_file=server_key, curve_secret_key_file=engine_secret)
+    curve = cfg.scheduler.curve
+    assert curve is not None and cfg.worker(0).curve == curve == cfg.curve
+    assert curve.server_key == load_curve_keys(server_key)[0]
+    assert curve.public_key == load_curve_keys(engine_key)[0]
+    assert load(model_dir).scheduler.curve is None and load(model_dir).worker(0).curve is None

@@ -18,6 +18,7 @@ from tests.vllm_plugin.vllm_env import require_vllm
 require_vllm()
 
 from kvserver.client import KVClient  # noqa: E402
+from kvserver.crypto import TlsClient, make_curve_keys, make_tls_cert  # noqa: E402
 from kvserver.grpc_client import GrpcClient  # noqa: E402
 from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
 from tests.vllm_plugin.harness import (  # noqa: E402
@@ -455,3 +456,46 @@ def test_router_lookup_by_tokens_agrees_with_vllm_block_hashes(
     with GrpcClient(daemon.grpc_address) as grpc:
         reply = grpc.lookup_tokens(spec.ns_id, tokens)
     assert reply.hit_tokens == 96 and reply.tiers.get("dram") == 3
+
+
+def test_the_connector_over_curve_with_a_token_and_a_wrong_key(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon beyond loopback (CURVE + TLS + a token): the connector given the daemon's
+    public key (kv_connector_extra_config, docs/vllm.md) stores and loads over the remote path
+    (payload frames on CURVE); one given a wrong key says why, finds no hits and schedules on,
+    while the daemon serves the first."""
+    token = "vllm-curve-token-0123456789"
+    server_key, server_secret = make_curve_keys(str(tmp_path / "keys"), "server")
+    wrong_key, _ = make_curve_keys(str(tmp_path / "other"), "server")
+    cert, key = make_tls_cert(str(tmp_path / "tls"), "server", ["127.0.0.1"])
+    daemon = start_daemon(
+        tmp_path / "daemon", "--host", "0.0.0.0", "--auth-token", token,
+        "--curve-secret-key-file", server_secret, "--tls-cert-file", cert, "--tls-key-file", key,
+    )  # fmt: skip
+    shared = prompt(40, 100)
+    good = engine(model_dir, daemon.zmq_address, colocated=False, auth_token=token,
+                  curve_server_key_file=server_key)  # fmt: skip
+    bad = engine(model_dir, daemon.zmq_address, colocated=False, auth_token=token,
+                 curve_server_key_file=wrong_key, lookup_timeout_s=0.5)  # fmt: skip
+    try:
+        good.run_requests([("first", shared)], max_tokens=3)
+        good.connector.scheduler_half.drain()  # type: ignore[union-attr]
+        ns_id = good.connector.config.spec.ns_id
+        with GrpcClient(daemon.grpc_address, tls=TlsClient(cert), auth_token=token) as g:
+            assert g.lookup_tokens(ns_id, shared).hit_chunks == 3
+        with caplog.at_level("WARNING"):
+            bad_out = dict(bad.run_requests([("other", shared)], max_tokens=3))
+        bad_stats = bad.connector.scheduler_half.stats  # type: ignore[union-attr]
+        assert bad_stats.loads == 0 and bad_stats.hit_tokens == 0
+        assert "curve_server_key_file is not the daemon's public key" in caplog.text
+        assert good.scheduler.reset_prefix_cache()
+        outputs = dict(good.run_requests([("second", [*shared, 5, 6])], max_tokens=3))
+        stats = good.connector.scheduler_half.stats  # type: ignore[union-attr]
+        assert stats.loads == 1 and stats.hit_tokens == 3 * CHUNK_TOKENS
+    finally:
+        good.close()
+        bad.close()
+        assert daemon.terminate() == 0
+    ref = reference_outputs(model_dir, [("second", [*shared, 5, 6]), ("other", shared)], 3)
+    assert (outputs["second"], bad_out["other"]) == (ref["second"], ref["other"])

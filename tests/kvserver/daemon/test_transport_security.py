@@ -14,7 +14,14 @@ import zmq
 
 from kvserver import wire
 from kvserver.client import KVClient
-from kvserver.crypto import CurveClient, TlsClient, is_loopback
+from kvserver.crypto import (
+    CLIENT_OPTIONS,
+    ClientSecurity,
+    CurveClient,
+    TlsClient,
+    add_client_security_args,
+    is_loopback,
+)
 from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.grpc_client import GrpcClient
@@ -177,3 +184,51 @@ def test_mutual_tls_and_a_curve_client_list(tmp_path: Path) -> None:
             g.stats()
     finally:
         assert d.terminate() == 0
+
+
+def test_client_options_are_one_vocabulary_checked_up_front(tmp_path: Path) -> None:
+    """docs/security.md "Client options": the same names as flags and mapping keys; bad
+    combinations and unreadable files are errors naming them, before anything connects."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_client_security_args(parser, curve=True, tls=True)
+    args = parser.parse_args(["--curve-server-key-file", "/s.key", "--tls-ca-file", "/ca"])
+    assert ClientSecurity.from_mapping(args) == ClientSecurity.from_mapping(
+        {"curve_server_key_file": "/s.key", "tls_ca_file": "/ca"}
+    )
+    assert {a.dest for a in parser._actions} - {"help"} == set(CLIENT_OPTIONS)
+    assert ClientSecurity().curve() is None and ClientSecurity().tls() is None
+    for bad, needle in [
+        ({"curve_secret_key_file": "/k"}, "needs curve_server_key_file"),
+        ({"tls_ca_file": "/ca", "tls_cert_file": "/c"}, "go together"),
+        ({"tls_server_name": "kv"}, "need tls_ca_file"),
+    ]:
+        with pytest.raises(InvalidArgument, match=needle):
+            ClientSecurity.from_mapping(bad)
+    with pytest.raises(InvalidArgument, match="cannot read CURVE key file /absent"):
+        ClientSecurity(curve_server_key_file="/absent").curve()
+    with pytest.raises(InvalidArgument, match="cannot read TLS CA /absent"):
+        ClientSecurity(tls_ca_file="/absent").tls()
+    public, secret = keys(tmp_path, "curve", "server")
+    curve = ClientSecurity(curve_server_key_file=public, curve_secret_key_file=secret).curve()
+    assert curve is not None and curve.server_key == curve.public_key  # its own pair here
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["scheduler", "--synthetic-workers", "1", "--kvserver", "tcp://10.0.0.5:9471"],
+        ["worker", "--rank", "0", "--world-size", "1", "--listen", "tcp://127.0.0.1:0",
+         "--dist-init", "tcp://127.0.0.1:1", "--model-file", "/absent.safetensors",
+         "--write-random-model-seed", "1", "--kvserver", "tcp://10.0.0.5:9471"],
+    ],
+)  # fmt: skip
+def test_scheduler_and_worker_refuse_an_unreadable_key_file(command: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", *command,
+         "--curve-server-key-file", "/absent/server.key"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot read CURVE key file /absent/server.key" in proc.stderr
