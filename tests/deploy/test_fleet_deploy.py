@@ -4,7 +4,9 @@ this is what validates them): every daemon command parses and loads into a valid
 DaemonConfig with its cluster settings, the URLs point at the Valkey service, host ids and
 advertised addresses are per host, and the k8s DaemonSet shares what co-location needs
 (host network and IPC, the node's /dev/shm, one uid) with the vLLM pod, whose connector
-config is one the plug-in accepts."""
+config is one the plug-in accepts. Security (tests/deploy/test_fleet_keys.py): the keys the
+files make, where they are mounted, and the daemons' and clients' flags work together on a
+real daemon."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def compose() -> dict[str, Any]:
 def test_compose_runs_two_hosts_with_an_engine_each_and_valkey(compose: dict[str, Any]) -> None:
     services = compose["services"]
     roles = ("kvserver", "worker", "scheduler")
-    assert set(services) == {"valkey", *(f"{r}-{h}" for r in roles for h in "ab")}
+    assert set(services) == {"keys", "valkey", *(f"{r}-{h}" for r in roles for h in "ab")}
     assert services["valkey"]["image"].startswith("valkey/valkey:")
     for h in "ab":
         assert services[f"worker-{h}"]["command"][0] == "worker"
