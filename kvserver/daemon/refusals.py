@@ -1,9 +1,9 @@
 """Throttling the error replies to ZMQ connections whose requests fail authentication.
 
-Runs in the daemon process, on its event loop: the ZMQ front end (``zmq_server.py``) asks
-:meth:`RefusalThrottle.refuse` what to do with each ``unauthenticated`` error reply of a ROUTER
-connection; ``KVService.stats()`` carries :meth:`RefusalThrottle.stats` as ``refusals``. Not
-thread-safe.
+Runs in the daemon process, on its event loop: the ZMQ front end (``zmq_server.py``) hands
+each ``unauthenticated`` error reply of a ROUTER connection to :meth:`RefusalThrottle.answer`,
+which sends, holds or drops it; ``KVService.stats()`` carries :meth:`RefusalThrottle.stats`
+as ``refusals``. Not thread-safe.
 
 Why: ZMQ delivers whole messages, so the daemon has read every byte of a request (up to 16 MiB
 of header) before it can see that its token is wrong; what it can decide is how fast it lets a
@@ -14,7 +14,7 @@ them together to :data:`REFUSED_BYTES_PER_S` of refused requests: the daemon's
 ZMQ I/O thread, which also carries every authenticated client's messages, then no longer
 spends its time copying that client's bytes (docs/benchmarks.md, the abuse section).
 
-Rules, per ROUTER connection (routing id):
+Rules (a connection is a ROUTER routing id):
 
 - the error replies of its first :data:`REFUSAL_BURST` refused requests leave at once (and so
   do those of a connection quiet for a while: the allowance comes back at one per
