@@ -285,6 +285,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def _state(self, request: RequestLike) -> RequestState:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = RequestState(request)
+            state = RequestState(request, self._stores.calendar.moved)
+            self._reqs[request.request_id] = state
         state.request = request
         return state

@@ -165,7 +165,7 @@ class LeaseBook:
                         continue
                     job.ranks |= bit
                     if res.failed_keys:
-                        job.failed.update(k for k in res.failed_keys if k in job.keys)
+                        job.failed = {*job.failed, *(k for k in res.failed_keys if k in job.keys)}
                     if job.ranks == all_ranks:
                         self.finish(job)
                         finished.append(job)
@@ -219,7 +219,7 @@ class LeaseBook:
         for job in [j for j in self.jobs.values() if j.shipped and j.deadline < now]:
             logger.warning("lease %d of %s expired unreported", job.id[2], job.id[1])
             self._stats.expired_jobs += 1
-            job.failed.update(job.keys)
+            job.failed = frozenset(job.keys)
             self.finish(job, expired=True)
         self._next_deadline = min((j.deadline for j in self.jobs.values()), default=math.inf)
 

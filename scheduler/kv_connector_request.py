@@ -19,6 +19,9 @@ Invariants (stated once, here, and enforced by the methods):
 - ``num_loads`` counts the request's load jobs; ``num_stores`` its store jobs plus one for its
   share of the store batch in flight (until a job takes its place, or the reply gave it none).
   Neither goes below 0 (``InvalidState``).
+- Every change of the cursor, and a refused store, puts the request on its ``watch`` list
+  (the store calendar's ``moved``, :mod:`scheduler.kv_connector_due`), so that the next step
+  checks it again.
 - Once :meth:`finish_when_idle` returned True (the scheduler let the request go while
   transfers were in flight), :attr:`is_done` turns True when the last transfer is over; the
   connector then reports it in ``finished_sending`` and forgets it.
@@ -40,11 +43,16 @@ Offer = tuple[int, int, list[bytes], int]
 class RequestState:
     """One request's block table, store cursor, transfers in flight and lookup offer."""
 
-    __slots__ = ("_cursor", "_hashes", "_num_loads", "_num_stores", "block_ids", "finished",
-                 "offer", "request")  # fmt: skip
+    __slots__ = ("_cursor", "_hashes", "_num_loads", "_num_stores", "_watch", "block_ids",
+                 "checked", "finished", "offer", "order", "request", "wake")  # fmt: skip
 
-    def __init__(self, request: RequestLike) -> None:
+    def __init__(self, request: RequestLike, watch: list[RequestState] | None = None) -> None:
+        """``watch``: where the request puts itself whenever its cursor changes."""
         self.request = request
+        self._watch = watch
+        #: owned by the store calendar (scheduler/kv_connector_due.py): the step it is filed
+        #: under, the last step that checked it, its place in the step order.
+        self.wake = self.checked = self.order = 0
         #: the request's GPU blocks from block 0 (read by the planners; set by the methods).
         self.block_ids: list[int] = []
         #: the hit offered by the last lookup, until allocation (:meth:`take_offer`).
@@ -125,7 +133,7 @@ class RequestState:
     def restart(self, at: int) -> None:
         """The request has a new block table (it is new, or was preempted and admitted
         again): stores resume at chunk ``at`` (0, or past the chunks loaded from kvserver)."""
-        self._cursor = at
+        self._move(at)
 
     def preempted(self) -> None:
         """The scheduler took the request's blocks back."""
@@ -164,7 +172,7 @@ class RequestState:
     def load_failed(self, chunk: int) -> None:
         """A rank failed to load chunk ``chunk``: it is recomputed, so it is stored later."""
         if chunk < self._cursor:
-            self._cursor = chunk
+            self._move(chunk)
 
     # ------------------------------------------------------------------ stores
 
@@ -184,7 +192,7 @@ class RequestState:
         stored, or present already. Its share of the batch stays counted: as its store job,
         or until :meth:`store_share_over`."""
         if self._cursor < end:
-            self._cursor = end
+            self._move(end)
 
     def store_refused(self, end: int, *, for_good: bool) -> None:
         """No reservation: its share of the batch is over. ``for_good``: the daemon refused
@@ -192,7 +200,9 @@ class RequestState:
         full) they are planned again next step."""
         self.store_share_over()
         if for_good and self._cursor < end:
-            self._cursor = end
+            self._move(end)
+        elif self._watch is not None:  # the chunks are due again
+            self._watch.append(self)
 
     def store_share_over(self) -> None:
         """Its share of the store batch ended without a job."""
@@ -201,6 +211,11 @@ class RequestState:
     def store_finished(self) -> None:
         """One store job is over (every rank reported it, or its lease expired)."""
         self._store_over()
+
+    def _move(self, cursor: int) -> None:
+        self._cursor = cursor
+        if self._watch is not None:
+            self._watch.append(self)
 
     def _store_over(self) -> None:
         if not self._num_stores:

@@ -19,9 +19,10 @@ metadata either way, the cursors are read only by the next ``plan``, and the req
 without a job are let go only by ``collect``.
 ``drain`` and ``reset`` go through ``collect`` / ``cancel``.
 
-Cost per step (256 decoding requests): one pass over the step's requests that appends new
-block ids and compares one integer per request (the tokens after this step against the
-request's store cursor); only requests with a chunk full after this step do more.
+Cost per step (256 decoding requests): one pass over the cached requests that appends new
+block ids where there are some; the requests whose next chunk boundary is reached are found
+by the calendar (:mod:`scheduler.kv_connector_due`) without looking at the others; only they
+do more.
 
 Invariants:
 - at most one batch is in flight; each request with chunks in it counts it once in
@@ -49,6 +50,7 @@ from typing import Any
 from kvserver.errors import KVServerError, Unavailable
 from kvserver.grants import StoreGrant
 from kvserver.hashing import BlockHasher
+from scheduler.kv_connector_due import StoreCalendar
 from scheduler.kv_connector_leases import LeaseBook
 from scheduler.kv_connector_link import DaemonLink
 from scheduler.kv_connector_request import RequestState
@@ -88,13 +90,17 @@ class StorePlanner:
         self._batch_limit = self._max_batch
         #: keys with a store planned or in flight; None: to be built again.
         self._storing: set[bytes] | None = None
+        #: which requests to look at in each step.
+        self.calendar = StoreCalendar(self.spec.chunk_tokens)
 
     def cancel(self) -> None:
-        """Forget the batch in flight (its reply is dropped; the caller releases its lease)."""
+        """Forget the batch in flight (its reply is dropped; the caller releases its lease) and
+        every request's place in the calendar (the connector forgets its requests)."""
         if self.batch is not None:
             self.batch.pending.cancel()
             self.batch = None
         self._storing = None
+        self.calendar.clear()
 
     def is_storing(self, key: bytes) -> bool:
         """True while a store of chunk ``key`` is planned or in flight (in the batch or in a
@@ -114,40 +120,27 @@ class StorePlanner:
     def plan(self, step: ScheduledStep) -> None:
         """Take the step's block tables (new_reqs replace, cached_reqs append) and send one
         prepare_store for the chunks from each request's cursor to the last one full after
-        this step (at most the batch limit, in step order), without waiting. REQUIRES: the
-        previous batch was collected."""
-        reqs, sched, ct = self._reqs, step.num_scheduled_tokens, self.spec.chunk_tokens
-        state_of, num_scheduled = reqs.get, sched.get
-        due: list[tuple[RequestState, int]] = []
-        for new in getattr(step, "new_reqs", ()):
-            if (state := state_of(new.req_id)) is not None:
-                state.new_block_table(new.block_ids)
-                done = new.num_computed_tokens + num_scheduled(new.req_id, 0)
-                if done // ct > state.cursor:
-                    due.append((state, done))
-        # The hot loop (every running request, every step): one integer check per request.
-        for cached in getattr(step, "cached_reqs", ()):
-            req_id = cached.req_id
-            if (state := state_of(req_id)) is None:
-                continue
-            if cached.new_block_ids:
-                state.append_blocks(cached.new_block_ids)
-            done = cached.num_computed_tokens + num_scheduled(req_id, 0)
-            if done // ct > state.cursor:
-                due.append((state, done))
+        this step (at most the batch limit, new requests first, then in step order), without
+        waiting. Which requests have a chunk full is the calendar's answer
+        (:mod:`scheduler.kv_connector_due`): in steady decode only those whose next chunk
+        boundary is reached are looked at. REQUIRES: the previous batch was collected."""
+        due = self.calendar.take(step, self._reqs)
         if due:
-            self._plan(due)
+            self.calendar.recheck(self._plan(due))
 
-    def _plan(self, due: list[tuple[RequestState, int]]) -> None:
+    def _plan(self, due: list[tuple[RequestState, int]]) -> list[RequestState]:
         """For each (request, tokens after this step), in order while the batch has room: the
-        chunks from its cursor up to the last one full after the step; then send them."""
+        chunks from its cursor up to the last one full after the step; then send them.
+        Returns the requests none of whose stores went out."""
         bs, cb = self.spec.block_size, self.spec.chunk_blocks
         room = self._batch_limit
         planned: list[PlannedStore] = []
         keys: list[bytes] = []
-        for state, done in due:
-            if state.finished:
-                continue
+        left: list[RequestState] = []
+        for i, (state, done) in enumerate(due):
+            if room <= 0:
+                left += [s for s, _ in due[i:]]
+                break
             req, blocks, first = state.request, state.block_ids, state.cursor
             hashes = req.block_hashes or state.block_hashes(self._hasher)
             # the last chunk full after the step: bounded by the tokens, hashes and blocks known
@@ -157,8 +150,11 @@ class StorePlanner:
                 end = len(hashes)
             if len(blocks) < end:
                 end = len(blocks)
-            end = min(end // cb, first + room)
+            end //= cb
+            if end > first + room:
+                end = first + room
             if end <= first:
+                left.append(state)
                 continue
             chunk_keys = hashes[first * cb + cb - 1 : end * cb : cb]
             keys += chunk_keys
@@ -166,24 +162,24 @@ class StorePlanner:
                 PlannedStore(state, first, end, chunk_keys, blocks[first * cb : end * cb])
             )
             room -= end - first
-            if room <= 0:
-                break
-        if planned:
-            self._send(planned, keys)
+        if planned and not self._send(planned, keys):
+            left += [p.state for p in planned]
+        return left
 
-    def _send(self, planned: list[PlannedStore], keys: list[bytes]) -> None:
-        """One prepare_store for every planned chunk (``keys``, in plan order), not waited for.
-        Unsent (daemon down or unreachable): the cursors stay, so the chunks are planned again
-        next step."""
+    def _send(self, planned: list[PlannedStore], keys: list[bytes]) -> bool:
+        """One prepare_store for every planned chunk (``keys``, in plan order), not waited for;
+        False when unsent (daemon down or unreachable): the cursors stay, so the chunks are
+        planned again next step."""
         self._stats.planned_chunks += len(keys)
         unique = list(dict.fromkeys(keys))
         pending = self._link.send_prepare_store(unique)
         if pending is None:
-            return
+            return False
         for p in planned:
             p.state.store_planned(p.first, p.end)
         self.batch = StoreBatch(pending, planned, unique)
         self._storing = None
+        return True
 
     def prepare(self) -> None:
         """Take the reply of the batch in flight if it has arrived (never waits): the store
@@ -251,12 +247,12 @@ class StorePlanner:
             for i, key in enumerate(p.keys):
                 if (location := take(key, None)) is not None:
                     chunk_blocks = blocks[i * cb : (i + 1) * cb]
-                    stores.append(ChunkStore(key, chunk_blocks, list(map(list, location))))
+                    stores.append(ChunkStore(key, chunk_blocks, location))
             if not stores:
                 batch.ungranted.append(p)
                 continue
             keys = list(p.keys) if len(stores) == len(p.keys) else [c.key for c in stores]
-            req_id = state.req_id
+            req_id = state.request.request_id
             transfers = RequestTransfers(req_id, lease_id, [], stores, grant.granted_by)
             jobs.append(TransferJob(transfers, False, keys, deadline, (False, req_id, lease_id)))
         if jobs:

@@ -9,6 +9,7 @@ mutated only by it (scheduler thread).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -113,14 +114,14 @@ class TransferJob:
     deadline: float
     id: tuple[bool, str, int]
     #: loads: per key, the first token it fills (a failure invalidates from there on).
-    first_tokens: list[int] = field(default_factory=list)
+    first_tokens: Sequence[int] = ()
     #: loads: the chunk index of keys[0] in the request (a failure moves the cursor back).
     first_chunk: int = 0
     shipped: bool = False
     #: bit ``r`` is set once TP rank ``r`` has reported the job.
     ranks: int = 0
-    #: keys some rank failed to copy.
-    failed: set[bytes] = field(default_factory=set)
+    #: keys some rank failed to copy (replaced, not changed: the default is shared).
+    failed: AbstractSet[bytes] = frozenset()
 
 
 @dataclass(slots=True, eq=False)

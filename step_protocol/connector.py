@@ -24,14 +24,16 @@ its trailing sub-blocks are not read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserver.errors import InvalidArgument
 from step_protocol.codec import as_map, checked, int_list, to_plain, typed_field
 
-#: ((offset, length), ...) per rank, as in kvserver.allocator.Extents
-RankExtents = list[list[tuple[int, int]]]
+#: ((offset, length), ...) per rank, as in kvserver.allocator.Extents (a grant's location as
+#: it is: tuples or lists)
+RankExtents = Sequence[Sequence[tuple[int, int]]]
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import torch
 from kvserver.client import KVClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
-from step_protocol import RequestTransfers
+from step_protocol import RankExtents, RequestTransfers
 from worker.host import MappedArena, staging_buffer, tensor_memoryview
 from worker.layout import CanonicalKVCaches, plan_copies
 from worker.transfer import Direction, KeyCopies, Transfer
@@ -88,7 +88,7 @@ class TransferPlanner:
             transfer.finish = lambda ok: self._remote_write(client, t, ok, staging, keys)
         return transfer
 
-    def _rank_extents(self, extents: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    def _rank_extents(self, extents: RankExtents) -> list[tuple[int, int]]:
         return list(extents[self.rank]) if self.rank < len(extents) else []
 
     def _key_copies(
