@@ -32,7 +32,17 @@ competes with the measuring thread: a send wakes the client's and the daemon's t
 then preempt the scheduler thread (~0.3 ms of wall time per send), so the kvserver row measures
 core sharing more than the connector; ``--no-pin`` shows that.
 
+Instruction counts (``--instructions N``, needs valgrind): a figure that load does not move.
+Each of ``off`` and ``kvserver`` runs in a process of its own under ``valgrind --tool=callgrind``
+(the daemon outside it), N steady steps after the same warm-up, counting only inside
+``schedule()`` (called through ``eval``) and ``update_from_output()`` (through
+``operator.call``): callgrind's ``--toggle-collect`` on CPython's ``builtin_eval`` and
+``_operator_call``. ratio = instructions(kvserver) / instructions(off), for ``schedule()`` and
+for the whole step. User-space instructions of the measuring thread only: not the syscalls,
+not the ZMQ I/O thread, not cache misses; the wall-time ratio includes those.
+
 Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon] [--no-pin]
+       python benchmarks/bench_scheduler.py --instructions 64 [--json FILE]
 With --json, also writes FILE with the .png suffix (a bar chart) when matplotlib is importable.
 """
 
@@ -42,6 +52,7 @@ import argparse
 import functools
 import gc
 import json
+import operator
 import os
 import random
 import signal
@@ -249,6 +260,70 @@ def results(configs: list[Config]) -> list[dict[str, Any]]:
     return out
 
 
+def count_one(name: str, address: str | None, steps: int) -> None:
+    """Run ``steps`` steady steps of one configuration for callgrind (``--instructions``):
+    ``schedule()`` through ``eval`` and ``update_from_output()`` through ``operator.call``, the
+    two functions callgrind collects inside."""
+    conn = kvserver_connector(address) if name == "kvserver" and address else None
+    config = make(name, conn, steps + 64)
+    s, worker = config.scheduler, config.worker
+    gc.collect()
+    gc.disable()
+    for _ in range(steps):
+        plan = eval("s.schedule()")  # callgrind's marker: a constant expression
+        operator.call(s.update_from_output, plan, [worker.execute(plan)])
+    gc.enable()
+    if conn is not None:
+        if conn.stats.timeouts:
+            raise SystemExit("the daemon timed out during the count: not the steady state")
+        conn.close()
+
+
+def instructions(steps: int, address: str) -> list[dict[str, Any]]:
+    """``--instructions``: each configuration under callgrind; rows as :func:`results`."""
+    counts: dict[str, tuple[int, int]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-sched-cg-") as tmp:
+        for name in ("off", "kvserver"):
+            out = Path(tmp) / f"{name}.out"
+            cmd = [
+                "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                "--toggle-collect=builtin_eval", "--toggle-collect=_operator_call",
+                sys.executable, __file__, "--count-one", name, "--kvserver", address,
+                "--steps", str(steps),
+            ]  # fmt: skip
+            env = {**os.environ, "PYTHONHASHSEED": "0"}
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            counts[name] = _callgrind_totals(out)
+    (ref_s, ref_u), rows = counts["off"], []
+    for name, (sched, update) in counts.items():
+        rows.append({
+            "name": f"instructions per step with {NUM_REQUESTS} running, connector {name}",
+            "config": name, "value": sched / steps, "unit": "instructions",
+            "ratio": sched / ref_s, "step_value": (sched + update) / steps,
+            "step_ratio": (sched + update) / (ref_s + ref_u), "target": TARGET,
+            "steps": steps,
+        })  # fmt: skip
+    return rows
+
+
+def _callgrind_totals(path: Path) -> tuple[int, int]:
+    """Inclusive instructions of builtin_eval (``schedule()``) and _operator_call
+    (``update_from_output()``) in a callgrind output file."""
+    text = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        for fn in ("builtin_eval", "_operator_call"):
+            if parts and any(p.endswith(f":{fn}") for p in parts) and fn not in found:
+                found[fn] = int(parts[0].replace(",", ""))
+    if len(found) != 2:
+        raise SystemExit(f"callgrind output without the markers: {path}")
+    return found["builtin_eval"], found["_operator_call"]
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"{NUM_REQUESTS} running requests in decode, block {BLOCK_SIZE}, medians")
     print(f"{'connector':<10} {'schedule() us':>14} {'p90 us':>9} {'ratio':>7} "
@@ -266,7 +341,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"daemon calls per step ({r['config']}): {calls or 'none'}")
 
 
-def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
+def write_chart(rows: list[dict[str, Any]], path: Path, unit: str = "µs") -> bool:
     try:
         import matplotlib
 
@@ -276,7 +351,7 @@ def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
         return False
     names = [r["config"] for r in rows]
     sched = [r["value"] for r in rows]
-    step = [r["step_us"] for r in rows]
+    step = [r["step_us"] if "step_us" in r else r["step_value"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], sched, width=0.4, label="schedule()")
@@ -287,7 +362,7 @@ def write_chart(rows: list[dict[str, Any]], path: Path) -> bool:
         ax.annotate(f"{r['ratio']:.2f}x", (x - 0.2, r["value"]), xytext=(0, 3),
                     textcoords="offset points", ha="center", fontsize=8)  # fmt: skip
     ax.set_xticks(list(xs), [f"connector {n}" for n in names])
-    ax.set_ylabel("median µs per step")
+    ax.set_ylabel(f"median {unit} per step" if unit == "µs" else f"{unit} per step")
     ax.set_title(f"Scheduler step, {NUM_REQUESTS} running requests")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -307,7 +382,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON here")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="this process and the daemon on different CPUs (default)")  # fmt: skip
+    parser.add_argument("--instructions", type=int, metavar="N",
+                        help="count instructions of N steps under callgrind instead")  # fmt: skip
+    parser.add_argument("--count-one", choices=("off", "kvserver"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.count_one:
+        count_one(args.count_one, args.kvserver, args.steps)
+        return 0
+    if args.instructions:
+        with daemon() as addr:
+            rows = instructions(args.instructions, addr)
+        for r in rows:
+            print(f"{r['config']:<10} schedule() {r['value']:>12,.0f} instr/step  ratio "
+                  f"{r['ratio']:.3f}   whole step {r['step_value']:>12,.0f}  ratio "
+                  f"{r['step_ratio']:.3f}")  # fmt: skip
+        if args.json is not None:
+            meta = {"num_requests": NUM_REQUESTS, "steps": args.instructions, "tool": "callgrind"}
+            save_report(args.json, {"meta": meta, "results": rows},
+                        lambda png: write_chart(rows, png, "instructions"))  # fmt: skip
+        return 0
     rounds, steps = (4, 32) if args.quick else (args.rounds, args.steps)
     max_steps = rounds * steps + 64
     cpus = pin_cpus() if args.pin else None
