@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.entry_points import declare_commands
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import FLEET_SERVERS, RedisServer, require_redis, server_binary
 
 declare_commands()
 
@@ -19,6 +19,18 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own (skips, saying why, when it is not installed)."""
     require_redis()
     server = RedisServer.start(tmp_path / "redis")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=FLEET_SERVERS)
+def fleet_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer]:
+    """The fleet state's server, once per kind: Redis, then Valkey (the same protocol; each
+    skips, saying why, where it is not installed). For the fleet tests that must hold on both:
+    membership and index (tests/kvserver/cluster/test_node.py) and daemons fetching from each
+    other (tests/kvserver/daemon/peers/test_fleet.py, tests/test_e2e_peers.py)."""
+    server = RedisServer.start(tmp_path / request.param, binary=server_binary(request.param))
+    assert (request.param == "valkey") == ("valkey_version" in server.cli("INFO", "server"))
     yield server
     server.stop()
 

@@ -54,9 +54,9 @@ def generate(scheduler: Proc, prompt: list[int]) -> tuple[list[int], Any]:
 
 
 def test_a_prompt_computed_on_host_a_is_served_to_host_bs_engine_from_as_daemon(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, fleet_server: RedisServer
 ) -> None:
-    a, b = (start_host(tmp_path, redis_server, h) for h in "AB")
+    a, b = (start_host(tmp_path, fleet_server, h) for h in "AB")
     procs: list[Proc] = []
     try:
         sched_a, workers_a = start_engine(tmp_path / "engine-a", a)

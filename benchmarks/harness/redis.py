@@ -1,6 +1,7 @@
 """Real ``redis-server`` processes on loopback with ephemeral ports (tests and benchmarks).
 
-``RedisServer.start(tmp)``: one server, persistence off, its log in ``tmp``; ``kill()`` (SIGKILL,
+``RedisServer.start(tmp)``: one server, persistence off, its log in ``tmp`` (``binary``: another
+server of the same protocol, e.g. a ``valkey-server``); ``kill()`` (SIGKILL,
 data lost as in a crash) and ``restart()`` (same port) for failure tests. ``RedisCluster``
 starts N servers with ``--cluster-enabled yes`` and joins them with ``redis-cli --cluster
 create`` (masters only). Both wait until the server answers PING / the cluster is ``ok``.
@@ -44,15 +45,23 @@ class RedisServer:
     #: TLS only (``--tls-port``): the server's certificate (its own CA) and key files.
     tls_cert: str = ""
     tls_key: str = ""
+    #: the server program (``redis-server``, or a ``valkey-server``: the same flags)
+    binary: str = "redis-server"
 
     @classmethod
     def start(
-        cls, directory: Path, *extra: str, port: int = 0, tls: tuple[str, str] | None = None
+        cls,
+        directory: Path,
+        *extra: str,
+        port: int = 0,
+        tls: tuple[str, str] | None = None,
+        binary: str = "redis-server",
     ) -> RedisServer:
         """``tls``: (certificate, key) files: serve TLS only, no client certificates."""
         directory.mkdir(parents=True, exist_ok=True)
         cert, key = tls or ("", "")
-        server = cls(directory, port or _free_port(), extra, tls_cert=cert, tls_key=key)
+        server = cls(directory, port or _free_port(), extra, tls_cert=cert, tls_key=key,
+                     binary=binary)  # fmt: skip
         server.restart()
         return server
 
@@ -73,7 +82,7 @@ class RedisServer:
                       self.tls_cert, "--tls-key-file", self.tls_key, "--tls-ca-cert-file",
                       self.tls_cert, "--tls-auth-clients", "no"]  # fmt: skip
         args = [
-            "redis-server", *listen, "--bind", "127.0.0.1",
+            self.binary, *listen, "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
             "--logfile", str(log), *self.extra,
         ]  # fmt: skip
@@ -81,7 +90,7 @@ class RedisServer:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while self.cli("PING") != "PONG":
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {log.read_text()}")
+                raise RuntimeError(f"{self.binary} did not start: {log.read_text()}")
             time.sleep(0.02)  # polling for readiness, bounded by the deadline
 
     def cli(self, *args: str) -> str:

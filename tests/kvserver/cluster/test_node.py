@@ -21,17 +21,17 @@ async def runs_by_host(reader: FleetReader, ks: list[bytes], **kw: bool) -> dict
 
 
 @pytest.fixture
-async def reader(redis_server: RedisServer):  # type: ignore[no-untyped-def]
-    config = cluster_config(redis_server.url)
+async def reader(fleet_server: RedisServer):  # type: ignore[no-untyped-def]
+    config = cluster_config(fleet_server.url)
     r = FleetReader(connect(config), config)
     yield r
     await r.redis.aclose()
 
 
 async def test_a_member_registers_and_its_stores_are_indexed_per_tier(
-    redis_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, reader: FleetReader
 ) -> None:
-    a = Member("host-a", cluster_config(redis_server.url))
+    a = Member("host-a", cluster_config(fleet_server.url))
     node = await a.start()
     try:
         assert node.condition == "ok"
@@ -55,9 +55,9 @@ async def test_a_member_registers_and_its_stores_are_indexed_per_tier(
 
 
 async def test_a_member_that_stops_leaves_at_once_and_one_that_crashes_within_the_ttl(
-    redis_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, reader: FleetReader
 ) -> None:
-    config = cluster_config(redis_server.url, ttl_s=1.0)
+    config = cluster_config(fleet_server.url, ttl_s=1.0)
     a, b = Member("host-a", config), Member("host-b", config)
     await a.start()
     await b.start()
@@ -73,22 +73,22 @@ async def test_a_member_that_stops_leaves_at_once_and_one_that_crashes_within_th
     await b.crash()
 
     async def gone() -> bool:
-        return not await reader.hosts() and not int(redis_server.cli("EXISTS", *b_keys))
+        return not await reader.hosts() and not int(fleet_server.cli("EXISTS", *b_keys))
 
     await eventually(gone, timeout=3.0)
 
 
 async def test_a_restarted_member_gets_a_new_incarnation_and_its_old_entries_go(
-    redis_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, reader: FleetReader
 ) -> None:
-    config = cluster_config(redis_server.url, ttl_s=30.0)
+    config = cluster_config(fleet_server.url, ttl_s=30.0)
     first = Member("host-a", config)
     node1 = await first.start()
     ks = keys(5)
     first.store(ks)
     await first.settled()
     old_keys = node1.writer.index_keys()
-    assert int(redis_server.cli("EXISTS", *old_keys)) == 1
+    assert int(fleet_server.cli("EXISTS", *old_keys)) == 1
     await first.crash()
     second = Member("host-a", config)  # restarted: holds nothing yet
     node2 = await second.start()
@@ -97,21 +97,21 @@ async def test_a_restarted_member_gets_a_new_incarnation_and_its_old_entries_go(
         (info,) = await reader.hosts()
         assert info.incarnation == node2.incarnation
         assert await runs_by_host(reader, ks) == {}
-        assert int(redis_server.cli("EXISTS", *old_keys)) == 0  # unlinked, not left to expire
+        assert int(fleet_server.cli("EXISTS", *old_keys)) == 0  # unlinked, not left to expire
     finally:
         await node2.stop()
 
 
 async def test_redis_killed_and_restarted_the_member_degrades_then_resyncs(
-    redis_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, reader: FleetReader
 ) -> None:
-    a = Member("host-a", cluster_config(redis_server.url, ttl_s=3.0))
+    a = Member("host-a", cluster_config(fleet_server.url, ttl_s=3.0))
     node = await a.start()
     try:
         ks = keys(6)
         a.store(ks[:3])
         await a.settled()
-        redis_server.kill()
+        fleet_server.kill()
         a.store(ks[3:])  # while Redis is down: the daemon keeps its tiers
 
         async def unavailable() -> bool:
@@ -121,7 +121,7 @@ async def test_redis_killed_and_restarted_the_member_degrades_then_resyncs(
         with pytest.raises(Unavailable):
             await reader.lookup(NS, ks)
         assert node.stats()["condition_detail"]
-        redis_server.restart()  # empty: persistence is off
+        fleet_server.restart()  # empty: persistence is off
         await eventually(lambda: _ok(node), timeout=10.0)
         await a.settled()
         assert await runs_by_host(reader, ks) == {"host-a": (6, {"dram": 6, "ssd": 0})}
@@ -135,15 +135,15 @@ async def _ok(node: object) -> bool:
 
 
 async def test_a_daemon_starts_while_redis_is_down_and_joins_when_it_comes_up(
-    redis_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, reader: FleetReader
 ) -> None:
-    redis_server.kill()
-    a = Member("host-a", cluster_config(redis_server.url))
+    fleet_server.kill()
+    a = Member("host-a", cluster_config(fleet_server.url))
     node = await a.start()
     try:
         assert node.condition == "unavailable"
         a.store(keys(2))
-        redis_server.restart()
+        fleet_server.restart()
         await eventually(lambda: _ok(node), timeout=10.0)
         await a.settled()
         assert [h.host_id for h in await reader.hosts()] == ["host-a"]
@@ -151,24 +151,24 @@ async def test_a_daemon_starts_while_redis_is_down_and_joins_when_it_comes_up(
         await node.stop()
 
 
-async def test_index_sets_always_carry_a_ttl(redis_server: RedisServer) -> None:
-    a = Member("host-a", cluster_config(redis_server.url, ttl_s=5.0))
+async def test_index_sets_always_carry_a_ttl(fleet_server: RedisServer) -> None:
+    a = Member("host-a", cluster_config(fleet_server.url, ttl_s=5.0))
     node = await a.start()
     try:
         a.store(keys(3))
         a.store(keys(2, seed=1), tier="ssd")
         await a.settled()
         for key in node.writer.index_keys():
-            assert 0 < int(redis_server.cli("PTTL", key)) <= 5000
-        assert 0 < int(redis_server.cli("PTTL", schema.host_key("host-a"))) <= 5000
+            assert 0 < int(fleet_server.cli("PTTL", key)) <= 5000
+        assert 0 < int(fleet_server.cli("PTTL", schema.host_key("host-a"))) <= 5000
     finally:
         await node.stop()
 
 
 async def test_the_fleet_directory_names_other_members_and_per_key_holders(
-    redis_server: RedisServer,
+    fleet_server: RedisServer,
 ) -> None:
-    config = cluster_config(redis_server.url, ttl_s=5.0)
+    config = cluster_config(fleet_server.url, ttl_s=5.0)
     a, b, c = Member("host-a", config), Member("host-b", config), Member("host-c", config)
     d = Member("host-d", config)
     for m in (a, b, c):
@@ -190,7 +190,7 @@ async def test_the_fleet_directory_names_other_members_and_per_key_holders(
         }
         holders = await directory.holders(NS, ks)
         assert holders == [frozenset({"host-b", "host-c"})] * 2 + [frozenset({"host-b"})] * 2
-        redis_server.kill()
+        fleet_server.kill()
         assert await directory.holders(NS, ks) == []  # unreachable: no holders, no error
         assert directory.unavailable_lookups == 1
     finally:
@@ -225,13 +225,13 @@ async def test_a_member_over_tls_rediss(tmp_path: Path) -> None:
 
 
 async def test_events_while_redis_is_down_do_not_make_the_member_spin(
-    redis_server: RedisServer,
+    fleet_server: RedisServer,
 ) -> None:
     """Regression: a refused connection fails at once; retrying on every event would spin."""
-    a = Member("host-a", cluster_config(redis_server.url, ttl_s=3.0))
+    a = Member("host-a", cluster_config(fleet_server.url, ttl_s=3.0))
     node = await a.start()
     try:
-        redis_server.kill()
+        fleet_server.kill()
 
         async def unavailable() -> bool:
             return node.condition == "unavailable"

@@ -46,8 +46,8 @@ def start_host(tmp_path: Path, redis: RedisServer, host_id: str, *extra: str) ->
 
 
 @pytest.fixture
-def hosts(tmp_path: Path, redis_server: RedisServer) -> Iterator[dict[str, DaemonProc]]:
-    procs = {h: start_host(tmp_path, redis_server, h) for h in "ABC"}
+def hosts(tmp_path: Path, fleet_server: RedisServer) -> Iterator[dict[str, DaemonProc]]:
+    procs = {h: start_host(tmp_path, fleet_server, h) for h in "ABC"}
     yield procs
     for d in procs.values():
         d.kill()
@@ -101,7 +101,7 @@ def test_stored_through_a_loaded_through_b_and_c_byte_for_byte(
 
 
 def test_a_restarted_peer_is_a_new_incarnation_whose_old_entries_are_not_used(
-    tmp_path: Path, redis_server: RedisServer, hosts: dict[str, DaemonProc]
+    tmp_path: Path, fleet_server: RedisServer, hosts: dict[str, DaemonProc]
 ) -> None:
     a, b = hosts["A"], hosts["B"]
     keys = make_keys(3, tag="restart")
@@ -109,7 +109,7 @@ def test_a_restarted_peer_is_a_new_incarnation_whose_old_entries_are_not_used(
     wait_until(lambda: peer_hits(b, keys) == 3)
     before = a.info["cluster_incarnation"]
     a.kill()
-    hosts["A"] = a = start_host(tmp_path / "again", redis_server, "A")
+    hosts["A"] = a = start_host(tmp_path / "again", fleet_server, "A")
     assert a.info["cluster_incarnation"] != before
     # as soon as A re-registered, its old entries are no longer read: B sees nothing of A
     wait_until(lambda: peer_hits(b, keys) == 0, timeout=TTL_S * 3)
