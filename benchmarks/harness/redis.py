@@ -116,7 +116,10 @@ class RedisCluster:
     servers: list[RedisServer] = field(default_factory=list)
 
     @classmethod
-    def start(cls, directory: Path, nodes: int = 3) -> RedisCluster:
+    def start(
+        cls, directory: Path, nodes: int = 3, tls: tuple[str, str] | None = None
+    ) -> RedisCluster:
+        """``tls``: (certificate, key): every node serves TLS only, the bus too."""
         cluster = cls()
         try:
             for i in range(nodes):
@@ -125,13 +128,16 @@ class RedisCluster:
                 conf = str(d / "nodes.conf")
                 # the bus port, explicit: the default (port + 10000) may exceed 65535
                 bus = str(_free_port())
-                flags = ("--cluster-enabled", "yes", "--cluster-config-file", conf,
-                         "--cluster-port", bus)  # fmt: skip
+                flags = ["--cluster-enabled", "yes", "--cluster-config-file", conf,
+                         "--cluster-port", bus]  # fmt: skip
+                if tls is not None:
+                    flags += ["--tls-cluster", "yes"]
                 cluster.servers.append(
-                    RedisServer.start(d, *flags, "--cluster-node-timeout", "2000")
+                    RedisServer.start(d, *flags, "--cluster-node-timeout", "2000", tls=tls)
                 )
+            cli_tls = ["--tls", "--cacert", tls[0]] if tls is not None else []
             subprocess.run(
-                ["redis-cli", "--cluster", "create",
+                ["redis-cli", *cli_tls, "--cluster", "create",
                  *[f"127.0.0.1:{s.port}" for s in cluster.servers], "--cluster-yes"],
                 capture_output=True, check=True, timeout=30,
             )  # fmt: skip
@@ -147,7 +153,11 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        cert = self.servers[0].tls_cert if self.servers else ""
+        if cert:
+            return f"rediss+cluster://{nodes}?ssl_ca_certs={cert}"
+        return f"redis+cluster://{nodes}"
 
     def stop(self) -> None:
         for s in self.servers:

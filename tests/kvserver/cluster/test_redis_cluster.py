@@ -11,14 +11,22 @@ import pytest
 
 from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import connect
+from kvserver.crypto import make_tls_cert
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import RedisCluster, require_redis
 
 
-@pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+@pytest.fixture(params=["plain", "tls"])
+def redis_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisCluster]:
+    """A 3-node Redis Cluster, in clear text and over TLS (``rediss+cluster://``: clients and
+    the cluster bus)."""
     require_redis()
-    cluster = RedisCluster.start(tmp_path / "rc", nodes=3)
+    tls = None
+    if request.param == "tls":
+        pytest.importorskip("cryptography")
+        tls = make_tls_cert(str(tmp_path / "tls"), "redis", ["127.0.0.1"])
+    cluster = RedisCluster.start(tmp_path / "rc", nodes=3, tls=tls)
+    assert cluster.url.startswith("rediss+cluster://" if tls else "redis+cluster://")
     yield cluster
     cluster.stop()
 

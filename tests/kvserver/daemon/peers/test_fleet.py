@@ -5,7 +5,8 @@ up as ``peer`` hits, fetched from A, placed in the fetching daemon's DRAM (and s
 under it in turn) and served byte for byte; a restarted A is a new incarnation whose old
 entries are never used; a property test of random store / evict / kill / restart sequences
 checks that every byte served through any host equals what was stored, and that every index
-entry is true or cleaned within the TTL.
+entry is true or cleaned within the TTL; a fleet secured on every hop (rediss://, CURVE between
+peers and clients, TLS, a token) fetches the same way.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from hypothesis import strategies as st
 from kvserver.client import KVClient
 from kvserver.cluster import FleetReader
 from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.errors import UnknownKey
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, require_redis
 
 pytestmark = pytest.mark.multiprocess
 
@@ -249,3 +251,46 @@ def test_chunks_a_fetch_placed_are_announced_under_the_fetching_host(
         wait_until(lambda: peer_hits(hosts["C"], keys) == 2)  # C sees A's and B's copies
     finally:
         sub.close()
+
+
+# ----------------------------------------------------------------------------- secured
+
+
+def test_a_secured_fleet_over_rediss_fetches_over_curve(tmp_path: Path) -> None:
+    """Every hop secured: the fleet state over TLS (``rediss://``), two daemons beyond
+    loopback with CURVE (peers admitted by the fleet's own key in the clients directory), TLS
+    and a token; a client with a listed key stores through A and loads A's bytes through B."""
+    require_redis()
+    token = "secured-fleet-token-0123456789"
+    server_key, server_secret = make_curve_keys(str(tmp_path / "keys"), "server")
+    clients = tmp_path / "clients"
+    _, client_secret = make_curve_keys(str(clients), "client")
+    (clients / "server.key").write_text(Path(server_key).read_text())  # the peers
+    cert, key = make_tls_cert(str(tmp_path / "tls"), "server", ["127.0.0.1"])
+    redis_cert, redis_key = make_tls_cert(str(tmp_path / "redis-tls"), "redis", ["127.0.0.1"])
+    redis = RedisServer.start(tmp_path / "redis", tls=(redis_cert, redis_key))
+    assert redis.url.startswith("rediss://")
+    secure = ("--host", "0.0.0.0", "--advertise-addr", "127.0.0.1", "--auth-token", token,
+              "--curve-secret-key-file", server_secret, "--curve-clients-dir", str(clients),
+              "--tls-cert-file", cert, "--tls-key-file", key)  # fmt: skip
+    hosts = {}
+    try:
+        hosts = {h: start_host(tmp_path, redis, h, *secure) for h in "AB"}
+        curve = CurveClient.from_files(server_key, client_secret)
+
+        def client(d: DaemonProc) -> KVClient:
+            kv = KVClient(d.zmq_address, colocated=False, curve=curve, auth_token=token)
+            kv.register_namespace(SPEC)
+            return kv
+
+        keys = make_keys(3, tag="secured")
+        with client(hosts["A"]) as kv:
+            assert kv.put(SPEC.ns_id, keys, [parts(k) for k in keys]).stored == keys
+        with client(hosts["B"]) as kv:
+            wait_until(lambda: kv.lookup(SPEC.ns_id, keys).tiers.get("peer", 0) == 3)
+            assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+            assert kv.stats()["peer"]["fetched_chunks"] == 3
+    finally:
+        for d in hosts.values():
+            d.kill()
+        redis.stop()
