@@ -50,7 +50,9 @@ per seed), a JSON file (default benchmarks/results/policies.json), a PNG plot be
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
+import multiprocessing
 import os
 import statistics
 import sys
@@ -219,7 +221,7 @@ def replay_belady(trace: Trace, nxt: list[list[int]], capacity: int) -> int:
     return hits
 
 
-def run_trace(cfg: TraceConfig, budgets: Sequence[float], bar: tqdm[Any]) -> dict[str, Any]:
+def run_trace(cfg: TraceConfig, budgets: Sequence[float]) -> dict[str, Any]:
     """Replay one trace (one seed) through every policy, the oracle and Belady."""
     t0 = time.perf_counter()
     trace = generate_trace(cfg)
@@ -231,14 +233,10 @@ def run_trace(cfg: TraceConfig, budgets: Sequence[float], bar: tqdm[Any]) -> dic
     for budget, capacity in capacities.items():
         label = f"{budget:.0%}"
         row = rates[label] = {}
-        bar.set_postfix_str(f"belady@{label}")
         row["belady"] = replay_belady(trace, nxt, capacity) / num_accesses
         row[ORACLE] = replay_dead_oracle(trace, nxt, capacity) / num_accesses
-        bar.update()
         for name in sorted(POLICIES):
-            bar.set_postfix_str(f"{name}@{label}")
             row[name] = replay_policy(make_policy(name), trace, capacity) / num_accesses
-            bar.update()
     return {
         "config": asdict(cfg),
         "num_requests": len(trace),
@@ -310,38 +308,45 @@ def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(
-    configs: dict[str, TraceConfig], budgets: Sequence[float], seeds: Sequence[int]
+    configs: dict[str, TraceConfig], budgets: Sequence[float], seeds: Sequence[int], jobs: int = 1
 ) -> dict[str, Any]:
     """Every trace at every seed; a summary per trace and flattened name@trace@budget rows
     (mean over seeds) with Belady as the reference."""
     names = sorted(POLICIES)
     traces: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
-    with tqdm(
-        total=len(configs) * len(seeds) * len(budgets) * (len(names) + 1),
-        desc="replay",
-        unit="run",
-        disable=not sys.stderr.isatty(),
-    ) as bar:
-        for trace_name, cfg in configs.items():
-            per_seed = [run_trace(replace(cfg, seed=seed), budgets, bar) for seed in seeds]
-            summary = summarize(per_seed)
-            traces[trace_name] = {"seeds": list(seeds), "per_seed": per_seed, "mean": summary}
-            for label, row in summary.items():
-                ref = row["belady"]
-                for name in [*names, ORACLE]:
-                    closed = row.get(f"closed:{name}", {})
-                    results.append(
-                        {
-                            "name": f"{name}@{trace_name}@{label}",
-                            "value": row[name],
-                            "unit": "hit_rate",
-                            "reference": ref,
-                            "ratio": row[name] / ref if ref else 0.0,
-                            "arc_gap_closed_mean": closed.get("mean"),
-                            "arc_gap_closed_min": closed.get("min"),
-                        }
-                    )
+    tasks = [(name, replace(cfg, seed=seed)) for name, cfg in configs.items() for seed in seeds]
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    with (
+        tqdm(total=len(tasks), desc="replay", unit="trace", disable=not sys.stderr.isatty()) as bar,
+        multiprocessing.get_context("spawn").Pool(jobs) as pool,
+    ):
+        for (name, cfg), info in zip(
+            tasks,
+            pool.imap(functools.partial(run_trace, budgets=budgets), [c for _, c in tasks]),
+            strict=True,
+        ):
+            done[(name, cfg.seed)] = info
+            bar.update()
+    for trace_name in configs:
+        per_seed = [done[(trace_name, seed)] for seed in seeds]
+        summary = summarize(per_seed)
+        traces[trace_name] = {"seeds": list(seeds), "per_seed": per_seed, "mean": summary}
+        for label, row in summary.items():
+            ref = row["belady"]
+            for name in [*names, ORACLE]:
+                closed = row.get(f"closed:{name}", {})
+                results.append(
+                    {
+                        "name": f"{name}@{trace_name}@{label}",
+                        "value": row[name],
+                        "unit": "hit_rate",
+                        "reference": ref,
+                        "ratio": row[name] / ref if ref else 0.0,
+                        "arc_gap_closed_mean": closed.get("mean"),
+                        "arc_gap_closed_min": closed.get("min"),
+                    }
+                )
     return {"traces": traces, "results": results}
 
 
@@ -424,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--traces", nargs="+", default=list(TRACES_ALL), choices=list(TRACES_ALL), metavar="NAME"
     )
     parser.add_argument("--no-op-costs", action="store_true", help="skip the per-op timing")
+    parser.add_argument("--jobs", type=int, default=1, help="replay processes (one per trace)")
     args = parser.parse_args(argv)
     configs = {name: TRACES_ALL[name] for name in args.traces}
     if args.quick:
@@ -431,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name: replace(cfg, num_conversations=cfg.num_conversations // 4)
             for name, cfg in configs.items()
         }
-    report = run(configs, BUDGETS, args.seeds)
+    report = run(configs, BUDGETS, args.seeds, args.jobs)
     if not args.no_op_costs:
         report["op_costs"] = op_costs(replace(TRACES_ALL["chat"], seed=args.seeds[0]))
     report["quick"] = args.quick
