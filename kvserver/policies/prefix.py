@@ -34,15 +34,22 @@ count of a shared key, 1 for a private one, the predicted reuse rate (in (0, 1])
 Ghosts. An evicted key's use count (0 if it was private) is remembered (an OrderedDict, oldest
 first, at most as many ghosts as tracked keys); a ghost inserted again resumes from it.
 
-Invariants: ``_prio`` holds exactly the tracked keys; ``_uses`` has the same keys;
+Heap. ``_prio[k] = (H, tie)`` is a key's priority; its one heap entry is ``(*_queued[k], k)``
+with ``_queued[k] <= _prio[k]`` (a lower bound). A touch only raises priorities, so it updates
+``_prio`` and pushes nothing (it pushes only when a priority drops, e.g. a shared key read as
+private); ``evict`` pops the smallest entry, and if the key's priority has risen since, pushes
+it again at its priority and goes on, so keys leave in exact ``(H, tie)`` order (lazy
+reinsertion). Entries that are not a key's ``_queued`` one are garbage, dropped when popped;
+the heap is rebuilt once they outnumber live ones.
+
+Invariants: ``_prio`` and ``_queued`` hold exactly the tracked keys, ``_uses`` the same;
 ``_pending`` (the signature of a new key not yet touched), ``_child``, ``_branches`` and
-``_shared`` only tracked keys; every tracked key has exactly one heap entry equal to
-``(*_prio[k], k)`` (other heap entries are stale and skipped); ghosts and tracked keys are
-disjoint. ``evict`` changes nothing (predictor included) before it has chosen every victim,
-and a refusal pushes back what it popped, so a ``None`` leaves the same state. Costs: insert
-and touch O(log n) per key (a heap push; stale entries are dropped when evict pops them and
-the heap is rebuilt once they outnumber live ones); evict O(v log n) for v entries popped
-(victims, skipped non-evictable and stale ones); ``bench_policies`` measures it against LRU.
+``_shared`` only tracked keys; ghosts and tracked keys are disjoint. ``evict`` changes nothing
+(predictor included) before it has chosen every victim, and a refusal (which has emptied the
+heap) puts back the entries it popped and the ``_queued`` it changed, so a ``None`` leaves the
+same state. Costs: insert O(log n) per key; touch O(1) per key (dict updates); evict
+O(v log n) for v entries popped (victims, skipped non-evictable, garbage and re-queued ones);
+``bench_policies`` measures the cost per chunk operation against LRU.
 """
 
 from __future__ import annotations
@@ -139,6 +146,7 @@ class PrefixPolicy(EvictionPolicy):
         self._branches: set[Hashable] = set()  # keys seen with two different children
         self._shared: set[Hashable] = set()  # keys valued by their use count
         self._heap = _Heap()
+        self._queued: dict[Hashable, tuple[float, int]] = {}  # each key's heap entry
         self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
         self._predictor = ReusePredictor()
 
@@ -204,37 +212,38 @@ class PrefixPolicy(EvictionPolicy):
         and valued 1, so they age in LRU order (see the module docstring)."""
         keys = list(keys)
         uses, pending, child, branches = self._uses, self._pending, self._child, self._branches
-        deepest = -1  # index of the deepest branch point in keys
-        for i in range(len(keys)):
+        shared, prio, heap, push = self._shared, self._prio, self._heap, heapq.heappush
+        queued, learn = self._queued, self._predictor.learn
+        age, tie = self._age, self._tie
+        in_shared = False  # at or above the deepest branch point (keys go tail to head)
+        after: Hashable = None  # the key after ``key`` in the chain
+        last = len(keys) - 1
+        for i in range(last, -1, -1):
             key = keys[i]
             if key not in uses:
+                after = key
                 continue
-            if i + 1 < len(keys):
-                if child.setdefault(key, keys[i + 1]) != keys[i + 1]:
+            if i < last:
+                if child.setdefault(key, after) != after:
                     branches.add(key)
             elif child.get(key) in uses:
                 branches.add(key)  # the chain read ends here although a known child is held
-            if key in branches:
-                deepest = i
-        shared, prio, heap, push = self._shared, self._prio, self._heap, heapq.heappush
-        age, tie = self._age, self._tie
-        for i in range(len(keys) - 1, -1, -1):
-            key = keys[i]
-            if key not in uses:
-                continue
-            sig = pending.pop(key, None)
-            if sig is not None:
-                self._predictor.learn(sig, reused=True)
+            after = key
+            if key in pending:
+                learn(pending.pop(key), reused=True)
             count = uses[key] = uses[key] + 1
-            if i <= deepest:
+            if in_shared or key in branches:
+                in_shared = True
                 shared.add(key)
                 h = age + count
             else:
                 shared.discard(key)
                 h = age + 1.0
             tie += 1
-            prio[key] = (h, tie)
-            push(heap, (h, tie, key))
+            new = prio[key] = (h, tie)
+            if new < queued[key]:  # lower than its heap entry (rare): queue it again
+                queued[key] = new
+                push(heap, (h, tie, key))
         self._tie = tie
         if len(heap) > 2 * len(prio) + 64:
             self._rebuild()
@@ -247,18 +256,27 @@ class PrefixPolicy(EvictionPolicy):
     ) -> list[Hashable] | None:
         if need <= 0:
             return []
-        heap, prio = self._heap, self._prio
-        popped: list[_Entry] = []  # every entry taken off the heap, to undo a refusal
+        heap, prio, queued = self._heap, self._prio, self._queued
+        popped: list[_Entry] = []  # entries that were in the heap, to undo a refusal
+        requeued: dict[Hashable, tuple[float, int]] = {}  # key -> its entry before
         held: list[_Entry] = []  # live entries of keys that are not evictable
         victims: list[Hashable] = []
         freed = 0
         top = self._age
         while heap:
             entry = heapq.heappop(heap)
-            popped.append(entry)
             h, tie, key = entry
-            if prio.get(key) != (h, tie):
-                continue  # stale: dropped for good unless the eviction is refused
+            if key not in requeued or queued[key] != (h, tie):
+                popped.append(entry)
+            current = queued.get(key)
+            if current != (h, tie):
+                continue  # garbage: dropped for good unless the eviction is refused
+            now = prio[key]
+            if now != current:  # touched since it was queued: queue it at its priority
+                requeued.setdefault(key, current)
+                queued[key] = now
+                heapq.heappush(heap, (*now, key))
+                continue
             if not evictable(key):
                 held.append(entry)
                 continue
@@ -267,9 +285,10 @@ class PrefixPolicy(EvictionPolicy):
             freed += cost(key)
             if freed >= need:
                 break
-        else:
-            for entry in popped:  # not enough evictable cost: the same entries, unchanged
-                heapq.heappush(heap, entry)
+        else:  # not enough evictable cost; the heap is empty: put back what was in it
+            queued.update(requeued)
+            self._heap = _Heap(popped)
+            heapq.heapify(self._heap)
             return None
         for entry in held:
             heapq.heappush(heap, entry)
@@ -296,51 +315,37 @@ class PrefixPolicy(EvictionPolicy):
 
     def __iter__(self) -> Iterator[Hashable]:
         """Tracked keys in eviction order (first = next victim, ignoring pins)."""
-        return iter([key for key, _ in self._in_order()])
+        return iter(sorted(self._prio, key=self._prio.__getitem__))
 
     # ------------------------------------------------------------------ internals
 
     def _forget(self, key: Hashable) -> None:
         """Drop the per-key state besides ``_prio``/``_uses`` of a key that left."""
         self._pending.pop(key, None)
+        self._queued.pop(key, None)
         self._child.pop(key, None)
         self._branches.discard(key)
         self._shared.discard(key)
 
     def _set(self, key: Hashable, value: float) -> None:
         self._tie += 1
-        h = self._age + value
-        self._prio[key] = (h, self._tie)
-        heapq.heappush(self._heap, (h, self._tie, key))
-        if len(self._heap) > 2 * len(self._prio) + 64:
-            self._rebuild()
-
-    def _in_order(self) -> Iterator[tuple[Hashable, float]]:
-        """Live keys with their H in ascending priority, without changing the heap: a second
-        heap holds the frontier of heap indexes still to visit."""
-        heap, prio = self._heap, self._prio
-        if not heap:
-            return
-        frontier: list[tuple[float, int, int]] = [(heap[0][0], heap[0][1], 0)]
-        size = len(heap)
-        while frontier:
-            h, tie, i = heapq.heappop(frontier)
-            key = heap[i][2]
-            if prio.get(key) == (h, tie):
-                yield key, h
-            for j in (2 * i + 1, 2 * i + 2):
-                if j < size:
-                    child = heap[j]
-                    heapq.heappush(frontier, (child[0], child[1], j))
+        new = self._prio[key] = (self._age + value, self._tie)
+        queued = self._queued.get(key)
+        if queued is None or new < queued:  # else its entry is a lower bound: queued lazily
+            self._queued[key] = new
+            heapq.heappush(self._heap, (*new, key))
+            if len(self._heap) > 2 * len(self._prio) + 64:
+                self._rebuild()
 
     def _compact(self) -> None:
-        """Drop stale entries from the top of the heap; rebuild when they dominate."""
-        heap, prio = self._heap, self._prio
-        while heap and prio.get(heap[0][2]) != (heap[0][0], heap[0][1]):
+        """Drop garbage entries from the top of the heap; rebuild when they dominate."""
+        heap, queued = self._heap, self._queued
+        while heap and queued.get(heap[0][2]) != (heap[0][0], heap[0][1]):
             heapq.heappop(heap)
-        if len(heap) > 2 * len(prio) + 64:
+        if len(heap) > 2 * len(self._prio) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
+        self._queued = dict(self._prio)
         self._heap = _Heap((h, tie, key) for key, (h, tie) in self._prio.items())
         heapq.heapify(self._heap)
