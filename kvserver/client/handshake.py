@@ -51,8 +51,9 @@ def explain(event: int, value: int, curve: bool) -> str | None:
             "the daemon dropped the CURVE handshake: curve_server_key_file is not the daemon's "
             "public key"
         )
-    # a plain client: the daemon saw the mechanism mismatch first and hung up
+    # a plain client: the daemon saw the mechanism mismatch first and hung up (or it exited
+    # during the handshake, which a retry tells apart)
     return (
-        "the daemon dropped the handshake: it requires CURVE (give curve_server_key_file, the "
-        "daemon's public key; docs/security.md)"
+        "the daemon dropped the handshake: it probably requires CURVE (give "
+        "curve_server_key_file, the daemon's public key; docs/security.md)"
     )

@@ -232,3 +232,22 @@ def test_scheduler_and_worker_refuse_an_unreadable_key_file(command: list[str]) 
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "cannot read CURVE key file /absent/server.key" in proc.stderr
+
+
+def test_every_failed_handshake_is_explained_in_the_option_names() -> None:
+    """kvserver/client/handshake.py: what each monitor event of a client socket means."""
+    from kvserver.client.handshake import explain
+
+    mismatch = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    assert explain(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0, curve=True) is None
+    cases = [
+        (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, True, "curve_clients_dir"),
+        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, True, "curve_server_key_file is not"),
+        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, False, "probably requires CURVE"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, False, "the daemon requires CURVE"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, True, "does not use CURVE"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0x10000001, True, "ZMTP protocol error"),
+    ]
+    for event, value, curve, needle in cases:
+        why = explain(event, value, curve=curve)
+        assert why is not None and needle in why, (event, value, curve, why)
