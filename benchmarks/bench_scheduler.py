@@ -292,7 +292,9 @@ def instructions(steps: int, address: str) -> list[dict[str, Any]]:
                 "--steps", str(steps),
             ]  # fmt: skip
             env = {**os.environ, "PYTHONHASHSEED": "0"}
-            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise SystemExit(f"{name} under callgrind failed:\n{run.stderr[-4000:]}")
             counts[name] = _callgrind_totals(out)
     (ref_s, ref_u), rows = counts["off"], []
     for name, (sched, update) in counts.items():

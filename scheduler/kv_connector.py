@@ -13,6 +13,8 @@ connector's request records by reference and change them only through their meth
 - :mod:`scheduler.kv_connector_loads` — ``LoadPlanner``: lookups and pins (admission);
 - :mod:`scheduler.kv_connector_stores` — ``StorePlanner``: block tables, the store cursor and
   the one store batch per step (plan, send, read the reply, hand the jobs over);
+- :mod:`scheduler.kv_connector_due` — ``StoreCalendar``: which scheduled requests have a chunk
+  full after the step, without visiting the others in steady decode;
 - :mod:`scheduler.kv_connector_leases` — ``LeaseBook``: jobs under leases, shipping, the
   workers' reports, lease completion, expiry, the report and the events;
 - :mod:`scheduler.kv_connector_request` — ``RequestState``: one request's block table, store
@@ -48,10 +50,10 @@ arrived, or :meth:`drain`). The daemon applies one client's requests in order, s
 connector's own later lookups already see completed chunks. Per step that is 1 reservation +
 about 1 completion, whatever the number of requests.
 
-**Cost per step** (docs/benchmarks.md, "Scheduler step"): one pass over the step's requests
-that appends new block ids and compares one integer per request with its store cursor; only
-requests with a chunk full after the step do more (keys, one ``PlannedStore``). No per-step
-index is rebuilt: the set of chunks being stored (lookups) is built only when a lookup needs
+**Cost per step** (docs/benchmarks.md, "Scheduler step"): one pass over the cached requests
+that appends new block ids where there are some; the requests with a chunk full after the step
+are found by the store calendar without looking at the others (steady decode), and only they
+do more (keys, one ``PlannedStore``). No per-step index is rebuilt: the set of chunks being stored (lookups) is built only when a lookup needs
 it after a change, lease expiry is one comparison with the earliest deadline, and the store
 batch's reply is turned into jobs outside ``schedule()`` when it has arrived.
 
