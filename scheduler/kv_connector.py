@@ -53,9 +53,10 @@ about 1 completion, whatever the number of requests.
 **Cost per step** (docs/benchmarks.md, "Scheduler step"): one pass over the cached requests
 that appends new block ids where there are some; the requests with a chunk full after the step
 are found by the store calendar without looking at the others (steady decode), and only they
-do more (keys, one ``PlannedStore``). No per-step index is rebuilt: the set of chunks being stored (lookups) is built only when a lookup needs
-it after a change, lease expiry is one comparison with the earliest deadline, and the store
-batch's reply is turned into jobs outside ``schedule()`` when it has arrived.
+do more (keys, one ``PlannedStore``). No per-step index is rebuilt: the set of chunks being
+stored (lookups) is built only when a lookup needs it after a change, lease expiry is one
+comparison with the earliest deadline, and the store batch's reply is turned into jobs outside
+``schedule()`` when it has arrived.
 
 Invariants:
 - a chunk below a request's ``cursor`` is never planned again (after a preemption the cursor
