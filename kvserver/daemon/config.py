@@ -68,7 +68,7 @@ class DaemonConfig:
     metrics_port: int = DEFAULT_METRICS_PORT
     dram: int = 256 << 20
     page_size: int = 64 << 10
-    policy: str = "lru"
+    policy: str = "prefix"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     default_lease_s: float = 30.0

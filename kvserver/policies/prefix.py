@@ -20,8 +20,11 @@ one request's hits, head first; a store batch is its new chunks, head first. Fro
   signature-based insertion): the signature of a stored chunk is (log2 of its position in the
   batch, log2 of the batch length); per signature the policy counts the chunks read again
   and those evicted unread. A chat's next turn re-reads a short batch; a one-off document of
-  hundreds of chunks is never read again, so its chunks come in just above the eviction line
-  and leave first (scan resistance that adapts to the workload);
+  hundreds of chunks is never read again. A chunk whose signature's rate is below
+  ``ONE_OFF_RATE`` comes in at that rate, just above the eviction line, and leaves first (scan
+  resistance that adapts to the workload); any other new chunk comes in at 1, as if just read,
+  so the newest chunk is never the first to go (a client reading back what it just stored
+  finds it, as with LRU);
 - **tail before head**: an ancestor is read whenever its descendants are and is valued at
   least as high; on equal priority the deeper key leaves first (inserts and touches are
   numbered tail first), so what stays is a usable prefix.
@@ -29,7 +32,8 @@ one request's hits, head first; a store batch is its new chunks, head first. Fro
 Priority. GreedyDual: each tracked key ``k`` has ``H(k) = L + value(k)`` set when it is inserted
 or touched; ``evict`` takes keys in ascending ``(H, tie)`` order and raises ``L`` to the ``H`` of
 the last victim, so whatever is not used falls behind everything that is. ``value`` is the use
-count of a shared key, 1 for a private one, the predicted reuse rate (in (0, 1]) of a new one.
+count of a shared key, 1 for a private one; for a new one its signature's reuse rate if that
+is below ``ONE_OFF_RATE``, else 1.
 
 Ghosts. An evicted key's use count (0 if it was private) is remembered (an OrderedDict, oldest
 first, at most as many ghosts as tracked keys); a ghost inserted again resumes from it.
@@ -66,6 +70,9 @@ DEPTH_SCALE = 64
 PRIOR_WEIGHT = 2.0
 #: a signature's counts are halved when its outcome count reaches this (recent ones win)
 HALF_LIFE = 4096
+#: a new chunk whose signature's reuse rate is below this comes in at that rate (one-off: it
+#: leaves first); above it, at 1 like a chunk just read (LRU among them: the newest stays)
+ONE_OFF_RATE = 0.5
 
 _Signature = tuple[int, int]
 _Entry = tuple[float, int, Hashable]  # (H, tie, key)
@@ -198,7 +205,8 @@ class PrefixPolicy(EvictionPolicy):
             sig = predictor.signature(position, length)
             self._uses[key] = 0
             self._pending[key] = sig
-            self._set(key, predictor.rate(sig))
+            rate = predictor.rate(sig)
+            self._set(key, rate if rate < ONE_OFF_RATE else 1.0)
 
     def remove(self, key: Hashable) -> None:
         if self._prio.pop(key, None) is not None:

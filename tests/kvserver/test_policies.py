@@ -294,7 +294,7 @@ def test_prefix_batch_tail_leaves_before_head() -> None:
     policy.insert_batch(["a0", "a1", "a2"])
     policy.insert_batch(["b0", "b1"])
     assert policy.evict(2, unit, always) == ["a2", "a1"]
-    assert list(policy) == ["b1", "a0", "b0"]  # deeper chunks have less credit
+    assert list(policy) == ["a0", "b1", "b0"]  # batch by batch, each tail first
 
 
 def test_prefix_batch_order_is_lru_order_for_single_inserts() -> None:
@@ -345,7 +345,7 @@ def test_prefix_ghost_keeps_use_count_and_ghosts_stay_bounded() -> None:
     policy.insert("hot")  # it returns: resumes from its use count, above every fresh key
     policy.insert("new")
     assert list(policy)[-1] == "hot" and policy.is_shared("hot")
-    assert policy.evict(5, unit, always) == ["f2", "a", "f1", "f0", "new"]  # by prior credit
+    assert policy.evict(5, unit, always) == ["a", "f2", "f1", "f0", "new"]
     assert policy.num_ghosts == 1  # bounded by the (now one) tracked key
     cache = BoundedCache(make_policy("prefix"), capacity=10)
     for key in range(1000):
