@@ -257,8 +257,12 @@ def test_preemption_with_stores_in_flight(
     from worker.transfer import Direction
 
     prompts = [(f"r{i}", prompt(10 + i, 40)) for i in range(4)]
+    # lookup_timeout_s: this test is about the barrier, not timeouts; at the 0.1 s default a
+    # lookup that a loaded machine answers late opens the connector's breaker, and the stores
+    # it then skips make ns_hits below fail (seen at load average 12-14)
     config = make_vllm_config(model_dir, {"address": daemon.zmq_address,
-                                          "chunk_blocks": CHUNK_BLOCKS})  # fmt: skip
+                                          "chunk_blocks": CHUNK_BLOCKS,
+                                          "lookup_timeout_s": 5.0})  # fmt: skip
     config.scheduler_config.async_scheduling = async_scheduling  # vLLM's default on GPUs
     eng = MiniEngine(config, 20)
     assert eng.worker is not None and eng.worker.worker_half is not None
