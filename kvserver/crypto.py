@@ -231,10 +231,22 @@ class ClientSecurity:
         return client
 
 
-def add_client_security_args(parser: Any, *, curve: bool = True, tls: bool = False) -> None:
+def add_client_security_args(
+    parser: Any, *, curve: bool = True, tls: bool = False, token: bool = False
+) -> None:
     """Add the :data:`CLIENT_OPTIONS` flags (``--curve-*`` for a ZMQ client, ``--tls-*`` for
     a gRPC client) to an argparse parser; read them back with
-    :meth:`ClientSecurity.from_mapping`."""
+    :meth:`ClientSecurity.from_mapping`. ``token``: also ``--auth-token`` (default
+    ``$KVSERVER_AUTH_TOKEN``, else ``""``: the client then reads the token file a daemon on this
+    host left for its user)."""
+    if token:
+        parser.add_argument(
+            "--auth-token",
+            default=os.environ.get("KVSERVER_AUTH_TOKEN", ""),
+            metavar="TOKEN",
+            help="the daemon's token (default: $KVSERVER_AUTH_TOKEN, else the token file a "
+            "daemon on this host left for its user)",
+        )
     for name, help_text in CLIENT_OPTIONS.items():
         if (name.startswith("curve") and curve) or (name.startswith("tls") and tls):
             metavar = "NAME" if name == "tls_server_name" else "FILE"

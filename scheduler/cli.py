@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from kvserver.crypto import ClientSecurity, add_client_security_args
@@ -41,14 +40,7 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="ADDR",
         help="kvserver daemon ZMQ address, e.g. tcp://127.0.0.1:9471 (default: off)",
     )
-    p.add_argument(
-        "--auth-token",
-        default=os.environ.get("KVSERVER_AUTH_TOKEN", ""),
-        metavar="TOKEN",
-        help="the daemon's token (default: $KVSERVER_AUTH_TOKEN, else the token file a daemon "
-        "on this host left for its user)",
-    )
-    add_client_security_args(p, curve=True)
+    add_client_security_args(p, curve=True, token=True)
     p.add_argument("--model", default="synthetic", help="model name (part of the namespace)")
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per GPU block")

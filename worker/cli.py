@@ -47,14 +47,7 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kvserver", metavar="ADDR", help="kvserver daemon ZMQ address (default off)")
-    p.add_argument(
-        "--auth-token",
-        default=os.environ.get("KVSERVER_AUTH_TOKEN", ""),
-        metavar="TOKEN",
-        help="the daemon's token (default: $KVSERVER_AUTH_TOKEN, else the token file a daemon "
-        "on this host left for its user)",
-    )
-    add_client_security_args(p, curve=True)
+    add_client_security_args(p, curve=True, token=True)
     p.add_argument("--chunk-blocks", type=int, default=1, help="must match the scheduler's")
     p.add_argument("--hash-algo", default="sha256_cbor", help="must match the scheduler's")
     p.add_argument("--hash-seed", default="vllm-none-hash", help="must match the scheduler's")

@@ -79,14 +79,19 @@ def test_compose_hosts_publish_distinct_ports(compose: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- kubernetes
 
 
-@pytest.fixture(scope="module")
-def k8s() -> dict[tuple[str, str], dict[str, Any]]:
+def load_k8s() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every document of deploy/k8s/*.yaml by (kind, name)."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for path in sorted(K8S.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 out[(doc["kind"], doc["metadata"]["name"])] = doc
     return out
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict[str, Any]]:
+    return load_k8s()
 
 
 def test_every_object_is_in_the_kvserver_namespace(k8s: dict[tuple[str, str], Any]) -> None:

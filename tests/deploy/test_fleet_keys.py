@@ -28,7 +28,7 @@ from kvserver.client import KVClient
 from kvserver.crypto import ClientSecurity
 from kvserver.daemon.config import DaemonConfig
 from kvserver.grpc_client import GrpcClient
-from tests.deploy.test_fleet_deploy import FLEET, K8S, daemon_config
+from tests.deploy.test_fleet_deploy import FLEET, K8S, daemon_config, load_k8s
 from tests.support.daemon import DaemonProc, start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -141,12 +141,7 @@ def test_compose_daemons_use_curve_and_tls_and_clients_their_keys(
 
 @pytest.fixture(scope="module")
 def k8s() -> dict[tuple[str, str], dict[str, Any]]:
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                out[(doc["kind"], doc["metadata"]["name"])] = doc
-    return out
+    return load_k8s()
 
 
 @pytest.fixture(scope="module")
