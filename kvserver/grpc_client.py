@@ -19,7 +19,6 @@ daemon's front end imports too.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import grpc
@@ -47,6 +46,15 @@ from kvserver.grpc_format import (
     spec_from_proto,
     spec_to_proto,
 )
+from kvserver.grpc_replies import (
+    LookupReply,
+    NamespaceReply,
+    NamespaceStats,
+    PinReply,
+    ServerStats,
+    TierStats,
+    copy_fields,
+)
 from kvserver.namespace import NamespaceSpec
 from kvserver.token_file import TokenFile
 
@@ -65,108 +73,6 @@ class EventsDropped(KVServerError):
     def __init__(self, message: str, *, oldest_seq: int = 0) -> None:
         super().__init__(message)
         self.oldest_seq = oldest_seq
-
-
-# ---------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class LookupReply:
-    namespace_id: str
-    #: leading run of cached chunks, and its tokens (hit_chunks * chunk_tokens).
-    hit_chunks: int
-    hit_tokens: int
-    #: chunks in the query.
-    num_chunks: int
-    chunk_tokens: int
-    #: hit chunks per tier, fastest first, e.g. {"dram": 3, "ssd": 1}.
-    tiers: dict[str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class PinReply:
-    #: chunks pinned (Pin) or whose pin was dropped (Unpin), of num_chunks in the prefix.
-    chunks: int
-    num_chunks: int
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceReply:
-    namespace_id: str
-    spec: NamespaceSpec
-    part_bytes: int
-    key_size: int
-    chunk_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    name: str
-    medium: str
-    policy: str
-    capacity_bytes: int
-    used_bytes: int
-    pinned_bytes: int
-    reserved_bytes: int
-    entries: int
-    hit_chunks: int
-    miss_chunks: int
-    evicted_chunks: int
-    stored_chunks: int
-    loaded_chunks: int
-    lookups: int
-    #: "ok", "degraded" or "unavailable" (SSD); see kvserver.proto TierStats.
-    condition: str = "ok"
-    condition_detail: str = ""
-    corrupt_chunks: int = 0
-    recovered_chunks: int = 0
-    promoted_chunks: int = 0
-    io_errors: int = 0
-    skipped_chunks: int = 0
-    io_mode: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceStats:
-    namespace_id: str
-    model: str
-    entries: int
-    bytes: int
-    lookups: int
-    hit_chunks: int
-    miss_chunks: int
-    stored_chunks: int
-    loaded_chunks: int
-    evicted_chunks: int
-    rolled_back_chunks: int
-    filtered_chunks: int
-    store_rejections: int
-    expired_leases: int
-    #: tier name → (entries, bytes), fastest first.
-    tiers: dict[str, tuple[int, int]]
-
-
-@dataclass(frozen=True, slots=True)
-class ServerStats:
-    server_version: str
-    host_id: str
-    tiers: list[TierStats]
-    namespaces: list[NamespaceStats]
-    num_leases: int
-    event_log_id: str
-    events_last_seq: int
-    events_oldest_seq: int
-    #: the ClusterStats fields (docs/cluster.md) when the daemon is in a fleet, else None.
-    cluster: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _copy(cls: Any, msg: Any, **override: Any) -> Any:
-    """``cls`` built from the same-named fields of ``msg`` (plus ``override``)."""
-    names = [f.name for f in fields(cls) if f.name not in override]
-    return cls(**{name: getattr(msg, name) for name in names}, **override)
 
 
 # ---------------------------------------------------------------------- the client
@@ -308,15 +214,17 @@ class GrpcClient:
 
     def stats(self, *, timeout: float | None = None) -> ServerStats:
         msg = self._call("Stats", pb.StatsRequest(), pb.StatsResponse, timeout)
-        tiers = [_copy(TierStats, t, medium=MEDIUM_FROM_PROTO.get(t.medium, "")) for t in msg.tiers]
+        tiers = [
+            copy_fields(TierStats, t, medium=MEDIUM_FROM_PROTO.get(t.medium, "")) for t in msg.tiers
+        ]
         namespaces = [
-            _copy(NamespaceStats, n, tiers={u.tier: (u.entries, u.bytes) for u in n.tiers})
+            copy_fields(NamespaceStats, n, tiers={u.tier: (u.entries, u.bytes) for u in n.tiers})
             for n in msg.namespaces
         ]
         cluster = (
             {f.name: v for f, v in msg.cluster.ListFields()} if msg.HasField("cluster") else None
         )
-        stats: ServerStats = _copy(
+        stats: ServerStats = copy_fields(
             ServerStats, msg, tiers=tiers, namespaces=namespaces, cluster=cluster
         )
         return stats
@@ -459,12 +367,12 @@ def _set_prefix(
 
 
 def _lookup_reply(msg: Any) -> LookupReply:
-    reply: LookupReply = _copy(LookupReply, msg, tiers={t.tier: t.chunks for t in msg.tiers})
+    reply: LookupReply = copy_fields(LookupReply, msg, tiers={t.tier: t.chunks for t in msg.tiers})
     return reply
 
 
 def _namespace_reply(msg: Any) -> NamespaceReply:
-    info: NamespaceReply = _copy(NamespaceReply, msg, spec=spec_from_proto(msg.spec))
+    info: NamespaceReply = copy_fields(NamespaceReply, msg, spec=spec_from_proto(msg.spec))
     return info
 
 
@@ -484,9 +392,7 @@ def _error(exc: grpc.RpcError, target: str, tls: bool | None = None) -> KVServer
         return error_from_code(code, details)
     if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         hint = _tls_hint(details, tls)
-        return Unavailable(
-            f"kvserver at {target} is unreachable ({status.name}): {details}{hint}"
-        )
+        return Unavailable(f"kvserver at {target} is unreachable ({status.name}): {details}{hint}")
     if status == grpc.StatusCode.UNAUTHENTICATED:
         return Unauthenticated(details)
     if status in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):

@@ -170,6 +170,9 @@ def test_auth_token_from_flag_or_environment(
     srv = InProcessServer(tmp_path, auth_token="tok")
     try:
         monkeypatch.delenv("KVSERVER_AUTH_TOKEN", raising=False)
+        # no token file either: a daemon SIGKILLed earlier on this port may have left one in
+        # the shared token directory, and the CLI would send its (wrong) token
+        monkeypatch.setenv("KVSERVER_SHM_DIR", str(tmp_path / "shm"))
         rc, _, err = run(capsys, "status", "--server", srv.address)
         assert rc == 1 and "Bearer" in err
         assert run(capsys, "status", "--server", srv.address, "--auth-token", "tok")[0] == 0
