@@ -17,7 +17,9 @@ Configurations:
   — one store reservation per step sent at the end of ``build_connector_meta``, its reply read
   once the workers' step is over, one completion per step sent from ``update_from_output`` —
   none of them waited for inside the step unless the daemon is slower than the workers' step.
-  Its row also reports the daemon calls per step (``calls_per_step``, by op).
+  Its row also reports the daemon calls per step (``calls_per_step``, by op) and where the
+  chunks it planned to store went over the whole run (``stores``: docs/connector.md, "Store
+  accounting"; planned counts each request's chunks, so a shared prefix counts many times).
 
 Configurations are measured round-robin, ``--steps`` steps each per round (a multiple of the
 16-step cycle of the workload: every 16 steps each request fills a block), short rounds so that
@@ -103,6 +105,8 @@ class Config:
     #: the kvserver client's requests sent by op (kvserver connector only).
     sent_by_op: Counter[str] | None = None
     calls: Counter[str] = field(default_factory=Counter)
+    #: the kvserver connector's store accounting over the whole run (docs/connector.md).
+    stores: dict[str, int] | None = None
 
     def run(self, steps: int, timed: bool = True) -> None:
         before = Counter(self.sent_by_op or ())
@@ -257,7 +261,18 @@ def results(configs: list[Config]) -> list[dict[str, Any]]:
             out[-1]["calls_per_step"] = {
                 op: n / len(c.schedule_s) for op, n in sorted(c.calls.items())
             }
+        if c.stores is not None:
+            out[-1]["stores"] = c.stores
     return out
+
+
+def store_accounting(conn: Any) -> dict[str, int]:
+    """Where the chunks the connector planned went, over the whole run (prefill included),
+    once the replies still due are applied: docs/connector.md, "Store accounting"."""
+    conn.drain()
+    s = conn.stats
+    names = ("planned", "shared", "present", "filtered", "unreserved", "granted", "stored")
+    return {n: getattr(s, f"{n}_chunks") for n in names}
 
 
 def count_one(name: str, address: str | None, steps: int) -> None:
@@ -341,6 +356,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "calls_per_step" in r:
             calls = ", ".join(f"{op} {n:.2f}" for op, n in r["calls_per_step"].items())
             print(f"daemon calls per step ({r['config']}): {calls or 'none'}")
+        if "stores" in r:
+            fates = ", ".join(f"{k} {v}" for k, v in r["stores"].items())
+            print(f"store accounting ({r['config']}, whole run, docs/connector.md): {fates}")
 
 
 def write_chart(rows: list[dict[str, Any]], path: Path, unit: str = "µs") -> bool:
@@ -418,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             configs.append(make("kvserver", conn, max_steps, conn.client.sent_by_op))
         measure(configs, rounds, steps)
         for c in configs:
+            if c.sent_by_op is not None:
+                c.stores = store_accounting(c.scheduler.connector)
             close = getattr(c.scheduler.connector, "close", None)
             if callable(close):
                 close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -76,7 +77,9 @@ class LeaseBook:
         self.report = TransferReport()
         #: hits that could not be pinned since the last metadata (shipped as failed_loads).
         self.failed_loads: list[FailedLoad] = []
-        self.events: list[Event] = []
+        #: events for take_events, at most ``max_pending_events`` (the oldest are dropped).
+        self.events: deque[Event] = deque()
+        self._max_events = link.config.max_pending_events
         self._event_seq = 0
 
     def clear(self) -> None:
@@ -288,11 +291,13 @@ class LeaseBook:
     # ------------------------------------------------------------------ report and events
 
     def take_events(self) -> list[Event]:
-        """The events emitted since the last call (applies the completion replies that
-        already arrived first, without waiting)."""
+        """The events emitted since the last call, at most ``max_pending_events`` (the newest;
+        ``seq`` shows the gap of those dropped); applies the completion replies that already
+        arrived first, without waiting."""
         if self.completions:
             self.collect_completions(wait=False)
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()
         return events
 
     def take_report(self) -> TransferReport:
@@ -311,4 +316,8 @@ class LeaseBook:
     def emit(self, kind: type[BlockStored | BlockRemoved], keys: Sequence[bytes]) -> None:
         if keys:
             self._event_seq += 1
-            self.events.append(kind(self._event_seq, self.ns_id, tuple(keys), MEDIUM_DRAM))
+            events = self.events
+            if len(events) >= self._max_events:  # nobody drains them: keep the newest
+                events.popleft()
+                self._stats.dropped_events += 1
+            events.append(kind(self._event_seq, self.ns_id, tuple(keys), MEDIUM_DRAM))

@@ -98,6 +98,8 @@ class StorePlanner:
         every request's place in the calendar (the connector forgets its requests)."""
         if self.batch is not None:
             self.batch.pending.cancel()
+            if self.batch.grant is None:
+                self._stats.unreserved_chunks += len(self.batch.keys)
             self.batch = None
         self._storing = None
         self.calendar.clear()
@@ -170,10 +172,13 @@ class StorePlanner:
         """One prepare_store for every planned chunk (``keys``, in plan order), not waited for;
         False when unsent (daemon down or unreachable): the cursors stay, so the chunks are
         planned again next step."""
-        self._stats.planned_chunks += len(keys)
+        stats = self._stats
+        stats.planned_chunks += len(keys)
         unique = list(dict.fromkeys(keys))
+        stats.shared_chunks += len(keys) - len(unique)
         pending = self._link.send_prepare_store(unique)
         if pending is None:
+            stats.unreserved_chunks += len(unique)
             return False
         for p in planned:
             p.state.store_planned(p.first, p.end)
@@ -235,6 +240,10 @@ class StorePlanner:
         left without a job, for :meth:`collect`. A request's share of the batch, counted once
         in ``num_stores``, is its job's count from here on."""
         batch.grant = grant
+        stats = self._stats
+        stats.granted_chunks += len(grant.keys)
+        stats.present_chunks += len(grant.present)
+        stats.filtered_chunks += len(grant.filtered)
         self._batch_limit = min(self._batch_limit * 2, self._max_batch)
         locations: dict[bytes, Any] = dict(zip(grant.keys, grant.locations, strict=True))
         take, lease_id, deadline = locations.pop, grant.lease_id, grant.deadline
@@ -260,6 +269,7 @@ class StorePlanner:
 
     def _drop(self, batch: StoreBatch, *, skip: bool) -> None:
         """Nothing reserved: the chunks are planned again next step, or never (``skip``)."""
+        self._stats.unreserved_chunks += len(batch.keys)
         for p in batch.planned:
             p.state.store_refused(p.end, for_good=skip)
             self._leases.release_if_done(p.state)

@@ -69,11 +69,16 @@ class KVConnectorConfig:
     #: most chunks one step's prepare_store asks for (the daemon's default keys-per-request
     #: limit); a batch the cache cannot hold is halved until it fits.
     max_store_batch_chunks: int = 1 << 16
+    #: most events kept for ``take_events``; beyond it the oldest are dropped (and counted in
+    #: ``ConnectorStats.dropped_events``): a process that never drains them does not grow.
+    max_pending_events: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("lookup_timeout_s", "op_timeout_s", "down_backoff_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"{name} must be > 0", value=getattr(self, name))
+        if self.max_pending_events < 1:
+            raise InvalidArgument("max_pending_events must be >= 1", value=self.max_pending_events)
         if self.max_store_batch_chunks < 1:
             raise InvalidArgument(
                 "max_store_batch_chunks must be >= 1", value=self.max_store_batch_chunks
@@ -84,10 +89,23 @@ class KVConnectorConfig:
 class ConnectorStats:
     """Counters. ``lookups_failed``: answered "no hit" as the daemon failed or was marked down;
     ``timeouts``: calls that found it unreachable (each marks it down for down_backoff_s);
-    ``planned_chunks``: chunks asked for in prepare_store (each once, thanks to the cursor);
     ``completion_errors``: completions not applied — refused, unanswered, or skipped while
     the daemon was marked down (their chunks count as not stored; the daemon reclaims the
-    lease at its deadline)."""
+    lease at its deadline); ``dropped_events``: events discarded, oldest first, because
+    nobody called ``take_events`` while ``max_pending_events`` were waiting.
+
+    Store accounting (docs/connector.md, "Store accounting"): ``planned_chunks`` counts each
+    request's chunks each time they go out in a prepare_store (a request's chunk once, thanks
+    to its cursor, unless the batch was not reserved: then again when re-planned). Every
+    planned chunk ends up in exactly one of: ``shared_chunks`` (another request planned the
+    same key earlier in the same batch: asked for once, stored for that request),
+    ``present_chunks`` (the daemon had it already, stored or being written),
+    ``filtered_chunks`` (the daemon's reuse gating refused it), ``unreserved_chunks`` (the
+    batch got no reservation: cache full or daemon unreachable — planned again — or refused,
+    or dropped by ``reset``), ``granted_chunks`` (reserved: a store job), or the batch still in
+    flight. ``stored_chunks`` (made ready by a completion) is at most ``granted_chunks``; the
+    difference is stores in flight, chunks a rank failed (rolled back), expired leases and
+    ``completion_errors``."""
 
     lookups: int = 0
     hit_tokens: int = 0
@@ -95,11 +113,17 @@ class ConnectorStats:
     loads: int = 0
     load_errors: int = 0
     planned_chunks: int = 0
+    shared_chunks: int = 0
+    present_chunks: int = 0
+    filtered_chunks: int = 0
+    unreserved_chunks: int = 0
+    granted_chunks: int = 0
     stored_chunks: int = 0
     store_rejections: int = 0
     timeouts: int = 0
     expired_jobs: int = 0
     completion_errors: int = 0
+    dropped_events: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -43,9 +43,16 @@ _CONNECTOR_COUNTERS = (
     ("scheduler_connector_hit_tokens", "Prompt tokens offered from kvserver.", "hit_tokens"),
     ("scheduler_connector_loads", "Loads from kvserver started.", "loads"),
     ("scheduler_connector_load_errors", "Loads that failed (recomputed).", "load_errors"),
+    ("scheduler_connector_planned_chunks", "Chunks planned for storing.", "planned_chunks"),
+    ("scheduler_connector_granted_chunks", "Planned chunks reserved.", "granted_chunks"),
+    ("scheduler_connector_shared_chunks", "Planned, stored for another request.", "shared_chunks"),
+    ("scheduler_connector_present_chunks", "Planned, kvserver had them.", "present_chunks"),
+    ("scheduler_connector_filtered_chunks", "Planned, reuse gating refused.", "filtered_chunks"),
+    ("scheduler_connector_unreserved_chunks", "Planned, not reserved.", "unreserved_chunks"),
     ("scheduler_connector_stored_chunks", "Chunks stored to kvserver.", "stored_chunks"),
     ("scheduler_connector_store_rejections", "Stores refused.", "store_rejections"),
     ("scheduler_connector_timeouts", "Daemon calls that timed out.", "timeouts"),
+    ("scheduler_connector_dropped_events", "Connector events dropped untaken.", "dropped_events"),
 )  # fmt: skip
 
 

@@ -25,6 +25,9 @@ FAMILIES = {
     "scheduler_connector_lookups": "counter",
     "scheduler_connector_loads": "counter",
     "scheduler_connector_lookup_duration_seconds": "histogram",
+    "scheduler_connector_planned_chunks": "counter",
+    "scheduler_connector_granted_chunks": "counter",
+    "scheduler_connector_dropped_events": "counter",
 }
 
 
@@ -62,6 +65,14 @@ def test_prompt_tokens_by_source_and_lookup_latency(tmp_path: Path) -> None:
         count = after.value("scheduler_connector_lookup_duration_seconds_count")
         assert count == lookups
         assert after.value("scheduler_connector_lookup_duration_seconds_sum") > 0
+        # store accounting: each planned chunk has one fate, once its batch is answered
+        fates = sum(
+            after.value(f"scheduler_connector_{fate}_chunks_total")
+            for fate in ("shared", "present", "filtered", "unreserved", "granted")
+        )
+        assert 0 < fates <= after.value("scheduler_connector_planned_chunks_total")
+        assert after.value("scheduler_connector_granted_chunks_total") > 0
+        assert after.value("scheduler_connector_dropped_events_total") == 0  # drained per step
         assert proc.terminate() == 0, proc.log()
     finally:
         proc.kill()
