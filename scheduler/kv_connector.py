@@ -266,7 +266,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def take_events(self) -> list[Event]:
         """BlockStored for chunks this connector made ready, BlockRemoved for hit chunks it
         found gone; ``seq`` counts this connector's events. Applies the completion replies
-        that already arrived first (without waiting)."""
+        that already arrived first (without waiting). At most ``max_pending_events`` are kept
+        between calls (the newest; ``stats.dropped_events`` counts the others)."""
         return self._leases.take_events()
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> set[str]:
