@@ -11,9 +11,13 @@ number of requests may be in flight (pipelining: concurrent tasks, or ``submit_*
 Call order: ``await send(call, timeout)`` → its :class:`AioSlot` → ``await wait(slot,
 timeout)``; ``drop(why)`` closes both links and fails everything outstanding. One reader task
 per link routes every reply to its slot's future. A timeout replaces both links (every request
-outstanding fails with Unavailable); a failed local channel fails what is outstanding on it,
-and a request that could not be written to it goes to the DEALER instead; a DEALER whose
-connection was lost is replaced before the next request is sent.
+outstanding fails with Unavailable); a failed local channel (EOF: the daemon exited) fails what
+is outstanding on it at once, and a request that could not be written to it goes to the DEALER
+instead. The DEALER's monitor (:class:`~kvserver.client.links.ConnectionWatch`) is watched by
+the event loop (a reader on its file descriptor, no task): when the connection breaks, the
+requests outstanding on the DEALER fail at once with Unavailable (the replies received before
+the break are routed first) and the socket is replaced; so is a DEALER whose connection broke
+while nothing was outstanding, before the next request is sent. None is sent twice.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -36,6 +40,9 @@ from kvserver.client.links import ConnectionWatch, open_dealer
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
+
+#: why the requests outstanding on a DEALER whose connection broke fail.
+LOST = "the connection to the daemon was lost"
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +102,12 @@ class AioTransport:
         self._local_refused: str | None = None
         self._slots: dict[int, AioSlot] = {}
         self._readers: dict[object, asyncio.Task[None]] = {}
+        #: the DEALER's connection broke with requests outstanding (see _fail_if_broken).
+        self._broken = False
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._watch_fd = -1
+        #: the DEALER reader's receive, once done until the reader has routed its reply.
+        self._zmq_recv: asyncio.Future[Any] | None = None
         self._send_lock = asyncio.Lock()
         #: requests sent on the wire, by op (session renewals and retries included).
         self.sent_by_op: Counter[str] = Counter()
@@ -115,12 +128,24 @@ class AioTransport:
         self._readers.clear()
         if self._local is not None:
             self._local.close()
+        self._close_dealer()
+        self._local = None
+        self._fail_outstanding(why)
+
+    def _close_dealer(self) -> None:
+        """Close the DEALER and its watch (the caller fails what is outstanding on it)."""
         if self._watch is not None:
+            if self._watch_loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed
+                    self._watch_loop.remove_reader(self._watch_fd)
             self._watch.close()
         if self._zmq is not None:
+            task = self._readers.pop(self._zmq, None)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
             self._zmq.close(linger=0)
-        self._zmq = self._local = self._watch = None
-        self._fail_outstanding(why)
+        self._zmq = self._watch = self._zmq_recv = None
+        self._broken = False
 
     async def close(self, why: str) -> None:
         tasks = list(self._readers.values())
@@ -164,13 +189,37 @@ class AioTransport:
         """The DEALER of request ``sending``: a new one when the connection was lost (the
         daemon went away), failing the other requests outstanding on the old one (the sync
         twin: ``Transport._link``)."""
-        if self._watch is not None and self._watch.lost():
+        if self._watch is not None and self._watch.broke():
             slot = self._slots.pop(sending)
-            self.drop("the connection to the daemon was lost")
+            self.drop(LOST)
             self._slots[sending] = slot
         if self._zmq is None:
             self._zmq, self._watch = open_dealer(self._ctx, self._s.address, self._s.curve)
+            self._watch_fd = cast(int, self._watch.fd.get(zmq.FD))
+            self._watch_loop = asyncio.get_running_loop()
+            self._watch_loop.add_reader(self._watch_fd, self._on_watch_event)
         return self._zmq
+
+    def _on_watch_event(self) -> None:
+        """The DEALER's monitor socket signalled (the event loop's reader callback): when the
+        connection broke and requests are outstanding on the DEALER, fail them now."""
+        watch = self._watch
+        if watch is None or not watch.broke() or self._local is not None or not self._slots:
+            return  # (a broken DEALER with nothing on it is replaced at the next send)
+        self._broken = True
+        self._fail_if_broken()
+
+    def _fail_if_broken(self) -> None:
+        """The DEALER's connection broke: once the replies received before the break are
+        routed (its reader task routes them, then calls this again), fail the rest."""
+        sock, received = self._zmq, self._zmq_recv
+        if sock is None or (received is not None and received.done()):
+            return
+        if cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            return  # (get: zmq.asyncio then wakes the reader for what is waiting)
+        logger.info("the connection to %s was lost", self._s.address)
+        self._close_dealer()
+        self._fail_outstanding(LOST)
 
     async def send(self, call: Call, timeout: float) -> AioSlot:
         """Send ``call`` without waiting for its reply; the reply will land in the slot."""
@@ -231,8 +280,14 @@ class AioTransport:
                     frames: Sequence[Any] = await link.recv()
                 else:
                     assert isinstance(link, zmq.asyncio.Socket)
-                    frames = await link.recv_multipart(copy=False)
+                    received = self._zmq_recv = cast(
+                        "asyncio.Future[Any]", link.recv_multipart(copy=False)
+                    )
+                    frames = await received
+                    self._zmq_recv = None
                 self._route(frames)
+                if self._broken:
+                    self._fail_if_broken()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -247,11 +302,7 @@ class AioTransport:
             self._lose_local(why)
         elif link is self._zmq and self._zmq is not None:
             logger.warning("the connection to %s failed (%s)", self._s.address, why)
-            self._readers.pop(link, None)
-            if self._watch is not None:
-                self._watch.close()
-            self._zmq.close(linger=0)
-            self._zmq = self._watch = None
+            self._close_dealer()
             self._fail_outstanding(f"the connection failed ({why})")
 
     def _route(self, frames: Sequence[Any]) -> None:

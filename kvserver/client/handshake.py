@@ -3,13 +3,11 @@
 Runs in client processes, on the thread (or event loop) that owns the socket; not
 thread-safe. A ZMQ socket whose security handshake fails (a wrong daemon public key, a client
 key the daemon does not admit, CURVE on one side only) reconnects and fails again forever, and
-its requests simply go unanswered. :class:`HandshakeWatch` listens to the socket's monitor
-events so that the client can say which of these happened instead of "no reply": ``failure()``
-is the reason of the latest failed handshake (None once one succeeds), in the option names of
-``docs/security.md``; ``succeeded`` says that the last one read succeeded (the blocking client
-then stops watching on its hot path, and reads the events only when a request times out).
-Works for blocking and asyncio sockets alike (its own monitor socket is a
-blocking one on the same libzmq context, read without waiting).
+its requests simply go unanswered. :class:`~kvserver.client.links.ConnectionWatch` listens to
+the socket's monitor events so that the client can say which of these happened instead of "no
+reply": its ``failure()`` is :func:`explain` of the latest failed handshake (None once one
+succeeds), in the option names of ``docs/security.md``. Works for blocking and asyncio sockets
+alike (the monitor socket is a blocking one on the same libzmq context, read without waiting).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ then ``close()``; which one a request takes is the client's business (``sync.py`
 
 - :class:`ZmqLink`: a DEALER socket to the daemon's ROUTER (any host). It reconnects by itself
   and queues requests while the daemon is away; ``send`` raises TimeoutError only when its
-  queue is full. Its :class:`ConnectionWatch` tells when its connection was lost: the
-  client then replaces the socket before sending; and why a security handshake failed
-  (:mod:`kvserver.client.handshake`), which ends a ``wait`` at once and becomes the error.
+  queue is full. Its :class:`ConnectionWatch` tells when its connection broke (a ``wait``
+  then ends at once; the client fails what is outstanding and replaces the socket), and why
+  a security handshake failed (:mod:`kvserver.client.handshake`), which ends a ``wait`` at
+  once and becomes the error.
   :func:`open_dealer` makes the DEALER and its watch for both clients (the asyncio one,
   ``aio_transport.py``, uses them directly).
 - :class:`LocalLink`: a Unix-domain stream socket to the daemon's local channel, framed by
@@ -49,24 +50,27 @@ _watch_ids = itertools.count()
 
 
 class ConnectionWatch:
-    """Whether a DEALER's connection to the daemon is up, from the socket's monitor events.
+    """Whether a DEALER's connection to the daemon broke, from the socket's monitor events.
 
     Why: a DEALER whose connection broke (the daemon exited) reconnects by itself, but waits
     ``RECONNECT_IVL`` and then ever longer, up to ``RECONNECT_IVL_MAX``, between attempts; a
     request sent meanwhile waits in its queue, so the first request to a daemon restarted on
-    the same address could go unanswered within its timeout although the daemon was up. A
-    client asks :meth:`lost` before it sends and, when True, replaces the socket: a new
-    DEALER's first connection attempt is immediate. Nothing is sent twice: the requests
-    outstanding on the old socket fail (their replies cannot come back over a new
-    connection), and the ones not yet written are discarded with it.
+    the same address could go unanswered within its timeout although the daemon was up. And
+    the replies to the requests outstanding when it broke can never come (the daemon routes a
+    reply to the connection its request came on), so waiting for them only runs out their
+    timeouts. A client therefore asks :meth:`broke` while it waits for replies (a ``zmq.Poller``
+    or an event loop watches :attr:`fd`) and before it sends; when True it routes the replies
+    already received, fails the requests still outstanding with Unavailable and replaces the
+    socket: a new DEALER's first connection attempt is immediate. Nothing is sent twice: the
+    requests not yet written are discarded with the old socket and fail too.
 
-    ``lost()`` is True once an established connection broke (``EVENT_DISCONNECTED``), until
-    the socket connects again. A socket that never connected (no daemon listening yet) is not
-    lost: it is still trying, and a request waiting on it times out and replaces it anyway.
-    ``failure()``: why the latest security handshake failed (None when it succeeded or none
-    was tried); ``succeeded``: the latest one read succeeded (the blocking client then waits
-    on the DEALER alone). Not thread-safe: the socket's owner calls it (one non-blocking check
-    of an inproc PAIR socket when nothing happened).
+    ``broke()`` is True once a connection of this socket was established and then broke
+    (``EVENT_DISCONNECTED``), and stays True (even when the socket connected again by itself:
+    the requests outstanding were lost with the old connection). A socket that never connected
+    (no daemon listening yet) has not broken: it is still trying, and a request waiting on it
+    times out and replaces it anyway. ``failure()``: why the latest security handshake failed
+    (None when it succeeded or none was tried). Not thread-safe: the socket's owner calls it
+    (one non-blocking check of an inproc PAIR socket when nothing happened).
     """
 
     EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake.EVENTS
@@ -82,9 +86,8 @@ class ConnectionWatch:
         pair.connect(addr)
         self._sock, self._pair = sock, pair
         self._curve = curve
-        self._lost = False
+        self._broke = False
         self._failure: str | None = None
-        self.succeeded = False
 
     @property
     def fd(self) -> zmq.Socket[bytes]:
@@ -96,16 +99,20 @@ class ConnectionWatch:
         while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             message = parse_monitor_message(pair.recv_multipart())
             event = int(message["event"])
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
-                self._lost = event == zmq.EVENT_DISCONNECTED
-            else:
+            if event == zmq.EVENT_DISCONNECTED:
+                self._broke = True
+            elif event != zmq.EVENT_CONNECTED:
                 self._failure = handshake.explain(event, int(message["value"]), self._curve)
-                self.succeeded = self._failure is None
 
-    def lost(self) -> bool:
-        """True while the connection is broken (see the class docstring)."""
+    def broke(self) -> bool:
+        """True once an established connection broke (see the class docstring)."""
         self._read()
-        return self._lost
+        return self._broke
+
+    @property
+    def known_broken(self) -> bool:
+        """``broke()`` as of the events already read (reads none)."""
+        return self._broke
 
     def failure(self) -> str | None:
         """Why the latest handshake failed; None if it did not (see the class docstring)."""
@@ -154,9 +161,10 @@ class ZmqLink:
         """Why the latest handshake with the daemon failed; None if it did not."""
         return self._watch.failure()
 
-    def lost(self) -> bool:
-        """The connection broke (the daemon went away): replace this link before sending."""
-        return self._watch.lost()
+    def broke(self) -> bool:
+        """The connection broke (the daemon went away): no reply to what is outstanding can
+        come; route what was received, then replace this link (fail the rest)."""
+        return self._watch.broke()
 
     def send(self, frames: Sequence[Any], timeout: float) -> None:
         """Queue one message; TimeoutError if the DEALER's queue is full (never blocks)."""
@@ -170,20 +178,25 @@ class ZmqLink:
         return bool(cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for a message; False at once when a handshake
-        with the daemon failed (the socket would only retry and fail again)."""
+        """Wait at most ``timeout`` seconds for a message; False sooner when the connection
+        broke (``broke()``: no reply can come) or a handshake with the daemon failed (the
+        socket would only retry and fail again). One poll of the DEALER and its monitor
+        socket; the monitor wakes it only when the connection changes."""
         if self.ready():
             return True
-        if self._watch.succeeded:  # the common case: one plain poll
-            return bool(self._sock.poll(max(1, int(timeout * 1000)), zmq.POLLIN))
+        if self._watch.known_broken:
+            return False
         deadline = time.monotonic() + timeout
         while True:
             ms = max(1, int((deadline - time.monotonic()) * 1000))
-            ready = dict(self._poller.poll(ms))
-            failed = self._watch.failure() is not None
-            if self._sock in ready:
+            ready = self._poller.poll(ms)
+            if len(ready) == 1 and ready[0][0] is self._sock:  # the common case: a reply
                 return True
-            if failed or time.monotonic() >= deadline:
+            if self._watch.broke() or self._watch.failure() is not None:
+                return self.ready()
+            if self.ready():
+                return True
+            if time.monotonic() >= deadline:
                 return False
 
     def recv(self, timeout: float) -> list[zmq.Frame]:

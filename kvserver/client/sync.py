@@ -3,9 +3,11 @@
 Runs in any client process. Not thread-safe: use one ``KVClient`` per thread (each has its own
 DEALER socket, and its own connection to the daemon's local channel when co-located: see
 :mod:`kvserver.client.transport`). Every call waits at most ``timeout`` seconds and raises
-:class:`~kvserver.errors.Unavailable` after that; the socket is then replaced by a fresh one
-(new routing id) and the next call renews the session transparently (hello, arena mapping,
-namespace re-registration) — also when the daemon was restarted on the same address.
+:class:`~kvserver.errors.Unavailable` after that — or at once when the connection to the
+daemon is lost while it waits (the daemon exited: its reply cannot come); the socket is then
+replaced by a fresh one (new routing id) and the next call renews the session transparently
+(hello, arena mapping, namespace re-registration) — also when the daemon was restarted on the
+same address. No request is sent twice.
 
 Usage::
 

@@ -18,10 +18,13 @@ its outstanding requests fail with Unavailable; a request that could not be writ
 daemon closed it: gone, or restarting) goes to the DEALER instead, which queues it for
 whichever daemon comes next, as it would have without the local channel.
 
-A DEALER whose connection broke (the daemon exited or is restarting) is replaced before the
-next request is sent (:class:`~kvserver.client.links.ConnectionWatch`), so that request
-reaches a restarted daemon at once instead of waiting for the old socket's next reconnect
-attempt; the requests outstanding on it fail with Unavailable (none is sent twice).
+A link that breaks while requests are outstanding fails them at once with Unavailable, not
+at their timeout (their replies cannot come): the local channel when the daemon closes it
+(EOF: the daemon exited), the DEALER when its monitor reports the connection lost
+(:class:`~kvserver.client.links.ConnectionWatch`; ``wait`` polls the monitor with the DEALER,
+and routes the replies that arrived before the break first). A DEALER whose connection broke
+is also replaced before the next request is sent, so that request reaches a restarted daemon
+at once instead of waiting for the old socket's next reconnect attempt. None is sent twice.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from kvserver.client.links import LocalLink, ZmqLink
 from kvserver.errors import KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
+
+#: why the requests outstanding on a DEALER whose connection broke fail.
+LOST = "the connection to the daemon was lost"
 
 
 @dataclass(slots=True, eq=False)
@@ -107,10 +113,10 @@ class Transport:
             self._connect_local(timeout)
         if self._local is not None:
             return self._local
-        if self._zmq is not None and self._zmq.lost():
+        if self._zmq is not None and self._zmq.broke():
             # the daemon went away (exited, restarting): a new socket connects at once,
             # where this one would retry on its own, ever more slowly (links.ConnectionWatch)
-            self.drop("the connection to the daemon was lost")
+            self.drop(LOST)
         if self._zmq is None:
             self._zmq = ZmqLink(self._ctx, self._s.address, self._s.curve)
         return self._zmq
@@ -154,7 +160,9 @@ class Transport:
 
     def wait(self, slot: Slot, timeout: float) -> Answer:
         """Read replies until ``slot`` has its outcome, for at most ``timeout`` seconds;
-        returns its Answer or raises its error. A timeout replaces both links."""
+        returns its Answer or raises its error. A timeout replaces both links; so does a
+        DEALER whose connection broke meanwhile, at once (``slot`` fails with Unavailable:
+        its reply cannot come), and a local channel the daemon closed (EOF)."""
         deadline = time.monotonic() + timeout
         while slot.outcome is None:
             link = self._local or self._zmq
@@ -162,6 +170,12 @@ class Transport:
                 raise Unavailable("the socket is gone", op=slot.call.op)
             remaining = deadline - time.monotonic()
             if not link.ready() and (remaining <= 0 or not link.wait(remaining)):
+                if isinstance(link, ZmqLink) and link.broke():
+                    # no reply can come any more: fail now, not at the timeout (what arrived
+                    # before the break is routed first)
+                    if not link.ready():
+                        self.drop(LOST)
+                    continue
                 why = link.handshake_failure() if isinstance(link, ZmqLink) else None
                 error = self._s.timed_out(slot.call, timeout, why)
                 self.drop(f"an earlier call timed out ({slot.call.op})")

@@ -1,12 +1,17 @@
 """Both clients when the connection breaks: a daemon SIGKILLed and restarted on the same port
 is reached by the very next call (the lost DEALER is replaced instead of left to its own,
-ever slower reconnect attempts), and a link that fails while requests are outstanding fails
-them at once with Unavailable naming the cause, instead of leaving them to their timeout.
+ever slower reconnect attempts); requests outstanding when the daemon dies fail at once with
+Unavailable (the DEALER's monitor reports the lost connection; the local channel reads EOF),
+not after their timeout, and none is sent again; and a link that fails while requests are
+outstanding fails them at once with Unavailable naming the cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +24,18 @@ from kvserver.client import AsyncKVClient, KVClient, LookupResult, links
 from kvserver.errors import Unavailable
 from tests.kvserver.builders import make_keys
 from tests.kvserver.client.test_client import SPEC, parts
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
 #: every call's timeout: ample for one round trip on a loaded machine, far below the reconnect
 #: interval the sockets are given here.
 TIMEOUT_S = 5.0
+
+#: the timeout of calls that must fail sooner, by the lost connection: the tests bound their
+#: duration by a third of it (any bound far above a round trip would do).
+LONG_TIMEOUT_S = 30.0
+
+#: what the outstanding requests fail with when the daemon dies, by transport.
+LOST = {False: "connection to the daemon was lost", None: "local channel failed"}
 
 #: the clients on ZMQ (remote) and on the daemon's local channel (co-located).
 TRANSPORTS = pytest.mark.parametrize("colocated", [False, None], ids=["zmq", "local"])
@@ -92,6 +104,108 @@ async def test_async_client_reaches_a_daemon_killed_and_restarted_with_its_next_
             assert (await kv.hello())["arena_path"] == restarted.arena_path
             assert (await kv.put(ns.ns_id, keys, parts(keys))).stored == keys
             assert kv.sent_by_op[wire.PUT] == puts + 1
+        finally:
+            restarted.kill()
+
+
+def restart(d: DaemonProc, tmp_path: Path) -> DaemonProc:
+    """A new daemon on the ZMQ port of ``d`` (killed)."""
+    return start_daemon(tmp_path / "restarted", "--zmq-port", str(d.info["zmq_port"]))
+
+
+@TRANSPORTS
+def test_sync_requests_outstanding_when_the_daemon_dies_fail_at_once(
+    daemon: DaemonProc, tmp_path: Path, colocated: bool | None, slow_reconnects: None
+) -> None:
+    """The daemon is stopped (SIGSTOP: it reads nothing), two lookups are sent, then it is
+    SIGKILLed: both fail with Unavailable naming the lost connection, long before their 30 s
+    timeout, and neither is sent again; the next call reaches the restarted daemon."""
+    keys = make_keys(2, tag=f"dies-{colocated}")
+    with KVClient(daemon.zmq_address, timeout=LONG_TIMEOUT_S, colocated=colocated) as kv:
+        ns = kv.register_namespace(SPEC)
+        assert kv.store(ns.ns_id, keys, parts(keys)) == keys
+        assert kv.is_local is (colocated is None)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        first = kv.submit_lookup(ns.ns_id, keys)
+        second = kv.submit_lookup(ns.ns_id, keys[:1])
+        lookups = kv.sent_by_op[wire.LOOKUP]
+        started = time.monotonic()
+        daemon.kill()
+        for pending in (first, second):
+            with pytest.raises(Unavailable, match=LOST[colocated]):
+                pending.result()
+        assert time.monotonic() - started < LONG_TIMEOUT_S / 3
+        assert kv.sent_by_op[wire.LOOKUP] == lookups  # nothing was sent again
+        restarted = restart(daemon, tmp_path)
+        try:
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 0  # the new daemon answered
+            assert kv.hello()["arena_path"] == restarted.arena_path
+        finally:
+            restarted.kill()
+
+
+@TRANSPORTS
+def test_sync_blocking_call_outstanding_when_the_daemon_dies_fails_at_once(
+    daemon: DaemonProc, tmp_path: Path, colocated: bool | None, slow_reconnects: None
+) -> None:
+    """A blocking call waits in its poll when the stopped daemon is SIGKILLed (by another
+    thread, once the call was sent): Unavailable long before its timeout, sent once."""
+    keys = make_keys(1, tag=f"blocking-{colocated}")
+    with KVClient(daemon.zmq_address, timeout=LONG_TIMEOUT_S, colocated=colocated) as kv:
+        ns = kv.register_namespace(SPEC)
+        assert kv.is_local is (colocated is None)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        lookups = kv.sent_by_op[wire.LOOKUP]
+
+        def kill_once_sent() -> None:
+            wait_until(lambda: kv.sent_by_op[wire.LOOKUP] > lookups)
+            daemon.kill()
+
+        killer = threading.Thread(target=kill_once_sent)
+        started = time.monotonic()
+        killer.start()
+        try:
+            with pytest.raises(Unavailable, match=LOST[colocated]):
+                kv.lookup(ns.ns_id, keys)
+        finally:
+            killer.join()
+        assert kv.sent_by_op[wire.LOOKUP] == lookups + 1
+        assert time.monotonic() - started < LONG_TIMEOUT_S / 3
+        restarted = restart(daemon, tmp_path)
+        try:
+            assert kv.lookup(ns.ns_id, keys).hit_chunks == 0
+        finally:
+            restarted.kill()
+
+
+@TRANSPORTS
+async def test_async_requests_outstanding_when_the_daemon_dies_fail_at_once(
+    daemon: DaemonProc, tmp_path: Path, colocated: bool | None, slow_reconnects: None
+) -> None:
+    """The asyncio twin: the reader task (local channel) or the event loop's watch of the
+    DEALER's monitor fails both lookups at once; none is sent again; the next call works."""
+    keys = make_keys(2, tag=f"adies-{colocated}")
+    async with AsyncKVClient(daemon.zmq_address, timeout=LONG_TIMEOUT_S, colocated=colocated) as kv:
+        ns = await kv.register_namespace(SPEC)
+        assert await kv.store(ns.ns_id, keys, parts(keys)) == keys
+        assert kv.is_local is (colocated is None)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        first = await kv.submit_lookup(ns.ns_id, keys)
+        second = await kv.submit_lookup(ns.ns_id, keys[:1])
+        lookups = kv.sent_by_op[wire.LOOKUP]
+        started = time.monotonic()
+        daemon.kill()
+        outcomes = await asyncio.gather(first, second, return_exceptions=True)
+        for error in outcomes:
+            assert isinstance(error, Unavailable), outcomes
+            assert LOST[colocated] in str(error), outcomes
+        assert time.monotonic() - started < LONG_TIMEOUT_S / 3
+        assert kv.sent_by_op[wire.LOOKUP] == lookups
+        assert kv.outstanding == 0
+        restarted = await asyncio.to_thread(restart, daemon, tmp_path)
+        try:
+            assert (await kv.lookup(ns.ns_id, keys)).hit_chunks == 0
+            assert (await kv.hello())["arena_path"] == restarted.arena_path
         finally:
             restarted.kill()
 
