@@ -288,6 +288,8 @@ class AioTransport:
                 self._route(frames)
                 if self._broken:
                     self._fail_if_broken()
+                    if link is not self._zmq:
+                        return  # it was closed: what was outstanding on it failed
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -64,13 +64,15 @@ class ConnectionWatch:
     socket: a new DEALER's first connection attempt is immediate. Nothing is sent twice: the
     requests not yet written are discarded with the old socket and fail too.
 
-    ``broke()`` is True once a connection of this socket was established and then broke
-    (``EVENT_DISCONNECTED``), and stays True (even when the socket connected again by itself:
-    the requests outstanding were lost with the old connection). A socket that never connected
-    (no daemon listening yet) has not broken: it is still trying, and a request waiting on it
-    times out and replaces it anyway. ``failure()``: why the latest security handshake failed
-    (None when it succeeded or none was tried). Not thread-safe: the socket's owner calls it
-    (one non-blocking check of an inproc PAIR socket when nothing happened).
+    ``broke()`` is True once a connection of this socket completed its handshake
+    (``EVENT_HANDSHAKE_SUCCEEDED``, any mechanism) and then broke (``EVENT_DISCONNECTED``), and
+    stays True (even when the socket connected again by itself: the requests outstanding were
+    lost with the old connection). A socket that never connected (no daemon listening yet) has
+    not broken: it is still trying, and a request waiting on it times out and replaces it
+    anyway; nor has one whose handshake failed (its requests were never delivered: they wait
+    for their timeout, which then says why). ``failure()``: why the latest security handshake
+    failed (None when it succeeded or none was tried). Not thread-safe: the socket's owner
+    calls it (one non-blocking check of an inproc PAIR socket when nothing happened).
     """
 
     EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake.EVENTS
@@ -87,6 +89,7 @@ class ConnectionWatch:
         self._sock, self._pair = sock, pair
         self._curve = curve
         self._broke = False
+        self._established = False  # the current connection completed its handshake
         self._failure: str | None = None
 
     @property
@@ -100,9 +103,13 @@ class ConnectionWatch:
             message = parse_monitor_message(pair.recv_multipart())
             event = int(message["event"])
             if event == zmq.EVENT_DISCONNECTED:
-                self._broke = True
+                # only a connection that completed its handshake can have carried requests
+                # (a failed handshake is its own error: ``failure()``)
+                self._broke |= self._established
+                self._established = False
             elif event != zmq.EVENT_CONNECTED:
                 self._failure = handshake.explain(event, int(message["value"]), self._curve)
+                self._established = self._failure is None
 
     def broke(self) -> bool:
         """True once an established connection broke (see the class docstring)."""

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import zmq
@@ -208,6 +208,49 @@ async def test_async_requests_outstanding_when_the_daemon_dies_fail_at_once(
             assert (await kv.hello())["arena_path"] == restarted.arena_path
         finally:
             restarted.kill()
+
+
+def test_sync_reply_received_before_the_daemon_died_is_delivered(
+    daemon: DaemonProc, tmp_path: Path, slow_reconnects: None
+) -> None:
+    """A reply already in the DEALER when the connection is lost is still routed to its
+    request; only the request still unanswered fails."""
+    keys = make_keys(1, tag="answered")
+    with KVClient(daemon.zmq_address, timeout=LONG_TIMEOUT_S, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        answered = kv.submit_lookup(ns.ns_id, keys)
+        link = kv._t._zmq
+        assert link is not None
+        wait_until(link.ready)  # its reply is in, not yet read
+        daemon.proc.send_signal(signal.SIGSTOP)
+        unanswered = kv.submit_lookup(ns.ns_id, keys)
+        daemon.kill()
+        with pytest.raises(Unavailable, match=LOST[False]):
+            unanswered.result()
+        assert answered.result().hit_chunks == 0
+
+
+async def test_async_reply_received_before_the_daemon_died_is_delivered(
+    daemon: DaemonProc, tmp_path: Path, slow_reconnects: None
+) -> None:
+    """The asyncio twin: the loss is seen by the event loop while the reply still waits in the
+    DEALER (nothing yielded to the loop since it came): the reader routes it first."""
+    keys = make_keys(1, tag="aanswered")
+    async with AsyncKVClient(daemon.zmq_address, timeout=LONG_TIMEOUT_S, colocated=False) as kv:
+        ns = await kv.register_namespace(SPEC)
+        answered = await kv.submit_lookup(ns.ns_id, keys)
+        sock = kv._t._zmq
+        assert sock is not None
+        # asks the socket without waking the loop
+        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        wait_until(lambda: kv.outstanding == 0 or cast(int, plain.get(zmq.EVENTS)) & zmq.POLLIN)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        unanswered = await kv.submit_lookup(ns.ns_id, keys)
+        daemon.kill()
+        outcomes = await asyncio.gather(answered, unanswered, return_exceptions=True)
+        assert isinstance(outcomes[0], LookupResult), outcomes
+        assert isinstance(outcomes[1], Unavailable), outcomes
+        assert LOST[False] in str(outcomes[1])
 
 
 # ------------------------------------------------------------------ a link that fails (injected)
