@@ -7,9 +7,11 @@ every client; defined here, beside the wire, so both ends import one definition.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserver.allocator import Extents
+from kvserver.errors import KVServerError
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +58,24 @@ class LoadGrant:
     keys: list[bytes]
     locations: list[list[Extents]]
     granted_by: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCompletion:
+    """One ``complete_store`` carried by a ``prepare_store`` (capability ``store_completions``):
+    the same arguments, applied by the daemon before the reservation."""
+
+    lease_id: int
+    success: bool = True
+    ranks: Sequence[int] | None = None
+    keys: Sequence[bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReservation:
+    """Result of ``prepare_store`` with completions: the grant (None: the cache is full) and,
+    per completion in order, the keys it made ready or the error it got (its own: a failed
+    completion never fails the reservation, nor the other completions)."""
+
+    grant: StoreGrant | None
+    completed: list[list[bytes] | KVServerError]

@@ -27,17 +27,24 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
-from kvserver.grants import LoadGrant, StoreGrant
+from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
+#: additions to version 1 a daemon announces in ``hello``'s ``capabilities``; a client uses
+#: one only against a daemon that announced it (an older daemon refuses the unknown argument).
+#: "store_completions": ``prepare_store`` takes ``completions`` (docs/wire.md §2).
+CAP_STORE_COMPLETIONS = "store_completions"
+CAPABILITIES = (CAP_STORE_COMPLETIONS,)
+#: most completions one ``prepare_store`` may carry.
+MAX_COMPLETIONS = 4096
 
 #: largest header frame accepted (a 2M-token lookup_tokens is ~10 MB of msgpack).
 MAX_HEADER_BYTES = 16 << 20
@@ -79,7 +86,9 @@ _SCHEMAS = {
     LOOKUP: "ns_id:str keys:keys record:bool? touch:bool? local:bool?",
     LOOKUP_TOKENS: "ns_id:str token_ids:ints cache_salt:str? lora:str_pair?",
     TOUCH: "ns_id:str keys:keys",
-    PREPARE_STORE: "ns_id:str keys:keys lease_s:float?",
+    # completions: [[lease_id, success, ranks|nil, keys|nil], ...] applied first, each as a
+    # complete_store (capability "store_completions")
+    PREPARE_STORE: "ns_id:str keys:keys lease_s:float? completions:completions?",
     COMPLETE_STORE: "lease_id:int success:bool? ranks:ints? keys:keys?",
     PREPARE_LOAD: "ns_id:str keys:keys lease_s:float?",
     COMPLETE_LOAD: "lease_id:int",
@@ -122,6 +131,10 @@ _KIND_TEXT = {
     "keys": f"a list of byte strings (bin, <= {MAX_KEY_BYTES} bytes each)",
     "ints": f"a list of integers in 0..{MAX_INT}",
     "str_pair": "a list of two strings",
+    "completions": (
+        f"a list of at most {MAX_COMPLETIONS} [lease_id: int, success: bool, ranks: [int] or"
+        " nil, keys: [bin] or nil]"
+    ),
 }
 
 # ----------------------------------------------------------------------------- replay / events
@@ -345,7 +358,52 @@ def _check_value(kind: str, value: Any) -> bool:
         )
     if kind == "str_pair":
         return isinstance(value, list) and len(value) == 2 and all(type(v) is str for v in value)
+    if kind == "completions":
+        return (
+            isinstance(value, list)
+            and len(value) <= MAX_COMPLETIONS
+            and all(_is_completion(c) for c in value)
+        )
     raise AssertionError(f"unknown argument kind {kind}")
+
+
+def _is_completion(c: Any) -> bool:
+    return (
+        isinstance(c, list)
+        and len(c) == 4
+        and _is_uint(c[0])
+        and type(c[1]) is bool
+        and (c[2] is None or _check_value("ints", c[2]))
+        and (c[3] is None or _check_value("keys", c[3]))
+    )
+
+
+def completions_to_wire(completions: Sequence[StoreCompletion]) -> list[list[Any]]:
+    """``prepare_store``'s ``completions`` argument."""
+    return [
+        [c.lease_id, c.success, None if c.ranks is None else list(c.ranks),
+         None if c.keys is None else list(c.keys)]
+        for c in completions
+    ]  # fmt: skip
+
+
+def completion_results_from_wire(data: Any, count: int) -> list[list[bytes] | KVServerError]:
+    """``prepare_store``'s ``completions`` result: per completion, the keys it made ready or
+    its error. Raises InvalidArgument if malformed or not ``count`` long."""
+    if not isinstance(data, list) or len(data) != count:
+        raise InvalidArgument("malformed completions in reply", expected=count)
+    out: list[list[bytes] | KVServerError] = []
+    for item in data:
+        if isinstance(item, dict) and isinstance(item.get("ready"), list):
+            out.append(list(item["ready"]))
+            continue
+        err = item.get("error") if isinstance(item, dict) else None
+        code = err.get("code") if isinstance(err, dict) else None
+        message = err.get("message") if isinstance(err, dict) else None
+        if not isinstance(code, str) or not isinstance(message, str):
+            raise InvalidArgument("malformed completion result in reply")
+        out.append(error_from_code(code, message))
+    return out
 
 
 def _opt_str(obj: dict[str, Any], name: str, max_len: int) -> str | None:

@@ -41,7 +41,7 @@ from kvserver.client.parts import (
 )
 from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
-from kvserver.grants import LoadGrant, StoreGrant
+from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
 from kvserver.token_file import TokenFile
 
@@ -298,6 +298,47 @@ class Session:
         if data is None:
             return None
         return wire.store_grant_from_wire(data, sent, answer.sid)
+
+    def prepare_store_completing(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        completions: Sequence[StoreCompletion],
+        lease_s: float | None,
+    ) -> Proc[StoreReservation]:
+        """One ``prepare_store`` carrying ``completions`` when the daemon announced
+        ``store_completions`` in ``hello``; else one ``complete_store`` per completion (each
+        error its own; Unavailable ends the whole call), then the ``prepare_store``. Without
+        completions: a plain ``prepare_store`` (any daemon)."""
+        if not completions:
+            return StoreReservation((yield from self.prepare_store(ns_id, keys, lease_s)), [])
+        if wire.CAP_STORE_COMPLETIONS not in self.server.get("capabilities", ()):
+            completed: list[list[bytes] | KVServerError] = []
+            for c in completions:
+                try:
+                    ready = yield from self.complete_store(c.lease_id, c.success, c.ranks, c.keys)
+                except Unavailable:
+                    raise
+                except KVServerError as exc:
+                    completed.append(exc)
+                else:
+                    completed.append(ready)
+            grant = yield from self.prepare_store(ns_id, keys, lease_s)
+            return StoreReservation(grant, completed)
+        sent = time.monotonic()
+        args = {
+            "ns_id": ns_id,
+            "keys": list(keys),
+            "lease_s": lease_s,
+            "completions": wire.completions_to_wire(completions),
+        }
+        answer = yield Call(wire.PREPARE_STORE, args)
+        data = answer.result["grant"]
+        grant = None if data is None else wire.store_grant_from_wire(data, sent, answer.sid)
+        done = wire.completion_results_from_wire(
+            answer.result.get("completions"), len(completions)
+        )
+        return StoreReservation(grant, done)
 
     def prepare_load(
         self, ns_id: str, keys: Sequence[bytes], lease_s: float | None

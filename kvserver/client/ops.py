@@ -22,7 +22,7 @@ from kvserver import wire
 from kvserver.allocator import Extents
 from kvserver.client.common import LookupResult, NamespaceInfo, Proc, PutResult, Session
 from kvserver.client.parts import Parts, readinto_part, write_part
-from kvserver.grants import LoadGrant, StoreGrant
+from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
 
 
@@ -41,6 +41,12 @@ class ClientBase:
     def is_colocated(self) -> bool:
         """True once a hello mapped the daemon's arena (shared-memory data path)."""
         return self._s.arena is not None
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What the daemon's last ``hello`` announced beyond protocol version 1
+        (``wire.CAPABILITIES``); empty before the first hello, or from an older daemon."""
+        return frozenset(self._s.server.get("capabilities", ()))
 
     @property
     def is_local(self) -> bool:
@@ -166,6 +172,22 @@ def complete_store(
     """Mark parts written (or roll back); returns the keys that became ready. The daemon
     applies requests in arrival order, so a later call of this client sees them ready."""
     return s.complete_store(lease_id, success, ranks, keys)
+
+
+def prepare_store_completing(
+    s: Session,
+    ns_id: str,
+    keys: Sequence[bytes],
+    completions: Sequence[StoreCompletion],
+    *,
+    lease_s: float | None = None,
+) -> Proc[StoreReservation]:
+    """``complete_store`` of each of ``completions`` (in order, each with its own result or
+    error), then :func:`prepare_store` of ``keys``: in ONE message when the daemon announced
+    the ``store_completions`` capability, else as separate calls (an older daemon). A failed
+    completion never fails the reservation; ``Unavailable`` (or a reservation error) fails the
+    whole call, and completions already sent may have been applied."""
+    return s.prepare_store_completing(ns_id, keys, completions, lease_s)
 
 
 def prepare_load(

@@ -147,6 +147,7 @@ class DataOps:
             "client": c.client,
             "sid": self._sid,
             "protocol_version": wire.PROTOCOL_VERSION,
+            "capabilities": list(wire.CAPABILITIES),
             "max_message_bytes": self._config.max_message_bytes,
             "local_path": self.local_path,
             "local_version": wire_local.LOCAL_VERSION if self.local_path else None,
@@ -181,11 +182,34 @@ class DataOps:
         return _lookup_fields(await r.run() if isinstance(r, Pending) else r)
 
     def _prepare_store(self, c: OpCall) -> Result:
+        """The reservation; with ``completions``, each applied first exactly as its own
+        ``complete_store`` would be (authorized, its own result or error, never failing the
+        reservation), after the namespace is checked (an unknown namespace applies nothing)."""
         a = c.args
+        completed: list[dict[str, Any]] | None = None
+        if a["completions"] is not None:
+            self._service.namespace(a["ns_id"])
+            completed = [self._complete_one(c, *done) for done in a["completions"]]
         grant = self._service.prepare_store(
             a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"]
         )
-        return {"grant": None if grant is None else wire.grant_to_wire(grant, time.monotonic())}
+        out: dict[str, Any] = {
+            "grant": None if grant is None else wire.grant_to_wire(grant, time.monotonic())
+        }
+        if completed is not None:
+            out["completions"] = completed
+        return out
+
+    def _complete_one(
+        self, c: OpCall, lease_id: int, success: bool, ranks: Any, keys: Any
+    ) -> dict[str, Any]:
+        """One completion carried by a prepare_store: ``{ready}`` or ``{error}``."""
+        try:
+            authorize(c.who, self._service, wire.COMPLETE_STORE, {"lease_id": lease_id})
+            ready = self._service.complete_store(lease_id, success=success, ranks=ranks, keys=keys)
+        except KVServerError as exc:
+            return {"error": {"code": exc.code, "message": str(exc)}}
+        return {"ready": ready}
 
     def _complete_store(self, c: OpCall) -> Result:
         a = c.args

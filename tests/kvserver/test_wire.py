@@ -33,6 +33,7 @@ VALID: dict[str, Any] = {
     "keys": [KEY, b"j" * 16],
     "ints": [0, 1, 2],
     "str_pair": ["lora", "/path"],
+    "completions": [[7, True, None, None], [8, False, [0, 1], [KEY]]],
 }
 #: values that every kind must refuse (None is "absent", so it is not here).
 WRONG: dict[str, list[Any]] = {
@@ -44,6 +45,18 @@ WRONG: dict[str, list[Any]] = {
     "keys": [KEY, ["k" * 32], [KEY, 1], [b"x" * 65], "keys"],
     "ints": [[-1], [1.5], [True], 3, ["1"]],
     "str_pair": [["a"], ["a", "b", "c"], ["a", 1], "ab"],
+    "completions": [
+        [7, True, None, None],  # not a list of lists
+        [[7, True, None]],
+        [[7, True, None, None, None]],
+        [[-1, True, None, None]],
+        [[7, 1, None, None]],
+        [[7, True, [-1], None]],
+        [[7, True, None, [b"x" * 65]]],
+        [[7, True, None, "keys"]],
+        [{"lease_id": 7}],
+        [[7, True, None, None]] * (wire.MAX_COMPLETIONS + 1),
+    ],
 }
 
 

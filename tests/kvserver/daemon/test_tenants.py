@@ -22,6 +22,7 @@ from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.client import KVClient
 from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import InvalidArgument, PermissionDenied
+from kvserver.grants import StoreCompletion
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec
@@ -176,6 +177,12 @@ def test_a_tenant_cannot_use_another_tenants_leases(fleet: Fleet) -> None:
             a.write_parts(grant.lease_id, new, 0, [bytes(SPEC_B.part_bytes)])
         with pytest.raises(PermissionDenied):
             a.complete_store(grant.lease_id)
+        # nor carried by A's own reservation: refused in its own result, A's grant stands
+        mine = make_keys(1, tag="a-carry")
+        res = a.prepare_store_completing(fleet.ns_a, mine, [StoreCompletion(grant.lease_id)])
+        assert isinstance(res.completed[0], PermissionDenied)
+        assert res.grant is not None and res.grant.keys == mine
+        a.complete_store(res.grant.lease_id, success=False)
         assert b.write_parts(grant.lease_id, new, 0, [bytes(SPEC_B.part_bytes)]) == new
         load = b.prepare_load(fleet.ns_b, KEYS_B)
         with pytest.raises(PermissionDenied):

@@ -178,6 +178,15 @@ def op_args(draw: st.DrawFn, fz: Fuzzed) -> tuple[str, dict[str, Any]]:
         "bool": st.booleans(),
         "map": st.just(SPEC.to_dict()) | st.dictionaries(st.text(max_size=12), values, max_size=4),
         "str_pair": st.just(["a", "b"]),
+        "completions": st.lists(
+            st.tuples(
+                st.integers(0, 2000),
+                st.booleans(),
+                st.none() | st.lists(st.integers(0, 2), max_size=2),
+                st.none() | st.lists(st.sampled_from(fz.keys), max_size=2),
+            ).map(list),
+            max_size=3,
+        ),
     }
     schema = wire.OPS[op]
     args = {
@@ -275,6 +284,22 @@ def test_fuzz_arguments_of_every_op(fz: Fuzzed) -> None:
         "argument 'keys' must be",
     )
     fz.error([req(wire.LOOKUP, {"ns_id": "nope", "keys": []})], "unknown_namespace")
+    for bad in (
+        "abc",
+        [[1, True, None]],  # three fields
+        [[1, "yes", None, None]],  # success not a bool
+        [[-1, True, None, None]],  # lease id out of range
+        [[1, True, [-2], None]],  # ranks
+        [[1, True, None, ["key"]]],  # keys not bin
+        [{"lease_id": 1}],  # a map, not a list
+        [[1, True, None, None]] * (wire.MAX_COMPLETIONS + 1),
+    ):
+        args = {"ns_id": fz.ns.ns_id, "keys": [], "completions": bad}
+        fz.error(
+            [req(wire.PREPARE_STORE, args)],
+            "invalid_argument",
+            "argument 'completions' must be a list of at most",
+        )
     fz.error([req(wire.GET, {"ns_id": fz.ns.ns_id, "keys": [bytes(32)]})], "unknown_key")
     with KVClient(fz.daemon.zmq_address, client_id="fuzzer") as kv:
         kv.release()  # the fuzzer's reservations and pins
