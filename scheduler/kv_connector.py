@@ -158,7 +158,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         """Forget every request and transfer (the workers lost their GPU contents): this
         client's reservations are rolled back and its pins released on the daemon (one
         blocking ``release``, skipped while it is marked down: the leases then expire); replies
-        still due are dropped (completions already sent stand)."""
+        still due are dropped (completions already sent stand; held ones are sent first)."""
         holds_leases = self.has_pending_transfers
         self._stores.cancel()  # release() below also rolls this reservation back
         self._leases.clear()
@@ -172,9 +172,11 @@ class KVServerSchedulerConnector(SchedulerConnector):
 
     @property
     def has_pending_transfers(self) -> bool:
-        """True while a transfer is planned or in flight: keep stepping (empty steps too).
-        Completions sent but not yet answered do not count (see :meth:`drain`)."""
-        return self._leases.has_jobs or self._stores.batch is not None
+        """True while a transfer is planned or in flight, or a store completion is held for
+        the next step: keep stepping (empty steps too). Completions sent but not yet answered
+        do not count (see :meth:`drain`)."""
+        leases = self._leases
+        return leases.has_jobs or self._stores.batch is not None or bool(leases.held)
 
     def num_pending(self, req_id: str) -> tuple[int, int]:
         """(loads, stores) of request ``req_id`` planned or in flight; (0, 0) if none."""
@@ -182,11 +184,13 @@ class KVServerSchedulerConnector(SchedulerConnector):
         return (0, 0) if state is None else (state.num_loads, state.num_stores)
 
     def drain(self) -> None:
-        """Wait for the replies of every call sent without waiting (each at most
-        ``op_timeout_s``) and apply them: the reserved stores become jobs (shipped by the next
-        metadata, as always), completed chunks become events and counters. The step methods
-        do this when they need the replies; call it to look at the daemon through another
-        client right after a step (this client's own calls are ordered after them anyway)."""
+        """Send the held store completions, then wait for the replies of every call sent
+        without waiting (each at most ``op_timeout_s``) and apply them: the reserved stores
+        become jobs (shipped by the next metadata, as always), completed chunks become events
+        and counters. The step methods do this when they need the replies; call it to look at
+        the daemon through another client right after a step (this client's own calls are
+        ordered after them anyway)."""
+        self._leases.flush_held()
         self._stores.collect()
         self._leases.collect_completions(wait=True)
 
@@ -199,6 +203,10 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Held store completions are sent first: the lookup finds their chunks ready, as if
+        nothing were held."""
+        if self._leases.held:
+            self._leases.flush_held()
         return self._loads.offer(self._state(request), num_computed_tokens)
 
     def update_state_after_alloc(
@@ -209,8 +217,11 @@ class KVServerSchedulerConnector(SchedulerConnector):
         Raises InvalidArgument (nothing changed) if ``num_external_tokens`` is neither 0 nor
         what the last ``get_num_new_matched_tokens`` offered, or the blocks do not cover it. A
         hit that can no longer be pinned is reported by the next ``update_connector_output`` as
-        a finished load with a load error (the scheduler recomputes those tokens).
+        a finished load with a load error (the scheduler recomputes those tokens). Held store
+        completions are sent first (the pin needs their chunks ready).
         """
+        if self._leases.held:
+            self._leases.flush_held()
         self._loads.pin(self._state(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
@@ -219,7 +230,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
         ``op_timeout_s``), ships this step's loads and the stores reserved for the previous
         step, names the preempted requests that need a store barrier, and sends this step's
         store reservation (one ``prepare_store`` for every request, not waited for), which the
-        next call ships."""
+        next call ships. That prepare_store carries the store completions the previous
+        ``update_connector_output`` held; without one, they are sent alone at the end."""
         step: ScheduledStep = scheduler_output
         self._stores.changed()
         self._stores.collect()
@@ -233,12 +245,16 @@ class KVServerSchedulerConnector(SchedulerConnector):
             )
             self._preempted.clear()
         self._stores.plan(step)
+        self._leases.flush_held()  # no prepare_store carried them
         return meta
 
     def update_connector_output(self, outputs: Sequence[Any]) -> TransferReport:
         """Takes each rank's :class:`ConnectorWorkerOutput`. A lease is completed on the daemon
         once every rank reported it: a load is unpinned; a store's chunks become ready, or are
-        rolled back when some rank failed them. The completions are sent without waiting;
+        rolled back when some rank failed them. The completions are sent without waiting (a
+        store's held for the next step's ``prepare_store`` to carry when the daemon takes
+        them on one and an unfinished request makes a next step come: it is sent by the next
+        ``build_connector_meta`` in any case);
         the replies of those sent by the previous call are applied first (waiting at most
         ``op_timeout_s`` each: they had a whole step to arrive). Last, the reply of this
         step's store reservation is taken if it has arrived (never waited for here): its store
@@ -248,7 +264,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._stores.changed()
         finished = leases.apply_outputs(outputs)
         if finished:
-            leases.send_completions(finished)
+            leases.send_completions(finished, hold=self._hold_completions())
         self._stores.prepare()
         return leases.take_report()
 
@@ -261,6 +277,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
         if state is not None and state.finish_when_idle():
             return True, None
         self._reqs.pop(request.request_id, None)
+        if self._leases.held and not self._hold_completions():
+            self._leases.flush_held()  # the last request left: maybe no step follows
         return False, None
 
     def take_events(self) -> list[Event]:
@@ -285,6 +303,16 @@ class KVServerSchedulerConnector(SchedulerConnector):
         return barrier
 
     # ------------------------------------------------------------------ internals
+
+    def _hold_completions(self) -> bool:
+        """Store completions may wait for the next step's prepare_store: the daemon takes
+        them on one (``store_completions``) and a request is unfinished, so a next step
+        (``build_connector_meta``, which sends them alone if no prepare_store goes out)
+        comes. Else they are sent at once: nothing may strand them until their leases
+        expire."""
+        return self._link.carries_completions and any(
+            not s.finished for s in self._reqs.values()
+        )
 
     def _state(self, request: RequestLike) -> RequestState:
         state = self._reqs.get(request.request_id)

@@ -9,8 +9,11 @@ store batch (added by the store planner). Life of a job::
 
     add_load | add_store_jobs ──► ship (into the next metadata)
         ──► apply_outputs (every TP rank has reported it) ──► finish (request counters, report)
-        ──► send_completions (one per lease, not waited for)
-        ──► collect_completions (the next update_connector_output)
+        ──► send_completions (one per lease, not waited for; a store's held for the next
+            prepare_store to carry, or sent alone by flush_held at the end of the next
+            build_connector_meta)
+        ──► collect_completions (the next update_connector_output), or apply_carried (with
+            the carrying prepare_store's reply)
     or, shipped and unreported by its lease's deadline: expire ──► finish (no completion)
 
 Invariants:
@@ -40,7 +43,12 @@ from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event
 from scheduler.connector_base import TransferReport
 from scheduler.kv_connector_link import DaemonLink
 from scheduler.kv_connector_request import RequestState
-from scheduler.kv_connector_types import Completion, ConnectorStats, TransferJob
+from scheduler.kv_connector_types import (
+    Completion,
+    ConnectorStats,
+    HeldCompletion,
+    TransferJob,
+)
 from step_protocol import ConnectorMetadata, ConnectorWorkerOutput, FailedLoad
 
 logger = logging.getLogger(__name__)
@@ -74,6 +82,8 @@ class LeaseBook:
         self._next_deadline = math.inf
         #: completions sent by update_connector_output, replies not applied yet.
         self.completions: list[Completion] = []
+        #: store completions held for the next prepare_store (:meth:`send_completions`).
+        self.held: list[HeldCompletion] = []
         self.report = TransferReport()
         #: hits that could not be pinned since the last metadata (shipped as failed_loads).
         self.failed_loads: list[FailedLoad] = []
@@ -83,7 +93,9 @@ class LeaseBook:
         self._event_seq = 0
 
     def clear(self) -> None:
-        """Forget every job and reply still due (replies are dropped: see ``reset``)."""
+        """Forget every job and reply still due (replies are dropped: see ``reset``). Held
+        completions are sent first (:meth:`flush_held`): every rank wrote their chunks."""
+        self.flush_held()
         for completion in self.completions:
             completion.pending.cancel()
         self.completions.clear()
@@ -228,10 +240,12 @@ class LeaseBook:
 
     # ------------------------------------------------------------------ completions
 
-    def send_completions(self, jobs: list[TransferJob]) -> None:
+    def send_completions(self, jobs: list[TransferJob], *, hold: bool) -> None:
         """Complete the finished leases on the daemon without waiting: one complete_store per
         store lease (its chunks every rank wrote, all jobs of the lease together), one rollback
-        per lease with chunks some rank failed, one complete_load per load lease."""
+        per lease with chunks some rank failed, one complete_load per load lease. ``hold``:
+        the store completions wait in ``held`` for the next prepare_store to carry them
+        (:meth:`take_held`), or for :meth:`flush_held`."""
         stores: dict[int, tuple[list[bytes], list[bytes]]] = {}
         loads: list[int] = []
         for job in jobs:
@@ -249,11 +263,45 @@ class LeaseBook:
                 (bad if key in job.failed else ok).append(key)
         for lease_id, (ok, bad) in stores.items():
             if ok:
-                self._send_completion("store", lease_id, ok)
+                self._complete_store("store", lease_id, ok, hold)
             if bad:
-                self._send_completion("rollback", lease_id, bad)
+                self._complete_store("rollback", lease_id, bad, hold)
         for lease_id in dict.fromkeys(loads):
             self._send_completion("load", lease_id, [])
+
+    def _complete_store(
+        self, kind: Literal["store", "rollback"], lease_id: int, keys: list[bytes], hold: bool
+    ) -> None:
+        if hold:
+            self.held.append(HeldCompletion(kind, lease_id, keys))
+        else:
+            self._send_completion(kind, lease_id, keys)
+
+    def take_held(self) -> list[HeldCompletion]:
+        """The held store completions, for a prepare_store to carry (its reply's results go
+        to :meth:`apply_carried`, or its failure to :meth:`carried_failed`)."""
+        held, self.held = self.held, []
+        return held
+
+    def flush_held(self) -> None:
+        """Send the held store completions alone, one complete_store each (no prepare_store
+        carries them: the end of ``build_connector_meta``, ``drain``, ``reset``)."""
+        for c in self.take_held():
+            self._send_completion(c.kind, c.lease_id, c.keys)
+
+    def apply_carried(
+        self, carried: list[HeldCompletion], results: list[list[bytes] | KVServerError]
+    ) -> None:
+        """The results of completions a prepare_store carried, as :meth:`collect_completions`
+        applies those of complete_store calls."""
+        for completion, ready in zip(carried, results, strict=True):
+            self._apply(completion.kind, completion.lease_id, ready)
+
+    def carried_failed(self, carried: list[HeldCompletion], exc: KVServerError) -> None:
+        """The prepare_store that carried ``carried`` was not sent, or got no result (an error
+        or no reply): their chunks count as not stored (the daemon may have applied them)."""
+        for completion in carried:
+            self._apply(completion.kind, completion.lease_id, exc)
 
     def _send_completion(
         self, kind: Literal["store", "rollback", "load"], lease_id: int, keys: list[bytes]
@@ -280,13 +328,19 @@ class LeaseBook:
             try:
                 ready = self._link.result(completion.pending)
             except KVServerError as exc:
-                self._stats.completion_errors += 1
-                logger.info("%s of lease %d failed: %s", completion.kind, completion.lease_id, exc)
-                continue
-            if completion.kind == "store":
-                self._stats.stored_chunks += len(ready)
-                self.emit(BlockStored, ready)
+                ready = exc
+            self._apply(completion.kind, completion.lease_id, ready)
         self.completions = left
+
+    def _apply(self, kind: str, lease_id: int, ready: Any) -> None:
+        """One completion's result: the keys made ready (a BlockStored event for a store), or
+        its error (logged and counted)."""
+        if isinstance(ready, KVServerError):
+            self._stats.completion_errors += 1
+            logger.info("%s of lease %d failed: %s", kind, lease_id, ready)
+        elif kind == "store":
+            self._stats.stored_chunks += len(ready)
+            self.emit(BlockStored, ready)
 
     # ------------------------------------------------------------------ report and events
 

@@ -5,8 +5,9 @@ by every part of :class:`~scheduler.kv_connector.KVServerSchedulerConnector`.
 
 One named method per daemon call the connector makes (blocking: :meth:`lookup`,
 :meth:`prepare_load`, :meth:`release`; sent without waiting, the reply read later with
-:meth:`result`: ``send_*``); no caller hands the client a closure. Every call is bounded:
-lookups by ``lookup_timeout_s``, everything else by ``op_timeout_s``. An ``Unavailable`` (no
+:meth:`result`: ``send_*``, of which ``send_prepare_store`` may carry store completions); no
+caller hands the client a closure. Every call is bounded: lookups by ``lookup_timeout_s``,
+everything else by ``op_timeout_s``. An ``Unavailable`` (no
 reply in time, or the socket was replaced by a timeout meanwhile) marks the daemon down for
 ``down_backoff_s``; while it is down every call is refused at once with ``Unavailable``
 ("daemon marked down") without touching the network, so a dead daemon costs one timeout per
@@ -21,10 +22,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+from kvserver import wire
 from kvserver.client import KVClient, Pending
 from kvserver.errors import KVServerError, Unavailable
-from kvserver.grants import LoadGrant, StoreGrant
-from scheduler.kv_connector_types import ConnectorStats, KVConnectorConfig
+from kvserver.grants import LoadGrant, StoreCompletion, StoreReservation
+from scheduler.kv_connector_types import ConnectorStats, HeldCompletion, KVConnectorConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,11 +86,27 @@ class DaemonLink:
         with self._guard(self.config.op_timeout_s) as kv:
             kv.release()
 
-    def send_prepare_store(self, keys: list[bytes]) -> Pending[StoreGrant | None] | None:
-        """Reserve ``keys`` for a store without waiting; None if not sent (:meth:`_not_sent`)."""
+    @property
+    def carries_completions(self) -> bool:
+        """The daemon announced ``store_completions``: a prepare_store may carry the
+        completions of earlier store leases (:meth:`send_prepare_store`)."""
+        return wire.CAP_STORE_COMPLETIONS in self.kv.capabilities
+
+    def send_prepare_store(
+        self, keys: list[bytes], completions: list[HeldCompletion]
+    ) -> Pending[StoreReservation] | None:
+        """Apply ``completions`` (each: make its keys ready, or roll them back), then reserve
+        ``keys`` for a store, in one message without waiting (separate calls against a daemon
+        without ``store_completions``); None if not sent (:meth:`_not_sent`)."""
+        carried = [
+            StoreCompletion(c.lease_id, success=c.kind == "store", keys=c.keys)
+            for c in completions
+        ]
         try:
             with self._guard(self.config.op_timeout_s) as kv:
-                return kv.submit_prepare_store(self.ns_id, keys, lease_s=self.config.lease_s)
+                return kv.submit_prepare_store_completing(
+                    self.ns_id, keys, carried, lease_s=self.config.lease_s
+                )
         except KVServerError as exc:
             return self._not_sent(exc)
 

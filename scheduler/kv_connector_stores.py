@@ -8,7 +8,9 @@ Call order, per step::
     build_connector_meta:    collect()   apply the previous batch's reply: cursors, store jobs
                              ... the connector ships the jobs ...
                              plan(step)  block tables, the chunks full after the step, and
-                                         ONE prepare_store, sent without waiting
+                                         ONE prepare_store, sent without waiting, carrying
+                                         the store completions the previous
+                                         update_connector_output held (LeaseBook.take_held)
     update_connector_output: prepare()   if that reply has arrived, take it: store jobs
                                          queued for the next metadata, cursors moved
 
@@ -97,7 +99,7 @@ class StorePlanner:
         """Forget the batch in flight (its reply is dropped; the caller releases its lease) and
         every request's place in the calendar (the connector forgets its requests)."""
         if self.batch is not None:
-            self.batch.pending.cancel()
+            self.batch.pending.cancel()  # completions it carried stand, results unknown
             if self.batch.grant is None:
                 self._stats.unreserved_chunks += len(self.batch.keys)
             self.batch = None
@@ -176,13 +178,17 @@ class StorePlanner:
         stats.planned_chunks += len(keys)
         unique = list(dict.fromkeys(keys))
         stats.shared_chunks += len(keys) - len(unique)
-        pending = self._link.send_prepare_store(unique)
+        carried = self._leases.take_held()
+        pending = self._link.send_prepare_store(unique, carried)
         if pending is None:
             stats.unreserved_chunks += len(unique)
+            if carried:
+                self._leases.carried_failed(carried, Unavailable("not sent"))
             return False
+        stats.carried_completions += len(carried)
         for p in planned:
             p.state.store_planned(p.first, p.end)
-        self.batch = StoreBatch(pending, planned, unique)
+        self.batch = StoreBatch(pending, planned, unique, carried)
         self._storing = None
         return True
 
@@ -197,11 +203,26 @@ class StorePlanner:
         if batch is None or batch.grant is not None or not batch.pending.done():
             return
         try:
-            grant = self._link.result(batch.pending)
+            grant = self._result(batch)
         except KVServerError:
             return  # collect() gets the same outcome again and handles it
         if grant is not None:
             self._take(batch, grant)
+
+    def _result(self, batch: StoreBatch) -> StoreGrant | None:
+        """The batch's grant (waiting at most ``op_timeout_s``); the results of the
+        completions it carried are applied on the first read, success or not."""
+        try:
+            reservation = self._link.result(batch.pending)
+        except KVServerError as exc:
+            if batch.carried:
+                self._leases.carried_failed(batch.carried, exc)
+                batch.carried = []
+            raise
+        if batch.carried:
+            self._leases.apply_carried(batch.carried, reservation.completed)
+            batch.carried = []
+        return reservation.grant
 
     def collect(self) -> None:
         """Apply the reply of the store batch in flight (waiting at most ``op_timeout_s`` unless
@@ -215,7 +236,7 @@ class StorePlanner:
             return
         if batch.grant is None:
             try:
-                grant = self._link.result(batch.pending)
+                grant = self._result(batch)
             except Unavailable:
                 self._drop(batch, skip=False)
                 return

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 from kvserver.client import Pending
 from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument
-from kvserver.grants import StoreGrant
+from kvserver.grants import StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
 from scheduler.kv_connector_request import RequestState
 from step_protocol import RequestTransfers
@@ -92,7 +92,8 @@ class ConnectorStats:
     ``completion_errors``: completions not applied — refused, unanswered, or skipped while
     the daemon was marked down (their chunks count as not stored; the daemon reclaims the
     lease at its deadline); ``dropped_events``: events discarded, oldest first, because
-    nobody called ``take_events`` while ``max_pending_events`` were waiting.
+    nobody called ``take_events`` while ``max_pending_events`` were waiting;
+    ``carried_completions``: store completions sent on a prepare_store rather than alone.
 
     Store accounting (docs/connector.md, "Store accounting"): ``planned_chunks`` counts each
     request's chunks each time they go out in a prepare_store (a request's chunk once, thanks
@@ -124,6 +125,7 @@ class ConnectorStats:
     expired_jobs: int = 0
     completion_errors: int = 0
     dropped_events: int = 0
+    carried_completions: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -161,14 +163,27 @@ class PlannedStore:
 
 
 @dataclass(slots=True, eq=False)
+class HeldCompletion:
+    """A ``complete_store`` (``kind`` "store", or "rollback" for chunks some rank failed) held
+    until the next ``prepare_store`` carries it, or sent alone at the end of the next
+    ``build_connector_meta``."""
+
+    kind: Literal["store", "rollback"]
+    lease_id: int
+    keys: list[bytes]
+
+
+@dataclass(slots=True, eq=False)
 class StoreBatch:
     """The one ``prepare_store`` of a step, in flight: ``keys`` (deduplicated) for ``planned``;
     ``grant`` once its reply was taken (the jobs queued), and then ``ungranted``: the planned
     requests left without a job."""
 
-    pending: Pending[StoreGrant | None]
+    pending: Pending[StoreReservation]
     planned: list[PlannedStore]
     keys: list[bytes]
+    #: the completions it carries, until their results are applied.
+    carried: list[HeldCompletion] = field(default_factory=list)
     grant: StoreGrant | None = None
     ungranted: list[PlannedStore] = field(default_factory=list)
 
