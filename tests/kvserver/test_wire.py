@@ -420,3 +420,18 @@ def test_ints_arguments_are_checked_without_a_python_loop_and_still_refuse_bad_i
     for bad in ([1, -1], [1, True], [1, 2.0], [wire.MAX_INT + 1], ["1"]):
         with pytest.raises(InvalidArgument, match="token_ids"):
             wire.check_args(wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": bad})
+
+
+def test_completion_results_round_trip_and_reject_malformed_replies() -> None:
+    results = wire.completion_results_from_wire(
+        [{"ready": [KEY]}, {"error": {"code": "lease_expired", "message": "gone"}}], 2
+    )
+    assert results[0] == [KEY] and isinstance(results[1], LeaseExpired)
+    for bad, count in (
+        (None, 0),
+        ([{"ready": [KEY]}], 2),
+        ([{"error": {"code": 1, "message": "x"}}], 1),
+        (["x"], 1),
+    ):
+        with pytest.raises(InvalidArgument, match="malformed"):
+            wire.completion_results_from_wire(bad, count)

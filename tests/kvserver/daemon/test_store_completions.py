@@ -5,13 +5,14 @@ to separate ``complete_store`` calls when the daemon does not announce the capab
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kvserver import wire
-from kvserver.client import KVClient
+from kvserver.client import AsyncKVClient, KVClient
 from kvserver.client.common import Answer, Call, Proc
 from kvserver.errors import LeaseError, LeaseExpired, UnknownNamespace
 from kvserver.grants import StoreCompletion, StoreGrant
@@ -142,7 +143,7 @@ def test_an_unknown_namespace_applies_no_completion(kv: KVClient) -> None:
 
 def raw_call(op: str, args: dict[str, Any]) -> Proc[Answer]:
     """One request exactly as given (no session renewal, no retry)."""
-    return (yield Call(op, args))  # type: ignore[no-any-return]
+    return (yield Call(op, args))
 
 
 def test_old_style_requests_get_old_style_replies(kv: KVClient) -> None:
@@ -173,3 +174,31 @@ def test_falls_back_to_complete_store_without_the_capability(kv: KVClient) -> No
     assert res.grant is not None and res.grant.keys == nxt
     assert kv.lookup(SPEC.ns_id, a).hit_chunks == 2
     kv.release()
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_the_async_client_carries_completions_too(daemon: DaemonProc, local: bool) -> None:
+    """Both drivers get the op through ``ops``: the asyncio client, over ZMQ and over the
+    local channel, blocking and submitted."""
+
+    async def main() -> None:
+        async with AsyncKVClient(daemon.zmq_address, colocated=True, local=local) as akv:
+            await akv.register_namespace(SPEC)
+            keys, nxt = make_keys(2, tag=f"aio-{local}"), make_keys(2, tag=f"aio-n-{local}")
+            grant = await akv.prepare_store(SPEC.ns_id, keys)
+            assert grant is not None
+            for key, extents in zip(grant.keys, grant.locations, strict=True):
+                for rank, ext in enumerate(extents):
+                    akv.write(ext, pattern(key, rank, SPEC.part_bytes))
+            task = await akv.submit_prepare_store_completing(
+                SPEC.ns_id, nxt, [StoreCompletion(grant.lease_id)]
+            )
+            res = await task
+            assert res.completed == [keys] and res.grant is not None and res.grant.keys == nxt
+            again = await akv.prepare_store_completing(
+                SPEC.ns_id, [], [StoreCompletion(res.grant.lease_id, success=False)]
+            )
+            assert again.completed == [[]] and again.grant is not None
+            assert (await akv.lookup(SPEC.ns_id, keys + nxt)).hit_chunks == 2
+
+    asyncio.run(main())
