@@ -175,7 +175,9 @@ def test_partial_first_chunk_leaves_local_blocks_untouched(make_cluster: Any) ->
 
 def test_stores_are_deferred_to_the_next_steps_start(make_cluster: Any, daemon: DaemonProc) -> None:
     """wait_for_save only queues; the next start_load_kv submits; the copied chunks become
-    ready only once the scheduler completes the lease (workers never complete)."""
+    ready only once the scheduler completes the lease (workers never complete): the completion
+    the workers' report hands it is held and goes out with the next step's plan (carried on its
+    prepare_store, or alone at its end: docs/connector.md)."""
     c = make_cluster()
     w = c.workers[0]
     r = FakeRequest("r", tokens(17), c.spec)
@@ -195,6 +197,8 @@ def test_stores_are_deferred_to_the_next_steps_start(make_cluster: Any, daemon: 
     assert [s.req_id for s in out.stores] == ["r"] and not out.stores[0].failed_keys
     assert ready_chunks(daemon, r) == 0  # copied, not completed
     c.conn.update_connector_output([out])
+    assert ready_chunks(daemon, r) == 0  # held for the next step's plan
+    c.plan()
     assert ready_chunks(daemon, r) == 2
 
 
