@@ -19,7 +19,9 @@ Everything runs in one process, one run:
   ``alt_ratio`` is the same engine with the other builder (``alt_builder``: ``staged`` on the
   CPU, ``contiguous`` on CUDA, i.e. one ``cudaMemcpyAsync`` per page piece, the CUDA plan
   before the staged one), measured in the same rounds; ``copies`` counts the plan's entries
-  for one chunk (a staged part is one);
+  for one chunk (a staged part is one); on CUDA ``host_kernels_ratio`` is the staged plan on
+  an engine with ``host_kernels`` (the gather/scatter kernels address the page-locked arena
+  themselves, one launch per batch instead of one DMA per extent), in the same rounds;
 - reference: one ``copy_`` of the same total bytes between two contiguous, written tensors
   (CPU: plain memcpy, torch limited to ``--threads`` threads, default 1, for both sides; CUDA:
   pinned host ↔ device, the cudaMemcpy peak);
@@ -198,6 +200,7 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
     arena = SharedArena(total)
     mapped = MappedArena(arena.path, pin=cuda)
     engine = make_engine(device)
+    kernels = make_engine(device, host_kernels=True) if cuda else None
     try:
         for layout, page, direction in tqdm(work, desc=f"transfer ({device.type})"):
             part = LAYERS * 2 * page * chunk_blocks
@@ -222,7 +225,9 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
             other = plan_chunks(caches, mapped, direction, chunks, builder=alt)
             fns = [ref, engine_run(engine, direction, planned),
                    engine_run(engine, direction, other)]  # fmt: skip
-            if not cuda:
+            if kernels is not None:
+                fns.append(engine_run(kernels, direction, planned))
+            else:
                 views = 1 if layout == "cross" else LAYERS * 2
                 fns.append(pattern_run(page_rows, views, mapped, direction, chunks))
             times = interleaved(fns, sync, rounds)
@@ -238,12 +243,15 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
                 "ratio_with_plan": statistics.median(times[0])
                 / (statistics.median(times[1]) + plan_s),
             }  # fmt: skip
-            if not cuda:
-                row["pattern_ratio"] = median_ratio(times[0], times[3])
+            row["host_kernels_ratio" if cuda else "pattern_ratio"] = median_ratio(
+                times[0], times[3]
+            )
             rows.append(row)
             del caches, raw, page_rows, dev_buf, host_buf, src, dst, fns, planned, other
     finally:
         engine.close()
+        if kernels is not None:
+            kernels.close()
         mapped.close()
         arena.close()
     return rows
@@ -264,6 +272,10 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     if marked:
         ax.scatter(marked, [rows[i]["pattern_ratio"] for i in marked], marker="_", s=300,
                    color="black", label="pattern: the same pages in one native call")  # fmt: skip
+    kern = [i for i, r in enumerate(rows) if "host_kernels_ratio" in r]
+    if kern:
+        ax.scatter(kern, [rows[i]["host_kernels_ratio"] for i in kern], marker="_", s=300,
+                   color="tab:green", label="host_kernels engine")  # fmt: skip
     ax.axhline(TARGET, color="tab:red", linestyle="--", label=f"target {TARGET}x")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("engine / plain copy bandwidth")
@@ -295,15 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks)]
     print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
           f"{'plan µs':>7} {'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
-          f"{'alt':>16} {'pattern':>7}")  # fmt: skip
+          f"{'alt':>16} {'pattern':>7} {'kernels':>7}")  # fmt: skip
     for r in rows:
         pattern = f"{r['pattern_ratio']:>7.2f}" if "pattern_ratio" in r else f"{'-':>7}"
         alt = f"{r['alt_builder']} {r['alt_ratio']:.2f}"
+        kern = f"{r['host_kernels_ratio']:>7.2f}" if "host_kernels_ratio" in r else f"{'-':>7}"
         print(f"{r['device']:6} {r['layout']:6} {r['page_kib']:>5}K {r['direction']:5} "
               f"{r['builder']:8} {r['copies_per_chunk']:>6} {r['plan_us_per_chunk']:>7.1f} "
               f"{r['engine_gbps']:>11.2f} {r['reference_gbps']:>9.2f} "
               f"{r['ratio']:>6.2f} {r['ratio_with_plan']:>6.2f} {alt:>16} "
-              f"{pattern}")  # fmt: skip
+              f"{pattern} {kern}")  # fmt: skip
     if args.json:
         meta = {
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

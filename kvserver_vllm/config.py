@@ -25,6 +25,8 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
     max_store_batch_chunks 65536  most chunks reserved by one step
     min_hit_tokens     1      policy hint: a smaller external hit is not loaded (recomputing a
                               short prefix can be cheaper than waiting a step for it)
+    host_kernels       false  CUDA: staged copies address the arena from indexed kernels
+                              instead of one DMA per extent (docs/worker.md, "Copies")
 
 Contract: :func:`load_config` raises :class:`~kvserver.errors.InvalidArgument` naming the key
 for an unknown key or a bad value, and for a model layout kvserver cannot store (more than one
@@ -55,7 +57,7 @@ _CURVE_KEYS = tuple(k for k in CLIENT_OPTIONS if k.startswith("curve_"))
 _FLOAT_KEYS = ("lookup_timeout_s", "op_timeout_s", "down_backoff_s", "transfer_timeout_s")
 _KEYS = {
     "address", "chunk_blocks", "model_id", "lease_s", "colocated", "auth_token",
-    "max_store_batch_chunks", "min_hit_tokens", *_FLOAT_KEYS, *_CURVE_KEYS,
+    "max_store_batch_chunks", "min_hit_tokens", "host_kernels", *_FLOAT_KEYS, *_CURVE_KEYS,
 }  # fmt: skip
 
 
@@ -71,12 +73,14 @@ class PluginConfig:
     auth_token: str
     min_hit_tokens: int = 1
     curve: CurveClient | None = None
+    host_kernels: bool = False
 
     def worker(self, rank: int) -> WorkerConnectorConfig:
         return WorkerConnectorConfig(
             address=self.address, spec=self.spec, rank=rank, colocated=self.colocated,
             timeout_s=self.transfer_timeout_s, auth_token=self.auth_token,
             client_id=f"vllm-worker-{os.getpid()}-r{rank}", curve=self.curve,
+            host_kernels=self.host_kernels,
         )  # fmt: skip
 
 
@@ -101,6 +105,9 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
     colocated = extra.get("colocated")
     if colocated is not None and not isinstance(colocated, bool):
         raise InvalidArgument("kv_connector_extra_config.colocated must be true, false or null")
+    host_kernels = extra.get("host_kernels", False)
+    if not isinstance(host_kernels, bool):
+        raise InvalidArgument("kv_connector_extra_config.host_kernels must be true or false")
     auth = _get(extra, "auth_token", str, "")
     for key in _CURVE_KEYS:
         _get(extra, key, str, "")
@@ -119,6 +126,7 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
     return PluginConfig(
         spec, scheduler, address, colocated, floats["transfer_timeout_s"], auth,
         min_hit_tokens=_get(extra, "min_hit_tokens", int, 1), curve=curve,
+        host_kernels=host_kernels,
     )  # fmt: skip
 
 

@@ -135,7 +135,8 @@ class KVServerWorkerConnector:
         if caches.block_bytes != want or self.spec.part_bytes % self.spec.chunk_blocks:
             raise InvalidArgument("KV caches do not match the namespace",
                                   block_bytes=caches.block_bytes, want=want)  # fmt: skip
-        self.caches, self.engine = caches, make_engine(caches.device)
+        self.caches = caches
+        self.engine = make_engine(caches.device, host_kernels=self.config.host_kernels)
         self._planner = TransferPlanner(self.spec, self.rank, caches)
         try:
             self._connect()

@@ -13,6 +13,10 @@ page costs one ``cudaMemcpyAsync`` (and a few µs of Python and launch) per page
 - LOAD: one H2D copy per extent piece into the staging buffer, then per tensor one
   ``index_copy_`` scatters the sub-blocks into their blocks.
 
+With a ``host_view`` (the engine's ``host_kernels``), a batch's extent pieces in one
+page-locked host tensor move as one indexed kernel over rows of that memory seen from the
+device, instead of one copy each (:func:`_host_kernel`; docs/worker.md, "Copies").
+
 The block-id index is built once per call (one small H2D copy from pinned memory on CUDA) and
 sliced per batch. A batch is a run of sub-blocks (of one or more parts, split anywhere at
 sub-block boundaries) that fits the staging buffer; a load batch never names a block twice
@@ -30,6 +34,7 @@ Not thread-safe: a buffer belongs to one direction's thread.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +98,8 @@ class StagingBuffer:
         if capacity < 1:
             raise ValueError("staging capacity must be positive")
         self.capacity = capacity
+        #: batches whose host side ran as one indexed kernel (:func:`_host_kernel`).
+        self.kernel_batches = 0
         self._buf: torch.Tensor | None = None
         self._failed = False
 
@@ -136,11 +143,22 @@ def widest(a: torch.Tensor, b: torch.Tensor, most: int = 16) -> tuple[torch.Tens
 _Batch = list[tuple[StagedPart, int, int]]
 
 
+#: Maps a host tensor to a tensor over the same bytes that kernels on the KV caches' device
+#: can address (page-locked memory seen through unified addressing), or None when they cannot.
+HostView = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
 def run_staged(
-    parts: Sequence[StagedPart], staging: StagingBuffer, plain: Callable[[list[Any]], None]
+    parts: Sequence[StagedPart],
+    staging: StagingBuffer,
+    plain: Callable[[list[Any]], None],
+    host_view: HostView | None = None,
 ) -> None:
     """Move ``parts`` (in order) through ``staging`` on the current stream; parts that cannot
-    be staged go to ``plain`` (their fallback copies) in their place in the order."""
+    be staged go to ``plain`` (their fallback copies) in their place in the order. With
+    ``host_view``, a batch whose extent pieces lie in one host tensor that ``host_view`` can
+    show to the device moves them with one indexed kernel instead of one copy per piece
+    (:func:`_host_kernel`)."""
     if not parts:
         return
     device = parts[0].groups[0].rows.device
@@ -157,7 +175,7 @@ def run_staged(
             plain(batch.fallback())
             continue
         rows = sum(hi - lo for _, lo, hi in batch)
-        _run_batch(batch, buf, index[at : at + rows])
+        _run_batch(batch, buf, index[at : at + rows], host_view, staging)
 
 
 def _batches(parts: Sequence[StagedPart], capacity: int) -> list[tuple[_Batch | StagedPart, int]]:
@@ -208,17 +226,30 @@ def _batches(parts: Sequence[StagedPart], capacity: int) -> list[tuple[_Batch | 
     return out
 
 
-def _run_batch(batch: _Batch, buf: torch.Tensor, index: torch.Tensor) -> None:
-    """One batch: gather + D2H per extent piece (store), or H2D + scatter (load)."""
+def _run_batch(
+    batch: _Batch,
+    buf: torch.Tensor,
+    index: torch.Tensor,
+    host_view: HostView | None = None,
+    staging: StagingBuffer | None = None,
+) -> None:
+    """One batch: gather + D2H per extent piece (store), or H2D + scatter (load); with a
+    device view of the host, the per-piece copies become one indexed kernel."""
     first = batch[0][0]
     bb, is_load = first.block_bytes, first.is_load
     n = int(index.numel())
     spans = _spans(batch, bb)
     base = buf.storage_offset()
     most = 16 if buf.is_cpu else 8  # on the GPU: 8-byte elements, the mainstream kernels
+    kernel = _host_kernel(spans, buf, n * bb, host_view, most, is_load)
+    if staging is not None:
+        staging.kernel_batches += kernel is not None
     if is_load:
-        for host, h, s, length in spans:
-            buf[s : s + length].copy_(host[h : h + length], non_blocking=True)
+        if kernel is not None:
+            kernel()
+        else:
+            for host, h, s, length in spans:
+                buf[s : s + length].copy_(host[h : h + length], non_blocking=True)
     for g in first.groups:
         stage = buf.as_strided((n, g.count, g.page), (bb, g.page, 1), base + g.offset)
         if is_load:
@@ -228,8 +259,58 @@ def _run_batch(batch: _Batch, buf: torch.Tensor, index: torch.Tensor) -> None:
             src, dst = widest(g.rows, stage, most)
             torch.index_select(src, 0, index, out=dst)
     if not is_load:
-        for host, h, s, length in spans:
-            host[h : h + length].copy_(buf[s : s + length], non_blocking=True)
+        if kernel is not None:
+            kernel()
+        else:
+            for host, h, s, length in spans:
+                host[h : h + length].copy_(buf[s : s + length], non_blocking=True)
+
+
+def _host_kernel(
+    spans: list[tuple[torch.Tensor, int, int, int]],
+    buf: torch.Tensor,
+    total: int,
+    host_view: HostView | None,
+    most: int,
+    is_load: bool,
+) -> Callable[[], None] | None:
+    """The batch's host side as one indexed kernel, or None (one copy per piece instead).
+
+    Possible when there is more than one piece, all in one host tensor that ``host_view``
+    shows to the device, and the pieces fill the staging bytes ``[0, total)`` in order (they
+    do: :func:`_spans`). Both sides are cut into rows of ``R`` bytes, the largest size that
+    divides every piece's host offset, staging offset and length; row ``i`` of the staging
+    bytes is row ``dst[i]`` of the host. A store scatters the staging rows into the host rows
+    (``index_copy_``), a load gathers the host rows into the staging rows (``index_select``).
+    On CUDA this reads and writes the page-locked host memory from the kernel over the bus
+    (zero copy), so a batch costs one launch whatever the number of pieces."""
+    if host_view is None or len(spans) < 2:
+        return None
+    host = spans[0][0]
+    if any(sp[0] is not host for sp in spans):
+        return None
+    view = host_view(host)
+    if view is None:
+        return None
+    r = total
+    for _, h, s, length in spans:
+        r = math.gcd(r, h, s, length)
+    starts = torch.tensor([h // r for _, h, _, _ in spans], dtype=torch.int64)
+    counts = torch.tensor([length // r for _, _, _, length in spans], dtype=torch.int64)
+    firsts = torch.cumsum(counts, 0) - counts  # staging row of each piece's first row
+    dst = torch.repeat_interleave(starts - firsts, counts) + torch.arange(total // r)
+    if buf.device.type != "cpu":
+        dst = dst.pin_memory().to(buf.device, non_blocking=True)
+    usable = (view.numel() // r) * r
+    host_rows, stage_rows = widest(view[:usable].view(-1, r), buf[:total].view(-1, r), most)
+
+    def gather() -> None:
+        torch.index_select(host_rows, 0, dst, out=stage_rows)
+
+    def scatter() -> None:
+        host_rows.index_copy_(0, dst, stage_rows)
+
+    return gather if is_load else scatter
 
 
 def _spans(batch: _Batch, bb: int) -> list[tuple[torch.Tensor, int, int, int]]:

@@ -130,8 +130,12 @@ class EngineStats:
 class TransferEngine(ABC):
     """Ordered per-direction transfers; see the module docstring for the guarantees."""
 
-    def __init__(self, *, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, *, staging_bytes: int = STAGING_BYTES, host_kernels: bool = False) -> None:
+        """``host_kernels``: staged batches move their host side with one indexed kernel
+        (worker/staging.py ``_host_kernel``) where :meth:`_host_view` can show the host memory
+        to the device, instead of one copy per extent piece."""
         self.stats = EngineStats()
+        self.host_kernels = host_kernels
         #: one staging buffer per direction (used by that direction's thread only).
         self._staging = {d: StagingBuffer(staging_bytes) for d in Direction}
         self._executors = {
@@ -243,7 +247,8 @@ class TransferEngine(ABC):
     def _copy_run(self, direction: Direction, run: list[Copy]) -> None:
         if isinstance(run[0], StagedPart):
             parts = [c for c in run if isinstance(c, StagedPart)]
-            run_staged(parts, self._staging[direction], self._copy_batch)
+            view = self._host_view if self.host_kernels else None
+            run_staged(parts, self._staging[direction], self._copy_batch, view)
         else:
             self._copy_batch(run)
 
@@ -263,6 +268,11 @@ class TransferEngine(ABC):
     def _on_submit(self, transfer: Transfer) -> Any:
         """Submitting thread, at submit time (CUDA: capture the compute stream)."""
         return None
+
+    def _host_view(self, host: torch.Tensor) -> torch.Tensor | None:
+        """Engine thread: ``host`` as a tensor the KV device's kernels can address, or None.
+        Default: the host tensor itself (the CPU engine's kernels address host memory)."""
+        return host
 
     @abstractmethod
     def _copy_context(self, transfer: Transfer, ctx: Any) -> Any:

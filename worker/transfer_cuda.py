@@ -16,7 +16,9 @@ queries end events without blocking. The work, for CUDA caches as worker/layout.
 staged parts (worker/staging.py): per batch of sub-blocks, the block-id index (one H2D copy),
 one ``index_select`` per registered tensor into the direction's device staging buffer and one
 ``copy_(non_blocking=True)`` (cudaMemcpyAsync) per arena extent, or for a load the reverse
-(H2D per extent, one ``index_copy_`` per tensor); plain ``(src, dst)`` pairs (a staged part's
+(H2D per extent, one ``index_copy_`` per tensor) — with ``host_kernels``, the per-extent
+copies of a batch become one ``index_copy_`` / ``index_select`` addressing the page-locked
+host memory itself (:meth:`CudaTransferEngine._host_view`, :func:`device_view`); plain ``(src, dst)`` pairs (a staged part's
 per-page fallback, or copies built by hand) as one ``copy_(non_blocking=True)`` each; an
 indexed copy row by row. The staging buffer of a direction is reused without further
 synchronisation because its transfers run one after the other on the GPU (the event chain).
@@ -46,8 +48,25 @@ logger = logging.getLogger(__name__)
 _cuda: Any = torch.cuda
 
 STREAMS_PER_DIRECTION = 4
-#: cudaHostRegisterPortable: the pinning is visible to every CUDA context.
-CUDA_HOST_REGISTER_PORTABLE = 1
+#: cudaHostRegisterPortable | cudaHostRegisterMapped: the pinning is visible to every CUDA
+#: context, and kernels may address the memory (unified addressing: at the same address).
+CUDA_HOST_REGISTER_FLAGS = 1 | 2
+
+
+class _DevicePointer:
+    """Raw page-locked host memory as ``__cuda_array_interface__`` (version 3): bytes."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+            "strides": None,
+        }  # fmt: skip
+
+
+def device_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A CUDA uint8 tensor over ``nbytes`` of page-locked host memory at ``ptr`` (no copy;
+    valid while the memory stays mapped and page-locked)."""
+    return torch.as_tensor(_DevicePointer(ptr, nbytes), device=device)
 
 
 class CudaTransferEngine(TransferEngine):
@@ -59,6 +78,7 @@ class CudaTransferEngine(TransferEngine):
         *,
         streams_per_direction: int = STREAMS_PER_DIRECTION,
         staging_bytes: int = STAGING_BYTES,
+        host_kernels: bool = False,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaTransferEngine needs CUDA")
@@ -70,7 +90,9 @@ class CudaTransferEngine(TransferEngine):
         self._next = dict.fromkeys(Direction, 0)
         #: end event of the last transfer launched per direction (engine threads only).
         self._last_end: dict[Direction, torch.cuda.Event | None] = dict.fromkeys(Direction)
-        super().__init__(staging_bytes=staging_bytes)
+        #: host_view has logged that it cannot make device views (once).
+        self._no_views = False
+        super().__init__(staging_bytes=staging_bytes, host_kernels=host_kernels)
 
     def _on_submit(self, transfer: Transfer) -> Any:
         ready = _cuda.Event()
@@ -99,6 +121,18 @@ class CudaTransferEngine(TransferEngine):
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def _host_view(self, host: torch.Tensor) -> torch.Tensor | None:
+        """A page-locked host tensor (``pin_memory()``, or a :class:`HostRegistration`'s
+        mapping such as the arena) as a CUDA tensor over the same bytes; None otherwise."""
+        if self._no_views or host.device.type != "cpu" or not host.is_pinned():
+            return None
+        try:
+            return device_view(host.data_ptr(), host.numel(), self.device)
+        except Exception as exc:  # any failure: one copy per piece instead
+            logger.warning("no device view of host memory (%s): copying per extent", exc)
+            self._no_views = True
+            return None
 
     def _landed(self, transfer: Transfer) -> bool:
         return transfer.state is None or bool(transfer.state[1].query())
@@ -131,7 +165,7 @@ class HostRegistration:
     def __init__(self, address: int, size: int) -> None:
         self.address, self.size = address, size
         cudart = _cuda.cudart()
-        err = cudart.cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE)
+        err = cudart.cudaHostRegister(address, size, CUDA_HOST_REGISTER_FLAGS)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister failed: {err}")
         self._registered = True

@@ -11,10 +11,12 @@ import torch
 from worker.transfer import CpuTransferEngine, TransferEngine
 
 
-def make_engine(device: torch.device) -> TransferEngine:
-    """The engine for KV caches on ``device``: CUDA streams for a CUDA device, else threads."""
+def make_engine(device: torch.device, *, host_kernels: bool = False) -> TransferEngine:
+    """The engine for KV caches on ``device``: CUDA streams for a CUDA device, else threads.
+    ``host_kernels``: see :class:`~worker.transfer.TransferEngine` (CUDA only here: the CPU
+    engine's default strided copies need no staging)."""
     if device.type == "cuda":
         from worker.transfer_cuda import CudaTransferEngine
 
-        return CudaTransferEngine(device)
+        return CudaTransferEngine(device, host_kernels=host_kernels)
     return CpuTransferEngine()

@@ -108,6 +108,7 @@ def test_each_instance_holds_the_bookkeeping_of_its_own_role_only(model_dir: Pat
         ({"op_timeout_s": "fast"}, "op_timeout_s has the wrong type"),
         ({"lease_s": "long"}, "lease_s must be a number or null"),
         ({"colocated": "yes"}, "colocated must be true, false or null"),
+        ({"host_kernels": 1}, "host_kernels must be true or false"),
         ({"address": 7070}, "address has the wrong type"),
         ({"curve_server_key_file": 5}, "curve_server_key_file has the wrong type"),
         ({"curve_secret_key_file": "/k"}, "curve_secret_key_file needs curve_server_key_file"),
@@ -190,3 +191,10 @@ def test_curve_keys_reach_both_halves(model_dir: Path, tmp_path: Path) -> None:
     assert curve.server_key == load_curve_keys(server_key)[0]
     assert curve.public_key == load_curve_keys(engine_key)[0]
     assert load(model_dir).scheduler.curve is None and load(model_dir).worker(0).curve is None
+
+
+def test_host_kernels_reach_every_worker_rank(model_dir: Path) -> None:
+    """``host_kernels`` (docs/worker.md, "Copies") is off unless asked for, for every rank."""
+    assert load(model_dir).worker(0).host_kernels is False
+    cfg = load(model_dir, host_kernels=True)
+    assert cfg.worker(0).host_kernels is True and cfg.host_kernels is True

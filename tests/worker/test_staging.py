@@ -25,8 +25,14 @@ from tests.worker.staged_scenarios import (  # noqa: E402
     execute,
     random_scenario,
 )
-from worker.staging import StagedPart, StagingBuffer, _batches, _spans  # noqa: E402
-from worker.transfer import CpuTransferEngine  # noqa: E402
+from worker.staging import (  # noqa: E402
+    StagedPart,
+    StagingBuffer,
+    _batches,
+    _host_kernel,
+    _spans,
+)
+from worker.transfer import CpuTransferEngine, Direction  # noqa: E402
 
 
 @settings(max_examples=250, deadline=None)
@@ -41,6 +47,54 @@ def test_staged_transfers_move_the_same_bytes_as_strided_ones(rng: random.Random
     finally:
         reference.close()
         staged.close()
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_host_kernels_move_the_same_bytes_as_strided_copies(rng: random.Random) -> None:
+    """CPU twin of the CUDA engine's ``host_kernels``: a staged batch's extent pieces move as
+    one indexed gather/scatter over rows of the host tensor instead of one copy each."""
+    s = random_scenario(rng)
+    reference = CpuTransferEngine()
+    kernels = CpuTransferEngine(staging_bytes=capacity(s), host_kernels=True)
+    try:
+        want = execute(s, reference, "cpu", "strided")
+        assert execute(s, kernels, "cpu", "staged") == want
+    finally:
+        reference.close()
+        kernels.close()
+
+
+def test_host_kernels_run_one_kernel_per_batch_in_rows_of_the_common_size() -> None:
+    """A batch of pieces spread over the host moves as one kernel; rows are the largest size
+    dividing every offset and length; a single piece stays one plain copy."""
+    for is_load in (False, True):
+        s = Scenario("flash", 8, 2, is_load, [Chunk([0, 1], 0, []), Chunk([5, 2], 0, [9])], 1,
+                     [0], "large", 3)  # fmt: skip
+        reference, kernels = CpuTransferEngine(), CpuTransferEngine(host_kernels=True)
+        try:
+            assert execute(s, kernels, "cpu", "staged") == execute(s, reference, "cpu", "strided")
+            d = Direction.LOAD if is_load else Direction.STORE
+            assert kernels._staging[d].kernel_batches == 1
+        finally:
+            reference.close()
+            kernels.close()
+    host = torch.arange(64, dtype=torch.uint8)
+    buf = torch.zeros(24, dtype=torch.uint8)
+    spans = [(host, 40, 0, 8), (host, 8, 8, 16)]
+    scatter = _host_kernel(spans, buf, 24, lambda h: h, 16, False)
+    gather = _host_kernel(spans, buf, 24, lambda h: h, 16, True)
+    assert scatter is not None and gather is not None
+    gather()
+    assert buf.tolist() == [*range(40, 48), *range(8, 24)]
+    buf.fill_(200)
+    scatter()
+    assert host[40:48].tolist() == [200] * 8 and host[8:24].tolist() == [200] * 16
+    assert host[24:40].tolist() == list(range(24, 40))  # nothing else written
+    assert _host_kernel(spans[:1], buf, 8, lambda h: h, 16, False) is None
+    assert _host_kernel(spans, buf, 24, lambda h: None, 16, False) is None
+    other = torch.arange(64, dtype=torch.uint8)
+    assert _host_kernel([spans[0], (other, 0, 8, 16)], buf, 24, lambda h: h, 16, False) is None
 
 
 def part(ids: list[int], is_load: bool, groups: tuple[object, ...] = (), bb: int = 10,

@@ -85,25 +85,62 @@ def test_registered_arena_is_copied_by_dma() -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("builder", ["staged", "contiguous"])
-def test_cuda_transfers_move_the_same_bytes_as_the_cpu(builder: Builder) -> None:
+@pytest.mark.parametrize(
+    ("builder", "host_kernels"), [("staged", False), ("staged", True), ("contiguous", False)]
+)
+def test_cuda_transfers_move_the_same_bytes_as_the_cpu(
+    builder: Builder, host_kernels: bool
+) -> None:
     """GPU twin of tests/worker/test_staging.py: random multi-part transfers (every layout,
     partial loads, repeated ids, extents cut anywhere, staging buffers from under one block to
     large) with the caches on CUDA and pinned host memory, through the CUDA engine: every byte
-    as the strided path on the CPU."""
+    as the strided path on the CPU; with ``host_kernels`` the pinned host memory is addressed
+    by the gather/scatter kernels themselves."""
     from worker.transfer import CpuTransferEngine
     from worker.transfer_cuda import CudaTransferEngine
 
     for seed in range(80):
         s = random_scenario(random.Random(seed))
         reference = CpuTransferEngine()
-        engine = CudaTransferEngine(torch.device("cuda"), staging_bytes=capacity(s))
+        engine = CudaTransferEngine(
+            torch.device("cuda"), staging_bytes=capacity(s), host_kernels=host_kernels
+        )
         try:
             want = execute(s, reference, "cpu", "strided")
             assert execute(s, engine, "cuda", builder, pin=True) == want, f"seed {seed}: {s}"
         finally:
             reference.close()
             engine.close()
+
+
+@gpu
+@needs_cuda
+def test_registered_arena_is_addressed_by_kernels() -> None:
+    """With ``host_kernels`` the CUDA engine sees the ``cudaHostRegister``'ed arena as a CUDA
+    tensor over the same bytes (unified addressing): a kernel's writes land in the arena; plain
+    pageable memory gets no such view."""
+    from kvserver.arena import SharedArena
+    from worker.host import MappedArena
+    from worker.transfer_cuda import CudaTransferEngine
+
+    arena = SharedArena(1 << 20)
+    engine = CudaTransferEngine(torch.device("cuda"), host_kernels=True)
+    try:
+        mapped = MappedArena(arena.path, pin=True)
+        view = engine._host_view(mapped.tensor)
+        assert view is not None and view.device.type == "cuda"
+        rows = view.view(-1, 4096)
+        src = torch.full((2, 4096), 9, dtype=torch.uint8, device="cuda")
+        rows.index_copy_(0, torch.tensor([3, 1], device="cuda"), src)
+        torch.cuda.synchronize()
+        assert arena.read(((4096, 4096), (3 * 4096, 4096))) == bytes([9]) * 8192
+        assert arena.read(((2 * 4096, 4096),)) == bytes(4096)
+        assert engine._host_view(torch.zeros(64, dtype=torch.uint8)) is None
+        del view, rows
+        mapped.close()
+    finally:
+        engine.close()
+        arena.close()
 
 
 @gpu
