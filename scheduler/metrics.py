@@ -53,6 +53,10 @@ _CONNECTOR_COUNTERS = (
     ("scheduler_connector_store_rejections", "Stores refused.", "store_rejections"),
     ("scheduler_connector_timeouts", "Daemon calls that timed out.", "timeouts"),
     ("scheduler_connector_dropped_events", "Connector events dropped untaken.", "dropped_events"),
+    ("scheduler_connector_carried_completions", "Store completions sent on a prepare_store.",
+     "carried_completions"),
+    ("scheduler_connector_completion_errors", "Store completions not applied.",
+     "completion_errors"),
 )  # fmt: skip
 
 

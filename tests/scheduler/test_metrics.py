@@ -28,6 +28,8 @@ FAMILIES = {
     "scheduler_connector_planned_chunks": "counter",
     "scheduler_connector_granted_chunks": "counter",
     "scheduler_connector_dropped_events": "counter",
+    "scheduler_connector_carried_completions": "counter",
+    "scheduler_connector_completion_errors": "counter",
 }
 
 
@@ -73,6 +75,7 @@ def test_prompt_tokens_by_source_and_lookup_latency(tmp_path: Path) -> None:
         assert 0 < fates <= after.value("scheduler_connector_planned_chunks_total")
         assert after.value("scheduler_connector_granted_chunks_total") > 0
         assert after.value("scheduler_connector_dropped_events_total") == 0  # drained per step
+        assert after.value("scheduler_connector_completion_errors_total") == 0  # daemon healthy
         assert proc.terminate() == 0, proc.log()
     finally:
         proc.kill()
