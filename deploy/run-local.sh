@@ -7,8 +7,9 @@
 #
 # The commands are the compose file's, with service hostnames -> 127.0.0.1, each listen port
 # mapped to the local port below (both workers listen on :9500 in their containers, here on
-# 9500 and 9501), volumes and ready files -> one temporary directory. tests/deploy/
-# test_compose.py checks this correspondence, so edit both together.
+# 9500 and 9501), volumes and ready files -> one temporary directory. The compose file's `keys`
+# script runs first and makes the keys (CURVE, TLS, token) in DIR/keys, as in the containers.
+# tests/deploy/test_compose.py checks this correspondence, so edit both together.
 #
 # Environment: KVSERVER_LOCAL_DIR (default: a new temporary directory, removed on exit unless
 # given; --print-commands creates none), KVSERVER_CMD (default: `kvserver` when on PATH, else
@@ -46,9 +47,20 @@ else
   KV=(python3 -m kvserver.cli)
 fi
 
+K=$DIR/keys
+KEYS="set -e; test -f $K/server.key_secret || kvserver keys curve $K --name server; \
+test -f $K/engine.key_secret || kvserver keys curve $K --name engine; \
+test -f $K/server.pem || kvserver keys tls $K --name server --host kvserver --host 127.0.0.1 \
+--host localhost; test -f $K/auth.token || kvserver keys token $K --name auth; \
+mkdir -p $K/clients; cp $K/engine.key $K/clients/"
+CLIENT_KEYS="--curve-server-key-file $K/server.key --curve-secret-key-file $K/engine.key_secret \
+--auth-token-file $K/auth.token"
+
 SERVICES=(kvserver worker-0 worker-1 scheduler)
 declare -A CMD
-CMD[kvserver]="start --host 127.0.0.1 --insecure-remote --grpc-port $KVSERVER_GRPC \
+CMD[kvserver]="start --host 127.0.0.1 --curve-secret-key-file $K/server.key_secret \
+--curve-clients-dir $K/clients --tls-cert-file $K/server.crt --tls-key-file $K/server.pem \
+--auth-token-file $K/auth.token --grpc-port $KVSERVER_GRPC \
 --zmq-port $KVSERVER_ZMQ --pub-port $KVSERVER_PUB --metrics-port $KVSERVER_METRICS --dram 1GiB \
 --ssd-dir $DIR/kvdata/ssd --ssd 8GiB \
 --ready-file $DIR/kvserver.ready"
@@ -58,14 +70,15 @@ for rank in 0 1; do
   CMD[worker-$rank]="worker --rank $rank --world-size 2 --listen tcp://127.0.0.1:$listen \
 --dist-init tcp://127.0.0.1:$DIST_INIT --model-file $DIR/models/tiny.safetensors \
 --write-random-model-seed 7 --device cpu --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ \
---chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
+$CLIENT_KEYS --chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
 done
 CMD[scheduler]="scheduler --host 127.0.0.1 --grpc-port $SCHEDULER_GRPC --metrics-port $SCHEDULER_METRICS \
 --workers tcp://127.0.0.1:$WORKER0_LISTEN,tcp://127.0.0.1:$WORKER1_LISTEN \
---kvserver tcp://127.0.0.1:$KVSERVER_ZMQ --model tiny --num-gpu-blocks 256 --block-size 16 \
+--kvserver tcp://127.0.0.1:$KVSERVER_ZMQ $CLIENT_KEYS --model tiny --num-gpu-blocks 256 --block-size 16 \
 --chunk-blocks 1 --ready-file $DIR/scheduler.ready"
 
 if [[ $MODE == print ]]; then
+  echo "keys: $KEYS"
   for s in "${SERVICES[@]}"; do echo "$s: ${CMD[$s]}"; done
   exit 0
 fi
@@ -87,6 +100,13 @@ stop() {
 trap stop INT TERM EXIT
 
 mkdir -p "$DIR/kvdata" "$DIR/models"
+kvserver() { "${KV[@]}" "$@"; } # the keys script calls `kvserver keys ...`
+if ! (eval "$KEYS") >"$DIR/keys.log" 2>&1; then
+  echo "making the keys failed; its log ($DIR/keys.log):" >&2
+  cat "$DIR/keys.log" >&2
+  KEEP_DIR=1
+  exit 1
+fi
 wait_ready() { # service pid
   local deadline=$((SECONDS + 60))
   until [[ -f "$DIR/$1.ready" ]]; do
@@ -117,12 +137,12 @@ wait_ready scheduler "${PIDS[3]}"
 
 cat <<MSG
 
-kvserver cluster up (files in $DIR):
+kvserver cluster up (files in $DIR; keys in $K):
   daemon     gRPC 127.0.0.1:$KVSERVER_GRPC  ZMQ tcp://127.0.0.1:$KVSERVER_ZMQ  events tcp://127.0.0.1:$KVSERVER_PUB
   workers    tcp://127.0.0.1:$WORKER0_LISTEN (rank 0)  tcp://127.0.0.1:$WORKER1_LISTEN (rank 1)
   scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC
   metrics    http://127.0.0.1:$KVSERVER_METRICS/metrics (daemon)  http://127.0.0.1:$SCHEDULER_METRICS/metrics (scheduler)
-Try: ${KV[*]} status --server 127.0.0.1:$KVSERVER_GRPC
+Try: ${KV[*]} status --server 127.0.0.1:$KVSERVER_GRPC --tls-ca-file $K/server.crt --auth-token-file $K/auth.token
 Ctrl-C stops everything.
 MSG
 wait -n "${PIDS[@]}" || true

@@ -3,7 +3,8 @@
 ``kvserver keys curve DIR [--name NAME]`` writes a ZMQ CURVE pair (``NAME.key``,
 ``NAME.key_secret`` 0600); ``kvserver keys tls DIR --host H [--host H ...] [--name NAME]`` a
 self-signed TLS certificate for those host names / addresses (``NAME.crt``, ``NAME.pem``
-0600; needs the ``cryptography`` package, extra ``tls``). Never overwrites a file.
+0600; needs the ``cryptography`` package, extra ``tls``); ``kvserver keys token DIR [--name NAME]``
+a random token (``NAME.token``, 0600) for ``--auth-token-file``. Never overwrites a file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from kvserver.errors import KVServerError
 
 
 def add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("keys", help="make CURVE keys or a TLS certificate (docs/security.md)")
+    p = sub.add_parser(
+        "keys", help="make CURVE keys, a TLS certificate or a token (docs/security.md)"
+    )
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
     curve = kinds.add_parser("curve", help="a ZMQ CURVE key pair")
     curve.add_argument("directory")
@@ -30,15 +33,22 @@ def add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a DNS name or IP address the certificate is valid for (repeat)",
     )
     tls.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    token = kinds.add_parser("token", help="a random token for --auth-token-file")
+    token.add_argument("directory")
+    token.add_argument("--name", default="auth", help="file name stem (default: auth)")
     p.set_defaults(func=_cmd_keys)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
     from kvserver.crypto import make_curve_keys, make_tls_cert
+    from kvserver.token_file import make_token_file
 
+    paths: tuple[str, ...]
     try:
         if args.kind == "curve":
             paths = make_curve_keys(args.directory, args.name)
+        elif args.kind == "token":
+            paths = (make_token_file(args.directory, args.name),)
         else:
             try:
                 paths = make_tls_cert(args.directory, args.name, args.host, days=args.days)

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+from kvserver.token_file import client_auth_token
 
 DEFAULT_GRPC_PORT = 9470
 DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
@@ -53,6 +54,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVSERVER_AUTH_TOKEN"),
         metavar="TOKEN",
         help="shared secret when the daemon requires one (default: $KVSERVER_AUTH_TOKEN)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default=os.environ.get("KVSERVER_AUTH_TOKEN_FILE", ""),
+        metavar="FILE",
+        help="read the token from FILE instead (default: $KVSERVER_AUTH_TOKEN_FILE)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_client_security_args(p, curve=False, tls=True)
@@ -132,11 +139,10 @@ def _run(name: str, args: argparse.Namespace, body: Any) -> int:
             raise _UsageError("--timeout must be positive")
         try:
             tls = ClientSecurity.from_mapping(args).tls()
+            token = client_auth_token(args)
         except InvalidArgument as exc:
             raise _UsageError(exc.message) from None
-        with GrpcClient(
-            args.server, timeout=args.timeout, auth_token=args.auth_token, tls=tls
-        ) as client:
+        with GrpcClient(args.server, timeout=args.timeout, auth_token=token, tls=tls) as client:
             text: str = body(client, args)
     except _UsageError as exc:
         print(f"kvserver {name}: error: {exc}", file=sys.stderr)

@@ -238,7 +238,8 @@ def add_client_security_args(
     a gRPC client) to an argparse parser; read them back with
     :meth:`ClientSecurity.from_mapping`. ``token``: also ``--auth-token`` (default
     ``$KVSERVER_AUTH_TOKEN``, else ``""``: the client then reads the token file a daemon on this
-    host left for its user)."""
+    host left for its user) and ``--auth-token-file`` (default ``$KVSERVER_AUTH_TOKEN_FILE``;
+    read them back with ``kvserver.token_file.client_auth_token``)."""
     if token:
         parser.add_argument(
             "--auth-token",
@@ -246,6 +247,13 @@ def add_client_security_args(
             metavar="TOKEN",
             help="the daemon's token (default: $KVSERVER_AUTH_TOKEN, else the token file a "
             "daemon on this host left for its user)",
+        )
+        parser.add_argument(
+            "--auth-token-file",
+            default=os.environ.get("KVSERVER_AUTH_TOKEN_FILE", ""),
+            metavar="FILE",
+            help="read the daemon's token from FILE instead (default: "
+            "$KVSERVER_AUTH_TOKEN_FILE; 'kvserver keys token' makes one)",
         )
     for name, help_text in CLIENT_OPTIONS.items():
         if (name.startswith("curve") and curve) or (name.startswith("tls") and tls):

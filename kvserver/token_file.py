@@ -11,6 +11,10 @@ arena, and removes them on shutdown. A client of the same user that connects to 
 address without a token of its own reads the file of that port (:class:`TokenFile`); another
 user cannot read it, so cannot use the daemon. A token is never looked up for a non-loopback
 address (it would be sent to another host).
+
+A token can also live in a file of its own (``--auth-token-file``, a deployment's shared
+secret, made by ``kvserver keys token``): :func:`read_token_file` reads it and refuses one that
+other users may read; :func:`make_token_file` makes one.
 """
 
 from __future__ import annotations
@@ -18,14 +22,19 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterable
 
 from kvserver.arena import DEFAULT_SHM_DIR
 from kvserver.crypto import is_loopback
-from kvserver.errors import KVServerError
+from kvserver.errors import InvalidArgument, KVServerError
 
 SHM_DIR_ENV = "KVSERVER_SHM_DIR"
+#: a token file larger than this is not a token.
+MAX_TOKEN_FILE = 4096
+#: the shortest token a token file may hold.
+MIN_TOKEN_CHARS = 16
 _ADDRESS = re.compile(r"^(?:tcp://)?(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d+)$")
 
 
@@ -112,3 +121,56 @@ class TokenFile:
                 self._token = ""
             self._seen = seen
         return self._token
+
+
+def read_token_file(path: str, where: str = "") -> str:
+    """The token in ``path`` (stripped). Raises InvalidArgument, prefixed with ``where``, for
+    a file other users may read or write (0600 or 0640 are fine), an unreadable, oversized or
+    non-text file, or a token under :data:`MIN_TOKEN_CHARS` characters."""
+    prefix = f"{where}: " if where else ""
+    try:
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_mode & stat.S_IRWXO:
+                raise InvalidArgument(
+                    f"{prefix}token file {path} is accessible to other users; "
+                    "chmod 600 it (or 640 for a group)"
+                )
+            data = fh.read(MAX_TOKEN_FILE + 1)
+    except OSError as exc:
+        raise InvalidArgument(f"{prefix}cannot read token file {path}: {exc}") from None
+    if len(data) > MAX_TOKEN_FILE:
+        raise InvalidArgument(f"{prefix}token file {path} is too large for a token")
+    try:
+        token = data.decode().strip()
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"{prefix}token file {path} is not text") from None
+    if len(token) < MIN_TOKEN_CHARS:
+        raise InvalidArgument(
+            f"{prefix}the token in {path} is shorter than {MIN_TOKEN_CHARS} characters"
+        )
+    return token
+
+
+def make_token_file(directory: str, name: str = "auth") -> str:
+    """A new random token in ``directory/NAME.token`` (0600); returns its path. Refuses to
+    overwrite (InvalidArgument)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.token")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise InvalidArgument(f"refusing to overwrite {path}") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def client_auth_token(values: object) -> str:
+    """The token a client sends, from its parsed options (argparse's Namespace or any object
+    with ``auth_token`` / ``auth_token_file`` attributes): the file's when ``auth_token_file``
+    is set, else ``auth_token``, else "" (then a loopback daemon's token file is used).
+    Raises InvalidArgument for an unusable file."""
+    path = getattr(values, "auth_token_file", None) or ""
+    if path:
+        return read_token_file(path, "auth_token_file")
+    return str(getattr(values, "auth_token", None) or "")

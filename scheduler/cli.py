@@ -7,6 +7,7 @@ import sys
 
 from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import KVServerError
+from kvserver.token_file import client_auth_token
 
 
 def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -120,7 +121,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             metrics_port=args.metrics_port,
             kvserver=args.kvserver,
-            kvserver_auth_token=args.auth_token,
+            kvserver_auth_token=client_auth_token(args),
             kvserver_curve=ClientSecurity.from_mapping(args).curve(),
             chunk_blocks=args.chunk_blocks,
             model=args.model,

@@ -17,6 +17,7 @@ import sys
 
 from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import KVServerError
+from kvserver.token_file import client_auth_token
 
 #: what ``--listen`` accepts: a ZMQ endpoint this worker can bind
 _ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?:\d{1,5}|\*)|ipc://\S+")
@@ -90,6 +91,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if problem is None:
         try:  # the key files are read now: a bad one is a usage error
             curve = ClientSecurity.from_mapping(args).curve()
+            token = client_auth_token(args)
         except KVServerError as exc:
             problem = str(exc)
     if problem is not None:
@@ -123,7 +125,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         if args.kvserver:
             kv = KVServerSettings(
                 args.kvserver, args.chunk_blocks, args.hash_algo, args.hash_seed,
-                auth_token=args.auth_token, curve=curve,
+                auth_token=token, curve=curve,
             )  # fmt: skip
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file)
     except KVServerError as exc:

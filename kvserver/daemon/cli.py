@@ -36,6 +36,8 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--auth-token",
                    help="shared secret required on both APIs (default: a random one, left for "
                         "this user's clients in a 0600 file; docs/security.md)")
+    p.add_argument("--auth-token-file", metavar="FILE",
+                   help="read the token from FILE (0600; 'kvserver keys token' makes one)")
     p.add_argument("--no-auth", action="store_true", default=None,
                    help="require no token: any local user may read and write every chunk")
     p.add_argument("--curve-secret-key-file", metavar="FILE",
@@ -48,6 +50,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="gRPC mutual TLS: client certificates must be signed by this CA")
     p.add_argument("--insecure-remote", action="store_true", default=None,
                    help="allow a host beyond loopback without CURVE and TLS (clear text)")
+    p.add_argument("--keys-dir", metavar="DIR",
+                   help="make what is missing of a key set in DIR (CURVE, TLS, token) and use "
+                        "it (docs/security.md)")
     p.add_argument("--ssd-dir", help="SSD tier directory (default: no SSD tier)")
     p.add_argument("--ssd", help="SSD tier capacity, e.g. 100GiB (default 1GiB)")
     p.add_argument("--ssd-admission", type=int,
@@ -96,12 +101,13 @@ def _cmd_start(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("host", "grpc_port", "zmq_port", "pub_port", "metrics_port",
                   "dram", "page_size", "policy",
-                  "store_threshold", "default_lease_s", "shm_dir", "auth_token", "ready_file",
+                  "store_threshold", "default_lease_s", "shm_dir", "auth_token",
+                  "auth_token_file", "ready_file",
                   "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
                   "ssd_promotions", "tune_malloc", "cluster", "advertise_addr", "host_id",
                   "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
-                  "tls_client_ca_file", "insecure_remote", "peers", "peer_timeout_s",
+                  "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",
                   "peer_suspect_s", "peer_curve_server_key_file", "no_auth")
     }
     try:

@@ -24,8 +24,10 @@ from kvserver.crypto import is_loopback
 from kvserver.daemon.tenants import Tenant, parse_tenants
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
+from kvserver.keyset import ensure_key_set
 from kvserver.policies import make_policy
 from kvserver.ssd.config import TierConfig
+from kvserver.token_file import read_token_file
 from kvserver.wire import host_id as wire_host_id
 
 DEFAULT_HOST = "127.0.0.1"
@@ -75,6 +77,8 @@ class DaemonConfig:
     shm_dir: str = "/dev/shm"
     #: shared secret required on both APIs; "" = a random one made at start (docs/security.md).
     auth_token: str = field(default="", repr=False)
+    #: read ``auth_token`` from this file instead (0600; ``kvserver keys token`` makes one).
+    auth_token_file: str = ""
     #: require no token at all (any local user may then read and write every chunk).
     no_auth: bool = False
     #: restricted tokens (``[[tenants]]`` tables of the config file, kvserver/daemon/tenants.py).
@@ -90,6 +94,9 @@ class DaemonConfig:
     tls_client_ca_file: str = ""
     #: listen beyond loopback without CURVE and TLS (traffic in clear: an explicit choice).
     insecure_remote: bool = False
+    #: make what is missing of a key set in this directory at start and use it (CURVE, TLS,
+    #: token; kvserver/keyset.py); excludes the settings it fills in.
+    keys_dir: str = ""
     event_capacity: int = 100_000
     #: largest ZMQ message (all frames) accepted, bytes.
     max_message_bytes: int = 1 << 30
@@ -299,6 +306,12 @@ class DaemonConfig:
         kwargs: dict[str, Any] = {}
         for name, value in values.items():
             kwargs[name] = _coerce(name, known[name], value)
+        if kwargs.get("keys_dir"):
+            _fill_from_keys_dir(kwargs)
+        if kwargs.get("auth_token_file"):
+            if kwargs.get("auth_token") or kwargs.get("no_auth"):
+                raise InvalidArgument("auth_token_file excludes auth_token and no_auth")
+            kwargs["auth_token"] = read_token_file(kwargs["auth_token_file"], "auth_token_file")
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> DaemonConfig:
@@ -328,6 +341,26 @@ def unknown_env(env: Mapping[str, str]) -> list[str]:
             hint = f" (did you mean KVSERVER_{close[0]}?)" if close else ""
             out.append(f"ignoring unknown environment variable {name}{hint}")
     return out
+
+
+#: what ``keys_dir`` fills in (and so excludes)
+_KEYS_DIR_FIELDS = ("curve_secret_key_file", "curve_clients_dir", "tls_cert_file",
+                    "tls_key_file", "auth_token_file", "auth_token", "no_auth")  # fmt: skip
+
+
+def _fill_from_keys_dir(kwargs: dict[str, Any]) -> None:
+    """Make the key set of ``kwargs["keys_dir"]`` and set the fields it fills in."""
+    given = [name for name in _KEYS_DIR_FIELDS if kwargs.get(name)]
+    if given:
+        raise InvalidArgument(f"keys_dir excludes {', '.join(given)}")
+    hosts = [socket.gethostname(), "localhost", "127.0.0.1", "::1"]
+    host = str(kwargs.get("host", DEFAULT_HOST))
+    advertised = str(kwargs.get("advertise_addr") or "")
+    hosts += [h for h in (host, advertised) if h and h not in ("0.0.0.0", "::")]
+    keys = ensure_key_set(str(kwargs["keys_dir"]), hosts)
+    kwargs.update(
+        (name, getattr(keys, name)) for name in _KEYS_DIR_FIELDS if hasattr(keys, name)
+    )
 
 
 def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:

@@ -19,19 +19,16 @@ What a tenant may do is decided by its :class:`~kvserver.daemon.auth.Principal`.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserver.daemon.auth import Principal
 from kvserver.errors import InvalidArgument
+from kvserver.token_file import read_token_file
 
 _FIELDS = frozenset({"name", "token", "token_file", "models", "cache_salts", "read_only"})
 MAX_NAME = 64
-#: a token file larger than this is not a token.
-MAX_TOKEN_FILE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,31 +105,10 @@ def _token(where: str, table: dict[str, Any]) -> str:
     if path is not None:
         if not isinstance(path, str) or not path:
             raise InvalidArgument(f"{where}: token_file must be a path")
-        token = read_token_file(where, path)
+        token = read_token_file(path, where)
     if not isinstance(token, str) or len(token.strip()) < 16:
         raise InvalidArgument(f"{where}: the token must be a string of at least 16 characters")
     return token.strip()
-
-
-def read_token_file(where: str, path: str) -> str:
-    """The token in ``path``; refuses a file other users may read or write."""
-    try:
-        with open(path, "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            if mode & (stat.S_IRWXO):
-                raise InvalidArgument(
-                    f"{where}: token file {path} is accessible to other users; "
-                    "chmod 600 it (or 640 for a group)"
-                )
-            data = fh.read(MAX_TOKEN_FILE + 1)
-    except OSError as exc:
-        raise InvalidArgument(f"{where}: cannot read token file {path}: {exc}") from None
-    if len(data) > MAX_TOKEN_FILE:
-        raise InvalidArgument(f"{where}: token file {path} is too large for a token")
-    try:
-        return data.decode().strip()
-    except UnicodeDecodeError:
-        raise InvalidArgument(f"{where}: token file {path} is not text") from None
 
 
 def tenant_tokens(tenants: Sequence[Tenant]) -> list[tuple[str, Principal]]:

@@ -2,7 +2,9 @@
 
 Local = the compose commands with every service hostname and 0.0.0.0 -> 127.0.0.1, every
 listen port of a service mapped to a local port, volume mount points -> ``<dir>/<volume>`` and
-ready files -> ``<dir>/<service>.ready``. deploy/run-local.sh follows the same rules (checked).
+ready files -> ``<dir>/<service>.ready``. A service with an ``entrypoint`` (the ``keys``
+service: a shell script, not a ``kvserver`` command) keeps its script with only the mount
+points mapped. deploy/run-local.sh follows the same rules (checked).
 """
 
 from __future__ import annotations
@@ -60,8 +62,15 @@ def flag(cmd: list[str], name: str) -> str:
     raise KeyError(name)
 
 
+def is_script(svc: Service) -> bool:
+    """A one-shot shell script (the ``keys`` service), not a ``kvserver`` command."""
+    return "entrypoint" in svc.raw
+
+
 def listen_ports(svc: Service) -> set[int]:
     """The container ports this service binds."""
+    if is_script(svc):
+        return set()
     cmd = svc.command
     if cmd[0] in PORT_FLAGS:
         return {int(flag(cmd, f)) for f in PORT_FLAGS[cmd[0]] if int(flag(cmd, f)) >= 0}
@@ -91,6 +100,12 @@ def localize(
 
     out: dict[str, list[str]] = {}
     for name, svc in svcs.items():
+        if is_script(svc):
+            (script,) = svc.command
+            for mount, volume in svc.volumes.items():
+                script = script.replace(mount, str(directory / volume))
+            out[name] = [script]
+            continue
         cmd = list(svc.command)
         for i, arg in enumerate(cmd):
             prev = cmd[i - 1] if i else ""

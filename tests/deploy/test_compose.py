@@ -44,7 +44,7 @@ def _host_port(addr: str) -> tuple[str, int]:
 
 
 def test_services_exist(svcs: dict[str, Service]) -> None:
-    assert set(svcs) == {"kvserver", "scheduler", *WORKERS}
+    assert set(svcs) == {"keys", "kvserver", "scheduler", *WORKERS}
     assert [svcs[n].command[0] for n in ("kvserver", "scheduler", *WORKERS)] == [
         "start", "scheduler", "worker", "worker",
     ]  # fmt: skip
@@ -62,9 +62,11 @@ def test_image_entrypoint_is_kvserver(doc: dict[str, Any]) -> None:
     assert 'ENTRYPOINT ["kvserver"]' in dockerfile
     assert "USER kvserver" in dockerfile
     assert "torch==2.13.0" in dockerfile
-    for svc in doc["services"].values():
+    for name, svc in doc["services"].items():
         assert svc["build"] == {"context": "..", "dockerfile": "deploy/Dockerfile"}
-        assert "entrypoint" not in svc  # the command is the argument list of `kvserver`
+        if name != "keys":  # the command is the argument list of `kvserver`
+            assert "entrypoint" not in svc, name
+    assert doc["services"]["keys"]["entrypoint"] == ["/bin/sh", "-c"]
 
 
 def test_daemon_binds_all_interfaces_with_ssd_on_a_volume(svcs: dict[str, Service]) -> None:
@@ -149,7 +151,8 @@ def test_start_order(svcs: dict[str, Service]) -> None:
     def deps(name: str) -> dict[str, str]:
         return {k: v["condition"] for k, v in svcs[name].raw.get("depends_on", {}).items()}
 
-    assert deps("kvserver") == {}
+    assert deps("keys") == {}
+    assert deps("kvserver") == {"keys": "service_completed_successfully"}
     for name in WORKERS:
         assert deps(name) == {"kvserver": "service_healthy"}
     assert deps("scheduler") == dict.fromkeys(("kvserver", *WORKERS), "service_healthy")
@@ -171,7 +174,7 @@ def print_commands(env: dict[str, str]) -> dict[str, list[str]]:
     got = {}
     for line in out.splitlines():
         name, cmd = line.split(": ", 1)
-        got[name] = shlex.split(cmd)
+        got[name] = [cmd] if name == "keys" else shlex.split(cmd)  # keys: a shell script
     return got
 
 
@@ -211,7 +214,7 @@ def test_run_local_print_commands_leaves_no_temporary_directory(tmp_path: Path) 
     """--print-commands without KVSERVER_LOCAL_DIR used to leak a new temporary directory."""
     env = {k: v for k, v in os.environ.items() if k != "KVSERVER_LOCAL_DIR"}
     got = print_commands({**env, "TMPDIR": str(tmp_path)})
-    assert set(got) == {"kvserver", "worker-0", "worker-1", "scheduler"}
+    assert set(got) == {"keys", "kvserver", "worker-0", "worker-1", "scheduler"}
     assert list(tmp_path.iterdir()) == []
 
 

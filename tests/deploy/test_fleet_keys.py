@@ -63,18 +63,18 @@ def _serve(tmp_path: Path, cfg: DaemonConfig) -> DaemonProc:
 
 
 def _assert_clients_served(daemon: DaemonProc, zmq_clients: dict[str, ClientSecurity],
-                           probe: ClientSecurity) -> None:  # fmt: skip
+                           probe: ClientSecurity, token: str = TOKEN) -> None:  # fmt: skip
     """Every ZMQ client's options get a hello (CURVE, its key admitted); the probe's gRPC
-    options get the daemon's stats (TLS)."""
+    options get the daemon's stats (TLS); every request with ``token``."""
     for name, security in zmq_clients.items():
         curve = security.curve()
         assert curve is not None, name
-        with KVClient(daemon.zmq_address, curve=curve, auth_token=TOKEN, colocated=False,
+        with KVClient(daemon.zmq_address, curve=curve, auth_token=token, colocated=False,
                       timeout=5) as kv:  # fmt: skip
             assert kv.hello()["sid"], name
     tls = probe.tls()
     assert tls is not None
-    with GrpcClient(daemon.grpc_address, tls=tls, auth_token=TOKEN) as g:
+    with GrpcClient(daemon.grpc_address, tls=tls, auth_token=token) as g:
         assert g.stats().server_version
 
 

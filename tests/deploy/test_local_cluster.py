@@ -1,5 +1,6 @@
-"""The compose cluster's very commands, run as local processes: the daemon with its SSD tier,
-two tensor-parallel CPU workers and the scheduler; one Generate through the scheduler's gRPC
+"""The compose cluster's very commands, run as local processes: the `keys` script (CURVE, TLS
+and the token, which every other command uses), the daemon with its SSD tier, two
+tensor-parallel CPU workers and the scheduler; one Generate through the scheduler's gRPC
 Engine; the same prompt after a scheduler restart is served from kvserver (docs/deploy.md,
 "Seeing kvserver at work"); every process exits 0 on SIGTERM."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.compose import listen_ports, load_compose, localize, services
+from tests.deploy.test_compose_keys import run_keys
 from tests.scheduler.procs import EngineClient, Proc, output_tokens
 from tests.support.daemon import wait_for_ready_file, wait_until
 from tests.support.metrics import scrape
@@ -57,6 +59,7 @@ def test_compose_commands_as_local_processes_serve_generate(tmp_path: Path) -> N
     cmds = localize(doc, ports, tmp_path)
     for volume in doc["volumes"]:
         (tmp_path / volume).mkdir()
+    run_keys(cmds.pop("keys")[0], tmp_path)
 
     started: list[Proc] = []
     try:

@@ -1,16 +1,29 @@
 """The default token's files: private directory and files, loopback addresses only, a new
-token picked up when the file is replaced."""
+token picked up when the file is replaced. Token files of one's own (``--auth-token-file``,
+``kvserver keys token``): private, checked, read by the daemon and by clients."""
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
-from kvserver.errors import KVServerError
-from kvserver.token_file import TokenFile, remove_token_files, token_dir, write_token_files
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.token_file import (
+    TokenFile,
+    client_auth_token,
+    make_token_file,
+    read_token_file,
+    remove_token_files,
+    token_dir,
+    write_token_files,
+)
 
 
 def test_written_private_and_read_by_port(tmp_path: Path) -> None:
@@ -49,3 +62,68 @@ def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:
     directory.chmod(0o777)
     with pytest.raises(KVServerError, match="not a private directory"):
         write_token_files("t0k3n", [9471], str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- token files
+
+
+def test_keys_token_makes_a_private_random_token_and_never_overwrites(tmp_path: Path) -> None:
+    """``kvserver keys token DIR`` (docs/security.md): NAME.token, 0600, a fresh token."""
+    run = [sys.executable, "-m", "kvserver.cli", "keys", "token"]
+    out = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip()
+    assert path == str(tmp_path / "auth.token")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    token = read_token_file(path)
+    assert len(token) >= 32
+    again = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "refusing to overwrite" in again.stderr
+    assert read_token_file(path) == token
+    other = make_token_file(str(tmp_path), "router")
+    assert read_token_file(other) != token
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "error"),
+    [
+        ("a-long-enough-token-0123", 0o604, "accessible to other users"),
+        ("short", 0o600, "shorter than 16"),
+        (b"\xff" * 20, 0o600, "not text"),
+        ("x" * 5000, 0o600, "too large"),
+    ],
+)
+def test_a_bad_token_file_is_refused_naming_it(
+    tmp_path: Path, content: str | bytes, mode: int, error: str
+) -> None:
+    path = tmp_path / "t.token"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    path.chmod(mode)
+    with pytest.raises(InvalidArgument, match=error) as info:
+        read_token_file(str(path), "auth_token_file")
+    assert str(path) in str(info.value) and str(info.value).startswith("auth_token_file: ")
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        read_token_file(str(tmp_path / "missing"))
+
+
+def test_a_client_takes_the_token_file_over_the_token(tmp_path: Path) -> None:
+    path = make_token_file(str(tmp_path))
+    assert client_auth_token(Namespace(auth_token="flag-token", auth_token_file=path)) == (
+        read_token_file(path)
+    )
+    assert client_auth_token(Namespace(auth_token="flag-token", auth_token_file="")) == "flag-token"
+    assert client_auth_token(Namespace()) == ""
+
+
+def test_the_daemon_reads_its_token_from_a_file_and_excludes_a_second_source(
+    tmp_path: Path,
+) -> None:
+    path = make_token_file(str(tmp_path))
+    cfg = DaemonConfig.load(env={}, overrides={"auth_token_file": path})
+    assert cfg.auth_token == read_token_file(path) and cfg.auth_token_file == path
+    env = {"KVSERVER_AUTH_TOKEN_FILE": path}
+    assert DaemonConfig.load(env=env).auth_token == cfg.auth_token
+    for other in ({"auth_token": "x" * 20}, {"no_auth": True}):
+        with pytest.raises(InvalidArgument, match="auth_token_file excludes"):
+            DaemonConfig.load(env={}, overrides={"auth_token_file": path, **other})
+    assert cfg.replace(dram=1 << 20).auth_token == cfg.auth_token

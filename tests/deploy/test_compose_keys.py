@@ -1,0 +1,166 @@
+"""The single-host deploy/docker-compose.yml's and deploy/Dockerfile's transport security, for
+real (docs/security.md, docs/deploy.md): the compose file's `keys` service makes the keys with
+the real ``kvserver keys`` (a second `up` keeps them); the daemon's own command, localized
+(tests/deploy/compose.py), starts a real daemon that needs CURVE, TLS and the token; the
+workers' and the scheduler's options (parsed by the real CLI) and the healthcheck's are served,
+and a client without them is refused. The image's default command makes its keys in /keys on
+its first start and keeps them. No Docker engine here: volumes are temporary directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness.proc import start_process
+from kvserver.cli import build_parser
+from kvserver.client import KVClient
+from kvserver.crypto import ClientSecurity
+from kvserver.errors import KVServerError
+from kvserver.grpc_client import GrpcClient
+from kvserver.token_file import client_auth_token
+from tests.deploy.compose import ROOT, flag, listen_ports, load_compose, localize, services
+from tests.deploy.test_fleet_deploy import daemon_config
+from tests.deploy.test_fleet_keys import SECURITY_FIELDS, _assert_clients_served
+from tests.support.daemon import DaemonProc, start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+CLIENTS = ("worker-0", "worker-1", "scheduler")
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_keys(script: str, tmp_path: Path) -> None:
+    """The compose file's `keys` script, as the keys container runs it (kvserver on PATH)."""
+    bin_dir = tmp_path / "keys-bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir(parents=True)
+        shim = bin_dir / "kvserver"
+        shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvserver.cli "$@"\n')
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    subprocess.run(["/bin/sh", "-c", script], env=env, check=True, timeout=120,
+                   capture_output=True)  # fmt: skip
+
+
+def test_compose_keys_make_a_secure_daemon_that_serves_its_clients(tmp_path: Path) -> None:
+    doc = load_compose()
+    svcs = services(doc)
+    keys_svc = svcs["keys"]
+    assert keys_svc.volumes == {"/keys": "keys"} and "keys" in doc["volumes"]
+    ports = {(s.name, p): _free_port() for s in svcs.values() for p in listen_ports(s)}
+    cmds = localize(doc, ports, tmp_path)
+    for volume in doc["volumes"]:
+        (tmp_path / volume).mkdir()
+    keys_dir = tmp_path / "keys"
+    run_keys(cmds["keys"][0], tmp_path)
+    made = {p.name: p.read_bytes() for p in keys_dir.rglob("*") if p.is_file()}
+    run_keys(cmds["keys"][0], tmp_path)  # a second `up` keeps every key
+    assert {p.name: p.read_bytes() for p in keys_dir.rglob("*") if p.is_file()} == made
+    assert sorted(os.listdir(keys_dir / "clients")) == ["engine.key"]
+    for secret in ("server.key_secret", "engine.key_secret", "server.pem", "auth.token"):
+        assert (keys_dir / secret).stat().st_mode & 0o077 == 0, secret
+
+    # the daemon: beyond its container, with CURVE + TLS + the token from the volume
+    daemon = svcs["kvserver"]
+    assert flag(daemon.command, "--host") == "0.0.0.0"
+    assert "--insecure-remote" not in daemon.command
+    assert daemon.volumes["/keys"] == "keys" and "keys:/keys:ro" in daemon.raw["volumes"]
+    assert daemon.raw["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+    cfg = daemon_config(cmds["kvserver"])
+    assert all(getattr(cfg, f) for f in SECURITY_FIELDS) and not cfg.insecure_remote
+    token = (keys_dir / "auth.token").read_text().strip()
+    assert cfg.auth_token == token and len(token) >= 32
+    # the same settings beyond loopback are accepted without --insecure-remote
+    assert daemon_config([*cmds["kvserver"], "--host", "0.0.0.0"]).host == "0.0.0.0"
+
+    # the daemon's own localized command, for real
+    argv = [sys.executable, "-m", "kvserver.cli", *cmds["kvserver"]]
+    ready = Path(flag(cmds["kvserver"], "--ready-file"))
+    proc, info = start_process(argv, ready, tmp_path / "daemon.log", name="daemon")
+    served = DaemonProc(proc, info, tmp_path / "daemon.log", argv)
+    try:
+        parser = build_parser()
+        clients: dict[str, ClientSecurity] = {}
+        for name in CLIENTS:
+            args = parser.parse_args(cmds[name])
+            assert args.kvserver == served.zmq_address, name
+            assert client_auth_token(args) == token, name
+            assert "keys:/keys:ro" in svcs[name].raw["volumes"], name
+            clients[name] = ClientSecurity.from_mapping(args)
+        health = svcs["kvserver"].raw["healthcheck"]["test"]
+        assert health[:3] == ["CMD", "kvserver", "status"]
+        probe_argv = localize({"services": {"kvserver": {**daemon.raw, "command": health[1:]}}},
+                              ports, tmp_path)["kvserver"]  # fmt: skip
+        probe = parser.parse_args(probe_argv[1:])
+        assert client_auth_token(probe) == token
+        _assert_clients_served(served, clients, ClientSecurity.from_mapping(probe), token)
+        # without the keys or the token: refused
+        with pytest.raises(KVServerError, match="CURVE"), KVClient(
+            served.zmq_address, auth_token=token, colocated=False, timeout=5
+        ) as kv:
+            kv.hello()
+        tls = ClientSecurity.from_mapping(probe).tls()
+        with pytest.raises(KVServerError), GrpcClient(
+            served.grpc_address, tls=tls, auth_token="x" * 32, timeout=5
+        ) as g:
+            g.stats()
+    finally:
+        assert served.terminate() == 0, served.log()
+
+
+def dockerfile_cmd() -> list[str]:
+    """deploy/Dockerfile's default command (its exec-form ``CMD``)."""
+    (line,) = [ln for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("CMD ")]
+    cmd: list[str] = json.loads(line.removeprefix("CMD "))
+    return cmd
+
+
+def test_dockerfile_default_command_makes_keeps_and_uses_its_keys(tmp_path: Path) -> None:
+    """``docker run`` with no arguments: a daemon beyond loopback with CURVE, TLS and a token
+    it made in /keys on its first start (the image's volume mount point), the same ones after
+    a restart; a client with the copied files is served, one without them refused."""
+    cmd = dockerfile_cmd()
+    assert cmd[:3] == ["start", "--host", "0.0.0.0"] and "--insecure-remote" not in cmd
+    assert flag(cmd, "--keys-dir") == "/keys"
+    assert "mkdir -p /data /models /keys" in DOCKERFILE.read_text()
+    keys = tmp_path / "keys"
+    local = [str(keys) if a == "/keys" else a for a in cmd[3:]]
+    cfg = daemon_config([*cmd[:3], *local])  # beyond loopback: accepted, keys made
+    assert cfg.host == "0.0.0.0" and not cfg.insecure_remote
+    assert all(getattr(cfg, f) for f in SECURITY_FIELDS)
+    made = {p.name: p.read_bytes() for p in keys.rglob("*") if p.is_file()}
+    assert sorted(made) == sorted(["server.key", "server.key_secret", "client.key",
+                                   "client.key_secret", "server.crt", "server.pem",
+                                   "auth.token"])  # fmt: skip
+    assert sorted(os.listdir(keys / "clients")) == ["client.key"]
+    assert (keys / "auth.token").stat().st_mode & 0o077 == 0
+    client = ClientSecurity(str(keys / "server.key"), str(keys / "client.key_secret"),
+                            tls_ca_file=str(keys / "server.crt"))  # fmt: skip
+    token = (keys / "auth.token").read_text().strip()
+    for _ in range(2):  # the second start keeps the identity and the token
+        proc = start_daemon(tmp_path / "daemon", *local)
+        try:
+            _assert_clients_served(proc, {"client": client}, client, token)
+            with pytest.raises(KVServerError, match="CURVE"), KVClient(
+                proc.zmq_address, auth_token=token, colocated=False, timeout=5
+            ) as kv:
+                kv.hello()
+        finally:
+            assert proc.terminate() == 0, proc.log()
+        assert {p.name: p.read_bytes() for p in keys.rglob("*") if p.is_file()} == made
+    # the settings it fills in are its own: giving one as well is an error
+    with pytest.raises(KVServerError, match="keys_dir excludes auth_token"):
+        daemon_config([*cmd, "--auth-token", "x" * 32])
