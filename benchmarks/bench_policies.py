@@ -8,8 +8,9 @@ each a prefix chain of chunk keys (a chunk = one DRAM entry, e.g. 256 tokens; al
 1), replayed the way the engine serves them:
 
 - a request's hits are its leading run of resident chunks: the first miss ends them, even if
-  later chunks are resident (prefix semantics); the hits are touched (``touch(hits)``, head
-  first, as a planning lookup does);
+  later chunks are resident (prefix semantics); the policy is told as a planning lookup
+  tells it (``lookup(keys, hits)``: the hits touched head first, the whole chain to a policy
+  that reads requests);
 - its missing chunks are then stored as one batch: ``evict(need)`` frees what the cache lacks,
   never choosing one of the request's own chunks, then ``insert_batch(missing)`` in request
   order (the engine's ``make_ready``). A store whose chunks cannot fit is refused (as
@@ -104,13 +105,12 @@ def replay_policy(
     policy: EvictionPolicy, trace: Trace, capacity: int, count: _Counting | None = None
 ) -> int:
     """Replay through a ``capacity``-chunk cache run by ``policy``; the hit count."""
-    touch, insert_batch, evict = policy.touch, policy.insert_batch, policy.evict
+    lookup, insert_batch, evict = policy.lookup, policy.insert_batch, policy.evict
     hits = size = ops = 0
     for keys in trace:
         n = leading_hits(keys, policy)
         hits += n
-        if n:
-            touch(keys[:n])
+        lookup(keys, n)
         missing = [key for key in keys[n:] if key not in policy]
         ops += n + len(missing)
         if not missing:

@@ -179,7 +179,9 @@ class StorageEngine:
                 index[(ns, key)].uses += 1
         if record and self.reuse.enabled:
             self.reuse.record([(ns, k) for k in keys])
-        if touch and hits:
+        if touch and self.policy.reads_requests:
+            self.policy.lookup([(ns, k) for k in keys], hits)
+        elif touch and hits:
             self.policy.touch([(ns, k) for k in keys[:hits]])
         for c in self._namespaces.pair(ns):
             c.lookups += 1

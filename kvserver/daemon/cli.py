@@ -27,7 +27,7 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="Prometheus /metrics HTTP port (default 9473, 0=any, -1=off)")
     p.add_argument("--dram", help="DRAM tier size, e.g. 256MiB, 8GiB (default 256MiB)")
     p.add_argument("--page-size", help="arena page size (default 64KiB)")
-    p.add_argument("--policy", help="eviction policy: prefix, lru or arc (default prefix)")
+    p.add_argument("--policy", help="eviction policy: prefix, chain, lru or arc (default prefix)")
     p.add_argument("--store-threshold", type=int,
                    help="reuse gating: store a chunk only after N sightings (0/1 = off)")
     p.add_argument("--default-lease-s", type=float,
@@ -57,7 +57,8 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ssd", help="SSD tier capacity, e.g. 100GiB (default 1GiB)")
     p.add_argument("--ssd-admission", type=int,
                    help="write a DRAM victim down only if used N times (default 2)")
-    p.add_argument("--ssd-policy", help="SSD tier eviction policy: lru, arc, prefix (default lru)")
+    p.add_argument("--ssd-policy",
+                   help="SSD tier eviction policy: lru, arc, prefix, chain (default lru)")
     p.add_argument("--ssd-io-threads", type=int, help="threads for SSD I/O (default 4)")
     p.add_argument("--ssd-promotions", type=int,
                    help="SSD-to-DRAM promotions reading at once (default 4)")

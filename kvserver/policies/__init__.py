@@ -10,12 +10,14 @@ from __future__ import annotations
 from kvserver.errors import InvalidArgument
 from kvserver.policies.arc import ARCPolicy
 from kvserver.policies.base import EvictionPolicy
+from kvserver.policies.chain import ChainPolicy
 from kvserver.policies.lru import LRUPolicy
 from kvserver.policies.prefix import PrefixPolicy
 
 __all__ = [
     "POLICIES",
     "ARCPolicy",
+    "ChainPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "PrefixPolicy",
@@ -25,7 +27,7 @@ __all__ = [
 
 #: registry name → policy class
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, ARCPolicy, PrefixPolicy)
+    cls.name: cls for cls in (LRUPolicy, ARCPolicy, PrefixPolicy, ChainPolicy)
 }
 
 

@@ -8,6 +8,9 @@ Runs inside the storage engine (single owner, no locks, no I/O). A policy tracks
                        passes a store's keys in request order, so within one batch a prefix
                        chain's chunks come head first (default: ``insert`` each in order)
     touch(keys)        the keys were used (lookup hit, load); feeds recency/frequency
+    lookup(keys, hits) a planning lookup read ``keys`` (a request's chain, head first), the
+                       first ``hits`` resident (default: ``touch(keys[:hits])``); the engine
+                       passes the misses too only to a policy with ``reads_requests``
     remove(key)        an entry left the tier for a reason other than evict() (rollback, drop)
     evict(need, ...)   choose victims whose costs sum to >= need, atomically
 
@@ -36,6 +39,9 @@ class EvictionPolicy(ABC):
 
     #: registry name, e.g. "lru"
     name: str = ""
+    #: True: the engine calls :meth:`lookup` with a request's whole chain (misses included);
+    #: False: only its hits, through ``touch`` (no key tuples built for the misses)
+    reads_requests: bool = False
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:
@@ -57,6 +63,13 @@ class EvictionPolicy(ABC):
         """Mark tracked keys as used, first key = most important (processed last-to-first so
         the first key ends up most recent). Untracked keys are ignored, except that adaptive
         policies may learn from them (ARC ghost hits)."""
+
+    def lookup(self, keys: Sequence[Hashable], hits: int) -> None:
+        """A request read ``keys`` (head first); the first ``hits`` are tracked (its leading
+        run of resident keys). The default touches the hits; policies that follow requests
+        (``reads_requests``) may use the whole chain, e.g. to learn which keys come next."""
+        if hits:
+            self.touch(keys[:hits])
 
     @abstractmethod
     def evict(

@@ -67,7 +67,7 @@ class BoundedCache:
 
 
 def test_registry_names() -> None:
-    assert policy_names() == sorted(POLICIES) == ["arc", "lru", "prefix"]
+    assert policy_names() == sorted(POLICIES) == ["arc", "chain", "lru", "prefix"]
     for name, cls in POLICIES.items():
         assert cls.name == name
         assert isinstance(make_policy(name), cls)
@@ -180,6 +180,20 @@ class PolicyMachine(RuleBasedStateMachine):
         if key not in self.model:
             self.policy.insert(key)
             self.model.add(key)
+
+    @rule(keys=st.lists(st.integers(0, 30), max_size=8, unique=True))
+    def insert_batch(self, keys: list[int]) -> None:
+        new = [key for key in keys if key not in self.model]
+        self.policy.insert_batch(new)
+        self.model.update(new)
+
+    @rule(keys=st.lists(st.integers(0, 30), max_size=10, unique=True))
+    def lookup(self, keys: list[int]) -> None:
+        """A request's chain: its leading run of tracked keys are the hits (as the engine)."""
+        hits = 0
+        while hits < len(keys) and keys[hits] in self.model:
+            hits += 1
+        self.policy.lookup(keys, hits)
 
     @rule(key=st.integers(0, 30))
     def remove(self, key: int) -> None:

@@ -1,0 +1,374 @@
+"""Chain-return eviction: conversations ranked by the learnt odds that they come back, shared
+prefixes by how often they are read, each chain's tail before its head.
+
+Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
+:mod:`kvserver.policies.base` for the call contract. It reads whole requests through
+:meth:`EvictionPolicy.lookup` (``reads_requests = True``: the engine passes a planning lookup's
+keys, misses included), which is what lets it follow a conversation from turn to turn.
+
+Why. A conversation's next turn re-reads its whole context, so a private chain is worth its
+space only if the conversation comes back, and a chain that was read (or stored) long ago is
+more likely to have ended. Which chains end is learnt, not assumed:
+
+- **chains.** A request extends a *chain*: the last key of the previous request of the same
+  conversation (the chain's *tail*) is among its keys. A lookup finds the deepest known tail
+  in its keys (tails are remembered after their keys leave, so an evicted conversation that
+  returns is still recognised); the chain's turn count goes up by one and the request's last
+  key becomes its tail. No known tail: a new chain (a conversation's first turn, a document).
+  The keys a lookup missed are the chain's when they are stored (``insert_batch``); a batch
+  no lookup announced is a chain of its own;
+- **state and odds.** A chain's *state* is (turns so far, capped at ``MAX_TURNS``; log2 of the
+  chunks its last request added). Each stay in a state has one outcome, weighted by the
+  chunks that request added: the chain returned, or its tail was evicted first (not returned;
+  a later return still adds a return). ``p(state)`` = returns / outcomes, shrunk towards the
+  rate over all states with ``PRIOR_WEIGHT`` chunks (no outcome, no change: before any, every
+  state is at even odds and the policy is LRU). A one-off document (hundreds of chunks on
+  its first turn) learns p ≈ 0 after one; a chat's early turns p ≈ 1, its last turns less;
+- **when.** ``r`` is the learnt rate of returns (1 / the mean gap, in policy ticks, between two
+  requests of one chain). If live chains return at rate ``r`` and a chain of state s is live
+  with prior odds ``p / (1 - p)``, after ``g`` ticks without a return its odds are
+  ``p / (1 - p) * exp(-r g)``: ranking chains by those odds is ranking them by
+  ``t_last + logit(p) / r``, a fixed *deadline* per chain (the clipped logit keeps it finite);
+- **shared prefixes.** A key read by two different chains (a system prompt, a document several
+  questions start from) is *shared*; it is valued by its read rate ``lam`` (reads per tick
+  since it was stored): its deadline is ``t_last + (HI + ln(lam / r)) / r``, above every chain
+  read at the same time;
+- **tail before head.** The keys of one request are queued deepest first, so of two keys read
+  together the deeper leaves first and what stays is a usable prefix.
+
+Order. Keys are kept in one LRU list per class (a chain state, or a shared read-rate bucket):
+within a class the deadline is ``t_last`` plus the same offset, so the list is in deadline
+order. ``evict`` merges the classes' evictable heads by deadline (offsets from the current
+estimates) and takes the smallest first; ties go to the key queued first.
+
+Costs: ``lookup`` O(len(keys)) dict operations; ``insert_batch`` and ``touch`` O(1) per key;
+``evict`` O(c + v log c) for c non-empty classes and v keys passed over (victims and pinned
+ones). ``bench_policies`` measures the cost per chunk operation against LRU.
+
+Invariants: ``_time``, ``_class`` and ``_owner`` hold exactly the tracked keys, each key in the
+list of its class; ghosts and tracked keys are disjoint; ``_tails``, ``_pending`` and
+``_ghosts`` are bounded. ``evict`` changes nothing before it has chosen every victim, so a
+``None`` leaves the same state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvserver.policies.base import EvictionPolicy
+
+#: turn counts above this share one state
+MAX_TURNS = 16
+#: clip of logit(p): a chain sure to return is kept ``HI / r`` ticks, one sure not to ...
+HI = 6.0
+#: ... leaves ``LO / r`` ticks before a chain at even odds read at the same time
+LO = 6.0
+#: prior of the return chance over all states; weight, in chunks, of a prior (that one in the
+#: overall rate, the overall rate in a state's)
+PRIOR_P = 0.5
+PRIOR_WEIGHT = 64.0
+#: a state's counts are halved when its outcomes reach this many chunks (recent ones win)
+HALF_LIFE = 1 << 16
+#: weight of the newest return gap in the mean gap (exponential average)
+GAP_WEIGHT = 1.0 / 256
+#: the mean gap before any return was seen, in ticks
+PRIOR_GAP = 64.0
+#: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
+RATE_SCALE = 1 << 16
+
+_State = tuple[int, int]  # (turns, log2 chunks added); turns 0 = a shared-key rate bucket
+
+
+@dataclass(slots=True)
+class _Chain:
+    """One conversation as the policy follows it."""
+
+    turns: int
+    state: _State
+    time: int  # tick of its last request
+    weight: int  # chunks its last request added (its weight in the return counts)
+    open: bool = True  # its state's outcome not counted yet (neither returned nor evicted)
+
+
+class ChainPolicy(EvictionPolicy):
+    """Per-conversation odds of return, learnt online (see the module docstring)."""
+
+    name = "chain"
+    reads_requests = True
+
+    def __init__(self) -> None:
+        self._now = 0  # ticks: one per lookup, touch or store batch
+        self._seq = 0  # queue order (ties)
+        self._time: dict[Hashable, int] = {}  # tracked key -> tick of its last use
+        self._class: dict[Hashable, _State] = {}
+        self._lists: dict[_State, OrderedDict[Hashable, int]] = {}  # class -> key -> seq
+        self._owner: dict[Hashable, _Chain] = {}
+        self._uses: dict[Hashable, int] = {}
+        self._born: dict[Hashable, int] = {}
+        self._shared: set[Hashable] = set()
+        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()  # evicted shared key -> uses
+        self._tails: OrderedDict[Hashable, _Chain] = OrderedDict()
+        self._pending: OrderedDict[Hashable, _Chain] = OrderedDict()  # looked up, not stored
+        self._counted: dict[_State, float] = {}
+        self._returned: dict[_State, float] = {}
+        self._all_counted = 0.0  # the same summed over the states (the prior of each)
+        self._all_returned = 0.0
+        self._gap = PRIOR_GAP
+
+    # ------------------------------------------------------------------ observability
+
+    def return_chance(self, state: _State) -> float:
+        """The learnt chance that a chain in ``state`` (turns, log2 chunks added) returns."""
+        prior = (self._all_returned + PRIOR_WEIGHT * PRIOR_P) / (self._all_counted + PRIOR_WEIGHT)
+        p = (self._returned.get(state, 0.0) + PRIOR_WEIGHT * prior) / (
+            self._counted.get(state, 0.0) + PRIOR_WEIGHT
+        )
+        return min(max(p, 1e-6), 1.0 - 1e-6)
+
+    @property
+    def mean_gap(self) -> float:
+        """The learnt mean gap, in ticks, between two requests of one chain."""
+        return self._gap
+
+    def is_shared(self, key: Hashable) -> bool:
+        """Whether ``key`` was read by two different chains."""
+        return key in self._shared
+
+    def turns(self, key: Hashable) -> int | None:
+        """The turn count of the chain that holds ``key`` (None: shared or not tracked)."""
+        owner = self._owner.get(key)
+        return None if owner is None or key in self._shared else owner.turns
+
+    # ------------------------------------------------------------------ contract
+
+    def lookup(self, keys: Sequence[Hashable], hits: int) -> None:
+        """A request read ``keys`` (head first), the first ``hits`` resident: it continues the
+        chain whose tail is the deepest of its keys (or starts one); its hits are used."""
+        self._now += 1
+        now, tails = self._now, self._tails
+        chain = None
+        j = len(keys) - 1
+        while j >= 0:
+            chain = tails.pop(keys[j], None)
+            if chain is not None:
+                break
+            j -= 1
+        if chain is not None:
+            self._count(chain, returned=True)
+            self._gap += GAP_WEIGHT * (max(now - chain.time, 1) - self._gap)
+            chain.turns += 1
+            added = len(keys) - j - 1
+        else:
+            chain = _Chain(1, (1, 0), now, 0)
+            added = len(keys) - hits
+        self._enter(chain, added, now)
+        if keys:
+            tails[keys[-1]] = chain
+            self._bound(tails)
+        pending, time = self._pending, self._time
+        for key in keys[hits:]:
+            if key not in time:
+                pending[key] = chain
+                pending.move_to_end(key)
+        self._bound(pending, 4)
+        self._use(keys[:hits], chain)
+
+    def insert(self, key: Hashable) -> None:
+        """Track ``key`` as a batch of one."""
+        self.insert_batch((key,))
+
+    def insert_batch(self, keys: Sequence[Hashable]) -> None:
+        """Track the keys of one store batch (head first): each joins the chain that looked
+        it up, else the batch is a new chain; deepest queued first. Tracked keys are used."""
+        self._now += 1
+        now, pending, time = self._now, self._pending, self._time
+        own: _Chain | None = None
+        for position in range(len(keys) - 1, -1, -1):
+            key = keys[position]
+            if key in time:
+                self._use((key,), None)
+                continue
+            chain = pending.pop(key, None)
+            if chain is None:
+                if own is None:
+                    own = _Chain(1, (1, 0), now, 0)
+                    self._enter(own, len(keys), now)
+                    self._tails[keys[-1]] = own
+                    self._bound(self._tails)
+                chain = own
+            uses = self._ghosts.pop(key, None)
+            self._owner[key] = chain
+            self._born[key] = now
+            self._uses[key] = uses or 0
+            if uses is not None:
+                self._shared.add(key)
+            self._queue(key, self._rate_class(key) if uses is not None else chain.state, now)
+
+    def remove(self, key: Hashable) -> None:
+        if key in self._time:
+            self._drop(key)
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Use the tracked ``keys`` in their classes (first key ends most recent); a chain's
+        turn is counted by :meth:`lookup` only."""
+        self._now += 1
+        self._use([key for key in keys if key in self._time], None)
+
+    def evict(
+        self,
+        need: int,
+        cost: Callable[[Hashable], int],
+        evictable: Callable[[Hashable], bool],
+    ) -> list[Hashable] | None:
+        if need <= 0:
+            return []
+        heads: list[tuple[float, int, _State]] = []
+        head: dict[_State, Hashable] = {}  # each class's next candidate
+        cursors: dict[_State, Iterator[tuple[Hashable, int]]] = {}
+        offsets: dict[_State, float] = {}
+        for state, members in self._lists.items():
+            if members:
+                offsets[state] = self._offset(state)
+                cursors[state] = iter(members.items())
+                self._advance(heads, head, state, cursors[state], offsets[state], evictable)
+        victims: list[Hashable] = []
+        freed = 0
+        while freed < need:
+            if not heads:
+                return None
+            _, _, state = heapq.heappop(heads)
+            key = head[state]
+            victims.append(key)
+            freed += cost(key)
+            self._advance(heads, head, state, cursors[state], offsets[state], evictable)
+        ghosts, tails = self._ghosts, self._tails
+        for key in victims:
+            chain = tails.get(key)
+            if chain is not None and chain.open:
+                self._count(chain, returned=False)
+            if key in self._shared:
+                ghosts[key] = self._uses[key]
+            self._drop(key)
+        while len(ghosts) > len(self._time):
+            ghosts.popitem(last=False)
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._time
+
+    def __len__(self) -> int:
+        return len(self._time)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """Tracked keys in eviction order (first = next victim, ignoring pins)."""
+        offsets = {state: self._offset(state) for state in self._lists}
+        order = sorted(
+            (self._time[key] + offsets[state], seq, key)
+            for state, members in self._lists.items()
+            for key, seq in members.items()
+        )
+        return iter([key for _, _, key in order])
+
+    # ------------------------------------------------------------------ internals
+
+    def _advance(
+        self,
+        heads: list[tuple[float, int, _State]],
+        head: dict[_State, Hashable],
+        state: _State,
+        cursor: Iterator[tuple[Hashable, int]],
+        offset: float,
+        evictable: Callable[[Hashable], bool],
+    ) -> None:
+        """Queue the class's next evictable key (none left: the class drops out)."""
+        for key, seq in cursor:
+            if evictable(key):
+                head[state] = key
+                heapq.heappush(heads, (self._time[key] + offset, seq, state))
+                return
+
+    def _offset(self, state: _State) -> float:
+        """Ticks a key of ``state`` stays ahead of a chain at even odds read at its time."""
+        rate = 1.0 / self._gap
+        if state[0] == 0:  # shared, read-rate bucket
+            lam = (1 << state[1]) / (2 * RATE_SCALE)
+            return (HI + max(math.log(lam / rate), 0.0)) / rate
+        p = self.return_chance(state)
+        return min(max(math.log(p / (1.0 - p)), -LO), HI) / rate
+
+    def _rate_class(self, key: Hashable) -> _State:
+        lam = (self._uses[key] + 1) / (self._now - self._born[key] + 1)
+        return (0, int(lam * RATE_SCALE).bit_length())
+
+    def _enter(self, chain: _Chain, added: int, now: int) -> None:
+        """``chain`` made a request adding ``added`` chunks at tick ``now``."""
+        chain.state = (min(chain.turns, MAX_TURNS), added.bit_length())
+        chain.time = now
+        chain.weight = max(added, 1)
+        chain.open = True
+
+    def _count(self, chain: _Chain, returned: bool) -> None:
+        """One outcome of ``chain``'s state, once per state: it returned, or its tail was
+        evicted first (counted as not returned; a later return still counts as one)."""
+        state, weight = chain.state, chain.weight
+        if returned:
+            self._returned[state] = self._returned.get(state, 0.0) + weight
+            self._all_returned += weight
+        if not chain.open:
+            return
+        chain.open = False
+        counted = self._counted.get(state, 0.0) + weight
+        if counted >= HALF_LIFE:
+            counted /= 2
+            self._returned[state] = self._returned.get(state, 0.0) / 2
+        self._counted[state] = counted
+        self._all_counted += weight
+        if self._all_counted >= HALF_LIFE:
+            self._all_counted /= 2
+            self._all_returned /= 2
+
+    def _use(self, keys: Sequence[Hashable], chain: _Chain | None) -> None:
+        """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds
+        them): queued again deepest first; a key another chain holds becomes shared."""
+        owner, shared, uses, now = self._owner, self._shared, self._uses, self._now
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            uses[key] += 1
+            if chain is not None and owner[key] is not chain and key not in shared:
+                shared.add(key)
+            if key in shared:
+                self._queue(key, self._rate_class(key), now)
+            else:
+                if chain is not None:
+                    owner[key] = chain
+                self._queue(key, owner[key].state, now)
+
+    def _queue(self, key: Hashable, state: _State, now: int) -> None:
+        """(Re)queue ``key`` at the end of ``state``'s list, used at ``now``."""
+        old = self._class.get(key)
+        if old is not None:
+            del self._lists[old][key]
+            if not self._lists[old]:
+                del self._lists[old]
+        self._seq += 1
+        self._lists.setdefault(state, OrderedDict())[key] = self._seq
+        self._class[key] = state
+        self._time[key] = now
+
+    def _drop(self, key: Hashable) -> None:
+        state = self._class.pop(key)
+        del self._lists[state][key]
+        if not self._lists[state]:
+            del self._lists[state]
+        del self._time[key], self._owner[key], self._uses[key], self._born[key]
+        self._shared.discard(key)
+
+    def _bound(self, table: OrderedDict[Hashable, _Chain], factor: int = 2) -> None:
+        """Keep ``table`` (oldest first) within ``factor`` entries per tracked key (+1024)."""
+        limit = factor * len(self._time) + 1024
+        while len(table) > limit:
+            table.popitem(last=False)
