@@ -43,6 +43,7 @@ from kvserver.grpc_format import (
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
     event_from_proto,
+    keys_to_proto,
     spec_from_proto,
     spec_to_proto,
 )
@@ -175,6 +176,9 @@ class GrpcClient:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._methods: dict[str, Any] = {}
+        #: send key prefixes as ``packed_keys``; turned off for good when the daemon turns
+        #: out to predate that field (see :meth:`call_keys`)
+        self.packed_keys = True
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         token = self._auth_token if self._token_file is None else self._token_file.token()
@@ -195,8 +199,9 @@ class GrpcClient:
         self, ns_id: str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> LookupReply:
         """Cached leading run of chunk ``keys`` (in prompt order) and its per-tier split."""
-        req = pb.LookupRequest(namespace_id=ns_id, keys=pb.KeyPrefix(keys=keys))
-        return _lookup_reply(self._call("Lookup", req, pb.LookupResponse, timeout))
+        req = pb.LookupRequest(namespace_id=ns_id)
+        msg = self.call_keys("Lookup", req, keys, pb.LookupResponse, timeout)
+        return _lookup_reply(msg)
 
     def lookup_tokens(
         self,
@@ -259,8 +264,11 @@ class GrpcClient:
     ) -> PinReply:
         """Keep a prefix's cached chunks (by ``keys`` or ``token_ids``) for ``ttl_s`` seconds."""
         req = pb.PinRequest(namespace_id=ns_id, ttl_s=ttl_s)
-        _set_prefix(req, keys, token_ids, cache_salt, lora)
-        msg = self._call("Pin", req, pb.PinResponse, timeout)
+        if keys is not None and token_ids is None:
+            msg = self.call_keys("Pin", req, keys, pb.PinResponse, timeout)
+        else:
+            _set_prefix(req, keys, token_ids, cache_salt, lora)
+            msg = self._call("Pin", req, pb.PinResponse, timeout)
         return PinReply(msg.pinned_chunks, msg.num_chunks)
 
     def unpin(
@@ -275,8 +283,11 @@ class GrpcClient:
     ) -> PinReply:
         """Drop the TTL pins of a prefix's chunks."""
         req = pb.UnpinRequest(namespace_id=ns_id)
-        _set_prefix(req, keys, token_ids, cache_salt, lora)
-        msg = self._call("Unpin", req, pb.UnpinResponse, timeout)
+        if keys is not None and token_ids is None:
+            msg = self.call_keys("Unpin", req, keys, pb.UnpinResponse, timeout)
+        else:
+            _set_prefix(req, keys, token_ids, cache_salt, lora)
+            msg = self._call("Unpin", req, pb.UnpinResponse, timeout)
         return PinReply(msg.unpinned_chunks, msg.num_chunks)
 
     # ------------------------------------------------------------------ events, health
@@ -323,6 +334,28 @@ class GrpcClient:
             )
             self._methods[name] = method
         return method
+
+    def call_keys(
+        self,
+        name: str,
+        request: Any,
+        keys: Sequence[bytes],
+        response_type: Any,
+        timeout: float | None,
+    ) -> Any:
+        """Call ``name`` with ``keys`` as ``request.keys`` (a ``KeyPrefix``): packed while
+        :attr:`packed_keys`. A daemon that predates ``packed_keys`` sees an empty prefix and
+        answers ``num_chunks`` 0: then the call is sent again with ``keys`` repeated and this
+        client stops packing (one extra call per client against such a daemon)."""
+        prefix = request.keys
+        keys_to_proto(prefix, keys, packed=self.packed_keys)
+        msg = self._call(name, request, response_type, timeout)
+        if msg.num_chunks == 0 and prefix.packed_keys:
+            self.packed_keys = False
+            prefix.Clear()
+            keys_to_proto(prefix, keys, packed=False)
+            msg = self._call(name, request, response_type, timeout)
+        return msg
 
     def _call(self, name: str, request: Any, response_type: Any, timeout: float | None) -> Any:
         method = self._method(name, response_type)

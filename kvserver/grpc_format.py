@@ -8,7 +8,11 @@ described in docs/grpc.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+from kvserver.engine_types import CutKeys
+from kvserver.errors import InvalidArgument
 from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 from kvserver.namespace import NamespaceSpec
 
@@ -92,3 +96,43 @@ def event_from_proto(msg: pb.Event) -> Event:
     if kind == "block_removed":
         return BlockRemoved(msg.seq, msg.namespace_id, tuple(msg.block_removed.keys), medium)
     return AllBlocksCleared(msg.seq, msg.namespace_id, medium)
+
+
+def keys_to_proto(msg: pb.KeyPrefix, keys: Sequence[bytes], *, packed: bool = True) -> None:
+    """Fill ``msg`` with ``keys`` in place: as ``packed_keys`` + ``key_size`` when ``packed``
+    and every key has the same length (one field instead of one per key), else as ``keys``
+    (where the daemon names a key of the wrong length)."""
+    if packed and keys:
+        size = len(keys[0])
+        if size and list(map(len, keys)).count(size) == len(keys):  # in C: 2,048 keys ~25 us
+            msg.packed_keys = b"".join(keys)
+            msg.key_size = size
+            return
+    msg.keys.extend(keys)
+    msg.SetInParent()
+
+
+def keys_from_proto(msg: pb.KeyPrefix, key_size: int, max_keys: int) -> Sequence[bytes]:
+    """The chunk keys of ``msg``: ``keys`` as sent (a list; their lengths are the caller's to
+    check), or ``packed_keys`` cut into ``key_size``-byte keys (:class:`CutKeys`, which the
+    engine's key check trusts). InvalidArgument when both are set,
+    when ``msg.key_size`` is not ``key_size`` (the namespace's), when the packed bytes are not
+    whole keys, or when they hold more than ``max_keys`` keys (refused before cutting)."""
+    packed = msg.packed_keys
+    if not packed and not msg.key_size:
+        return list(msg.keys)
+    if msg.keys:
+        raise InvalidArgument("set either keys or packed_keys (with key_size), not both")
+    if msg.key_size != key_size:
+        raise InvalidArgument(
+            f"every key must be {key_size} bytes for this namespace's hash (packed_keys "
+            f"with key_size {msg.key_size})"
+        )
+    count, rest = divmod(len(packed), key_size)
+    if rest:
+        raise InvalidArgument(
+            f"packed_keys is not a whole number of {key_size}-byte keys", length=len(packed)
+        )
+    if count > max_keys:
+        raise InvalidArgument("too many keys in one request", count=count, max=max_keys)
+    return CutKeys(packed, key_size)

@@ -26,7 +26,9 @@ from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
 from kvserver.cluster.schema import TIERS
 from kvserver.cluster.scoring import HostScore, score_runs
+from kvserver.engine_types import CutKeys
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
+from kvserver.grpc_format import keys_from_proto
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 
@@ -118,12 +120,14 @@ async def _spec(service: KVService, ns_id: str) -> NamespaceSpec:
 def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
     which = req.WhichOneof("prefix")
     if which == "keys":
-        keys = list(req.keys.keys)
+        keys = keys_from_proto(req.keys, spec.key_size, MAX_KEYS)
+        if isinstance(keys, CutKeys):
+            return list(keys)  # every key its key_size by construction
         if len(keys) > MAX_KEYS:
             raise InvalidArgument("too many keys", count=len(keys), max=MAX_KEYS)
         if keys and set(map(len, keys)) != {spec.key_size}:  # in C: 2,048 keys in ~30 us
             raise InvalidArgument("every key must be key_size bytes", key_size=spec.key_size)
-        return keys
+        return list(keys)
     if which == "tokens":
         t = req.tokens
         if len(t.token_ids) > MAX_TOKENS:
@@ -190,12 +194,11 @@ def call_score_hosts(
         exact=exact,
     )
     if keys is not None:
-        req.keys.keys.extend(keys)
-        req.keys.SetInParent()
+        reply = client.call_keys("ScoreHosts", req, keys, pb.ScoreHostsResponse, timeout)
     else:
         req.tokens.token_ids.extend(token_ids or ())
         req.tokens.cache_salt = cache_salt or ""
-    reply = client._call("ScoreHosts", req, pb.ScoreHostsResponse, timeout)
+        reply = client._call("ScoreHosts", req, pb.ScoreHostsResponse, timeout)
     return [
         ScoredHost(
             h.host_id,

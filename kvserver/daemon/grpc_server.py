@@ -57,6 +57,7 @@ from kvserver.grpc_format import (
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
     event_to_proto,
+    keys_from_proto,
     namespace_to_proto,
     spec_from_proto,
 )
@@ -259,11 +260,12 @@ class GrpcFrontend:
             raise UnknownNamespace("namespace not registered", ns=ns_id)
         return spec
 
-    def _prefix_keys(self, ns_id: str, request: Any) -> list[bytes]:
+    def _prefix_keys(self, ns_id: str, request: Any) -> Sequence[bytes]:
         """Chunk keys of a request's ``prefix`` oneof (tokens are hashed by the service)."""
         which = request.WhichOneof("prefix")
         if which == "keys":
-            return list(request.keys.keys)
+            key_size = self._namespace(ns_id).key_size
+            return keys_from_proto(request.keys, key_size, self.service.max_keys_per_request)
         if which == "tokens":
             t = request.tokens
             lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None

@@ -132,6 +132,11 @@ class KVService:
         return self.engine.arena.path
 
     @property
+    def max_keys_per_request(self) -> int:
+        """The most keys one request may carry (the engine's limit)."""
+        return self.engine.config.max_keys_per_request
+
+    @property
     def dram_bytes(self) -> int:
         """The DRAM tier's capacity in bytes."""
         return self.engine.allocator.num_pages * self.engine.allocator.page_size

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig, EntryState
+from kvserver.engine_types import CutKeys, EngineConfig, EntryState
 from kvserver.errors import (
     CapacityError,
     InvalidArgument,
@@ -1075,6 +1075,25 @@ def test_keys_sized_for_the_namespace_hash() -> None:
         assert engine.lookup(ns, keys) == 2
         with pytest.raises(InvalidArgument):
             engine.lookup(ns, make_keys(1))
+
+
+def test_cut_keys_are_whole_keys_checked_once_when_cut() -> None:
+    """Keys cut from one buffer (gRPC packed_keys) serve every call like a list of the same
+    keys; cut at another namespace's size they get the per-key check and its error."""
+    with make_engine() as engine:
+        ns = engine.register_namespace(make_spec())
+        keys = make_keys(5)
+        keys[2] = keys[2][:-2] + b"\x00\x00"  # trailing NULs are part of the key
+        cut = CutKeys(b"".join(keys), 32)
+        assert list(cut) == keys and all(type(k) is bytes for k in cut)
+        store(engine, ns, list(cut[:3]))
+        assert engine.lookup(ns, cut) == 3
+        assert engine.pin(ns, cut, 30.0) == 3
+        with pytest.raises(InvalidArgument, match="32 bytes"):
+            engine.lookup(ns, CutKeys(b"".join(keys), 16))
+        with pytest.raises(ValueError, match="whole keys"):
+            CutKeys(bytes(33), 32)
+        assert CutKeys(b"", 32) == ()
 
 
 # ============================================================================ events

@@ -110,9 +110,16 @@ token_prefixes = st.builds(
     texts,
     st.none() | st.fixed_dictionaries({"name": texts, "path": texts}),
 )
+packed_keys = st.builds(
+    lambda k, data, size: pb.KeyPrefix(keys=k, packed_keys=data, key_size=size),
+    st.lists(st.binary(max_size=40), max_size=2),
+    st.binary(max_size=200) | st.integers(0, 6).map(lambda n: b"\x00" * 32 * n),
+    st.sampled_from([0, 1, 16, 32, 33, 2**32 - 1]),
+)
 prefixes = st.one_of(
     st.none(),
     keys.map(lambda k: ("keys", pb.KeyPrefix(keys=k))),
+    packed_keys.map(lambda k: ("keys", k)),
     token_prefixes.map(lambda t: ("tokens", t)),
 )
 ttls = st.floats(allow_nan=True, allow_infinity=True) | st.floats(0.001, 100)
@@ -123,6 +130,13 @@ def with_prefix(msg: Any, prefix: tuple[str, Any] | None) -> bytes:
         getattr(msg, prefix[0]).CopyFrom(prefix[1])
     data: bytes = msg.SerializeToString()
     return data
+
+
+def keys_valid(prefix: pb.KeyPrefix, size: int) -> bool:
+    """Whether the daemon must accept ``prefix`` for a namespace of ``size``-byte keys."""
+    if prefix.packed_keys or prefix.key_size:
+        return not prefix.keys and prefix.key_size == size and len(prefix.packed_keys) % size == 0
+    return all(len(k) == size for k in prefix.keys)
 
 
 @st.composite
@@ -143,9 +157,7 @@ def test_fuzz_lookup(target: Target, data: st.DataObject, prefix: Any) -> None:
         expected = C.INVALID_ARGUMENT
     elif ns_id not in known:
         expected = C.NOT_FOUND
-    elif prefix is None or (
-        prefix[0] == "keys" and any(len(k) != known[ns_id] for k in prefix[1].keys)
-    ):
+    elif prefix is None or (prefix[0] == "keys" and not keys_valid(prefix[1], known[ns_id])):
         expected = C.INVALID_ARGUMENT
     else:
         expected = OK

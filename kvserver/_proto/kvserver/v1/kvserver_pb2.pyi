@@ -36,10 +36,14 @@ class LoraAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class KeyPrefix(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "packed_keys", "key_size")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_keys: bytes
+    key_size: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ..., key_size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "tokens", "keys")
