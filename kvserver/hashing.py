@@ -138,6 +138,8 @@ def chunk_keys(block_hashes: Sequence[BlockHash], chunk_blocks: int) -> list[Blo
     """
     if type(chunk_blocks) is not int or chunk_blocks < 1:
         raise InvalidArgument("chunk_blocks must be an int >= 1", chunk_blocks=chunk_blocks)
+    if type(block_hashes) is list:  # a slice, in C
+        return block_hashes[chunk_blocks - 1 :: chunk_blocks]
     return [block_hashes[i] for i in range(chunk_blocks - 1, len(block_hashes), chunk_blocks)]
 
 

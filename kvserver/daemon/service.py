@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvserver import __version__
 from kvserver.daemon.eventlog import EventLog
@@ -185,7 +185,8 @@ class KVService:
             hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
             self._hashers[ns_id] = hasher
         blocks = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora)
-        return [bytes(k) for k in hasher.chunk_keys(blocks, spec.chunk_blocks)]
+        # block hashes are bytes already (a NewType): no copy per key (2,048: ~0.1 ms)
+        return cast("list[bytes]", hasher.chunk_keys(blocks, spec.chunk_blocks))
 
     def lookup_tokens(
         self,
