@@ -52,7 +52,10 @@ KEYS="set -e; test -f $K/server.key_secret || kvserver keys curve $K --name serv
 test -f $K/engine.key_secret || kvserver keys curve $K --name engine; \
 test -f $K/server.pem || kvserver keys tls $K --name server --host kvserver --host 127.0.0.1 \
 --host localhost; test -f $K/auth.token || kvserver keys token $K --name auth; \
-mkdir -p $K/clients; cp $K/engine.key $K/clients/"
+test -f $K/workers.key_secret || kvserver keys curve $K --name workers; \
+test -f $K/scheduler.pem || kvserver keys tls $K --name scheduler --host scheduler \
+--host 127.0.0.1 --host localhost; mkdir -p $K/clients $K/step-clients; \
+cp $K/engine.key $K/clients/; cp $K/engine.key $K/step-clients/"
 CLIENT_KEYS="--curve-server-key-file $K/server.key --curve-secret-key-file $K/engine.key_secret \
 --auth-token-file $K/auth.token"
 
@@ -70,10 +73,13 @@ for rank in 0 1; do
   CMD[worker-$rank]="worker --rank $rank --world-size 2 --listen tcp://127.0.0.1:$listen \
 --dist-init tcp://127.0.0.1:$DIST_INIT --model-file $DIR/models/tiny.safetensors \
 --write-random-model-seed 7 --device cpu --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ \
-$CLIENT_KEYS --chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
+$CLIENT_KEYS --step-curve-secret-key-file $K/workers.key_secret \
+--step-curve-clients-dir $K/step-clients --chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
 done
-CMD[scheduler]="scheduler --host 127.0.0.1 --grpc-port $SCHEDULER_GRPC --metrics-port $SCHEDULER_METRICS \
+CMD[scheduler]="scheduler --host 127.0.0.1 --tls-cert-file $K/scheduler.crt \
+--tls-key-file $K/scheduler.pem --grpc-port $SCHEDULER_GRPC --metrics-port $SCHEDULER_METRICS \
 --workers tcp://127.0.0.1:$WORKER0_LISTEN,tcp://127.0.0.1:$WORKER1_LISTEN \
+--step-curve-server-key-file $K/workers.key --step-curve-secret-key-file $K/engine.key_secret \
 --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ $CLIENT_KEYS --model tiny --num-gpu-blocks 256 --block-size 16 \
 --chunk-blocks 1 --ready-file $DIR/scheduler.ready"
 
@@ -140,7 +146,7 @@ cat <<MSG
 kvserver cluster up (files in $DIR; keys in $K):
   daemon     gRPC 127.0.0.1:$KVSERVER_GRPC  ZMQ tcp://127.0.0.1:$KVSERVER_ZMQ  events tcp://127.0.0.1:$KVSERVER_PUB
   workers    tcp://127.0.0.1:$WORKER0_LISTEN (rank 0)  tcp://127.0.0.1:$WORKER1_LISTEN (rank 1)
-  scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC
+  scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC (TLS, CA $K/scheduler.crt)
   metrics    http://127.0.0.1:$KVSERVER_METRICS/metrics (daemon)  http://127.0.0.1:$SCHEDULER_METRICS/metrics (scheduler)
 Try: ${KV[*]} status --server 127.0.0.1:$KVSERVER_GRPC --tls-ca-file $K/server.crt --auth-token-file $K/auth.token
 Ctrl-C stops everything.

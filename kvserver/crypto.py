@@ -46,6 +46,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def endpoint_is_local(endpoint: str) -> bool:
+    """True when a ZMQ ``endpoint`` (to bind or connect) stays on this host: ``ipc://``,
+    ``inproc://``, or ``tcp://`` to a loopback address; ``tcp://*:PORT`` and any other host
+    (a name included) reach beyond it."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return is_loopback(host)
+
+
 def _read_text(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()

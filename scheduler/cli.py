@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from kvserver.crypto import ClientSecurity, add_client_security_args
-from kvserver.errors import KVServerError
+from kvserver.crypto import ClientSecurity, TlsServer, add_client_security_args
+from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.token_file import client_auth_token
+from step_protocol import security as step_security
+
+if TYPE_CHECKING:
+    from scheduler.config import ProcessConfig
 
 
 def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,6 +35,16 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     w.add_argument("--synthetic-workers", type=int, metavar="N", help="start N synthetic workers")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=9480, help="gRPC port (default 9480, 0=any)")
+    p.add_argument("--tls-cert-file", metavar="PEM", default="",
+                   help="gRPC front door TLS: certificate chain (docs/security.md)")
+    p.add_argument("--tls-key-file", metavar="PEM", default="",
+                   help="gRPC front door TLS: private key")
+    p.add_argument("--tls-client-ca-file", metavar="PEM", default="",
+                   help="gRPC mutual TLS: client certificates must be signed by this CA")
+    step_security.add_scheduler_args(p)
+    step_security.add_insecure_remote_arg(
+        p, "the gRPC front door (--host) and the step channel (--workers)"
+    )
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -96,42 +111,64 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=_cmd_scheduler)
 
 
-def _cmd_scheduler(args: argparse.Namespace) -> int:
+def _tls(args: argparse.Namespace) -> TlsServer | None:
+    """The front door's TLS from the flags (files read now: a bad one is a usage error)."""
+    if not (args.tls_cert_file or args.tls_key_file or args.tls_client_ca_file):
+        return None
+    if not (args.tls_cert_file and args.tls_key_file):
+        raise InvalidArgument("tls_cert_file and tls_key_file go together")
+    tls = TlsServer(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    tls.credentials()
+    return tls
+
+
+def process_config(args: argparse.Namespace) -> ProcessConfig:
+    """The ProcessConfig of parsed ``kvserver scheduler`` arguments (key and certificate files
+    read now). Raises KVServerError (InvalidArgument) for a bad value or file."""
     from scheduler.config import ProcessConfig, SchedulerConfig
 
+    return ProcessConfig(
+        scheduler=SchedulerConfig(
+            num_gpu_blocks=args.num_gpu_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            max_model_len=args.max_model_len,
+            policy=args.policy,
+            enable_prefix_caching=not args.no_prefix_caching,
+            hash_algo=args.hash_algo,
+            hash_seed=args.hash_seed,
+            trace_path=args.trace,
+        ),
+        workers=tuple(a.strip() for a in (args.workers or "").split(",") if a.strip()),
+        synthetic_workers=args.synthetic_workers or 0,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        kvserver=args.kvserver,
+        kvserver_auth_token=client_auth_token(args),
+        kvserver_curve=ClientSecurity(  # its --tls-* flags are the front door's own
+            args.curve_server_key_file, args.curve_secret_key_file
+        ).curve(),
+        tls=_tls(args),
+        step_curve=step_security.scheduler_curve(args),
+        insecure_remote=args.insecure_remote,
+        chunk_blocks=args.chunk_blocks,
+        model=args.model,
+        step_timeout_s=args.step_timeout_s,
+        probe_interval_s=args.probe_interval_s,
+        synthetic_delay_ms=args.synthetic_delay_ms,
+        shutdown_grace_s=args.shutdown_grace_s,
+        ready_file=args.ready_file,
+        log_level=args.log_level,
+    )
+
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
     try:
-        config = ProcessConfig(
-            scheduler=SchedulerConfig(
-                num_gpu_blocks=args.num_gpu_blocks,
-                block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                enable_chunked_prefill=not args.no_chunked_prefill,
-                max_model_len=args.max_model_len,
-                policy=args.policy,
-                enable_prefix_caching=not args.no_prefix_caching,
-                hash_algo=args.hash_algo,
-                hash_seed=args.hash_seed,
-                trace_path=args.trace,
-            ),
-            workers=tuple(a.strip() for a in (args.workers or "").split(",") if a.strip()),
-            synthetic_workers=args.synthetic_workers or 0,
-            host=args.host,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            kvserver=args.kvserver,
-            kvserver_auth_token=client_auth_token(args),
-            kvserver_curve=ClientSecurity.from_mapping(args).curve(),
-            chunk_blocks=args.chunk_blocks,
-            model=args.model,
-            step_timeout_s=args.step_timeout_s,
-            probe_interval_s=args.probe_interval_s,
-            synthetic_delay_ms=args.synthetic_delay_ms,
-            shutdown_grace_s=args.shutdown_grace_s,
-            ready_file=args.ready_file,
-            log_level=args.log_level,
-        )
+        config = process_config(args)
     except KVServerError as exc:
         print(f"kvserver scheduler: {exc}", file=sys.stderr)
         return 2

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserver.crypto import CurveClient
+from kvserver.crypto import CurveClient, TlsServer, is_loopback
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
+from step_protocol.security import check_worker_addresses
 
 #: scheduling policies: first come first served, or by priority.
 POLICIES: tuple[str, ...] = ("fcfs", "priority")
@@ -117,6 +118,12 @@ class ProcessConfig:
     kvserver_auth_token: str = ""
     #: CURVE settings for a daemon that uses CURVE (docs/security.md)
     kvserver_curve: CurveClient | None = None
+    #: TLS for the gRPC front door (and the /metrics port's host): certificate, key, client CA
+    tls: TlsServer | None = None
+    #: CURVE on the step channel: the workers' public key and this scheduler's pair
+    step_curve: CurveClient | None = None
+    #: the front door (and the step channel) beyond loopback in clear text: an explicit choice
+    insecure_remote: bool = False
     chunk_blocks: int = 1
     model: str = "synthetic"
     step_timeout_s: float = 10.0
@@ -144,6 +151,13 @@ class ProcessConfig:
         for address in self.workers:
             if not address.startswith(("tcp://", "ipc://", "inproc://")):
                 raise InvalidArgument("worker address must be a ZMQ endpoint", address=address)
+        if self.tls is None and not self.insecure_remote and not is_loopback(self.host):
+            raise InvalidArgument(
+                f"host {self.host} is beyond loopback: set tls_cert_file and tls_key_file "
+                "(TLS on the gRPC front door, docs/security.md; make them with 'kvserver keys "
+                "tls'), or pass --insecure-remote to serve gRPC in clear"
+            )
+        check_worker_addresses(self.workers, self.step_curve, self.insecure_remote)
         for name in ("step_timeout_s", "hello_timeout_s", "probe_interval_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:

@@ -1,5 +1,6 @@
 """The front door: gRPC ``kvserver.v1.Engine`` (``Generate``, ``EngineStats``) plus grpc.health.v1
-and server reflection, served by the scheduler process.
+and server reflection, served by the scheduler process; over TLS (optionally mutual) when
+given a :class:`~kvserver.crypto.TlsServer` (required beyond loopback: scheduler/config.py).
 
 Runs on the scheduler process's event loop (grpc.aio), next to the step loop; handlers only
 talk to an :class:`EngineBackend` (``scheduler/process.py``'s ``EngineCore``), never to the
@@ -25,6 +26,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
+from kvserver.crypto import TlsServer
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.grpc_format import ERROR_CODE_KEY
 from kvserver.grpc_serve import start_server
@@ -129,22 +131,31 @@ class _RequestFailed(KVServerError):
 class EngineService:
     """Serves ``kvserver.v1.Engine`` for one backend; see the module docstring."""
 
-    def __init__(self, backend: EngineBackend, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        backend: EngineBackend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        tls: TlsServer | None = None,
+    ) -> None:
         self.backend = backend
         self.host = host
         self.port = port
+        self.tls = tls
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> int:
-        """Bind ``host:port`` (0 = ephemeral) and serve; returns the port. Raises
-        KVServerError if the address cannot be bound."""
+        """Bind ``host:port`` (0 = ephemeral) and serve (over TLS with ``tls``); returns the
+        port. Raises KVServerError if the address cannot be bound or a TLS file read."""
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(self._generate),
             "EngineStats": grpc.unary_unary_rpc_method_handler(self._engine_stats),
         }
+        credentials = self.tls.credentials() if self.tls is not None else None
         self._server, self.port = await start_server(
-            SERVICE_NAME, handlers, self._health, self.host, self.port
+            SERVICE_NAME, handlers, self._health, self.host, self.port, credentials=credentials
         )
         return self.port
 

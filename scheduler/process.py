@@ -290,8 +290,9 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         if config.synthetic_workers:
             addresses, children = _spawn_synthetic(config, tmpdir)
         workers = WorkerGroup(
-            addresses, step_timeout_s=config.step_timeout_s, hello_timeout_s=config.hello_timeout_s
-        )
+            addresses, step_timeout_s=config.step_timeout_s,
+            hello_timeout_s=config.hello_timeout_s, curve=config.step_curve,
+        )  # fmt: skip
         sched = config.scheduler
         infos = await workers.start(
             WorkerHello(0, len(addresses), sched.block_size, sched.num_gpu_blocks, config.model)
@@ -299,7 +300,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         scheduler = Scheduler(sched, connector=_make_connector(config, infos))
         core = EngineCore(scheduler, workers, probe_interval_s=config.probe_interval_s)
         loop_task = asyncio.create_task(core.run(), name="step-loop")
-        service = EngineService(core, config.host, config.grpc_port)
+        service = EngineService(core, config.host, config.grpc_port, tls=config.tls)
         port = await service.start()
         collector = SchedulerCollector(core, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)

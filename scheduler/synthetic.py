@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserver.crypto import CurveServer
 from kvserver.errors import InvalidArgument
 from step_protocol import (
     ConnectorMetadata,
@@ -34,6 +35,7 @@ from step_protocol import (
     WorkerHello,
     WorkerInfo,
 )
+from step_protocol import security as step_security
 from step_protocol.serve import serve_steps
 
 logger = logging.getLogger(__name__)
@@ -148,13 +150,20 @@ class SyntheticWorker:
 
 
 def serve(
-    bind: str, *, ready_file: str | None, delay_s: float, parent_pid: int | None = None
+    bind: str,
+    *,
+    ready_file: str | None,
+    delay_s: float,
+    parent_pid: int | None = None,
+    curve: CurveServer | None = None,
 ) -> int:
-    """Serve the step protocol on a ROUTER bound at ``bind`` until ``stop``, a signal, or (with
-    ``parent_pid``) the parent process going away (:func:`step_protocol.serve.serve_steps`)."""
+    """Serve the step protocol on a ROUTER bound at ``bind`` (a CURVE server with ``curve``)
+    until ``stop``, a signal, or (with ``parent_pid``) the parent process going away
+    (:func:`step_protocol.serve.serve_steps`)."""
     serve_steps(
-        SyntheticWorker(delay_s=delay_s), bind, ready_file=ready_file, parent_pid=parent_pid
-    )
+        SyntheticWorker(delay_s=delay_s), bind, ready_file=ready_file, parent_pid=parent_pid,
+        curve=curve,
+    )  # fmt: skip
     return 0
 
 
@@ -165,7 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="simulated step time")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     parser.add_argument("--log-level", default="WARNING")
+    step_security.add_worker_args(parser)
+    step_security.add_insecure_remote_arg(parser, "the step channel (--bind)")
     args = parser.parse_args(argv)
+    try:
+        curve = step_security.worker_curve(args)
+        step_security.check_worker_listen(args.bind, curve, args.insecure_remote)
+    except InvalidArgument as exc:
+        parser.error(exc.message)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -175,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_file=args.ready_file,
         delay_s=args.delay_ms / 1e3,
         parent_pid=args.parent_pid,
+        curve=curve,
     )
 
 

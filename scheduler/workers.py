@@ -13,6 +13,12 @@ replaces the sockets of every worker (dropping anything queued for a dead peer) 
 again, which makes every worker forget its requests; until it succeeds ``step`` refuses at
 once. Replies to an older step or hello (a slow worker catching up) are recognised by their
 step number and dropped.
+
+With ``curve`` every DEALER is a CURVE client of its worker (step_protocol/security.py). A
+security handshake that fails (a wrong key on either side, CURVE on one side only) makes a
+hello fail at once with the reason, in the step channel's option names (each socket's
+monitor events, read by :class:`~kvserver.client.links.ConnectionWatch`), instead of
+waiting out ``hello_timeout_s``.
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
 
+from kvserver.client.links import ConnectionWatch
+from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unavailable
 from step_protocol import (
     KIND_ERROR,
@@ -43,6 +53,11 @@ from step_protocol import (
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+#: how often a hello in flight looks at its socket's handshake (seconds)
+HANDSHAKE_CHECK_S = 0.05
+
 
 class WorkerFailure(Unavailable):
     """A worker died, timed out or reported an error; the step's requests cannot go on."""
@@ -58,6 +73,7 @@ class _Worker:
     rank: int
     address: str
     sock: zmq.asyncio.Socket | None = None
+    watch: ConnectionWatch | None = None
     info: WorkerInfo | None = None
 
 
@@ -71,6 +87,7 @@ class WorkerGroup:
         step_timeout_s: float = 10.0,
         hello_timeout_s: float = 30.0,
         context: zmq.asyncio.Context | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         if not addresses:
             raise KVServerError("a worker group needs at least one worker")
@@ -79,6 +96,7 @@ class WorkerGroup:
         self._workers = [_Worker(rank, address) for rank, address in enumerate(addresses)]
         self.step_timeout_s = step_timeout_s
         self.hello_timeout_s = hello_timeout_s
+        self.curve = curve
         self._hello: WorkerHello | None = None
         self._hello_seq = 0
         #: why the group is down (None: healthy)
@@ -126,6 +144,7 @@ class WorkerGroup:
             sock, worker.sock = worker.sock, None
             if sock is None:
                 continue
+            self._unwatch(worker)
             if stop_workers:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send(encode_body(KIND_STOP, {}), flags=zmq.NOBLOCK)
@@ -137,10 +156,16 @@ class WorkerGroup:
         assert self._hello is not None, "start() first"
         for worker in self._workers:
             if worker.sock is not None:
+                self._unwatch(worker)
                 worker.sock.close(linger=0)
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self.curve is not None:
+                self.curve.apply(sock)
+            worker.watch = ConnectionWatch(
+                sock, curve=self.curve is not None, peer="worker", option_prefix="step_"
+            )
             sock.connect(worker.address)
             worker.sock = sock
         self._hello_seq -= 1  # hellos use negative sequence numbers, steps positive ones
@@ -170,8 +195,9 @@ class WorkerGroup:
         )
         body = {**hello.to_wire(), "seq": seq}
         try:
-            await asyncio.wait_for(worker.sock.send(encode_body(KIND_HELLO, body)), _left(deadline))
-            reply = await self._recv(worker, KIND_HELLO, seq, deadline)
+            await self._watched(worker, worker.sock.send(encode_body(KIND_HELLO, body)), deadline)
+            reply = await self._watched(worker, self._recv(worker, KIND_HELLO, seq, deadline),
+                                        deadline)  # fmt: skip
         except TimeoutError:
             raise WorkerFailure(
                 f"worker {worker.rank} at {worker.address} did not answer hello in time",
@@ -179,6 +205,36 @@ class WorkerGroup:
                 address=worker.address,
             ) from None
         worker.info = WorkerInfo.from_wire(reply)
+
+    async def _watched(self, worker: _Worker, aw: Awaitable[T], deadline: float) -> T:
+        """``aw``'s result; TimeoutError past ``deadline``; WorkerFailure, at once, when the
+        worker's security handshake failed (the reason from its socket's monitor)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(HANDSHAKE_CHECK_S,
+                                                                 _left(deadline)))  # fmt: skip
+                if done:
+                    return task.result()
+                why = worker.watch.failure() if worker.watch is not None else None
+                if why is not None:
+                    raise WorkerFailure(
+                        f"worker {worker.rank} at {worker.address}: {why}",
+                        rank=worker.rank, address=worker.address,
+                    )  # fmt: skip
+                if _left(deadline) <= 0:
+                    raise TimeoutError
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    @staticmethod
+    def _unwatch(worker: _Worker) -> None:
+        watch, worker.watch = worker.watch, None
+        if watch is not None:
+            watch.close()
 
     # ------------------------------------------------------------------ steps
 

@@ -17,6 +17,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from kvserver.crypto import CurveServer
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.files import write_atomic
 from step_protocol.codec import decode, encode_body
@@ -78,17 +79,28 @@ def serve_steps(
     ready_info: Mapping[str, Any] | None = None,
     parent_pid: int | None = None,
     on_exit: Callable[[], None] | None = None,
+    curve: CurveServer | None = None,
 ) -> None:
     """Serve the step protocol for ``worker`` on a ROUTER bound at ``bind`` until ``stop``,
-    SIGTERM/SIGINT, or (with ``parent_pid``) the parent process going away. Once bound, writes
+    SIGTERM/SIGINT, or (with ``parent_pid``) the parent process going away. ``curve``: the
+    ROUTER is a CURVE server, and with its ``clients_dir`` a ZAP handler (a thread) admits
+    only the scheduler keys listed there (step_protocol/security.py). Once bound, writes
     ``{"pid", "endpoint", **ready_info}`` to ``ready_file`` atomically. On the way out (also
     on an error) closes the socket, then calls ``on_exit`` (the worker's own cleanup), then
     removes ``ready_file``. Raises zmq.ZMQError when ``bind`` cannot be bound."""
     import zmq
+    from zmq.auth.thread import ThreadAuthenticator
 
     ctx = zmq.Context()
+    zap: ThreadAuthenticator | None = None
+    if curve is not None and curve.clients_dir:
+        zap = ThreadAuthenticator(ctx)
+        zap.start()
+        zap.configure_curve(domain="*", location=curve.clients_dir)
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
+    if curve is not None:
+        curve.apply(sock)
     stopping = False
 
     def _stop(signum: int, frame: object) -> None:
@@ -103,7 +115,8 @@ def serve_steps(
         if ready_file:
             info = {"pid": os.getpid(), "endpoint": endpoint, **(ready_info or {})}
             write_atomic(ready_file, json.dumps(info))
-        logger.info("rank %d (pid %d) serving on %s", worker.rank, os.getpid(), endpoint)
+        logger.info("rank %d (pid %d) serving on %s%s", worker.rank, os.getpid(), endpoint,
+                    " (CURVE)" if curve is not None else "")  # fmt: skip
         while not stopping:
             if not sock.poll(POLL_MS):
                 if parent_pid is not None and os.getppid() != parent_pid:
@@ -120,6 +133,8 @@ def serve_steps(
             sock.send_multipart([ident, reply])
     finally:
         sock.close(0)
+        if zap is not None:
+            zap.stop()
         ctx.term()
         try:
             if on_exit is not None:

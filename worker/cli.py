@@ -18,6 +18,7 @@ import sys
 from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import KVServerError
 from kvserver.token_file import client_auth_token
+from step_protocol import security as step_security
 
 #: what ``--listen`` accepts: a ZMQ endpoint this worker can bind
 _ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?:\d{1,5}|\*)|ipc://\S+")
@@ -49,6 +50,8 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--kvserver", metavar="ADDR", help="kvserver daemon ZMQ address (default off)")
     add_client_security_args(p, curve=True, token=True)
+    step_security.add_worker_args(p)
+    step_security.add_insecure_remote_arg(p, "the step channel (--listen)")
     p.add_argument("--chunk-blocks", type=int, default=1, help="must match the scheduler's")
     p.add_argument("--hash-algo", default="sha256_cbor", help="must match the scheduler's")
     p.add_argument("--hash-seed", default="vllm-none-hash", help="must match the scheduler's")
@@ -92,6 +95,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         try:  # the key files are read now: a bad one is a usage error
             curve = ClientSecurity.from_mapping(args).curve()
             token = client_auth_token(args)
+            step_curve = step_security.worker_curve(args)
+            step_security.check_worker_listen(args.listen, step_curve, args.insecure_remote)
         except KVServerError as exc:
             problem = str(exc)
     if problem is not None:
@@ -127,7 +132,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                 args.kvserver, args.chunk_blocks, args.hash_algo, args.hash_seed,
                 auth_token=token, curve=curve,
             )  # fmt: skip
-        return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file)
+        return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file,
+                     curve=step_curve)  # fmt: skip
     except KVServerError as exc:
         print(f"kvserver worker: {exc}", file=sys.stderr)
         return 1

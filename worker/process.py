@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kvserver.crypto import CurveClient
+from kvserver.crypto import CurveClient, CurveServer
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from step_protocol import (
@@ -222,12 +222,19 @@ def init_distributed(
     )  # fmt: skip
 
 
-def serve(worker: ModelWorker, listen: str, *, ready_file: str | None) -> int:
-    """Serve the step protocol on a ROUTER bound at ``listen`` until ``stop`` or a signal
-    (:func:`step_protocol.serve.serve_steps`); closes ``worker`` on the way out."""
+def serve(
+    worker: ModelWorker,
+    listen: str,
+    *,
+    ready_file: str | None,
+    curve: CurveServer | None = None,
+) -> int:
+    """Serve the step protocol on a ROUTER bound at ``listen`` (a CURVE server with
+    ``curve``) until ``stop`` or a signal (:func:`step_protocol.serve.serve_steps`); closes
+    ``worker`` on the way out."""
     serve_steps(
         worker, listen, ready_file=ready_file, ready_info={"rank": worker.rank},
-        on_exit=worker.close,
+        on_exit=worker.close, curve=curve,
     )  # fmt: skip
     logger.info("worker rank %d stopped", worker.rank)
     return 0

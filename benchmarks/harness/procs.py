@@ -16,6 +16,7 @@ from benchmarks.harness.proc import start_process
 from benchmarks.harness.proc import wait_for_ready_file as wait_for_ready_file
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver._proto.kvserver.v1 import engine_pb2_grpc
+from kvserver.crypto import TlsClient
 
 
 def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
@@ -23,10 +24,14 @@ def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
     return Proc(proc, info, log_path, args)
 
 
-def start_worker(tmp_path: Path, name: str, bind: str = "tcp://127.0.0.1:0") -> Proc:
-    """``python -m scheduler.synthetic`` bound on loopback; ``info["endpoint"]``."""
+def start_worker(
+    tmp_path: Path, name: str, bind: str = "tcp://127.0.0.1:0", *extra: str
+) -> Proc:
+    """``python -m scheduler.synthetic`` bound on loopback (``extra``: more of its flags);
+    ``info["endpoint"]``."""
     ready = tmp_path / f"{name}.ready"
-    args = [sys.executable, "-m", "scheduler.synthetic", "--bind", bind, "--ready-file", str(ready)]
+    args = [sys.executable, "-m", "scheduler.synthetic", "--bind", bind, "--ready-file",
+            str(ready), *extra]  # fmt: skip
     return _start(args, ready, tmp_path / f"{name}.log")
 
 
@@ -42,10 +47,15 @@ def start_scheduler(tmp_path: Path, *extra: str) -> Proc:
 
 
 class EngineClient:
-    """A tiny blocking client of kvserver.v1.Engine (closes its channel)."""
+    """A tiny blocking client of kvserver.v1.Engine (closes its channel); over TLS with
+    ``tls`` (a ``kvserver.crypto.TlsClient``)."""
 
-    def __init__(self, port: int) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    def __init__(self, port: int, tls: TlsClient | None = None) -> None:
+        target = f"127.0.0.1:{port}"
+        if tls is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            self.channel = grpc.secure_channel(target, tls.credentials(), options=tls.options())
         self.stub = engine_pb2_grpc.EngineStub(self.channel)  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> EngineClient:

@@ -23,35 +23,41 @@ EVENTS = (
 )
 
 
-def explain(event: int, value: int, curve: bool) -> str | None:
+def explain(
+    event: int, value: int, curve: bool, *, peer: str = "daemon", option_prefix: str = ""
+) -> str | None:
     """The reason for one monitor event of a client socket (``curve``: it uses CURVE); None
-    for a successful handshake."""
+    for a successful handshake. ``peer`` names the server ("daemon", or "worker" for the
+    scheduler's step channel), ``option_prefix`` the options' prefix on that channel
+    (``step_``)."""
     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         return None
+    server_key = f"{option_prefix}curve_server_key_file"
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
-            "the daemon refused this client's CURVE key: its public key is not in the "
-            "daemon's curve_clients_dir (give curve_secret_key_file, a key pair listed there)"
+            f"the {peer} refused this client's CURVE key: its public key is not in the "
+            f"{peer}'s {option_prefix}curve_clients_dir (give "
+            f"{option_prefix}curve_secret_key_file, a key pair listed there)"
         )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if curve:
-                return "the daemon does not use CURVE (leave curve_server_key_file unset)"
+                return f"the {peer} does not use CURVE (leave {server_key} unset)"
             return (
-                "the daemon requires CURVE: give curve_server_key_file, the daemon's public "
+                f"the {peer} requires CURVE: give {server_key}, the {peer}'s public "
                 "key (docs/security.md)"
             )
         if curve and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             return "the CURVE handshake failed a cryptographic check (a wrong or corrupt key)"
         return f"the security handshake failed (ZMTP protocol error {value:#x})"
-    if curve:  # the daemon closed the connection during the handshake: it could not decrypt
+    if curve:  # the server closed the connection during the handshake: it could not decrypt
         return (
-            "the daemon dropped the CURVE handshake: curve_server_key_file is not the daemon's "
+            f"the {peer} dropped the CURVE handshake: {server_key} is not the {peer}'s "
             "public key"
         )
-    # a plain client: the daemon saw the mechanism mismatch first and hung up (or it exited
+    # a plain client: the server saw the mechanism mismatch first and hung up (or it exited
     # during the handshake, which a retry tells apart)
     return (
-        "the daemon dropped the handshake: it probably requires CURVE (give "
-        "curve_server_key_file, the daemon's public key; docs/security.md)"
+        f"the {peer} dropped the handshake: it probably requires CURVE (give "
+        f"{server_key}, the {peer}'s public key; docs/security.md)"
     )

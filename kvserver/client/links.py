@@ -77,9 +77,17 @@ class ConnectionWatch:
 
     EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake.EVENTS
 
-    def __init__(self, sock: zmq.Socket[Any], *, curve: bool = False) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        *,
+        curve: bool = False,
+        peer: str = "daemon",
+        option_prefix: str = "",
+    ) -> None:
         """Watch ``sock`` (``curve``: it uses CURVE); call before ``sock.connect`` so no
-        event is missed."""
+        event is missed. ``peer`` and ``option_prefix``: how ``failure()`` names the server
+        and the options (:func:`~kvserver.client.handshake.explain`)."""
         addr = f"inproc://kvserver-client-watch-{id(self):x}-{next(_watch_ids)}"
         sock.monitor(addr, self.EVENTS)
         # a plain socket on the same libzmq context (inproc needs it), also for zmq.asyncio
@@ -88,6 +96,7 @@ class ConnectionWatch:
         pair.connect(addr)
         self._sock, self._pair = sock, pair
         self._curve = curve
+        self._peer, self._option_prefix = peer, option_prefix
         self._broke = False
         self._established = False  # the current connection completed its handshake
         self._failure: str | None = None
@@ -108,7 +117,10 @@ class ConnectionWatch:
                 self._broke |= self._established
                 self._established = False
             elif event != zmq.EVENT_CONNECTED:
-                self._failure = handshake.explain(event, int(message["value"]), self._curve)
+                self._failure = handshake.explain(
+                    event, int(message["value"]), self._curve,
+                    peer=self._peer, option_prefix=self._option_prefix,
+                )  # fmt: skip
                 self._established = self._failure is None
 
     def broke(self) -> bool:

@@ -21,10 +21,12 @@ import pytest
 from benchmarks.harness.proc import start_process
 from kvserver.cli import build_parser
 from kvserver.client import KVClient
-from kvserver.crypto import ClientSecurity
+from kvserver.crypto import ClientSecurity, endpoint_is_local
 from kvserver.errors import KVServerError
 from kvserver.grpc_client import GrpcClient
 from kvserver.token_file import client_auth_token
+from scheduler.cli import process_config
+from step_protocol.security import check_worker_listen, worker_curve
 from tests.deploy.compose import ROOT, flag, listen_ports, load_compose, localize, services
 from tests.deploy.test_fleet_deploy import daemon_config
 from tests.deploy.test_fleet_keys import SECURITY_FIELDS, _assert_clients_served
@@ -99,7 +101,8 @@ def test_compose_keys_make_a_secure_daemon_that_serves_its_clients(tmp_path: Pat
             assert args.kvserver == served.zmq_address, name
             assert client_auth_token(args) == token, name
             assert "keys:/keys:ro" in svcs[name].raw["volumes"], name
-            clients[name] = ClientSecurity.from_mapping(args)
+            # the daemon's ZMQ clients: their --curve-* (the scheduler's --tls-* are its own)
+            clients[name] = ClientSecurity(args.curve_server_key_file, args.curve_secret_key_file)
         health = svcs["kvserver"].raw["healthcheck"]["test"]
         assert health[:3] == ["CMD", "kvserver", "status"]
         probe_argv = localize({"services": {"kvserver": {**daemon.raw, "command": health[1:]}}},
@@ -164,3 +167,65 @@ def test_dockerfile_default_command_makes_keeps_and_uses_its_keys(tmp_path: Path
     # the settings it fills in are its own: giving one as well is an error
     with pytest.raises(KVServerError, match="keys_dir excludes auth_token"):
         daemon_config([*cmd, "--auth-token", "x" * 32])
+
+
+def _drop(cmd: list[str], *flags: str) -> list[str]:
+    """``cmd`` without ``--flag VALUE`` for each of ``flags``."""
+    out: list[str] = []
+    skip = False
+    for arg in cmd:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def test_the_engine_listens_beyond_its_containers_only_with_tls_and_curve(
+    tmp_path: Path,
+) -> None:
+    """The scheduler's front door (TLS) and the workers' step channel (CURVE) as the compose
+    file configures them, beyond loopback (their own hosts, the key files the `keys` script
+    made): accepted by the real CLI's checks; without the key flags: refused. (Served for real
+    by tests/deploy/test_local_cluster.py.)"""
+    doc = load_compose()
+    svcs = services(doc)
+    keys_dir = tmp_path / "keys"
+    keys_dir.mkdir()
+    (script,) = svcs["keys"].command
+    run_keys(script.replace("/keys", str(keys_dir)), tmp_path)
+
+    def paths(cmd: list[str]) -> list[str]:
+        return [str(keys_dir / a.removeprefix("/keys/")) if a.startswith("/keys/") else a
+                for a in cmd]  # fmt: skip
+
+    parser = build_parser()
+    engine_key = (keys_dir / "engine.key").read_bytes()
+    sched_cmd = svcs["scheduler"].command
+    assert flag(sched_cmd, "--host") == "0.0.0.0" and "--insecure-remote" not in sched_cmd
+    config = process_config(parser.parse_args(paths(sched_cmd)))
+    assert config.tls is not None and config.step_curve is not None
+    assert all(not endpoint_is_local(w) for w in config.workers)  # worker-0, worker-1
+    for name in ("worker-0", "worker-1"):
+        cmd = svcs[name].command
+        assert "--insecure-remote" not in cmd
+        args = parser.parse_args(paths(cmd))
+        curve = worker_curve(args)
+        assert curve is not None and not endpoint_is_local(args.listen)
+        check_worker_listen(args.listen, curve, args.insecure_remote)
+        # the scheduler's step keys are the workers' pair and a key they admit
+        assert config.step_curve.server_key == curve.public_key
+        assert (Path(curve.clients_dir) / "engine.key").read_bytes() == engine_key
+        with pytest.raises(KVServerError, match="beyond loopback"):
+            stripped = _drop(cmd, "--step-curve-secret-key-file", "--step-curve-clients-dir")
+            bare = parser.parse_args(paths(stripped))
+            check_worker_listen(bare.listen, worker_curve(bare), bare.insecure_remote)
+    with pytest.raises(KVServerError, match=r"host 0\.0\.0\.0 is beyond loopback"):
+        process_config(parser.parse_args(paths(_drop(sched_cmd, "--tls-cert-file",
+                                                      "--tls-key-file"))))  # fmt: skip
+    with pytest.raises(KVServerError, match="worker tcp://worker-0:9500 is beyond loopback"):
+        process_config(parser.parse_args(paths(_drop(
+            sched_cmd, "--step-curve-server-key-file", "--step-curve-secret-key-file"
+        ))))  # fmt: skip

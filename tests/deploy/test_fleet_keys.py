@@ -28,6 +28,8 @@ from kvserver.client import KVClient
 from kvserver.crypto import ClientSecurity
 from kvserver.daemon.config import DaemonConfig
 from kvserver.grpc_client import GrpcClient
+from scheduler.cli import process_config
+from step_protocol.security import check_worker_listen, worker_curve
 from tests.deploy.test_fleet_deploy import FLEET, K8S, daemon_config, load_k8s
 from tests.support.daemon import DaemonProc, start_daemon
 
@@ -125,6 +127,18 @@ def test_compose_daemons_use_curve_and_tls_and_clients_their_keys(
             clients[role] = ClientSecurity(
                 local(args.curve_server_key_file), local(args.curve_secret_key_file)
             )
+        # the engine listens beyond its containers with TLS (front door) and CURVE (steps)
+        def argv(service: str) -> list[str]:
+            return [local(a) if a.startswith("/keys/") else str(a)
+                    for a in services[service]["command"]]  # fmt: skip
+
+        sched = process_config(parser.parse_args(argv(f"scheduler-{host}")))
+        assert sched.host == "0.0.0.0" and sched.tls is not None and sched.step_curve
+        worker_args = parser.parse_args(argv(f"worker-{host}"))
+        step = worker_curve(worker_args)
+        assert step is not None and step.public_key == sched.step_curve.server_key
+        check_worker_listen(worker_args.listen, step, worker_args.insecure_remote)
+        assert sorted(os.listdir(step.clients_dir)) == ["engine.key"]
         probe_argv = shlex.split(daemon["healthcheck"]["test"][1].replace("$$", "$"))
         probe = parser.parse_args(probe_argv[1:])
         served = DaemonConfig(**{f: local(getattr(cfg, f)) for f in SECURITY_FIELDS})

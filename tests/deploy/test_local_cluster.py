@@ -1,8 +1,9 @@
 """The compose cluster's very commands, run as local processes: the `keys` script (CURVE, TLS
 and the token, which every other command uses), the daemon with its SSD tier, two
-tensor-parallel CPU workers and the scheduler; one Generate through the scheduler's gRPC
-Engine; the same prompt after a scheduler restart is served from kvserver (docs/deploy.md,
-"Seeing kvserver at work"); every process exits 0 on SIGTERM."""
+tensor-parallel CPU workers (step channel over CURVE) and the scheduler (front door over
+TLS); one Generate through the scheduler's gRPC Engine; the same prompt after a scheduler
+restart is served from kvserver (docs/deploy.md, "Seeing kvserver at work"); every process
+exits 0 on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.compose import listen_ports, load_compose, localize, services
+from kvserver.crypto import TlsClient
+from tests.deploy.compose import flag, listen_ports, load_compose, localize, services
 from tests.deploy.test_compose_keys import run_keys
 from tests.scheduler.procs import EngineClient, Proc, output_tokens
 from tests.support.daemon import wait_for_ready_file, wait_until
@@ -77,7 +79,9 @@ def test_compose_commands_as_local_processes_serve_generate(tmp_path: Path) -> N
         assert [worker0.info["rank"], worker1.info["rank"]] == [0, 1]
 
         prompt = list(range(1, 41))
-        with EngineClient(scheduler.info["grpc_port"]) as client:
+        # the front door is TLS: its certificate (self-signed) is the CA
+        tls = TlsClient(flag(cmds["scheduler"], "--tls-cert-file"))
+        with EngineClient(scheduler.info["grpc_port"], tls) as client:
             out = output_tokens(client.generate(prompt, MAX_TOKENS))
         assert len(out) == MAX_TOKENS
 
@@ -89,7 +93,7 @@ def test_compose_commands_as_local_processes_serve_generate(tmp_path: Path) -> N
         scheduler = started[3] = _wait_ready(
             "scheduler", _start("scheduler", cmds["scheduler"], tmp_path), tmp_path
         )
-        with EngineClient(scheduler.info["grpc_port"]) as client:
+        with EngineClient(scheduler.info["grpc_port"], tls) as client:
             again = client.generate(prompt, MAX_TOKENS)
         assert again[0].usage.kvserver_tokens == 32  # two full 16-token blocks
         assert output_tokens(again) == out
