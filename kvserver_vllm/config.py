@@ -18,6 +18,7 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
     colocated          null   null: map the daemon's arena when it runs on this host;
                               false: always send payload frames; true: require the arena
     auth_token         ""     the daemon's shared secret, if it has one
+    auth_token_file    ""     a file holding it instead (0600; wins over auth_token)
     curve_server_key_file ""  the daemon's CURVE public key file (its NAME.key): required
                               when the daemon uses CURVE (docs/security.md)
     curve_secret_key_file ""  this engine's CURVE key pair (NAME.key_secret), when the daemon
@@ -43,6 +44,7 @@ from typing import Any
 from kvserver.crypto import CLIENT_OPTIONS, ClientSecurity, CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import DTYPE_SIZES, NamespaceSpec
+from kvserver.token_file import read_token_file
 from scheduler.kv_connector_types import KVConnectorConfig
 from worker.config import WorkerConnectorConfig
 
@@ -57,7 +59,8 @@ _CURVE_KEYS = tuple(k for k in CLIENT_OPTIONS if k.startswith("curve_"))
 _FLOAT_KEYS = ("lookup_timeout_s", "op_timeout_s", "down_backoff_s", "transfer_timeout_s")
 _KEYS = {
     "address", "chunk_blocks", "model_id", "lease_s", "colocated", "auth_token",
-    "max_store_batch_chunks", "min_hit_tokens", "host_kernels", *_FLOAT_KEYS, *_CURVE_KEYS,
+    "auth_token_file", "max_store_batch_chunks", "min_hit_tokens", "host_kernels",
+    *_FLOAT_KEYS, *_CURVE_KEYS,
 }  # fmt: skip
 
 
@@ -109,6 +112,12 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
     if not isinstance(host_kernels, bool):
         raise InvalidArgument("kv_connector_extra_config.host_kernels must be true or false")
     auth = _get(extra, "auth_token", str, "")
+    token_file = _get(extra, "auth_token_file", str, "")
+    if token_file:
+        try:
+            auth = read_token_file(token_file, "kv_connector_extra_config.auth_token_file")
+        except InvalidArgument as exc:
+            raise InvalidArgument(exc.message) from None
     for key in _CURVE_KEYS:
         _get(extra, key, str, "")
     try:

@@ -68,7 +68,8 @@ def test_each_compose_daemon_is_a_fleet_member(compose: dict[str, Any], host: st
     assert redis_host == "valkey" and redis_port == 6379
     assert cfg.host_id == f"host-{host}"
     assert cfg.advertised_host == f"kvserver-{host}" == svc["hostname"]
-    assert "KVSERVER_AUTH_TOKEN" in svc["environment"]
+    # the fleet's token: the file the keys service makes, one for every host
+    assert svc["environment"] == {"KVSERVER_AUTH_TOKEN_FILE": "/keys/auth.token"}
 
 
 def test_compose_hosts_publish_distinct_ports(compose: dict[str, Any]) -> None:

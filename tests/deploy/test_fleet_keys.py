@@ -28,6 +28,7 @@ from kvserver.client import KVClient
 from kvserver.crypto import ClientSecurity
 from kvserver.daemon.config import DaemonConfig
 from kvserver.grpc_client import GrpcClient
+from kvserver.token_file import client_auth_token
 from scheduler.cli import process_config
 from step_protocol.security import check_worker_listen, worker_curve
 from tests.deploy.test_fleet_deploy import FLEET, K8S, daemon_config, load_k8s
@@ -58,10 +59,10 @@ def _env(bin_dir: Path) -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-def _serve(tmp_path: Path, cfg: DaemonConfig) -> DaemonProc:
-    """A real daemon on loopback with ``cfg``'s security settings and the token."""
+def _serve(tmp_path: Path, cfg: DaemonConfig, token: str = TOKEN) -> DaemonProc:
+    """A real daemon on loopback with ``cfg``'s security settings and ``token``."""
     flags = [a for f in SECURITY_FIELDS for a in ("--" + f.replace("_", "-"), getattr(cfg, f))]
-    return start_daemon(tmp_path / "daemon", "--auth-token", TOKEN, *flags)
+    return start_daemon(tmp_path / "daemon", "--auth-token", token, *flags)
 
 
 def _assert_clients_served(daemon: DaemonProc, zmq_clients: dict[str, ClientSecurity],
@@ -109,20 +110,28 @@ def test_compose_daemons_use_curve_and_tls_and_clients_their_keys(
         return str(keys_dir / path.removeprefix("/keys/"))
 
     parser = build_parser()
+    token = (keys_dir / "auth.token").read_text().strip()  # one for the fleet
+    assert (keys_dir / "auth.token").stat().st_mode & 0o077 == 0
     for host in "ab":
         daemon = services[f"kvserver-{host}"]
         assert "--insecure-remote" not in daemon["command"]
-        cfg = daemon_config([str(a) for a in daemon["command"]])
+        token_file = local(daemon["environment"]["KVSERVER_AUTH_TOKEN_FILE"])
+        token_env = {"KVSERVER_AUTH_TOKEN_FILE": token_file}
+        cfg = daemon_config([str(a) for a in daemon["command"]], env=token_env)
         assert not cfg.insecure_remote and all(getattr(cfg, f) for f in SECURITY_FIELDS)
+        assert cfg.auth_token == token
         assert daemon["depends_on"]["keys"]["condition"] == "service_completed_successfully"
         for role in ("kvserver", "worker", "scheduler"):
             assert "keys:/keys:ro" in services[f"{role}-{host}"]["volumes"], role
-        # the clients' options, parsed by the real CLI, with the token from the environment
+        # the clients' options, parsed by the real CLI, with the token file from the environment
         clients: dict[str, ClientSecurity] = {}
         for role in ("worker", "scheduler"):
             svc = services[f"{role}-{host}"]
-            assert "KVSERVER_AUTH_TOKEN" in svc["environment"], role
-            args = parser.parse_args([str(a) for a in svc["command"]])
+            assert svc["environment"] == daemon["environment"], role
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("KVSERVER_AUTH_TOKEN_FILE", token_file)
+                args = build_parser().parse_args([str(a) for a in svc["command"]])
+            assert client_auth_token(args) == token, role
             assert args.kvserver == f"tcp://kvserver-{host}:9471"
             clients[role] = ClientSecurity(
                 local(args.curve_server_key_file), local(args.curve_secret_key_file)
@@ -139,13 +148,15 @@ def test_compose_daemons_use_curve_and_tls_and_clients_their_keys(
         assert step is not None and step.public_key == sched.step_curve.server_key
         check_worker_listen(worker_args.listen, step, worker_args.insecure_remote)
         assert sorted(os.listdir(step.clients_dir)) == ["engine.key"]
-        probe_argv = shlex.split(daemon["healthcheck"]["test"][1].replace("$$", "$"))
-        probe = parser.parse_args(probe_argv[1:])
+        health = daemon["healthcheck"]["test"]
+        assert health[:3] == ["CMD", "kvserver", "status"]
+        probe = parser.parse_args(health[2:])
+        assert probe.auth_token_file == "/keys/auth.token"
         served = DaemonConfig(**{f: local(getattr(cfg, f)) for f in SECURITY_FIELDS})
-        proc = _serve(tmp_path / host, served)
+        proc = _serve(tmp_path / host, served, token)
         try:
             ca = ClientSecurity(tls_ca_file=local(probe.tls_ca_file))
-            _assert_clients_served(proc, clients, ca)
+            _assert_clients_served(proc, clients, ca, token)
         finally:
             assert proc.terminate() == 0, proc.log()
 

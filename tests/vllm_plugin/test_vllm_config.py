@@ -27,6 +27,7 @@ from vllm.v1.request import Request  # noqa: E402
 from kvserver.crypto import load_curve_keys, make_curve_keys  # noqa: E402
 from kvserver.errors import InvalidArgument  # noqa: E402
 from kvserver.hashing import BlockHasher  # noqa: E402
+from kvserver.token_file import make_token_file, read_token_file  # noqa: E402
 from kvserver_vllm.config import load_config  # noqa: E402
 from kvserver_vllm.connector import KVServerConnector  # noqa: E402
 from tests.vllm_plugin.harness import (  # noqa: E402
@@ -114,6 +115,7 @@ def test_each_instance_holds_the_bookkeeping_of_its_own_role_only(model_dir: Pat
         ({"curve_secret_key_file": "/k"}, "curve_secret_key_file needs curve_server_key_file"),
         ({"curve_server_key_file": "/absent/server.key"}, "cannot read CURVE key file /absent"),
         ({"tls_ca_file": "/ca.crt"}, "unknown kv_connector_extra_config keys: tls_ca_file"),
+        ({"auth_token_file": "/absent/auth.token"}, "auth_token_file: cannot read token file"),
     ],
 )
 def test_bad_extra_config_is_a_clear_error(model_dir: Path, extra: Any, needle: str) -> None:
@@ -191,6 +193,14 @@ def test_curve_keys_reach_both_halves(model_dir: Path, tmp_path: Path) -> None:
     assert curve.server_key == load_curve_keys(server_key)[0]
     assert curve.public_key == load_curve_keys(engine_key)[0]
     assert load(model_dir).scheduler.curve is None and load(model_dir).worker(0).curve is None
+
+
+def test_a_token_file_reaches_both_halves(model_dir: Path, tmp_path: Path) -> None:
+    """``auth_token_file`` (docs/security.md, "Client options"): read once, wins over
+    ``auth_token``."""
+    path = make_token_file(str(tmp_path))
+    cfg = load(model_dir, auth_token="ignored-token-0123456789", auth_token_file=path)
+    assert cfg.scheduler.auth_token == cfg.worker(0).auth_token == read_token_file(path)
 
 
 def test_host_kernels_reach_every_worker_rank(model_dir: Path) -> None:
