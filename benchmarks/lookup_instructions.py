@@ -1,0 +1,155 @@
+"""Instructions per gRPC call (Health, Lookup by 1 and by 2,048 keys, by a new 32k-token prompt),
+counted by callgrind in the daemon and in the client: a measure of the Lookup path that the
+load of a shared machine does not move (docs/benchmarks.md, Lookup).
+
+Usage (PYTHONPATH selects the tree measured, daemon and client; to measure an older tree, copy
+this file into its benchmarks/ first)::
+
+    PYTHONPATH=TREE python -m benchmarks.lookup_instructions [--calls 100] [--out DIR]
+
+Runs in its own processes: this one starts the client under ``valgrind --tool=callgrind`` (itself
+again, with ``--client``); the client starts ``kvserver start`` under callgrind too, stores the
+prompt, warms every call up, then makes ``--calls`` calls of each kind and dumps both processes'
+counters after each kind (``callgrind_control --dump``). Prints one line per kind and process:
+instructions per call, and the excess over Health's. Needs valgrind; takes ~1-2 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.daemon_lookup import LOOKUP_TOKENS
+
+KINDS = ("health", "lookup 1 key", "lookup 2,048 keys", "lookup a new 32k-token prompt")
+#: calls of the token kind per --calls (each is ~100x a Health call under callgrind)
+TOKEN_SHARE = 0.3
+START_TIMEOUT_S = 300.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=100, help="calls of each kind (default 100)")
+    parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.calls < 1:
+        parser.error("--calls must be >= 1")
+    out = args.out or Path(tempfile.mkdtemp(prefix="kvserver-callgrind-"))
+    if args.client:
+        _client(args.calls, out)
+        return
+    if shutil.which("valgrind") is None:
+        raise SystemExit("needs valgrind (apt-get install valgrind)")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    command = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/client.%p",
+        sys.executable, "-m", "benchmarks.lookup_instructions", "--client",
+        "--calls", str(args.calls), "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; callgrind files in {out}")
+    for who in ("daemon", "client"):
+        counts = _per_call(out, who, args.calls)
+        health = counts["health"]
+        for kind in KINDS:
+            ir = counts[kind]
+            print(f"{who:6s} {kind:30s} {ir / 1e6:7.3f} M instructions/call "
+                  f"({(ir - health) / 1e6:+.3f} M over Health)")  # fmt: skip
+
+
+def _client(calls: int, out: Path) -> None:
+    """The measured client (runs under callgrind): start the daemon, store, call, dump."""
+    from benchmarks.bench_daemon import _spec
+    from kvserver.client import KVClient
+    from kvserver.grpc_client import GrpcClient
+    from kvserver.hashing import BlockHasher
+
+    work = Path(tempfile.mkdtemp(prefix="kvserver-callgrind-daemon-"))
+    ready = work / "ready.json"
+    command = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/daemon.%p",
+        sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
+        "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0", "--dram", "256MiB",
+        "--ready-file", str(ready), "--log-level", "WARNING",
+    ]  # fmt: skip
+    daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def dump(kind: str) -> None:
+        for pid in (daemon.pid, os.getpid()):
+            subprocess.run(["callgrind_control", "--dump", kind, str(pid)], check=True,
+                           capture_output=True)  # fmt: skip
+
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the daemon did not start under valgrind")
+            time.sleep(0.2)  # polling for the ready file, bounded by the deadline
+        info = json.loads(ready.read_text())
+        spec = _spec(1024, "lookup")
+        rng = random.Random(1)
+        tokens = [rng.randrange(128_256) for _ in range(LOOKUP_TOKENS)]
+        hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
+        keys = [bytes(k) for k in hasher.chunk_keys(hasher.hash_blocks(tokens), spec.chunk_blocks)]
+        with KVClient(f"tcp://127.0.0.1:{info['zmq_port']}", timeout=120) as kv:
+            ns_id = kv.register_namespace(spec).ns_id
+            grant = kv.prepare_store(ns_id, keys)
+            if grant is None:
+                raise SystemExit("cannot store the prompt")
+            kv.complete_store(grant.lease_id)
+        with GrpcClient(f"127.0.0.1:{info['grpc_port']}", timeout=120) as grpc:
+            firsts = itertools.count(1)
+            cases: dict[str, tuple[Callable[[], Any], int]] = {
+                KINDS[0]: (grpc.health, calls),
+                KINDS[1]: (lambda: grpc.lookup_keys(ns_id, keys[:1]), calls),
+                KINDS[2]: (lambda: grpc.lookup_keys(ns_id, keys), calls),
+                KINDS[3]: (
+                    lambda: grpc.lookup_tokens(ns_id, [next(firsts) % 128_256, *tokens[1:]]),
+                    max(1, round(calls * TOKEN_SHARE)),
+                ),
+            }
+            for call, _ in cases.values():
+                for _ in range(10):
+                    call()
+            dump("warm-up")
+            for index, (call, n) in enumerate(cases.values()):
+                for _ in range(n):
+                    call()
+                dump(f"kind{index}x{n}")
+    finally:
+        daemon.terminate()
+        daemon.wait(START_TIMEOUT_S)
+
+
+def _per_call(out: Path, who: str, calls: int) -> dict[str, float]:
+    """Instructions per call of each kind in ``who``'s dumps (``who.PID.N`` files)."""
+    counts: dict[str, float] = {}
+    for path in out.glob(f"{who}.*.*"):
+        text = path.read_text(errors="replace")[:4096]
+        trigger = re.search(r"^desc: Trigger: .*kind(\d+)x(\d+)\s*$", text, re.M)
+        total = re.search(r"^summary: (\d+)$", text, re.M)
+        if trigger is None or total is None:
+            continue  # the warm-up dump or the final one
+        counts[KINDS[int(trigger.group(1))]] = int(total.group(1)) / int(trigger.group(2))
+    missing = [kind for kind in KINDS if kind not in counts]
+    if missing:
+        raise SystemExit(f"no callgrind dump of {missing} for the {who} in {out}")
+    return counts
+
+
+if __name__ == "__main__":
+    main()
