@@ -8,7 +8,12 @@ described in docs/grpc.md.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
+from typing import cast
+
+import numpy
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.engine_types import CutKeys
@@ -136,3 +141,49 @@ def keys_from_proto(msg: pb.KeyPrefix, key_size: int, max_keys: int) -> Sequence
     if count > max_keys:
         raise InvalidArgument("too many keys in one request", count=count, max=max_keys)
     return CutKeys(packed, key_size)
+
+
+#: one packed token id: a little-endian uint32
+_PACKED_TOKEN = numpy.dtype("<u4")
+
+
+def tokens_to_proto(msg: pb.TokenPrefix, token_ids: Sequence[int], *, packed: bool) -> None:
+    """Fill ``msg.token_ids`` (``packed``: ``msg.packed_token_ids``) in place with
+    ``token_ids``. Packed, a numpy array of little-endian uint32 is taken as it is and anything
+    else goes through ``array("I")`` (32k ids: ~0.2 ms, where ``extend`` of the repeated field
+    takes ~0.5 ms and then writes a varint per id); InvalidArgument for an id that is not an
+    int in [0, 2**32)."""
+    ids: object = token_ids
+    if not packed:
+        msg.token_ids.extend(token_ids)
+    elif isinstance(ids, numpy.ndarray) and ids.dtype == _PACKED_TOKEN and ids.ndim == 1:
+        msg.packed_token_ids = ids.tobytes()
+    else:
+        try:
+            words = array("I", token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidArgument(f"token ids must be ints in [0, 2**32): {exc}") from None
+        if sys.byteorder == "big":
+            words.byteswap()
+        msg.packed_token_ids = words.tobytes()
+    msg.SetInParent()
+
+
+def token_ids_from_proto(msg: pb.TokenPrefix) -> Sequence[int]:
+    """The token ids of ``msg`` as one uint32 numpy array (the hasher takes it in bulk, with
+    no check per id): ``token_ids`` exported by protobuf in bulk, or ``packed_token_ids``
+    viewed in place. InvalidArgument when both are set or the packed bytes are not whole ids."""
+    packed = msg.packed_token_ids
+    if packed:
+        if msg.token_ids:
+            raise InvalidArgument("set either token_ids or packed_token_ids, not both")
+        if len(packed) % _PACKED_TOKEN.itemsize:
+            raise InvalidArgument(
+                "packed_token_ids is not a whole number of 4-byte ids", length=len(packed)
+            )
+        ids = numpy.frombuffer(packed, dtype=_PACKED_TOKEN).astype(numpy.uint32, copy=False)
+    else:
+        # protobuf hands a repeated uint32 field to numpy in bulk (32k ids: 5 us instead of
+        # 0.9 ms for a tuple of ints)
+        ids = numpy.asarray(msg.token_ids, dtype=numpy.uint32)
+    return cast("Sequence[int]", ids)

@@ -20,15 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy
-
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
 from kvserver.cluster.schema import TIERS
 from kvserver.cluster.scoring import HostScore, score_runs
 from kvserver.engine_types import CutKeys
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
-from kvserver.grpc_format import keys_from_proto
+from kvserver.grpc_format import keys_from_proto, token_ids_from_proto
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 
@@ -130,12 +128,11 @@ def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
         return list(keys)
     if which == "tokens":
         t = req.tokens
-        if len(t.token_ids) > MAX_TOKENS:
-            raise InvalidArgument("too many tokens", count=len(t.token_ids))
+        token_ids = token_ids_from_proto(t)  # in bulk, as the daemon's Lookup takes them
+        if len(token_ids) > MAX_TOKENS:
+            raise InvalidArgument("too many tokens", count=len(token_ids))
         lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
         hasher = _hasher(spec)
-        # the ids in bulk, as the daemon's Lookup takes them (grpc_server._prefix_keys)
-        token_ids = cast("Sequence[int]", numpy.asarray(t.token_ids, dtype=numpy.uint32))
         blocks = hasher.hash_blocks(token_ids, cache_salt=t.cache_salt or None, lora=lora)
         # block hashes are bytes already (a NewType): no copy per key (2,048: ~0.1 ms)
         return cast("list[bytes]", hasher.chunk_keys(blocks, spec.chunk_blocks))

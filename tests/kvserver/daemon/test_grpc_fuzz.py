@@ -103,10 +103,14 @@ texts = st.text(max_size=80)
 ns_ids = st.one_of(st.just(""), texts, st.just("0123456789abcdef"))
 keys = st.lists(st.binary(max_size=40), max_size=40)
 token_prefixes = st.builds(
-    lambda ids, salt, lora: pb.TokenPrefix(
-        token_ids=ids, cache_salt=salt, lora=None if lora is None else pb.LoraAdapter(**lora)
+    lambda ids, packed, salt, lora: pb.TokenPrefix(
+        token_ids=ids,
+        packed_token_ids=packed,
+        cache_salt=salt,
+        lora=None if lora is None else pb.LoraAdapter(**lora),
     ),
     st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    st.just(b"") | st.binary(max_size=1300),
     texts,
     st.none() | st.fixed_dictionaries({"name": texts, "path": texts}),
 )
@@ -132,8 +136,17 @@ def with_prefix(msg: Any, prefix: tuple[str, Any] | None) -> bytes:
     return data
 
 
-def keys_valid(prefix: pb.KeyPrefix, size: int) -> bool:
+def prefix_valid(prefix: tuple[str, Any], size: int) -> bool:
     """Whether the daemon must accept ``prefix`` for a namespace of ``size``-byte keys."""
+    which, msg = prefix
+    if which == "tokens":
+        packed = msg.packed_token_ids
+        return not packed or (not msg.token_ids and len(packed) % 4 == 0)
+    return keys_valid(msg, size)
+
+
+def keys_valid(prefix: pb.KeyPrefix, size: int) -> bool:
+    """Whether the daemon must accept the keys of ``prefix`` (``size``-byte keys)."""
     if prefix.packed_keys or prefix.key_size:
         return not prefix.keys and prefix.key_size == size and len(prefix.packed_keys) % size == 0
     return all(len(k) == size for k in prefix.keys)
@@ -157,7 +170,7 @@ def test_fuzz_lookup(target: Target, data: st.DataObject, prefix: Any) -> None:
         expected = C.INVALID_ARGUMENT
     elif ns_id not in known:
         expected = C.NOT_FOUND
-    elif prefix is None or (prefix[0] == "keys" and not keys_valid(prefix[1], known[ns_id])):
+    elif prefix is None or not prefix_valid(prefix, known[ns_id]):
         expected = C.INVALID_ARGUMENT
     else:
         expected = OK

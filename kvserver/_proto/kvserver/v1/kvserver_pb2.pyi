@@ -18,14 +18,16 @@ MEDIUM_CPU: Medium
 MEDIUM_STORAGE: Medium
 
 class TokenPrefix(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "lora")
+    __slots__ = ("token_ids", "cache_salt", "lora", "packed_token_ids")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     lora: LoraAdapter
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+    packed_token_ids: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path")

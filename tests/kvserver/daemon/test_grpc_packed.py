@@ -1,8 +1,9 @@
-"""``KeyPrefix.packed_keys``: the keys of a prefix as one field (Lookup, Pin, Unpin).
+"""``KeyPrefix.packed_keys`` and ``TokenPrefix.packed_token_ids``: a prefix as one field.
 
-Packed and repeated keys give the same answers; malformed packed keys get INVALID_ARGUMENT with
-a message that says what is wrong, and the daemon keeps serving; old clients (repeated keys)
-keep working; a new client against a daemon that predates the field falls back to repeated keys.
+Packed and repeated fields give the same answers; malformed packed fields get INVALID_ARGUMENT
+with a message that says what is wrong, and the daemon keeps serving; old clients (repeated
+fields) keep working; a new client against a daemon that predates the fields falls back to the
+repeated ones.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy
 import pytest
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
@@ -19,7 +22,7 @@ from kvserver.errors import InvalidArgument
 from kvserver.grpc_client import GrpcClient
 from kvserver.grpc_format import SERVICE_NAME
 from tests.kvserver.builders import make_keys, make_spec
-from tests.kvserver.daemon.test_grpc_server import InProcessServer
+from tests.kvserver.daemon.test_grpc_server import InProcessServer, chunk_keys
 
 
 @pytest.fixture
@@ -130,13 +133,19 @@ class DaemonBeforePackedKeys:
     @staticmethod
     def _old_request(data: bytes) -> pb.LookupRequest:
         request: pb.LookupRequest = pb.LookupRequest.FromString(data)
-        request.keys.packed_keys, request.keys.key_size = b"", 0  # fields it did not know
+        # drop the fields it did not know (touching the other oneof member would select it)
+        if request.WhichOneof("prefix") == "keys":
+            request.keys.packed_keys, request.keys.key_size = b"", 0
+        elif request.WhichOneof("prefix") == "tokens":
+            request.tokens.packed_token_ids = b""
         return request
 
     def _lookup(self, request: pb.LookupRequest, context: object) -> pb.LookupResponse:
         self.requests.append(request)
-        n = len(request.keys.keys)
-        return pb.LookupResponse(namespace_id=request.namespace_id, hit_chunks=n, num_chunks=n)
+        n = len(request.keys.keys) + len(request.tokens.token_ids) // 16
+        return pb.LookupResponse(
+            namespace_id=request.namespace_id, hit_chunks=n, num_chunks=n, chunk_tokens=16
+        )
 
     def close(self) -> None:
         self._server.stop(None)
@@ -154,3 +163,68 @@ def test_a_new_client_falls_back_to_repeated_keys_for_an_older_daemon() -> None:
         assert [len(r.keys.keys) for r in old.requests] == [0, 5, 3]
     finally:
         old.close()
+
+
+def test_a_new_client_sends_token_ids_repeated_to_an_older_daemon() -> None:
+    old = DaemonBeforePackedKeys()
+    try:
+        with GrpcClient(f"127.0.0.1:{old.port}", timeout=10) as client:
+            assert client.lookup_tokens("ns", list(range(40))).num_chunks == 2
+            assert not client.packed_tokens
+            assert client.lookup_tokens("ns", list(range(16))).num_chunks == 1
+        assert [len(r.tokens.token_ids) for r in old.requests] == [0, 40, 16]
+    finally:
+        old.close()
+
+
+def lookup_tokens_request(ns_id: str, **tokens: Any) -> pb.LookupRequest:
+    return pb.LookupRequest(namespace_id=ns_id, tokens=pb.TokenPrefix(**tokens))
+
+
+def test_packed_and_repeated_token_ids_give_the_same_answers(server: InProcessServer) -> None:
+    spec = make_spec()
+    ns_id = server.register(spec)
+    tokens = [t * 7919 % 128_256 for t in range(200)]
+    tokens[20] = 2**32 - 1  # every width, the largest id included
+    salted = {"cache_salt": "tenant-a", "lora": ("ad", "/p")}
+    server.store(ns_id, chunk_keys(spec, tokens[:160], **salted))
+    with server.client() as new, server.client() as old:
+        old.packed_tokens = False
+        for probe in (tokens, tokens[:100], tokens[:3], [], numpy.array(tokens, numpy.uint32)):
+            for kw in ({}, salted):
+                a = new.lookup_tokens(ns_id, probe, **kw)  # type: ignore[arg-type]
+                b = old.lookup_tokens(ns_id, probe, **kw)  # type: ignore[arg-type]
+                assert (a.hit_chunks, a.num_chunks) == (b.hit_chunks, b.num_chunks)
+        assert new.lookup_tokens(ns_id, tokens, **salted).hit_chunks == 10  # type: ignore[arg-type]
+        assert new.packed_tokens  # a prompt shorter than a chunk did not look like an old daemon
+    packed = numpy.array(tokens, "<u4").tobytes()
+    reply = raw_lookup(server, lookup_tokens_request(ns_id, packed_token_ids=packed))
+    assert reply.num_chunks == 12
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"packed_token_ids": bytes(64), "token_ids": [1]}, "not both"),
+        ({"packed_token_ids": bytes(63)}, "whole number of 4-byte ids"),
+    ],
+    ids=["both-fields", "partial-id"],
+)
+def test_malformed_packed_token_ids_are_invalid_argument(
+    server: InProcessServer, fields: dict[str, object], message: str
+) -> None:
+    ns_id = server.register(make_spec())
+    with pytest.raises(grpc.RpcError) as err:
+        raw_lookup(server, lookup_tokens_request(ns_id, **fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (err.value.details() or "")
+    assert raw_lookup(server, lookup_tokens_request(ns_id, token_ids=[1] * 32)).num_chunks == 2
+
+
+def test_the_client_refuses_token_ids_that_are_not_uint32(server: InProcessServer) -> None:
+    ns_id = server.register(make_spec())
+    with server.client() as client:
+        bad_ids: list[list[Any]] = [[-1], [2**32], ["7"]]
+        for bad in bad_ids:
+            with pytest.raises(InvalidArgument, match="token ids"):
+                client.lookup_tokens(ns_id, bad)
