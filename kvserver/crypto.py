@@ -1,4 +1,5 @@
-"""Encryption and peer authentication on the wire: ZMQ CURVE keys and gRPC TLS credentials.
+"""Encryption and peer authentication on the wire: ZMQ CURVE keys, the token a ZMQ client
+presents at the handshake (PLAIN), and gRPC TLS credentials.
 
 Runs in any process: the daemon (server side), every client, and a daemon acting as a client
 of another daemon (the peer tier) — the client-side settings are one small value,
@@ -127,6 +128,25 @@ class CurveClient:
         sock.curve_serverkey = self.server_key
         sock.curve_publickey = self.public_key
         sock.curve_secretkey = self.secret_key
+
+
+#: the PLAIN user name kvserver's clients present at the ZMQ handshake; the daemon checks only
+#: the password, which is the token (``kvserver/daemon/zap.py``).
+PLAIN_USERNAME = b"kvserver"
+#: the longest token (UTF-8 bytes) the PLAIN mechanism carries; the daemon refuses longer ones.
+MAX_TOKEN_BYTES = 255
+
+
+def apply_token(sock: Any, token: str) -> None:
+    """Make ``sock`` (not yet connected) present ``token`` at the ZMQ handshake: the PLAIN
+    mechanism with the token as password, what a daemon that requires a token and has no CURVE
+    key demands of every client (``docs/wire.md``, "The handshake"). Raises InvalidArgument for
+    a token the mechanism cannot carry (empty, or over 255 bytes)."""
+    password = token.encode()
+    if not 0 < len(password) <= MAX_TOKEN_BYTES:
+        raise InvalidArgument(f"an auth token is 1 to {MAX_TOKEN_BYTES} bytes", size=len(password))
+    sock.plain_username = PLAIN_USERNAME
+    sock.plain_password = password
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,10 @@ class WorkerGroup:
             if self.curve is not None:
                 self.curve.apply(sock)
             worker.watch = ConnectionWatch(
-                sock, curve=self.curve is not None, peer="worker", option_prefix="step_"
+                sock,
+                mechanism="curve" if self.curve is not None else "null",
+                peer="worker",
+                option_prefix="step_",
             )
             sock.connect(worker.address)
             worker.sock = sock

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from benchmarks.harness.proc import READY_TIMEOUT_S as READY_TIMEOUT_S
 from benchmarks.harness.proc import Proc as Proc
 from benchmarks.harness.proc import start_process
@@ -43,6 +45,24 @@ class DaemonProc(Proc):
         from kvserver.token_file import TokenFile
 
         return TokenFile(self.zmq_address).token()
+
+
+def raw_dealer(
+    address: str, token: str | None = None, ctx: zmq.Context[Any] | None = None
+) -> zmq.Socket[bytes]:
+    """A bare DEALER (LINGER 0) connected to the daemon at ``address``, presenting ``token`` at
+    the ZMQ handshake (PLAIN, ``docs/wire.md``): by default the token the daemon left for this
+    user (none when there is none), "" for none at all (an unauthenticated peer)."""
+    from kvserver.crypto import apply_token
+    from kvserver.token_file import TokenFile
+
+    sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+    sock.linger = 0
+    token = TokenFile(address).token() if token is None else token
+    if token:
+        apply_token(sock, token)
+    sock.connect(address)
+    return sock
 
 
 def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> DaemonProc:

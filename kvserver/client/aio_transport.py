@@ -17,7 +17,9 @@ instead. The DEALER's monitor (:class:`~kvserver.client.links.ConnectionWatch`) 
 the event loop (a reader on its file descriptor, no task): when the connection breaks, the
 requests outstanding on the DEALER fail at once with Unavailable (the replies received before
 the break are routed first) and the socket is replaced; so is a DEALER whose connection broke
-while nothing was outstanding, before the next request is sent. None is sent twice.
+while nothing was outstanding, before the next request is sent. A failed security handshake
+fails them at once too, with its reason (``kvserver/client/handshake.py``; Unauthenticated when
+the daemon refused the token). None is sent twice.
 """
 
 from __future__ import annotations
@@ -194,20 +196,41 @@ class AioTransport:
             self.drop(LOST)
             self._slots[sending] = slot
         if self._zmq is None:
-            self._zmq, self._watch = open_dealer(self._ctx, self._s.address, self._s.curve)
+            s = self._s
+            self._zmq, self._watch = open_dealer(
+                self._ctx, s.address, s.curve, s.handshake_token()
+            )
             self._watch_fd = cast(int, self._watch.fd.get(zmq.FD))
             self._watch_loop = asyncio.get_running_loop()
             self._watch_loop.add_reader(self._watch_fd, self._on_watch_event)
+            # ZMQ's descriptor signals changes only: read what came before the reader was added
+            self._watch_loop.call_soon(self._on_watch_event)
         return self._zmq
 
     def _on_watch_event(self) -> None:
         """The DEALER's monitor socket signalled (the event loop's reader callback): when the
-        connection broke and requests are outstanding on the DEALER, fail them now."""
+        connection broke, or its security handshake failed (nothing sent on it can be
+        delivered: it would only retry and fail again), and requests are outstanding on the
+        DEALER, fail them now (a failed handshake with its reason, as a timeout would)."""
         watch = self._watch
-        if watch is None or not watch.broke() or self._local is not None or not self._slots:
+        if watch is None:
+            return
+        # read every event now, whatever follows: the descriptor signals again only after that
+        broke = watch.broke()
+        if self._local is not None or not self._slots:
             return  # (a broken DEALER with nothing on it is replaced at the next send)
-        self._broken = True
-        self._fail_if_broken()
+        if broke:
+            self._broken = True
+            self._fail_if_broken()
+            return
+        why = watch.failure()
+        if why is None:
+            return
+        self._close_dealer()
+        slots, self._slots = self._slots, {}
+        for slot in slots.values():
+            if not slot.future.done() and not slot.cancelled:
+                slot.future.set_exception(self._s.timed_out(slot.call, 0.0, why))
 
     def _fail_if_broken(self) -> None:
         """The DEALER's connection broke: once the replies received before the break are

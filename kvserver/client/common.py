@@ -31,6 +31,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from kvserver import wire
 from kvserver.arena import ArenaView
+from kvserver.client.handshake import Failure
 from kvserver.client.parts import (
     Parts,
     flatten_parts,
@@ -125,6 +126,7 @@ class Session:
         #: without a token of our own: the one a daemon on this host left for its user
         self._token_file = TokenFile(address) if not auth_token else None
         self._sent_token = auth_token  # the token of the last request encoded
+        self._presented = ""  # the token the newest DEALER presents at its handshake
         #: CURVE settings applied to every ZMQ socket of this session (None: plain TCP).
         self.curve = curve
         #: None: use shared memory when possible; False: never; True: required.
@@ -187,18 +189,29 @@ class Session:
 
     def token_changed(self) -> bool:
         """True when the daemon's token file now holds another token than the one our last
-        request carried (a restarted daemon refused it): worth retrying once."""
+        request carried or our DEALER presented at its handshake (a restarted daemon refused
+        it): worth retrying once."""
         if self._token_file is None:
             return False
         token = self._token_file.token()
-        return bool(token) and token != self._sent_token
+        presented = self._presented if self.curve is None else token
+        return bool(token) and (token != self._sent_token or token != presented)
 
-    def timed_out(self, call: Call, timeout: float, why: str | None = None) -> Unavailable:
-        """The error of a call without a reply; ``why``: the failed handshake that explains
-        it (:mod:`kvserver.client.handshake`)."""
+    def handshake_token(self) -> str:
+        """The token a new DEALER presents at the ZMQ handshake (``docs/wire.md`` §0): ours,
+        else the token file's; "" under CURVE (keys instead) or without one."""
+        if self.curve is not None:
+            return ""
+        token = self.auth_token if self._token_file is None else self._token_file.token()
+        self._presented = token
+        return token
+
+    def timed_out(self, call: Call, timeout: float, why: Failure | None = None) -> KVServerError:
+        """The error of a call without a reply (Unavailable); ``why``: the failed handshake
+        that explains it (:meth:`kvserver.client.handshake.Failure.error`)."""
         self.needs_hello = True
         if why is not None:
-            return Unavailable(f"cannot talk to {self.address}: {why}", op=call.op)
+            return why.error(f"cannot talk to {self.address}: {why}", op=call.op)
         return Unavailable(f"no reply from {self.address} within {timeout}s", op=call.op)
 
     def close(self) -> None:

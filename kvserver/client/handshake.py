@@ -2,17 +2,22 @@
 
 Runs in client processes, on the thread (or event loop) that owns the socket; not
 thread-safe. A ZMQ socket whose security handshake fails (a wrong daemon public key, a client
-key the daemon does not admit, CURVE on one side only) reconnects and fails again forever, and
-its requests simply go unanswered. :class:`~kvserver.client.links.ConnectionWatch` listens to
-the socket's monitor events so that the client can say which of these happened instead of "no
-reply": its ``failure()`` is :func:`explain` of the latest failed handshake (None once one
-succeeds), in the option names of ``docs/security.md``. Works for blocking and asyncio sockets
-alike (the monitor socket is a blocking one on the same libzmq context, read without waiting).
+key the daemon does not admit, a token the daemon refuses, CURVE or a token on one side only)
+reconnects and fails again forever, and its requests simply go unanswered.
+:class:`~kvserver.client.links.ConnectionWatch` listens to the socket's monitor events so that
+the client can say which of these happened instead of "no reply": its ``failure()`` is
+:func:`explain` of the latest failed handshake (None once one succeeds), in the option names
+of ``docs/security.md``. Works for blocking and asyncio sockets alike (the monitor socket is a
+blocking one on the same libzmq context, read without waiting).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import zmq
+
+from kvserver.errors import KVServerError, Unauthenticated, Unavailable
 
 #: the monitor events :func:`explain` reads
 EVENTS = (
@@ -23,18 +28,55 @@ EVENTS = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a handshake failed, in the option names of ``docs/security.md``;
+    ``unauthenticated``: the daemon refused the token the client presented, or wants one and
+    got none (a wrong token, or a daemon restarted with a new one: worth re-reading the token
+    file and retrying once)."""
+
+    reason: str
+    unauthenticated: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
+
+    def error(self, message: str, **context: object) -> KVServerError:
+        """The error a request waiting on the socket fails with: Unauthenticated for a token
+        refused or wanted, else Unavailable."""
+        kind = Unauthenticated if self.unauthenticated else Unavailable
+        return kind(message, **context)
+
+
+#: the mechanisms of a client socket: no credentials, a token (PLAIN), CURVE keys
+MECHANISMS = ("null", "plain", "curve")
+
+_NO_TOKEN = (
+    "requires a token at the handshake: give auth_token (a daemon on this host "
+    "leaves its token in a file only its user can read; set KVSERVER_SHM_DIR if it runs with "
+    "another --shm-dir), or curve_server_key_file if it uses CURVE (docs/security.md)"
+)
+
+
 def explain(
-    event: int, value: int, curve: bool, *, peer: str = "daemon", option_prefix: str = ""
-) -> str | None:
-    """The reason for one monitor event of a client socket (``curve``: it uses CURVE); None
-    for a successful handshake. ``peer`` names the server ("daemon", or "worker" for the
-    scheduler's step channel), ``option_prefix`` the options' prefix on that channel
-    (``step_``)."""
+    event: int, value: int, mechanism: str, *, peer: str = "daemon", option_prefix: str = ""
+) -> Failure | None:
+    """The reason for one monitor event of a client socket whose security ``mechanism`` is one
+    of :data:`MECHANISMS`; None for a successful handshake. ``peer`` names the server
+    ("daemon", or "worker" for the scheduler's step channel), ``option_prefix`` the options'
+    prefix on that channel (``step_``)."""
     if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         return None
+    curve = mechanism == "curve"
     server_key = f"{option_prefix}curve_server_key_file"
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (
+        if mechanism == "plain":
+            return Failure(
+                f"the {peer} refused this client's auth token at the handshake (a wrong token; "
+                "give the daemon's --auth-token or a tenant's token as auth_token)",
+                unauthenticated=True,
+            )
+        return Failure(
             f"the {peer} refused this client's CURVE key: its public key is not in the "
             f"{peer}'s {option_prefix}curve_clients_dir (give "
             f"{option_prefix}curve_secret_key_file, a key pair listed there)"
@@ -42,22 +84,37 @@ def explain(
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if curve:
-                return f"the {peer} does not use CURVE (leave {server_key} unset)"
-            return (
-                f"the {peer} requires CURVE: give {server_key}, the {peer}'s public "
-                "key (docs/security.md)"
-            )
+                return Failure(f"the {peer} does not use CURVE (leave {server_key} unset)")
+            if mechanism == "plain":
+                return Failure(
+                    f"the {peer} takes no token at the handshake: it requires CURVE (give "
+                    f"{server_key}) or no token at all (it runs with --no-auth: leave "
+                    "auth_token unset)"
+                )
+            if peer != "daemon":  # no tokens on that channel: it can only be CURVE
+                return Failure(
+                    f"the {peer} requires CURVE: give {server_key}, the {peer}'s public "
+                    "key (docs/security.md)"
+                )
+            return Failure(f"the daemon {_NO_TOKEN}", unauthenticated=True)
         if curve and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            return "the CURVE handshake failed a cryptographic check (a wrong or corrupt key)"
-        return f"the security handshake failed (ZMTP protocol error {value:#x})"
+            return Failure(
+                "the CURVE handshake failed a cryptographic check (a wrong or corrupt key)"
+            )
+        return Failure(f"the security handshake failed (ZMTP protocol error {value:#x})")
     if curve:  # the server closed the connection during the handshake: it could not decrypt
-        return (
+        return Failure(
             f"the {peer} dropped the CURVE handshake: {server_key} is not the {peer}'s "
             "public key"
         )
-    # a plain client: the server saw the mechanism mismatch first and hung up (or it exited
-    # during the handshake, which a retry tells apart)
-    return (
+    if mechanism == "null" and peer == "daemon":  # it saw the mismatch first and hung up
+        return Failure(
+            f"the daemon dropped the handshake: it probably {_NO_TOKEN}", unauthenticated=True
+        )
+    # the server saw the mechanism mismatch first and hung up (or it exited during the
+    # handshake, which a retry tells apart)
+    tail = " or takes no token (--no-auth: leave auth_token unset)" if mechanism == "plain" else ""
+    return Failure(
         f"the {peer} dropped the handshake: it probably requires CURVE (give "
-        f"{server_key}, the {peer}'s public key; docs/security.md)"
+        f"{server_key}, the {peer}'s public key; docs/security.md){tail}"
     )

@@ -38,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvserver import wire_local
 from kvserver.client import handshake
 from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
-from kvserver.crypto import CurveClient
+from kvserver.crypto import CurveClient, apply_token
 from kvserver.errors import InvalidArgument
 
 RECV_BUFFER = 256 << 10
@@ -81,13 +81,14 @@ class ConnectionWatch:
         self,
         sock: zmq.Socket[Any],
         *,
-        curve: bool = False,
+        mechanism: str = "null",
         peer: str = "daemon",
         option_prefix: str = "",
     ) -> None:
-        """Watch ``sock`` (``curve``: it uses CURVE); call before ``sock.connect`` so no
-        event is missed. ``peer`` and ``option_prefix``: how ``failure()`` names the server
-        and the options (:func:`~kvserver.client.handshake.explain`)."""
+        """Watch ``sock`` (``mechanism``: its security, one of ``handshake.MECHANISMS``); call
+        before ``sock.connect`` so no event is missed. ``peer`` and ``option_prefix``: how
+        ``failure()`` names the server and the options
+        (:func:`~kvserver.client.handshake.explain`)."""
         addr = f"inproc://kvserver-client-watch-{id(self):x}-{next(_watch_ids)}"
         sock.monitor(addr, self.EVENTS)
         # a plain socket on the same libzmq context (inproc needs it), also for zmq.asyncio
@@ -95,11 +96,11 @@ class ConnectionWatch:
         pair.setsockopt(zmq.LINGER, 0)
         pair.connect(addr)
         self._sock, self._pair = sock, pair
-        self._curve = curve
+        self._mechanism = mechanism
         self._peer, self._option_prefix = peer, option_prefix
         self._broke = False
         self._established = False  # the current connection completed its handshake
-        self._failure: str | None = None
+        self._failure: handshake.Failure | None = None
 
     @property
     def fd(self) -> zmq.Socket[bytes]:
@@ -118,7 +119,7 @@ class ConnectionWatch:
                 self._established = False
             elif event != zmq.EVENT_CONNECTED:
                 self._failure = handshake.explain(
-                    event, int(message["value"]), self._curve,
+                    event, int(message["value"]), self._mechanism,
                     peer=self._peer, option_prefix=self._option_prefix,
                 )  # fmt: skip
                 self._established = self._failure is None
@@ -133,7 +134,7 @@ class ConnectionWatch:
         """``broke()`` as of the events already read (reads none)."""
         return self._broke
 
-    def failure(self) -> str | None:
+    def failure(self) -> handshake.Failure | None:
         """Why the latest handshake failed; None if it did not (see the class docstring)."""
         self._read()
         return self._failure
@@ -146,17 +147,23 @@ class ConnectionWatch:
 
 
 def open_dealer(
-    ctx: zmq.Context[S], address: str, curve: CurveClient | None
+    ctx: zmq.Context[S], address: str, curve: CurveClient | None, token: str = ""
 ) -> tuple[S, ConnectionWatch]:
-    """A DEALER connected to ``address`` (LINGER 0, the client's reconnect intervals, CURVE
-    when given), watched from before its first connection attempt. Both clients' sockets."""
+    """A DEALER connected to ``address`` (LINGER 0, the client's reconnect intervals; CURVE
+    when given, else ``token`` presented at the handshake when given: PLAIN, ``docs/wire.md``),
+    watched from before its first connection attempt. Both clients' sockets."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    mechanism = "null"
     if curve is not None:
         curve.apply(sock)
-    watch = ConnectionWatch(sock, curve=curve is not None)
+        mechanism = "curve"
+    elif token:
+        apply_token(sock, token)
+        mechanism = "plain"
+    watch = ConnectionWatch(sock, mechanism=mechanism)
     sock.connect(address)
     return sock, watch
 
@@ -165,9 +172,13 @@ class ZmqLink:
     """A DEALER socket to the daemon's ROUTER; see the module docstring."""
 
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, curve: CurveClient | None = None
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        curve: CurveClient | None = None,
+        token: str = "",
     ) -> None:
-        self._sock, self._watch = open_dealer(ctx, address, curve)
+        self._sock, self._watch = open_dealer(ctx, address, curve, token)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._watch.fd, zmq.POLLIN)
@@ -176,7 +187,7 @@ class ZmqLink:
         self._watch.close()
         self._sock.close(linger=0)
 
-    def handshake_failure(self) -> str | None:
+    def handshake_failure(self) -> handshake.Failure | None:
         """Why the latest handshake with the daemon failed; None if it did not."""
         return self._watch.failure()
 

@@ -118,7 +118,8 @@ class Transport:
             # where this one would retry on its own, ever more slowly (links.ConnectionWatch)
             self.drop(LOST)
         if self._zmq is None:
-            self._zmq = ZmqLink(self._ctx, self._s.address, self._s.curve)
+            s = self._s
+            self._zmq = ZmqLink(self._ctx, s.address, s.curve, s.handshake_token())
         return self._zmq
 
     def _connect_local(self, timeout: float) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvserver.cluster.config import ClusterConfig, parse_weights
 from kvserver.cluster.schema import check_host_id
-from kvserver.crypto import is_loopback
+from kvserver.crypto import MAX_TOKEN_BYTES, is_loopback
 from kvserver.daemon.tenants import Tenant, parse_tenants
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
@@ -171,6 +171,8 @@ class DaemonConfig:
             raise InvalidArgument("no_auth and auth_token contradict each other")
         if self.tenants and self.no_auth:
             raise InvalidArgument("tenants need auth: no_auth would let anyone use everything")
+        if len(self.auth_token.encode()) > MAX_TOKEN_BYTES:  # the handshake's PLAIN password
+            raise InvalidArgument(f"auth_token is over {MAX_TOKEN_BYTES} bytes")
         if self.auth_token and any(t.token == self.auth_token for t in self.tenants):
             raise InvalidArgument("a tenant's token is the daemon's own (admin) auth_token")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -62,6 +62,15 @@ _REFUSAL_COUNTERS = (
     ("kvserver_unauthenticated_replies_held", "Their error replies held back.", "held_back"),
     ("kvserver_unauthenticated_replies_dropped", "Their error replies not sent.", "dropped"),
 )
+#: ZMQ handshakes answered by the ZAP handler (zap.py): (name without _total, help, key)
+_HANDSHAKE_COUNTERS = (
+    ("kvserver_zmq_handshakes_accepted", "ZMQ handshakes admitted by the daemon's ZAP handler.",
+     "accepted"),
+    ("kvserver_zmq_handshakes_refused", "ZMQ handshakes refused: a wrong or missing token "
+     "(PLAIN) or an unlisted CURVE key; no message of theirs was read.", "refused"),
+    ("kvserver_zmq_handshakes_failed", "ZMQ handshakes failed before the ZAP handler was asked: "
+     "another mechanism (no token), a protocol error or a peer that hung up.", "failed"),
+)  # fmt: skip
 #: per-tier counters: (metric name without _total, help, stats counter)
 _TIER_COUNTERS = (
     ("kvserver_lookups", "Lookups answered by the tier.", "lookups"),
@@ -142,6 +151,8 @@ class DaemonCollector(LoopCollector):
         refusals = s["refusals"]
         for name, doc, key in _REFUSAL_COUNTERS:
             yield CounterMetricFamily(name, doc, value=refusals[key])
+        for name, doc, key in _HANDSHAKE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=s["handshakes"][key])
         yield InfoMetricFamily("kvserver_build", "The version.", {"version": s["server_version"]})
         if ssd is not None:
             for name, doc, key in _SSD_COUNTERS:

@@ -1,4 +1,5 @@
-"""Throttling the error replies to ZMQ connections whose requests fail authentication.
+"""Throttling the error replies to ZMQ connections whose requests fail authentication, and
+counting the connections refused at the handshake already (:class:`HandshakeCounts`).
 
 Runs in the daemon process, on its event loop: the ZMQ front end (``zmq_server.py``) hands
 each ``unauthenticated`` error reply of a ROUTER connection to :meth:`RefusalThrottle.answer`,
@@ -36,8 +37,12 @@ Rules (a connection is a ROUTER routing id):
   leave before error replies still held back for that connection; request ids tell them apart.
 
 What it does not do: stop a client that sends without waiting for replies from being read —
-only authentication at the ZMQ handshake can (see docs/security.md). The held replies hold no
-request bytes: the request's frames are released at once; a held reply is its short error.
+only authentication at the ZMQ handshake can, and does whenever the daemon requires a token
+(``zap.py``: the ROUTER is a PLAIN server whose password is the token, or a CURVE server with
+a clients directory); what remains for this throttle is a peer admitted at the handshake whose
+requests carry no or another token, and a CURVE daemon that admits any client key. The held
+replies hold no request bytes: the request's frames are released at once; a held reply is its
+short error.
 """
 
 from __future__ import annotations
@@ -181,4 +186,26 @@ class RefusalThrottle:
             "dropped": self.dropped,
             "held": self._held,
             "connections": len(self._penalties),
+        }
+
+
+@dataclass(slots=True)
+class HandshakeCounts:
+    """ZMQ handshakes with the ROUTER that the ZAP handler admitted and refused (a wrong or
+    missing token: PLAIN; an unlisted key: CURVE), and those that failed before it was asked
+    (the peer spoke another mechanism, broke the protocol or hung up midway), from the
+    ROUTER's monitor. In ``stats()`` as ``handshakes`` (``zap.py``)."""
+
+    accepted: int = 0
+    refused_token: int = 0
+    refused_key: int = 0
+    failed: int = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "accepted": self.accepted,
+            "refused": self.refused_token + self.refused_key,
+            "refused_token": self.refused_token,
+            "refused_key": self.refused_key,
+            "failed": self.failed,
         }

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from kvserver import __version__
 from kvserver.daemon.eventlog import EventLog
-from kvserver.daemon.refusals import RefusalThrottle
+from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle
 from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
@@ -75,6 +75,9 @@ class KVService:
         #: the ZMQ front end's throttle of error replies to unauthenticated requests
         #: (``refusals.py``); its counters are in ``stats()`` as ``refusals``.
         self.refusals = RefusalThrottle()
+        #: the ZMQ handshakes the ZAP handler admitted and refused (``zap.py``); in
+        #: ``stats()`` as ``handshakes``.
+        self.handshakes = HandshakeCounts()
 
     def add_tier(self, tier: Tier) -> None:
         """Put ``tier`` below the tiers already added (``TierStack.add``)."""
@@ -211,6 +214,7 @@ class KVService:
             out[tier.name] = tier_stats
         out["cluster"] = self.cluster.stats() if self.cluster is not None else None
         out["refusals"] = self.refusals.stats()
+        out["handshakes"] = self.handshakes.stats()
         return out
 
     def held_chunks(self) -> dict[tuple[str, str], list[bytes]]:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserver.crypto import MAX_TOKEN_BYTES
 from kvserver.daemon.auth import Principal
 from kvserver.errors import InvalidArgument
 from kvserver.token_file import read_token_file
@@ -108,6 +109,8 @@ def _token(where: str, table: dict[str, Any]) -> str:
         token = read_token_file(path, where)
     if not isinstance(token, str) or len(token.strip()) < 16:
         raise InvalidArgument(f"{where}: the token must be a string of at least 16 characters")
+    if len(token.strip().encode()) > MAX_TOKEN_BYTES:  # the handshake's PLAIN password
+        raise InvalidArgument(f"{where}: the token is over {MAX_TOKEN_BYTES} bytes")
     return token.strip()
 
 

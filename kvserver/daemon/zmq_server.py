@@ -6,8 +6,10 @@ one instance per daemon, used from the loop only.
 
 Call order: ``start()`` (bind the ROUTER, the local channel's Unix socket next to the arena and the
 PUB — both CURVE servers when a key is configured, with ZAP admitting only listed client keys when
-a clients directory is — start reading and the event publisher) → serving → ``stop()`` (stop
-reading, close the local channel and the sockets with linger 0, release send pins).
+a clients directory is; else, when a token is required, the ROUTER a PLAIN server whose password
+ZAP checks against the tokens (``zap.py``) — start reading and the event publisher) → serving
+→ ``stop()`` (stop reading, close the local channel and the sockets with linger 0, release send
+pins).
 
 Modules: this one reads, checks and answers requests (the receive loop, per-connection order,
 replies); ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under
@@ -62,7 +64,6 @@ from typing import Any, cast
 
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvserver import wire, wire_local
 from kvserver.crypto import CurveServer
@@ -77,6 +78,7 @@ from kvserver.daemon.local_server import (
     Refused,
 )
 from kvserver.daemon.service import KVService
+from kvserver.daemon.zap import HandshakeGate
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
 from kvserver.daemon.zmq_ops import (
     Answer,
@@ -132,7 +134,7 @@ class DataFrontend:
         self._raw: zmq.Socket[bytes] | None = None
         self._fd: int | None = None
         self._pub: zmq.asyncio.Socket | None = None
-        self._zap: AsyncioAuthenticator | None = None  # CURVE client allow-list, when set
+        self._zap: HandshakeGate | None = None  # tokens / CURVE keys at the handshake
         self._tasks: set[asyncio.Task[None]] = set()
         #: connection → messages waiting behind that connection's lane
         self._lanes: dict[_Peer, deque[_Message]] = {}
@@ -166,13 +168,15 @@ class DataFrontend:
                 if cfg.curve_secret_key_file
                 else None
             )
-            if curve is not None and curve.clients_dir:
-                self._zap = AsyncioAuthenticator(self._ctx)
-                self._zap.start()
-                self._zap.configure_curve(domain="*", location=curve.clients_dir)
+            # tokens (PLAIN) or listed CURVE keys at the handshake: before the ROUTER binds
+            self._zap = HandshakeGate.start_for(
+                self._ctx, self._service.handshakes, self._auth, curve
+            )
             self._router = self._ctx.socket(zmq.ROUTER)
             if curve is not None:
                 curve.apply(self._router)
+            if self._zap is not None:
+                self._zap.guard(self._router)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
             self._router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
@@ -238,13 +242,13 @@ class DataFrontend:
                 await task
         self._lanes.clear()
         await self._sender.close()
+        if self._zap is not None:
+            self._zap.stop()  # (it watches the ROUTER: before the ROUTER closes)
+            self._zap = None
         for sock in (self._router, self._pub):
             if sock is not None:
                 sock.close(linger=0)
         self._router = self._pub = None
-        if self._zap is not None:
-            self._zap.stop()
-            self._zap = None
         if self._ctx is not None:
             self._ctx.term()  # every socket is closed: returns at once, frees queued frames
             self._ctx = None

@@ -10,6 +10,9 @@ from benchmarks.harness.daemon import (
     DaemonProc as DaemonProc,
 )
 from benchmarks.harness.daemon import (
+    raw_dealer as raw_dealer,
+)
+from benchmarks.harness.daemon import (
     start_daemon as start_daemon,
 )
 from benchmarks.harness.daemon import (

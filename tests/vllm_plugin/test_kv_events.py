@@ -31,7 +31,7 @@ from vllm.distributed.kv_events import (  # noqa: E402
 from kvserver import wire  # noqa: E402
 from kvserver.client import KVClient  # noqa: E402
 from tests.kvserver.builders import make_keys, make_spec, pattern  # noqa: E402
-from tests.support.daemon import start_daemon, wait_until  # noqa: E402
+from tests.support.daemon import raw_dealer, start_daemon, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,9 +47,7 @@ def test_every_published_and_replayed_batch_decodes_with_vllms_classes(tmp_path:
     sub.linger = 0
     sub.setsockopt(zmq.SUBSCRIBE, wire.TOPIC_PREFIX.encode())
     sub.connect(d.pub_address)
-    replay = ctx.socket(zmq.DEALER)
-    replay.linger = 0
-    replay.connect(d.zmq_address)
+    replay = raw_dealer(d.zmq_address, ctx=ctx)
     try:
         with KVClient(d.zmq_address, colocated=False) as kv:
             ns_id = kv.register_namespace(SPEC).ns_id

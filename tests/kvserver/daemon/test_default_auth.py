@@ -1,7 +1,8 @@
 """Safe by default, on a real daemon started without any auth option: a random token in a
-private file that this user's clients pick up by themselves; TCP without it is refused, health
-stays open; ``--no-auth`` opts out. (Another user cannot read the 0600 file in the 0700
-directory; that is the file modes checked here: this machine's users cannot run its Python.)"""
+private file that this user's clients pick up by themselves (and present at the ZMQ handshake);
+TCP without it is refused, health stays open; ``--no-auth`` opts out. (Another user cannot
+read the 0600 file in the 0700 directory; that is the file modes checked here: this machine's
+users cannot run its Python.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserver import wire
@@ -19,21 +19,28 @@ from kvserver.client import KVClient
 from kvserver.grpc_client import GrpcClient
 from kvserver.token_file import token_path
 from tests.kvserver.builders import make_keys, make_spec
-from tests.support.daemon import start_daemon
+from tests.support.daemon import raw_dealer, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
 
-def raw_request(address: str, frame: bytes) -> wire.Reply:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(address)
+def raw_request(address: str, frame: bytes, token: str | None = None) -> wire.Reply:
+    """``frame``'s reply on a bare DEALER presenting ``token`` at the handshake (None: the
+    token file's)."""
+    sock = raw_dealer(address, token)
     try:
         sock.send(frame)
         assert sock.poll(10_000)
         return wire.decode_reply(sock.recv_multipart()[0])
     finally:
         sock.close()
+
+
+def handshakes_not_admitted(address: str) -> int:
+    """Handshakes refused by the daemon's ZAP handler or failed before (no token at all)."""
+    with KVClient(address, colocated=False) as kv:
+        counts = kv.stats()["handshakes"]
+        return int(counts["refused"] + counts["failed"])
 
 
 def test_a_daemon_without_options_requires_its_own_random_token(tmp_path: Path) -> None:
@@ -53,6 +60,17 @@ def test_a_daemon_without_options_requires_its_own_random_token(tmp_path: Path) 
         with GrpcClient(d.grpc_address) as g:
             assert g.lookup_keys(ns.ns_id, keys).hit_chunks == 2
 
+        # TCP without the token: refused at the handshake, before any message is read
+        # (test_handshake_auth.py); with it at the handshake, each request still needs it
+        for token in ("", "not-the-token"):
+            before = handshakes_not_admitted(d.zmq_address)
+            sock = raw_dealer(d.zmq_address, token)
+            try:
+                sock.send(wire.encode_request(3, wire.NAMESPACES, {}))
+                wait_until(lambda b=before: handshakes_not_admitted(d.zmq_address) > b)
+                assert not sock.poll(0)
+            finally:
+                sock.close()
         reply = raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {}))
         assert reply.error is not None and reply.error.code == "unauthenticated"
         with grpc.insecure_channel(d.grpc_address) as channel:
@@ -71,7 +89,7 @@ def test_no_auth_opts_out(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, "--no-auth")
     try:
         assert not Path(token_path(d.info["zmq_port"])).exists()
-        assert raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {})).ok
+        assert raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {}), "").ok
     finally:
         assert d.terminate() == 0
 

@@ -39,7 +39,7 @@ from kvserver.hashing import HASH_ALGOS, BlockHasher
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.test_hashing import reference_hashes
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, raw_dealer, start_daemon
 
 T = TypeVar("T")
 PAGE = 4096
@@ -386,9 +386,7 @@ def zmq_put(daemon: DaemonProc, ns_id: str, keys: list[bytes], part_bytes: int) 
 
     ctx = zmq.Context()
     try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(daemon.zmq_address)
+        sock = raw_dealer(daemon.zmq_address, ctx=ctx)
         args = {"ns_id": ns_id, "keys": keys}
         header = wire.encode_request(1, wire.PUT, args, auth=daemon.token, client="t")
         sock.send_multipart([header, *(bytes(part_bytes) for _ in keys)])

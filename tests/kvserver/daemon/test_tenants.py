@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import zmq
 
 from kvserver import wire
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
@@ -26,7 +25,7 @@ from kvserver.grants import StoreCompletion
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, raw_dealer, start_daemon
 
 pytestmark = pytest.mark.multiprocess
 
@@ -252,9 +251,7 @@ def test_zmq_replay_is_for_the_admin_only(fleet: Fleet) -> None:
     """The KV-event replay carries every namespace's events: a tenant's connection is
     refused (permission_denied), the admin's is served."""
     for token, ok in ((TOKEN_A, False), (fleet.d.token, True)):
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(fleet.d.zmq_address)
+        sock = raw_dealer(fleet.d.zmq_address, token)  # a tenant's token passes the handshake
         try:
             sock.send_multipart([wire.encode_request(1, wire.HELLO, {}, auth=token)])
             assert sock.poll(10_000) and wire.decode_reply(sock.recv_multipart()[0]).ok

@@ -235,19 +235,28 @@ def test_scheduler_and_worker_refuse_an_unreadable_key_file(command: list[str]) 
 
 
 def test_every_failed_handshake_is_explained_in_the_option_names() -> None:
-    """kvserver/client/handshake.py: what each monitor event of a client socket means."""
+    """kvserver/client/handshake.py: what each monitor event of a client socket means, for
+    each of its mechanisms (none, a token: PLAIN, CURVE keys)."""
     from kvserver.client.handshake import explain
 
     mismatch = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-    assert explain(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0, curve=True) is None
+    assert explain(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0, "curve") is None
     cases = [
-        (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, True, "curve_clients_dir"),
-        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, True, "curve_server_key_file is not"),
-        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, False, "probably requires CURVE"),
-        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, False, "the daemon requires CURVE"),
-        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, True, "does not use CURVE"),
-        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0x10000001, True, "ZMTP protocol error"),
+        (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, "curve", "curve_clients_dir"),
+        (zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400, "plain", "refused this client's auth token"),
+        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, "curve", "curve_server_key_file is not"),
+        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, "null", "probably requires a token"),
+        (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, "plain", "probably requires CURVE"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, "null", "requires a token at the"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, "plain", "takes no token"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, mismatch, "curve", "does not use CURVE"),
+        (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0x10000001, "curve", "ZMTP protocol error"),
     ]
-    for event, value, curve, needle in cases:
-        why = explain(event, value, curve=curve)
-        assert why is not None and needle in why, (event, value, curve, why)
+    for event, value, mechanism, needle in cases:
+        why = explain(event, value, mechanism)
+        assert why is not None and needle in str(why), (event, value, mechanism, why)
+        # a refused or a missing token: worth re-reading the token file (Unauthenticated)
+        unauthenticated = (event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and mechanism == "plain") or (
+            event != zmq.EVENT_HANDSHAKE_FAILED_AUTH and mechanism == "null"
+        )
+        assert why.unauthenticated == unauthenticated

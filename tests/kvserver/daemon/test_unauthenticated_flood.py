@@ -1,5 +1,8 @@
 """A real daemon flooded with unauthenticated 2^21-key requests (12 MB headers) on its ZMQ
-ROUTER: the flooding connection gets clear ``unauthenticated`` errors — the first at once (as
+ROUTER by a peer admitted at the handshake (it presented a valid token there, as a tenant's
+client does, but its requests carry none: the per-request check is defence in depth; a peer
+without a token never gets past the handshake, ``test_handshake_auth.py``): the flooding
+connection gets clear ``unauthenticated`` errors — the first at once (as
 many as the per-connection and daemon-wide allowances take), later ones held back and sent in
 order, none past the bound on held replies (``kvserver/daemon/refusals.py``) — while an
 authenticated client on another connection is served correctly throughout, and a valid token on
@@ -12,13 +15,12 @@ from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 
 from kvserver import wire
 from kvserver.client import KVClient
 from kvserver.daemon.refusals import MAX_HELD_PER_CONNECTION, REFUSAL_BURST, REFUSED_BYTES_BURST
 from tests.kvserver.builders import make_keys, make_spec, pattern
-from tests.support.daemon import start_daemon, wait_until
+from tests.support.daemon import raw_dealer, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,9 +45,7 @@ def parts(keys: list[bytes]) -> list[list[bytes]]:
 
 def test_an_unauthenticated_flood_is_throttled_while_others_are_served(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, "--auth-token", "s3cret")
-    flood: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    flood.linger = 0
-    flood.connect(d.zmq_address)
+    flood = raw_dealer(d.zmq_address)  # admitted at the handshake; its requests carry no token
 
     def replies(n: int) -> list[wire.Reply]:
         out = []

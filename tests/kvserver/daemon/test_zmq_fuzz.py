@@ -26,7 +26,7 @@ from kvserver import wire, wire_events, wire_local
 from kvserver.client import KVClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.local_conn import LocalConn
-from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.daemon import DaemonProc, raw_dealer, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -69,10 +69,7 @@ class Fuzzed:
     def new_socket(self) -> Any:
         if self.transport == "local":
             return LocalConn(self.local_path)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(self.daemon.zmq_address)
-        return sock
+        return raw_dealer(self.daemon.zmq_address, ctx=self.ctx)
 
     def recv(self) -> list[bytes]:
         assert self.sock.poll(10_000), "no reply from the daemon"
@@ -554,9 +551,7 @@ def test_no_work_before_authentication(tmp_path: Path) -> None:
     lookup (validated off the loop) is answered, and a small request behind it on the same
     connection comes after it."""
     d = start_daemon(tmp_path, "--auth-token", "s3cret")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(d.zmq_address)
+    sock = raw_dealer(d.zmq_address)
 
     def recv() -> list[bytes]:
         assert sock.poll(30_000), "no reply from the daemon"

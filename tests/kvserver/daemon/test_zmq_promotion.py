@@ -33,7 +33,13 @@ from kvserver.client import KVClient
 from kvserver.ssd import format as fmt
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.local_conn import LocalConn
-from tests.support.daemon import READY_TIMEOUT_S, DaemonProc, wait_for_ready_file, wait_until
+from tests.support.daemon import (
+    READY_TIMEOUT_S,
+    DaemonProc,
+    raw_dealer,
+    wait_for_ready_file,
+    wait_until,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -249,10 +255,8 @@ def test_a_connection_keeps_its_order_behind_its_promotion(
         with KVClient(daemon.zmq_address) as kv:
             conn = LocalConn(str(kv.hello()["local_path"]), timeout=60)
     else:
-        conn = ctx.socket(zmq.DEALER)
-        conn.setsockopt(zmq.LINGER, 0)
+        conn = raw_dealer(daemon.zmq_address, ctx=ctx)
         conn.setsockopt(zmq.RCVTIMEO, 60_000)
-        conn.connect(daemon.zmq_address)
     try:
         with KVClient(daemon.zmq_address) as other:
             other.register_namespace(SPEC)

@@ -29,7 +29,7 @@ from kvserver.errors import KVServerError
 from kvserver.events import Medium
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
-from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.daemon import DaemonProc, raw_dealer, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -169,9 +169,7 @@ def test_events_on_pub_in_vllm_format_with_replay(tmp_path: Path) -> None:
     sub.linger = 0
     sub.setsockopt(zmq.SUBSCRIBE, wire.TOPIC_PREFIX.encode())
     sub.connect(d.pub_address)
-    replay = ctx.socket(zmq.DEALER)
-    replay.linger = 0
-    replay.connect(d.zmq_address)
+    replay = raw_dealer(d.zmq_address, ctx=ctx)
     try:
         with KVClient(d.zmq_address, colocated=False) as kv:
             spec = make_spec(model="test/events")
