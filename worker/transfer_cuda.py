@@ -20,8 +20,9 @@ one ``index_select`` per registered tensor into the direction's device staging b
 copies of a batch become one ``index_copy_`` / ``index_select`` addressing the page-locked
 host memory itself (:meth:`CudaTransferEngine._host_view`, :func:`device_view`); plain
 ``(src, dst)`` pairs (a staged part's per-page fallback, or copies built by hand) as one
-``copy_(non_blocking=True)`` each; an indexed copy row by row. The staging buffer of a direction is reused without further
-synchronisation because its transfers run one after the other on the GPU (the event chain).
+``copy_(non_blocking=True)`` each; an indexed copy row by row. The staging buffer of a
+direction is reused without further synchronisation because its transfers run one after the
+other on the GPU (the event chain).
 Copies are launched from the direction's thread (so a remote transfer's daemon I/O never runs
 on the worker's thread); the GPU-side order comes from the events alone.
 
