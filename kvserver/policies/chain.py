@@ -31,8 +31,9 @@ more likely to have ended. Which chains end is learnt, not assumed:
   ``t_last + logit(p) / r``, a fixed *deadline* per chain (the clipped logit keeps it finite);
 - **shared prefixes.** A key read by two different chains (a system prompt, a document several
   questions start from) is *shared*; it is valued by its read rate ``lam`` (reads per tick
-  since it was stored): its deadline is ``t_last + (HI + ln(lam / r)) / r``, above every chain
-  read at the same time;
+  since it was first stored, kept while it is a ghost): its deadline is
+  ``t_last + (HI + ln(lam / r)) / r``, that of a chain sure to return whose reads are
+  ``lam / r`` times as frequent (so a rare prompt can rank below a fresh conversation);
 - **tail before head.** The keys of one request are queued deepest first, so of two keys read
   together the deeper leaves first and what stays is a usable prefix.
 
@@ -110,7 +111,8 @@ class ChainPolicy(EvictionPolicy):
         self._uses: dict[Hashable, int] = {}
         self._born: dict[Hashable, int] = {}
         self._shared: set[Hashable] = set()
-        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()  # evicted shared key -> uses
+        #: evicted shared key -> (uses, tick it was first stored)
+        self._ghosts: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
         self._tails: OrderedDict[Hashable, _Chain] = OrderedDict()
         self._pending: OrderedDict[Hashable, _Chain] = OrderedDict()  # looked up, not stored
         self._counted: dict[_State, float] = {}
@@ -200,13 +202,13 @@ class ChainPolicy(EvictionPolicy):
                     self._tails[keys[-1]] = own
                     self._bound(self._tails)
                 chain = own
-            uses = self._ghosts.pop(key, None)
+            ghost = self._ghosts.pop(key, None)
             self._owner[key] = chain
-            self._born[key] = now
-            self._uses[key] = uses or 0
-            if uses is not None:
+            self._born[key] = now if ghost is None else ghost[1]
+            self._uses[key] = 0 if ghost is None else ghost[0]
+            if ghost is not None:
                 self._shared.add(key)
-            self._queue(key, self._rate_class(key) if uses is not None else chain.state, now)
+            self._queue(key, self._rate_class(key) if ghost is not None else chain.state, now)
 
     def remove(self, key: Hashable) -> None:
         if key in self._time:
@@ -251,7 +253,7 @@ class ChainPolicy(EvictionPolicy):
             if chain is not None and chain.open:
                 self._count(chain, returned=False)
             if key in self._shared:
-                ghosts[key] = self._uses[key]
+                ghosts[key] = (self._uses[key], self._born[key])
             self._drop(key)
         while len(ghosts) > len(self._time):
             ghosts.popitem(last=False)
@@ -296,7 +298,7 @@ class ChainPolicy(EvictionPolicy):
         rate = 1.0 / self._gap
         if state[0] == 0:  # shared, read-rate bucket
             lam = (1 << state[1]) / (2 * RATE_SCALE)
-            return (HI + max(math.log(lam / rate), 0.0)) / rate
+            return (HI + math.log(lam / rate)) / rate
         p = self.return_chance(state)
         return min(max(math.log(p / (1.0 - p)), -LO), HI) / rate
 

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
 from kvserver.errors import InvalidArgument
 from kvserver.policies import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvserver.policies.arc import ARCPolicy
+from kvserver.policies.chain import ChainPolicy
 from kvserver.policies.prefix import PrefixPolicy
 
 ALL = sorted(POLICIES)
@@ -407,3 +408,77 @@ def test_prefix_shared_prefix_by_uses_private_chain_by_recency() -> None:
     assert not policy.is_shared("a0") and not policy.is_shared("b0")
     order = list(policy)
     assert order.index("a1") < order.index("a0") < order.index("b0") < order.index("sys")
+
+
+# ---------------------------------------------------------------------------- chain specifics
+
+
+def serve(policy: EvictionPolicy, keys: list[str], capacity: int) -> int:
+    """One request the way the engine serves it: a planning lookup with the whole chain, then
+    the missing keys stored as one batch after evicting what the cache lacks (never the
+    request's own keys). Returns the hits (the leading run of tracked keys)."""
+    hits = 0
+    while hits < len(keys) and keys[hits] in policy:
+        hits += 1
+    policy.lookup(keys, hits)
+    missing = [key for key in keys[hits:] if key not in policy]
+    need = len(policy) + len(missing) - capacity
+    if need > 0:
+        own = set(keys)
+        assert policy.evict(need, unit, lambda k: k not in own) is not None
+    policy.insert_batch(missing)
+    return hits
+
+
+def turn(conversation: str, number: int) -> list[str]:
+    """A conversation's request at turn ``number``: a shared prompt, then 4 chunks a turn."""
+    return ["sys"] + [f"{conversation}-{i}" for i in range(4 * number)]
+
+
+def test_chain_learns_that_second_turns_end_and_keeps_the_conversation_that_returns() -> None:
+    """Every conversation has two turns of the same size. Once that is learnt, a first turn
+    outlives the second turns stored after it (they will not be read again): ``chain`` serves
+    the conversation's return from the cache, where recency (LRU, ARC) and the batch shape
+    (``prefix``: every batch looks alike) have evicted it."""
+    hits = {}
+    for name in ALL:
+        policy, capacity = make_policy(name), 24
+        for i in range(40):
+            serve(policy, turn(f"c{i}", 1), capacity)
+            if i:
+                serve(policy, turn(f"c{i - 1}", 2), capacity)
+        serve(policy, turn("A", 1), capacity)
+        for i in range(3):  # three whole conversations after A's first turn
+            serve(policy, turn(f"x{i}", 1), capacity)
+            serve(policy, turn(f"x{i}", 2), capacity)
+        hits[name] = serve(policy, turn("A", 2), capacity)
+    assert hits == {"arc": 1, "chain": 5, "lru": 1, "prefix": 1}  # "sys" alone, or all of A
+
+
+def test_chain_follows_a_conversation_through_lookups_and_evictions() -> None:
+    """A lookup continues the chain whose tail is among its keys, the keys it missed join that
+    chain when stored, a key two chains read is shared, and a conversation whose chunks were
+    all evicted is still recognised when it returns."""
+    policy = make_policy("chain")
+    assert isinstance(policy, ChainPolicy)
+    serve(policy, turn("a", 1), 100)
+    assert policy.turns("a-3") == 1 and policy.turns("sys") == 1
+    serve(policy, turn("a", 2), 100)
+    assert policy.turns("a-0") == policy.turns("a-7") == 2
+    serve(policy, turn("b", 1), 100)
+    assert policy.is_shared("sys") and policy.turns("sys") is None
+    assert policy.turns("b-0") == 1 and not policy.is_shared("a-0")
+    gone = policy.evict(12, unit, lambda k: k != "sys")
+    assert gone is not None and "a-0" not in policy and "b-0" not in policy
+    assert serve(policy, turn("a", 3), 100) == 1  # only "sys" was left ...
+    assert policy.turns("a-11") == 3  # ... yet its third turn continues the chain
+
+
+def test_chain_touch_and_plain_inserts_order_like_lru() -> None:
+    """Without lookups (the SSD tier, plain inserts) and before any outcome is learnt every
+    key is at even odds, so the order is LRU's; a returned chain's keys stay in its order."""
+    policy = filled("chain", range(6))
+    policy.touch([4, 1])
+    assert list(policy) == [0, 2, 3, 5, 1, 4]
+    assert isinstance(policy, ChainPolicy)
+    assert policy.return_chance((1, 1)) == pytest.approx(0.5)
