@@ -53,7 +53,7 @@ class FleetDirectory:
             return {}
         me = self.node.host_id
         return {
-            h.host_id: Peer(h.host_id, h.incarnation, h.data_address)
+            h.host_id: Peer(h.host_id, h.incarnation, h.data_address, h.stream_address)
             for h in self.node.members
             if h.host_id != me
         }

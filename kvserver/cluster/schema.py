@@ -93,7 +93,9 @@ class HostInfo:
     """A fleet member as its record says (``kvs1:{fleet}:host:<host_id>``).
 
     ``data_address`` is the ZMQ data plane peers use (``tcp://HOST:PORT``), ``grpc_address``
-    the query API (``HOST:PORT``). ``capacity`` is bytes per tier; ``namespaces`` the ns ids
+    the query API (``HOST:PORT``), ``stream_address`` the peer stream port (``tcp://HOST:PORT``,
+    "" when it opens none; records written before the field have none: peers use ZMQ).
+    ``capacity`` is bytes per tier; ``namespaces`` the ns ids
     this incarnation has index sets for (so a successor can unlink them).
     """
 
@@ -105,6 +107,7 @@ class HostInfo:
     capacity: dict[str, int] = field(default_factory=dict)
     namespaces: tuple[str, ...] = ()
     started_at: float = 0.0
+    stream_address: str = ""
     version: int = SCHEMA_VERSION
 
     def encode(self) -> bytes:
@@ -126,6 +129,7 @@ class HostInfo:
                 capacity={str(k): int(v) for k, v in d.get("capacity", {}).items()},
                 namespaces=tuple(str(n) for n in d.get("namespaces", ())),
                 started_at=float(d.get("started_at", 0.0)),
+                stream_address=str(d.get("stream_address", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidArgument(f"bad host record: {exc}") from None

@@ -86,6 +86,10 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--peer-curve-server-key-file", metavar="FILE",
                    help="the peers' CURVE public key (default: the public half of "
                         "--curve-secret-key-file, one key pair for the fleet)")
+    p.add_argument("--peer-stream-port", type=int, metavar="PORT",
+                   help="port peers fetch chunks from over plain TCP (default 0: ephemeral; "
+                        "-1: none, and fetch from peers over ZMQ only; never opened with "
+                        "CURVE, docs/cluster.md)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -109,7 +113,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
                   "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",
-                  "peer_suspect_s", "peer_curve_server_key_file", "no_auth")
+                  "peer_suspect_s", "peer_curve_server_key_file", "peer_stream_port",
+                  "no_auth")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

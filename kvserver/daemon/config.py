@@ -152,6 +152,12 @@ class DaemonConfig:
     #: the peers' CURVE public key file ("" = the public half of ``curve_secret_key_file``:
     #: one key pair for the whole fleet; neither: peers are called without CURVE).
     peer_curve_server_key_file: str = ""
+    #: the peer stream port (``docs/wire.md``, "Peer stream"): peers fetch chunks from this
+    #: daemon over plain TCP, received straight into their arena; 0 = an ephemeral port
+    #: (announced in ``hello`` and the fleet record), -1 = none (and this daemon fetches from
+    #: its peers over ZMQ only). Never opened when ``curve_secret_key_file`` is set (the
+    #: stream is not encrypted: peers then use ZMQ, both ways).
+    peer_stream_port: int = 0
     #: apply the glibc allocator settings of ``kvserver/daemon/malloc.py`` at start-up.
     tune_malloc: bool = True
 
@@ -160,7 +166,7 @@ class DaemonConfig:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise InvalidArgument(f"{name} out of range", value=port)
-        for name in ("pub_port", "metrics_port"):
+        for name in ("pub_port", "metrics_port", "peer_stream_port"):
             if not -1 <= getattr(self, name) <= 65535:
                 raise InvalidArgument(f"{name} out of range", value=getattr(self, name))
         if self.reap_interval_s <= 0:

@@ -8,7 +8,9 @@ Start-up: apply the glibc allocator settings (``malloc.py``; before any thread e
 tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
 retried, the daemon serves DRAM) → below it the network tier over a fixed peer list when
-``--peers`` is set → start the ZMQ front end → start the gRPC front end → leave the token (a
+``--peers`` is set → start the ZMQ front end → open the peer stream port (``stream_server.py``;
+unless ``peer_stream_port`` is -1 or CURVE is configured; announced in ``hello``) → start the
+gRPC front end → leave the token (a
 random one unless configured, or none with ``no_auth``) for this user's clients
 (``kvserver/token_file.py``) → start the lease reaper → serve Prometheus ``/metrics``
 (``metrics.py``; a port that cannot be bound is logged, the daemon serves without) → join the
@@ -20,7 +22,8 @@ the ready file → log where it listens.
 
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index entries
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
-sockets stop reading) → give in-flight RPCs a short grace → close the tiers below DRAM,
+sockets stop reading, the peer stream's connections close and their pins end) → give
+in-flight RPCs a short grace → close the tiers below DRAM,
 slowest first (the SSD tier drains its in-flight writes and closes its files) → roll back
 in-flight reservations and release pins → stop event streams → remove the shared-memory
 arena and the token files → exit 0.
@@ -55,6 +58,7 @@ from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.static import StaticDirectory
 from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService
+from kvserver.daemon.stream_server import StreamServer
 from kvserver.daemon.tenants import tenant_tokens
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
@@ -107,6 +111,12 @@ async def serve(
         )
     zmq_front = DataFrontend(service, config, auth)
     grpc_front = GrpcFrontend(service, config, auth)
+    stream_front: StreamServer | None = None
+    if config.peer_stream_port >= 0 and not config.curve_secret_key_file:
+        stream_front = StreamServer(
+            service, auth, host=config.host, port=config.peer_stream_port,
+            timeout_s=config.peer_timeout_s,
+        )  # fmt: skip
     reaper: asyncio.Task[None] | None = None
     ssd: SsdTier | None = None
     node: ClusterNode | None = None
@@ -126,16 +136,20 @@ async def serve(
             service.add_tier(_static_peer_tier(config, service))
         await service.open_tiers()
         data_port, pub_port = await zmq_front.start()
+        stream_port = await stream_front.start() if stream_front is not None else -1
+        service.peer_stream = stream_front
+        zmq_front.announce_peer_stream(stream_port if stream_port >= 0 else None)
         grpc_port = await grpc_front.start()
+        tcp_ports = {data_port, grpc_port} | ({stream_port} if stream_port >= 0 else set())
         if token:
-            token_files = write_token_files(token, {data_port, grpc_port}, config.shm_dir)
+            token_files = write_token_files(token, tcp_ports, config.shm_dir)
         else:  # a file left for these ports by a daemon that was SIGKILLed is stale now
-            remove_token_files(token_path(p, config.shm_dir) for p in {data_port, grpc_port})
+            remove_token_files(token_path(p, config.shm_dir) for p in tcp_ports)
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
         collector = DaemonCollector(service, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
         dram_bytes = service.dram_bytes
-        node = await _join_fleet(config, service, data_port, grpc_port, ssd)
+        node = await _join_fleet(config, service, data_port, grpc_port, stream_port, ssd)
         if node is not None:  # the network tier over the fleet index, at the bottom
             peer_tier = _fleet_peer_tier(config, service, node)
             service.add_tier(peer_tier)
@@ -146,6 +160,7 @@ async def serve(
             "grpc_port": grpc_port,
             "zmq_port": data_port,
             "pub_port": pub_port,
+            "peer_stream_port": stream_port,
             "metrics_port": metrics_port,
             "arena_path": service.arena_path,
             "dram_bytes": dram_bytes,
@@ -185,6 +200,8 @@ async def serve(
             metrics_server.server_close()
         await grpc_front.stop(SHUTDOWN_GRACE_S)
         await zmq_front.stop()
+        if stream_front is not None:
+            await stream_front.stop()
         if reaper is not None:
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -203,6 +220,7 @@ async def _join_fleet(
     service: KVService,
     data_port: int,
     grpc_port: int,
+    stream_port: int,
     tier: SsdTier | None,
 ) -> ClusterNode | None:
     """Register this daemon in its fleet (``--cluster``); None when standalone. Never fails
@@ -221,6 +239,7 @@ async def _join_fleet(
         incarnation="",
         data_address=f"tcp://{host}:{data_port}",
         grpc_address=f"{host}:{grpc_port}",
+        stream_address=f"tcp://{host}:{stream_port}" if stream_port >= 0 else "",
         tiers=tuple(capacity),
         capacity=capacity,
     )
@@ -277,6 +296,8 @@ def _peer_settings(config: DaemonConfig) -> PeerSettings:
         connections=config.peer_connections,
         auth_token=config.auth_token,
         client_options=options,
+        # the stream is not encrypted: CURVE peers stay on ZMQ; -1 turns it off both ways
+        stream=not options and config.peer_stream_port >= 0,
     )
 
 

@@ -67,6 +67,8 @@ class KVService:
         self.stack = TierStack(self.engine)
         #: the fleet membership (``kvserver.cluster.ClusterNode``) when ``--cluster`` is set.
         self.cluster: Any = None
+        #: the peer stream's serving end (``stream_server.StreamServer``), set by process.py.
+        self.peer_stream: Any = None
         self._hashers: dict[str, BlockHasher] = {}
         #: seconds per data-plane op (ZMQ and local channel), label ``op``; see daemon/metrics.py
         self.op_seconds = latency_histogram(
@@ -215,6 +217,7 @@ class KVService:
         out["cluster"] = self.cluster.stats() if self.cluster is not None else None
         out["refusals"] = self.refusals.stats()
         out["handshakes"] = self.handshakes.stats()
+        out["peer_stream"] = self.peer_stream.stats() if self.peer_stream is not None else None
         return out
 
     def held_chunks(self) -> dict[tuple[str, str], list[bytes]]:

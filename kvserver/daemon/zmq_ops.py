@@ -93,6 +93,8 @@ class DataOps:
         self._sender = sender
         #: the local channel's socket, announced by ``hello`` (set by the front end).
         self.local_path: str | None = None
+        #: the peer stream's port, announced by ``hello`` (set by ``process.py``).
+        self.peer_stream_port: int | None = None
         svc = service
         self._handlers: dict[str, Callable[[OpCall], Result | Deferred]] = {
             wire.HELLO: self._hello,
@@ -151,6 +153,7 @@ class DataOps:
             "max_message_bytes": self._config.max_message_bytes,
             "local_path": self.local_path,
             "local_version": wire_local.LOCAL_VERSION if self.local_path else None,
+            "peer_stream_port": self.peer_stream_port,
         }
         return self._service.hello() | extra
 

@@ -150,6 +150,10 @@ class DataFrontend:
         """Connections whose requests wait for a promotion or a replay."""
         return len(self._lanes)
 
+    def announce_peer_stream(self, port: int | None) -> None:
+        """Announce the peer stream's port in ``hello`` (None: none open)."""
+        self._ops.peer_stream_port = port
+
     @property
     def local_path(self) -> str | None:
         """The local channel's socket path; None when it could not be bound."""

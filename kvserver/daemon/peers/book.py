@@ -32,8 +32,10 @@ DEFAULT_SUSPECT_S = 10.0
 class PeerCounters:
     """Counters of the network tier (reported in ``stats``; never reset)."""
 
-    #: fetch calls to peers, and the chunks and payload bytes they brought.
+    #: fetch calls to peers (windows asked), and the chunks and payload bytes they brought.
     fetches: int = 0
+    #: of ``fetches``, those over a peer's stream port (the rest went over ZMQ).
+    stream_fetches: int = 0
     fetched_chunks: int = 0
     fetched_bytes: int = 0
     #: fetched chunks placed in DRAM (the rest were sent straight on, or DRAM refused them).
@@ -57,7 +59,9 @@ class PeerCounters:
 @dataclass(frozen=True, slots=True)
 class PeerSettings:
     """How peers are called: per-call timeout, suspicion time, connections per peer, the
-    data plane's auth token and extra client options (CURVE keys)."""
+    data plane's auth token and extra client options (CURVE keys); ``stream``: fetch over a
+    peer's stream port when it advertises one (off when CURVE is configured: the stream is
+    not encrypted)."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     suspect_s: float = DEFAULT_SUSPECT_S
@@ -65,6 +69,7 @@ class PeerSettings:
     auth_token: str = ""
     client_id: str | None = None
     client_options: tuple[tuple[str, Any], ...] = ()
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.suspect_s < 0 or self.connections < 1:
@@ -106,6 +111,7 @@ class PeerBook:
             connections=s.connections,
             client_id=s.client_id,
             client_options=dict(s.client_options),
+            stream=s.stream,
         )
         self._links[peer.host_id] = link
         return link

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from kvserver.errors import Unavailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +22,24 @@ class Peer:
 
     ``incarnation`` changes at every start of that daemon; a link opened to one incarnation
     is not used for another (its chunks are not the same). ``data_address`` is its ZMQ data
-    plane (``tcp://host:port``, the address it advertises)."""
+    plane (``tcp://host:port``, the address it advertises). ``stream_address`` is its peer
+    stream port (``tcp://host:port``, ``kvserver/wire_stream.py``): "" when it advertises
+    none (a daemon older than the stream, or one with CURVE), None when the directory cannot
+    tell (a configured peer list: the link asks the peer's ``hello``)."""
 
     host_id: str
     incarnation: str
     data_address: str
+    stream_address: str | None = None
+
+
+class PeerFailed(Unavailable):
+    """A peer did not answer in time, or answered with something it should not have sent.
+    ``timed_out`` tells which."""
+
+    def __init__(self, message: str, *, timed_out: bool, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.timed_out = timed_out
 
 
 class PeerDirectory(Protocol):

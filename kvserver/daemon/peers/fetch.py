@@ -19,7 +19,13 @@ directory says hold it) and:
    DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
    the request's keys already in DRAM from the eviction it may cause), ``write_part`` of every
    part, ``complete_store`` of the keys written; the BlockStored events then go out on the
-   normal path (``publish``), which also announces the chunks in the fleet index;
+   normal path (``publish``), which also announces the chunks in the fleet index. Over a
+   peer's stream port (``PeerLink.stream``: it advertises one and this daemon has no CURVE)
+   the windows are asked the same way on one stream connection, and each reply's head comes
+   first: the pages for the chunks it names are reserved then, and the payload is received
+   straight into them (no ``write_part`` copy); the keys are completed once every part of the
+   window has arrived, and rolled back if the reply is cut short (the receiving thread is
+   stopped before the pages are given back: ``stream.py``);
 4. keys a peer did not send (it no longer holds them, it failed, it timed out) are tried once
    more with another holder; after that they are a miss (the load reports them missing). A
    peer that failed or timed out is marked suspect.
@@ -38,14 +44,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.link import PeerFailed, PeerLink
+from kvserver.daemon.peers.stream import PeerStream, StreamConnection
 from kvserver.engine import StorageEngine
-from kvserver.errors import KVServerError
+from kvserver.errors import KVServerError, UnknownKey, UnknownNamespace
+from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
@@ -202,6 +211,14 @@ class PeerFetches:
         arrives; per window (keys it sent, direct parts)."""
         link = self._book.link(peer)
         try:
+            stream = await link.stream()
+        except PeerFailed as exc:  # its hello failed: the windows were asked of a dead peer
+            self._book.counters.fetches += len(windows)
+            self._book.failed(peer, exc)
+            return []
+        if stream is not None:
+            return await self._stream_windows(spec, peer, stream, windows, protect, direct)
+        try:
             async with link.connection() as kv:
                 runs = (self._fetch_run(spec, peer, link, kv, w, protect, direct) for w in windows)
                 return await asyncio.gather(*runs)
@@ -233,6 +250,122 @@ class PeerFetches:
         book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
         return sent, self._place(spec, sent, rows, protect, direct)
 
+    async def _stream_windows(
+        self,
+        spec: NamespaceSpec,
+        peer: Peer,
+        stream: PeerStream,
+        windows: list[list[bytes]],
+        protect: Sequence[bytes],
+        direct: bool,
+    ) -> list[tuple[list[bytes], _Parts]]:
+        """``_fetch_windows`` over the peer's stream port: every window asked at once on one
+        connection, each reply received straight into pages reserved for it
+        (:meth:`_stream_run`), in order, each within the peer timeout; a failure ends the
+        windows after it too (their keys go to another holder or miss)."""
+        book = self._book
+        out: list[tuple[list[bytes], _Parts]] = []
+        try:
+            async with stream.connection() as conn:
+                deadline = time.monotonic() + stream.timeout_s
+                ids = await conn.send_requests(spec.ns_id, windows, deadline)
+                for request_id, keys in zip(ids, windows, strict=True):
+                    book.counters.fetches += 1
+                    book.counters.stream_fetches += 1
+                    deadline = time.monotonic() + stream.timeout_s
+                    run = await self._stream_run(spec, conn, request_id, keys, protect, direct,
+                                                 deadline)  # fmt: skip
+                    out.append(run)
+        except PeerFailed as exc:
+            book.failed(peer, exc)
+        return out
+
+    async def _stream_run(
+        self,
+        spec: NamespaceSpec,
+        conn: StreamConnection,
+        request_id: int,
+        keys: list[bytes],
+        protect: Sequence[bytes],
+        direct: bool,
+        deadline: float,
+    ) -> tuple[list[bytes], _Parts]:
+        """Receive one window's reply: its head, checked (at most ``keys``, one part per rank
+        of ``part_bytes``), then every part straight into the pages reserved for it (parts
+        DRAM could not take into buffers of their own, returned when ``direct``, else
+        dropped); returns (keys it sent, direct parts). The keys are completed when every
+        part arrived, else rolled back."""
+        head = await conn.reply_head(request_id, deadline)
+        if not head.ok:
+            error = await conn.read_error(head, deadline)
+            if isinstance(error, (UnknownNamespace, UnknownKey)):
+                return [], {}
+            raise PeerFailed(f"peer refused: {error}", timed_out=False, peer=conn.peer_id)
+        tp, size = spec.tp_world_size, spec.part_bytes
+        if head.count > len(keys) or head.tp != tp or head.part_bytes != size:
+            conn.spoil()
+            raise PeerFailed(
+                "peer sent chunks of the wrong number or shape", timed_out=False,
+                peer=conn.peer_id, chunks=head.count, keys=len(keys), tp=head.tp,
+                part_bytes=head.part_bytes,
+            )  # fmt: skip
+        sent = keys[: head.count]
+        counters = self._book.counters
+        counters.fetched_chunks += len(sent)
+        counters.fetched_bytes += len(sent) * tp * size
+        engine, ns_id = self._engine, spec.ns_id
+        grant = self._reserve(spec, sent, protect)
+        where = dict(zip(grant.keys, grant.locations, strict=True)) if grant is not None else {}
+        views: list[memoryview] = []
+        own: _Parts = {}  # parts DRAM did not take: received into buffers of their own
+        for key in sent:
+            extents = where.get(key)
+            if extents is not None:
+                for rank in range(tp):
+                    views += engine.arena.views(extents[rank])
+            else:
+                own[key] = [memoryview(bytearray(size)) for _ in range(tp)]
+                views += own[key]
+        written: list[bytes] = []
+        try:
+            await conn.read_into(views, deadline)
+            written = [k for k in sent if k in where]
+        finally:
+            views.clear()  # the arena's views go before the pages can
+            self._complete(grant, written)
+        if not direct:
+            return sent, {}
+        return sent, {k: row for k, row in own.items() if not engine.contains(ns_id, k)}
+
+    def _reserve(
+        self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]
+    ) -> StoreGrant | None:
+        """Reserve DRAM for fetched ``keys`` as a promotion does, protecting the request's
+        keys already in DRAM; None when DRAM cannot take them."""
+        if not keys:
+            return None
+        engine, ns_id = self._engine, spec.ns_id
+        fetched = set(keys)
+        keep = [k for k in dict.fromkeys(protect) if k not in fetched and engine.contains(ns_id, k)]
+        try:
+            return engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False,
+                                        lease_s=engine.config.max_lease_s)  # fmt: skip
+        except KVServerError as exc:  # e.g. more than the whole tier
+            logger.warning("network tier: cannot place fetched chunks: %s", exc)
+            return None
+
+    def _complete(self, grant: StoreGrant | None, written: list[bytes]) -> None:
+        """Make the ``written`` keys of ``grant`` ready, roll back the rest, publish."""
+        if grant is not None and grant.keys:
+            engine = self._engine
+            with contextlib.suppress(KVServerError):
+                if written:
+                    self._book.counters.placed_chunks += len(
+                        engine.complete_store(grant.lease_id, keys=written)
+                    )
+                engine.complete_store(grant.lease_id, success=False)
+        self._publish()
+
     def _place(
         self,
         spec: NamespaceSpec,
@@ -246,31 +379,18 @@ class PeerFetches:
         if not keys:
             return {}
         engine, ns_id = self._engine, spec.ns_id
-        fetched = set(keys)
-        keep = [k for k in dict.fromkeys(protect) if k not in fetched and engine.contains(ns_id, k)]
-        out: _Parts = {}
-        grant = None
-        try:
-            grant = engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False)
-        except KVServerError as exc:  # e.g. more than the whole tier
-            logger.warning("network tier: cannot place fetched chunks: %s", exc)
+        grant = self._reserve(spec, keys, protect)
         reserved = set(grant.keys) if grant is not None else set()
+        out: _Parts = {}
         written: list[bytes] = []
         try:
             for key, row in zip(keys, rows, strict=True):
-                if key in reserved:
+                if grant is not None and key in reserved:
                     for rank, part in enumerate(row):
-                        engine.write_part(grant.lease_id, key, rank, part)  # type: ignore[union-attr]
+                        engine.write_part(grant.lease_id, key, rank, part)
                     written.append(key)
                 elif direct and not engine.contains(ns_id, key):
                     out[key] = row
         finally:
-            if grant is not None and grant.keys:
-                with contextlib.suppress(KVServerError):
-                    if written:
-                        self._book.counters.placed_chunks += len(
-                            engine.complete_store(grant.lease_id, keys=written)
-                        )
-                    engine.complete_store(grant.lease_id, success=False)
-            self._publish()
+            self._complete(grant, written)
         return out

@@ -15,6 +15,11 @@ of the keys it holds in its own tiers (DRAM, or promoted from its SSD) and never
 peers in turn, so fetches cannot chain or loop. The connections are remote ones
 (``colocated=False``) even when the peer runs on this host, so its arena is never mapped.
 
+Fetches take the peer's stream port instead when it advertises one (:meth:`PeerLink.stream`,
+``stream.py``; not when this daemon uses CURVE): ``PeerFetches`` then drives the
+:class:`~kvserver.daemon.peers.stream.PeerStream`, which shares this link's timeout, token and
+connection bound.
+
 Every call is bounded by ``timeout_s`` in all (connecting, the session handshake, the reply):
 past it, or when the peer's reply is malformed, the call raises :class:`PeerFailed` and the
 socket it used is closed (a late reply cannot be mistaken for the next one). What the peer
@@ -29,23 +34,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from kvserver.client.aio import AsyncKVClient
-from kvserver.daemon.peers.directory import Peer
+from kvserver.daemon.peers.directory import Peer, PeerFailed
+from kvserver.daemon.peers.stream import PeerStream, split_address
 from kvserver.errors import KVServerError, Unavailable, UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
 T = TypeVar("T")
 
+__all__ = ["DEFAULT_CONNECTIONS", "PeerFailed", "PeerLink", "check_rows"]
+
 #: DEALER sockets per peer unless configured otherwise.
 DEFAULT_CONNECTIONS = 4
-
-
-class PeerFailed(Unavailable):
-    """A peer did not answer in time, or answered with something it should not have sent.
-    ``timed_out`` tells which."""
-
-    def __init__(self, message: str, *, timed_out: bool, **context: Any) -> None:
-        super().__init__(message, **context)
-        self.timed_out = timed_out
 
 
 class PeerLink:
@@ -60,6 +59,7 @@ class PeerLink:
         connections: int = DEFAULT_CONNECTIONS,
         client_id: str | None = None,
         client_options: dict[str, Any] | None = None,
+        stream: bool = True,
     ) -> None:
         if timeout_s <= 0 or connections < 1:
             raise ValueError("need timeout_s > 0 and connections >= 1")
@@ -75,6 +75,9 @@ class PeerLink:
         self._closed = False
         #: shared connections (``connection()``) a call failed on: closed when given back.
         self._spoiled: set[AsyncKVClient] = set()
+        self._stream_allowed = stream
+        self._stream: PeerStream | None = None
+        self._stream_known = False
 
     @property
     def connections_open(self) -> int:
@@ -115,6 +118,34 @@ class PeerLink:
         check_rows(spec, keys, rows, self.peer)
         return rows
 
+    async def stream(self) -> PeerStream | None:
+        """The peer's stream port (``kvserver/wire_stream.py``) when fetches may use it: the
+        peer advertises one (its fleet record, or, for a configured peer list, its ``hello``,
+        asked once) and this daemon may call it in clear (``stream=False``: CURVE is
+        configured, so fetches stay on ZMQ). None: fetch over ZMQ. Raises
+        :class:`PeerFailed` when the ``hello`` that would tell fails."""
+        if not self._stream_allowed:
+            return None
+        if not self._stream_known:
+            address = self.peer.stream_address
+            if address is None:
+                info = await self._call(lambda kv: kv.hello())
+                address = stream_address_from(self.peer.data_address, info.get("peer_stream_port"))
+            stream = None
+            if address:
+                try:
+                    stream = PeerStream(
+                        self.peer,
+                        address,
+                        timeout_s=self.timeout_s,
+                        auth_token=self._auth_token,
+                        connections=self._max,
+                    )
+                except ValueError:  # a malformed advertised address: ZMQ it is
+                    stream = None
+            self._stream, self._stream_known = stream, True
+        return self._stream
+
     async def lookup(self, ns_id: str, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (a leading run) the peer holds in its own tiers. Raises
         :class:`PeerFailed`."""
@@ -130,6 +161,8 @@ class PeerLink:
     async def close(self) -> None:
         """Close every idle connection; connections in use close when their call ends."""
         self._closed = True
+        if self._stream is not None:
+            await self._stream.close()
         idle, self._idle = self._idle, []
         for kv in idle:
             await kv.close()
@@ -196,6 +229,18 @@ class PeerLink:
                 await asyncio.shield(kv.close())
         async with self._freed:
             self._freed.notify()
+
+
+def stream_address_from(data_address: str, port: object) -> str:
+    """The stream address of a peer whose ``hello`` announced ``port`` (its host is the data
+    plane's); "" when ``port`` is not a port (an older daemon, none open)."""
+    if type(port) is not int or not 0 < port < 65536:
+        return ""
+    try:
+        host, _ = split_address(data_address)
+    except ValueError:
+        return ""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def check_rows(

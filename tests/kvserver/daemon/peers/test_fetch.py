@@ -2,7 +2,10 @@
 
 The peer ("A") is a real ``kvserver start`` on loopback with ephemeral ports; chunks are stored
 into it with the real client. The fetching side is the network tier's own classes over a real
-storage engine ("B"), so the tests can look at B's DRAM directly.
+storage engine ("B"), so the tests can look at B's DRAM directly. The fetch tests run over both
+transports (``transport``): A's peer stream (learnt from its ``hello``) and ZMQ
+(``PeerSettings(stream=False)``, as a daemon with CURVE fetches); ``test_stream.py`` has
+the stream's own cases.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +48,15 @@ def store(daemon: DaemonProc, keys: list[bytes]) -> None:
         assert kv.put(SPEC.ns_id, keys, parts).stored == keys
 
 
+@pytest.fixture(params=["stream", "zmq"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def settings(transport: str, **kw: Any) -> PeerSettings:
+    return PeerSettings(stream=transport == "stream", **kw)
+
+
 def engine_b() -> StorageEngine:
     engine = make_engine(num_pages=64)
     engine.register_namespace(SPEC)
@@ -66,11 +79,13 @@ def peer_of(d: DaemonProc, host_id: str = "A") -> Peer:
     return Peer(host_id, "", d.zmq_address)
 
 
-async def test_a_fetch_places_the_peers_chunks_in_dram_byte_for_byte(peer_a: DaemonProc) -> None:
+async def test_a_fetch_places_the_peers_chunks_in_dram_byte_for_byte(
+    peer_a: DaemonProc, transport: str
+) -> None:
     keys = make_keys(5)
     store(peer_a, keys)
     with engine_b() as engine:
-        book = PeerBook(PeerSettings(timeout_s=5))
+        book = PeerBook(settings(transport, timeout_s=5))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         holders = frozenset({"A"})
         direct = await fetches.fetch(SPEC, [(k, holders) for k in keys], {"A": peer_of(peer_a)})
@@ -84,12 +99,12 @@ async def test_a_fetch_places_the_peers_chunks_in_dram_byte_for_byte(peer_a: Dae
 
 
 async def test_keys_the_peer_no_longer_holds_are_a_miss_and_the_rest_is_placed(
-    peer_a: DaemonProc,
+    peer_a: DaemonProc, transport: str
 ) -> None:
     keys = make_keys(5)
     store(peer_a, keys[:3])  # the directory says A holds all five: it lags
     with engine_b() as engine:
-        book = PeerBook(PeerSettings(timeout_s=5))
+        book = PeerBook(settings(transport, timeout_s=5))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
         assert engine.lookup(SPEC.ns_id, keys) == 3
@@ -99,12 +114,14 @@ async def test_keys_the_peer_no_longer_holds_are_a_miss_and_the_rest_is_placed(
         await book.close()
 
 
-async def test_a_dead_peer_is_a_bounded_miss_and_becomes_suspect(peer_a: DaemonProc) -> None:
+async def test_a_dead_peer_is_a_bounded_miss_and_becomes_suspect(
+    peer_a: DaemonProc, transport: str
+) -> None:
     keys = make_keys(3)
     store(peer_a, keys)
     peer_a.kill()
     with engine_b() as engine:
-        book = PeerBook(PeerSettings(timeout_s=0.5, suspect_s=60))
+        book = PeerBook(settings(transport, timeout_s=0.5, suspect_s=60))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         start = time.monotonic()
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
@@ -120,11 +137,13 @@ async def test_a_dead_peer_is_a_bounded_miss_and_becomes_suspect(peer_a: DaemonP
         await book.close()
 
 
-async def test_concurrent_loads_of_the_same_keys_fetch_them_once(peer_a: DaemonProc) -> None:
+async def test_concurrent_loads_of_the_same_keys_fetch_them_once(
+    peer_a: DaemonProc, transport: str
+) -> None:
     keys = make_keys(4)
     store(peer_a, keys)
     with engine_b() as engine:
-        book = PeerBook(PeerSettings(timeout_s=5))
+        book = PeerBook(settings(transport, timeout_s=5))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         wanted = [(k, frozenset({"A"})) for k in keys]
         peers = {"A": peer_of(peer_a)}
@@ -137,7 +156,7 @@ async def test_concurrent_loads_of_the_same_keys_fetch_them_once(peer_a: DaemonP
 
 
 async def test_a_second_holder_is_asked_for_what_the_first_did_not_send(
-    tmp_path: Path, peer_a: DaemonProc
+    tmp_path: Path, peer_a: DaemonProc, transport: str
 ) -> None:
     keys = make_keys(4)
     store(peer_a, keys[:2])
@@ -145,7 +164,7 @@ async def test_a_second_holder_is_asked_for_what_the_first_did_not_send(
     try:
         store(c, keys)
         with engine_b() as engine:
-            book = PeerBook(PeerSettings(timeout_s=5))
+            book = PeerBook(settings(transport, timeout_s=5))
             fetches = PeerFetches(engine, book, publish=lambda: None)
             both = frozenset({"A", "C"})
             only_a = {"A": peer_of(peer_a), "C": peer_of(c, "C")}
@@ -160,7 +179,7 @@ async def test_a_second_holder_is_asked_for_what_the_first_did_not_send(
 
 
 async def test_dram_that_cannot_take_the_chunks_hands_them_back_for_a_direct_send(
-    peer_a: DaemonProc,
+    peer_a: DaemonProc, transport: str
 ) -> None:
     keys = make_keys(2)
     store(peer_a, keys)
@@ -169,7 +188,7 @@ async def test_dram_that_cannot_take_the_chunks_hands_them_back_for_a_direct_sen
         filler = make_keys(1, tag="filler")
         grant = engine.prepare_store(SPEC.ns_id, filler)
         assert grant is not None  # reserved, never completed: DRAM is full and unevictable
-        book = PeerBook(PeerSettings(timeout_s=5))
+        book = PeerBook(settings(transport, timeout_s=5))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         wanted = [(k, frozenset({"A"})) for k in keys]
         direct = await fetches.fetch(SPEC, wanted, {"A": peer_of(peer_a)}, direct=True)
@@ -212,10 +231,13 @@ def test_rows_of_the_wrong_number_or_size_are_refused() -> None:
         assert not info.value.timed_out
 
 
-async def test_a_peers_windows_are_pipelined_on_one_connection(tmp_path: Path) -> None:
+async def test_a_peers_windows_are_pipelined_on_one_connection(
+    tmp_path: Path, transport: str
+) -> None:
     """Twelve 1 MiB chunks are three windows of WINDOW_BYTES, asked at once on one connection
-    (their replies arrive in order, each copied while the next is on the wire); every byte is
-    placed and the connection is kept for the next fetch."""
+    (their replies arrive in order: over ZMQ each copied while the next is on the wire, over
+    the stream each received into its pages); every byte is placed and the connection is kept
+    for the next fetch."""
     spec = make_spec(model="test/windows", part_bytes_override=1 << 20)
     a = start_daemon(tmp_path / "a", "--dram", "32MiB")
     try:
@@ -227,12 +249,19 @@ async def test_a_peers_windows_are_pipelined_on_one_connection(tmp_path: Path) -
         assert 12 * spec.part_bytes == 3 * WINDOW_BYTES
         with make_engine(num_pages=16, page_size=1 << 20) as engine:  # 16 MiB
             engine.register_namespace(spec)
-            book = PeerBook(PeerSettings(timeout_s=10))
+            book = PeerBook(settings(transport, timeout_s=10))
             fetches = PeerFetches(engine, book, publish=lambda: None)
             peer = peer_of(a)
             await fetches.fetch(spec, [(k, frozenset({"A"})) for k in keys], {"A": peer})
             assert book.counters.fetches == 3 and book.counters.placed_chunks == 12
-            assert book.link(peer).connections_open == 1
+            link = book.link(peer)
+            assert link.connections_open == 1  # ZMQ: the windows'; stream: its hello's
+            stream = await link.stream()
+            if transport == "stream":
+                assert stream is not None and stream.connections_open == 1
+                assert book.counters.stream_fetches == 3
+            else:
+                assert stream is None and book.counters.stream_fetches == 0
             grant = engine.prepare_load(spec.ns_id, keys)
             got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys]
             engine.complete_load(grant.lease_id)

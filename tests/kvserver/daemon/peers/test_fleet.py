@@ -100,6 +100,8 @@ def test_stored_through_a_loaded_through_b_and_c_byte_for_byte(
                 kv.load(SPEC.ns_id, keys[4:])
     assert peer_stats(b)["fetched_chunks"] == 4
     assert peer_stats(c)["fetched_chunks"] == 4  # from A or from B: both hold them now
+    for d in (b, c):  # the stream ports the fleet records advertise
+        assert 0 < peer_stats(d)["stream_fetches"] == peer_stats(d)["fetches"]
 
 
 def test_a_restarted_peer_is_a_new_incarnation_whose_old_entries_are_not_used(
@@ -289,7 +291,10 @@ def test_a_secured_fleet_over_rediss_fetches_over_curve(tmp_path: Path) -> None:
         with client(hosts["B"]) as kv:
             wait_until(lambda: kv.lookup(SPEC.ns_id, keys).tiers.get("peer", 0) == 3)
             assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
-            assert kv.stats()["peer"]["fetched_chunks"] == 3
+            stats = kv.stats()["peer"]
+            assert stats["fetched_chunks"] == 3
+            assert stats["stream_fetches"] == 0 < stats["fetches"]  # CURVE: ZMQ only
+        assert all(d.info["peer_stream_port"] == -1 for d in hosts.values())  # none opened
     finally:
         for d in hosts.values():
             d.kill()

@@ -1,0 +1,294 @@
+"""The peer stream's fetching end: connections to one peer's stream port.
+
+Runs in the daemon process, on its event loop (``loop.sock_*`` on non-blocking sockets; loop
+only, not thread-safe). The format is :mod:`kvserver.wire_stream`; the serving end is
+``kvserver/daemon/stream_server.py``; :class:`~kvserver.daemon.peers.fetch.PeerFetches`
+drives it (it reserves the arena pages and hands their views to :meth:`StreamConnection.
+read_into`, so the payload goes from the kernel straight into the arena).
+
+Call order: ``PeerStream(peer, address, ...)`` → ``async with stream.connection() as conn``
+(one of at most ``connections`` sockets, connected on first use; an idle one the peer has
+closed meanwhile is dropped and another opened) → ``await conn.send_requests(ns_id, windows)``
+(pipelined: every window asked at once) → per window, in order, ``await conn.reply_head(...)``
+then ``read_into`` / ``read_error`` → the block ends: the connection is kept unless a call on
+it failed (:meth:`StreamConnection.spoil`), so a half-read reply is never taken for the next.
+``await close()`` closes the idle ones.
+
+Every call is bounded by the caller's timeout (``asyncio.timeout`` around each window); a
+read cancelled by it writes nothing more (reads happen only inside the awaited call). A peer
+that closes the connection mid-reply raises :class:`~kvserver.daemon.peers.directory.PeerFailed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from kvserver import wire_stream
+from kvserver.daemon.peers.directory import Peer, PeerFailed
+from kvserver.errors import KVServerError
+from kvserver.token_file import TokenFile
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` (HOST may be ``[v6]``) as (host, port); ValueError when not."""
+    if not address.startswith("tcp://"):
+        raise ValueError(f"not a tcp:// address: {address!r}")
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not a tcp://HOST:PORT address: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class StreamConnection:
+    """One connected socket to a peer's stream port; see the module docstring.
+
+    The socket is blocking and every transfer runs in a worker thread (``run_in_executor``),
+    bounded by a deadline (``time.monotonic()``) through ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``:
+    a thread receives a whole part with one ``recv_into(MSG_WAITALL)`` (the GIL released, the
+    kernel copying straight into the arena pages), where the event loop would wake up and call
+    ``recv`` once per socket-buffer's worth. If the awaiting task is cancelled, the socket is
+    shut down and the thread awaited before the cancellation goes on, so no byte lands in a
+    buffer after its owner gave it up.
+    """
+
+    def __init__(self, sock: socket.socket, peer: Peer, auth: Callable[[], str]) -> None:
+        self.sock = sock
+        self.peer_id = peer.host_id
+        self._auth = auth
+        self._next_id = 1
+        self._loop = asyncio.get_running_loop()
+        self.spoiled = False
+
+    def spoil(self) -> None:
+        """A call on it failed: close it when it is given back."""
+        self.spoiled = True
+
+    def alive(self) -> bool:
+        """False when the peer closed it (or sent something unasked) while it was idle."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    async def send_requests(
+        self, ns_id: str, windows: Sequence[Sequence[bytes]], deadline: float
+    ) -> list[int]:
+        """Ask for every window (one write); returns their request ids, in order."""
+        ids = list(range(self._next_id, self._next_id + len(windows)))
+        self._next_id += len(windows)
+        auth = self._auth()
+        data = b"".join(
+            wire_stream.encode_request(wire_stream.FetchRequest(i, auth, ns_id, list(w)))
+            for i, w in zip(ids, windows, strict=True)
+        )
+        view = memoryview(data)
+        sent = self._now(view, receive=False)  # usually all of it: no thread needed
+        if sent < view.nbytes:
+            await self._in_thread(self._send, view[sent:], deadline)
+        return ids
+
+    async def reply_head(self, request_id: int, deadline: float) -> wire_stream.ReplyHead:
+        """The next reply's head, which must answer ``request_id``."""
+        raw = bytearray(wire_stream.REPLY_HEAD.size)
+        view = memoryview(raw)
+        got = self._now(view, receive=True)  # usually there already
+        if got < view.nbytes:
+            await self.read_into([view[got:]], deadline)
+        try:
+            head = wire_stream.decode_reply_head(raw)
+        except KVServerError as exc:
+            self.spoil()
+            raise self._failed(f"peer stream reply malformed: {exc}", timed_out=False) from None
+        if head.request_id != request_id & 0xFFFFFFFF:
+            self.spoil()
+            raise self._failed("peer stream reply answers another request", timed_out=False)
+        return head
+
+    async def read_error(self, head: wire_stream.ReplyHead, deadline: float) -> KVServerError:
+        """The error an error reply (``head``) carries."""
+        body = bytearray(head.count)
+        await self.read_into([memoryview(body)], deadline)
+        return wire_stream.decode_error(body)
+
+    async def read_into(self, views: Sequence[memoryview], deadline: float) -> None:
+        """Fill ``views``, in order, from the stream (the kernel copies straight into them)."""
+        await self._in_thread(self._recv, views, deadline)
+
+    def _now(self, view: memoryview, *, receive: bool) -> int:
+        """Receive into / send from ``view`` on the loop what can be done without waiting."""
+        try:
+            if receive:
+                n = self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            else:
+                n = self.sock.send(view, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            self.spoil()
+            raise self._failed(f"peer stream failed: {exc}", timed_out=True) from None
+        if n == 0 and receive:
+            self.spoil()
+            raise self._failed("peer closed the stream", timed_out=True)
+        return int(n)
+
+    async def _in_thread(self, fn: Callable[..., None], *args: object) -> None:
+        fut = self._loop.run_in_executor(None, fn, *args)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.spoil()
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)  # the thread's call returns at once
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([fut])
+            raise
+        except OSError as exc:
+            self.spoil()
+            timed_out = isinstance(exc, (BlockingIOError, TimeoutError))
+            what = "did not answer in time" if timed_out else f"failed: {exc}"
+            raise self._failed(f"peer stream {what}", timed_out=True) from None
+        except PeerFailed:
+            self.spoil()
+            raise
+
+    def _recv(self, views: Sequence[memoryview], deadline: float) -> None:
+        """Worker thread: fill ``views`` (raises OSError / PeerFailed)."""
+        sock = self.sock
+        for view in views:
+            n, pos = view.nbytes, 0
+            while pos < n:
+                _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+                got = sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL)
+                if got == 0:
+                    raise self._failed("peer closed the stream mid-reply", timed_out=True)
+                pos += got
+
+    def _send(self, data: memoryview, deadline: float) -> None:
+        """Worker thread: send ``data`` whole (raises OSError)."""
+        sock, pos = self.sock, 0
+        while pos < data.nbytes:
+            _set_timeout(sock, socket.SO_SNDTIMEO, deadline)
+            pos += sock.send(data[pos:])
+
+    def _failed(self, message: str, *, timed_out: bool) -> PeerFailed:
+        return PeerFailed(message, timed_out=timed_out, peer=self.peer_id)
+
+
+def _set_timeout(sock: socket.socket, option: int, deadline: float) -> None:
+    """Bound the socket's next blocking call by ``deadline`` (TimeoutError when past)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sec = int(left)
+    usec = max(1, int((left - sec) * 1e6)) if sec == 0 else int((left - sec) * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, usec))
+
+
+class PeerStream:
+    """Connections to one peer's stream port; see the module docstring."""
+
+    def __init__(
+        self, peer: Peer, address: str, *, timeout_s: float, auth_token: str, connections: int
+    ) -> None:
+        self.peer = peer
+        self.address = address
+        self._host, self._port = split_address(address)
+        self.timeout_s = timeout_s
+        self._auth = auth_token
+        #: no token configured: the peer's token file for this port, as the ZMQ client does
+        #: for the data port (loopback peers of the same user only; ``kvserver/token_file.py``)
+        self._token_file = TokenFile(address) if not auth_token else None
+        self._max = connections
+        self._idle: list[StreamConnection] = []
+        self._opened = 0
+        self._freed = asyncio.Condition()
+        self._closed = False
+
+    @property
+    def connections_open(self) -> int:
+        return self._opened
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[StreamConnection]:
+        """A connection for the block (module docstring); :class:`PeerFailed` when none can be
+        had within the timeout."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                conn = await self._acquire()
+        except TimeoutError:
+            msg = "no stream connection to the peer in time"
+            raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+        except OSError as exc:
+            msg = f"cannot connect to the peer's stream port: {exc}"
+            raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+        try:
+            yield conn
+        except BaseException:
+            conn.spoil()
+            raise
+        finally:
+            await self._release(conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.sock.close()
+        self._opened -= len(idle)
+
+    async def _acquire(self) -> StreamConnection:
+        async with self._freed:
+            while True:
+                while self._idle:
+                    conn = self._idle.pop()
+                    if conn.alive():
+                        return conn
+                    conn.sock.close()
+                    self._opened -= 1
+                if self._opened < self._max:
+                    break
+                await self._freed.wait()
+            self._opened += 1
+        try:
+            return await self._connect()
+        except BaseException:
+            async with self._freed:
+                self._opened -= 1
+                self._freed.notify()
+            raise
+
+    async def _connect(self) -> StreamConnection:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, addr)
+            sock.setblocking(True)  # MSG_DONTWAIT on the loop, blocking calls in threads
+        except BaseException:
+            sock.close()
+            raise
+        return StreamConnection(sock, self.peer, self._token)
+
+    def _token(self) -> str:
+        return self._token_file.token() if self._token_file is not None else self._auth
+
+    async def _release(self, conn: StreamConnection) -> None:
+        if conn.spoiled or self._closed:
+            conn.sock.close()
+            self._opened -= 1
+        else:
+            self._idle.append(conn)
+        async with self._freed:
+            self._freed.notify()

@@ -1,0 +1,281 @@
+"""The peer stream's server end: peers fetch chunks from this daemon over plain TCP.
+
+Runs in the daemon process, on its event loop (``loop.sock_*`` on non-blocking sockets; loop
+only, not thread-safe). The format is :mod:`kvserver.wire_stream` (``docs/wire.md``, "Peer
+stream"); the fetching end is ``kvserver/daemon/peers/stream.py``.
+
+Call order: ``StreamServer(service, auth, ...)`` → ``await start()`` (binds; the port is
+announced in ``hello`` as ``peer_stream_port`` and in the fleet record as ``stream_address``)
+→ ... → ``await stop()`` (closes the listener and every connection; their pins end).
+
+Each connection is served by one task, one request at a time, in order (a peer pipelines its
+windows on one connection: their replies go back in the order asked). A request is checked
+as a ZMQ ``get`` with ``leading=true`` is: the token first, read before the rest of the header
+is decoded (``wire_stream.peek_auth``; a wrong one: error, connection closed), then the
+principal's access to the namespace (``access.authorize``, as for the ZMQ ``get``), then
+``KVService.get(leading=True)``: the leading run of the keys held in this daemon's own tiers,
+promoted from SSD when needed, pinned by a load lease while its pages are sent straight from
+the arena (``sock_sendall`` of arena views: the kernel's copy is the only one), then unpinned.
+
+Bounds: at most ``max_connections`` connections (more are closed at once); a request's header
+at most ``wire_stream.MAX_REQUEST_BYTES``; every read of a request after its first byte and
+every reply's send within ``timeout_s`` (past it the connection is closed and the pins end);
+a connection that has not authenticated must send its first request within ``timeout_s``, an
+authenticated one may stay idle ``idle_s``. Bad framing (magic, version, size) is answered
+with an error and the connection closed (a stream cannot skip it); a bad header inside good
+framing is answered and the stream goes on. Nothing a peer sends can stop the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvserver import wire, wire_stream
+from kvserver.daemon.access import authorize
+from kvserver.daemon.auth import Authenticator
+from kvserver.daemon.results import Fetched, Pending
+from kvserver.daemon.service import KVService
+from kvserver.errors import KVServerError, Unauthenticated
+
+logger = logging.getLogger(__name__)
+
+#: lease owner of the pins a stream reply holds while it is sent.
+STREAM_CLIENT = "kvserver-peer-stream"
+MAX_CONNECTIONS = 256
+IDLE_S = 300.0
+#: input read and dropped at most after an error that closes the connection.
+LINGER_BYTES = 1 << 20
+
+
+class _Closed(Exception):
+    """The connection ended (EOF, a timeout, an error that ends the stream)."""
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    """Counters of the peer stream's server end (``stats()["peer_stream"]``; never reset)."""
+
+    connections: int = 0
+    refused_connections: int = 0
+    requests: int = 0
+    errors: int = 0
+    sent_chunks: int = 0
+    sent_bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class StreamServer:
+    """The peer stream listener and its connections; see the module docstring."""
+
+    def __init__(
+        self,
+        service: KVService,
+        auth: Authenticator,
+        *,
+        host: str,
+        port: int,
+        timeout_s: float,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_s: float = IDLE_S,
+    ) -> None:
+        self._service = service
+        self._auth = auth
+        self._host = host
+        self._port = port
+        self._timeout_s = timeout_s
+        self._idle_s = idle_s
+        self._max = max_connections
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.counters = StreamCounters()
+        self.port = -1
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._tasks)
+
+    def stats(self) -> dict[str, Any]:
+        return {"port": self.port, "open_connections": self.num_connections,
+                **self.counters.to_dict()}  # fmt: skip
+
+    async def start(self) -> int:
+        """Bind and listen; returns the port (ephemeral when configured 0)."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self._host, self._port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self.port = int(listener.getsockname()[1])
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_forever())
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, close every connection (their pins end). Idempotent."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ connections
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
+                logger.warning("peer stream: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._tasks) >= self._max:
+                self.counters.refused_connections += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.counters.connections += 1
+            task = loop.create_task(self._serve(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        authenticated = False
+        try:
+            while True:
+                head = await self._read(sock, wire_stream.REQUEST_HEAD.size,
+                                        self._idle_s if authenticated else self._timeout_s,
+                                        at_boundary=True)  # fmt: skip
+                if head is None:
+                    return
+                try:
+                    length = wire_stream.decode_request_head(head)
+                except KVServerError as exc:
+                    await self._refuse(sock, 0, exc)
+                    await self._linger(sock)
+                    return  # a stream cannot skip what it cannot frame
+                header = await self._read(sock, length, self._timeout_s)
+                assert header is not None
+                self.counters.requests += 1
+                try:  # the token before anything else of the header is decoded
+                    who = self._auth.check(wire_stream.peek_auth(header) or None)
+                except Unauthenticated as exc:
+                    await self._refuse(sock, 0, exc)
+                    await self._linger(sock)
+                    return
+                authenticated = True
+                try:
+                    request = wire_stream.decode_request(header)
+                except KVServerError as exc:
+                    await self._refuse(sock, 0, exc)
+                    continue
+                await self._answer(sock, request, who)
+        except _Closed:
+            return
+        except Exception:  # a bug must not take the daemon down: log, close this connection
+            logger.exception("peer stream: connection failed")
+        finally:
+            sock.close()
+
+    async def _answer(self, sock: socket.socket, request: wire_stream.FetchRequest,
+                      who: Any) -> None:  # fmt: skip
+        service = self._service
+        try:
+            authorize(who, service, wire.GET, {"ns_id": request.ns_id, "keys": request.keys})
+            spec = service.namespace(request.ns_id)
+            got: Fetched | Pending[Fetched] = service.get(
+                request.ns_id, request.keys, None, client=STREAM_CLIENT, leading=True
+            )
+            if isinstance(got, Pending):
+                got = await got.run()
+        except KVServerError as exc:
+            await self._refuse(sock, request.request_id, exc)
+            return
+        try:
+            count, tp = len(got.keys), spec.tp_world_size
+            head = wire_stream.encode_ok(request.request_id, count, tp, spec.part_bytes)
+            buffers = [view for part in got.parts for view in part]
+            await self._send(sock, [head, *buffers])
+            self.counters.sent_chunks += count
+            self.counters.sent_bytes += count * tp * spec.part_bytes
+        finally:
+            if got.lease_id:
+                with contextlib.suppress(KVServerError):
+                    service.complete_load(got.lease_id)
+
+    async def _refuse(self, sock: socket.socket, request_id: int, exc: KVServerError) -> None:
+        self.counters.errors += 1
+        await self._send(sock, [wire_stream.encode_error(request_id, exc)])
+
+    async def _linger(self, sock: socket.socket) -> None:
+        """Before closing on an error: stop sending and read (and drop) what the peer still
+        sends, at most :data:`LINGER_BYTES` within the timeout, so that closing with unread
+        input does not reset the connection before the error reply is read."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        scratch = bytearray(1 << 16)
+        dropped = 0
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(self._timeout_s):
+                while dropped < LINGER_BYTES:
+                    got = await loop.sock_recv_into(sock, scratch)
+                    if got == 0:
+                        return
+                    dropped += got
+
+    async def _send(self, sock: socket.socket, buffers: list[Any]) -> None:
+        """Send ``buffers`` whole within the timeout, else :class:`_Closed`."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                for buf in buffers:
+                    await loop.sock_sendall(sock, buf)
+        except (TimeoutError, OSError):
+            raise _Closed from None
+
+    async def _read(
+        self, sock: socket.socket, n: int, timeout_s: float, *, at_boundary: bool = False
+    ) -> bytearray | None:
+        """Exactly ``n`` bytes within ``timeout_s``; None on EOF before the first byte when
+        ``at_boundary`` (a clean close between requests), else :class:`_Closed`."""
+        loop = asyncio.get_running_loop()
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                while pos < n:
+                    got = await loop.sock_recv_into(sock, view[pos:])
+                    if got == 0:
+                        if at_boundary and pos == 0:
+                            return None
+                        raise _Closed
+                    pos += got
+        except (TimeoutError, OSError):
+            raise _Closed from None
+        return buf

@@ -1,0 +1,210 @@
+"""The peer stream: a plain TCP framing for daemon-to-daemon chunk fetches.
+
+Runs in the daemon, at both ends: the serving daemon (``kvserver/daemon/stream_server.py``)
+and the fetching one (``kvserver/daemon/peers/stream.py``). Pure constants and functions: no
+sockets, no state, thread-safe. Described for humans in ``docs/wire.md`` ("Peer stream").
+
+Why a second transport: over ZMQ a fetched chunk is copied three times (the sender's kernel
+send, the receiver's kernel receive into ZMQ's own buffer, the receiver's copy into its
+arena). On a plain stream the fetching daemon reserves the arena pages first and receives the
+payload straight into them (``recv_into``): two copies, those of any TCP transfer. It carries
+one operation, a peer's ``get leading=true``, and no encryption: a fleet whose data plane
+uses CURVE keeps fetching over ZMQ, and a daemon with CURVE configured opens no stream port.
+
+A request (fetching daemon → serving daemon), integers big-endian::
+
+    magic    4 bytes   b"KVPQ"
+    version  u8        STREAM_VERSION
+    flags    u8        0
+    length   u32       bytes of the header that follows, 1 .. MAX_REQUEST_BYTES
+    header   msgpack   {"auth": str, "id": int, "ns_id": str, "keys": [bytes, ...]}
+                       ("auth" first: the server reads the token before it decodes the rest)
+
+A reply (in the order the requests came, one per request)::
+
+    magic    4 bytes   b"KVPR"
+    version  u8        STREAM_VERSION
+    status   u8        0 ok, 1 error
+    tp       u16       ok: parts per chunk (the namespace's TP world size); error: 0
+    id       u32       the request's id (mod 2^32)
+    count    u32       ok: chunks that follow (the leading run held, <= keys asked);
+                       error: bytes of the error that follows
+    size     u64       ok: bytes of one part (the namespace's part_bytes); error: 0
+    ok:    count x tp parts of ``size`` bytes, chunk-major, rank order, back to back
+    error: msgpack {"code": str, "message": str}
+
+A stream has no message boundaries of its own: a request whose magic, version or length is
+wrong cannot be skipped, so the server answers it with an error and closes the connection.
+A request whose header is well framed but wrong inside (types, a key too long, an unknown
+namespace, a namespace the token does not grant) is answered with an error and the stream
+goes on. A wrong token is answered and the connection closed. No checksums: TCP's, as on the
+ZMQ data plane; the fetching daemon checks every reply's shape against what it asked.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
+
+STREAM_VERSION = 1
+REQUEST_MAGIC = b"KVPQ"
+REPLY_MAGIC = b"KVPR"
+#: magic, version, flags, header length.
+REQUEST_HEAD = struct.Struct(">4sBBI")
+#: magic, version, status, tp, id, count, size.
+REPLY_HEAD = struct.Struct(">4sBBHIIQ")
+STATUS_OK = 0
+STATUS_ERROR = 1
+#: largest request header accepted (a window of 65,536 keys of 64 bytes is ~4.3 MB).
+MAX_REQUEST_BYTES = 8 << 20
+#: most keys one request may name.
+MAX_KEYS = 1 << 16
+#: longest chunk key (as on the ZMQ data plane).
+MAX_KEY_BYTES = 64
+#: longest error message a fetching daemon reads.
+MAX_ERROR_BYTES = 64 << 10
+MAX_STR_LEN = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRequest:
+    """One ``get leading=true`` on the stream."""
+
+    request_id: int
+    auth: str
+    ns_id: str
+    keys: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyHead:
+    """A reply's fixed head: ``count`` chunks of ``tp`` parts of ``part_bytes`` follow (ok),
+    or an error of ``count`` bytes."""
+
+    ok: bool
+    tp: int
+    request_id: int
+    count: int
+    part_bytes: int
+
+
+def encode_request(request: FetchRequest) -> bytes:
+    """The request's bytes (head and header)."""
+    header = msgpack.packb(
+        {"auth": request.auth, "id": request.request_id, "ns_id": request.ns_id,
+         "keys": list(request.keys)},
+        use_bin_type=True,
+    )  # fmt: skip
+    return REQUEST_HEAD.pack(REQUEST_MAGIC, STREAM_VERSION, 0, len(header)) + bytes(header)
+
+
+def decode_request_head(head: bytes | bytearray | memoryview) -> int:
+    """The header length a request's head announces. Raises ``UnsupportedVersion`` or
+    ``InvalidArgument`` (the stream cannot go on after either)."""
+    magic, version, flags, length = REQUEST_HEAD.unpack(head)
+    if magic != REQUEST_MAGIC:
+        raise InvalidArgument("not a peer stream request (bad magic)", magic=bytes(magic))
+    if version != STREAM_VERSION:
+        raise UnsupportedVersion(
+            "peer stream version not supported", version=version, supported=STREAM_VERSION
+        )
+    if flags != 0:
+        raise InvalidArgument("peer stream request flags must be 0", flags=flags)
+    if not 1 <= length <= MAX_REQUEST_BYTES:
+        raise InvalidArgument(
+            "peer stream request header size out of range", size=length, max=MAX_REQUEST_BYTES
+        )
+    return int(length)
+
+
+def peek_auth(header: bytes | bytearray | memoryview) -> str:
+    """The token of a request header, read without decoding the rest: the value of its first
+    key when that key is ``"auth"`` and the value a string, else "" (no token)."""
+    unpacker = msgpack.Unpacker(raw=False, max_str_len=MAX_STR_LEN, max_bin_len=0,
+                                max_array_len=0, max_map_len=16)  # fmt: skip
+    try:
+        unpacker.feed(header)
+        if unpacker.read_map_header() < 1 or unpacker.unpack() != "auth":
+            return ""
+        token = unpacker.unpack()
+    except Exception:  # malformed: carries no token
+        return ""
+    return token if isinstance(token, str) else ""
+
+
+def decode_request(header: bytes | bytearray | memoryview) -> FetchRequest:
+    """The request a header holds. Raises ``InvalidArgument`` naming the field at fault (the
+    stream can go on: the header was read whole)."""
+    try:
+        d = msgpack.unpackb(
+            header, raw=False, strict_map_key=True, max_bin_len=MAX_KEY_BYTES,
+            max_str_len=MAX_STR_LEN, max_array_len=MAX_KEYS, max_map_len=16,
+        )  # fmt: skip
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise InvalidArgument(f"peer stream header is not valid msgpack: {exc}") from None
+    if not isinstance(d, dict):
+        raise InvalidArgument("peer stream header must be a map")
+    request_id, auth, ns_id, keys = d.get("id"), d.get("auth", ""), d.get("ns_id"), d.get("keys")
+    if type(request_id) is not int or not 0 <= request_id < 1 << 63:
+        raise InvalidArgument("peer stream header: id must be a non-negative integer")
+    if not isinstance(auth, str):
+        raise InvalidArgument("peer stream header: auth must be a string")
+    if not isinstance(ns_id, str) or not ns_id:
+        raise InvalidArgument("peer stream header: ns_id must be a non-empty string")
+    if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
+        raise InvalidArgument(f"peer stream header: keys must be a list of 1..{MAX_KEYS} keys")
+    for key in keys:
+        if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgument(f"peer stream header: every key must be 1..{MAX_KEY_BYTES} bytes")
+    return FetchRequest(request_id, auth, ns_id, keys)
+
+
+def encode_ok(request_id: int, count: int, tp: int, part_bytes: int) -> bytes:
+    """The head of an ok reply; ``count x tp`` parts of ``part_bytes`` follow it."""
+    return REPLY_HEAD.pack(
+        REPLY_MAGIC, STREAM_VERSION, STATUS_OK, tp, request_id & 0xFFFFFFFF, count, part_bytes
+    )
+
+
+def encode_error(request_id: int, error: KVServerError) -> bytes:
+    """A whole error reply."""
+    body = bytes(msgpack.packb({"code": error.code, "message": str(error)[:MAX_STR_LEN]}))
+    head = REPLY_HEAD.pack(
+        REPLY_MAGIC, STREAM_VERSION, STATUS_ERROR, 0, request_id & 0xFFFFFFFF, len(body), 0
+    )
+    return head + body
+
+
+def decode_reply_head(head: bytes | bytearray | memoryview) -> ReplyHead:
+    """A reply's head. Raises ``InvalidArgument`` / ``UnsupportedVersion``."""
+    magic, version, status, tp, request_id, count, size = REPLY_HEAD.unpack(head)
+    if magic != REPLY_MAGIC:
+        raise InvalidArgument("not a peer stream reply (bad magic)", magic=bytes(magic))
+    if version != STREAM_VERSION:
+        raise UnsupportedVersion("peer stream reply version not supported", version=version)
+    if status not in (STATUS_OK, STATUS_ERROR):
+        raise InvalidArgument("peer stream reply has an unknown status", status=status)
+    if status == STATUS_ERROR and not count <= MAX_ERROR_BYTES:
+        raise InvalidArgument("peer stream error reply too long", size=count)
+    return ReplyHead(status == STATUS_OK, tp, request_id, count, size)
+
+
+def decode_error(body: bytes | bytearray | memoryview) -> KVServerError:
+    """The error an error reply carries (a generic one when its body is malformed)."""
+    try:
+        d: Any = msgpack.unpackb(body, raw=False, max_str_len=MAX_STR_LEN, max_map_len=4)
+        return error_from_code(str(d["code"]), str(d["message"]))
+    except Exception:  # a malformed error body is still an error
+        return KVServerError("peer stream error reply is malformed")
+
+
+def check_lengths(keys: Sequence[bytes]) -> None:
+    """Refuse (``InvalidArgument``) a request this format cannot carry."""
+    if not 1 <= len(keys) <= MAX_KEYS:
+        raise InvalidArgument(f"a peer stream request names 1..{MAX_KEYS} keys", keys=len(keys))
