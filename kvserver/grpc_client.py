@@ -42,6 +42,7 @@ from kvserver.grpc_format import (
     MEDIUM_FROM_PROTO,
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
+    bearer_metadata,
     event_from_proto,
     keys_to_proto,
     spec_from_proto,
@@ -186,7 +187,7 @@ class GrpcClient:
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         token = self._auth_token if self._token_file is None else self._token_file.token()
-        return (("authorization", f"Bearer {token}"),) if token else None
+        return bearer_metadata(token or "")
 
     def close(self) -> None:
         self._channel.close()

@@ -32,6 +32,10 @@ LOG_ID_KEY = "kvserver-log-id"
 FROM_SEQ_KEY = "kvserver-from-seq"
 #: largest message either side accepts (a 2M-token Lookup fits).
 MAX_MESSAGE_BYTES = 16 << 20
+#: request metadata carrying the caller's token, ``authorization: Bearer TOKEN``: the daemon's
+#: ``KVServer`` and the scheduler's ``Engine`` front door alike (docs/security.md, "Tokens").
+AUTH_METADATA_KEY = "authorization"
+BEARER = "Bearer "
 
 _SPEC_REQUIRED = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
 _SPEC_OPTIONAL = (
@@ -48,6 +52,19 @@ MEDIUM_TO_PROTO: dict[Medium, pb.Medium] = {
     Medium.STORAGE: pb.MEDIUM_STORAGE,
 }
 MEDIUM_FROM_PROTO: dict[int, Medium] = {v: k for k, v in MEDIUM_TO_PROTO.items()}
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...] | None:
+    """The request metadata presenting ``token``; None for no token."""
+    return ((AUTH_METADATA_KEY, BEARER + token),) if token else None
+
+
+def bearer_token(metadata: Sequence[tuple[str, object]] | None) -> str | None:
+    """The token in a request's ``authorization: Bearer`` metadata; None when there is none."""
+    for key, value in metadata or ():
+        if key == AUTH_METADATA_KEY and isinstance(value, str) and value.startswith(BEARER):
+            return value[len(BEARER) :]
+    return None
 
 
 def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:

@@ -1,16 +1,17 @@
-"""The daemon's default token, left in a file only its own user can read.
+"""The default token of a server, left in a file only its own user can read.
 
-Runs in the daemon (writes) and in every client process (reads); plain functions and one small
-class, thread-safe as far as the filesystem is.
+Runs in the servers (writes: the daemon, the scheduler's front door) and in every client
+process (reads); plain functions and one small class, thread-safe as far as the filesystem is.
 
 Safe by default: a daemon started without ``--auth-token`` (and without ``--no-auth``) makes a
-random token and requires it on every data-plane request and KVServer RPC. It writes the token
-(or the configured one) to ``<shm_dir>/kvserver-tokens-<uid>/port-<port>.token`` for each of its
-TCP ports — the directory 0700 and owned by the daemon's user, the files 0600 — beside its
-arena, and removes them on shutdown. A client of the same user that connects to a loopback
-address without a token of its own reads the file of that port (:class:`TokenFile`); another
-user cannot read it, so cannot use the daemon. A token is never looked up for a non-loopback
-address (it would be sent to another host).
+random token and requires it on every data-plane request and KVServer RPC; so does the
+scheduler for its gRPC front door (``--engine-auth-token``, ``--engine-no-auth``). A server
+writes its token (or the configured one) to ``<shm_dir>/kvserver-tokens-<uid>/port-<port>.token``
+for each of its TCP ports — the directory 0700 and owned by the server's user, the files 0600 —
+(the daemon's beside its arena) and removes them on shutdown. A client of the same user that
+connects to a loopback address without a token of its own reads the file of that port
+(:class:`TokenFile`); another user cannot read it, so cannot use the server. A token is never
+looked up for a non-loopback address (it would be sent to another host).
 
 A token can also live in a file of its own (``--auth-token-file``, a deployment's shared
 secret, made by ``kvserver keys token``): :func:`read_token_file` reads it and refuses one that
@@ -36,6 +37,15 @@ MAX_TOKEN_FILE = 4096
 #: the shortest token a token file may hold.
 MIN_TOKEN_CHARS = 16
 _ADDRESS = re.compile(r"^(?:tcp://)?(?P<host>\[[^\]]*\]|[^:/]+):(?P<port>\d+)$")
+
+
+def server_token(configured: str, no_auth: bool) -> str:
+    """The token a server (the daemon, the scheduler's front door) requires: ``configured``,
+    else none with ``no_auth``, else a new random one — safe by default; write it with
+    :func:`write_token_files` so that its own user's clients find it."""
+    if configured:
+        return configured
+    return "" if no_auth else secrets.token_urlsafe(32)
 
 
 def token_dir(shm_dir: str | None = None) -> str:

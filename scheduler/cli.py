@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
 from kvserver.crypto import ClientSecurity, TlsServer, add_client_security_args
 from kvserver.errors import InvalidArgument, KVServerError
-from kvserver.token_file import client_auth_token
+from kvserver.token_file import client_auth_token, read_token_file
 from step_protocol import security as step_security
 
 if TYPE_CHECKING:
@@ -41,6 +42,22 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="gRPC front door TLS: private key")
     p.add_argument("--tls-client-ca-file", metavar="PEM", default="",
                    help="gRPC mutual TLS: client certificates must be signed by this CA")
+    p.add_argument(
+        "--engine-auth-token", metavar="TOKEN",
+        default=os.environ.get("KVSERVER_ENGINE_AUTH_TOKEN", ""),
+        help="the token gRPC clients must present (default: $KVSERVER_ENGINE_AUTH_TOKEN, else "
+        "a random one, left for this user in a 0600 file; docs/security.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine-auth-token-file", metavar="FILE",
+        default=os.environ.get("KVSERVER_ENGINE_AUTH_TOKEN_FILE", ""),
+        help="read that token from FILE (default: $KVSERVER_ENGINE_AUTH_TOKEN_FILE; 'kvserver "
+        "keys token DIR --name engine' makes one; wins over --engine-auth-token)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine-no-auth", action="store_true",
+        help="the gRPC front door takes no token (any local user may then call Generate)",
+    )  # fmt: skip
     step_security.add_scheduler_args(p)
     step_security.add_insecure_remote_arg(
         p, "the gRPC front door (--host) and the step channel (--workers)"
@@ -122,6 +139,17 @@ def _tls(args: argparse.Namespace) -> TlsServer | None:
     return tls
 
 
+def _engine_token(args: argparse.Namespace) -> str:
+    """The front door's token from the flags ("" = made at start); the file is read now."""
+    path = getattr(args, "engine_auth_token_file", "") or ""
+    token = getattr(args, "engine_auth_token", "") or ""
+    if path:
+        token = read_token_file(path, "engine_auth_token_file")
+    if token and getattr(args, "engine_no_auth", False):
+        raise InvalidArgument("engine_auth_token(_file) excludes engine_no_auth")
+    return token
+
+
 def process_config(args: argparse.Namespace) -> ProcessConfig:
     """The ProcessConfig of parsed ``kvserver scheduler`` arguments (key and certificate files
     read now). Raises KVServerError (InvalidArgument) for a bad value or file."""
@@ -153,6 +181,8 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
             args.curve_server_key_file, args.curve_secret_key_file
         ).curve(),
         tls=_tls(args),
+        engine_auth_token=_engine_token(args),
+        engine_no_auth=args.engine_no_auth,
         step_curve=step_security.scheduler_curve(args),
         insecure_remote=args.insecure_remote,
         chunk_blocks=args.chunk_blocks,

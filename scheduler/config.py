@@ -120,6 +120,11 @@ class ProcessConfig:
     kvserver_curve: CurveClient | None = None
     #: TLS for the gRPC front door (and the /metrics port's host): certificate, key, client CA
     tls: TlsServer | None = None
+    #: the front door's token ("": a random one made at start, left for this user in
+    #: ``kvserver/token_file.py``'s file of the gRPC port, unless ``engine_no_auth``)
+    engine_auth_token: str = ""
+    #: the front door takes no token: every local user (and every host it listens to) may use it
+    engine_no_auth: bool = False
     #: CURVE on the step channel: the workers' public key and this scheduler's pair
     step_curve: CurveClient | None = None
     #: the front door (and the step channel) beyond loopback in clear text: an explicit choice
@@ -157,6 +162,12 @@ class ProcessConfig:
                 "(TLS on the gRPC front door, docs/security.md; make them with 'kvserver keys "
                 "tls'), or pass --insecure-remote to serve gRPC in clear"
             )
+        if self.engine_auth_token and self.engine_no_auth:
+            raise InvalidArgument("engine_auth_token excludes engine_no_auth")
+        if not isinstance(self.engine_auth_token, str) or any(
+            c in self.engine_auth_token for c in "\r\n\0"
+        ):
+            raise InvalidArgument("engine_auth_token must be one line of text")
         check_worker_addresses(self.workers, self.step_curve, self.insecure_remote)
         for name in ("step_timeout_s", "hello_timeout_s", "probe_interval_s"):
             value = getattr(self, name)

@@ -9,6 +9,12 @@ scheduler directly. Call order: ``EngineService(backend, host, port)`` → ``awa
 are refused, in-flight ones get ``grace`` seconds, then they are cancelled (and a cancelled
 ``Generate`` aborts its request, freeing its blocks).
 
+Auth: given an :class:`~kvserver.daemon.auth.Authenticator` that requires a token (by default
+the scheduler makes a random one and leaves it for its own user, ``scheduler/process.py``),
+``Generate`` and ``EngineStats`` need metadata ``authorization: Bearer <token>``, checked before
+the request is decoded; a missing or wrong one is UNAUTHENTICATED and changes nothing. Health
+and reflection stay open (a load balancer's probe).
+
 Requests are decoded here (identity deserializers), so undecodable bytes are
 INVALID_ARGUMENT, not grpc's INTERNAL. Errors map to status codes only here:
 :data:`STATUS_BY_CODE`; every error also carries trailing metadata ``kvserver-error-code``.
@@ -27,8 +33,9 @@ from grpc_health.v1 import health
 
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver.crypto import TlsServer
-from kvserver.errors import InvalidArgument, KVServerError
-from kvserver.grpc_format import ERROR_CODE_KEY
+from kvserver.daemon.auth import Authenticator
+from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
+from kvserver.grpc_format import ERROR_CODE_KEY, bearer_token
 from kvserver.grpc_serve import start_server
 from scheduler.request import PromptUsage, RequestOutput
 
@@ -45,6 +52,7 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "capacity": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "invalid_state": grpc.StatusCode.FAILED_PRECONDITION,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "internal": grpc.StatusCode.INTERNAL,
 }
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
@@ -138,8 +146,14 @@ class EngineService:
         port: int = 0,
         *,
         tls: TlsServer | None = None,
+        auth: Authenticator | None = None,
+        token_hint: str = "",
     ) -> None:
+        """``auth``: the tokens callers must present (None: none); ``token_hint``: where a
+        caller finds the token, said when it presents none or a wrong one."""
         self.backend = backend
+        self._auth = auth or Authenticator()
+        self.token_hint = token_hint
         self.host = host
         self.port = port
         self.tls = tls
@@ -173,6 +187,7 @@ class EngineService:
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         try:
+            self._authenticate(context)
             params = params_from_proto(pb.GenerateRequest.FromString(raw))
             stream = self.backend.submit(params)
         except Exception as exc:
@@ -201,6 +216,7 @@ class EngineService:
 
     async def _engine_stats(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
+            self._authenticate(context)
             pb.EngineStatsRequest.FromString(raw)
             s = self.backend.stats()
             reply = pb.EngineStatsResponse(
@@ -223,6 +239,19 @@ class EngineService:
             return data
         except Exception as exc:
             await self._abort(context, exc)
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        """Raise Unauthenticated unless the call carries the front door's token."""
+        if not self._auth.required:
+            return
+        try:
+            self._auth.check(bearer_token(context.invocation_metadata()))
+        except Unauthenticated:
+            hint = f" ({self.token_hint})" if self.token_hint else ""
+            raise Unauthenticated(
+                "the scheduler's front door needs its token: missing or wrong "
+                f"'authorization: Bearer <token>' metadata{hint}"
+            ) from None
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
         if isinstance(exc, DecodeError):

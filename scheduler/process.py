@@ -4,9 +4,10 @@ This is the only scheduler module that knows it is a process (event loop, childr
 
 Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
 connect and hello every worker (their KV layout names the kvserver namespace) → build the
-kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC → serve
-Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound is logged, not fatal) →
-write the ready file.
+kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC (its token:
+the configured one or a random one, written to this user's token file of the gRPC port,
+``kvserver/token_file.py``, so that same-user clients find it) → serve Prometheus ``/metrics``
+(``metrics.py``; a port that cannot be bound is logged, not fatal) → write the ready file.
 
 The step loop (:class:`EngineCore`) runs ``schedule()`` → every worker → ``update_from_output()``
 while there is work, and sleeps on an event otherwise. A worker that dies, errs or times out
@@ -19,8 +20,8 @@ logged and fails the requests in flight.
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: metrics stop → gRPC stops accepting and in-flight
 streams get a short grace (the loop still serves them) → remaining streams are cancelled (their
 requests aborted) → the step loop stops → workers are told to stop and synthetic children
-reaped → the connector's leases are released → the trace is closed → the ready file is
-removed → exit 0.
+reaped → the connector's leases are released → the trace is closed → the token file and the
+ready file are removed → exit 0.
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvserver.daemon.auth import Authenticator
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
+from kvserver.token_file import (
+    remove_token_files,
+    server_token,
+    token_path,
+    write_token_files,
+)
 from scheduler.config import ProcessConfig
 from scheduler.connector_base import SchedulerConnector
 from scheduler.engine_service import EngineService, GenerateParams
@@ -285,6 +293,8 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
     core: EngineCore | None = None
     loop_task: asyncio.Task[None] | None = None
     metrics_server = None
+    token_files: list[str] = []
+    token = server_token(config.engine_auth_token, config.engine_no_auth)
     try:
         addresses = list(config.workers)
         if config.synthetic_workers:
@@ -300,8 +310,19 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         scheduler = Scheduler(sched, connector=_make_connector(config, infos))
         core = EngineCore(scheduler, workers, probe_interval_s=config.probe_interval_s)
         loop_task = asyncio.create_task(core.run(), name="step-loop")
-        service = EngineService(core, config.host, config.grpc_port, tls=config.tls)
+        service = EngineService(
+            core, config.host, config.grpc_port, tls=config.tls,
+            auth=Authenticator.single(token),
+        )  # fmt: skip
         port = await service.start()
+        if token:  # the front door's token for this user's clients (docs/security.md)
+            token_files = write_token_files(token, {port})
+            service.token_hint = (
+                f"clients of its user on this host read {token_files[0]}; others present the "
+                "token it was given, --engine-auth-token-file (docs/security.md)"
+            )
+        else:  # a file left for this port by a SIGKILLed scheduler is stale now
+            remove_token_files([token_path(port)])
         collector = SchedulerCollector(core, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
         info = {
@@ -349,6 +370,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
                 with contextlib.suppress(KVServerError):
                     close()
             scheduler.close()
+        remove_token_files(token_files)
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)

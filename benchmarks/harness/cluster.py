@@ -120,7 +120,8 @@ def run_workload(
     with EngineClient(port) as c:
         for _turn in range(w.turns):
             for conv in range(w.conversations):
-                msgs = list(c.stub.Generate(_request(prompts[conv], w.max_tokens), timeout=timeout))
+                msgs = list(c.stub.Generate(_request(prompts[conv], w.max_tokens), timeout=timeout,
+                                            metadata=c.metadata()))
                 out = output_tokens(msgs)
                 u = msgs[0].usage
                 result.turns.append(

@@ -55,6 +55,7 @@ from kvserver.grpc_format import (
     MEDIUM_TO_PROTO,
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
+    bearer_token,
     event_to_proto,
     keys_from_proto,
     namespace_to_proto,
@@ -83,7 +84,6 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
     "internal": grpc.StatusCode.INTERNAL,
 }
 
-BEARER = "Bearer "
 MAX_NAMESPACE_ID = 64
 MAX_STATUS_DETAILS = 1024
 _NS_COUNTERS = (
@@ -240,10 +240,10 @@ class GrpcFrontend:
         """The caller's principal, from ``authorization: Bearer <token>`` metadata."""
         if not self._auth.required:
             return ANONYMOUS
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith(BEARER):
-                return self._auth.check(value[len(BEARER) :])
-        raise Unauthenticated("missing or wrong 'authorization: Bearer <token>' metadata")
+        token = bearer_token(context.invocation_metadata())
+        if token is None:
+            raise Unauthenticated("missing or wrong 'authorization: Bearer <token>' metadata")
+        return self._auth.check(token)
 
     def _namespace(self, ns_id: str) -> NamespaceSpec:
         """The spec of ``ns_id``; InvalidArgument if empty/oversized, UnknownNamespace."""

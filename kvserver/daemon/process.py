@@ -37,7 +37,6 @@ import gc
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 from typing import Any
@@ -64,7 +63,12 @@ from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
-from kvserver.token_file import remove_token_files, token_path, write_token_files
+from kvserver.token_file import (
+    remove_token_files,
+    server_token,
+    token_path,
+    write_token_files,
+)
 
 logger = logging.getLogger("kvserver.daemon")
 
@@ -85,7 +89,7 @@ async def serve(
     stop = stop or asyncio.Event()
     # safe by default (docs/security.md): a random token unless one is configured or no_auth;
     # config keeps the configured one (what this daemon sends its peers: "" = their own files)
-    token = config.auth_token or ("" if config.no_auth else secrets.token_urlsafe(32))
+    token = server_token(config.auth_token, config.no_auth)
     auth = Authenticator.single(token)
     if config.tenants:  # restricted tokens beside the daemon's own (docs/security.md, "Tenants")
         auth = Authenticator([(token, ADMIN), *tenant_tokens(config.tenants)])

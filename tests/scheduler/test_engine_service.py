@@ -101,7 +101,7 @@ def test_bad_requests(
 def test_undecodable_request_is_invalid_argument(client: EngineClient) -> None:
     call = client.channel.unary_stream("/kvserver.v1.Engine/Generate")
     with pytest.raises(grpc.RpcError) as info:
-        list(call(b"\xff\xff\xff", timeout=10))
+        list(call(b"\xff\xff\xff", timeout=10, metadata=client.metadata()))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
