@@ -11,14 +11,21 @@ payload straight into them (``recv_into``): two copies, those of any TCP transfe
 one operation, a peer's ``get leading=true``, and no encryption: a fleet whose data plane
 uses CURVE keeps fetching over ZMQ, and a daemon with CURVE configured opens no stream port.
 
-A request (fetching daemon → serving daemon), integers big-endian::
+A connection opens with a hello that carries the token (fetching daemon → serving daemon),
+integers big-endian; the server reads nothing else before the token matches::
+
+    magic    4 bytes   b"KVPH"
+    version  u8        STREAM_VERSION
+    length   u8        bytes of the token that follows, 0 .. 255
+    token    utf-8     the admin's or a tenant's token ("" when the server requires none)
+
+then requests, each::
 
     magic    4 bytes   b"KVPQ"
     version  u8        STREAM_VERSION
     flags    u8        0
     length   u32       bytes of the header that follows, 1 .. MAX_REQUEST_BYTES
-    header   msgpack   {"auth": str, "id": int, "ns_id": str, "keys": [bytes, ...]}
-                       ("auth" first: the server reads the token before it decodes the rest)
+    header   msgpack   {"id": int, "ns_id": str, "keys": [bytes, ...]}
 
 A reply (in the order the requests came, one per request)::
 
@@ -33,11 +40,11 @@ A reply (in the order the requests came, one per request)::
     ok:    count x tp parts of ``size`` bytes, chunk-major, rank order, back to back
     error: msgpack {"code": str, "message": str}
 
-A stream has no message boundaries of its own: a request whose magic, version or length is
-wrong cannot be skipped, so the server answers it with an error and closes the connection.
-A request whose header is well framed but wrong inside (types, a key too long, an unknown
-namespace, a namespace the token does not grant) is answered with an error and the stream
-goes on. A wrong token is answered and the connection closed. No checksums: TCP's, as on the
+A stream has no message boundaries of its own: a hello or request whose magic, version or
+length is wrong cannot be skipped, so the server answers it with an error and closes the
+connection; so it does for a wrong token (its reply has id 0). A request whose header is well
+framed but wrong inside (types, a key too long, an unknown namespace, a namespace the token
+does not grant) is answered with an error and the stream goes on. No checksums: TCP's, as on the
 ZMQ data plane; the fetching daemon checks every reply's shape against what it asked.
 """
 
@@ -53,8 +60,13 @@ import msgpack
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
 
 STREAM_VERSION = 1
+HELLO_MAGIC = b"KVPH"
 REQUEST_MAGIC = b"KVPQ"
 REPLY_MAGIC = b"KVPR"
+#: magic, version, token length.
+HELLO_HEAD = struct.Struct(">4sBB")
+#: longest token a hello carries.
+MAX_TOKEN_BYTES = 255
 #: magic, version, flags, header length.
 REQUEST_HEAD = struct.Struct(">4sBBI")
 #: magic, version, status, tp, id, count, size.
@@ -77,7 +89,6 @@ class FetchRequest:
     """One ``get leading=true`` on the stream."""
 
     request_id: int
-    auth: str
     ns_id: str
     keys: list[bytes]
 
@@ -97,10 +108,9 @@ class ReplyHead:
 def encode_request(request: FetchRequest) -> bytes:
     """The request's bytes (head and header)."""
     header = msgpack.packb(
-        {"auth": request.auth, "id": request.request_id, "ns_id": request.ns_id,
-         "keys": list(request.keys)},
+        {"id": request.request_id, "ns_id": request.ns_id, "keys": list(request.keys)},
         use_bin_type=True,
-    )  # fmt: skip
+    )
     return REQUEST_HEAD.pack(REQUEST_MAGIC, STREAM_VERSION, 0, len(header)) + bytes(header)
 
 
@@ -123,19 +133,33 @@ def decode_request_head(head: bytes | bytearray | memoryview) -> int:
     return int(length)
 
 
-def peek_auth(header: bytes | bytearray | memoryview) -> str:
-    """The token of a request header, read without decoding the rest: the value of its first
-    key when that key is ``"auth"`` and the value a string, else "" (no token)."""
-    unpacker = msgpack.Unpacker(raw=False, max_str_len=MAX_STR_LEN, max_bin_len=0,
-                                max_array_len=0, max_map_len=16)  # fmt: skip
+def encode_hello(token: str) -> bytes:
+    """A connection's hello. Raises ``InvalidArgument`` for a token over 255 bytes."""
+    raw = token.encode()
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise InvalidArgument("a peer stream token is at most 255 bytes", size=len(raw))
+    return HELLO_HEAD.pack(HELLO_MAGIC, STREAM_VERSION, len(raw)) + raw
+
+
+def decode_hello_head(head: bytes | bytearray | memoryview) -> int:
+    """The token length a hello announces. Raises ``UnsupportedVersion`` or
+    ``InvalidArgument`` (the connection cannot go on after either)."""
+    magic, version, length = HELLO_HEAD.unpack(head)
+    if magic != HELLO_MAGIC:
+        raise InvalidArgument("not a peer stream hello (bad magic)", magic=bytes(magic))
+    if version != STREAM_VERSION:
+        raise UnsupportedVersion(
+            "peer stream version not supported", version=version, supported=STREAM_VERSION
+        )
+    return int(length)
+
+
+def decode_token(raw: bytes | bytearray | memoryview) -> str:
+    """A hello's token ("" when it is not UTF-8: no token)."""
     try:
-        unpacker.feed(header)
-        if unpacker.read_map_header() < 1 or unpacker.unpack() != "auth":
-            return ""
-        token = unpacker.unpack()
-    except Exception:  # malformed: carries no token
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
         return ""
-    return token if isinstance(token, str) else ""
 
 
 def decode_request(header: bytes | bytearray | memoryview) -> FetchRequest:
@@ -150,11 +174,9 @@ def decode_request(header: bytes | bytearray | memoryview) -> FetchRequest:
         raise InvalidArgument(f"peer stream header is not valid msgpack: {exc}") from None
     if not isinstance(d, dict):
         raise InvalidArgument("peer stream header must be a map")
-    request_id, auth, ns_id, keys = d.get("id"), d.get("auth", ""), d.get("ns_id"), d.get("keys")
+    request_id, ns_id, keys = d.get("id"), d.get("ns_id"), d.get("keys")
     if type(request_id) is not int or not 0 <= request_id < 1 << 63:
         raise InvalidArgument("peer stream header: id must be a non-negative integer")
-    if not isinstance(auth, str):
-        raise InvalidArgument("peer stream header: auth must be a string")
     if not isinstance(ns_id, str) or not ns_id:
         raise InvalidArgument("peer stream header: ns_id must be a non-empty string")
     if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
@@ -162,7 +184,7 @@ def decode_request(header: bytes | bytearray | memoryview) -> FetchRequest:
     for key in keys:
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidArgument(f"peer stream header: every key must be 1..{MAX_KEY_BYTES} bytes")
-    return FetchRequest(request_id, auth, ns_id, keys)
+    return FetchRequest(request_id, ns_id, keys)
 
 
 def encode_ok(request_id: int, count: int, tp: int, part_bytes: int) -> bytes:

@@ -8,20 +8,21 @@ Call order: ``StreamServer(service, auth, ...)`` → ``await start()`` (binds; t
 announced in ``hello`` as ``peer_stream_port`` and in the fleet record as ``stream_address``)
 → ... → ``await stop()`` (closes the listener and every connection; their pins end).
 
-Each connection is served by one task, one request at a time, in order (a peer pipelines its
-windows on one connection: their replies go back in the order asked). A request is checked
-as a ZMQ ``get`` with ``leading=true`` is: the token first, read before the rest of the header
-is decoded (``wire_stream.peek_auth``; a wrong one: error, connection closed), then the
-principal's access to the namespace (``access.authorize``, as for the ZMQ ``get``), then
+Each connection is served by one task. Its hello comes first: the token, at most 255 bytes,
+read and checked before anything else of the connection is read (a wrong one: error,
+connection closed; the principal it names is the connection's). Then its requests, one at a
+time, in order (a peer pipelines its windows on one connection: their replies go back in the
+order asked), each checked as a ZMQ ``get`` with ``leading=true`` is: the principal's access
+to the namespace (``access.authorize``, as for the ZMQ ``get``), then
 ``KVService.get(leading=True)``: the leading run of the keys held in this daemon's own tiers,
 promoted from SSD when needed, pinned by a load lease while its pages are sent straight from
 the arena (``sock_sendall`` of arena views: the kernel's copy is the only one), then unpinned.
 
 Bounds: at most ``max_connections`` connections (more are closed at once); a request's header
-at most ``wire_stream.MAX_REQUEST_BYTES``; every read of a request after its first byte and
-every reply's send within ``timeout_s`` (past it the connection is closed and the pins end);
-a connection that has not authenticated must send its first request within ``timeout_s``, an
-authenticated one may stay idle ``idle_s``. Bad framing (magic, version, size) is answered
+at most ``wire_stream.MAX_REQUEST_BYTES``; the hello within ``timeout_s`` of connecting;
+every read of a request after its first byte and every reply's send within ``timeout_s``
+(past it the connection is closed and the pins end); an authenticated connection may stay idle
+``idle_s`` between requests. Bad framing (magic, version, size) is answered
 with an error and the connection closed (a stream cannot skip it); a bad header inside good
 framing is answered and the stream goes on. Nothing a peer sends can stop the daemon.
 """
@@ -37,10 +38,10 @@ from typing import Any
 
 from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
-from kvserver.daemon.auth import Authenticator
+from kvserver.daemon.auth import Authenticator, Principal
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
-from kvserver.errors import KVServerError, Unauthenticated
+from kvserver.errors import KVServerError
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class StreamCounters:
 
     connections: int = 0
     refused_connections: int = 0
+    #: connections whose hello was malformed or whose token was refused.
+    refused_hellos: int = 0
     requests: int = 0
     errors: int = 0
     sent_chunks: int = 0
@@ -164,11 +167,12 @@ class StreamServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, sock: socket.socket) -> None:
-        authenticated = False
         try:
+            who = await self._hello(sock)
+            if who is None:
+                return
             while True:
-                head = await self._read(sock, wire_stream.REQUEST_HEAD.size,
-                                        self._idle_s if authenticated else self._timeout_s,
+                head = await self._read(sock, wire_stream.REQUEST_HEAD.size, self._idle_s,
                                         at_boundary=True)  # fmt: skip
                 if head is None:
                     return
@@ -181,13 +185,6 @@ class StreamServer:
                 header = await self._read(sock, length, self._timeout_s)
                 assert header is not None
                 self.counters.requests += 1
-                try:  # the token before anything else of the header is decoded
-                    who = self._auth.check(wire_stream.peek_auth(header) or None)
-                except Unauthenticated as exc:
-                    await self._refuse(sock, 0, exc)
-                    await self._linger(sock)
-                    return
-                authenticated = True
                 try:
                     request = wire_stream.decode_request(header)
                 except KVServerError as exc:
@@ -201,8 +198,27 @@ class StreamServer:
         finally:
             sock.close()
 
-    async def _answer(self, sock: socket.socket, request: wire_stream.FetchRequest,
-                      who: Any) -> None:  # fmt: skip
+    async def _hello(self, sock: socket.socket) -> Principal | None:
+        """Read the connection's hello (at most 261 bytes, within the timeout) and check its
+        token; None (an error sent, the connection to be closed) when it is refused."""
+        head = await self._read(sock, wire_stream.HELLO_HEAD.size, self._timeout_s,
+                                at_boundary=True)  # fmt: skip
+        if head is None:
+            return None
+        try:
+            length = wire_stream.decode_hello_head(head)
+            raw = await self._read(sock, length, self._timeout_s) if length else bytearray()
+            assert raw is not None
+            return self._auth.check(wire_stream.decode_token(raw) or None)
+        except KVServerError as exc:  # a bad hello, or Unauthenticated
+            self.counters.refused_hellos += 1
+            await self._refuse(sock, 0, exc)
+            await self._linger(sock)
+            return None
+
+    async def _answer(
+        self, sock: socket.socket, request: wire_stream.FetchRequest, who: Principal
+    ) -> None:
         service = self._service
         try:
             authorize(who, service, wire.GET, {"ns_id": request.ns_id, "keys": request.keys})

@@ -7,10 +7,11 @@ drives it (it reserves the arena pages and hands their views to :meth:`StreamCon
 read_into`, so the payload goes from the kernel straight into the arena).
 
 Call order: ``PeerStream(peer, address, ...)`` → ``async with stream.connection() as conn``
-(one of at most ``connections`` sockets, connected on first use; an idle one the peer has
-closed meanwhile is dropped and another opened) → ``await conn.send_requests(ns_id, windows)``
-(pipelined: every window asked at once) → per window, in order, ``await conn.reply_head(...)``
-then ``read_into`` / ``read_error`` → the block ends: the connection is kept unless a call on
+(one of at most ``connections`` sockets, connected on first use and opened with the hello that
+carries the token; an idle one the peer has closed meanwhile is dropped and another opened)
+→ ``await conn.send_requests(ns_id, windows, deadline)`` (pipelined: every window asked at
+once) → per window, in order, ``await conn.reply_head(...)`` then ``read_into`` /
+``read_error`` → the block ends: the connection is kept unless a call on
 it failed (:meth:`StreamConnection.spoil`), so a half-read reply is never taken for the next.
 ``await close()`` closes the idle ones.
 
@@ -56,10 +57,9 @@ class StreamConnection:
     buffer after its owner gave it up.
     """
 
-    def __init__(self, sock: socket.socket, peer: Peer, auth: Callable[[], str]) -> None:
+    def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock = sock
         self.peer_id = peer.host_id
-        self._auth = auth
         self._next_id = 1
         self._loop = asyncio.get_running_loop()
         self.spoiled = False
@@ -84,9 +84,8 @@ class StreamConnection:
         """Ask for every window (one write); returns their request ids, in order."""
         ids = list(range(self._next_id, self._next_id + len(windows)))
         self._next_id += len(windows)
-        auth = self._auth()
         data = b"".join(
-            wire_stream.encode_request(wire_stream.FetchRequest(i, auth, ns_id, list(w)))
+            wire_stream.encode_request(wire_stream.FetchRequest(i, ns_id, list(w)))
             for i, w in zip(ids, windows, strict=True)
         )
         view = memoryview(data)
@@ -109,6 +108,9 @@ class StreamConnection:
             raise self._failed(f"peer stream reply malformed: {exc}", timed_out=False) from None
         if head.request_id != request_id & 0xFFFFFFFF:
             self.spoil()
+            if not head.ok and head.request_id == 0:  # the connection refused (its hello)
+                error = await self.read_error(head, deadline)
+                raise self._failed(f"peer refused the stream: {error}", timed_out=False)
             raise self._failed("peer stream reply answers another request", timed_out=False)
         return head
 
@@ -275,11 +277,13 @@ class PeerStream:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await loop.sock_connect(sock, addr)
+            # the hello: the token, before anything else (a refusal comes as the first reply)
+            await loop.sock_sendall(sock, wire_stream.encode_hello(self._token()))
             sock.setblocking(True)  # MSG_DONTWAIT on the loop, blocking calls in threads
         except BaseException:
             sock.close()
             raise
-        return StreamConnection(sock, self.peer, self._token)
+        return StreamConnection(sock, self.peer)
 
     def _token(self) -> str:
         return self._token_file.token() if self._token_file is not None else self._auth

@@ -131,6 +131,20 @@ async def test_chunks_dram_cannot_take_are_received_into_buffers_of_their_own(
         await book.close()
 
 
+async def test_a_fetcher_with_a_wrong_token_is_refused_and_places_nothing(
+    served: DaemonProc,
+) -> None:
+    with engine_b() as engine:
+        fetches, book = fetcher(engine, auth_token="wrong-token-0123456789", suspect_s=60)
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in KEYS],
+                            {"A": recorded_peer(served)})  # fmt: skip
+        assert engine.lookup(SPEC.ns_id, KEYS) == 0
+        assert (book.counters.failures, book.counters.timeouts) == (1, 0)
+        assert book.is_suspect("A")
+        no_reservations(engine)
+        await book.close()
+
+
 @pytest.mark.parametrize("how", ["old record", "no stream port"])
 async def test_a_peer_that_advertises_no_stream_is_fetched_over_zmq(
     tmp_path: Path, how: str
@@ -228,6 +242,8 @@ async def serve_standin(behaviour: Behaviour) -> tuple[asyncio.Server, str]:
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            hello = await reader.readexactly(wire_stream.HELLO_HEAD.size)
+            await reader.readexactly(wire_stream.decode_hello_head(hello))
             head = await reader.readexactly(wire_stream.REQUEST_HEAD.size)
             body = await reader.readexactly(wire_stream.decode_request_head(head))
             await behaviour(writer, wire_stream.decode_request(body))
@@ -296,11 +312,14 @@ async def test_a_reply_cut_short_or_malformed_places_nothing_and_leaves_nothing_
 
 
 class Raw:
-    """A raw connection to a daemon's stream port."""
+    """A raw connection to a daemon's stream port, opened with a hello carrying ``token``
+    (none when ``token`` is None)."""
 
-    def __init__(self, d: DaemonProc) -> None:
+    def __init__(self, d: DaemonProc, token: str | None = TOKEN) -> None:
         self.sock = socket.create_connection(("127.0.0.1", d.info["peer_stream_port"]), 5)
         self.sock.settimeout(10)
+        if token is not None:
+            self.sock.sendall(wire_stream.encode_hello(token))
 
     def __enter__(self) -> Raw:
         return self
@@ -308,8 +327,8 @@ class Raw:
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
 
-    def ask(self, ns_id: str, keys: list[bytes], auth: str = TOKEN, request_id: int = 7) -> None:
-        req = wire_stream.FetchRequest(request_id, auth, ns_id, keys)
+    def ask(self, ns_id: str, keys: list[bytes], request_id: int = 7) -> None:
+        req = wire_stream.FetchRequest(request_id, ns_id, keys)
         self.sock.sendall(wire_stream.encode_request(req))
 
     def exactly(self, n: int) -> bytes:
@@ -373,41 +392,51 @@ def test_bad_framing_is_answered_then_the_connection_closed(
     still_serving(served)
 
 
+def hello_head(magic: bytes = wire_stream.HELLO_MAGIC, version: int = 1, length: int = 0) -> bytes:
+    return wire_stream.HELLO_HEAD.pack(magic, version, length)
+
+
 @pytest.mark.parametrize(
-    "data",
-    [wire_stream.encode_request(wire_stream.FetchRequest(1, "not-the-token", SPEC.ns_id, KEYS)),
-     wire_stream.encode_request(wire_stream.FetchRequest(1, "", SPEC.ns_id, KEYS)),
-     msgpack_request({"id": 1, "auth": TOKEN, "ns_id": SPEC.ns_id, "keys": KEYS}),  # not first
-     msgpack_request({"auth": 5, "id": 1}),
-     msgpack_request([TOKEN]),
-     request_head(length=3) + b"\xc1\xc1\xc1"],
+    ("data", "code"),
+    [(wire_stream.encode_hello("not-the-token"), "unauthenticated"),
+     (wire_stream.encode_hello(""), "unauthenticated"),
+     (hello_head(length=2) + b"\xff\xfe", "unauthenticated"),  # not UTF-8: no token
+     (wire_stream.encode_hello("x" * 255), "unauthenticated"),
+     (hello_head(magic=b"GET "), "invalid_argument"),
+     (hello_head(version=2), "unsupported_version"),
+     (wire_stream.encode_request(wire_stream.FetchRequest(1, SPEC.ns_id, KEYS)),
+      "invalid_argument")],  # a request before any hello
 )
-def test_a_request_without_the_token_first_is_refused_and_the_connection_closed(
-    served: DaemonProc, data: bytes
+def test_a_connection_without_the_token_is_refused_before_any_request_is_read(
+    served: DaemonProc, data: bytes, code: str
 ) -> None:
-    """The token is read before anything else of the header is decoded: it must be the
-    header's first field; a wrong one, a missing one, or a header that is not a map starting
-    with it is ``unauthenticated`` and ends the connection."""
-    with Raw(served) as raw:
+    """The hello comes first and carries the token: a wrong or missing one, or anything that
+    is not a hello, is answered (id 0) and the connection closed; no request is read."""
+    with Raw(served, token=None) as raw:
         raw.sock.sendall(data)
-        assert raw.error() == "unauthenticated"
+        raw.ask(SPEC.ns_id, KEYS)  # never answered
+        head, body = raw.reply()
+        assert not head.ok and head.request_id == 0
+        assert wire_stream.decode_error(body).code == code
         assert raw.closed()
     still_serving(served)
 
 
 @pytest.mark.parametrize(
     ("data", "code"),
-    [(msgpack_request({"auth": TOKEN, "x": 1}), "invalid_argument"),
-     (msgpack_request({"auth": TOKEN, "id": -1, "ns_id": "x", "keys": [b"k"]}),
+    [(request_head(length=3) + b"\xc1\xc1\xc1", "invalid_argument"),
+     (msgpack_request([1, 2]), "invalid_argument"),
+     (msgpack_request({"x": 1}), "invalid_argument"),
+     (msgpack_request({"id": -1, "ns_id": "x", "keys": [b"k"]}),
       "invalid_argument"),
-     (msgpack_request({"auth": TOKEN, "id": 1, "ns_id": "x", "keys": []}), "invalid_argument"),
-     (msgpack_request({"auth": TOKEN, "id": 1, "ns_id": "x", "keys": [b"k" * 65]}),
+     (msgpack_request({"id": 1, "ns_id": "x", "keys": []}), "invalid_argument"),
+     (msgpack_request({"id": 1, "ns_id": "x", "keys": [b"k" * 65]}),
       "invalid_argument"),
-     (msgpack_request({"auth": TOKEN, "id": 1, "ns_id": "x", "keys": ["str"]}),
+     (msgpack_request({"id": 1, "ns_id": "x", "keys": ["str"]}),
       "invalid_argument"),
-     (msgpack_request({"auth": TOKEN, "id": 1, "ns_id": "0" * 16, "keys": [b"k"]}),
+     (msgpack_request({"id": 1, "ns_id": "0" * 16, "keys": [b"k"]}),
       "unknown_namespace"),
-     (msgpack_request({"auth": TOKEN, "id": 1, "ns_id": SPEC.ns_id, "keys": [b"k"]}),
+     (msgpack_request({"id": 1, "ns_id": SPEC.ns_id, "keys": [b"k"]}),
       "invalid_argument")],  # a key of the wrong size for the namespace
 )
 def test_a_bad_request_in_good_framing_is_answered_and_the_stream_goes_on(
@@ -423,8 +452,8 @@ def test_a_bad_request_in_good_framing_is_answered_and_the_stream_goes_on(
 
 
 def test_a_tenant_gets_only_the_namespaces_its_token_grants(served: DaemonProc) -> None:
-    with Raw(served) as raw:
-        raw.ask(SPEC.ns_id, KEYS, auth=TENANT)
+    with Raw(served, token=TENANT) as raw:
+        raw.ask(SPEC.ns_id, KEYS)
         assert raw.error() == "permission_denied"
     still_serving(served)
 
@@ -445,21 +474,32 @@ def test_the_leading_run_held_is_sent_and_pipelined_requests_answer_in_order(
         assert body == b"".join(p for row in expected(KEYS[2:]) for p in row)
 
 
-def test_a_truncated_request_then_a_close_leaves_the_daemon_serving(served: DaemonProc) -> None:
-    body = msgpack.packb({"id": 1, "auth": TOKEN, "ns_id": SPEC.ns_id, "keys": KEYS})
-    for cut in (1, wire_stream.REQUEST_HEAD.size, wire_stream.REQUEST_HEAD.size + 5):
-        with Raw(served) as raw:
-            raw.sock.sendall((request_head(length=len(body)) + body)[:cut])
+def test_a_truncated_hello_or_request_then_a_close_leaves_the_daemon_serving(
+    served: DaemonProc,
+) -> None:
+    hello = wire_stream.encode_hello(TOKEN)
+    body = msgpack.packb({"id": 1, "ns_id": SPEC.ns_id, "keys": KEYS})
+    data = hello + request_head(length=len(body)) + body
+    for cut in (1, wire_stream.HELLO_HEAD.size, len(hello) - 1, len(hello) + 3,
+                len(hello) + wire_stream.REQUEST_HEAD.size + 5):  # fmt: skip
+        with Raw(served, token=None) as raw:
+            raw.sock.sendall(data[:cut])
     still_serving(served)
 
 
+HELLO = wire_stream.encode_hello(TOKEN)
+
+
 @given(data=st.one_of(
-    st.binary(max_size=256),
-    st.builds(lambda tail: request_head(length=len(tail)) + tail, st.binary(max_size=256)),
-    st.builds(lambda n, tail: request_head(length=n) + tail,
+    st.binary(max_size=300),  # no hello
+    st.builds(lambda n, tail: hello_head(length=n) + tail, st.integers(0, 255),
+              st.binary(max_size=300)),
+    st.builds(lambda tail: HELLO + tail, st.binary(max_size=256)),
+    st.builds(lambda tail: HELLO + request_head(length=len(tail)) + tail, st.binary(max_size=256)),
+    st.builds(lambda n, tail: HELLO + request_head(length=n) + tail,
               st.integers(0, (1 << 32) - 1), st.binary(max_size=64)),
-    st.builds(msgpack_request, st.dictionaries(
-        st.sampled_from(["id", "auth", "ns_id", "keys", "x"]),
+    st.builds(lambda d: HELLO + msgpack_request(d), st.dictionaries(
+        st.sampled_from(["id", "ns_id", "keys", "x"]),
         st.one_of(st.integers(-5, (1 << 64) - 1), st.text(max_size=8), st.binary(max_size=70),
                   st.lists(st.binary(max_size=70), max_size=3), st.none()),
     )),
@@ -469,10 +509,10 @@ def test_a_truncated_request_then_a_close_leaves_the_daemon_serving(served: Daem
 def test_fuzzed_input_gets_errors_or_a_close_and_the_daemon_keeps_serving(
     served: DaemonProc, data: bytes
 ) -> None:
-    """Whatever arrives: every reply is a well-formed error reply (never a crash, never
-    bytes), then either the stream goes on or the daemon closes it; a well-formed request on
-    the same connection, if still open, is answered; the daemon serves everyone else."""
-    with Raw(served) as raw:
+    """Whatever arrives (with or without a hello): every reply is a well-formed error reply
+    (never a crash, never bytes), then either the stream goes on or the daemon closes it; the
+    daemon serves everyone else."""
+    with Raw(served, token=None) as raw:
         raw.sock.sendall(data)
         raw.sock.shutdown(socket.SHUT_WR)  # nothing more comes: what is cut short is so
         rest = b""
@@ -506,7 +546,13 @@ def test_timed_out_reads_close_a_silent_connection(tmp_path: Path) -> None:
 
 
 def test_stream_framing_round_trips() -> None:
-    req = wire_stream.FetchRequest(5, "tok", "abcd", [b"k1", b"k2"])
+    hello = wire_stream.encode_hello("tök")
+    n = wire_stream.decode_hello_head(hello[: wire_stream.HELLO_HEAD.size])
+    assert wire_stream.decode_token(hello[wire_stream.HELLO_HEAD.size :]) == "tök"
+    assert n == len("tök".encode())
+    with pytest.raises(InvalidArgument):
+        wire_stream.encode_hello("x" * 256)
+    req = wire_stream.FetchRequest(5, "abcd", [b"k1", b"k2"])
     data = wire_stream.encode_request(req)
     n = wire_stream.decode_request_head(data[: wire_stream.REQUEST_HEAD.size])
     assert wire_stream.decode_request(data[wire_stream.REQUEST_HEAD.size :]) == req
