@@ -52,6 +52,7 @@ KEYS="set -e; test -f $K/server.key_secret || kvserver keys curve $K --name serv
 test -f $K/engine.key_secret || kvserver keys curve $K --name engine; \
 test -f $K/server.pem || kvserver keys tls $K --name server --host kvserver --host 127.0.0.1 \
 --host localhost; test -f $K/auth.token || kvserver keys token $K --name auth; \
+test -f $K/engine.token || kvserver keys token $K --name engine; \
 test -f $K/workers.key_secret || kvserver keys curve $K --name workers; \
 test -f $K/scheduler.pem || kvserver keys tls $K --name scheduler --host scheduler \
 --host 127.0.0.1 --host localhost; mkdir -p $K/clients $K/step-clients; \
@@ -77,7 +78,7 @@ $CLIENT_KEYS --step-curve-secret-key-file $K/workers.key_secret \
 --step-curve-clients-dir $K/step-clients --chunk-blocks 1 --ready-file $DIR/worker-$rank.ready"
 done
 CMD[scheduler]="scheduler --host 127.0.0.1 --tls-cert-file $K/scheduler.crt \
---tls-key-file $K/scheduler.pem --grpc-port $SCHEDULER_GRPC --metrics-port $SCHEDULER_METRICS \
+--tls-key-file $K/scheduler.pem --engine-auth-token-file $K/engine.token --grpc-port $SCHEDULER_GRPC --metrics-port $SCHEDULER_METRICS \
 --workers tcp://127.0.0.1:$WORKER0_LISTEN,tcp://127.0.0.1:$WORKER1_LISTEN \
 --step-curve-server-key-file $K/workers.key --step-curve-secret-key-file $K/engine.key_secret \
 --kvserver tcp://127.0.0.1:$KVSERVER_ZMQ $CLIENT_KEYS --model tiny --num-gpu-blocks 256 --block-size 16 \
@@ -146,7 +147,7 @@ cat <<MSG
 kvserver cluster up (files in $DIR; keys in $K):
   daemon     gRPC 127.0.0.1:$KVSERVER_GRPC  ZMQ tcp://127.0.0.1:$KVSERVER_ZMQ  events tcp://127.0.0.1:$KVSERVER_PUB
   workers    tcp://127.0.0.1:$WORKER0_LISTEN (rank 0)  tcp://127.0.0.1:$WORKER1_LISTEN (rank 1)
-  scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC (TLS, CA $K/scheduler.crt)
+  scheduler  gRPC kvserver.v1.Engine 127.0.0.1:$SCHEDULER_GRPC (TLS, CA $K/scheduler.crt, token $K/engine.token)
   metrics    http://127.0.0.1:$KVSERVER_METRICS/metrics (daemon)  http://127.0.0.1:$SCHEDULER_METRICS/metrics (scheduler)
 Try: ${KV[*]} status --server 127.0.0.1:$KVSERVER_GRPC --tls-ca-file $K/server.crt --auth-token-file $K/auth.token
 Ctrl-C stops everything.

@@ -16,12 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from benchmarks.harness.proc import start_process
 from kvserver.cli import build_parser
 from kvserver.client import KVClient
-from kvserver.crypto import ClientSecurity, endpoint_is_local
+from kvserver.crypto import ClientSecurity, TlsClient, endpoint_is_local
 from kvserver.errors import KVServerError
 from kvserver.grpc_client import GrpcClient
 from kvserver.token_file import client_auth_token
@@ -30,6 +31,7 @@ from step_protocol.security import check_worker_listen, worker_curve
 from tests.deploy.compose import ROOT, flag, listen_ports, load_compose, localize, services
 from tests.deploy.test_fleet_deploy import daemon_config
 from tests.deploy.test_fleet_keys import SECURITY_FIELDS, _assert_clients_served
+from tests.scheduler.procs import EngineClient
 from tests.support.daemon import DaemonProc, start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -72,7 +74,8 @@ def test_compose_keys_make_a_secure_daemon_that_serves_its_clients(tmp_path: Pat
     run_keys(cmds["keys"][0], tmp_path)  # a second `up` keeps every key
     assert {p.name: p.read_bytes() for p in keys_dir.rglob("*") if p.is_file()} == made
     assert sorted(os.listdir(keys_dir / "clients")) == ["engine.key"]
-    for secret in ("server.key_secret", "engine.key_secret", "server.pem", "auth.token"):
+    for secret in ("server.key_secret", "engine.key_secret", "server.pem", "auth.token",
+                   "engine.token"):  # fmt: skip
         assert (keys_dir / secret).stat().st_mode & 0o077 == 0, secret
 
     # the daemon: beyond its container, with CURVE + TLS + the token from the volume
@@ -120,8 +123,35 @@ def test_compose_keys_make_a_secure_daemon_that_serves_its_clients(tmp_path: Pat
             served.grpc_address, tls=tls, auth_token="x" * 32, timeout=5
         ) as g:
             g.stats()
+        _assert_front_door_needs_its_token(cmds["scheduler"], keys_dir, tmp_path)
     finally:
         assert served.terminate() == 0, served.log()
+
+
+def _assert_front_door_needs_its_token(command: list[str], keys_dir: Path, tmp: Path) -> None:
+    """The scheduler's localized command (a synthetic worker in place of the worker services)
+    serves Generate over TLS to a client with engine.token (not the daemon's token) and
+    refuses one without it: the published port 9480 needs the token."""
+    engine_token = (keys_dir / "engine.token").read_text().strip()
+    assert engine_token != (keys_dir / "auth.token").read_text().strip()
+    assert process_config(build_parser().parse_args(command)).engine_auth_token == engine_token
+    dropped = ("--workers", "--step-curve-server-key-file", "--step-curve-secret-key-file")
+    kept = [a for i, a in enumerate(command) if a not in dropped and command[i - 1] not in dropped]
+    argv = [sys.executable, "-m", "kvserver.cli", *kept, "--synthetic-workers", "1"]
+    ready = Path(flag(command, "--ready-file"))
+    proc, info = start_process(argv, ready, tmp / "scheduler.log", name="scheduler")
+    try:
+        tls = TlsClient(str(keys_dir / "scheduler.crt"))
+        with EngineClient(info["grpc_port"], tls, auth_token=engine_token) as client:
+            assert len(client.generate([1, 2, 3, 4], 2)) == 2
+        for wrong in ("", (keys_dir / "auth.token").read_text().strip()):
+            with EngineClient(info["grpc_port"], tls, auth_token=wrong) as client:
+                with pytest.raises(grpc.RpcError) as err:
+                    client.stats()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0, (tmp / "scheduler.log").read_text()
 
 
 def dockerfile_cmd() -> list[str]:

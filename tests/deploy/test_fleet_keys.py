@@ -143,6 +143,10 @@ def test_compose_daemons_use_curve_and_tls_and_clients_their_keys(
 
         sched = process_config(parser.parse_args(argv(f"scheduler-{host}")))
         assert sched.host == "0.0.0.0" and sched.tls is not None and sched.step_curve
+        # the front door's token: the keys service's engine.token, not the daemons' token
+        assert sched.engine_auth_token == (keys_dir / "engine.token").read_text().strip()
+        assert sched.engine_auth_token != token
+        assert (keys_dir / "engine.token").stat().st_mode & 0o077 == 0
         worker_args = parser.parse_args(argv(f"worker-{host}"))
         step = worker_curve(worker_args)
         assert step is not None and step.public_key == sched.step_curve.server_key
