@@ -21,6 +21,7 @@ import yaml
 
 from kvserver.cli import build_parser
 from kvserver.daemon.config import DaemonConfig
+from kvserver.token_file import make_token_file, read_token_file
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEET = ROOT / "deploy" / "docker-compose.fleet.yml"
@@ -119,18 +120,23 @@ def test_the_daemonset_runs_a_fleet_member_per_node(
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
-    assert env["KVSERVER_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "kvserver-auth"
-    # the ConfigMap's TOML, mounted where --config reads it
-    toml = k8s[("ConfigMap", "kvserver-config")]["data"]["kvserver.toml"]
+    # the fleet's token: a file of the kvserver-auth Secret (deploy/k8s/make-keys.sh makes it)
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in ds["volumes"]}
+    token_file = env["KVSERVER_AUTH_TOKEN_FILE"]["value"]
+    assert token_file == f"{mounts['auth']}/auth.token"
+    assert volumes["auth"]["secret"]["secretName"] == "kvserver-auth"
+    # the ConfigMap's TOML, mounted where --config reads it
+    toml = k8s[("ConfigMap", "kvserver-config")]["data"]["kvserver.toml"]
     assert volumes["config"]["configMap"]["name"] == "kvserver-config"
     (tmp_path / "kvserver.toml").write_text(toml)
     argv = [_expand(a, {"NODE_NAME": "gpu-node-3", "NODE_IP": "10.0.0.3"}) for a in c["args"]]
     assert argv[argv.index("--config") + 1] == f"{mounts['config']}/kvserver.toml"
     argv[argv.index("--config") + 1] = str(tmp_path / "kvserver.toml")
-    cfg = daemon_config(argv, env={"KVSERVER_AUTH_TOKEN": "t"})
-    assert (cfg.host_id, cfg.advertised_host, cfg.auth_token) == ("gpu-node-3", "10.0.0.3", "t")
+    local_token = make_token_file(str(tmp_path), "auth")
+    cfg = daemon_config(argv, env={"KVSERVER_AUTH_TOKEN_FILE": local_token})
+    token = read_token_file(local_token)
+    assert (cfg.host_id, cfg.advertised_host, cfg.auth_token) == ("gpu-node-3", "10.0.0.3", token)
     cc = cfg.cluster_config()
     assert cc is not None
     ((redis_host, redis_port),) = cc.target().nodes
@@ -148,7 +154,7 @@ def test_the_daemonset_runs_a_fleet_member_per_node(
     )  # fmt: skip
     assert ds["terminationGracePeriodSeconds"] >= 30
     probe = " ".join(c["readinessProbe"]["exec"]["command"])
-    assert "kvserver status" in probe and "KVSERVER_AUTH_TOKEN" in probe
+    assert "kvserver status" in probe and f"--auth-token-file {token_file}" in probe
 
 
 def test_the_node_local_service_routes_to_the_own_node(k8s: dict[tuple[str, str], Any]) -> None:
@@ -172,7 +178,7 @@ def test_the_vllm_pod_shares_what_co_location_needs_and_its_connector_config_is_
     assert {v["name"]: v for v in pod["volumes"]}["shm"]["hostPath"]["path"] == "/dev/shm"
     # the command as the shell runs it, the secret substituted
     (script,) = c["args"]
-    argv = shlex.split(script.replace("$KVSERVER_AUTH_TOKEN", "t"))
+    argv = shlex.split(script)
     assert argv[:3] == ["exec", "vllm", "serve"]
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "KVServerConnector"
@@ -182,7 +188,8 @@ def test_the_vllm_pod_shares_what_co_location_needs_and_its_connector_config_is_
     from kvserver_vllm import config as plugin_config
 
     assert set(extra) <= plugin_config._KEYS
-    assert extra["address"] == "tcp://127.0.0.1:9471" and extra["auth_token"] == "t"
+    assert extra["address"] == "tcp://127.0.0.1:9471" and "auth_token" not in extra
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert extra["auth_token_file"] == f"{mounts['keys']}/auth.token"  # the engine keys' token
     env = {e["name"]: e for e in c["env"]}
-    assert env["KVSERVER_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "kvserver-auth"
     assert "PYTHONHASHSEED" in env

@@ -28,7 +28,7 @@ from kvserver.client import KVClient
 from kvserver.crypto import ClientSecurity
 from kvserver.daemon.config import DaemonConfig
 from kvserver.grpc_client import GrpcClient
-from kvserver.token_file import client_auth_token
+from kvserver.token_file import client_auth_token, read_token_file
 from scheduler.cli import process_config
 from step_protocol.security import check_worker_listen, worker_curve
 from tests.deploy.test_fleet_deploy import FLEET, K8S, daemon_config, load_k8s
@@ -210,8 +210,10 @@ def _mounted(spec: dict[str, Any], made: dict[tuple[str, str], dict[str, str]],
         assert mount.get("readOnly") is True, mount
         copy = tmp_path / mount["name"]
         copy.mkdir(parents=True)
+        mode = vol.get("secret", {}).get("defaultMode", 0o644)  # a ConfigMap's default
         for key, path in made[source].items():
             (copy / key).write_bytes(Path(path).read_bytes())
+            (copy / key).chmod(mode)
             out[f"{mount['mountPath']}/{key}"] = str(copy / key)
         out[mount["mountPath"]] = str(copy)
     return out
@@ -224,8 +226,16 @@ def test_k8s_keys_are_made_mounted_and_work(
     daemon_files = _mounted(ds, made, tmp_path / "daemonset")
     toml = k8s[("ConfigMap", "kvserver-config")]["data"]["kvserver.toml"]
     (tmp_path / "kvserver.toml").write_text(toml)
-    cfg = daemon_config(["start", "--config", str(tmp_path / "kvserver.toml")])
-    assert not cfg.insecure_remote and cfg.host == "0.0.0.0"
+    (c,) = ds["containers"]
+    # the fleet's token: made by the script (0600), stored in the kvserver-auth Secret, read
+    # by the daemon from the mounted file (0440, the daemon's group)
+    made_token = made[("Secret", "kvserver-auth")]["auth.token"]
+    assert Path(made_token).stat().st_mode & 0o077 == 0
+    token = read_token_file(made_token)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    token_env = {"KVSERVER_AUTH_TOKEN_FILE": daemon_files[env["KVSERVER_AUTH_TOKEN_FILE"]]}
+    cfg = daemon_config(["start", "--config", str(tmp_path / "kvserver.toml")], env=token_env)
+    assert not cfg.insecure_remote and cfg.host == "0.0.0.0" and cfg.auth_token == token
     local = {f: daemon_files[getattr(cfg, f)] for f in SECURITY_FIELDS}  # each one mounted
     # the clients dir admits the peers (the fleet's own pair) and the engines
     assert sorted(os.listdir(local["curve_clients_dir"])) == ["server.key", "vllm.key"]
@@ -234,23 +244,26 @@ def test_k8s_keys_are_made_mounted_and_work(
     pod_files = _mounted(pod, made, tmp_path / "pod")
     assert pod["securityContext"]["fsGroup"] == ds["securityContext"]["fsGroup"]
     (script,) = pod["containers"][0]["args"]
-    argv = shlex.split(script.replace("$KVSERVER_AUTH_TOKEN", TOKEN))
+    argv = shlex.split(script)
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     engine = ClientSecurity(pod_files[extra["curve_server_key_file"]],
                             pod_files[extra["curve_secret_key_file"]])  # fmt: skip
+    assert read_token_file(pod_files[extra["auth_token_file"]]) == token  # as the plug-in reads it
 
-    (c,) = ds["containers"]
     probe_argv = shlex.split(c["readinessProbe"]["exec"]["command"][2])
     probe = build_parser().parse_args(probe_argv[1:])
     assert probe.server == "127.0.0.1:9470"
-    proc = _serve(tmp_path, DaemonConfig(**local))
+    assert read_token_file(daemon_files[probe.auth_token_file]) == token
+    proc = _serve(tmp_path, DaemonConfig(**local), token)
     try:
         _assert_clients_served(proc, {"vllm": engine},
-                               ClientSecurity(tls_ca_file=daemon_files[probe.tls_ca_file]))
-        # a router on another node dials a node IP and checks the certificate's name
+                               ClientSecurity(tls_ca_file=daemon_files[probe.tls_ca_file]), token)
+        # a router on another node dials a node IP and checks the certificate's name; it
+        # reads the token from the engine keys like the pods
         ca_file = made[("Secret", "kvserver-engine-keys")]["server.crt"]
+        assert read_token_file(made[("Secret", "kvserver-engine-keys")]["auth.token"]) == token
         router = ClientSecurity(tls_ca_file=ca_file, tls_server_name="kvserver").tls()
-        with GrpcClient(proc.grpc_address, tls=router, auth_token=TOKEN) as g:
+        with GrpcClient(proc.grpc_address, tls=router, auth_token=token) as g:
             assert g.stats().server_version
     finally:
         assert proc.terminate() == 0, proc.log()
