@@ -16,7 +16,8 @@ more likely to have ended. Which chains end is learnt, not assumed:
   returns is still recognised); the chain's turn count goes up by one and the request's last
   key becomes its tail. No known tail: a new chain (a conversation's first turn, a document).
   The keys a lookup missed are the chain's when they are stored (``insert_batch``); a batch
-  no lookup announced is a chain of its own;
+  no lookup announced is a chain of its own. A lookup that adds nothing to its chain (its
+  last key is the tail: the scheduler retrying a request's planning lookup) is no new turn;
 - **state and odds.** A chain's *state* is (turns so far, capped at ``MAX_TURNS``; log2 of the
   chunks its last request added). Each stay in a state has one outcome, weighted by the
   chunks that request added: the chain returned, or its tail was evicted first (not returned;
@@ -159,6 +160,10 @@ class ChainPolicy(EvictionPolicy):
             if chain is not None:
                 break
             j -= 1
+        if chain is not None and j == len(keys) - 1:  # nothing added: the same request again
+            tails[keys[j]] = chain  # (a planning lookup retried): no turn, its hits are used
+            self._use(keys[:hits], chain)
+            return
         if chain is not None:
             self._count(chain, returned=True)
             self._gap += GAP_WEIGHT * (max(now - chain.time, 1) - self._gap)

@@ -472,6 +472,8 @@ def test_chain_follows_a_conversation_through_lookups_and_evictions() -> None:
     assert gone is not None and "a-0" not in policy and "b-0" not in policy
     assert serve(policy, turn("a", 3), 100) == 1  # only "sys" was left ...
     assert policy.turns("a-11") == 3  # ... yet its third turn continues the chain
+    policy.lookup(turn("a", 3), 13)  # the same request looked up again: no fourth turn
+    assert serve(policy, turn("a", 3), 100) == 13 and policy.turns("a-11") == 3
 
 
 def test_chain_touch_and_plain_inserts_order_like_lru() -> None:
