@@ -113,7 +113,7 @@ class ChainPolicy(EvictionPolicy):
         self._born: dict[Hashable, int] = {}
         self._shared: set[Hashable] = set()
         #: evicted shared key -> (uses, tick it was first stored)
-        self._ghosts: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
+        self._ghosts: OrderedDict[Hashable, tuple[int, int, _Chain | None]] = OrderedDict()
         self._tails: OrderedDict[Hashable, _Chain] = OrderedDict()
         self._pending: OrderedDict[Hashable, _Chain] = OrderedDict()  # looked up, not stored
         self._counted: dict[_State, float] = {}
@@ -211,9 +211,11 @@ class ChainPolicy(EvictionPolicy):
             self._owner[key] = chain
             self._born[key] = now if ghost is None else ghost[1]
             self._uses[key] = 0 if ghost is None else ghost[0]
-            if ghost is not None:
+            if ghost is not None and ghost[2] is not chain:  # shared, or another chain's
                 self._shared.add(key)
-            self._queue(key, self._rate_class(key) if ghost is not None else chain.state, now)
+                self._queue(key, self._rate_class(key), now)
+            else:
+                self._queue(key, chain.state, now)
 
     def remove(self, key: Hashable) -> None:
         if key in self._time:
@@ -257,8 +259,8 @@ class ChainPolicy(EvictionPolicy):
             chain = tails.get(key)
             if chain is not None and chain.open:
                 self._count(chain, returned=False)
-            if key in self._shared:
-                ghosts[key] = (self._uses[key], self._born[key])
+            shared = key in self._shared
+            ghosts[key] = (self._uses[key], self._born[key], None if shared else self._owner[key])
             self._drop(key)
         while len(ghosts) > len(self._time):
             ghosts.popitem(last=False)
