@@ -31,8 +31,10 @@ more likely to have ended. Which chains end is learnt, not assumed:
   ``p / (1 - p) * exp(-r g)``: ranking chains by those odds is ranking them by
   ``t_last + logit(p) / r``, a fixed *deadline* per chain (the clipped logit keeps it finite);
 - **shared prefixes.** A key read by two different chains (a system prompt, a document several
-  questions start from) is *shared*; it is valued by its read rate ``lam`` (reads per tick
-  since it was first stored, kept while it is a ghost): its deadline is
+  questions start from), or stored again by another chain than the one that stored it before
+  it was evicted (every evicted key is a *ghost* for a while: its uses, when it was first
+  stored, its chain), is *shared*; it is valued by its read rate ``lam`` (reads per tick
+  since it was first stored): its deadline is
   ``t_last + (HI + ln(lam / r)) / r``, that of a chain sure to return whose reads are
   ``lam / r`` times as frequent (so a rare prompt can rank below a fresh conversation);
 - **tail before head.** The keys of one request are queued deepest first, so of two keys read
@@ -48,9 +50,10 @@ Costs: ``lookup`` O(len(keys)) dict operations; ``insert_batch`` and ``touch`` O
 ones). ``bench_policies`` measures the cost per chunk operation against LRU.
 
 Invariants: ``_time``, ``_class`` and ``_owner`` hold exactly the tracked keys, each key in the
-list of its class; ghosts and tracked keys are disjoint; ``_tails``, ``_pending`` and
-``_ghosts`` are bounded. ``evict`` changes nothing before it has chosen every victim, so a
-``None`` leaves the same state.
+list of its class; ghosts and tracked keys are disjoint; ``_tails`` (two per tracked key +
+1,024), ``_pending`` (four + 1,024) and ``_ghosts`` (one) are bounded, oldest dropped first.
+``evict`` changes nothing before it has chosen every victim, so a ``None`` leaves the same
+state.
 """
 
 from __future__ import annotations
