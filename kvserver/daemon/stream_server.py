@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 STREAM_CLIENT = "kvserver-peer-stream"
 MAX_CONNECTIONS = 256
 IDLE_S = 300.0
+#: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
+IOV_MAX = 1024
 #: input read and dropped at most after an error that closes the connection.
 LINGER_BYTES = 1 << 20
 
@@ -265,12 +267,25 @@ class StreamServer:
                     dropped += got
 
     async def _send(self, sock: socket.socket, buffers: list[Any]) -> None:
-        """Send ``buffers`` whole within the timeout, else :class:`_Closed`."""
+        """Send ``buffers`` whole within the timeout, else :class:`_Closed`: as much as the
+        socket takes now with one ``sendmsg`` per :data:`IOV_MAX` buffers, the rest of a
+        buffer it did not take with ``sock_sendall`` (which waits for room)."""
         loop = asyncio.get_running_loop()
+        views = [memoryview(b).cast("B") for b in buffers]
         try:
             async with asyncio.timeout(self._timeout_s):
-                for buf in buffers:
-                    await loop.sock_sendall(sock, buf)
+                i = 0
+                while i < len(views):
+                    try:
+                        sent = sock.sendmsg(views[i : i + IOV_MAX])
+                    except BlockingIOError:
+                        sent = 0
+                    while i < len(views) and sent >= views[i].nbytes:
+                        sent -= views[i].nbytes
+                        i += 1
+                    if i < len(views):  # the socket is full: wait for room for this one
+                        await loop.sock_sendall(sock, views[i][sent:])
+                        i += 1
         except (TimeoutError, OSError):
             raise _Closed from None
 

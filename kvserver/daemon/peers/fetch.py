@@ -10,7 +10,8 @@ directory says hold it) and:
    for the fetch that claimed them;
 2. cuts its own keys into runs, one per peer: each key goes to a holder that is not suspect,
    preferring the one that holds the longest run from that key, so a prompt held by one peer is
-   one call per window of :data:`WINDOW_BYTES`; a peer's windows are pipelined on one of its
+   one call per window of :data:`WINDOW_BYTES` (:data:`STREAM_WINDOW_BYTES` over a peer's
+   stream); a peer's windows are pipelined on one of its
    link's connections (``PeerLink.connection``), all asked at once, each bounded by the peer
    timeout: they arrive one after another, in order, so each window is copied into DRAM while
    the next is still on the wire (windows on separate connections would arrive together, at
@@ -68,7 +69,19 @@ ROUNDS = 2
 #: arrived, while the later ones are still on the wire.
 WINDOW_BYTES = 4 << 20
 
+#: the same over a peer's stream, where nothing is copied after a window has arrived (it is
+#: received straight into its pages), so fewer, larger windows cost less: one request, one
+#: reservation and one hand-over to the receiving thread each (bench_peers: 32 MiB windows
+#: against 4 MiB, docs/benchmarks.md). A peer failing mid-window loses that window's keys.
+STREAM_WINDOW_BYTES = 32 << 20
+
 _Parts = dict[bytes, list[memoryview]]
+
+
+def windows_of(runs: list[list[bytes]], chunk_bytes: int, window_bytes: int) -> list[list[bytes]]:
+    """``runs`` cut into windows of at most ``window_bytes`` (at least one chunk each)."""
+    per = max(1, window_bytes // chunk_bytes)
+    return [keys[j : j + per] for keys in runs for j in range(0, len(keys), per)]
 
 
 class PeerFetches:
@@ -139,12 +152,12 @@ class PeerFetches:
             todo = mine
             tried: dict[bytes, set[str]] = {key: set() for key, _ in mine}
             for _round in range(ROUNDS):
-                runs = self._plan(todo, peers, tried, spec.part_bytes * spec.tp_world_size)
+                runs = self._plan(todo, peers, tried)
                 if not runs:
                     break
                 by_peer: dict[str, list[list[bytes]]] = {}
                 for h, keys in runs:
-                    by_peer.setdefault(h, []).append(keys)
+                    by_peer.setdefault(h, []).append(keys)  # a peer's runs, in order
                 results = await asyncio.gather(
                     *(self._fetch_windows(spec, peers[h], ws, protect, direct)
                       for h, ws in by_peer.items())
@@ -166,12 +179,9 @@ class PeerFetches:
         todo: list[tuple[bytes, frozenset[str]]],
         peers: Mapping[str, Peer],
         tried: dict[bytes, set[str]],
-        chunk_bytes: int,
     ) -> list[tuple[str, list[bytes]]]:
-        """Runs of consecutive keys, one holder each (see the module docstring), cut into
-        windows of at most :data:`WINDOW_BYTES`; records in ``tried`` whom each key is
-        asked."""
-        per_window = max(1, WINDOW_BYTES // chunk_bytes)
+        """Runs of consecutive keys, one holder each (see the module docstring); records in
+        ``tried`` whom each key is asked."""
         book = self._book
         usable = [
             {h for h in hs if h in peers and h not in tried[k] and not book.is_suspect(h)}
@@ -195,7 +205,7 @@ class PeerFetches:
             keys = [k for k, _ in todo[i:end]]
             for k in keys:
                 tried[k].add(best)
-            runs.extend((best, keys[j : j + per_window]) for j in range(0, len(keys), per_window))
+            runs.append((best, keys))
             i = end
         return runs
 
@@ -203,25 +213,29 @@ class PeerFetches:
         self,
         spec: NamespaceSpec,
         peer: Peer,
-        windows: list[list[bytes]],
+        runs: list[list[bytes]],
         protect: Sequence[bytes],
         direct: bool,
     ) -> list[tuple[list[bytes], _Parts]]:
-        """Fetch ``windows`` from ``peer``, pipelined on one connection, placing each as it
-        arrives; per window (keys it sent, direct parts)."""
+        """Fetch ``runs`` from ``peer`` in windows (of :data:`WINDOW_BYTES` over ZMQ, of
+        :data:`STREAM_WINDOW_BYTES` over its stream), pipelined on one connection, placing
+        each as it arrives; per window (keys it sent, direct parts)."""
         link = self._book.link(peer)
+        chunk_bytes = spec.part_bytes * spec.tp_world_size
         try:
             stream = await link.stream()
         except PeerFailed as exc:  # its hello failed: the windows were asked of a dead peer
-            self._book.counters.fetches += len(windows)
+            self._book.counters.fetches += len(windows_of(runs, chunk_bytes, WINDOW_BYTES))
             self._book.failed(peer, exc)
             return []
         if stream is not None:
+            windows = windows_of(runs, chunk_bytes, STREAM_WINDOW_BYTES)
             return await self._stream_windows(spec, peer, stream, windows, protect, direct)
+        windows = windows_of(runs, chunk_bytes, WINDOW_BYTES)
         try:
             async with link.connection() as kv:
-                runs = (self._fetch_run(spec, peer, link, kv, w, protect, direct) for w in windows)
-                return await asyncio.gather(*runs)
+                calls = (self._fetch_run(spec, peer, link, kv, w, protect, direct) for w in windows)
+                return await asyncio.gather(*calls)
         except PeerFailed as exc:  # no connection in time
             self._book.failed(peer, exc)
             return []

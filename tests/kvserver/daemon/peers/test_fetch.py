@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvserver.client import KVClient
+from kvserver.daemon.peers import fetch
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import WINDOW_BYTES, PeerFetches
@@ -232,13 +233,14 @@ def test_rows_of_the_wrong_number_or_size_are_refused() -> None:
 
 
 async def test_a_peers_windows_are_pipelined_on_one_connection(
-    tmp_path: Path, transport: str
+    tmp_path: Path, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twelve 1 MiB chunks are three windows of WINDOW_BYTES, asked at once on one connection
     (their replies arrive in order: over ZMQ each copied while the next is on the wire, over
     the stream each received into its pages); every byte is placed and the connection is kept
     for the next fetch."""
     spec = make_spec(model="test/windows", part_bytes_override=1 << 20)
+    monkeypatch.setattr(fetch, "STREAM_WINDOW_BYTES", WINDOW_BYTES)  # three windows there too
     a = start_daemon(tmp_path / "a", "--dram", "32MiB")
     try:
         keys = make_keys(12, tag="win")
