@@ -9,6 +9,11 @@ Starts a real daemon (loopback, its default random token) and, one abuse at a ti
   header) back to back, each waiting for its reply (target: an authenticated lookup < 5 ms);
 - ``unauth_2m_reconnecting``: the same, each request on a new connection (a fresh routing id);
 - ``unauth_2m_pipelined``: the same without waiting for replies (as fast as ZMQ takes them);
+- ``unauth_2m_pipelined_wrong_token``: the same, presenting a wrong token at the handshake
+  (PLAIN; each attempt is a ZAP request the daemon answers);
+- ``unauth_2m_raw_pipelined``: a peer that writes a ZMTP greeting (NULL) and then its requests
+  back to back on a plain TCP socket without reading anything, reconnecting whenever the daemon
+  hangs up (the bytes arrive whether the daemon wants them or not);
 - ``auth_1m_tokens``: an authenticated attacker sending 1M-token lookup_tokens back to back
   (validated off the loop).
 
@@ -24,7 +29,10 @@ Each row also has the CPU the attackers and the daemon's ZMQ I/O thread used (co
 1-minute load average, and for attacks on the daemon its ``refusals`` counters. RSS is the
 daemon's VmRSS before and after each abuse.
 
-Usage: python benchmarks/bench_abuse.py [--quick] [--json FILE]
+Usage: python benchmarks/bench_abuse.py [--quick] [--only ROW,...] [--json FILE]
+(``--only``: the named stall rows and the reference only.) The attackers and the bench process
+import nothing of the daemon's tree but the wire format, so this file can be run against an older
+checkout (``PYTHONPATH=OLD python3 bench_abuse.py``) for a before/after comparison.
 With --json, also writes FILE with the .png suffix (two bar charts) when matplotlib is
 importable.
 """
@@ -104,43 +112,92 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
             pass
         print(0, flush=True)
         return
-    sock = dealer(address)
+
+    def deadline_ms() -> int:
+        return max(1, int((deadline - time.monotonic()) * 1000))
+
+    password = "not-the-token" if kind.endswith("_wrong_token") else ""
     args: dict[str, Any]
     if kind.startswith("unauth_2m"):
         args = {"ns_id": "x", "keys": [b"k" * 4] * (1 << 21)}
         frame = msgpack.packb({"v": 1, "id": 1, "op": wire.LOOKUP, "args": args})
-    else:
+    else:  # token: TOKEN:NS_ID:1 when the daemon wants the token at the handshake too
+        secret, ns_id, at_handshake = token.split(":")
         token_ids: list[int] = list(range(1 << 20))
-        args = {"ns_id": token.split(":", 1)[1], "token_ids": token_ids}
-        frame = wire.encode_request(1, wire.LOOKUP_TOKENS, args, auth=token.split(":", 1)[0])
+        args = {"ns_id": ns_id, "token_ids": token_ids}
+        frame = wire.encode_request(1, wire.LOOKUP_TOKENS, args, auth=secret)
+        password = secret if at_handshake == "1" else ""
     sent = 0
-    if kind.endswith("_pipelined"):
+    if "_raw" in kind:
+        print(raw_attack(address, frame, deadline), flush=True)
+        return
+    sock = dealer(address, password)
+    if "_pipelined" in kind:
         sock.sndhwm = 4  # a few 12 MB messages queued: the daemon, not the queue, sets the pace
         while time.monotonic() < deadline:
             while sock.poll(0, zmq.POLLIN):
                 sock.recv_multipart()
             if sock.poll(100, zmq.POLLOUT):
-                sock.send(frame, copy=False)
-                sent += 1
+                try:  # (the connection may be gone again: a refused handshake)
+                    sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+                    sent += 1
+                except zmq.Again:
+                    continue
         print(sent, flush=True)
         return
     while time.monotonic() < deadline:
         if kind.endswith("_reconnecting"):  # a new connection (routing id) for every request
             sock.close()
-            sock = dealer(address)
-        sock.send(frame, copy=False)
-        if not sock.poll(30_000):
+            sock = dealer(address, password)
+        if not sock.poll(deadline_ms(), zmq.POLLOUT):
+            break  # no connection to send on (refused at the handshake)
+        try:
+            sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the connection went again (a refused handshake)
+            continue
+        if not sock.poll(deadline_ms()):
             break
         sock.recv_multipart()
         sent += 1
     print(sent, flush=True)
 
 
-def dealer(address: str) -> zmq.Socket[bytes]:
+def dealer(address: str, password: str = "") -> zmq.Socket[bytes]:
+    """A DEALER to ``address``: no credentials, or PLAIN with ``password``."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
+    if password:
+        sock.plain_username = b"kvserver"
+        sock.plain_password = password.encode()
     sock.connect(address)
     return sock
+
+
+def zmtp_null_hello() -> bytes:
+    """What a ZMTP 3.0 DEALER with the NULL mechanism sends first: greeting + READY."""
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    return greeting + bytes([0x04, len(ready)]) + ready
+
+
+def raw_attack(address: str, frame: bytes, deadline: float) -> int:
+    """Write ``frame`` as ZMTP messages back to back behind a NULL greeting, reading nothing,
+    until ``deadline``; reconnect when the daemon hangs up. Returns the messages written."""
+    import socket
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    message = b"\x02" + len(frame).to_bytes(8, "big") + frame  # a long, last frame
+    sent = 0
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0) as conn:
+                conn.sendall(zmtp_null_hello())
+                while time.monotonic() < deadline:
+                    conn.sendall(message)
+                    sent += 1
+        except OSError:  # refused, reset, or not read within 1 s: a new connection
+            continue
+    return sent
 
 
 def sink() -> None:
@@ -261,8 +318,12 @@ def under_attack(
 
 
 def refusals(kv: KVClient) -> dict[str, int]:
-    """The daemon's ``refusals`` counters (none from a daemon older than them)."""
-    return dict(kv.stats().get("refusals") or {})
+    """The daemon's ``refusals`` and ``handshakes`` counters (``handshake_*``; none from a
+    daemon older than them)."""
+    stats = kv.stats()
+    out = dict(stats.get("refusals") or {})
+    out.update({f"handshake_{k}": v for k, v in (stats.get("handshakes") or {}).items()})
+    return out
 
 
 #: the stall rows: (name, child kind, children, sent to the sink instead of the daemon)
@@ -273,10 +334,12 @@ STALLS = (
     ("unauth_2m_reconnecting", "unauth_2m_reconnecting", 2, False),
     ("sink_2m_pipelined", "unauth_2m_pipelined", 2, True),
     ("unauth_2m_pipelined", "unauth_2m_pipelined", 2, False),
+    ("unauth_2m_pipelined_wrong_token", "unauth_2m_pipelined_wrong_token", 2, False),
+    ("unauth_2m_raw_pipelined", "unauth_2m_raw_pipelined", 2, False),
 )
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
     seconds = 2.0 if quick else 6.0
     with tempfile.TemporaryDirectory() as tmp:
         d = start_daemon(Path(tmp), "--dram", "64MiB")
@@ -294,9 +357,12 @@ def run(quick: bool) -> dict[str, Any]:
                 lookup_latencies(kv, ns_id, 0.5)  # warm-up
                 results: dict[str, Any] = {}
                 results["reference"] = under_attack(d, kv, ns_id, "busy", 0, seconds)
-                results["idle_local"] = idle_local(d)
-                results["grpc_10mb"] = grpc_10mb(d)
+                if not only:
+                    results["idle_local"] = idle_local(d)
+                    results["grpc_10mb"] = grpc_10mb(d)
                 for name, kind, n, to_sink in STALLS:
+                    if only and name not in only:
+                        continue
                     before = refusals(kv)
                     address = sink_address if to_sink else ""
                     row = under_attack(d, kv, ns_id, kind, n, seconds, address=address)
@@ -304,13 +370,16 @@ def run(quick: bool) -> dict[str, Any]:
                         after = refusals(kv)
                         row["refusals"] = {k: after[k] - before.get(k, 0) for k in after}
                     results[name] = row
-                token = f"{d.token}:{ns_id}"
-                results["auth_1m_tokens"] = under_attack(
-                    d, kv, ns_id, "auth_1m_tokens", 1, seconds, token
-                )
+                if not only or "auth_1m_tokens" in only:
+                    at_handshake = int("handshakes" in kv.stats())  # (an older daemon: no)
+                    token = f"{d.token}:{ns_id}:{at_handshake}"
+                    results["auth_1m_tokens"] = under_attack(
+                        d, kv, ns_id, "auth_1m_tokens", 1, seconds, token
+                    )
                 ref = results["reference"]["p99_ms"]
                 for name in (*(row[0] for row in STALLS), "auth_1m_tokens"):
-                    results[name]["ratio_p99"] = results[name]["p99_ms"] / ref
+                    if name in results:
+                        results[name]["ratio_p99"] = results[name]["p99_ms"] / ref
         finally:
             sink_proc.kill()
             sink_proc.wait()
@@ -329,6 +398,8 @@ def print_table(r: dict[str, Any]) -> None:
     head = ("RSS +MiB", "p99 ms", "max ms", "p99/ref", "sent", "kids cpu", "io cpu", "load")
     print(f"{'abuse':<24} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
     for name in ROWS:
+        if name not in r:
+            continue
         row = r[name]
 
         def cell(key: str, fmt: str, row: dict[str, Any] = row) -> str:
@@ -339,7 +410,7 @@ def print_table(r: dict[str, Any]) -> None:
               f"{cell('attack_requests', 'd'):>8} {cell('attackers_cores', '.2f'):>8} "
               f"{cell('daemon_zmq_io_cores', '.2f'):>8} {cell('load_1min', '.1f'):>8}")
     for name in ROWS:
-        if "refusals" in r[name]:
+        if name in r and "refusals" in r[name]:
             print(f"{name}: daemon refusals {r[name]['refusals']}")
 
 
@@ -352,13 +423,14 @@ def write_chart(r: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     names = ["idle_local", "grpc_10mb", "unauth_2m", "unauth_2m_pipelined", "auth_1m_tokens"]
+    names = [n for n in names if n in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.2))
     left.bar(names, [r[n]["rss_growth_mib"] for n in names])
     left.axhline(64, color="red", linestyle="--", label="target 64 MiB")
     left.set_ylabel("daemon RSS growth (MiB)")
     left.legend()
     left.tick_params(axis="x", rotation=20)
-    lat = ["reference", *(row[0] for row in STALLS), "auth_1m_tokens"]
+    lat = [n for n in ("reference", *(row[0] for row in STALLS), "auth_1m_tokens") if n in r]
     right.bar([f"{n} p99" for n in lat], [r[n]["p99_ms"] for n in lat])
     right.bar([f"{n} max" for n in lat], [r[n]["max_ms"] for n in lat])
     right.axhline(5, color="red", linestyle="--", label="target 5 ms")
@@ -382,8 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 s per abuse instead of 6 s")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON here")
+    parser.add_argument("--only", default="", metavar="ROW,...",
+                        help="run only these stall rows (and the reference)")  # fmt: skip
     args = parser.parse_args(argv)
-    results = run(args.quick)
+    only = frozenset(filter(None, args.only.split(",")))
+    unknown = only - set(ROWS)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
+    results = run(args.quick, only)
     print_table(results)
     if args.json is not None:
         save_report(args.json, results, lambda png: write_chart(results, png))

@@ -32,7 +32,8 @@ Every refusal and admission is counted (``refusals.HandshakeCounts``, owned by `
 ``stats()["handshakes"]``, ``/metrics`` ``kvserver_zmq_handshakes_*``), and so is a handshake
 that fails before ZAP is asked — a peer that speaks another mechanism (a client without a token,
 ``NULL``, reaching a PLAIN ROUTER), breaks the protocol or hangs up midway — from the ROUTER's
-monitor events (only failures are subscribed to: a good client causes none). A handshake
+monitor events (only failures are subscribed to: a good client causes none; under a flood of
+connections the monitor's queue may drop some, so ``failed`` is a lower bound). A handshake
 costs the loop one digest and one dictionary look-up, whatever the peer sends; ZAP requests are
 small (libzmq bounds the PLAIN credentials at 255 bytes each).
 """
