@@ -230,8 +230,9 @@ class KVServerSchedulerConnector(SchedulerConnector):
         ``op_timeout_s``), ships this step's loads and the stores reserved for the previous
         step, names the preempted requests that need a store barrier, and sends this step's
         store reservation (one ``prepare_store`` for every request, not waited for), which the
-        next call ships. That prepare_store carries the store completions the previous
-        ``update_connector_output`` held; without one, they are sent alone at the end."""
+        next call ships. That prepare_store carries the store completions
+        ``update_connector_output`` held; without one they stay held, and are sent alone at
+        the end of the ``completion_hold_steps``-th call without one."""
         step: ScheduledStep = scheduler_output
         self._stores.changed()
         self._stores.collect()
@@ -245,16 +246,16 @@ class KVServerSchedulerConnector(SchedulerConnector):
             )
             self._preempted.clear()
         self._stores.plan(step)
-        self._leases.flush_held()  # no prepare_store carried them
+        self._leases.age_held()  # no prepare_store carried them: alone once old enough
         return meta
 
     def update_connector_output(self, outputs: Sequence[Any]) -> TransferReport:
         """Takes each rank's :class:`ConnectorWorkerOutput`. A lease is completed on the daemon
         once every rank reported it: a load is unpinned; a store's chunks become ready, or are
         rolled back when some rank failed them. The completions are sent without waiting (a
-        store's held for the next step's ``prepare_store`` to carry when the daemon takes
-        them on one and an unfinished request makes a next step come: it is sent by the next
-        ``build_connector_meta`` in any case);
+        store's held for a later step's ``prepare_store`` to carry when the daemon takes
+        them on one and an unfinished request makes a next step come: it is sent alone by the
+        ``completion_hold_steps``-th ``build_connector_meta`` without one);
         the replies of those sent by the previous call are applied first (waiting at most
         ``op_timeout_s`` each: they had a whole step to arrive). Last, the reply of this
         step's store reservation is taken if it has arrived (never waited for here): its store
@@ -305,11 +306,11 @@ class KVServerSchedulerConnector(SchedulerConnector):
     # ------------------------------------------------------------------ internals
 
     def _hold_completions(self) -> bool:
-        """Store completions may wait for the next step's prepare_store: the daemon takes
+        """Store completions may wait for a later step's prepare_store: the daemon takes
         them on one (``store_completions``) and a request is unfinished, so a next step
-        (``build_connector_meta``, which sends them alone if no prepare_store goes out)
-        comes. Else they are sent at once: nothing may strand them until their leases
-        expire."""
+        (``build_connector_meta``, which sends them alone once ``completion_hold_steps``
+        steps went by without a prepare_store) comes. Else they are sent at once: nothing
+        may strand them until their leases expire."""
         return self._link.carries_completions and any(
             not s.finished for s in self._reqs.values()
         )

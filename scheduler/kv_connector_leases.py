@@ -10,8 +10,8 @@ store batch (added by the store planner). Life of a job::
     add_load | add_store_jobs ──► ship (into the next metadata)
         ──► apply_outputs (every TP rank has reported it) ──► finish (request counters, report)
         ──► send_completions (one per lease, not waited for; a store's held for the next
-            prepare_store to carry, or sent alone by flush_held at the end of the next
-            build_connector_meta)
+            prepare_store to carry, or sent alone by age_held at the end of the
+            completion_hold_steps-th build_connector_meta without one)
         ──► collect_completions (the next update_connector_output), or apply_carried (with
             the carrying prepare_store's reply)
     or, shipped and unreported by its lease's deadline: expire ──► finish (no completion)
@@ -84,6 +84,9 @@ class LeaseBook:
         self.completions: list[Completion] = []
         #: store completions held for the next prepare_store (:meth:`send_completions`).
         self.held: list[HeldCompletion] = []
+        #: ends of build_connector_meta the oldest held completion has waited through.
+        self._held_steps = 0
+        self._max_held_steps = link.config.completion_hold_steps
         self.report = TransferReport()
         #: hits that could not be pinned since the last metadata (shipped as failed_loads).
         self.failed_loads: list[FailedLoad] = []
@@ -281,11 +284,21 @@ class LeaseBook:
         """The held store completions, for a prepare_store to carry (its reply's results go
         to :meth:`apply_carried`, or its failure to :meth:`carried_failed`)."""
         held, self.held = self.held, []
+        self._held_steps = 0
         return held
+
+    def age_held(self) -> None:
+        """The end of a ``build_connector_meta`` whose prepare_store (if any) did not carry
+        the held completions: send them alone once the oldest has waited
+        ``completion_hold_steps`` steps, else keep them for a later prepare_store."""
+        if self.held:
+            self._held_steps += 1
+            if self._held_steps >= self._max_held_steps:
+                self.flush_held()
 
     def flush_held(self) -> None:
         """Send the held store completions alone, one complete_store each (no prepare_store
-        carries them: the end of ``build_connector_meta``, ``drain``, ``reset``)."""
+        carries them: :meth:`age_held`, a lookup or pin, ``drain``, ``reset``)."""
         for c in self.take_held():
             self._send_completion(c.kind, c.lease_id, c.keys)
 

@@ -72,6 +72,11 @@ class KVConnectorConfig:
     #: most events kept for ``take_events``; beyond it the oldest are dropped (and counted in
     #: ``ConnectorStats.dropped_events``): a process that never drains them does not grow.
     max_pending_events: int = 4096
+    #: most steps a store completion waits for a prepare_store to carry it: at the end of
+    #: the ``build_connector_meta`` of the N-th step after ``update_connector_output`` held
+    #: it, it goes alone (1: the next step's). Its chunks become visible to other clients
+    #: up to that many steps later; this connector's own lookups and pins send it first.
+    completion_hold_steps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("lookup_timeout_s", "op_timeout_s", "down_backoff_s"):
@@ -79,6 +84,10 @@ class KVConnectorConfig:
                 raise InvalidArgument(f"{name} must be > 0", value=getattr(self, name))
         if self.max_pending_events < 1:
             raise InvalidArgument("max_pending_events must be >= 1", value=self.max_pending_events)
+        if self.completion_hold_steps < 1:
+            raise InvalidArgument(
+                "completion_hold_steps must be >= 1", value=self.completion_hold_steps
+            )
         if self.max_store_batch_chunks < 1:
             raise InvalidArgument(
                 "max_store_batch_chunks must be >= 1", value=self.max_store_batch_chunks
@@ -165,8 +174,8 @@ class PlannedStore:
 @dataclass(slots=True, eq=False)
 class HeldCompletion:
     """A ``complete_store`` (``kind`` "store", or "rollback" for chunks some rank failed) held
-    until the next ``prepare_store`` carries it, or sent alone at the end of the next
-    ``build_connector_meta``."""
+    until a ``prepare_store`` of the next ``completion_hold_steps`` steps carries it, or sent
+    alone at the end of the last of them."""
 
     kind: Literal["store", "rollback"]
     lease_id: int

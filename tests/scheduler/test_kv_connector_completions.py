@@ -1,7 +1,8 @@
 """The connector's store completions riding on the next step's prepare_store (capability
 ``store_completions``, docs/connector.md "Daemon calls per step"), against a real daemon with
-the fake TP workers of ``test_kv_connector``: a completion waits at most until the next
-``build_connector_meta``, and never when no step may follow."""
+the fake TP workers of ``test_kv_connector``: a completion waits at most
+``completion_hold_steps`` steps for a prepare_store to carry it, and never when no step may
+follow."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvserver.errors import InvalidArgument
 from kvserver.wire import COMPLETE_STORE, PREPARE_STORE
+from scheduler.kv_connector_types import KVConnectorConfig
 from tests.scheduler.test_kv_connector import (
     FakeRequest,
     Harness,
@@ -53,9 +56,9 @@ def decode(h: Harness, reqs: list[FakeRequest], steps: int) -> list[Counter[str]
 def test_completions_ride_on_the_next_prepare_store(daemon: DaemonProc, tp: int) -> None:
     """Decode: a step that reserves new chunks carries the previous step's completions (no
     complete_store of its own); a step that reserves none sends them alone. Every chunk is
-    stored, events and all, and no completion waits more than one step."""
+    stored, events and all, and no completion waits more than one step (the bound set here)."""
     spec = make_spec(tp=tp, model=f"test/carry-{tp}")
-    h = Harness(daemon, spec)
+    h = Harness(daemon, spec, completion_hold_steps=1)
     try:
         # staggered lengths: some request fills a chunk (8 tokens) in every decode step
         reqs = [FakeRequest(f"r{i}", tokens(17 + i, base=100 * i), spec) for i in range(8)]
@@ -81,12 +84,16 @@ def test_completions_ride_on_the_next_prepare_store(daemon: DaemonProc, tp: int)
         h.close()
 
 
-def test_a_held_completion_is_sent_by_the_next_step_at_the_latest(daemon: DaemonProc) -> None:
+@pytest.mark.parametrize("hold", [1, 3])
+def test_a_held_completion_is_sent_within_completion_hold_steps(
+    daemon: DaemonProc, hold: int
+) -> None:
     """A completion held by update_connector_output keeps the connector stepping
-    (has_pending_transfers) and leaves with the next build_connector_meta: alone when that
-    step reserves nothing; the chunks are then ready."""
-    spec = make_spec(model="test/carry-held")
-    h = Harness(daemon, spec)
+    (has_pending_transfers) and waits for a prepare_store to carry it for at most
+    ``completion_hold_steps`` steps: alone at the end of the last of them when none reserved
+    anything; the chunks are then ready."""
+    spec = make_spec(model=f"test/carry-held-{hold}")
+    h = Harness(daemon, spec, completion_hold_steps=hold)
     try:
         r, other = FakeRequest("r", tokens(17), spec), FakeRequest("o", tokens(9, base=500), spec)
         assert h.admit(r) == (0, False) and h.admit(other) == (0, False)
@@ -94,15 +101,24 @@ def test_a_held_completion_is_sent_by_the_next_step_at_the_latest(daemon: Daemon
         sent = h.conn.client.sent_by_op
         h.step({"o": (other, 0)})  # ships them; the workers store; completions held
         assert h.conn.has_pending_transfers and sent[COMPLETE_STORE] == 0
+        for _ in range(hold - 1):  # nothing to reserve: still held
+            before = Counter(sent)
+            h.step({"o": (other, 0)})
+            assert Counter(sent) == before and h.conn.has_pending_transfers
         assert ready_chunks(daemon, r) == 0  # not sent yet
         before = Counter(sent)
-        h.step({"o": (other, 0)})  # nothing to reserve: sent alone
+        h.step({"o": (other, 0)})  # the last step it may wait: sent alone
         assert Counter(sent) - before == {COMPLETE_STORE: 1}
         h.conn.drain()
         assert ready_chunks(daemon, r) == 2 and ready_chunks(daemon, other) == 1
         assert not h.conn.has_pending_transfers
     finally:
         h.close()
+
+
+def test_completion_hold_steps_must_be_positive() -> None:
+    with pytest.raises(InvalidArgument, match="completion_hold_steps"):
+        KVConnectorConfig("tcp://127.0.0.1:1", make_spec(), completion_hold_steps=0)
 
 
 def test_the_last_request_finishing_sends_its_completions_at_once(daemon: DaemonProc) -> None:
@@ -165,7 +181,9 @@ def test_daemon_down_counts_carried_completions_as_errors(tmp_path: Path) -> Non
     completions count as errors (the leases expire on the daemon), the step goes on."""
     d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "4MiB")
     spec = make_spec(model="test/carry-down")
-    h = Harness(d, spec, lookup_timeout_s=0.2, op_timeout_s=0.2, down_backoff_s=60)
+    h = Harness(
+        d, spec, lookup_timeout_s=0.2, op_timeout_s=0.2, down_backoff_s=60, completion_hold_steps=1
+    )
     try:
         reqs = [FakeRequest(f"r{i}", tokens(17, base=100 * i), spec) for i in range(2)]
         decode(h, reqs, 0)
