@@ -43,7 +43,15 @@ Each of ``off`` and ``kvserver`` runs in a process of its own under ``valgrind -
 for the whole step. User-space instructions of the measuring thread only: not the syscalls,
 not the ZMQ I/O thread, not cache misses; the wall-time ratio includes those.
 
+Kernel accounts (``--breakdown``, Linux; :mod:`benchmarks.thread_probe`): per step, beside the
+timings, what the kernel booked for the measuring thread inside ``schedule()`` and the whole
+step — time spent preempted on the run queue, involuntary / voluntary context switches, CPU
+time in system calls — and the CPU time the process's other threads (the kvserver client's ZMQ
+I/O thread) used meanwhile, which with ``--pin`` is taken from the measuring thread's CPU:
+what separates the wall time from the instructions. Means per step (the counts are small).
+
 Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon] [--no-pin]
+                                            [--breakdown]
        python benchmarks/bench_scheduler.py --instructions 64 [--json FILE]
 With --json, also writes FILE with the .png suffix (a bar chart) when matplotlib is importable.
 """
@@ -72,7 +80,9 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
+from benchmarks import thread_probe
 from benchmarks.report import save_report
+from benchmarks.thread_probe import ThreadProbe
 from scheduler.config import SchedulerConfig
 from scheduler.connector_base import SchedulerConnector
 from scheduler.memory_connector import MemoryConnector
@@ -107,18 +117,25 @@ class Config:
     calls: Counter[str] = field(default_factory=Counter)
     #: the kvserver connector's store accounting over the whole run (docs/connector.md).
     stores: dict[str, int] | None = None
+    #: ``--breakdown``: the kernel's accounts of schedule() and of update_from_output().
+    probes: tuple[ThreadProbe, ThreadProbe] | None = None
 
     def run(self, steps: int, timed: bool = True) -> None:
         before = Counter(self.sent_by_op or ())
         s, worker, perf, cpu = self.scheduler, self.worker, time.perf_counter, time.thread_time
+        sched_probe, update_probe = self.probes if timed and self.probes else (_NO_PROBE,) * 2
         for _ in range(steps):
+            sched_probe.start()
             c0, t0 = cpu(), perf()
             plan = s.schedule()
             t1, c1 = perf(), cpu()
+            sched_probe.stop()
             results = [worker.execute(plan)]
+            update_probe.start()
             c2, t2 = cpu(), perf()
             s.update_from_output(plan, results)
             t3, c3 = perf(), cpu()
+            update_probe.stop()
             if timed:
                 self.schedule_s.append(t1 - t0)
                 self.step_s.append((t1 - t0) + (t3 - t2))
@@ -126,6 +143,17 @@ class Config:
                 self.step_cpu_s.append((c1 - c0) + (c3 - c2))
         if timed and self.sent_by_op is not None:
             self.calls += Counter(self.sent_by_op) - before
+
+
+class _NoProbe:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+_NO_PROBE: Any = _NoProbe()
 
 
 def make(
@@ -263,6 +291,13 @@ def results(configs: list[Config]) -> list[dict[str, Any]]:
             }
         if c.stores is not None:
             out[-1]["stores"] = c.stores
+        if c.probes is not None:
+            n = len(c.schedule_s)
+            sched, update = (p.per(n) for p in c.probes)
+            out[-1]["breakdown"] = {
+                "schedule": sched,
+                "step": {k: v + update[k] for k, v in sched.items()},
+            }
     return out
 
 
@@ -356,6 +391,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "calls_per_step" in r:
             calls = ", ".join(f"{op} {n:.2f}" for op, n in r["calls_per_step"].items())
             print(f"daemon calls per step ({r['config']}): {calls or 'none'}")
+        if "breakdown" in r:
+            for region, b in r["breakdown"].items():
+                print(f"kernel accounts per step ({r['config']}, {region}): "
+                      f"runqueue {b['runqueue_us']:.1f} us, "
+                      f"switches {b['invol_switches']:.2f} involuntary / "
+                      f"{b['vol_switches']:.2f} voluntary, sys {b['sys_us']:.1f} us, "
+                      f"other threads {b['other_threads_us']:.1f} us")  # fmt: skip
         if "stores" in r:
             fates = ", ".join(f"{k} {v}" for k, v in r["stores"].items())
             print(f"store accounting ({r['config']}, whole run, docs/connector.md): {fates}")
@@ -404,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="this process and the daemon on different CPUs (default)")  # fmt: skip
     parser.add_argument("--instructions", type=int, metavar="N",
                         help="count instructions of N steps under callgrind instead")  # fmt: skip
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also the kernel's accounts per step (thread_probe.py)")  # fmt: skip
     parser.add_argument("--count-one", choices=("off", "kvserver"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.count_one:
@@ -434,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
         if addr:
             conn = kvserver_connector(addr)
             configs.append(make("kvserver", conn, max_steps, conn.client.sent_by_op))
+        if args.breakdown:
+            if not thread_probe.available():
+                raise SystemExit("--breakdown needs Linux's per-thread accounts")
+            for c in configs:
+                c.probes = (ThreadProbe(), ThreadProbe())
         measure(configs, rounds, steps)
         for c in configs:
             if c.sent_by_op is not None:
