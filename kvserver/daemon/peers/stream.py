@@ -34,6 +34,9 @@ from kvserver.daemon.peers.directory import Peer, PeerFailed
 from kvserver.errors import KVServerError
 from kvserver.token_file import TokenFile
 
+#: buffers per ``recvmsg_into`` (Linux's UIO_MAXIOV).
+IOV_MAX = 1024
+
 
 def split_address(address: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` (HOST may be ``[v6]``) as (host, port); ValueError when not."""
@@ -50,9 +53,10 @@ class StreamConnection:
 
     The socket is blocking and every transfer runs in a worker thread (``run_in_executor``),
     bounded by a deadline (``time.monotonic()``) through ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``:
-    a thread receives a whole part with one ``recv_into(MSG_WAITALL)`` (the GIL released, the
-    kernel copying straight into the arena pages), where the event loop would wake up and call
-    ``recv`` once per socket-buffer's worth. If the awaiting task is cancelled, the socket is
+    a thread receives a whole window with one scattering ``recvmsg_into(MSG_WAITALL)`` over
+    the views of all its pages (the GIL released, the kernel copying straight into the arena
+    pages), where the event loop would wake up and call ``recv`` once per socket-buffer's
+    worth. If the awaiting task is cancelled, the socket is
     shut down and the thread awaited before the cancellation goes on, so no byte lands in a
     buffer after its owner gave it up.
     """
@@ -163,16 +167,20 @@ class StreamConnection:
             raise
 
     def _recv(self, views: Sequence[memoryview], deadline: float) -> None:
-        """Worker thread: fill ``views`` (raises OSError / PeerFailed)."""
-        sock = self.sock
-        for view in views:
-            n, pos = view.nbytes, 0
-            while pos < n:
-                _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
-                got = sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL)
-                if got == 0:
-                    raise self._failed("peer closed the stream mid-reply", timed_out=True)
-                pos += got
+        """Worker thread: fill ``views``, in order, with one scattering ``recvmsg_into``
+        (``MSG_WAITALL``) per :data:`IOV_MAX` of them, again for what a call left (a timeout
+        or a signal cuts one short). Raises OSError / PeerFailed."""
+        sock, todo, i = self.sock, list(views), 0
+        while i < len(todo):
+            _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+            got = sock.recvmsg_into(todo[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            if got == 0:
+                raise self._failed("peer closed the stream mid-reply", timed_out=True)
+            while i < len(todo) and got >= todo[i].nbytes:
+                got -= todo[i].nbytes
+                i += 1
+            if got:
+                todo[i] = todo[i][got:]
 
     def _send(self, data: memoryview, deadline: float) -> None:
         """Worker thread: send ``data`` whole (raises OSError)."""
