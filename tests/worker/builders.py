@@ -200,9 +200,11 @@ class Cluster:
         return meta, self.conn.update_connector_output(outputs)
 
     def settle(self, max_steps: int = 8) -> TransferReport:
-        """Empty synchronous steps until no transfer is pending; the merged report."""
+        """Empty synchronous steps until no transfer is pending; the merged report. A store
+        completion may be held for ``completion_hold_steps`` steps waiting for a reservation
+        to carry it (docs/connector.md), so those steps come on top of ``max_steps``."""
         total = TransferReport()
-        for _ in range(max_steps):
+        for _ in range(max_steps + self.conn.config.completion_hold_steps):
             if not self.conn.has_pending_transfers and not any(
                 w.conn.num_pending for w in self.workers
             ):

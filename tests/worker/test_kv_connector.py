@@ -176,8 +176,8 @@ def test_partial_first_chunk_leaves_local_blocks_untouched(make_cluster: Any) ->
 def test_stores_are_deferred_to_the_next_steps_start(make_cluster: Any, daemon: DaemonProc) -> None:
     """wait_for_save only queues; the next start_load_kv submits; the copied chunks become
     ready only once the scheduler completes the lease (workers never complete): the completion
-    the workers' report hands it is held and goes out with the next step's plan (carried on its
-    prepare_store, or alone at its end: docs/connector.md)."""
+    the workers' report hands it is held and goes out with a later step's plan (carried on its
+    prepare_store, or alone at the end of the ``completion_hold_steps``-th: docs/connector.md)."""
     c = make_cluster()
     w = c.workers[0]
     r = FakeRequest("r", tokens(17), c.spec)
@@ -197,8 +197,12 @@ def test_stores_are_deferred_to_the_next_steps_start(make_cluster: Any, daemon: 
     assert [s.req_id for s in out.stores] == ["r"] and not out.stores[0].failed_keys
     assert ready_chunks(daemon, r) == 0  # copied, not completed
     c.conn.update_connector_output([out])
-    assert ready_chunks(daemon, r) == 0  # held for the next step's plan
-    c.plan()
+    assert ready_chunks(daemon, r) == 0  # held for a later step's plan
+    hold = c.conn.config.completion_hold_steps
+    for _ in range(hold - 1):  # no reservation to carry it: held up to `hold` plans
+        c.plan()
+        assert ready_chunks(daemon, r) == 0
+    c.plan()  # then sent alone at the end of the hold-th
     assert ready_chunks(daemon, r) == 2
 
 
