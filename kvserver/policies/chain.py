@@ -71,7 +71,7 @@ MAX_TURNS = 16
 #: clip of logit(p): a chain sure to return is kept ``HI / r`` ticks, one sure not to ...
 HI = 6.0
 #: ... leaves ``LO / r`` ticks before a chain at even odds read at the same time
-LO = 6.0
+LO = 14.0
 #: prior of the return chance over all states; weight, in chunks, of a prior (that one in the
 #: overall rate, the overall rate in a state's)
 PRIOR_P = 0.5
