@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvserver.daemon.config import unknown_env
+from kvserver.policies import policy_names
 from tests.support.daemon import start_daemon, wait_for_ready_file
 
 pytestmark = pytest.mark.multiprocess
@@ -32,7 +33,9 @@ def test_an_unknown_policy_exits_2_before_start_up(tmp_path: Path) -> None:
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2, result.stderr
-    assert "unknown eviction policy 'fifo'; choose one of: arc, lru" in result.stderr
+    names = ", ".join(policy_names())  # every registered policy, in order
+    assert f"unknown eviction policy 'fifo'; choose one of: {names}" in result.stderr
+    assert "arc" in names and "lru" in names
     assert "unknown environment variable KVSERVER_DRAMM (did you mean KVSERVER_DRAM?)" in (
         result.stderr
     )
