@@ -14,9 +14,10 @@ Configurations:
   scheduler's own work;
 - ``kvserver``: the real ``KVServerSchedulerConnector`` against a daemon (``--kvserver ADDR``,
   or ``--start-daemon`` to start one on loopback): adds the client's side of its daemon calls
-  — one store reservation per step sent at the end of ``build_connector_meta``, its reply read
-  once the workers' step is over, one completion per step sent from ``update_from_output`` —
-  none of them waited for inside the step unless the daemon is slower than the workers' step.
+  — one store reservation in each step with stores, sent at the end of
+  ``build_connector_meta`` and carrying the store completions ``update_from_output`` held, its
+  reply read once the workers' step is over — none of them waited for inside the step unless
+  the daemon is slower than the workers' step.
   Its row also reports the daemon calls per step (``calls_per_step``, by op) and where the
   chunks it planned to store went over the whole run (``stores``: docs/connector.md, "Store
   accounting"; planned counts each request's chunks, so a shared prefix counts many times).
@@ -35,13 +36,14 @@ then preempt the scheduler thread (~0.3 ms of wall time per send), so the kvserv
 core sharing more than the connector; ``--no-pin`` shows that.
 
 Instruction counts (``--instructions N``, needs valgrind): a figure that load does not move.
-Each of ``off`` and ``kvserver`` runs in a process of its own under ``valgrind --tool=callgrind``
-(the daemon outside it), N steady steps after the same warm-up, counting only inside
-``schedule()`` (called through ``eval``) and ``update_from_output()`` (through
-``operator.call``): callgrind's ``--toggle-collect`` on CPython's ``builtin_eval`` and
+Each of ``off``, ``memory`` and ``kvserver`` runs in a process of its own under
+``valgrind --tool=callgrind`` (the daemon outside it), N steady steps after the same warm-up,
+counting only inside ``schedule()`` (called through ``eval``) and ``update_from_output()``
+(through ``operator.call``): callgrind's ``--toggle-collect`` on CPython's ``builtin_eval`` and
 ``_operator_call``. ratio = instructions(kvserver) / instructions(off), for ``schedule()`` and
-for the whole step. User-space instructions of the measuring thread only: not the syscalls,
-not the ZMQ I/O thread, not cache misses; the wall-time ratio includes those.
+for the whole step (``memory``: the bookkeeping alone). User-space instructions of the
+measuring thread only: not the syscalls, not the ZMQ I/O thread, not cache misses; the
+wall-time ratio includes those (``--breakdown`` shows the kernel's side).
 
 Kernel accounts (``--breakdown``, Linux; :mod:`benchmarks.thread_probe`): per step, beside the
 timings, what the kernel booked for the measuring thread inside ``schedule()`` and the whole
@@ -315,7 +317,8 @@ def count_one(name: str, address: str | None, steps: int) -> None:
     ``schedule()`` through ``eval`` and ``update_from_output()`` through ``operator.call``, the
     two functions callgrind collects inside."""
     conn = kvserver_connector(address) if name == "kvserver" and address else None
-    config = make(name, conn, steps + 64)
+    memory = MemoryConnector(BLOCK_SIZE, CHUNK_BLOCKS, log_calls=False)
+    config = make(name, memory if name == "memory" else conn, steps + 64)
     s, worker = config.scheduler, config.worker
     gc.collect()
     gc.disable()
@@ -333,7 +336,7 @@ def instructions(steps: int, address: str) -> list[dict[str, Any]]:
     """``--instructions``: each configuration under callgrind; rows as :func:`results`."""
     counts: dict[str, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-sched-cg-") as tmp:
-        for name in ("off", "kvserver"):
+        for name in ("off", "memory", "kvserver"):
             out = Path(tmp) / f"{name}.out"
             cmd = [
                 "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
@@ -448,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="count instructions of N steps under callgrind instead")  # fmt: skip
     parser.add_argument("--breakdown", action="store_true",
                         help="also the kernel's accounts per step (thread_probe.py)")  # fmt: skip
-    parser.add_argument("--count-one", choices=("off", "kvserver"), help=argparse.SUPPRESS)
+    parser.add_argument("--count-one", choices=("off", "memory", "kvserver"),
+                        help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
     if args.count_one:
         count_one(args.count_one, args.kvserver, args.steps)
