@@ -156,13 +156,14 @@ def serve(
     delay_s: float,
     parent_pid: int | None = None,
     curve: CurveServer | None = None,
+    no_auth: bool = False,
 ) -> int:
     """Serve the step protocol on a ROUTER bound at ``bind`` (a CURVE server with ``curve``)
     until ``stop``, a signal, or (with ``parent_pid``) the parent process going away
     (:func:`step_protocol.serve.serve_steps`)."""
     serve_steps(
         SyntheticWorker(delay_s=delay_s), bind, ready_file=ready_file, parent_pid=parent_pid,
-        curve=curve,
+        curve=curve, no_auth=no_auth,
     )  # fmt: skip
     return 0
 
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         delay_s=args.delay_ms / 1e3,
         parent_pid=args.parent_pid,
         curve=curve,
+        no_auth=args.step_no_auth,
     )
 
 

@@ -14,11 +14,14 @@ again, which makes every worker forget its requests; until it succeeds ``step`` 
 once. Replies to an older step or hello (a slow worker catching up) are recognised by their
 step number and dropped.
 
-With ``curve`` every DEALER is a CURVE client of its worker (step_protocol/security.py). A
-security handshake that fails (a wrong key on either side, CURVE on one side only) makes a
-hello fail at once with the reason, in the step channel's option names (each socket's
-monitor events, read by :class:`~kvserver.client.links.ConnectionWatch`), instead of
-waiting out ``hello_timeout_s``.
+With ``curve`` every DEALER is a CURVE client of its worker (step_protocol/security.py);
+without it, a DEALER to a loopback ``tcp://`` worker presents the worker's step token, read
+from the token file the worker left for its user each time the socket is made
+(``step_protocol/step_auth.py``). A security handshake that fails (a wrong key on either side,
+CURVE on one side only, a refused or missing token) makes a hello fail at once with the
+reason, in the step channel's option names (each socket's monitor events, read by
+:class:`~kvserver.client.links.ConnectionWatch`), instead of waiting out
+``hello_timeout_s``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from step_protocol import (
     WorkerInfo,
     decode,
     encode_body,
+    step_auth,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,6 +78,10 @@ class _Worker:
     address: str
     sock: zmq.asyncio.Socket | None = None
     watch: ConnectionWatch | None = None
+    #: the DEALER's security ("null", "plain": the step token, "curve") and the token file
+    #: it read (None: no token file applies to this address)
+    mechanism: str = "null"
+    token_path: str | None = None
     info: WorkerInfo | None = None
 
 
@@ -163,11 +171,13 @@ class WorkerGroup:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             if self.curve is not None:
                 self.curve.apply(sock)
+                mechanism = "curve"
+            else:
+                token, worker.token_path = step_auth.scheduler_token(worker.address, None)
+                mechanism = step_auth.present_token(sock, token)
+            worker.mechanism = mechanism
             worker.watch = ConnectionWatch(
-                sock,
-                mechanism="curve" if self.curve is not None else "null",
-                peer="worker",
-                option_prefix="step_",
+                sock, mechanism=mechanism, peer="worker", option_prefix="step_"
             )
             sock.connect(worker.address)
             worker.sock = sock
@@ -221,8 +231,9 @@ class WorkerGroup:
                     return task.result()
                 why = worker.watch.failure() if worker.watch is not None else None
                 if why is not None:
+                    said = step_auth.explain(worker.mechanism, str(why), worker.token_path)
                     raise WorkerFailure(
-                        f"worker {worker.rank} at {worker.address}: {why}",
+                        f"worker {worker.rank} at {worker.address}: {said}",
                         rank=worker.rank, address=worker.address,
                     )  # fmt: skip
                 if _left(deadline) <= 0:

@@ -11,7 +11,10 @@ a slots dataclass with ``to_wire()`` / ``from_wire()`` over plain msgpack-able v
 - ``connector``: the KV connector's messages (ConnectorMetadata: chunk loads and stores under
   daemon leases; ConnectorWorkerOutput: what each rank finished);
 - ``step``: the per-step messages (WorkerHello / WorkerInfo, StepPlan / StepResult);
-- ``serve``: the worker end's ROUTER loop (the model worker and the synthetic one run it).
+- ``serve``: the worker end's ROUTER loop (the model worker and the synthetic one run it);
+- ``security``, ``step_auth``: the channel's CURVE options and its default token on loopback
+  (``step_auth`` imports zmq and the daemon's token and ZAP code; imported by ``serve`` when
+  called and by the scheduler's ``workers``, never by this package's ``__init__``).
 """
 
 from __future__ import annotations

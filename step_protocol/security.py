@@ -44,6 +44,11 @@ def add_worker_args(parser: Any) -> None:
         "--step-curve-clients-dir", metavar="DIR", default="",
         help="CURVE on the step channel: admit only schedulers whose NAME.key is in DIR",
     )  # fmt: skip
+    parser.add_argument(
+        "--step-no-auth", action="store_true",
+        help="without CURVE, a tcp:// step channel takes no token (default: a random one, left "
+        "for this user's scheduler in a 0600 file; any local user could drive this worker)",
+    )  # fmt: skip
 
 
 def add_scheduler_args(parser: Any) -> None:

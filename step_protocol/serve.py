@@ -80,18 +80,25 @@ def serve_steps(
     parent_pid: int | None = None,
     on_exit: Callable[[], None] | None = None,
     curve: CurveServer | None = None,
+    no_auth: bool = False,
 ) -> None:
     """Serve the step protocol for ``worker`` on a ROUTER bound at ``bind`` until ``stop``,
     SIGTERM/SIGINT, or (with ``parent_pid``) the parent process going away. ``curve``: the
     ROUTER is a CURVE server, and with its ``clients_dir`` a ZAP handler (a thread) admits
-    only the scheduler keys listed there (step_protocol/security.py). Once bound, writes
+    only the scheduler keys listed there (step_protocol/security.py). Without ``curve`` a
+    ``tcp://`` ROUTER requires a random token at the handshake, left for this user's scheduler
+    in the token file of its port (``step_protocol/step_auth.py``), unless ``no_auth``.
+    Once bound, writes
     ``{"pid", "endpoint", **ready_info}`` to ``ready_file`` atomically. On the way out (also
     on an error) closes the socket, then calls ``on_exit`` (the worker's own cleanup), then
     removes ``ready_file``. Raises zmq.ZMQError when ``bind`` cannot be bound."""
     import zmq
     from zmq.auth.thread import ThreadAuthenticator
 
+    from step_protocol.step_auth import StepGate, unpublish_stale
+
     ctx = zmq.Context()
+    gate = StepGate.for_worker(ctx, bind, curve=curve is not None, no_auth=no_auth)
     zap: ThreadAuthenticator | None = None
     if curve is not None and curve.clients_dir:
         zap = ThreadAuthenticator(ctx)
@@ -101,6 +108,12 @@ def serve_steps(
     sock.linger = 0
     if curve is not None:
         curve.apply(sock)
+    if gate is not None:
+        gate.guard(sock)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if gate is not None:
+        poller.register(gate.socket, zmq.POLLIN)
     stopping = False
 
     def _stop(signum: int, frame: object) -> None:
@@ -112,13 +125,21 @@ def serve_steps(
     try:
         sock.bind(bind)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if gate is not None:
+            gate.publish(endpoint)
+        else:
+            unpublish_stale(endpoint)
         if ready_file:
             info = {"pid": os.getpid(), "endpoint": endpoint, **(ready_info or {})}
             write_atomic(ready_file, json.dumps(info))
+        security = " (CURVE)" if curve is not None else " (token)" if gate is not None else ""
         logger.info("rank %d (pid %d) serving on %s%s", worker.rank, os.getpid(), endpoint,
-                    " (CURVE)" if curve is not None else "")  # fmt: skip
+                    security)  # fmt: skip
         while not stopping:
-            if not sock.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            if gate is not None and gate.socket in ready:
+                gate.drain()
+            if sock not in ready:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.info("parent %d is gone: exiting", parent_pid)
                     break
@@ -135,6 +156,8 @@ def serve_steps(
         sock.close(0)
         if zap is not None:
             zap.stop()
+        if gate is not None:
+            gate.close()
         ctx.term()
         try:
             if on_exit is not None:

@@ -133,7 +133,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                 auth_token=token, curve=curve,
             )  # fmt: skip
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file,
-                     curve=step_curve)  # fmt: skip
+                     curve=step_curve, no_auth=args.step_no_auth)  # fmt: skip
     except KVServerError as exc:
         print(f"kvserver worker: {exc}", file=sys.stderr)
         return 1

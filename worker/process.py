@@ -228,13 +228,14 @@ def serve(
     *,
     ready_file: str | None,
     curve: CurveServer | None = None,
+    no_auth: bool = False,
 ) -> int:
     """Serve the step protocol on a ROUTER bound at ``listen`` (a CURVE server with
-    ``curve``) until ``stop`` or a signal (:func:`step_protocol.serve.serve_steps`); closes
-    ``worker`` on the way out."""
+    ``curve``; else, on ``tcp://``, requiring its step token unless ``no_auth``) until ``stop``
+    or a signal (:func:`step_protocol.serve.serve_steps`); closes ``worker`` on the way out."""
     serve_steps(
         worker, listen, ready_file=ready_file, ready_info={"rank": worker.rank},
-        on_exit=worker.close, curve=curve,
+        on_exit=worker.close, curve=curve, no_auth=no_auth,
     )  # fmt: skip
     logger.info("worker rank %d stopped", worker.rank)
     return 0

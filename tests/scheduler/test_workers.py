@@ -27,6 +27,7 @@ from step_protocol import (
     WorkerHello,
     decode,
     encode_body,
+    step_auth,
 )
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, output_tokens, start_scheduler, start_worker
@@ -51,11 +52,14 @@ def synthetic(worker: SyntheticWorker) -> Behaviour:
 
 @contextlib.asynccontextmanager
 async def served(ctx: zmq.asyncio.Context, behaviour: Behaviour) -> AsyncIterator[str]:
-    """A ROUTER on an ephemeral loopback port answering with ``behaviour`` (None = silence)."""
+    """A ROUTER on an ephemeral loopback port answering with ``behaviour`` (None = silence);
+    it takes no token, and like a worker with ``--step-no-auth`` removes a token file a killed
+    process may have left for its port."""
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
     sock.bind("tcp://127.0.0.1:*")
     address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    step_auth.unpublish_stale(address)
 
     async def loop() -> None:
         while True:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvserver.crypto import apply_token
 from kvserver.errors import InvalidArgument
+from kvserver.token_file import token_path
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -115,7 +117,10 @@ def test_worker_process_serves_the_step_protocol_and_exits_0_on_sigterm(
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)  # polling for the ready file, bounded by the deadline
-        sock.connect(json.loads(ready.read_text())["endpoint"])
+        endpoint = json.loads(ready.read_text())["endpoint"]
+        # the step token the worker left for this user (step_protocol/step_auth.py)
+        apply_token(sock, Path(token_path(int(endpoint.rsplit(":", 1)[1]))).read_text())
+        sock.connect(endpoint)
         sock.rcvtimeo = 20_000
 
         def call(kind: str, body: dict[str, object]) -> tuple[str, dict[str, object]]:
