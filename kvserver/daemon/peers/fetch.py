@@ -103,6 +103,15 @@ class PeerFetches:
     def in_flight(self, ns_id: str, key: bytes) -> bool:
         return (ns_id, key) in self._inflight
 
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, for the fetches under way to finish (each is bounded
+        by its windows' peer timeouts): at shutdown, so that no receiving thread still writes
+        into arena pages when the arena goes. True when none is left."""
+        pending = list({id(f): f for f in self._inflight.values()}.values())
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+        return not self._inflight
+
     async def fetch(
         self,
         spec: NamespaceSpec,

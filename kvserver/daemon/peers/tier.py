@@ -88,6 +88,10 @@ class PeerTier(Tier):
         logger.info("network tier: %d peer(s) known", len(self.directory.peers()))
 
     async def close(self) -> None:
+        """Let the fetches under way finish (a window is bounded by the peer timeout; they
+        write into arena pages), then close the links."""
+        if not await self.fetches.drain(2 * self.book.settings.timeout_s + 1.0):
+            logger.warning("network tier: fetches still under way at shutdown")
         await self.book.close()
 
     # ------------------------------------------------------------------ lookup

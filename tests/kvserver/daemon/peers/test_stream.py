@@ -17,7 +17,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +308,46 @@ async def test_a_reply_cut_short_or_malformed_places_nothing_and_leaves_nothing_
             await book.close()
 
 
+async def test_closing_the_tier_waits_for_a_fetch_under_way() -> None:
+    """Shutdown closes the network tier before the arena goes: a fetch whose peer stalls
+    mid-reply is waited for (it ends at the peer timeout), so no receiving thread writes into
+    the arena afterwards and nothing stays reserved."""
+    from kvserver.daemon.peers.tier import PeerTier
+
+    server, address = await serve_standin(half_then_stall)
+    async with server:
+        keys = make_keys(4, tag="closing")
+        with engine_b() as engine:
+            book = PeerBook(PeerSettings(timeout_s=0.5, suspect_s=60))
+            peer = Peer("F", "", "tcp://127.0.0.1:1", address)
+            tier = PeerTier(engine, _OnePeer(peer), book)
+            task = asyncio.ensure_future(tier.fetches.fetch(
+                SPEC, [(k, frozenset({"F"})) for k in keys], {"F": peer}
+            ))  # fmt: skip
+            while tier.fetches.num_in_flight == 0 or book.counters.fetched_chunks == 0:
+                await asyncio.sleep(0)  # until the reply's head has arrived
+            assert not task.done()
+            await tier.close()
+            assert task.done() and tier.fetches.num_in_flight == 0
+            assert engine.lookup(SPEC.ns_id, keys) == 0
+            no_reservations(engine)
+
+
+class _OnePeer:
+    """A directory of one peer (``PeerTier`` asks it only for lookups and promotions)."""
+
+    error = ""
+
+    def __init__(self, peer: Peer) -> None:
+        self._peers = {peer.host_id: peer}
+
+    def peers(self) -> Mapping[str, Peer]:
+        return self._peers
+
+    async def holders(self, ns_id: str, keys: Sequence[bytes]) -> list[frozenset[str]]:
+        return [frozenset(self._peers)] * len(keys)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -370,7 +410,7 @@ def request_head(version: int = wire_stream.STREAM_VERSION, length: int = 10,
 
 
 def msgpack_request(header: Any) -> bytes:
-    body = msgpack.packb(header, use_bin_type=True)
+    body = bytes(msgpack.packb(header, use_bin_type=True))
     return request_head(length=len(body)) + body
 
 
