@@ -11,6 +11,7 @@ input to the daemon's stream port is sent on raw sockets too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -37,7 +38,7 @@ from kvserver.engine_types import EntryState
 from kvserver.errors import InvalidArgument
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes, store
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -568,6 +569,31 @@ def test_fuzzed_input_gets_errors_or_a_close_and_the_daemon_keeps_serving(
             }  # fmt: skip
             rest = rest[end:]
     still_serving(served)
+
+
+def test_connections_past_the_bound_are_closed_at_once(served: DaemonProc) -> None:
+    """At most MAX_CONNECTIONS connections are served; one more is closed without a byte
+    read, and once some close, new ones are served again."""
+    from kvserver.daemon.stream_server import MAX_CONNECTIONS
+
+    held = [Raw(served) for _ in range(MAX_CONNECTIONS)]
+    try:
+        held[-1].ask(SPEC.ns_id, KEYS[:1])  # every one of them accepted and served by now
+        assert held[-1].reply()[0].ok
+        with Raw(served) as extra, contextlib.suppress(ConnectionResetError):  # hello unread
+            assert extra.closed()
+    finally:
+        for raw in held:
+            raw.sock.close()
+
+    def serves() -> bool:  # the daemon notices the closed connections on its own schedule
+        try:
+            still_serving(served)
+        except (AssertionError, OSError):
+            return False
+        return True
+
+    wait_until(serves)
 
 
 def test_timed_out_reads_close_a_silent_connection(tmp_path: Path) -> None:
