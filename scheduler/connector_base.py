@@ -12,6 +12,7 @@ Call order per engine step (the connector's five touchpoints, as in vLLM V1)::
         ... scheduler allocates GPU blocks ...
         update_state_after_alloc(req, block_ids, n_ext)
     build_connector_meta(scheduled)                           -> metadata shipped to workers
+    dispatched()                 the plan went to the workers (optional: kvserver's scheduler)
     ... workers run the step ...
     update_connector_output(outputs of every TP rank)
     request_finished(req, block_ids)                          -> (delay_free, params)  once
@@ -120,6 +121,12 @@ class SchedulerConnector(ABC):
         """True while a load or store is planned or in flight: the scheduler keeps stepping
         (empty steps included) so that workers can report them and finished requests release
         their blocks (``finished_sending``)."""
+
+    def dispatched(self) -> None:  # noqa: B027 - a hook with a do-nothing default
+        """The step's plan went to the workers and the scheduler now waits for them: a
+        connector may do here the work of ``build_connector_meta`` that the workers do not
+        need (a connector's daemon call). A scheduler that calls it calls it after every
+        ``build_connector_meta``; one that never calls it (vLLM) loses nothing."""
 
     def reset(self) -> None:  # noqa: B027 - a hook with a do-nothing default, not abstract
         """The workers lost their KV (a worker died; the scheduler failed every request that

@@ -175,8 +175,13 @@ class KVServerSchedulerConnector(SchedulerConnector):
         """True while a transfer is planned or in flight, or a store completion is held for
         the next step: keep stepping (empty steps too). Completions sent but not yet answered
         do not count (see :meth:`drain`)."""
-        leases = self._leases
-        return leases.has_jobs or self._stores.batch is not None or bool(leases.held)
+        leases, stores = self._leases, self._stores
+        return (
+            leases.has_jobs
+            or stores.batch is not None
+            or stores.deferred is not None
+            or bool(leases.held)
+        )
 
     def num_pending(self, req_id: str) -> tuple[int, int]:
         """(loads, stores) of request ``req_id`` planned or in flight; (0, 0) if none."""
@@ -190,6 +195,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         and counters. The step methods do this when they need the replies; call it to look at
         the daemon through another client right after a step (this client's own calls are
         ordered after them anyway)."""
+        self._send_deferred()
         self._leases.flush_held()
         self._stores.collect()
         self._leases.collect_completions(wait=True)
@@ -205,6 +211,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
     ) -> tuple[int | None, bool]:
         """Held store completions are sent first: the lookup finds their chunks ready, as if
         nothing were held."""
+        self._send_deferred()
         if self._leases.held:
             self._leases.flush_held()
         return self._loads.offer(self._state(request), num_computed_tokens)
@@ -220,6 +227,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         a finished load with a load error (the scheduler recomputes those tokens). Held store
         completions are sent first (the pin needs their chunks ready).
         """
+        self._send_deferred()
         if self._leases.held:
             self._leases.flush_held()
         self._loads.pin(self._state(request), block_ids, num_external_tokens)
@@ -234,6 +242,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         ``update_connector_output`` held; without one they stay held, and are sent alone at
         the end of the ``completion_hold_steps``-th call without one."""
         step: ScheduledStep = scheduler_output
+        self._send_deferred()  # the previous step's, if dispatched() was not called
         self._stores.changed()
         self._stores.collect()
         self._leases.expire()
@@ -246,8 +255,20 @@ class KVServerSchedulerConnector(SchedulerConnector):
             )
             self._preempted.clear()
         self._stores.plan(step)
-        self._leases.age_held()  # no prepare_store carried them: alone once old enough
+        if self._stores.deferred is None:  # else dispatched() sends it, carrying them
+            self._leases.age_held()  # no prepare_store carried them: alone once old enough
         return meta
+
+    def dispatched(self) -> None:
+        """The plan went to the workers: send this step's ``prepare_store`` now. From the
+        first call on, ``build_connector_meta`` plans the reservation and leaves its send
+        (encode, send, the wake-up of the client's I/O thread) to this call, which the
+        scheduler makes while it waits for the workers anyway: the step's critical path no
+        longer carries it, and the reply still arrives while the workers run. Any other call
+        of the connector sends a batch left unsent first (a step whose ``dispatched()`` did
+        not come)."""
+        self._stores.defer = True
+        self._send_deferred()
 
     def update_connector_output(self, outputs: Sequence[Any]) -> TransferReport:
         """Takes each rank's :class:`ConnectorWorkerOutput`. A lease is completed on the daemon
@@ -260,6 +281,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         ``op_timeout_s`` each: they had a whole step to arrive). Last, the reply of this
         step's store reservation is taken if it has arrived (never waited for here): its store
         jobs are queued for the next ``build_connector_meta``, which applies the rest."""
+        self._send_deferred()
         leases = self._leases
         leases.collect_completions(wait=True)
         self._stores.changed()
@@ -274,6 +296,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         """True while loads or stores of the request are planned or in flight: its blocks are
         freed once it appears in a report's ``finished_sending``."""
+        self._send_deferred()  # its chunks may be in the batch not sent yet
         state = self._reqs.get(request.request_id)
         if state is not None and state.finish_when_idle():
             return True, None
@@ -294,6 +317,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         ``preempted_req_ids``); returns those with stores in flight. The next metadata names
         them in ``flush_req_ids``: workers finish reading their blocks before that step's loads
         and forward pass, so the scheduler may hand the blocks to other requests right away."""
+        self._send_deferred()
         barrier = set()
         for req_id in req_ids:
             if (state := self._reqs.get(req_id)) is not None:
@@ -314,6 +338,12 @@ class KVServerSchedulerConnector(SchedulerConnector):
         return self._link.carries_completions and any(
             not s.finished for s in self._reqs.values()
         )
+
+    def _send_deferred(self) -> None:
+        """Send the reservation ``build_connector_meta`` left for :meth:`dispatched`, with the
+        completions it carries."""
+        if self._stores.deferred is not None:
+            self._stores.send_deferred()
 
     def _state(self, request: RequestLike) -> RequestState:
         state = self._reqs.get(request.request_id)

@@ -94,10 +94,16 @@ class StorePlanner:
         self._storing: set[bytes] | None = None
         #: which requests to look at in each step.
         self.calendar = StoreCalendar(self.spec.chunk_tokens)
+        #: plan() leaves the step's prepare_store to send_deferred() (the scheduler calls
+        #: ``dispatched()``); ``deferred``: that batch, planned and not sent yet.
+        self.defer = False
+        self.deferred: tuple[list[PlannedStore], list[bytes]] | None = None
 
     def cancel(self) -> None:
-        """Forget the batch in flight (its reply is dropped; the caller releases its lease) and
-        every request's place in the calendar (the connector forgets its requests)."""
+        """Forget the batch in flight (its reply is dropped; the caller releases its lease), a
+        batch not sent yet, and every request's place in the calendar (the connector forgets
+        its requests)."""
+        self.deferred = None
         if self.batch is not None:
             self.batch.pending.cancel()  # completions it carried stand, results unknown
             if self.batch.grant is None:
@@ -166,9 +172,19 @@ class StorePlanner:
                 PlannedStore(state, first, end, chunk_keys, blocks[first * cb : end * cb])
             )
             room -= end - first
-        if planned and not self._send(planned, keys):
-            left += [p.state for p in planned]
+        if planned:
+            if self.defer:
+                self.deferred = (planned, keys)
+            elif not self._send(planned, keys):
+                left += [p.state for p in planned]
         return left
+
+    def send_deferred(self) -> None:
+        """Send the batch :meth:`plan` left for later, if any, as :meth:`plan` would have
+        (its requests are checked again next step if it could not be sent)."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None and not self._send(*deferred):
+            self.calendar.recheck([p.state for p in deferred[0]])
 
     def _send(self, planned: list[PlannedStore], keys: list[bytes]) -> bool:
         """One prepare_store for every planned chunk (``keys``, in plan order), not waited for;

@@ -183,7 +183,7 @@ class EngineCore:
         scheduler = self.scheduler
         plan = scheduler.schedule()
         try:
-            results = await self.workers.step(plan)
+            results = await self.workers.step(plan, sent=scheduler.dispatched)
         except WorkerFailure as exc:
             self._deliver(scheduler.fail_all(str(exc)))
             return True

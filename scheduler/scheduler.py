@@ -434,6 +434,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update_from_output()
 
+    def dispatched(self) -> None:
+        """Call once the plan ``schedule()`` returned went to the workers (before waiting for
+        them): the connector sends its daemon call of the step then, off the step's critical
+        path (:meth:`SchedulerConnector.dispatched`)."""
+        if self.connector is not None:
+            self.connector.dispatched()
+
     def update_from_output(
         self, plan: StepPlan, results: Sequence[StepResult]
     ) -> list[RequestOutput]:

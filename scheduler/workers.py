@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -252,9 +252,12 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ steps
 
-    async def step(self, plan: StepPlan) -> list[StepResult]:
-        """Send ``plan`` to every worker; their results in rank order. Raises WorkerFailure
-        (and the group is down) if a worker is disconnected, errs or misses the deadline."""
+    async def step(
+        self, plan: StepPlan, sent: Callable[[], None] | None = None
+    ) -> list[StepResult]:
+        """Send ``plan`` to every worker; their results in rank order. ``sent``: called once
+        the plan went to every worker, before waiting for them. Raises WorkerFailure (and the
+        group is down) if a worker is disconnected, errs or misses the deadline."""
         if self.failure is not None:
             raise self.failure
         data = encode_body(KIND_STEP, plan.to_wire())
@@ -265,6 +268,8 @@ class WorkerGroup:
                 worker.sock.send(data, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 raise self._fail(worker, f"not connected (step {plan.step})") from None
+        if sent is not None:
+            sent()
         results = await asyncio.gather(
             *(self._recv(w, KIND_RESULT, plan.step, deadline) for w in self._workers),
             return_exceptions=True,

@@ -167,8 +167,13 @@ def wire(kind: str, message: Any) -> dict[str, Any]:
 class Harness:
     """A minimal scheduler around the connector: block allocation, steps, fake workers."""
 
-    def __init__(self, daemon: DaemonProc, spec: NamespaceSpec, **config: Any) -> None:
+    def __init__(
+        self, daemon: DaemonProc, spec: NamespaceSpec, *, dispatch: bool = False, **config: Any
+    ) -> None:
+        """``dispatch``: call ``dispatched()`` after each ``build_connector_meta``, as
+        kvserver's scheduler process does."""
         self.spec = spec
+        self.dispatch = dispatch
         self.conn = KVServerSchedulerConnector(
             KVConnectorConfig(daemon.zmq_address, spec, **config)
         )
@@ -226,6 +231,8 @@ class Harness:
             preempted_req_ids=list(preempted),
         )  # fmt: skip
         meta = self.conn.build_connector_meta(plan)
+        if self.dispatch:
+            self.conn.dispatched()
         self.metas.append(meta)
         shipped = ConnectorMetadata.from_wire(wire("meta", meta))
         for w in self.workers:

@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvserver.errors import InvalidArgument
 from kvserver.wire import COMPLETE_STORE, PREPARE_STORE
 from scheduler.kv_connector_types import KVConnectorConfig
+from step_protocol import ConnectorMetadata
 from tests.scheduler.test_kv_connector import (
     FakeRequest,
     Harness,
@@ -52,13 +54,16 @@ def decode(h: Harness, reqs: list[FakeRequest], steps: int) -> list[Counter[str]
     return per_step
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_completions_ride_on_the_next_prepare_store(daemon: DaemonProc, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "dispatch"), [(1, False), (2, False), (1, True), (2, True)])
+def test_completions_ride_on_the_next_prepare_store(
+    daemon: DaemonProc, tp: int, dispatch: bool
+) -> None:
     """Decode: a step that reserves new chunks carries the previous step's completions (no
     complete_store of its own); a step that reserves none sends them alone. Every chunk is
-    stored, events and all, and no completion waits more than one step (the bound set here)."""
-    spec = make_spec(tp=tp, model=f"test/carry-{tp}")
-    h = Harness(daemon, spec, completion_hold_steps=1)
+    stored, events and all, and no completion waits more than one step (the bound set here).
+    The same when the scheduler calls ``dispatched()`` (the reservation is sent there)."""
+    spec = make_spec(tp=tp, model=f"test/carry-{tp}-{dispatch}")
+    h = Harness(daemon, spec, dispatch=dispatch, completion_hold_steps=1)
     try:
         # staggered lengths: some request fills a chunk (8 tokens) in every decode step
         reqs = [FakeRequest(f"r{i}", tokens(17 + i, base=100 * i), spec) for i in range(8)]
@@ -215,5 +220,44 @@ def test_a_lookup_sends_held_completions_first(daemon: DaemonProc) -> None:
         _, report = h.step()
         assert report.finished_recving == {"s"} and report.load_errors == {}
         h.assert_loaded(same, range(4))
+    finally:
+        h.close()
+
+
+def test_dispatched_sends_the_reservation_after_the_plan(daemon: DaemonProc) -> None:
+    """Once the scheduler calls ``dispatched()``, ``build_connector_meta`` only plans the
+    step's reservation (a transfer is pending) and ``dispatched()`` sends it; in a step whose
+    ``dispatched()`` does not come, the connector's next call sends it first."""
+    spec = make_spec(model="test/dispatched")
+    h = Harness(daemon, spec, dispatch=True)
+    try:
+        sent = h.conn.client.sent_by_op
+        after_meta: list[tuple[Counter[str], bool]] = []
+        build = h.conn.build_connector_meta
+
+        def observed(plan: Any) -> ConnectorMetadata:  # records what it sent
+            meta = build(plan)
+            after_meta.append((Counter(sent), h.conn.has_pending_transfers))
+            return meta
+
+        h.conn.build_connector_meta = observed  # type: ignore[method-assign,assignment]
+        reqs = [FakeRequest(f"r{i}", tokens(17, base=100 * i), spec) for i in range(2)]
+        for r in reqs:
+            assert h.admit(r) == (0, False)
+        h.step()  # the first dispatched(): from now on the reservation waits for it
+        for r, dispatch in zip(reqs, (True, False), strict=True):
+            h.dispatch = dispatch
+            before = Counter(sent)
+            h.step({r.request_id: (r, 16)})  # plans its 2 chunks
+            at_meta, pending = after_meta[-1]
+            assert at_meta == before and pending  # planned, not sent
+            # sent by dispatched(), or else first thing in update_connector_output
+            assert sent[PREPARE_STORE] - before[PREPARE_STORE] == 1
+        h.dispatch = True
+        h.step()  # ships r1's stores; the workers write them
+        h.step()
+        h.conn.drain()
+        assert all(ready_chunks(daemon, r) == 2 for r in reqs)
+        assert not h.conn.has_pending_transfers
     finally:
         h.close()
