@@ -17,7 +17,10 @@ Configurations:
   — one store reservation in each step with stores, sent at the end of
   ``build_connector_meta`` and carrying the store completions ``update_from_output`` held, its
   reply read once the workers' step is over — none of them waited for inside the step unless
-  the daemon is slower than the workers' step.
+  the daemon is slower than the workers' step. As in ``scheduler/process.py``, each step calls
+  ``Scheduler.dispatched()`` once the plan is out (between ``schedule()`` and the worker, not
+  timed: the scheduler waits for the workers then): the connector sends the step's
+  ``prepare_store`` there; its mean time is printed.
   Its row also reports the daemon calls per step (``calls_per_step``, by op) and where the
   chunks it planned to store went over the whole run (``stores``: docs/connector.md, "Store
   accounting"; planned counts each request's chunks, so a shared prefix counts many times).
@@ -114,6 +117,8 @@ class Config:
     #: the same, as CPU time of the measuring thread.
     schedule_cpu_s: list[float] = field(default_factory=list)
     step_cpu_s: list[float] = field(default_factory=list)
+    #: ``Scheduler.dispatched()`` (the connector's daemon call, sent while the workers run).
+    dispatch_s: list[float] = field(default_factory=list)
     #: the kvserver client's requests sent by op (kvserver connector only).
     sent_by_op: Counter[str] | None = None
     calls: Counter[str] = field(default_factory=Counter)
@@ -132,6 +137,9 @@ class Config:
             plan = s.schedule()
             t1, c1 = perf(), cpu()
             sched_probe.stop()
+            t4 = perf()
+            s.dispatched()  # the plan went to the workers (scheduler/process.py)
+            dispatch = perf() - t4
             results = [worker.execute(plan)]
             update_probe.start()
             c2, t2 = cpu(), perf()
@@ -143,6 +151,7 @@ class Config:
                 self.step_s.append((t1 - t0) + (t3 - t2))
                 self.schedule_cpu_s.append(c1 - c0)
                 self.step_cpu_s.append((c1 - c0) + (c3 - c2))
+                self.dispatch_s.append(dispatch)
         if timed and self.sent_by_op is not None:
             self.calls += Counter(self.sent_by_op) - before
 
@@ -284,6 +293,7 @@ def results(configs: list[Config]) -> list[dict[str, Any]]:
                 "cpu_ratio": cpu / ref_cpu,
                 "step_cpu_us": step_cpu * 1e6,
                 "step_cpu_ratio": step_cpu / ref_step_cpu,
+                "dispatch_us": statistics.fmean(c.dispatch_s) * 1e6,
                 "samples": len(c.schedule_s),
             }
         )
@@ -324,6 +334,7 @@ def count_one(name: str, address: str | None, steps: int) -> None:
     gc.disable()
     for _ in range(steps):
         plan = eval("s.schedule()")  # callgrind's marker: a constant expression
+        s.dispatched()  # not counted: the workers' time
         operator.call(s.update_from_output, plan, [worker.execute(plan)])
     gc.enable()
     if conn is not None:
@@ -391,6 +402,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
     print(f"target: ratio <= {TARGET}")
     for r in rows:
+        if r.get("dispatch_us"):
+            print(f"dispatched() ({r['config']}, while the workers run, not in the step): "
+                  f"{r['dispatch_us']:.1f} us per step (mean)")  # fmt: skip
         if "calls_per_step" in r:
             calls = ", ".join(f"{op} {n:.2f}" for op, n in r["calls_per_step"].items())
             print(f"daemon calls per step ({r['config']}): {calls or 'none'}")
