@@ -14,9 +14,9 @@ Configurations:
   scheduler's own work;
 - ``kvserver``: the real ``KVServerSchedulerConnector`` against a daemon (``--kvserver ADDR``,
   or ``--start-daemon`` to start one on loopback): adds the client's side of its daemon calls
-  — one store reservation in each step with stores, sent at the end of
-  ``build_connector_meta`` and carrying the store completions ``update_from_output`` held, its
-  reply read once the workers' step is over — none of them waited for inside the step unless
+  — one store reservation in each step with stores, planned by ``build_connector_meta`` and
+  carrying the store completions ``update_from_output`` held, its reply read once the workers'
+  step is over — none of them waited for inside the step unless
   the daemon is slower than the workers' step. As in ``scheduler/process.py``, each step calls
   ``Scheduler.dispatched()`` once the plan is out (between ``schedule()`` and the worker, not
   timed: the scheduler waits for the workers then): the connector sends the step's
