@@ -116,22 +116,31 @@ def serve(endpoint_file: str, part_bytes: int, n: int) -> int:
         router.send_multipart([ident.bytes, b"header", *frames], copy=False)
 
 
+def start_helper(
+    mode: str, workdir: Path, part_bytes: int, n: int, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """The helper process of a reference (``mode``: ``serve`` or ``serve-tcp``) and the file
+    where it wrote its endpoint, once written (bounded by 30 s)."""
+    ep = workdir / f"{mode}-{part_bytes}-{time.monotonic_ns()}.ep"  # fresh each run
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.bench_peers", mode, str(ep), str(part_bytes), str(n)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+    )
+    deadline = time.monotonic() + 30
+    while not ep.exists() or not ep.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"reference helper ({mode}) did not start")
+        time.sleep(0.02)  # waiting for the helper's endpoint, bounded by the deadline
+    return proc, ep
+
+
 class RawPeer:
     """The reference's two processes: the helper (ROUTER) and this one (DEALER)."""
 
     def __init__(self, workdir: Path, part_bytes: int, n: int, env: dict[str, str]) -> None:
-        ep = workdir / f"ref-{part_bytes}-{time.monotonic_ns()}.ep"  # fresh each run
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_peers", "serve", str(ep),
-             str(part_bytes), str(n)],
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not ep.exists() or not ep.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("reference peer did not start")
-            time.sleep(0.02)  # waiting for the helper's endpoint, bounded by the deadline
+        self.proc, ep = start_helper("serve", workdir, part_bytes, n, env)
         self.ctx = zmq.Context()
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
@@ -202,18 +211,7 @@ class RawArenaTcp:
     rotating as B's pages do: arena pages to arena pages with no protocol at all."""
 
     def __init__(self, workdir: Path, part_bytes: int, n: int, env: dict[str, str]) -> None:
-        ep = workdir / f"floor-{part_bytes}-{time.monotonic_ns()}.ep"  # fresh each run
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_peers", "serve-tcp", str(ep),
-             str(part_bytes), str(n)],
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not ep.exists() or not ep.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("floor peer did not start")
-            time.sleep(0.02)  # waiting for the helper's port, bounded by the deadline
+        self.proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
         self.sock = socket.create_connection(("127.0.0.1", int(ep.read_text())), 30)
         self.sock.settimeout(TIMEOUT_MS / 1000)
         self.part_bytes, self.n = part_bytes, n
