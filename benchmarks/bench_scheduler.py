@@ -55,8 +55,14 @@ time in system calls — and the CPU time the process's other threads (the kvser
 I/O thread) used meanwhile, which with ``--pin`` is taken from the measuring thread's CPU:
 what separates the wall time from the instructions. Means per step (the counts are small).
 
+Workers' step time (``--worker-ms MS``, default 0): the in-process synthetic worker answers
+at once, so a daemon reply sent when the plan goes out (``dispatched()``) has ~0.5 ms to come
+back before ``update_from_output()``; a GPU's forward pass gives it several milliseconds.
+``--worker-ms`` sleeps that long after the worker (untimed, every configuration alike), as the
+scheduler process waits for its workers.
+
 Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon] [--no-pin]
-                                            [--breakdown]
+                                            [--breakdown] [--worker-ms MS]
        python benchmarks/bench_scheduler.py --instructions 64 [--json FILE]
 With --json, also writes FILE with the .png suffix (a bar chart) when matplotlib is importable.
 """
@@ -122,6 +128,8 @@ class Config:
     #: the kvserver client's requests sent by op (kvserver connector only).
     sent_by_op: Counter[str] | None = None
     calls: Counter[str] = field(default_factory=Counter)
+    #: ``--worker-ms``: how long the workers' step lasts (the scheduler sleeps, untimed).
+    worker_s: float = 0.0
     #: the kvserver connector's store accounting over the whole run (docs/connector.md).
     stores: dict[str, int] | None = None
     #: ``--breakdown``: the kernel's accounts of schedule() and of update_from_output().
@@ -141,6 +149,8 @@ class Config:
             s.dispatched()  # the plan went to the workers (scheduler/process.py)
             dispatch = perf() - t4
             results = [worker.execute(plan)]
+            if self.worker_s:
+                time.sleep(self.worker_s)  # the GPU's forward pass: the scheduler waits
             update_probe.start()
             c2, t2 = cpu(), perf()
             s.update_from_output(plan, results)
@@ -465,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="count instructions of N steps under callgrind instead")  # fmt: skip
     parser.add_argument("--breakdown", action="store_true",
                         help="also the kernel's accounts per step (thread_probe.py)")  # fmt: skip
+    parser.add_argument("--worker-ms", type=float, default=0.0,
+                        help="the workers' step time (a sleep, untimed)")  # fmt: skip
     parser.add_argument("--count-one", choices=("off", "memory", "kvserver"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
@@ -496,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         if addr:
             conn = kvserver_connector(addr)
             configs.append(make("kvserver", conn, max_steps, conn.client.sent_by_op))
+        for c in configs:
+            c.worker_s = args.worker_ms / 1e3
         if args.breakdown:
             if not thread_probe.available():
                 raise SystemExit("--breakdown needs Linux's per-thread accounts")
@@ -513,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         pinned = None if cpus is None else {"bench": cpus[0], "daemon": cpus[1]}
         meta = {"num_requests": NUM_REQUESTS, "block_size": BLOCK_SIZE, "rounds": rounds,
-                "steps_per_round": steps, "cpus": os.cpu_count(), "pinned": pinned}  # fmt: skip
+                "steps_per_round": steps, "cpus": os.cpu_count(), "pinned": pinned,
+                "worker_ms": args.worker_ms}  # fmt: skip
         save_report(args.json, {"meta": meta, "results": rows}, lambda png: write_chart(rows, png))
     return 0
 
