@@ -69,8 +69,15 @@ async def test_a_fleet_on_a_redis_cluster(redis_cluster: RedisCluster) -> None:
         again = Member("host-5", config)
         node2 = await again.start()
         hosts[5] = again
-        (info,) = [h for h in await reader.hosts() if h.host_id == "host-5"]
-        assert info.incarnation == node2.incarnation
+
+        async def back() -> bool:
+            # start() does not wait for Redis (a slow or unreachable one leaves the node
+            # serving its own tiers and retrying): the new incarnation registers soon after
+            return [h.incarnation for h in await reader.hosts() if h.host_id == "host-5"] == [
+                node2.incarnation
+            ]
+
+        await eventually(back, timeout=10.0)
         assert "host-5" not in {r.host.host_id for r in await reader.lookup(NS, ks)}
     finally:
         for m in hosts:
