@@ -21,7 +21,9 @@ Everything runs in one process, one run:
   before the staged one), measured in the same rounds; ``copies`` counts the plan's entries
   for one chunk (a staged part is one); on CUDA ``host_kernels_ratio`` is the staged plan on
   an engine with ``host_kernels`` (the gather/scatter kernels address the page-locked arena
-  themselves, one launch per batch instead of one DMA per extent), in the same rounds;
+  themselves, one launch per batch instead of one DMA per extent, where the extents average
+  at most ``HOST_KERNEL_MAX_PIECE``: the worker's default), and ``kernels_only_ratio`` the
+  same with kernels whatever the extents' size, in the same rounds;
 - reference: one ``copy_`` of the same total bytes between two contiguous, written tensors
   (CPU: plain memcpy, torch limited to ``--threads`` threads, default 1, for both sides; CUDA:
   pinned host ↔ device, the cudaMemcpy peak);
@@ -35,6 +37,7 @@ per-round ratio (the machines are shared: a ratio within one round is stable, ab
 is not).
 
 Usage: python benchmarks/bench_transfer.py [--quick] [--json FILE] [--chunk-blocks N]
+       [--devices cpu,cuda]
 With --json, also writes FILE with the .png suffix (a chart) when matplotlib is importable.
 """
 
@@ -201,6 +204,9 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
     mapped = MappedArena(arena.path, pin=cuda)
     engine = make_engine(device)
     kernels = make_engine(device, host_kernels=True) if cuda else None
+    forced = (
+        make_engine(device, host_kernels=True, host_kernel_max_piece=1 << 62) if cuda else None
+    )
     try:
         for layout, page, direction in tqdm(work, desc=f"transfer ({device.type})"):
             part = LAYERS * 2 * page * chunk_blocks
@@ -225,8 +231,9 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
             other = plan_chunks(caches, mapped, direction, chunks, builder=alt)
             fns = [ref, engine_run(engine, direction, planned),
                    engine_run(engine, direction, other)]  # fmt: skip
-            if kernels is not None:
+            if kernels is not None and forced is not None:
                 fns.append(engine_run(kernels, direction, planned))
+                fns.append(engine_run(forced, direction, planned))
             else:
                 views = 1 if layout == "cross" else LAYERS * 2
                 fns.append(pattern_run(page_rows, views, mapped, direction, chunks))
@@ -246,12 +253,15 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
             row["host_kernels_ratio" if cuda else "pattern_ratio"] = median_ratio(
                 times[0], times[3]
             )
+            if cuda:
+                row["kernels_only_ratio"] = median_ratio(times[0], times[4])
             rows.append(row)
             del caches, raw, page_rows, dev_buf, host_buf, src, dst, fns, planned, other
     finally:
         engine.close()
-        if kernels is not None:
-            kernels.close()
+        for extra in (kernels, forced):
+            if extra is not None:
+                extra.close()
         mapped.close()
         arena.close()
     return rows
@@ -291,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, less data")
     parser.add_argument("--json", type=Path, help="write results here (+ .png chart)")
     parser.add_argument(
+        "--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu",
+        help="comma-separated devices to run (default: cpu, and cuda when present)",
+    )  # fmt: skip
+    parser.add_argument(
         "--chunk-blocks", type=int, default=CHUNK_BLOCKS,
         help=f"GPU blocks per chunk (default {CHUNK_BLOCKS})",
     )  # fmt: skip
@@ -301,22 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    devices = [torch.device("cpu")]
-    if torch.cuda.is_available():
-        devices.append(torch.device("cuda"))
+    devices = [torch.device(d) for d in args.devices.split(",") if d]
+    if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
+        parser.error("--devices names cuda, but torch has no usable GPU")
     rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks)]
     print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
           f"{'plan µs':>7} {'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
-          f"{'alt':>16} {'pattern':>7} {'kernels':>7}")  # fmt: skip
+          f"{'alt':>16} {'pattern':>7} {'kernels':>7} {'k-only':>6}")  # fmt: skip
     for r in rows:
         pattern = f"{r['pattern_ratio']:>7.2f}" if "pattern_ratio" in r else f"{'-':>7}"
         alt = f"{r['alt_builder']} {r['alt_ratio']:.2f}"
         kern = f"{r['host_kernels_ratio']:>7.2f}" if "host_kernels_ratio" in r else f"{'-':>7}"
+        only = f"{r['kernels_only_ratio']:>6.2f}" if "kernels_only_ratio" in r else f"{'-':>6}"
         print(f"{r['device']:6} {r['layout']:6} {r['page_kib']:>5}K {r['direction']:5} "
               f"{r['builder']:8} {r['copies_per_chunk']:>6} {r['plan_us_per_chunk']:>7.1f} "
               f"{r['engine_gbps']:>11.2f} {r['reference_gbps']:>9.2f} "
               f"{r['ratio']:>6.2f} {r['ratio_with_plan']:>6.2f} {alt:>16} "
-              f"{pattern} {kern}")  # fmt: skip
+              f"{pattern} {kern} {only}")  # fmt: skip
     if args.json:
         meta = {
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

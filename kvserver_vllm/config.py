@@ -26,8 +26,8 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
     max_store_batch_chunks 65536  most chunks reserved by one step
     min_hit_tokens     1      policy hint: a smaller external hit is not loaded (recomputing a
                               short prefix can be cheaper than waiting a step for it)
-    host_kernels       false  CUDA: staged copies address the arena from indexed kernels
-                              instead of one DMA per extent (docs/worker.md, "Copies")
+    host_kernels       true   CUDA: staged copies address the arena from indexed kernels
+                              instead of one DMA per small extent (docs/worker.md, "Copies")
 
 Contract: :func:`load_config` raises :class:`~kvserver.errors.InvalidArgument` naming the key
 for an unknown key or a bad value, and for a model layout kvserver cannot store (more than one
@@ -76,7 +76,7 @@ class PluginConfig:
     auth_token: str
     min_hit_tokens: int = 1
     curve: CurveClient | None = None
-    host_kernels: bool = False
+    host_kernels: bool = True
 
     def worker(self, rank: int) -> WorkerConnectorConfig:
         return WorkerConnectorConfig(
@@ -108,7 +108,7 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
     colocated = extra.get("colocated")
     if colocated is not None and not isinstance(colocated, bool):
         raise InvalidArgument("kv_connector_extra_config.colocated must be true, false or null")
-    host_kernels = extra.get("host_kernels", False)
+    host_kernels = extra.get("host_kernels", True)
     if not isinstance(host_kernels, bool):
         raise InvalidArgument("kv_connector_extra_config.host_kernels must be true or false")
     auth = _get(extra, "auth_token", str, "")

@@ -56,6 +56,11 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--hash-algo", default="sha256_cbor", help="must match the scheduler's")
     p.add_argument("--hash-seed", default="vllm-none-hash", help="must match the scheduler's")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    p.add_argument(
+        "--host-kernels", action=argparse.BooleanOptionalAction, default=True,
+        help="CUDA: move staged copies' host side with indexed kernels over the page-locked "
+        "arena where its pieces are small (default on; docs/worker.md, \"Copies\")",
+    )
     p.add_argument("--ready-file", help="write JSON {pid, endpoint, rank} here once serving")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_worker)
@@ -130,7 +135,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         if args.kvserver:
             kv = KVServerSettings(
                 args.kvserver, args.chunk_blocks, args.hash_algo, args.hash_seed,
-                auth_token=token, curve=curve,
+                auth_token=token, curve=curve, host_kernels=args.host_kernels,
             )  # fmt: skip
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file,
                      curve=step_curve, no_auth=args.step_no_auth)  # fmt: skip

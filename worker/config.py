@@ -20,7 +20,7 @@ class WorkerConnectorConfig:
     payload frames, True = require the arena. ``defer_stores``: submit a step's stores at the
     start of the next step rather than at once. ``host_kernels``: on CUDA, staged copies
     read and write page-locked host memory from indexed kernels instead of one DMA per arena
-    extent (docs/worker.md, "Copies"; off by default until measured through the worker).
+    extent where the extents are small (docs/worker.md, "Copies").
     """
 
     address: str
@@ -33,7 +33,7 @@ class WorkerConnectorConfig:
     client_id: str | None = None
     #: CURVE settings for the daemon's data plane (None: plain TCP; docs/security.md)
     curve: CurveClient | None = None
-    host_kernels: bool = False
+    host_kernels: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.spec.tp_world_size:

@@ -58,6 +58,8 @@ class KVServerSettings:
     auth_token: str = ""
     #: CURVE settings for a daemon that uses CURVE (docs/security.md)
     curve: CurveClient | None = None
+    #: CUDA: staged copies address the page-locked arena from indexed kernels (docs/worker.md)
+    host_kernels: bool = True
 
 
 @dataclass(slots=True)
@@ -118,7 +120,8 @@ class ModelWorker:
         )
         kv = self.kvserver
         config = WorkerConnectorConfig(
-            kv.address, spec, rank=self.rank, auth_token=kv.auth_token, curve=kv.curve
+            kv.address, spec, rank=self.rank, auth_token=kv.auth_token, curve=kv.curve,
+            host_kernels=kv.host_kernels,
         )
         conn = KVServerWorkerConnector(config)
         try:

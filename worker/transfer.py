@@ -37,7 +37,13 @@ from typing import Any
 
 import torch
 
-from worker.staging import STAGING_BYTES, StagedPart, StagingBuffer, run_staged
+from worker.staging import (
+    HOST_KERNEL_MAX_PIECE,
+    STAGING_BYTES,
+    StagedPart,
+    StagingBuffer,
+    run_staged,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +136,20 @@ class EngineStats:
 class TransferEngine(ABC):
     """Ordered per-direction transfers; see the module docstring for the guarantees."""
 
-    def __init__(self, *, staging_bytes: int = STAGING_BYTES, host_kernels: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        staging_bytes: int = STAGING_BYTES,
+        host_kernels: bool = False,
+        host_kernel_max_piece: int = HOST_KERNEL_MAX_PIECE,
+    ) -> None:
         """``host_kernels``: staged batches move their host side with one indexed kernel
         (worker/staging.py ``_host_kernel``) where :meth:`_host_view` can show the host memory
-        to the device, instead of one copy per extent piece."""
+        to the device and the batch's extent pieces average at most ``host_kernel_max_piece``
+        bytes, instead of one copy per extent piece."""
         self.stats = EngineStats()
         self.host_kernels = host_kernels
+        self.host_kernel_max_piece = host_kernel_max_piece
         #: one staging buffer per direction (used by that direction's thread only).
         self._staging = {d: StagingBuffer(staging_bytes) for d in Direction}
         self._executors = {
@@ -248,7 +262,8 @@ class TransferEngine(ABC):
         if isinstance(run[0], StagedPart):
             parts = [c for c in run if isinstance(c, StagedPart)]
             view = self._host_view if self.host_kernels else None
-            run_staged(parts, self._staging[direction], self._copy_batch, view)
+            run_staged(parts, self._staging[direction], self._copy_batch, view,
+                       self.host_kernel_max_piece)  # fmt: skip
         else:
             self._copy_batch(run)
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from worker.staging import STAGING_BYTES
+from worker.staging import HOST_KERNEL_MAX_PIECE, STAGING_BYTES
 from worker.transfer import Direction, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class CudaTransferEngine(TransferEngine):
         streams_per_direction: int = STREAMS_PER_DIRECTION,
         staging_bytes: int = STAGING_BYTES,
         host_kernels: bool = False,
+        host_kernel_max_piece: int = HOST_KERNEL_MAX_PIECE,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaTransferEngine needs CUDA")
@@ -93,7 +94,11 @@ class CudaTransferEngine(TransferEngine):
         self._last_end: dict[Direction, torch.cuda.Event | None] = dict.fromkeys(Direction)
         #: host_view has logged that it cannot make device views (once).
         self._no_views = False
-        super().__init__(staging_bytes=staging_bytes, host_kernels=host_kernels)
+        super().__init__(
+            staging_bytes=staging_bytes,
+            host_kernels=host_kernels,
+            host_kernel_max_piece=host_kernel_max_piece,
+        )
 
     def _on_submit(self, transfer: Transfer) -> Any:
         ready = _cuda.Event()

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import torch
 
+from worker.staging import HOST_KERNEL_MAX_PIECE
 from worker.transfer import CpuTransferEngine, TransferEngine
 
 
-def make_engine(device: torch.device, *, host_kernels: bool = False) -> TransferEngine:
+def make_engine(
+    device: torch.device,
+    *,
+    host_kernels: bool = False,
+    host_kernel_max_piece: int = HOST_KERNEL_MAX_PIECE,
+) -> TransferEngine:
     """The engine for KV caches on ``device``: CUDA streams for a CUDA device, else threads.
-    ``host_kernels``: see :class:`~worker.transfer.TransferEngine` (CUDA only here: the CPU
-    engine's default strided copies need no staging)."""
+    ``host_kernels``, ``host_kernel_max_piece``: see :class:`~worker.transfer.TransferEngine`
+    (CUDA only here: the CPU engine's default strided copies need no staging)."""
     if device.type == "cuda":
         from worker.transfer_cuda import CudaTransferEngine
 
-        return CudaTransferEngine(device, host_kernels=host_kernels)
+        return CudaTransferEngine(
+            device, host_kernels=host_kernels, host_kernel_max_piece=host_kernel_max_piece
+        )
     return CpuTransferEngine()

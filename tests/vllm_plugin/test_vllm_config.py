@@ -204,7 +204,7 @@ def test_a_token_file_reaches_both_halves(model_dir: Path, tmp_path: Path) -> No
 
 
 def test_host_kernels_reach_every_worker_rank(model_dir: Path) -> None:
-    """``host_kernels`` (docs/worker.md, "Copies") is off unless asked for, for every rank."""
-    assert load(model_dir).worker(0).host_kernels is False
-    cfg = load(model_dir, host_kernels=True)
-    assert cfg.worker(0).host_kernels is True and cfg.host_kernels is True
+    """``host_kernels`` (docs/worker.md, "Copies") is on unless turned off, for every rank."""
+    assert load(model_dir).worker(0).host_kernels is True
+    cfg = load(model_dir, host_kernels=False)
+    assert cfg.worker(0).host_kernels is False and cfg.host_kernels is False

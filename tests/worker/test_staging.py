@@ -95,6 +95,9 @@ def test_host_kernels_run_one_kernel_per_batch_in_rows_of_the_common_size() -> N
     assert _host_kernel(spans, buf, 24, lambda h: None, 16, False) is None
     other = torch.arange(64, dtype=torch.uint8)
     assert _host_kernel([spans[0], (other, 0, 8, 16)], buf, 24, lambda h: h, 16, False) is None
+    # large pieces (mean above max_piece) go as one DMA each: 12 bytes mean here
+    assert _host_kernel(spans, buf, 24, lambda h: h, 16, False, max_piece=12) is not None
+    assert _host_kernel(spans, buf, 24, lambda h: h, 16, False, max_piece=11) is None
 
 
 def part(ids: list[int], is_load: bool, groups: tuple[object, ...] = (), bb: int = 10,
