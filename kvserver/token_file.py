@@ -13,6 +13,16 @@ connects to a loopback address without a token of its own reads the file of that
 (:class:`TokenFile`); another user cannot read it, so cannot use the server. A token is never
 looked up for a non-loopback address (it would be sent to another host).
 
+Files of killed servers: a server holds a shared ``flock`` on each file it wrote for as long
+as it runs (:class:`TokenFiles`); the kernel drops it when the process dies, however it dies.
+At start the daemon and the scheduler remove the files of their kind (``port-<port>.token``
+and their half-written ``.tmp<pid>`` twins, this user's, in this directory) that no process
+holds that lock on and whose port nothing on this host listens on
+(:func:`reap_stale_token_files`). A lock rather than a pid: the file is named by its port
+(that is how clients find it), and a held lock is the one test that a reused pid or another pid
+namespace sharing ``/dev/shm`` cannot fool; the port test keeps the file of a running server
+that predates the lock.
+
 A token can also live in a file of its own (``--auth-token-file``, a deployment's shared
 secret, made by ``kvserver keys token``): :func:`read_token_file` reads it and refuses one that
 other users may read; :func:`make_token_file` makes one.
@@ -21,6 +31,7 @@ other users may read; :func:`make_token_file` makes one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
@@ -71,27 +82,126 @@ def _private_dir(path: str) -> None:
         )
 
 
-def write_token_files(token: str, ports: Iterable[int], shm_dir: str | None = None) -> list[str]:
-    """Write ``token`` for each port (0600, atomically); returns the paths. Raises
-    KVServerError when the directory is not private to this user, OSError when unwritable."""
+class TokenFiles:
+    """The token files one server wrote for its TCP ports (:func:`write_token_files`), each
+    held under a shared ``flock`` until :meth:`close`, which removes them (idempotent). Owned
+    by the server's start-up/shutdown code; not thread-safe."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self._fds: list[int] = []
+
+    def _write(self, token: str, path: str) -> None:
+        tmp = f"{path}.tmp{os.getpid()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
+        self._fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # before the name is visible: never reaped meanwhile
+            os.write(fd, token.encode())
+            os.replace(tmp, path)
+        except BaseException:
+            remove_token_files([tmp])
+            raise
+        self.paths.append(path)
+
+    def close(self) -> None:
+        remove_token_files(self.paths)
+        for fd in self._fds:
+            os.close(fd)
+        self.paths, self._fds = [], []
+
+
+def write_token_files(token: str, ports: Iterable[int], shm_dir: str | None = None) -> TokenFiles:
+    """Write ``token`` for each port (0600, atomically), each file locked while the returned
+    :class:`TokenFiles` is open (close it at shutdown: that removes them). Raises KVServerError
+    when the directory is not private to this user, OSError when unwritable (nothing is left
+    written then)."""
     directory = token_dir(shm_dir)
     _private_dir(directory)
-    paths = []
-    for port in ports:
-        path = token_path(port, shm_dir)
-        tmp = f"{path}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths
+    files = TokenFiles()
+    try:
+        for port in ports:
+            files._write(token, token_path(port, shm_dir))
+    except BaseException:
+        files.close()
+        raise
+    return files
 
 
 def remove_token_files(paths: Iterable[str]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+_TOKEN_NAME = re.compile(r"^port-(?P<port>\d{1,5})\.token(?:\.tmp\d+)?$")
+
+
+def reap_stale_token_files(shm_dir: str | None = None) -> list[str]:
+    """Remove this user's token files in :func:`token_dir` left by servers that died without
+    cleaning up (SIGKILL, OOM): only names of this module's kind, only files no live process
+    holds the lock of (:class:`TokenFiles`) and whose port no socket on this host listens on
+    (read from ``/proc/net``; when it cannot be read, nothing is removed). Returns the removed
+    paths. Safe beside running servers: a server locks its file before it is visible, and binds
+    its port before it writes it."""
+    directory = token_dir(shm_dir)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    candidates = [(name, m["port"]) for name in names if (m := _TOKEN_NAME.match(name))]
+    if not candidates:
+        return []
+    listening = _listening_ports()
+    if listening is None:
+        return []
+    removed: list[str] = []
+    uid = os.getuid()
+    for name, port in candidates:
+        if int(port) in listening:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its server is running
+            if os.lstat(path).st_ino != st.st_ino:
+                continue  # replaced meanwhile by a new server of that port
+            os.unlink(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        removed.append(path)
+    return removed
+
+
+def _listening_ports() -> set[int] | None:
+    """The TCP ports a socket listens on in this network namespace (``/proc/net/tcp``,
+    ``tcp6``); None when neither can be read."""
+    ports: set[int] = set()
+    read_any = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                lines = fh.readlines()[1:]
+        except OSError:
+            continue
+        read_any = True
+        for line in lines:
+            fields = line.split(None, 4)
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports if read_any else None
 
 
 def _port_of(address: str) -> int | None:

@@ -45,6 +45,8 @@ from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
 from kvserver.token_file import (
+    TokenFiles,
+    reap_stale_token_files,
     remove_token_files,
     server_token,
     token_path,
@@ -293,8 +295,12 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
     core: EngineCore | None = None
     loop_task: asyncio.Task[None] | None = None
     metrics_server = None
-    token_files: list[str] = []
+    token_files: TokenFiles | None = None
     token = server_token(config.engine_auth_token, config.engine_no_auth)
+    stale_tokens = reap_stale_token_files()
+    if stale_tokens:
+        logger.info("removed %d token files left by servers that are no longer running",
+                    len(stale_tokens))  # fmt: skip
     try:
         addresses = list(config.workers)
         if config.synthetic_workers:
@@ -318,8 +324,8 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         if token:  # the front door's token for this user's clients (docs/security.md)
             token_files = write_token_files(token, {port})
             service.token_hint = (
-                f"clients of its user on this host read {token_files[0]}; others present the "
-                "token it was given, --engine-auth-token-file (docs/security.md)"
+                f"clients of its user on this host read {token_files.paths[0]}; others present "
+                "the token it was given, --engine-auth-token-file (docs/security.md)"
             )
         else:  # a file left for this port by a SIGKILLed scheduler is stale now
             remove_token_files([token_path(port)])
@@ -370,7 +376,8 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
                 with contextlib.suppress(KVServerError):
                     close()
             scheduler.close()
-        remove_token_files(token_files)
+        if token_files is not None:
+            token_files.close()
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)

@@ -39,6 +39,7 @@ from kvserver.daemon.refusals import HandshakeCounts
 from kvserver.daemon.zap import ZAP_ENDPOINT, HandshakeGate
 from kvserver.token_file import (
     TokenFile,
+    TokenFiles,
     remove_token_files,
     server_token,
     token_path,
@@ -72,7 +73,7 @@ class StepGate:
         self.socket: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         self.socket.linger = 0
         self.socket.bind(ZAP_ENDPOINT)
-        self._files: list[str] = []
+        self._files: TokenFiles | None = None
 
     @classmethod
     def for_worker(
@@ -111,8 +112,9 @@ class StepGate:
     def close(self) -> None:
         """Close the handler's socket and remove the token file."""
         self.socket.close(0)
-        remove_token_files(self._files)
-        self._files = []
+        if self._files is not None:
+            self._files.close()
+            self._files = None
 
 
 def unpublish_stale(endpoint: str) -> None:

@@ -1,4 +1,5 @@
 """Suite-wide set-up: the ``kvserver.commands`` entry points (tests/support/entry_points.py),
+the session's own shared-memory directory for arenas and token files (tests/support/shm.py),
 and the real redis-server fixtures (tests/support/redis.py) of the fleet tests."""
 
 from __future__ import annotations
@@ -10,8 +11,23 @@ import pytest
 
 from tests.support.entry_points import declare_commands
 from tests.support.redis import FLEET_SERVERS, RedisServer, require_redis, server_binary
+from tests.support.shm import SessionDir
 
 declare_commands()
+
+_session_dir: SessionDir | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _session_dir
+    _session_dir = SessionDir()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _session_dir
+    if _session_dir is not None:
+        _session_dir.close()
+        _session_dir = None
 
 
 @pytest.fixture

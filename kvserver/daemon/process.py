@@ -64,8 +64,11 @@ from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
 from kvserver.token_file import (
+    TokenFiles,
+    reap_stale_token_files,
     remove_token_files,
     server_token,
+    token_dir,
     token_path,
     write_token_files,
 )
@@ -100,9 +103,13 @@ async def serve(
                 "give it to trusted consumers only (curve_clients_dir) or disable it "
                 "(pub_port = -1)"
             )
-    token_files: list[str] = []
+    token_files: TokenFiles | None = None
     for path in reap_stale_arenas(config.shm_dir):
         logger.warning("removed arena %s left by a daemon that is no longer running", path)
+    stale_tokens = reap_stale_token_files(config.shm_dir)
+    if stale_tokens:
+        logger.info("removed %d token files left by servers that are no longer running in %s",
+                    len(stale_tokens), token_dir(config.shm_dir))  # fmt: skip
     engine_config = config.engine_config()
     logger.info(
         "pre-faulting the DRAM arena: %d MiB in %s (the tier's memory is committed now)",
@@ -212,7 +219,8 @@ async def serve(
                 await reaper
         await service.close_tiers()
         service.close()
-        remove_token_files(token_files)
+        if token_files is not None:
+            token_files.close()
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)

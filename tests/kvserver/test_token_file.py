@@ -5,10 +5,13 @@ token picked up when the file is replaced. Token files of one's own (``--auth-to
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import stat
 import subprocess
 import sys
 from argparse import Namespace
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,20 +23,22 @@ from kvserver.token_file import (
     client_auth_token,
     make_token_file,
     read_token_file,
-    remove_token_files,
+    reap_stale_token_files,
     token_dir,
+    token_path,
     write_token_files,
 )
 
 
 def test_written_private_and_read_by_port(tmp_path: Path) -> None:
-    paths = write_token_files("t0k3n", [9471, 9470], str(tmp_path))
+    files = write_token_files("t0k3n", [9471, 9470], str(tmp_path))
     assert stat.S_IMODE(os.stat(token_dir(str(tmp_path))).st_mode) == 0o700
-    for path in paths:
+    for path in files.paths:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     for address in ("tcp://127.0.0.1:9471", "127.0.0.1:9470", "localhost:9470", "[::1]:9471"):
         assert TokenFile(address, str(tmp_path)).token() == "t0k3n"
-    remove_token_files(paths)
+    files.close()
+    assert os.listdir(token_dir(str(tmp_path))) == []
     assert TokenFile("127.0.0.1:9470", str(tmp_path)).token() == ""
 
 
@@ -62,6 +67,74 @@ def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:
     directory.chmod(0o777)
     with pytest.raises(KVServerError, match="not a private directory"):
         write_token_files("t0k3n", [9471], str(tmp_path))
+
+
+# ------------------------------------------------------------------ files of killed servers
+
+
+@pytest.fixture
+def unused_port() -> Iterator[int]:
+    """A loopback port bound (so no one else takes it) but listened on by no one."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])
+
+
+def write_and_die(shm_dir: Path, port: int) -> str:
+    """The token file a real server process wrote for ``port`` before it was SIGKILLed."""
+    code = (
+        "import sys; from kvserver.token_file import write_token_files\n"
+        f"files = write_token_files('t0k3n-of-a-dead-one', [{port}], {str(shm_dir)!r})\n"
+        "print(files.paths[0], flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        path = proc.stdout.readline().strip()
+        proc.send_signal(signal.SIGKILL)
+    assert os.path.exists(path)
+    return path
+
+
+def test_the_file_of_a_killed_server_is_reaped(tmp_path: Path, unused_port: int) -> None:
+    """A server SIGKILLed leaves its file; the next start removes it, and only it."""
+    path = write_and_die(tmp_path, unused_port)
+    others = [Path(token_dir(str(tmp_path))) / name for name in ("notes", "port-x.token")]
+    for other in others:
+        other.write_text("kept")
+    assert reap_stale_token_files(str(tmp_path)) == [path]
+    assert not os.path.exists(path)
+    assert all(other.exists() for other in others)
+
+
+def test_the_file_of_a_running_server_is_kept(tmp_path: Path, unused_port: int) -> None:
+    """Its writer holds the lock while it runs (even when its port looks free)."""
+    files = write_token_files("t0k3n", [unused_port], str(tmp_path))
+    assert reap_stale_token_files(str(tmp_path)) == []
+    assert TokenFile(f"127.0.0.1:{unused_port}", str(tmp_path)).token() == "t0k3n"
+    files.close()
+
+
+def test_an_unlocked_file_of_a_listening_port_is_kept(tmp_path: Path) -> None:
+    """A server that predates the lock still owns the file of the port it listens on."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    path = Path(token_dir(str(tmp_path))) / f"port-{port}.token"
+    path.parent.mkdir(mode=0o700)
+    path.write_text("t0k3n")  # as written before the lock: nobody holds one
+    try:
+        assert reap_stale_token_files(str(tmp_path)) == []
+    finally:
+        listener.close()
+    assert reap_stale_token_files(str(tmp_path)) == [token_path(port, str(tmp_path))]
+    assert not path.exists()
+
+
+def test_the_tests_run_in_a_shm_dir_of_their_own() -> None:
+    """tests/support/shm.py: what the session's processes leave goes with its directory."""
+    session = os.environ["KVSERVER_SHM_DIR"]
+    assert os.path.basename(session).startswith(f"kvserver-tests-{os.getpid()}-")
+    assert os.path.isdir(session) and token_dir().startswith(session)
 
 
 # ----------------------------------------------------------------------------- token files

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -17,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvserver import wire
 from kvserver.client import KVClient
 from kvserver.grpc_client import GrpcClient
-from kvserver.token_file import token_path
+from kvserver.token_file import SHM_DIR_ENV, token_dir, token_path
 from tests.kvserver.builders import make_keys, make_spec
-from tests.support.daemon import raw_dealer, start_daemon, wait_until
+from tests.support.daemon import DaemonProc, raw_dealer, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -107,3 +108,28 @@ def test_no_auth_removes_a_token_file_left_for_its_port(tmp_path: Path) -> None:
         assert raw_request(d.zmq_address, wire.encode_request(3, wire.NAMESPACES, {})).ok
     finally:
         assert d.terminate() == 0
+
+
+def test_a_daemon_removes_the_token_files_of_killed_daemons_at_start(tmp_path: Path) -> None:
+    """A daemon SIGKILLed leaves its token files (and arena); the next daemon to start in
+    that directory removes them, and its own when it exits cleanly."""
+    shm = tempfile.mkdtemp(dir=os.environ[SHM_DIR_ENV])  # no other test's daemons in it
+    env = {SHM_DIR_ENV: shm}
+
+    def files_of(d: DaemonProc) -> set[str]:
+        ports = (d.info["zmq_port"], d.info["grpc_port"], d.info["peer_stream_port"])
+        return {os.path.basename(token_path(port, shm)) for port in ports}
+
+    killed = start_daemon(tmp_path / "killed", env=env)
+    killed.kill()
+    assert set(os.listdir(token_dir(shm))) == files_of(killed) and len(files_of(killed)) == 3
+
+    d = start_daemon(tmp_path / "next", env=env)
+    try:
+        assert set(os.listdir(token_dir(shm))) == files_of(d)
+        arena = os.path.basename(d.arena_path)  # the killed ones' arenas are gone too
+        tokens = os.path.basename(token_dir(shm))
+        assert set(os.listdir(shm)) == {tokens, arena, f"{arena}.sock"}
+    finally:
+        assert d.terminate() == 0
+    assert os.listdir(token_dir(shm)) == []
