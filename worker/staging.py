@@ -304,10 +304,9 @@ def _host_kernel(
     r = total
     for _, h, s, length in spans:
         r = math.gcd(r, h, s, length)
-    starts = torch.tensor([h // r for _, h, _, _ in spans], dtype=torch.int64)
-    counts = torch.tensor([length // r for _, _, _, length in spans], dtype=torch.int64)
-    firsts = torch.cumsum(counts, 0) - counts  # staging row of each piece's first row
-    dst = torch.repeat_interleave(starts - firsts, counts) + torch.arange(total // r)
+    # the pieces fill the staging rows in order: staging row i is host row dst[i]
+    rows = [row for _, h, _, length in spans for row in range(h // r, (h + length) // r)]
+    dst = torch.tensor(rows, dtype=torch.int64)
     if buf.device.type != "cpu":
         dst = dst.pin_memory().to(buf.device, non_blocking=True)
     usable = (view.numel() // r) * r

@@ -94,6 +94,8 @@ class CudaTransferEngine(TransferEngine):
         self._last_end: dict[Direction, torch.cuda.Event | None] = dict.fromkeys(Direction)
         #: host_view has logged that it cannot make device views (once).
         self._no_views = False
+        #: device views made by host_view, by (address, bytes): one per mapping, not per batch
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
         super().__init__(
             staging_bytes=staging_bytes,
             host_kernels=host_kernels,
@@ -133,8 +135,15 @@ class CudaTransferEngine(TransferEngine):
         mapping such as the arena) as a CUDA tensor over the same bytes; None otherwise."""
         if self._no_views or host.device.type != "cpu" or not host.is_pinned():
             return None
+        key = (host.data_ptr(), host.numel())
+        view = self._views.get(key)
+        if view is not None:
+            return view
+        if len(self._views) >= 64:  # mappings come and go: keep the recent ones only
+            self._views.clear()
         try:
-            return device_view(host.data_ptr(), host.numel(), self.device)
+            view = self._views[key] = device_view(key[0], key[1], self.device)
+            return view
         except Exception as exc:  # any failure: one copy per piece instead
             logger.warning("no device view of host memory (%s): copying per extent", exc)
             self._no_views = True
