@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from tests.support.entry_points import declare_commands
-from tests.support.redis import FLEET_SERVERS, RedisServer, require_redis, server_binary
+from tests.support.redis import (
+    FLEET_CLIENTS,
+    FLEET_SERVERS,
+    RedisServer,
+    client_url,
+    require_client,
+    require_redis,
+    server_binary,
+)
 from tests.support.shm import SessionDir
 
 declare_commands()
@@ -49,6 +57,21 @@ def fleet_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Red
     assert (request.param == "valkey") == ("valkey_version" in server.cli("INFO", "server"))
     yield server
     server.stop()
+
+
+@pytest.fixture(params=FLEET_CLIENTS, ids=[f"{c}-py" for c in FLEET_CLIENTS])
+def fleet_client(request: pytest.FixtureRequest) -> str:
+    """The client library the fleet state is reached through, once per kind: ``redis``
+    (redis-py, ``redis://``) then ``valkey`` (``valkey://``); each skips where not installed."""
+    client: str = request.param
+    require_client(client)
+    return client
+
+
+@pytest.fixture
+def fleet_url(fleet_server: RedisServer, fleet_client: str) -> str:
+    """``fleet_server``'s URL through ``fleet_client``: every pairing of server and client."""
+    return client_url(fleet_server.url, fleet_client)
 
 
 @pytest.fixture(scope="module")

@@ -117,9 +117,14 @@ class RedisCluster:
 
     @classmethod
     def start(
-        cls, directory: Path, nodes: int = 3, tls: tuple[str, str] | None = None
+        cls,
+        directory: Path,
+        nodes: int = 3,
+        tls: tuple[str, str] | None = None,
+        binary: str = "redis-server",
     ) -> RedisCluster:
-        """``tls``: (certificate, key): every node serves TLS only, the bus too."""
+        """``tls``: (certificate, key): every node serves TLS only, the bus too. ``binary``:
+        the server program (a ``valkey-server``: the same flags, the same cluster protocol)."""
         cluster = cls()
         try:
             for i in range(nodes):
@@ -133,7 +138,9 @@ class RedisCluster:
                 if tls is not None:
                     flags += ["--tls-cluster", "yes"]
                 cluster.servers.append(
-                    RedisServer.start(d, *flags, "--cluster-node-timeout", "2000", tls=tls)
+                    RedisServer.start(
+                        d, *flags, "--cluster-node-timeout", "2000", tls=tls, binary=binary
+                    )
                 )
             cli_tls = ["--tls", "--cacert", tls[0]] if tls is not None else []
             subprocess.run(

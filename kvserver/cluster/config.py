@@ -1,8 +1,8 @@
 """Cluster settings and the Redis / Valkey connection.
 
 ``ClusterConfig.parse(url, ...)`` validates everything up front (a bad URL is an
-``InvalidArgument`` at start-up, not a failure later); ``connect()`` builds the redis-py
-asyncio client, which connects lazily (so a daemon starts while Redis is down).
+``InvalidArgument`` at start-up, not a failure later); ``connect()`` builds the asyncio
+client, which connects lazily (so a daemon starts while Redis is down).
 
 URLs:
 
@@ -11,6 +11,14 @@ URLs:
   ``ssl_keyfile``, ``ssl_cert_reqs=none|optional|required``);
 - ``redis+cluster://[USER:PASSWORD@]H1:P1,H2:P2,...`` (and ``rediss+cluster://``): a Redis
   Cluster; the listed nodes are seeds, the client discovers the others (DB must be 0).
+- ``valkey://``, ``valkeys://``, ``valkey+cluster://``, ``valkeys+cluster://``: the same
+  forms, through the ``valkey`` client instead of ``redis-py``.
+
+The scheme picks the client library, never the server: both speak one protocol to Redis and
+Valkey alike. ``redis*`` → ``redis-py`` (extra ``cluster``), ``valkey*`` → ``valkey``
+(extra ``valkey``); only the named one is imported, and a missing one is an
+``InvalidArgument`` at start-up naming its extra (no silent fall-back to the other: a
+deployment that installs only one of them gets exactly that one).
 
 Every Redis call is bounded by ``timeout_s`` (socket connect and read timeouts).
 """
@@ -24,7 +32,14 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from kvserver.cluster.schema import TIERS
 from kvserver.errors import InvalidArgument
 
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+#: the client libraries, by URL scheme prefix (module docstring)
+CLIENTS = ("redis", "valkey")
+SCHEMES = tuple(
+    f"{client}{tls}{cluster}"
+    for client in CLIENTS
+    for tls in ("", "s")
+    for cluster in ("", "+cluster")
+)
 DEFAULT_TTL_S = 10.0
 DEFAULT_TIMEOUT_S = 1.0
 #: score weight per tier (a token in DRAM counts 1, on SSD 0.5); overridable per request.
@@ -104,20 +119,25 @@ class RedisTarget:
     cluster: bool
     tls: bool
     db: int = 0
+    #: the client library (``CLIENTS``): ``redis`` (redis-py) or ``valkey``
+    client: str = "redis"
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     tls_options: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         """The URL without credentials (for logs and status)."""
-        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        scheme = self.client + ("s" if self.tls else "") + ("+cluster" if self.cluster else "")
         hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
         return f"{scheme}://{hosts}" + ("" if self.cluster else f"/{self.db}")
 
 
 def parse_url(url: str) -> RedisTarget:
     """Validate and split a cluster URL (module docstring); InvalidArgument names the forms."""
-    forms = "redis://HOST:PORT/DB, rediss://..., redis+cluster://H1:P1,H2:P2"
+    forms = (
+        "redis://HOST:PORT/DB, rediss://..., redis+cluster://H1:P1,H2:P2 "
+        "(valkey://, valkeys://, valkey+cluster://: the same through the valkey client)"
+    )
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -125,7 +145,9 @@ def parse_url(url: str) -> RedisTarget:
     if parts.scheme not in SCHEMES:
         raise InvalidArgument(f"bad cluster URL scheme; forms: {forms}", url=url)
     cluster = parts.scheme.endswith("+cluster")
-    tls = parts.scheme.startswith("rediss")
+    base = parts.scheme.removesuffix("+cluster")
+    client = next(c for c in CLIENTS if base in (c, c + "s"))
+    tls = base == client + "s"
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username = password = None
     if userinfo:
@@ -156,25 +178,18 @@ def parse_url(url: str) -> RedisTarget:
     unknown = set(query) - set(_TLS_PARAMS)
     if unknown or (query and not tls):
         raise InvalidArgument(
-            f"cluster URL parameters allowed (rediss only): {', '.join(_TLS_PARAMS)}", url=url
+            f"cluster URL parameters allowed (rediss/valkeys only): {', '.join(_TLS_PARAMS)}",
+            url=url,
         )
-    return RedisTarget(tuple(nodes), cluster, tls, db, username, password, query)
+    return RedisTarget(tuple(nodes), cluster, tls, db, client, username, password, query)
 
 
 def connect(config: ClusterConfig) -> Any:
-    """A redis-py asyncio client (``Redis`` or ``RedisCluster``) for ``config``; connects
+    """The asyncio client of the URL's library (``redis-py`` or ``valkey``: ``Redis`` /
+    ``RedisCluster`` or ``Valkey`` / ``ValkeyCluster``, one API) for ``config``; connects
     lazily, every call bounded by ``config.timeout_s``."""
-    try:
-        import redis.asyncio as aioredis
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-    except ImportError:
-        raise InvalidArgument(
-            "--cluster needs the redis package: pip install 'kvserver[cluster]'"
-        ) from None
-
     t = config.target()
+    lib = _client_library(t.client)
     common: dict[str, Any] = {
         "username": t.username,
         "password": t.password,
@@ -183,16 +198,75 @@ def connect(config: ClusterConfig) -> Any:
         "decode_responses": False,
         # one immediate retry (a pooled connection found closed after a Redis restart); every
         # call stays bounded by the caller's timeout.
-        "retry": Retry(NoBackoff(), 1),
+        "retry": lib.retry(lib.no_backoff(), 1),
+        **lib.options,
     }
     if t.tls:
         common["ssl"] = True
         common.update({k: v for k, v in t.tls_options.items()})
     if t.cluster:
-        return RedisCluster(
-            startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
+        return lib.cluster(
+            startup_nodes=[lib.cluster_node(h, p) for h, p in t.nodes],
             require_full_coverage=False,
             **common,
         )
     host, port = t.nodes[0]
-    return aioredis.Redis(host=host, port=port, db=t.db, **common)
+    return lib.single(host=host, port=port, db=t.db, **common)
+
+
+def client_errors(client: Any) -> tuple[type[BaseException], ...]:
+    """What a call on ``client`` (from :func:`connect`, either library) raises when the
+    server is unreachable or refuses: its library's base error, and ``OSError``."""
+    name = type(client).__module__.partition(".")[0]
+    if name == "valkey":
+        from valkey.exceptions import ValkeyError
+
+        return (ValkeyError, OSError)
+    if name == "redis":
+        from redis.exceptions import RedisError
+
+        return (RedisError, OSError)
+    return (OSError,)
+
+
+@dataclass(frozen=True, slots=True)
+class _Library:
+    single: Any
+    cluster: Any
+    cluster_node: Any
+    retry: Any
+    no_backoff: Any
+    #: more client options, the same for both (below)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _client_library(client: str) -> _Library:
+    """The classes of ``client``'s asyncio API, imported only now (a standalone daemon never
+    imports either library); InvalidArgument naming the extra when it is not installed."""
+    try:
+        if client == "valkey":
+            import valkey.asyncio as aiovalkey
+            from valkey.asyncio.cluster import ClusterNode as VClusterNode
+            from valkey.asyncio.cluster import ValkeyCluster
+            from valkey.asyncio.retry import Retry as VRetry
+            from valkey.backoff import NoBackoff as VNoBackoff
+            from valkey.exceptions import ConnectionError as VConnectionError
+
+            # valkey (forked from redis-py 5) retries only the errors named here; redis-py 6+
+            # retries a connection error by default. Named, a pooled connection the server
+            # closed (it restarted) is retried once on both, not failed.
+            retry_on = {"retry_on_error": [VConnectionError]}
+            return _Library(
+                aiovalkey.Valkey, ValkeyCluster, VClusterNode, VRetry, VNoBackoff, retry_on
+            )
+        import redis.asyncio as aioredis
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        return _Library(aioredis.Redis, RedisCluster, ClusterNode, Retry, NoBackoff)
+    except ImportError:
+        extra, scheme = ("valkey", "valkey://") if client == "valkey" else ("cluster", "redis://")
+        raise InvalidArgument(
+            f"--cluster {scheme} needs the {client} package: pip install 'kvserver[{extra}]'"
+        ) from None

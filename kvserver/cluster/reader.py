@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvserver.cluster import schema
-from kvserver.cluster.config import ClusterConfig
+from kvserver.cluster.config import ClusterConfig, client_errors
 from kvserver.cluster.schema import HostInfo
 from kvserver.cluster.scoring import HostRun
 from kvserver.errors import Unavailable
@@ -105,6 +105,8 @@ class FleetReader:
         self._hosts_at = -1e9
         #: a Redis Cluster (one script per host) or one server (one script for all hosts)
         self._per_host = config.target().cluster
+        #: what the client raises when the server is unreachable (either library)
+        self._errors = client_errors(redis)
 
     async def hosts(
         self, *, refresh: bool = False, timeout_s: float | None = None
@@ -193,13 +195,5 @@ class FleetReader:
             return await asyncio.wait_for(call, timeout_s or self.config.timeout_s)
         except TimeoutError:
             raise Unavailable("fleet index: Redis did not answer in time") from None
-        except Exception as exc:
-            if _is_redis_error(exc):
-                raise Unavailable(f"fleet index: {type(exc).__name__}: {exc}") from None
-            raise
-
-
-def _is_redis_error(exc: BaseException) -> bool:
-    from redis.exceptions import RedisError
-
-    return isinstance(exc, RedisError | OSError)
+        except self._errors as exc:
+            raise Unavailable(f"fleet index: {type(exc).__name__}: {exc}") from None

@@ -67,7 +67,8 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "without glibc)")
     p.add_argument("--cluster", metavar="URL",
                    help="join a fleet on Redis/Valkey: redis://HOST:PORT/DB, rediss://..., "
-                        "redis+cluster://H1:P1,H2:P2 (docs/cluster.md; default: standalone)")
+                        "redis+cluster://H1:P1,H2:P2; valkey://... the same through the valkey "
+                        "client (docs/cluster.md; default: standalone)")
     p.add_argument("--advertise-addr", metavar="HOST",
                    help="address peers and routers reach this daemon at (default: --host)")
     p.add_argument("--host-id", help="this daemon's name in the fleet (default: hostname/boot id)")

@@ -127,7 +127,8 @@ class DaemonConfig:
     #: promotions (SSD → DRAM batches) reading at once; more wait their turn.
     ssd_promotions: int = 4
     #: fleet state on Redis / Valkey (docs/cluster.md): redis://HOST:PORT/DB, rediss://...,
-    #: redis+cluster://H1:P1,H2:P2; "" = this daemon is not part of a fleet.
+    #: redis+cluster://H1:P1,H2:P2, valkey://... (the valkey client); "" = this daemon is not
+    #: part of a fleet.
     cluster: str = ""
     #: address peers and routers reach this daemon at ("" = host, or this host's name when
     #: host is a wildcard address).

@@ -1,6 +1,7 @@
 """The tests' import point for ``benchmarks.harness.redis`` (real redis-server processes and
 a Redis Cluster on loopback), plus :func:`require_redis` and :func:`server_binary` (Redis or
-Valkey, for the fleet tests that run against both)."""
+Valkey, for the fleet tests that run against both) and :func:`client_url` (the same server
+through the ``redis-py`` or the ``valkey`` client: the URL scheme picks it)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ def require_redis() -> None:
 
 #: the fleet-state servers the fleet tests run against (``fleet_server`` in tests/conftest.py)
 FLEET_SERVERS = ("redis", "valkey")
+#: the client libraries the fleet reaches them through (``fleet_client``), by URL scheme prefix
+FLEET_CLIENTS = ("redis", "valkey")
+
+
+def client_url(url: str, client: str) -> str:
+    """``url`` (a ``redis*://`` URL of :class:`RedisServer` / :class:`RedisCluster`) through
+    ``client``'s library: ``valkey`` turns ``rediss+cluster://`` into ``valkeys+cluster://``."""
+    assert url.startswith("redis") and client in FLEET_CLIENTS
+    return client + url.removeprefix("redis")
+
+
+def require_client(client: str) -> None:
+    """Skip (saying why) where ``client``'s library is not installed (dev extra: both)."""
+    pytest.importorskip(client, reason=f"the {client} client is not installed (dev extra)")
 
 
 def server_binary(kind: str) -> str:

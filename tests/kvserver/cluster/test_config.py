@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvserver.cluster.config import ClusterConfig, parse_url, parse_weights
+from kvserver.cluster.config import (
+    ClusterConfig,
+    client_errors,
+    connect,
+    parse_url,
+    parse_weights,
+)
 from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import InvalidArgument
+from tests.support.redis import require_client
 
 
 @pytest.mark.parametrize(
@@ -17,6 +24,10 @@ from kvserver.errors import InvalidArgument
         ("rediss://u:p@r:6390/0?ssl_ca_certs=/ca.pem", (("r", 6390),), False, True, 0),
         ("redis+cluster://a:1,b:2,c:3", (("a", 1), ("b", 2), ("c", 3)), True, False, 0),
         ("rediss+cluster://a:1", (("a", 1),), True, True, 0),
+        ("valkey://10.0.0.1:6380/2", (("10.0.0.1", 6380),), False, False, 2),
+        ("valkeys://u:p@r:6390/0?ssl_ca_certs=/ca.pem", (("r", 6390),), False, True, 0),
+        ("valkey+cluster://a:1,b:2", (("a", 1), ("b", 2)), True, False, 0),
+        ("valkeys+cluster://a:1", (("a", 1),), True, True, 0),
     ],
 )
 def test_every_url_form_parses(
@@ -24,7 +35,30 @@ def test_every_url_form_parses(
 ) -> None:
     t = parse_url(url)
     assert (t.nodes, t.cluster, t.tls, t.db) == (nodes, cluster, tls, db)
+    assert t.client == ("valkey" if url.startswith("valkey") else "redis")
     assert "p@" not in t.describe()
+    assert t.describe().partition("://")[0] == url.partition("://")[0]
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "cls"),
+    [
+        ("redis://r:1/0", "redis", "Redis"),
+        ("redis+cluster://a:1,b:2", "redis", "RedisCluster"),
+        ("valkey://r:1/0", "valkey", "Valkey"),
+        ("valkeys+cluster://a:1", "valkey", "ValkeyCluster"),
+    ],
+)
+async def test_the_scheme_picks_the_client_library(url: str, module: str, cls: str) -> None:
+    """redis* → redis-py, valkey* → valkey (clients connect lazily: no server needed)."""
+    require_client(module)
+    client = connect(ClusterConfig(url))
+    try:
+        assert type(client).__module__.partition(".")[0] == module
+        assert type(client).__name__ == cls
+        assert client_errors(client)[0].__module__ == f"{module}.exceptions"
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.parametrize(
@@ -38,6 +72,10 @@ def test_every_url_form_parses(
         "redis://r:1?ssl_ca_certs=x",
         "rediss://r:1?bogus=1",
         "redis://:0",
+        "valkey://a:1,b:2",
+        "valkey://r:1?ssl_ca_certs=x",
+        "valkeyss://r:1",
+        "valkey+clusters://r:1",
     ],
 )
 def test_bad_urls_are_refused_naming_the_forms(url: str) -> None:

@@ -5,7 +5,7 @@ host at the right tier; a SIGKILLed daemon leaves the fleet within the TTL and i
 expire; a restarted daemon comes back under a new incarnation and its old entries are gone;
 SIGTERM leaves at once; Redis killed and restarted: every daemon keeps serving, reports
 ``unavailable`` in its stats and metrics, then re-registers and resyncs its entries from its
-own tiers.
+own tiers (through redis-py and through the valkey client).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.cluster.builders import eventually
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.metrics import scrape
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, client_url
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,10 +33,11 @@ SPEC = make_spec()
 TTL_S = 2.0
 
 
-def start_host(tmp_path: Path, redis: RedisServer, host_id: str) -> DaemonProc:
+def start_host(tmp_path: Path, redis: RedisServer, host_id: str, url: str = "") -> DaemonProc:
+    """``url``: the fleet URL (default ``redis.url``; a ``valkey://`` one picks that client)."""
     return start_daemon(
         tmp_path / host_id,
-        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", redis.url,
+        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", url or redis.url,
         "--host-id", host_id, "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "0.5",
     )  # fmt: skip
 
@@ -63,8 +64,8 @@ def cluster_stats(d: DaemonProc) -> dict[str, Any]:
         return stats
 
 
-def reader_for(redis: RedisServer) -> FleetReader:
-    config = ClusterConfig(redis.url, timeout_s=0.5, members_max_age_s=0.0)
+def reader_for(redis: RedisServer, url: str = "") -> FleetReader:
+    config = ClusterConfig(url or redis.url, timeout_s=0.5, members_max_age_s=0.0)
     return FleetReader(connect(config), config)
 
 
@@ -125,13 +126,17 @@ async def test_three_hosts_join_and_a_killed_one_leaves_within_the_ttl_and_comes
 
 
 async def test_redis_killed_and_restarted_daemons_serve_then_resync(
-    tmp_path: Path, redis_server: RedisServer, daemons: list[DaemonProc]
+    tmp_path: Path, redis_server: RedisServer, fleet_client: str, daemons: list[DaemonProc]
 ) -> None:
-    daemons.append(start_host(tmp_path, redis_server, "a"))
+    """Through either client (``redis://``, ``valkey://``): each library's own errors must
+    read as ``unavailable``, never stop the daemon."""
+    url = client_url(redis_server.url, fleet_client)
+    daemons.append(start_host(tmp_path, redis_server, "a", url))
     (a,) = daemons
+    assert cluster_stats(a)["url"].startswith(f"{fleet_client}://")
     keys = make_keys(8, tag="resync")
     ns_id = store(a, keys[:4])
-    reader = reader_for(redis_server)
+    reader = reader_for(redis_server, url)
     try:
         await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=5.0)
         condition = "kvserver_cluster_condition"

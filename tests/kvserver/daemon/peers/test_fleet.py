@@ -28,7 +28,7 @@ from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.errors import UnknownKey
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
-from tests.support.redis import RedisServer, require_redis
+from tests.support.redis import RedisServer, client_url, require_client, require_redis
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,10 +38,14 @@ TTL_S = 4.0
 REDIS_TIMEOUT_S = "2"
 
 
-def start_host(tmp_path: Path, redis: RedisServer, host_id: str, *extra: str) -> DaemonProc:
+def start_host(
+    tmp_path: Path, redis: RedisServer, host_id: str, *extra: str, url: str = ""
+) -> DaemonProc:
+    """``url``: the fleet URL (default ``redis.url``; a ``valkey://`` one picks that client)."""
     return start_daemon(
         tmp_path / host_id,
-        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", redis.url, "--host-id", host_id,
+        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", url or redis.url,
+        "--host-id", host_id,
         "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", REDIS_TIMEOUT_S,
         "--peer-timeout-s", "1", "--peer-suspect-s", "2", *extra,
     )  # fmt: skip
@@ -102,6 +106,30 @@ def test_stored_through_a_loaded_through_b_and_c_byte_for_byte(
     assert peer_stats(c)["fetched_chunks"] == 4  # from A or from B: both hold them now
     for d in (b, c):  # the stream ports the fleet records advertise
         assert 0 < peer_stats(d)["stream_fetches"] == peer_stats(d)["fetches"]
+
+
+def test_daemons_on_the_valkey_client_fetch_from_each_other_byte_for_byte(
+    tmp_path: Path, fleet_server: RedisServer
+) -> None:
+    """``--cluster valkey://``: membership, index and the peer tier through the valkey client,
+    on redis-server and on valkey-server (the ``fleet_server`` kinds)."""
+    require_client("valkey")
+    url = client_url(fleet_server.url, "valkey")
+    a, b = (start_host(tmp_path, fleet_server, h, url=url) for h in "AB")
+    try:
+        for d in (a, b):
+            with KVClient(d.zmq_address, colocated=False) as kv:
+                assert kv.stats()["cluster"]["url"].startswith("valkey://")
+        keys = make_keys(4)
+        assert store(a, keys) == keys
+        wait_until(lambda: peer_hits(b, keys) == 4)
+        with KVClient(b.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+        assert peer_stats(b)["fetched_chunks"] == 4
+    finally:
+        for d in (a, b):
+            d.kill()
 
 
 def test_a_restarted_peer_is_a_new_incarnation_whose_old_entries_are_not_used(
