@@ -63,7 +63,7 @@ from tqdm import tqdm
 from kvserver.arena import SharedArena
 from worker.host import MappedArena
 from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies
-from worker.transfer import Direction, KeyCopies, Transfer, TransferEngine
+from worker.transfer import MAX_GROUP, Direction, KeyCopies, Transfer, TransferEngine
 from worker.transfer_factory import make_engine
 
 MiB = 1 << 20
@@ -190,7 +190,9 @@ def median_ratio(ref: list[float], other: list[float]) -> float:
     return statistics.median(r / o for r, o in zip(ref, other, strict=True))
 
 
-def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str, Any]]:
+def bench(
+    device: torch.device, quick: bool, chunk_blocks: int, max_group: int = MAX_GROUP
+) -> list[dict[str, Any]]:
     pages = [8 << 10, 32 << 10] if quick else [4 << 10, 16 << 10, 64 << 10]
     total = (32 if quick else 192) * MiB
     rounds = 3 if quick else 15
@@ -202,10 +204,12 @@ def bench(device: torch.device, quick: bool, chunk_blocks: int) -> list[dict[str
     work = [(lay, p, d) for lay in ("cross", "flash") for p in pages for d in Direction]
     arena = SharedArena(total)
     mapped = MappedArena(arena.path, pin=cuda)
-    engine = make_engine(device)
-    kernels = make_engine(device, host_kernels=True) if cuda else None
+    engine = make_engine(device, max_group=max_group)
+    kernels = make_engine(device, host_kernels=True, max_group=max_group) if cuda else None
     forced = (
-        make_engine(device, host_kernels=True, host_kernel_max_piece=1 << 62) if cuda else None
+        make_engine(device, host_kernels=True, host_kernel_max_piece=1 << 62, max_group=max_group)
+        if cuda
+        else None
     )
     try:
         for layout, page, direction in tqdm(work, desc=f"transfer ({device.type})"):
@@ -297,9 +301,20 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CHUNKS_PER_TRANSFER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, less data")
     parser.add_argument("--json", type=Path, help="write results here (+ .png chart)")
+    parser.add_argument(
+        "--chunks-per-transfer", type=int, default=CHUNKS_PER_TRANSFER,
+        help=f"chunks per Transfer (default {CHUNKS_PER_TRANSFER}; 1: a decode step's "
+        "one-chunk stores, one lease per request)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-group", type=int, default=MAX_GROUP,
+        help=f"the engines' max_group (default {MAX_GROUP}; 1: no grouping of the queued "
+        "transfers, as before it)",
+    )  # fmt: skip
     parser.add_argument(
         "--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu",
         help="comma-separated devices to run (default: cpu, and cuda when present)",
@@ -318,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     devices = [torch.device(d) for d in args.devices.split(",") if d]
     if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
         parser.error("--devices names cuda, but torch has no usable GPU")
-    rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks)]
+    CHUNKS_PER_TRANSFER = args.chunks_per_transfer
+    rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks, args.max_group)]
     print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
           f"{'plan µs':>7} {'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
           f"{'alt':>16} {'pattern':>7} {'kernels':>7} {'k-only':>6}")  # fmt: skip
@@ -337,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "quick": args.quick, "target": TARGET, "layers": LAYERS,
             "chunk_blocks": args.chunk_blocks, "chunks_per_transfer": CHUNKS_PER_TRANSFER,
+            "max_group": args.max_group,
         }  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

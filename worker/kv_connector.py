@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -198,7 +199,12 @@ class KVServerWorkerConnector:
     def start_load_kv(self) -> None:
         """Submit, in this order: stores of flushed requests in this metadata, stores deferred
         from the previous step, the flush barrier, then this metadata's loads (and, with
-        ``defer_stores=False``, its other stores)."""
+        ``defer_stores=False``, its other stores). The engine gets them together
+        (``TransferEngine.batched``): a step's many one-chunk stores run as one group."""
+        with self.engine.batched() if self.engine is not None else nullcontext():
+            self._start_load_kv()
+
+    def _start_load_kv(self) -> None:
         meta = self._meta or ConnectorMetadata()
         flush = set(meta.flush_req_ids)
         for t in meta.stores:
@@ -317,8 +323,9 @@ class KVServerWorkerConnector:
         """Blocking: submit the deferred stores and wait for every transfer in flight (worker
         shutdown, tests). Their results go to the next report."""
         deferred, self._deferred = self._deferred, []
-        for t in deferred:
-            self._submit(t, is_load=False, counted=True)
+        with self.engine.batched() if self.engine is not None else nullcontext():
+            for t in deferred:
+                self._submit(t, is_load=False, counted=True)
         self.wait_inflight()
 
     def wait_inflight(self) -> None:

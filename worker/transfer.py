@@ -12,6 +12,15 @@ previous one submitted in that direction has finished; the two directions run in
 Every transfer is collected exactly once, in submission order per direction, successful or
 not; a failure of one key's copies fails that key only (``Transfer.failed_keys``).
 
+Grouping: consecutive transfers of one direction that are queued together and have no
+``prepare``/``finish`` (the co-located path: copies only) run as ONE group — one copy context
+(CUDA: one stream, one start/end event pair for all), their copies in one batch (staged parts
+through the staging buffer together) — and are then reported one by one as before. A decode
+step stores one chunk per request, so without grouping a step's stores were as many tiny
+transfers, each paying its own staging pass and launches. :meth:`TransferEngine.batched`
+holds the engine thread back while the connector submits a step's transfers, so that they
+queue together; :meth:`TransferEngine.wait` releases what is held first.
+
 Copies come as ``(src, dst)`` pairs, indexed copies (a gather or scatter of rows) or staged
 parts (worker/staging.py: consecutive staged parts of a transfer are gathered into, or
 scattered from, the direction's staging buffer together, with one copy per host extent).
@@ -30,8 +39,9 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +56,9 @@ from worker.staging import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Most transfers run as one group (the rest form the next group).
+MAX_GROUP = 256
 
 
 class Direction(enum.Enum):
@@ -131,6 +144,9 @@ class EngineStats:
     transfers: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
     bytes: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
     failed_keys: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    #: runs of two or more transfers copied as one group, and the transfers in them.
+    groups: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
+    grouped_transfers: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
 
 
 class TransferEngine(ABC):
@@ -142,11 +158,16 @@ class TransferEngine(ABC):
         staging_bytes: int = STAGING_BYTES,
         host_kernels: bool = False,
         host_kernel_max_piece: int = HOST_KERNEL_MAX_PIECE,
+        max_group: int = MAX_GROUP,
     ) -> None:
         """``host_kernels``: staged batches move their host side with one indexed kernel
         (worker/staging.py ``_host_kernel``) where :meth:`_host_view` can show the host memory
         to the device and the batch's extent pieces average at most ``host_kernel_max_piece``
-        bytes, instead of one copy per extent piece."""
+        bytes, instead of one copy per extent piece. ``max_group``: most transfers run as one
+        group (1: every transfer alone, as before grouping)."""
+        if max_group < 1:
+            raise ValueError("max_group must be at least 1")
+        self.max_group = max_group
         self.stats = EngineStats()
         self.host_kernels = host_kernels
         self.host_kernel_max_piece = host_kernel_max_piece
@@ -157,6 +178,12 @@ class TransferEngine(ABC):
             for d in Direction
         }
         self._inflight: dict[Direction, deque[Transfer]] = {d: deque() for d in Direction}
+        #: submitted, not yet taken by the direction's thread (with their submit context).
+        self._queued: dict[Direction, deque[tuple[Transfer, Any]]] = {
+            d: deque() for d in Direction
+        }
+        #: inside :meth:`batched`: submit queues without waking the engine threads.
+        self._holding = False
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -166,8 +193,32 @@ class TransferEngine(ABC):
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         ctx = self._on_submit(transfer)
-        transfer.future = self._executors[transfer.direction].submit(self._run, transfer, ctx)
+        transfer.future = Future()
         self._inflight[transfer.direction].append(transfer)
+        self._queued[transfer.direction].append((transfer, ctx))
+        if not self._holding:
+            self._executors[transfer.direction].submit(self._drain, transfer.direction)
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Transfers submitted inside are held until the block ends (or a :meth:`wait`), then
+        handed to the engine threads together, so that those without ``prepare``/``finish``
+        run as one group per direction (see the module docstring). Reentrant."""
+        if self._holding:
+            yield
+            return
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            self._release()
+
+    def _release(self) -> None:
+        """Wake the engine thread of each direction with queued transfers."""
+        for d, queue in self._queued.items():
+            if queue:
+                self._executors[d].submit(self._drain, d)
 
     def poll(self) -> list[Transfer]:
         """Transfers finished since the last call (non-blocking), in order per direction."""
@@ -181,6 +232,8 @@ class TransferEngine(ABC):
         """Block until every one of ``transfers`` has finished (they stay pollable). The last
         given is waited for first: one direction's transfers finish in order, so for a list in
         submission order the thread wakes up once per direction, not once per transfer."""
+        if self._holding:
+            self._release()  # what is held may be among them
         for t in reversed(list(transfers)):
             if t.future is not None:
                 t.future.result()
@@ -195,6 +248,7 @@ class TransferEngine(ABC):
         if self._closed:
             return
         self._closed = True
+        self._release()
         for ex in self._executors.values():
             ex.shutdown(wait=True)
         for queue in self._inflight.values():
@@ -204,33 +258,75 @@ class TransferEngine(ABC):
 
     # ------------------------------------------------------------------ the transfer body
 
-    def _run(self, transfer: Transfer, ctx: Any) -> None:
-        """Engine thread: prepare → copies (per key) → land → finish. Never raises."""
+    def _drain(self, direction: Direction) -> None:
+        """Engine thread: run what is queued in ``direction``, in order: maximal runs of
+        transfers without ``prepare``/``finish`` as groups (at most ``max_group``), the
+        others one by one. Every transfer's future is completed, whatever happens."""
+        queue = self._queued[direction]
+        while queue:
+            items: list[tuple[Transfer, Any]] = []
+            while queue and len(items) < self.max_group:
+                items.append(queue.popleft())
+            run: list[tuple[Transfer, Any]] = []
+            for item in items:
+                if item[0].prepare is None and item[0].finish is None:
+                    run.append(item)
+                    continue
+                self._run_group(run)
+                run = []
+                self._run_group([item])
+            self._run_group(run)
+
+    def _run_group(self, items: list[tuple[Transfer, Any]]) -> None:
+        """Engine thread: prepare → copies (per key) → land → finish, for one transfer or a
+        group of transfers without prepare/finish (their copies in one batch). Never raises;
+        completes every future."""
+        if not items:
+            return
         start = time.perf_counter()
-        keys_failed: list[bytes] = []
+        transfers = [t for t, _ in items]
+        if len(items) > 1:
+            d = transfers[0].direction.value
+            self.stats.groups[d] += 1
+            self.stats.grouped_transfers[d] += len(items)
         try:
-            copies = transfer.prepare() if transfer.prepare is not None else transfer.copies
-            with self._copy_context(transfer, ctx):
-                failed = self._copy_keys(transfer, [kc for kc in copies if kc.error is None])
-            good = {id(kc) for kc in copies if kc.error is None and id(kc) not in failed}
-            ok = [kc.key for kc in copies if id(kc) in good]
-            keys_failed = [kc.key for kc in copies if id(kc) not in good]
-            nbytes = sum(kc.nbytes for kc in copies if id(kc) in good)
-            missing = set(transfer.keys) - set(ok) - set(keys_failed)
-            keys_failed += [k for k in transfer.keys if k in missing]
-            if transfer.finish is not None:
-                self._sync(transfer)
-                transfer.finish(ok)
-            transfer.nbytes = nbytes
+            copies = [t.prepare() if t.prepare is not None else t.copies for t in transfers]
+            with self._copy_context(transfers, [ctx for _, ctx in items]):
+                todo = [kc for cs in copies for kc in cs if kc.error is None]
+                failed = self._copy_keys(transfers[0], todo)
+            for t, cs in zip(transfers, copies, strict=True):
+                self._account(t, cs, failed, start)
         except Exception as exc:  # prepare/finish (daemon I/O) failed: every key
-            logger.warning("transfer %s failed: %s", transfer.tag, exc)
-            keys_failed = list(transfer.keys)
+            for t in transfers:
+                logger.warning("transfer %s failed: %s", t.tag, exc)
+                t.failed_keys = list(t.keys)
+                t.seconds = time.perf_counter() - start
+        for t in transfers:
+            if t.future is not None and not t.future.done():
+                t.future.set_result(None)
+
+    def _account(
+        self, transfer: Transfer, copies: list[KeyCopies], failed: set[int], start: float
+    ) -> None:
+        """The results of one transfer whose copies ran (``failed``: ``id()`` of the keys
+        whose copies failed); runs its ``finish`` once the copies have landed."""
+        good = {id(kc) for kc in copies if kc.error is None and id(kc) not in failed}
+        ok = [kc.key for kc in copies if id(kc) in good]
+        keys_failed = [kc.key for kc in copies if id(kc) not in good]
+        nbytes = sum(kc.nbytes for kc in copies if id(kc) in good)
+        missing = set(transfer.keys) - set(ok) - set(keys_failed)
+        keys_failed += [k for k in transfer.keys if k in missing]
+        if transfer.finish is not None:
+            self._sync(transfer)
+            transfer.finish(ok)
+        transfer.nbytes = nbytes
         transfer.failed_keys = keys_failed
         transfer.seconds = time.perf_counter() - start
 
     def _copy_keys(self, transfer: Transfer, keys: list[KeyCopies]) -> set[int]:
         """Engine thread: run the copies of ``keys``, all in one batch; if that raises, key by
-        key so that a bad copy fails its key only. Returns ``id()`` of the keys that failed."""
+        key so that a bad copy fails its key only. Returns ``id()`` of the keys that failed.
+        ``transfer``: the (first) transfer they belong to, for the direction and the log."""
         try:
             self._copy_all(transfer.direction, [c for kc in keys for c in kc.pairs])
             return set()
@@ -290,8 +386,9 @@ class TransferEngine(ABC):
         return host
 
     @abstractmethod
-    def _copy_context(self, transfer: Transfer, ctx: Any) -> Any:
-        """Engine thread: a context manager around the copies of one transfer."""
+    def _copy_context(self, transfers: list[Transfer], ctxs: list[Any]) -> Any:
+        """Engine thread: a context manager around the copies of one transfer or a group
+        (``ctxs``: what :meth:`_on_submit` returned for each, in order)."""
 
     @abstractmethod
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -339,7 +436,7 @@ class CpuTransferEngine(TransferEngine):
     transfer is finished when its future is. Same interface and ordering as the CUDA engine.
     Indexed copies run as one native gather (``index_select``) or scatter (``index_copy_``)."""
 
-    def _copy_context(self, transfer: Transfer, ctx: Any) -> Any:
+    def _copy_context(self, transfers: list[Transfer], ctxs: list[Any]) -> Any:
         return _NullContext()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from worker.staging import HOST_KERNEL_MAX_PIECE, STAGING_BYTES
-from worker.transfer import Direction, Transfer, TransferEngine
+from worker.transfer import MAX_GROUP, Direction, Transfer, TransferEngine
 
 logger = logging.getLogger(__name__)
 #: torch.cuda with its untyped constructors (Stream, Event, cudart) seen as Any by mypy.
@@ -81,6 +81,7 @@ class CudaTransferEngine(TransferEngine):
         staging_bytes: int = STAGING_BYTES,
         host_kernels: bool = False,
         host_kernel_max_piece: int = HOST_KERNEL_MAX_PIECE,
+        max_group: int = MAX_GROUP,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaTransferEngine needs CUDA")
@@ -100,6 +101,7 @@ class CudaTransferEngine(TransferEngine):
             staging_bytes=staging_bytes,
             host_kernels=host_kernels,
             host_kernel_max_piece=host_kernel_max_piece,
+            max_group=max_group,
         )
 
     def _on_submit(self, transfer: Transfer) -> Any:
@@ -111,12 +113,16 @@ class CudaTransferEngine(TransferEngine):
         return ready, pool[i % len(pool)]
 
     @contextmanager
-    def _copy_context(self, transfer: Transfer, ctx: Any) -> Iterator[None]:
-        ready, stream = ctx
+    def _copy_context(self, transfers: list[Transfer], ctxs: list[Any]) -> Iterator[None]:
+        """A group runs on its first transfer's stream, after every member's ready event and
+        the direction's previous end event; one start/end pair times and completes them all."""
+        stream = ctxs[0][1]
+        direction = transfers[0].direction
         start, end = _cuda.Event(enable_timing=True), _cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            prev = self._last_end[transfer.direction]
+            for ready, _ in ctxs:
+                stream.wait_event(ready)
+            prev = self._last_end[direction]
             if prev is not None:
                 stream.wait_event(prev)
             start.record(stream)
@@ -124,8 +130,9 @@ class CudaTransferEngine(TransferEngine):
                 yield
             finally:
                 end.record(stream)
-                self._last_end[transfer.direction] = end
-                transfer.state = (start, end)
+                self._last_end[direction] = end
+                for t in transfers:
+                    t.state = (start, end)
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)

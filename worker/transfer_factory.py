@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from worker.staging import HOST_KERNEL_MAX_PIECE
-from worker.transfer import CpuTransferEngine, TransferEngine
+from worker.transfer import MAX_GROUP, CpuTransferEngine, TransferEngine
 
 
 def make_engine(
@@ -17,14 +17,19 @@ def make_engine(
     *,
     host_kernels: bool = False,
     host_kernel_max_piece: int = HOST_KERNEL_MAX_PIECE,
+    max_group: int = MAX_GROUP,
 ) -> TransferEngine:
     """The engine for KV caches on ``device``: CUDA streams for a CUDA device, else threads.
-    ``host_kernels``, ``host_kernel_max_piece``: see :class:`~worker.transfer.TransferEngine`
-    (CUDA only here: the CPU engine's default strided copies need no staging)."""
+    ``host_kernels`` (CUDA only here: the CPU engine's default strided copies need no
+    staging), ``host_kernel_max_piece``, ``max_group``: see
+    :class:`~worker.transfer.TransferEngine`."""
     if device.type == "cuda":
         from worker.transfer_cuda import CudaTransferEngine
 
         return CudaTransferEngine(
-            device, host_kernels=host_kernels, host_kernel_max_piece=host_kernel_max_piece
+            device,
+            host_kernels=host_kernels,
+            host_kernel_max_piece=host_kernel_max_piece,
+            max_group=max_group,
         )
-    return CpuTransferEngine()
+    return CpuTransferEngine(max_group=max_group)

@@ -206,6 +206,42 @@ def test_stores_are_deferred_to_the_next_steps_start(make_cluster: Any, daemon: 
     assert ready_chunks(daemon, r) == 2
 
 
+def test_a_steps_stores_of_many_requests_run_as_one_group(
+    make_cluster: Any, daemon: DaemonProc
+) -> None:
+    """The stores a step ships for several requests (one lease each) reach the engine
+    together and run as one group of copies (decode stores one chunk per request per step);
+    every request's bytes land in its own chunks."""
+    c = make_cluster()
+    w = c.workers[0]
+    reqs = [FakeRequest(f"r{i}", tokens(17, base=1000 * i), c.spec) for i in range(4)]
+    for r in reqs:
+        assert c.admit(r) == (0, False)
+    c.step({r.request_id: (r, 16) for r in reqs}, sync=True)  # computes; reserves
+    meta, _ = c.step(sync=True)  # ships the stores, one lease per request: deferred
+    assert sorted(t.req_id for t in meta.stores) == [r.request_id for r in reqs]
+    engine = w.conn.engine
+    assert engine is not None and engine.stats.groups["store"] == 0
+    w.conn.bind_connector_metadata(c.plan())
+    w.conn.start_load_kv()  # submits the deferred stores together
+    w.conn.wait_inflight()
+    w.conn.wait_for_save()
+    out = w.conn.build_connector_worker_meta()
+    assert sorted(s.req_id for s in out.stores) == [r.request_id for r in reqs]
+    assert not any(s.failed_keys for s in out.stores)
+    assert engine.stats.groups["store"] == 1
+    assert engine.stats.grouped_transfers["store"] == len(reqs)
+    c.conn.update_connector_output([out])
+    for _ in range(c.conn.config.completion_hold_steps):
+        c.plan()
+    block_bytes = w.caches.block_bytes
+    for r in reqs:
+        parts = stored_parts(daemon, r)
+        assert len(parts) == len(r.chunk_keys()) > 0
+        for chunk, row in enumerate(parts):
+            assert row == [expected_part(r, chunk, 0, block_bytes)]
+
+
 def test_get_finished_never_blocks(make_cluster: Any) -> None:
     """With the store direction held, get_finished and the report return at once and empty;
     once released, the store is reported exactly once and the request is finished sending."""

@@ -210,3 +210,63 @@ def test_indexed_copies_gather_and_scatter(engine_cls: type[CpuTransferEngine]) 
         assert int(scattered[[1, 3, 5]].min()) == 99 and t.nbytes == 3 * 4 + 4 + 3 * 4
     finally:
         e.close()
+
+
+def test_transfers_submitted_together_run_as_one_group(engine: TransferEngine) -> None:
+    """Inside ``batched()`` nothing starts; at its end the copy-only transfers of a direction
+    run as one group (one batch of copies), are each collected once in submission order with
+    their own results, and a bad key fails in its own transfer only."""
+    d = dev(engine)
+    srcs = [torch.full((64,), i + 1, dtype=torch.uint8, device=d) for i in range(6)]
+    dsts = [host(64) for _ in srcs]
+    ts = [store(bytes([i]), s, t) for i, (s, t) in enumerate(zip(srcs, dsts, strict=True))]
+    bad = Transfer(Direction.STORE, "bad", [b"x", b"y"], [
+        KeyCopies(b"x", [(torch.ones(3, dtype=torch.uint8, device=d), host(5))]),
+        KeyCopies(b"y", [(torch.full((8,), 9, dtype=torch.uint8, device=d), host(8))]),
+    ])  # fmt: skip
+    ts.insert(3, bad)
+    with engine.batched():
+        for t in ts:
+            engine.submit(t)
+        assert all(t.future is not None and not t.future.done() for t in ts)
+    assert drain(engine, *ts) == ts
+    assert engine.stats.groups["store"] == 1 and engine.stats.grouped_transfers["store"] == 7
+    for i, dst in enumerate(dsts):
+        assert torch.equal(dst, torch.full((64,), i + 1, dtype=torch.uint8))
+    assert bad.failed_keys == [b"x"] and bad.nbytes == 8
+    assert all(not t.failed_keys and t.nbytes == 64 for t in ts if t is not bad)
+
+
+def test_a_transfer_with_hooks_splits_a_group_and_keeps_the_order(
+    engine: TransferEngine,
+) -> None:
+    """prepare/finish transfers run alone, between the groups before and after them: finish
+    sees the earlier group's bytes landed, and the later group has not started."""
+    d = dev(engine)
+    first, later = host(32), host(32)
+    seen: list[tuple[int, int]] = []
+    ts = [
+        store(b"a", torch.full((32,), 2, dtype=torch.uint8, device=d), first),
+        store(b"b", torch.full((32,), 2, dtype=torch.uint8, device=d), host(32)),
+        store(b"c", torch.full((32,), 1, dtype=torch.uint8, device=d), host(32),
+              finish=lambda ok: seen.append((int(first.sum()), int(later.sum())))),
+        store(b"d", torch.full((32,), 3, dtype=torch.uint8, device=d), later),
+        store(b"e", torch.full((32,), 3, dtype=torch.uint8, device=d), host(32)),
+    ]  # fmt: skip
+    with engine.batched():
+        for t in ts:
+            engine.submit(t)
+    assert drain(engine, *ts) == ts
+    assert seen == [(64, 0)] and not any(t.failed_keys for t in ts)
+    assert engine.stats.groups["store"] == 2 and engine.stats.grouped_transfers["store"] == 4
+
+
+def test_wait_inside_batched_releases_what_is_held(engine: TransferEngine) -> None:
+    d = dev(engine)
+    dst = host(16)
+    t = store(b"k", torch.full((16,), 7, dtype=torch.uint8, device=d), dst)
+    with engine.batched():
+        engine.submit(t)
+        engine.wait([t])  # would never return if what is held stayed held
+        assert int(dst.sum()) == 7 * 16
+    assert engine.poll() == [t]
