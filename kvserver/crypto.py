@@ -1,5 +1,6 @@
 """Encryption and peer authentication on the wire: ZMQ CURVE keys, the token a ZMQ client
-presents at the handshake (PLAIN), and gRPC TLS credentials.
+presents at the handshake (PLAIN), gRPC TLS credentials, and the same TLS files as
+``ssl.SSLContext`` for the peer stream (``kvserver/daemon/stream_server.py``).
 
 Runs in any process: the daemon (server side), every client, and a daemon acting as a client
 of another daemon (the peer tier) — the client-side settings are one small value,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +170,20 @@ class TlsServer:
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate, key and client CA for the peer stream's server end: TLS 1.2
+        or later; a client certificate that chains to ``client_ca_file`` is required when it
+        is set (mutual TLS, as on gRPC); no session tickets (a peer keeps its few connections
+        open, none is resumed). Raises InvalidArgument naming a file that cannot be used."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.num_tickets = 0
+        _load_chain(ctx, self.cert_file, self.key_file)
+        if self.client_ca_file:
+            _load_ca(ctx, self.client_ca_file, "TLS client CA")
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
 
 @dataclass(frozen=True, slots=True)
 class TlsClient:
@@ -192,6 +208,43 @@ class TlsClient:
 
     def options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same files for a peer stream client (a daemon fetching from its peers): TLS 1.2
+        or later; the server's certificate must chain to a certificate of ``ca_file`` (every
+        certificate there is a trust anchor, so one self-signed certificate for the fleet
+        works) and name the host dialled (``check_hostname``; the caller passes
+        ``server_name`` or the host as ``server_hostname``); this client's certificate is
+        presented when the server asks for one (mutual TLS). Raises InvalidArgument naming a
+        file that cannot be used."""
+        if bool(self.cert_file) != bool(self.key_file):
+            raise InvalidArgument("a TLS client certificate needs both cert_file and key_file")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        _load_ca(ctx, self.ca_file, "TLS CA")
+        if self.cert_file:
+            _load_chain(ctx, self.cert_file, self.key_file)
+        return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str) -> None:
+    _read_text(cert_file, "TLS certificate")  # a clear error for a missing/unreadable file
+    _read_text(key_file, "TLS key")
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidArgument(
+            f"cannot use TLS certificate {cert_file} with key {key_file}: {exc}", path=cert_file
+        ) from None
+
+
+def _load_ca(ctx: ssl.SSLContext, ca_file: str, what: str) -> None:
+    _read_text(ca_file, what)
+    try:
+        ctx.load_verify_locations(cafile=ca_file)
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidArgument(f"not a {what} file (PEM): {ca_file}: {exc}", path=ca_file) from None
 
 
 #: the client options, named as the daemon's flags (``docs/security.md``, "Client options"):

@@ -88,9 +88,15 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="the peers' CURVE public key (default: the public half of "
                         "--curve-secret-key-file, one key pair for the fleet)")
     p.add_argument("--peer-stream-port", type=int, metavar="PORT",
-                   help="port peers fetch chunks from over plain TCP (default 0: ephemeral; "
-                        "-1: none, and fetch from peers over ZMQ only; never opened with "
-                        "CURVE, docs/cluster.md)")
+                   help="port peers fetch chunks from (default 0: ephemeral; -1: none, and "
+                        "fetch from peers over ZMQ only); TLS with --tls-cert-file, else plain "
+                        "TCP, not opened with CURVE (docs/cluster.md)")
+    p.add_argument("--peer-tls-ca-file", metavar="PEM",
+                   help="the CA the peers' stream certificates must chain to (default: "
+                        "--tls-cert-file, one certificate for the fleet)")
+    p.add_argument("--peer-tls-server-name", metavar="NAME",
+                   help="the name checked against the peers' stream certificates (default: "
+                        "the host of each peer's address)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -115,6 +121,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
                   "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",
                   "peer_suspect_s", "peer_curve_server_key_file", "peer_stream_port",
+                  "peer_tls_ca_file", "peer_tls_server_name",
                   "no_auth")
     }
     try:

@@ -154,11 +154,20 @@ class DaemonConfig:
     #: one key pair for the whole fleet; neither: peers are called without CURVE).
     peer_curve_server_key_file: str = ""
     #: the peer stream port (``docs/wire.md``, "Peer stream"): peers fetch chunks from this
-    #: daemon over plain TCP, received straight into their arena; 0 = an ephemeral port
+    #: daemon over TCP, received straight into their arena; 0 = an ephemeral port
     #: (announced in ``hello`` and the fleet record), -1 = none (and this daemon fetches from
-    #: its peers over ZMQ only). Never opened when ``curve_secret_key_file`` is set (the
-    #: stream is not encrypted: peers then use ZMQ, both ways).
+    #: its peers over ZMQ only). With ``tls_cert_file`` it is a TLS port (the gRPC
+    #: certificate, key and client CA); without, a plain one, not opened when
+    #: ``curve_secret_key_file`` is set (chunks would cross in clear: peers then use ZMQ).
     peer_stream_port: int = 0
+    #: the CA (PEM) the peers' stream certificates must chain to ("" = ``tls_cert_file``: one
+    #: certificate for the fleet, as ``kvserver keys tls`` makes it; neither: TLS stream
+    #: ports of peers are not used, their chunks come over ZMQ).
+    peer_tls_ca_file: str = ""
+    #: the name checked against the peers' stream certificates ("" = the host of each
+    #: peer's advertised address; set it when the certificate names the service, not the
+    #: hosts, as deploy/k8s does).
+    peer_tls_server_name: str = ""
     #: apply the glibc allocator settings of ``kvserver/daemon/malloc.py`` at start-up.
     tune_malloc: bool = True
 
@@ -186,6 +195,8 @@ class DaemonConfig:
             raise InvalidArgument("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise InvalidArgument("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        if self.peer_tls_server_name and not self.peer_tls_ca:
+            raise InvalidArgument("peer_tls_server_name needs peer_tls_ca_file or tls_cert_file")
         if self.curve_clients_dir and not self.curve_secret_key_file:
             raise InvalidArgument("curve_clients_dir needs curve_secret_key_file")
         if not is_loopback(self.host) and not self.insecure_remote:
@@ -250,6 +261,11 @@ class DaemonConfig:
         if self.host_id or not self.cluster:
             return self.host_id
         return wire_host_id()
+
+    @property
+    def peer_tls_ca(self) -> str:
+        """The CA file peers' stream certificates are checked against ("" = none)."""
+        return self.peer_tls_ca_file or self.tls_cert_file
 
     @property
     def peer_addresses(self) -> list[str]:

@@ -9,7 +9,8 @@ tier when configured (lock its directory, rebuild its index from the chunk heade
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
 retried, the daemon serves DRAM) → below it the network tier over a fixed peer list when
 ``--peers`` is set → start the ZMQ front end → open the peer stream port (``stream_server.py``;
-unless ``peer_stream_port`` is -1 or CURVE is configured; announced in ``hello``) → start the
+TLS with the gRPC certificate when ``tls_cert_file`` is set; none when ``peer_stream_port``
+is -1, or CURVE is configured without a certificate; announced in ``hello``) → start the
 gRPC front end → leave the token (a
 random one unless configured, or none with ``no_auth``) for this user's clients
 (``kvserver/token_file.py``) → start the lease reaper → serve Prometheus ``/metrics``
@@ -47,7 +48,7 @@ from kvserver.arena import reap_stale_arenas
 from kvserver.cluster.directory import FleetDirectory
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
-from kvserver.crypto import CurveClient
+from kvserver.crypto import CurveClient, TlsClient, TlsServer
 from kvserver.daemon.auth import ADMIN, Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
@@ -123,10 +124,15 @@ async def serve(
     zmq_front = DataFrontend(service, config, auth)
     grpc_front = GrpcFrontend(service, config, auth)
     stream_front: StreamServer | None = None
-    if config.peer_stream_port >= 0 and not config.curve_secret_key_file:
+    # a TLS daemon's stream is TLS, never plain; CURVE without TLS opens none (docs/cluster.md)
+    stream_tls = None
+    if config.tls_cert_file:
+        tls_files = TlsServer(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+        stream_tls = tls_files.ssl_context()
+    if config.peer_stream_port >= 0 and (stream_tls or not config.curve_secret_key_file):
         stream_front = StreamServer(
             service, auth, host=config.host, port=config.peer_stream_port,
-            timeout_s=config.peer_timeout_s,
+            timeout_s=config.peer_timeout_s, tls=stream_tls,
         )  # fmt: skip
     reaper: asyncio.Task[None] | None = None
     ssd: SsdTier | None = None
@@ -149,7 +155,9 @@ async def serve(
         data_port, pub_port = await zmq_front.start()
         stream_port = await stream_front.start() if stream_front is not None else -1
         service.peer_stream = stream_front
-        zmq_front.announce_peer_stream(stream_port if stream_port >= 0 else None)
+        zmq_front.announce_peer_stream(
+            stream_port if stream_port >= 0 else None, tls=stream_tls is not None
+        )
         grpc_port = await grpc_front.start()
         tcp_ports = {data_port, grpc_port} | ({stream_port} if stream_port >= 0 else set())
         if token:
@@ -160,7 +168,9 @@ async def serve(
         collector = DaemonCollector(service, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
         dram_bytes = service.dram_bytes
-        node = await _join_fleet(config, service, data_port, grpc_port, stream_port, ssd)
+        stream_scheme = "tls" if stream_tls is not None else "tcp"
+        node = await _join_fleet(config, service, data_port, grpc_port,
+                                 (stream_scheme, stream_port), ssd)  # fmt: skip
         if node is not None:  # the network tier over the fleet index, at the bottom
             peer_tier = _fleet_peer_tier(config, service, node)
             service.add_tier(peer_tier)
@@ -172,6 +182,7 @@ async def serve(
             "zmq_port": data_port,
             "pub_port": pub_port,
             "peer_stream_port": stream_port,
+            "peer_stream_tls": stream_tls is not None and stream_port >= 0,
             "metrics_port": metrics_port,
             "arena_path": service.arena_path,
             "dram_bytes": dram_bytes,
@@ -232,11 +243,12 @@ async def _join_fleet(
     service: KVService,
     data_port: int,
     grpc_port: int,
-    stream_port: int,
+    stream: tuple[str, int],
     tier: SsdTier | None,
 ) -> ClusterNode | None:
-    """Register this daemon in its fleet (``--cluster``); None when standalone. Never fails
-    for Redis: an unreachable Redis leaves the node ``unavailable`` and retried."""
+    """Register this daemon in its fleet (``--cluster``); None when standalone. ``stream``:
+    the peer stream's scheme (``tcp``, ``tls``) and port (-1: none). Never fails for Redis:
+    an unreachable Redis leaves the node ``unavailable`` and retried."""
     cluster_config = config.cluster_config()
     if cluster_config is None:
         return None
@@ -251,7 +263,7 @@ async def _join_fleet(
         incarnation="",
         data_address=f"tcp://{host}:{data_port}",
         grpc_address=f"{host}:{grpc_port}",
-        stream_address=f"tcp://{host}:{stream_port}" if stream_port >= 0 else "",
+        stream_address=f"{stream[0]}://{host}:{stream[1]}" if stream[1] >= 0 else "",
         tiers=tuple(capacity),
         capacity=capacity,
     )
@@ -296,20 +308,28 @@ def _peer_settings(config: DaemonConfig) -> PeerSettings:
     """How this daemon calls its peers: the fleet's auth token, and CURVE when configured
     (the peers' public key: ``peer_curve_server_key_file``, else the public half of this
     daemon's own ``curve_secret_key_file`` (one key pair for the fleet); this daemon's pair
-    as the client's, so a ``curve_clients_dir`` can admit it)."""
+    as the client's, so a ``curve_clients_dir`` can admit it). Their TLS stream ports with a
+    CA (``peer_tls_ca_file``, else this daemon's own certificate: one for the fleet), this
+    daemon's certificate presented when a peer requires one (mutual TLS)."""
     options: tuple[tuple[str, object], ...] = ()
     server_key = config.peer_curve_server_key_file or config.curve_secret_key_file
     if server_key:
         curve = CurveClient.from_files(server_key, config.curve_secret_key_file)
         options = (("curve", curve),)
+    stream_tls = None
+    if config.peer_tls_ca and config.peer_stream_port >= 0:
+        tls = TlsClient(config.peer_tls_ca, config.tls_cert_file, config.tls_key_file)
+        stream_tls = tls.ssl_context()
     return PeerSettings(
         timeout_s=config.peer_timeout_s,
         suspect_s=config.peer_suspect_s,
         connections=config.peer_connections,
         auth_token=config.auth_token,
         client_options=options,
-        # the stream is not encrypted: CURVE peers stay on ZMQ; -1 turns it off both ways
+        # never chunks in clear when CURVE is on; -1 turns the stream off both ways
         stream=not options and config.peer_stream_port >= 0,
+        stream_tls=stream_tls,
+        tls_server_name=config.peer_tls_server_name,
     )
 
 

@@ -1,14 +1,21 @@
-"""The peer stream's server end: peers fetch chunks from this daemon over plain TCP.
+"""The peer stream's server end: peers fetch chunks from this daemon over TCP, plain or TLS.
 
-Runs in the daemon process, on its event loop (``loop.sock_*`` on non-blocking sockets; loop
-only, not thread-safe). The format is :mod:`kvserver.wire_stream` (``docs/wire.md``, "Peer
-stream"); the fetching end is ``kvserver/daemon/peers/stream.py``.
+Runs in the daemon process, on its event loop (loop only, not thread-safe; the bytes of a
+connection are moved by ``stream_io.py``). The format is :mod:`kvserver.wire_stream`
+(``docs/wire.md``, "Peer stream"); the fetching end is ``kvserver/daemon/peers/stream.py``.
 
-Call order: ``StreamServer(service, auth, ...)`` → ``await start()`` (binds; the port is
-announced in ``hello`` as ``peer_stream_port`` and in the fleet record as ``stream_address``)
-→ ... → ``await stop()`` (closes the listener and every connection; their pins end).
+Call order: ``StreamServer(service, auth, ..., tls=context or None)`` → ``await start()``
+(binds; the port is announced in ``hello`` as ``peer_stream_port``, or as
+``peer_stream_tls_port`` with TLS, and in the fleet record as ``stream_address``,
+``tcp://HOST:PORT`` or ``tls://HOST:PORT``) → ... → ``await stop()`` (closes the listener and
+every connection; their pins end).
 
-Each connection is served by one task. Its hello comes first: the token, at most 255 bytes,
+With ``tls`` (an ``ssl.SSLContext`` from the daemon's gRPC TLS files,
+``TlsServer.ssl_context``) every connection starts with the TLS handshake, within
+``timeout_s``; one that fails (a plain client, a client certificate missing or untrusted under
+mutual TLS) is closed before a byte of the stream is read (``refused_handshakes``). A TLS
+daemon never opens a plain stream port. Then, inside TLS when it is on:
+each connection is served by one task. Its hello comes first: the token, at most 255 bytes,
 read and checked before anything else of the connection is read (a wrong one: error,
 connection closed; the principal it names is the connection's). Then its requests, one at a
 time, in order (a peer pipelines its windows on one connection: their replies go back in the
@@ -16,7 +23,8 @@ order asked), each checked as a ZMQ ``get`` with ``leading=true`` is: the princi
 to the namespace (``access.authorize``, as for the ZMQ ``get``), then
 ``KVService.get(leading=True)``: the leading run of the keys held in this daemon's own tiers,
 promoted from SSD when needed, pinned by a load lease while its pages are sent straight from
-the arena (``sock_sendall`` of arena views: the kernel's copy is the only one), then unpinned.
+the arena (``sendmsg`` of arena views, the kernel's copy the only one; with TLS, encrypted
+straight from them in a worker thread: ``stream_io.py``), then unpinned.
 
 Bounds: at most ``max_connections`` connections (more are closed at once); a request's header
 at most ``wire_stream.MAX_REQUEST_BYTES``; the hello within ``timeout_s`` of connecting;
@@ -33,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,6 +50,7 @@ from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Authenticator, Principal
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
+from kvserver.daemon.stream_io import Closed, PlainIO, TlsIO
 from kvserver.errors import KVServerError
 
 logger = logging.getLogger(__name__)
@@ -49,14 +59,8 @@ logger = logging.getLogger(__name__)
 STREAM_CLIENT = "kvserver-peer-stream"
 MAX_CONNECTIONS = 256
 IDLE_S = 300.0
-#: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
-IOV_MAX = 1024
-#: input read and dropped at most after an error that closes the connection.
-LINGER_BYTES = 1 << 20
 
-
-class _Closed(Exception):
-    """The connection ended (EOF, a timeout, an error that ends the stream)."""
+StreamIO = PlainIO | TlsIO
 
 
 @dataclass(slots=True)
@@ -67,6 +71,8 @@ class StreamCounters:
     refused_connections: int = 0
     #: connections whose hello was malformed or whose token was refused.
     refused_hellos: int = 0
+    #: TLS connections whose handshake failed (a plain client, an untrusted certificate).
+    refused_handshakes: int = 0
     requests: int = 0
     errors: int = 0
     sent_chunks: int = 0
@@ -89,6 +95,7 @@ class StreamServer:
         timeout_s: float,
         max_connections: int = MAX_CONNECTIONS,
         idle_s: float = IDLE_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._service = service
         self._auth = auth
@@ -97,6 +104,7 @@ class StreamServer:
         self._timeout_s = timeout_s
         self._idle_s = idle_s
         self._max = max_connections
+        self.tls = tls
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -108,8 +116,8 @@ class StreamServer:
         return len(self._tasks)
 
     def stats(self) -> dict[str, Any]:
-        return {"port": self.port, "open_connections": self.num_connections,
-                **self.counters.to_dict()}  # fmt: skip
+        return {"port": self.port, "tls": self.tls is not None,
+                "open_connections": self.num_connections, **self.counters.to_dict()}  # fmt: skip
 
     async def start(self) -> int:
         """Bind and listen; returns the port (ephemeral when configured 0)."""
@@ -169,57 +177,67 @@ class StreamServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, sock: socket.socket) -> None:
+        io: StreamIO | None = None
         try:
-            who = await self._hello(sock)
+            if self.tls is not None:
+                try:
+                    io = await TlsIO.accept(sock, self.tls, self._timeout_s)
+                except Closed:
+                    self.counters.refused_handshakes += 1
+                    return
+            else:
+                io = PlainIO(sock, self._timeout_s)
+            who = await self._hello(io)
             if who is None:
                 return
             while True:
-                head = await self._read(sock, wire_stream.REQUEST_HEAD.size, self._idle_s,
-                                        at_boundary=True)  # fmt: skip
+                head = await io.read(wire_stream.REQUEST_HEAD.size, self._idle_s,
+                                     at_boundary=True)  # fmt: skip
                 if head is None:
                     return
                 try:
                     length = wire_stream.decode_request_head(head)
                 except KVServerError as exc:
-                    await self._refuse(sock, 0, exc)
-                    await self._linger(sock)
+                    await self._refuse(io, 0, exc)
+                    await io.linger()
                     return  # a stream cannot skip what it cannot frame
-                header = await self._read(sock, length, self._timeout_s)
+                header = await io.read(length, self._timeout_s)
                 assert header is not None
                 self.counters.requests += 1
                 try:
                     request = wire_stream.decode_request(header)
                 except KVServerError as exc:
-                    await self._refuse(sock, 0, exc)
+                    await self._refuse(io, 0, exc)
                     continue
-                await self._answer(sock, request, who)
-        except _Closed:
+                await self._answer(io, request, who)
+        except Closed:
             return
         except Exception:  # a bug must not take the daemon down: log, close this connection
             logger.exception("peer stream: connection failed")
         finally:
+            if io is not None:
+                io.close()
             sock.close()
 
-    async def _hello(self, sock: socket.socket) -> Principal | None:
+    async def _hello(self, io: StreamIO) -> Principal | None:
         """Read the connection's hello (at most 261 bytes, within the timeout) and check its
         token; None (an error sent, the connection to be closed) when it is refused."""
-        head = await self._read(sock, wire_stream.HELLO_HEAD.size, self._timeout_s,
-                                at_boundary=True)  # fmt: skip
+        head = await io.read(wire_stream.HELLO_HEAD.size, self._timeout_s, at_boundary=True)
         if head is None:
             return None
         try:
             length = wire_stream.decode_hello_head(head)
-            raw = await self._read(sock, length, self._timeout_s) if length else bytearray()
+            raw = await io.read(length, self._timeout_s) if length else bytearray()
             assert raw is not None
             return self._auth.check(wire_stream.decode_token(raw) or None)
         except KVServerError as exc:  # a bad hello, or Unauthenticated
             self.counters.refused_hellos += 1
-            await self._refuse(sock, 0, exc)
-            await self._linger(sock)
+            await self._refuse(io, 0, exc)
+            await io.linger()
             return None
 
     async def _answer(
-        self, sock: socket.socket, request: wire_stream.FetchRequest, who: Principal
+        self, io: StreamIO, request: wire_stream.FetchRequest, who: Principal
     ) -> None:
         service = self._service
         try:
@@ -231,13 +249,13 @@ class StreamServer:
             if isinstance(got, Pending):
                 got = await got.run()
         except KVServerError as exc:
-            await self._refuse(sock, request.request_id, exc)
+            await self._refuse(io, request.request_id, exc)
             return
         try:
             count, tp = len(got.keys), spec.tp_world_size
             head = wire_stream.encode_ok(request.request_id, count, tp, spec.part_bytes)
             buffers = [view for part in got.parts for view in part]
-            await self._send(sock, [head, *buffers])
+            await io.send([head, *buffers])
             self.counters.sent_chunks += count
             self.counters.sent_bytes += count * tp * spec.part_bytes
         finally:
@@ -245,68 +263,6 @@ class StreamServer:
                 with contextlib.suppress(KVServerError):
                     service.complete_load(got.lease_id)
 
-    async def _refuse(self, sock: socket.socket, request_id: int, exc: KVServerError) -> None:
+    async def _refuse(self, io: StreamIO, request_id: int, exc: KVServerError) -> None:
         self.counters.errors += 1
-        await self._send(sock, [wire_stream.encode_error(request_id, exc)])
-
-    async def _linger(self, sock: socket.socket) -> None:
-        """Before closing on an error: stop sending and read (and drop) what the peer still
-        sends, at most :data:`LINGER_BYTES` within the timeout, so that closing with unread
-        input does not reset the connection before the error reply is read."""
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
-        scratch = bytearray(1 << 16)
-        dropped = 0
-        with contextlib.suppress(TimeoutError, OSError):
-            async with asyncio.timeout(self._timeout_s):
-                while dropped < LINGER_BYTES:
-                    got = await loop.sock_recv_into(sock, scratch)
-                    if got == 0:
-                        return
-                    dropped += got
-
-    async def _send(self, sock: socket.socket, buffers: list[Any]) -> None:
-        """Send ``buffers`` whole within the timeout, else :class:`_Closed`: as much as the
-        socket takes now with one ``sendmsg`` per :data:`IOV_MAX` buffers, the rest of a
-        buffer it did not take with ``sock_sendall`` (which waits for room)."""
-        loop = asyncio.get_running_loop()
-        views = [memoryview(b).cast("B") for b in buffers]
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                i = 0
-                while i < len(views):
-                    try:
-                        sent = sock.sendmsg(views[i : i + IOV_MAX])
-                    except BlockingIOError:
-                        sent = 0
-                    while i < len(views) and sent >= views[i].nbytes:
-                        sent -= views[i].nbytes
-                        i += 1
-                    if i < len(views):  # the socket is full: wait for room for this one
-                        await loop.sock_sendall(sock, views[i][sent:])
-                        i += 1
-        except (TimeoutError, OSError):
-            raise _Closed from None
-
-    async def _read(
-        self, sock: socket.socket, n: int, timeout_s: float, *, at_boundary: bool = False
-    ) -> bytearray | None:
-        """Exactly ``n`` bytes within ``timeout_s``; None on EOF before the first byte when
-        ``at_boundary`` (a clean close between requests), else :class:`_Closed`."""
-        loop = asyncio.get_running_loop()
-        buf = bytearray(n)
-        view = memoryview(buf)
-        pos = 0
-        try:
-            async with asyncio.timeout(timeout_s):
-                while pos < n:
-                    got = await loop.sock_recv_into(sock, view[pos:])
-                    if got == 0:
-                        if at_boundary and pos == 0:
-                            return None
-                        raise _Closed
-                    pos += got
-        except (TimeoutError, OSError):
-            raise _Closed from None
-        return buf
+        await io.send([wire_stream.encode_error(request_id, exc)])

@@ -93,8 +93,10 @@ class DataOps:
         self._sender = sender
         #: the local channel's socket, announced by ``hello`` (set by the front end).
         self.local_path: str | None = None
-        #: the peer stream's port, announced by ``hello`` (set by ``process.py``).
+        #: the peer stream's port, announced by ``hello`` (set by ``process.py``):
+        #: ``peer_stream_port`` when plain, ``peer_stream_tls_port`` when TLS.
         self.peer_stream_port: int | None = None
+        self.peer_stream_tls_port: int | None = None
         svc = service
         self._handlers: dict[str, Callable[[OpCall], Result | Deferred]] = {
             wire.HELLO: self._hello,
@@ -154,6 +156,7 @@ class DataOps:
             "local_path": self.local_path,
             "local_version": wire_local.LOCAL_VERSION if self.local_path else None,
             "peer_stream_port": self.peer_stream_port,
+            "peer_stream_tls_port": self.peer_stream_tls_port,
         }
         return self._service.hello() | extra
 

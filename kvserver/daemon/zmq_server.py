@@ -150,9 +150,12 @@ class DataFrontend:
         """Connections whose requests wait for a promotion or a replay."""
         return len(self._lanes)
 
-    def announce_peer_stream(self, port: int | None) -> None:
-        """Announce the peer stream's port in ``hello`` (None: none open)."""
-        self._ops.peer_stream_port = port
+    def announce_peer_stream(self, port: int | None, *, tls: bool = False) -> None:
+        """Announce the peer stream's port in ``hello`` (None: none open): as
+        ``peer_stream_tls_port`` when it is TLS (so older peers, which read only
+        ``peer_stream_port``, never dial it in clear), else as ``peer_stream_port``."""
+        self._ops.peer_stream_port = None if tls else port
+        self._ops.peer_stream_tls_port = port if tls else None
 
     @property
     def local_path(self) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -60,8 +61,10 @@ class PeerCounters:
 class PeerSettings:
     """How peers are called: per-call timeout, suspicion time, connections per peer, the
     data plane's auth token and extra client options (CURVE keys); ``stream``: fetch over a
-    peer's stream port when it advertises one (off when CURVE is configured: the stream is
-    not encrypted)."""
+    peer's plain (``tcp://``) stream port when it advertises one (off when CURVE is
+    configured: chunks would cross in clear); ``stream_tls``: fetch over a peer's TLS
+    (``tls://``) stream port with this context (None: never), checking
+    ``tls_server_name`` ("" = the host of its address) against its certificate."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     suspect_s: float = DEFAULT_SUSPECT_S
@@ -70,6 +73,8 @@ class PeerSettings:
     client_id: str | None = None
     client_options: tuple[tuple[str, Any], ...] = ()
     stream: bool = True
+    stream_tls: ssl.SSLContext | None = None
+    tls_server_name: str = ""
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.suspect_s < 0 or self.connections < 1:
@@ -112,6 +117,8 @@ class PeerBook:
             client_id=s.client_id,
             client_options=dict(s.client_options),
             stream=s.stream,
+            stream_tls=s.stream_tls,
+            tls_server_name=s.tls_server_name,
         )
         self._links[peer.host_id] = link
         return link

@@ -15,8 +15,9 @@ of the keys it holds in its own tiers (DRAM, or promoted from its SSD) and never
 peers in turn, so fetches cannot chain or loop. The connections are remote ones
 (``colocated=False``) even when the peer runs on this host, so its arena is never mapped.
 
-Fetches take the peer's stream port instead when it advertises one (:meth:`PeerLink.stream`,
-``stream.py``; not when this daemon uses CURVE): ``PeerFetches`` then drives the
+Fetches take the peer's stream port instead when it advertises one this daemon may dial
+(:meth:`PeerLink.stream`, ``stream.py``): a ``tcp://`` one unless this daemon uses CURVE, a
+``tls://`` one when it has a CA for its peers' certificates): ``PeerFetches`` then drives the
 :class:`~kvserver.daemon.peers.stream.PeerStream`, which shares this link's timeout, token and
 connection bound.
 
@@ -30,12 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.peers.directory import Peer, PeerFailed
-from kvserver.daemon.peers.stream import PeerStream, split_address
+from kvserver.daemon.peers.stream import TLS_SCHEME, PeerStream, split_address
 from kvserver.errors import KVServerError, Unavailable, UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
@@ -60,7 +62,12 @@ class PeerLink:
         client_id: str | None = None,
         client_options: dict[str, Any] | None = None,
         stream: bool = True,
+        stream_tls: ssl.SSLContext | None = None,
+        tls_server_name: str = "",
     ) -> None:
+        """``stream``: a plain (``tcp://``) stream port may be used; ``stream_tls``: how a
+        ``tls://`` one is dialled (None: it is not); ``tls_server_name``: the name its
+        certificate must carry ("" = the host of its address)."""
         if timeout_s <= 0 or connections < 1:
             raise ValueError("need timeout_s > 0 and connections >= 1")
         self.peer = peer
@@ -76,6 +83,8 @@ class PeerLink:
         #: shared connections (``connection()``) a call failed on: closed when given back.
         self._spoiled: set[AsyncKVClient] = set()
         self._stream_allowed = stream
+        self._stream_tls = stream_tls
+        self._tls_server_name = tls_server_name
         self._stream: PeerStream | None = None
         self._stream_known = False
 
@@ -121,18 +130,21 @@ class PeerLink:
     async def stream(self) -> PeerStream | None:
         """The peer's stream port (``kvserver/wire_stream.py``) when fetches may use it: the
         peer advertises one (its fleet record, or, for a configured peer list, its ``hello``,
-        asked once) and this daemon may call it in clear (``stream=False``: CURVE is
-        configured, so fetches stay on ZMQ). None: fetch over ZMQ. Raises
-        :class:`PeerFailed` when the ``hello`` that would tell fails."""
-        if not self._stream_allowed:
+        asked once) in a mode this daemon may dial: ``tcp://`` when plain streams are allowed
+        (``stream``: not with CURVE, whose fleet must not send chunks in clear), ``tls://``
+        when ``stream_tls`` is set. A plain stream is never dialled to a TLS port, nor a TLS
+        one to a plain port. None: fetch over ZMQ. Raises :class:`PeerFailed` when the
+        ``hello`` that would tell fails."""
+        if not self._stream_allowed and self._stream_tls is None:
             return None
         if not self._stream_known:
             address = self.peer.stream_address
             if address is None:
                 info = await self._call(lambda kv: kv.hello())
-                address = stream_address_from(self.peer.data_address, info.get("peer_stream_port"))
+                address = stream_address_from(self.peer.data_address, info)
             stream = None
-            if address:
+            tls = address.startswith(TLS_SCHEME)
+            if address and (self._stream_tls is not None if tls else self._stream_allowed):
                 try:
                     stream = PeerStream(
                         self.peer,
@@ -140,6 +152,8 @@ class PeerLink:
                         timeout_s=self.timeout_s,
                         auth_token=self._auth_token,
                         connections=self._max,
+                        tls=self._stream_tls if tls else None,
+                        server_name=self._tls_server_name,
                     )
                 except ValueError:  # a malformed advertised address: ZMQ it is
                     stream = None
@@ -231,16 +245,25 @@ class PeerLink:
             self._freed.notify()
 
 
-def stream_address_from(data_address: str, port: object) -> str:
-    """The stream address of a peer whose ``hello`` announced ``port`` (its host is the data
-    plane's); "" when ``port`` is not a port (an older daemon, none open)."""
-    if type(port) is not int or not 0 < port < 65536:
+def stream_address_from(data_address: str, hello: dict[str, Any]) -> str:
+    """The stream address of a peer whose ``hello`` is ``hello``: ``tls://`` with the port of
+    ``peer_stream_tls_port``, else ``tcp://`` with ``peer_stream_port`` (its host is the data
+    plane's); "" when it announces neither (an older daemon, none open). An older daemon never
+    sees a TLS port (it reads only ``peer_stream_port``), so it never dials one in clear."""
+    tls_port, port = hello.get("peer_stream_tls_port"), hello.get("peer_stream_port")
+    scheme = TLS_SCHEME if _is_port(tls_port) else "tcp://"
+    port = tls_port if _is_port(tls_port) else port
+    if not _is_port(port):
         return ""
     try:
         host, _ = split_address(data_address)
     except ValueError:
         return ""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return f"{scheme}[{host}]:{port}" if ":" in host else f"{scheme}{host}:{port}"
+
+
+def _is_port(port: object) -> bool:
+    return type(port) is int and 0 < port < 65536
 
 
 def check_rows(

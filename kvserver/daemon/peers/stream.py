@@ -15,9 +15,18 @@ once) → per window, in order, ``await conn.reply_head(...)`` then ``read_into`
 it failed (:meth:`StreamConnection.spoil`), so a half-read reply is never taken for the next.
 ``await close()`` closes the idle ones.
 
+A ``tls://`` address (a daemon with TLS certificates: ``stream_server.py``) is dialled with
+TLS (an ``ssl.SSLContext`` from this daemon's files, ``TlsClient.ssl_context``): the peer's
+certificate must chain to the configured CA and name the host of the address (or the
+configured ``server_name``), and the handshake comes before the hello, so the token travels
+encrypted. ``ssl`` sockets have no ``recvmsg_into``: a window is received with one
+``recv_into`` per TLS record straight into the arena page views (OpenSSL decrypts into them:
+the decryption is the copy, nothing else is copied), in the same worker thread.
+
 Every call is bounded by the caller's timeout (``asyncio.timeout`` around each window); a
 read cancelled by it writes nothing more (reads happen only inside the awaited call). A peer
-that closes the connection mid-reply raises :class:`~kvserver.daemon.peers.directory.PeerFailed`.
+that closes the connection mid-reply, or whose certificate is refused, raises
+:class:`~kvserver.daemon.peers.directory.PeerFailed`.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,13 +48,19 @@ from kvserver.token_file import TokenFile
 IOV_MAX = 1024
 
 
+#: the scheme of a TLS stream port's address (a plain one's is ``tcp://``).
+TLS_SCHEME = "tls://"
+
+
 def split_address(address: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` (HOST may be ``[v6]``) as (host, port); ValueError when not."""
-    if not address.startswith("tcp://"):
-        raise ValueError(f"not a tcp:// address: {address!r}")
-    host, _, port = address[len("tcp://") :].rpartition(":")
+    """``tcp://HOST:PORT`` or ``tls://HOST:PORT`` (HOST may be ``[v6]``) as (host, port);
+    ValueError when not."""
+    scheme = next((s for s in ("tcp://", TLS_SCHEME) if address.startswith(s)), "")
+    if not scheme:
+        raise ValueError(f"not a tcp:// or tls:// address: {address!r}")
+    host, _, port = address[len(scheme) :].rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"not a tcp://HOST:PORT address: {address!r}")
+        raise ValueError(f"not a {scheme}HOST:PORT address: {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -58,11 +74,13 @@ class StreamConnection:
     pages), where the event loop would wake up and call ``recv`` once per socket-buffer's
     worth. If the awaiting task is cancelled, the socket is
     shut down and the thread awaited before the cancellation goes on, so no byte lands in a
-    buffer after its owner gave it up.
+    buffer after its owner gave it up. A TLS socket (``ssl.SSLSocket``) is in timeout mode
+    instead, every transfer in the thread (its calls take no flags).
     """
 
     def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self.peer_id = peer.host_id
         self._next_id = 1
         self._loop = asyncio.get_running_loop()
@@ -75,7 +93,12 @@ class StreamConnection:
     def alive(self) -> bool:
         """False when the peer closed it (or sent something unasked) while it was idle."""
         try:
-            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed
+            if self.tls:
+                if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+                    return False  # decrypted bytes nobody asked for
+                self.sock.settimeout(0.0)  # the raw peek below must not wait
+            # the raw bytes (an SSLSocket's own recv takes no flags)
+            socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             return False
         except BlockingIOError:
             return True
@@ -128,8 +151,22 @@ class StreamConnection:
         """Fill ``views``, in order, from the stream (the kernel copies straight into them)."""
         await self._in_thread(self._recv, views, deadline)
 
+    async def open(self, hello: bytes, deadline: float) -> None:
+        """TLS only: the handshake (the peer's certificate checked), then the hello."""
+        await self._in_thread(self._handshake, hello, deadline)
+
+    def _handshake(self, hello: bytes, deadline: float) -> None:
+        """Worker thread: the TLS handshake, then ``hello``. Raises OSError (ssl.SSLError)."""
+        assert isinstance(self.sock, ssl.SSLSocket)
+        _set_tls_timeout(self.sock, deadline)
+        self.sock.do_handshake()
+        self._send(memoryview(hello), deadline)
+
     def _now(self, view: memoryview, *, receive: bool) -> int:
-        """Receive into / send from ``view`` on the loop what can be done without waiting."""
+        """Receive into / send from ``view`` on the loop what can be done without waiting
+        (plain sockets; a TLS one always goes to the thread)."""
+        if self.tls:
+            return 0
         try:
             if receive:
                 n = self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
@@ -151,8 +188,8 @@ class StreamConnection:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
             self.spoil()
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # the thread's call returns at once
+            with contextlib.suppress(OSError):  # the thread's call returns at once
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # the raw socket
             while not fut.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([fut])
@@ -160,8 +197,13 @@ class StreamConnection:
         except OSError as exc:
             self.spoil()
             timed_out = isinstance(exc, (BlockingIOError, TimeoutError))
-            what = "did not answer in time" if timed_out else f"failed: {exc}"
-            raise self._failed(f"peer stream {what}", timed_out=True) from None
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                what = f"refused: the peer's TLS certificate: {exc.verify_message}"
+            else:
+                what = "did not answer in time" if timed_out else f"failed: {exc}"
+            # a TLS error other than an EOF: the peer answered, wrongly (not a peer gone)
+            wrong = isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError)
+            raise self._failed(f"peer stream {what}", timed_out=not wrong) from None
         except PeerFailed:
             self.spoil()
             raise
@@ -169,7 +211,10 @@ class StreamConnection:
     def _recv(self, views: Sequence[memoryview], deadline: float) -> None:
         """Worker thread: fill ``views``, in order, with one scattering ``recvmsg_into``
         (``MSG_WAITALL``) per :data:`IOV_MAX` of them, again for what a call left (a timeout
-        or a signal cuts one short). Raises OSError / PeerFailed."""
+        or a signal cuts one short); with TLS, ``recv_into`` per record into each view.
+        Raises OSError / PeerFailed."""
+        if self.tls:
+            return self._recv_tls(views, deadline)
         sock, todo, i = self.sock, list(views), 0
         while i < len(todo):
             _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
@@ -182,8 +227,23 @@ class StreamConnection:
             if got:
                 todo[i] = todo[i][got:]
 
+    def _recv_tls(self, views: Sequence[memoryview], deadline: float) -> None:
+        sock = self.sock
+        for view in views:
+            _set_tls_timeout(sock, deadline)
+            pos, size = 0, view.nbytes
+            while pos < size:
+                got = sock.recv_into(view[pos:])  # decrypted straight into the view
+                if got == 0:
+                    raise self._failed("peer closed the stream mid-reply", timed_out=True)
+                pos += got
+
     def _send(self, data: memoryview, deadline: float) -> None:
         """Worker thread: send ``data`` whole (raises OSError)."""
+        if self.tls:
+            _set_tls_timeout(self.sock, deadline)
+            self.sock.sendall(data)
+            return
         sock, pos = self.sock, 0
         while pos < data.nbytes:
             _set_timeout(sock, socket.SO_SNDTIMEO, deadline)
@@ -203,15 +263,40 @@ def _set_timeout(sock: socket.socket, option: int, deadline: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, usec))
 
 
+def _set_tls_timeout(sock: socket.socket, deadline: float) -> None:
+    """Bound each of a TLS socket's next calls by ``deadline`` (a ``SO_RCVTIMEO`` under
+    OpenSSL would make a blocking ``SSL_read`` retry at once, forever)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
 class PeerStream:
     """Connections to one peer's stream port; see the module docstring."""
 
     def __init__(
-        self, peer: Peer, address: str, *, timeout_s: float, auth_token: str, connections: int
+        self,
+        peer: Peer,
+        address: str,
+        *,
+        timeout_s: float,
+        auth_token: str,
+        connections: int,
+        tls: ssl.SSLContext | None = None,
+        server_name: str = "",
     ) -> None:
+        """``tls``: how a ``tls://`` address is dialled (ValueError without it, and for a
+        ``tcp://`` address with it: a stream is never dialled in another mode than the one
+        its address names); ``server_name``: the name the certificate must carry (default:
+        the host of the address)."""
         self.peer = peer
         self.address = address
         self._host, self._port = split_address(address)
+        if address.startswith(TLS_SCHEME) != (tls is not None):
+            raise ValueError(f"a tls:// address and a TLS context go together: {address!r}")
+        self._tls = tls
+        self._server_name = server_name or self._host
         self.timeout_s = timeout_s
         self._auth = auth_token
         #: no token configured: the peer's token file for this port, as the ZMQ client does
@@ -285,8 +370,17 @@ class PeerStream:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await loop.sock_connect(sock, addr)
+            hello = wire_stream.encode_hello(self._token())
+            if self._tls is not None:  # the handshake first: the hello goes inside TLS
+                tls = self._tls.wrap_socket(
+                    sock, server_hostname=self._server_name, do_handshake_on_connect=False
+                )
+                sock = tls
+                conn = StreamConnection(tls, self.peer)
+                await conn.open(hello, time.monotonic() + self.timeout_s)
+                return conn
             # the hello: the token, before anything else (a refusal comes as the first reply)
-            await loop.sock_sendall(sock, wire_stream.encode_hello(self._token()))
+            await loop.sock_sendall(sock, hello)
             sock.setblocking(True)  # MSG_DONTWAIT on the loop, blocking calls in threads
         except BaseException:
             sock.close()

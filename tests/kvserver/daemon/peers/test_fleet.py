@@ -6,7 +6,8 @@ under it in turn) and served byte for byte; a restarted A is a new incarnation w
 entries are never used; a property test of random store / evict / kill / restart sequences
 checks that every byte served through any host equals what was stored, and that every index
 entry is true or cleaned within the TTL; a fleet secured on every hop (rediss://, CURVE between
-peers and clients, TLS, a token) fetches the same way.
+peers and clients, TLS, a token) fetches the same way, over the TLS peer stream (and over
+CURVE when the stream is off).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from kvserver.client import KVClient
 from kvserver.cluster import FleetReader
 from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.cluster.schema import host_key
 from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.errors import UnknownKey
 from tests.kvserver.builders import make_keys, make_spec, pattern
@@ -286,10 +288,15 @@ def test_chunks_a_fetch_placed_are_announced_under_the_fetching_host(
 # ----------------------------------------------------------------------------- secured
 
 
-def test_a_secured_fleet_over_rediss_fetches_over_curve(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stream", ["tls", "off"])
+def test_a_secured_fleet_over_rediss_fetches_over_the_tls_stream_or_curve(
+    tmp_path: Path, stream: str
+) -> None:
     """Every hop secured: the fleet state over TLS (``rediss://``), two daemons beyond
     loopback with CURVE (peers admitted by the fleet's own key in the clients directory), TLS
-    and a token; a client with a listed key stores through A and loads A's bytes through B."""
+    (one certificate for the fleet, client certificates required) and a token; a client with
+    a listed key stores through A and loads A's bytes through B: over A's TLS stream port
+    (advertised as tls:// in A's record), or over ZMQ with CURVE when the stream is off."""
     require_redis()
     token = "secured-fleet-token-0123456789"
     server_key, server_secret = make_curve_keys(str(tmp_path / "keys"), "server")
@@ -302,7 +309,8 @@ def test_a_secured_fleet_over_rediss_fetches_over_curve(tmp_path: Path) -> None:
     assert redis.url.startswith("rediss://")
     secure = ("--host", "0.0.0.0", "--advertise-addr", "127.0.0.1", "--auth-token", token,
               "--curve-secret-key-file", server_secret, "--curve-clients-dir", str(clients),
-              "--tls-cert-file", cert, "--tls-key-file", key)  # fmt: skip
+              "--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", cert,
+              *(("--peer-stream-port", "-1") if stream == "off" else ()))  # fmt: skip
     hosts = {}
     try:
         hosts = {h: start_host(tmp_path, redis, h, *secure) for h in "AB"}
@@ -320,9 +328,16 @@ def test_a_secured_fleet_over_rediss_fetches_over_curve(tmp_path: Path) -> None:
             wait_until(lambda: kv.lookup(SPEC.ns_id, keys).tiers.get("peer", 0) == 3)
             assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
             stats = kv.stats()["peer"]
-            assert stats["fetched_chunks"] == 3
-            assert stats["stream_fetches"] == 0 < stats["fetches"]  # CURVE: ZMQ only
-        assert all(d.info["peer_stream_port"] == -1 for d in hosts.values())  # none opened
+            assert stats["fetched_chunks"] == 3 and stats["failures"] == 0
+            want = stats["fetches"] if stream == "tls" else 0
+            assert stats["stream_fetches"] == want and stats["fetches"] > 0
+        if stream == "tls":
+            a = hosts["A"]
+            assert a.info["peer_stream_tls"] is True
+            record = redis.cli("GET", host_key("A"))
+            assert f'"stream_address":"tls://127.0.0.1:{a.info["peer_stream_port"]}"' in record
+        else:
+            assert all(d.info["peer_stream_port"] == -1 for d in hosts.values())  # none opened
     finally:
         for d in hosts.values():
             d.kill()

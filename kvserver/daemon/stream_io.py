@@ -1,0 +1,253 @@
+"""The bytes under the peer stream's server end: one accepted connection, plain TCP or TLS.
+
+Runs in the daemon process, on its event loop (loop only, not thread-safe);
+``kvserver/daemon/stream_server.py`` serves each connection through one of these. Call order:
+``PlainIO(sock)``, or ``await TlsIO.accept(sock, context, timeout_s)`` (the TLS handshake,
+before any byte of the stream is read) → ``read`` / ``send`` in turns (one at a time: a
+connection's requests are served in order) → ``linger`` after an error that ends the
+stream → ``close()``.
+
+- :class:`PlainIO`: ``loop.sock_*`` on the non-blocking socket; a reply goes out with one
+  ``sendmsg`` of the arena views per :data:`IOV_MAX` of them, so the kernel's copy is the only
+  one.
+- :class:`TlsIO`: ``ssl`` sockets support neither ``sendmsg`` nor the loop's ``sock_*``, so
+  reads (hellos and request headers: small) decrypt on the loop with the socket
+  non-blocking, waiting for the descriptor to become readable (``loop.add_reader``), and a
+  reply of more than :data:`SMALL_REPLY_BYTES` is sent from a worker thread that ``sendall``\\ s
+  each arena view: OpenSSL encrypts straight from the arena pages into its record buffer
+  (the encryption is the copy; nothing else is copied), and the loop serves other
+  connections meanwhile. If the awaiting task is cancelled (the daemon stops), the socket is
+  shut down and the thread awaited before the cancellation goes on, so no page is read after
+  its pin ends.
+
+Every read and send is bounded (``timeout_s``); past it, or on EOF, a reset or a TLS error,
+:class:`Closed` is raised and the connection is to be closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from typing import Any
+
+#: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
+IOV_MAX = 1024
+#: input read and dropped at most after an error that closes the connection.
+LINGER_BYTES = 1 << 20
+#: TLS replies up to this size are encrypted on the loop (no thread hop).
+SMALL_REPLY_BYTES = 64 << 10
+
+
+class Closed(Exception):
+    """The connection ended (EOF, a timeout, an error that ends the stream)."""
+
+
+class PlainIO:
+    """A plain TCP connection; see the module docstring."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock = sock
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def read(
+        self, n: int, timeout_s: float, *, at_boundary: bool = False
+    ) -> bytearray | None:
+        """Exactly ``n`` bytes within ``timeout_s``; None on EOF before the first byte when
+        ``at_boundary`` (a clean close between requests), else :class:`Closed`."""
+        loop = asyncio.get_running_loop()
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                while pos < n:
+                    got = await loop.sock_recv_into(self.sock, view[pos:])
+                    if got == 0:
+                        if at_boundary and pos == 0:
+                            return None
+                        raise Closed
+                    pos += got
+        except (TimeoutError, OSError):
+            raise Closed from None
+        return buf
+
+    async def send(self, buffers: list[Any]) -> None:
+        """Send ``buffers`` whole within the timeout, else :class:`Closed`: as much as the
+        socket takes now with one ``sendmsg`` per :data:`IOV_MAX` buffers, the rest of a
+        buffer it did not take with ``sock_sendall`` (which waits for room)."""
+        loop = asyncio.get_running_loop()
+        views = [memoryview(b).cast("B") for b in buffers]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                i = 0
+                while i < len(views):
+                    try:
+                        sent = self.sock.sendmsg(views[i : i + IOV_MAX])
+                    except BlockingIOError:
+                        sent = 0
+                    while i < len(views) and sent >= views[i].nbytes:
+                        sent -= views[i].nbytes
+                        i += 1
+                    if i < len(views):  # the socket is full: wait for room for this one
+                        await loop.sock_sendall(self.sock, views[i][sent:])
+                        i += 1
+        except (TimeoutError, OSError):
+            raise Closed from None
+
+    async def linger(self) -> None:
+        """Before closing on an error: stop sending and read (and drop) what the peer still
+        sends, at most :data:`LINGER_BYTES` within the timeout, so that closing with unread
+        input does not reset the connection before the error reply is read."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        scratch = bytearray(1 << 16)
+        dropped = 0
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(self.timeout_s):
+                while dropped < LINGER_BYTES:
+                    got = await loop.sock_recv_into(self.sock, scratch)
+                    if got == 0:
+                        return
+                    dropped += got
+
+
+class TlsIO:
+    """A TLS connection (server side); see the module docstring."""
+
+    def __init__(self, sock: ssl.SSLSocket, timeout_s: float) -> None:
+        self.sock = sock
+        self.timeout_s = timeout_s
+
+    @classmethod
+    async def accept(
+        cls, sock: socket.socket, context: ssl.SSLContext, timeout_s: float
+    ) -> TlsIO:
+        """The TLS handshake on the accepted (non-blocking) ``sock`` within ``timeout_s``;
+        :class:`Closed` when it fails (a plain client, an untrusted or missing client
+        certificate, a timeout): the caller closes it."""
+        tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        io = cls(tls, timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await io._nonblocking(tls.do_handshake)
+        except (TimeoutError, OSError):
+            tls.close()
+            raise Closed from None
+        return io
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def read(
+        self, n: int, timeout_s: float, *, at_boundary: bool = False
+    ) -> bytearray | None:
+        """As :meth:`PlainIO.read` (decrypted on the loop)."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                while pos < n:
+                    rest = view[pos:]
+                    got = await self._nonblocking(lambda rest=rest: self.sock.recv_into(rest))
+                    if got == 0:
+                        if at_boundary and pos == 0:
+                            return None
+                        raise Closed
+                    pos += got
+        except (TimeoutError, OSError):  # ssl.SSLError (an EOF without close_notify too)
+            raise Closed from None
+        return buf
+
+    async def send(self, buffers: list[Any]) -> None:
+        """Send ``buffers`` whole within the timeout, else :class:`Closed`: encrypted on the
+        loop when small, else from a worker thread (module docstring)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if sum(v.nbytes for v in views) <= SMALL_REPLY_BYTES:
+                    for view in views:
+                        # no partial writes: a write that would block is retried whole
+                        await self._nonblocking(lambda v=view: self.sock.sendall(v))
+                else:
+                    await self._in_thread(views)
+        except (TimeoutError, OSError):
+            raise Closed from None
+
+    async def linger(self) -> None:
+        """As :meth:`PlainIO.linger`; what arrives is dropped undecrypted."""
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.sock, socket.SHUT_WR)
+        scratch = bytearray(1 << 16)
+        dropped = 0
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(self.timeout_s):
+                while dropped < LINGER_BYTES:
+                    await self._wait(writable=False)
+                    got = socket.socket.recv_into(self.sock, scratch)  # the raw bytes
+                    if got == 0:
+                        return
+                    dropped += got
+
+    async def _nonblocking(self, call: Any) -> Any:
+        """``call()`` on the non-blocking socket, again each time the descriptor is ready
+        for what it wanted (``SSLWantRead`` / ``SSLWantWrite``)."""
+        while True:
+            try:
+                return call()
+            except ssl.SSLWantReadError:
+                await self._wait(writable=False)
+            except ssl.SSLWantWriteError:
+                await self._wait(writable=True)
+
+    async def _wait(self, *, writable: bool) -> None:
+        loop = asyncio.get_running_loop()
+        fd = self.sock.fileno()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        if writable:
+            loop.add_writer(fd, wake)
+        else:
+            loop.add_reader(fd, wake)
+        try:
+            await ready
+        finally:
+            if writable:
+                loop.remove_writer(fd)
+            else:
+                loop.remove_reader(fd)
+
+    async def _in_thread(self, views: list[memoryview]) -> None:
+        """Send ``views`` from a worker thread with the socket in timeout mode; back to
+        non-blocking after. A cancellation shuts the socket down and waits for the thread."""
+        sock = self.sock
+
+        def send_all() -> None:
+            sock.settimeout(self.timeout_s)
+            for view in views:
+                sock.sendall(view)  # SSL_write straight from the view
+
+        fut = asyncio.get_running_loop().run_in_executor(None, send_all)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # its call returns at once
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([fut])
+            raise
+        finally:
+            if fut.done():
+                with contextlib.suppress(OSError):
+                    sock.setblocking(False)
