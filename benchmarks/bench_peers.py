@@ -8,7 +8,8 @@ Everything runs in one run, on loopback:
   ``put``; two fetching daemons, each with room for about one and a half batches (so every
   batch is evicted before it is asked for again): B (``--peers A``) fetches over A's peer
   stream (plain TCP, received straight into B's arena: ``docs/wire.md`` §6), B_zmq (``--peers
-  A --peer-stream-port -1``) over the ZMQ data plane, as a daemon with CURVE does.
+  A --peer-stream-port -1``) over the ZMQ data plane, as a daemon with CURVE and no TLS
+  certificate does.
 - peer fetch: this process, a co-located client of B (and of B_zmq), calls ``prepare_load`` of
   one batch's keys (then ``complete_load``). B finds them in no local tier, asks A which it
   holds (one ``lookup local=``), fetches them in 4 MiB windows pipelined on one connection,
@@ -31,9 +32,14 @@ Everything runs in one run, on loopback:
   that alone costs against the reference.
 - context (not the target): the same keys read straight from A with the client's remote
   ``get`` (one hop through kvserver's data plane), in the same rounds.
+- a secure fleet, in the same rounds: A_sec (CURVE and a TLS certificate, ``docs/security.md``)
+  holds the same batches; B_tls (the same keys) fetches over A_sec's TLS stream port
+  (``docs/wire.md`` §6, "TLS"), B_curve (``--peer-stream-port -1``) over ZMQ with CURVE. Their
+  ratios against the same raw ZMQ reference (``tls_ratio``, ``curve_ratio``) and against each
+  other (``tls_over_curve``) show what encryption costs on each transport.
 
-Each round runs the reference, the floor, the remote get, then both fetches (stream first in
-odd rounds, ZMQ first in even ones), so all see the same machine; the figure per chunk size is
+Each round runs the reference, the floor, the remote get, then the four fetches (their order
+rotating from round to round), so all see the same machine; the figure per chunk size is
 the median fetch bandwidth over the median reference bandwidth, with the per-round ratios as
 the spread (and their median, ``paired_ratio_median``: each fetch round against the reference
 round of the same round, which a drifting load on a shared machine disturbs less). The load
@@ -47,10 +53,8 @@ With --json, also writes FILE with the .png suffix (chart) when matplotlib is im
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,8 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import zmq
 
 from benchmarks.harness.daemon import DaemonProc, start_daemon
+from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
 from benchmarks.report import save_report
 from kvserver.client import KVClient
+from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
 from kvserver.namespace import NamespaceSpec
 
@@ -163,156 +169,115 @@ class RawPeer:
         self.ctx.term()
 
 
-# ----------------------------------------------------------------------------- the floor
-
-
-def shm_mapping(size: int) -> mmap.mmap:
-    """A prefaulted shared mapping of a /dev/shm file, like a daemon's arena (unlinked)."""
-    path = f"/dev/shm/kvserver-bench-peers-{os.getpid()}-{time.monotonic_ns()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.unlink(path)
-        os.ftruncate(fd, size)
-        m = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    page = b"\1" * 4096
-    for off in range(0, size, len(page)):
-        m[off : off + len(page)] = page
-    return m
-
-
-def serve_tcp(endpoint_file: str, part_bytes: int, n: int) -> int:
-    """Helper process of the floor: per request byte, ``n`` parts of ``part_bytes`` sent over
-    plain TCP out of a /dev/shm mapping of ``BATCHES`` batches, a batch after another (as A
-    sends out of its arena), with ``sendmsg`` of the parts' views; b"s" stops it."""
-    batch = n * part_bytes
-    arena = memoryview(shm_mapping(BATCHES * batch))
-    listener = socket.create_server(("127.0.0.1", 0))
-    Path(endpoint_file).write_text(str(listener.getsockname()[1]))
-    conn, _ = listener.accept()
-    r = 0
-    while conn.recv(1) == b"g":
-        base = (r % BATCHES) * batch
-        views = [arena[base + i * part_bytes : base + (i + 1) * part_bytes] for i in range(n)]
-        while views:
-            sent = conn.sendmsg(views[:1024])
-            while views and sent >= views[0].nbytes:
-                sent -= views.pop(0).nbytes
-            if views and sent:
-                views[0] = views[0][sent:]
-        r += 1
-    return 0
-
-
-class RawArenaTcp:
-    """The floor: the helper's plain TCP stream received with ``recvmsg_into`` (``MSG_WAITALL``,
-    every part's view in one call) straight into a /dev/shm mapping the size of B's DRAM,
-    rotating as B's pages do: arena pages to arena pages with no protocol at all."""
-
-    def __init__(self, workdir: Path, part_bytes: int, n: int, env: dict[str, str]) -> None:
-        self.proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
-        self.sock = socket.create_connection(("127.0.0.1", int(ep.read_text())), 30)
-        self.sock.settimeout(TIMEOUT_MS / 1000)
-        self.part_bytes, self.n = part_bytes, n
-        self.arena = memoryview(shm_mapping(B_DRAM))
-        self.rounds = 0
-
-    def round(self) -> float:
-        size, region = self.part_bytes, B_DRAM // 3  # a batch starts a third further each time
-        base = (self.rounds % 3) * region
-        self.rounds += 1
-        start = time.perf_counter()
-        self.sock.sendall(b"g")
-        views = [self.arena[(base + i * size) % B_DRAM :][:size] for i in range(self.n)]
-        while views:
-            got = self.sock.recvmsg_into(views[:1024], 0, socket.MSG_WAITALL)[0]
-            while views and got >= views[0].nbytes:
-                got -= views.pop(0).nbytes
-            if views and got:
-                views[0] = views[0][got:]
-        return time.perf_counter() - start
-
-    def close(self) -> None:
-        self.sock.sendall(b"s")
-        self.proc.wait(10)
-        self.sock.close()
-
-
 # ----------------------------------------------------------------------------- the fleet
+
+
+#: the fetches timed each round: (name, fetching daemon's key in ``measure``'s daemons).
+FETCHES = ("stream", "zmq", "tls", "curve")
+
+
+def secure_args(workdir: Path) -> tuple[tuple[str, ...], CurveClient]:
+    """Flags of the secure fleet (one CURVE pair and one TLS certificate for it, as
+    ``kvserver keys`` makes them) and the CURVE client settings of its clients."""
+    keys = workdir / "keys"
+    if not (keys / "server.key_secret").exists():
+        make_curve_keys(str(keys), "server")
+        make_tls_cert(str(keys), "server", ["127.0.0.1"])
+    args = ("--curve-secret-key-file", str(keys / "server.key_secret"),
+            "--tls-cert-file", str(keys / "server.crt"),
+            "--tls-key-file", str(keys / "server.pem"))  # fmt: skip
+    return args, CurveClient.from_files(str(keys / "server.key"))
 
 
 def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) -> dict[str, Any]:
     n = BATCH_BYTES // part_bytes
     spec = spec_for(part_bytes)
-    a = start_daemon(workdir / f"a-{part_bytes}", "--dram", f"{BATCHES * 40}MiB",
-                     env=env)  # fmt: skip
-    daemons: list[DaemonProc] = [a]
+    secure, curve = secure_args(workdir)
+    daemons: dict[str, DaemonProc] = {}
     ref: RawPeer | None = None
     floor: RawArenaTcp | None = None
+
+    def start(name: str, *args: str) -> DaemonProc:
+        daemons[name] = start_daemon(workdir / f"{name}-{part_bytes}", *args, env=env)
+        return daemons[name]
+
     try:
-        # B fetches over A's peer stream (the default); B_zmq is told not to (-1: ZMQ only)
-        b = start_daemon(workdir / f"b-{part_bytes}", "--dram", f"{B_DRAM // MiB}MiB",
-                         "--peers", a.zmq_address, env=env)  # fmt: skip
-        daemons.append(b)
-        bz = start_daemon(workdir / f"bz-{part_bytes}", "--dram", f"{B_DRAM // MiB}MiB", "--peers",
-                          a.zmq_address, "--peer-stream-port", "-1", env=env)  # fmt: skip
-        daemons.append(bz)
+        a = start("a", "--dram", f"{BATCHES * 40}MiB")
+        a_sec = start("a_sec", "--dram", f"{BATCHES * 40}MiB", *secure)
+        b_dram = ("--dram", f"{B_DRAM // MiB}MiB")
+        # B fetches over A's peer stream (the default); B_zmq is told not to (-1: ZMQ only);
+        # B_tls over A_sec's TLS stream; B_curve over ZMQ with CURVE
+        start("stream", *b_dram, "--peers", a.zmq_address)
+        start("zmq", *b_dram, "--peers", a.zmq_address, "--peer-stream-port", "-1")
+        start("tls", *b_dram, "--peers", a_sec.zmq_address, *secure)
+        start("curve", *b_dram, "--peers", a_sec.zmq_address, "--peer-stream-port", "-1", *secure)
         batches = [batch_keys(part_bytes, i, n) for i in range(BATCHES)]
-        with KVClient(a.zmq_address, colocated=False, timeout=60) as kv:
-            ns_id = kv.register_namespace(spec).ns_id
-            for keys in batches:
-                for i in range(0, n, 8):
-                    chunk = keys[i : i + 8]
-                    stored = kv.put(ns_id, chunk, [payload(k, part_bytes) for k in chunk]).stored
-                    assert stored == chunk, "A could not take the batch"
+        for holder, sec in ((a, None), (a_sec, curve)):
+            with KVClient(holder.zmq_address, colocated=False, timeout=60, curve=sec) as kv:
+                ns_id = kv.register_namespace(spec).ns_id
+                for keys in batches:
+                    for i in range(0, n, 8):
+                        chunk = keys[i : i + 8]
+                        data = [payload(k, part_bytes) for k in chunk]
+                        assert kv.put(ns_id, chunk, data).stored == chunk, "A is full"
         ref = RawPeer(workdir, part_bytes, n, env)
-        floor = RawArenaTcp(workdir, part_bytes, n, env)
-        times: dict[str, list[float]] = {"stream": [], "zmq": [], "ref": [], "get": [],
-                                         "floor": []}  # fmt: skip
-        with (
-            KVClient(b.zmq_address, timeout=60) as kv,
-            KVClient(bz.zmq_address, timeout=60) as kvz,
-            KVClient(a.zmq_address, colocated=False, timeout=60) as remote,
-        ):
-            remote.register_namespace(spec)
-            for client in (kv, kvz):
-                client.register_namespace(spec)
-                assert client.is_colocated, "the bench must run on B's host"
-                got = client.load(ns_id, batches[0])  # check once: A's bytes, through B
-                assert all(bytes(row[0]) == payload(k, part_bytes) for k, row in
-                           zip(batches[0], got, strict=True)), "B served other bytes"  # fmt: skip
+        proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
+        floor = RawArenaTcp(proc, int(ep.read_text()), part_bytes, n, B_DRAM, TIMEOUT_MS / 1000)
+        times: dict[str, list[float]] = {name: [] for name in (*FETCHES, "ref", "get", "floor")}
+        clients = {
+            name: KVClient(daemons[name].zmq_address, timeout=60,
+                           curve=curve if name in ("tls", "curve") else None)
+            for name in FETCHES
+        }  # fmt: skip
+        try:
+            with KVClient(a.zmq_address, colocated=False, timeout=60) as remote:
+                remote.register_namespace(spec)
+                for client in clients.values():
+                    client.register_namespace(spec)
+                    assert client.is_colocated, "the bench must run on B's host"
+                    got = client.load(ns_id, batches[0])  # check once: A's bytes, through B
+                    assert all(
+                        bytes(row[0]) == payload(k, part_bytes)
+                        for k, row in zip(batches[0], got, strict=True)
+                    ), "B served other bytes"
 
-            def fetch(client: KVClient, keys: list[bytes]) -> float:
-                start = time.perf_counter()
-                grant = client.prepare_load(ns_id, keys)
-                elapsed = time.perf_counter() - start
-                client.complete_load(grant.lease_id)
-                return elapsed
+                def fetch(client: KVClient, keys: list[bytes]) -> float:
+                    start = time.perf_counter()
+                    grant = client.prepare_load(ns_id, keys)
+                    elapsed = time.perf_counter() - start
+                    client.complete_load(grant.lease_id)
+                    return elapsed
 
-            for r in range(1, rounds + 1):
-                keys = batches[r % BATCHES]
-                times["ref"].append(ref.round())
-                times["floor"].append(floor.round())
-                start = time.perf_counter()
-                remote.get(ns_id, keys)  # context: one remote get straight from A
-                times["get"].append(time.perf_counter() - start)
-                order = [("stream", kv), ("zmq", kvz)]
-                for name, client in order if r % 2 else order[::-1]:  # alternate who goes first
-                    times[name].append(fetch(client, keys))
-            stats, stats_z = kv.stats()["peer"], kvz.stats()["peer"]
-        assert stats["stream_fetches"] == stats["fetches"] > 0, stats
-        assert stats_z["stream_fetches"] == 0 and stats_z["fetched_chunks"] >= rounds * n, stats_z
+                for r in range(1, rounds + 1):
+                    keys = batches[r % BATCHES]
+                    times["ref"].append(ref.round())
+                    times["floor"].append(floor.round())
+                    start_get = time.perf_counter()
+                    remote.get(ns_id, keys)  # context: one remote get straight from A
+                    times["get"].append(time.perf_counter() - start_get)
+                    for i in range(len(FETCHES)):  # rotate who goes first
+                        name = FETCHES[(i + r) % len(FETCHES)]
+                        times[name].append(fetch(clients[name], keys))
+                stats = {name: c.stats()["peer"] for name, c in clients.items()}
+        finally:
+            for client in clients.values():
+                client.close()
+        for name in ("stream", "tls"):
+            assert stats[name]["stream_fetches"] == stats[name]["fetches"] > 0, stats[name]
+        for name in ("zmq", "curve"):
+            assert stats[name]["stream_fetches"] == 0, stats[name]
+            assert stats[name]["fetched_chunks"] >= rounds * n, stats[name]
     finally:
         if ref is not None:
             ref.close()
         if floor is not None:
             floor.close()
-        for d in reversed(daemons):
+        for d in reversed(daemons.values()):
             d.terminate()
     nbytes = n * part_bytes
     bw = {name: [nbytes / s / MiB for s in ts] for name, ts in times.items()}
-    ref_med = statistics.median(bw["ref"])
+    med = {name: statistics.median(v) for name, v in bw.items()}
+    ref_med = med["ref"]
 
     def paired(name: str) -> list[float]:
         return [f / r for f, r in zip(bw[name], bw["ref"], strict=True)]
@@ -322,25 +287,33 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         "part_bytes": part_bytes,
         "chunks_per_fetch": n,
         "rounds": rounds,
-        "value_MBps": statistics.median(bw["stream"]),
+        "value_MBps": med["stream"],
         "reference_MBps": ref_med,
-        "ratio": statistics.median(bw["stream"]) / ref_med,
+        "ratio": med["stream"] / ref_med,
         "round_ratios": paired("stream"),
         "paired_ratio_median": statistics.median(paired("stream")),
-        "zmq_MBps": statistics.median(bw["zmq"]),
-        "zmq_ratio": statistics.median(bw["zmq"]) / ref_med,
+        "zmq_MBps": med["zmq"],
+        "zmq_ratio": med["zmq"] / ref_med,
         "zmq_round_ratios": paired("zmq"),
         "zmq_paired_ratio_median": statistics.median(paired("zmq")),
-        "floor_MBps": statistics.median(bw["floor"]),
-        "floor_ratio": statistics.median(bw["floor"]) / ref_med,
-        "stream_over_floor": statistics.median(bw["stream"]) / statistics.median(bw["floor"]),
-        "remote_get_MBps": statistics.median(bw["get"]),
-        "remote_get_ratio": statistics.median(bw["get"]) / ref_med,
+        "tls_MBps": med["tls"],
+        "tls_ratio": med["tls"] / ref_med,
+        "tls_paired_ratio_median": statistics.median(paired("tls")),
+        "curve_MBps": med["curve"],
+        "curve_ratio": med["curve"] / ref_med,
+        "curve_paired_ratio_median": statistics.median(paired("curve")),
+        "tls_over_curve": med["tls"] / med["curve"],
+        "floor_MBps": med["floor"],
+        "floor_ratio": med["floor"] / ref_med,
+        "stream_over_floor": med["stream"] / med["floor"],
+        "remote_get_MBps": med["get"],
+        "remote_get_ratio": med["get"] / ref_med,
         "fetch_ms_median": statistics.median(times["stream"]) * 1e3,
         "zmq_fetch_ms_median": statistics.median(times["zmq"]) * 1e3,
+        "tls_fetch_ms_median": statistics.median(times["tls"]) * 1e3,
+        "curve_fetch_ms_median": statistics.median(times["curve"]) * 1e3,
         "reference_ms_median": statistics.median(times["ref"]) * 1e3,
         "peer_stats": stats,
-        "peer_stats_zmq": stats_z,
     }
 
 
@@ -365,7 +338,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for rows in zip(*(r["results"] for r in runs), strict=True):
         entry: dict[str, Any] = {"name": rows[0]["name"], "part_bytes": rows[0]["part_bytes"]}
         for key in ("ratio", "paired_ratio_median", "zmq_ratio", "floor_ratio",
-                    "stream_over_floor"):  # fmt: skip
+                    "stream_over_floor", "tls_ratio", "curve_ratio", "tls_over_curve"):  # fmt: skip
             values = [row[key] for row in rows]
             entry[f"{key}_per_run"] = values
             entry[f"{key}_median"] = statistics.median(values)
@@ -392,12 +365,16 @@ def print_table(report: dict[str, Any]) -> None:
         before, after = run_report["load_average_before"], run_report["load_average_after"]
         print(f"load average before {before[0]:.2f}, after {after[0]:.2f} (1 min)")
     print(f"\nmedian over {len(report['runs'])} run(s), per run in brackets")
-    print(f"{'case':<34} {'stream/ref':>11} {'ZMQ/ref':>8} {'floor/ref':>10} {'stream/ZMQ':>11}")
+    print(f"{'case':<34} {'stream/ref':>11} {'ZMQ/ref':>8} {'floor/ref':>10} {'stream/ZMQ':>11} "
+          f"{'TLS/ref':>8} {'CURVE/ref':>10} {'TLS/CURVE':>10}")  # fmt: skip
     for e in report["summary"]:
         runs = " ".join(f"{x:.2f}" for x in e["ratio_per_run"])
+        tls = " ".join(f"{x:.2f}" for x in e["tls_ratio_per_run"])
         print(
             f"{e['name']:<34} {e['ratio_median']:>11.2f} {e['zmq_ratio_median']:>8.2f} "
-            f"{e['floor_ratio_median']:>10.2f} {e['stream_over_zmq_median']:>11.2f}  [{runs}]"
+            f"{e['floor_ratio_median']:>10.2f} {e['stream_over_zmq_median']:>11.2f} "
+            f"{e['tls_ratio_median']:>8.2f} {e['curve_ratio_median']:>10.2f} "
+            f"{e['tls_over_curve_median']:>10.2f}  [{runs}] TLS [{tls}]"
         )
 
 
@@ -410,19 +387,21 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     rows = report["summary"]
-    fig, ax = plt.subplots(figsize=(8, 1.4 + 0.9 * len(rows)))
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 1.3 * len(rows)))
     ys = list(range(len(rows)))
     for offset, key, label in (
-        (-0.27, "ratio", "fetch through B over the peer stream"),
-        (0.0, "zmq_ratio", "fetch through B over ZMQ"),
-        (0.27, "floor_ratio", "floor: raw TCP, arena pages to arena pages"),
+        (-0.3, "ratio", "fetch through B over the peer stream"),
+        (-0.15, "zmq_ratio", "fetch through B over ZMQ"),
+        (0.0, "tls_ratio", "secure fleet: over the TLS peer stream"),
+        (0.15, "curve_ratio", "secure fleet: over ZMQ with CURVE"),
+        (0.3, "floor_ratio", "floor: raw TCP, arena pages to arena pages"),
     ):
         med = [r[f"{key}_median"] for r in rows]
         spread = [
             [max(0.0, m - min(r[f"{key}_per_run"])) for m, r in zip(med, rows, strict=True)],
             [max(0.0, max(r[f"{key}_per_run"]) - m) for m, r in zip(med, rows, strict=True)],
         ]
-        ax.barh([y + offset for y in ys], med, height=0.26, xerr=spread, capsize=3, label=label)
+        ax.barh([y + offset for y in ys], med, height=0.14, xerr=spread, capsize=3, label=label)
     ax.set_yticks(ys, [r["name"] for r in rows])
     ax.axvline(TARGET, color="red", linestyle="--", label=f"target {TARGET}")
     ax.set_xlabel(f"/ raw ZMQ, same run: median of {len(report['runs'])} runs (whiskers: runs)")
@@ -438,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         return serve(argv[1], int(argv[2]), int(argv[3]))
     if argv[:1] == ["serve-tcp"]:
-        return serve_tcp(argv[1], int(argv[2]), int(argv[3]))
+        return serve_tcp(argv[1], int(argv[2]), int(argv[3]), BATCHES)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one chunk size, 6 rounds")
     parser.add_argument("--runs", type=int, default=1, metavar="N",

@@ -4,7 +4,7 @@
 #
 # DIR/server.key, server.key_secret  the daemons' CURVE pair (one for the fleet: peers admit it)
 # DIR/vllm.key, vllm.key_secret      the engines' CURVE pair (listed in the daemons' clients dir)
-# DIR/server.crt, server.pem         the daemons' gRPC TLS certificate for the name "kvserver"
+# DIR/server.crt, server.pem         the daemons' TLS certificate (gRPC, peer stream) for "kvserver"
 #                                    (clients dialling a node IP check that name: tls_server_name)
 # DIR/auth.token                     the fleet's token (0600, `kvserver keys token`): every
 #                                    request to a daemon carries it

@@ -104,6 +104,12 @@ async def serve(
                 "give it to trusted consumers only (curve_clients_dir) or disable it "
                 "(pub_port = -1)"
             )
+    # a TLS daemon's stream is TLS, never plain; CURVE without TLS opens none (docs/cluster.md).
+    # Made before the arena exists: a TLS file that cannot be used leaves nothing behind.
+    stream_tls = None
+    if config.tls_cert_file:
+        tls_files = TlsServer(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+        stream_tls = tls_files.ssl_context()
     token_files: TokenFiles | None = None
     for path in reap_stale_arenas(config.shm_dir):
         logger.warning("removed arena %s left by a daemon that is no longer running", path)
@@ -124,11 +130,6 @@ async def serve(
     zmq_front = DataFrontend(service, config, auth)
     grpc_front = GrpcFrontend(service, config, auth)
     stream_front: StreamServer | None = None
-    # a TLS daemon's stream is TLS, never plain; CURVE without TLS opens none (docs/cluster.md)
-    stream_tls = None
-    if config.tls_cert_file:
-        tls_files = TlsServer(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
-        stream_tls = tls_files.ssl_context()
     if config.peer_stream_port >= 0 and (stream_tls or not config.curve_secret_key_file):
         stream_front = StreamServer(
             service, auth, host=config.host, port=config.peer_stream_port,

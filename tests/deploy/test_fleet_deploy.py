@@ -152,6 +152,9 @@ def test_the_daemonset_runs_a_fleet_member_per_node(
     assert (ports["grpc"], ports["zmq"], ports["events"], ports["metrics"]) == (
         cfg.grpc_port, cfg.zmq_port, cfg.pub_port, cfg.metrics_port,
     )  # fmt: skip
+    # the peer stream: a fixed port, TLS (tls_cert_file), its certificate's name checked
+    assert ports["peer-stream"] == cfg.peer_stream_port > 0 and cfg.tls_cert_file
+    assert cfg.peer_tls_server_name == "kvserver"
     assert ds["terminationGracePeriodSeconds"] >= 30
     probe = " ".join(c["readinessProbe"]["exec"]["command"])
     assert "kvserver status" in probe and f"--auth-token-file {token_file}" in probe

@@ -301,7 +301,7 @@ class PeerStream:
         self._auth = auth_token
         #: no token configured: the peer's token file for this port, as the ZMQ client does
         #: for the data port (loopback peers of the same user only; ``kvserver/token_file.py``)
-        self._token_file = TokenFile(address) if not auth_token else None
+        self._token_file = TokenFile(address.split("://", 1)[1]) if not auth_token else None
         self._max = connections
         self._idle: list[StreamConnection] = []
         self._opened = 0
