@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -80,15 +81,36 @@ async def served(ctx: zmq.asyncio.Context, behaviour: Behaviour) -> AsyncIterato
 
 @pytest.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """The test's context; at teardown every socket it tracks is closed (LINGER 0) before
+    ``term()``, which waits for every socket of the context."""
     context = zmq.asyncio.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)
 
 
-async def test_step_fans_out_and_gathers_in_rank_order(ctx: zmq.asyncio.Context) -> None:
+@pytest.fixture
+async def groups(ctx: zmq.asyncio.Context) -> AsyncIterator[Callable[..., WorkerGroup]]:
+    """``groups(addresses, **options)``: a WorkerGroup on ``ctx``, closed at teardown, also
+    when the test failed before its own ``close()`` (its DEALERs' monitor sockets live on a
+    shadow of the context that ``destroy`` does not see: left open, ``term()`` would hang
+    instead of the failure being reported)."""
+    made: list[WorkerGroup] = []
+
+    def make(addresses: list[str], **options: Any) -> WorkerGroup:
+        made.append(WorkerGroup(addresses, context=ctx, **options))
+        return made[-1]
+
+    yield make
+    for group in made:
+        await group.close()
+
+
+async def test_step_fans_out_and_gathers_in_rank_order(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
     w0, w1 = SyntheticWorker(), SyntheticWorker()
     async with served(ctx, synthetic(w0)) as a0, served(ctx, synthetic(w1)) as a1:
-        group = WorkerGroup([a0, a1], step_timeout_s=5, context=ctx)
+        group = groups([a0, a1], step_timeout_s=5)
         infos = await group.start(HELLO, timeout_s=5)
         assert [i.rank for i in infos] == [0, 1] and group.failure is None
         from scheduler.scheduler import Scheduler
@@ -105,7 +127,9 @@ async def test_step_fans_out_and_gathers_in_rank_order(ctx: zmq.asyncio.Context)
         await group.close()
 
 
-async def test_silent_worker_times_out_then_recovers(ctx: zmq.asyncio.Context) -> None:
+async def test_silent_worker_times_out_then_recovers(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
     worker = SyntheticWorker()
     answer = synthetic(worker)
     silent = {"on": False}
@@ -114,7 +138,7 @@ async def test_silent_worker_times_out_then_recovers(ctx: zmq.asyncio.Context) -
         return None if silent["on"] and kind != KIND_HELLO else answer(kind, body)
 
     async with served(ctx, behaviour) as address:
-        group = WorkerGroup([address], step_timeout_s=0.2, context=ctx)
+        group = groups([address], step_timeout_s=0.2)
         await group.start(HELLO, timeout_s=5)
         silent["on"] = True
         with pytest.raises(WorkerFailure) as info:
@@ -131,21 +155,25 @@ async def test_silent_worker_times_out_then_recovers(ctx: zmq.asyncio.Context) -
         await group.close()
 
 
-async def test_error_reply_fails_the_step(ctx: zmq.asyncio.Context) -> None:
+async def test_error_reply_fails_the_step(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
     def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
         if kind == KIND_HELLO:
             return synthetic(SyntheticWorker())(kind, body)
         return [encode_body(KIND_ERROR, {"step": body["step"], "message": "out of memory"})]
 
     async with served(ctx, behaviour) as address:
-        group = WorkerGroup([address], step_timeout_s=5, context=ctx)
+        group = groups([address], step_timeout_s=5)
         await group.start(HELLO, timeout_s=5)
         with pytest.raises(WorkerFailure, match="out of memory"):
             await group.step(StepPlan(1))
         await group.close()
 
 
-async def test_stale_replies_are_dropped(ctx: zmq.asyncio.Context) -> None:
+async def test_stale_replies_are_dropped(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
     """A slow worker's answer to an older step must not pass for the current one."""
 
     def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
@@ -159,15 +187,17 @@ async def test_stale_replies_are_dropped(ctx: zmq.asyncio.Context) -> None:
         ]
 
     async with served(ctx, behaviour) as address:
-        group = WorkerGroup([address], step_timeout_s=5, context=ctx)
+        group = groups([address], step_timeout_s=5)
         await group.start(HELLO, timeout_s=5)
         (result,) = await group.step(StepPlan(7))
         assert result.step == 7 and result.sampled_token_ids == {}
         await group.close()
 
 
-async def test_unreachable_worker_fails_hello(ctx: zmq.asyncio.Context) -> None:
-    group = WorkerGroup(["tcp://127.0.0.1:1"], context=ctx)
+async def test_unreachable_worker_fails_hello(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
+    group = groups(["tcp://127.0.0.1:1"])
     with pytest.raises(WorkerFailure, match="did not answer hello"):
         await group.start(HELLO, timeout_s=0.2)
     assert not await group.recover(0.1)
