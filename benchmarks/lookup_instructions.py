@@ -1,5 +1,6 @@
 """Instructions per gRPC call (Health, Lookup by 1 and by 2,048 keys, by a new 32k-token prompt),
-counted by callgrind in the daemon and in the client: a measure of the Lookup path that the
+and per data-plane lookup of 1 key (``KVClient``, co-located: the local channel), counted by
+callgrind in the daemon and in the client: a measure of the Lookup path that the
 load of a shared machine does not move (docs/benchmarks.md, Lookup).
 
 Usage (PYTHONPATH selects the tree measured, daemon and client; to measure an older tree, copy
@@ -33,7 +34,10 @@ from typing import Any
 
 from benchmarks.daemon_lookup import LOOKUP_TOKENS
 
-KINDS = ("health", "lookup 1 key", "lookup 2,048 keys", "lookup a new 32k-token prompt")
+KINDS = (
+    "health", "lookup 1 key", "lookup 2,048 keys", "lookup a new 32k-token prompt",
+    "data-plane lookup 1 key",
+)  # fmt: skip
 #: calls of the token kind per --calls (each is ~100x a Health call under callgrind)
 TOKEN_SHARE = 0.3
 START_TIMEOUT_S = 300.0
@@ -105,13 +109,13 @@ def _client(calls: int, out: Path) -> None:
         tokens = [rng.randrange(128_256) for _ in range(LOOKUP_TOKENS)]
         hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
         keys = [bytes(k) for k in hasher.chunk_keys(hasher.hash_blocks(tokens), spec.chunk_blocks)]
-        with KVClient(f"tcp://127.0.0.1:{info['zmq_port']}", timeout=120) as kv:
-            ns_id = kv.register_namespace(spec).ns_id
-            grant = kv.prepare_store(ns_id, keys)
-            if grant is None:
-                raise SystemExit("cannot store the prompt")
-            kv.complete_store(grant.lease_id)
-        with GrpcClient(f"127.0.0.1:{info['grpc_port']}", timeout=120) as grpc:
+        kv = KVClient(f"tcp://127.0.0.1:{info['zmq_port']}", timeout=120)
+        ns_id = kv.register_namespace(spec).ns_id
+        grant = kv.prepare_store(ns_id, keys)
+        if grant is None:
+            raise SystemExit("cannot store the prompt")
+        kv.complete_store(grant.lease_id)
+        with kv, GrpcClient(f"127.0.0.1:{info['grpc_port']}", timeout=120) as grpc:
             firsts = itertools.count(1)
             cases: dict[str, tuple[Callable[[], Any], int]] = {
                 KINDS[0]: (grpc.health, calls),
@@ -121,6 +125,7 @@ def _client(calls: int, out: Path) -> None:
                     lambda: grpc.lookup_tokens(ns_id, [next(firsts) % 128_256, *tokens[1:]]),
                     max(1, round(calls * TOKEN_SHARE)),
                 ),
+                KINDS[4]: (lambda: kv.lookup(ns_id, keys[:1]), calls),
             }
             for call, _ in cases.values():
                 for _ in range(10):

@@ -185,9 +185,20 @@ class GrpcClient:
         #: (:meth:`lookup_tokens`)
         self.packed_tokens = True
 
-    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
-        token = self._auth_token if self._token_file is None else self._token_file.token()
-        return bearer_metadata(token or "")
+    def _metadata(self, reload: bool = False) -> tuple[tuple[str, str], ...] | None:
+        """The call's bearer token: ours, else the token file's as read last (``reload``: read
+        again if it changed)."""
+        if self._token_file is None:
+            return bearer_metadata(self._auth_token or "")
+        return bearer_metadata(self._token_file.reload() if reload else self._token_file.token())
+
+    def _token_renewed(self, exc: grpc.RpcError) -> bool:
+        """After ``exc``: True when it is UNAUTHENTICATED and the token file now holds another
+        token (a restarted daemon's): worth retrying once with it."""
+        if self._token_file is None or exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return False
+        before = self._token_file.token()
+        return self._token_file.reload() not in ("", before)
 
     def close(self) -> None:
         self._channel.close()
@@ -315,7 +326,7 @@ class GrpcClient:
         """
         method = self._method("WatchEvents", pb.Event, stream=True)
         req = pb.WatchEventsRequest(from_seq=from_seq, log_id=log_id)
-        call = method(req, timeout=timeout, metadata=self._metadata())
+        call = method(req, timeout=timeout, metadata=self._metadata(reload=True))
         return EventStream(call, self.target, from_seq, log_id)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
@@ -374,6 +385,11 @@ class GrpcClient:
     def _call(self, name: str, request: Any, response_type: Any, timeout: float | None) -> Any:
         method = self._method(name, response_type)
         try:
+            try:
+                return method(request, timeout=timeout or self.timeout, metadata=self._metadata())
+            except grpc.RpcError as exc:
+                if not self._token_renewed(exc):
+                    raise
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _error(exc, self.target, tls=self._tls) from None

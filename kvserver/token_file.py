@@ -214,17 +214,25 @@ def _port_of(address: str) -> int | None:
 
 
 class TokenFile:
-    """The default token of the daemon at ``address``: read from its file when the file
-    changes (a restarted daemon writes a new one), "" when there is none. Cheap enough to ask
-    per request (one ``stat``)."""
+    """The default token of the daemon at ``address``, "" when it has none.
+
+    :meth:`token` is the token last read (read on first use; no system call after that: it is
+    asked per request); :meth:`reload` reads the file again if it changed (one ``stat``; a
+    restarted daemon writes a new one). Clients reload when they open a connection and when the
+    daemon refuses the token (a refused handshake, ``Unauthenticated``), then retry once."""
 
     def __init__(self, address: str, shm_dir: str | None = None) -> None:
         port = _port_of(address)
         self.path = token_path(port, shm_dir) if port is not None else None
         self._seen: tuple[int, int] | None = None
         self._token = ""
+        self._loaded = False
 
     def token(self) -> str:
+        return self._token if self._loaded else self.reload()
+
+    def reload(self) -> str:
+        self._loaded = True
         if self.path is None:
             return ""
         try:

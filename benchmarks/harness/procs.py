@@ -93,7 +93,7 @@ class EngineClient:
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         """The call metadata presenting the token (None: no token)."""
-        token = self._auth_token if self._token_file is None else self._token_file.token()
+        token = self._auth_token if self._token_file is None else self._token_file.reload()
         return bearer_metadata(token or "")
 
 

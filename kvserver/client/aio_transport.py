@@ -187,14 +187,15 @@ class AioTransport:
             logger.info("cannot use the local channel %s (%s); using ZMQ", path, exc)
             self._local_refused = path
 
-    def _dealer(self, sending: int) -> zmq.asyncio.Socket:
-        """The DEALER of request ``sending``: a new one when the connection was lost (the
-        daemon went away), failing the other requests outstanding on the old one (the sync
-        twin: ``Transport._link``)."""
+    def _dealer(self, sending: int | None = None) -> zmq.asyncio.Socket:
+        """The DEALER of request ``sending`` (None: of the one about to be encoded): a new one
+        when the connection was lost (the daemon went away), failing the other requests
+        outstanding on the old one (the sync twin: ``Transport._link``)."""
         if self._watch is not None and self._watch.broke():
-            slot = self._slots.pop(sending)
+            slot = self._slots.pop(sending) if sending is not None else None
             self.drop(LOST)
-            self._slots[sending] = slot
+            if sending is not None and slot is not None:
+                self._slots[sending] = slot
         if self._zmq is None:
             s = self._s
             self._zmq, self._watch = open_dealer(
@@ -249,6 +250,8 @@ class AioTransport:
         async with self._send_lock:  # requests leave in the order they were sent
             if self._local is None and self._use_local and not self._slots:
                 await self._connect_local(timeout)
+            if self._local is None:
+                self._dealer()  # first: a new DEALER reads the token the header carries
             req_id, frames = self._s.encode(call)
             slot = self._slots[req_id] = AioSlot(call, asyncio.get_running_loop().create_future())
             local = self._local

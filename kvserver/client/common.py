@@ -141,7 +141,8 @@ class Session:
     # ------------------------------------------------------------------ framing
 
     def encode(self, call: Call) -> tuple[int, list[Any]]:
-        """Frames of ``call`` with a fresh request id."""
+        """Frames of ``call`` with a fresh request id, carrying the token read last (no
+        system call: the token file is read at connect and after a refusal)."""
         self._next_id += 1
         auth = self.auth_token if self._token_file is None else self._token_file.token()
         self._sent_token = auth
@@ -188,21 +189,25 @@ class Session:
         return Answer(reply.result, [frame_buffer(f) for f in frames[1:]], reply.sid)
 
     def token_changed(self) -> bool:
-        """True when the daemon's token file now holds another token than the one our last
-        request carried or our DEALER presented at its handshake (a restarted daemon refused
-        it): worth retrying once."""
+        """True when the daemon's token file (read again now) holds another token than the one
+        our last request carried or our DEALER presented at its handshake (a restarted daemon
+        refused it): worth retrying once."""
         if self._token_file is None:
             return False
-        token = self._token_file.token()
+        token = self._token_file.reload()
         presented = self._presented if self.curve is None else token
         return bool(token) and (token != self._sent_token or token != presented)
 
     def handshake_token(self) -> str:
         """The token a new DEALER presents at the ZMQ handshake (``docs/wire.md`` §0): ours,
-        else the token file's; "" under CURVE (keys instead) or without one."""
+        else the token file's, read again if it changed (a new connection may reach a restarted
+        daemon; :meth:`encode` sends the token read last); "" under CURVE (keys instead) or
+        without one."""
         if self.curve is not None:
+            if self._token_file is not None:
+                self._token_file.reload()
             return ""
-        token = self.auth_token if self._token_file is None else self._token_file.token()
+        token = self.auth_token if self._token_file is None else self._token_file.reload()
         self._presented = token
         return token
 

@@ -142,8 +142,8 @@ class Transport:
     def send(self, call: Call, timeout: float) -> tuple[int, Slot]:
         """Send ``call`` without waiting (``timeout``: for writing it and connecting); its
         reply will land in the returned slot."""
+        link = self._link(timeout)  # first: a new DEALER reads the token the header carries
         req_id, frames = self._s.encode(call)
-        link = self._link(timeout)
         try:
             link.send(frames, timeout)
         except OSError as exc:

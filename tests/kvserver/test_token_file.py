@@ -52,13 +52,19 @@ def test_never_looked_up_for_another_host(tmp_path: Path, address: str) -> None:
     assert TokenFile(address, str(tmp_path)).token() == ""
 
 
-def test_a_replaced_file_is_read_again(tmp_path: Path) -> None:
-    """A restarted daemon writes a new token: the same TokenFile returns it."""
-    write_token_files("first", [9471], str(tmp_path))
+def test_a_replaced_file_is_read_again_on_reload(tmp_path: Path) -> None:
+    """A restarted daemon writes a new token: the same TokenFile returns it once reloaded (a
+    client reloads at connect and after a refusal), the old one until then (no system call
+    per request)."""
+    first = write_token_files("first", [9471], str(tmp_path))
     source = TokenFile("tcp://127.0.0.1:9471", str(tmp_path))
     assert source.token() == "first"
-    write_token_files("second", [9471], str(tmp_path))
-    assert source.token() == "second"
+    first.close()
+    second = write_token_files("second", [9471], str(tmp_path))
+    assert source.token() == "first"
+    assert source.reload() == "second" == source.token()
+    second.close()
+    assert source.reload() == "" == source.token()
 
 
 def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:

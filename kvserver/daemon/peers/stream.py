@@ -388,7 +388,7 @@ class PeerStream:
         return StreamConnection(sock, self.peer)
 
     def _token(self) -> str:
-        return self._token_file.token() if self._token_file is not None else self._auth
+        return self._token_file.reload() if self._token_file is not None else self._auth
 
     async def _release(self, conn: StreamConnection) -> None:
         if conn.spoiled or self._closed:

@@ -133,3 +133,22 @@ def test_a_daemon_removes_the_token_files_of_killed_daemons_at_start(tmp_path: P
     finally:
         assert d.terminate() == 0
     assert os.listdir(token_dir(shm)) == []
+
+
+def test_a_grpc_client_presents_a_restarted_daemons_new_token(tmp_path: Path) -> None:
+    """The client reads the token file once, and again only when the daemon refuses the
+    token: a daemon restarted on the same port (a new random token) is reached by the same
+    client, which retries the refused call once."""
+    d = start_daemon(tmp_path / "first")
+    try:
+        with GrpcClient(d.grpc_address) as g:
+            spec = make_spec(model="test/restart-token")
+            ns_id = g.register_namespace(spec).namespace_id
+            first = d.token
+            assert d.terminate() == 0
+            d = start_daemon(tmp_path / "second", "--grpc-port", str(d.info["grpc_port"]))
+            assert d.token != first
+            assert g.list_namespaces() == []
+            assert g.register_namespace(spec).namespace_id == ns_id
+    finally:
+        assert d.terminate() == 0
