@@ -1,17 +1,22 @@
-"""The grants of the data plane: what ``prepare_store`` and ``prepare_load`` hand a client.
+"""The grants of the data plane: what ``prepare_store`` and ``prepare_load`` hand a client,
+the store completions a client hands back, and the forms both travel in.
 
 Made by the storage engine (``kvserver/engine.py``), carried by the data-plane wire
-(``kvserver/wire.py``: ``grant_to_wire`` / ``grant_from_wire``, ``docs/wire.md``) and used by
-every client; defined here, beside the wire, so both ends import one definition. Pure data.
+(``kvserver/wire.py``, ``docs/wire.md``: a grant as a reply map, :func:`grant_to_wire` /
+:func:`store_grant_from_wire` / :func:`load_grant_from_wire`; completions as
+``prepare_store``'s ``completions`` argument and result) and used by every client; defined
+here, beside the wire, so both ends import one definition. Pure data and functions,
+thread-safe.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserver.allocator import Extents
-from kvserver.errors import KVServerError
+from kvserver.errors import InvalidArgument, KVServerError, error_from_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +84,83 @@ class StoreReservation:
 
     grant: StoreGrant | None
     completed: list[list[bytes] | KVServerError]
+
+
+# ----------------------------------------------------------------------------- on the wire
+
+
+def grant_to_wire(grant: StoreGrant | LoadGrant, now: float) -> dict[str, Any]:
+    """A grant as a reply map; the deadline travels as seconds left (clocks differ)."""
+    out: dict[str, Any] = {
+        "lease_id": grant.lease_id,
+        "expires_in_s": max(0.0, grant.deadline - now),
+        "ns_id": grant.ns_id,
+        "keys": grant.keys,
+        "locations": grant.locations,
+    }
+    if isinstance(grant, StoreGrant):
+        out.update(present=grant.present, filtered=grant.filtered, num_evicted=grant.num_evicted)
+    return out
+
+
+def store_grant_from_wire(data: Any, now: float, granted_by: str = "") -> StoreGrant:
+    """Rebuild a StoreGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
+    ``granted_by``: the ``sid`` of the reply that carried it."""
+    try:
+        g = load_grant_from_wire(data, now)
+        extra = (list(data["present"]), list(data["filtered"]), int(data["num_evicted"]))
+        return StoreGrant(
+            g.lease_id, g.deadline, g.ns_id, g.keys, g.locations, *extra, granted_by=granted_by
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
+
+
+def load_grant_from_wire(data: Any, now: float, granted_by: str = "") -> LoadGrant:
+    """Rebuild a LoadGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
+    ``granted_by``: the ``sid`` of the reply that carried it."""
+    try:
+        locations = [[_extents(part) for part in loc] for loc in data["locations"]]
+        deadline = now + float(data["expires_in_s"])
+        return LoadGrant(
+            int(data["lease_id"]), deadline, str(data["ns_id"]), list(data["keys"]), locations,
+            granted_by,
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
+
+
+def _extents(part: Any) -> tuple[tuple[int, int], ...]:
+    """One part's extents ``[[offset, length], ...]`` as tuples (one extent: no loop)."""
+    if len(part) == 1:
+        ((offset, length),) = part
+        return ((offset, length),)
+    return tuple([(offset, length) for offset, length in part])
+
+
+def completions_to_wire(completions: Sequence[StoreCompletion]) -> list[list[Any]]:
+    """``prepare_store``'s ``completions`` argument."""
+    return [
+        [c.lease_id, c.success, None if c.ranks is None else list(c.ranks),
+         None if c.keys is None else list(c.keys)]
+        for c in completions
+    ]  # fmt: skip
+
+
+def completion_results_from_wire(data: Any, count: int) -> list[list[bytes] | KVServerError]:
+    """``prepare_store``'s ``completions`` result: per completion, the keys it made ready or
+    its error. Raises InvalidArgument if malformed or not ``count`` long."""
+    if not isinstance(data, list) or len(data) != count:
+        raise InvalidArgument("malformed completions in reply", expected=count)
+    out: list[list[bytes] | KVServerError] = []
+    for item in data:
+        if isinstance(item, dict) and isinstance(item.get("ready"), list):
+            out.append(list(item["ready"]))
+            continue
+        err = item.get("error") if isinstance(item, dict) else None
+        code = err.get("code") if isinstance(err, dict) else None
+        message = err.get("message") if isinstance(err, dict) else None
+        if not isinstance(code, str) or not isinstance(message, str):
+            raise InvalidArgument("malformed completion result in reply")
+        out.append(error_from_code(code, message))
+    return out

@@ -27,14 +27,21 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
-from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant
+
+# the grants and store completions travel in these forms, defined beside the grants
+# (kvserver/grants.py); imported from here too, as before
+from kvserver.grants import completion_results_from_wire as completion_results_from_wire
+from kvserver.grants import completions_to_wire as completions_to_wire
+from kvserver.grants import grant_to_wire as grant_to_wire
+from kvserver.grants import load_grant_from_wire as load_grant_from_wire
+from kvserver.grants import store_grant_from_wire as store_grant_from_wire
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -378,34 +385,6 @@ def _is_completion(c: Any) -> bool:
     )
 
 
-def completions_to_wire(completions: Sequence[StoreCompletion]) -> list[list[Any]]:
-    """``prepare_store``'s ``completions`` argument."""
-    return [
-        [c.lease_id, c.success, None if c.ranks is None else list(c.ranks),
-         None if c.keys is None else list(c.keys)]
-        for c in completions
-    ]  # fmt: skip
-
-
-def completion_results_from_wire(data: Any, count: int) -> list[list[bytes] | KVServerError]:
-    """``prepare_store``'s ``completions`` result: per completion, the keys it made ready or
-    its error. Raises InvalidArgument if malformed or not ``count`` long."""
-    if not isinstance(data, list) or len(data) != count:
-        raise InvalidArgument("malformed completions in reply", expected=count)
-    out: list[list[bytes] | KVServerError] = []
-    for item in data:
-        if isinstance(item, dict) and isinstance(item.get("ready"), list):
-            out.append(list(item["ready"]))
-            continue
-        err = item.get("error") if isinstance(item, dict) else None
-        code = err.get("code") if isinstance(err, dict) else None
-        message = err.get("message") if isinstance(err, dict) else None
-        if not isinstance(code, str) or not isinstance(message, str):
-            raise InvalidArgument("malformed completion result in reply")
-        out.append(error_from_code(code, message))
-    return out
-
-
 def _opt_str(obj: dict[str, Any], name: str, max_len: int) -> str | None:
     value = obj.get(name)
     if value is None:
@@ -464,55 +443,6 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     if not isinstance(code, str) or not isinstance(message, str):
         raise InvalidArgument("error reply lacks code/message")
     return Reply(rid, sid, False, {}, error_from_code(code, message))
-
-
-def grant_to_wire(grant: StoreGrant | LoadGrant, now: float) -> dict[str, Any]:
-    """A grant as a reply map; the deadline travels as seconds left (clocks differ)."""
-    out: dict[str, Any] = {
-        "lease_id": grant.lease_id,
-        "expires_in_s": max(0.0, grant.deadline - now),
-        "ns_id": grant.ns_id,
-        "keys": grant.keys,
-        "locations": grant.locations,
-    }
-    if isinstance(grant, StoreGrant):
-        out.update(present=grant.present, filtered=grant.filtered, num_evicted=grant.num_evicted)
-    return out
-
-
-def store_grant_from_wire(data: Any, now: float, granted_by: str = "") -> StoreGrant:
-    """Rebuild a StoreGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
-    ``granted_by``: the ``sid`` of the reply that carried it."""
-    try:
-        g = load_grant_from_wire(data, now)
-        extra = (list(data["present"]), list(data["filtered"]), int(data["num_evicted"]))
-        return StoreGrant(
-            g.lease_id, g.deadline, g.ns_id, g.keys, g.locations, *extra, granted_by=granted_by
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
-
-
-def load_grant_from_wire(data: Any, now: float, granted_by: str = "") -> LoadGrant:
-    """Rebuild a LoadGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
-    ``granted_by``: the ``sid`` of the reply that carried it."""
-    try:
-        locations = [[_extents(part) for part in loc] for loc in data["locations"]]
-        deadline = now + float(data["expires_in_s"])
-        return LoadGrant(
-            int(data["lease_id"]), deadline, str(data["ns_id"]), list(data["keys"]), locations,
-            granted_by,
-        )  # fmt: skip
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
-
-
-def _extents(part: Any) -> tuple[tuple[int, int], ...]:
-    """One part's extents ``[[offset, length], ...]`` as tuples (one extent: no loop)."""
-    if len(part) == 1:
-        ((offset, length),) = part
-        return ((offset, length),)
-    return tuple([(offset, length) for offset, length in part])
 
 
 def _pack(obj: Any) -> bytes:
