@@ -11,8 +11,9 @@ ZAP checks against the tokens (``zap.py``) — start reading and the event publi
 → ``stop()`` (stop reading, close the local channel and the sockets with linger 0, release send
 pins).
 
-Modules: this one reads, checks and answers requests (the receive loop, per-connection order,
-replies); ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under
+Modules: this one reads and answers requests (the receive loop, per-connection order, lanes,
+replies); ``zmq_requests.py`` checks each request (token, size, header) and hands it to its op;
+``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under
 pins; ``local_server.py`` frames the local channel's messages (clients on this host);
 ``zmq_events.py`` publishes KV events and serves vLLM's replay protocol.
 
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
 from collections import deque
@@ -67,8 +67,7 @@ import zmq.asyncio
 
 from kvserver import wire, wire_local
 from kvserver.crypto import CurveServer
-from kvserver.daemon.access import replay_refusal
-from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
+from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.local_server import (
     LocalConnection,
@@ -80,18 +79,10 @@ from kvserver.daemon.local_server import (
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zap import HandshakeGate
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
-from kvserver.daemon.zmq_ops import (
-    Answer,
-    DataOps,
-    Deferred,
-    OpCall,
-    PayloadFrame,
-    Result,
-    failed,
-    finish,
-)
+from kvserver.daemon.zmq_ops import Answer, DataOps, PayloadFrame, failed
+from kvserver.daemon.zmq_requests import Peer, RequestHandler
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
-from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
+from kvserver.errors import InvalidArgument, KVServerError
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +90,12 @@ PUB_HWM = 100_000
 ROUTER_SNDHWM = REPLAY_MAX_BATCHES + 100
 #: messages one reader wake-up handles before it lets the loop run other callbacks.
 MAX_DRAIN = 64
-#: request headers larger than this are decoded and validated on a thread, off the loop.
-OFFLOAD_HEADER_BYTES = 256 << 10
-#: ROUTER connections remembered as authenticated (for replay requests, which carry no token).
-MAX_AUTHENTICATED_PEERS = 1 << 16
 
 
 #: the rest of a request that must wait (promotion, replay), run on its connection's lane.
 _Job = Callable[[], Awaitable[None]]
-#: a connection: a ROUTER routing id, or a connection of the local channel.
-_Peer = bytes | LocalConnection
 #: one message of a peer: ROUTER frames after the routing id, or a local message.
 _Message = list[zmq.Frame] | LocalMessage
-_Frames = Sequence[PayloadFrame]
 
 
 class DataFrontend:
@@ -123,10 +107,6 @@ class DataFrontend:
         self._service = service
         self._config = config
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
-        #: local-channel connection → the lease owners (clients) its requests named
-        self._local_clients: dict[LocalConnection, set[str]] = {}
-        #: ROUTER connection → principal of its last authenticated request (oldest first, bounded)
-        self._authenticated: dict[bytes, Principal] = {}
         self._sid = secrets.token_hex(8)  # changes on every daemon start
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -137,12 +117,13 @@ class DataFrontend:
         self._zap: HandshakeGate | None = None  # tokens / CURVE keys at the handshake
         self._tasks: set[asyncio.Task[None]] = set()
         #: connection → messages waiting behind that connection's lane
-        self._lanes: dict[_Peer, deque[_Message]] = {}
+        self._lanes: dict[Peer, deque[_Message]] = {}
         self._local: LocalListener | None = None
         self._reading = False  # inside the reader callback
         self._drain_scheduled = False
         self._sender = ZeroCopySender(service)
         self._ops = DataOps(service, config, self._sid, self._sender)
+        self._requests = RequestHandler(service, config, self._auth, self._ops, self._send)
         self._events = EventPublisher(service)
 
     @property
@@ -296,7 +277,7 @@ class DataFrontend:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
 
-    def _accept(self, peer: _Peer, message: _Message) -> None:
+    def _accept(self, peer: Peer, message: _Message) -> None:
         """One message of ``peer`` (the reader, or a local connection, calls this in order)."""
         lane = self._lanes.get(peer)
         if lane is not None:  # this connection waits for a lane: keep its order
@@ -307,7 +288,7 @@ class DataFrontend:
             self._lanes[peer] = deque()
             self._spawn(self._run_lane(peer, job))
 
-    async def _run_lane(self, peer: _Peer, job: _Job) -> None:
+    async def _run_lane(self, peer: Peer, job: _Job) -> None:
         """Run ``job``, then the connection's queued messages in order; see the module
         docstring. Ends (and the reader takes the connection back) once the queue is empty."""
         queue = self._lanes[peer]
@@ -331,7 +312,7 @@ class DataFrontend:
                 self._release_local(peer)
             self._schedule_drain()  # our sends may have consumed the descriptor's wake-up
 
-    def _serve_one(self, peer: _Peer, message: _Message) -> _Job | None:
+    def _serve_one(self, peer: Peer, message: _Message) -> _Job | None:
         """Handle one message: answer it now and return None, or return the rest of it."""
         try:
             if isinstance(peer, bytes):
@@ -340,8 +321,8 @@ class DataFrontend:
                     router, start = self._router, frames[1].buffer.tobytes()
                     if router is None:
                         return None
-                    error = self._auth.required and replay_refusal(self._authenticated.get(peer))
-                    if error:
+                    error = self._requests.replay_refusal(peer)
+                    if error is not None:
                         self._send(peer, failed(0, error))
                         return None
                     return lambda: self._events.replay(router, peer, start)
@@ -358,7 +339,7 @@ class DataFrontend:
                     return None
                 frames = [LocalFrame(view) for view in views]
                 owner = peer.name
-            answer = self._handle(peer, owner, frames)
+            answer = self._requests.handle(peer, owner, frames)
             if answer is None:  # an error reply held back or dropped (refusals.py)
                 return None
             if not isinstance(answer, Answer):
@@ -369,105 +350,22 @@ class DataFrontend:
             logger.exception("failed to answer a ZMQ request")
         return None
 
-    async def _answer_later(self, peer: _Peer, later: Callable[[], Awaitable[Answer]]) -> None:
+    async def _answer_later(self, peer: Peer, later: Callable[[], Awaitable[Answer]]) -> None:
         self._send(peer, await later())
-
-    def _handle(
-        self, peer: _Peer, owner: str, frames: Sequence[PayloadFrame]
-    ) -> Answer | Callable[[], Awaitable[Answer]] | None:
-        """Check and carry out one request; ``owner`` owns its leases unless it names its
-        ``client``. The token is checked first, before anything else of the header is decoded
-        (``wire.peek_auth``); a header over :data:`OFFLOAD_HEADER_BYTES` is decoded and
-        validated on a thread (the rest of the request then runs on the connection's lane)."""
-        req_id, who = 0, ANONYMOUS
-        try:
-            total = sum(len(f) for f in frames)
-            limit = self._config.max_message_bytes
-            if total > limit:
-                raise InvalidArgument("message too large", size=total, max=limit)
-            if not frames:
-                raise InvalidArgument("empty message")
-            if self._auth.required:
-                token, req_id = wire.peek_auth(frames[0].buffer)
-                try:
-                    who = self._auth.check(token)
-                except Unauthenticated as exc:
-                    if not isinstance(peer, bytes):
-                        raise
-                    refusal = failed(req_id, exc)  # sent now, later or never (refusals.py)
-                    send = functools.partial(self._send, peer, refusal)
-                    self._service.refusals.answer(peer, total, send)
-                    return None
-                if isinstance(peer, bytes):
-                    self._remember(peer, who)
-            if len(frames[0]) > OFFLOAD_HEADER_BYTES:
-                header = frames[0].buffer
-                return lambda: self._handle_offloaded(req_id, header, peer, owner, frames, who)
-            obj = wire.unpack_header(frames[0].buffer)
-            req_id = wire.request_id_of(obj)
-            out = self._carry_out(wire.parse_request(obj), peer, owner, frames, who)
-        except Exception as exc:
-            return failed(req_id, exc)
-        if isinstance(out, Deferred):
-            return lambda: finish(req_id, out)
-        return Answer(req_id, out)
-
-    async def _handle_offloaded(
-        self,
-        req_id: int,
-        header: memoryview,
-        peer: _Peer,
-        owner: str,
-        frames: _Frames,
-        who: Principal,
-    ) -> Answer:
-        """A large request: decoded and validated on a thread, carried out on the loop."""
-        try:
-            obj = await asyncio.to_thread(wire.unpack_header, header)
-            req_id = wire.request_id_of(obj)
-            req = await asyncio.to_thread(wire.parse_request, obj)
-            out = self._carry_out(req, peer, owner, frames, who)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            return failed(req_id, exc)
-        if isinstance(out, Deferred):
-            return await finish(req_id, out)
-        return Answer(req_id, out)
-
-    def _remember(self, peer: bytes, who: Principal) -> None:
-        """Note who a ROUTER connection is (the oldest is forgotten past the bound)."""
-        self._service.refusals.forgive(peer)
-        known = self._authenticated
-        if peer not in known and len(known) >= MAX_AUTHENTICATED_PEERS:
-            del known[next(iter(known))]
-        known[peer] = who
-
-    def _carry_out(
-        self, req: wire.Request, peer: _Peer, owner: str, frames: _Frames, who: Principal
-    ) -> Result | Deferred:
-        if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
-            raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
-        client = who.owner(req.client or owner)
-        if isinstance(peer, LocalConnection):
-            self._local_clients.setdefault(peer, set()).add(client)
-        return self._ops.handle(req.op, OpCall(req.args, frames[1:], client, who))
 
     def _local_closed(self, conn: LocalConnection) -> None:
         """A local-channel client is gone: release its reservations and pins now, rather
         than when their leases expire (once its lane, if any, has ended)."""
         if self._local is None:  # stopping: the service rolls everything back itself
-            self._local_clients.clear()
+            self._requests.forget_local()
         elif conn not in self._lanes:
             self._release_local(conn)
 
     def _release_local(self, conn: LocalConnection) -> None:
-        for client in self._local_clients.pop(conn, ()):
-            released = self._service.release_client(client)
-            if released:
-                logger.info("released %d lease(s) of %s: its connection closed", released, client)
+        for client, released in self._requests.release_local(conn):
+            logger.info("released %d lease(s) of %s: its connection closed", released, client)
 
-    def _send(self, peer: _Peer, answer: Answer) -> None:
+    def _send(self, peer: Peer, answer: Answer) -> None:
         """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send
         outside the reader callback, make sure messages that arrived meanwhile are read."""
         req_id, result = answer.req_id, answer.result
