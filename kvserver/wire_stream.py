@@ -1,4 +1,4 @@
-"""The peer stream: a plain TCP framing for daemon-to-daemon chunk fetches.
+"""The peer stream: a TCP framing (plain or inside TLS) for daemon-to-daemon chunk fetches.
 
 Runs in the daemon, at both ends: the serving daemon (``kvserver/daemon/stream_server.py``)
 and the fetching one (``kvserver/daemon/peers/stream.py``). Pure constants and functions: no
@@ -8,8 +8,9 @@ Why a second transport: over ZMQ a fetched chunk is copied three times (the send
 send, the receiver's kernel receive into ZMQ's own buffer, the receiver's copy into its
 arena). On a plain stream the fetching daemon reserves the arena pages first and receives the
 payload straight into them (``recv_into``): two copies, those of any TCP transfer. It carries
-one operation, a peer's ``get leading=true``, and no encryption: a fleet whose data plane
-uses CURVE keeps fetching over ZMQ, and a daemon with CURVE configured opens no stream port.
+one operation, a peer's ``get leading=true``. Encryption is TLS under this framing, on the
+port of a daemon with a TLS certificate (``kvserver/daemon/stream_io.py``, ``docs/wire.md``
+§6); a daemon with CURVE and no certificate opens no stream port, and never dials a plain one.
 
 A connection opens with a hello that carries the token (fetching daemon → serving daemon),
 integers big-endian; the server reads nothing else before the token matches::

@@ -94,7 +94,8 @@ class HostInfo:
 
     ``data_address`` is the ZMQ data plane peers use (``tcp://HOST:PORT``), ``grpc_address``
     the query API (``HOST:PORT``), ``stream_address`` the peer stream port (``tcp://HOST:PORT``,
-    "" when it opens none; records written before the field have none: peers use ZMQ).
+    ``tls://HOST:PORT`` when TLS; "" when it opens none; records written before the field have
+    none: peers use ZMQ).
     ``capacity`` is bytes per tier; ``namespaces`` the ns ids
     this incarnation has index sets for (so a successor can unlink them).
     """

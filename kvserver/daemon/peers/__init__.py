@@ -10,9 +10,9 @@ one concept each (imports go one way, from the tier down):
 - ``book.py``: :class:`PeerBook`, the peers known, their links, which are suspect, counters;
 - ``link.py``: :class:`PeerLink`, the data-plane connections to one peer and the checks on
   what it sends, and which transport a fetch from it takes;
-- ``stream.py``: :class:`PeerStream`, the connections to one peer's stream port (plain TCP,
-  received straight into the arena; ``kvserver/wire_stream.py``), used instead of ZMQ when the
-  peer advertises one and this daemon has no CURVE;
+- ``stream.py``: :class:`PeerStream`, the connections to one peer's stream port (TCP, plain
+  or TLS, received straight into the arena; ``kvserver/wire_stream.py``), used instead of ZMQ
+  when the peer advertises one this daemon may dial (``link.py``);
 - ``directory.py``: :class:`PeerDirectory`, who the peers are and which of them hold which
   chunk (the fleet index; ``static.py`` asks a configured list of peers instead).
 

@@ -23,8 +23,9 @@ class Peer:
     ``incarnation`` changes at every start of that daemon; a link opened to one incarnation
     is not used for another (its chunks are not the same). ``data_address`` is its ZMQ data
     plane (``tcp://host:port``, the address it advertises). ``stream_address`` is its peer
-    stream port (``tcp://host:port``, ``kvserver/wire_stream.py``): "" when it advertises
-    none (a daemon older than the stream, or one with CURVE), None when the directory cannot
+    stream port (``tcp://host:port``, or ``tls://host:port`` when it is TLS,
+    ``kvserver/wire_stream.py``): "" when it advertises none (a daemon older than the stream,
+    or one with CURVE and no TLS certificate), None when the directory cannot
     tell (a configured peer list: the link asks the peer's ``hello``)."""
 
     host_id: str

@@ -21,7 +21,7 @@ directory says hold it) and:
    the request's keys already in DRAM from the eviction it may cause), ``write_part`` of every
    part, ``complete_store`` of the keys written; the BlockStored events then go out on the
    normal path (``publish``), which also announces the chunks in the fleet index. Over a
-   peer's stream port (``PeerLink.stream``: it advertises one and this daemon has no CURVE)
+   peer's stream port (``PeerLink.stream``: it advertises one this daemon may dial)
    the windows are asked the same way on one stream connection, and each reply's head comes
    first: the pages for the chunks it names are reserved then, and the payload is received
    straight into them (no ``write_part`` copy); the keys are completed once every part of the
