@@ -379,3 +379,98 @@ def test_tls_files_that_cannot_be_used_are_errors_naming_them(tmp_path: Path) ->
         TlsServer(str(tmp_path / "missing.crt"), str(bad)).ssl_context()
     with pytest.raises(InvalidArgument, match=r"bad\.crt"):
         TlsServer(str(bad), str(bad)).ssl_context()
+
+
+# ----------------------------------------------------------------------------- failures mid-reply
+
+
+def big_holder(root: Path, certs: Certs, *extra: str) -> tuple[DaemonProc, Any, list[bytes]]:
+    """A TLS daemon holding 64 chunks of 1 MiB (64 MiB: 2 windows of the stream), and KEYS."""
+    from tests.kvserver.builders import make_spec
+
+    spec = make_spec(model="test/tls-big", part_bytes_override=1 << 20)
+    d = start_daemon(root, "--dram", "80MiB", "--auth-token", TOKEN, *tls_args(certs.fleet),
+                     *extra)  # fmt: skip
+    keys = make_keys(64, tag="tls-big")
+    try:
+        with KVClient(d.zmq_address, colocated=False, auth_token=TOKEN) as kv:
+            kv.register_namespace(spec)
+            for i in range(0, 64, 8):
+                chunk = keys[i : i + 8]
+                data = [pattern(k, 0, spec.part_bytes) for k in chunk]
+                assert kv.put(spec.ns_id, chunk, data).stored == chunk
+            kv.register_namespace(SPEC)
+            parts = [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in KEYS]
+            assert kv.put(SPEC.ns_id, KEYS, parts).stored == KEYS
+    except BaseException:
+        d.kill()
+        raise
+    return d, spec, keys
+
+
+async def test_a_tls_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
+    tmp_path: Path, certs: Certs
+) -> None:
+    """As over a plain stream: A is stopped once the first reply has begun, then SIGKILLed;
+    the receiving thread's TLS read ends (socket shut down or timed out), the windows that
+    arrived whole are placed byte for byte, the rest misses, nothing stays reserved."""
+    import asyncio
+    import os
+    import signal
+
+    from tests.kvserver.builders import make_engine
+
+    a, spec, keys = big_holder(tmp_path / "a", certs)
+    try:
+        with make_engine(num_pages=96, page_size=1 << 20) as engine:
+            engine.register_namespace(spec)
+            fetches, book = fetcher(engine, timeout_s=1.0, stream_tls=context(certs.fleet[0]))
+            task = asyncio.ensure_future(fetches.fetch(
+                spec, [(k, frozenset({"A"})) for k in keys],
+                {"A": Peer("A", "", a.zmq_address, tls_address(a))},
+            ))  # fmt: skip
+            while book.counters.fetched_chunks == 0:  # the first reply's head has arrived
+                assert not task.done()
+                await asyncio.sleep(0)
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            a.kill()
+            start = time.monotonic()
+            await asyncio.wait_for(task, 10)
+            assert time.monotonic() - start < 3.0
+            held = engine.lookup(spec.ns_id, keys)
+            assert held < 64 and book.counters.missed_chunks == 64 - held
+            grant = engine.prepare_load(spec.ns_id, keys[:held])
+            got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys[:held]]
+            engine.complete_load(grant.lease_id)
+            assert got == [pattern(k, 0, spec.part_bytes) for k in keys[:held]]
+            assert book.is_suspect("A")
+            no_reservations(engine)
+            await book.close()
+    finally:
+        a.kill()
+
+
+def test_a_tls_reader_that_stops_reading_is_cut_off_and_its_pins_end(
+    tmp_path: Path, certs: Certs
+) -> None:
+    """A TLS client asks for 64 MiB and reads nothing: the daemon's sending thread is bounded
+    by the peer timeout, the connection closes, the reply's pins end, and others are served
+    meanwhile and after."""
+    a, spec, keys = big_holder(tmp_path / "a", certs, "--peer-timeout-s", "1")
+    try:
+        with tls_raw(a, certs.fleet[0]) as sock:
+            sock.sendall(wire_stream.encode_hello(TOKEN))
+            sock.sendall(wire_stream.encode_request(wire_stream.FetchRequest(1, spec.ns_id, keys)))
+
+            def pins() -> int:
+                with KVClient(a.zmq_address, colocated=False, auth_token=TOKEN) as kv:
+                    return int(kv.stats()["num_leases"])
+
+            from tests.support.daemon import wait_until
+
+            wait_until(lambda: pins() == 1, timeout=10)  # the reply is being sent
+            still_serving(a, certs.fleet[0])  # on another connection, meanwhile
+            wait_until(lambda: pins() == 0, timeout=10)  # cut off after the timeout
+        still_serving(a, certs.fleet[0])
+    finally:
+        a.kill()
