@@ -200,6 +200,18 @@ class StorageEngine:
         entry = self._dram.entries.get((self._ns(ns_id), key))
         return entry is not None and entry.state is EntryState.READY
 
+    def missing(self, ns_id: str, keys: Iterable[bytes]) -> list[bytes]:
+        """The keys of ``keys`` that are not READY in the namespace, in order (``contains``
+        for a batch: one set test per key, none when every key is READY). No side effects."""
+        ready = self._dram.ready.get(self._ns(ns_id))
+        if not ready:
+            return list(keys)
+        if not isinstance(keys, list | tuple):
+            keys = list(keys)
+        if ready.issuperset(keys):
+            return []
+        return [key for key in keys if key not in ready]
+
     # ================================================================== store path
 
     def prepare_store(
@@ -311,6 +323,73 @@ class StorageEngine:
                 c.stored_chunks += len(became_ready)
         return became_ready
 
+    def settle_store(self, lease_id: int, written: Iterable[bytes]) -> list[bytes]:
+        """End a store lease whose parts the daemon wrote itself (a promotion, a peer fetch):
+        every part of each key of ``written`` is written, and those keys become READY (in the
+        order of ``written``, announced with one BlockStored); every other key the lease still
+        reserves is rolled back; the lease ends. Returns the keys made READY.
+
+        ``complete_store(keys=written)`` then ``complete_store(success=False)`` in one call,
+        with one pass over the keys. Checks first: an unknown, finished or expired lease
+        raises LeaseError / LeaseExpired, a key the lease does not reserve InvalidArgument;
+        nothing changed then.
+        """
+        self._reap()
+        lease = self.leases.get(lease_id, LeaseKind.STORE)
+        ns = lease.ns
+        became_ready, rest = lease.settle(written)
+        if rest:
+            self._holds.roll_back(lease, rest)
+        if became_ready:
+            self._dram.make_ready(ns, became_ready)
+        self.leases.end(lease, "completed")
+        if became_ready:
+            event = BlockStored(self._seq(), self._ns_ids[ns], tuple(became_ready), MEDIUM_DRAM)
+            self._events.append(event)
+            for c in self._namespaces.pair(ns):
+                c.stored_chunks += len(became_ready)
+        return became_ready
+
+    def write_parts(
+        self,
+        lease_id: int,
+        keys: Sequence[bytes],
+        ranks: Sequence[int],
+        parts: Sequence[bytes | memoryview],
+    ) -> None:
+        """Copy parts into the arena (remote clients): ``parts[i * len(ranks) + j]`` is rank
+        ``ranks[j]``'s part of ``keys[i]``. Does not complete them (``complete_store``).
+
+        ``write_part`` for a batch: checks everything first (the lease; each key reserved by
+        it, each rank in range, named once and not completed yet; each payload's size), so a
+        raised error means nothing was written; then copies.
+        """
+        lease = self.leases.get(lease_id, LeaseKind.STORE)
+        spec = self._namespaces.specs[lease.ns]
+        mask = lease.select_ranks(ranks, spec.tp_world_size)
+        if len(ranks) != mask.bit_count():
+            raise InvalidArgument("a rank is named twice", ranks=list(ranks))
+        if len(parts) != len(keys) * len(ranks):
+            raise InvalidArgument(
+                "wrong number of parts", parts=len(parts), expected=len(keys) * len(ranks)
+            )
+        lease.check_parts(keys, mask)
+        size = spec.part_bytes
+        for i, data in enumerate(parts):
+            if memoryview(data).nbytes != size:
+                raise InvalidArgument(
+                    "payload size does not match the part size",
+                    part=i,
+                    size=memoryview(data).nbytes,
+                    part_bytes=size,
+                )
+        entries, ns, write = self._dram.entries, lease.ns, self.arena.write
+        per_key = len(ranks)
+        for i, key in enumerate(keys):
+            extents = entries[(ns, key)].extents
+            for j, rank in enumerate(ranks):
+                write(extents[rank], parts[i * per_key + j])
+
     def write_part(self, lease_id: int, key: bytes, rank: int, data: bytes | memoryview) -> None:
         """Copy one part's payload into the arena (remote clients). Does not complete it."""
         lease = self.leases.get(lease_id, LeaseKind.STORE)
@@ -375,6 +454,28 @@ class StorageEngine:
         if key not in lease.keys:
             raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
         return self.arena.views(self._dram.entries[(lease.ns, key)].extents[rank])
+
+    def read_parts(
+        self, lease_id: int, keys: Sequence[bytes], ranks: Sequence[int]
+    ) -> list[list[memoryview]]:
+        """``read_part`` for a batch: the views of each rank of ``ranks`` of each of ``keys``,
+        key-major (``[i * len(ranks) + j]`` is rank ``ranks[j]`` of ``keys[i]``). Checks every
+        rank and key first (InvalidArgument); valid while the lease lives."""
+        lease = self.leases.get(lease_id, LeaseKind.LOAD)
+        world = self._namespaces.specs[lease.ns].tp_world_size
+        for rank in ranks:
+            if type(rank) is not int or not 0 <= rank < world:
+                raise InvalidArgument("rank out of range", rank=rank)
+        pinned = set(lease.keys)
+        if not pinned.issuperset(keys):
+            key = next(k for k in keys if k not in pinned)
+            raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
+        entries, ns, views = self._dram.entries, lease.ns, self.arena.views
+        out: list[list[memoryview]] = []
+        for key in keys:
+            extents = entries[(ns, key)].extents
+            out += [views(extents[rank]) for rank in ranks]
+        return out
 
     # ================================================================== explicit pins
 

@@ -54,6 +54,9 @@ class DramIndex:
         self.reserved_pages = 0
         self.pinned_pages = 0
         self.num_writing = 0
+        #: part size in bytes of each namespace index that reserved (a victim of the same part
+        #: size hands its parts to a reservation as they are: same pages, same extents)
+        self._part_bytes: dict[int, int] = {}
 
     # ------------------------------------------------------------------ reservation
 
@@ -114,39 +117,64 @@ class DramIndex:
         part_pages = allocator.pages_for(spec.part_bytes)
         world = spec.tp_world_size
         nbytes = spec.part_bytes
-        parts: list[tuple[list[int], Extents]] = []
+        self._part_bytes[ns] = nbytes
+        need = world * len(keys)
+        #: the batch's parts, key-major then rank: their pages and their extents
+        part_pages_of: list[list[int]] = []
+        part_extents: list[Extents] = []
         if victims:
-            need = world * len(keys)
+            sizes = self._part_bytes
             unused: list[int] = []
             for victim in victims:
-                for pages, extents in zip(victim.pages, victim.extents, strict=True):
-                    if len(parts) < need and len(pages) == part_pages:
-                        if sum(length for _, length in extents) != nbytes:
-                            extents = allocator.extents(pages, nbytes)
-                        parts.append((pages, extents))
-                    else:
-                        unused.extend(pages)
+                if len(part_pages_of) >= need:
+                    for pages in victim.pages:
+                        unused += pages
+                elif sizes[victim.ns] == nbytes:  # parts of this size: taken as they are
+                    part_pages_of += victim.pages
+                    part_extents += victim.extents
+                else:
+                    for pages in victim.pages:  # another size: its extents do not fit
+                        if len(part_pages_of) < need and len(pages) == part_pages:
+                            part_pages_of.append(pages)
+                            part_extents.append(allocator.extents(pages, nbytes))
+                        else:
+                            unused += pages
+            if len(part_pages_of) > need:  # a victim of another TP world size overshot
+                for pages in part_pages_of[need:]:
+                    unused += pages
+                del part_pages_of[need:], part_extents[need:]
             if unused:
                 allocator.free(unused)
-        fresh = allocator.allocate(part_pages * (world * len(keys) - len(parts)))
+        fresh = allocator.allocate(part_pages * (need - len(part_pages_of)))
         assert fresh is not None, "eviction freed less than it promised"
         page_size, last = allocator.page_size, part_pages - 1
         for pos in range(0, len(fresh), part_pages):
             pages = fresh[pos : pos + part_pages]
             first = pages[0]
             if pages[last] - first == last:  # contiguous: one extent, no per-page work
-                parts.append((pages, ((first * page_size, nbytes),)))
+                part_extents.append(((first * page_size, nbytes),))
             else:
-                parts.append((pages, allocator.extents(pages, nbytes)))
+                part_extents.append(allocator.extents(pages, nbytes))
+            part_pages_of.append(pages)
         entries = self.entries
         writing = EntryState.WRITING
+        num_pages = part_pages * world
         locations: list[list[Extents]] = []
-        for i, key in enumerate(keys):
-            mine = parts[i * world : (i + 1) * world]
-            where = [extents for _, extents in mine]
-            entries[(ns, key)] = Entry(ns, key, writing, [p for p, _ in mine], where, lease_id)
-            locations.append(where)
-        self.reserved_pages += part_pages * world * len(keys)
+        if world == 1:
+            for key, pages, extents in zip(keys, part_pages_of, part_extents, strict=True):
+                where = [extents]
+                entries[(ns, key)] = Entry(ns, key, writing, [pages], where, num_pages, lease_id)
+                locations.append(where)
+        else:
+            for i, key in enumerate(keys):
+                j = i * world
+                where = part_extents[j : j + world]
+                pages_by_rank = part_pages_of[j : j + world]
+                entries[(ns, key)] = Entry(
+                    ns, key, writing, pages_by_rank, where, num_pages, lease_id
+                )
+                locations.append(where)
+        self.reserved_pages += num_pages * len(keys)
         self.num_writing += len(keys)
         return locations
 
@@ -247,6 +275,7 @@ class DramIndex:
         for (ns, key), entry in self.entries.items():
             assert entry.ns == ns and entry.key == key
             n = entry.num_pages
+            assert n == sum(map(len, entry.pages)), (n, entry.pages)
             if entry.state is EntryState.WRITING:
                 reserved += n
                 writing += 1

@@ -9,7 +9,7 @@ Pure data; no behaviour beyond validation and derived properties.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy
@@ -90,6 +90,10 @@ class Entry:
     pages: list[list[int]]
     #: byte extents of each rank's part (index = rank).
     extents: list[Extents]
+    #: total pages of all parts: ``sum(map(len, pages))``, fixed for the entry's life, given
+    #: by the index, which knows it for a whole batch (eviction, pinning and accounting read
+    #: it several times per key; ``check_invariants`` recomputes it).
+    num_pages: int
     #: the store lease that reserved it (0 once ready).
     lease_id: int = 0
     #: in-flight loads reading it.
@@ -99,12 +103,6 @@ class Entry:
     #: times the chunk was used: 1 when stored, +1 per load and per touching/recording lookup
     #: hit. The SSD tier's admission rule reads it when the entry is evicted.
     uses: int = 1
-    #: total pages of all parts (derived from ``pages``, fixed for the entry's life; cached
-    #: because eviction, pinning and accounting read it several times per key).
-    num_pages: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_pages = sum(map(len, self.pages))
 
     @property
     def is_pinned(self) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvserver.errors import InvalidArgument, InvalidState, LeaseError, LeaseExpired
@@ -86,6 +86,19 @@ class Lease:
         if self.done_ranks.get(key, 0) >> rank & 1:
             raise InvalidState("part already completed", key=key, rank=rank)
 
+    def check_parts(self, keys: Sequence[bytes], mask: int) -> None:
+        """Raise unless the parts ``mask`` of each of ``keys`` are reserved here and not
+        completed yet (:meth:`check_part` for a batch)."""
+        held = set(self.keys)
+        if not held.issuperset(keys):
+            key = next(k for k in keys if k not in held)
+            raise InvalidArgument("key is not reserved by this lease", key=key, lease=self.lease_id)
+        done = self.done_ranks
+        if done:
+            for key in keys:
+                if done.get(key, 0) & mask:
+                    raise InvalidState("part already completed", key=key, lease=self.lease_id)
+
     def record_parts(self, keys: list[bytes], mask: int, world: int) -> list[bytes]:
         """Record the parts ``mask`` of ``keys`` as written; returns the keys now complete.
 
@@ -114,6 +127,24 @@ class Lease:
         for key in finished:
             self.done_ranks.pop(key, None)
         self.keys = [k for k in self.keys if k not in finished]
+
+    def settle(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Drop every key: returns (the keys of ``keys``, duplicates removed, in their order;
+        the others still held, in lease order). Raises InvalidArgument, with nothing changed,
+        if a key of ``keys`` is not held."""
+        done = list(dict.fromkeys(keys))
+        held = set(self.keys)
+        if not held.issuperset(done):
+            key = next(k for k in done if k not in held)
+            raise InvalidArgument("key is not reserved by this lease", key=key, lease=self.lease_id)
+        if len(done) == len(held):
+            rest: list[bytes] = []
+        else:
+            finished = set(done)
+            rest = [k for k in self.keys if k not in finished]
+        self.keys = []
+        self.done_ranks.clear()
+        return done, rest
 
     def finish_all(self) -> list[bytes]:
         """Drop every key (all of them complete at once); returns them."""

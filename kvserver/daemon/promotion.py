@@ -178,8 +178,10 @@ class Promotions:
         spec = engine.namespace(ns_id)
         todo: list[SsdEntry] = []
         protect: list[bytes] = []
-        for key in dict.fromkeys(keys):
-            if engine.contains(ns_id, key):
+        unique = list(dict.fromkeys(keys))
+        absent = set(engine.missing(ns_id, unique))
+        for key in unique:
+            if key not in absent:
                 protect.append(key)
             elif key in claimed and (entry := index.ready(ns_id, key)) is not None:
                 todo.append(entry)
@@ -236,12 +238,10 @@ class Promotions:
         return out
 
     def _finish(self, lease: int, done: list[bytes]) -> None:
-        """Complete the promoted keys; roll back whatever else the lease still reserves."""
-        engine = self._engine
-        with contextlib.suppress(KVServerError):  # lease already ended (all done) or expired
-            if done:
-                self._counters.promoted_chunks += len(engine.complete_store(lease, keys=done))
-            engine.complete_store(lease, success=False)
+        """Complete the promoted keys; roll back whatever else the lease still reserves (one
+        ``settle_store``)."""
+        with contextlib.suppress(KVServerError):  # the lease expired under a very slow disk
+            self._counters.promoted_chunks += len(self._engine.settle_store(lease, done))
 
 
 def _windows(entries: list[SsdEntry], budget: int) -> list[list[SsdEntry]]:

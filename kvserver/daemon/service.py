@@ -243,6 +243,16 @@ class KVService:
     def write_part(self, lease_id: int, key: bytes, rank: int, data: memoryview | bytes) -> None:
         self.engine.write_part(lease_id, key, rank, data)
 
+    def write_parts(
+        self,
+        lease_id: int,
+        keys: Sequence[bytes],
+        ranks: Sequence[int],
+        parts: Sequence[memoryview | bytes],
+    ) -> None:
+        """``StorageEngine.write_parts``: all checked before any is written."""
+        self.engine.write_parts(lease_id, keys, ranks, parts)
+
     def complete_store(
         self,
         lease_id: int,
@@ -310,11 +320,11 @@ class KVService:
             return PutResult([], [], [], rejected=True)
         stored: list[bytes] = []
         if grant.keys:
-            index = {key: i for i, key in enumerate(keys)}
+            if len(grant.keys) < len(keys):  # some present or filtered: the parts of the others
+                index = {key: i for i, key in enumerate(keys)}
+                parts = [parts[index[key] * tp + rank] for key in grant.keys for rank in range(tp)]
             try:
-                for key in grant.keys:
-                    for rank in range(tp):
-                        self.write_part(grant.lease_id, key, rank, parts[index[key] * tp + rank])
+                self.engine.write_parts(grant.lease_id, grant.keys, range(tp), parts)
             except BaseException:
                 self.complete_store(grant.lease_id, success=False)
                 raise
@@ -365,11 +375,12 @@ class KVService:
         in_dram = [k for k in keys if k not in direct] if direct else keys
         lease = self.hold(ns_id, in_dram, client=client) if in_dram or not direct else 0
         try:
-            parts = [
-                [direct[k][r]] if k in direct else self.engine.read_part(lease, k, r)
-                for k in keys
-                for r in ranks
-            ]
+            parts = self.engine.read_parts(lease, in_dram, ranks) if in_dram else []
+            if direct:  # the parts read from a lower tier's buffers, in their places
+                views = iter(parts)
+                parts = [
+                    [direct[k][r]] if k in direct else next(views) for k in keys for r in ranks
+                ]
         except BaseException:
             if lease:
                 self.engine.complete_load(lease)

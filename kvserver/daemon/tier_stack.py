@@ -123,11 +123,11 @@ class TierStack:
         """Continue the run after the ``hits`` leading DRAM keys: for each key of the run, the
         index of the tier holding it (-1: DRAM); None if a tier needs I/O (``masks`` absent).
         ``masks[t][i]``: whether tier ``t`` holds ``keys[hits + i]``."""
-        contains = self._engine.contains
+        absent = set(self._engine.missing(ns_id, keys[hits:]))
         found: list[int] = []
         for i in range(len(keys) - hits):
             key = keys[hits + i]
-            if contains(ns_id, key):
+            if key not in absent:
                 found.append(-1)
                 continue
             for t, tier in enumerate(tiers):

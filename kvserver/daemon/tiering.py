@@ -302,6 +302,8 @@ class SsdTier(Tier):
         if not self.opened or not len(self.index):
             return False
         needs = self.promotions.needs
+        if not self.promotions.num_in_flight:  # then only keys not in DRAM can need it
+            keys = self.engine.missing(ns_id, keys)
         return any(needs(ns_id, k) for k in keys)
 
     # ================================================================== promotion

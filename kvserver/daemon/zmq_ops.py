@@ -257,8 +257,7 @@ class DataOps:
         """One rank's parts into an existing store lease (TP by rank over the network)."""
         lease_id, keys, rank = c.args["lease_id"], c.args["keys"], c.args["rank"]
         check_parts(c.frames, len(keys), None)
-        for key, frame in zip(keys, c.frames, strict=True):
-            self._service.write_part(lease_id, key, rank, frame.buffer)
+        self._service.write_parts(lease_id, keys, [rank], [frame.buffer for frame in c.frames])
         ready: list[bytes] = []
         if c.args["complete"] is not False:
             ready = self._service.complete_store(lease_id, ranks=[rank], keys=keys)

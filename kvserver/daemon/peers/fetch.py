@@ -126,12 +126,14 @@ class PeerFetches:
         ns_id = spec.ns_id
         mine: list[tuple[bytes, frozenset[str]]] = []
         theirs: dict[int, asyncio.Future[_Parts]] = {}
-        for key, holders in dict(wanted).items():
+        wanted_holders = dict(wanted)
+        absent = set(self._engine.missing(ns_id, wanted_holders))
+        for key, holders in wanted_holders.items():
             fut = self._inflight.get((ns_id, key))
             if fut is not None:
                 theirs[id(fut)] = fut
                 self._book.counters.joined_chunks += 1
-            elif not self._engine.contains(ns_id, key):
+            elif key in absent:
                 mine.append((key, holders))
         out: _Parts = {}
         if mine:
@@ -368,8 +370,11 @@ class PeerFetches:
         if not keys:
             return None
         engine, ns_id = self._engine, spec.ns_id
-        fetched = set(keys)
-        keep = [k for k in dict.fromkeys(protect) if k not in fetched and engine.contains(ns_id, k)]
+        keep: list[bytes] = []
+        if protect:
+            fetched = set(keys)
+            absent = set(engine.missing(ns_id, protect))
+            keep = [k for k in dict.fromkeys(protect) if k not in fetched and k not in absent]
         try:
             return engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False,
                                         lease_s=engine.config.max_lease_s)  # fmt: skip
@@ -378,15 +383,12 @@ class PeerFetches:
             return None
 
     def _complete(self, grant: StoreGrant | None, written: list[bytes]) -> None:
-        """Make the ``written`` keys of ``grant`` ready, roll back the rest, publish."""
+        """Make the ``written`` keys of ``grant`` ready, roll back the rest (one
+        ``settle_store``), publish."""
         if grant is not None and grant.keys:
-            engine = self._engine
-            with contextlib.suppress(KVServerError):
-                if written:
-                    self._book.counters.placed_chunks += len(
-                        engine.complete_store(grant.lease_id, keys=written)
-                    )
-                engine.complete_store(grant.lease_id, success=False)
+            with contextlib.suppress(KVServerError):  # the lease expired meanwhile
+                placed = self._engine.settle_store(grant.lease_id, written)
+                self._book.counters.placed_chunks += len(placed)
         self._publish()
 
     def _place(

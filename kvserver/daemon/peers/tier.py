@@ -153,16 +153,14 @@ class PeerTier(Tier):
     def needs_promotion(self, ns_id: str, keys: Sequence[bytes]) -> bool:
         if not self._usable():
             return False
-        contains = self._engine.contains
-        return any(not contains(ns_id, k) for k in keys)
+        return bool(self._engine.missing(ns_id, keys))
 
     async def promote(
         self, ns_id: str, keys: Sequence[bytes], *, direct: bool = False
     ) -> DirectParts:
         spec = self._engine.namespace(ns_id)  # UnknownNamespace: bad input, nothing changed
-        contains = self._engine.contains
         unique = list(dict.fromkeys(keys))
-        missing = [k for k in unique if not contains(ns_id, k)]
+        missing = self._engine.missing(ns_id, unique)
         if not missing or not self._usable():
             return {}
         holders = await self._holders_of(ns_id, missing)
@@ -174,7 +172,8 @@ class PeerTier(Tier):
             wanted.append((key, hosts))
         if not wanted:
             return {}
-        protect = [k for k in unique if contains(ns_id, k)]
+        absent = set(missing)
+        protect = [k for k in unique if k not in absent]
         peers = self.directory.peers()
         return await self.fetches.fetch(spec, wanted, peers, protect=protect, direct=direct)
 
