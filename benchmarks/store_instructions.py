@@ -186,7 +186,7 @@ def _run(reps: int, policy: str, out: Path | None) -> dict[str, float]:
     assert engine.lookup(ns_id, held) == CHUNKS
     get()
     load()
-    pinned = service.prepare_load(ns_id, held, client="bench")  # ended after "copy"
+    pinned = service.prepare_load(ns_id, held, client="bench", lease_s=600)  # ends after "copy"
     where[:] = pinned.locations
     seconds: dict[str, float] = {}
     _dump(out, "warm-up")
