@@ -14,8 +14,8 @@ stream → ``close()``.
   reads (hellos and request headers: small) decrypt on the loop with the socket
   non-blocking, waiting for the descriptor to become readable (``loop.add_reader``), and a
   reply of more than :data:`SMALL_REPLY_BYTES` is sent from a worker thread that ``sendall``\\ s
-  each arena view: OpenSSL encrypts straight from the arena pages into its record buffer
-  (the encryption is the copy; nothing else is copied), and the loop serves other
+  each arena view (no copy here; OpenSSL copies each 16 KiB record from the pages into its
+  record buffer and encrypts it there: its record layer's one copy), and the loop serves other
   connections meanwhile. If the awaiting task is cancelled (the daemon stops), the socket is
   shut down and the thread awaited before the cancellation goes on, so no page is read after
   its pin ends.
@@ -235,7 +235,7 @@ class TlsIO:
         def send_all() -> None:
             sock.settimeout(self.timeout_s)
             for view in views:
-                sock.sendall(view)  # SSL_write straight from the view
+                sock.sendall(view)  # SSL_write of the view itself (no copy here)
 
         fut = asyncio.get_running_loop().run_in_executor(None, send_all)
         try:

@@ -23,8 +23,8 @@ order asked), each checked as a ZMQ ``get`` with ``leading=true`` is: the princi
 to the namespace (``access.authorize``, as for the ZMQ ``get``), then
 ``KVService.get(leading=True)``: the leading run of the keys held in this daemon's own tiers,
 promoted from SSD when needed, pinned by a load lease while its pages are sent straight from
-the arena (``sendmsg`` of arena views, the kernel's copy the only one; with TLS, encrypted
-straight from them in a worker thread: ``stream_io.py``), then unpinned.
+the arena (``sendmsg`` of arena views, the kernel's copy the only one; with TLS,
+``SSL_write`` of them in a worker thread: ``stream_io.py``), then unpinned.
 
 Bounds: at most ``max_connections`` connections (more are closed at once); a request's header
 at most ``wire_stream.MAX_REQUEST_BYTES``; the hello within ``timeout_s`` of connecting;

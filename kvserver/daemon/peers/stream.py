@@ -20,8 +20,9 @@ TLS (an ``ssl.SSLContext`` from this daemon's files, ``TlsClient.ssl_context``):
 certificate must chain to the configured CA and name the host of the address (or the
 configured ``server_name``), and the handshake comes before the hello, so the token travels
 encrypted. ``ssl`` sockets have no ``recvmsg_into``: a window is received with one
-``recv_into`` per TLS record straight into the arena page views (OpenSSL decrypts into them:
-the decryption is the copy, nothing else is copied), in the same worker thread.
+``recv_into`` per TLS record into the arena page views, in the same worker thread. Nothing is
+copied here; OpenSSL decrypts each record in its own record buffer and copies the plaintext
+into the view (its record layer's one copy, which kernel TLS would remove).
 
 Every call is bounded by the caller's timeout (``asyncio.timeout`` around each window); a
 read cancelled by it writes nothing more (reads happen only inside the awaited call). A peer
@@ -233,7 +234,7 @@ class StreamConnection:
             _set_tls_timeout(sock, deadline)
             pos, size = 0, view.nbytes
             while pos < size:
-                got = sock.recv_into(view[pos:])  # decrypted straight into the view
+                got = sock.recv_into(view[pos:])  # OpenSSL's plaintext lands in the view
                 if got == 0:
                     raise self._failed("peer closed the stream mid-reply", timed_out=True)
                 pos += got
