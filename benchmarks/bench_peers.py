@@ -11,16 +11,19 @@ Everything runs in one run, on loopback:
   A --peer-stream-port -1``) over the ZMQ data plane, as a daemon with CURVE and no TLS
   certificate does.
 - peer fetch: this process, a co-located client of B (and of B_zmq), calls ``prepare_load`` of
-  one batch's keys (then ``complete_load``). B finds them in no local tier, asks A which it
-  holds (one ``lookup local=``), fetches them in 4 MiB windows pipelined on one connection,
-  checks them and places them in its arena, then grants the load. Timed: ``prepare_load``
+  one batch's keys (then ``complete_load``). B finds them in no local tier, asks A for them
+  straight away (its only peer: no ``lookup local=`` first, ``PeerTier.promote``), fetches
+  them in windows pipelined on one connection, checks them and places them in its arena,
+  then grants the load. The round trip no longer made is shown beside it: a lookup of the
+  batch's keys on A (``lookup_ms_median``, its share of lookup + fetch), and B's directory
+  lookups per load (``directory_lookups_per_load``: 0; 1 before). Timed: ``prepare_load``
   returning, i.e. the chunks in B's DRAM ready for the worker to read in place (the worker's
   own copy out of the arena is not part of a fetch).
 - reference: raw pyzmq between two processes: a helper process (``python -m
   benchmarks.bench_peers serve``) with a ROUTER answers a DEALER request from B's stand-in
   (this process) with the same frames (the same count and sizes, sent ``copy=False`` from
   buffers it allocated in advance, received ``copy=False``), and nothing else. The work B does
-  around the same bytes (the directory lookup, checks, placing in the arena, the lease) is
+  around the same bytes (checks, placing in the arena, the lease) is
   the overhead the ratio shows.
 - the floor (context, not the target): the same bytes moved arena pages to arena pages with
   no protocol: a helper process sends them over plain TCP out of a /dev/shm mapping of
@@ -224,6 +227,7 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
         floor = RawArenaTcp(proc, int(ep.read_text()), part_bytes, n, B_DRAM, TIMEOUT_MS / 1000)
         times: dict[str, list[float]] = {name: [] for name in (*FETCHES, "ref", "get", "floor")}
+        lookups: list[float] = []  # a lookup of the batch on A, from this process
         clients = {
             name: KVClient(daemons[name].zmq_address, timeout=60,
                            curve=curve if name in ("tls", "curve") else None)
@@ -255,6 +259,9 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
                     start_get = time.perf_counter()
                     remote.get(ns_id, keys)  # context: one remote get straight from A
                     times["get"].append(time.perf_counter() - start_get)
+                    start_lookup = time.perf_counter()  # what a lookup before a fetch cost
+                    assert remote.lookup(ns_id, keys).hit_chunks == n
+                    lookups.append(time.perf_counter() - start_lookup)
                     for i in range(len(FETCHES)):  # rotate who goes first
                         name = FETCHES[(i + r) % len(FETCHES)]
                         times[name].append(fetch(clients[name], keys))
@@ -313,6 +320,13 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         "tls_fetch_ms_median": statistics.median(times["tls"]) * 1e3,
         "curve_fetch_ms_median": statistics.median(times["curve"]) * 1e3,
         "reference_ms_median": statistics.median(times["ref"]) * 1e3,
+        # --peers: B asks A for the bytes without a lookup first (PeerTier.promote); a
+        # lookup of A, as each load made before, cost about lookup_ms_median more per load
+        "lookup_ms_median": statistics.median(lookups) * 1e3,
+        "lookup_share_of_fetch": statistics.median(lookups)
+        / (statistics.median(times["stream"]) + statistics.median(lookups)),
+        "directory_lookups_per_load": stats["stream"]["directory_lookups"] / (rounds + 1),
+        "directory_skipped_per_load": stats["stream"]["directory_skipped"] / (rounds + 1),
         "peer_stats": stats,
     }
 
@@ -361,6 +375,13 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{r['reference_MBps']:>6.0f} {r['ratio']:>6.2f} {lo:>5.2f}-{hi:<5.2f} "
                 f"{r['paired_ratio_median']:>7.2f} {r['zmq_ratio']:>9.2f}x "
                 f"{r['floor_ratio']:>5.2f}x {r['remote_get_ratio']:>10.2f}x{flag}"
+            )
+        for r in run_report["results"]:
+            print(
+                f"{r['name']:<34} B's lookups of A per load {r['directory_lookups_per_load']:.2f}"
+                f" (loads asking A straight away {r['directory_skipped_per_load']:.2f}); a "
+                f"lookup of A: {r['lookup_ms_median']:.2f} ms, "
+                f"{100 * r['lookup_share_of_fetch']:.1f}% of lookup + fetch"
             )
         before, after = run_report["load_average_before"], run_report["load_average_after"]
         print(f"load average before {before[0]:.2f}, after {after[0]:.2f} (1 min)")

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 class FleetDirectory:
     """A :class:`~kvserver.daemon.peers.directory.PeerDirectory` over the fleet index."""
 
+    #: holders() reads the index on Redis, not the peers.
+    asks_peers = False
+
     def __init__(self, node: ClusterNode) -> None:
         self.node = node
         self.unavailable_lookups = 0

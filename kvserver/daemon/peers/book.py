@@ -46,12 +46,16 @@ class PeerCounters:
     failures: int = 0
     #: keys a load wanted that a fetch already under way was bringing (not asked again).
     joined_chunks: int = 0
-    #: keys the directory named a holder for that no peer then sent.
+    #: keys the directory named a holder for that no peer then sent (not those asked of a
+    #: peer on a guess, ``directory_skipped``).
     missed_chunks: int = 0
     #: lookups that asked the directory.
     directory_lookups: int = 0
     #: keys a load found holders for in a lookup's recent answer (the directory not asked).
     directory_reused: int = 0
+    #: loads whose missing keys were asked of a likely peer straight away, without asking
+    #: the directory first (``--peers``: each is a lookup round trip to every peer saved).
+    directory_skipped: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

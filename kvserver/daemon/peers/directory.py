@@ -51,6 +51,15 @@ class PeerDirectory(Protocol):
         """Why the directory cannot be read now ("" when it can)."""
         ...
 
+    @property
+    def asks_peers(self) -> bool:
+        """True when :meth:`holders` asks the peers themselves (a configured list): then a
+        fetch from a peer (``get leading=true``, which sends the leading run it holds)
+        answers the same question in the same round trip and brings the bytes, so the
+        network tier may ask a likely peer for the bytes straight away. False when it reads
+        an index elsewhere (Redis)."""
+        ...
+
     def peers(self) -> Mapping[str, Peer]:
         """The live peers (never this daemon), by host id; cheap (no I/O)."""
         ...

@@ -9,9 +9,10 @@ directory says hold it) and:
 1. claims the keys no other fetch is bringing; for the others it waits (without asking again)
    for the fetch that claimed them;
 2. cuts its own keys into runs, one per peer: each key goes to a holder that is not suspect,
-   preferring the one that holds the longest run from that key, so a prompt held by one peer is
-   one call per window of :data:`WINDOW_BYTES` (:data:`STREAM_WINDOW_BYTES` over a peer's
-   stream); a peer's windows are pipelined on one of its
+   preferring the one that holds the longest run from that key (between equals, the one that
+   last sent chunks of the namespace: :meth:`PeerFetches.last_sender`), so a prompt held by
+   one peer is one call per window of :data:`WINDOW_BYTES` (:data:`STREAM_WINDOW_BYTES` over
+   a peer's stream); a peer's windows are pipelined on one of its
    link's connections (``PeerLink.connection``), all asked at once, each bounded by the peer
    timeout: they arrive one after another, in order, so each window is copied into DRAM while
    the next is still on the wire (windows on separate connections would arrive together, at
@@ -75,6 +76,9 @@ WINDOW_BYTES = 4 << 20
 #: against 4 MiB, docs/benchmarks.md). A peer failing mid-window loses that window's keys.
 STREAM_WINDOW_BYTES = 32 << 20
 
+#: namespaces whose last sender is remembered at most (the oldest are dropped first).
+SENDERS_MAX = 4096
+
 _Parts = dict[bytes, list[memoryview]]
 
 
@@ -94,6 +98,20 @@ class PeerFetches:
         self._book = book
         self._publish = publish
         self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
+        #: ns_id -> the peer that last sent chunks of it, oldest first (``last_sender``).
+        self._senders: dict[str, str] = {}
+
+    def last_sender(self, ns_id: str) -> str | None:
+        """The peer that most recently sent chunks of ``ns_id`` (None: none yet): a hint
+        whom to ask first, never trusted for what it holds."""
+        return self._senders.get(ns_id)
+
+    def _note_sender(self, ns_id: str, host_id: str) -> None:
+        senders = self._senders
+        senders.pop(ns_id, None)  # re-inserted last: the newest
+        senders[ns_id] = host_id
+        while len(senders) > SENDERS_MAX:
+            del senders[next(iter(senders))]
 
     @property
     def num_in_flight(self) -> int:
@@ -120,9 +138,12 @@ class PeerFetches:
         *,
         protect: Sequence[bytes] = (),
         direct: bool = False,
+        guessed: frozenset[bytes] = frozenset(),
     ) -> _Parts:
         """Bring the keys of ``wanted`` (key, holders) into DRAM (see the module docstring);
-        returns, when ``direct``, the parts of keys DRAM could not take, else {}."""
+        returns, when ``direct``, the parts of keys DRAM could not take, else {}. The holders
+        of the ``guessed`` keys are a guess, not the directory's word: one that does not
+        send them is no miss (``missed_chunks``)."""
         ns_id = spec.ns_id
         mine: list[tuple[bytes, frozenset[str]]] = []
         theirs: dict[int, asyncio.Future[_Parts]] = {}
@@ -137,7 +158,7 @@ class PeerFetches:
                 mine.append((key, holders))
         out: _Parts = {}
         if mine:
-            out.update(await self._run(spec, mine, peers, protect, direct))
+            out.update(await self._run(spec, mine, peers, protect, direct, guessed))
         wanted_keys = {k for k, _ in wanted}
         for fut in theirs.values():
             shared = await asyncio.shield(fut)  # our cancellation must not cancel theirs
@@ -152,6 +173,7 @@ class PeerFetches:
         peers: Mapping[str, Peer],
         protect: Sequence[bytes],
         direct: bool,
+        guessed: frozenset[bytes],
     ) -> _Parts:
         """Claim ``mine``, fetch and place them, release the claim, share the result."""
         ns_id = spec.ns_id
@@ -163,7 +185,7 @@ class PeerFetches:
             todo = mine
             tried: dict[bytes, set[str]] = {key: set() for key, _ in mine}
             for _round in range(ROUNDS):
-                runs = self._plan(todo, peers, tried)
+                runs = self._plan(ns_id, todo, peers, tried)
                 if not runs:
                     break
                 by_peer: dict[str, list[list[bytes]]] = {}
@@ -174,11 +196,14 @@ class PeerFetches:
                       for h, ws in by_peer.items())
                 )  # fmt: skip
                 done: set[bytes] = set()
-                for sent, parts in (r for windows in results for r in windows):
-                    done.update(sent)
-                    got.update(parts)
+                for h, windows in zip(by_peer, results, strict=True):
+                    for sent, parts in windows:
+                        done.update(sent)
+                        got.update(parts)
+                        if sent:
+                            self._note_sender(ns_id, h)
                 todo = [(k, hs) for k, hs in todo if k not in done]
-            self._book.counters.missed_chunks += len(todo)
+            self._book.counters.missed_chunks += sum(k not in guessed for k, _ in todo)
             return got
         finally:
             for key, _ in mine:
@@ -187,17 +212,20 @@ class PeerFetches:
 
     def _plan(
         self,
+        ns_id: str,
         todo: list[tuple[bytes, frozenset[str]]],
         peers: Mapping[str, Peer],
         tried: dict[bytes, set[str]],
     ) -> list[tuple[str, list[bytes]]]:
-        """Runs of consecutive keys, one holder each (see the module docstring); records in
+        """Runs of consecutive keys, one holder each (see the module docstring; between
+        holders of equally long runs, the one that last sent chunks of ``ns_id``); records in
         ``tried`` whom each key is asked."""
         book = self._book
         usable = [
             {h for h in hs if h in peers and h not in tried[k] and not book.is_suspect(h)}
             for k, hs in todo
         ]
+        prefer = self._senders.get(ns_id)
         runs: list[tuple[str, list[bytes]]] = []
         i = 0
         while i < len(todo):
@@ -211,7 +239,7 @@ class PeerFetches:
                     j += 1
                 return j
 
-            best = max(sorted(usable[i]), key=reach)
+            best = max(sorted(usable[i], key=lambda h: (h != prefer, h)), key=reach)
             end = reach(best)
             keys = [k for k, _ in todo[i:end]]
             for k in keys:

@@ -8,6 +8,10 @@ asks every peer that is not suspect, concurrently, for the leading run of the ke
 (the data plane's ``lookup``, bounded by the peer timeout): a lookup costs one round trip to
 the slowest peer, so this suits a handful of hosts; a fleet uses the index on Redis instead.
 A peer that does not answer in time is suspect (and holds nothing) for ``suspect_s``.
+
+A load needs no lookup first (``asks_peers``): the network tier asks a likely peer (the only
+one, or the one that last sent chunks of the namespace) for the bytes straight away, and its
+fetch reports what it holds; only what it did not send is looked up among the others.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class StaticDirectory:
 
     #: never fails as a whole: each peer's failure makes that peer suspect.
     error = ""
+    #: holders() asks the peers: a load may ask a likely peer for the bytes instead
+    #: (``PeerTier.promote``).
+    asks_peers = True
 
     def __init__(self, addresses: Sequence[str], book: PeerBook) -> None:
         self._peers = {a: Peer(a, "", a) for a in dict.fromkeys(addresses)}

@@ -21,6 +21,13 @@ What it does for the service (the seam's contracts):
   for the rest: the usual lookup-then-load asks the directory (Redis, or every static peer)
   once, not twice. A reused answer is as trustworthy as a fresh one (the directory may lag
   either way): a holder that no longer sends a key makes it a miss or another holder's.
+- **No lookup before a fetch from configured peers**: where the directory asks the peers
+  themselves (``asks_peers``, ``--peers``), asking it costs the same round trip as the fetch,
+  whose reply (``get leading=true``: the leading run the peer holds) answers the same
+  question. So the rest is asked straight away of a likely peer (the only usable one, or the
+  one that last sent chunks of the namespace: ``directory_skipped`` counts these), and only
+  what it did not send is looked up among the others, then fetched. Nothing is trusted that
+  was not sent: a wrong guess costs a round trip, never a wrong byte.
 - **Write-down**: none. A network tier does not accept evictions (``on_evict`` ignores them):
   what this daemon evicts stays wherever else the fleet holds it.
 - **Local-only requests**: a peer asking this daemon (``lookup local=``, ``get leading=``) is
@@ -129,9 +136,8 @@ class PeerTier(Tier):
         while len(cache) > HOLDERS_MAX:
             del cache[next(iter(cache))]
 
-    async def _holders_of(self, ns_id: str, keys: list[bytes]) -> list[frozenset[str]]:
-        """Holders of ``keys`` as ``PeerDirectory.holders`` answers: the leading run a
-        recent lookup answered, then the directory's answer for the rest."""
+    def _recent_holders(self, ns_id: str, keys: list[bytes]) -> list[frozenset[str]]:
+        """Holders of the leading run of ``keys`` that a recent lookup answered (no I/O)."""
         cache, now = self._holders, self._clock()
         out: list[frozenset[str]] = []
         for key in keys:
@@ -140,10 +146,26 @@ class PeerTier(Tier):
                 break
             out.append(known[1])
         self.book.counters.directory_reused += len(out)
-        if len(out) < len(keys):
-            self.book.counters.directory_lookups += 1
-            out += await self.directory.holders(ns_id, keys[len(out) :])
         return out
+
+    async def _ask_directory(self, ns_id: str, keys: list[bytes]) -> list[frozenset[str]]:
+        if not keys:
+            return []
+        self.book.counters.directory_lookups += 1
+        return await self.directory.holders(ns_id, keys)
+
+    def _first_peer(self, ns_id: str) -> str | None:
+        """With a directory that asks the peers themselves (``asks_peers``): the peer to ask
+        for the bytes straight away, its fetch answering what a lookup would (the only
+        usable peer, or the one that last sent chunks of ``ns_id``); else None."""
+        if not self.directory.asks_peers:
+            return None
+        book = self.book
+        usable = [h for h in self.directory.peers() if not book.is_suspect(h)]
+        if len(usable) == 1:
+            return usable[0]
+        last = self.fetches.last_sender(ns_id)
+        return last if last in usable else None
 
     def record_lookup(self, ns_id: str, hits: Sequence[bytes], misses: int, *, touch: bool) -> None:
         self.hit_chunks += len(hits)
@@ -163,9 +185,39 @@ class PeerTier(Tier):
         missing = self._engine.missing(ns_id, unique)
         if not missing or not self._usable():
             return {}
-        holders = await self._holders_of(ns_id, missing)
-        wanted: list[tuple[bytes, frozenset[str]]] = []
+        known = self._recent_holders(ns_id, missing)
+        rest = missing[len(known) :]
+        first = self._first_peer(ns_id) if rest else None
+        if first is None:
+            holders = known + await self._ask_directory(ns_id, rest)
+            return await self._fetch(spec, unique, missing, holders, direct)
+        # ask ``first`` for the rest straight away: its fetch reports the leading run it holds
+        self.book.counters.directory_skipped += 1
+        got = await self._fetch(spec, unique, missing, known + [frozenset({first})] * len(rest),
+                                direct, guessed=frozenset(rest))  # fmt: skip
+        left = [k for k in missing if not contains(ns_id, k) and k not in got]
         book = self.book
+        if left and any(h != first and not book.is_suspect(h) for h in self.directory.peers()):
+            # what ``first`` did not send: only the others can hold it (``first`` just
+            # answered, for the first of these keys, that it does not)
+            holders = [hs - {first} for hs in await self._ask_directory(ns_id, left)]
+            got.update(await self._fetch(spec, unique, left, holders, direct))
+        return got
+
+    async def _fetch(
+        self,
+        spec: NamespaceSpec,
+        unique: list[bytes],
+        missing: list[bytes],
+        holders: Sequence[frozenset[str]],
+        direct: bool,
+        guessed: frozenset[bytes] = frozenset(),
+    ) -> DirectParts:
+        """Fetch the leading run of ``missing`` that a usable peer holds (``holders``, per
+        key; a guess for the ``guessed`` keys), protecting the keys of ``unique`` already in
+        DRAM."""
+        ns_id, book, contains = spec.ns_id, self.book, self._engine.contains
+        wanted: list[tuple[bytes, frozenset[str]]] = []
         for key, hosts in zip(missing, holders, strict=False):
             if not any(not book.is_suspect(h) for h in hosts):
                 break  # the load needs every key: the ones after this one are of no use
@@ -175,7 +227,8 @@ class PeerTier(Tier):
         absent = set(missing)
         protect = [k for k in unique if k not in absent]
         peers = self.directory.peers()
-        return await self.fetches.fetch(spec, wanted, peers, protect=protect, direct=direct)
+        return await self.fetches.fetch(spec, wanted, peers, protect=protect, direct=direct,
+                                        guessed=guessed)  # fmt: skip
 
     # ------------------------------------------------------------------ write-down
 

@@ -43,8 +43,9 @@ async def test_holders_are_the_peers_whose_leading_run_covers_each_key(tmp_path:
 
 async def test_a_load_after_a_lookup_reuses_its_answer_until_it_is_stale(tmp_path: Path) -> None:
     """Lookup then load through the network tier asks the directory (here: every peer) once;
-    an answer older than HOLDERS_TTL_S is not reused; a reused holder that no longer sends
-    the chunk makes it a miss, not an error."""
+    an answer older than HOLDERS_TTL_S is not reused (and with one peer, the load asks it for
+    the bytes without a lookup); a reused holder that no longer sends the chunk makes it a
+    miss, not an error."""
     keys = make_keys(6)
     a = start_daemon(tmp_path / "a", "--dram", "1MiB", "--page-size", "4KiB")  # 128 chunks
     now = [100.0]
@@ -64,9 +65,14 @@ async def test_a_load_after_a_lookup_reuses_its_answer_until_it_is_stale(tmp_pat
             assert await tier.query(SPEC.ns_id, keys[3:]) == [True] * 3
             await tier.promote(SPEC.ns_id, keys[3:5])  # two reused, none asked
             assert (c.directory_lookups, c.directory_reused) == (2, 5)
+            assert c.directory_skipped == 0
             now[0] += HOLDERS_TTL_S + 1
-            await tier.promote(SPEC.ns_id, keys[5:])  # stale: the directory is asked
-            assert (c.directory_lookups, c.directory_reused, c.fetched_chunks) == (3, 5, 6)
+            # stale: not reused; and one peer: asked for the bytes straight away (its fetch
+            # answers what a lookup would), the directory not asked
+            await tier.promote(SPEC.ns_id, keys[5:])
+            assert (c.directory_lookups, c.directory_reused, c.fetched_chunks) == (2, 5, 6)
+            assert c.directory_skipped == 1
+            assert held_bytes(engine, keys) == expected(keys)
 
             fresh = make_keys(2, tag="gone")
             store(a, fresh)

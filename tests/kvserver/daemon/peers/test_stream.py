@@ -338,6 +338,7 @@ class _OnePeer:
     """A directory of one peer (``PeerTier`` asks it only for lookups and promotions)."""
 
     error = ""
+    asks_peers = False
 
     def __init__(self, peer: Peer) -> None:
         self._peers = {peer.host_id: peer}

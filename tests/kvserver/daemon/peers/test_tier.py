@@ -86,6 +86,46 @@ def test_chunks_stored_through_a_are_looked_up_and_loaded_through_b_and_c(
                 kv.load(SPEC.ns_id, keys[4:])
 
 
+def test_a_load_without_a_lookup_asks_a_likely_peer_for_the_bytes_straight_away(
+    fleet: list[DaemonProc],
+) -> None:
+    """``--peers``: a load asks no lookup of the peers before fetching. B (one peer) fetches
+    from A at once; C (two peers) looks up the first time, then asks the peer that last sent
+    it chunks of the namespace first, and looks up only what that one did not send."""
+    a, b, c = fleet
+    k1, k2, k3, nobody = (make_keys(3, tag=t) for t in ("one", "two", "three", "none"))
+
+    def put(d: DaemonProc, keys: list[bytes]) -> None:
+        with KVClient(d.zmq_address) as kv:
+            kv.register_namespace(SPEC)
+            assert kv.store(SPEC.ns_id, keys, [parts(k) for k in keys]) == keys
+
+    def load(d: DaemonProc, keys: list[bytes]) -> dict[str, int]:
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+            stats: dict[str, int] = kv.stats()["peer"]
+            return stats
+
+    def counts(stats: dict[str, int]) -> tuple[int, int, int]:
+        return stats["directory_lookups"], stats["directory_skipped"], stats["fetched_chunks"]
+
+    put(a, k1)
+    put(a, k2)
+    put(b, k3)
+    assert counts(load(c, k1)) == (1, 0, 3)  # two peers, none sent anything yet: look up
+    assert counts(load(c, k2)) == (1, 1, 6)  # A sent k1: asked first, no lookup
+    assert counts(load(c, k3)) == (2, 2, 9)  # A sends none of k3: then looked up, B sends
+    assert counts(load(b, k1)) == (0, 1, 3)  # one peer: never a lookup before a fetch
+    with KVClient(b.zmq_address, colocated=False) as kv:
+        kv.register_namespace(SPEC)
+        with pytest.raises(UnknownKey):  # held by no one: A's fetch says so, a miss
+            kv.load(SPEC.ns_id, nobody)
+        peer = kv.stats()["peer"]
+        assert counts(peer) == (0, 2, 3) and peer["peers_suspect"] == 0
+        assert peer["missed_chunks"] == 0  # A was asked on a guess, not on the directory's word
+
+
 def test_a_peers_own_request_is_answered_from_local_tiers_only(
     fleet: list[DaemonProc],
 ) -> None:
