@@ -189,9 +189,8 @@ class Session:
         return Answer(reply.result, [frame_buffer(f) for f in frames[1:]], reply.sid)
 
     def token_changed(self) -> bool:
-        """True when the daemon's token file (read again now) holds another token than the one
-        our last request carried or our DEALER presented at its handshake (a restarted daemon
-        refused it): worth retrying once."""
+        """True when the token file (read again) holds another token than our last request
+        carried or our DEALER presented (a restarted daemon refused it): retry once."""
         if self._token_file is None:
             return False
         token = self._token_file.reload()
@@ -200,12 +199,9 @@ class Session:
 
     def handshake_token(self) -> str:
         """The token a new DEALER presents at the ZMQ handshake (``docs/wire.md`` §0): ours,
-        else the token file's, read again if it changed (a new connection may reach a restarted
-        daemon; :meth:`encode` sends the token read last); "" under CURVE (keys instead) or
-        without one."""
+        else the token file's, read again (it may reach a restarted daemon); "" under CURVE
+        (keys instead: a refused header token reloads it, :meth:`token_changed`) or without."""
         if self.curve is not None:
-            if self._token_file is not None:
-                self._token_file.reload()
             return ""
         token = self.auth_token if self._token_file is None else self._token_file.reload()
         self._presented = token
