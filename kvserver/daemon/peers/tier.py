@@ -195,7 +195,7 @@ class PeerTier(Tier):
         self.book.counters.directory_skipped += 1
         got = await self._fetch(spec, unique, missing, known + [frozenset({first})] * len(rest),
                                 direct, guessed=frozenset(rest))  # fmt: skip
-        left = [k for k in missing if not contains(ns_id, k) and k not in got]
+        left = [k for k in self._engine.missing(ns_id, missing) if k not in got]
         book = self.book
         if left and any(h != first and not book.is_suspect(h) for h in self.directory.peers()):
             # what ``first`` did not send: only the others can hold it (``first`` just
@@ -214,9 +214,9 @@ class PeerTier(Tier):
         guessed: frozenset[bytes] = frozenset(),
     ) -> DirectParts:
         """Fetch the leading run of ``missing`` that a usable peer holds (``holders``, per
-        key; a guess for the ``guessed`` keys), protecting the keys of ``unique`` already in
-        DRAM."""
-        ns_id, book, contains = spec.ns_id, self.book, self._engine.contains
+        key; a guess for the ``guessed`` keys), protecting the keys of ``unique`` not in
+        ``missing`` (those DRAM holds) from the eviction the placing may cause."""
+        book = self.book
         wanted: list[tuple[bytes, frozenset[str]]] = []
         for key, hosts in zip(missing, holders, strict=False):
             if not any(not book.is_suspect(h) for h in hosts):
