@@ -97,6 +97,24 @@ _SSD_COUNTERS = (
     ("kvserver_ssd_written_bytes", "Bytes written to the SSD tier.", "bytes_written"),
     ("kvserver_ssd_read_bytes", "Bytes read from the SSD tier.", "bytes_read"),
 )
+#: the peer stream's server end (``stats()["peer_stream"]``): (name without _total, help, key)
+_STREAM_COUNTERS = (
+    ("kvserver_peer_stream_connections", "Peer stream connections accepted.", "connections"),
+    ("kvserver_peer_stream_refused_connections",
+     "Peer stream connections closed at once: the connection limit was reached.",
+     "refused_connections"),
+    ("kvserver_peer_stream_refused_hellos",
+     "Peer stream hellos malformed or whose token was refused.", "refused_hellos"),
+    ("kvserver_peer_stream_refused_handshakes",
+     "Peer stream TLS handshakes that failed (a plain client, an untrusted certificate).",
+     "refused_handshakes"),
+    ("kvserver_peer_stream_requests", "Fetch requests read on the peer stream.", "requests"),
+    ("kvserver_peer_stream_errors", "Error replies sent on the peer stream (refused hellos too).",
+     "errors"),
+    ("kvserver_peer_stream_sent_chunks", "Chunks sent to peers on the stream.", "sent_chunks"),
+    ("kvserver_peer_stream_sent_bytes", "Payload bytes sent to peers on the stream.",
+     "sent_bytes"),
+)  # fmt: skip
 #: network-tier counters: (metric name without _total, help, tier counter)
 _PEER_COUNTERS = (
     ("kvserver_peer_fetches", "Fetch calls (windows) to peer daemons.", "fetches"),
@@ -179,6 +197,15 @@ class DaemonCollector(LoopCollector):
                 "kvserver_peer_condition",
                 "The network tier's condition (degraded: peers suspect or directory unreadable).",
                 {c: peer["condition"] == c for c in PEER_CONDITIONS},
+            )
+        stream: dict[str, Any] | None = s.get("peer_stream")
+        if stream is not None:
+            for name, doc, key in _STREAM_COUNTERS:
+                yield CounterMetricFamily(name, doc, value=stream[key])
+            yield GaugeMetricFamily(
+                "kvserver_peer_stream_open_connections",
+                "Peer stream connections open now.",
+                stream["open_connections"],
             )
         cluster: dict[str, Any] | None = s.get("cluster")
         if cluster is not None:

@@ -39,6 +39,7 @@ from kvserver.errors import InvalidArgument
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes, store
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -108,6 +109,33 @@ async def test_a_fetch_over_the_stream_places_the_peers_bytes(served: DaemonProc
         assert book.link(recorded_peer(served)).connections_open == 0  # ZMQ never opened
         no_reservations(engine)
         await book.close()
+
+
+async def test_the_stream_servers_counters_reach_metrics(served: DaemonProc) -> None:
+    """``/metrics`` (parsed by prometheus_client) counts what the stream served: a fetch of
+    the four chunks, then a hello with a wrong token."""
+    before = scrape(served.metrics_url)
+    holders = frozenset({"A"})
+    for token in (TOKEN, "wrong-token-0123456789abcdef"):
+        with engine_b() as engine:
+            fetches, book = fetcher(engine, auth_token=token)
+            await fetches.fetch(SPEC, [(k, holders) for k in KEYS], {"A": recorded_peer(served)})
+            await book.close()
+            assert engine.lookup(SPEC.ns_id, KEYS) == (len(KEYS) if token == TOKEN else 0)
+    open_now = "kvserver_peer_stream_open_connections"
+    wait_until(lambda: scrape(served.metrics_url).value(open_now) == 0)
+    after = scrape(served.metrics_url)
+
+    def delta(name: str) -> float:
+        return after.value(name) - before.value(name)
+
+    assert after.types["kvserver_peer_stream_requests"] == "counter"
+    assert delta("kvserver_peer_stream_connections_total") == 2
+    assert delta("kvserver_peer_stream_requests_total") == 1
+    assert delta("kvserver_peer_stream_sent_chunks_total") == len(KEYS)
+    assert delta("kvserver_peer_stream_sent_bytes_total") == len(KEYS) * 2 * SPEC.part_bytes
+    assert delta("kvserver_peer_stream_refused_hellos_total") == 1
+    assert delta("kvserver_peer_stream_errors_total") == 1  # the refusal's error reply
 
 
 async def test_chunks_dram_cannot_take_are_received_into_buffers_of_their_own(
