@@ -24,7 +24,9 @@ Layout: this module is the facade (validation, the public calls, events and coun
 mechanics sit in one module per concept, each used only from here:
 ``engine_index.DramIndex`` (entries, pages, eviction, page accounting),
 ``engine_leases.LeaseBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
-(specs, per-namespace counters, key validation); value types are in ``engine_types``.
+(specs, per-namespace counters, key validation), ``engine_parts.PartCopies`` (the engine's
+``write_parts`` / ``read_parts`` ...: parts copied in, views out, for clients that cannot map
+the arena); value types and the config's checks are in ``engine_types``.
 
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
 after every step):
@@ -46,7 +48,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import takewhile
 from types import MappingProxyType
 from typing import cast
 
@@ -54,6 +55,7 @@ from kvserver.arena import SharedArena
 from kvserver.engine_index import DramIndex, IndexKey
 from kvserver.engine_leases import LeaseBook
 from kvserver.engine_namespaces import NamespaceTable
+from kvserver.engine_parts import PartCopies
 from kvserver.engine_types import (
     Counters,
     EngineConfig,
@@ -61,7 +63,7 @@ from kvserver.engine_types import (
     EntryState,
     StorageStats,
 )
-from kvserver.errors import CapacityError, InvalidArgument, UnknownKey
+from kvserver.errors import CapacityError, UnknownKey
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.leases import LeaseKind
@@ -102,6 +104,10 @@ class StorageEngine:
         self.totals = self._namespaces.totals
         self._holds = LeaseBook(self._dram, self._namespaces)
         self.leases = self._holds.leases
+        # the payload path of clients that cannot map the arena, exposed as the engine's calls
+        parts = PartCopies(self.arena, self.leases, self._namespaces, self._dram.entries)
+        self.write_parts, self.write_part = parts.write_parts, parts.write_part
+        self.read_parts, self.read_part = parts.read_parts, parts.read_part
         self._events: list[Event] = []
         self._next_seq = 1
         #: called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
@@ -147,11 +153,7 @@ class StorageEngine:
 
     def held_keys(self) -> dict[str, list[bytes]]:
         """The READY (visible) chunk keys per namespace id: what the fleet index mirrors."""
-        out: dict[str, list[bytes]] = {}
-        for (ns, key), entry in self._dram.entries.items():
-            if entry.state is EntryState.READY:
-                out.setdefault(self._ns_ids[ns], []).append(key)
-        return out
+        return {self._ns_ids[ns]: keys for ns, keys in self._dram.ready_keys().items()}
 
     # ================================================================== queries
 
@@ -165,14 +167,7 @@ class StorageEngine:
         """
         ns = self._ns(ns_id)
         self._namespaces.check_keys(ns, keys)
-        # the leading run of READY keys, counted in C (a whole hit in one superset test)
-        ready = self._dram.ready.get(ns)
-        if not ready:
-            hits = 0
-        elif ready.issuperset(keys):
-            hits = len(keys)
-        else:
-            hits = len(list(takewhile(ready.__contains__, keys)))
+        hits = self._dram.ready_run(ns, keys)
         if record or touch:
             index = self._dram.entries
             for key in keys[:hits]:
@@ -202,15 +197,8 @@ class StorageEngine:
 
     def missing(self, ns_id: str, keys: Iterable[bytes]) -> list[bytes]:
         """The keys of ``keys`` that are not READY in the namespace, in order (``contains``
-        for a batch: one set test per key, none when every key is READY). No side effects."""
-        ready = self._dram.ready.get(self._ns(ns_id))
-        if not ready:
-            return list(keys)
-        if not isinstance(keys, list | tuple):
-            keys = list(keys)
-        if ready.issuperset(keys):
-            return []
-        return [key for key in keys if key not in ready]
+        for a batch). No side effects."""
+        return self._dram.missing(self._ns(ns_id), keys)
 
     # ================================================================== store path
 
@@ -234,7 +222,7 @@ class StorageEngine:
         ns = self._ns(ns_id)
         spec = self._namespaces.specs[ns]
         self._namespaces.check_keys(ns, keys)
-        lease_s = self._check_lease_s(lease_s)
+        lease_s = self.config.lease_s_of(lease_s)
         self._reap()
         index = self._dram.entries
         new_keys: list[bytes] = []
@@ -350,60 +338,6 @@ class StorageEngine:
                 c.stored_chunks += len(became_ready)
         return became_ready
 
-    def write_parts(
-        self,
-        lease_id: int,
-        keys: Sequence[bytes],
-        ranks: Sequence[int],
-        parts: Sequence[bytes | memoryview],
-    ) -> None:
-        """Copy parts into the arena (remote clients): ``parts[i * len(ranks) + j]`` is rank
-        ``ranks[j]``'s part of ``keys[i]``. Does not complete them (``complete_store``).
-
-        ``write_part`` for a batch: checks everything first (the lease; each key reserved by
-        it, each rank in range, named once and not completed yet; each payload's size), so a
-        raised error means nothing was written; then copies.
-        """
-        lease = self.leases.get(lease_id, LeaseKind.STORE)
-        spec = self._namespaces.specs[lease.ns]
-        mask = lease.select_ranks(ranks, spec.tp_world_size)
-        if len(ranks) != mask.bit_count():
-            raise InvalidArgument("a rank is named twice", ranks=list(ranks))
-        if len(parts) != len(keys) * len(ranks):
-            raise InvalidArgument(
-                "wrong number of parts", parts=len(parts), expected=len(keys) * len(ranks)
-            )
-        lease.check_parts(keys, mask)
-        size = spec.part_bytes
-        for i, data in enumerate(parts):
-            if memoryview(data).nbytes != size:
-                raise InvalidArgument(
-                    "payload size does not match the part size",
-                    part=i,
-                    size=memoryview(data).nbytes,
-                    part_bytes=size,
-                )
-        entries, ns, write = self._dram.entries, lease.ns, self.arena.write
-        per_key = len(ranks)
-        for i, key in enumerate(keys):
-            extents = entries[(ns, key)].extents
-            for j, rank in enumerate(ranks):
-                write(extents[rank], parts[i * per_key + j])
-
-    def write_part(self, lease_id: int, key: bytes, rank: int, data: bytes | memoryview) -> None:
-        """Copy one part's payload into the arena (remote clients). Does not complete it."""
-        lease = self.leases.get(lease_id, LeaseKind.STORE)
-        spec = self._namespaces.specs[lease.ns]
-        lease.check_part(key, rank, spec.tp_world_size)
-        entry = self._dram.entries[(lease.ns, key)]
-        if memoryview(data).nbytes != spec.part_bytes:
-            raise InvalidArgument(
-                "payload size does not match the part size",
-                size=memoryview(data).nbytes,
-                part_bytes=spec.part_bytes,
-            )
-        self.arena.write(entry.extents[rank], data)
-
     # ================================================================== load path
 
     def prepare_load(
@@ -420,7 +354,7 @@ class StorageEngine:
         """
         ns = self._ns(ns_id)
         self._namespaces.check_keys(ns, keys)
-        lease_s = self._check_lease_s(lease_s)
+        lease_s = self.config.lease_s_of(lease_s)
         self._reap()
         get = self._dram.entries.get
         ikeys = [(ns, key) for key in keys]
@@ -445,38 +379,6 @@ class StorageEngine:
         self._dram.drop_pins(lease.ns, lease.keys)
         self.leases.end(lease, "completed")
 
-    def read_part(self, lease_id: int, key: bytes, rank: int) -> list[memoryview]:
-        """Zero-copy views of one pinned part (remote clients); valid while the lease lives."""
-        lease = self.leases.get(lease_id, LeaseKind.LOAD)
-        spec = self._namespaces.specs[lease.ns]
-        if type(rank) is not int or not 0 <= rank < spec.tp_world_size:
-            raise InvalidArgument("rank out of range", rank=rank)
-        if key not in lease.keys:
-            raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
-        return self.arena.views(self._dram.entries[(lease.ns, key)].extents[rank])
-
-    def read_parts(
-        self, lease_id: int, keys: Sequence[bytes], ranks: Sequence[int]
-    ) -> list[list[memoryview]]:
-        """``read_part`` for a batch: the views of each rank of ``ranks`` of each of ``keys``,
-        key-major (``[i * len(ranks) + j]`` is rank ``ranks[j]`` of ``keys[i]``). Checks every
-        rank and key first (InvalidArgument); valid while the lease lives."""
-        lease = self.leases.get(lease_id, LeaseKind.LOAD)
-        world = self._namespaces.specs[lease.ns].tp_world_size
-        for rank in ranks:
-            if type(rank) is not int or not 0 <= rank < world:
-                raise InvalidArgument("rank out of range", rank=rank)
-        pinned = set(lease.keys)
-        if not pinned.issuperset(keys):
-            key = next(k for k in keys if k not in pinned)
-            raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
-        entries, ns, views = self._dram.entries, lease.ns, self.arena.views
-        out: list[list[memoryview]] = []
-        for key in keys:
-            extents = entries[(ns, key)].extents
-            out += [views(extents[rank]) for rank in ranks]
-        return out
-
     # ================================================================== explicit pins
 
     def pin(self, ns_id: str, keys: Sequence[bytes], ttl_s: float) -> int:
@@ -486,12 +388,9 @@ class StorageEngine:
         """
         ns = self._ns(ns_id)
         self._namespaces.check_keys(ns, keys)
-        if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= self.config.max_pin_ttl_s:
-            raise InvalidArgument(
-                "ttl out of range", ttl_s=ttl_s, max_pin_ttl_s=self.config.max_pin_ttl_s
-            )
+        ttl_s = self.config.pin_ttl_s_of(ttl_s)
         self._reap()
-        return self._holds.pin_ttl(ns, keys, self._clock() + float(ttl_s))
+        return self._holds.pin_ttl(ns, keys, self._clock() + ttl_s)
 
     def unpin(self, ns_id: str, keys: Sequence[bytes]) -> int:
         """Drop explicit TTL pins of ``keys``; returns how many were TTL-pinned."""
@@ -570,15 +469,6 @@ class StorageEngine:
 
     def _ns(self, ns_id: str) -> int:
         return self._namespaces.index_of(ns_id)
-
-    def _check_lease_s(self, lease_s: float | None) -> float:
-        if lease_s is None:
-            return self.config.default_lease_s
-        if not isinstance(lease_s, int | float) or not 0 < lease_s <= self.config.max_lease_s:
-            raise InvalidArgument(
-                "lease duration out of range", lease_s=lease_s, max_lease_s=self.config.max_lease_s
-            )
-        return float(lease_s)
 
     def _seq(self) -> int:
         seq = self._next_seq

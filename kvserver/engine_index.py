@@ -12,6 +12,7 @@ those around each call. Call order for one chunk::
     rollback(entry)                   -> a WRITING entry removed, its pages freed
     free(entries)                     -> the pages of evicted entries returned
     add_pins / drop_pins / extend_ttl / clear_ttl   pinned-page accounting of READY entries
+    ready_run(ns, keys) / missing(ns, keys)         a lookup's leading run, a batch's misses
 
 Every call that takes several keys does its work for the whole batch (one allocation, one
 free, one accounting update), since a batch of a co-located store or load is hundreds of keys
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import takewhile
 from typing import cast
 
 from kvserver.allocator import Extents, PageAllocator
@@ -255,11 +257,41 @@ class DramIndex:
 
     # ------------------------------------------------------------------ queries
 
+    def ready_run(self, ns: int, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` READY in namespace ``ns``, counted in C (a
+        whole hit in one superset test)."""
+        ready = self.ready.get(ns)
+        if not ready:
+            return 0
+        if ready.issuperset(keys):
+            return len(keys)
+        return len(list(takewhile(ready.__contains__, keys)))
+
+    def missing(self, ns: int, keys: Iterable[bytes]) -> list[bytes]:
+        """The keys of ``keys`` not READY in namespace ``ns``, in order (one set test per
+        key, none when every key is READY)."""
+        ready = self.ready.get(ns)
+        if not ready:
+            return list(keys)
+        if not isinstance(keys, list | tuple):
+            keys = list(keys)
+        if ready.issuperset(keys):
+            return []
+        return [key for key in keys if key not in ready]
+
     @property
     def ready_pages(self) -> int:
         """Pages of READY unpinned entries (the evictable ones)."""
         used = self.allocator.num_pages - self.allocator.num_free
         return used - self.reserved_pages - self.pinned_pages
+
+    def ready_keys(self) -> dict[int, list[bytes]]:
+        """The keys of READY entries per namespace index, in index order (O(entries))."""
+        out: dict[int, list[bytes]] = {}
+        for (ns, key), entry in self.entries.items():
+            if entry.state is EntryState.READY:
+                out.setdefault(ns, []).append(key)
+        return out
 
     def ready_counts(self, num_namespaces: int) -> list[int]:
         """READY entries per namespace index (O(entries))."""

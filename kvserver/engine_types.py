@@ -50,6 +50,23 @@ class EngineConfig:
     def num_pages(self) -> int:
         return self.dram_bytes // self.page_size
 
+    def lease_s_of(self, lease_s: float | None) -> float:
+        """A call's lease duration: ``default_lease_s`` for None, else ``lease_s`` checked
+        (InvalidArgument outside (0, max_lease_s])."""
+        if lease_s is None:
+            return self.default_lease_s
+        if not isinstance(lease_s, int | float) or not 0 < lease_s <= self.max_lease_s:
+            raise InvalidArgument(
+                "lease duration out of range", lease_s=lease_s, max_lease_s=self.max_lease_s
+            )
+        return float(lease_s)
+
+    def pin_ttl_s_of(self, ttl_s: float) -> float:
+        """A TTL pin's duration, checked (InvalidArgument outside (0, max_pin_ttl_s])."""
+        if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= self.max_pin_ttl_s:
+            raise InvalidArgument("ttl out of range", ttl_s=ttl_s, max_pin_ttl_s=self.max_pin_ttl_s)
+        return float(ttl_s)
+
 
 class CutKeys(tuple[bytes, ...]):
     """Chunk keys cut from one buffer of concatenated keys, each ``key_size`` bytes.
