@@ -250,8 +250,8 @@ class AioTransport:
         async with self._send_lock:  # requests leave in the order they were sent
             if self._local is None and self._use_local and not self._slots:
                 await self._connect_local(timeout)
-            if self._local is None:
-                self._dealer()  # first: a new DEALER reads the token the header carries
+            # the DEALER first: a new one reads the token file, whose token the header carries
+            dealer = self._dealer() if self._local is None else None
             req_id, frames = self._s.encode(call)
             slot = self._slots[req_id] = AioSlot(call, asyncio.get_running_loop().create_future())
             local = self._local
@@ -267,7 +267,8 @@ class AioTransport:
                     local = None
             if local is None:
                 try:
-                    self._dealer(req_id).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    sock = dealer if dealer is not None else self._dealer(req_id)
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     self._slots.pop(req_id, None)
                     self.drop()
