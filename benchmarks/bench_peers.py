@@ -326,7 +326,7 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         "lookup_share_of_fetch": statistics.median(lookups)
         / (statistics.median(times["stream"]) + statistics.median(lookups)),
         "directory_lookups_per_load": stats["stream"]["directory_lookups"] / (rounds + 1),
-        "directory_skipped_per_load": stats["stream"]["directory_skipped"] / (rounds + 1),
+        "directory_skipped_per_load": stats["stream"].get("directory_skipped", 0) / (rounds + 1),
         "peer_stats": stats,
     }
 
