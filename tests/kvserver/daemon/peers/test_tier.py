@@ -91,9 +91,10 @@ def test_a_load_without_a_lookup_asks_a_likely_peer_for_the_bytes_straight_away(
 ) -> None:
     """``--peers``: a load asks no lookup of the peers before fetching. B (one peer) fetches
     from A at once; C (two peers) looks up the first time, then asks the peer that last sent
-    it chunks of the namespace first, and looks up only what that one did not send."""
+    it chunks of the namespace first, and looks up only what that one did not send (none of
+    the keys, or all but a leading part)."""
     a, b, c = fleet
-    k1, k2, k3, nobody = (make_keys(3, tag=t) for t in ("one", "two", "three", "none"))
+    k1, k2, k3, k4, nobody = (make_keys(3, tag=t) for t in ("1", "2", "3", "4", "none"))
 
     def put(d: DaemonProc, keys: list[bytes]) -> None:
         with KVClient(d.zmq_address) as kv:
@@ -116,6 +117,9 @@ def test_a_load_without_a_lookup_asks_a_likely_peer_for_the_bytes_straight_away(
     assert counts(load(c, k1)) == (1, 0, 3)  # two peers, none sent anything yet: look up
     assert counts(load(c, k2)) == (1, 1, 6)  # A sent k1: asked first, no lookup
     assert counts(load(c, k3)) == (2, 2, 9)  # A sends none of k3: then looked up, B sends
+    put(b, k4[:1])
+    put(a, k4)
+    assert counts(load(c, k4)) == (3, 3, 12)  # B (the last sender) sends 1, A the other 2
     assert counts(load(b, k1)) == (0, 1, 3)  # one peer: never a lookup before a fetch
     with KVClient(b.zmq_address, colocated=False) as kv:
         kv.register_namespace(SPEC)
