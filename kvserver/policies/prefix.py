@@ -136,6 +136,19 @@ class ReusePredictor:
             seen, hits = seen / 2, hits / 2
         self._seen[sig], self._reused[sig] = seen, hits
 
+    def learn_unread(self, counts: dict[_Signature, int]) -> None:
+        """``learn(sig, reused=False)`` ``n`` times for each ``sig: n`` of ``counts`` (the
+        chunks of one eviction that were never read), with the same result, one dict update
+        per signature."""
+        seen_of, reused_of = self._seen, self._reused
+        for sig, n in counts.items():
+            seen, hits = seen_of.get(sig, 0.0), reused_of.get(sig, 0.0)
+            for _ in range(n):
+                seen += 1.0
+                if seen >= HALF_LIFE:
+                    seen, hits = seen / 2, hits / 2
+            seen_of[sig], reused_of[sig] = seen, hits
+
 
 class PrefixPolicy(EvictionPolicy):
     """GreedyDual-Frequency over prefix chains with learned insertion (see the module
@@ -187,26 +200,47 @@ class PrefixPolicy(EvictionPolicy):
         """Track ``keys`` of one store batch in chain order (see the module docstring for
         what the position changes). Tracked keys in it are touched instead."""
         length = len(keys)
-        predictor, child = self._predictor, self._child
+        predictor, child, prio = self._predictor, self._child, self._prio
+        ghosts, uses, pending = self._ghosts, self._uses, self._pending
+        #: the batch's values per signature: rates change only when an outcome is learnt,
+        #: which only a touch of a tracked key in the batch does (then they are asked again)
+        values: dict[_Signature, float] = {}
+        size_bits = length.bit_length()  # the signature's second half: the batch's length
+        heap, queued, push, age = self._heap, self._queued, heapq.heappush, self._age
         for position in range(length - 1, -1, -1):
             key = keys[position]
-            if key in self._prio:
+            if key in prio:
                 self.touch((key,))
+                values.clear()
+                heap, queued = self._heap, self._queued  # touch may rebuild them
                 continue
             if position + 1 < length:
                 child.setdefault(key, keys[position + 1])
-            ghost = self._ghosts.pop(key, None)
+            ghost = ghosts.pop(key, None)
             if ghost is not None:  # a returning chain: it was read before
-                self._uses[key] = ghost + 1
+                uses[key] = ghost + 1
                 if ghost:
                     self._shared.add(key)
                 self._set(key, ghost + 1.0 if ghost else 1.0)
+                heap, queued = self._heap, self._queued
                 continue
-            sig = predictor.signature(position, length)
-            self._uses[key] = 0
-            self._pending[key] = sig
-            rate = predictor.rate(sig)
-            self._set(key, rate if rate < ONE_OFF_RATE else 1.0)
+            sig = (position.bit_length(), size_bits)  # ReusePredictor.signature
+            uses[key] = 0
+            pending[key] = sig
+            value = values.get(sig)
+            if value is None:
+                rate = predictor.rate(sig)
+                value = values[sig] = rate if rate < ONE_OFF_RATE else 1.0
+            # self._set(key, value), inlined (one per new key of every store)
+            self._tie = tie = self._tie + 1
+            new = prio[key] = (age + value, tie)
+            was = queued.get(key)
+            if was is None or new < was:
+                queued[key] = new
+                push(heap, (age + value, tie, key))
+                if len(heap) > 2 * len(prio) + 64:
+                    self._rebuild()
+                    heap, queued = self._heap, self._queued
 
     def remove(self, key: Hashable) -> None:
         if self._prio.pop(key, None) is not None:
@@ -271,25 +305,28 @@ class PrefixPolicy(EvictionPolicy):
         victims: list[Hashable] = []
         freed = 0
         top = self._age
+        pop, push = heapq.heappop, heapq.heappush
         while heap:
-            entry = heapq.heappop(heap)
+            entry = pop(heap)
             h, tie, key = entry
-            if key not in requeued or queued[key] != (h, tie):
-                popped.append(entry)
+            queued_as = (h, tie)
             current = queued.get(key)
-            if current != (h, tie):
+            if current != queued_as or key not in requeued:
+                popped.append(entry)
+            if current != queued_as:
                 continue  # garbage: dropped for good unless the eviction is refused
             now = prio[key]
             if now != current:  # touched since it was queued: queue it at its priority
                 requeued.setdefault(key, current)
                 queued[key] = now
-                heapq.heappush(heap, (*now, key))
+                push(heap, (*now, key))
                 continue
             if not evictable(key):
                 held.append(entry)
                 continue
             victims.append(key)
-            top = max(top, h)
+            if h > top:
+                top = h
             freed += cost(key)
             if freed >= need:
                 break
@@ -299,17 +336,27 @@ class PrefixPolicy(EvictionPolicy):
             heapq.heapify(self._heap)
             return None
         for entry in held:
-            heapq.heappush(heap, entry)
+            push(heap, entry)
         self._age = top
-        ghosts, pending, learn = self._ghosts, self._pending, self._predictor.learn
-        for key in victims:
-            del self._prio[key]
+        ghosts, pending, uses, shared = self._ghosts, self._pending, self._uses, self._shared
+        child, branches = self._child, self._branches
+        unread: dict[_Signature, int] = {}  # signatures of victims never read, and how many
+        for key in victims:  # each leaves every map (``_forget``, inlined: one per victim)
+            del prio[key]
+            queued.pop(key, None)
             sig = pending.pop(key, None)
             if sig is not None:
-                learn(sig, reused=False)
-            count = self._uses.pop(key)
-            ghosts[key] = count if key in self._shared else 0
-            self._forget(key)
+                unread[sig] = unread.get(sig, 0) + 1
+            count = uses.pop(key)
+            if key in shared:
+                ghosts[key] = count
+                shared.discard(key)
+            else:
+                ghosts[key] = 0
+            child.pop(key, None)
+            branches.discard(key)
+        if unread:
+            self._predictor.learn_unread(unread)
         while len(ghosts) > len(self._prio):
             ghosts.popitem(last=False)
         self._compact()
