@@ -38,7 +38,7 @@ from benchmarks.harness.redis import RedisServer
 from kvserver.client import KVClient
 from kvserver.cluster import ClusterConfig, ClusterNode, HostInfo
 from kvserver.cluster.rpc import call_score_hosts
-from kvserver.daemon.eventlog import EventLog
+from kvserver.eventlog import EventLog
 from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD, BlockStored
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec

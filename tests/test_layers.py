@@ -63,6 +63,21 @@ def test_the_step_protocol_is_shared_and_depends_on_neither_end() -> None:
     assert imports_of("worker", {"scheduler", "kvserver_vllm"}) == []
 
 
+def test_only_the_command_imports_the_daemon() -> None:
+    """Inside ``kvserver/`` the daemon is the top: ``cluster/``, ``client/``, ``ssd/``,
+    ``policies/`` and the top-level modules are what it is built on and never import
+    ``kvserver.daemon`` (``cluster/`` once imported the daemon's event log and peer
+    directory); only the command, ``kvserver/cli.py``, does."""
+    found: dict[str, list[int]] = {}
+    for path in sorted((ROOT / "kvserver").rglob("*.py")):
+        if "daemon" in path.relative_to(ROOT / "kvserver").parts:
+            continue
+        for line, module in imported_modules(path):
+            if module == "kvserver.daemon" or module.startswith("kvserver.daemon."):
+                found.setdefault(str(path.relative_to(ROOT)), []).append(line)
+    assert list(found) == ["kvserver/cli.py"], found
+
+
 def test_benchmarks_do_not_import_the_tests() -> None:
     assert imports_of("benchmarks", {"tests"}) == []
 

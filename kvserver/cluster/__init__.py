@@ -14,9 +14,11 @@ Modules, one concept each (imports go one way, down this list):
   live host holds, per tier (bounded by timeouts);
 - ``writer``: ``IndexWriter``: the daemon's own storage events → pipelined Redis batches;
 - ``node``: ``ClusterNode``: the daemon's member: register, heartbeat, write the index from
-  the event log, degrade when Redis is unreachable, re-register and resync when it returns;
-- ``directory``: ``FleetDirectory``: the network tier's ``PeerDirectory`` (peers and per-key
-  holders) over the node and its reader.
+  the event log (``kvserver/eventlog.py``), degrade when Redis is unreachable, re-register and
+  resync when it returns.
+
+Nothing here imports ``kvserver/daemon/`` (the daemon builds on this package): the network
+tier's ``PeerDirectory`` over the node, ``FleetDirectory``, is ``kvserver/daemon/peers/fleet.py``.
 
 Public API for other packages: ``ClusterConfig``, ``ClusterNode``, ``FleetReader``,
 ``HostInfo``, ``HostRun``, ``HostScore``, ``score_runs``.

@@ -45,7 +45,7 @@ from kvserver.cluster.config import ClusterConfig, connect
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
 from kvserver.cluster.writer import Batch, IndexWriter, SetId
-from kvserver.daemon.eventlog import EventGap, EventLog
+from kvserver.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
@@ -30,16 +30,25 @@ from kvserver.grpc_format import keys_from_proto, token_ids_from_proto
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 
-if TYPE_CHECKING:
-    from kvserver.daemon.service import KVService
-
 MAX_KEYS = 1 << 16
 MAX_TOKENS = 1 << 21
 MAX_NAMESPACE_ID = 64
 
 
+class ScoringService(Protocol):
+    """What ``score_hosts`` reads of the daemon's service (``kvserver.daemon.service.KVService``,
+    which this package does not import: the daemon builds on it)."""
+
+    #: the daemon's ``ClusterNode``, or None when it is not in a fleet.
+    cluster: Any
+
+    def find_namespace(self, ns_id: str) -> NamespaceSpec | None:
+        """The namespace registered on this daemon with that id, or None."""
+        ...
+
+
 async def score_hosts(
-    service: KVService, req: Any, *, allow: Callable[[NamespaceSpec, Any], None] | None = None
+    service: ScoringService, req: Any, *, allow: Callable[[NamespaceSpec, Any], None] | None = None
 ) -> Any:
     """Answer one ``ScoreHostsRequest`` (see the proto for the contract). ``allow(spec,
     req)``, when given, raises (e.g. PermissionDenied) if the caller may not ask about the
@@ -92,7 +101,7 @@ _fleet_specs: OrderedDict[str, NamespaceSpec] = OrderedDict()
 FLEET_SPECS_CACHED = 256
 
 
-async def _spec(service: KVService, ns_id: str) -> NamespaceSpec:
+async def _spec(service: ScoringService, ns_id: str) -> NamespaceSpec:
     local = service.find_namespace(ns_id)
     if local is not None:
         return local

@@ -42,10 +42,10 @@ from kvserver.crypto import TlsServer
 from kvserver.daemon.access import allow_prefix
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
-from kvserver.daemon.eventlog import EventGap
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.eventlog import EventGap
 from kvserver.events import Event
 from kvserver.grpc_format import (
     ERROR_CODE_KEY,

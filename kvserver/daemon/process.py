@@ -45,7 +45,6 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserver.arena import reap_stale_arenas
-from kvserver.cluster.directory import FleetDirectory
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import CurveClient, TlsClient, TlsServer
@@ -55,6 +54,7 @@ from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
+from kvserver.daemon.peers.fleet import FleetDirectory
 from kvserver.daemon.peers.static import StaticDirectory
 from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from kvserver import __version__
-from kvserver.daemon.eventlog import EventLog
 from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle
 from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
@@ -36,6 +35,7 @@ from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
+from kvserver.eventlog import EventLog
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec

@@ -23,9 +23,9 @@ import zmq
 import zmq.asyncio
 
 from kvserver import wire, wire_events
-from kvserver.daemon.eventlog import EventGap
 from kvserver.daemon.service import KVService
 from kvserver.errors import KVServerError
+from kvserver.eventlog import EventGap
 from kvserver.events import Event
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ one concept each (imports go one way, from the tier down):
   or TLS, received straight into the arena; ``kvserver/wire_stream.py``), used instead of ZMQ
   when the peer advertises one this daemon may dial (``link.py``);
 - ``directory.py``: :class:`PeerDirectory`, who the peers are and which of them hold which
-  chunk (the fleet index; ``static.py`` asks a configured list of peers instead).
+  chunk: ``fleet.py`` reads the fleet index (over ``kvserver.cluster.ClusterNode``),
+  ``static.py`` asks a configured list of peers instead.
 
 The directory may lag the truth and is never trusted for bytes: what a peer sends is checked
 against the namespace (one part per rank, each ``part_bytes`` long, the keys asked for, in

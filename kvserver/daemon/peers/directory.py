@@ -1,10 +1,10 @@
 """Who the peers are and which of them hold which chunk: the seam to the fleet index.
 
 Runs in the daemon process, on its event loop. :class:`PeerDirectory` is a protocol: the fleet
-index on Redis implements it, and so does :class:`~kvserver.daemon.peers.static.StaticDirectory`
-(a configured list of peers, asked directly). The answers may lag the truth (a peer evicted a
-chunk a moment ago, or died): the network tier never trusts them for bytes, only for whom to
-ask.
+index on Redis implements it (:class:`~kvserver.daemon.peers.fleet.FleetDirectory`), and so
+does :class:`~kvserver.daemon.peers.static.StaticDirectory` (a configured list of peers, asked
+directly). The answers may lag the truth (a peer evicted a chunk a moment ago, or died): the
+network tier never trusts them for bytes, only for whom to ask.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from kvserver.cluster import ClusterConfig, ClusterNode, HostInfo
-from kvserver.daemon.eventlog import EventLog
+from kvserver.eventlog import EventLog
 from kvserver.events import (
     MEDIUM_DRAM,
     MEDIUM_SSD,

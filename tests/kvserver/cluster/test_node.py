@@ -9,8 +9,8 @@ import pytest
 
 from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import connect
-from kvserver.cluster.directory import FleetDirectory
 from kvserver.crypto import make_tls_cert
+from kvserver.daemon.peers.fleet import FleetDirectory
 from kvserver.errors import Unavailable
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import (
