@@ -35,14 +35,6 @@ import msgpack
 
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
 
-# the grants and store completions travel in these forms, defined beside the grants
-# (kvserver/grants.py); imported from here too, as before
-from kvserver.grants import completion_results_from_wire as completion_results_from_wire
-from kvserver.grants import completions_to_wire as completions_to_wire
-from kvserver.grants import grant_to_wire as grant_to_wire
-from kvserver.grants import load_grant_from_wire as load_grant_from_wire
-from kvserver.grants import store_grant_from_wire as store_grant_from_wire
-
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 #: additions to version 1 a daemon announces in ``hello``'s ``capabilities``; a client uses

@@ -29,7 +29,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
-from kvserver import wire
+from kvserver import grants, wire
 from kvserver.arena import ArenaView
 from kvserver.client.handshake import Failure
 from kvserver.client.parts import (
@@ -311,7 +311,7 @@ class Session:
         data = answer.result["grant"]
         if data is None:
             return None
-        return wire.store_grant_from_wire(data, sent, answer.sid)
+        return grants.store_grant_from_wire(data, sent, answer.sid)
 
     def prepare_store_completing(
         self,
@@ -344,12 +344,12 @@ class Session:
             "ns_id": ns_id,
             "keys": list(keys),
             "lease_s": lease_s,
-            "completions": wire.completions_to_wire(completions),
+            "completions": grants.completions_to_wire(completions),
         }
         answer = yield Call(wire.PREPARE_STORE, args)
         data = answer.result["grant"]
-        grant = None if data is None else wire.store_grant_from_wire(data, sent, answer.sid)
-        done = wire.completion_results_from_wire(
+        grant = None if data is None else grants.store_grant_from_wire(data, sent, answer.sid)
+        done = grants.completion_results_from_wire(
             answer.result.get("completions"), len(completions)
         )
         return StoreReservation(grant, done)
@@ -361,7 +361,7 @@ class Session:
         answer = yield Call(
             wire.PREPARE_LOAD, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
         )
-        return wire.load_grant_from_wire(answer.result["grant"], sent, answer.sid)
+        return grants.load_grant_from_wire(answer.result["grant"], sent, answer.sid)
 
     def complete_store(
         self,

@@ -33,7 +33,7 @@ from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.errors import KVServerError
-from kvserver.grants import LoadGrant
+from kvserver.grants import LoadGrant, grant_to_wire
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class DataOps:
             a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"]
         )
         out: dict[str, Any] = {
-            "grant": None if grant is None else wire.grant_to_wire(grant, time.monotonic())
+            "grant": None if grant is None else grant_to_wire(grant, time.monotonic())
         }
         if completed is not None:
             out["completions"] = completed
@@ -315,7 +315,7 @@ def _lookup_fields(r: LookupHits) -> Result:
 
 
 def _load_reply(grant: LoadGrant) -> Result:
-    return {"grant": wire.grant_to_wire(grant, time.monotonic())}
+    return {"grant": grant_to_wire(grant, time.monotonic())}
 
 
 async def finish(req_id: int, deferred: Deferred) -> Answer:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserver import wire
+from kvserver import grants, wire
 from kvserver.errors import (
     InvalidArgument,
     KVServerError,
@@ -285,19 +285,19 @@ def test_decode_reply_rejects_malformed_replies(obj: Any) -> None:
 def test_grants_round_trip_with_the_deadline_on_the_receivers_clock() -> None:
     locations = [[((0, 4096),), ((4096, 2048), (65536, 2048))]]
     store = StoreGrant(3, 100.0, "ns", [KEY], locations, [b"p" * 32], [], 2)
-    wired = msgpack.unpackb(msgpack.packb(wire.grant_to_wire(store, now=90.0)))
+    wired = msgpack.unpackb(msgpack.packb(grants.grant_to_wire(store, now=90.0)))
     assert wired["expires_in_s"] == 10.0
-    assert wire.store_grant_from_wire(wired, now=5.0) == StoreGrant(
+    assert grants.store_grant_from_wire(wired, now=5.0) == StoreGrant(
         3, 15.0, "ns", [KEY], locations, [b"p" * 32], [], 2
     )
     load = LoadGrant(4, 100.0, "ns", [KEY], locations)
-    wired = msgpack.unpackb(msgpack.packb(wire.grant_to_wire(load, now=99.0)))
+    wired = msgpack.unpackb(msgpack.packb(grants.grant_to_wire(load, now=99.0)))
     assert "present" not in wired
-    assert wire.load_grant_from_wire(wired, now=0.0) == LoadGrant(4, 1.0, "ns", [KEY], locations)
+    assert grants.load_grant_from_wire(wired, now=0.0) == LoadGrant(4, 1.0, "ns", [KEY], locations)
     with pytest.raises(InvalidArgument, match="malformed grant"):
-        wire.store_grant_from_wire(wired, now=0.0)  # a load grant lacks store fields
+        grants.store_grant_from_wire(wired, now=0.0)  # a load grant lacks store fields
     with pytest.raises(InvalidArgument, match="malformed grant"):
-        wire.load_grant_from_wire({"lease_id": 1}, now=0.0)
+        grants.load_grant_from_wire({"lease_id": 1}, now=0.0)
 
 
 # ----------------------------------------------------------------------------- framing
@@ -423,7 +423,7 @@ def test_ints_arguments_are_checked_without_a_python_loop_and_still_refuse_bad_i
 
 
 def test_completion_results_round_trip_and_reject_malformed_replies() -> None:
-    results = wire.completion_results_from_wire(
+    results = grants.completion_results_from_wire(
         [{"ready": [KEY]}, {"error": {"code": "lease_expired", "message": "gone"}}], 2
     )
     assert results[0] == [KEY] and isinstance(results[1], LeaseExpired)
@@ -434,4 +434,4 @@ def test_completion_results_round_trip_and_reject_malformed_replies() -> None:
         (["x"], 1),
     ):
         with pytest.raises(InvalidArgument, match="malformed"):
-            wire.completion_results_from_wire(bad, count)
+            grants.completion_results_from_wire(bad, count)
