@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it, its lifecycle, and the waiting queues.
+"""A request as the scheduler sees it, its lifecycle, its orders and the waiting queues.
 
 Runs in the scheduler process; plain objects, no locks (one owner: the scheduler).
 
@@ -389,3 +389,14 @@ def create_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSQueue()
     raise InvalidArgument("unknown policy; valid choices: fcfs, priority", policy=policy)
+
+
+def arrival_key(request: Request) -> tuple[float, int]:
+    """Sort key: earlier arrival first (creation order on a tie)."""
+    return (request.arrival_time, request.arrival_seq)
+
+
+def priority_key(request: Request) -> tuple[int, float, int]:
+    """Sort key in :meth:`Request.__lt__`'s order: lower ``priority``, then earlier arrival
+    first; the priority policy preempts the largest (lowest priority, latest arrival)."""
+    return (request.priority, request.arrival_time, request.arrival_seq)

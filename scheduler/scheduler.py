@@ -50,7 +50,9 @@ from scheduler.request import (
     RequestOutput,
     RequestQueue,
     RequestStatus,
+    arrival_key,
     create_queue,
+    priority_key,
     select_queue,
 )
 from scheduler.trace import StepTrace
@@ -59,15 +61,6 @@ from step_protocol import CachedRequestData, StepPlan, StepResult
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
-
-
-def _arrival(request: Request) -> tuple[float, int]:
-    return (request.arrival_time, request.arrival_seq)
-
-
-def _priority_key(request: Request) -> tuple[int, float, int]:
-    """Larger = preempted first (lowest priority, latest arrival)."""
-    return (request.priority, request.arrival_time, request.arrival_seq)
 
 
 class Scheduler:
@@ -249,7 +242,7 @@ class Scheduler:
                 if blocks is not None:
                     break
                 if cfg.policy == "priority":
-                    victim = max(running, key=_priority_key)
+                    victim = max(running, key=priority_key)  # lowest priority, latest arrival
                     index = running.index(victim)
                     del running[index]
                     if index < i:  # already visited: roll back what it got this step
@@ -330,7 +323,7 @@ class Scheduler:
         deferred = create_queue(cfg.policy)  # skipped in this step; rejoin skipped_waiting after
         # Loads that landed go first: they hold blocks, and waiting behind a request that
         # needs those very blocks would deadlock.
-        landed = sorted((self.requests[r] for r in self.transfers.landed), key=_arrival)
+        landed = sorted((self.requests[r] for r in self.transfers.landed), key=arrival_key)
         for request in reversed(landed):  # the earliest ends up at the head
             self.transfers.land(request)
             self.skipped_waiting.remove(request)
