@@ -49,7 +49,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import cast
 
 from kvserver.arena import SharedArena
 from kvserver.engine_index import DramIndex, IndexKey
@@ -356,14 +355,12 @@ class StorageEngine:
         self._namespaces.check_keys(ns, keys)
         lease_s = self.config.lease_s_of(lease_s)
         self._reap()
-        get = self._dram.entries.get
+        held = self._dram.ready.get(ns)
+        if keys and not (held and held.issuperset(keys)):  # one set test for the whole batch
+            key = next(k for k in keys if not held or k not in held)
+            raise UnknownKey("chunk not present", ns=ns_id, key=key)
         ikeys = [(ns, key) for key in keys]
-        entries = [get(ikey) for ikey in ikeys]
-        ready = EntryState.READY
-        for key, entry in zip(keys, entries, strict=True):
-            if entry is None or entry.state is not ready:
-                raise UnknownKey("chunk not present", ns=ns_id, key=key)
-        loaded = cast(list[Entry], entries)  # every one checked above
+        loaded = list(map(self._dram.entries.__getitem__, ikeys))  # every one READY
         self._dram.add_pins(loaded)
         self.policy.touch(ikeys)
         deadline = self._clock() + lease_s
@@ -478,9 +475,12 @@ class StorageEngine:
     def _evicted(self, evicted: list[Entry]) -> None:
         """Hand evicted entries (already out of the index, pages not yet reused) to
         ``on_evict``, announce them, count them."""
-        by_ns: dict[int, list[Entry]] = {}
-        for entry in evicted:
-            by_ns.setdefault(entry.ns, []).append(entry)
+        if len({entry.ns for entry in evicted}) == 1:  # usually: no list per namespace
+            by_ns = {evicted[0].ns: evicted}
+        else:
+            by_ns = {}
+            for entry in evicted:
+                by_ns.setdefault(entry.ns, []).append(entry)
         specs = self._namespaces.specs
         if self.on_evict is not None:
             for ns, entries in by_ns.items():

@@ -90,11 +90,9 @@ class DramIndex:
         if victims is None:
             return None
         ready = self.ready
-        for victim in victims:
-            victim_ns, victim_key = cast("IndexKey", victim)
+        for victim_ns, victim_key in cast("list[IndexKey]", victims):
             ready[victim_ns].discard(victim_key)
-        pop = entries.pop
-        return [pop(victim) for victim in victims]  # type: ignore[call-overload]
+        return list(map(entries.pop, victims))  # type: ignore[arg-type]
 
     def reserve(
         self,
@@ -183,13 +181,11 @@ class DramIndex:
     def make_ready(self, ns: int, keys: Iterable[bytes]) -> None:
         """WRITING → READY for the entries of ``keys``: visible, evictable, tracked by the
         policy as one batch in the order of ``keys`` (request order). REQUIRES: each is WRITING."""
-        entries = self.entries
         ready = EntryState.READY
         pages = 0
         keys = list(keys)
         ikeys = [(ns, key) for key in keys]
-        for ikey in ikeys:
-            entry = entries[ikey]
+        for entry in map(self.entries.__getitem__, ikeys):
             entry.state = ready
             entry.lease_id = 0
             pages += entry.num_pages
@@ -231,10 +227,8 @@ class DramIndex:
     def drop_pins(self, ns: int, keys: Iterable[bytes]) -> None:
         """One in-flight load of each entry of ``keys`` finished. REQUIRES: each has
         ``pins > 0`` (taken by :meth:`add_pins`)."""
-        entries = self.entries
         pages = 0
-        for key in keys:
-            entry = entries[(ns, key)]
+        for entry in map(self.entries.__getitem__, [(ns, key) for key in keys]):
             entry.pins -= 1
             if entry.pins <= 0 and entry.ttl_until <= 0.0:
                 pages += entry.num_pages

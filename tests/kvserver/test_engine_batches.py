@@ -13,7 +13,7 @@ import pytest
 from kvserver.daemon.service import KVService
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EngineConfig, EntryState
-from kvserver.errors import InvalidArgument, InvalidState, LeaseError, LeaseExpired
+from kvserver.errors import InvalidArgument, InvalidState, LeaseError, LeaseExpired, UnknownKey
 from kvserver.events import BlockRemoved, BlockStored
 from kvserver.policies import POLICIES
 from tests.kvserver.builders import (
@@ -317,3 +317,29 @@ def test_put_that_fails_in_the_middle_of_its_copies_leaves_nothing_visible(
         assert arena_bytes(engine, ns, k) == parts_of(engine, ns, k)
     finally:
         service.close()
+
+
+# ============================================================================ prepare_load
+
+
+def test_a_load_batch_with_a_key_missing_in_the_middle_pins_nothing_and_names_it() -> None:
+    with make_engine(num_pages=16) as engine:
+        ns = engine.register_namespace(make_spec())
+        k = make_keys(4)
+        store(engine, ns, [k[0], k[1], k[3]])
+        grant = engine.prepare_store(ns, [k[2]])  # WRITING: not loadable either
+        assert grant is not None
+        before = snapshot(engine)
+        with pytest.raises(UnknownKey) as caught:
+            engine.prepare_load(ns, k)
+        assert caught.value.context["key"] == k[2]
+        assert snapshot(engine) == before
+        assert engine.stats().pinned_pages == 0
+
+
+def test_a_load_of_no_keys_is_an_empty_grant_even_before_any_store() -> None:
+    with make_engine(num_pages=16) as engine:
+        ns = engine.register_namespace(make_spec())
+        load = engine.prepare_load(ns, [])
+        assert (load.keys, load.locations) == ([], [])
+        engine.complete_load(load.lease_id)
