@@ -32,6 +32,7 @@ import atexit
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -289,12 +290,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-debug", action="store_true", help="uvloop debug: slow callbacks")
     p.add_argument("--json", type=Path, help="write the raw records here")
     args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="kvtail-"))
+    try:
+        return _run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
+
+def _run(args: argparse.Namespace, work: Path) -> int:
+    """The run of :func:`main`, its probe files (the daemon's ``sitecustomize``) in ``work``."""
     import benchmarks.bench_daemon as bd
     import benchmarks.daemon_lookup as dl
     from benchmarks import daemon_refs
 
-    work = Path(tempfile.mkdtemp(prefix="kvtail-"))
     (work / "sitecustomize.py").write_text(
         "import benchmarks.lookup_tail as t\nt.install_daemon_probe()\n"
     )
