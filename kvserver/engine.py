@@ -216,7 +216,9 @@ class StorageEngine:
         (``gated=False`` bypasses reuse gating: promotions of chunks a lower tier holds).
         If free space is short, READY unpinned entries are evicted (never keys of this request).
         Returns ``None`` — with nothing changed, not even the policy state — if space for every
-        new key cannot be found. New entries are WRITING and invisible until complete_store.
+        new key cannot be found, or if a policy that ``admits`` (``chain``) declines the new
+        keys because it ranks them below the entries they would displace. New entries are
+        WRITING and invisible until complete_store.
         """
         ns = self._ns(ns_id)
         spec = self._namespaces.specs[ns]
@@ -242,7 +244,9 @@ class StorageEngine:
             return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
 
         # Only keys in the index can be chosen as victims: protect this request's present ones.
-        evicted = self._dram.make_room(self._dram.pages_for(spec, len(new_keys)), ns, present)
+        evicted = self._dram.make_room(
+            self._dram.pages_for(spec, len(new_keys)), ns, present, new_keys
+        )
         if evicted is None:
             for c in counters:
                 c.store_rejections += 1

@@ -4,7 +4,7 @@ Runs inside the storage engine (``kvserver/engine.py``), its only caller: single
 locks, no I/O. It knows nothing of leases, namespaces, events or counters; the engine adds
 those around each call. Call order for one chunk::
 
-    make_room(need, ns, keep)         -> READY victims removed from index + policy, or None
+    make_room(need, ns, keep, new)    -> READY victims removed from index + policy, or None
     reserve(ns, spec, keys, lease_id, victims)
                                       -> WRITING entries: the victims' parts recycled, other
                                          pages taken from the allocator
@@ -66,15 +66,19 @@ class DramIndex:
         """Pages that ``count`` chunks of ``spec`` (every TP part) occupy."""
         return self.allocator.pages_for(spec.part_bytes) * spec.tp_world_size * count
 
-    def make_room(self, need: int, ns: int, keep: Iterable[bytes]) -> list[Entry] | None:
+    def make_room(
+        self, need: int, ns: int, keep: Iterable[bytes], new: Sequence[bytes] = ()
+    ) -> list[Entry] | None:
         """Evict READY unpinned entries until ``need`` pages are free.
 
         Keys of ``keep`` (in namespace ``ns``: the request's own keys that are in the index)
-        are never chosen. The victims leave the index and the policy and are returned in
-        eviction order with their pages still allocated: the caller may read their bytes, then
-        MUST pass them to :meth:`reserve` (which recycles their pages) or :meth:`free`.
-        Returns ``[]`` if ``need`` pages are free already, and ``None`` — with nothing
-        changed, not even the policy state — if they cannot be made free.
+        are never chosen. ``new``: the keys the pages are for (request order), shown to a
+        policy that ``admits`` (it may decline them). The victims leave the index and the
+        policy and are returned in eviction order with their pages still allocated: the
+        caller may read their bytes, then MUST pass them to :meth:`reserve` (which recycles
+        their pages) or :meth:`free`. Returns ``[]`` if ``need`` pages are free already, and
+        ``None`` — with nothing changed, not even the policy state — if they cannot be made
+        free or the policy declines them.
         """
         shortfall = need - self.allocator.num_free
         if shortfall <= 0:
@@ -86,7 +90,11 @@ class DramIndex:
             e = entries[k]  # type: ignore[index]
             return e.pins <= 0 and e.ttl_until <= 0.0 and (not protected or k not in protected)
 
-        victims = self.policy.evict(shortfall, self._cost, evictable)
+        policy = self.policy
+        if policy.admits and new:
+            victims = policy.evict(shortfall, self._cost, evictable, [(ns, k) for k in new])
+        else:
+            victims = policy.evict(shortfall, self._cost, evictable)
         if victims is None:
             return None
         ready = self.ready

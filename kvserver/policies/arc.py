@@ -35,7 +35,7 @@ Cost of ``evict``: O(victims + skipped non-evictable keys + ghost entries trimme
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from kvserver.policies.base import EvictionPolicy
 
@@ -117,6 +117,7 @@ class ARCPolicy(EvictionPolicy):
         need: int,
         cost: Callable[[Hashable], int],
         evictable: Callable[[Hashable], bool],
+        incoming: Sequence[Hashable] = (),
     ) -> list[Hashable] | None:
         if need <= 0:
             return []

@@ -12,7 +12,10 @@ Runs inside the storage engine (single owner, no locks, no I/O). A policy tracks
                        first ``hits`` resident (default: ``touch(keys[:hits])``); the engine
                        passes the misses too only to a policy with ``reads_requests``
     remove(key)        an entry left the tier for a reason other than evict() (rollback, drop)
-    evict(need, ...)   choose victims whose costs sum to >= need, atomically
+    evict(need, ..., incoming)
+                       choose victims whose costs sum to >= need, atomically; ``incoming``
+                       (given only to a policy with ``admits``) are the new keys the space
+                       is for, and such a policy may decline the store (``None``)
 
 Keys are opaque hashable values (the engine uses ``(namespace_index, chunk_key)`` tuples), so
 one policy instance serves every namespace of a tier. Costs are in allocator pages, which lets
@@ -22,6 +25,9 @@ Invariants every implementation keeps:
 - ``evict`` is all-or-nothing: it returns victims whose total cost is >= ``need`` and forgets
   them, or returns ``None`` and changes nothing (ghost/adaptive state included).
 - ``evict`` never returns a key for which ``evictable(key)`` is false (pinned, protected).
+- ``evict`` returns ``None`` only if the evictable keys cannot cover ``need``, or, for a
+  policy with ``admits`` that was given ``incoming``, if it ranks those new keys below the
+  victims they would displace (an admission decision: the store is refused, nothing changes).
 - the set of tracked keys is exactly the set inserted and not yet removed/evicted.
 """
 
@@ -42,6 +48,9 @@ class EvictionPolicy(ABC):
     #: True: the engine calls :meth:`lookup` with a request's whole chain (misses included);
     #: False: only its hits, through ``touch`` (no key tuples built for the misses)
     reads_requests: bool = False
+    #: True: ``evict`` may decline a store it is told the new keys of (``incoming``) when it
+    #: values them below the victims (admission control); the engine then passes them
+    admits: bool = False
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:
@@ -77,11 +86,14 @@ class EvictionPolicy(ABC):
         need: int,
         cost: Callable[[Hashable], int],
         evictable: Callable[[Hashable], bool],
+        incoming: Sequence[Hashable] = (),
     ) -> list[Hashable] | None:
         """Choose victims with ``sum(cost(k)) >= need`` among keys where ``evictable(k)``.
 
-        Atomic: on success the victims are no longer tracked; on ``None`` nothing changed.
-        ``need <= 0`` returns ``[]``.
+        ``incoming``: the untracked keys the space is for (a store batch, head first), or
+        empty when unknown (a policy without ``admits`` ignores it). Atomic: on success the
+        victims are no longer tracked; on ``None`` nothing changed. ``need <= 0`` returns
+        ``[]``.
         """
 
     @abstractmethod

@@ -38,7 +38,19 @@ more likely to have ended. Which chains end is learnt, not assumed:
   ``t_last + (HI + ln(lam / r)) / r``, that of a chain sure to return whose reads are
   ``lam / r`` times as frequent (so a rare prompt can rank below a fresh conversation);
 - **tail before head.** The keys of one request are queued deepest first, so of two keys read
-  together the deeper leaves first and what stays is a usable prefix.
+  together the deeper leaves first and what stays is a usable prefix;
+- **admission** (``admits``). A store that must evict shows ``evict`` its new keys
+  (``incoming``). Each would be queued at the next tick in its chain's state (the chain that
+  looked it up; a batch no lookup announced is a new chain's first turn; a returning ghost
+  of a shared key in its read-rate class): if every one of them would have an earlier
+  deadline than the first victim, storing them would swap kept keys for keys that leave
+  first, so ``evict`` declines (``None``, nothing changed) and the engine refuses the store.
+  A document (hundreds of new chunks on a first turn) is declined once documents have been
+  seen to leave unread (``p`` of its state near 0), unless what it displaces ranks lower
+  still (an older document's leftovers). Without ``incoming`` (the SSD tier, promotions)
+  ``evict`` never declines. Why: every store must otherwise be made room for, and a
+  2,000-chunk document in a cache of 3,500 flushes most of the conversations it holds
+  (docs/benchmarks.md: it is most of what ``chain`` gains on chat at 5 %).
 
 Order. Keys are kept in one LRU list per class (a chain state, or a shared read-rate bucket):
 within a class the deadline is ``t_last`` plus the same offset, so the list is in deadline
@@ -47,13 +59,14 @@ estimates) and takes the smallest first; ties go to the key queued first.
 
 Costs: ``lookup`` O(len(keys)) dict operations; ``insert_batch`` and ``touch`` O(1) per key;
 ``evict`` O(c + v log c) for c non-empty classes and v keys passed over (victims and pinned
-ones). ``bench_policies`` measures the cost per chunk operation against LRU.
+ones), plus O(len(incoming)) dict probes to admit (it stops at the first key that ranks).
+``bench_policies`` measures the cost per chunk operation against LRU.
 
 Invariants: ``_time``, ``_class`` and ``_owner`` hold exactly the tracked keys, each key in the
 list of its class; ghosts and tracked keys are disjoint; ``_tails`` (two per tracked key +
 1,024), ``_pending`` (four + 1,024) and ``_ghosts`` (one) are bounded, oldest dropped first.
-``evict`` changes nothing before it has chosen every victim, so a ``None`` leaves the same
-state.
+``evict`` changes nothing before it has chosen every victim and decided to admit, so a
+``None`` leaves the same state.
 """
 
 from __future__ import annotations
@@ -104,6 +117,7 @@ class ChainPolicy(EvictionPolicy):
 
     name = "chain"
     reads_requests = True
+    admits = True
 
     def __init__(self) -> None:
         self._now = 0  # ticks: one per lookup, touch or store batch
@@ -235,6 +249,7 @@ class ChainPolicy(EvictionPolicy):
         need: int,
         cost: Callable[[Hashable], int],
         evictable: Callable[[Hashable], bool],
+        incoming: Sequence[Hashable] = (),
     ) -> list[Hashable] | None:
         if need <= 0:
             return []
@@ -248,6 +263,7 @@ class ChainPolicy(EvictionPolicy):
                 cursors[state] = iter(members.items())
                 self._advance(heads, head, state, cursors[state], offsets[state], evictable)
         victims: list[Hashable] = []
+        lowest = heads[0][0] if heads else 0.0
         freed = 0
         while freed < need:
             if not heads:
@@ -257,6 +273,8 @@ class ChainPolicy(EvictionPolicy):
             victims.append(key)
             freed += cost(key)
             self._advance(heads, head, state, cursors[state], offsets[state], evictable)
+        if incoming and self._declines(incoming, lowest):
+            return None
         ghosts, tails = self._ghosts, self._tails
         for key in victims:
             chain = tails.get(key)
@@ -286,6 +304,33 @@ class ChainPolicy(EvictionPolicy):
         return iter([key for _, _, key in order])
 
     # ------------------------------------------------------------------ internals
+
+    def _declines(self, incoming: Sequence[Hashable], lowest: float) -> bool:
+        """Whether every new key of ``incoming`` would rank below ``lowest``, the deadline of
+        the first victim (the least valuable key that may leave): storing them would then
+        swap kept keys for keys worth less (admission control)."""
+        now = self._now + 1  # the tick insert_batch will queue them at
+        time, pending, ghosts = self._time, self._pending, self._ghosts
+        fresh: float | None = None  # a batch no lookup announced: a new chain's first turn
+        new = False
+        for key in incoming:
+            if key in time:
+                continue
+            new = True
+            chain = pending.get(key)
+            ghost = ghosts.get(key)
+            if ghost is not None and ghost[2] is not chain:  # comes back shared
+                lam = (ghost[0] + 1) / (now - ghost[1] + 1)
+                deadline = now + self._offset((0, int(lam * RATE_SCALE).bit_length()))
+            elif chain is not None:
+                deadline = now + self._offset(chain.state)
+            else:
+                if fresh is None:
+                    fresh = now + self._offset((1, len(incoming).bit_length()))
+                deadline = fresh
+            if deadline >= lowest:
+                return False
+        return new
 
     def _advance(
         self,

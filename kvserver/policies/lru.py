@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from kvserver.policies.base import EvictionPolicy
 
@@ -45,6 +45,7 @@ class LRUPolicy(EvictionPolicy):
         need: int,
         cost: Callable[[Hashable], int],
         evictable: Callable[[Hashable], bool],
+        incoming: Sequence[Hashable] = (),
     ) -> list[Hashable] | None:
         if need <= 0:
             return []

@@ -295,6 +295,7 @@ class PrefixPolicy(EvictionPolicy):
         need: int,
         cost: Callable[[Hashable], int],
         evictable: Callable[[Hashable], bool],
+        incoming: Sequence[Hashable] = (),
     ) -> list[Hashable] | None:
         if need <= 0:
             return []

@@ -287,7 +287,9 @@ class EngineMachine(RuleBasedStateMachine):
         }
         room = free + sum(PAGES_PER_CHUNK[n] for n, _ in evictable)
 
-        if need > room:
+        declined = grant is None and eng.policy.admits and free < need <= room
+        if need > room or declined:
+            # declined: an admitting policy (``chain``) ranked the new keys below the victims
             assert grant is None, "prepare_store over-committed the arena"
             # All or nothing: no entry, page or policy state changed.
             assert self.ready_in_index() == self.ready

@@ -205,13 +205,19 @@ class PolicyMachine(RuleBasedStateMachine):
     def touch(self, keys: list[int]) -> None:
         self.policy.touch(keys)
 
-    @rule(need=st.integers(-1, 25), pinned=st.frozensets(st.integers(0, 30), max_size=10))
-    def evict(self, need: int, pinned: frozenset[int]) -> None:
+    @rule(
+        need=st.integers(-1, 25),
+        pinned=st.frozensets(st.integers(0, 30), max_size=10),
+        incoming=st.lists(st.integers(31, 40), max_size=4, unique=True),
+    )
+    def evict(self, need: int, pinned: frozenset[int], incoming: list[int]) -> None:
+        """Evict, sometimes for a store of new keys (``incoming``, never tracked here): only
+        a policy that ``admits`` may decline such a store, and then nothing changes."""
         available = sum(self.cost(k) for k in self.model if k not in pinned)
         before = snapshot(self.policy)
-        victims = self.policy.evict(need, self.cost, lambda k: k not in pinned)
+        victims = self.policy.evict(need, self.cost, lambda k: k not in pinned, incoming)
         if victims is None:
-            assert need > available
+            assert need > available or (self.policy.admits and incoming and need > 0)
             assert snapshot(self.policy) == before
             return
         assert need <= available or need <= 0
@@ -474,6 +480,57 @@ def test_chain_follows_a_conversation_through_lookups_and_evictions() -> None:
     assert policy.turns("a-11") == 3  # ... yet its third turn continues the chain
     policy.lookup(turn("a", 3), 13)  # the same request looked up again: no fourth turn
     assert serve(policy, turn("a", 3), 100) == 13 and policy.turns("a-11") == 3
+
+
+def serve_admitting(policy: EvictionPolicy, keys: list[str], capacity: int) -> bool:
+    """:func:`serve`, with the missing keys shown to ``evict`` (``incoming``) as the engine
+    shows them to a policy that ``admits``. Returns whether they were stored."""
+    hits = 0
+    while hits < len(keys) and keys[hits] in policy:
+        hits += 1
+    policy.lookup(keys, hits)
+    missing = [key for key in keys[hits:] if key not in policy]
+    need = len(policy) + len(missing) - capacity
+    if need > 0:
+        own = set(keys)
+        if policy.evict(need, unit, lambda k: k not in own, missing) is None:
+            return False
+    policy.insert_batch(missing)
+    return True
+
+
+def test_chain_declines_one_off_documents_and_keeps_the_conversations() -> None:
+    """Four conversations that keep returning, and documents (the shared prompt, then 40
+    chunks nobody reads again) between their turns: once ``chain`` has seen documents leave
+    unread, a document's store that would displace the conversations is declined (``evict``
+    told its keys returns None and changes nothing), the same eviction not told what it is
+    for goes ahead, and the conversations' next turns are stored."""
+    policy, capacity = make_policy("chain"), 64
+    assert policy.admits and not make_policy("prefix").admits
+
+    def conversation(c: int, length: int) -> list[str]:
+        return ["sys"] + [f"c{c}-{j}" for j in range(length)]
+
+    for r in range(6):
+        for c in range(4):
+            assert serve_admitting(policy, conversation(c, 2 * (r + 1)), capacity)
+            if c % 2:
+                serve_admitting(policy, ["sys"] + [f"d{r}{c}-{j}" for j in range(40)], capacity)
+    assert isinstance(policy, ChainPolicy) and policy.return_chance((1, 6)) < 0.05
+    for key in [key for key in policy if str(key).startswith("d")]:
+        policy.remove(key)  # the last document's leftovers (as if rolled back)
+    doc = ["sys"] + [f"late-{j}" for j in range(40)]
+    policy.lookup(doc, 1)
+    need = len(policy) + 40 - 48  # a smaller cache: the document must displace 16 keys
+    assert need > 0
+    before = snapshot(policy)
+    assert policy.evict(need, unit, lambda k: k != "sys", doc[1:]) is None
+    assert snapshot(policy) == before
+    assert policy.evict(need, unit, lambda k: k != "sys") is not None
+    assert all(serve_admitting(policy, conversation(c, 14), capacity) for c in range(4))
+    fresh = make_policy("chain")  # nothing learnt: at even odds the newest keys rank first
+    assert serve_admitting(fresh, conversation(0, 8), 64)
+    assert serve_admitting(fresh, doc, 48) and "c0-0" in fresh and "c0-7" not in fresh
 
 
 def test_chain_touch_and_plain_inserts_order_like_lru() -> None:
