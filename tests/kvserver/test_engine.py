@@ -1254,3 +1254,46 @@ def test_rejected_store_changes_no_counter() -> None:
         after = engine.stats().totals
         assert after.filtered_chunks == before.filtered_chunks
         assert after.store_rejections == before.store_rejections + 1
+
+
+def test_chain_declines_a_document_store_through_the_engine() -> None:
+    """The engine shows an admitting policy a store's new keys: once ``chain`` has seen
+    documents (a prompt, then many chunks nobody reads again) leave unread, a document whose
+    store would displace the conversations is refused (None, a store rejection, nothing
+    changed) and the conversations' next turns are stored."""
+    with make_engine("chain", num_pages=57) as engine:  # the prompt + 4 x 14 chunks
+        ns = engine.register_namespace(make_spec())
+        assert engine.policy.admits
+        prompt = make_keys(1, tag="sys")
+
+        def serve(keys: list[bytes]) -> bool:
+            """A planning lookup (the whole chain), then the missing keys stored."""
+            hits = engine.lookup(ns, keys, record=True, touch=True)
+            grant = engine.prepare_store(ns, keys[hits:])
+            if grant is None:
+                return False
+            if grant.keys:
+                write_all(engine, grant)
+                engine.complete_store(grant.lease_id)
+            return True
+
+        def conversation(c: int, length: int) -> list[bytes]:
+            return prompt + make_keys(length, tag=f"c{c}-")
+
+        for r in range(7):
+            for c in range(4):
+                assert serve(conversation(c, 2 * (r + 1)))
+                if c % 2 and r < 3:
+                    serve(prompt + make_keys(40, tag=f"d{r}{c}-"))
+        # the conversations fill the cache: the documents have left
+        assert all(ready_keys(engine, ns, conversation(c, 14)) for c in range(4))
+        assert engine.allocator.num_free == 0
+        doc = prompt + make_keys(40, tag="late-")
+        assert engine.lookup(ns, doc, record=True, touch=True) == 1
+        before = snapshot(engine)
+        rejections = engine.stats().totals.store_rejections
+        assert engine.prepare_store(ns, doc[1:]) is None
+        assert snapshot(engine) == before
+        assert engine.stats().totals.store_rejections == rejections + 1
+        assert serve(conversation(0, 15))
+        engine.check_invariants()
