@@ -11,9 +11,10 @@ each a prefix chain of chunk keys (a chunk = one DRAM entry, e.g. 256 tokens; al
   later chunks are resident (prefix semantics); the policy is told as a planning lookup
   tells it (``lookup(keys, hits)``: the hits touched head first, the whole chain to a policy
   that reads requests);
-- its missing chunks are then stored as one batch: ``evict(need)`` frees what the cache lacks,
-  never choosing one of the request's own chunks, then ``insert_batch(missing)`` in request
-  order (the engine's ``make_ready``). A store whose chunks cannot fit is refused (as
+- its missing chunks are then stored as one batch: ``evict(need, ..., incoming=missing)``
+  frees what the cache lacks, never choosing one of the request's own chunks, then
+  ``insert_batch(missing)`` in request order (the engine's ``make_ready``). A store whose
+  chunks cannot fit, or that a policy which ``admits`` declines, is refused (as
   ``prepare_store`` returning None): nothing is stored.
 
 Traces (:mod:`benchmarks.policy_traces`; sizes in chunks):
@@ -26,7 +27,9 @@ Traces (:mod:`benchmarks.policy_traces`; sizes in chunks):
   reuse across conversations dominates;
 - ``scan``: ``chat`` with documents on 5 % of requests: the scans that pollute a recency cache;
 - ``*-timed``: the same with timed arrivals (heavy-tailed think time between turns) instead of
-  a uniform pick among the live conversations.
+  a uniform pick among the live conversations;
+- ``*-alt*``: held-out variants (other sizes, skew and mix; seeds offset by 100), never used
+  to tune a policy.
 
 References, in the same run:
 
@@ -66,7 +69,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.policy_traces import TRACES_ALL, Trace, TraceConfig, generate_trace
+from benchmarks.policy_traces import (
+    ALT_SEED_OFFSET,
+    TRACES_ALL,
+    TRACES_ALT,
+    Trace,
+    TraceConfig,
+    generate_trace,
+)
 from benchmarks.report import save_report
 from kvserver.policies import POLICIES, EvictionPolicy, make_policy
 
@@ -119,7 +129,7 @@ def replay_policy(
             continue
         need = size + len(missing) - capacity
         if need > 0:
-            victims = evict(need, _unit, _outside(set(keys)))
+            victims = evict(need, _unit, _outside(set(keys)), missing)
             if victims is None:
                 continue  # refused store: nothing stored
             size -= len(victims)
@@ -317,18 +327,22 @@ def run(
     names = sorted(POLICIES)
     traces: dict[str, Any] = {}
     results: list[dict[str, Any]] = []
-    tasks = [(name, replace(cfg, seed=seed)) for name, cfg in configs.items() for seed in seeds]
+    tasks = [
+        (name, seed, replace(cfg, seed=seed + (ALT_SEED_OFFSET if name in TRACES_ALT else 0)))
+        for name, cfg in configs.items()
+        for seed in seeds
+    ]
     done: dict[tuple[str, int], dict[str, Any]] = {}
     with (
         tqdm(total=len(tasks), desc="replay", unit="trace", disable=not sys.stderr.isatty()) as bar,
         multiprocessing.get_context("spawn").Pool(jobs) as pool,
     ):
-        for (name, cfg), info in zip(
+        for (name, seed, _), info in zip(
             tasks,
-            pool.imap(functools.partial(run_trace, budgets=budgets), [c for _, c in tasks]),
+            pool.imap(functools.partial(run_trace, budgets=budgets), [c for _, _, c in tasks]),
             strict=True,
         ):
-            done[(name, cfg.seed)] = info
+            done[(name, seed)] = info
             bar.update()
     for trace_name in configs:
         per_seed = [done[(trace_name, seed)] for seed in seeds]
@@ -360,8 +374,9 @@ def print_table(report: dict[str, Any]) -> None:
     names = sorted(POLICIES)
     for trace_name, info in report["traces"].items():
         first = info["per_seed"][0]
+        seeds = [run["config"]["seed"] for run in info["per_seed"]]
         print(
-            f"\n{trace_name}: seeds {info['seeds']}; seed {info['seeds'][0]}: "
+            f"\n{trace_name}: seeds {seeds}; seed {seeds[0]}: "
             f"{first['num_requests']:,} requests, {first['num_accesses']:,} chunk reads, "
             f"{first['num_distinct_chunks']:,} distinct chunks"
         )

@@ -156,8 +156,48 @@ def _generate_timed(cfg: TraceConfig) -> Trace:
     return requests
 
 
-#: the traces of the first table (uniform arrivals) and their timed twins
+#: held-out variants, never used to tune a policy: other sizes, skew and mix (flatter prompt
+#: popularity on chat, steeper on system, longer conversations, more and shorter documents);
+#: ``bench_policies`` runs them on seeds of their own (``ALT_SEED_OFFSET`` + the seed)
+TRACES_ALT: dict[str, TraceConfig] = {
+    "chat-alt": replace(
+        TRACES["chat"],
+        num_conversations=400,
+        num_live=96,
+        num_system_prompts=20,
+        zipf_s=0.8,
+        turns=(1, 14),
+        turn_chunks=(2, 24),
+        doc_probability=0.02,
+        doc_chunks=(100, 1500),
+    ),
+    "system-alt": replace(
+        TRACES["system"],
+        num_conversations=2500,
+        num_live=96,
+        num_system_prompts=64,
+        system_prompt_chunks=(8, 128),
+        zipf_s=1.4,
+        turns=(1, 4),
+        doc_probability=0.005,
+    ),
+    "scan-alt-timed": replace(
+        TRACES["scan"],
+        num_live=160,
+        zipf_s=0.9,
+        doc_probability=0.08,
+        doc_chunks=(50, 800),
+        arrivals="timed",
+        think_median_s=30.0,
+        think_sigma=2.0,
+    ),
+}
+#: added to the seed of an ``*-alt*`` trace
+ALT_SEED_OFFSET = 100
+
+#: the traces of the first table (uniform arrivals), their timed twins and the held-out ones
 TRACES_ALL: dict[str, TraceConfig] = {
     **TRACES,
     **{f"{name}-timed": replace(cfg, arrivals="timed") for name, cfg in TRACES.items()},
+    **TRACES_ALT,
 }
