@@ -313,6 +313,8 @@ class ChainPolicy(EvictionPolicy):
         time, pending, ghosts = self._time, self._pending, self._ghosts
         fresh: float | None = None  # a batch no lookup announced: a new chain's first turn
         new = False
+        last: _Chain | None = None  # a batch is mostly one chain's: its deadline, once
+        last_deadline = 0.0
         for key in incoming:
             if key in time:
                 continue
@@ -323,7 +325,9 @@ class ChainPolicy(EvictionPolicy):
                 lam = (ghost[0] + 1) / (now - ghost[1] + 1)
                 deadline = now + self._offset((0, int(lam * RATE_SCALE).bit_length()))
             elif chain is not None:
-                deadline = now + self._offset(chain.state)
+                if chain is not last:
+                    last, last_deadline = chain, now + self._offset(chain.state)
+                deadline = last_deadline
             else:
                 if fresh is None:
                     fresh = now + self._offset((1, len(incoming).bit_length()))
