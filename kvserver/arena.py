@@ -228,7 +228,7 @@ def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
             continue
         path = os.path.join(directory, name)
         try:
-            if os.stat(path).st_uid != uid or _pid_alive(int(parts[1])):
+            if os.stat(path).st_uid != uid or pid_alive(int(parts[1])):
                 continue
             os.unlink(path)
         except OSError:
@@ -237,7 +237,8 @@ def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True if a process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

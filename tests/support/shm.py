@@ -16,20 +16,10 @@ import os
 import shutil
 import tempfile
 
-from kvserver.arena import DEFAULT_SHM_DIR
+from kvserver.arena import DEFAULT_SHM_DIR, pid_alive
 from kvserver.token_file import SHM_DIR_ENV
 
 PREFIX = "kvserver-tests-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def reap_dead_sessions(base: str) -> list[str]:
@@ -41,7 +31,7 @@ def reap_dead_sessions(base: str) -> list[str]:
         return removed
     for name in names:
         pid = name[len(PREFIX) :].split("-", 1)[0]
-        if not name.startswith(PREFIX) or not pid.isdigit() or _alive(int(pid)):
+        if not name.startswith(PREFIX) or not pid.isdigit() or pid_alive(int(pid)):
             continue
         path = os.path.join(base, name)
         try:
