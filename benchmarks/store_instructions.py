@@ -64,12 +64,12 @@ def main() -> None:
     if args.reps < 1:
         parser.error("--reps must be >= 1")
     if args.wall:
-        for kind, seconds in _run(args.reps, args.policy, None).items():
+        for kind, seconds in run_kinds(args.reps, args.policy, None).items():
             print(f"{kind:12s} {seconds / args.reps * 1e6:9.1f} us/batch")
         return
     out = args.out or Path(tempfile.mkdtemp(prefix="kvserver-callgrind-"))
     if args.measured:
-        _run(args.reps, args.policy, out)
+        run_kinds(args.reps, args.policy, out)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
@@ -109,7 +109,7 @@ class _StandInStream:
         raise AssertionError("the stand-in reply is well formed")
 
 
-def _run(reps: int, policy: str, out: Path | None) -> dict[str, float]:
+def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
     """Run every kind ``reps`` times; dump callgrind's counters after each (``out``), or
     return the wall seconds per kind."""
     from kvserver.daemon.peers.book import PeerBook, PeerSettings
