@@ -10,6 +10,7 @@ Lifecycle of a chunk (one logical entry with one part per TP rank)::
       (clients write parts into the arena, or call write_part)
     complete_store(lease, success, ranks=, keys=)  READY once every rank's part is written;
                                                    on failure the reservation is rolled back
+    settle_store(lease, written)  the daemon's own fills: written READY, the rest rolled back
     prepare_load(keys)     -> LoadGrant            entries pinned (never evicted while pinned)
       (clients read parts from the arena, or call read_part)
     complete_load(lease)                           pins released
@@ -17,7 +18,7 @@ Lifecycle of a chunk (one logical entry with one part per TP rank)::
 
 Lower tiers (``kvserver/daemon/tiers.py``) attach through two seams: ``on_evict`` sees every
 evicted entry while its pages still hold its bytes (write-down), and ``prepare_store(...,
-gated=False)`` + ``write_part`` + ``complete_store`` bring a chunk back up (promotion);
+gated=False)`` + ``write_part`` + ``settle_store`` bring chunks back up (promotion);
 ``announce`` puts their events in the one gap-free event sequence.
 
 Layout: this module is the facade (validation, the public calls, events and counters); the
@@ -308,23 +309,16 @@ class StorageEngine:
         if not lease.keys:
             self.leases.end(lease, "completed")
         if became_ready:
-            event = BlockStored(self._seq(), self._ns_ids[ns], tuple(became_ready), MEDIUM_DRAM)
-            self._events.append(event)
-            for c in self._namespaces.pair(ns):
-                c.stored_chunks += len(became_ready)
+            self._stored(ns, became_ready)
         return became_ready
 
     def settle_store(self, lease_id: int, written: Iterable[bytes]) -> list[bytes]:
-        """End a store lease whose parts the daemon wrote itself (a promotion, a peer fetch):
-        every part of each key of ``written`` is written, and those keys become READY (in the
-        order of ``written``, announced with one BlockStored); every other key the lease still
-        reserves is rolled back; the lease ends. Returns the keys made READY.
-
-        ``complete_store(keys=written)`` then ``complete_store(success=False)`` in one call,
-        with one pass over the keys. Checks first: an unknown, finished or expired lease
-        raises LeaseError / LeaseExpired, a key the lease does not reserve InvalidArgument;
-        nothing changed then.
-        """
+        """End a store lease the daemon filled itself (a promotion, a peer fetch): the keys of
+        ``written`` (every part written) become READY, in that order, announced with one
+        BlockStored; every other key it reserves is rolled back; the lease ends. Returns the
+        keys made READY: ``complete_store(keys=written)`` then ``(success=False)`` in one pass.
+        Checks first: a gone lease raises LeaseError / LeaseExpired, a key the lease does not
+        reserve InvalidArgument; nothing changed then."""
         self._reap()
         lease = self.leases.get(lease_id, LeaseKind.STORE)
         ns = lease.ns
@@ -335,10 +329,7 @@ class StorageEngine:
             self._dram.make_ready(ns, became_ready)
         self.leases.end(lease, "completed")
         if became_ready:
-            event = BlockStored(self._seq(), self._ns_ids[ns], tuple(became_ready), MEDIUM_DRAM)
-            self._events.append(event)
-            for c in self._namespaces.pair(ns):
-                c.stored_chunks += len(became_ready)
+            self._stored(ns, became_ready)
         return became_ready
 
     # ================================================================== load path
@@ -475,6 +466,12 @@ class StorageEngine:
         seq = self._next_seq
         self._next_seq += 1
         return seq
+
+    def _stored(self, ns: int, keys: list[bytes]) -> None:
+        """Announce keys that became READY (one BlockStored) and count them."""
+        self._events.append(BlockStored(self._seq(), self._ns_ids[ns], tuple(keys), MEDIUM_DRAM))
+        for c in self._namespaces.pair(ns):
+            c.stored_chunks += len(keys)
 
     def _evicted(self, evicted: list[Entry]) -> None:
         """Hand evicted entries (already out of the index, pages not yet reused) to
