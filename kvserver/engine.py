@@ -217,9 +217,10 @@ class StorageEngine:
         (``gated=False`` bypasses reuse gating: promotions of chunks a lower tier holds).
         If free space is short, READY unpinned entries are evicted (never keys of this request).
         Returns ``None`` — with nothing changed, not even the policy state — if space for every
-        new key cannot be found, or if a policy that ``admits`` (``chain``) declines the new
-        keys because it ranks them below the entries they would displace. New entries are
-        WRITING and invisible until complete_store.
+        new key cannot be found (a store rejection). If a policy that ``admits`` (``chain``)
+        ranks the new keys below the entries they would displace, nothing changes and they
+        come back in ``filtered`` (not admitted, as reuse gating's: not a full cache). New
+        entries are WRITING and invisible until complete_store.
         """
         ns = self._ns(ns_id)
         spec = self._namespaces.specs[ns]
@@ -239,23 +240,22 @@ class StorageEngine:
             else:
                 new_keys.append(key)
         counters = self._namespaces.pair(ns)
-        if not new_keys:
-            for c in counters:
-                c.filtered_chunks += len(filtered)
-            return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
-
-        # Only keys in the index can be chosen as victims: protect this request's present ones.
-        evicted = self._dram.make_room(
-            self._dram.pages_for(spec, len(new_keys)), ns, present, new_keys
-        )
+        evicted: list[Entry] | None = []
+        if new_keys:  # victims only among keys in the index: this request's present ones kept
+            need = self._dram.pages_for(spec, len(new_keys))
+            evicted = self._dram.make_room(need, ns, present, new_keys)
+            if evicted is None and self.policy.declined:  # not admitted, as reuse gating's
+                filtered, new_keys, evicted = filtered + new_keys, [], []
         if evicted is None:
             for c in counters:
                 c.store_rejections += 1
             return None
-        if evicted:
-            self._evicted(evicted)
         for c in counters:
             c.filtered_chunks += len(filtered)
+        if not new_keys:
+            return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
+        if evicted:
+            self._evicted(evicted)
 
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.STORE, client, ns, new_keys, deadline)

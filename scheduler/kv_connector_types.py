@@ -105,16 +105,16 @@ class ConnectorStats:
     ``carried_completions``: store completions sent on a prepare_store rather than alone.
 
     Store accounting (docs/connector.md, "Store accounting"): ``planned_chunks`` counts each
-    request's chunks each time they go out in a prepare_store (a request's chunk once, thanks
-    to its cursor, unless the batch was not reserved: then again when re-planned). Every
-    planned chunk ends up in exactly one of: ``shared_chunks`` (another request planned the
-    same key earlier in the same batch: asked for once, stored for that request),
-    ``present_chunks`` (the daemon had it already, stored or being written),
-    ``filtered_chunks`` (the daemon's reuse gating refused it), ``unreserved_chunks`` (the
-    batch got no reservation: cache full or daemon unreachable — planned again — or refused,
-    or dropped by ``reset``), ``granted_chunks`` (reserved: a store job), or the batch still in
-    flight. ``stored_chunks`` (made ready by a completion) is at most ``granted_chunks``; the
-    difference is stores in flight, chunks a rank failed (rolled back), expired leases and
+    request's chunks each time they go out in a prepare_store (a request's chunk once, thanks to
+    its cursor, unless the batch was not reserved: then again when re-planned). Every planned
+    chunk ends up in exactly one of: ``shared_chunks`` (another request planned the same key
+    earlier in the same batch: asked for once, stored for that request), ``present_chunks`` (the
+    daemon had it already, stored or being written), ``filtered_chunks`` (the daemon did not
+    admit it: reuse gating, or its policy declined it), ``unreserved_chunks`` (the batch got no
+    reservation: cache full or daemon unreachable — planned again — or refused, or dropped by
+    ``reset``), ``granted_chunks`` (reserved: a store job), or the batch still in flight.
+    ``stored_chunks`` (made ready by a completion) is at most ``granted_chunks``; the difference
+    is stores in flight, chunks a rank failed (rolled back), expired leases and
     ``completion_errors``."""
 
     lookups: int = 0

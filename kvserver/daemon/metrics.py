@@ -83,9 +83,9 @@ _TIER_COUNTERS = (
 #: DRAM-only counters: (metric name without _total, help, engine counter)
 _DRAM_COUNTERS = (
     ("kvserver_rolled_back_chunks", "Reserved chunks rolled back.", "rolled_back_chunks"),
-    ("kvserver_store_rejections", "Store requests refused (full, gated, declined by the policy).",
-     "store_rejections"),
-    ("kvserver_filtered_chunks", "Chunks not admitted by reuse gating.", "filtered_chunks"),
+    ("kvserver_store_rejections", "Store requests refused: no room.", "store_rejections"),
+    ("kvserver_filtered_chunks", "Chunks not admitted (reuse gating, the policy's admission).",
+     "filtered_chunks"),
     ("kvserver_leases_expired", "Leases that expired before completion.", "expired_leases"),
     ("kvserver_leases_released", "Leases released when their client went away.", "released_leases"),
 )  # fmt: skip

@@ -15,7 +15,8 @@ Runs inside the storage engine (single owner, no locks, no I/O). A policy tracks
     evict(need, ..., incoming)
                        choose victims whose costs sum to >= need, atomically; ``incoming``
                        (given only to a policy with ``admits``) are the new keys the space
-                       is for, and such a policy may decline the store (``None``)
+                       is for, and such a policy may decline the store (``None``, with
+                       ``declined`` set)
 
 Keys are opaque hashable values (the engine uses ``(namespace_index, chunk_key)`` tuples), so
 one policy instance serves every namespace of a tier. Costs are in allocator pages, which lets
@@ -27,7 +28,8 @@ Invariants every implementation keeps:
 - ``evict`` never returns a key for which ``evictable(key)`` is false (pinned, protected).
 - ``evict`` returns ``None`` only if the evictable keys cannot cover ``need``, or, for a
   policy with ``admits`` that was given ``incoming``, if it ranks those new keys below the
-  victims they would displace (an admission decision: the store is refused, nothing changes).
+  victims they would displace (an admission decision: nothing changes, ``declined`` is set
+  until the next ``evict``; the engine reports those keys as not admitted, as reuse gating's).
 - the set of tracked keys is exactly the set inserted and not yet removed/evicted.
 """
 
@@ -51,6 +53,10 @@ class EvictionPolicy(ABC):
     #: True: ``evict`` may decline a store it is told the new keys of (``incoming``) when it
     #: values them below the victims (admission control); the engine then passes them
     admits: bool = False
+    #: True when the last ``evict`` returned None because it declined ``incoming`` (room could
+    #: have been made); False when it returned victims or could not make room. Only a policy
+    #: with ``admits`` sets it.
+    declined: bool = False
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:

@@ -44,7 +44,9 @@ more likely to have ended. Which chains end is learnt, not assumed:
   looked it up; a batch no lookup announced is a new chain's first turn; a returning ghost
   of a shared key in its read-rate class): if every one of them would have an earlier
   deadline than the first victim, storing them would swap kept keys for keys that leave
-  first, so ``evict`` declines (``None``, nothing changed) and the engine refuses the store.
+  first, so ``evict`` declines (``None``, nothing changed, ``declined`` set) and the engine
+  reports the new keys as not admitted (``filtered``, as reuse gating does: not stored, and
+  not a full cache).
   A document (hundreds of new chunks on a first turn) is declined once documents have been
   seen to leave unread (``p`` of its state near 0), unless what it displaces ranks lower
   still (an older document's leftovers). Without ``incoming`` (the SSD tier, promotions)
@@ -251,6 +253,7 @@ class ChainPolicy(EvictionPolicy):
         evictable: Callable[[Hashable], bool],
         incoming: Sequence[Hashable] = (),
     ) -> list[Hashable] | None:
+        self.declined = False
         if need <= 0:
             return []
         heads: list[tuple[float, int, _State]] = []
@@ -274,6 +277,7 @@ class ChainPolicy(EvictionPolicy):
             freed += cost(key)
             self._advance(heads, head, state, cursors[state], offsets[state], evictable)
         if incoming and self._declines(incoming, lowest):
+            self.declined = True
             return None
         ghosts, tails = self._ghosts, self._tails
         for key in victims:

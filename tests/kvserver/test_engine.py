@@ -51,7 +51,7 @@ def snapshot(engine: StorageEngine) -> Any:
         {k: v for k, v in stats.to_dict().items() if k not in ("totals", "namespaces")},
         {ns: {"entries": row["entries"]} for ns, row in stats.namespaces.items()},
         list(engine.policy),
-        copy.deepcopy(vars(engine.policy)),
+        copy.deepcopy({k: v for k, v in vars(engine.policy).items() if k != "declined"}),
         {k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in engine.entries().items()},
         sorted(lease.lease_id for lease in engine.leases),
         list(engine._events),
@@ -1260,7 +1260,8 @@ def test_chain_declines_a_document_store_through_the_engine() -> None:
     """The engine shows an admitting policy a store's new keys: once ``chain`` has seen
     documents (a prompt, then many chunks nobody reads again) leave unread, a document whose
     store would displace the conversations is refused (None, a store rejection, nothing
-    changed) and the conversations' next turns are stored."""
+    changed; the new keys come back as not admitted, ``filtered``, counted as reuse gating's
+    are, not as a store rejection) and the conversations' next turns are stored."""
     with make_engine("chain", num_pages=57) as engine:  # the prompt + 4 x 14 chunks
         ns = engine.register_namespace(make_spec())
         assert engine.policy.admits
@@ -1270,7 +1271,7 @@ def test_chain_declines_a_document_store_through_the_engine() -> None:
             """A planning lookup (the whole chain), then the missing keys stored."""
             hits = engine.lookup(ns, keys, record=True, touch=True)
             grant = engine.prepare_store(ns, keys[hits:])
-            if grant is None:
+            if grant is None or (grant.filtered and not grant.keys):
                 return False
             if grant.keys:
                 write_all(engine, grant)
@@ -1291,9 +1292,14 @@ def test_chain_declines_a_document_store_through_the_engine() -> None:
         doc = prompt + make_keys(40, tag="late-")
         assert engine.lookup(ns, doc, record=True, touch=True) == 1
         before = snapshot(engine)
-        rejections = engine.stats().totals.store_rejections
-        assert engine.prepare_store(ns, doc[1:]) is None
+        totals = engine.stats().totals
+        rejections, not_admitted = totals.store_rejections, totals.filtered_chunks
+        declined = engine.prepare_store(ns, doc[1:])
+        assert declined is not None and engine.policy.declined
+        assert (declined.lease_id, declined.keys, declined.filtered) == (0, [], doc[1:])
         assert snapshot(engine) == before
-        assert engine.stats().totals.store_rejections == rejections + 1
+        totals = engine.stats().totals
+        assert totals.store_rejections == rejections
+        assert totals.filtered_chunks == not_admitted + len(doc) - 1
         assert serve(conversation(0, 15))
         engine.check_invariants()

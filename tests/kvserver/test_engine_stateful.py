@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -52,6 +53,12 @@ Item = tuple[int, bytes]  # (namespace index, key)
 def payload(ns: int, key: bytes, rank: int) -> bytes:
     """The bytes every client writes for (ns, key, rank): distinct per namespace, key and rank."""
     return pattern(bytes([ns]) + key, rank, SPECS[ns].part_bytes)
+
+
+def policy_state(policy: Any) -> Any:
+    """The policy's keys in order and its state (``declined`` reports the last ``evict``: not
+    state)."""
+    return list(policy), copy.deepcopy({k: v for k, v in vars(policy).items() if k != "declined"})
 
 
 @dataclass
@@ -267,7 +274,7 @@ class EngineMachine(RuleBasedStateMachine):
         index_before = {
             k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in eng.entries().items()
         }
-        policy_before = (list(eng.policy), copy.deepcopy(vars(eng.policy)))
+        policy_before = policy_state(eng.policy)
         grant = eng.prepare_store(self.ns_ids[ns], keys, client=client, lease_s=lease_s)
         self.reaped()
 
@@ -287,13 +294,18 @@ class EngineMachine(RuleBasedStateMachine):
         }
         room = free + sum(PAGES_PER_CHUNK[n] for n, _ in evictable)
 
-        declined = grant is None and eng.policy.admits and free < need <= room
+        # declined: an admitting policy (``chain``) ranked the new keys below the victims; the
+        # grant reserves nothing and names them not admitted, beside reuse gating's
+        declined = (
+            grant is not None and eng.policy.admits and eng.policy.declined
+            and free < need <= room and not grant.keys and grant.present == present
+            and grant.filtered == filtered + new and grant.lease_id == 0
+        )  # fmt: skip
         if need > room or declined:
-            # declined: an admitting policy (``chain``) ranked the new keys below the victims
-            assert grant is None, "prepare_store over-committed the arena"
+            assert grant is None or declined, "prepare_store over-committed the arena"
             # All or nothing: no entry, page or policy state changed.
             assert self.ready_in_index() == self.ready
-            assert (list(eng.policy), copy.deepcopy(vars(eng.policy))) == policy_before
+            assert policy_state(eng.policy) == policy_before
             if not any_pending:
                 after = {
                     k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in eng.entries().items()
