@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.daemon_lookup import LOOKUP_TOKENS
+from benchmarks.harness.callgrind import dump_name, per_call
 
 KINDS = (
     "health", "lookup 1 key", "lookup 2,048 keys", "lookup a new 32k-token prompt",
@@ -67,7 +67,7 @@ def main() -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; callgrind files in {out}")
     for who in ("daemon", "client"):
-        counts = _per_call(out, who, args.calls)
+        counts = per_call(out, f"{who}.*.*", KINDS)
         health = counts["health"]
         for kind in KINDS:
             ir = counts[kind]
@@ -134,26 +134,10 @@ def _client(calls: int, out: Path) -> None:
             for index, (call, n) in enumerate(cases.values()):
                 for _ in range(n):
                     call()
-                dump(f"kind{index}x{n}")
+                dump(dump_name(index, n))
     finally:
         daemon.terminate()
         daemon.wait(START_TIMEOUT_S)
-
-
-def _per_call(out: Path, who: str, calls: int) -> dict[str, float]:
-    """Instructions per call of each kind in ``who``'s dumps (``who.PID.N`` files)."""
-    counts: dict[str, float] = {}
-    for path in out.glob(f"{who}.*.*"):
-        text = path.read_text(errors="replace")[:4096]
-        trigger = re.search(r"^desc: Trigger: .*kind(\d+)x(\d+)\s*$", text, re.M)
-        total = re.search(r"^summary: (\d+)$", text, re.M)
-        if trigger is None or total is None:
-            continue  # the warm-up dump or the final one
-        counts[KINDS[int(trigger.group(1))]] = int(total.group(1)) / int(trigger.group(2))
-    missing = [kind for kind in KINDS if kind not in counts]
-    if missing:
-        raise SystemExit(f"no callgrind dump of {missing} for the {who} in {out}")
-    return counts
 
 
 if __name__ == "__main__":

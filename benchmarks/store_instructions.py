@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from benchmarks.harness.callgrind import dump_name, per_call
 
 KINDS = ("store", "put", "peer fetch", "get", "load", "copy")
 CHUNKS = 128
@@ -86,7 +87,7 @@ def main() -> None:
         raise SystemExit("the measured process failed:\n" + "\n".join(lines[-20:]))
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; policy {args.policy}; "
           f"callgrind files in {out}")  # fmt: skip
-    for kind, ir in _per_batch(out).items():
+    for kind, ir in per_call(out, "store.*.*", KINDS).items():
         print(f"{kind:12s} {ir / 1e6:8.3f} M instructions/batch  {ir / CHUNKS / 1e3:7.2f} k/chunk")
 
 
@@ -197,7 +198,7 @@ def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
         for _ in range(reps):
             fn()
         seconds[kind] = time.perf_counter() - start
-        _dump(out, f"kind{KINDS.index(kind)}x{reps}")
+        _dump(out, dump_name(KINDS.index(kind), reps))
         if kind == "copy":
             service.complete_load(pinned.lease_id)
     loop.close()
@@ -216,22 +217,6 @@ def _dump(out: Path | None, name: str) -> None:
         if done.returncode == 0:
             return
     raise SystemExit(f"callgrind_control --dump failed: {done.stdout}{done.stderr}")
-
-
-def _per_batch(out: Path) -> dict[str, float]:
-    """Instructions per batch of each kind in the dumps (``store.PID.N`` files)."""
-    counts: dict[str, float] = {}
-    for path in out.glob("store.*.*"):
-        text = path.read_text(errors="replace")[:4096]
-        trigger = re.search(r"^desc: Trigger: .*kind(\d+)x(\d+)\s*$", text, re.M)
-        total = re.search(r"^summary: (\d+)$", text, re.M)
-        if trigger is None or total is None:
-            continue  # the warm-up dump or the final one
-        counts[KINDS[int(trigger.group(1))]] = int(total.group(1)) / int(trigger.group(2))
-    missing = [kind for kind in KINDS if kind not in counts]
-    if missing:
-        raise SystemExit(f"no callgrind dump of {missing} in {out}")
-    return {kind: counts[kind] for kind in KINDS}
 
 
 if __name__ == "__main__":
