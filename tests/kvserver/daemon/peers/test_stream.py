@@ -36,6 +36,7 @@ from kvserver.daemon.peers.fetch import FETCH_CLIENT, PeerFetches
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EntryState
 from kvserver.errors import InvalidArgument
+from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes, store
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
@@ -88,6 +89,42 @@ def no_reservations(engine: StorageEngine) -> None:
     engine.check_invariants()
     assert not [e for e in engine.entries().values() if e.state is EntryState.WRITING]
     assert not [lease for lease in engine.leases if lease.client == FETCH_CLIENT]
+
+
+async def killed_mid_fetch(
+    engine: StorageEngine,
+    fetches: PeerFetches,
+    book: PeerBook,
+    spec: NamespaceSpec,
+    keys: list[bytes],
+    a: DaemonProc,
+    peer: Peer,
+) -> int:
+    """Fetch ``keys`` (64 chunks, rank 0) from ``a`` through ``peer``; stop ``a`` as soon as
+    the first reply has begun, then SIGKILL it. Asserts: the fetch ends within 3 s, the chunks
+    placed are a leading run that reads back byte for byte, the rest missed, ``A`` is suspect,
+    nothing stays reserved. Returns how many chunks were placed."""
+    task = asyncio.ensure_future(fetches.fetch(
+        spec, [(k, frozenset({"A"})) for k in keys], {"A": peer}
+    ))  # fmt: skip
+    while book.counters.fetched_chunks == 0:  # the first reply's head has arrived
+        assert not task.done()
+        await asyncio.sleep(0)
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    a.kill()
+    start = time.monotonic()
+    await asyncio.wait_for(task, 10)
+    assert time.monotonic() - start < 3.0
+    held = engine.lookup(spec.ns_id, keys)
+    assert held < 64 and book.counters.missed_chunks == 64 - held
+    grant = engine.prepare_load(spec.ns_id, keys[:held])
+    got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys[:held]]
+    engine.complete_load(grant.lease_id)
+    assert got == [pattern(k, 0, spec.part_bytes) for k in keys[:held]]
+    assert book.is_suspect("A")
+    no_reservations(engine)
+    await book.close()
+    return held
 
 
 # ----------------------------------------------------------------------------- fetching
@@ -236,27 +273,9 @@ async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
         with make_engine(num_pages=96, page_size=1 << 20) as engine:
             engine.register_namespace(spec)
             fetches, book = fetcher(engine, timeout_s=1.0, suspect_s=60)
-            task = asyncio.ensure_future(fetches.fetch(
-                spec, [(k, frozenset({"A"})) for k in keys], {"A": recorded_peer(a)}
-            ))  # fmt: skip
-            while book.counters.fetched_chunks == 0:  # the first reply's head has arrived
-                assert not task.done()
-                await asyncio.sleep(0)
-            os.kill(a.proc.pid, signal.SIGSTOP)
-            a.kill()
-            start = time.monotonic()
-            await asyncio.wait_for(task, 10)
-            assert time.monotonic() - start < 3.0
-            held = engine.lookup(spec.ns_id, keys)
-            assert held < 64 and book.counters.missed_chunks == 64 - held
+            held = await killed_mid_fetch(engine, fetches, book, spec, keys, a,
+                                          recorded_peer(a))  # fmt: skip
             assert book.counters.placed_chunks == held
-            grant = engine.prepare_load(spec.ns_id, keys[:held])
-            got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys[:held]]
-            engine.complete_load(grant.lease_id)
-            assert got == [pattern(k, 0, spec.part_bytes) for k in keys[:held]]
-            assert book.is_suspect("A")
-            no_reservations(engine)
-            await book.close()
     finally:
         a.kill()
 

@@ -29,7 +29,7 @@ from kvserver.daemon.peers.link import stream_address_from
 from kvserver.engine import StorageEngine
 from tests.kvserver.builders import make_keys, pattern
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes
-from tests.kvserver.daemon.peers.test_stream import no_reservations
+from tests.kvserver.daemon.peers.test_stream import killed_mid_fetch, no_reservations
 from tests.support.daemon import DaemonProc, start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -414,9 +414,6 @@ async def test_a_tls_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserv
     """As over a plain stream: A is stopped once the first reply has begun, then SIGKILLed;
     the receiving thread's TLS read ends (socket shut down or timed out), the windows that
     arrived whole are placed byte for byte, the rest misses, nothing stays reserved."""
-    import asyncio
-    import os
-    import signal
 
     from tests.kvserver.builders import make_engine
 
@@ -425,27 +422,8 @@ async def test_a_tls_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserv
         with make_engine(num_pages=96, page_size=1 << 20) as engine:
             engine.register_namespace(spec)
             fetches, book = fetcher(engine, timeout_s=1.0, stream_tls=context(certs.fleet[0]))
-            task = asyncio.ensure_future(fetches.fetch(
-                spec, [(k, frozenset({"A"})) for k in keys],
-                {"A": Peer("A", "", a.zmq_address, tls_address(a))},
-            ))  # fmt: skip
-            while book.counters.fetched_chunks == 0:  # the first reply's head has arrived
-                assert not task.done()
-                await asyncio.sleep(0)
-            os.kill(a.proc.pid, signal.SIGSTOP)
-            a.kill()
-            start = time.monotonic()
-            await asyncio.wait_for(task, 10)
-            assert time.monotonic() - start < 3.0
-            held = engine.lookup(spec.ns_id, keys)
-            assert held < 64 and book.counters.missed_chunks == 64 - held
-            grant = engine.prepare_load(spec.ns_id, keys[:held])
-            got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys[:held]]
-            engine.complete_load(grant.lease_id)
-            assert got == [pattern(k, 0, spec.part_bytes) for k in keys[:held]]
-            assert book.is_suspect("A")
-            no_reservations(engine)
-            await book.close()
+            peer = Peer("A", "", a.zmq_address, tls_address(a))
+            await killed_mid_fetch(engine, fetches, book, spec, keys, a, peer)
     finally:
         a.kill()
 
