@@ -113,15 +113,16 @@ def plan_chunks(
     direction: Direction,
     chunks: Chunks,
     builder: Builder | None = None,
+    per_transfer: int = CHUNKS_PER_TRANSFER,
 ) -> list[list[KeyCopies]]:
     """What the connector does on the worker's thread: ``plan_copies`` per chunk (with
-    ``builder``; default: the device's), grouped CHUNKS_PER_TRANSFER chunks to a Transfer."""
+    ``builder``; default: the device's), grouped ``per_transfer`` chunks to a Transfer."""
     is_load = direction is Direction.LOAD
     part = caches.block_bytes * chunks.blocks
     planned = []
-    for first in range(0, len(chunks.starts), CHUNKS_PER_TRANSFER):
+    for first in range(0, len(chunks.starts), per_transfer):
         copies = []
-        for i in range(first, min(first + CHUNKS_PER_TRANSFER, len(chunks.starts))):
+        for i in range(first, min(first + per_transfer, len(chunks.starts))):
             ids = list(range(chunks.starts[i], chunks.starts[i] + chunks.blocks))
             copies.append(plan_copies(
                 caches, i.to_bytes(8, "big"), ids, chunks.blocks, arena.tensor,
@@ -191,7 +192,11 @@ def median_ratio(ref: list[float], other: list[float]) -> float:
 
 
 def bench(
-    device: torch.device, quick: bool, chunk_blocks: int, max_group: int = MAX_GROUP
+    device: torch.device,
+    quick: bool,
+    chunk_blocks: int,
+    max_group: int = MAX_GROUP,
+    per_transfer: int = CHUNKS_PER_TRANSFER,
 ) -> list[dict[str, Any]]:
     pages = [8 << 10, 32 << 10] if quick else [4 << 10, 16 << 10, 64 << 10]
     total = (32 if quick else 192) * MiB
@@ -230,9 +235,9 @@ def bench(
             plan_s = math.inf
             for _ in range(3):  # the least of three: the first call also warms up
                 t0 = time.perf_counter()
-                planned = plan_chunks(caches, mapped, direction, chunks, builder)
+                planned = plan_chunks(caches, mapped, direction, chunks, builder, per_transfer)
                 plan_s = min(plan_s, time.perf_counter() - t0)
-            other = plan_chunks(caches, mapped, direction, chunks, builder=alt)
+            other = plan_chunks(caches, mapped, direction, chunks, alt, per_transfer)
             fns = [ref, engine_run(engine, direction, planned),
                    engine_run(engine, direction, other)]  # fmt: skip
             if kernels is not None and forced is not None:
@@ -301,7 +306,6 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global CHUNKS_PER_TRANSFER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, less data")
     parser.add_argument("--json", type=Path, help="write results here (+ .png chart)")
@@ -333,8 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     devices = [torch.device(d) for d in args.devices.split(",") if d]
     if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
         parser.error("--devices names cuda, but torch has no usable GPU")
-    CHUNKS_PER_TRANSFER = args.chunks_per_transfer
-    rows = [row for d in devices for row in bench(d, args.quick, args.chunk_blocks, args.max_group)]
+    per_transfer = args.chunks_per_transfer
+    rows = [
+        row
+        for d in devices
+        for row in bench(d, args.quick, args.chunk_blocks, args.max_group, per_transfer)
+    ]
     print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
           f"{'plan µs':>7} {'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
           f"{'alt':>16} {'pattern':>7} {'kernels':>7} {'k-only':>6}")  # fmt: skip
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "quick": args.quick, "target": TARGET, "layers": LAYERS,
-            "chunk_blocks": args.chunk_blocks, "chunks_per_transfer": CHUNKS_PER_TRANSFER,
+            "chunk_blocks": args.chunk_blocks, "chunks_per_transfer": per_transfer,
             "max_group": args.max_group,
         }  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for per_transfer in (16, 64, 256):
-            bt.CHUNKS_PER_TRANSFER = per_transfer
             for layout, page in CASES:
                 for direction in Direction:
                     part = bt.LAYERS * 2 * page * bt.CHUNK_BLOCKS
@@ -56,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                     raw, _ = bt.make_caches(layout, page, blocks, dev)
                     caches = canonicalize(raw, blocks)
                     chunks = bt.Chunks.scattered(bt.CHUNK_BLOCKS, blocks, chunks_n)
-                    planned = bt.plan_chunks(caches, mapped, direction, chunks, "staged")
+                    planned = bt.plan_chunks(
+                        caches, mapped, direction, chunks, "staged", per_transfer
+                    )
                     nbytes = chunks_n * part
                     dev_buf = torch.ones(nbytes, dtype=torch.uint8, device=dev)
                     host_buf = mapped.tensor[:nbytes]
