@@ -245,11 +245,15 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
                         for k, row in zip(batches[0], got, strict=True)
                     ), "B served other bytes"
 
-                def fetch(client: KVClient, keys: list[bytes]) -> float:
+                short: dict[str, int] = dict.fromkeys(FETCHES, 0)
+
+                def fetch(name: str, keys: list[bytes]) -> float:
+                    client = clients[name]
                     start = time.perf_counter()
                     grant = client.prepare_load(ns_id, keys)
                     elapsed = time.perf_counter() - start
                     client.complete_load(grant.lease_id)
+                    short[name] += len(grant.keys) < len(keys)  # a fetch that placed less
                     return elapsed
 
                 for r in range(1, rounds + 1):
@@ -264,13 +268,16 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
                     lookups.append(time.perf_counter() - start_lookup)
                     for i in range(len(FETCHES)):  # rotate who goes first
                         name = FETCHES[(i + r) % len(FETCHES)]
-                        times[name].append(fetch(clients[name], keys))
+                        times[name].append(fetch(name, keys))
                 stats = {name: c.stats()["peer"] for name, c in clients.items()}
         finally:
             for client in clients.values():
                 client.close()
         for name in ("stream", "tls"):
             assert stats[name]["stream_fetches"] == stats[name]["fetches"] > 0, stats[name]
+        # every timed load was granted every key: a fetch that evicted its own earlier windows
+        # (and so granted a shorter run) would have been timed doing less than the reference
+        assert not any(short.values()), f"loads granted fewer keys than asked: {short}"
         for name in ("zmq", "curve"):
             assert stats[name]["stream_fetches"] == 0, stats[name]
             assert stats[name]["fetched_chunks"] >= rounds * n, stats[name]
@@ -328,6 +335,7 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         "directory_lookups_per_load": stats["stream"]["directory_lookups"] / (rounds + 1),
         "directory_skipped_per_load": stats["stream"].get("directory_skipped", 0) / (rounds + 1),
         "peer_stats": stats,
+        "short_loads": short,
     }
 
 

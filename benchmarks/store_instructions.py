@@ -18,9 +18,10 @@ daemon that fetches or stores more than it holds). Each kind runs ``--reps`` bat
   local channel's path);
 - ``put``: ``KVService.put`` of 128 parts (a remote put's daemon work after its frames are
   decoded: reserve, copy each part into the arena, complete; the copies are part of it);
-- ``peer fetch``: ``PeerFetches._stream_run``, the fetching daemon's work for one 32 MiB
-  window over a peer's stream, with a stand-in connection that announces 128 chunks and
-  receives nothing (reserve, the pages' views, completion, the events published);
+- ``peer fetch``: ``PeerFetches._stream_windows``, the fetching daemon's work for 32 MiB
+  fetched over a peer's stream (its windows of ``STREAM_WINDOW_BYTES``: one before the
+  pipelined windows, 32 MiB), with a stand-in connection whose replies announce every key
+  asked and receive nothing (reserve, the pages' views, completion, the events published);
 - ``get``: ``KVService.get(leading=True)`` of 128 READY chunks and the end of its load lease
   (the serving daemon's work for a peer's window: the leading run, the pins, the parts' views);
 - ``load``: ``prepare_load`` + ``complete_load`` of 128 READY chunks (a worker's load grant);
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -91,30 +93,54 @@ def main() -> None:
         print(f"{kind:12s} {ir / 1e6:8.3f} M instructions/batch  {ir / CHUNKS / 1e3:7.2f} k/chunk")
 
 
-class _StandInStream:
+class _StandInConnection:
     """A peer stream connection whose every reply announces the keys asked, whole, and whose
     payload is already there (nothing is received: the views are handed over and dropped)."""
 
     peer_id = "stand-in"
 
-    def __init__(self, count: int) -> None:
-        self._count = count
+    async def send_requests(self, ns_id: str, windows: Any, deadline: float) -> list[int]:
+        return list(range(1, len(windows) + 1))
 
-    async def reply_head(self, request_id: int, deadline: float) -> Any:
-        return SimpleNamespace(ok=True, count=self._count, tp=1, part_bytes=PART_BYTES)
-
-    async def read_into(self, views: Any, deadline: float) -> None:
-        return
+    def start_reply(self, request_id: int, rows: Any, tp: int, part_bytes: int,
+                    deadline: float, on_head: Any) -> Any:  # fmt: skip
+        head = SimpleNamespace(ok=True, count=len(rows), tp=1, part_bytes=PART_BYTES)
+        on_head(head)
+        return _StandInJob(head)
 
     def spoil(self) -> None:
         raise AssertionError("the stand-in reply is well formed")
+
+
+class _StandInJob:
+    def __init__(self, head: Any) -> None:
+        self._head = head
+
+    async def result(self) -> Any:
+        return self._head, None
+
+    async def stop(self) -> None:
+        return
+
+
+class _StandInStream:
+    """A peer stream whose one connection is a :class:`_StandInConnection`."""
+
+    timeout_s = 60.0
+
+    def __init__(self) -> None:
+        self.conn = _StandInConnection()
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> Any:
+        yield self.conn
 
 
 def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
     """Run every kind ``reps`` times; dump callgrind's counters after each (``out``), or
     return the wall seconds per kind."""
     from kvserver.daemon.peers.book import PeerBook, PeerSettings
-    from kvserver.daemon.peers.fetch import PeerFetches
+    from kvserver.daemon.peers.fetch import STREAM_WINDOW_BYTES, PeerFetches, windows_of
     from kvserver.daemon.results import Pending
     from kvserver.daemon.service import KVService
     from kvserver.engine_types import EngineConfig
@@ -135,7 +161,8 @@ def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
     parts = [memoryview(bytearray(PART_BYTES)) for _ in range(CHUNKS)]
     loop = asyncio.new_event_loop()
     fetches = PeerFetches(engine, PeerBook(PeerSettings()), publish=service.publish)
-    stream = _StandInStream(CHUNKS)
+    stream = _StandInStream()
+    peer = SimpleNamespace(host_id="stand-in")
     batches = iter(range(1 << 30))
 
     def new_keys() -> list[bytes]:
@@ -154,9 +181,11 @@ def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
 
     def peer_fetch() -> None:
         keys = new_keys()
-        run = fetches._stream_run(spec, stream, 1, keys, (), False, time.monotonic() + 60)  # type: ignore[arg-type]
-        sent, _ = loop.run_until_complete(run)
-        assert sent == keys and engine.lookup(ns_id, keys) == CHUNKS
+        windows = windows_of([keys], PART_BYTES, STREAM_WINDOW_BYTES)
+        run = fetches._stream_windows(spec, peer, stream, windows, (), False)  # type: ignore[arg-type]
+        got = loop.run_until_complete(run)
+        assert [k for sent, _ in got for k in sent] == keys
+        assert engine.lookup(ns_id, keys) == CHUNKS
 
     held: list[bytes] = []
 

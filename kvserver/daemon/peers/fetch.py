@@ -19,15 +19,21 @@ directory says hold it) and:
    the end); different peers are asked concurrently;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
    DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
-   the request's keys already in DRAM from the eviction it may cause), ``write_part`` of every
+   from the eviction it may cause the request's keys already in DRAM and the windows of the
+   same fetch placed before it: a fetch larger than DRAM keeps its leading windows, which a
+   load can use, not its last ones), ``write_part`` of every
    part, ``complete_store`` of the keys written; the BlockStored events then go out on the
    normal path (``publish``), which also announces the chunks in the fleet index. Over a
    peer's stream port (``PeerLink.stream``: it advertises one this daemon may dial)
-   the windows are asked the same way on one stream connection, and each reply's head comes
-   first: the pages for the chunks it names are reserved then, and the payload is received
-   straight into them (no ``write_part`` copy); the keys are completed once every part of the
-   window has arrived, and rolled back if the reply is cut short (the receiving thread is
-   stopped before the pages are given back: ``stream.py``);
+   the windows are asked the same way on one stream connection, as a pipeline: a window's
+   pages are reserved before its reply comes (the first while the peer looks its keys up,
+   each next one while the window before it is on the wire), a worker thread receives each
+   reply, head and payload, straight into them (no ``write_part`` copy), and the window
+   before is completed meanwhile; a window's keys are completed once every part of it has
+   arrived, those the reply did not bring (a peer holding a shorter run) and every key of a
+   reply cut short are rolled back (the receiving thread is stopped before the pages are
+   given back: ``stream.py``). Reserving ahead can evict, for chunks the peer then does not
+   send, at most two windows' worth of DRAM per fetch (:data:`STREAM_WINDOW_BYTES`);
 4. keys a peer did not send (it no longer holds them, it failed, it timed out) are tried once
    more with another holder; after that they are a miss (the load reports them missing). A
    peer that failed or timed out is marked suspect.
@@ -48,16 +54,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.link import PeerFailed, PeerLink
-from kvserver.daemon.peers.stream import PeerStream, StreamConnection
+from kvserver.daemon.peers.stream import PeerStream, ReplyJob
 from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError, UnknownKey, UnknownNamespace
 from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
+from kvserver.wire_stream import ReplyHead
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +79,32 @@ ROUNDS = 2
 #: arrived, while the later ones are still on the wire.
 WINDOW_BYTES = 4 << 20
 
-#: the same over a peer's stream, where nothing is copied after a window has arrived (it is
-#: received straight into its pages), so fewer, larger windows cost less: one request, one
-#: reservation and one hand-over to the receiving thread each (bench_peers: 32 MiB windows
-#: against 4 MiB, docs/benchmarks.md). A peer failing mid-window loses that window's keys.
-STREAM_WINDOW_BYTES = 32 << 20
+#: the same over a peer's stream, where a window is received straight into pages reserved
+#: before its reply (while the window before it is on the wire) and completed while the next
+#: one is: a window costs one request, one reservation and one hand-over to the receiving
+#: thread, mostly hidden behind the wire; smaller windows hide more of a fetch's bookkeeping
+#: (only the first reservation's excess and the last completion are not overlapped), larger
+#: ones pay fewer hand-overs (docs/benchmarks.md, "Pipelined stream windows"). A peer
+#: failing mid-window loses that window's keys.
+STREAM_WINDOW_BYTES = 8 << 20
 
 #: namespaces whose last sender is remembered at most (the oldest are dropped first).
 SENDERS_MAX = 4096
 
 _Parts = dict[bytes, list[memoryview]]
+
+
+@dataclass(slots=True)
+class _Slot:
+    """A stream window reserved ahead of its reply: its keys, their grant (None: DRAM took
+    none), where each reserved key's pages are, per key the views to receive into (pages, or
+    the buffers of ``own``), and the parts of the keys DRAM did not take."""
+
+    keys: list[bytes]
+    grant: StoreGrant | None
+    where: dict[bytes, Any]
+    rows: list[list[memoryview]]
+    own: _Parts
 
 
 def windows_of(runs: list[list[bytes]], chunk_bytes: int, window_bytes: int) -> list[list[bytes]]:
@@ -273,7 +298,8 @@ class PeerFetches:
         windows = windows_of(runs, chunk_bytes, WINDOW_BYTES)
         try:
             async with link.connection() as kv:
-                calls = (self._fetch_run(spec, peer, link, kv, w, protect, direct) for w in windows)
+                keep = list(protect)  # and the windows placed: a later one must not evict them
+                calls = (self._fetch_run(spec, peer, link, kv, w, keep, direct) for w in windows)
                 return await asyncio.gather(*calls)
         except PeerFailed as exc:  # no connection in time
             self._book.failed(peer, exc)
@@ -286,11 +312,12 @@ class PeerFetches:
         link: PeerLink,
         via: AsyncKVClient,
         keys: list[bytes],
-        protect: Sequence[bytes],
+        keep: list[bytes],
         direct: bool,
     ) -> tuple[list[bytes], _Parts]:
         """Fetch one window from ``peer`` on ``via`` (a connection of ``link``) and place
-        it; returns (keys it sent, direct parts)."""
+        it, protecting the keys of ``keep`` from the eviction (and adding its own to it, for
+        the windows after it); returns (keys it sent, direct parts)."""
         book = self._book
         book.counters.fetches += 1
         try:
@@ -301,7 +328,9 @@ class PeerFetches:
         sent = keys[: len(rows)]
         book.counters.fetched_chunks += len(rows)
         book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
-        return sent, self._place(spec, sent, rows, protect, direct)
+        placed = self._place(spec, sent, rows, keep, direct)
+        keep += sent
+        return sent, placed
 
     async def _stream_windows(
         self,
@@ -312,83 +341,94 @@ class PeerFetches:
         protect: Sequence[bytes],
         direct: bool,
     ) -> list[tuple[list[bytes], _Parts]]:
-        """``_fetch_windows`` over the peer's stream port: every window asked at once on one
-        connection, each reply received straight into pages reserved for it
-        (:meth:`_stream_run`), in order, each within the peer timeout; a failure ends the
-        windows after it too (their keys go to another holder or miss)."""
-        book = self._book
+        """``_fetch_windows`` over the peer's stream port, every window asked at once on one
+        connection and received in order, each within the peer timeout, as a pipeline: a
+        window's pages are reserved (:meth:`_slot`) before its reply comes, the first while
+        the peer looks its keys up, each next one while the window before it is on the wire;
+        a worker thread receives each reply whole, head and payload, straight into them
+        (``StreamConnection.start_reply``: one hand-over per window), and the window before
+        it is completed meanwhile. A failure ends the windows after it too (their keys go to
+        another holder or miss); the pages of a window that did not arrive, and those of
+        chunks a reply did not bring, are given back."""
+        book, tp, size = self._book, spec.tp_world_size, spec.part_bytes
         out: list[tuple[list[bytes], _Parts]] = []
+        ahead: list[_Slot] = []  # reserved, not yet settled (at most two)
+        keep = list(protect)  # and the windows already placed: a later one must not evict them
+
+        def on_head(head: ReplyHead) -> None:  # on the loop, as a reply's head arrives
+            book.counters.fetched_chunks += head.count
+            book.counters.fetched_bytes += head.count * tp * size
+
+        job: ReplyJob | None = None
         try:
             async with stream.connection() as conn:
                 deadline = time.monotonic() + stream.timeout_s
                 ids = await conn.send_requests(spec.ns_id, windows, deadline)
-                for request_id, keys in zip(ids, windows, strict=True):
+                ahead.append(self._slot(spec, windows[0], keep))  # while the peer looks up
+
+                def start(k: int) -> ReplyJob:  # receive window k into ahead[0]
                     book.counters.fetches += 1
                     book.counters.stream_fetches += 1
                     deadline = time.monotonic() + stream.timeout_s
-                    run = await self._stream_run(spec, conn, request_id, keys, protect, direct,
-                                                 deadline)  # fmt: skip
-                    out.append(run)
+                    return conn.start_reply(ids[k], ahead[0].rows, tp, size, deadline, on_head)
+
+                job = start(0)
+                for k in range(len(windows)):
+                    if k + 1 < len(windows):  # while window k is on the wire
+                        ahead.append(self._slot(spec, windows[k + 1], keep))
+                    assert job is not None  # started for every window
+                    head, error = await job.result()
+                    slot = ahead.pop(0)
+                    job = start(k + 1) if k + 1 < len(windows) else None  # already coming
+                    if error is None:
+                        out.append(self._settle(spec, slot, head.count, direct))
+                        keep += out[-1][0]
+                        continue
+                    self._settle(spec, slot, 0, direct)
+                    if not isinstance(error, (UnknownNamespace, UnknownKey)):
+                        raise PeerFailed(f"peer refused: {error}", timed_out=False,
+                                         peer=conn.peer_id)  # fmt: skip
+                    out.append(([], {}))
         except PeerFailed as exc:
             book.failed(peer, exc)
+        finally:
+            if job is not None:  # its thread ends before its pages are given back
+                await job.stop()
+            for slot in ahead:  # not received: given back
+                self._settle(spec, slot, 0, direct)
         return out
 
-    async def _stream_run(
-        self,
-        spec: NamespaceSpec,
-        conn: StreamConnection,
-        request_id: int,
-        keys: list[bytes],
-        protect: Sequence[bytes],
-        direct: bool,
-        deadline: float,
-    ) -> tuple[list[bytes], _Parts]:
-        """Receive one window's reply: its head, checked (at most ``keys``, one part per rank
-        of ``part_bytes``), then every part straight into the pages reserved for it (parts
-        DRAM could not take into buffers of their own, returned when ``direct``, else
-        dropped); returns (keys it sent, direct parts). The keys are completed when every
-        part arrived, else rolled back."""
-        head = await conn.reply_head(request_id, deadline)
-        if not head.ok:
-            error = await conn.read_error(head, deadline)
-            if isinstance(error, (UnknownNamespace, UnknownKey)):
-                return [], {}
-            raise PeerFailed(f"peer refused: {error}", timed_out=False, peer=conn.peer_id)
-        tp, size = spec.tp_world_size, spec.part_bytes
-        if head.count > len(keys) or head.tp != tp or head.part_bytes != size:
-            conn.spoil()
-            raise PeerFailed(
-                "peer sent chunks of the wrong number or shape", timed_out=False,
-                peer=conn.peer_id, chunks=head.count, keys=len(keys), tp=head.tp,
-                part_bytes=head.part_bytes,
-            )  # fmt: skip
-        sent = keys[: head.count]
-        counters = self._book.counters
-        counters.fetched_chunks += len(sent)
-        counters.fetched_bytes += len(sent) * tp * size
-        engine, ns_id = self._engine, spec.ns_id
-        grant = self._reserve(spec, sent, protect)
+    def _slot(self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]) -> _Slot:
+        """Reserve DRAM for a window's ``keys`` before its reply comes; per key, the views
+        its parts are to be received into: its reserved pages, or buffers of its own when
+        DRAM cannot take it."""
+        grant = self._reserve(spec, keys, protect)
         where = dict(zip(grant.keys, grant.locations, strict=True)) if grant is not None else {}
-        views: list[memoryview] = []
-        own: _Parts = {}  # parts DRAM did not take: received into buffers of their own
-        for key in sent:
+        views, tp, size = self._engine.arena.views, spec.tp_world_size, spec.part_bytes
+        rows: list[list[memoryview]] = []
+        own: _Parts = {}
+        for key in keys:
             extents = where.get(key)
             if extents is not None:
-                for rank in range(tp):
-                    views += engine.arena.views(extents[rank])
+                rows.append([v for rank in range(tp) for v in views(extents[rank])])
             else:
                 own[key] = [memoryview(bytearray(size)) for _ in range(tp)]
-                views += own[key]
-        written: list[bytes] = []
-        try:
-            await conn.read_into(views, deadline)
-            written = [k for k in sent if k in where]
-        finally:
-            views.clear()  # the arena's views go before the pages can
-            self._complete(grant, written)
+                rows.append(own[key])
+        return _Slot(keys, grant, where, rows, own)
+
+    def _settle(
+        self, spec: NamespaceSpec, slot: _Slot, count: int, direct: bool
+    ) -> tuple[list[bytes], _Parts]:
+        """A window's first ``count`` chunks arrived whole: make those reserved ready, give
+        the rest back; returns (keys it sent, direct parts)."""
+        sent = slot.keys[:count]
+        slot.rows.clear()  # the arena's views go before the pages can
+        self._complete(slot.grant, [k for k in sent if k in slot.where])
         if not direct:
             return sent, {}
-        return sent, {k: row for k, row in own.items() if not engine.contains(ns_id, k)}
+        ns_id, engine = spec.ns_id, self._engine
+        own = slot.own
+        return sent, {k: own[k] for k in sent if k in own and not engine.contains(ns_id, k)}
 
     def _reserve(
         self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]

@@ -4,15 +4,17 @@ Runs in the daemon process, on its event loop (``loop.sock_*`` on non-blocking s
 only, not thread-safe). The format is :mod:`kvserver.wire_stream`; the serving end is
 ``kvserver/daemon/stream_server.py``; :class:`~kvserver.daemon.peers.fetch.PeerFetches`
 drives it (it reserves the arena pages and hands their views to :meth:`StreamConnection.
-read_into`, so the payload goes from the kernel straight into the arena).
+start_reply`, so the payload goes from the kernel straight into the arena).
 
 Call order: ``PeerStream(peer, address, ...)`` → ``async with stream.connection() as conn``
 (one of at most ``connections`` sockets, connected on first use and opened with the hello that
 carries the token; an idle one the peer has closed meanwhile is dropped and another opened)
 → ``await conn.send_requests(ns_id, windows, deadline)`` (pipelined: every window asked at
-once) → per window, in order, ``await conn.reply_head(...)`` then ``read_into`` /
-``read_error`` → the block ends: the connection is kept unless a call on
-it failed (:meth:`StreamConnection.spoil`), so a half-read reply is never taken for the next.
+once) → per window, in order, ``job = conn.start_reply(request_id, rows, ...)`` (a worker
+thread starts at once receiving the reply, head and payload, into the rows given: the caller
+reserves the next window's pages meanwhile) then ``await job.result()`` (or ``await
+job.stop()`` to give it up) → the block ends: the connection is kept unless a call on it
+failed (:meth:`StreamConnection.spoil`), so a half-read reply is never taken for the next.
 ``await close()`` closes the idle ones.
 
 A ``tls://`` address (a daemon with TLS certificates: ``stream_server.py``) is dialled with
@@ -24,8 +26,9 @@ encrypted. ``ssl`` sockets have no ``recvmsg_into``: a window is received with o
 copied here; OpenSSL decrypts each record in its own record buffer and copies the plaintext
 into the view (its record layer's one copy, which kernel TLS would remove).
 
-Every call is bounded by the caller's timeout (``asyncio.timeout`` around each window); a
-read cancelled by it writes nothing more (reads happen only inside the awaited call). A peer
+Every call is bounded by the caller's deadline (``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` per
+blocking call, or the TLS socket's timeout); a receive given up (cancelled, :meth:`ReplyJob.
+stop`) shuts the socket down and waits for the thread, so it writes nothing more. A peer
 that closes the connection mid-reply, or whose certificate is refused, raises
 :class:`~kvserver.daemon.peers.directory.PeerFailed`.
 """
@@ -39,6 +42,7 @@ import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from kvserver import wire_stream
 from kvserver.daemon.peers.directory import Peer, PeerFailed
@@ -65,18 +69,43 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class ReplyJob:
+    """One reply being received by a worker thread (:meth:`StreamConnection.start_reply`).
+
+    :meth:`result` awaits it: (head, None) when the parts arrived, (head, error) for an error
+    reply; :class:`PeerFailed` when the reply was cut short, malformed, of the wrong shape, or
+    late. :meth:`stop` gives it up (the socket shut down, the thread awaited: nothing is
+    written into the rows after it returns). Loop only."""
+
+    def __init__(self, conn: StreamConnection, fut: asyncio.Future[Any]) -> None:
+        self._conn = conn
+        self._fut = fut
+
+    async def result(self) -> tuple[wire_stream.ReplyHead, KVServerError | None]:
+        out: tuple[wire_stream.ReplyHead, KVServerError | None] = await self._conn._wait(self._fut)
+        return out
+
+    async def stop(self) -> None:
+        if not self._fut.done():
+            self._conn.spoil()
+            with contextlib.suppress(OSError):  # the thread's call returns at once
+                socket.socket.shutdown(self._conn.sock, socket.SHUT_RDWR)
+        with contextlib.suppress(BaseException):
+            await self._conn._wait(self._fut)
+
+
 class StreamConnection:
     """One connected socket to a peer's stream port; see the module docstring.
 
     The socket is blocking and every transfer runs in a worker thread (``run_in_executor``),
     bounded by a deadline (``time.monotonic()``) through ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``:
-    a thread receives a whole window with one scattering ``recvmsg_into(MSG_WAITALL)`` over
-    the views of all its pages (the GIL released, the kernel copying straight into the arena
-    pages), where the event loop would wake up and call ``recv`` once per socket-buffer's
-    worth. If the awaiting task is cancelled, the socket is
-    shut down and the thread awaited before the cancellation goes on, so no byte lands in a
-    buffer after its owner gave it up. A TLS socket (``ssl.SSLSocket``) is in timeout mode
-    instead, every transfer in the thread (its calls take no flags).
+    a thread receives a whole reply, its head then its window with one scattering
+    ``recvmsg_into(MSG_WAITALL)`` over the views of all its pages (the GIL released, the
+    kernel copying straight into the arena pages), where the event loop would wake up and
+    call ``recv`` once per socket-buffer's worth. If the awaiting task is cancelled, the
+    socket is shut down and the thread awaited before the cancellation goes on, so no byte
+    lands in a buffer after its owner gave it up. A TLS socket (``ssl.SSLSocket``) is in
+    timeout mode instead, every transfer in the thread (its calls take no flags).
     """
 
     def __init__(self, sock: socket.socket, peer: Peer) -> None:
@@ -117,40 +146,70 @@ class StreamConnection:
             for i, w in zip(ids, windows, strict=True)
         )
         view = memoryview(data)
-        sent = self._now(view, receive=False)  # usually all of it: no thread needed
+        sent = self._now(view)  # usually all of it: no thread needed
         if sent < view.nbytes:
             await self._in_thread(self._send, view[sent:], deadline)
         return ids
 
-    async def reply_head(self, request_id: int, deadline: float) -> wire_stream.ReplyHead:
-        """The next reply's head, which must answer ``request_id``."""
+    def start_reply(
+        self,
+        request_id: int,
+        rows: Sequence[Sequence[memoryview]],
+        tp: int,
+        part_bytes: int,
+        deadline: float,
+        on_head: Callable[[wire_stream.ReplyHead], None],
+    ) -> ReplyJob:
+        """Start receiving the reply to ``request_id`` in a worker thread (it is running when
+        this returns): its head, checked (it answers ``request_id``; ok: at most
+        ``len(rows)`` chunks of ``tp`` parts of ``part_bytes``), then ``on_head(head)`` called
+        on the loop, then the parts of its ``count`` chunks straight into ``rows[:count]``
+        (a chunk's views, rank order, ``tp * part_bytes`` bytes), or an error reply's body.
+        One thread hand-over per reply, whatever its size."""
+        fut = self._loop.run_in_executor(
+            None, self._reply, request_id, rows, tp, part_bytes, deadline, on_head
+        )
+        return ReplyJob(self, fut)
+
+    def _reply(
+        self,
+        request_id: int,
+        rows: Sequence[Sequence[memoryview]],
+        tp: int,
+        part_bytes: int,
+        deadline: float,
+        on_head: Callable[[wire_stream.ReplyHead], None],
+    ) -> tuple[wire_stream.ReplyHead, KVServerError | None]:
+        """Worker thread: :meth:`start_reply`'s receive. Raises OSError / PeerFailed."""
         raw = bytearray(wire_stream.REPLY_HEAD.size)
-        view = memoryview(raw)
-        got = self._now(view, receive=True)  # usually there already
-        if got < view.nbytes:
-            await self.read_into([view[got:]], deadline)
+        self._recv([memoryview(raw)], deadline)
         try:
             head = wire_stream.decode_reply_head(raw)
         except KVServerError as exc:
-            self.spoil()
             raise self._failed(f"peer stream reply malformed: {exc}", timed_out=False) from None
         if head.request_id != request_id & 0xFFFFFFFF:
-            self.spoil()
             if not head.ok and head.request_id == 0:  # the connection refused (its hello)
-                error = await self.read_error(head, deadline)
-                raise self._failed(f"peer refused the stream: {error}", timed_out=False)
+                raise self._failed(
+                    f"peer refused the stream: {self._error_body(head, deadline)}",
+                    timed_out=False,
+                )
             raise self._failed("peer stream reply answers another request", timed_out=False)
-        return head
+        if not head.ok:
+            return head, self._error_body(head, deadline)
+        if head.count > len(rows) or head.tp != tp or head.part_bytes != part_bytes:
+            raise PeerFailed(
+                "peer sent chunks of the wrong number or shape", timed_out=False,
+                peer=self.peer_id, chunks=head.count, keys=len(rows), tp=head.tp,
+                part_bytes=head.part_bytes,
+            )  # fmt: skip
+        self._loop.call_soon_threadsafe(on_head, head)
+        self._recv([view for row in rows[: head.count] for view in row], deadline)
+        return head, None
 
-    async def read_error(self, head: wire_stream.ReplyHead, deadline: float) -> KVServerError:
-        """The error an error reply (``head``) carries."""
+    def _error_body(self, head: wire_stream.ReplyHead, deadline: float) -> KVServerError:
         body = bytearray(head.count)
-        await self.read_into([memoryview(body)], deadline)
+        self._recv([memoryview(body)], deadline)
         return wire_stream.decode_error(body)
-
-    async def read_into(self, views: Sequence[memoryview], deadline: float) -> None:
-        """Fill ``views``, in order, from the stream (the kernel copies straight into them)."""
-        await self._in_thread(self._recv, views, deadline)
 
     async def open(self, hello: bytes, deadline: float) -> None:
         """TLS only: the handshake (the peer's certificate checked), then the hello."""
@@ -163,30 +222,26 @@ class StreamConnection:
         self.sock.do_handshake()
         self._send(memoryview(hello), deadline)
 
-    def _now(self, view: memoryview, *, receive: bool) -> int:
-        """Receive into / send from ``view`` on the loop what can be done without waiting
-        (plain sockets; a TLS one always goes to the thread)."""
+    def _now(self, view: memoryview) -> int:
+        """Send from ``view`` on the loop what can be sent without waiting (plain sockets; a
+        TLS one always goes to the thread)."""
         if self.tls:
             return 0
         try:
-            if receive:
-                n = self.sock.recv_into(view, 0, socket.MSG_DONTWAIT)
-            else:
-                n = self.sock.send(view, socket.MSG_DONTWAIT)
+            return int(self.sock.send(view, socket.MSG_DONTWAIT))
         except BlockingIOError:
             return 0
         except OSError as exc:
             self.spoil()
             raise self._failed(f"peer stream failed: {exc}", timed_out=True) from None
-        if n == 0 and receive:
-            self.spoil()
-            raise self._failed("peer closed the stream", timed_out=True)
-        return int(n)
 
     async def _in_thread(self, fn: Callable[..., None], *args: object) -> None:
-        fut = self._loop.run_in_executor(None, fn, *args)
+        await self._wait(self._loop.run_in_executor(None, fn, *args))
+
+    async def _wait(self, fut: asyncio.Future[Any]) -> Any:
+        """Await a worker thread's call on this connection (see the class docstring)."""
         try:
-            await asyncio.shield(fut)
+            return await asyncio.shield(fut)
         except asyncio.CancelledError:
             self.spoil()
             with contextlib.suppress(OSError):  # the thread's call returns at once
