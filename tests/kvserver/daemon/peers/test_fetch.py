@@ -22,9 +22,10 @@ from kvserver.client import KVClient
 from kvserver.daemon.peers import fetch
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.fetch import WINDOW_BYTES, PeerFetches
+from kvserver.daemon.peers.fetch import FETCH_CLIENT, WINDOW_BYTES, PeerFetches
 from kvserver.daemon.peers.link import PeerFailed, PeerLink, check_rows
 from kvserver.engine import StorageEngine
+from kvserver.engine_types import EntryState
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon
 
@@ -112,6 +113,11 @@ async def test_keys_the_peer_no_longer_holds_are_a_miss_and_the_rest_is_placed(
         assert held_bytes(engine, keys[:3]) == expected(keys[:3])
         assert book.counters.missed_chunks == 2
         assert not book.is_suspect("A")  # it answered correctly: not its fault
+        # over the stream the window's pages were reserved for all five before the reply
+        # came: the two it did not bring are given back (no WRITING entry, no lease left)
+        engine.check_invariants()
+        assert not [e for e in engine.entries().values() if e.state is EntryState.WRITING]
+        assert not [lease for lease in engine.leases if lease.client == FETCH_CLIENT]
         await book.close()
 
 
@@ -267,6 +273,51 @@ async def test_a_peers_windows_are_pipelined_on_one_connection(
             grant = engine.prepare_load(spec.ns_id, keys)
             got = [b"".join(engine.read_part(grant.lease_id, k, 0)) for k in keys]
             engine.complete_load(grant.lease_id)
+            assert got == data
+            engine.check_invariants()
+            await book.close()
+    finally:
+        a.kill()
+
+
+async def test_a_fetchs_later_windows_do_not_evict_its_earlier_ones(
+    tmp_path: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's DRAM (16 MiB, LRU) is full of other chunks, which other loads read between the
+    fetch's windows (here: whenever a window is placed, the ``publish`` hook), so that a
+    placed window is the least recently used; a fetch of twelve 1 MiB chunks comes in three
+    windows, each of which must evict to be placed: the evictions take the other chunks,
+    never a window the same fetch placed before (the load needs them all), so all twelve are
+    held after it, byte for byte."""
+    spec = make_spec(model="test/keep", part_bytes_override=1 << 20)
+    monkeypatch.setattr(fetch, "STREAM_WINDOW_BYTES", WINDOW_BYTES)
+    a = start_daemon(tmp_path / "a", "--dram", "32MiB")
+    try:
+        keys = make_keys(12, tag="keep")
+        data = [pattern(k, 0, spec.part_bytes) for k in keys]
+        with KVClient(a.zmq_address, colocated=False) as kv:
+            kv.register_namespace(spec)
+            assert kv.put(spec.ns_id, keys, data).stored == keys
+        with make_engine(num_pages=16, page_size=1 << 20) as engine:
+            engine.register_namespace(spec)
+            others = make_keys(16, tag="other")
+            grant = engine.prepare_store(spec.ns_id, others)
+            assert grant is not None and len(grant.keys) == 16  # DRAM full
+            engine.complete_store(grant.lease_id)
+
+            def read_others() -> None:  # another request's load, between two windows
+                held = [k for k in others if engine.contains(spec.ns_id, k)]
+                if held:
+                    engine.complete_load(engine.prepare_load(spec.ns_id, held).lease_id)
+
+            book = PeerBook(settings(transport, timeout_s=10))
+            fetches = PeerFetches(engine, book, publish=read_others)
+            await fetches.fetch(spec, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(a)})
+            assert book.counters.fetches == 3 and book.counters.placed_chunks == 12
+            assert engine.lookup(spec.ns_id, keys) == 12
+            loaded = engine.prepare_load(spec.ns_id, keys)
+            got = [b"".join(engine.read_part(loaded.lease_id, k, 0)) for k in keys]
+            engine.complete_load(loaded.lease_id)
             assert got == data
             engine.check_invariants()
             await book.close()

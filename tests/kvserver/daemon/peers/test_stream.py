@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from kvserver import wire_stream
 from kvserver.client import KVClient
 from kvserver.cluster.schema import HostInfo
+from kvserver.daemon.peers import fetch
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import FETCH_CLIENT, PeerFetches
@@ -99,15 +100,18 @@ async def killed_mid_fetch(
     keys: list[bytes],
     a: DaemonProc,
     peer: Peer,
+    until: str = "fetched_chunks",
 ) -> int:
     """Fetch ``keys`` (64 chunks, rank 0) from ``a`` through ``peer``; stop ``a`` as soon as
-    the first reply has begun, then SIGKILL it. Asserts: the fetch ends within 3 s, the chunks
-    placed are a leading run that reads back byte for byte, the rest missed, ``A`` is suspect,
-    nothing stays reserved. Returns how many chunks were placed."""
+    the counter ``until`` is above 0 (``fetched_chunks``: the first reply's head has arrived;
+    ``placed_chunks``: the first window is placed, the next ones on the wire and reserved),
+    then SIGKILL it. Asserts: the fetch ends within 3 s, the chunks placed are a leading run
+    that reads back byte for byte, the rest missed, ``A`` is suspect, nothing stays reserved.
+    Returns how many chunks were placed."""
     task = asyncio.ensure_future(fetches.fetch(
         spec, [(k, frozenset({"A"})) for k in keys], {"A": peer}
     ))  # fmt: skip
-    while book.counters.fetched_chunks == 0:  # the first reply's head has arrived
+    while getattr(book.counters, until) == 0:
         assert not task.done()
         await asyncio.sleep(0)
     os.kill(a.proc.pid, signal.SIGSTOP)
@@ -253,13 +257,15 @@ async def test_a_daemon_with_curve_opens_no_stream_port(tmp_path: Path) -> None:
         a.kill()
 
 
+@pytest.mark.parametrize("until", ["fetched_chunks", "placed_chunks"])
 async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
-    tmp_path: Path,
+    tmp_path: Path, until: str
 ) -> None:
-    """A holds 64 MiB; B fetches them (16 windows on one stream); A is stopped as soon as
-    the first reply has begun, then SIGKILLed: the fetch ends within the timeout, the windows
-    that arrived whole (maybe none) are placed byte for byte, the rest misses, and no
-    reservation is left."""
+    """A holds 64 MiB; B fetches them (8 windows pipelined on one stream); A is stopped as
+    soon as the first reply has begun, or once the first window is placed (the second then
+    being received, the third reserved ahead), then SIGKILLed: the fetch ends within the
+    timeout, the windows that arrived whole are placed byte for byte (whole windows only),
+    the rest misses, and no reservation is left."""
     spec = make_spec(model="test/kill", part_bytes_override=1 << 20)
     a = start_daemon(tmp_path / "a", "--dram", "80MiB")
     try:
@@ -274,8 +280,12 @@ async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
             engine.register_namespace(spec)
             fetches, book = fetcher(engine, timeout_s=1.0, suspect_s=60)
             held = await killed_mid_fetch(engine, fetches, book, spec, keys, a,
-                                          recorded_peer(a))  # fmt: skip
+                                          recorded_peer(a), until)  # fmt: skip
             assert book.counters.placed_chunks == held
+            per_window = fetch.STREAM_WINDOW_BYTES // spec.part_bytes
+            assert held % per_window == 0  # a window is placed whole or not at all
+            if until == "placed_chunks":
+                assert held >= per_window
     finally:
         a.kill()
 
