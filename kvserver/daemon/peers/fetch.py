@@ -80,13 +80,14 @@ ROUNDS = 2
 WINDOW_BYTES = 4 << 20
 
 #: the same over a peer's stream, where a window is received straight into pages reserved
-#: before its reply (while the window before it is on the wire) and completed while the next
-#: one is: a window costs one request, one reservation and one hand-over to the receiving
-#: thread, mostly hidden behind the wire; smaller windows hide more of a fetch's bookkeeping
-#: (only the first reservation's excess and the last completion are not overlapped), larger
-#: ones pay fewer hand-overs (docs/benchmarks.md, "Pipelined stream windows"). A peer
-#: failing mid-window loses that window's keys.
-STREAM_WINDOW_BYTES = 8 << 20
+#: before its reply (the first while the peer looks its keys up, each next one while the
+#: window before it is on the wire) and completed while the next one is received. A window
+#: costs one request, one reservation and one hand-over to the receiving thread, and each
+#: hand-over can wait for a core: 8 MiB windows (four per 32 MiB fetch) were ~5 ms slower
+#: per 32 MiB fetch than one 32 MiB window on the shared 2-core machine (bench_peers,
+#: docs/benchmarks.md, "Pipelined stream windows"). A peer failing mid-window loses that
+#: window's keys.
+STREAM_WINDOW_BYTES = 32 << 20
 
 #: namespaces whose last sender is remembered at most (the oldest are dropped first).
 SENDERS_MAX = 4096

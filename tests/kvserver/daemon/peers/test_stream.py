@@ -259,14 +259,16 @@ async def test_a_daemon_with_curve_opens_no_stream_port(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("until", ["fetched_chunks", "placed_chunks"])
 async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
-    tmp_path: Path, until: str
+    tmp_path: Path, until: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A holds 64 MiB; B fetches them (8 windows pipelined on one stream); A is stopped as
-    soon as the first reply has begun, or once the first window is placed (the second then
-    being received, the third reserved ahead), then SIGKILLed: the fetch ends within the
-    timeout, the windows that arrived whole are placed byte for byte (whole windows only),
-    the rest misses, and no reservation is left."""
+    """A holds 64 MiB; B fetches them (8 windows of 8 MiB pipelined on one stream); A is
+    stopped as soon as the first reply has begun, or once the first window is placed (the
+    second then being received, the third reserved ahead), then SIGKILLed: the fetch ends within
+    the timeout, the windows that arrived whole are placed byte for byte (whole windows only),
+    the rest misses, and no reservation is left.
+    """
     spec = make_spec(model="test/kill", part_bytes_override=1 << 20)
+    monkeypatch.setattr(fetch, "STREAM_WINDOW_BYTES", 8 << 20)
     a = start_daemon(tmp_path / "a", "--dram", "80MiB")
     try:
         keys = make_keys(64, tag="kill")
