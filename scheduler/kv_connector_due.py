@@ -28,15 +28,20 @@ Per step (``take``):
 
 Partial requests are those that took more than one token at their last check (a prompt
 prefilled over several steps): they are checked every step until they take one token at a
-time. A request whose store cursor moves (a reservation answered, a refusal for good, a new
-block table, a failed load) puts itself on :attr:`StoreCalendar.moved` (``RequestState``'s
-watch list) and is checked at the next step.
+time. A request whose store cursor moves otherwise than as planned (a refusal for good, a new
+block table, a failed load) or whose reservation was refused puts itself on
+:attr:`StoreCalendar.moved` (``RequestState``'s watch list) and is checked at the next step.
+A request whose stores go out in the step's batch is filed at once (:meth:`StoreCalendar.planned`)
+under the step its next chunk fills once the reservation moves its cursor to the planned end:
+the step its check after the reply would file it under, without that check (in steady decode
+about one request in eight per step).
 
 Invariant (what makes the calendar exact): a request not partial, not moved and scheduled as a
 cached request is filed under a step no later than the first step at which it can be due; a
 due request is checked again at the next step — it stays due until its cursor moves: the
-planner files it again unless its stores went out in the batch, whose answer moves its cursor
-(or refuses it: ``store_refused`` puts it on the watch list too). So the due
+planner files it again unless its stores went out in the batch; then it is filed for the
+cursor the granted reservation gives it (``store_reserved``), and a refusal puts it on the
+watch list (``store_refused``), a failed send files it for the next step. So the due
 requests found are exactly those the scan finds, the new ones first, then the cached ones in
 the order they were given their block tables (the scheduler's running order, which is the
 step's order). Were a scheduler to break the contract above, a store would be planned late
@@ -153,6 +158,17 @@ class StoreCalendar:
         wake = self._step + 1
         for state in states:
             self._file(state, wake)
+
+    def planned(self, state: RequestState, end: int, done: int) -> None:
+        """``state``'s chunks below ``end`` went out in this step's batch, with ``done`` tokens
+        computed after the step: file it under the step its chunk ``end`` fills, where its
+        check after the granted reservation (cursor ``end``, ``RequestState.store_reserved``,
+        which does not put it on the watch list) would file it; the step after this one if
+        that chunk is full already. A refusal puts it on the watch list, a failed send files
+        it for the next step (:meth:`recheck`), either of which comes first."""
+        v = self._step
+        wake = v + (end + 1) * self._ct - done
+        self._file(state, wake if wake > v else v + 1)
 
     def _check(self, state: RequestState, done: int, n: int, due: Due) -> None:
         """``state`` is given ``n`` tokens this step and has ``done`` tokens computed after it:

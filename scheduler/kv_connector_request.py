@@ -21,7 +21,9 @@ Invariants (stated once, here, and enforced by the methods):
   Neither goes below 0 (``InvalidState``).
 - Every change of the cursor, and a refused store, puts the request on its ``watch`` list
   (the store calendar's ``moved``, :mod:`scheduler.kv_connector_due`), so that the next step
-  checks it again.
+  checks it again — but a granted reservation (:meth:`store_reserved`): the planner filed the
+  request under the step its next chunk fills when its stores went out
+  (``StoreCalendar.planned``), which is where that check would file it.
 - Once :meth:`finish_when_idle` returned True (the scheduler let the request go while
   transfers were in flight), :attr:`is_done` turns True when the last transfer is over; the
   connector then reports it in ``finished_sending`` and forgets it.
@@ -190,9 +192,10 @@ class RequestState:
     def store_reserved(self, end: int) -> None:
         """The batch's reservation was answered: its chunks below ``end`` are stored, being
         stored, or present already. Its share of the batch stays counted: as its store job,
-        or until :meth:`store_share_over`."""
+        or until :meth:`store_share_over`. Not on the watch list: the planner filed the
+        request for the cursor at ``end`` when it planned (``StoreCalendar.planned``)."""
         if self._cursor < end:
-            self._move(end)
+            self._cursor = end
 
     def store_refused(self, end: int, *, for_good: bool) -> None:
         """No reservation: its share of the batch is over. ``for_good``: the daemon refused

@@ -147,6 +147,7 @@ class StorePlanner:
         planned: list[PlannedStore] = []
         keys: list[bytes] = []
         left: list[RequestState] = []
+        planned_at = self.calendar.planned  # filed for the cursor a grant gives it
         for i, (state, done) in enumerate(due):
             if room <= 0:
                 left += [s for s, _ in due[i:]]
@@ -171,6 +172,7 @@ class StorePlanner:
             planned.append(
                 PlannedStore(state, first, end, chunk_keys, blocks[first * cb : end * cb])
             )
+            planned_at(state, end, done)
             room -= end - first
         if planned:
             if self.defer:
