@@ -248,7 +248,8 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._leases.expire()
         meta = ConnectorMetadata(ns_id=self.ns_id)
         self._leases.ship(meta)
-        self.handle_preemptions(getattr(step, "preempted_req_ids", ()))
+        if preempted := getattr(step, "preempted_req_ids", ()):
+            self.handle_preemptions(preempted)
         if self._preempted:
             meta.flush_req_ids = sorted(
                 r for r in self._preempted if (s := self._reqs.get(r)) is not None and s.num_stores

@@ -109,7 +109,7 @@ class StoreCalendar:
         num_new = len(due)
         # what the partial requests scheduled as cached took beyond one token each
         beyond = 0
-        for state in list(partial):
+        for state in list(partial) if partial else ():
             req_id = state.request.request_id
             if reqs.get(req_id) is not state:
                 del partial[state]
@@ -136,10 +136,12 @@ class StoreCalendar:
                 check(state, c.num_computed_tokens + n, n, due)
         # the requests filed under this step (the entries still current), the partial ones
         # and the moved ones that are not checked yet: all of them on the calendar path
-        moved = self.moved[:]  # the requests hold this list: emptied, not replaced
-        self.moved.clear()
+        moved: list[RequestState] = []
+        if self.moved:  # the requests hold this list: emptied, not replaced
+            moved = self.moved[:]
+            self.moved.clear()
         filed = [s for s in self._steps.pop(v, ()) if s.wake == v]
-        for candidates in (filed, list(partial), moved):
+        for candidates in (filed, list(partial) if partial else (), moved):
             for state in candidates:
                 if state.checked == v:
                     continue

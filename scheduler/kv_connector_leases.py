@@ -155,13 +155,14 @@ class LeaseBook:
 
     def ship(self, meta: ConnectorMetadata) -> None:
         """Move the jobs not shipped yet, and the failed pins, into ``meta``."""
-        meta.failed_loads = self.failed_loads
-        self.failed_loads = []
-        to_ship, self.to_ship = self.to_ship, []
-        for job in to_ship:
-            job.shipped = True
-        meta.loads += [job.transfers for job in to_ship if job.is_load]
-        meta.stores += [job.transfers for job in to_ship if not job.is_load]
+        if self.failed_loads:
+            meta.failed_loads, self.failed_loads = self.failed_loads, []
+        if self.to_ship:
+            to_ship, self.to_ship = self.to_ship, []
+            loads, stores = meta.loads, meta.stores
+            for job in to_ship:
+                job.shipped = True
+                (loads if job.is_load else stores).append(job.transfers)
 
     def apply_outputs(self, outputs: Sequence[Any]) -> list[TransferJob]:
         """Count each rank's reports; finish and return the jobs every rank has reported.

@@ -286,22 +286,29 @@ class StorePlanner:
         self._batch_limit = min(self._batch_limit * 2, self._max_batch)
         locations: dict[bytes, Any] = dict(zip(grant.keys, grant.locations, strict=True))
         take, lease_id, deadline = locations.pop, grant.lease_id, grant.deadline
+        granted_by, ungranted = grant.granted_by, batch.ungranted
         cb = self.spec.chunk_blocks
         jobs: list[TransferJob] = []
         for p in batch.planned:
-            state, blocks = p.state, p.block_ids
+            state, blocks, keys = p.state, p.block_ids, p.keys
             state.store_reserved(p.end)
-            stores: list[ChunkStore] = []
-            for i, key in enumerate(p.keys):
-                if (location := take(key, None)) is not None:
-                    chunk_blocks = blocks[i * cb : (i + 1) * cb]
-                    stores.append(ChunkStore(key, chunk_blocks, location))
-            if not stores:
-                batch.ungranted.append(p)
-                continue
-            keys = list(p.keys) if len(stores) == len(p.keys) else [c.key for c in stores]
+            if len(keys) == 1:  # one chunk (decode): its blocks are the planned ones
+                if (location := take(keys[0], None)) is None:
+                    ungranted.append(p)
+                    continue
+                stores = [ChunkStore(keys[0], blocks, location)]
+            else:
+                stores = []
+                for i, key in enumerate(keys):
+                    if (location := take(key, None)) is not None:
+                        stores.append(ChunkStore(key, blocks[i * cb : (i + 1) * cb], location))
+                if not stores:
+                    ungranted.append(p)
+                    continue
+                if len(stores) < len(keys):
+                    keys = [c.key for c in stores]
             req_id = state.request.request_id
-            transfers = RequestTransfers(req_id, lease_id, [], stores, grant.granted_by)
+            transfers = RequestTransfers(req_id, lease_id, [], stores, granted_by)
             jobs.append(TransferJob(transfers, False, keys, deadline, (False, req_id, lease_id)))
         if jobs:
             self._leases.add_store_jobs(jobs, deadline)

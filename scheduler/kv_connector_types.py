@@ -145,7 +145,8 @@ class TransferJob:
 
     transfers: RequestTransfers
     is_load: bool
-    keys: list[bytes]
+    #: its chunks (not changed once made: a store job may share its plan's list).
+    keys: Sequence[bytes]
     deadline: float
     id: tuple[bool, str, int]
     #: loads: per key, the first token it fills (a failure invalidates from there on).
