@@ -4,8 +4,10 @@ Each configuration is one :class:`scheduler.scheduler.Scheduler` with 256 reques
 decode (512-token prompts sharing a 256-token system prefix, so the prefix cache is in play),
 answered by an in-process synthetic worker (not timed): ``benchmarks/scheduler_workload.py``.
 Timed: ``schedule()`` — the figure — and, for information, a whole step's scheduler work
-``schedule()`` + ``update_from_output()``; both as wall time and as the measuring thread's CPU
-time (``time.thread_time``).
+``schedule()`` + ``update_from_output()`` + the connector's ``take_events()``, which the step
+loop of ``scheduler/process.py`` calls after every step (so does vLLM's
+``update_from_output``); both as wall time and as the measuring thread's CPU time
+(``time.thread_time``).
 
 Configurations:
 - ``off``: no connector (the reference);
@@ -42,12 +44,12 @@ core sharing more than the connector; ``--no-pin`` shows that.
 Instruction counts (``--instructions N``, needs valgrind): a figure that load does not move.
 Each of ``off``, ``memory`` and ``kvserver`` runs in a process of its own under
 ``valgrind --tool=callgrind`` (the daemon outside it), N steady steps after the same warm-up,
-counting only inside ``schedule()`` (called through ``eval``) and ``update_from_output()``
-(through ``operator.call``): callgrind's ``--toggle-collect`` on CPython's ``builtin_eval`` and
-``_operator_call``. ratio = instructions(kvserver) / instructions(off), for ``schedule()`` and
-for the whole step (``memory``: the bookkeeping alone). User-space instructions of the
-measuring thread only: not the syscalls, not the ZMQ I/O thread, not cache misses; the
-wall-time ratio includes those (``--breakdown`` shows the kernel's side).
+counting only inside ``schedule()`` (called through ``eval``) and ``update_from_output()`` +
+``take_events()`` (through ``operator.call``): callgrind's ``--toggle-collect`` on CPython's
+``builtin_eval`` and ``_operator_call``. ratio = instructions(kvserver) / instructions(off),
+for ``schedule()`` and for the whole step (``memory``: the bookkeeping alone). User-space
+instructions of the measuring thread only: not the syscalls, not the ZMQ I/O thread, not
+cache misses; the wall-time ratio includes those (``--breakdown`` shows the kernel's side).
 
 Kernel accounts (``--breakdown``, Linux; :mod:`benchmarks.thread_probe`): per step, beside the
 timings, what the kernel booked for the measuring thread inside ``schedule()`` and the whole
@@ -211,18 +213,24 @@ def store_accounting(conn: Any) -> dict[str, int]:
 
 def count_one(name: str, address: str | None, steps: int) -> None:
     """Run ``steps`` steady steps of one configuration for callgrind (``--instructions``):
-    ``schedule()`` through ``eval`` and ``update_from_output()`` through ``operator.call``, the
-    two functions callgrind collects inside."""
+    ``schedule()`` through ``eval`` and ``update_from_output()`` + ``take_events()`` through
+    ``operator.call``, the two functions callgrind collects inside."""
     conn = kvserver_connector(address) if name == "kvserver" and address else None
     memory = MemoryConnector(BLOCK_SIZE, CHUNK_BLOCKS, log_calls=False)
     config = make(name, memory if name == "memory" else conn, steps + 64)
     s, worker = config.scheduler, config.worker
+
+    def step_end(plan: Any, results: Any) -> None:
+        s.update_from_output(plan, results)
+        if s.connector is not None:
+            s.connector.take_events()  # as the step loop does (scheduler/process.py)
+
     gc.collect()
     gc.disable()
     for _ in range(steps):
         plan = eval("s.schedule()")  # callgrind's marker: a constant expression
         s.dispatched()  # not counted: the workers' time
-        operator.call(s.update_from_output, plan, [worker.execute(plan)])
+        operator.call(step_end, plan, [worker.execute(plan)])
     gc.enable()
     if conn is not None:
         if conn.stats.timeouts:

@@ -60,6 +60,7 @@ class Config:
     def run(self, steps: int, timed: bool = True) -> None:
         before = Counter(self.sent_by_op or ())
         s, worker, perf, cpu = self.scheduler, self.worker, time.perf_counter, time.thread_time
+        connector = s.connector
         sched_probe, update_probe = self.probes if timed and self.probes else (_NO_PROBE,) * 2
         for _ in range(steps):
             sched_probe.start()
@@ -76,6 +77,8 @@ class Config:
             update_probe.start()
             c2, t2 = cpu(), perf()
             s.update_from_output(plan, results)
+            if connector is not None:
+                connector.take_events()  # as the step loop does (scheduler/process.py)
             t3, c3 = perf(), cpu()
             update_probe.stop()
             if timed:

@@ -308,9 +308,17 @@ class KVServerSchedulerConnector(SchedulerConnector):
 
     def take_events(self) -> list[Event]:
         """BlockStored for chunks this connector made ready, BlockRemoved for hit chunks it
-        found gone; ``seq`` counts this connector's events. Applies the completion replies
-        that already arrived first (without waiting). At most ``max_pending_events`` are kept
-        between calls (the newest; ``stats.dropped_events`` counts the others)."""
+        found gone; ``seq`` counts this connector's events. First takes the reply of the
+        step's store reservation if it has arrived since ``update_connector_output`` looked
+        (never waiting: its store jobs are queued for the next ``build_connector_meta``, as
+        there, which then has less to do), and applies the completion replies that already
+        arrived. Both step loops call it once the step is over (``scheduler/process.py``;
+        vLLM's ``update_from_output``). At most ``max_pending_events`` are kept between calls
+        (the newest; ``stats.dropped_events`` counts the others)."""
+        stores = self._stores
+        if stores.batch is not None and stores.batch.grant is None:
+            stores.prepare()
+            stores.changed()  # its jobs are queued: is_storing looks again
         return self._leases.take_events()
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> set[str]:
