@@ -106,12 +106,12 @@ def grant_to_wire(grant: StoreGrant | LoadGrant, now: float) -> dict[str, Any]:
 def store_grant_from_wire(data: Any, now: float, granted_by: str = "") -> StoreGrant:
     """Rebuild a StoreGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
     ``granted_by``: the ``sid`` of the reply that carried it."""
-    try:
-        g = load_grant_from_wire(data, now)
-        extra = (list(data["present"]), list(data["filtered"]), int(data["num_evicted"]))
+    try:  # built at once, not through a LoadGrant: one reply per step of a scheduler
         return StoreGrant(
-            g.lease_id, g.deadline, g.ns_id, g.keys, g.locations, *extra, granted_by=granted_by
-        )
+            int(data["lease_id"]), now + float(data["expires_in_s"]), str(data["ns_id"]),
+            list(data["keys"]), _locations(data["locations"]), list(data["present"]),
+            list(data["filtered"]), int(data["num_evicted"]), granted_by,
+        )  # fmt: skip
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
 
@@ -120,7 +120,7 @@ def load_grant_from_wire(data: Any, now: float, granted_by: str = "") -> LoadGra
     """Rebuild a LoadGrant from a reply map; ``deadline`` is on the receiver's clock ``now``;
     ``granted_by``: the ``sid`` of the reply that carried it."""
     try:
-        locations = [[_extents(part) for part in loc] for loc in data["locations"]]
+        locations = _locations(data["locations"])
         deadline = now + float(data["expires_in_s"])
         return LoadGrant(
             int(data["lease_id"]), deadline, str(data["ns_id"]), list(data["keys"]), locations,
@@ -128,6 +128,11 @@ def load_grant_from_wire(data: Any, now: float, granted_by: str = "") -> LoadGra
         )  # fmt: skip
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidArgument(f"malformed grant in reply: {exc!r}") from None
+
+
+def _locations(value: Any) -> list[list[Extents]]:
+    """A grant's ``locations``: per key, per rank, the part's extents as tuples."""
+    return [[_extents(part) for part in loc] for loc in value]
 
 
 def _extents(part: Any) -> tuple[tuple[int, int], ...]:
