@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvserver.client import KVClient
 from kvserver.namespace import NamespaceSpec
 from scheduler.kv_connector import KVServerSchedulerConnector
 from scheduler.kv_connector_due import StoreCalendar
@@ -213,11 +214,43 @@ def test_the_calendar_plans_what_a_scan_every_step_plans(
     """Shared prefixes, prompts prefilled over several steps, decode, preemptions (a small
     pool), aborts, new arrivals: the stores shipped are the same, step by step, in the same
     order, and the calendar scanned in a minority of the steps."""
-    rng = random.Random(seed)
-    conns = [
+    compare_with_a_scan(
+        seed,
         connector(daemon, f"due-{seed}-calendar", scan_every_step=False),
         connector(daemon, f"due-{seed}-scan", scan_every_step=True),
+    )
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_calendar_plans_what_a_scan_plans_in_a_small_cache(
+    seed: int, tmp_path: Path
+) -> None:
+    """The same in a 48-page cache that evicts (each connector against a daemon of its own,
+    so both see the same evictions): a request whose stores went out is checked when its
+    next chunk fills (filed when planned, not again after the grant), as a scan finds it."""
+    daemons = [
+        start_daemon(tmp_path / name, "--page-size", "4KiB", "--dram", "192KiB")
+        for name in ("calendar", "scan")
     ]
+    try:
+        conns = [
+            connector(d, f"full-{seed}", scan_every_step=name == "scan")
+            for d, name in zip(daemons, ("calendar", "scan"), strict=True)
+        ]
+        compare_with_a_scan(seed, *conns)
+        assert conns[0].stats.granted_chunks == conns[1].stats.granted_chunks
+        for d in daemons:
+            with KVClient(d.zmq_address, colocated=False) as kv:
+                assert kv.stats()["totals"]["evicted_chunks"] > 0  # the case was exercised
+    finally:
+        for d in daemons:
+            d.terminate()
+
+
+def compare_with_a_scan(seed: int, *conns: Any) -> None:
+    """Drive connectors ``conns`` (the calendar's, the scan's) with identical schedulers on a
+    random workload; assert they shipped the same stores, step by step."""
+    rng = random.Random(seed)
     hs = [
         harness(connector=c, num_gpu_blocks=96, max_num_batched_tokens=48,
                 long_prefill_token_threshold=12, max_num_seqs=12)
