@@ -43,17 +43,20 @@ planner files it again unless its stores went out in the batch; then it is filed
 cursor the granted reservation gives it (``store_reserved``), and a refusal puts it on the
 watch list (``store_refused``), a failed send files it for the next step. So the due
 requests found are exactly those the scan finds, the new ones first, then the cached ones in
-the order they were given their block tables (the scheduler's running order, which is the
-step's order). Were a scheduler to break the contract above, a store would be planned late
+the scheduler's running order, which is the step's order: the order they were given their
+block tables, except that a step's new requests come before its resumed ones in
+``new_reqs`` though the scheduler runs them in admission order, so each is numbered again
+by its place in the first ``cached_reqs`` that lists it. The order matters when the batch
+limit (halved after a full cache) leaves some due requests out. Were a scheduler to break the contract above, a store would be planned late
 (a check compares ``done >= end``), never skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler.kv_connector_request import RequestState
-from scheduler.kv_connector_types import ScheduledStep
+from scheduler.kv_connector_types import CachedReqLike, ScheduledStep
 
 #: (request, tokens computed after this step) for each request with a chunk full after it.
 Due = list[tuple[RequestState, int]]
@@ -76,6 +79,9 @@ class StoreCalendar:
         #: requests whose store cursor moved since the last step (``RequestState`` appends).
         self.moved: list[RequestState] = []
         self._order = 0
+        #: requests given a block table (``new_reqs``) and not yet seen in ``cached_reqs``:
+        #: their place in the step order is known once they are (see :meth:`take`).
+        self._fresh: dict[str, RequestState] = {}
         #: steps that had to check every cached request (for tests and profiles).
         self.scans = 0
 
@@ -83,6 +89,7 @@ class StoreCalendar:
         """Forget every request (the connector forgot them all)."""
         self._steps.clear()
         self._partial.clear()
+        self._fresh.clear()
         self.moved.clear()
 
     def take(self, step: ScheduledStep, reqs: Mapping[str, RequestState]) -> Due:
@@ -94,6 +101,8 @@ class StoreCalendar:
         num_scheduled, check = sched.get, self._check
         due: Due = []
         new_reqs, cached, partial = step.new_reqs, step.cached_reqs, self._partial
+        if self._fresh:
+            self._place_fresh(cached, reqs)
         new_tokens = 0
         new_ids: set[str] = set()
         for new in new_reqs:
@@ -105,6 +114,7 @@ class StoreCalendar:
                 state.new_block_table(new.block_ids)
                 self._order += 1
                 state.order = self._order
+                self._fresh[req_id] = state
                 check(state, new.num_computed_tokens + n, n, due)
         num_new = len(due)
         # what the partial requests scheduled as cached took beyond one token each
@@ -153,6 +163,27 @@ class StoreCalendar:
         if exact and len(due) - num_new > 1:
             due[num_new:] = sorted(due[num_new:], key=_order)
         return due
+
+    def _place_fresh(
+        self, cached: Sequence[CachedReqLike], reqs: Mapping[str, RequestState]
+    ) -> None:
+        """Put the requests given a block table in an earlier step in the order they come in
+        this step's ``cached_reqs``: a scheduler lists a step's new requests before its
+        resumed ones in ``new_reqs`` but runs them in admission order (both schedulers append
+        admitted requests to the running list). The ones seen swap their numbers among
+        themselves, so they stay after every request admitted before them. Only in a step that
+        follows admissions; a request not scheduled yet keeps its number and waits."""
+        fresh, seen = self._fresh, []
+        for c in cached:
+            if (state := fresh.pop(c.req_id, None)) is not None:
+                if reqs.get(c.req_id) is state:
+                    seen.append(state)
+                if not fresh:
+                    break
+        for state, order in zip(seen, sorted(s.order for s in seen), strict=True):
+            state.order = order
+        for req_id in [r for r, st in fresh.items() if reqs.get(r) is not st]:
+            del fresh[req_id]
 
     def recheck(self, states: Iterable[RequestState]) -> None:
         """Check ``states`` again at the next step: due requests whose stores did not go out

@@ -222,26 +222,34 @@ def test_the_calendar_plans_what_a_scan_every_step_plans(
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("dram", ["192KiB", "16KiB"])
 def test_the_calendar_plans_what_a_scan_plans_in_a_small_cache(
-    seed: int, tmp_path: Path
+    seed: int, dram: str, tmp_path: Path
 ) -> None:
-    """The same in a 48-page cache that evicts (each connector against a daemon of its own,
-    so both see the same evictions): a request whose stores went out is checked when its
-    next chunk fills (filed when planned, not again after the grant), as a scan finds it."""
+    """The same in a small cache, each connector against a daemon of its own (so both see the
+    same evictions and refusals): 48 pages evict, 4 pages refuse batches, which are halved
+    to fit, so which due requests come first decides which get in. A request whose stores
+    went out is checked when its next chunk fills (filed when planned, not again after the
+    grant), a refused one at once, and requests admitted in one step keep the step order
+    (new ones are listed before resumed ones but run in admission order), as a scan finds
+    them."""
     daemons = [
-        start_daemon(tmp_path / name, "--page-size", "4KiB", "--dram", "192KiB")
+        start_daemon(tmp_path / name, "--page-size", "4KiB", "--dram", dram)
         for name in ("calendar", "scan")
     ]
     try:
         conns = [
-            connector(d, f"full-{seed}", scan_every_step=name == "scan")
+            connector(d, f"small-{seed}", scan_every_step=name == "scan")
             for d, name in zip(daemons, ("calendar", "scan"), strict=True)
         ]
         compare_with_a_scan(seed, *conns)
         assert conns[0].stats.granted_chunks == conns[1].stats.granted_chunks
+        assert conns[0].stats.store_rejections == conns[1].stats.store_rejections
         for d in daemons:
             with KVClient(d.zmq_address, colocated=False) as kv:
                 assert kv.stats()["totals"]["evicted_chunks"] > 0  # the case was exercised
+        if dram == "16KiB":
+            assert conns[0].stats.store_rejections > 0  # the case was exercised
     finally:
         for d in daemons:
             d.terminate()
