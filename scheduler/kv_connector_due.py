@@ -47,8 +47,9 @@ the scheduler's running order, which is the step's order: the order they were gi
 block tables, except that a step's new requests come before its resumed ones in
 ``new_reqs`` though the scheduler runs them in admission order, so each is numbered again
 by its place in the first ``cached_reqs`` that lists it. The order matters when the batch
-limit (halved after a full cache) leaves some due requests out. Were a scheduler to break the contract above, a store would be planned late
-(a check compares ``done >= end``), never skipped.
+limit (halved after a full cache) leaves some due requests out. Were a scheduler to break
+the contract above, a store would be planned late (a check compares ``done >= end``), never
+skipped.
 """
 
 from __future__ import annotations
