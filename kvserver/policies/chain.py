@@ -37,6 +37,17 @@ more likely to have ended. Which chains end is learnt, not assumed:
   since it was first stored): its deadline is
   ``t_last + (HI + ln(lam / r)) / r``, that of a chain sure to return whose reads are
   ``lam / r`` times as frequent (so a rare prompt can rank below a fresh conversation);
+- **how shared keys age, adapted online** (as ARC adapts its split). A chain's odds fall with
+  the time since its last read; a shared key read at a steady rate does not become less
+  likely to be read again. Its age counts ``kappa`` times: its deadline is
+  ``kappa t_last + (1 - kappa) now + (HI + ln(lam / r)) / r``, with ``kappa`` in [0, 1]
+  (1: it ages as a chain, 0: ranked by its read rate alone). ``kappa`` starts at 1 and moves
+  with the misses on recently evicted keys (ghosts) that a lookup shows: each missed chunk
+  that was the same conversation's adds ``KAPPA_STEP`` (conversations lacked room), each
+  that was shared or another conversation's takes ``KAPPA_STEP`` off (shared prefixes left
+  too early). In a small cache, where conversations' chunks are what misses, shared keys age
+  as chains; in a large one, where what misses is a rarely read prompt that outlived the
+  conversations around it, they are kept by their read rate;
 - **tail before head.** The keys of one request are queued deepest first, so of two keys read
   together the deeper leaves first and what stays is a usable prefix;
 - **admission** (``admits``). A store that must evict shows ``evict`` its new keys
@@ -55,11 +66,11 @@ more likely to have ended. Which chains end is learnt, not assumed:
   (docs/benchmarks.md: it is most of what ``chain`` gains on chat at 5 %).
 
 Order. Keys are kept in one LRU list per class (a chain state, or a shared read-rate bucket):
-within a class the deadline is ``t_last`` plus the same offset, so the list is in deadline
-order. ``evict`` merges the classes' evictable heads by deadline (offsets from the current
+within a class the deadline is ``t_last`` plus the same offset (a shared class: ``kappa
+t_last`` plus the same term, ``kappa`` >= 0), so the list is in deadline order. ``evict`` merges the classes' evictable heads by deadline (offsets from the current
 estimates) and takes the smallest first; ties go to the key queued first.
 
-Costs: ``lookup`` O(len(keys)) dict operations; ``insert_batch`` and ``touch`` O(1) per key;
+Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost); ``insert_batch`` and ``touch`` O(1) per key;
 ``evict`` O(c + v log c) for c non-empty classes and v keys passed over (victims and pinned
 ones), plus O(len(incoming)) dict probes to admit (it stops at the first key that ranks).
 ``bench_policies`` measures the cost per chunk operation against LRU.
@@ -68,7 +79,7 @@ Invariants: ``_time``, ``_class`` and ``_owner`` hold exactly the tracked keys, 
 list of its class; ghosts and tracked keys are disjoint; ``_tails`` (two per tracked key +
 1,024), ``_pending`` (four + 1,024) and ``_ghosts`` (one) are bounded, oldest dropped first.
 ``evict`` changes nothing before it has chosen every victim and decided to admit, so a
-``None`` leaves the same state.
+``None`` leaves the same state; ``kappa`` stays in [0, 1] and only ``lookup`` changes it.
 """
 
 from __future__ import annotations
@@ -99,6 +110,8 @@ GAP_WEIGHT = 1.0 / 256
 PRIOR_GAP = 64.0
 #: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
 RATE_SCALE = 1 << 16
+#: change of ``kappa`` (how much a shared key's age counts) per missed chunk that was a ghost
+KAPPA_STEP = 0.003
 
 _State = tuple[int, int]  # (turns, log2 chunks added); turns 0 = a shared-key rate bucket
 
@@ -140,6 +153,7 @@ class ChainPolicy(EvictionPolicy):
         self._all_counted = 0.0  # the same summed over the states (the prior of each)
         self._all_returned = 0.0
         self._gap = PRIOR_GAP
+        self._kappa = 1.0  # how much a shared key's age counts (1: as a chain's)
 
     # ------------------------------------------------------------------ observability
 
@@ -155,6 +169,12 @@ class ChainPolicy(EvictionPolicy):
     def mean_gap(self) -> float:
         """The learnt mean gap, in ticks, between two requests of one chain."""
         return self._gap
+
+    @property
+    def shared_aging(self) -> float:
+        """``kappa``: how much a shared key's age counts against it (1: as much as a chain's,
+        0: not at all), adapted online from the misses on ghosts."""
+        return self._kappa
 
     def is_shared(self, key: Hashable) -> bool:
         """Whether ``key`` was read by two different chains."""
@@ -195,11 +215,17 @@ class ChainPolicy(EvictionPolicy):
         if keys:
             tails[keys[-1]] = chain
             self._bound(tails)
-        pending, time = self._pending, self._time
+        pending, time, ghosts = self._pending, self._time, self._ghosts
+        step = 0  # missed chunks that were this chain's ghosts, less those that were others'
         for key in keys[hits:]:
             if key not in time:
                 pending[key] = chain
                 pending.move_to_end(key)
+                ghost = ghosts.get(key)
+                if ghost is not None:
+                    step += 1 if ghost[2] is chain else -1
+        if step:
+            self._kappa = min(max(self._kappa + KAPPA_STEP * step, 0.0), 1.0)
         self._bound(pending, 4)
         self._use(keys[:hits], chain)
 
@@ -301,7 +327,7 @@ class ChainPolicy(EvictionPolicy):
         """Tracked keys in eviction order (first = next victim, ignoring pins)."""
         offsets = {state: self._offset(state) for state in self._lists}
         order = sorted(
-            (self._time[key] + offsets[state], seq, key)
+            (self._deadline(key, state, offsets[state]), seq, key)
             for state, members in self._lists.items()
             for key, seq in members.items()
         )
@@ -353,8 +379,16 @@ class ChainPolicy(EvictionPolicy):
         for key, seq in cursor:
             if evictable(key):
                 head[state] = key
-                heapq.heappush(heads, (self._time[key] + offset, seq, state))
+                heapq.heappush(heads, (self._deadline(key, state, offset), seq, state))
                 return
+
+    def _deadline(self, key: Hashable, state: _State, offset: float) -> float:
+        """The tick at which ``key`` (of class ``state``, whose offset is ``offset``) ranks as
+        a chain at even odds read now; within a class it grows with the key's last use."""
+        if state[0] == 0:  # shared: its age counts kappa times
+            kappa = self._kappa
+            return kappa * self._time[key] + (1.0 - kappa) * self._now + offset
+        return self._time[key] + offset
 
     def _offset(self, state: _State) -> float:
         """Ticks a key of ``state`` stays ahead of a chain at even odds read at its time."""
