@@ -67,10 +67,12 @@ more likely to have ended. Which chains end is learnt, not assumed:
 
 Order. Keys are kept in one LRU list per class (a chain state, or a shared read-rate bucket):
 within a class the deadline is ``t_last`` plus the same offset (a shared class: ``kappa
-t_last`` plus the same term, ``kappa`` >= 0), so the list is in deadline order. ``evict`` merges the classes' evictable heads by deadline (offsets from the current
-estimates) and takes the smallest first; ties go to the key queued first.
+t_last`` plus the same term, ``kappa`` >= 0), so the list is in deadline order. ``evict``
+merges the classes' evictable heads by deadline (offsets from the current estimates) and
+takes the smallest first; ties go to the key queued first.
 
-Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost); ``insert_batch`` and ``touch`` O(1) per key;
+Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost);
+``insert_batch`` and ``touch`` O(1) per key;
 ``evict`` O(c + v log c) for c non-empty classes and v keys passed over (victims and pinned
 ones), plus O(len(incoming)) dict probes to admit (it stops at the first key that ranks).
 ``bench_policies`` measures the cost per chunk operation against LRU.

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 from kvserver.errors import InvalidArgument
 from kvserver.policies import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvserver.policies.arc import ARCPolicy
-from kvserver.policies.chain import ChainPolicy
+from kvserver.policies.chain import KAPPA_STEP, ChainPolicy
 from kvserver.policies.prefix import PrefixPolicy
 
 ALL = sorted(POLICIES)
@@ -546,3 +546,51 @@ def test_chain_touch_and_plain_inserts_order_like_lru() -> None:
     assert list(policy) == [0, 2, 3, 5, 1, 4]
     assert isinstance(policy, ChainPolicy)
     assert policy.return_chance((1, 1)) == pytest.approx(0.5)
+
+
+def test_chain_shared_keys_age_less_once_prompts_are_what_misses() -> None:
+    """``kappa`` (how much a shared key's age counts) falls with each missed chunk that was a
+    shared key evicted earlier, rises with each that was the returning conversation's own,
+    and stays in [0, 1]; at 0 a shared prompt no longer falls behind a conversation's keys as
+    time passes (it is ranked by its read rate), while at 1 it ages as they do."""
+    prompt = [f"p{j}" for j in range(40)]
+    policy = make_policy("chain")
+    assert isinstance(policy, ChainPolicy) and policy.shared_aging == 1.0
+    serve(policy, [f"f{j}" for j in range(60)], 200)  # room for the prompt's 40 ghosts
+    for cycle in range(10):
+        serve(policy, [*prompt, f"a{cycle}"], 200)
+        serve(policy, [*prompt, f"b{cycle}"], 200)  # a second chain reads it: shared
+        assert all(policy.is_shared(key) for key in prompt)
+        if cycle == 0:  # before any miss, one conversation goes and comes back
+            serve(policy, ["q0", "q1", "q2"], 200)
+            assert policy.evict(3, unit, lambda k: str(k).startswith("q")) is not None
+            serve(policy, ["q0", "q1", "q2", "q3"], 200)  # its own ghosts: kappa stays at 1
+            assert policy.shared_aging == 1.0
+        assert policy.evict(40, unit, lambda k: str(k).startswith("p")) is not None
+        before = policy.shared_aging
+        serve(policy, [*prompt, f"c{cycle}"], 200)  # 40 chunks missed that were shared
+        assert policy.shared_aging == pytest.approx(max(before - 40 * KAPPA_STEP, 0.0))
+    assert policy.shared_aging == 0.0
+
+    def prompt_outranks_fresh_keys(chain: ChainPolicy) -> bool:
+        """After 10,000 ticks without a read of the prompt, whether it would leave after a
+        conversation's first turn stored now."""
+        for _ in range(10_000):
+            chain.touch(["nothing"])
+        serve(chain, [f"z{j}" for j in range(8)], 200)
+        order = list(chain)
+        return order.index("p0") > order.index("z0")
+
+    aging = make_policy("chain")  # kappa 1: the prompt read as often, no misses
+    assert isinstance(aging, ChainPolicy)
+    serve(aging, [f"f{j}" for j in range(60)], 200)
+    for cycle in range(10):
+        serve(aging, [*prompt, f"a{cycle}"], 200)
+        serve(aging, [*prompt, f"b{cycle}"], 200)
+    assert aging.shared_aging == 1.0 and not prompt_outranks_fresh_keys(aging)
+    assert prompt_outranks_fresh_keys(policy)  # kappa 0: ranked by its read rate alone
+    # a conversation's own ghosts raise kappa again
+    serve(policy, ["w0", "w1", "w2", "w3"], 200)
+    assert policy.evict(4, unit, lambda k: str(k).startswith("w")) is not None
+    serve(policy, ["w0", "w1", "w2", "w3", "w4"], 200)
+    assert policy.shared_aging == pytest.approx(4 * KAPPA_STEP)
