@@ -421,6 +421,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvserver.grpc_engine import use_polling_engine
+
+    use_polling_engine()  # the client as the daemon: before grpc is imported
     from kvserver.daemon.config import parse_size
     from kvserver.errors import KVServerError
 

@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from kvserver.grpc_engine import use_polling_engine
+
+    use_polling_engine()  # as kvserver bench's client (GRPC_EXPERIMENTS= keeps the defaults)
     if args.calls < 1:
         parser.error("--calls must be >= 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="kvserver-callgrind-"))

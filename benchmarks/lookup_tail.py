@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-debug", action="store_true", help="uvloop debug: slow callbacks")
     p.add_argument("--json", type=Path, help="write the raw records here")
     args = p.parse_args(argv)
+    from kvserver.grpc_engine import use_polling_engine
+
+    use_polling_engine()  # as kvserver bench's client (GRPC_EXPERIMENTS= keeps the defaults)
     work = Path(tempfile.mkdtemp(prefix="kvtail-"))
     try:
         return _run(args, work)

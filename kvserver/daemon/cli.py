@@ -129,6 +129,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
     except KVServerError as exc:
         print(f"kvserver start: {exc}", file=sys.stderr)
         return 2
+    from kvserver.grpc_engine import use_polling_engine
+
+    use_polling_engine()  # before grpc is imported: fewer thread wake-ups per call
     from kvserver.daemon.process import main
 
     try:
