@@ -95,8 +95,11 @@ def encode_blocks(
     kept[1:, at : at + len(closing)] = True
     rows[0, at : at + len(first_closing)] = np.frombuffer(first_closing, dtype=np.uint8)
     kept[0, at : at + len(first_closing)] = True
-    lengths = _WIDTHS.take(klass).reshape(num_blocks, block_size).sum(axis=1)
-    lengths += len(lead) + len(closing)
+    # bytes per block: its ids' widths (1 + class, + 1 more for class 3: 1, 2, 3, 5) summed
+    # over uint8s, no lookup table (the take and an int64 sum cost 2x: docs/benchmarks.md)
+    widths_less_one = klass + (klass == 3).view(np.uint8)
+    lengths = widths_less_one.reshape(num_blocks, block_size).sum(axis=1, dtype=np.int64)
+    lengths += block_size + len(lead) + len(closing)
     lengths[0] += len(first_closing) - len(closing)
     data = np.compress(kept.ravel(), rows.ravel()).tobytes()
     bounds = np.cumsum(lengths)
