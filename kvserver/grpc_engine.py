@@ -7,12 +7,12 @@ CLI clients, ``kvserver bench``) and of the benchmarks' own clients, before anyt
 Why. grpcio >= 1.6x serves and dials through the EventEngine by default: a socket's bytes are
 read by an EventEngine poller thread, handed to a thread-pool thread, completed onto the
 completion queue that grpc.aio's own poller thread waits on, which then wakes the event loop
-(the sync client: the calling thread). A unary call there switches 13-19 daemon threads and
-5-6 client threads onto a CPU; with the EventEngine off for listeners and client channels
+(the sync client: the calling thread). A unary call there wakes the daemon's threads 10-11
+times and the client's 4 times; with the EventEngine off for listeners and client channels
 (gRPC core's ``iomgr`` polling engine, where the thread that waits on the completion queue
-reads the socket itself) 7-8 and 1-1.5 (docs/benchmarks.md, "Fifth pass"). Every switch is a
-wake-up: on idle cores an exit from a sleep state, on busy ones a turn in a run queue, and the
-p99 of a Lookup is made of those.
+reads the socket itself) 5-6 and 1 (docs/benchmarks.md, "Fifth pass"). A wake-up is, on idle
+cores, an exit from a sleep state, on busy ones a turn in a run queue: what a Lookup's p99 is
+suspected to be made of.
 
 Contract: :func:`use_polling_engine` sets ``GRPC_EXPERIMENTS`` to :data:`POLLING_EXPERIMENTS`
 unless it is set already (any value, the empty string included: the operator's choice wins;
