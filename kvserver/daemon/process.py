@@ -18,8 +18,8 @@ random one unless configured, or none with ``no_auth``) for this user's clients
 fleet when ``--cluster`` is set
 (``kvserver/cluster/node.py``: register, resync the fleet index; an unreachable Redis does not
 stop the daemon) and put the network tier over the fleet index at the bottom of the stack
-(``kvserver/daemon/peers/``) → collect and freeze what start-up left (``settle_gc``) → write
-the ready file → log where it listens.
+(``kvserver/daemon/peers/``) → collect and freeze what start-up left (``settle_gc``) → log
+where it listens → write the ready file (last, so that whoever waits for it finds that line).
 
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index entries
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
@@ -196,8 +196,6 @@ async def serve(
             "cluster_condition": node.condition if node is not None else "",
         }
         settle_gc()
-        if config.ready_file:
-            write_atomic(config.ready_file, json.dumps(info))
         logger.info(
             "kvserver listening: gRPC %s:%d, ZMQ data tcp://%s:%d, events tcp://%s:%s, "
             "metrics http://%s:%s/metrics, DRAM %d MiB (%s) in %s",
@@ -213,6 +211,8 @@ async def serve(
             config.policy,
             info["arena_path"],
         )
+        if config.ready_file:  # after the line above: whoever waits for it may read the log
+            write_atomic(config.ready_file, json.dumps(info))
         await stop.wait()
         logger.info("shutting down")
     finally:
