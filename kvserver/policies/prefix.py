@@ -231,16 +231,14 @@ class PrefixPolicy(EvictionPolicy):
             if value is None:
                 rate = predictor.rate(sig)
                 value = values[sig] = rate if rate < ONE_OFF_RATE else 1.0
-            # self._set(key, value), inlined (one per new key of every store)
+            # self._set(key, value), inlined (one per new key of every store). An untracked
+            # key has no heap entry (``_queued`` holds the tracked keys only), and one entry
+            # more for one key more keeps ``len(heap) <= 2 * len(prio) + 64`` (which every
+            # call leaves true): no lower bound to compare with, no rebuild to check
             self._tie = tie = self._tie + 1
-            new = prio[key] = (age + value, tie)
-            was = queued.get(key)
-            if was is None or new < was:
-                queued[key] = new
-                push(heap, (age + value, tie, key))
-                if len(heap) > 2 * len(prio) + 64:
-                    self._rebuild()
-                    heap, queued = self._heap, self._queued
+            h = age + value
+            prio[key] = queued[key] = (h, tie)
+            push(heap, (h, tie, key))
 
     def remove(self, key: Hashable) -> None:
         if self._prio.pop(key, None) is not None:
@@ -310,12 +308,12 @@ class PrefixPolicy(EvictionPolicy):
         while heap:
             entry = pop(heap)
             h, tie, key = entry
-            queued_as = (h, tie)
             current = queued.get(key)
-            if current != queued_as or key not in requeued:
+            if current != (h, tie):
                 popped.append(entry)
-            if current != queued_as:
                 continue  # garbage: dropped for good unless the eviction is refused
+            if not requeued or key not in requeued:
+                popped.append(entry)
             now = prio[key]
             if now != current:  # touched since it was queued: queue it at its priority
                 requeued.setdefault(key, current)
