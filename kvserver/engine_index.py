@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import takewhile
+from operator import itemgetter
 from typing import cast
 
 from kvserver.allocator import Extents, PageAllocator
@@ -98,8 +99,12 @@ class DramIndex:
         if victims is None:
             return None
         ready = self.ready
-        for victim_ns, victim_key in cast("list[IndexKey]", victims):
-            ready[victim_ns].discard(victim_key)
+        if len(ready) == 1:  # one namespace ever held READY keys: every victim is its (in C)
+            taken = cast("list[IndexKey]", victims)
+            next(iter(ready.values())).difference_update(map(itemgetter(1), taken))
+        else:
+            for victim_ns, victim_key in cast("list[IndexKey]", victims):
+                ready[victim_ns].discard(victim_key)
         return list(map(entries.pop, victims))  # type: ignore[arg-type]
 
     def reserve(
