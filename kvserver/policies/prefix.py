@@ -59,8 +59,9 @@ O(v log n) for v entries popped (victims, skipped non-evictable, garbage and re-
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from itertools import repeat
 
 from kvserver.policies.base import EvictionPolicy
 
@@ -73,6 +74,9 @@ HALF_LIFE = 4096
 #: a new chunk whose signature's reuse rate is below this comes in at that rate (one-off: it
 #: leaves first); above it, at 1 like a chunk just read (LRU among them: the newest stays)
 ONE_OFF_RATE = 0.5
+
+#: runs an iterator to its end, keeping nothing (a C loop over ``map(...)``)
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 _Signature = tuple[int, int]
 _Entry = tuple[float, int, Hashable]  # (H, tie, key)
@@ -339,25 +343,27 @@ class PrefixPolicy(EvictionPolicy):
         self._age = top
         ghosts, pending, uses, shared = self._ghosts, self._pending, self._uses, self._shared
         child, branches = self._child, self._branches
-        unread: dict[_Signature, int] = {}  # signatures of victims never read, and how many
-        for key in victims:  # each leaves every map (``_forget``, inlined: one per victim)
-            del prio[key]
-            queued.pop(key, None)
-            sig = pending.pop(key, None)
-            if sig is not None:
-                unread[sig] = unread.get(sig, 0) + 1
-            count = uses.pop(key)
-            if key in shared:
-                ghosts[key] = count
-                shared.discard(key)
-            else:
-                ghosts[key] = 0
-            child.pop(key, None)
-            branches.discard(key)
+        # the victims leave every map (``_forget`` for the batch, each map's loop in C); a
+        # ghost keeps the use count of a shared victim, 0 for a private one, in victim order
+        nones = repeat(None)
+        _consume(map(prio.__delitem__, victims))
+        _consume(map(queued.pop, victims, nones))
+        # the signatures of victims never read, and how many of each
+        unread = Counter(filter(None, map(pending.pop, victims, nones)))
+        counts = list(map(uses.pop, victims))
+        ghosts.update(zip(victims, repeat(0)))
+        if shared and not shared.isdisjoint(victims):
+            for key, count in zip(victims, counts, strict=True):
+                if key in shared:
+                    ghosts[key] = count
+                    shared.discard(key)
+        _consume(map(child.pop, victims, nones))
+        branches.difference_update(victims)
         if unread:
             self._predictor.learn_unread(unread)
-        while len(ghosts) > len(self._prio):
-            ghosts.popitem(last=False)
+        excess = len(ghosts) - len(prio)
+        if excess > 0:
+            _consume(map(ghosts.popitem, repeat(False, excess)))  # the oldest first
         self._compact()
         return victims
 
