@@ -91,6 +91,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="port peers fetch chunks from (default 0: ephemeral; -1: none, and "
                         "fetch from peers over ZMQ only); TLS with --tls-cert-file, else plain "
                         "TCP, not opened with CURVE (docs/cluster.md)")
+    p.add_argument("--peer-stream-window", metavar="SIZE",
+                   help="payload a fetch asks of a peer's stream per window, pipelined on one "
+                        "connection, e.g. 8MiB (default 32MiB; 1MiB to 1GiB)")
     p.add_argument("--peer-tls-ca-file", metavar="PEM",
                    help="the CA the peers' stream certificates must chain to (default: "
                         "--tls-cert-file, one certificate for the fleet)")
@@ -121,7 +124,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
                   "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",
                   "peer_suspect_s", "peer_curve_server_key_file", "peer_stream_port",
-                  "peer_tls_ca_file", "peer_tls_server_name",
+                  "peer_stream_window", "peer_tls_ca_file", "peer_tls_server_name",
                   "no_auth")
     }
     try:

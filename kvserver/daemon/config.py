@@ -35,6 +35,11 @@ DEFAULT_GRPC_PORT = 9470
 DEFAULT_ZMQ_PORT = 9471
 DEFAULT_PUB_PORT = 9472
 DEFAULT_METRICS_PORT = 9473
+#: ``peer_stream_window``: its default (``kvserver.daemon.peers.fetch.STREAM_WINDOW_BYTES``,
+#: not imported here: the CLI loads this module before gRPC's engine is chosen) and bounds.
+DEFAULT_PEER_STREAM_WINDOW = 32 << 20
+PEER_STREAM_WINDOW_MIN = 1 << 20
+PEER_STREAM_WINDOW_MAX = 1 << 30
 
 _UNITS = {
     "": 1, "b": 1,
@@ -160,6 +165,12 @@ class DaemonConfig:
     #: certificate, key and client CA); without, a plain one, not opened when
     #: ``curve_secret_key_file`` is set (chunks would cross in clear: peers then use ZMQ).
     peer_stream_port: int = 0
+    #: payload bytes this daemon asks of a peer's stream per window (at least one chunk),
+    #: the windows of a fetch pipelined on one connection (docs/cluster.md, "Network tier");
+    #: between 1 MiB and 1 GiB. Each window is one request, one reservation and one
+    #: hand-over to the receiving thread; a peer failing mid-window loses that window's keys,
+    #: and reserving ahead can evict up to two windows' worth of DRAM per fetch.
+    peer_stream_window: int = DEFAULT_PEER_STREAM_WINDOW
     #: the CA (PEM) the peers' stream certificates must chain to ("" = ``tls_cert_file``: one
     #: certificate for the fleet, as ``kvserver keys tls`` makes it; neither: TLS stream
     #: ports of peers are not used, their chunks come over ZMQ).
@@ -217,6 +228,11 @@ class DaemonConfig:
         if self.peer_timeout_s <= 0 or self.peer_suspect_s < 0 or self.peer_connections < 1:
             raise InvalidArgument(
                 "need peer_timeout_s > 0, peer_suspect_s >= 0 and peer_connections >= 1"
+            )
+        if not PEER_STREAM_WINDOW_MIN <= self.peer_stream_window <= PEER_STREAM_WINDOW_MAX:
+            raise InvalidArgument(
+                "peer_stream_window must be between 1MiB and 1GiB",
+                value=self.peer_stream_window,
             )
         if self.peers and self.cluster:
             raise InvalidArgument("peers and cluster exclude each other (the fleet names peers)")
@@ -392,7 +408,8 @@ def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     if name == "tenants":
         return parse_tenants(value)
     if name in (
-        "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes"
+        "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes",
+        "peer_stream_window",
     ):
         return parse_size(value)
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")

@@ -338,13 +338,15 @@ def _static_peer_tier(config: DaemonConfig, service: KVService) -> PeerTier:
     """The network tier over a configured peer list (``--peers``)."""
     book = PeerBook(_peer_settings(config))
     directory = StaticDirectory(config.peer_addresses, book)
-    return PeerTier(service.engine, directory, book, publish=service.publish)
+    return PeerTier(service.engine, directory, book, publish=service.publish,
+                    stream_window_bytes=config.peer_stream_window)  # fmt: skip
 
 
 def _fleet_peer_tier(config: DaemonConfig, service: KVService, node: ClusterNode) -> PeerTier:
     """The network tier over the fleet index (``--cluster``)."""
     book = PeerBook(_peer_settings(config))
-    return PeerTier(service.engine, FleetDirectory(node), book, publish=service.publish)
+    return PeerTier(service.engine, FleetDirectory(node), book, publish=service.publish,
+                    stream_window_bytes=config.peer_stream_window)  # fmt: skip
 
 
 async def _reap_forever(service: KVService, interval: float) -> None:

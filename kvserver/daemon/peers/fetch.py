@@ -11,12 +11,12 @@ directory says hold it) and:
 2. cuts its own keys into runs, one per peer: each key goes to a holder that is not suspect,
    preferring the one that holds the longest run from that key (between equals, the one that
    last sent chunks of the namespace: :meth:`PeerFetches.last_sender`), so a prompt held by
-   one peer is one call per window of :data:`WINDOW_BYTES` (:data:`STREAM_WINDOW_BYTES` over
-   a peer's stream); a peer's windows are pipelined on one of its
-   link's connections (``PeerLink.connection``), all asked at once, each bounded by the peer
-   timeout: they arrive one after another, in order, so each window is copied into DRAM while
-   the next is still on the wire (windows on separate connections would arrive together, at
-   the end); different peers are asked concurrently;
+   one peer is one call per window of :data:`WINDOW_BYTES` (``stream_window_bytes``, by
+   default :data:`STREAM_WINDOW_BYTES`, over a peer's stream); a peer's windows are
+   pipelined on one of its link's connections (``PeerLink.connection``), all asked at once,
+   each bounded by the peer timeout: they arrive one after another, in order, so each window
+   is copied into DRAM while the next is still on the wire (windows on separate connections
+   would arrive together, at the end); different peers are asked concurrently;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
    DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
    from the eviction it may cause the request's keys already in DRAM and the windows of the
@@ -33,7 +33,7 @@ directory says hold it) and:
    arrived, those the reply did not bring (a peer holding a shorter run) and every key of a
    reply cut short are rolled back (the receiving thread is stopped before the pages are
    given back: ``stream.py``). Reserving ahead can evict, for chunks the peer then does not
-   send, at most two windows' worth of DRAM per fetch (:data:`STREAM_WINDOW_BYTES`);
+   send, at most two windows' worth of DRAM per fetch (``stream_window_bytes``);
 4. keys a peer did not send (it no longer holds them, it failed, it timed out) are tried once
    more with another holder; after that they are a miss (the load reports them missing). A
    peer that failed or timed out is marked suspect.
@@ -66,7 +66,7 @@ from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError, UnknownKey, UnknownNamespace
 from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
-from kvserver.wire_stream import ReplyHead
+from kvserver.wire_stream import MAX_KEYS, ReplyHead
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ WINDOW_BYTES = 4 << 20
 #: hand-over can wait for a core: 8 MiB windows (four per 32 MiB fetch) were ~5 ms slower
 #: per 32 MiB fetch than one 32 MiB window on the shared 2-core machine (bench_peers,
 #: docs/benchmarks.md, "Pipelined stream windows"). A peer failing mid-window loses that
-#: window's keys.
+#: window's keys. The default of ``PeerFetches(stream_window_bytes=)``: ``peer_stream_window``.
 STREAM_WINDOW_BYTES = 32 << 20
 
 #: namespaces whose last sender is remembered at most (the oldest are dropped first).
@@ -108,9 +108,12 @@ class _Slot:
     own: _Parts
 
 
-def windows_of(runs: list[list[bytes]], chunk_bytes: int, window_bytes: int) -> list[list[bytes]]:
-    """``runs`` cut into windows of at most ``window_bytes`` (at least one chunk each)."""
-    per = max(1, window_bytes // chunk_bytes)
+def windows_of(
+    runs: list[list[bytes]], chunk_bytes: int, window_bytes: int, max_keys: int = MAX_KEYS
+) -> list[list[bytes]]:
+    """``runs`` cut into windows of at most ``window_bytes`` (at least one chunk each) and
+    ``max_keys`` keys (the most a peer stream request may name)."""
+    per = max(1, min(window_bytes // chunk_bytes, max_keys))
     return [keys[j : j + per] for keys in runs for j in range(0, len(keys), per)]
 
 
@@ -118,11 +121,18 @@ class PeerFetches:
     """The fetches of one daemon under way; see the module docstring."""
 
     def __init__(
-        self, engine: StorageEngine, book: PeerBook, *, publish: Callable[[], None]
+        self,
+        engine: StorageEngine,
+        book: PeerBook,
+        *,
+        publish: Callable[[], None],
+        stream_window_bytes: int = STREAM_WINDOW_BYTES,
     ) -> None:
         self._engine = engine
         self._book = book
         self._publish = publish
+        #: a run is asked of a peer's stream in windows of at most this many payload bytes.
+        self.stream_window_bytes = stream_window_bytes
         self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
         #: ns_id -> the peer that last sent chunks of it, oldest first (``last_sender``).
         self._senders: dict[str, str] = {}
@@ -283,7 +293,7 @@ class PeerFetches:
         direct: bool,
     ) -> list[tuple[list[bytes], _Parts]]:
         """Fetch ``runs`` from ``peer`` in windows (of :data:`WINDOW_BYTES` over ZMQ, of
-        :data:`STREAM_WINDOW_BYTES` over its stream), pipelined on one connection, placing
+        ``stream_window_bytes`` over its stream), pipelined on one connection, placing
         each as it arrives; per window (keys it sent, direct parts)."""
         link = self._book.link(peer)
         chunk_bytes = spec.part_bytes * spec.tp_world_size
@@ -294,7 +304,7 @@ class PeerFetches:
             self._book.failed(peer, exc)
             return []
         if stream is not None:
-            windows = windows_of(runs, chunk_bytes, STREAM_WINDOW_BYTES)
+            windows = windows_of(runs, chunk_bytes, self.stream_window_bytes)
             return await self._stream_windows(spec, peer, stream, windows, protect, direct)
         windows = windows_of(runs, chunk_bytes, WINDOW_BYTES)
         try:

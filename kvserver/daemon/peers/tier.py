@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import PeerDirectory
-from kvserver.daemon.peers.fetch import PeerFetches
+from kvserver.daemon.peers.fetch import STREAM_WINDOW_BYTES, PeerFetches
 from kvserver.daemon.tiers import DEGRADED, OK, DirectParts, Tier
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import Entry
@@ -78,12 +78,15 @@ class PeerTier(Tier):
         *,
         publish: Any = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        stream_window_bytes: int = STREAM_WINDOW_BYTES,
     ) -> None:
         self._engine = engine
         self._clock = clock
         self.directory = directory
         self.book = book
-        self.fetches = PeerFetches(engine, book, publish=publish)
+        self.fetches = PeerFetches(
+            engine, book, publish=publish, stream_window_bytes=stream_window_bytes
+        )
         #: keys of lookups credited to peers.
         self.hit_chunks = 0
         #: (ns_id, key) -> (expiry, holders) from recent lookups, oldest first.

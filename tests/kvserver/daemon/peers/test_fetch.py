@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from kvserver.client import KVClient
-from kvserver.daemon.peers import fetch
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.fetch import FETCH_CLIENT, WINDOW_BYTES, PeerFetches
+from kvserver.daemon.peers.fetch import FETCH_CLIENT, WINDOW_BYTES, PeerFetches, windows_of
 from kvserver.daemon.peers.link import PeerFailed, PeerLink, check_rows
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EntryState
+from kvserver.wire_stream import MAX_KEYS
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon
 
@@ -238,15 +238,28 @@ def test_rows_of_the_wrong_number_or_size_are_refused() -> None:
         assert not info.value.timed_out
 
 
+def test_windows_are_cut_by_bytes_and_by_the_keys_a_stream_request_may_name() -> None:
+    """A window holds at most ``window_bytes`` of chunks (at least one chunk), and never more
+    keys than a peer stream request may name (wire_stream.MAX_KEYS: a 1 GiB window of 4 KiB
+    chunks would be 262144), each run cut on its own."""
+    runs = [make_keys(10, tag="x"), make_keys(3, tag="y")]
+    sizes = [len(w) for w in windows_of(runs, 1 << 10, 4 << 10)]
+    assert sizes == [4, 4, 2, 3]
+    assert [len(w) for w in windows_of(runs, 1 << 20, 1 << 10)] == [1] * 13  # a chunk each
+    assert [len(w) for w in windows_of(runs, 1, 1 << 20, max_keys=4)] == [4, 4, 2, 3]
+    many = [[i.to_bytes(4, "big") for i in range(MAX_KEYS + 5)]]
+    assert [len(w) for w in windows_of(many, 4 << 10, 1 << 30)] == [MAX_KEYS, 5]
+    assert [k for w in windows_of(many, 4 << 10, 1 << 30) for k in w] == many[0]
+
+
 async def test_a_peers_windows_are_pipelined_on_one_connection(
-    tmp_path: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, transport: str
 ) -> None:
     """Twelve 1 MiB chunks are three windows of WINDOW_BYTES, asked at once on one connection
     (their replies arrive in order: over ZMQ each copied while the next is on the wire, over
     the stream each received into its pages); every byte is placed and the connection is kept
     for the next fetch."""
     spec = make_spec(model="test/windows", part_bytes_override=1 << 20)
-    monkeypatch.setattr(fetch, "STREAM_WINDOW_BYTES", WINDOW_BYTES)  # three windows there too
     a = start_daemon(tmp_path / "a", "--dram", "32MiB")
     try:
         keys = make_keys(12, tag="win")
@@ -258,7 +271,9 @@ async def test_a_peers_windows_are_pipelined_on_one_connection(
         with make_engine(num_pages=16, page_size=1 << 20) as engine:  # 16 MiB
             engine.register_namespace(spec)
             book = PeerBook(settings(transport, timeout_s=10))
-            fetches = PeerFetches(engine, book, publish=lambda: None)
+            # the stream's windows of WINDOW_BYTES too: three of them
+            fetches = PeerFetches(engine, book, publish=lambda: None,
+                                  stream_window_bytes=WINDOW_BYTES)  # fmt: skip
             peer = peer_of(a)
             await fetches.fetch(spec, [(k, frozenset({"A"})) for k in keys], {"A": peer})
             assert book.counters.fetches == 3 and book.counters.placed_chunks == 12
@@ -281,7 +296,7 @@ async def test_a_peers_windows_are_pipelined_on_one_connection(
 
 
 async def test_a_fetchs_later_windows_do_not_evict_its_earlier_ones(
-    tmp_path: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, transport: str
 ) -> None:
     """B's DRAM (16 MiB, LRU) is full of other chunks, which other loads read between the
     fetch's windows (here: whenever a window is placed, the ``publish`` hook), so that a
@@ -290,7 +305,6 @@ async def test_a_fetchs_later_windows_do_not_evict_its_earlier_ones(
     never a window the same fetch placed before (the load needs them all), so all twelve are
     held after it, byte for byte."""
     spec = make_spec(model="test/keep", part_bytes_override=1 << 20)
-    monkeypatch.setattr(fetch, "STREAM_WINDOW_BYTES", WINDOW_BYTES)
     a = start_daemon(tmp_path / "a", "--dram", "32MiB")
     try:
         keys = make_keys(12, tag="keep")
@@ -311,7 +325,8 @@ async def test_a_fetchs_later_windows_do_not_evict_its_earlier_ones(
                     engine.complete_load(engine.prepare_load(spec.ns_id, held).lease_id)
 
             book = PeerBook(settings(transport, timeout_s=10))
-            fetches = PeerFetches(engine, book, publish=read_others)
+            fetches = PeerFetches(engine, book, publish=read_others,
+                                  stream_window_bytes=WINDOW_BYTES)  # fmt: skip
             await fetches.fetch(spec, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(a)})
             assert book.counters.fetches == 3 and book.counters.placed_chunks == 12
             assert engine.lookup(spec.ns_id, keys) == 12

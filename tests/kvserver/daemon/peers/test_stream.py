@@ -80,9 +80,11 @@ def recorded_peer(d: DaemonProc) -> Peer:
     return Peer("A", "", d.zmq_address, stream_address(d))
 
 
-def fetcher(engine: StorageEngine, **settings: Any) -> tuple[PeerFetches, PeerBook]:
+def fetcher(
+    engine: StorageEngine, window: int = fetch.STREAM_WINDOW_BYTES, **settings: Any
+) -> tuple[PeerFetches, PeerBook]:
     book = PeerBook(PeerSettings(**({"timeout_s": 5.0} | settings)))
-    return PeerFetches(engine, book, publish=lambda: None), book
+    return PeerFetches(engine, book, publish=lambda: None, stream_window_bytes=window), book
 
 
 def no_reservations(engine: StorageEngine) -> None:
@@ -259,7 +261,7 @@ async def test_a_daemon_with_curve_opens_no_stream_port(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("until", ["fetched_chunks", "placed_chunks"])
 async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
-    tmp_path: Path, until: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, until: str
 ) -> None:
     """A holds 64 MiB; B fetches them (8 windows of 8 MiB pipelined on one stream); A is
     stopped as soon as the first reply has begun, or once the first window is placed (the
@@ -268,7 +270,6 @@ async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
     the rest misses, and no reservation is left.
     """
     spec = make_spec(model="test/kill", part_bytes_override=1 << 20)
-    monkeypatch.setattr(fetch, "STREAM_WINDOW_BYTES", 8 << 20)
     a = start_daemon(tmp_path / "a", "--dram", "80MiB")
     try:
         keys = make_keys(64, tag="kill")
@@ -280,11 +281,11 @@ async def test_a_peer_killed_mid_fetch_is_a_bounded_miss_with_nothing_reserved(
                 assert kv.put(spec.ns_id, chunk, data).stored == chunk
         with make_engine(num_pages=96, page_size=1 << 20) as engine:
             engine.register_namespace(spec)
-            fetches, book = fetcher(engine, timeout_s=1.0, suspect_s=60)
+            fetches, book = fetcher(engine, 8 << 20, timeout_s=1.0, suspect_s=60)
             held = await killed_mid_fetch(engine, fetches, book, spec, keys, a,
                                           recorded_peer(a), until)  # fmt: skip
             assert book.counters.placed_chunks == held
-            per_window = fetch.STREAM_WINDOW_BYTES // spec.part_bytes
+            per_window = fetches.stream_window_bytes // spec.part_bytes
             assert held % per_window == 0  # a window is placed whole or not at all
             if until == "placed_chunks":
                 assert held >= per_window

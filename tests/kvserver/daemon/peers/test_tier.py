@@ -8,6 +8,9 @@ in flight, deterministically, when the peer is SIGKILLed).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +20,9 @@ import pytest
 
 from kvserver.client import KVClient
 from kvserver.crypto import CurveClient, make_curve_keys
-from kvserver.errors import UnknownKey
+from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.peers.fetch import STREAM_WINDOW_BYTES
+from kvserver.errors import InvalidArgument, UnknownKey
 from kvserver.grpc_client import GrpcClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.test_zmq_promotion import gate_closed, start_gated
@@ -253,6 +258,67 @@ def test_peers_call_each_other_over_curve_with_the_fleet_key_pair(tmp_path: Path
                 kv.load(SPEC.ns_id, keys)
             peer = kv.stats()["peer"]
             assert peer["fetched_chunks"] == 0 and peer["timeouts"] >= 1
+    finally:
+        for d in (a, b, c):
+            d.kill()
+
+
+def test_the_stream_window_is_a_size_setting_within_bounds(tmp_path: Path) -> None:
+    """``peer_stream_window``: a size like ``--dram`` (flag over KVSERVER_* over the config
+    file), by default the fetch's STREAM_WINDOW_BYTES; below 1 MiB, above 1 GiB or not a size,
+    a clear error, and ``kvserver start`` exits 2 before any start-up work."""
+    assert DaemonConfig().peer_stream_window == STREAM_WINDOW_BYTES  # one default
+    config = tmp_path / "kvserver.toml"
+    config.write_text('peer_stream_window = "16MiB"\n')
+
+    def window(env: dict[str, str], **flags: object) -> int:
+        loaded = DaemonConfig.load(config_file=str(config), env=env, overrides=flags)
+        return loaded.peer_stream_window
+
+    env = {"KVSERVER_PEER_STREAM_WINDOW": "4MiB"}
+    assert (window({}), window(env), window(env, peer_stream_window="1GiB")) == (
+        16 << 20, 4 << 20, 1 << 30)  # fmt: skip
+    assert window({}, peer_stream_window=1 << 20) == 1 << 20
+    bounds = "peer_stream_window must be between 1MiB and 1GiB"
+    for bad in ("512KiB", (1 << 20) - 1, "1.5GiB"):
+        with pytest.raises(InvalidArgument, match=bounds):
+            window({}, peer_stream_window=bad)
+    for bad in ("lots", "0", "-8MiB"):
+        with pytest.raises(InvalidArgument, match="size"):
+            window({"KVSERVER_PEER_STREAM_WINDOW": bad})
+    cmd = [
+        sys.executable, "-m", "kvserver.cli", "start", "--peer-stream-window", "512KiB",
+        "--shm-dir", str(tmp_path), "--metrics-port", "-1",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert result.returncode == 2, result.stderr
+    assert f"{bounds} (value=524288)" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["kvserver.toml"]  # no arena was created
+
+
+def test_a_small_stream_window_setting_fetches_in_several_windows(tmp_path: Path) -> None:
+    """Twelve 256 KiB chunks (2 ranks of 128 KiB) held by A are loaded through B, started
+    with ``--peer-stream-window 1MiB``, and through C (the default window, 32 MiB): B asks
+    them of A's stream in three windows of four chunks, C in one; both serve A's bytes."""
+    spec = make_spec(model="test/window", tp_world_size=2, part_bytes_override=128 << 10)
+    keys = make_keys(12, tag="window")
+    data = [[pattern(k, r, spec.part_bytes) for r in range(2)] for k in keys]
+    a = start_daemon(tmp_path / "a", "--dram", "8MiB")
+    b = start_daemon(tmp_path / "b", "--dram", "8MiB", "--peers", a.zmq_address,
+                     "--peer-stream-window", "1MiB")  # fmt: skip
+    c = start_daemon(tmp_path / "c", "--dram", "8MiB", "--peers", a.zmq_address)
+    try:
+        with KVClient(a.zmq_address) as kv:
+            kv.register_namespace(spec)
+            assert kv.store(spec.ns_id, keys, data) == keys
+        for daemon, windows in ((b, 3), (c, 1)):
+            with KVClient(daemon.zmq_address, colocated=False) as kv:
+                kv.register_namespace(spec)
+                assert rows(kv.load(spec.ns_id, keys)) == data
+                peer = kv.stats()["peer"]
+                assert (peer["fetches"], peer["stream_fetches"]) == (windows, windows)
+                assert (peer["fetched_chunks"], peer["placed_chunks"]) == (12, 12)
+                assert kv.lookup(spec.ns_id, keys).tiers == {"dram": 12, "peer": 0}
     finally:
         for d in (a, b, c):
             d.kill()
