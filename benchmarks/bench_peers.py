@@ -19,12 +19,12 @@ Everything runs in one run, on loopback:
   lookups per load (``directory_lookups_per_load``: 0; 1 before). Timed: ``prepare_load``
   returning, i.e. the chunks in B's DRAM ready for the worker to read in place (the worker's
   own copy out of the arena is not part of a fetch).
-- reference: raw pyzmq between two processes: a helper process (``python -m
-  benchmarks.bench_peers serve``) with a ROUTER answers a DEALER request from B's stand-in
-  (this process) with the same frames (the same count and sizes, sent ``copy=False`` from
-  buffers it allocated in advance, received ``copy=False``), and nothing else. The work B does
-  around the same bytes (checks, placing in the arena, the lease) is
-  the overhead the ratio shows.
+- reference: raw pyzmq between two processes (``benchmarks/harness/raw_zmq.py``): a helper
+  process (``python -m benchmarks.bench_peers serve``) with a ROUTER answers a DEALER request
+  from B's stand-in (this process) with the same frames (the same count and sizes, sent
+  ``copy=False`` from buffers it allocated in advance, received ``copy=False``), and nothing
+  else. The work B does around the same bytes (checks, placing in the arena, the lease) is the
+  overhead the ratio shows.
 - the floor (context, not the target): the same bytes moved arena pages to arena pages with
   no protocol: a helper process sends them over plain TCP out of a /dev/shm mapping of
   ``BATCHES`` batches (``sendmsg`` of the parts' views, a batch after another, as A's arena),
@@ -49,7 +49,10 @@ round of the same round, which a drifting load on a shared machine disturbs less
 average before and after the run is in the report. Before timing, one fetched batch is read
 back through each B and compared byte for byte with what was stored.
 
-Usage: python benchmarks/bench_peers.py [--quick] [--runs N] [--json FILE]
+Usage: python benchmarks/bench_peers.py [--quick] [--runs N] [--parts SIZES] [--rounds N]
+       [--stream-window SIZE] [--json FILE]
+``--stream-window`` is passed to B and B_tls (the fetchers over a stream) as
+``--peer-stream-window``: the window sizes can be alternated run by run without editing code.
 With --json, also writes FILE with the .png suffix (chart) when matplotlib is importable.
 """
 
@@ -59,7 +62,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,14 +70,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
-import zmq
-
 from benchmarks.harness.daemon import DaemonProc, start_daemon
 from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
+from benchmarks.harness.raw_zmq import RawPeer, payload, serve, start_helper
 from benchmarks.report import save_report
 from kvserver.client import KVClient
 from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
+from kvserver.daemon import config as daemon_config
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
+from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
 
 MiB = 1 << 20
@@ -103,75 +106,6 @@ def batch_keys(part_bytes: int, batch: int, n: int) -> list[bytes]:
     return [f"{part_bytes}-{batch}-{i}".encode().ljust(32, b".")[:32] for i in range(n)]
 
 
-def payload(key: bytes, nbytes: int) -> bytes:
-    return (key * (nbytes // len(key) + 1))[:nbytes]
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def serve(endpoint_file: str, part_bytes: int, n: int) -> int:
-    """Helper process: a ROUTER answering every request with ``n`` frames of ``part_bytes``."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    frames = [bytearray(payload(b"ref%d" % i, part_bytes)) for i in range(n)]
-    Path(endpoint_file).write_text(f"tcp://127.0.0.1:{port}")
-    while True:
-        ident, request = router.recv_multipart(copy=False)
-        if request.bytes == b"stop":
-            return 0
-        router.send_multipart([ident.bytes, b"header", *frames], copy=False)
-
-
-def start_helper(
-    mode: str, workdir: Path, part_bytes: int, n: int, env: dict[str, str]
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """The helper process of a reference (``mode``: ``serve`` or ``serve-tcp``) and the file
-    where it wrote its endpoint, once written (bounded by 30 s)."""
-    ep = workdir / f"{mode}-{part_bytes}-{time.monotonic_ns()}.ep"  # fresh each run
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.bench_peers", mode, str(ep), str(part_bytes), str(n)],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-    )
-    deadline = time.monotonic() + 30
-    while not ep.exists() or not ep.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"reference helper ({mode}) did not start")
-        time.sleep(0.02)  # waiting for the helper's endpoint, bounded by the deadline
-    return proc, ep
-
-
-class RawPeer:
-    """The reference's two processes: the helper (ROUTER) and this one (DEALER)."""
-
-    def __init__(self, workdir: Path, part_bytes: int, n: int, env: dict[str, str]) -> None:
-        self.proc, ep = start_helper("serve", workdir, part_bytes, n, env)
-        self.ctx = zmq.Context()
-        self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-        self.dealer.connect(ep.read_text())
-        self.n = n
-
-    def round(self) -> float:
-        start = time.perf_counter()
-        self.dealer.send(b"get")
-        frames = self.dealer.recv_multipart(copy=False)
-        elapsed = time.perf_counter() - start
-        assert len(frames) == self.n + 1
-        return elapsed
-
-    def close(self) -> None:
-        self.dealer.send(b"stop")
-        self.proc.wait(10)
-        self.dealer.close()
-        self.ctx.term()
-
-
 # ----------------------------------------------------------------------------- the fleet
 
 
@@ -192,7 +126,9 @@ def secure_args(workdir: Path) -> tuple[tuple[str, ...], CurveClient]:
     return args, CurveClient.from_files(str(keys / "server.key"))
 
 
-def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) -> dict[str, Any]:
+def measure(
+    workdir: Path, part_bytes: int, rounds: int, env: dict[str, str], window: int
+) -> dict[str, Any]:
     n = BATCH_BYTES // part_bytes
     spec = spec_for(part_bytes)
     secure, curve = secure_args(workdir)
@@ -210,9 +146,10 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         b_dram = ("--dram", f"{B_DRAM // MiB}MiB")
         # B fetches over A's peer stream (the default); B_zmq is told not to (-1: ZMQ only);
         # B_tls over A_sec's TLS stream; B_curve over ZMQ with CURVE
-        start("stream", *b_dram, "--peers", a.zmq_address)
+        b_window = ("--peer-stream-window", str(window))
+        start("stream", *b_dram, *b_window, "--peers", a.zmq_address)
         start("zmq", *b_dram, "--peers", a.zmq_address, "--peer-stream-port", "-1")
-        start("tls", *b_dram, "--peers", a_sec.zmq_address, *secure)
+        start("tls", *b_dram, *b_window, "--peers", a_sec.zmq_address, *secure)
         start("curve", *b_dram, "--peers", a_sec.zmq_address, "--peer-stream-port", "-1", *secure)
         batches = [batch_keys(part_bytes, i, n) for i in range(BATCHES)]
         for holder, sec in ((a, None), (a_sec, curve)):
@@ -223,7 +160,7 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
                         chunk = keys[i : i + 8]
                         data = [payload(k, part_bytes) for k in chunk]
                         assert kv.put(ns_id, chunk, data).stored == chunk, "A is full"
-        ref = RawPeer(workdir, part_bytes, n, env)
+        ref = RawPeer(workdir, part_bytes, n, env, TIMEOUT_MS)
         proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
         floor = RawArenaTcp(proc, int(ep.read_text()), part_bytes, n, B_DRAM, TIMEOUT_MS / 1000)
         times: dict[str, list[float]] = {name: [] for name in (*FETCHES, "ref", "get", "floor")}
@@ -273,8 +210,10 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         finally:
             for client in clients.values():
                 client.close()
+        per_load = -(-n // max(1, window // part_bytes))  # the windows of one fetch
         for name in ("stream", "tls"):
             assert stats[name]["stream_fetches"] == stats[name]["fetches"] > 0, stats[name]
+            assert stats[name]["fetches"] == (rounds + 1) * per_load, (per_load, stats[name])
         # every timed load was granted every key: a fetch that evicted its own earlier windows
         # (and so granted a shorter run) would have been timed doing less than the reference
         assert not any(short.values()), f"loads granted fewer keys than asked: {short}"
@@ -301,6 +240,8 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
         "part_bytes": part_bytes,
         "chunks_per_fetch": n,
         "rounds": rounds,
+        "stream_window_bytes": window,
+        "stream_windows_per_fetch": per_load,
         "value_MBps": med["stream"],
         "reference_MBps": ref_med,
         "ratio": med["stream"] / ref_med,
@@ -339,14 +280,15 @@ def measure(workdir: Path, part_bytes: int, rounds: int, env: dict[str, str]) ->
     }
 
 
-def run(workdir: Path, quick: bool, env: dict[str, str]) -> dict[str, Any]:
-    sizes = [1 * MiB] if quick else [256 << 10, 1 * MiB, 4 * MiB]
-    rounds = 6 if quick else 25
+def run(
+    workdir: Path, sizes: list[int], rounds: int, env: dict[str, str], window: int
+) -> dict[str, Any]:
     load_before = os.getloadavg()
-    results = [measure(workdir, size, rounds, env) for size in sizes]
+    results = [measure(workdir, size, rounds, env, window) for size in sizes]
     return {
         "benchmark": "peers",
         "target": TARGET,
+        "stream_window_bytes": window,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "reference": "raw ZMQ DEALER/ROUTER between two processes, same frames (copy=False)",
@@ -392,7 +334,8 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{100 * r['lookup_share_of_fetch']:.1f}% of lookup + fetch"
             )
         before, after = run_report["load_average_before"], run_report["load_average_after"]
-        print(f"load average before {before[0]:.2f}, after {after[0]:.2f} (1 min)")
+        print(f"load average before {before[0]:.2f}, after {after[0]:.2f} (1 min); stream "
+              f"window {run_report['stream_window_bytes'] / MiB:g} MiB (B, B_tls)")  # fmt: skip
     print(f"\nmedian over {len(report['runs'])} run(s), per run in brackets")
     print(f"{'case':<34} {'stream/ref':>11} {'ZMQ/ref':>8} {'floor/ref':>10} {'stream/ZMQ':>11} "
           f"{'TLS/ref':>8} {'CURVE/ref':>10} {'TLS/CURVE':>10}")  # fmt: skip
@@ -441,6 +384,21 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [daemon_config.parse_size(t) for t in text.split(",")]
+    except KVServerError as exc:  # parse_size's InvalidArgument
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _window(text: str) -> int:
+    (size,) = _sizes(text)
+    lo, hi = daemon_config.PEER_STREAM_WINDOW_MIN, daemon_config.PEER_STREAM_WINDOW_MAX
+    if not lo <= size <= hi:
+        raise argparse.ArgumentTypeError("a stream window is between 1MiB and 1GiB")
+    return size
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -449,6 +407,15 @@ def main(argv: list[str] | None = None) -> int:
         return serve_tcp(argv[1], int(argv[2]), int(argv[3]), BATCHES)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one chunk size, 6 rounds")
+    parser.add_argument("--parts", type=_sizes, metavar="SIZES",
+                        help="part sizes, comma-separated (default 256KiB,1MiB,4MiB; "
+                             "--quick: 1MiB)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help="timed rounds per part size (default 25; --quick: 6)")
+    parser.add_argument("--stream-window", type=_window, metavar="SIZE",
+                        default=daemon_config.DEFAULT_PEER_STREAM_WINDOW,
+                        help="B's and B_tls's --peer-stream-window, e.g. 8MiB (default the "
+                             "daemon's, 32MiB; 1MiB to 1GiB)")  # fmt: skip
     parser.add_argument("--runs", type=int, default=1, metavar="N",
                         help="repeat the whole run N times (fresh daemons each); the summary "
                              "is the median over runs")  # fmt: skip
@@ -462,12 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         tune_malloc()  # this process receives the reference's frames: tuned as B is
     workdir = Path(tempfile.mkdtemp(prefix="kvserver-bench-peers-", dir="/tmp"))
     try:
-        runs = [run(workdir, args.quick, env) for _ in range(args.runs)]
+        sizes = args.parts or ([1 * MiB] if args.quick else [256 << 10, 1 * MiB, 4 * MiB])
+        rounds = args.rounds or (6 if args.quick else 25)
+        runs = [run(workdir, sizes, rounds, env, args.stream_window) for _ in range(args.runs)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = {
         "benchmark": "peers",
         "target": TARGET,
+        "stream_window_bytes": args.stream_window,
         "reference": runs[0]["reference"],
         "runs": runs,
         "summary": summarize(runs),
