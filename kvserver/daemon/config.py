@@ -35,8 +35,9 @@ DEFAULT_GRPC_PORT = 9470
 DEFAULT_ZMQ_PORT = 9471
 DEFAULT_PUB_PORT = 9472
 DEFAULT_METRICS_PORT = 9473
-#: ``peer_stream_window``: its default (``kvserver.daemon.peers.fetch.STREAM_WINDOW_BYTES``,
-#: not imported here: the CLI loads this module before gRPC's engine is chosen) and bounds.
+#: ``peer_stream_window``: its default (the one owner: ``kvserver.daemon.peers.fetch`` takes
+#: it as ``STREAM_WINDOW_BYTES``; this module must not import that one, which loads gRPC, since
+#: the CLI loads this module before gRPC's engine is chosen) and bounds.
 DEFAULT_PEER_STREAM_WINDOW = 32 << 20
 PEER_STREAM_WINDOW_MIN = 1 << 20
 PEER_STREAM_WINDOW_MAX = 1 << 30

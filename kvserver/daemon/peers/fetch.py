@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserver.client.aio import AsyncKVClient
+from kvserver.daemon.config import DEFAULT_PEER_STREAM_WINDOW
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.link import PeerFailed, PeerLink
@@ -78,7 +79,6 @@ ROUNDS = 2
 #: each), pipelined on one connection; each is copied into the arena as soon as it has
 #: arrived, while the later ones are still on the wire.
 WINDOW_BYTES = 4 << 20
-
 #: the same over a peer's stream, where a window is received straight into pages reserved
 #: before its reply (the first while the peer looks its keys up, each next one while the
 #: window before it is on the wire) and completed while the next one is received. A window
@@ -87,7 +87,7 @@ WINDOW_BYTES = 4 << 20
 #: per 32 MiB fetch than one 32 MiB window on the shared 2-core machine (bench_peers,
 #: docs/benchmarks.md, "Pipelined stream windows"). A peer failing mid-window loses that
 #: window's keys. The default of ``PeerFetches(stream_window_bytes=)``: ``peer_stream_window``.
-STREAM_WINDOW_BYTES = 32 << 20
+STREAM_WINDOW_BYTES = DEFAULT_PEER_STREAM_WINDOW
 
 #: namespaces whose last sender is remembered at most (the oldest are dropped first).
 SENDERS_MAX = 4096
