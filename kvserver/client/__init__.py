@@ -4,7 +4,7 @@
 pipelining: ``submit_*``), defined once in :mod:`kvserver.client.ops`. See ``docs/wire.md``."""
 
 from kvserver.client.aio import AsyncKVClient
-from kvserver.client.common import LookupResult, NamespaceInfo, PutResult
+from kvserver.client.calls import LookupResult, NamespaceInfo, PutResult
 from kvserver.client.pending import Pending
 from kvserver.client.sync import KVClient
 

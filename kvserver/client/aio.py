@@ -30,7 +30,8 @@ from typing import Any, Concatenate, ParamSpec
 
 from kvserver.client import ops
 from kvserver.client.aio_transport import AioSlot, AioTransport
-from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, PutResult, Session, T
+from kvserver.client.calls import Answer, Call, Proc, PutResult, T
+from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.crypto import CurveClient

@@ -37,7 +37,8 @@ import zmq
 import zmq.asyncio
 
 from kvserver import wire_local
-from kvserver.client.common import Answer, Call, Session
+from kvserver.client.calls import Answer, Call
+from kvserver.client.common import Session
 from kvserver.client.links import ConnectionWatch, open_dealer
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 

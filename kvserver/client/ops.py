@@ -3,7 +3,7 @@
 
 Runs in client processes; imports no sockets. Each function takes the client's
 :class:`~kvserver.client.common.Session` and the public arguments and returns a
-:data:`~kvserver.client.common.Proc` (the calls to exchange, then the value). A client turns
+:data:`~kvserver.client.calls.Proc` (the calls to exchange, then the value). A client turns
 one into a method with its own driver: ``lookup = blocking(ops.lookup)`` in ``sync.py`` (the
 method returns the value), ``lookup = awaiting(ops.lookup)`` in ``aio.py`` (a coroutine), and
 ``submit_lookup = submitting(ops.lookup)`` in both (sent now, collected later). A function is
@@ -20,7 +20,8 @@ from typing import Any
 
 from kvserver import wire
 from kvserver.allocator import Extents
-from kvserver.client.common import LookupResult, NamespaceInfo, Proc, PutResult, Session
+from kvserver.client.calls import LookupResult, NamespaceInfo, Proc, PutResult
+from kvserver.client.common import Session
 from kvserver.client.parts import Parts, readinto_part, write_part
 from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Generic, Protocol
 
-from kvserver.client.common import Proc, T
+from kvserver.client.calls import Proc, T
 from kvserver.client.transport import Slot
 from kvserver.errors import InvalidState, KVServerError
 

@@ -38,7 +38,8 @@ from functools import wraps
 from typing import Concatenate, ParamSpec
 
 from kvserver.client import ops
-from kvserver.client.common import DEFAULT_TIMEOUT_S, Answer, Call, Proc, PutResult, Session, T
+from kvserver.client.calls import Answer, Call, Proc, PutResult, T
+from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.client.pending import Pending

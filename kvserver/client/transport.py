@@ -39,7 +39,8 @@ from typing import Any
 import zmq
 
 from kvserver import wire_local
-from kvserver.client.common import Answer, Call, Session
+from kvserver.client.calls import Answer, Call
+from kvserver.client.common import Session
 from kvserver.client.links import LocalLink, ZmqLink
 from kvserver.errors import KVServerError, Unavailable
 

@@ -19,7 +19,8 @@ import zmq
 
 from kvserver import wire
 from kvserver.client import AsyncKVClient, KVClient
-from kvserver.client.common import Answer, Call, PutResult, Session
+from kvserver.client.calls import Answer, Call, PutResult
+from kvserver.client.common import Session
 from kvserver.client.ops import PUT_WINDOW_BYTES, merge_puts
 from kvserver.errors import (
     InvalidArgument,

@@ -13,7 +13,7 @@ import pytest
 
 from kvserver import wire
 from kvserver.client import AsyncKVClient, KVClient
-from kvserver.client.common import Answer, Call, Proc
+from kvserver.client.calls import Answer, Call, Proc
 from kvserver.errors import LeaseError, LeaseExpired, UnknownNamespace
 from kvserver.grants import StoreCompletion, StoreGrant
 from kvserver.namespace import NamespaceSpec
