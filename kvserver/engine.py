@@ -25,7 +25,8 @@ Layout: this module is the facade (validation, the public calls, events and coun
 mechanics sit in one module per concept, each used only from here:
 ``engine_index.DramIndex`` (entries, pages, eviction, page accounting),
 ``engine_leases.LeaseBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
-(specs, per-namespace counters, key validation), ``engine_parts.PartCopies`` (the engine's
+(specs, per-namespace counters, key validation), ``engine_events.EngineEvents`` (the one
+gap-free event sequence, the eviction hook), ``engine_parts.PartCopies`` (the engine's
 ``write_parts`` / ``read_parts`` ...: parts copied in, views out, for clients that cannot map
 the arena); value types and the config's checks are in ``engine_types``.
 
@@ -52,6 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from kvserver.arena import SharedArena
+from kvserver.engine_events import EngineEvents, EvictHook
 from kvserver.engine_index import DramIndex, IndexKey
 from kvserver.engine_leases import LeaseBook
 from kvserver.engine_namespaces import NamespaceTable
@@ -64,7 +66,7 @@ from kvserver.engine_types import (
     StorageStats,
 )
 from kvserver.errors import CapacityError, UnknownKey
-from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
+from kvserver.events import Event, Medium
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.leases import LeaseKind
 from kvserver.namespace import NamespaceSpec
@@ -108,14 +110,20 @@ class StorageEngine:
         parts = PartCopies(self.arena, self.leases, self._namespaces, self._dram.entries)
         self.write_parts, self.write_part = parts.write_parts, parts.write_part
         self.read_parts, self.read_part = parts.read_parts, parts.read_part
-        self._events: list[Event] = []
-        self._next_seq = 1
-        #: called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
-        #: index and the policy and BEFORE their pages are freed or handed to the new entries
-        #: of the same ``prepare_store``, so it may read their bytes (``arena.views(
-        #: entry.extents[rank])``), then and only then. It must not call back into the engine; an
-        #: exception it raises is logged and ignored (the eviction completes regardless).
-        self.on_evict: Callable[[NamespaceSpec, list[Entry]], None] | None = None
+        self._log = EngineEvents(self._namespaces, self._ns_ids)
+
+    @property
+    def on_evict(self) -> EvictHook | None:
+        """Called as ``on_evict(spec, entries)`` for every eviction, after the entries left the
+        index and the policy and BEFORE their pages are freed or handed to the new entries of
+        the same ``prepare_store``, so it may read their bytes (``arena.views(
+        entry.extents[rank])``), then and only then. It must not call back into the engine; an
+        exception it raises is logged and ignored (the eviction completes regardless)."""
+        return self._log.on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: EvictHook | None) -> None:
+        self._log.on_evict = hook
 
     # ================================================================== namespaces
 
@@ -256,7 +264,7 @@ class StorageEngine:
         if not new_keys:
             return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
         if evicted:
-            self._evicted(evicted)
+            self._log.evicted(evicted)
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.STORE, client, ns, new_keys, deadline)
         # the victims' pages go to the new entries (or back to the allocator) only now
@@ -309,7 +317,7 @@ class StorageEngine:
         if not lease.keys:
             self.leases.end(lease, "completed")
         if became_ready:
-            self._stored(ns, became_ready)
+            self._log.stored(ns, became_ready)
         return became_ready
 
     def settle_store(self, lease_id: int, written: Iterable[bytes]) -> list[bytes]:
@@ -329,7 +337,7 @@ class StorageEngine:
             self._dram.make_ready(ns, became_ready)
         self.leases.end(lease, "completed")
         if became_ready:
-            self._stored(ns, became_ready)
+            self._log.stored(ns, became_ready)
         return became_ready
 
     # ================================================================== load path
@@ -406,13 +414,11 @@ class StorageEngine:
         STORAGE), numbered in the engine's one gap-free event sequence. No-op without keys."""
         if keys:
             self._ns(ns_id)
-            cls = BlockStored if stored else BlockRemoved
-            self._events.append(cls(self._seq(), ns_id, tuple(keys), medium))
+            self._log.announce(ns_id, keys, medium, stored=stored)
 
     def take_events(self) -> list[Event]:
         """Drain the events emitted since the last call, in sequence order."""
-        events, self._events = self._events, []
-        return events
+        return self._log.take()
 
     def stats(self) -> StorageStats:
         self._reap()
@@ -461,39 +467,6 @@ class StorageEngine:
 
     def _ns(self, ns_id: str) -> int:
         return self._namespaces.index_of(ns_id)
-
-    def _seq(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        return seq
-
-    def _stored(self, ns: int, keys: list[bytes]) -> None:
-        """Announce keys that became READY (one BlockStored) and count them."""
-        self._events.append(BlockStored(self._seq(), self._ns_ids[ns], tuple(keys), MEDIUM_DRAM))
-        for c in self._namespaces.pair(ns):
-            c.stored_chunks += len(keys)
-
-    def _evicted(self, evicted: list[Entry]) -> None:
-        """Hand evicted entries (already out of the index, pages not yet reused) to
-        ``on_evict``, announce them, count them."""
-        if len({entry.ns for entry in evicted}) == 1:  # usually: no list per namespace
-            by_ns = {evicted[0].ns: evicted}
-        else:
-            by_ns = {}
-            for entry in evicted:
-                by_ns.setdefault(entry.ns, []).append(entry)
-        specs = self._namespaces.specs
-        if self.on_evict is not None:
-            for ns, entries in by_ns.items():
-                try:
-                    self.on_evict(specs[ns], entries)
-                except Exception:  # a lower tier's failure must not break this tier
-                    logger.exception("on_evict hook failed")
-        for ns, entries in by_ns.items():
-            keys = tuple([entry.key for entry in entries])
-            self._events.append(BlockRemoved(self._seq(), self._ns_ids[ns], keys, MEDIUM_DRAM))
-            for c in self._namespaces.pair(ns):
-                c.evicted_chunks += len(keys)
 
     def _reap(self) -> int:
         """Reclaim expired leases and TTL pins (called at the top of mutating calls)."""

@@ -54,7 +54,7 @@ def snapshot(engine: StorageEngine) -> Any:
         copy.deepcopy({k: v for k, v in vars(engine.policy).items() if k != "declined"}),
         {k: (e.state, e.pins, e.ttl_until, e.pages) for k, e in engine.entries().items()},
         sorted(lease.lease_id for lease in engine.leases),
-        list(engine._events),
+        list(engine._log._events),
         engine.allocator.num_free,
     )
 
