@@ -18,22 +18,22 @@ directory says hold it) and:
    is copied into DRAM while the next is still on the wire (windows on separate connections
    would arrive together, at the end); different peers are asked concurrently;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
-   DRAM as an SSD promotion does: one ``prepare_store(gated=False)`` for the run (protecting
-   from the eviction it may cause the request's keys already in DRAM and the windows of the
-   same fetch placed before it: a fetch larger than DRAM keeps its leading windows, which a
-   load can use, not its last ones), ``write_part`` of every
-   part, ``complete_store`` of the keys written; the BlockStored events then go out on the
-   normal path (``publish``), which also announces the chunks in the fleet index. Over a
-   peer's stream port (``PeerLink.stream``: it advertises one this daemon may dial)
-   the windows are asked the same way on one stream connection, as a pipeline: a window's
-   pages are reserved before its reply comes (the first while the peer looks its keys up,
-   each next one while the window before it is on the wire), a worker thread receives each
-   reply, head and payload, straight into them (no ``write_part`` copy), and the window
-   before is completed meanwhile; a window's keys are completed once every part of it has
-   arrived, those the reply did not bring (a peer holding a shorter run) and every key of a
-   reply cut short are rolled back (the receiving thread is stopped before the pages are
-   given back: ``stream.py``). Reserving ahead can evict, for chunks the peer then does not
-   send, at most two windows' worth of DRAM per fetch (``stream_window_bytes``);
+   DRAM as an SSD promotion does (:class:`~kvserver.daemon.peers.place.Placer`): one
+   ``prepare_store(gated=False)`` for the run (protecting from the eviction it may cause the
+   request's keys already in DRAM and the windows of the same fetch placed before it: a fetch
+   larger than DRAM keeps its leading windows, which a load can use, not its last ones),
+   ``write_part`` of every part, ``complete_store`` of the keys written; the BlockStored events
+   then go out on the normal path (``publish``), which also announces the chunks in the fleet
+   index. Over a peer's stream port (``PeerLink.stream``: it advertises one this daemon may
+   dial) the windows are asked the same way on one stream connection, as a pipeline: a window's
+   pages are reserved before its reply comes (the first while the peer looks its keys up, each
+   next one while the window before it is on the wire), a worker thread receives each reply,
+   head and payload, straight into them (no ``write_part`` copy), and the window before is
+   completed meanwhile; a window's keys are completed once every part of it has arrived, those
+   the reply did not bring (a peer holding a shorter run) and every key of a reply cut short
+   are rolled back (the receiving thread is stopped before the pages are given back:
+   ``stream.py``). Reserving ahead can evict, for chunks the peer then does not send, at most
+   two windows' worth of DRAM per fetch (``stream_window_bytes``);
 4. keys a peer did not send (it no longer holds them, it failed, it timed out) are tried once
    more with another holder; after that they are a miss (the load reports them missing). A
    peer that failed or timed out is marked suspect.
@@ -50,29 +50,24 @@ cancellation), never with an exception.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.config import DEFAULT_PEER_STREAM_WINDOW
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.link import PeerFailed, PeerLink
+from kvserver.daemon.peers.place import Parts, Placer, Slot
 from kvserver.daemon.peers.stream import PeerStream, ReplyJob
 from kvserver.engine import StorageEngine
-from kvserver.errors import KVServerError, UnknownKey, UnknownNamespace
-from kvserver.grants import StoreGrant
+from kvserver.errors import UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 from kvserver.wire_stream import MAX_KEYS, ReplyHead
 
 logger = logging.getLogger(__name__)
 
-#: lease owner of the DRAM reservations that fetched chunks are placed into.
-FETCH_CLIENT = "kvserver-peer-fetch"
 #: rounds of fetching: the first holder of each key, then another for what it did not send.
 ROUNDS = 2
 #: a run is asked for in windows of at most this many payload bytes (at least one chunk
@@ -91,21 +86,6 @@ STREAM_WINDOW_BYTES = DEFAULT_PEER_STREAM_WINDOW
 
 #: namespaces whose last sender is remembered at most (the oldest are dropped first).
 SENDERS_MAX = 4096
-
-_Parts = dict[bytes, list[memoryview]]
-
-
-@dataclass(slots=True)
-class _Slot:
-    """A stream window reserved ahead of its reply: its keys, their grant (None: DRAM took
-    none), where each reserved key's pages are, per key the views to receive into (pages, or
-    the buffers of ``own``), and the parts of the keys DRAM did not take."""
-
-    keys: list[bytes]
-    grant: StoreGrant | None
-    where: dict[bytes, Any]
-    rows: list[list[memoryview]]
-    own: _Parts
 
 
 def windows_of(
@@ -130,10 +110,10 @@ class PeerFetches:
     ) -> None:
         self._engine = engine
         self._book = book
-        self._publish = publish
+        self._placer = Placer(engine, book, publish)
         #: a run is asked of a peer's stream in windows of at most this many payload bytes.
         self.stream_window_bytes = stream_window_bytes
-        self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
+        self._inflight: dict[tuple[str, bytes], asyncio.Future[Parts]] = {}
         #: ns_id -> the peer that last sent chunks of it, oldest first (``last_sender``).
         self._senders: dict[str, str] = {}
 
@@ -175,14 +155,14 @@ class PeerFetches:
         protect: Sequence[bytes] = (),
         direct: bool = False,
         guessed: frozenset[bytes] = frozenset(),
-    ) -> _Parts:
+    ) -> Parts:
         """Bring the keys of ``wanted`` (key, holders) into DRAM (see the module docstring);
         returns, when ``direct``, the parts of keys DRAM could not take, else {}. The holders
         of the ``guessed`` keys are a guess, not the directory's word: one that does not
         send them is no miss (``missed_chunks``)."""
         ns_id = spec.ns_id
         mine: list[tuple[bytes, frozenset[str]]] = []
-        theirs: dict[int, asyncio.Future[_Parts]] = {}
+        theirs: dict[int, asyncio.Future[Parts]] = {}
         wanted_holders = dict(wanted)
         absent = set(self._engine.missing(ns_id, wanted_holders))
         for key, holders in wanted_holders.items():
@@ -192,7 +172,7 @@ class PeerFetches:
                 self._book.counters.joined_chunks += 1
             elif key in absent:
                 mine.append((key, holders))
-        out: _Parts = {}
+        out: Parts = {}
         if mine:
             out.update(await self._run(spec, mine, peers, protect, direct, guessed))
         wanted_keys = {k for k, _ in wanted}
@@ -210,13 +190,13 @@ class PeerFetches:
         protect: Sequence[bytes],
         direct: bool,
         guessed: frozenset[bytes],
-    ) -> _Parts:
+    ) -> Parts:
         """Claim ``mine``, fetch and place them, release the claim, share the result."""
         ns_id = spec.ns_id
-        fut: asyncio.Future[_Parts] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Parts] = asyncio.get_running_loop().create_future()
         for key, _ in mine:
             self._inflight[(ns_id, key)] = fut
-        got: _Parts = {}
+        got: Parts = {}
         try:
             todo = mine
             tried: dict[bytes, set[str]] = {key: set() for key, _ in mine}
@@ -291,7 +271,7 @@ class PeerFetches:
         runs: list[list[bytes]],
         protect: Sequence[bytes],
         direct: bool,
-    ) -> list[tuple[list[bytes], _Parts]]:
+    ) -> list[tuple[list[bytes], Parts]]:
         """Fetch ``runs`` from ``peer`` in windows (of :data:`WINDOW_BYTES` over ZMQ, of
         ``stream_window_bytes`` over its stream), pipelined on one connection, placing
         each as it arrives; per window (keys it sent, direct parts)."""
@@ -325,7 +305,7 @@ class PeerFetches:
         keys: list[bytes],
         keep: list[bytes],
         direct: bool,
-    ) -> tuple[list[bytes], _Parts]:
+    ) -> tuple[list[bytes], Parts]:
         """Fetch one window from ``peer`` on ``via`` (a connection of ``link``) and place
         it, protecting the keys of ``keep`` from the eviction (and adding its own to it, for
         the windows after it); returns (keys it sent, direct parts)."""
@@ -339,7 +319,7 @@ class PeerFetches:
         sent = keys[: len(rows)]
         book.counters.fetched_chunks += len(rows)
         book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
-        placed = self._place(spec, sent, rows, keep, direct)
+        placed = self._placer.place(spec, sent, rows, keep, direct)
         keep += sent
         return sent, placed
 
@@ -351,7 +331,7 @@ class PeerFetches:
         windows: list[list[bytes]],
         protect: Sequence[bytes],
         direct: bool,
-    ) -> list[tuple[list[bytes], _Parts]]:
+    ) -> list[tuple[list[bytes], Parts]]:
         """``_fetch_windows`` over the peer's stream port, every window asked at once on one
         connection and received in order, each within the peer timeout, as a pipeline: a
         window's pages are reserved (:meth:`_slot`) before its reply comes, the first while
@@ -362,8 +342,8 @@ class PeerFetches:
         another holder or miss); the pages of a window that did not arrive, and those of
         chunks a reply did not bring, are given back."""
         book, tp, size = self._book, spec.tp_world_size, spec.part_bytes
-        out: list[tuple[list[bytes], _Parts]] = []
-        ahead: list[_Slot] = []  # reserved, not yet settled (at most two)
+        out: list[tuple[list[bytes], Parts]] = []
+        ahead: list[Slot] = []  # reserved, not yet settled (at most two)
         keep = list(protect)  # and the windows already placed: a later one must not evict them
 
         def on_head(head: ReplyHead) -> None:  # on the loop, as a reply's head arrives
@@ -375,7 +355,7 @@ class PeerFetches:
             async with stream.connection() as conn:
                 deadline = time.monotonic() + stream.timeout_s
                 ids = await conn.send_requests(spec.ns_id, windows, deadline)
-                ahead.append(self._slot(spec, windows[0], keep))  # while the peer looks up
+                ahead.append(self._placer.slot(spec, windows[0], keep))  # while the peer looks up
 
                 def start(k: int) -> ReplyJob:  # receive window k into ahead[0]
                     book.counters.fetches += 1
@@ -386,16 +366,16 @@ class PeerFetches:
                 job = start(0)
                 for k in range(len(windows)):
                     if k + 1 < len(windows):  # while window k is on the wire
-                        ahead.append(self._slot(spec, windows[k + 1], keep))
+                        ahead.append(self._placer.slot(spec, windows[k + 1], keep))
                     assert job is not None  # started for every window
                     head, error = await job.result()
                     slot = ahead.pop(0)
                     job = start(k + 1) if k + 1 < len(windows) else None  # already coming
                     if error is None:
-                        out.append(self._settle(spec, slot, head.count, direct))
+                        out.append(self._placer.settle(spec, slot, head.count, direct))
                         keep += out[-1][0]
                         continue
-                    self._settle(spec, slot, 0, direct)
+                    self._placer.settle(spec, slot, 0, direct)
                     if not isinstance(error, (UnknownNamespace, UnknownKey)):
                         raise PeerFailed(f"peer refused: {error}", timed_out=False,
                                          peer=conn.peer_id)  # fmt: skip
@@ -406,95 +386,5 @@ class PeerFetches:
             if job is not None:  # its thread ends before its pages are given back
                 await job.stop()
             for slot in ahead:  # not received: given back
-                self._settle(spec, slot, 0, direct)
-        return out
-
-    def _slot(self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]) -> _Slot:
-        """Reserve DRAM for a window's ``keys`` before its reply comes; per key, the views
-        its parts are to be received into: its reserved pages, or buffers of its own when
-        DRAM cannot take it."""
-        grant = self._reserve(spec, keys, protect)
-        where = dict(zip(grant.keys, grant.locations, strict=True)) if grant is not None else {}
-        views, tp, size = self._engine.arena.views, spec.tp_world_size, spec.part_bytes
-        rows: list[list[memoryview]] = []
-        own: _Parts = {}
-        for key in keys:
-            extents = where.get(key)
-            if extents is not None:
-                rows.append([v for rank in range(tp) for v in views(extents[rank])])
-            else:
-                own[key] = [memoryview(bytearray(size)) for _ in range(tp)]
-                rows.append(own[key])
-        return _Slot(keys, grant, where, rows, own)
-
-    def _settle(
-        self, spec: NamespaceSpec, slot: _Slot, count: int, direct: bool
-    ) -> tuple[list[bytes], _Parts]:
-        """A window's first ``count`` chunks arrived whole: make those reserved ready, give
-        the rest back; returns (keys it sent, direct parts)."""
-        sent = slot.keys[:count]
-        slot.rows.clear()  # the arena's views go before the pages can
-        self._complete(slot.grant, [k for k in sent if k in slot.where])
-        if not direct:
-            return sent, {}
-        ns_id, engine = spec.ns_id, self._engine
-        own = slot.own
-        return sent, {k: own[k] for k in sent if k in own and not engine.contains(ns_id, k)}
-
-    def _reserve(
-        self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]
-    ) -> StoreGrant | None:
-        """Reserve DRAM for fetched ``keys`` as a promotion does, protecting the request's
-        keys already in DRAM; None when DRAM cannot take them."""
-        if not keys:
-            return None
-        engine, ns_id = self._engine, spec.ns_id
-        keep: list[bytes] = []
-        if protect:
-            fetched = set(keys)
-            absent = set(engine.missing(ns_id, protect))
-            keep = [k for k in dict.fromkeys(protect) if k not in fetched and k not in absent]
-        try:
-            return engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False,
-                                        lease_s=engine.config.max_lease_s)  # fmt: skip
-        except KVServerError as exc:  # e.g. more than the whole tier
-            logger.warning("network tier: cannot place fetched chunks: %s", exc)
-            return None
-
-    def _complete(self, grant: StoreGrant | None, written: list[bytes]) -> None:
-        """Make the ``written`` keys of ``grant`` ready, roll back the rest (one
-        ``settle_store``), publish."""
-        if grant is not None and grant.keys:
-            with contextlib.suppress(KVServerError):  # the lease expired meanwhile
-                placed = self._engine.settle_store(grant.lease_id, written)
-                self._book.counters.placed_chunks += len(placed)
-        self._publish()
-
-    def _place(
-        self,
-        spec: NamespaceSpec,
-        keys: list[bytes],
-        rows: list[list[memoryview]],
-        protect: Sequence[bytes],
-        direct: bool,
-    ) -> _Parts:
-        """Write fetched ``rows`` into DRAM (synchronously: nothing else runs meanwhile);
-        returns the rows DRAM did not take when ``direct``."""
-        if not keys:
-            return {}
-        engine, ns_id = self._engine, spec.ns_id
-        grant = self._reserve(spec, keys, protect)
-        reserved = set(grant.keys) if grant is not None else set()
-        out: _Parts = {}
-        written: list[bytes] = []
-        try:
-            for key, row in zip(keys, rows, strict=True):
-                if grant is not None and key in reserved:
-                    for rank, part in enumerate(row):
-                        engine.write_part(grant.lease_id, key, rank, part)
-                    written.append(key)
-                elif direct and not engine.contains(ns_id, key):
-                    out[key] = row
-        finally:
-            self._complete(grant, written)
+                self._placer.settle(spec, slot, 0, direct)
         return out

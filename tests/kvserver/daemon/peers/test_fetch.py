@@ -21,8 +21,9 @@ import pytest
 from kvserver.client import KVClient
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.fetch import FETCH_CLIENT, WINDOW_BYTES, PeerFetches, windows_of
+from kvserver.daemon.peers.fetch import WINDOW_BYTES, PeerFetches, windows_of
 from kvserver.daemon.peers.link import PeerFailed, PeerLink, check_rows
+from kvserver.daemon.peers.place import FETCH_CLIENT
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EntryState
 from kvserver.wire_stream import MAX_KEYS

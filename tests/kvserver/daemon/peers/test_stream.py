@@ -33,7 +33,8 @@ from kvserver.cluster.schema import HostInfo
 from kvserver.daemon.peers import fetch
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.fetch import FETCH_CLIENT, PeerFetches
+from kvserver.daemon.peers.fetch import PeerFetches
+from kvserver.daemon.peers.place import FETCH_CLIENT
 from kvserver.engine import StorageEngine
 from kvserver.engine_types import EntryState
 from kvserver.errors import InvalidArgument

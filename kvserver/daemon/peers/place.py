@@ -1,0 +1,152 @@
+"""Placing what peers send in DRAM, as an SSD promotion does.
+
+Runs in the daemon process, on its event loop; part of :class:`~kvserver.daemon.peers.fetch.
+PeerFetches` (used only from there). Not thread-safe: loop only.
+
+A fetched run is placed with one ``prepare_store(gated=False)`` (:meth:`Placer.reserve`:
+protecting from the eviction it may cause the request's keys already in DRAM and the windows
+of the same fetch placed before it), then either ``write_part`` of every part it brought
+(:meth:`Placer.place`, the ZMQ path: the parts arrived in ZMQ's buffers) or a receive straight
+into the reserved pages (:meth:`Placer.slot` before the reply, :meth:`Placer.settle` after it,
+the peer stream's path), then one ``settle_store`` of the keys written: they become READY, the
+rest of the reservation is rolled back (:meth:`Placer.complete`), and the BlockStored events
+go out on the normal path (``publish``), which also announces the chunks in the fleet index.
+A chunk DRAM cannot take (every page pinned or reserved) is returned to the caller when it
+asked for ``direct`` parts (a remote ``get`` sends them on), else dropped.
+
+Invariant: a key becomes READY only once every part of it has arrived whole; a reservation is
+always settled (the keys written made ready, the rest given back), on every path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvserver.daemon.peers.book import PeerBook
+from kvserver.engine import StorageEngine
+from kvserver.errors import KVServerError
+from kvserver.grants import StoreGrant
+from kvserver.namespace import NamespaceSpec
+
+logger = logging.getLogger(__name__)
+
+#: lease owner of the DRAM reservations that fetched chunks are placed into.
+FETCH_CLIENT = "kvserver-peer-fetch"
+
+Parts = dict[bytes, list[memoryview]]
+
+
+@dataclass(slots=True)
+class Slot:
+    """A stream window reserved ahead of its reply: its keys, their grant (None: DRAM took
+    none), where each reserved key's pages are, per key the views to receive into (pages, or
+    the buffers of ``own``), and the parts of the keys DRAM did not take."""
+
+    keys: list[bytes]
+    grant: StoreGrant | None
+    where: dict[bytes, Any]
+    rows: list[list[memoryview]]
+    own: Parts
+
+
+class Placer:
+    """Places fetched chunks in one daemon's DRAM; see the module docstring."""
+
+    def __init__(self, engine: StorageEngine, book: PeerBook, publish: Callable[[], None]) -> None:
+        self._engine = engine
+        self._book = book
+        self._publish = publish
+
+    def slot(self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]) -> Slot:
+        """Reserve DRAM for a window's ``keys`` before its reply comes; per key, the views
+        its parts are to be received into: its reserved pages, or buffers of its own when
+        DRAM cannot take it."""
+        grant = self.reserve(spec, keys, protect)
+        where = dict(zip(grant.keys, grant.locations, strict=True)) if grant is not None else {}
+        views, tp, size = self._engine.arena.views, spec.tp_world_size, spec.part_bytes
+        rows: list[list[memoryview]] = []
+        own: Parts = {}
+        for key in keys:
+            extents = where.get(key)
+            if extents is not None:
+                rows.append([v for rank in range(tp) for v in views(extents[rank])])
+            else:
+                own[key] = [memoryview(bytearray(size)) for _ in range(tp)]
+                rows.append(own[key])
+        return Slot(keys, grant, where, rows, own)
+
+    def settle(
+        self, spec: NamespaceSpec, slot: Slot, count: int, direct: bool
+    ) -> tuple[list[bytes], Parts]:
+        """A window's first ``count`` chunks arrived whole: make those reserved ready, give
+        the rest back; returns (keys it sent, direct parts)."""
+        sent = slot.keys[:count]
+        slot.rows.clear()  # the arena's views go before the pages can
+        self.complete(slot.grant, [k for k in sent if k in slot.where])
+        if not direct:
+            return sent, {}
+        ns_id, engine = spec.ns_id, self._engine
+        own = slot.own
+        return sent, {k: own[k] for k in sent if k in own and not engine.contains(ns_id, k)}
+
+    def reserve(
+        self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]
+    ) -> StoreGrant | None:
+        """Reserve DRAM for fetched ``keys`` as a promotion does, protecting the request's
+        keys already in DRAM; None when DRAM cannot take them."""
+        if not keys:
+            return None
+        engine, ns_id = self._engine, spec.ns_id
+        keep: list[bytes] = []
+        if protect:
+            fetched = set(keys)
+            absent = set(engine.missing(ns_id, protect))
+            keep = [k for k in dict.fromkeys(protect) if k not in fetched and k not in absent]
+        try:
+            return engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False,
+                                        lease_s=engine.config.max_lease_s)  # fmt: skip
+        except KVServerError as exc:  # e.g. more than the whole tier
+            logger.warning("network tier: cannot place fetched chunks: %s", exc)
+            return None
+
+    def complete(self, grant: StoreGrant | None, written: list[bytes]) -> None:
+        """Make the ``written`` keys of ``grant`` ready, roll back the rest (one
+        ``settle_store``), publish."""
+        if grant is not None and grant.keys:
+            with contextlib.suppress(KVServerError):  # the lease expired meanwhile
+                placed = self._engine.settle_store(grant.lease_id, written)
+                self._book.counters.placed_chunks += len(placed)
+        self._publish()
+
+    def place(
+        self,
+        spec: NamespaceSpec,
+        keys: list[bytes],
+        rows: list[list[memoryview]],
+        protect: Sequence[bytes],
+        direct: bool,
+    ) -> Parts:
+        """Write fetched ``rows`` into DRAM (synchronously: nothing else runs meanwhile);
+        returns the rows DRAM did not take when ``direct``."""
+        if not keys:
+            return {}
+        engine, ns_id = self._engine, spec.ns_id
+        grant = self.reserve(spec, keys, protect)
+        reserved = set(grant.keys) if grant is not None else set()
+        out: Parts = {}
+        written: list[bytes] = []
+        try:
+            for key, row in zip(keys, rows, strict=True):
+                if grant is not None and key in reserved:
+                    for rank, part in enumerate(row):
+                        engine.write_part(grant.lease_id, key, rank, part)
+                    written.append(key)
+                elif direct and not engine.contains(ns_id, key):
+                    out[key] = row
+        finally:
+            self.complete(grant, written)
+        return out
