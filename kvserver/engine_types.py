@@ -1,5 +1,5 @@
 """Value types of the storage engine: configuration, the per-chunk record, statistics, keys
-cut from one buffer.
+whose size is known by construction (cut from one buffer, or made by a namespace's hasher).
 
 The grants (``StoreGrant``, ``LoadGrant``) are data-plane wire values: ``kvserver/grants.py``.
 
@@ -9,6 +9,7 @@ Pure data; no behaviour beyond validation and derived properties.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,6 +86,25 @@ class CutKeys(tuple[bytes, ...]):
             raise ValueError(f"{len(packed)} bytes are not whole keys of {key_size} bytes")
         # one bytes object per key, cut in C (2,048 keys: ~25 us)
         keys = super().__new__(cls, numpy.frombuffer(packed, dtype=f"V{key_size}").tolist())
+        keys.key_size = key_size
+        return keys
+
+
+class HashedKeys(tuple[bytes, ...]):
+    """Chunk keys that a namespace's own :class:`~kvserver.hashing.BlockHasher` made from token
+    ids (``KVService.chunk_keys_for_tokens``): digests of the namespace's hash algorithm, so
+    each is ``bytes`` of ``key_size`` by construction of the hash function, and the engine's
+    key check (``NamespaceTable.check_keys``) compares ``key_size`` instead of each key, as for
+    :class:`CutKeys` (2,048 keys: ~40 us less per Lookup by token ids).
+
+    REQUIRES (not checked: that is the point): every item is a digest returned by a hasher
+    whose ``digest_size`` is ``key_size``. Only the daemon's token paths make one.
+    """
+
+    key_size: int
+
+    def __new__(cls, digests: Iterable[bytes], key_size: int) -> HashedKeys:
+        keys = super().__new__(cls, digests)
         keys.key_size = key_size
         return keys
 

@@ -217,36 +217,23 @@ class BlockHasher:
         out: list[BlockHash] = []
         keys, done = first_keys, 0
         cache = self._cache
-        if packed_all is not None:  # whole segments from the cache while they are there
-            while num_blocks - done >= GROUP_BLOCKS:
-                cached = cache.get(self._segment_key(parent, keys, rest_keys, packed_all, done))
-                if cached is None:
-                    break
-                out += cached
-                parent, keys, done = cached[-1], rest_keys, done + GROUP_BLOCKS
+        seg_bytes = self.block_size * _PACKED_ID_SIZE * GROUP_BLOCKS
+        if packed_all is not None and num_blocks >= GROUP_BLOCKS:  # cached whole segments
+            out = cache.run(
+                parent, keys, rest_keys, packed_all, num_blocks // GROUP_BLOCKS, seg_bytes
+            )
+            done = len(out)
+            if done:
+                parent, keys = out[-1], rest_keys
         if done == num_blocks:
             return out
         hashes = self._chain(tokens, packed_all, done, num_blocks, parent, keys, rest_keys)
-        if packed_all is not None:  # remember the whole segments just computed
-            for at in range(0, len(hashes) - GROUP_BLOCKS + 1, GROUP_BLOCKS):
-                before, seg_keys = (hashes[at - 1], rest_keys) if at else (parent, keys)
-                key = self._segment_key(before, seg_keys, rest_keys, packed_all, done + at)
-                cache.put(key, hashes[at : at + GROUP_BLOCKS])
+        if packed_all is not None and len(hashes) >= GROUP_BLOCKS:  # remember new segments
+            cache.put_chain(
+                parent, keys, rest_keys, packed_all, done // GROUP_BLOCKS, seg_bytes, hashes
+            )
         out += hashes
         return out
-
-    def _segment_key(
-        self,
-        parent: bytes,
-        keys: object,
-        rest_keys: object,
-        packed_all: bytes,
-        first_block: int,
-    ) -> tuple[object, ...]:
-        """What determines the hashes of the segment of blocks from ``first_block`` on."""
-        size = self.block_size * _PACKED_ID_SIZE
-        at = first_block * size
-        return (parent, keys, rest_keys, packed_all[at : at + GROUP_BLOCKS * size])
 
     def _chain(
         self,
@@ -308,18 +295,54 @@ class _GroupCache:
         self._lock = threading.Lock()
         self._segments: OrderedDict[tuple[object, ...], list[BlockHash]] = OrderedDict()
 
-    def get(self, key: tuple[object, ...]) -> list[BlockHash] | None:
+    def run(
+        self,
+        parent: bytes,
+        keys: object,
+        rest_keys: object,
+        packed: bytes,
+        max_segments: int,
+        seg_bytes: int,
+    ) -> list[BlockHash]:
+        """The hashes of the leading cached segments of a call (at most ``max_segments``),
+        looked up in one pass under the lock: the first segment's parent is ``parent`` and its
+        extra keys ``keys``, each later one's its predecessor's last hash and ``rest_keys``;
+        segment ``i`` holds the ids ``packed[i * seg_bytes : (i + 1) * seg_bytes]``. A new
+        list (the cached ones are not handed out)."""
+        out: list[BlockHash] = []
+        segments = self._segments
         with self._lock:
-            hashes = self._segments.get(key)
-            if hashes is not None:
-                self._segments.move_to_end(key)
-            return hashes
+            for at in range(0, max_segments * seg_bytes, seg_bytes):
+                key = (parent, keys, rest_keys, packed[at : at + seg_bytes])
+                hashes = segments.get(key)
+                if hashes is None:
+                    break
+                segments.move_to_end(key)
+                out += hashes
+                parent, keys = hashes[-1], rest_keys
+        return out
 
-    def put(self, key: tuple[object, ...], hashes: list[BlockHash]) -> None:
+    def put_chain(
+        self,
+        parent: bytes,
+        keys: object,
+        rest_keys: object,
+        packed: bytes,
+        first_segment: int,
+        seg_bytes: int,
+        hashes: list[BlockHash],
+    ) -> None:
+        """Remember the whole segments of ``hashes``, the chain computed from segment
+        ``first_segment`` on (keyed as :meth:`run` looks them up), in one pass under the lock."""
+        segments = self._segments
         with self._lock:
-            self._segments[key] = hashes
-            while len(self._segments) > self._capacity:
-                self._segments.popitem(last=False)
+            at = first_segment * seg_bytes
+            for start in range(0, len(hashes) - GROUP_BLOCKS + 1, GROUP_BLOCKS):
+                segment = hashes[start : start + GROUP_BLOCKS]
+                segments[(parent, keys, rest_keys, packed[at : at + seg_bytes])] = segment
+                parent, keys, at = segment[-1], rest_keys, at + seg_bytes
+            while len(segments) > self._capacity:
+                segments.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._segments)

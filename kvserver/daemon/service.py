@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from kvserver import __version__
 from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle
@@ -33,7 +33,7 @@ from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine_types import EngineConfig, HashedKeys
 from kvserver.errors import InvalidArgument
 from kvserver.eventlog import EventLog
 from kvserver.grants import LoadGrant, StoreGrant
@@ -172,8 +172,9 @@ class KVService:
         *,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
-    ) -> list[bytes]:
-        """The chunk keys of a prompt, hashed as a vLLM replica of this namespace would."""
+    ) -> HashedKeys:
+        """The chunk keys of a prompt, hashed as a vLLM replica of this namespace would: digests
+        of ``key_size`` bytes, which the engine's key check takes without looking at each."""
         if len(token_ids) > MAX_LOOKUP_TOKENS:
             raise InvalidArgument("too many tokens", count=len(token_ids))
         spec = self.engine.namespace(ns_id)
@@ -191,7 +192,7 @@ class KVService:
             self._hashers[ns_id] = hasher
         blocks = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora)
         # block hashes are bytes already (a NewType): no copy per key (2,048: ~0.1 ms)
-        return cast("list[bytes]", hasher.chunk_keys(blocks, spec.chunk_blocks))
+        return HashedKeys(hasher.chunk_keys(blocks, spec.chunk_blocks), spec.key_size)
 
     def lookup_tokens(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import CutKeys, EngineConfig, EntryState
+from kvserver.engine_types import CutKeys, EngineConfig, EntryState, HashedKeys
 from kvserver.errors import (
     CapacityError,
     InvalidArgument,
@@ -1094,6 +1094,23 @@ def test_cut_keys_are_whole_keys_checked_once_when_cut() -> None:
         with pytest.raises(ValueError, match="whole keys"):
             CutKeys(bytes(33), 32)
         assert CutKeys(b"", 32) == ()
+
+
+def test_hashed_keys_skip_the_per_key_check_only_at_their_namespace_size() -> None:
+    """Digests of the namespace's own hasher (the daemon's token paths) serve every call like a
+    list of the same keys without a per-key check; marked with another size they get it."""
+    with make_engine() as engine:
+        ns = engine.register_namespace(make_spec())
+        keys = make_keys(5)
+        hashed = HashedKeys(keys, 32)
+        assert list(hashed) == keys and hashed.key_size == 32
+        store(engine, ns, keys[:3])
+        assert engine.lookup(ns, hashed) == 3
+        assert engine.missing(ns, hashed) == keys[3:]
+        assert engine.pin(ns, hashed, 30.0) == 3
+        short = HashedKeys([k[:16] for k in keys], 16)  # not this namespace's size: checked
+        with pytest.raises(InvalidArgument, match="32 bytes"):
+            engine.lookup(ns, short)
 
 
 # ============================================================================ events

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import STATUS_BY_CODE, GrpcFrontend, status_for
 from kvserver.daemon.service import KVService
+from kvserver.engine_types import HashedKeys
 from kvserver.errors import (
     ERRORS_BY_CODE,
     CapacityError,
@@ -155,6 +156,23 @@ def test_lookup_tokens_agrees_with_vllm_hashing(
     assert (reply.hit_chunks, reply.hit_tokens, reply.num_chunks) == (6, 6 * 32, 10)
     assert reply.chunk_tokens == 32 and reply.tiers == {"dram": 6}
     assert client.lookup_keys(ns_id, keys) == reply
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_token_keys_are_hashed_keys_of_the_namespace_size(
+    server: InProcessServer, client: GrpcClient, algo: str
+) -> None:
+    """The token paths hand the engine ``HashedKeys`` (trusted, not checked per key): each
+    one the namespace's key size, the same keys a client's own hasher computes."""
+    spec = make_spec(hash_algo=algo)
+    ns_id = client.register_namespace(spec).namespace_id
+    tokens = list(range(16 * 40))
+    keys = server.call(lambda: server.service.chunk_keys_for_tokens(ns_id, tokens))
+    assert type(keys) is HashedKeys and keys.key_size == spec.key_size
+    assert list(keys) == chunk_keys(spec, tokens)
+    assert {type(k) for k in keys} == {bytes} and {len(k) for k in keys} == {spec.key_size}
+    server.store(ns_id, list(keys[:30]))
+    assert client.lookup_tokens(ns_id, tokens).hit_chunks == 30
 
 
 def test_lookup_is_a_leading_run(server: InProcessServer, client: GrpcClient) -> None:
