@@ -120,14 +120,17 @@ def _client(calls: int, out: Path) -> None:
         kv.complete_store(grant.lease_id)
         with kv, GrpcClient(f"127.0.0.1:{info['grpc_port']}", timeout=120) as grpc:
             firsts = itertools.count(1)
+            fresh = list(tokens)
+
+            def new_prompt() -> Any:
+                fresh[0] = next(firsts) % 128_256  # as daemon_lookup: no copy of the ids
+                return grpc.lookup_tokens(ns_id, fresh)
+
             cases: dict[str, tuple[Callable[[], Any], int]] = {
                 KINDS[0]: (grpc.health, calls),
                 KINDS[1]: (lambda: grpc.lookup_keys(ns_id, keys[:1]), calls),
                 KINDS[2]: (lambda: grpc.lookup_keys(ns_id, keys), calls),
-                KINDS[3]: (
-                    lambda: grpc.lookup_tokens(ns_id, [next(firsts) % 128_256, *tokens[1:]]),
-                    max(1, round(calls * TOKEN_SHARE)),
-                ),
+                KINDS[3]: (new_prompt, max(1, round(calls * TOKEN_SHARE))),
                 KINDS[4]: (lambda: kv.lookup(ns_id, keys[:1]), calls),
             }
             for call, _ in cases.values():
