@@ -15,10 +15,14 @@ payload at once with numpy (:mod:`kvserver.hash_payloads`) and the loop splices 
 Reuse of already-hashed prefixes. Prompts repeat and extend one another (multi-turn chats,
 shared system prompts, routers asking about the same prompt again), so each hasher keeps a
 bounded LRU cache of chain segments: the hashes of :data:`GROUP_BLOCKS` consecutive full blocks,
-keyed by exactly what determines them (the parent hash before the segment, the extra keys of
-its first and of its other blocks, the segment's token ids packed as bytes). A hit is therefore
-the same value a recomputation would give, bit for bit; only whole segments aligned to the
-call's first block are cached, so the short incremental calls of a scheduler never touch it.
+keyed by what determines them (the parent hash before the segment, the extra keys of its first
+and of its other blocks) and a 64-bit xxh3 of the segment's token ids packed as bytes; an entry
+keeps those ids and is a hit only when they equal the call's byte for byte. A hit is therefore
+the same value a recomputation would give, bit for bit (segments whose ids collide in xxh3
+share one entry, the later replacing the earlier: a miss, never a wrong hash). The xxh3 is
+there because dict keys are hashed with siphash, ~5 instructions a byte: 2 KiB of ids per
+segment cost 0.6 M instructions per 32k-token call. Only whole segments aligned to the call's
+first block are cached, so the short incremental calls of a scheduler never touch it.
 
 Scheme (vLLM V1's block hashing), with ``H`` one of :data:`HASH_ALGOS`::
 
@@ -283,17 +287,25 @@ class BlockHasher:
         return first or None, rest or None
 
 
+#: the key of a segment's packed token ids in :class:`_GroupCache` (not its identity: the
+#: entry keeps the ids, compared on every hit)
+_segment_digest: Callable[[memoryview], int] = xxhash.xxh3_64_intdigest
+
+
 class _GroupCache:
     """A bounded LRU of chain segments (see the module docstring); thread-safe.
 
-    Values are lists of block hashes that callers must not mutate (``hash_blocks`` copies
-    them into its result).
+    Keys: (parent hash, extra keys of the segment's first block, of its other blocks,
+    :data:`_segment_digest` of its packed ids); values: (those ids, the segment's block
+    hashes), the hashes a list that callers must not mutate (``run`` copies them out).
     """
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._segments: OrderedDict[tuple[object, ...], list[BlockHash]] = OrderedDict()
+        self._segments: OrderedDict[tuple[object, ...], tuple[bytes, list[BlockHash]]] = (
+            OrderedDict()
+        )
 
     def run(
         self,
@@ -310,14 +322,15 @@ class _GroupCache:
         segment ``i`` holds the ids ``packed[i * seg_bytes : (i + 1) * seg_bytes]``. A new
         list (the cached ones are not handed out)."""
         out: list[BlockHash] = []
-        segments = self._segments
+        segments, digest, view = self._segments, _segment_digest, memoryview(packed)
         with self._lock:
             for at in range(0, max_segments * seg_bytes, seg_bytes):
-                key = (parent, keys, rest_keys, packed[at : at + seg_bytes])
-                hashes = segments.get(key)
-                if hashes is None:
+                key = (parent, keys, rest_keys, digest(view[at : at + seg_bytes]))
+                entry = segments.get(key)
+                if entry is None or entry[0] != packed[at : at + seg_bytes]:
                     break
                 segments.move_to_end(key)
+                hashes = entry[1]
                 out += hashes
                 parent, keys = hashes[-1], rest_keys
         return out
@@ -334,12 +347,13 @@ class _GroupCache:
     ) -> None:
         """Remember the whole segments of ``hashes``, the chain computed from segment
         ``first_segment`` on (keyed as :meth:`run` looks them up), in one pass under the lock."""
-        segments = self._segments
+        segments, digest, view = self._segments, _segment_digest, memoryview(packed)
         with self._lock:
             at = first_segment * seg_bytes
             for start in range(0, len(hashes) - GROUP_BLOCKS + 1, GROUP_BLOCKS):
                 segment = hashes[start : start + GROUP_BLOCKS]
-                segments[(parent, keys, rest_keys, packed[at : at + seg_bytes])] = segment
+                ids = view[at : at + seg_bytes]
+                segments[(parent, keys, rest_keys, digest(ids))] = (ids.tobytes(), segment)
                 parent, keys, at = segment[-1], rest_keys, at + seg_bytes
             while len(segments) > self._capacity:
                 segments.popitem(last=False)

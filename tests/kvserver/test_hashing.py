@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserver import hashing
 from kvserver.errors import InvalidArgument
 from kvserver.hashing import (
     DEFAULT_SEED,
@@ -433,6 +434,24 @@ def test_segment_cache_is_bounded_lru() -> None:
     assert len(hasher._cache) == 2
     assert [hasher.hash_blocks(p) for p in prompts] == results
     assert len(hasher._cache) == 2
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
+def test_segments_whose_ids_collide_in_the_cache_key_are_never_confused(
+    algo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is keyed by a 64-bit digest of a segment's ids, and an entry keeps the ids:
+    prompts whose segments all collide (a constant digest, which xxh3 cannot be made to give
+    here) share one entry per parent, and each still gets its own hashes, bit for bit."""
+    monkeypatch.setattr(hashing, "_segment_digest", lambda ids: 7)
+    block_size = 2
+    hasher = BlockHasher(algo, block_size)
+    rng = random.Random(5)
+    a = [rng.randrange(2**20) for _ in range(block_size * 3 * GROUP_BLOCKS)]
+    b = a[: block_size * GROUP_BLOCKS] + [t + 1 for t in a[block_size * GROUP_BLOCKS :]]
+    for tokens in (a, b, a, b[:-3], a + b):
+        assert hasher.hash_blocks(tokens) == reference_hashes(algo, tokens, block_size)
+    assert 0 < len(hasher._cache) < 8  # colliding segments replaced one another
 
 
 def test_ids_beyond_32_bits_are_hashed_without_the_cache() -> None:
