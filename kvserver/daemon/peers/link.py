@@ -129,14 +129,22 @@ class PeerLink:
 
     async def stream(self) -> PeerStream | None:
         """The peer's stream port (``kvserver/wire_stream.py``) when fetches may use it: the
-        peer advertises one (its fleet record, or, for a configured peer list, its ``hello``,
-        asked once) in a mode this daemon may dial: ``tcp://`` when plain streams are allowed
+        peer advertises one (its fleet record, or, for a configured peer list, its ``hello``)
+        in a mode this daemon may dial: ``tcp://`` when plain streams are allowed
         (``stream``: not with CURVE, whose fleet must not send chunks in clear), ``tls://``
         when ``stream_tls`` is set. A plain stream is never dialled to a TLS port, nor a TLS
-        one to a plain port. None: fetch over ZMQ. Raises :class:`PeerFailed` when the
+        one to a plain port. A port learnt from the ``hello`` that then refuses a connection
+        is forgotten and the ``hello`` asked again (a peer restarted on the same data port
+        opens another stream port). None: fetch over ZMQ. Raises :class:`PeerFailed` when the
         ``hello`` that would tell fails."""
         if not self._stream_allowed and self._stream_tls is None:
             return None
+        stale = self._stream
+        if stale is not None and stale.unreachable and self.peer.stream_address is None:
+            # learnt from a hello, and its port refused us: the peer may have restarted (same
+            # data port, another ephemeral stream port); ask its hello again
+            self._stream, self._stream_known = None, False
+            await stale.close()
         if not self._stream_known:
             address = self.peer.stream_address
             if address is None:

@@ -363,6 +363,9 @@ class PeerStream:
         self._opened = 0
         self._freed = asyncio.Condition()
         self._closed = False
+        #: a connection to the port was refused or could not be made: the port may be gone
+        #: (the peer restarted on another one; ``PeerLink.stream`` asks its ``hello`` again).
+        self.unreachable = False
 
     @property
     def connections_open(self) -> int:
@@ -379,6 +382,7 @@ class PeerStream:
             msg = "no stream connection to the peer in time"
             raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
         except OSError as exc:
+            self.unreachable = True
             msg = f"cannot connect to the peer's stream port: {exc}"
             raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
         try:

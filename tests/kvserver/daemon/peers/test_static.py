@@ -83,3 +83,34 @@ async def test_a_load_after_a_lookup_reuses_its_answer_until_it_is_stale(tmp_pat
             await book.close()
     finally:
         a.kill()
+
+
+async def test_a_peer_restarted_on_its_data_port_is_fetched_from_over_its_new_stream_port(
+    tmp_path: Path,
+) -> None:
+    """``--peers`` names a data plane; the stream port comes from the peer's ``hello`` and is
+    ephemeral by default. A restarted on the same data port opens another stream port: B
+    must ask again, not dial the old port on every fetch while A serves."""
+    keys = make_keys(4, tag="again")
+    a = start_daemon(tmp_path / "a", "--dram", "8MiB")
+    try:
+        store(a, keys[:2])
+        with engine_b() as engine:
+            book = PeerBook(PeerSettings(timeout_s=5, suspect_s=0))
+            tier = PeerTier(engine, StaticDirectory([a.zmq_address], book), book)
+            await tier.promote(SPEC.ns_id, keys[:2])
+            assert held_bytes(engine, keys[:2]) == expected(keys[:2])
+            assert book.counters.stream_fetches == 1
+            old = a.info["peer_stream_port"]
+            a.kill()
+            a = start_daemon(tmp_path / "a2", "--dram", "8MiB", "--zmq-port",
+                             str(a.info["zmq_port"]))  # fmt: skip
+            assert a.info["peer_stream_port"] != old
+            store(a, keys[2:])
+            for _ in range(2):  # the first may find the old port closed (a failure)
+                await tier.promote(SPEC.ns_id, keys[2:])
+            assert held_bytes(engine, keys[2:]) == expected(keys[2:])
+            assert book.counters.stream_fetches == 2
+            await book.close()
+    finally:
+        a.kill()
