@@ -103,8 +103,6 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._ns_specs: dict[str, str] = {}
         self._last_write = 0.0
-        #: the live members (this daemon included) as of the last heartbeat, by host id order.
-        self.members: list[HostInfo] = []
         #: the newest storage event reflected in Redis.
         self.written_seq = 0
         self._written_changed = asyncio.Event()
@@ -116,6 +114,14 @@ class ClusterNode:
     @property
     def incarnation(self) -> str:
         return self.info.incarnation
+
+    @property
+    def members(self) -> list[HostInfo]:
+        """The live members (this daemon included), by host id order, as the reader last read
+        them: at every heartbeat, and at every lookup through :attr:`reader` older than
+        ``members_max_age_s`` (so the network tier fetches from the incarnations the index
+        it just read names, not from those of the last heartbeat). No I/O; read only."""
+        return self.reader.known_hosts
 
     async def start(self) -> None:
         """Start following events and writing; tries to register once before returning."""
@@ -306,7 +312,7 @@ class ClusterNode:
                 else "",
             )
         self.condition, self.condition_detail = "ok", ""
-        self.members = await self.reader.hosts(refresh=True)
+        await self.reader.hosts(refresh=True)  # self.members
 
     def _queue_record(self, pipe: Any, *, exists: bool) -> int:
         """Queue the record (with the current namespaces), the hosts set and the specs."""
@@ -344,7 +350,7 @@ class ClusterNode:
             logger.warning("cluster: membership record was gone; re-registering")
             self._registered = False
             return
-        self.members = await self.reader.hosts(refresh=True)
+        await self.reader.hosts(refresh=True)  # self.members
 
     async def _leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -108,6 +108,12 @@ class FleetReader:
         #: what the client raises when the server is unreachable (either library)
         self._errors = client_errors(redis)
 
+    @property
+    def known_hosts(self) -> list[HostInfo]:
+        """The live members as last read by :meth:`hosts` (or a lookup), sorted by host id;
+        no I/O ([] before the first read). The list is replaced, never changed: read only."""
+        return self._hosts
+
     async def hosts(
         self, *, refresh: bool = False, timeout_s: float | None = None
     ) -> list[HostInfo]:

@@ -4,10 +4,12 @@ Runs in the daemon process, on its event loop (loop only, not thread-safe). The 
 (``kvserver/daemon/peers/``) asks it who the peers are and which of them hold which chunk;
 it answers from the ``ClusterNode``'s view of the fleet:
 
-- ``peers()``: the live members other than this daemon, from the member list the node
-  refreshes at every heartbeat (no I/O; a member that died is listed until its record
-  expires and the next heartbeat notices, at most TTL + one heartbeat interval; a fetch from
-  it fails and the tier marks it suspect meanwhile); none while the node is not ``ok``
+- ``peers()``: the live members other than this daemon, from the member list the node's
+  reader last read (at every heartbeat, and by the lookups of ``holders``: so a restarted
+  member is fetched from at the address of the incarnation the index named, not of the one
+  the last heartbeat saw; no I/O; a member that died is listed until its record expires and
+  a read notices, at most TTL + one heartbeat interval; a fetch from it fails and the tier
+  marks it suspect meanwhile); none while the node is not ``ok``
   (Redis unreachable: the tier then answers at once from local tiers instead of waiting for
   a Redis timeout on every lookup), and ``error`` says why;
 - ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one server-side

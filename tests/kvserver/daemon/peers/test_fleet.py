@@ -342,3 +342,30 @@ def test_a_secured_fleet_over_rediss_fetches_over_the_tls_stream_or_curve(
         for d in hosts.values():
             d.kill()
         redis.stop()
+
+
+def test_a_peer_restarted_between_heartbeats_is_fetched_from_at_its_new_address(
+    tmp_path: Path, fleet_server: RedisServer
+) -> None:
+    """A restarted (new incarnation, new ports) is named by the index as soon as it
+    re-registers; B's lookups then credit A's new chunks, and a load through B must fetch
+    them from A's new address, not from the incarnation B's last heartbeat saw (dead: a
+    timeout, A suspect, a miss). B's heartbeat is 20 s apart, so none falls in between."""
+    slow = ("--cluster-ttl-s", "60")
+    a, b = (start_host(tmp_path, fleet_server, h, *slow) for h in "AB")
+    try:
+        old = make_keys(2, tag="old")
+        assert store(a, old) == old
+        wait_until(lambda: peer_hits(b, old) == 2)
+        a.kill()
+        a = start_host(tmp_path / "again", fleet_server, "A", *slow)
+        keys = make_keys(3, tag="new")
+        assert store(a, keys) == keys
+        wait_until(lambda: peer_hits(b, keys) == 3)
+        with KVClient(b.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+        assert peer_stats(b)["peers_suspect"] == 0
+    finally:
+        for d in (a, b):
+            d.kill()
