@@ -13,7 +13,9 @@ of the lease an op names: ``complete_store``, ``write_parts``, ``complete_load``
 ``read_parts``) against the tenant's models; writes (register, store, pin, unpin) against
 ``read_only``; ``lookup_tokens``' ``cache_salt`` against the tenant's salts. Chunk keys are
 opaque hashes: an op that names keys cannot tell which cache_salt made them, so a tenant with
-salts still reaches, by key, every chunk of a namespace its models allow.
+salts still reaches, by key, every chunk of a namespace its models allow. A lease op naming a
+lease the daemon itself owns (``owners.py``: bytes are moving in or out of its pages) is
+refused for every principal, the admin included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from kvserver import wire
 from kvserver.daemon.auth import Principal
+from kvserver.daemon.owners import DAEMON_OWNERS
 from kvserver.daemon.service import KVService
 from kvserver.errors import KVServerError, PermissionDenied, Unauthenticated
 from kvserver.namespace import NamespaceSpec
@@ -39,6 +42,9 @@ _LEASE_OPS = {wire.COMPLETE_STORE: True, wire.WRITE_PARTS: True, wire.COMPLETE_L
 def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any]) -> None:
     """Raise PermissionDenied (or UnknownNamespace) unless ``who`` may make request ``op``
     with (validated) ``args``; see the module docstring."""
+    if op in _LEASE_OPS and service.lease_owner(args["lease_id"]) in DAEMON_OWNERS:
+        # the admin too: the daemon's own leases guard bytes in flight (``owners.py``)
+        raise PermissionDenied("the lease is the daemon's own", lease=args["lease_id"])
     if who.is_admin:
         return
     if op == wire.REGISTER_NAMESPACE:

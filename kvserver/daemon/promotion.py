@@ -45,6 +45,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 
+from kvserver.daemon.owners import PROMOTE_CLIENT as PROMOTE_CLIENT
 from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
@@ -55,8 +56,6 @@ from kvserver.ssd.index import SsdEntry, SsdIndex
 
 logger = logging.getLogger(__name__)
 
-#: lease owner of promotion reservations in the DRAM tier.
-PROMOTE_CLIENT = "kvserver-ssd-promote"
 #: batches reading at once unless configured otherwise (``ssd_promotions``).
 DEFAULT_PROMOTIONS = 4
 

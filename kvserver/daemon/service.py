@@ -127,6 +127,11 @@ class KVService:
         """The namespace of live lease ``lease_id``, or None (the op then fails itself)."""
         return self.engine.lease_namespace(lease_id)
 
+    def lease_owner(self, lease_id: int) -> str | None:
+        """The client that owns live lease ``lease_id``, or None (no such lease)."""
+        lease = self.engine.leases.find(lease_id)
+        return None if lease is None else lease.client
+
     def find_namespace(self, ns_id: str) -> NamespaceSpec | None:
         """The spec of ``ns_id`` if registered here, else None."""
         return self.engine.namespaces.get(ns_id)

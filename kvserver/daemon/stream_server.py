@@ -48,6 +48,7 @@ from typing import Any
 from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Authenticator, Principal
+from kvserver.daemon.owners import STREAM_CLIENT as STREAM_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
 from kvserver.daemon.stream_io import Closed, PlainIO, TlsIO
@@ -55,8 +56,6 @@ from kvserver.errors import KVServerError
 
 logger = logging.getLogger(__name__)
 
-#: lease owner of the pins a stream reply holds while it is sent.
-STREAM_CLIENT = "kvserver-peer-stream"
 MAX_CONNECTIONS = 256
 IDLE_S = 300.0
 

@@ -31,6 +31,7 @@ from kvserver.daemon.access import replay_refusal
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.local_server import LocalConnection
+from kvserver.daemon.owners import DAEMON_OWNERS
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_ops import (
     Answer,
@@ -173,6 +174,9 @@ class RequestHandler:
     ) -> Result | Deferred:
         if req.op not in wire.OPS_WITH_PAYLOAD and len(frames) > 1:
             raise InvalidArgument(f"{req.op} takes no payload frames", frames=len(frames) - 1)
+        if req.client in DAEMON_OWNERS:  # their leases move bytes no request may cut short
+            raise InvalidArgument("header field 'client' names a lease owner reserved for the "
+                                  "daemon itself", client=req.client)  # fmt: skip
         client = who.owner(req.client or owner)
         if isinstance(peer, LocalConnection):
             self._local_clients.setdefault(peer, set()).add(client)

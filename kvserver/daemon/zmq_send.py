@@ -35,13 +35,11 @@ import numpy as np
 import zmq
 
 from kvserver import wire
+from kvserver.daemon.owners import ZMQ_SEND_CLIENT as ZMQ_SEND_CLIENT
 from kvserver.daemon.service import KVService
 from kvserver.errors import KVServerError
 
 logger = logging.getLogger(__name__)
-
-#: lease owner of the pins that guard in-flight zero-copy sends.
-ZMQ_SEND_CLIENT = "kvserver-zmq-send"
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvserver.daemon.owners import FETCH_CLIENT as FETCH_CLIENT
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.engine import StorageEngine
 from kvserver.errors import KVServerError
@@ -34,8 +35,6 @@ from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
 
-#: lease owner of the DRAM reservations that fetched chunks are placed into.
-FETCH_CLIENT = "kvserver-peer-fetch"
 
 Parts = dict[bytes, list[memoryview]]
 
