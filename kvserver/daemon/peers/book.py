@@ -4,10 +4,11 @@ Runs in the daemon process, on its event loop. Not thread-safe: loop only.
 
 Invariants: there is at most one :class:`~kvserver.daemon.peers.link.PeerLink` per host id,
 and it is to the incarnation and address the directory named last (a new incarnation or
-address replaces the link, closing the old one in the background); a host is suspect from a
-failed call until ``suspect_s`` later, and a suspect host is neither reported by lookups nor
-asked for chunks. Suspicion outlives the link (a restarted peer that was suspect stays so
-until its time is up).
+address replaces the link, closing the old one in the background; a host the directory no
+longer names has its link closed at the next fetch: :meth:`PeerBook.forget`); a host is
+suspect from a failed call until ``suspect_s`` later, and a suspect host is neither reported
+by lookups nor asked for chunks. Suspicion outlives the link (a restarted peer that was
+suspect stays so until its time is up).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -127,6 +128,11 @@ class PeerBook:
         self._links[peer.host_id] = link
         return link
 
+    @property
+    def num_links(self) -> int:
+        """Peers with a link open (known now, or not yet forgotten)."""
+        return len(self._links)
+
     def is_suspect(self, host_id: str) -> bool:
         until = self._suspect_until.get(host_id)
         if until is None:
@@ -156,10 +162,10 @@ class PeerBook:
     def suspects(self, known: Iterable[str]) -> list[str]:
         return [h for h in known if self.is_suspect(h)]
 
-    def forget(self, live: Iterable[str]) -> None:
-        """Close the links of hosts no longer among ``live`` (they left the fleet)."""
-        keep = set(live)
-        for host_id in [h for h in self._links if h not in keep]:
+    def forget(self, live: Collection[str]) -> None:
+        """Close the links of hosts no longer among ``live`` (they left the fleet): the
+        network tier calls this before each fetch with the directory's peers."""
+        for host_id in [h for h in self._links if h not in live]:
             self._close_later(self._links.pop(host_id))
 
     async def close(self) -> None:

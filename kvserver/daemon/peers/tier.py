@@ -230,6 +230,7 @@ class PeerTier(Tier):
         absent = set(missing)
         protect = [k for k in unique if k not in absent]
         peers = self.directory.peers()
+        book.forget(peers)  # the links of members that left the fleet are closed
         return await self.fetches.fetch(spec, wanted, peers, protect=protect, direct=direct,
                                         guessed=guessed)  # fmt: skip
 
@@ -262,6 +263,7 @@ class PeerTier(Tier):
             "condition_detail": self.condition_detail,
             "peers_known": len(peers),
             "peers_suspect": len(self.book.suspects(peers)),
+            "peers_linked": self.book.num_links,
             "hit_chunks": self.hit_chunks,
             "fetching_chunks": self.fetches.num_in_flight,
             **self.book.counters.to_dict(),

@@ -369,3 +369,29 @@ def test_a_peer_restarted_between_heartbeats_is_fetched_from_at_its_new_address(
     finally:
         for d in (a, b):
             d.kill()
+
+
+def test_the_link_to_a_member_that_left_the_fleet_is_closed(
+    tmp_path: Path, fleet_server: RedisServer
+) -> None:
+    """A member that leaves (SIGTERM here; a record that expired alike) is no peer any more:
+    B closes its link to it (data-plane sockets, which ZMQ would otherwise keep reconnecting
+    to the dead address, and stream connections) at its next fetch, rather than keeping every
+    link it ever opened (a fleet whose host ids change, as the default one naming the boot
+    does, would pile them up)."""
+    a, b, c = (start_host(tmp_path, fleet_server, h) for h in "ABC")
+    try:
+        for source, tag in ((a, "from-a"), (c, "from-c")):
+            keys = make_keys(3, tag=tag)
+            assert store(source, keys) == keys
+            wait_until(lambda keys=keys: peer_hits(b, keys) == 3)
+            with KVClient(b.zmq_address, colocated=False) as kv:
+                kv.register_namespace(SPEC)
+                assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+            assert peer_stats(b)["peers_linked"] == 1  # the one it fetched from
+            if source is a:
+                a.terminate()
+                wait_until(lambda: peer_stats(b)["peers_known"] == 1)  # C alone
+    finally:
+        for d in (a, b, c):
+            d.kill()
