@@ -178,7 +178,9 @@ class FleetReader:
                 for tier in (schema.TIER_DRAM, schema.TIER_SSD)
             ]
             mode = "1" if exact else "0"
-            pipe.execute_command("EVAL", _RUN_SCRIPT, len(sets), *sets, blob, schema.FP_BYTES, mode)
+            # read-only: runs while the server pauses writes (a failover's CLIENT PAUSE WRITE)
+            fps = (blob, schema.FP_BYTES, mode)
+            pipe.execute_command("EVAL_RO", _RUN_SCRIPT, len(sets), *sets, *fps)
         replies = await self._bounded(pipe.execute(), timeout_s)
         counts = [int(n) for reply in replies for n in reply]
         runs = []
