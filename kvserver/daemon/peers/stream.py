@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvserver import wire_stream
@@ -51,6 +53,12 @@ from kvserver.token_file import TokenFile
 
 #: buffers per ``recvmsg_into`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
+#: the threads that move the streams' bytes and resolve the peers' names: the streams' own, so
+#: that the loop's default executor being busy (the daemon's other off-loop work, each job up
+#: to its own timeout) cannot hold a receive past its deadline and make a healthy peer look
+#: dead. A thread is started only when none is idle: about one per connection in use (peers x
+#: ``peer_connections``), at most this many.
+THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="kvserver-peer-stream")
 
 
 #: the scheme of a TLS stream port's address (a plain one's is ``tcp://``).
@@ -167,7 +175,7 @@ class StreamConnection:
         (a chunk's views, rank order, ``tp * part_bytes`` bytes), or an error reply's body.
         One thread hand-over per reply, whatever its size."""
         fut = self._loop.run_in_executor(
-            None, self._reply, request_id, rows, tp, part_bytes, deadline, on_head
+            THREADS, self._reply, request_id, rows, tp, part_bytes, deadline, on_head
         )
         return ReplyJob(self, fut)
 
@@ -236,7 +244,7 @@ class StreamConnection:
             raise self._failed(f"peer stream failed: {exc}", timed_out=True) from None
 
     async def _in_thread(self, fn: Callable[..., None], *args: object) -> None:
-        await self._wait(self._loop.run_in_executor(None, fn, *args))
+        await self._wait(self._loop.run_in_executor(THREADS, fn, *args))
 
     async def _wait(self, fut: asyncio.Future[Any]) -> Any:
         """Await a worker thread's call on this connection (see the class docstring)."""
@@ -423,7 +431,8 @@ class PeerStream:
 
     async def _connect(self) -> StreamConnection:
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+        resolve = functools.partial(socket.getaddrinfo, type=socket.SOCK_STREAM)
+        infos = await loop.run_in_executor(THREADS, resolve, self._host, self._port)
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
         try:
