@@ -13,7 +13,8 @@ stream → ``close()``.
 - :class:`TlsIO`: ``ssl`` sockets support neither ``sendmsg`` nor the loop's ``sock_*``, so
   reads (hellos and request headers: small) decrypt on the loop with the socket
   non-blocking, waiting for the descriptor to become readable (``loop.add_reader``), and a
-  reply of more than :data:`SMALL_REPLY_BYTES` is sent from a worker thread that ``sendall``\\ s
+  reply of more than :data:`SMALL_REPLY_BYTES` is sent from a worker thread (of
+  :data:`SENDERS`, not the loop's default executor) that ``sendall``\\ s
   each arena view (no copy here; OpenSSL copies each 16 KiB record from the pages into its
   record buffer and encrypts it there: its record layer's one copy), and the loop serves other
   connections meanwhile. If the awaiting task is cancelled (the daemon stops), the socket is
@@ -30,6 +31,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 #: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
@@ -38,6 +40,11 @@ IOV_MAX = 1024
 LINGER_BYTES = 1 << 20
 #: TLS replies up to this size are encrypted on the loop (no thread hop).
 SMALL_REPLY_BYTES = 64 << 10
+#: the threads that send larger TLS replies: the stream's own, so that a reply never waits
+#: for the loop's default executor (the daemon's other off-loop work can keep it busy past the
+#: send's timeout, and the fetcher then loses the reply) and replies to slow peers (each up to
+#: the timeout) do not fill it. At most one per connection (``stream_server.MAX_CONNECTIONS``).
+SENDERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="kvserver-stream-tls")
 
 
 class Closed(Exception):
@@ -237,7 +244,7 @@ class TlsIO:
             for view in views:
                 sock.sendall(view)  # SSL_write of the view itself (no copy here)
 
-        fut = asyncio.get_running_loop().run_in_executor(None, send_all)
+        fut = asyncio.get_running_loop().run_in_executor(SENDERS, send_all)
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
