@@ -25,22 +25,25 @@ more likely to have ended. Which chains end is learnt, not assumed:
   rate over all states with ``PRIOR_WEIGHT`` chunks (no outcome, no change: before any, every
   state is at even odds and the policy is LRU). A one-off document (hundreds of chunks on
   its first turn) learns p ≈ 0 after one; a chat's early turns p ≈ 1, its last turns less;
-- **when.** ``r`` is the learnt rate of returns (1 / the mean gap, in policy ticks, between two
-  requests of one chain). If live chains return at rate ``r`` and a chain of state s is live
-  with prior odds ``p / (1 - p)``, after ``g`` ticks without a return its odds are
-  ``p / (1 - p) * exp(-r g)``: ranking chains by those odds is ranking them by
-  ``t_last + logit(p) / r``, a fixed *deadline* per chain (the clipped logit keeps it finite);
+- **when.** A chain of state s is live with prior odds ``p / (1 - p)``; after ``g`` ticks
+  without a return its odds are ``p / (1 - p) * S(g)``, ``S(g)`` the chance that a live
+  chain's next request comes more than ``g`` ticks after its last, learnt from the gaps seen
+  (:mod:`kvserver.policies.return_gaps`: a histogram, not an exponential, since users answer
+  after heavy-tailed think times). Chains are ranked by ``clip(logit p) + log S(g)``
+  evaluated when ``evict`` runs (issue 15 round 7; before it ``S(g) = exp(-r g)``, a fixed
+  deadline ``t_last + logit(p) / r``); ``r`` is the learnt rate of returns (1 / the mean gap,
+  in policy ticks, between two requests of one chain);
 - **shared prefixes.** A key read by two different chains (a system prompt, a document several
   questions start from), or stored again by another chain than the one that stored it before
   it was evicted (every evicted key is a *ghost* for a while: its uses, when it was first
   stored, its chain), is *shared*; it is valued by its read rate ``lam`` (reads per tick
-  since it was first stored): its deadline is
-  ``t_last + (HI + ln(lam / r)) / r``, that of a chain sure to return whose reads are
-  ``lam / r`` times as frequent (so a rare prompt can rank below a fresh conversation);
+  since it was first stored): its log-odds are ``HI + ln(lam / r) - r g``, those of a
+  memoryless chain sure to return whose reads are ``lam / r`` times as frequent (so a rare
+  prompt can rank below a fresh conversation);
 - **how shared keys age, adapted online** (as ARC adapts its split). A chain's odds fall with
   the time since its last read; a shared key read at a steady rate does not become less
-  likely to be read again. Its age counts ``kappa`` times: its deadline is
-  ``kappa t_last + (1 - kappa) now + (HI + ln(lam / r)) / r``, with ``kappa`` in [0, 1]
+  likely to be read again. Its age counts ``kappa`` times: its log-odds are
+  ``HI + ln(lam / r) - kappa r g``, with ``kappa`` in [0, 1]
   (1: it ages as a chain, 0: ranked by its read rate alone). ``kappa`` starts at 1 and moves
   with the misses on recently evicted keys (ghosts) that a lookup shows: each missed chunk
   that was the same conversation's adds ``KAPPA_STEP`` (conversations lacked room), each
@@ -53,8 +56,8 @@ more likely to have ended. Which chains end is learnt, not assumed:
 - **admission** (``admits``). A store that must evict shows ``evict`` its new keys
   (``incoming``). Each would be queued at the next tick in its chain's state (the chain that
   looked it up; a batch no lookup announced is a new chain's first turn; a returning ghost
-  of a shared key in its read-rate class): if every one of them would have an earlier
-  deadline than the first victim, storing them would swap kept keys for keys that leave
+  of a shared key in its read-rate class): if every one of them would rank below the first
+  victim (lower log-odds, age 0), storing them would swap kept keys for keys that leave
   first, so ``evict`` declines (``None``, nothing changed, ``declined`` set) and the engine
   reports the new keys as not admitted (``filtered``, as reuse gating does: not stored, and
   not a full cache).
@@ -66,12 +69,13 @@ more likely to have ended. Which chains end is learnt, not assumed:
   (docs/benchmarks.md: it is most of what ``chain`` gains on chat at 5 %).
 
 Order. Keys are kept in one LRU list per class (a chain state, or a shared read-rate bucket):
-within a class the deadline is ``t_last`` plus the same offset (a shared class: ``kappa
-t_last`` plus the same term, ``kappa`` >= 0), so the list is in deadline order. ``evict``
-merges the classes' evictable heads by deadline (offsets from the current estimates) and
-takes the smallest first; ties go to the key queued first.
+within a class the log-odds are the same offset plus a function of the age that never rises
+(``log S(g)``, or ``-kappa r g`` for a shared class, ``kappa`` >= 0), so the list is in
+rank order. ``evict`` merges the classes' evictable heads by their log-odds now (offsets
+from the current estimates) and takes the lowest first; ties go to the key queued first.
 
-Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost);
+Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost; a return
+adds its gap to the histogram, whose 64-entry table the next ``evict`` rebuilds);
 ``insert_batch`` and ``touch`` O(1) per key;
 ``evict`` O(c + v log c) for c non-empty classes and v keys passed over (victims and pinned
 ones), plus O(len(incoming)) dict probes to admit (it stops at the first key that ranks).
@@ -93,12 +97,14 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserver.policies.base import EvictionPolicy
+from kvserver.policies.return_gaps import ReturnGaps
 
 #: turn counts above this share one state
 MAX_TURNS = 16
-#: clip of logit(p): a chain sure to return is kept ``HI / r`` ticks, one sure not to ...
+#: clip of logit(p), a just-read chain's log-odds: at most HI (sure to return; also the
+#: log-odds of a shared key read once per mean gap) ...
 HI = 6.0
-#: ... leaves ``LO / r`` ticks before a chain at even odds read at the same time
+#: ... and at least -LO (sure not to)
 LO = 14.0
 #: prior of the return chance over all states; weight, in chunks, of a prior (that one in the
 #: overall rate, the overall rate in a state's)
@@ -106,10 +112,6 @@ PRIOR_P = 0.5
 PRIOR_WEIGHT = 64.0
 #: a state's counts are halved when its outcomes reach this many chunks (recent ones win)
 HALF_LIFE = 1 << 16
-#: weight of the newest return gap in the mean gap (exponential average)
-GAP_WEIGHT = 1.0 / 256
-#: the mean gap before any return was seen, in ticks
-PRIOR_GAP = 64.0
 #: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
 RATE_SCALE = 1 << 16
 #: change of ``kappa`` (how much a shared key's age counts) per missed chunk that was a ghost
@@ -154,7 +156,7 @@ class ChainPolicy(EvictionPolicy):
         self._returned: dict[_State, float] = {}
         self._all_counted = 0.0  # the same summed over the states (the prior of each)
         self._all_returned = 0.0
-        self._gap = PRIOR_GAP
+        self._gaps = ReturnGaps()  # between two requests of one chain: mean, survival
         self._kappa = 1.0  # how much a shared key's age counts (1: as a chain's)
 
     # ------------------------------------------------------------------ observability
@@ -170,7 +172,12 @@ class ChainPolicy(EvictionPolicy):
     @property
     def mean_gap(self) -> float:
         """The learnt mean gap, in ticks, between two requests of one chain."""
-        return self._gap
+        return self._gaps.mean
+
+    def log_survival(self, age: int) -> float:
+        """The learnt log chance that a live chain's next request comes more than ``age``
+        ticks after its last (0 at age 0, never rising with the age)."""
+        return self._gaps.log_survival(age)
 
     @property
     def shared_aging(self) -> float:
@@ -207,7 +214,7 @@ class ChainPolicy(EvictionPolicy):
             return
         if chain is not None:
             self._count(chain, returned=True)
-            self._gap += GAP_WEIGHT * (max(now - chain.time, 1) - self._gap)
+            self._gaps.add(now - chain.time)
             chain.turns += 1
             added = len(keys) - j - 1
         else:
@@ -284,7 +291,7 @@ class ChainPolicy(EvictionPolicy):
         self.declined = False
         if need <= 0:
             return []
-        heads: list[tuple[float, int, _State]] = []
+        heads: list[tuple[float, int, _State]] = []  # (log-odds now, seq, class)
         head: dict[_State, Hashable] = {}  # each class's next candidate
         cursors: dict[_State, Iterator[tuple[Hashable, int]]] = {}
         offsets: dict[_State, float] = {}
@@ -329,7 +336,7 @@ class ChainPolicy(EvictionPolicy):
         """Tracked keys in eviction order (first = next victim, ignoring pins)."""
         offsets = {state: self._offset(state) for state in self._lists}
         order = sorted(
-            (self._deadline(key, state, offsets[state]), seq, key)
+            (self._rank(key, state, offsets[state]), seq, key)
             for state, members in self._lists.items()
             for key, seq in members.items()
         )
@@ -338,15 +345,15 @@ class ChainPolicy(EvictionPolicy):
     # ------------------------------------------------------------------ internals
 
     def _declines(self, incoming: Sequence[Hashable], lowest: float) -> bool:
-        """Whether every new key of ``incoming`` would rank below ``lowest``, the deadline of
-        the first victim (the least valuable key that may leave): storing them would then
-        swap kept keys for keys worth less (admission control)."""
+        """Whether every new key of ``incoming`` would rank below ``lowest``, the log-odds of
+        the first victim (the least valuable key that may leave), at age 0: storing them would
+        then swap kept keys for keys worth less (admission control)."""
         now = self._now + 1  # the tick insert_batch will queue them at
         time, pending, ghosts = self._time, self._pending, self._ghosts
         fresh: float | None = None  # a batch no lookup announced: a new chain's first turn
         new = False
-        last: _Chain | None = None  # a batch is mostly one chain's: its deadline, once
-        last_deadline = 0.0
+        last: _Chain | None = None  # a batch is mostly one chain's: its rank, once
+        last_rank = 0.0
         for key in incoming:
             if key in time:
                 continue
@@ -355,16 +362,16 @@ class ChainPolicy(EvictionPolicy):
             ghost = ghosts.get(key)
             if ghost is not None and ghost[2] is not chain:  # comes back shared
                 lam = (ghost[0] + 1) / (now - ghost[1] + 1)
-                deadline = now + self._offset((0, int(lam * RATE_SCALE).bit_length()))
+                rank = self._offset((0, int(lam * RATE_SCALE).bit_length()))
             elif chain is not None:
                 if chain is not last:
-                    last, last_deadline = chain, now + self._offset(chain.state)
-                deadline = last_deadline
+                    last, last_rank = chain, self._offset(chain.state)
+                rank = last_rank
             else:
                 if fresh is None:
-                    fresh = now + self._offset((1, len(incoming).bit_length()))
-                deadline = fresh
-            if deadline >= lowest:
+                    fresh = self._offset((1, len(incoming).bit_length()))
+                rank = fresh
+            if rank >= lowest:
                 return False
         return new
 
@@ -381,25 +388,24 @@ class ChainPolicy(EvictionPolicy):
         for key, seq in cursor:
             if evictable(key):
                 head[state] = key
-                heapq.heappush(heads, (self._deadline(key, state, offset), seq, state))
+                heapq.heappush(heads, (self._rank(key, state, offset), seq, state))
                 return
 
-    def _deadline(self, key: Hashable, state: _State, offset: float) -> float:
-        """The tick at which ``key`` (of class ``state``, whose offset is ``offset``) ranks as
-        a chain at even odds read now; within a class it grows with the key's last use."""
-        if state[0] == 0:  # shared: its age counts kappa times
-            kappa = self._kappa
-            return kappa * self._time[key] + (1.0 - kappa) * self._now + offset
-        return self._time[key] + offset
+    def _rank(self, key: Hashable, state: _State, offset: float) -> float:
+        """The log-odds now of ``key`` (of class ``state``, whose log-odds at age 0 are
+        ``offset``); within a class it never falls as the key's last use grows."""
+        age = self._now - self._time[key]
+        if state[0] == 0:  # shared: its age counts kappa times, memoryless
+            return offset - self._kappa * age / self._gaps.mean
+        return offset + self._gaps.log_survival(age)
 
     def _offset(self, state: _State) -> float:
-        """Ticks a key of ``state`` stays ahead of a chain at even odds read at its time."""
-        rate = 1.0 / self._gap
+        """The log-odds of a key of ``state`` just read."""
         if state[0] == 0:  # shared, read-rate bucket
             lam = (1 << state[1]) / (2 * RATE_SCALE)
-            return (HI + math.log(lam / rate)) / rate
+            return HI + math.log(lam * self._gaps.mean)
         p = self.return_chance(state)
-        return min(max(math.log(p / (1.0 - p)), -LO), HI) / rate
+        return min(max(math.log(p / (1.0 - p)), -LO), HI)
 
     def _rate_class(self, key: Hashable) -> _State:
         lam = (self._uses[key] + 1) / (self._now - self._born[key] + 1)

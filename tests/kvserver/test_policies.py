@@ -4,6 +4,7 @@ ARC's scan resistance compared with LRU."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -594,3 +595,35 @@ def test_chain_shared_keys_age_less_once_prompts_are_what_misses() -> None:
     assert policy.evict(4, unit, lambda k: str(k).startswith("w")) is not None
     serve(policy, ["w0", "w1", "w2", "w3", "w4"], 200)
     assert policy.shared_aging == pytest.approx(4 * KAPPA_STEP)
+
+
+def test_chain_keeps_a_long_idle_conversation_when_its_users_answer_late() -> None:
+    """Conversations of two turns whose users mostly answer at once and one in five after
+    3,000 ticks, and documents nobody reads again: a conversation idle for 2,000 ticks (many
+    mean gaps) outranks a document stored after it, since one in five came back after
+    longer; the memoryless rule (odds falling as ``exp(-age / mean gap)``) ranked it below."""
+    policy, capacity = make_policy("chain"), 1000
+    assert isinstance(policy, ChainPolicy)
+
+    def idle(ticks: int) -> None:
+        for _ in range(ticks):
+            policy.touch(["nothing"])
+
+    for i in range(40):
+        serve(policy, [f"c{i}-{j}" for j in range(4)], capacity)
+        idle(3000 if i % 5 == 0 else 10)
+        serve(policy, [f"c{i}-{j}" for j in range(8)], capacity)
+        assert policy.evict(8, unit, lambda k, i=i: str(k).startswith(f"c{i}-")) is not None
+    for d in range(12):
+        serve(policy, [f"d{d}-{j}" for j in range(40)], capacity)
+        assert policy.evict(40, unit, lambda k: str(k).startswith("d")) is not None
+    serve(policy, [f"A-{j}" for j in range(4)], capacity)
+    idle(2000)
+    serve(policy, [f"D-{j}" for j in range(40)], capacity)
+    order = list(policy)
+    assert max(order.index(f"D-{j}") for j in range(40)) < order.index("A-3")
+    conversation, document = (
+        math.log(p / (1 - p)) for p in (policy.return_chance((1, 3)), policy.return_chance((1, 6)))
+    )
+    assert conversation - 2001 / policy.mean_gap < document  # the memoryless rule's order
+    assert policy.log_survival(2001) > math.log(0.05)

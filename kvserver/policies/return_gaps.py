@@ -1,0 +1,97 @@
+"""The learnt distribution of the gaps between two requests of one conversation (``chain``).
+
+Runs inside the storage engine as part of :class:`~kvserver.policies.chain.ChainPolicy` (single
+owner, no locks, no I/O): ``chain`` calls :meth:`ReturnGaps.add` once per returning
+conversation and :meth:`ReturnGaps.log_survival` for each candidate an ``evict`` compares.
+
+Why. ``chain`` ranks a conversation last read ``g`` ticks ago by its odds of being live,
+``p / (1 - p) * S(g)``, with ``S(g)`` the chance that a live conversation's next request comes
+more than ``g`` ticks after its last. Assuming memoryless returns (``S(g) = exp(-g / mean)``)
+is right when the next request is a uniform pick among the live conversations, and wrong when
+users answer after a heavy-tailed think time: the mean is inflated by the tail, and a
+conversation idle for ten mean gaps is still live with a chance the exponential puts at
+``e**-10`` (docs/benchmarks.md: in the timed traces a fresh one-off document then outranked
+conversations that came back). So ``S`` is learnt:
+
+- a histogram of the observed gaps by bit length (bin ``b`` holds gaps in ``[2**(b-1), 2**b)``),
+  halved when it holds ``LIMIT`` returns (recent ones win);
+- ``S(2**b)`` = the share of the gaps ``>= 2**b``, mixed with ``PRIOR`` returns of a log-normal
+  fitted to the histogram (the mean and spread of the bins' log gaps): beyond the longest gap
+  seen the tail is the fitted one, never zero. Before any return the log-normal has the mean
+  gap's median and spread 1;
+- between two powers of two ``log S`` is interpolated linearly in the gap, which is exact for
+  an exponential (memoryless returns give back the old ranking, up to the estimate's noise).
+
+Invariants: ``log_survival(0) == 0``; it never increases with the age (the histogram's
+shares never increase with the edge, the prior's neither); the mean gap stays positive. The
+table is a cache of the counts (not compared, rebuilt after each :meth:`add`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: returns the histogram holds before its counts are halved
+LIMIT = 2048.0
+#: weight, in returns, of the fitted log-normal in the survival estimate
+PRIOR = 4.0
+#: weight of the newest gap in the mean gap (exponential average)
+GAP_WEIGHT = 1.0 / 256
+#: the mean gap before any return was seen, in ticks
+PRIOR_GAP = 64.0
+_BINS = 64
+
+
+@dataclass(slots=True)
+class ReturnGaps:
+    """Gaps between two requests of one chain: their mean and their survival function."""
+
+    mean: float = PRIOR_GAP  # exponential average of the gaps, in ticks
+    counts: list[float] = field(default_factory=lambda: [0.0] * _BINS)  # by bit length
+    total: float = 0.0
+    _table: list[float] | None = field(default=None, compare=False, repr=False)
+
+    def add(self, gap: int) -> None:
+        """A chain came back ``gap`` ticks after its last request (``gap`` >= 1)."""
+        gap = min(max(gap, 1), (1 << (_BINS - 2)))
+        self.mean += GAP_WEIGHT * (gap - self.mean)
+        self.counts[gap.bit_length()] += 1.0
+        self.total += 1.0
+        if self.total >= LIMIT:
+            self.counts = [count / 2 for count in self.counts]
+            self.total /= 2
+        self._table = None
+
+    def log_survival(self, age: int) -> float:
+        """``log S(age)``: the log of the chance that a live chain's next request comes more
+        than ``age`` ticks after its last (0 at age 0, non-increasing)."""
+        if age <= 0:
+            return 0.0
+        table = self._table
+        if table is None:
+            table = self._table = self._survival_table()
+        b = min(age.bit_length(), _BINS - 1)  # 2**(b-1) <= age < 2**b
+        low = 1 << (b - 1)
+        return table[b - 1] + min((age - low) / low, 1.0) * (table[b] - table[b - 1])
+
+    def _survival_table(self) -> list[float]:
+        """``log S(2**b)`` for ``b`` in 0..63 (module docstring)."""
+        counts, total = self.counts, self.total
+        if total > 0:
+            centres = [math.log(1.5 * (1 << (b - 1))) if b else 0.0 for b in range(_BINS)]
+            mu = sum(c * n for c, n in zip(centres, counts, strict=True)) / total
+            var = sum((c - mu) ** 2 * n for c, n in zip(centres, counts, strict=True)) / total
+            sd = max(math.sqrt(var), 0.5)
+        else:
+            mu, sd = math.log(self.mean), 1.0
+        table = []
+        above = total
+        for b in range(_BINS):
+            above -= counts[b]  # the gaps of bit length <= b are < 2**b
+            prior = 0.5 * math.erfc((b * math.log(2) - mu) / (sd * math.sqrt(2)))
+            share = (max(above, 0.0) + PRIOR * prior) / (total + PRIOR)
+            table.append(math.log(share) if share > 1e-300 else -700.0)
+        for b in range(1, _BINS):  # rounding never lets it rise
+            table[b] = min(table[b], table[b - 1])
+        return table
