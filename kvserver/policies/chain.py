@@ -397,7 +397,13 @@ class ChainPolicy(EvictionPolicy):
         age = self._now - self._time[key]
         if state[0] == 0:  # shared: its age counts kappa times, memoryless
             return offset - self._kappa * age / self._gaps.mean
-        return offset + self._gaps.log_survival(age)
+        if age <= 0:
+            return offset
+        # self._gaps.log_survival(age), inlined (one call per key evict passes over)
+        table, b = self._gaps.table, age.bit_length()  # 2**(b-1) <= age < 2**b
+        low = 1 << (b - 1)
+        below = table[b - 1]
+        return offset + below + (age - low) / low * (table[b] - below)
 
     def _offset(self, state: _State) -> float:
         """The log-odds of a key of ``state`` just read."""

@@ -22,9 +22,13 @@ conversations that came back). So ``S`` is learnt:
 - between two powers of two ``log S`` is interpolated linearly in the gap, which is exact for
   an exponential (memoryless returns give back the old ranking, up to the estimate's noise).
 
+The table of ``log S`` at the powers of two is rebuilt by :meth:`add` once the returns added
+since the last build reach ``REBUILD_SHARE`` of the histogram (every return while it holds
+fewer than 32), so ``log_survival`` changes nothing and costs one interpolation.
+
 Invariants: ``log_survival(0) == 0``; it never increases with the age (the histogram's
-shares never increase with the edge, the prior's neither); the mean gap stays positive. The
-table is a cache of the counts (not compared, rebuilt after each :meth:`add`).
+shares never increase with the edge, the prior's neither, and the table is clamped); the
+mean gap stays positive.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ PRIOR = 4.0
 GAP_WEIGHT = 1.0 / 256
 #: the mean gap before any return was seen, in ticks
 PRIOR_GAP = 64.0
-_BINS = 64
+#: the survival table is rebuilt once the returns added since it was built reach this share
+#: of the histogram's (at least one): a rebuild is 65 bins of Python, a return one increment
+REBUILD_SHARE = 1.0 / 32
+#: bins by bit length: gaps and ages are ticks below 2**64 (an age is a tick count since the
+#: policy started; a gap at or past 2**63 counts as 2**63 - 1)
+_BINS = 65
 
 
 @dataclass(slots=True)
@@ -50,33 +59,39 @@ class ReturnGaps:
     mean: float = PRIOR_GAP  # exponential average of the gaps, in ticks
     counts: list[float] = field(default_factory=lambda: [0.0] * _BINS)  # by bit length
     total: float = 0.0
-    _table: list[float] | None = field(default=None, compare=False, repr=False)
+    since: float = 0.0  # returns added since the table was built
+    table: list[float] = field(default_factory=list)  # log S(2**b), b = 0..64
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            self.table = self._survival_table()
 
     def add(self, gap: int) -> None:
         """A chain came back ``gap`` ticks after its last request (``gap`` >= 1)."""
-        gap = min(max(gap, 1), (1 << (_BINS - 2)))
+        gap = min(max(gap, 1), (1 << (_BINS - 2)) - 1)
         self.mean += GAP_WEIGHT * (gap - self.mean)
         self.counts[gap.bit_length()] += 1.0
         self.total += 1.0
         if self.total >= LIMIT:
             self.counts = [count / 2 for count in self.counts]
             self.total /= 2
-        self._table = None
+        self.since += 1.0
+        if self.since >= max(1.0, REBUILD_SHARE * self.total):
+            self.table = self._survival_table()
+            self.since = 0.0
 
     def log_survival(self, age: int) -> float:
         """``log S(age)``: the log of the chance that a live chain's next request comes more
-        than ``age`` ticks after its last (0 at age 0, non-increasing)."""
+        than ``age`` ticks after its last (0 at age 0, non-increasing). REQUIRES: age < 2**64."""
         if age <= 0:
             return 0.0
-        table = self._table
-        if table is None:
-            table = self._table = self._survival_table()
-        b = min(age.bit_length(), _BINS - 1)  # 2**(b-1) <= age < 2**b
+        table = self.table
+        b = age.bit_length()  # 2**(b-1) <= age < 2**b
         low = 1 << (b - 1)
-        return table[b - 1] + min((age - low) / low, 1.0) * (table[b] - table[b - 1])
+        return table[b - 1] + (age - low) / low * (table[b] - table[b - 1])
 
     def _survival_table(self) -> list[float]:
-        """``log S(2**b)`` for ``b`` in 0..63 (module docstring)."""
+        """``log S(2**b)`` for ``b`` in 0..64 (module docstring)."""
         counts, total = self.counts, self.total
         if total > 0:
             centres = [math.log(1.5 * (1 << (b - 1))) if b else 0.0 for b in range(_BINS)]
