@@ -50,6 +50,9 @@ REBUILD_SHARE = 1.0 / 32
 #: bins by bit length: gaps and ages are ticks below 2**64 (an age is a tick count since the
 #: policy started; a gap at or past 2**63 counts as 2**63 - 1)
 _BINS = 65
+#: a bin's log gap (its middle, 1.5 * 2**(b-1)) and its edge's, for the fit and the prior
+_CENTRES = [math.log(1.5 * (1 << (b - 1))) if b else 0.0 for b in range(_BINS)]
+_EDGES = [b * math.log(2) for b in range(_BINS)]
 
 
 @dataclass(slots=True)
@@ -94,19 +97,18 @@ class ReturnGaps:
         """``log S(2**b)`` for ``b`` in 0..64 (module docstring)."""
         counts, total = self.counts, self.total
         if total > 0:
-            centres = [math.log(1.5 * (1 << (b - 1))) if b else 0.0 for b in range(_BINS)]
-            mu = sum(c * n for c, n in zip(centres, counts, strict=True)) / total
-            var = sum((c - mu) ** 2 * n for c, n in zip(centres, counts, strict=True)) / total
+            mu = sum(c * n for c, n in zip(_CENTRES, counts, strict=True)) / total
+            var = sum((c - mu) ** 2 * n for c, n in zip(_CENTRES, counts, strict=True)) / total
             sd = max(math.sqrt(var), 0.5)
         else:
             mu, sd = math.log(self.mean), 1.0
         table = []
-        above = total
+        above, scale, erfc, log = total, sd * math.sqrt(2), math.erfc, math.log
         for b in range(_BINS):
             above -= counts[b]  # the gaps of bit length <= b are < 2**b
-            prior = 0.5 * math.erfc((b * math.log(2) - mu) / (sd * math.sqrt(2)))
+            prior = 0.5 * erfc((_EDGES[b] - mu) / scale)
             share = (max(above, 0.0) + PRIOR * prior) / (total + PRIOR)
-            table.append(math.log(share) if share > 1e-300 else -700.0)
+            table.append(log(share) if share > 1e-300 else -700.0)
         for b in range(1, _BINS):  # rounding never lets it rise
             table[b] = min(table[b], table[b - 1])
         return table
