@@ -271,7 +271,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
     conn = _StandInConnection(marks, serve)
     book = PeerBook(PeerSettings())
     link = _StandInLink(_StandInStream(conn))
-    book.link = lambda peer: link  # type: ignore[method-assign,assignment]
+    book.link = lambda peer: link  # type: ignore[method-assign,assignment,return-value]
     tier = PeerTier(b.engine, StaticDirectory([PEER], book), book, publish=b.publish)
     b.stack.add(tier)
     batches = iter(range(1 << 30))
@@ -284,7 +284,9 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
         got = b.load(ns_id, keys, client="bench")
         assert isinstance(got, Pending)
         grant = await got.run()
-        wire.encode_reply(1, "0123456789abcdef", _load_reply(grant))
+        reply = _load_reply(grant)
+        assert isinstance(reply, dict)
+        wire.encode_reply(1, "0123456789abcdef", reply)
         marks("B grant")
         assert len(grant.keys) == CHUNKS, len(grant.keys)
         b.complete_load(grant.lease_id)
