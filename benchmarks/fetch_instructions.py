@@ -20,9 +20,9 @@ writes the counters there; in ``--wall`` mode the clock is read instead):
   encoding);
 - ``B reserve`` (overlapped: it runs while A serves the request): the window's pages
   reserved (``prepare_store`` with its eviction) and their views;
-- ``A serve`` (critical): A's answer to the request, from the decoded request to the head
-  and the arena views handed to the socket (``KVService.get(leading=True)``: the leading run,
-  the pins, the views);
+- ``A serve`` (critical): A's answer to the request, from its header read to the reply's
+  head and arena views handed to the socket (the real ``PlainIO``, a stand-in socket: its
+  first ``sendmsg``): ``KVService.get(leading=True)``, the leading run, the pins, the views;
 - ``A release`` (after the bytes are sent): the pins' end;
 - ``B grant`` (critical): from the window's bytes in B's pages to the load's reply encoded
   (the window completed and published, the load granted, the reply's 128 locations encoded).
@@ -208,16 +208,18 @@ class _StandInLink:
         return self._stream
 
 
-class _StandInIO:
-    """A's side of the socket: the reply's buffers handed over end ``A serve``."""
+class _StandInSocket:
+    """A's socket under the real ``PlainIO``: its first ``sendmsg`` (the reply's head and
+    the arena views handed over) ends ``A serve``; it takes every byte at once."""
 
     def __init__(self, marks: _Marks) -> None:
         self.marks = marks
         self.sent = 0
 
-    async def send(self, buffers: list[Any]) -> None:
+    def sendmsg(self, views: list[memoryview]) -> int:
         self.marks("A serve")
-        self.sent += len(buffers)
+        self.sent += len(views)
+        return sum(v.nbytes for v in views)
 
 
 def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
@@ -232,6 +234,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
     from kvserver.daemon.process import settle_gc
     from kvserver.daemon.results import Pending
     from kvserver.daemon.service import KVService
+    from kvserver.daemon.stream_io import PlainIO
     from kvserver.daemon.stream_server import StreamServer
     from kvserver.daemon.zmq_ops import _load_reply
     from kvserver.engine_types import EngineConfig
@@ -251,7 +254,8 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
               client="bench")  # fmt: skip
     marks = _Marks(None)
     server = StreamServer(a, None, host="127.0.0.1", port=0, timeout_s=60.0)  # type: ignore[arg-type]
-    io = _StandInIO(marks)
+    sock = _StandInSocket(marks)
+    io = PlainIO(sock, 60.0)  # type: ignore[arg-type]
     admin = Principal("admin")
     loop = asyncio.new_event_loop()
 
@@ -297,7 +301,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
     marks.last = clock() if clock else 0.0
     for _ in range(reps):
         loop.run_until_complete(fetch())
-    assert io.sent == (WARMUP + reps) * (CHUNKS + 1)
+    assert sock.sent == (WARMUP + reps) * (CHUNKS + 1)
     loop.close()
     a.close()
     b.close()

@@ -116,13 +116,16 @@ class PartCopies:
         for rank in ranks:
             if type(rank) is not int or not 0 <= rank < world:
                 raise InvalidArgument("rank out of range", rank=rank)
-        pinned = set(lease.keys)
-        if not pinned.issuperset(keys):
-            key = next(k for k in keys if k not in pinned)
-            raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
-        entries, ns, views = self._entries, lease.ns, self._arena.views
-        out: list[list[memoryview]] = []
-        for key in keys:
-            extents = entries[(ns, key)].extents
-            out += [views(extents[rank]) for rank in ranks]
-        return out
+        if keys != lease.keys:  # usually the lease's own keys: one C compare
+            pinned = set(lease.keys)
+            if not pinned.issuperset(keys):
+                key = next(k for k in keys if k not in pinned)
+                raise InvalidArgument("key is not pinned by this lease", key=key, lease=lease_id)
+        entries, ns = self._entries, lease.ns
+        if len(ranks) == 1:
+            rank = ranks[0]
+            return self._arena.views_of([entries[(ns, key)].extents[rank] for key in keys])
+        return self._arena.views_of(
+            [extents[rank] for key in keys for extents in (entries[(ns, key)].extents,)
+             for rank in ranks]
+        )  # fmt: skip

@@ -88,7 +88,7 @@ class PlainIO:
         socket takes now with one ``sendmsg`` per :data:`IOV_MAX` buffers, the rest of a
         buffer it did not take with ``sock_sendall`` (which waits for room)."""
         loop = asyncio.get_running_loop()
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = [_bytes_view(b) for b in buffers]
         try:
             async with asyncio.timeout(self.timeout_s):
                 i = 0
@@ -122,6 +122,13 @@ class PlainIO:
                     if got == 0:
                         return
                     dropped += got
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    """``buf`` as a flat view of bytes (an arena view already is one: no new view)."""
+    if type(buf) is memoryview and buf.format == "B" and buf.ndim == 1:
+        return buf
+    return memoryview(buf).cast("B")
 
 
 class TlsIO:

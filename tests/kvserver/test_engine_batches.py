@@ -206,6 +206,11 @@ def test_read_parts_gives_the_views_key_major() -> None:
         size = engine.namespace(ns).part_bytes
         assert got == [pattern(k[2], 1, size), pattern(k[2], 0, size),
                        pattern(k[0], 1, size), pattern(k[0], 0, size)]  # fmt: skip
+        # the lease's own keys (no membership test), one rank and both
+        for ranks in ([1], [0, 1]):
+            views = engine.read_parts(load.lease_id, list(k), ranks)
+            got = [b"".join(bytes(v) for v in part) for part in views]
+            assert got == [pattern(key, r, size) for key in k for r in ranks]
 
 
 def test_read_parts_refuses_a_key_the_lease_does_not_pin_or_a_bad_rank() -> None:

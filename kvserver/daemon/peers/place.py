@@ -66,13 +66,15 @@ class Placer:
         DRAM cannot take it."""
         grant = self.reserve(spec, keys, protect)
         where = dict(zip(grant.keys, grant.locations, strict=True)) if grant is not None else {}
-        views, tp, size = self._engine.arena.views, spec.tp_world_size, spec.part_bytes
+        arena, tp, size = self._engine.arena, spec.tp_world_size, spec.part_bytes
+        if tp == 1 and grant is not None and grant.keys == keys:  # usually: every key reserved
+            return Slot(keys, grant, where, arena.views_of([e[0] for e in grant.locations]), {})
         rows: list[list[memoryview]] = []
         own: Parts = {}
         for key in keys:
             extents = where.get(key)
             if extents is not None:
-                rows.append([v for rank in range(tp) for v in views(extents[rank])])
+                rows.append([v for part in arena.views_of(extents) for v in part])
             else:
                 own[key] = [memoryview(bytearray(size)) for _ in range(tp)]
                 rows.append(own[key])
