@@ -165,21 +165,23 @@ class PeerFetches:
         theirs: dict[int, asyncio.Future[Parts]] = {}
         wanted_holders = dict(wanted)
         absent = set(self._engine.missing(ns_id, wanted_holders))
-        for key, holders in wanted_holders.items():
-            fut = self._inflight.get((ns_id, key))
-            if fut is not None:
-                theirs[id(fut)] = fut
-                self._book.counters.joined_chunks += 1
-            elif key in absent:
-                mine.append((key, holders))
+        if not self._inflight:  # usually: no other fetch under way, nothing to join
+            mine = [(key, holders) for key, holders in wanted_holders.items() if key in absent]
+        else:
+            for key, holders in wanted_holders.items():
+                fut = self._inflight.get((ns_id, key))
+                if fut is not None:
+                    theirs[id(fut)] = fut
+                    self._book.counters.joined_chunks += 1
+                elif key in absent:
+                    mine.append((key, holders))
         out: Parts = {}
         if mine:
             out.update(await self._run(spec, mine, peers, protect, direct, guessed))
-        wanted_keys = {k for k, _ in wanted}
         for fut in theirs.values():
             shared = await asyncio.shield(fut)  # our cancellation must not cancel theirs
             if direct:
-                out.update((k, v) for k, v in shared.items() if k in wanted_keys)
+                out.update((k, v) for k, v in shared.items() if k in wanted_holders)
         return out
 
     async def _run(
@@ -199,18 +201,18 @@ class PeerFetches:
         got: Parts = {}
         try:
             todo = mine
-            tried: dict[bytes, set[str]] = {key: set() for key, _ in mine}
+            asked: dict[str, set[bytes]] = {}  # per peer, the keys asked of it
             for _round in range(ROUNDS):
-                runs = self._plan(ns_id, todo, peers, tried)
+                runs = self._plan(ns_id, todo, peers, asked)
                 if not runs:
                     break
                 by_peer: dict[str, list[list[bytes]]] = {}
                 for h, keys in runs:
                     by_peer.setdefault(h, []).append(keys)  # a peer's runs, in order
-                results = await asyncio.gather(
-                    *(self._fetch_windows(spec, peers[h], ws, protect, direct)
-                      for h, ws in by_peer.items())
-                )  # fmt: skip
+                calls = [self._fetch_windows(spec, peers[h], ws, protect, direct)
+                         for h, ws in by_peer.items()]  # fmt: skip
+                # one peer (usually): awaited in this task, no task and loop turn for it
+                results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
                 done: set[bytes] = set()
                 for h, windows in zip(by_peer, results, strict=True):
                     for sent, parts in windows:
@@ -218,7 +220,8 @@ class PeerFetches:
                         got.update(parts)
                         if sent:
                             self._note_sender(ns_id, h)
-                todo = [(k, hs) for k, hs in todo if k not in done]
+                # the keys sent are keys of ``todo`` (each once): as many means all of them
+                todo = [] if len(done) == len(todo) else [(k, h) for k, h in todo if k not in done]
             self._book.counters.missed_chunks += sum(k not in guessed for k, _ in todo)
             return got
         finally:
@@ -231,35 +234,46 @@ class PeerFetches:
         ns_id: str,
         todo: list[tuple[bytes, frozenset[str]]],
         peers: Mapping[str, Peer],
-        tried: dict[bytes, set[str]],
+        asked: dict[str, set[bytes]],
     ) -> list[tuple[str, list[bytes]]]:
         """Runs of consecutive keys, one holder each (see the module docstring; between
-        holders of equally long runs, the one that last sent chunks of ``ns_id``); records in
-        ``tried`` whom each key is asked."""
+        holders of equally long runs, the one that last sent chunks of ``ns_id``), leaving
+        out for each key the peers already ``asked`` for it (per peer, its keys); records
+        in ``asked`` whom each key is asked."""
         book = self._book
-        usable = [
-            {h for h in hs if h in peers and h not in tried[k] and not book.is_suspect(h)}
-            for k, hs in todo
-        ]
+        # keys mostly share their holders (one frozenset): usable holders once per set
+        memo: dict[frozenset[str], frozenset[str]] = {}
+        usable: list[frozenset[str]] = []
+        for k, hs in todo:
+            hosts = memo.get(hs)
+            if hosts is None:
+                hosts = memo[hs] = frozenset(
+                    h for h in hs if h in peers and not book.is_suspect(h)
+                )
+            if asked:
+                hosts = frozenset(h for h in hosts if k not in asked.get(h, ()))
+            usable.append(hosts)
         prefer = self._senders.get(ns_id)
         runs: list[tuple[str, list[bytes]]] = []
-        i = 0
-        while i < len(todo):
+        n, i = len(todo), 0
+        while i < n:
             if not usable[i]:
                 i += 1
                 continue
 
             def reach(h: str, start: int = i) -> int:
                 j = start
-                while j < len(todo) and h in usable[j]:
+                while j < n and h in usable[j]:
                     j += 1
                 return j
 
-            best = max(sorted(usable[i], key=lambda h: (h != prefer, h)), key=reach)
+            if len(usable[i]) == 1:
+                (best,) = usable[i]
+            else:
+                best = max(sorted(usable[i], key=lambda h: (h != prefer, h)), key=reach)
             end = reach(best)
             keys = [k for k, _ in todo[i:end]]
-            for k in keys:
-                tried[k].add(best)
+            asked.setdefault(best, set()).update(keys)
             runs.append((best, keys))
             i = end
         return runs

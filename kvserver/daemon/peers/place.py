@@ -87,7 +87,9 @@ class Placer:
         the rest back; returns (keys it sent, direct parts)."""
         sent = slot.keys[:count]
         slot.rows.clear()  # the arena's views go before the pages can
-        self.complete(slot.grant, [k for k in sent if k in slot.where])
+        grant = slot.grant
+        whole = grant is not None and not slot.own  # every key reserved: each sent one written
+        self.complete(grant, sent if whole else [k for k in sent if k in slot.where])
         if not direct:
             return sent, {}
         ns_id, engine = spec.ns_id, self._engine

@@ -221,14 +221,20 @@ class PeerTier(Tier):
         ``missing`` (those DRAM holds) from the eviction the placing may cause."""
         book = self.book
         wanted: list[tuple[bytes, frozenset[str]]] = []
+        usable: dict[frozenset[str], bool] = {}  # keys mostly share their holders (one set)
         for key, hosts in zip(missing, holders, strict=False):
-            if not any(not book.is_suspect(h) for h in hosts):
+            ok = usable.get(hosts)
+            if ok is None:
+                ok = usable[hosts] = any(not book.is_suspect(h) for h in hosts)
+            if not ok:
                 break  # the load needs every key: the ones after this one are of no use
             wanted.append((key, hosts))
         if not wanted:
             return {}
-        absent = set(missing)
-        protect = [k for k in unique if k not in absent]
+        protect: list[bytes] = []
+        if len(missing) < len(unique):  # ``missing`` is a part of ``unique``: all, or not
+            absent = set(missing)
+            protect = [k for k in unique if k not in absent]
         peers = self.directory.peers()
         book.forget(peers)  # the links of members that left the fleet are closed
         return await self.fetches.fetch(spec, wanted, peers, protect=protect, direct=direct,
