@@ -269,7 +269,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
         """A answers the window's request (the same 128 keys each time): decoded, then
         ``_answer``, which does not suspend (its keys are in A's DRAM, its socket takes
         everything): driven here to its end, inside B's phases."""
-        answer = server._answer(io, wire_stream.decode_request(header), admin)  # type: ignore[arg-type]
+        answer = server._answer(io, wire_stream.decode_request(header), admin)
         with contextlib.suppress(StopIteration):
             answer.send(None)
             raise AssertionError("A's answer suspended")
