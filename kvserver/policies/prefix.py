@@ -144,11 +144,20 @@ class ReusePredictor:
         """``learn(sig, reused=False)`` ``n`` times for each ``sig: n`` of ``counts`` (the
         chunks of one eviction that were never read), with the same result, one dict update
         per signature."""
+        self._learn_counts(counts, 0.0)
+
+    def learn_reused(self, counts: dict[_Signature, int]) -> None:
+        """``learn(sig, reused=True)`` ``n`` times for each ``sig: n`` of ``counts`` (the new
+        chunks one touch read first), with the same result, one dict update per signature."""
+        self._learn_counts(counts, 1.0)
+
+    def _learn_counts(self, counts: dict[_Signature, int], hit: float) -> None:
         seen_of, reused_of = self._seen, self._reused
         for sig, n in counts.items():
             seen, hits = seen_of.get(sig, 0.0), reused_of.get(sig, 0.0)
             for _ in range(n):
                 seen += 1.0
+                hits += hit
                 if seen >= HALF_LIFE:
                     seen, hits = seen / 2, hits / 2
             seen_of[sig], reused_of[sig] = seen, hits
@@ -257,7 +266,8 @@ class PrefixPolicy(EvictionPolicy):
         keys = list(keys)
         uses, pending, child, branches = self._uses, self._pending, self._child, self._branches
         shared, prio, heap, push = self._shared, self._prio, self._heap, heapq.heappush
-        queued, learn = self._queued, self._predictor.learn
+        queued = self._queued
+        first_reads: list[_Signature] = []  # new keys read for the first time: outcomes
         age, tie = self._age, self._tie
         in_shared = False  # at or above the deepest branch point (keys go tail to head)
         after: Hashable = None  # the key after ``key`` in the chain
@@ -274,7 +284,7 @@ class PrefixPolicy(EvictionPolicy):
                 branches.add(key)  # the chain read ends here although a known child is held
             after = key
             if key in pending:
-                learn(pending.pop(key), reused=True)
+                first_reads.append(pending.pop(key))
             count = uses[key] = uses[key] + 1
             if in_shared or key in branches:
                 in_shared = True
@@ -289,6 +299,8 @@ class PrefixPolicy(EvictionPolicy):
                 queued[key] = new
                 push(heap, (h, tie, key))
         self._tie = tie
+        if first_reads:  # learnt per signature at once (nothing above reads the predictor)
+            self._predictor.learn_reused(Counter(first_reads))
         if len(heap) > 2 * len(prio) + 64:
             self._rebuild()
 
