@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import re
@@ -282,6 +283,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
     tier = PeerTier(b.engine, StaticDirectory([PEER], book), book, publish=b.publish)
     b.stack.add(tier)
     batches = iter(range(1 << 30))
+    thresholds = gc.get_threshold()
     settle_gc()  # the daemon's collector settings (a young collection per 10k objects)
 
     async def fetch() -> None:
@@ -308,6 +310,8 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
     loop.close()
     a.close()
     b.close()
+    gc.unfreeze()  # the caller's collector as it was (a test runs this in its process)
+    gc.set_threshold(*thresholds)
     if clock is not None:  # the phases ended in the order read_dumps assumes
         assert [p for p, _ in marks.seen] == list(_SEQUENCE) * reps, marks.seen[:8]
     totals = dict.fromkeys(PHASES, 0.0)
