@@ -3,7 +3,9 @@ the store completions a client hands back, and the forms both travel in.
 
 Made by the storage engine (``kvserver/engine.py``), carried by the data-plane wire
 (``kvserver/wire.py``, ``docs/wire.md``: a grant as a reply map, :func:`grant_to_wire` /
-:func:`store_grant_from_wire` / :func:`load_grant_from_wire`; completions as
+:func:`store_grant_from_wire` / :func:`load_grant_from_wire`; a store grant packed for the
+request that asked for it, :func:`packed_store_grant_to_wire` /
+:func:`packed_store_grant_from_wire` (capability ``packed_store_grant``); completions as
 ``prepare_store``'s ``completions`` argument and result) and used by every client; defined
 here, beside the wire, so both ends import one definition. Pure data and functions,
 thread-safe.
@@ -11,8 +13,11 @@ thread-safe.
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from kvserver.allocator import Extents
@@ -141,6 +146,139 @@ def _extents(part: Any) -> tuple[tuple[int, int], ...]:
         ((offset, length),) = part
         return ((offset, length),)
     return tuple([(offset, length) for offset, length in part])
+
+
+# ----------------------------------------------------------------------------- packed store grant
+
+#: a packed grant's ``status``: one byte per requested key, in request order.
+GRANTED, PRESENT, FILTERED, REPEATED = 0, 1, 2, 3
+#: one extent on the wire: offset and length, unsigned 64-bit little-endian.
+_EXTENT = struct.Struct("<QQ")
+#: a part's number of extents in ``counts``: unsigned 32-bit little-endian.
+_COUNT = struct.Struct("<I")
+_CODES = bytes((GRANTED, PRESENT, FILTERED, REPEATED))
+_PACKED_FIELDS = frozenset(
+    {"lease_id", "expires_in_s", "num_evicted", "status", "parts", "counts", "extents"}
+)
+
+
+def packed_store_grant_to_wire(
+    grant: StoreGrant, keys: Sequence[bytes], now: float
+) -> dict[str, Any]:
+    """``grant`` as a packed reply map for the request that asked for ``keys`` (docs/wire.md
+    §2, "Packed store grant"): no key is echoed — ``status`` says, per requested key, whether
+    it was granted, present, filtered or a repeat of an earlier one — and the granted keys'
+    extents are one blob.
+
+    REQUIRES: ``grant`` is the engine's answer to ``keys`` (each distinct key granted, present
+    or filtered; the granted ones in request order, each location of the namespace's
+    ``tp_world_size`` parts).
+    """
+    n = len(keys)
+    if len(grant.keys) == n:  # every key granted (so no repeat): the common case
+        status = bytes(n)
+    else:
+        code = dict.fromkeys(grant.present, PRESENT)
+        code.update(dict.fromkeys(grant.filtered, FILTERED))
+        out, seen = bytearray(n), set[bytes]()
+        for i, key in enumerate(keys):
+            if key in seen:
+                out[i] = REPEATED
+            else:
+                seen.add(key)
+                out[i] = code.get(key, GRANTED)
+        status = bytes(out)
+    parts = list(chain.from_iterable(grant.locations))
+    flat = list(chain.from_iterable(chain.from_iterable(parts)))  # offset, length, ...
+    counts = None
+    if len(flat) != 2 * len(parts):  # a fragmented arena: some part has several extents
+        counts = struct.pack(f"<{len(parts)}I", *map(len, parts))
+    return {
+        "lease_id": grant.lease_id,
+        "expires_in_s": max(0.0, grant.deadline - now),
+        "num_evicted": grant.num_evicted,
+        "status": status,
+        "parts": len(grant.locations[0]) if grant.locations else 1,
+        "counts": counts,
+        "extents": struct.pack(f"<{len(flat)}Q", *flat),
+    }
+
+
+def packed_store_grant_from_wire(
+    data: Any, keys: Sequence[bytes], ns_id: str, now: float, granted_by: str = ""
+) -> StoreGrant:
+    """Rebuild the StoreGrant of a packed reply map (:func:`packed_store_grant_to_wire`) to a
+    ``prepare_store`` of ``keys`` in ``ns_id``; ``deadline`` is on the receiver's clock
+    ``now``; ``granted_by``: the ``sid`` of the reply that carried it. Raises InvalidArgument
+    ("malformed packed grant") for anything but exactly that form: a missing or unknown
+    field, a field of the wrong type, a status not one byte per key or with an unknown code,
+    a blob whose size does not match the granted keys' parts."""
+    if not isinstance(data, dict) or data.keys() != _PACKED_FIELDS:
+        raise InvalidArgument("malformed packed grant: not the packed grant's fields")
+    lease_id, expires, num_evicted = data["lease_id"], data["expires_in_s"], data["num_evicted"]
+    status, num_parts, counts, blob = data["status"], data["parts"], data["counts"], data["extents"]
+    if not (_is_count(lease_id) and _is_count(num_evicted) and _is_count(num_parts)):
+        raise InvalidArgument("malformed packed grant: lease_id, num_evicted, parts")
+    if type(expires) not in (int, float) or not math.isfinite(expires) or expires < 0:
+        raise InvalidArgument("malformed packed grant: expires_in_s", value=repr(expires))
+    if type(status) is not bytes or len(status) != len(keys) or status.translate(None, _CODES):
+        raise InvalidArgument("malformed packed grant: status", keys=len(keys))
+    if type(blob) is not bytes or (counts is not None and type(counts) is not bytes):
+        raise InvalidArgument("malformed packed grant: extents, counts")
+    present: list[bytes] = []
+    filtered: list[bytes] = []
+    if not status.strip(b"\0"):  # every key granted: the common case
+        granted = list(keys)
+        if len(set(granted)) != len(granted):
+            raise InvalidArgument("malformed packed grant: a repeated key granted twice")
+    else:
+        granted, seen = [], set[bytes]()
+        lists = (granted, present, filtered)
+        for key, code in zip(keys, status, strict=True):
+            if (code == REPEATED) != (key in seen):
+                raise InvalidArgument("malformed packed grant: status of a repeated key")
+            if code != REPEATED:
+                seen.add(key)
+                lists[code].append(key)
+    if granted and num_parts < 1:
+        raise InvalidArgument("malformed packed grant: parts", parts=num_parts)
+    locations = _packed_locations(blob, counts, len(granted), num_parts)
+    deadline = now + float(expires)
+    return StoreGrant(
+        lease_id, deadline, ns_id, granted, locations, present, filtered, num_evicted, granted_by
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _packed_locations(
+    blob: bytes, counts: bytes | None, num_keys: int, num_parts: int
+) -> list[list[Extents]]:
+    """A packed grant's extents as ``locations[key][part]``. Raises InvalidArgument when the
+    sizes disagree."""
+    num = num_keys * num_parts
+    if counts is None:  # one extent per part
+        if len(blob) != num * _EXTENT.size:
+            raise InvalidArgument("malformed packed grant: extents", size=len(blob), parts=num)
+        extents = list(_EXTENT.iter_unpack(blob))
+        if num_parts == 1:
+            return [[(extent,)] for extent in extents]
+        return [
+            [(extent,) for extent in extents[i : i + num_parts]]
+            for i in range(0, num, num_parts)
+        ]  # fmt: skip
+    if len(counts) != num * _COUNT.size or len(blob) % _EXTENT.size:
+        raise InvalidArgument("malformed packed grant: counts", size=len(counts), parts=num)
+    sizes = [n for (n,) in _COUNT.iter_unpack(counts)]
+    if (sizes and min(sizes) < 1) or sum(sizes) * _EXTENT.size != len(blob):
+        raise InvalidArgument("malformed packed grant: counts do not match the extents")
+    extents, flat, at = list(_EXTENT.iter_unpack(blob)), [], 0
+    for size in sizes:
+        flat.append(tuple(extents[at : at + size]))
+        at += size
+    return [flat[i : i + num_parts] for i in range(0, num, num_parts)]
 
 
 def completions_to_wire(completions: Sequence[StoreCompletion]) -> list[list[Any]]:

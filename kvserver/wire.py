@@ -41,7 +41,10 @@ SUPPORTED_VERSIONS = (1,)
 #: one only against a daemon that announced it (an older daemon refuses the unknown argument).
 #: "store_completions": ``prepare_store`` takes ``completions`` (docs/wire.md §2).
 CAP_STORE_COMPLETIONS = "store_completions"
-CAPABILITIES = (CAP_STORE_COMPLETIONS,)
+#: "packed_store_grant": ``prepare_store`` takes ``packed``, and its grant then comes packed
+#: (``kvserver.grants.packed_store_grant_to_wire``; docs/wire.md §2).
+CAP_PACKED_STORE_GRANT = "packed_store_grant"
+CAPABILITIES = (CAP_STORE_COMPLETIONS, CAP_PACKED_STORE_GRANT)
 #: most completions one ``prepare_store`` may carry.
 MAX_COMPLETIONS = 4096
 
@@ -86,8 +89,9 @@ _SCHEMAS = {
     LOOKUP_TOKENS: "ns_id:str token_ids:ints cache_salt:str? lora:str_pair?",
     TOUCH: "ns_id:str keys:keys",
     # completions: [[lease_id, success, ranks|nil, keys|nil], ...] applied first, each as a
-    # complete_store (capability "store_completions")
-    PREPARE_STORE: "ns_id:str keys:keys lease_s:float? completions:completions?",
+    # complete_store (capability "store_completions"); packed: the grant in the packed form
+    # (capability "packed_store_grant")
+    PREPARE_STORE: "ns_id:str keys:keys lease_s:float? completions:completions? packed:bool?",
     COMPLETE_STORE: "lease_id:int success:bool? ranks:ints? keys:keys?",
     PREPARE_LOAD: "ns_id:str keys:keys lease_s:float?",
     COMPLETE_LOAD: "lease_id:int",

@@ -144,13 +144,35 @@ class SessionCalls:
     def prepare_store(
         self, ns_id: str, keys: Sequence[bytes], lease_s: float | None
     ) -> Proc[StoreGrant | None]:
+        """The reservation; the grant in the packed form (no key echoed) when the daemon
+        announced ``packed_store_grant``."""
         sent = time.monotonic()  # the deadline counts from the send (pipelined: not the read)
-        answer = yield Call(
-            wire.PREPARE_STORE, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
-        )
+        sent_keys = list(keys)
+        args = {"ns_id": ns_id, "keys": sent_keys, "lease_s": lease_s}
+        packed = self._ask_packed(args)
+        answer = yield Call(wire.PREPARE_STORE, args)
+        return self._store_grant(answer, ns_id, sent_keys, packed, sent)
+
+    def _ask_packed(self, args: dict[str, Any]) -> bool:
+        """Ask a daemon that announced ``packed_store_grant`` for the packed grant (an older
+        daemon would refuse the argument)."""
+        if wire.CAP_PACKED_STORE_GRANT in self.server.get("capabilities", ()):
+            args["packed"] = True
+            return True
+        return False
+
+    @staticmethod
+    def _store_grant(
+        answer: Answer, ns_id: str, keys: list[bytes], packed: bool, sent: float
+    ) -> StoreGrant | None:
+        """The grant of a ``prepare_store`` of ``keys`` in ``ns_id`` (None: the cache is
+        full), in the form asked for; ``sent``: when the request went out (the deadline counts
+        from there). Raises InvalidArgument if malformed."""
         data = answer.result["grant"]
         if data is None:
             return None
+        if packed:
+            return grants.packed_store_grant_from_wire(data, keys, ns_id, sent, answer.sid)
         return grants.store_grant_from_wire(data, sent, answer.sid)
 
     def prepare_store_completing(
@@ -179,16 +201,16 @@ class SessionCalls:
                     completed.append(ready)
             grant = yield from self.prepare_store(ns_id, keys, lease_s)
             return StoreReservation(grant, completed)
-        sent = time.monotonic()
+        sent, sent_keys = time.monotonic(), list(keys)
         args = {
             "ns_id": ns_id,
-            "keys": list(keys),
+            "keys": sent_keys,
             "lease_s": lease_s,
             "completions": grants.completions_to_wire(completions),
         }
+        packed = self._ask_packed(args)
         answer = yield Call(wire.PREPARE_STORE, args)
-        data = answer.result["grant"]
-        grant = None if data is None else grants.store_grant_from_wire(data, sent, answer.sid)
+        grant = self._store_grant(answer, ns_id, sent_keys, packed, sent)
         done = grants.completion_results_from_wire(
             answer.result.get("completions"), len(completions)
         )

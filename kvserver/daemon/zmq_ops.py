@@ -33,7 +33,7 @@ from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.errors import KVServerError
-from kvserver.grants import LoadGrant, grant_to_wire
+from kvserver.grants import LoadGrant, grant_to_wire, packed_store_grant_to_wire
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,8 @@ class DataOps:
     def _prepare_store(self, c: OpCall) -> Result:
         """The reservation; with ``completions``, each applied first exactly as its own
         ``complete_store`` would be (authorized, its own result or error, never failing the
-        reservation), after the namespace is checked (an unknown namespace applies nothing)."""
+        reservation), after the namespace is checked (an unknown namespace applies nothing);
+        with ``packed``, the grant in the packed form (no key echoed)."""
         a = c.args
         completed: list[dict[str, Any]] | None = None
         if a["completions"] is not None:
@@ -199,9 +200,11 @@ class DataOps:
         grant = self._service.prepare_store(
             a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"]
         )
-        out: dict[str, Any] = {
-            "grant": None if grant is None else grant_to_wire(grant, time.monotonic())
-        }
+        out: dict[str, Any] = {"grant": None}
+        if grant is not None and a["packed"] is True:
+            out["grant"] = packed_store_grant_to_wire(grant, a["keys"], time.monotonic())
+        elif grant is not None:
+            out["grant"] = grant_to_wire(grant, time.monotonic())
         if completed is not None:
             out["completions"] = completed
         return out
