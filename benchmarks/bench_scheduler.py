@@ -62,11 +62,14 @@ Workers' step time (``--worker-ms MS``, default 0): the in-process synthetic wor
 at once, so a daemon reply sent when the plan goes out (``dispatched()``) has ~0.5 ms to come
 back before ``update_from_output()``; a GPU's forward pass gives it several milliseconds.
 ``--worker-ms`` sleeps that long after the worker (untimed, every configuration alike), as the
-scheduler process waits for its workers.
+scheduler process waits for its workers. With ``--instructions`` it makes the count repeatable:
+without it, whether the reply was received before ``update_from_output()`` depends on when
+valgrind (which runs one thread at a time) lets the client's ZMQ I/O thread run, which moves
+the reply's reading between ``schedule()`` and the rest of the step (±0.5 % of the count).
 
 Usage: python benchmarks/bench_scheduler.py [--quick] [--json FILE] [--start-daemon] [--no-pin]
                                             [--breakdown] [--worker-ms MS]
-       python benchmarks/bench_scheduler.py --instructions 64 [--json FILE]
+       python benchmarks/bench_scheduler.py --instructions 64 [--worker-ms MS] [--json FILE]
 With --json, also writes FILE with the .png suffix (a bar chart) when matplotlib is importable.
 """
 
@@ -211,10 +214,11 @@ def store_accounting(conn: Any) -> dict[str, int]:
     return {n: getattr(s, f"{n}_chunks") for n in names}
 
 
-def count_one(name: str, address: str | None, steps: int) -> None:
+def count_one(name: str, address: str | None, steps: int, worker_s: float = 0.0) -> None:
     """Run ``steps`` steady steps of one configuration for callgrind (``--instructions``):
     ``schedule()`` through ``eval`` and ``update_from_output()`` + ``take_events()`` through
-    ``operator.call``, the two functions callgrind collects inside."""
+    ``operator.call``, the two functions callgrind collects inside; ``worker_s``: the
+    workers' step, slept between the two (not counted)."""
     conn = kvserver_connector(address) if name == "kvserver" and address else None
     memory = MemoryConnector(BLOCK_SIZE, CHUNK_BLOCKS, log_calls=False)
     config = make(name, memory if name == "memory" else conn, steps + 64)
@@ -230,7 +234,10 @@ def count_one(name: str, address: str | None, steps: int) -> None:
     for _ in range(steps):
         plan = eval("s.schedule()")  # callgrind's marker: a constant expression
         s.dispatched()  # not counted: the workers' time
-        operator.call(step_end, plan, [worker.execute(plan)])
+        results = [worker.execute(plan)]
+        if worker_s:
+            time.sleep(worker_s)  # the daemon's reply arrives meanwhile, as on a GPU
+        operator.call(step_end, plan, results)
     gc.enable()
     if conn is not None:
         if conn.stats.timeouts:
@@ -238,7 +245,7 @@ def count_one(name: str, address: str | None, steps: int) -> None:
         conn.close()
 
 
-def instructions(steps: int, address: str) -> list[dict[str, Any]]:
+def instructions(steps: int, address: str, worker_ms: float = 0.0) -> list[dict[str, Any]]:
     """``--instructions``: each configuration under callgrind; rows as :func:`results`."""
     counts: dict[str, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-sched-cg-") as tmp:
@@ -248,7 +255,7 @@ def instructions(steps: int, address: str) -> list[dict[str, Any]]:
                 "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
                 "--toggle-collect=builtin_eval", "--toggle-collect=_operator_call",
                 sys.executable, __file__, "--count-one", name, "--kvserver", address,
-                "--steps", str(steps),
+                "--steps", str(steps), "--worker-ms", str(worker_ms),
             ]  # fmt: skip
             env = {**os.environ, "PYTHONHASHSEED": "0"}
             run = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -366,17 +373,18 @@ def main(argv: list[str] | None = None) -> int:
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
     if args.count_one:
-        count_one(args.count_one, args.kvserver, args.steps)
+        count_one(args.count_one, args.kvserver, args.steps, args.worker_ms / 1e3)
         return 0
     if args.instructions:
         with daemon() as addr:
-            rows = instructions(args.instructions, addr)
+            rows = instructions(args.instructions, addr, args.worker_ms)
         for r in rows:
             print(f"{r['config']:<10} schedule() {r['value']:>12,.0f} instr/step  ratio "
                   f"{r['ratio']:.3f}   whole step {r['step_value']:>12,.0f}  ratio "
                   f"{r['step_ratio']:.3f}")  # fmt: skip
         if args.json is not None:
-            meta = {"num_requests": NUM_REQUESTS, "steps": args.instructions, "tool": "callgrind"}
+            meta = {"num_requests": NUM_REQUESTS, "steps": args.instructions, "tool": "callgrind",
+                    "worker_ms": args.worker_ms}  # fmt: skip
             save_report(args.json, {"meta": meta, "results": rows},
                         lambda png: write_chart(rows, png, "instructions"))  # fmt: skip
         return 0
