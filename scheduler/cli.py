@@ -202,6 +202,9 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     except KVServerError as exc:
         print(f"kvserver scheduler: {exc}", file=sys.stderr)
         return 2
+    from kvserver.grpc_engine import use_polling_engine
+
+    use_polling_engine()  # before grpc is imported: fewer thread wake-ups per call, as the daemon
     from scheduler.process import main
 
     try:

@@ -1,0 +1,45 @@
+"""scheduler/cli.py: ``kvserver scheduler`` runs gRPC core's polling engine, as ``kvserver start``
+does (kvserver/grpc_engine.py): the variable is set before anything imports grpc, so it takes
+effect, and an operator's value wins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvserver.grpc_engine import ENV, POLLING_EXPERIMENTS
+
+#: runs ``kvserver scheduler`` up to the process's main, which reports instead of starting.
+PROBE = """
+import os, sys, types
+stub = types.ModuleType("scheduler.process")
+def main(config):
+    print(repr(os.environ.get("GRPC_EXPERIMENTS")), "grpc" in sys.modules)
+    return 0
+stub.main = main
+sys.modules["scheduler.process"] = stub
+from kvserver.cli import main as cli
+sys.exit(cli(["scheduler", "--synthetic-workers", "1", "--grpc-port", "0"]))
+"""
+
+
+def _probe(env: dict[str, str]) -> str:
+    base = {k: v for k, v in os.environ.items() if k != ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_scheduler_selects_the_polling_engine_before_grpc_loads() -> None:
+    assert _probe({}) == f"{POLLING_EXPERIMENTS!r} False"
+
+
+@pytest.mark.parametrize("value", ["", "event_engine_client"])
+def test_an_operators_value_wins(value: str) -> None:
+    assert _probe({ENV: value}) == f"{value!r} False"
