@@ -2,7 +2,8 @@
 
 Runs at the start of ``kvserver`` commands (``kvserver.cli.main``: the daemon's ``start``, the
 CLI clients, ``kvserver bench``; ``kvserver scheduler``, ``scheduler/cli.py``) and of the
-benchmarks' own clients, before anything imports ``grpc``. Imports nothing but the standard library; never imports ``grpc`` itself.
+benchmarks' own clients, before anything imports ``grpc``. Imports nothing but the standard
+library; never imports ``grpc`` itself.
 
 Why. grpcio >= 1.6x serves and dials through the EventEngine by default: a socket's bytes are
 read by an EventEngine poller thread, handed to a thread-pool thread, completed onto the
