@@ -227,8 +227,9 @@ class StorageEngine:
         Returns ``None`` — with nothing changed, not even the policy state — if space for every
         new key cannot be found (a store rejection). If a policy that ``admits`` (``chain``)
         ranks the new keys below the entries they would displace, nothing changes and they
-        come back in ``filtered`` (not admitted, as reuse gating's: not a full cache). New
-        entries are WRITING and invisible until complete_store.
+        come back in ``filtered`` (not admitted, as reuse gating's: not a full cache); a
+        ``gated=False`` store (an SSD promotion, a peer fetch's placement: chunks a load asked
+        for) is never declined so. New entries are WRITING and invisible until complete_store.
         """
         ns = self._ns(ns_id)
         spec = self._namespaces.specs[ns]
@@ -252,7 +253,9 @@ class StorageEngine:
         evicted: list[Entry] | None = []
         if new_keys:  # victims only among keys in the index: this request's present ones kept
             need = self._dram.pages_for(spec, len(new_keys))
-            evicted = self._dram.make_room(need, ns, present, new_keys)
+            # placements (gated=False) are reads of chunks a lower tier or a peer holds: shown
+            # to no admission, so a load never loses them to it
+            evicted = self._dram.make_room(need, ns, present, new_keys if gated else ())
             if evicted is None and self.policy.declined:  # not admitted, as reuse gating's
                 filtered, new_keys, evicted = filtered + new_keys, [], []
         if evicted is None:

@@ -1273,41 +1273,46 @@ def test_rejected_store_changes_no_counter() -> None:
         assert after.store_rejections == before.store_rejections + 1
 
 
+def _chain_full_of_conversations(engine: StorageEngine) -> tuple[str, list[bytes], Any]:
+    """Teach ``chain`` (an engine of 57 pages: the prompt + 4 x 14 chunks) that documents (a
+    prompt, then many chunks nobody reads again) leave unread, until the conversations fill
+    the cache; then look a new document up. Returns (namespace, the document, ``serve``: a
+    planning lookup of a whole chain, then its missing keys stored; False if none was)."""
+    ns = engine.register_namespace(make_spec())
+    assert engine.policy.admits
+    prompt = make_keys(1, tag="sys")
+
+    def serve(keys: list[bytes]) -> bool:
+        hits = engine.lookup(ns, keys, record=True, touch=True)
+        grant = engine.prepare_store(ns, keys[hits:])
+        if grant is None or (grant.filtered and not grant.keys):
+            return False
+        if grant.keys:
+            write_all(engine, grant)
+            engine.complete_store(grant.lease_id)
+        return True
+
+    for r in range(7):
+        for c in range(4):
+            assert serve(prompt + make_keys(2 * (r + 1), tag=f"c{c}-"))
+            if c % 2 and r < 3:
+                serve(prompt + make_keys(40, tag=f"d{r}{c}-"))
+    # the conversations fill the cache: the documents have left
+    assert all(ready_keys(engine, ns, prompt + make_keys(14, tag=f"c{c}-")) for c in range(4))
+    assert engine.allocator.num_free == 0
+    doc = prompt + make_keys(40, tag="late-")
+    assert engine.lookup(ns, doc, record=True, touch=True) == 1
+    return ns, doc, serve
+
+
 def test_chain_declines_a_document_store_through_the_engine() -> None:
     """The engine shows an admitting policy a store's new keys: once ``chain`` has seen
-    documents (a prompt, then many chunks nobody reads again) leave unread, a document whose
-    store would displace the conversations is refused (None, a store rejection, nothing
-    changed; the new keys come back as not admitted, ``filtered``, counted as reuse gating's
-    are, not as a store rejection) and the conversations' next turns are stored."""
-    with make_engine("chain", num_pages=57) as engine:  # the prompt + 4 x 14 chunks
-        ns = engine.register_namespace(make_spec())
-        assert engine.policy.admits
-        prompt = make_keys(1, tag="sys")
-
-        def serve(keys: list[bytes]) -> bool:
-            """A planning lookup (the whole chain), then the missing keys stored."""
-            hits = engine.lookup(ns, keys, record=True, touch=True)
-            grant = engine.prepare_store(ns, keys[hits:])
-            if grant is None or (grant.filtered and not grant.keys):
-                return False
-            if grant.keys:
-                write_all(engine, grant)
-                engine.complete_store(grant.lease_id)
-            return True
-
-        def conversation(c: int, length: int) -> list[bytes]:
-            return prompt + make_keys(length, tag=f"c{c}-")
-
-        for r in range(7):
-            for c in range(4):
-                assert serve(conversation(c, 2 * (r + 1)))
-                if c % 2 and r < 3:
-                    serve(prompt + make_keys(40, tag=f"d{r}{c}-"))
-        # the conversations fill the cache: the documents have left
-        assert all(ready_keys(engine, ns, conversation(c, 14)) for c in range(4))
-        assert engine.allocator.num_free == 0
-        doc = prompt + make_keys(40, tag="late-")
-        assert engine.lookup(ns, doc, record=True, touch=True) == 1
+    documents leave unread, a document whose store would displace the conversations is
+    refused (nothing changed; the new keys come back as not admitted, ``filtered``, counted
+    as reuse gating's are, not as a store rejection) and the conversations' next turns are
+    stored."""
+    with make_engine("chain", num_pages=57) as engine:
+        ns, doc, serve = _chain_full_of_conversations(engine)
         before = snapshot(engine)
         totals = engine.stats().totals
         rejections, not_admitted = totals.store_rejections, totals.filtered_chunks
@@ -1318,5 +1323,22 @@ def test_chain_declines_a_document_store_through_the_engine() -> None:
         totals = engine.stats().totals
         assert totals.store_rejections == rejections
         assert totals.filtered_chunks == not_admitted + len(doc) - 1
-        assert serve(conversation(0, 15))
+        assert serve(make_keys(1, tag="sys") + make_keys(15, tag="c0-"))
+        engine.check_invariants()
+
+
+def test_chain_never_declines_a_placement() -> None:
+    """A ``gated=False`` store (an SSD promotion, a peer fetch's placement: chunks a load asked
+    for, which a lower tier or a peer holds) is not shown to admission: the same document
+    ``chain`` declines as a client's store is placed whole, evicting what it must, so the
+    load that asked for it finds it (before, it came back ``filtered`` and the load missed
+    every chunk of it)."""
+    with make_engine("chain", num_pages=57) as engine:
+        ns, doc, _ = _chain_full_of_conversations(engine)
+        grant = engine.prepare_store(ns, doc[1:], gated=False)
+        assert grant is not None and not engine.policy.declined
+        assert (grant.keys, grant.filtered, grant.num_evicted) == (doc[1:], [], len(doc) - 1)
+        write_all(engine, grant)
+        assert engine.settle_store(grant.lease_id, grant.keys) == doc[1:]
+        assert engine.lookup(ns, doc) == len(doc)
         engine.check_invariants()
