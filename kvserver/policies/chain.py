@@ -63,10 +63,11 @@ more likely to have ended. Which chains end is learnt, not assumed:
   not a full cache).
   A document (hundreds of new chunks on a first turn) is declined once documents have been
   seen to leave unread (``p`` of its state near 0), unless what it displaces ranks lower
-  still (an older document's leftovers). Without ``incoming`` (the SSD tier, promotions)
-  ``evict`` never declines. Why: every store must otherwise be made room for, and a
-  2,000-chunk document in a cache of 3,500 flushes most of the conversations it holds
-  (docs/benchmarks.md: it is most of what ``chain`` gains on chat at 5 %).
+  still (an older document's leftovers). Without ``incoming`` (the SSD tier; promotions and
+  peer fetches' placements, ``prepare_store(gated=False)``) ``evict`` never declines. Why:
+  every store must otherwise be made room for, and a 2,000-chunk document in a cache of
+  3,500 flushes most of the conversations it holds (docs/benchmarks.md: it is most of what
+  ``chain`` gains on chat at 5 %).
 
 Order. Keys are kept in one LRU list per class (a chain state, or a shared read-rate bucket):
 within a class the log-odds are the same offset plus a function of the age that never rises
