@@ -257,6 +257,8 @@ class StreamConnection:
             while not fut.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()  # retrieved: given up, not "never retrieved" at its collection
             raise
         except OSError as exc:
             self.spoil()
