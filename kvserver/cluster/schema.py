@@ -25,8 +25,9 @@ multi-key commands and scripts below never cross slots)::
   8 bytes, a quarter of a sha256 key; hashing rather than truncating keeps any key uniform). A
   false positive needs a 64-bit collision within one host's set (about 1e-13 per lookup at
   1 M chunks). The index is never trusted for bytes, so a collision costs one failed fetch.
-- Every index set has a TTL (``PEXPIRE ... NX`` when a batch creates it, renewed by each
-  heartbeat): a host that stops heartbeating loses its record and its sets within the TTL.
+- Every index set has a TTL (``PEXPIRE ... NX`` in the script that adds its members, so it
+  is never without one; renewed by each heartbeat): a host that stops heartbeating loses its
+  record and its sets within the TTL.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserver.cluster import schema
-from kvserver.cluster.writer import IndexWriter
+from kvserver.cluster.writer import ADD_SCRIPT, IndexWriter
 from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD, AllBlocksCleared, BlockRemoved, BlockStored
 
 K = [bytes([i]) * 32 for i in range(6)]
@@ -55,7 +55,8 @@ def test_media_map_to_tiers_and_a_clear_empties_the_set_first() -> None:
     assert n == len(pipe.calls)
     dram = schema.index_key("h", "inc", "ns", "dram")
     assert ("execute_command", "UNLINK", dram) in pipe.calls
-    assert ("pexpire", dram, 1000, ("nx", True)) in pipe.calls
+    # SADD and the TTL in one script: a set never exists without its TTL
+    assert ("execute_command", "EVAL", ADD_SCRIPT, 1, dram, 1000, FP[3]) in pipe.calls
     # the namespace is claimed once: a later batch does not report it new
     w.add([BlockStored(4, "ns", (K[4],), MEDIUM_DRAM)])
     later = w.take_batch()
