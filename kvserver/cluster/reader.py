@@ -94,6 +94,19 @@ end
 return out
 """
 
+# KEYS[1]: the hosts set; KEYS[2..]: the records of members read as gone; ARGV: their ids.
+# Forgets a member only while its record is still absent: one that registered again since
+# the read (its SADD a no-op, its id still in the set) stays listed.
+_FORGET_SCRIPT = """
+local n = 0
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    n = n + redis.call('SREM', KEYS[1], ARGV[i - 1])
+  end
+end
+return n
+"""
+
 
 class FleetReader:
     """Reads membership and the fleet index (module docstring)."""
@@ -139,7 +152,10 @@ class FleetReader:
             except Exception:  # another version's record: not ours to read
                 continue
         if gone:  # lazily forget members whose record expired (re-added by their heartbeat)
-            await self.redis.srem(schema.hosts_key(), *gone)
+            records = [schema.host_key(h) for h in gone]  # one slot with the set: {fleet}
+            await self.redis.execute_command(
+                "EVAL", _FORGET_SCRIPT, 1 + len(gone), schema.hosts_key(), *records, *gone
+            )
         return live
 
     async def lookup(
