@@ -68,7 +68,10 @@ def submitting(
 class AsyncKVClient(ClientBase):
     """Asyncio client; see the module docstring. ``colocated``: None = auto, False = never
     use shared memory, True = require it. ``local``: send requests over the daemon's local
-    channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1)."""
+    channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
+    ``max_frame_bytes`` > 0: the largest reply frame taken over ZMQ; the daemon (a peer, for
+    a daemon's network tier) sending a larger one loses the connection before its bytes are
+    received, and the requests outstanding on it fail with Unavailable."""
 
     _t: AioTransport
 
@@ -82,12 +85,13 @@ class AsyncKVClient(ClientBase):
         colocated: bool | None = None,
         curve: CurveClient | None = None,
         local: bool = True,
+        max_frame_bytes: int = 0,
     ) -> None:
         self.timeout = timeout
         self._s = Session(
             address, client_id=client_id, auth_token=auth_token, colocated=colocated, curve=curve
         )
-        self._t = AioTransport(self._s, local=local)
+        self._t = AioTransport(self._s, local=local, max_frame_bytes=max_frame_bytes)
         self._renew_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifetime

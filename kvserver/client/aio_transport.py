@@ -95,8 +95,9 @@ class AioLocalLink:
 class AioTransport:
     """The links and outstanding requests of one asyncio client; see the module docstring."""
 
-    def __init__(self, session: Session, *, local: bool) -> None:
+    def __init__(self, session: Session, *, local: bool, max_frame_bytes: int = 0) -> None:
         self._s = session
+        self._max_frame = max_frame_bytes
         self._ctx = zmq.asyncio.Context.instance()
         self._zmq: zmq.asyncio.Socket | None = None
         self._watch: ConnectionWatch | None = None
@@ -200,7 +201,7 @@ class AioTransport:
         if self._zmq is None:
             s = self._s
             self._zmq, self._watch = open_dealer(
-                self._ctx, s.address, s.curve, s.handshake_token()
+                self._ctx, s.address, s.curve, s.handshake_token(), self._max_frame
             )
             self._watch_fd = cast(int, self._watch.fd.get(zmq.FD))
             self._watch_loop = asyncio.get_running_loop()

@@ -147,13 +147,21 @@ class ConnectionWatch:
 
 
 def open_dealer(
-    ctx: zmq.Context[S], address: str, curve: CurveClient | None, token: str = ""
+    ctx: zmq.Context[S],
+    address: str,
+    curve: CurveClient | None,
+    token: str = "",
+    max_frame_bytes: int = 0,
 ) -> tuple[S, ConnectionWatch]:
     """A DEALER connected to ``address`` (LINGER 0, the client's reconnect intervals; CURVE
     when given, else ``token`` presented at the handshake when given: PLAIN, ``docs/wire.md``),
-    watched from before its first connection attempt. Both clients' sockets."""
+    watched from before its first connection attempt. Both clients' sockets.
+    ``max_frame_bytes`` > 0: a frame announced larger is not received: ZMQ drops the
+    connection at its length prefix (``MAXMSGSIZE``), which the watch reports as broken."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if max_frame_bytes > 0:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     mechanism = "null"

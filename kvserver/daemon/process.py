@@ -331,6 +331,8 @@ def _peer_settings(config: DaemonConfig) -> PeerSettings:
         stream=not options and config.peer_stream_port >= 0,
         stream_tls=stream_tls,
         tls_server_name=config.peer_tls_server_name,
+        # what a peer's reply may make this daemon receive: its own bound on inbound frames
+        max_frame_bytes=config.max_message_bytes,
     )
 
 

@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.link import DEFAULT_CONNECTIONS, PeerFailed, PeerLink
+from kvserver.daemon.peers.link import (
+    DEFAULT_CONNECTIONS,
+    DEFAULT_MAX_FRAME_BYTES,
+    PeerFailed,
+    PeerLink,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,8 @@ class PeerSettings:
     peer's plain (``tcp://``) stream port when it advertises one (off when CURVE is
     configured: chunks would cross in clear); ``stream_tls``: fetch over a peer's TLS
     (``tls://``) stream port with this context (None: never), checking
-    ``tls_server_name`` ("" = the host of its address) against its certificate."""
+    ``tls_server_name`` ("" = the host of its address) against its certificate;
+    ``max_frame_bytes``: the largest reply frame taken from a peer over ZMQ."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     suspect_s: float = DEFAULT_SUSPECT_S
@@ -80,10 +86,13 @@ class PeerSettings:
     stream: bool = True
     stream_tls: ssl.SSLContext | None = None
     tls_server_name: str = ""
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.suspect_s < 0 or self.connections < 1:
             raise ValueError("need timeout_s > 0, suspect_s >= 0 and connections >= 1")
+        if self.max_frame_bytes < 1:
+            raise ValueError("need max_frame_bytes >= 1")
 
 
 class PeerBook:
@@ -124,6 +133,7 @@ class PeerBook:
             stream=s.stream,
             stream_tls=s.stream_tls,
             tls_server_name=s.tls_server_name,
+            max_frame_bytes=s.max_frame_bytes,
         )
         self._links[peer.host_id] = link
         return link

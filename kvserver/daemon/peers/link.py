@@ -24,7 +24,8 @@ connection bound.
 Every call is bounded by ``timeout_s`` in all (connecting, the session handshake, the reply):
 past it, or when the peer's reply is malformed, the call raises :class:`PeerFailed` and the
 socket it used is closed (a late reply cannot be mistaken for the next one). What the peer
-sends is checked before anyone sees it (:func:`check_rows`).
+sends is checked before anyone sees it (:func:`check_rows`), and what it can make this daemon
+receive is bounded: a reply frame over ``max_frame_bytes`` is refused at its length prefix.
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ from kvserver.namespace import NamespaceSpec
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_CONNECTIONS", "PeerFailed", "PeerLink", "check_rows"]
+__all__ = ["DEFAULT_CONNECTIONS", "DEFAULT_MAX_FRAME_BYTES", "PeerFailed", "PeerLink", "check_rows"]
 
 #: DEALER sockets per peer unless configured otherwise.
 DEFAULT_CONNECTIONS = 4
+#: the largest frame a peer's reply may carry over ZMQ unless configured otherwise: the
+#: daemon's own bound on inbound frames (``max_message_bytes``), for what its peers send.
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
 
 
 class PeerLink:
@@ -64,10 +68,13 @@ class PeerLink:
         stream: bool = True,
         stream_tls: ssl.SSLContext | None = None,
         tls_server_name: str = "",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         """``stream``: a plain (``tcp://``) stream port may be used; ``stream_tls``: how a
         ``tls://`` one is dialled (None: it is not); ``tls_server_name``: the name its
-        certificate must carry ("" = the host of its address)."""
+        certificate must carry ("" = the host of its address); ``max_frame_bytes``: the
+        largest reply frame taken from the peer over ZMQ (a larger one is refused at its
+        length prefix, before its bytes are received: the call fails, :class:`PeerFailed`)."""
         if timeout_s <= 0 or connections < 1:
             raise ValueError("need timeout_s > 0 and connections >= 1")
         self.peer = peer
@@ -75,6 +82,7 @@ class PeerLink:
         self._auth_token = auth_token
         self._client_id = client_id
         self._options = dict(client_options or {})
+        self._max_frame = max_frame_bytes
         self._max = connections
         self._idle: list[AsyncKVClient] = []
         self._opened = 0
@@ -239,6 +247,7 @@ class PeerLink:
             client_id=self._client_id,
             auth_token=self._auth_token,
             colocated=False,
+            max_frame_bytes=self._max_frame,
             **self._options,
         )
 
