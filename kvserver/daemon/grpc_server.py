@@ -37,11 +37,12 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
-from kvserver.cluster.rpc import cluster_stats, score_hosts
+from kvserver.cluster.rpc import score_hosts
 from kvserver.crypto import TlsServer
 from kvserver.daemon.access import allow_prefix
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
 from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.grpc_stats import MAX_STATUS_DETAILS, stats_response
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
@@ -52,7 +53,6 @@ from kvserver.grpc_format import (
     EVENTS_DROPPED_CODE,
     FROM_SEQ_KEY,
     LOG_ID_KEY,
-    MEDIUM_TO_PROTO,
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
     bearer_token,
@@ -85,35 +85,6 @@ STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
 }
 
 MAX_NAMESPACE_ID = 64
-MAX_STATUS_DETAILS = 1024
-_NS_COUNTERS = (
-    "entries",
-    "bytes",
-    "lookups",
-    "hit_chunks",
-    "miss_chunks",
-    "stored_chunks",
-    "loaded_chunks",
-    "evicted_chunks",
-    "rolled_back_chunks",
-    "filtered_chunks",
-    "store_rejections",
-    "expired_leases",
-)
-_TIER_COUNTERS = (
-    "hit_chunks",
-    "miss_chunks",
-    "evicted_chunks",
-    "stored_chunks",
-    "loaded_chunks",
-    "lookups",
-)
-#: the TierStats fields a lower tier's ``stats()`` fills by name (``kvserver/daemon/tiers.py``)
-_LOWER_TIER_FIELDS = tuple(
-    f.name
-    for f in pb.TierStats.DESCRIPTOR.fields
-    if f.name not in ("name", "medium", "condition_detail")
-)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -333,62 +304,7 @@ class GrpcFrontend:
         return reply
 
     def _stats(self, who: Principal, req: pb.StatsRequest) -> pb.StatsResponse:
-        s = self.service.stats()
-        totals, page = s["totals"], s["page_size"]
-        specs = {spec.ns_id: spec for spec in self.service.list_namespaces()}
-        dram = pb.TierStats(
-            name="dram",
-            medium=pb.MEDIUM_CPU,
-            policy=s["policy"],
-            capacity_bytes=s["capacity_bytes"],
-            used_bytes=s["used_bytes"],
-            pinned_bytes=s["pinned_pages"] * page,
-            reserved_bytes=s["reserved_pages"] * page,
-            entries=s["num_entries"],
-            condition="ok",
-            **{k: totals[k] for k in _TIER_COUNTERS},
-        )
-        tiers = [dram]
-        lower = self.service.tier_stats()
-        for tier, st in lower:
-            tiers.append(
-                pb.TierStats(
-                    name=tier.name,
-                    medium=MEDIUM_TO_PROTO.get(tier.medium, pb.MEDIUM_UNSPECIFIED),
-                    condition_detail=st.get("condition_detail", "")[:MAX_STATUS_DETAILS],
-                    **{k: st[k] for k in _LOWER_TIER_FIELDS if k in st},
-                )
-            )
-        namespaces = []
-        for ns_id, row in s["namespaces"].items():
-            spec = specs.get(ns_id)
-            if not who.is_admin and (spec is None or not who.sees(spec)):
-                continue  # another tenant's
-            counters = {k: row[k] for k in _NS_COUNTERS if k in row}
-            usage = [pb.TierUsage(tier="dram", entries=row["entries"], bytes=row["bytes"])]
-            for tier, st in lower:
-                entries, nbytes = st.get("namespaces", {}).get(ns_id, (0, 0))
-                usage.append(pb.TierUsage(tier=tier.name, entries=entries, bytes=nbytes))
-            namespaces.append(
-                pb.NamespaceStats(
-                    namespace_id=ns_id,
-                    model=spec.model if spec is not None else "",
-                    tiers=usage,
-                    **counters,
-                )
-            )
-        log = self.service.events
-        return pb.StatsResponse(
-            server_version=s["server_version"],
-            host_id=self.service.host_id,
-            tiers=tiers,
-            namespaces=namespaces,
-            num_leases=s["num_leases"],
-            event_log_id=self.log_id,
-            events_last_seq=log.last_seq,
-            events_oldest_seq=log.oldest_seq,
-            cluster=cluster_stats(s.get("cluster")),
-        )
+        return stats_response(self.service, who, self.log_id)
 
     # ------------------------------------------------------------------ WatchEvents
 
