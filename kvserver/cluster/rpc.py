@@ -8,17 +8,18 @@ Server side (runs on the daemon's event loop, called by ``kvserver/daemon/grpc_s
 
 The prompt is hashed with the namespace's parameters: the daemon's own registration, or
 else the spec a member published in the fleet (``kvs1:{fleet}:ns``), so any daemon of the
-fleet can score a prompt of any model in it.
+fleet can score a prompt of any model in it. The hashing is the service's
+(``ScoringService.hash_prompt``): a long prompt hashes on a thread, the loop serving others.
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
@@ -27,7 +28,6 @@ from kvserver.cluster.scoring import HostScore, score_runs
 from kvserver.engine_types import CutKeys
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
 from kvserver.grpc_format import keys_from_proto, token_ids_from_proto
-from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 
 MAX_KEYS = 1 << 16
@@ -46,13 +46,30 @@ class ScoringService(Protocol):
         """The namespace registered on this daemon with that id, or None."""
         ...
 
+    def hash_prompt(
+        self,
+        spec: NamespaceSpec,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        caller: str = "",
+    ) -> Sequence[bytes] | Awaitable[Sequence[bytes]]:
+        """The chunk keys of a prompt in ``spec``; awaitable when hashed on a thread."""
+        ...
+
 
 async def score_hosts(
-    service: ScoringService, req: Any, *, allow: Callable[[NamespaceSpec, Any], None] | None = None
+    service: ScoringService,
+    req: Any,
+    *,
+    allow: Callable[[NamespaceSpec, Any], None] | None = None,
+    caller: str = "",
 ) -> Any:
     """Answer one ``ScoreHostsRequest`` (see the proto for the contract). ``allow(spec,
     req)``, when given, raises (e.g. PermissionDenied) if the caller may not ask about the
-    namespace, before any hashing or fleet lookup."""
+    namespace, before any hashing or fleet lookup; ``caller`` names it to the service's
+    bound on prompts hashing (``hash_prompt``)."""
     node = service.cluster
     if node is None:
         raise InvalidState("this daemon is not part of a fleet (start it with --cluster)")
@@ -64,7 +81,9 @@ async def score_hosts(
     spec = await _spec(service, ns_id)
     if allow is not None:
         allow(spec, req)
-    keys = _keys(spec, req)
+    keys = _keys(service, spec, req, caller)
+    if inspect.isawaitable(keys):
+        keys = await keys
     candidates = list(req.candidate_hosts) or None
     runs = await node.reader.lookup(ns_id, keys, hosts=candidates, exact=req.exact)
     scores = score_runs(runs, spec.chunk_tokens, weights)
@@ -124,7 +143,9 @@ async def _spec(service: ScoringService, ns_id: str) -> NamespaceSpec:
     return spec
 
 
-def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
+def _keys(
+    service: ScoringService, spec: NamespaceSpec, req: Any, caller: str
+) -> Sequence[bytes] | Awaitable[Sequence[bytes]]:
     which = req.WhichOneof("prefix")
     if which == "keys":
         keys = keys_from_proto(req.keys, spec.key_size, MAX_KEYS)
@@ -141,17 +162,10 @@ def _keys(spec: NamespaceSpec, req: Any) -> list[bytes]:
         if len(token_ids) > MAX_TOKENS:
             raise InvalidArgument("too many tokens", count=len(token_ids))
         lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
-        hasher = _hasher(spec)
-        blocks = hasher.hash_blocks(token_ids, cache_salt=t.cache_salt or None, lora=lora)
-        # block hashes are bytes already (a NewType): no copy per key (2,048: ~0.1 ms)
-        return cast("list[bytes]", hasher.chunk_keys(blocks, spec.chunk_blocks))
+        return service.hash_prompt(
+            spec, token_ids, cache_salt=t.cache_salt or None, lora=lora, caller=caller
+        )
     raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
-
-
-@functools.lru_cache(maxsize=64)
-def _hasher(spec: NamespaceSpec) -> BlockHasher:
-    """One hasher per namespace (building one computes its NONE_HASH)."""
-    return BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
 
 
 def cluster_stats(stats: dict[str, Any] | None) -> Any:

@@ -231,8 +231,11 @@ class GrpcFrontend:
             raise UnknownNamespace("namespace not registered", ns=ns_id)
         return spec
 
-    def _prefix_keys(self, ns_id: str, request: Any) -> Sequence[bytes]:
-        """Chunk keys of a request's ``prefix`` oneof (tokens are hashed by the service)."""
+    def _prefix_keys(
+        self, who: Principal, ns_id: str, request: Any
+    ) -> Sequence[bytes] | Awaitable[Sequence[bytes]]:
+        """Chunk keys of a request's ``prefix`` oneof (tokens are hashed by the service: a long
+        prompt on a thread, then awaitable keys, after its checks)."""
         which = request.WhichOneof("prefix")
         if which == "keys":
             key_size = self._namespace(ns_id).key_size
@@ -241,8 +244,12 @@ class GrpcFrontend:
             t = request.tokens
             lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
             # one uint32 array, which the hasher takes as it is
-            return self.service.chunk_keys_for_tokens(
-                ns_id, token_ids_from_proto(t), cache_salt=t.cache_salt or None, lora=lora
+            return self.service.prompt_keys(
+                ns_id,
+                token_ids_from_proto(t),
+                cache_salt=t.cache_salt or None,
+                lora=lora,
+                caller=who.name,
             )
         raise InvalidArgument("set exactly one of 'tokens' or 'keys'")
 
@@ -253,31 +260,43 @@ class GrpcFrontend:
         spec = self._namespace(ns_id)
         allow_prefix(who, spec, req)
         chunk_tokens = spec.chunk_tokens
-        result = self.service.lookup(ns_id, self._prefix_keys(ns_id, req))
-        if isinstance(result, Pending):
-            pending = result
 
-            async def finish() -> Message:
-                return _lookup_response(ns_id, chunk_tokens, await pending.run())
+        def answer(keys: Sequence[bytes]) -> Message | Awaitable[Message]:
+            result = self.service.lookup(ns_id, keys)
+            if isinstance(result, Pending):
+                pending = result
 
-            return finish()
-        return _lookup_response(ns_id, chunk_tokens, result)
+                async def finish() -> Message:
+                    return _lookup_response(ns_id, chunk_tokens, await pending.run())
+
+                return finish()
+            return _lookup_response(ns_id, chunk_tokens, result)
+
+        return _then(self._prefix_keys(who, ns_id, req), answer)
 
     def _score_hosts(self, who: Principal, req: pb.ScoreHostsRequest) -> Awaitable[Message]:
         allow = None if who.is_admin else partial(allow_prefix, who)
-        return score_hosts(self.service, req, allow=allow)
+        return score_hosts(self.service, req, allow=allow, caller=who.name)
 
-    def _pin(self, who: Principal, req: pb.PinRequest) -> pb.PinResponse:
-        allow_prefix(who, self._namespace(req.namespace_id), req, write=True)
-        keys = self._prefix_keys(req.namespace_id, req)
-        pinned = self.service.pin(req.namespace_id, keys, req.ttl_s)
-        return pb.PinResponse(pinned_chunks=pinned, num_chunks=len(keys))
+    def _pin(self, who: Principal, req: pb.PinRequest) -> Message | Awaitable[Message]:
+        ns_id = req.namespace_id
+        allow_prefix(who, self._namespace(ns_id), req, write=True)
+        return _then(
+            self._prefix_keys(who, ns_id, req),
+            lambda keys: pb.PinResponse(
+                pinned_chunks=self.service.pin(ns_id, keys, req.ttl_s), num_chunks=len(keys)
+            ),
+        )
 
-    def _unpin(self, who: Principal, req: pb.UnpinRequest) -> pb.UnpinResponse:
-        allow_prefix(who, self._namespace(req.namespace_id), req, write=True)
-        keys = self._prefix_keys(req.namespace_id, req)
-        unpinned = self.service.unpin(req.namespace_id, keys)
-        return pb.UnpinResponse(unpinned_chunks=unpinned, num_chunks=len(keys))
+    def _unpin(self, who: Principal, req: pb.UnpinRequest) -> Message | Awaitable[Message]:
+        ns_id = req.namespace_id
+        allow_prefix(who, self._namespace(ns_id), req, write=True)
+        return _then(
+            self._prefix_keys(who, ns_id, req),
+            lambda keys: pb.UnpinResponse(
+                unpinned_chunks=self.service.unpin(ns_id, keys), num_chunks=len(keys)
+            ),
+        )
 
     def _list_namespaces(
         self, who: Principal, req: pb.ListNamespacesRequest
@@ -394,6 +413,22 @@ class _CannotResume(Exception):
     def __init__(self, message: str, oldest: int) -> None:
         super().__init__(message)
         self.oldest = oldest
+
+
+def _then(
+    keys: Sequence[bytes] | Awaitable[Sequence[bytes]],
+    answer: Callable[[Sequence[bytes]], Message | Awaitable[Message]],
+) -> Message | Awaitable[Message]:
+    """``answer(keys)``, now, or on the loop once awaitable ``keys`` are hashed."""
+    if not inspect.isawaitable(keys):
+        return answer(keys)
+    hashing = keys
+
+    async def later() -> Message:
+        reply = answer(await hashing)
+        return await reply if inspect.isawaitable(reply) else reply
+
+    return later()
 
 
 def _lookup_response(ns_id: str, chunk_tokens: int, result: LookupHits) -> pb.LookupResponse:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvserver import __version__
+from kvserver.daemon.prompt_hashing import PromptHashing
 from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle
 from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
@@ -37,7 +38,6 @@ from kvserver.engine_types import EngineConfig, HashedKeys
 from kvserver.errors import InvalidArgument
 from kvserver.eventlog import EventLog
 from kvserver.grants import LoadGrant, StoreGrant
-from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 from kvserver.prometheus import latency_histogram
 from kvserver.wire import host_id
@@ -69,7 +69,8 @@ class KVService:
         self.cluster: Any = None
         #: the peer stream's serving end (``stream_server.StreamServer``), set by process.py.
         self.peer_stream: Any = None
-        self._hashers: dict[str, BlockHasher] = {}
+        #: the token paths' hashing, big prompts on threads (``prompt_hashing.py``).
+        self.prompts = PromptHashing()
         #: seconds per data-plane op (ZMQ and local channel), label ``op``; see daemon/metrics.py
         self.op_seconds = latency_histogram(
             "kvserver_op_duration_seconds", "Time to carry out one data-plane request.", ["op"]
@@ -178,26 +179,42 @@ class KVService:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
     ) -> HashedKeys:
-        """The chunk keys of a prompt, hashed as a vLLM replica of this namespace would: digests
-        of ``key_size`` bytes, which the engine's key check takes without looking at each."""
-        if len(token_ids) > MAX_LOOKUP_TOKENS:
-            raise InvalidArgument("too many tokens", count=len(token_ids))
+        """The chunk keys of a prompt, hashed now as a vLLM replica of this namespace would:
+        digests of ``key_size`` bytes, which the engine's key check takes without looking at
+        each. The front ends use :meth:`prompt_keys`."""
+        spec = self._check_prompt(ns_id, len(token_ids))
+        return self.prompts.keys_now(spec, token_ids, cache_salt=cache_salt, lora=lora)
+
+    def prompt_keys(
+        self, ns_id: str, token_ids: Sequence[int], **kw: Any
+    ) -> HashedKeys | Awaitable[HashedKeys]:
+        """The chunk keys of a prompt, or for more than ``HASH_OFF_LOOP_TOKENS`` tokens an
+        awaitable hashing them on a thread: ``PromptHashing.keys`` (``kw``: ``cache_salt``,
+        ``lora``, ``caller``), after the namespace and sizes are checked, now, whatever the
+        size."""
+        return self.prompts.keys(self._check_prompt(ns_id, len(token_ids)), token_ids, **kw)
+
+    def hash_prompt(
+        self, spec: NamespaceSpec, token_ids: Sequence[int], **kw: Any
+    ) -> Sequence[bytes] | Awaitable[Sequence[bytes]]:
+        """``PromptHashing.keys`` of a spec that need not be registered here (ScoreHosts
+        scores the fleet's; it checked the sizes)."""
+        return self.prompts.keys(spec, token_ids, **kw)
+
+    def _check_prompt(self, ns_id: str, num_tokens: int) -> NamespaceSpec:
+        """The spec of ``ns_id``, after the checks of a prompt's size, which refuse it before
+        any hashing (InvalidArgument, UnknownNamespace)."""
+        if num_tokens > MAX_LOOKUP_TOKENS:
+            raise InvalidArgument("too many tokens", count=num_tokens)
         spec = self.engine.namespace(ns_id)
         max_keys = self.engine.config.max_keys_per_request
-        if len(token_ids) // spec.chunk_tokens > max_keys:
-            # Refuse before hashing: hashing runs on the event loop.
+        if num_tokens // spec.chunk_tokens > max_keys:
             raise InvalidArgument(
                 "prompt has more chunks than one request may carry",
-                tokens=len(token_ids),
+                tokens=num_tokens,
                 max_chunks=max_keys,
             )
-        hasher = self._hashers.get(ns_id)
-        if hasher is None:
-            hasher = BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed)
-            self._hashers[ns_id] = hasher
-        blocks = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora)
-        # block hashes are bytes already (a NewType): no copy per key (2,048: ~0.1 ms)
-        return HashedKeys(hasher.chunk_keys(blocks, spec.chunk_blocks), spec.key_size)
+        return spec
 
     def lookup_tokens(
         self,
@@ -207,6 +224,7 @@ class KVService:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
     ) -> LookupHits | Pending[LookupHits]:
+        """``lookup`` of the prompt's chunk keys, hashed now (:meth:`chunk_keys_for_tokens`)."""
         keys = self.chunk_keys_for_tokens(ns_id, token_ids, cache_salt=cache_salt, lora=lora)
         return self.lookup(ns_id, keys)
 
@@ -440,6 +458,7 @@ class KVService:
             self.engine.release_client(lease.client)
         self._publish()
         self.events.close()
+        self.prompts.close()
         self.engine.close()
 
     def publish(self) -> None:

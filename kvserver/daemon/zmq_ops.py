@@ -11,9 +11,9 @@ payload. The exception is an operation that needs a lower tier's I/O (the servic
 that are only below DRAM, or a lookup a tier cannot answer without I/O): its handler returns a
 :class:`Deferred` instead — the rest of the work, to run in a task of the front end's — so the
 front end can serve other connections meanwhile; so does a ``lookup_tokens`` of more than
-:data:`HASH_OFF_LOOP_TOKENS` tokens, hashed on a thread. A ``get`` whose chunks DRAM cannot take is
-answered from the lower tier's verified bytes directly. Handlers raise ``KVServerError`` for
-refused requests (nothing changed then).
+``HASH_OFF_LOOP_TOKENS`` tokens, hashed on a thread (``prompt_hashing.py``). A ``get`` whose
+chunks DRAM cannot take is answered from the lower tier's verified bytes directly. Handlers
+raise ``KVServerError`` for refused requests (nothing changed then).
 """
 
 from __future__ import annotations
@@ -32,14 +32,12 @@ from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService, check_parts
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
+from kvserver.engine_types import HashedKeys
 from kvserver.errors import KVServerError
 from kvserver.grants import LoadGrant, grant_to_wire, packed_store_grant_to_wire
 from kvserver.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
-
-#: lookup_tokens of more tokens than this hash on a thread (the lookup itself on the loop).
-HASH_OFF_LOOP_TOKENS = 1 << 16
 
 
 class PayloadFrame(Protocol):
@@ -170,22 +168,19 @@ class DataOps:
     def _lookup_tokens(self, c: OpCall) -> Result | Deferred:
         a = c.args
         lora = (a["lora"][0], a["lora"][1]) if a["lora"] is not None else None
-        salt = a["cache_salt"]
-        if len(a["token_ids"]) > HASH_OFF_LOOP_TOKENS:  # hash on a thread, look up on the loop
-            return Deferred(lambda: self._hash_then_lookup(a["ns_id"], a["token_ids"], salt, lora))
-        return _lookup_reply(
-            self._service.lookup_tokens(a["ns_id"], a["token_ids"], cache_salt=salt, lora=lora)
+        ns_id = a["ns_id"]
+        keys = self._service.prompt_keys(
+            ns_id, a["token_ids"], cache_salt=a["cache_salt"], lora=lora, caller=c.who.name
         )
+        if isinstance(keys, HashedKeys):
+            return _lookup_reply(self._service.lookup(ns_id, keys))
+        hashing = keys
 
-    async def _hash_then_lookup(
-        self, ns_id: str, token_ids: list[int], salt: str | None, lora: tuple[str, str] | None
-    ) -> Result:
-        self._service.namespace(ns_id)  # UnknownNamespace before any hashing
-        keys = await asyncio.to_thread(
-            self._service.chunk_keys_for_tokens, ns_id, token_ids, cache_salt=salt, lora=lora
-        )
-        r = self._service.lookup(ns_id, keys)
-        return _lookup_fields(await r.run() if isinstance(r, Pending) else r)
+        async def hash_then_lookup() -> Result:  # hashed on a thread, looked up on the loop
+            r = self._service.lookup(ns_id, await hashing)
+            return _lookup_fields(await r.run() if isinstance(r, Pending) else r)
+
+        return Deferred(hash_then_lookup)
 
     def _prepare_store(self, c: OpCall) -> Result:
         """The reservation; with ``completions``, each applied first exactly as its own

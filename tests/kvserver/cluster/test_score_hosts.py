@@ -20,6 +20,7 @@ import pytest
 
 from kvserver.client import KVClient
 from kvserver.cluster.rpc import call_score_hosts
+from kvserver.daemon.prompt_hashing import HASH_OFF_LOOP_TOKENS
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
 from kvserver.grpc_client import GrpcClient
 from kvserver.hashing import BlockHasher
@@ -87,6 +88,9 @@ def test_hosts_are_scored_best_first_with_their_runs_per_tier(
         assert by_tokens[0].tiers == {"dram": 12 * ct, "ssd": 0}
         assert by_tokens[0].data_address == a.zmq_address
         assert by_tokens[1].grpc_address == b.grpc_address
+        longer = TOKENS + [1] * (HASH_OFF_LOOP_TOKENS + 1)  # hashed on a thread, same runs
+        by_long = call_score_hosts(client, SPEC.ns_id, token_ids=longer)
+        assert [(h.host_id, h.hit_chunks) for h in by_long] == [("a", 12), ("b", 5), ("c", 0)]
         only = call_score_hosts(client, SPEC.ns_id, token_ids=TOKENS, candidate_hosts=["b", "c"])
         assert [h.host_id for h in only] == ["b", "c"]
         weighted = call_score_hosts(

@@ -1,0 +1,191 @@
+"""Hashing prompts (token ids) into chunk keys for every token path of the daemon, big ones on
+a thread so that the event loop keeps serving the other clients.
+
+Runs in the daemon process. :class:`PromptHashing` is owned by
+:class:`~kvserver.daemon.service.KVService` and called on its event loop, for ZMQ and
+local-channel ``lookup_tokens``, gRPC Lookup / Pin / Unpin by token ids and ScoreHosts
+(``kvserver/cluster/rpc.py``, through the service). Not thread-safe: loop only, except the
+hashing it hands to its threads.
+
+Call order: the caller first checks on the loop what is cheap (namespace, authorization, the
+number of tokens and chunks), so a request's error does not depend on its size; then
+:meth:`PromptHashing.keys`:
+
+- a prompt of at most :data:`HASH_OFF_LOOP_TOKENS` tokens is hashed at once, on the loop (a
+  thread hop costs more than hashing it, ~1 ms per 32k tokens);
+- a longer one is hashed on one of :data:`MAX_HASH_JOBS` threads, the loop serving other
+  requests meanwhile (the engine is never touched there: the thread runs the namespace's
+  :class:`~kvserver.hashing.BlockHasher`, thread-safe, over the caller's token ids, which
+  nothing changes while it waits); the caller goes on with the keys on the loop. The threads
+  share the GIL with the loop, so the loop runs at least every ``sys.getswitchinterval()``
+  (5 ms) instead of waiting for the whole hash (~0.4 s per 1M tokens).
+
+Bounds: one caller (a principal: a tenant, or the admin) may have at most
+:data:`MAX_TOKENS_PER_CALLER` tokens hashing or waiting for a thread, all callers together
+:data:`MAX_TOKENS_WAITING`; a prompt beyond either is refused at once, before any hashing, with
+``CapacityError`` (gRPC RESOURCE_EXHAUSTED, ZMQ ``capacity``; retry later): a flood of huge
+prompts gets errors instead of an ever longer queue holding every request's token ids, and
+cannot crowd out another tenant's. A prompt's tokens count until its thread is done with them
+(a cancelled request's too). Under the allowance nothing is refused: up to 4 prompts of the
+largest size (2M tokens) a caller, or 64 of 128k, wait their turn.
+
+Hashers: one :class:`BlockHasher` per (algorithm, block size, seed), the
+:data:`MAX_HASHERS` most recently used: what a hasher returns depends on those only, so the
+namespaces (and the fleet's specs that ScoreHosts scores) sharing them share one and its cache
+of already-hashed prompt segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvserver.engine_types import HashedKeys
+from kvserver.errors import CapacityError
+from kvserver.hashing import BlockHasher
+from kvserver.namespace import NamespaceSpec
+
+#: prompts of more tokens than this hash on a thread (what is done with the keys: on the loop).
+HASH_OFF_LOOP_TOKENS = 1 << 16
+#: threads hashing prompts at once (the GIL lets one run at a time, but the bulk encoder's
+#: numpy work and the other's digests overlap).
+MAX_HASH_JOBS = 2
+#: tokens one caller may have hashing or waiting for a thread (4 prompts of 2M tokens).
+MAX_TOKENS_PER_CALLER = 1 << 23
+#: tokens all callers together may have hashing or waiting for a thread.
+MAX_TOKENS_WAITING = 1 << 25
+#: hashers kept (one per algorithm, block size and seed).
+MAX_HASHERS = 64
+
+
+def _hash(
+    hasher: BlockHasher,
+    spec: NamespaceSpec,
+    token_ids: Sequence[int],
+    cache_salt: str | None,
+    lora: tuple[str, str] | None,
+) -> HashedKeys:
+    blocks = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora)
+    # block hashes are bytes already (a NewType): no copy per key (2,048: ~0.1 ms)
+    return HashedKeys(hasher.chunk_keys(blocks, spec.chunk_blocks), spec.key_size)
+
+
+class PromptHashing:
+    """The chunk keys of prompts, hashed as a vLLM replica of the namespace would; see the
+    module docstring. Invariant: ``_waiting`` is the sum of ``_by_caller``, each > 0."""
+
+    def __init__(
+        self,
+        *,
+        max_jobs: int = MAX_HASH_JOBS,
+        max_tokens_per_caller: int = MAX_TOKENS_PER_CALLER,
+        max_tokens_waiting: int = MAX_TOKENS_WAITING,
+    ) -> None:
+        self._max_jobs = max_jobs
+        self.max_tokens_per_caller = max_tokens_per_caller
+        self.max_tokens_waiting = max_tokens_waiting
+        self._hashers: OrderedDict[tuple[str, int, str], BlockHasher] = OrderedDict()
+        self._threads: ThreadPoolExecutor | None = None  # made for the first long prompt
+        self._by_caller: dict[str, int] = {}
+        self._waiting = 0
+
+    def hasher(self, spec: NamespaceSpec) -> BlockHasher:
+        """The hasher of ``spec``'s hash parameters (building one computes its NONE_HASH)."""
+        params = (spec.hash_algo, spec.block_size, spec.hash_seed)
+        hasher = self._hashers.get(params)
+        if hasher is None:
+            hasher = BlockHasher(*params)
+            self._hashers[params] = hasher
+            if len(self._hashers) > MAX_HASHERS:
+                self._hashers.popitem(last=False)
+        elif len(self._hashers) > 1:
+            self._hashers.move_to_end(params)
+        return hasher
+
+    def keys_now(
+        self,
+        spec: NamespaceSpec,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+    ) -> HashedKeys:
+        """The chunk keys of ``token_ids`` in ``spec``, hashed now, whatever their number."""
+        return _hash(self.hasher(spec), spec, token_ids, cache_salt, lora)
+
+    def keys(
+        self,
+        spec: NamespaceSpec,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        caller: str = "",
+    ) -> HashedKeys | Awaitable[HashedKeys]:
+        """The chunk keys of ``token_ids`` in ``spec``: hashed now when at most
+        :data:`HASH_OFF_LOOP_TOKENS` tokens, else an awaitable hashing them on a thread for
+        ``caller`` (CapacityError, raised when awaited, before any hashing, if the caller's or
+        the daemon's allowance of waiting tokens is spent). InvalidArgument for bad token ids
+        or ``cache_salt``, as ``BlockHasher.hash_blocks``."""
+        hasher = self.hasher(spec)
+        if len(token_ids) <= HASH_OFF_LOOP_TOKENS:
+            return _hash(hasher, spec, token_ids, cache_salt, lora)
+        return self._off_loop(hasher, spec, token_ids, cache_salt, lora, caller)
+
+    async def _off_loop(
+        self,
+        hasher: BlockHasher,
+        spec: NamespaceSpec,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        lora: tuple[str, str] | None,
+        caller: str,
+    ) -> HashedKeys:
+        count = len(token_ids)
+        mine = self._by_caller.get(caller, 0)
+        if mine + count > self.max_tokens_per_caller or (
+            self._waiting + count > self.max_tokens_waiting
+        ):
+            raise CapacityError(
+                "too many prompt tokens waiting to be hashed; retry later",
+                tokens=count,
+                caller_waiting=mine,
+                caller_max=self.max_tokens_per_caller,
+                daemon_waiting=self._waiting,
+                daemon_max=self.max_tokens_waiting,
+            )
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(self._max_jobs, thread_name_prefix="kvs-hash")
+        loop = asyncio.get_running_loop()
+        job = self._threads.submit(_hash, hasher, spec, token_ids, cache_salt, lora)
+        self._by_caller[caller] = mine + count
+        self._waiting += count
+
+        def done(_: Future[HashedKeys]) -> None:  # on the thread, or here if cancelled
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count
+                loop.call_soon_threadsafe(self._release, caller, count)
+
+        job.add_done_callback(done)
+        return await asyncio.wrap_future(job)
+
+    def _release(self, caller: str, count: int) -> None:
+        left = self._by_caller[caller] - count
+        if left:
+            self._by_caller[caller] = left
+        else:
+            del self._by_caller[caller]
+        self._waiting -= count
+
+    @property
+    def tokens_waiting(self) -> int:
+        """Tokens of long prompts hashing or waiting for a thread."""
+        return self._waiting
+
+    def close(self) -> None:
+        """Stop the threads: prompts not started are cancelled; one hashing finishes."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
