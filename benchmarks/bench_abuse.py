@@ -15,7 +15,8 @@ Starts a real daemon (loopback, its default random token) and, one abuse at a ti
   back to back on a plain TCP socket without reading anything, reconnecting whenever the daemon
   hangs up (the bytes arrive whether the daemon wants them or not);
 - ``auth_1m_tokens``: an authenticated attacker sending 1M-token lookup_tokens back to back
-  (validated off the loop).
+  (validated off the loop);
+- ``auth_1m_tokens_grpc``: the same prompt as gRPC Lookups by token ids, back to back.
 
 The contention floors, in the same run: ``busy_2`` (2 busy-loop processes that do not talk to
 the daemon) and ``sink_2m`` / ``sink_2m_pipelined`` (the same attackers sending the same
@@ -116,6 +117,9 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
     def deadline_ms() -> int:
         return max(1, int((deadline - time.monotonic()) * 1000))
 
+    if kind == "auth_1m_tokens_grpc":
+        print(grpc_attack(address, token.split(":")[0], token.split(":")[1], deadline), flush=True)
+        return
     password = "not-the-token" if kind.endswith("_wrong_token") else ""
     args: dict[str, Any]
     if kind.startswith("unauth_2m"):
@@ -160,6 +164,24 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
         sock.recv_multipart()
         sent += 1
     print(sent, flush=True)
+
+
+def grpc_attack(address: str, secret: str, ns_id: str, deadline: float) -> int:
+    """Authenticated gRPC Lookups of a 1M-token prompt back to back until ``deadline``."""
+    from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
+
+    req = pb.LookupRequest(namespace_id=ns_id)
+    req.tokens.token_ids.extend(range(1 << 20))
+    raw = req.SerializeToString()
+    sent = 0
+    options = [("grpc.max_send_message_length", 64 * MIB)]
+    with grpc.insecure_channel(address, options=options) as channel:
+        call = channel.unary_unary("/kvserver.v1.KVServer/Lookup")
+        metadata = (("authorization", f"Bearer {secret}"),)
+        while time.monotonic() < deadline:
+            call(raw, metadata=metadata, timeout=max(0.1, deadline - time.monotonic() + 5))
+            sent += 1
+    return sent
 
 
 def dealer(address: str, password: str = "") -> zmq.Socket[bytes]:
@@ -376,8 +398,13 @@ def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
                     results["auth_1m_tokens"] = under_attack(
                         d, kv, ns_id, "auth_1m_tokens", 1, seconds, token
                     )
+                if not only or "auth_1m_tokens_grpc" in only:
+                    results["auth_1m_tokens_grpc"] = under_attack(
+                        d, kv, ns_id, "auth_1m_tokens_grpc", 1, seconds,
+                        f"{d.token}:{ns_id}:0", d.grpc_address,
+                    )  # fmt: skip
                 ref = results["reference"]["p99_ms"]
-                for name in (*(row[0] for row in STALLS), "auth_1m_tokens"):
+                for name in STALL_ROWS:
                     if name in results:
                         results[name]["ratio_p99"] = results[name]["p99_ms"] / ref
         finally:
@@ -387,7 +414,9 @@ def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
     return results
 
 
-ROWS = ("idle_local", "grpc_10mb", *(row[0] for row in STALLS), "auth_1m_tokens")
+#: the rows timed against the reference
+STALL_ROWS = (*(row[0] for row in STALLS), "auth_1m_tokens", "auth_1m_tokens_grpc")
+ROWS = ("idle_local", "grpc_10mb", *STALL_ROWS)
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -430,7 +459,7 @@ def write_chart(r: dict[str, Any], path: Path) -> bool:
     left.set_ylabel("daemon RSS growth (MiB)")
     left.legend()
     left.tick_params(axis="x", rotation=20)
-    lat = [n for n in ("reference", *(row[0] for row in STALLS), "auth_1m_tokens") if n in r]
+    lat = [n for n in ("reference", *STALL_ROWS) if n in r]
     right.bar([f"{n} p99" for n in lat], [r[n]["p99_ms"] for n in lat])
     right.bar([f"{n} max" for n in lat], [r[n]["max_ms"] for n in lat])
     right.axhline(5, color="red", linestyle="--", label="target 5 ms")
