@@ -248,8 +248,9 @@ def test_the_allowances_per_caller_and_daemon_wide(monkeypatch: pytest.MonkeyPat
             await first
         assert hashing.tokens_waiting == n
         gate.open()
-        while hashing.tokens_waiting:  # the thread's done callback, handed to the loop
-            await asyncio.sleep(0.01)
+        assert hashing._threads is not None  # a job behind the first: its release is queued
+        await asyncio.wrap_future(hashing._threads.submit(int))  # on the loop before this
+        assert hashing.tokens_waiting == 0
         keys = await hashing.keys(SPEC, LONG, caller="a")  # type: ignore[misc]
         assert list(keys) == chunk_keys(SPEC, LONG)
 
