@@ -11,14 +11,15 @@ Call order: the caller first checks on the loop what is cheap (namespace, author
 number of tokens and chunks), so a request's error does not depend on its size; then
 :meth:`PromptHashing.keys`:
 
-- a prompt of at most :data:`HASH_OFF_LOOP_TOKENS` tokens is hashed at once, on the loop (a
-  thread hop costs more than hashing it, ~1 ms per 32k tokens);
-- a longer one is hashed on one of :data:`MAX_HASH_JOBS` threads, the loop serving other
+- a prompt of at most :data:`HASH_OFF_LOOP_TOKENS` tokens is hashed at once, on the loop: it
+  holds the loop for at most a few ms (~60 ms per 1M tokens of a new prompt), and a short
+  prompt, the common case, pays no hand-over to a thread and back;
+- a longer one is hashed on the :data:`MAX_HASH_JOBS` hashing thread, the loop serving other
   requests meanwhile (the engine is never touched there: the thread runs the namespace's
   :class:`~kvserver.hashing.BlockHasher`, thread-safe, over the caller's token ids, which
-  nothing changes while it waits); the caller goes on with the keys on the loop. The threads
-  share the GIL with the loop, so the loop runs at least every ``sys.getswitchinterval()``
-  (5 ms) instead of waiting for the whole hash (~0.4 s per 1M tokens).
+  nothing changes while it waits); the caller goes on with the keys on the loop. The thread
+  shares the GIL with the loop, which then runs at least every ``sys.getswitchinterval()``
+  (5 ms) instead of waiting for the whole hash.
 
 Bounds: one caller (a principal: a tenant, or the admin) may have at most
 :data:`MAX_TOKENS_PER_CALLER` tokens hashing or waiting for a thread, all callers together
@@ -52,9 +53,9 @@ from kvserver.namespace import NamespaceSpec
 
 #: prompts of more tokens than this hash on a thread (what is done with the keys: on the loop).
 HASH_OFF_LOOP_TOKENS = 1 << 16
-#: threads hashing prompts at once (the GIL lets one run at a time, but the bulk encoder's
-#: numpy work and the other's digests overlap).
-MAX_HASH_JOBS = 2
+#: threads hashing prompts at once. One: the hashing holds the GIL nearly all the time, so a
+#: second thread would add little but another contender for the GIL with the loop.
+MAX_HASH_JOBS = 1
 #: tokens one caller may have hashing or waiting for a thread (4 prompts of 2M tokens).
 MAX_TOKENS_PER_CALLER = 1 << 23
 #: tokens all callers together may have hashing or waiting for a thread.

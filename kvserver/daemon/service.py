@@ -216,18 +216,6 @@ class KVService:
             )
         return spec
 
-    def lookup_tokens(
-        self,
-        ns_id: str,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora: tuple[str, str] | None = None,
-    ) -> LookupHits | Pending[LookupHits]:
-        """``lookup`` of the prompt's chunk keys, hashed now (:meth:`chunk_keys_for_tokens`)."""
-        keys = self.chunk_keys_for_tokens(ns_id, token_ids, cache_salt=cache_salt, lora=lora)
-        return self.lookup(ns_id, keys)
-
     def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:
         self.engine.touch(ns_id, keys)
 
