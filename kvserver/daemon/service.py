@@ -186,20 +186,32 @@ class KVService:
         return self.prompts.keys_now(spec, token_ids, cache_salt=cache_salt, lora=lora)
 
     def prompt_keys(
-        self, ns_id: str, token_ids: Sequence[int], **kw: Any
+        self,
+        ns_id: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        caller: str = "",
     ) -> HashedKeys | Awaitable[HashedKeys]:
         """The chunk keys of a prompt, or for more than ``HASH_OFF_LOOP_TOKENS`` tokens an
-        awaitable hashing them on a thread: ``PromptHashing.keys`` (``kw``: ``cache_salt``,
-        ``lora``, ``caller``), after the namespace and sizes are checked, now, whatever the
-        size."""
-        return self.prompts.keys(self._check_prompt(ns_id, len(token_ids)), token_ids, **kw)
+        awaitable hashing them on a thread for ``caller``: ``PromptHashing.keys``, after the
+        namespace and sizes are checked, now, whatever the size."""
+        spec = self._check_prompt(ns_id, len(token_ids))
+        return self.prompts.keys(spec, token_ids, cache_salt=cache_salt, lora=lora, caller=caller)
 
     def hash_prompt(
-        self, spec: NamespaceSpec, token_ids: Sequence[int], **kw: Any
+        self,
+        spec: NamespaceSpec,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        caller: str = "",
     ) -> Sequence[bytes] | Awaitable[Sequence[bytes]]:
         """``PromptHashing.keys`` of a spec that need not be registered here (ScoreHosts
         scores the fleet's; it checked the sizes)."""
-        return self.prompts.keys(spec, token_ids, **kw)
+        return self.prompts.keys(spec, token_ids, cache_salt=cache_salt, lora=lora, caller=caller)
 
     def _check_prompt(self, ns_id: str, num_tokens: int) -> NamespaceSpec:
         """The spec of ``ns_id``, after the checks of a prompt's size, which refuse it before
