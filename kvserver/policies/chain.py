@@ -17,7 +17,14 @@ more likely to have ended. Which chains end is learnt, not assumed:
   key becomes its tail. No known tail: a new chain (a conversation's first turn, a document).
   The keys a lookup missed are the chain's when they are stored (``insert_batch``); a batch
   no lookup announced is a chain of its own. A lookup that adds nothing to its chain (its
-  last key is the tail: the scheduler retrying a request's planning lookup) is no new turn;
+  last key is the tail) is no new turn: while that key is still pending (looked up, not
+  stored: the scheduler retrying a request's planning lookup) nothing is counted; once it
+  was stored, it is a re-read: the chain returned, and stays in its state;
+- **plain clients.** A client that never looks up (put/get, gRPC) shows only stores and
+  loads. A load (``touch``) of a chain no lookup followed is that chain's return, counted as
+  a re-read; a chain a lookup follows has its returns counted by ``lookup`` only (the load
+  after a planning lookup is the same request). Without this such clients' puts learnt
+  only evictions (p near 0) and admission declined half of them;
 - **state and odds.** A chain's *state* is (turns so far, capped at ``MAX_TURNS``; log2 of the
   chunks its last request added). Each stay in a state has one outcome, weighted by the
   chunks that request added: the chain returned, or its tail was evicted first (not returned;
@@ -57,10 +64,11 @@ more likely to have ended. Which chains end is learnt, not assumed:
   (``incoming``). Each would be queued at the next tick in its chain's state (the chain that
   looked it up; a batch no lookup announced is a new chain's first turn; a returning ghost
   of a shared key in its read-rate class): if every one of them would rank below the first
-  victim (lower log-odds, age 0), storing them would swap kept keys for keys that leave
-  first, so ``evict`` declines (``None``, nothing changed, ``declined`` set) and the engine
-  reports the new keys as not admitted (``filtered``, as reuse gating does: not stored, and
-  not a full cache).
+  victim (lower log-odds, age 0) by ``MARGIN`` or more, and each such state has
+  ``MIN_OUTCOMES`` outcomes of its own (a state learnt from one eviction is no evidence),
+  storing them would swap kept keys for keys that leave first, so ``evict`` declines
+  (``None``, nothing changed, ``declined`` set) and the engine reports the new keys as not
+  admitted (``filtered``, as reuse gating does: not stored, and not a full cache).
   A document (hundreds of new chunks on a first turn) is declined once documents have been
   seen to leave unread (``p`` of its state near 0), unless what it displaces ranks lower
   still (an older document's leftovers). Without ``incoming`` (the SSD tier; promotions and
@@ -117,6 +125,11 @@ HALF_LIFE = 1 << 16
 RATE_SCALE = 1 << 16
 #: change of ``kappa`` (how much a shared key's age counts) per missed chunk that was a ghost
 KAPPA_STEP = 0.003
+#: admission's evidence: a store is declined only if the state its new keys would enter has
+#: at least this many outcomes of its own ...
+MIN_OUTCOMES = 2
+#: ... and they rank below the first victim by at least this much (log-odds)
+MARGIN = 0.25
 
 _State = tuple[int, int]  # (turns, log2 chunks added); turns 0 = a shared-key rate bucket
 
@@ -130,6 +143,7 @@ class _Chain:
     time: int  # tick of its last request
     weight: int  # chunks its last request added (its weight in the return counts)
     open: bool = True  # its state's outcome not counted yet (neither returned nor evicted)
+    planned: bool = False  # followed through lookups (its returns are counted by lookup only)
 
 
 class ChainPolicy(EvictionPolicy):
@@ -154,6 +168,7 @@ class ChainPolicy(EvictionPolicy):
         self._tails: OrderedDict[Hashable, _Chain] = OrderedDict()
         self._pending: OrderedDict[Hashable, _Chain] = OrderedDict()  # looked up, not stored
         self._counted: dict[_State, float] = {}
+        self._outcomes: dict[_State, float] = {}  # outcomes counted per state (halved alike)
         self._returned: dict[_State, float] = {}
         self._all_counted = 0.0  # the same summed over the states (the prior of each)
         self._all_returned = 0.0
@@ -210,7 +225,10 @@ class ChainPolicy(EvictionPolicy):
                 break
             j -= 1
         if chain is not None and j == len(keys) - 1:  # nothing added: the same request again
-            tails[keys[j]] = chain  # (a planning lookup retried): no turn, its hits are used
+            tails[keys[j]] = chain
+            if keys[j] not in self._pending:  # stored since: a re-read, the chain returned
+                self._reread(chain, now)
+            chain.planned = True  # else a planning lookup retried: no outcome
             self._use(keys[:hits], chain)
             return
         if chain is not None:
@@ -221,6 +239,7 @@ class ChainPolicy(EvictionPolicy):
         else:
             chain = _Chain(1, (1, 0), now, 0)
             added = len(keys) - hits
+        chain.planned = True
         self._enter(chain, added, now)
         if keys:
             tails[keys[-1]] = chain
@@ -277,10 +296,20 @@ class ChainPolicy(EvictionPolicy):
             self._drop(key)
 
     def touch(self, keys: Iterable[Hashable]) -> None:
-        """Use the tracked ``keys`` in their classes (first key ends most recent); a chain's
-        turn is counted by :meth:`lookup` only."""
+        """Use the tracked ``keys`` in their classes (first key ends most recent). A load of a
+        chain no lookup followed (a plain client's get of what it put) is that chain's return:
+        its state's outcome (returned) is counted and the chain stays in its state, open
+        again; a chain :meth:`lookup` follows has its returns counted there (the load after a
+        planning lookup is the same request, no second return)."""
         self._now += 1
-        self._use([key for key in keys if key in self._time], None)
+        used = [key for key in keys if key in self._time]
+        owner, returned = self._owner, None
+        for key in used:
+            chain = owner[key]
+            if chain is not returned and not chain.planned and key not in self._shared:
+                returned = chain
+                self._reread(chain, self._now)
+        self._use(used, None)
 
     def evict(
         self,
@@ -347,8 +376,12 @@ class ChainPolicy(EvictionPolicy):
 
     def _declines(self, incoming: Sequence[Hashable], lowest: float) -> bool:
         """Whether every new key of ``incoming`` would rank below ``lowest``, the log-odds of
-        the first victim (the least valuable key that may leave), at age 0: storing them would
-        then swap kept keys for keys worth less (admission control)."""
+        the first victim (the least valuable key that may leave), at age 0, by ``MARGIN`` or
+        more, each in a state with evidence of its own (``MIN_OUTCOMES`` outcomes; a shared
+        key's by its read rate): storing them would then
+        swap kept keys for keys worth less (admission control). A state learnt from a few
+        outcomes, or a few log-odds apart, is no evidence: the store is admitted."""
+        lowest -= MARGIN
         now = self._now + 1  # the tick insert_batch will queue them at
         time, pending, ghosts = self._time, self._pending, self._ghosts
         fresh: float | None = None  # a batch no lookup announced: a new chain's first turn
@@ -366,15 +399,22 @@ class ChainPolicy(EvictionPolicy):
                 rank = self._offset((0, int(lam * RATE_SCALE).bit_length()))
             elif chain is not None:
                 if chain is not last:
-                    last, last_rank = chain, self._offset(chain.state)
+                    last, last_rank = chain, self._proven(chain.state)
                 rank = last_rank
             else:
                 if fresh is None:
-                    fresh = self._offset((1, len(incoming).bit_length()))
+                    fresh = self._proven((1, len(incoming).bit_length()))
                 rank = fresh
             if rank >= lowest:
                 return False
         return new
+
+    def _proven(self, state: _State) -> float:
+        """The log-odds of a key of chain state ``state`` just read, or ``HI`` (ranks above
+        every victim) while the state has too few outcomes of its own to decline on."""
+        if self._outcomes.get(state, 0.0) < MIN_OUTCOMES:
+            return HI
+        return self._offset(state)
 
     def _advance(
         self,
@@ -436,14 +476,25 @@ class ChainPolicy(EvictionPolicy):
             return
         chain.open = False
         counted = self._counted.get(state, 0.0) + weight
+        outcomes = self._outcomes.get(state, 0.0) + 1.0
         if counted >= HALF_LIFE:
             counted /= 2
+            outcomes /= 2
             self._returned[state] = self._returned.get(state, 0.0) / 2
         self._counted[state] = counted
+        self._outcomes[state] = outcomes
         self._all_counted += weight
         if self._all_counted >= HALF_LIFE:
             self._all_counted /= 2
             self._all_returned /= 2
+
+    def _reread(self, chain: _Chain, now: int) -> None:
+        """``chain``'s keys were read again with nothing added (a re-read, or a plain client's
+        load): it returned, and stays in its state, open again, last read at ``now``."""
+        self._count(chain, returned=True)
+        self._gaps.add(now - chain.time)
+        chain.time = now
+        chain.open = True
 
     def _use(self, keys: Sequence[Hashable], chain: _Chain | None) -> None:
         """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds

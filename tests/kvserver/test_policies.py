@@ -540,13 +540,73 @@ def test_chain_declines_one_off_documents_and_keeps_the_conversations() -> None:
 
 
 def test_chain_touch_and_plain_inserts_order_like_lru() -> None:
-    """Without lookups (the SSD tier, plain inserts) and before any outcome is learnt every
-    key is at even odds, so the order is LRU's; a returned chain's keys stay in its order."""
+    """Without lookups (the SSD tier, plain inserts) every key of one batch size is in one
+    state, so the order is LRU's; a load (``touch``) of a chain no lookup followed is its
+    return: the state's return chance rises above the prior's even odds."""
     policy = filled("chain", range(6))
-    policy.touch([4, 1])
-    assert list(policy) == [0, 2, 3, 5, 1, 4]
     assert isinstance(policy, ChainPolicy)
     assert policy.return_chance((1, 1)) == pytest.approx(0.5)
+    policy.touch([4, 1])
+    assert list(policy) == [0, 2, 3, 5, 1, 4]
+    assert policy.return_chance((1, 1)) > 0.5
+
+
+def put_get(policy: EvictionPolicy, keys: list[str], capacity: int) -> bool:
+    """A plain client's put (no lookup: ``evict`` told the new keys, as the engine tells an
+    admitting policy). Returns whether they were stored."""
+    need = len(policy) + len(keys) - capacity
+    if need > 0 and policy.evict(need, unit, lambda k: True, keys) is None:
+        return False
+    policy.insert_batch(keys)
+    return True
+
+
+def test_chain_counts_a_plain_clients_load_as_a_return_and_admits_its_puts() -> None:
+    """A client that never looks anything up (put/get, gRPC): each put is a chain of its own
+    and a get of it (``touch``) is its return, so puts that are read back learn high odds,
+    not the zero of a chain only ever evicted; ``chain`` then declines none of the puts, as
+    many as LRU stores (before: its puts' states learnt p near 0 from evictions alone and
+    about half of them were declined)."""
+    policy, capacity = make_policy("chain"), 48
+    assert isinstance(policy, ChainPolicy)
+    puts: list[list[str]] = []
+    for i in range(300):
+        keys = [f"p{i}-{j}" for j in range(1 + i % 7)]
+        assert put_get(policy, keys, capacity), i
+        puts.append(keys)
+        if i >= 2:  # a get of a recent put: its resident keys are loaded
+            policy.touch([key for key in puts[i - 2] if key in policy])
+    assert policy.return_chance((1, 3)) > 0.5
+    assert not policy.declined
+
+
+def test_chain_declines_a_plain_clients_put_only_on_evidence() -> None:
+    """Admission needs ``MIN_OUTCOMES`` outcomes of the incoming state's own (and a margin of
+    ``MARGIN`` log-odds): a client's puts that are read back, and 200-chunk documents that are
+    never read. The first document evicted unread is one outcome: the second document is
+    stored (before: declined on that one outcome); once two were seen to leave unread the
+    next one is declined, and nothing changes."""
+    policy, capacity = make_policy("chain"), 300
+    assert isinstance(policy, ChainPolicy)
+    stored = []
+    for i in range(400):  # 20 puts of 8 chunks read in turn (a get; a put again if missed)
+        keys = [f"s{i % 20}-{j}" for j in range(8)]
+        policy.touch([key for key in keys if key in policy])
+        assert put_get(policy, [key for key in keys if key not in policy], capacity)
+        if i % 60 == 59:
+            for key in [key for key in policy if str(key).startswith("d")]:
+                policy.remove(key)  # a document's leftovers (as if dropped): what the next
+                # one would displace is the puts read in turn
+            stored.append(put_get(policy, [f"d{i}-{j}" for j in range(200)], capacity))
+    assert stored == [True, True, False, False, False, False]
+    for key in [key for key in policy if str(key).startswith("d")]:
+        policy.remove(key)
+    need = len(policy) + 200 - capacity
+    before = snapshot(policy)
+    assert need > 0
+    assert policy.evict(need, unit, lambda k: True, [f"late-{j}" for j in range(200)]) is None
+    assert policy.declined and snapshot(policy) == before
+
 
 
 def test_chain_shared_keys_age_less_once_prompts_are_what_misses() -> None:
