@@ -302,13 +302,12 @@ class ChainPolicy(EvictionPolicy):
         again; a chain :meth:`lookup` follows has its returns counted there (the load after a
         planning lookup is the same request, no second return)."""
         self._now += 1
+        now, owner, shared = self._now, self._owner, self._shared
         used = [key for key in keys if key in self._time]
-        owner, returned = self._owner, None
         for key in used:
-            chain = owner[key]
-            if chain is not returned and not chain.planned and key not in self._shared:
-                returned = chain
-                self._reread(chain, self._now)
+            chain = owner[key]  # counted once per load: _reread sets its time to now
+            if not chain.planned and chain.time != now and key not in shared:
+                self._reread(chain, now)
         self._use(used, None)
 
     def evict(
