@@ -1,7 +1,7 @@
 """``chain`` under clients that never look anything up (a plain put/get client, gRPC): through
 the real storage engine, its admission declines nothing it has no evidence to decline.
 
-Such a client shows the policy stores and loads only. Before issue 15's H9 change a load was
+Such a client shows the policy stores and loads only. Before issue 15 item 1's fix a load was
 no return, so every put's state learnt p near 0 from evictions alone and admission declined
 about half of what the client put (docs/benchmarks.md, "Eviction policies vs Belady").
 """
