@@ -49,9 +49,34 @@ class CuttingProxy:
     def __init__(self, upstream: int, limit: int) -> None:
         self.upstream, self.limit = upstream, limit
         self.forwarded = 0
+        #: the connections' handlers, awaited before the test checks Redis (and so that no
+        #: socket outlives the test unclosed)
+        self.handlers: set[asyncio.Task[None]] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream)
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream)
+        except OSError:
+            writer.close()
+            raise
+        try:
+            await self._relay(reader, writer, up_r, up_w)
+        finally:
+            for w in (up_w, writer):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_r: asyncio.StreamReader,
+        up_w: asyncio.StreamWriter,
+    ) -> None:
 
         async def replies() -> None:
             while data := await up_r.read(65536):
@@ -79,8 +104,6 @@ class CuttingProxy:
                 data = await up_r.read(65536)
                 assert data, "Redis closed the connection"
                 tail = (tail + data)[-64:]
-            up_w.close()
-            writer.close()
 
 
 def batch_writer(ttl_ms: int) -> IndexWriter:
@@ -113,6 +136,8 @@ async def write_through(server: RedisServer, url: str, limit: int) -> int:
     finally:
         with contextlib.suppress(Exception):
             await redis.aclose()
+        if proxy.handlers:  # the client is gone: each handler ends (Redis ran what it got)
+            await asyncio.wait(proxy.handlers, timeout=10)
         listener.close()
         await listener.wait_closed()
     return proxy.forwarded
