@@ -161,6 +161,12 @@ def _keys(
         token_ids = token_ids_from_proto(t)  # in bulk, as the daemon's Lookup takes them
         if len(token_ids) > MAX_TOKENS:
             raise InvalidArgument("too many tokens", count=len(token_ids))
+        if len(token_ids) // spec.chunk_tokens > MAX_KEYS:  # as many chunks as keys at most
+            raise InvalidArgument(
+                "prompt has more chunks than one request may carry",
+                tokens=len(token_ids),
+                max_chunks=MAX_KEYS,
+            )
         lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
         return service.hash_prompt(
             spec, token_ids, cache_salt=t.cache_salt or None, lora=lora, caller=caller

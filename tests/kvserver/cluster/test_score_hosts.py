@@ -104,6 +104,12 @@ def test_hosts_are_scored_best_first_with_their_runs_per_tier(
             with pytest.raises(InvalidArgument, match="key_size"):
                 call_score_hosts(client, SPEC.ns_id, keys=bad)
         assert call_score_hosts(client, SPEC.ns_id, keys=[])[0].hit_chunks == 0
+        # a prompt is held to the chunks a keys request may carry (65,536), before hashing
+        many_chunks = [1] * (((1 << 16) + 1) * SPEC.chunk_tokens)
+        with pytest.raises(InvalidArgument, match="more chunks"):
+            call_score_hosts(client, SPEC.ns_id, token_ids=many_chunks)
+        with pytest.raises(InvalidArgument, match="too many tokens"):
+            call_score_hosts(client, SPEC.ns_id, token_ids=[1] * ((1 << 21) + 1))
         assert redis_calls(redis_server, "hget") == hgets + 1  # the unknown one: not cached
         stats = client.stats()
         assert stats.cluster is not None and stats.cluster["condition"] == "ok"
