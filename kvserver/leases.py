@@ -12,6 +12,16 @@ selection), :meth:`Lease.check_part` (before a part is written), :meth:`Lease.re
 (atomic: raises with nothing recorded), :meth:`Lease.finish` (keys completed or rolled back
 leave the lease). The checks raise before anything changes.
 
+Lease ids are unique across daemon incarnations, not only within one: a table numbers its
+leases up from a random first id (below 2**52, so ids stay exact in any JSON reader and far
+from the wire's 2**63 bound). A client of a daemon that was killed and restarted on the same
+port may still send ``complete_store`` / ``complete_load`` for a lease of the killed one (its
+DEALER reconnects by itself, and the request runs before a reply tells it the daemon changed);
+were ids counted from 1 in every incarnation, such a late completion would end the new
+daemon's lease of the same number: make another client's unwritten reservation READY, or
+release another client's load pins while it still reads the pages. With random first ids it
+gets "unknown lease".
+
 Single owner (the storage engine); no locks. Time comes from the engine's injected clock.
 """
 
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +38,8 @@ from kvserver.errors import InvalidArgument, InvalidState, LeaseError, LeaseExpi
 
 #: how many expired/cancelled lease ids are remembered for error messages.
 EXPIRED_MEMORY = 65536
+#: a table's first lease id is drawn from [1, FIRST_ID_SPAN] (module docstring).
+FIRST_ID_SPAN = 1 << 52
 
 
 class LeaseKind(enum.Enum):
@@ -154,12 +167,15 @@ class Lease:
 
 
 class LeaseTable:
-    """Live leases by id, plus a deadline heap (lazy deletion)."""
+    """Live leases by id, plus a deadline heap (lazy deletion). Ids increase by one from
+    ``first_id`` (default: random, see the module docstring); never 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_id: int | None = None) -> None:
         self._leases: dict[int, Lease] = {}
         self._heap: list[tuple[float, int]] = []
-        self._next_id = 1
+        self._next_id = secrets.randbelow(FIRST_ID_SPAN) + 1 if first_id is None else first_id
+        if self._next_id < 1:
+            raise InvalidArgument("lease ids start at 1 or above", first_id=first_id)
         self._gone: OrderedDict[int, str] = OrderedDict()
 
     def __len__(self) -> int:

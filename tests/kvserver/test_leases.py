@@ -94,3 +94,13 @@ def test_gone_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for lease in (second, third):
         with pytest.raises(LeaseExpired):
             table.get(lease.lease_id, LeaseKind.STORE)
+
+
+def test_each_table_numbers_its_leases_from_a_random_first_id() -> None:
+    """Two daemon incarnations (two tables) never hand out the same ids in practice: a late
+    completion for a lease of a killed daemon gets "unknown lease" from its successor."""
+    firsts = {LeaseTable().new(LeaseKind.LOAD, "c", 0, [b"k"], 1.0).lease_id for _ in range(8)}
+    assert len(firsts) == 8
+    assert all(0 < first <= leases_module.FIRST_ID_SPAN for first in firsts)
+    table = LeaseTable(first_id=7)
+    assert [table.new(LeaseKind.LOAD, "c", 0, [], 1.0).lease_id for _ in range(2)] == [7, 8]

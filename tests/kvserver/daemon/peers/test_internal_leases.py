@@ -29,7 +29,7 @@ from tests.support.daemon import start_daemon, wait_until
 pytestmark = pytest.mark.multiprocess
 
 
-def end_by_release(b_address: str) -> None:
+def end_by_release(b_address: str, after: int) -> None:
     """Release every lease of the owner the fetch's reservation has (refused, once fixed)."""
     with (
         KVClient(b_address, colocated=False, client_id=FETCH_CLIENT) as kv,
@@ -38,11 +38,13 @@ def end_by_release(b_address: str) -> None:
         kv.release()
 
 
-def end_by_lease_id(b_address: str) -> None:
-    """Try every small lease id, as a client guessing them would: the fetch's is refused."""
+def end_by_lease_id(b_address: str, after: int) -> None:
+    """Try every lease id granted after ``after`` (a lease the test took just before the
+    fetch; ids count up from a random first id), as a client guessing them would: the
+    fetch's is refused."""
     refused = 0
     with KVClient(b_address, colocated=False) as kv:
-        for lease_id in range(1, 64):
+        for lease_id in range(after + 1, after + 64):
             try:
                 kv.complete_store(lease_id, success=False)
             except PermissionDenied:
@@ -81,6 +83,9 @@ def test_a_client_cannot_end_a_fetchs_reservation_while_bytes_land_in_it(
             ThreadPoolExecutor(1) as pool,
         ):
             kv.register_namespace(SLOW_SPEC)
+            probe = kv.prepare_store(SLOW_SPEC.ns_id, make_keys(1, tag="probe"))
+            assert probe is not None  # the lease granted just before the fetch's
+            kv.complete_store(probe.lease_id, success=False)
             with gate_closed(gate) as wait_for_read:
 
                 def load() -> list[list[bytes]]:
@@ -92,7 +97,7 @@ def test_a_client_cannot_end_a_fetchs_reservation_while_bytes_land_in_it(
                 waiting = pool.submit(load)
                 wait_for_read()  # A is reading the chunk; B's pages for it are reserved
                 assert kv.stats()["peer"]["fetching_chunks"] == 1
-                attack(b.zmq_address)  # type: ignore[operator]
+                attack(b.zmq_address, probe.lease_id)  # type: ignore[operator]
                 # a store that would take the reserved pages if they had been given back
                 stored = kv.store(SLOW_SPEC.ns_id, [mine], [[my_part]])
             # the gate opens: A sends the chunk into whatever B reserved for it (or B had no

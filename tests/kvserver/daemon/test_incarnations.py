@@ -1,0 +1,88 @@
+"""A daemon SIGKILLed and restarted on the same port, with clients of the killed one still
+holding its leases: the lease ids one incarnation grants are never another's.
+
+Real daemon processes on loopback; the stale client is a real ``KVClient`` that keeps its
+session across the restart (its DEALER reconnects to the new daemon by itself), as the
+scheduler's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserver.client import KVClient
+from kvserver.errors import LeaseError
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.support.daemon import DaemonProc, start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = make_spec()
+ARGS = ("--page-size", "4KiB", "--dram", "1MiB")
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[list[DaemonProc]]:
+    procs: list[DaemonProc] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+
+
+def restart(tmp_path: Path, started: list[DaemonProc]) -> DaemonProc:
+    """SIGKILL the daemon listening now and start the next one on its ZMQ port."""
+    old = started[-1]
+    old.kill()
+    port = str(old.info["zmq_port"])
+    started.append(start_daemon(tmp_path / f"d{len(started)}", *ARGS, "--zmq-port", port))
+    return started[-1]
+
+
+def test_a_stale_store_completion_cannot_complete_the_new_daemons_reservation(
+    tmp_path: Path, started: list[DaemonProc]
+) -> None:
+    """Client A reserved a chunk in the killed daemon; after the restart client B reserves
+    another and has not written it yet when A's late complete_store arrives: it must fail,
+    not make B's unwritten chunk READY (its pages would be served as B's chunk)."""
+    started.append(start_daemon(tmp_path / "d0", *ARGS))
+    with KVClient(started[-1].zmq_address, colocated=False) as a:
+        ns_id = a.register_namespace(SPEC).ns_id
+        grant_a = a.prepare_store(ns_id, make_keys(1, tag="a"))
+        assert grant_a is not None and grant_a.lease_id
+        restarted = restart(tmp_path, started)
+        with KVClient(restarted.zmq_address, colocated=False) as b:
+            assert b.register_namespace(SPEC).ns_id == ns_id
+            key_b = make_keys(1, tag="b")
+            grant_b = b.prepare_store(ns_id, key_b)
+            assert grant_b is not None
+            with pytest.raises(LeaseError):
+                a.complete_store(grant_a.lease_id)
+            assert b.lookup(ns_id, key_b).hit_chunks == 0  # still WRITING: invisible
+            part = pattern(key_b[0], 0, SPEC.part_bytes)
+            assert b.write_parts(grant_b.lease_id, key_b, 0, [part]) == key_b  # completes
+            assert b.get(ns_id, key_b)[0] == [part]
+
+
+def test_a_stale_load_completion_cannot_unpin_the_new_daemons_load(
+    tmp_path: Path, started: list[DaemonProc]
+) -> None:
+    """Client A pinned a chunk in the killed daemon; after the restart client B pins one for a
+    load; A's late complete_load must fail and leave B's pins (else an eviction could reuse
+    the pages B is still reading)."""
+    started.append(start_daemon(tmp_path / "d0", *ARGS))
+    with KVClient(started[-1].zmq_address, colocated=False) as a:
+        ns_id = a.register_namespace(SPEC).ns_id
+        key = make_keys(1, tag="k")
+        a.put(ns_id, key, [[pattern(key[0], 0, SPEC.part_bytes)]])
+        grant_a = a.prepare_load(ns_id, key)
+        restarted = restart(tmp_path, started)
+        with KVClient(restarted.zmq_address, colocated=False) as b:
+            b.register_namespace(SPEC)
+            b.put(ns_id, key, [[pattern(key[0], 0, SPEC.part_bytes)]])
+            grant_b = b.prepare_load(ns_id, key)
+            with pytest.raises(LeaseError):
+                a.complete_load(grant_a.lease_id)
+            b.complete_load(grant_b.lease_id)  # B's pins were still B's to end
