@@ -6,7 +6,8 @@ the daemon never copies payload on that path.
 
 Security: the file is created with ``O_EXCL`` and mode 0600, so only the daemon's user can map
 it; it is unlinked on :meth:`SharedArena.close` (and the daemon closes it on every orderly
-shutdown path).
+shutdown path). The daemon holds an exclusive ``flock`` on it while it lives, so that
+:func:`reap_stale_arenas` removes only the arenas of daemons that died.
 
 Thread-safety: mapping and unmapping are not thread-safe; reads and writes of disjoint extents
 from several threads are (they are plain memcpy).
@@ -15,9 +16,11 @@ from several threads are (they are plain memcpy).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterable
 from types import TracebackType
 
@@ -143,6 +146,11 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 class SharedArena(ArenaView):
     """The daemon's arena: creates the file (0600, O_EXCL) and removes it on close.
 
+    The file is locked (``flock``, exclusive) for as long as the daemon lives: the kernel
+    drops the lock when the process dies, however it dies, which is how
+    :func:`reap_stale_arenas` tells a live daemon's arena from one left behind. It appears
+    under its name already locked (created under a temporary name, locked, then linked).
+
     The whole arena is pre-faulted before the constructor returns (DRAM committed up front, no
     page fault on a first copy), :data:`PREFAULT_STEP` bytes at a time; ``progress(done,
     total)`` is called after each step (the daemon shows it: 8 GiB take tens of seconds).
@@ -160,12 +168,7 @@ class SharedArena(ArenaView):
             raise InvalidArgument("arena size must be positive", size=size)
         name = name or f"kvserver-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise StorageError(
-                f"cannot create arena: {exc.strerror}", path=path, errno=exc.errno
-            ) from None
+        fd = _create_locked(path)
         try:
             os.fchmod(fd, 0o600)  # independent of the umask
             os.ftruncate(fd, size)
@@ -215,11 +218,40 @@ def total_length(extents: Iterable[tuple[int, int]]) -> int:
     return sum(length for _, length in extents)
 
 
-def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
-    """Remove arena files left by daemons that died without cleaning up (kill -9, OOM).
+def _create_locked(path: str) -> int:
+    """Create ``path`` (0600, never over an existing file) and return its descriptor, holding
+    an exclusive ``flock`` that no reaper can take before the name exists."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.new")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise StorageError(
+            f"cannot create arena: {exc.strerror}", path=path, errno=exc.errno
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
+        os.link(tmp, path)  # fails if ``path`` exists, as O_EXCL would
+    except OSError as exc:
+        os.close(fd)
+        raise StorageError(
+            f"cannot create arena: {exc.strerror}", path=path, errno=exc.errno
+        ) from None
+    finally:
+        _unlink(tmp)
+    return fd
 
-    Only files named ``kvserver-<pid>-<hex>`` owned by this user whose ``<pid>`` is no longer
-    running are removed. Returns the removed paths.
+
+def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
+    """Remove arena files left by daemons that died without cleaning up (kill -9, OOM), and
+    the local-channel sockets beside them (``<arena>.sock``).
+
+    Only regular files named ``kvserver-<pid>-<hex>`` owned by this user whose lock
+    (:class:`SharedArena`) no live process holds are removed. The lock, not the ``<pid>``,
+    decides: a pid is reused (a daemon that is pid 1 in its container is pid 1 again after a
+    restart, and would leave its predecessor's arena in ``/dev/shm`` forever) and means
+    nothing in another pid namespace sharing the directory (a daemon in another container
+    whose pid is not running here is alive). Returns the removed paths.
     """
     removed: list[str] = []
     try:
@@ -232,18 +264,58 @@ def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
         if len(parts) != 3 or parts[0] != "kvserver" or not parts[1].isdigit():
             continue
         path = os.path.join(directory, name)
-        try:
-            if os.stat(path).st_uid != uid or pid_alive(int(parts[1])):
-                continue
-            os.unlink(path)
-        except OSError:
+        if name.endswith(".sock"):  # a socket whose arena is gone: its daemon is gone too
+            arena = path[: -len(".sock")]
+            if not os.path.lexists(arena) and _is_own(path, uid, stat.S_ISSOCK):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed.append(path)
             continue
-        removed.append(path)
+        if _reap_unlocked(path, uid):
+            removed.append(path)
+            sock = f"{path}.sock"
+            if _is_own(sock, uid, stat.S_ISSOCK):
+                with contextlib.suppress(OSError):
+                    os.unlink(sock)
+                    removed.append(sock)
     return removed
 
 
+def _is_own(path: str, uid: int, kind: Callable[[int], bool]) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return st.st_uid == uid and kind(st.st_mode)
+
+
+def _reap_unlocked(path: str, uid: int) -> bool:
+    """Unlink the arena file ``path`` if it is this user's and no process holds its lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its daemon is running
+        if os.lstat(path).st_ino != st.st_ino:
+            return False  # replaced meanwhile
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
-    """True if a process ``pid`` exists (one of another user's counts)."""
+    """True if a process ``pid`` exists (one of another user's counts). Not a test of
+    whether an arena is stale (:func:`reap_stale_arenas`)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -186,9 +187,11 @@ def test_second_process_writes_bytes_the_engine_reads_back() -> None:
         engine.complete_load(again.lease_id)
 
 
-def test_reap_stale_arenas_removes_only_dead_owners(tmp_path: Path) -> None:
-    """A daemon killed with -9 leaves its arena; the next start removes it, not live ones."""
-
+def test_reap_stale_arenas_removes_only_unlocked_arenas(tmp_path: Path) -> None:
+    """A daemon killed with -9 leaves its arena (and its socket); the next start removes them,
+    never a live daemon's. The lock decides, not the pid in the name: a stale arena whose pid
+    is running again (pid reuse: a daemon that is pid 1 in its container) is removed, and a
+    live one whose pid is not running here (another pid namespace) is kept."""
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
@@ -197,12 +200,23 @@ def test_reap_stale_arenas_removes_only_dead_owners(tmp_path: Path) -> None:
     )
     dead_pid = int(dead.stdout)
     stale = tmp_path / f"kvserver-{dead_pid}-deadbeef"
-    live = tmp_path / f"kvserver-{os.getpid()}-cafe"
+    reused = tmp_path / f"kvserver-{os.getpid()}-cafe"
     other = tmp_path / "kvserver-notapid-x"
-    for p in (stale, live, other):
+    for p in (stale, reused, other):
         p.write_bytes(b"x")
-    assert reap_stale_arenas(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and live.exists() and other.exists()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(f"{stale}.sock")
+    sock.close()
+    live = SharedArena(4096, directory=str(tmp_path), name=f"kvserver-{dead_pid}-abcd")
+    try:
+        removed = reap_stale_arenas(str(tmp_path))
+        assert sorted(removed) == sorted([str(stale), f"{stale}.sock", str(reused)])
+        assert not stale.exists() and not reused.exists() and other.exists()
+        assert Path(live.path).exists()
+    finally:
+        live.close()
+    assert reap_stale_arenas(str(tmp_path)) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]
 
 
 @pytest.mark.parametrize("advice", ["madvise", "touch"])

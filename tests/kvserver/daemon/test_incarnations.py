@@ -1,5 +1,6 @@
 """A daemon SIGKILLed and restarted on the same port, with clients of the killed one still
-holding its leases: the lease ids one incarnation grants are never another's.
+holding its leases: the lease ids one incarnation grants are never another's. And a
+starting daemon removes the arenas of dead daemons by their lock, not by the pid in the name.
 
 Real daemon processes on loopback; the stale client is a real ``KVClient`` that keeps its
 session across the restart (its DEALER reconnects to the new daemon by itself), as the
@@ -8,6 +9,8 @@ scheduler's does.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,3 +89,31 @@ def test_a_stale_load_completion_cannot_unpin_the_new_daemons_load(
             with pytest.raises(LeaseError):
                 a.complete_load(grant_a.lease_id)
             b.complete_load(grant_b.lease_id)  # B's pins were still B's to end
+
+
+def test_a_starting_daemon_reaps_by_lock_not_by_pid(
+    tmp_path: Path, started: list[DaemonProc]
+) -> None:
+    """In a shared /dev/shm the pid in an arena's name proves nothing: a SIGKILLed daemon's
+    arena named with a pid that runs again (pid 1 of a restarted container) is removed by the
+    next start, and a live daemon's arena named with a pid not running here (a daemon in
+    another pid namespace) is kept. Real daemons; the names are set by renaming the files."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"KVSERVER_SHM_DIR": str(shm)}
+    killed = start_daemon(tmp_path / "d0", *ARGS, env=env)
+    started.append(killed)
+    killed.kill()
+    arena = Path(killed.arena_path)
+    assert arena.exists()  # left behind
+    reused = shm / "kvserver-1-0badf00d"  # pid 1 is always running
+    arena.rename(reused)
+    live = start_daemon(tmp_path / "d1", *ARGS, env=env)
+    started.append(live)
+    assert not reused.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    elsewhere = shm / f"kvserver-{int(dead.stdout)}-0c0ffee0"
+    Path(live.arena_path).rename(elsewhere)
+    started.append(start_daemon(tmp_path / "d2", *ARGS, env=env))
+    assert elsewhere.exists()
