@@ -12,12 +12,14 @@ else of the tier. Not thread-safe: loop only.
 victim used at least ``admission`` times, not yet on SSD, gets a staging buffer and an SSD
 slot (the reservation may evict SSD victims by the
 tier's own policy: their slots are discarded by the same job); its parts are copied into the
-buffer. Whatever does not fit (staging full, SSD full of chunks being read, tier degraded) is
-dropped and counted. The admitted chunks go to the threads in jobs of about ``BATCH_BYTES``
-(a long eviction is cut, each job submitted as soon as it is full, so the disk starts while the
-loop still copies). When a job is done, each written entry becomes READY (BlockStored, medium
-STORAGE); a failed one is aborted, its slot discarded, and the tier turns ``degraded`` — while
-degraded one write (the ``probe``) is let through every ``retry_s``.
+buffer. Whatever does not fit (staging full or its new buffer cannot be mapped, SSD full of
+chunks being read, tier degraded) is dropped and counted; nothing here raises once a slot is
+reserved (an entry left WRITING could never be written down again). The admitted chunks go
+to the threads in jobs of about ``BATCH_BYTES`` (a long eviction is cut, each job submitted as
+soon as it is full, so the disk starts while the loop still copies). When a job is done, each
+written entry becomes READY (BlockStored, medium STORAGE); a failed one is aborted, its slot
+discarded, and the tier turns ``degraded`` — while degraded one write (the ``probe``) is let
+through every ``retry_s``.
 
 Invariants: every staging buffer acquired here is released exactly once, when its job is done;
 every slot handed to a job is reported back to the index exactly once (``commit``/``abort``,
@@ -104,7 +106,9 @@ class WriteBack:
             if victim.uses < self._admission:
                 c.not_admitted_chunks += 1
                 continue
-            buf = staging.acquire(slot_bytes) if writable else None
+            buf = self._staging_buffer(slot_bytes) if writable else None
+            if buf is None:
+                writable = False  # ENOMEM: the rest are skipped too (pool full: the same)
             got = index.reserve(ns_id, victim.key, slot_bytes) if buf is not None else None
             if buf is None or got is None:
                 if buf is not None:
@@ -129,6 +133,15 @@ class WriteBack:
                 batch = WriteBatch(slot_bytes)
         if batch:
             self._submit(batch)
+
+    def _staging_buffer(self, slot_bytes: int) -> memoryview | None:
+        """A staging buffer, or None when the pool is full or a new buffer cannot be mapped
+        (ENOMEM): raising here would leave the chunks reserved before it WRITING forever."""
+        try:
+            return self._staging.acquire(slot_bytes)
+        except (OSError, MemoryError) as exc:
+            logger.warning("SSD tier: no staging buffer (%s); write-backs skipped", exc)
+            return None
 
     def _submit(self, batch: WriteBatch) -> None:
         """One thread job for the batch: its discards, then its writes."""
