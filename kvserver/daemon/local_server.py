@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from kvserver import wire_local
+from kvserver.daemon.local_exits import peer_pidfd
 from kvserver.errors import CapacityError, InvalidArgument, KVServerError
 
 logger = logging.getLogger(__name__)
@@ -129,16 +130,24 @@ class LocalConnection(asyncio.BufferedProtocol):
         self._big_size = 0
         self._failed = False  # a Refused was delivered: read nothing more
         self._write_paused = False  # replies wait in the transport: handle nothing more
+        #: a pidfd of the client's process (``local_exits.py``), until :meth:`take_pidfd`
+        self._pidfd: int | None = None
 
     @property
     def closed(self) -> bool:
         return self._transport is None or self._transport.is_closing()
+
+    def take_pidfd(self) -> int | None:
+        """The pidfd of the client's process (None if unknown), now the caller's to close."""
+        pidfd, self._pidfd = self._pidfd, None
+        return pidfd
 
     # ------------------------------------------------------------------ protocol callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=0)
+        self._pidfd = peer_pidfd(transport.get_extra_info("socket"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -304,7 +313,9 @@ class LocalListener:
     def _lost(self, conn: LocalConnection) -> None:
         self._connections.discard(conn)
         if self._closed is not None:
-            self._closed(conn)
+            self._closed(conn)  # it takes the pidfd (take_pidfd), now or after its lane
+        elif (pidfd := conn.take_pidfd()) is not None:
+            os.close(pidfd)
 
     async def stop(self) -> None:
         """Stop accepting, close every connection, remove the socket file. Idempotent."""

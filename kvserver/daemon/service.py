@@ -133,6 +133,10 @@ class KVService:
         lease = self.engine.leases.find(lease_id)
         return None if lease is None else lease.client
 
+    def num_leases_of(self, client: str) -> int:
+        """Live leases owned by ``client``."""
+        return len(self.engine.leases.by_client(client))
+
     def find_namespace(self, ns_id: str) -> NamespaceSpec | None:
         """The spec of ``ns_id`` if registered here, else None."""
         return self.engine.namespaces.get(ns_id)

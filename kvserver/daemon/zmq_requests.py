@@ -94,6 +94,10 @@ class RequestHandler:
                 released.append((client, count))
         return released
 
+    def forget_connection(self, conn: LocalConnection) -> set[str]:
+        """Forget which clients ``conn``'s requests named, releasing nothing; returns them."""
+        return self._local_clients.pop(conn, set())
+
     def forget_local(self) -> None:
         """Stopping: the service rolls every lease back itself."""
         self._local_clients.clear()

@@ -19,9 +19,10 @@ pins; ``local_server.py`` frames the local channel's messages (clients on this h
 
 A connection of the local channel is served exactly like a ROUTER connection (same messages,
 handlers, lanes and order); its messages arrive from its protocol callbacks instead of the ROUTER's
-reader, and its replies (payload copied) go to its transport. When it closes (the client exited or
-was killed), the reservations and pins of every client its requests named are released at once
-(after its lane, if one runs), not when their leases expire.
+reader, and its replies (payload copied) go to its transport. When it closes and its client's
+process has exited (crashed, killed: ``local_exits.py``), the reservations and pins of every
+client its requests named are released at once (after its lane, if one runs), not when their
+leases expire; a client that lives on (its call timed out, so it closed its links) keeps them.
 
 The ROUTER is read by a reader callback on its file descriptor (``loop.add_reader``), not by a
 coroutine awaiting ``recv``: each wake-up drains every message already queued (at most
@@ -57,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -69,6 +71,7 @@ from kvserver import wire, wire_local
 from kvserver.crypto import CurveServer
 from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.local_exits import ExitWatch
 from kvserver.daemon.local_server import (
     LocalConnection,
     LocalFrame,
@@ -119,6 +122,7 @@ class DataFrontend:
         #: connection → messages waiting behind that connection's lane
         self._lanes: dict[Peer, deque[_Message]] = {}
         self._local: LocalListener | None = None
+        self._exits = ExitWatch()  # closed local connections whose process may yet exit
         self._reading = False  # inside the reader callback
         self._drain_scheduled = False
         self._sender = ZeroCopySender(service)
@@ -216,6 +220,7 @@ class DataFrontend:
         """Stop reading (and drop the requests lanes still hold), close the sockets (linger
         0) and the local channel, release send pins. Idempotent."""
         local, self._local = self._local, None
+        self._exits.stop()
         if local is not None:
             await local.stop()
         if self._fd is not None:
@@ -358,12 +363,37 @@ class DataFrontend:
         than when their leases expire (once its lane, if any, has ended)."""
         if self._local is None:  # stopping: the service rolls everything back itself
             self._requests.forget_local()
+            _close(conn.take_pidfd())
         elif conn not in self._lanes:
             self._release_local(conn)
 
     def _release_local(self, conn: LocalConnection) -> None:
+        """``conn`` closed and its lane is done: release its clients' leases once its process
+        has exited; keep them while it lives (``local_exits.py``)."""
+        pidfd = conn.take_pidfd()
+        if self._local is None:  # stopping: everything is rolled back anyway
+            _close(pidfd)
+            self._released(conn)
+            return
+        self._exits.closed(pidfd, lambda: self._released(conn), lambda: self._kept(conn))
+
+    def _released(self, conn: LocalConnection) -> None:
         for client, released in self._requests.release_local(conn):
-            logger.info("released %d lease(s) of %s: its connection closed", released, client)
+            logger.info(
+                "released %d lease(s) of %s: its connection closed, its process exited",
+                released,
+                client,
+            )
+
+    def _kept(self, conn: LocalConnection) -> None:
+        for client in self._requests.forget_connection(conn):
+            if held := self._service.num_leases_of(client):
+                logger.info(
+                    "kept %d lease(s) of %s: its connection closed, but its process is alive "
+                    "(they end when completed, released, or at their deadline)",
+                    held,
+                    client,
+                )
 
     def _send(self, peer: Peer, answer: Answer) -> None:
         """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send
@@ -403,3 +433,8 @@ def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
         raise KVServerError(f"cannot bind {endpoint}: {exc}") from None
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return int(bound.rsplit(":", 1)[1])
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)

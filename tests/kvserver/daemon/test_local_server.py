@@ -31,6 +31,9 @@ class FakeTransport:
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
 
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default  # no socket: the client's process is unknown (local_exits.py)
+
     def writelines(self, data: list[Any]) -> None:
         self.written.append(b"".join(bytes(b) for b in data))
 
