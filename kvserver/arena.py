@@ -184,10 +184,14 @@ class SharedArena(ArenaView):
             raise
 
     def _prefault(self, progress: Callable[[int, int], None] | None) -> None:
+        """Commit the memory of each step (``posix_fallocate``: a filesystem without room
+        fails it with ENOSPC, where touching a page of the mapping would kill the process with
+        SIGBUS), then populate its page tables."""
         assert self._mmap is not None
         use_madvise = True
         for offset in range(0, self.size, PREFAULT_STEP):
             length = min(PREFAULT_STEP, self.size - offset)
+            self._commit(offset, length)
             if use_madvise:
                 try:
                     self._mmap.madvise(_MADV_POPULATE_WRITE, offset, length)
@@ -201,12 +205,36 @@ class SharedArena(ArenaView):
             if progress is not None:
                 progress(offset + length, self.size)
 
+    def _commit(self, offset: int, length: int) -> None:
+        if not hasattr(os, "posix_fallocate"):  # not on every platform (macOS): touched only
+            return
+        try:
+            os.posix_fallocate(self._fd, offset, length)
+        except OSError as exc:
+            directory = os.path.dirname(self.path) or "."
+            free = _free_bytes(directory)
+            raise StorageError(
+                f"cannot commit the arena's memory: {exc.strerror} ({self.size >> 20} MiB "
+                f"asked, {free >> 20} MiB free in {directory}; a container's /dev/shm is "
+                "small unless sized: --shm-size, shm_size)",
+                path=self.path,
+                errno=exc.errno,
+            ) from None
+
     def close(self) -> None:
         """Unmap and unlink the file. Idempotent."""
         was_open = not self.closed
         super().close()
         if was_open:
             _unlink(self.path)
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _unlink(path: str) -> None:

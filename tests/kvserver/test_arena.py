@@ -240,3 +240,36 @@ def test_the_arena_is_prefaulted_in_steps_with_progress(
         assert arena.read([(size - 3, 3)]) == b"abc"
     finally:
         arena.close()
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    """Mount a tmpfs of ``size`` on ``path`` (root only); False where that is not allowed."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
+    return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+
+
+def test_an_arena_larger_than_its_filesystem_is_a_clear_error_not_sigbus(tmp_path: Path) -> None:
+    """A real 1 MiB tmpfs (a container's /dev/shm left at its default) under an 8 MiB arena:
+    a StorageError that says how much is free, and no file left; was: the pre-fault touched
+    pages the filesystem could not back and the process died of SIGBUS, leaving the file.
+    Run in a child process, so that SIGBUS before the fix fails the test, not pytest."""
+    tiny = tmp_path / "tiny"
+    if not mount_tmpfs(tiny, "1m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        code = (
+            "import sys; from kvserver.arena import SharedArena; from kvserver.errors import "
+            "StorageError\ntry:\n    SharedArena(8 << 20, directory=sys.argv[1])\n"
+            "except StorageError as exc:\n    print(exc)"
+        )
+        child = subprocess.run([sys.executable, "-c", code, str(tiny)],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert child.returncode == 0, (child.returncode, child.stderr)
+        assert "cannot commit the arena's memory" in child.stdout
+        assert "8 MiB asked" in child.stdout and str(tiny) in child.stdout
+        assert list(tiny.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(tiny)], capture_output=True, timeout=30)

@@ -99,3 +99,29 @@ def test_sighup_gets_the_ordered_shutdown(tmp_path: Path) -> None:
     assert d.proc.wait(30) == 0, d.log()
     assert "stopped; shared-memory arena removed" in d.log()
     assert not arena.exists()
+
+
+def test_a_dram_tier_larger_than_the_shm_filesystem_exits_1_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """``--dram`` over what the shared-memory filesystem can hold (a real 1 MiB tmpfs: a
+    container's /dev/shm at its default): exit 1, the reason and the sizes on stderr, no arena
+    left; was: killed by SIGBUS during the pre-fault (exit 135 from a shell), no word why."""
+    from tests.kvserver.test_arena import mount_tmpfs
+
+    tiny = tmp_path / "shm"
+    if not mount_tmpfs(tiny, "1m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cmd = [
+            sys.executable, "-m", "kvserver.cli", "start", "--dram", "8MiB", "--page-size",
+            "4KiB", "--shm-dir", str(tiny), "--metrics-port", "-1", "--zmq-port", "0",
+            "--grpc-port", "0", "--pub-port", "-1",
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1, (result.returncode, result.stderr)
+        assert "cannot commit the arena's memory" in result.stderr
+        assert "8 MiB asked" in result.stderr
+        assert not [p for p in tiny.iterdir() if p.name.startswith("kvserver-")]
+    finally:
+        subprocess.run(["umount", str(tiny)], capture_output=True, timeout=30)
