@@ -347,7 +347,13 @@ class SsdTier(Tier):
 
         expect = (entry.ns_id, entry.key, entry.seq)
         self._read_queue.submit(size, ChunkRead(entry.slot, expect, buf), done)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # cancelled after the result was set: nobody takes it
+            got = fut.result() if fut.done() and not fut.cancelled() else None
+            if got is not None and got[1]:
+                self.reads.release(got[0])
+            raise
 
     def _read_done(
         self, entry: SsdEntry, buf: memoryview, pooled: bool, result: ReadResult

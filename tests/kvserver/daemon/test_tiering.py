@@ -516,3 +516,37 @@ async def test_a_staging_buffer_that_cannot_be_mapped_skips_that_chunk_only(
         node.tier.index.check_invariants()
     finally:
         await stop(node)
+
+
+async def test_a_promotion_cancelled_as_its_read_completes_returns_the_read_buffer(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion's caller is cancelled (a client's deadline, a shutdown) in the loop turn in
+    which its slot read completes: the pooled read buffer must come back to the pool. Was:
+    lost to the pool's accounting for good; each such race shrank the pool until every
+    promotion read paid a fresh mmap. The cancellation is injected at that instant."""
+    spec = SPECS[1]
+    keys = make_keys(12, tag="cancel")
+    await register(node, spec)
+    store(node, spec, keys)
+    await node.tier.wait_idle()
+    victim = on_ssd(node, spec, keys)[0]
+    entry = node.tier.index.ready(spec.ns_id, victim)
+    assert entry is not None
+    task: asyncio.Task[Any] | None = None
+    read_done = node.tier._read_done
+
+    def done_then_cancelled(*args: Any) -> Any:
+        got = read_done(*args)
+        assert task is not None and got is not None and got[1]  # from the pool
+        # runs after the result is set, before the task resumes with it
+        asyncio.get_running_loop().call_soon(task.cancel)
+        return got
+
+    monkeypatch.setattr(node.tier, "_read_done", done_then_cancelled)
+    node.tier.index.pin(entry)
+    task = asyncio.get_running_loop().create_task(node.tier.read(entry, True))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    node.tier.unpin(entry)
+    assert node.tier.reads.in_use_bytes == 0
