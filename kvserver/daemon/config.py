@@ -41,6 +41,8 @@ DEFAULT_METRICS_PORT = 9473
 DEFAULT_PEER_STREAM_WINDOW = 32 << 20
 PEER_STREAM_WINDOW_MIN = 1 << 20
 PEER_STREAM_WINDOW_MAX = 1 << 30
+#: zmq_send_timeout_s stays under the engine's longest lease, which the send pins are.
+MAX_SEND_TIMEOUT_S = EngineConfig.__dataclass_fields__["max_lease_s"].default / 2
 
 _UNITS = {
     "": 1, "b": 1,
@@ -110,6 +112,10 @@ class DaemonConfig:
     local_inflight_bytes: int = 1 << 30
     #: local channel: most connections at once (one more is closed at once).
     local_max_connections: int = 256
+    #: seconds ZMQ may take to send a zero-copy reply (its pages pinned meanwhile) before the
+    #: connection it goes to is cut (a client that does not read its socket); under the
+    #: leases' max_lease_s (at most half of it, 300 s).
+    zmq_send_timeout_s: float = 60.0
     #: seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.25
     #: written (JSON: pid, ports, arena path) once every listener is up.
@@ -193,6 +199,11 @@ class DaemonConfig:
                 raise InvalidArgument(f"{name} out of range", value=getattr(self, name))
         if self.reap_interval_s <= 0:
             raise InvalidArgument("reap_interval_s must be positive")
+        if not 0 < self.zmq_send_timeout_s <= MAX_SEND_TIMEOUT_S:
+            raise InvalidArgument(
+                f"zmq_send_timeout_s must be in (0, {MAX_SEND_TIMEOUT_S:.0f}]",
+                value=self.zmq_send_timeout_s,
+            )
         if self.ssd_promotions < 1:
             raise InvalidArgument("ssd_promotions must be >= 1", value=self.ssd_promotions)
         if self.no_auth and self.auth_token:

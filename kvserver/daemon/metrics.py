@@ -172,6 +172,18 @@ class DaemonCollector(LoopCollector):
             yield CounterMetricFamily(name, doc, value=refusals[key])
         for name, doc, key in _HANDSHAKE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=s["handshakes"][key])
+        sends: dict[str, int] | None = s.get("zmq_sends")
+        if sends is not None:
+            yield CounterMetricFamily(
+                "kvserver_zmq_send_cuts",
+                "ZMQ connections cut: a zero-copy reply to them was not sent within "
+                "zmq_send_timeout_s (the client does not read its socket).",
+                value=sends["cut_connections"],
+            )
+            yield GaugeMetricFamily(
+                "kvserver_zmq_send_pins", "Zero-copy ZMQ replies ZMQ has not sent yet.",
+                sends["pins"],
+            )  # fmt: skip
         yield InfoMetricFamily("kvserver_build", "The version.", {"version": s["server_version"]})
         if ssd is not None:
             for name, doc, key in _SSD_COUNTERS:

@@ -128,6 +128,7 @@ async def serve(
             engine_config, event_capacity=config.event_capacity, prefault_progress=progress
         )
     zmq_front = DataFrontend(service, config, auth)
+    service.zmq_sends = zmq_front.sender
     grpc_front = GrpcFrontend(service, config, auth)
     stream_front: StreamServer | None = None
     if config.peer_stream_port >= 0 and (stream_tls or not config.curve_secret_key_file):

@@ -69,6 +69,8 @@ class KVService:
         self.cluster: Any = None
         #: the peer stream's serving end (``stream_server.StreamServer``), set by process.py.
         self.peer_stream: Any = None
+        #: the ZMQ front end's zero-copy sends (``zmq_send.ZeroCopySender``), set by process.py.
+        self.zmq_sends: Any = None
         #: the token paths' hashing, big prompts on threads (``prompt_hashing.py``).
         self.prompts = PromptHashing()
         #: seconds per data-plane op (ZMQ and local channel), label ``op``; see daemon/metrics.py
@@ -246,6 +248,7 @@ class KVService:
         out["refusals"] = self.refusals.stats()
         out["handshakes"] = self.handshakes.stats()
         out["peer_stream"] = self.peer_stream.stats() if self.peer_stream is not None else None
+        out["zmq_sends"] = self.zmq_sends.stats() if self.zmq_sends is not None else None
         return out
 
     def held_chunks(self) -> dict[tuple[str, str], list[bytes]]:

@@ -14,6 +14,15 @@ releases every pin left; the sockets close with linger 0 right after, so ZMQ dro
 ``ZMQ_SEND_CLIENT``, lease ``max_lease_s``), so an eviction can never overwrite bytes still
 being sent; smaller ones are copied, which is cheaper.
 
+A client that stops reading its socket leaves its replies in ZMQ's queue, and their pins would
+hold the pages for ``max_lease_s`` (DRAM no store of anyone can take), after which the lease
+expired under frames still queued (their pages free to be overwritten before ZMQ wrote them).
+So a zero-copy reply ZMQ has not finished with ``timeout_s`` after its send
+(``zmq_send_timeout_s``, shorter than ``max_lease_s``) cuts the connection it goes to: its TCP
+socket (the request's ``zmq.SRCFD``, checked to still be the same peer address) is shut down,
+libzmq drops that connection's queued frames, and their pins end as any others do
+(``num_cuts`` counts it; the client's next request reconnects).
+
 How the pin learns that ZMQ is done: every zero-copy frame of one reply wraps its view in a
 :class:`_Held` array that references the reply's one :class:`_SendDone`. libzmq hands a frame
 back (pyzmq's gc thread drops its reference) once it has written it or dropped it (a closed
@@ -28,6 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,14 +93,22 @@ class _SendDone:
 class ZeroCopySender:
     """Send pins and the sends they guard; see the module docstring."""
 
-    def __init__(self, service: KVService) -> None:
+    def __init__(self, service: KVService, timeout_s: float = 60.0) -> None:
         self._service = service
-        self._guards: set[int] = set()
+        self._timeout_s = timeout_s
+        #: guard -> the timer that cuts its connection (None: nothing to cut, or copied)
+        self._guards: dict[int, asyncio.TimerHandle | None] = {}
+        #: connections cut because a zero-copy reply to them was not sent within timeout_s.
+        self.num_cuts = 0
 
     @property
     def num_pins(self) -> int:
         """Send pins held now (replies ZMQ has not finished with)."""
         return len(self._guards)
+
+    def stats(self) -> dict[str, int]:
+        """``pins`` (now) and ``cut_connections`` (since start): ``stats()["zmq_sends"]``."""
+        return {"pins": len(self._guards), "cut_connections": self.num_cuts}
 
     def pin(self, ns_id: str, keys: list[bytes]) -> int:
         """Pin ``keys`` for a send; returns the guard (raises what ``prepare_load`` raises)."""
@@ -99,30 +118,43 @@ class ZeroCopySender:
         """Take a load lease of ``ZMQ_SEND_CLIENT`` (``KVService.hold``/``get``) as a send
         pin; returns it as the guard (0 stays 0: nothing pinned)."""
         if lease_id:
-            self._guards.add(lease_id)
+            self._guards[lease_id] = None
         return lease_id
 
     def release(self, guard: int) -> None:
         """End a send pin (no-op for 0 or an unknown guard: idempotent)."""
         if guard in self._guards:
-            self._guards.discard(guard)
+            timer = self._guards.pop(guard)
+            if timer is not None:
+                timer.cancel()
             try:
                 self._service.complete_load(guard)
             except KVServerError as exc:  # expired (a send stuck for max_lease_s) or closed
                 logger.warning("send pin %d: %s", guard, exc)
 
     def send(
-        self, router: zmq.Socket[bytes], ident: bytes, req_id: int, sid: str, reply: Parts
+        self,
+        router: zmq.Socket[bytes],
+        ident: bytes,
+        req_id: int,
+        sid: str,
+        reply: Parts,
+        fd: int = -1,
     ) -> None:
         """Send ``reply``: large views zero-copy, the pin released once ZMQ has finished
-        with every one of them (module docstring). REQUIRES: a running event loop."""
+        with every one of them; ``fd`` (the request's ``zmq.SRCFD``, -1: unknown) is the
+        connection cut if that takes longer than ``timeout_s`` (module docstring).
+        REQUIRES: a running event loop."""
         out: list[Any] = []
         guard = reply.guard
-        done = _SendDone(asyncio.get_running_loop(), self.release, guard) if guard else None
+        loop = asyncio.get_running_loop()
+        done = _SendDone(loop, self.release, guard) if guard else None
         threshold = zmq.COPY_THRESHOLD
+        zero_copy = False
         for views in reply.parts:
             for view in views:
                 if view.nbytes >= threshold:
+                    zero_copy = True
                     held = np.frombuffer(view, np.uint8).view(_Held)
                     held.done = done
                     out.append(zmq.Frame(held, copy=False))
@@ -130,7 +162,28 @@ class ZeroCopySender:
                     out.append(bytes(view))
         header = _header(req_id, sid, reply)
         del done  # from here on only the frames keep it alive
+        if zero_copy and guard in self._guards and fd >= 0:
+            address = _peer_address(fd)
+            if address is not None:
+                self._guards[guard] = loop.call_later(
+                    self._timeout_s, self._overdue, guard, fd, address
+                )
         router.send_multipart([ident, header, *out], copy=False)
+
+    def _overdue(self, guard: int, fd: int, address: Any) -> None:
+        """The reply of ``guard`` is still held ``timeout_s`` after its send: cut its
+        connection, so that ZMQ drops its frames and the pin ends."""
+        if guard not in self._guards:
+            return
+        self._guards[guard] = None
+        if _cut(fd, address):
+            self.num_cuts += 1
+            logger.warning(
+                "cut the ZMQ connection of %s: a reply to it was not sent within %.0f s "
+                "(the client does not read its socket)",
+                address,
+                self._timeout_s,
+            )
 
     def copy_out(self, req_id: int, sid: str, reply: Parts) -> list[bytes]:
         """``reply`` as frames that own their bytes (header, then a copy of every view), for
@@ -147,6 +200,38 @@ class ZeroCopySender:
         drops the frames; their late ``_SendDone`` finds nothing to release). Idempotent."""
         for guard in list(self._guards):
             self.release(guard)
+
+
+def _peer_address(fd: int) -> Any:
+    """The peer address of the TCP socket ``fd`` (None: not a connected socket any more)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        return sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def _cut(fd: int, address: Any) -> bool:
+    """Shut down the TCP socket ``fd`` if it is still connected to ``address`` (libzmq owns
+    the descriptor and closes it once its engine sees the error); False when it is not."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if sock.getpeername() != address:  # closed, its number reused by another socket
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def _header(req_id: int, sid: str, reply: Parts) -> bytes:

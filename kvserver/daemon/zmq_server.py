@@ -125,10 +125,15 @@ class DataFrontend:
         self._exits = ExitWatch()  # closed local connections whose process may yet exit
         self._reading = False  # inside the reader callback
         self._drain_scheduled = False
-        self._sender = ZeroCopySender(service)
+        self._sender = ZeroCopySender(service, config.zmq_send_timeout_s)
         self._ops = DataOps(service, config, self._sid, self._sender)
         self._requests = RequestHandler(service, config, self._auth, self._ops, self._send)
         self._events = EventPublisher(service)
+
+    @property
+    def sender(self) -> ZeroCopySender:
+        """The zero-copy sends of payload replies (their pins and the connections cut)."""
+        return self._sender
 
     @property
     def num_lanes(self) -> int:
@@ -319,9 +324,11 @@ class DataFrontend:
 
     def _serve_one(self, peer: Peer, message: _Message) -> _Job | None:
         """Handle one message: answer it now and return None, or return the rest of it."""
+        source: zmq.Frame | None = None  # a ROUTER message's first frame: its connection
         try:
             if isinstance(peer, bytes):
                 frames: Sequence[PayloadFrame] = cast(list[zmq.Frame], message)
+                source = frames[0] if frames else None
                 if len(frames) == 2 and len(frames[0]) == 0 and len(frames[1]) == wire.SEQ_BYTES:
                     router, start = self._router, frames[1].buffer.tobytes()
                     if router is None:
@@ -349,14 +356,16 @@ class DataFrontend:
                 return None
             if not isinstance(answer, Answer):
                 later = answer
-                return lambda: self._answer_later(peer, later)
-            self._send(peer, answer)
+                return lambda: self._answer_later(peer, later, source)
+            self._send(peer, answer, source)
         except Exception:  # a reply that cannot be sent must not end the loop
             logger.exception("failed to answer a ZMQ request")
         return None
 
-    async def _answer_later(self, peer: Peer, later: Callable[[], Awaitable[Answer]]) -> None:
-        self._send(peer, await later())
+    async def _answer_later(
+        self, peer: Peer, later: Callable[[], Awaitable[Answer]], source: zmq.Frame | None
+    ) -> None:
+        self._send(peer, await later(), source)
 
     def _local_closed(self, conn: LocalConnection) -> None:
         """A local-channel client is gone: release its reservations and pins now, rather
@@ -395,9 +404,11 @@ class DataFrontend:
                     client,
                 )
 
-    def _send(self, peer: Peer, answer: Answer) -> None:
+    def _send(self, peer: Peer, answer: Answer, source: zmq.Frame | None = None) -> None:
         """Send the reply now (neither a ROUTER nor a local send blocks); after a ROUTER send
-        outside the reader callback, make sure messages that arrived meanwhile are read."""
+        outside the reader callback, make sure messages that arrived meanwhile are read.
+        ``source``: a frame of the request (its ``SRCFD`` names the connection a zero-copy
+        reply's send timeout cuts)."""
         req_id, result = answer.req_id, answer.result
         if not isinstance(peer, bytes):
             if answer.error is not None:
@@ -414,7 +425,8 @@ class DataFrontend:
         if answer.error is not None:
             raw.send_multipart([peer, wire.encode_error(req_id, self._sid, *answer.error)])
         elif isinstance(result, Parts):
-            self._sender.send(raw, peer, req_id, self._sid, result)
+            fd = cast(int, source.get(zmq.SRCFD)) if source is not None else -1
+            self._sender.send(raw, peer, req_id, self._sid, result, fd)
         else:
             assert result is not None  # an Answer holds a result or an error
             raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])

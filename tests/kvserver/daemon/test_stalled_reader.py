@@ -1,0 +1,88 @@
+"""A client that stops reading its ZMQ socket cannot keep DRAM pinned for everyone else.
+
+A real daemon process on loopback. The stalled client gets every chunk in DRAM with a socket
+it never reads (receive high-water mark 1, a 4 KiB kernel buffer), so its zero-copy reply sits
+in ZMQ's queue and its send pin holds every page. The daemon cuts that connection once the
+reply is ``zmq_send_timeout_s`` old: ZMQ drops the frames, the pin ends, and another client's
+store goes through (before: the pin held for ``max_lease_s``, 600 s, and the pages it left
+were overwritten under the frames still queued).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvserver import wire
+from kvserver.client import KVClient
+from kvserver.crypto import apply_token
+from kvserver.token_file import TokenFile
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.metrics import scrape
+
+pytestmark = pytest.mark.multiprocess
+
+PART = 1 << 20
+SPEC = make_spec(model="test/stalled", part_bytes_override=PART)
+NUM_CHUNKS = 16  # the whole DRAM tier
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(
+        tmp_path,
+        "--dram",
+        f"{NUM_CHUNKS}MiB",
+        "--page-size",
+        "1MiB",
+        env={"KVSERVER_ZMQ_SEND_TIMEOUT_S": "1"},
+    )
+    yield d
+    assert d.terminate() == 0, d.log()
+
+
+def stalled_get(address: str, ns_id: str, keys: list[bytes]) -> zmq.Socket[bytes]:
+    """A DEALER that asks for ``keys`` three times and then never reads (kept open by the
+    caller)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    token = TokenFile(address).token() or ""
+    apply_token(sock, token)
+    sock.connect(address)
+    for req_id in (1, 2, 3):  # the first reply fills its queue, the next ones wait in ours
+        sock.send(wire.encode_request(req_id, wire.GET, {"ns_id": ns_id, "keys": keys}, auth=token))
+    return sock
+
+
+def test_a_client_that_stops_reading_loses_its_connection_not_everyones_dram(
+    daemon: DaemonProc,
+) -> None:
+    """The stalled reply's pin ends within the send timeout; the other store succeeds."""
+    mine, theirs = make_keys(NUM_CHUNKS, tag="mine"), make_keys(NUM_CHUNKS, tag="theirs")
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        assert kv.put(ns.ns_id, mine, [pattern(k, 0, PART) for k in mine]).stored == mine
+        sock = stalled_get(daemon.zmq_address, ns.ns_id, mine)
+        try:
+            wait_until(lambda: kv.stats()["pinned_pages"] > 0, timeout=10)
+
+            def stored() -> bool:
+                r = kv.put(ns.ns_id, theirs, [pattern(k, 1, PART) for k in theirs])
+                return set(r.stored) | set(r.present) == set(theirs)
+
+            wait_until(stored, timeout=15)
+            assert kv.stats()["pinned_pages"] == 0
+            assert kv.stats()["zmq_sends"] == {"pins": 0, "cut_connections": 1}
+            metrics = scrape(daemon.metrics_url)
+            assert metrics.value("kvserver_zmq_send_cuts_total") == 1
+            assert metrics.value("kvserver_zmq_send_pins") == 0
+            got = kv.get(ns.ns_id, theirs)
+            assert [bytes(row[0]) for row in got] == [pattern(k, 1, PART) for k in theirs]
+        finally:
+            sock.close(linger=0)
