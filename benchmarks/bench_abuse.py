@@ -15,7 +15,9 @@ Starts a real daemon (loopback, its default random token) and, one abuse at a ti
   back to back on a plain TCP socket without reading anything, reconnecting whenever the daemon
   hangs up (the bytes arrive whether the daemon wants them or not);
 - ``auth_1m_tokens``: an authenticated attacker sending 1M-token lookup_tokens back to back
-  (validated off the loop);
+  (validated off the loop; past 65,536 ids refused at the header since the packed form);
+- ``auth_1m_tokens_packed`` (with ``--only`` only: a daemon that announces
+  ``packed_token_ids``): the same prompt packed, one bin of u32 ids;
 - ``auth_1m_tokens_grpc``: the same prompt as gRPC Lookups by token ids, back to back.
 
 The contention floors, in the same run: ``busy_2`` (2 busy-loop processes that do not talk to
@@ -41,6 +43,7 @@ importable.
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import os
 import statistics
@@ -128,7 +131,9 @@ def attack(kind: str, address: str, seconds: str, token: str = "") -> None:
     else:  # token: TOKEN:NS_ID:1 when the daemon wants the token at the handshake too
         secret, ns_id, at_handshake = token.split(":")
         token_ids: list[int] = list(range(1 << 20))
-        args = {"ns_id": ns_id, "token_ids": token_ids}
+        packed = kind == "auth_1m_tokens_packed"  # one bin of u32 ids (packed_token_ids)
+        args = {"ns_id": ns_id, "token_ids": array.array("I", token_ids).tobytes() if packed
+                else token_ids}  # fmt: skip
         frame = wire.encode_request(1, wire.LOOKUP_TOKENS, args, auth=secret)
         password = secret if at_handshake == "1" else ""
     sent = 0
@@ -398,6 +403,11 @@ def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
                     results["auth_1m_tokens"] = under_attack(
                         d, kv, ns_id, "auth_1m_tokens", 1, seconds, token
                     )
+                if only and "auth_1m_tokens_packed" in only:  # (a daemon announcing it)
+                    token = f"{d.token}:{ns_id}:1"
+                    results["auth_1m_tokens_packed"] = under_attack(
+                        d, kv, ns_id, "auth_1m_tokens_packed", 1, seconds, token
+                    )
                 if not only or "auth_1m_tokens_grpc" in only:
                     results["auth_1m_tokens_grpc"] = under_attack(
                         d, kv, ns_id, "auth_1m_tokens_grpc", 1, seconds,
@@ -415,7 +425,9 @@ def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
 
 
 #: the rows timed against the reference
-STALL_ROWS = (*(row[0] for row in STALLS), "auth_1m_tokens", "auth_1m_tokens_grpc")
+STALL_ROWS = (
+    *(row[0] for row in STALLS), "auth_1m_tokens", "auth_1m_tokens_packed", "auth_1m_tokens_grpc"
+)
 ROWS = ("idle_local", "grpc_10mb", *STALL_ROWS)
 
 

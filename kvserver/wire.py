@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
+from kvserver.prompts import is_packed
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -44,13 +45,18 @@ CAP_STORE_COMPLETIONS = "store_completions"
 #: "packed_store_grant": ``prepare_store`` takes ``packed``, and its grant then comes packed
 #: (``kvserver.grants.packed_store_grant_to_wire``; docs/wire.md §2).
 CAP_PACKED_STORE_GRANT = "packed_store_grant"
-CAPABILITIES = (CAP_STORE_COMPLETIONS, CAP_PACKED_STORE_GRANT)
+#: "packed_token_ids": ``lookup_tokens`` takes ``token_ids`` packed (one bin of little-endian
+#: u32 ids, ``kvserver/prompts.py``) as well as a list (docs/wire.md §2).
+CAP_PACKED_TOKEN_IDS = "packed_token_ids"
+CAPABILITIES = (CAP_STORE_COMPLETIONS, CAP_PACKED_STORE_GRANT, CAP_PACKED_TOKEN_IDS)
 #: most completions one ``prepare_store`` may carry.
 MAX_COMPLETIONS = 4096
 
 #: largest header frame accepted (a 2M-token lookup_tokens is ~10 MB of msgpack).
 MAX_HEADER_BYTES = 16 << 20
-MAX_ARRAY_LEN = 1 << 21
+#: longest list in a header (as many keys as a request may carry). Longer ones are refused at
+#: their array header, before an item is decoded: a prompt's token ids past it go packed.
+MAX_ARRAY_LEN = 1 << 16
 MAX_MAP_LEN = 64
 MAX_STR_LEN = 1 << 16
 #: longest chunk key accepted on the wire (the engine checks the exact size per namespace).
@@ -86,7 +92,7 @@ _SCHEMAS = {
     NAMESPACES: "",
     # local: this daemon's own tiers only, never its peers (a peer's question)
     LOOKUP: "ns_id:str keys:keys record:bool? touch:bool? local:bool?",
-    LOOKUP_TOKENS: "ns_id:str token_ids:ints cache_salt:str? lora:str_pair?",
+    LOOKUP_TOKENS: "ns_id:str token_ids:token_ids cache_salt:str? lora:str_pair?",
     TOUCH: "ns_id:str keys:keys",
     # completions: [[lease_id, success, ranks|nil, keys|nil], ...] applied first, each as a
     # complete_store (capability "store_completions"); packed: the grant in the packed form
@@ -133,6 +139,10 @@ _KIND_TEXT = {
     "map": "a map",
     "keys": f"a list of byte strings (bin, <= {MAX_KEY_BYTES} bytes each)",
     "ints": f"a list of integers in 0..{MAX_INT}",
+    "token_ids": (
+        f"a list of at most {MAX_ARRAY_LEN} integers in 0..{MAX_INT}, or packed: a bin of "
+        "little-endian u32 ids (capability packed_token_ids)"
+    ),
     "str_pair": "a list of two strings",
     "completions": (
         f"a list of at most {MAX_COMPLETIONS} [lease_id: int, success: bool, ranks: [int] or"
@@ -204,6 +214,11 @@ def unpack_header(frame: bytes | memoryview) -> Any:
             max_ext_len=0,
         )
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        if isinstance(exc, ValueError) and "max_array_len" in str(exc):
+            raise InvalidArgument(
+                f"a header list has more than {MAX_ARRAY_LEN} items (a longer prompt's "
+                "token_ids go packed: capability packed_token_ids, docs/wire.md)"
+            ) from None
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise InvalidArgument(f"malformed msgpack header ({detail})") from None
 
@@ -227,8 +242,10 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
     cost that does not depend on what else the header carries: the top-level fields are read
     in order up to ``auth``; only ``v``, ``id`` and ``op`` may come before it, and only with
     scalar values (clients send ``auth`` first: :func:`encode_request`); at anything else (a
-    container, ``args``) it stops and the header has no ``auth``. Raises InvalidArgument for a
-    frame that does not start as a msgpack map of string keys."""
+    container, ``args``) it stops and the header has no ``auth``. After ``auth`` the scalar
+    ``v``, ``id`` and ``op`` that follow it are read too, for the id (an error reply to a header
+    that is then refused undecoded carries it). Raises InvalidArgument for a frame that does
+    not start as a msgpack map of string keys."""
     view = memoryview(frame).cast("B")
     size = view.nbytes
     if size == 0:
@@ -247,15 +264,17 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
         max_ext_len=0,
     )
     req_id = 0
+    auth: Any = None
+    found = False
     try:
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
             pos = unpacker.tell()
             if pos >= size or view[pos] in _CONTAINER_BYTES:
                 break
-            if key == "auth":
-                auth = unpacker.unpack()
-                return (auth if isinstance(auth, str) else None), req_id
+            if key == "auth" and not found:
+                auth, found = unpacker.unpack(), True
+                continue
             if key not in ("v", "id", "op"):
                 break
             value = unpacker.unpack()
@@ -265,8 +284,9 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
         ValueError, TypeError, OverflowError, RecursionError, msgpack.OutOfData,
         msgpack.BufferFull,  # a truncated map16/map32 header (b"\xde")
     ) as exc:  # fmt: skip
-        raise InvalidArgument(f"malformed msgpack header ({type(exc).__name__})") from None
-    return None, req_id
+        if not found:
+            raise InvalidArgument(f"malformed msgpack header ({type(exc).__name__})") from None
+    return (auth if isinstance(auth, str) else None), req_id
 
 
 #: first bytes of msgpack maps and arrays (fixmap, fixarray, array16/32, map16/32).
@@ -359,6 +379,8 @@ def _check_value(kind: str, value: Any) -> bool:
             not value
             or (set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_INT)
         )
+    if kind == "token_ids":
+        return _check_value("ints", value) or (isinstance(value, bytes) and is_packed(value))
     if kind == "str_pair":
         return isinstance(value, list) and len(value) == 2 and all(type(v) is str for v in value)
     if kind == "completions":

@@ -33,6 +33,7 @@ from kvserver.client.parts import (
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
 from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
+from kvserver.prompts import pack_token_ids
 
 T = TypeVar("T")
 
@@ -125,9 +126,12 @@ class SessionCalls:
         cache_salt: str | None,
         lora: tuple[str, str] | None,
     ) -> Proc[LookupResult]:
+        packed = None  # packed when the daemon takes it: one bin instead of a list of ints
+        if wire.CAP_PACKED_TOKEN_IDS in self.server.get("capabilities", ()):
+            packed = pack_token_ids(token_ids)
         args = {
             "ns_id": ns_id,
-            "token_ids": list(token_ids),
+            "token_ids": packed if packed is not None else list(token_ids),
             "cache_salt": cache_salt,
             "lora": list(lora) if lora else None,
         }

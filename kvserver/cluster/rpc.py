@@ -29,9 +29,9 @@ from kvserver.engine_types import CutKeys
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
 from kvserver.grpc_format import keys_from_proto, token_ids_from_proto
 from kvserver.namespace import NamespaceSpec
+from kvserver.prompts import check_prompt_size
 
 MAX_KEYS = 1 << 16
-MAX_TOKENS = 1 << 21
 MAX_NAMESPACE_ID = 64
 
 
@@ -159,14 +159,7 @@ def _keys(
     if which == "tokens":
         t = req.tokens
         token_ids = token_ids_from_proto(t)  # in bulk, as the daemon's Lookup takes them
-        if len(token_ids) > MAX_TOKENS:
-            raise InvalidArgument("too many tokens", count=len(token_ids))
-        if len(token_ids) // spec.chunk_tokens > MAX_KEYS:  # as many chunks as keys at most
-            raise InvalidArgument(
-                "prompt has more chunks than one request may carry",
-                tokens=len(token_ids),
-                max_chunks=MAX_KEYS,
-            )
+        check_prompt_size(len(token_ids), spec.chunk_tokens, MAX_KEYS)  # chunks: keys at most
         lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
         return service.hash_prompt(
             spec, token_ids, cache_salt=t.cache_salt or None, lora=lora, caller=caller

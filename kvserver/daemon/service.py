@@ -40,11 +40,11 @@ from kvserver.eventlog import EventLog
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 from kvserver.prometheus import latency_histogram
+from kvserver.prompts import MAX_PROMPT_TOKENS, check_prompt_size
 from kvserver.wire import host_id
 
 logger = logging.getLogger(__name__)
 
-MAX_LOOKUP_TOKENS = 1 << 21  # 2M tokens: far beyond any context window
 
 class KVService:
     """Transport-independent operations over one storage engine and the tiers below it.
@@ -222,16 +222,10 @@ class KVService:
     def _check_prompt(self, ns_id: str, num_tokens: int) -> NamespaceSpec:
         """The spec of ``ns_id``, after the checks of a prompt's size, which refuse it before
         any hashing (InvalidArgument, UnknownNamespace)."""
-        if num_tokens > MAX_LOOKUP_TOKENS:
-            raise InvalidArgument("too many tokens", count=num_tokens)
+        if num_tokens > MAX_PROMPT_TOKENS:  # before the namespace: the same error for all
+            raise InvalidArgument("too many tokens", count=num_tokens, max=MAX_PROMPT_TOKENS)
         spec = self.engine.namespace(ns_id)
-        max_keys = self.engine.config.max_keys_per_request
-        if num_tokens // spec.chunk_tokens > max_keys:
-            raise InvalidArgument(
-                "prompt has more chunks than one request may carry",
-                tokens=num_tokens,
-                max_chunks=max_keys,
-            )
+        check_prompt_size(num_tokens, spec.chunk_tokens, self.engine.config.max_keys_per_request)
         return spec
 
     def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:

@@ -36,6 +36,7 @@ from kvserver.engine_types import HashedKeys
 from kvserver.errors import KVServerError
 from kvserver.grants import LoadGrant, grant_to_wire, packed_store_grant_to_wire
 from kvserver.namespace import NamespaceSpec
+from kvserver.prompts import unpack_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +170,9 @@ class DataOps:
         a = c.args
         lora = (a["lora"][0], a["lora"][1]) if a["lora"] is not None else None
         ns_id = a["ns_id"]
+        token_ids = unpack_token_ids(a["token_ids"])  # a list, or packed: one copy
         keys = self._service.prompt_keys(
-            ns_id, a["token_ids"], cache_salt=a["cache_salt"], lora=lora, caller=c.who.name
+            ns_id, token_ids, cache_salt=a["cache_salt"], lora=lora, caller=c.who.name
         )
         if isinstance(keys, HashedKeys):
             return _lookup_reply(self._service.lookup(ns_id, keys))

@@ -32,6 +32,7 @@ VALID: dict[str, Any] = {
     "map": {"model": "m"},
     "keys": [KEY, b"j" * 16],
     "ints": [0, 1, 2],
+    "token_ids": b"\x00\x00\x00\x00\x01\x00\x00\x00",
     "str_pair": ["lora", "/path"],
     "completions": [[7, True, None, None], [8, False, [0, 1], [KEY]]],
 }
@@ -44,6 +45,7 @@ WRONG: dict[str, list[Any]] = {
     "map": [[], "x", 1],
     "keys": [KEY, ["k" * 32], [KEY, 1], [b"x" * 65], "keys"],
     "ints": [[-1], [1.5], [True], 3, ["1"]],
+    "token_ids": [[-1], [1.5], [True], 3, ["1"], b"\x00\x00\x00", "abcd", bytearray(4)],
     "str_pair": [["a"], ["a", "b", "c"], ["a", 1], "ab"],
     "completions": [
         [7, True, None, None],  # not a list of lists
@@ -365,7 +367,7 @@ def test_float_arguments_accept_integers() -> None:
 @pytest.mark.parametrize("op", sorted(wire.OPS))
 def test_peek_auth_finds_the_token_clients_send_first(op: str) -> None:
     frame = wire.encode_request(42, op, valid_args(op, optional=True), auth="secret")
-    assert wire.peek_auth(frame) == ("secret", 0)
+    assert wire.peek_auth(frame) == ("secret", 42)  # the id that follows is read too
     assert next(iter(msgpack.unpackb(frame))) == "auth"
 
 
@@ -379,6 +381,9 @@ def test_peek_auth_finds_the_token_clients_send_first(op: str) -> None:
         ({"id": {"a": 1}, "auth": "t"}, (None, 0)),
         ({"auth": 5}, (None, 0)),
         ({"id": -3, "auth": "t"}, ("t", 0)),
+        ({"auth": "t", "v": 1, "id": 7, "args": {}}, ("t", 7)),  # clients' order
+        ({"auth": "t", "args": {}, "id": 7}, ("t", 0)),  # stops at args
+        ({"auth": "t", "id": [7]}, ("t", 0)),  # stops at a container
         ({}, (None, 0)),
     ],
 )

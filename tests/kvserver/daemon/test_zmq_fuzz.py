@@ -22,7 +22,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserver import wire, wire_events, wire_local
+from kvserver import prompts, wire, wire_events, wire_local
 from kvserver.client import KVClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.local_conn import LocalConn
@@ -171,6 +171,8 @@ def op_args(draw: st.DrawFn, fz: Fuzzed) -> tuple[str, dict[str, Any]]:
         ),
         "int": st.integers(0, 3) | st.integers(0, 2000),
         "ints": st.lists(st.integers(0, 2), max_size=3),
+        "token_ids": st.lists(st.integers(0, 2), max_size=40)
+        | st.binary(max_size=40),  # packed, whole ids or not
         "float": st.floats(0.05, 2.0),
         "bool": st.booleans(),
         "map": st.just(SPEC.to_dict()) | st.dictionaries(st.text(max_size=12), values, max_size=4),
@@ -584,12 +586,16 @@ def test_no_work_before_authentication(tmp_path: Path) -> None:
         assert frames[0] == b""
 
         tokens = list(range(1 << 20))
-        big = {"ns_id": ns.ns_id, "token_ids": tokens}
+        big = {"ns_id": ns.ns_id, "token_ids": prompts.pack_token_ids(tokens)}
+        as_list = {"ns_id": ns.ns_id, "token_ids": tokens}  # past 65,536 ids: refused
         sock.send_multipart([wire.encode_request(6, wire.LOOKUP_TOKENS, big, auth="s3cret")])
-        sock.send_multipart([wire.encode_request(7, wire.HELLO, {}, auth="s3cret")])
-        first, second = wire.decode_reply(recv()[0]), wire.decode_reply(recv()[0])
-        assert (first.req_id, second.req_id) == (6, 7) and first.ok and second.ok
-        assert first.result["num_chunks"] == len(tokens) // SPEC.chunk_tokens
+        sock.send_multipart([wire.encode_request(7, wire.LOOKUP_TOKENS, as_list, auth="s3cret")])
+        sock.send_multipart([wire.encode_request(8, wire.HELLO, {}, auth="s3cret")])
+        replies = [wire.decode_reply(recv()[0]) for _ in range(3)]
+        assert [r.req_id for r in replies] == [6, 7, 8]
+        assert replies[0].ok and replies[0].result["num_chunks"] == len(tokens) // SPEC.chunk_tokens
+        assert replies[1].error is not None and "packed" in str(replies[1].error)
+        assert replies[2].ok
     finally:
         sock.close()
         assert d.terminate() == 0
