@@ -71,6 +71,14 @@ _HANDSHAKE_COUNTERS = (
     ("kvserver_zmq_handshakes_failed", "ZMQ handshakes failed before the ZAP handler was asked: "
      "another mechanism (no token), a protocol error or a peer that hung up.", "failed"),
 )  # fmt: skip
+#: prompts hashed off the loop (prompt_hashing.py): (name without _total, help, key)
+_PROMPT_COUNTERS = (
+    ("kvserver_prompts_hashed_off_loop",
+     "Prompts of more than 65,536 tokens hashed on the hashing thread.", "off_loop_prompts"),
+    ("kvserver_prompts_waited",
+     "Of those, prompts that waited for the thread (another prompt was hashing or queued).",
+     "waited_prompts"),
+)  # fmt: skip
 #: per-tier counters: (metric name without _total, help, stats counter)
 _TIER_COUNTERS = (
     ("kvserver_lookups", "Lookups answered by the tier.", "lookups"),
@@ -172,6 +180,23 @@ class DaemonCollector(LoopCollector):
             yield CounterMetricFamily(name, doc, value=refusals[key])
         for name, doc, key in _HANDSHAKE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=s["handshakes"][key])
+        prompts = s["prompt_hashing"]
+        for name, doc, key in _PROMPT_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=prompts[key])
+        refused = CounterMetricFamily(
+            "kvserver_prompts_refused",
+            "Long prompts refused (CapacityError) because the caller's (bound=caller) or the "
+            "daemon's (bound=daemon) allowance of tokens waiting to be hashed was spent.",
+            labels=["bound"],
+        )
+        refused.add_metric(["caller"], prompts["refused_caller"])
+        refused.add_metric(["daemon"], prompts["refused_daemon"])
+        yield refused
+        yield GaugeMetricFamily(
+            "kvserver_prompt_tokens_waiting",
+            "Tokens of long prompts hashing or waiting for the hashing thread.",
+            prompts["tokens_waiting"],
+        )
         sends: dict[str, int] | None = s.get("zmq_sends")
         if sends is not None:
             yield CounterMetricFamily(

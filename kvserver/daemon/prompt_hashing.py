@@ -30,6 +30,11 @@ cannot crowd out another tenant's. A prompt's tokens count until its thread is d
 (a cancelled request's too). Under the allowance nothing is refused: up to 4 prompts of the
 largest size (2M tokens) a caller, or 64 of 128k, wait their turn.
 
+Counters (``stats()``, in the daemon's ``stats`` as ``prompt_hashing`` and on ``/metrics``):
+prompts hashed on a thread, those of them that waited for it (another prompt's tokens were
+hashing or queued when they arrived), those refused by the caller's and by the daemon's
+allowance, and the tokens waiting now.
+
 Hashers: one :class:`BlockHasher` per (algorithm, block size, seed), the
 :data:`MAX_HASHERS` most recently used: what a hasher returns depends on those only, so the
 namespaces (and the fleet's specs that ScoreHosts scores) sharing them share one and its cache
@@ -107,6 +112,9 @@ class PromptHashing:
         self._threads: ThreadPoolExecutor | None = None  # made for the first long prompt
         self._by_caller: dict[str, int] = {}
         self._waiting = 0
+        self._counts = dict.fromkeys(
+            ("off_loop_prompts", "waited_prompts", "refused_caller", "refused_daemon"), 0
+        )
 
     def hasher(self, spec: NamespaceSpec) -> BlockHasher:
         """The hasher of ``spec``'s hash parameters (building one computes its NONE_HASH)."""
@@ -163,9 +171,9 @@ class PromptHashing:
     ) -> HashedKeys:
         count = len(token_ids)
         mine = self._by_caller.get(caller, 0)
-        if mine + count > self.max_tokens_per_caller or (
-            self._waiting + count > self.max_tokens_waiting
-        ):
+        over_caller = mine + count > self.max_tokens_per_caller
+        if over_caller or self._waiting + count > self.max_tokens_waiting:
+            self._counts["refused_caller" if over_caller else "refused_daemon"] += 1
             raise CapacityError(
                 "too many prompt tokens waiting to be hashed; retry later",
                 tokens=count,
@@ -178,6 +186,9 @@ class PromptHashing:
             self._threads = ThreadPoolExecutor(self._max_jobs, thread_name_prefix="kvs-hash")
         loop = asyncio.get_running_loop()
         job = self._threads.submit(_hash, hasher, spec, token_ids, cache_salt, lora)
+        self._counts["off_loop_prompts"] += 1
+        if self._waiting:  # another prompt is hashing or queued: this one waits its turn
+            self._counts["waited_prompts"] += 1
         self._by_caller[caller] = mine + count
         self._waiting += count
 
@@ -200,6 +211,11 @@ class PromptHashing:
     def tokens_waiting(self) -> int:
         """Tokens of long prompts hashing or waiting for a thread."""
         return self._waiting
+
+    def stats(self) -> dict[str, int]:
+        """``off_loop_prompts``, ``waited_prompts``, ``refused_caller``, ``refused_daemon``
+        (since start) and ``tokens_waiting`` (now); see the module docstring."""
+        return {**self._counts, "tokens_waiting": self._waiting}
 
     def close(self) -> None:
         """Stop the threads: prompts not started are cancelled; one hashing finishes."""

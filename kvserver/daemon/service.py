@@ -242,6 +242,7 @@ class KVService:
         out["refusals"] = self.refusals.stats()
         out["handshakes"] = self.handshakes.stats()
         out["peer_stream"] = self.peer_stream.stats() if self.peer_stream is not None else None
+        out["prompt_hashing"] = self.prompts.stats()
         out["zmq_sends"] = self.zmq_sends.stats() if self.zmq_sends is not None else None
         return out
 

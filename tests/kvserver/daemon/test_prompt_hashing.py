@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvserver.client import KVClient
 from kvserver.daemon import prompt_hashing
+from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.prompt_hashing import HASH_OFF_LOOP_TOKENS, PromptHashing
 from kvserver.engine_types import HashedKeys
 from kvserver.errors import CapacityError, InvalidArgument, PermissionDenied, UnknownNamespace
@@ -31,6 +33,7 @@ from kvserver.hashing import HASH_ALGOS
 from tests.kvserver.builders import make_spec
 from tests.kvserver.daemon.test_grpc_server import InProcessServer, chunk_keys
 from tests.support.daemon import start_daemon
+from tests.support.metrics import Scrape
 
 SPEC = make_spec(model="test/long-prompts", hash_algo="xxhash_cbor")
 #: just past the threshold: 4,097 chunks of 16 tokens, and a partial tail
@@ -217,6 +220,17 @@ def test_past_the_callers_allowance_a_long_prompt_gets_resource_exhausted(
         gate.open()
         assert first.result(30).num_chunks == 4097
         assert b.lookup_tokens(ns_id, LONG).num_chunks == 4097
+    counts = {"off_loop_prompts": 2, "waited_prompts": 0, "refused_caller": 2}
+    stats = server.call(lambda: server.service.stats()["prompt_hashing"])
+    assert stats == {**counts, "refused_daemon": 0, "tokens_waiting": 0}
+    registry = CollectorRegistry()
+    registry.register(DaemonCollector(server.service, server.loop))
+    scraped = Scrape(generate_latest(registry).decode())
+    assert scraped.value("kvserver_prompts_hashed_off_loop_total") == 2
+    assert scraped.value("kvserver_prompts_waited_total") == 0
+    assert scraped.value("kvserver_prompts_refused_total", bound="caller") == 2
+    assert scraped.value("kvserver_prompts_refused_total", bound="daemon") == 0
+    assert scraped.value("kvserver_prompt_tokens_waiting") == 0
 
 
 def test_the_allowances_per_caller_and_daemon_wide(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,6 +267,14 @@ def test_the_allowances_per_caller_and_daemon_wide(monkeypatch: pytest.MonkeyPat
         assert hashing.tokens_waiting == 0
         keys = await hashing.keys(SPEC, LONG, caller="a")  # type: ignore[misc]
         assert list(keys) == chunk_keys(SPEC, LONG)
+        # a, b (waited behind a), a again after both: three on the thread; one refusal each
+        assert hashing.stats() == {
+            "off_loop_prompts": 3,
+            "waited_prompts": 1,
+            "refused_caller": 1,
+            "refused_daemon": 1,
+            "tokens_waiting": 0,
+        }
 
     try:
         asyncio.run(scenario())
