@@ -106,7 +106,9 @@ class DaemonConfig:
     #: token; kvserver/keyset.py); excludes the settings it fills in.
     keys_dir: str = ""
     event_capacity: int = 100_000
-    #: largest ZMQ message (all frames) accepted, bytes.
+    #: largest request accepted, bytes: all frames of a local-channel message (refused at its
+    #: size prefix) or of a ROUTER message (refused once ZMQ has received it whole); ZMQ itself
+    #: (MAXMSGSIZE, the ROUTER's and the network tier's DEALERs') bounds each frame only.
     max_message_bytes: int = 1 << 30
     #: local channel: bytes of partly received large messages all connections may hold.
     local_inflight_bytes: int = 1 << 30

@@ -25,7 +25,8 @@ Every call is bounded by ``timeout_s`` in all (connecting, the session handshake
 past it, or when the peer's reply is malformed, the call raises :class:`PeerFailed` and the
 socket it used is closed (a late reply cannot be mistaken for the next one). What the peer
 sends is checked before anyone sees it (:func:`check_rows`), and what it can make this daemon
-receive is bounded: a reply frame over ``max_frame_bytes`` is refused at its length prefix.
+receive is bounded per frame: a reply frame over ``max_frame_bytes`` is refused at its length
+prefix (ZMQ ``MAXMSGSIZE`` applies to frames, not to a multipart reply's sum).
 """
 
 from __future__ import annotations

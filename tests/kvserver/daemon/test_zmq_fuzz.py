@@ -412,9 +412,11 @@ def test_payloads_that_do_not_match_the_slot(fz: Fuzzed) -> None:
 
 
 def test_oversized_messages(fz: Fuzzed) -> None:
-    """Over max_message_bytes in total: an error reply. One frame over it: ZMQ drops that
-    connection (the frame is never buffered); the peer reconnects and is served again. (The
-    local channel: ``test_local_message_over_the_limit_closes_the_connection``.)"""
+    """Over max_message_bytes in total, each frame under it: ZMQ takes the message whole (its
+    MAXMSGSIZE bounds frames, not messages) and the daemon answers "message too large". One
+    frame over it: ZMQ drops that connection (the frame is never buffered); the peer
+    reconnects and is served again. (The local channel: its size prefix,
+    ``test_local_message_over_the_limit_closes_the_connection``.)"""
     half = bytes(LIMIT // 2 + 1)
     fz.error([req(wire.STATS, {}), half, half], "invalid_argument", "message too large")
     if fz.transport == "local":

@@ -125,6 +125,8 @@ async def test_a_fetch_over_zmq_under_a_bound_above_its_frames_places_the_chunks
     store(peer_a, keys)
     with engine_b() as engine:
         book = PeerBook(PeerSettings(timeout_s=5, max_frame_bytes=SPEC.part_bytes + 4096))
+        # the bound is per frame (libzmq's MAXMSGSIZE): the reply's frames together exceed it
+        assert len(keys) * SPEC.part_bytes > book.settings.max_frame_bytes
         fetches = PeerFetches(engine, book, publish=lambda: None)
         peer = Peer("A", "", peer_a.zmq_address)
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer})
