@@ -19,6 +19,8 @@ import zmq
 from kvserver import wire
 from kvserver.client import KVClient
 from kvserver.crypto import apply_token
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import InvalidArgument
 from kvserver.token_file import TokenFile
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
@@ -86,3 +88,10 @@ def test_a_client_that_stops_reading_loses_its_connection_not_everyones_dram(
             assert [bytes(row[0]) for row in got] == [pattern(k, 1, PART) for k in theirs]
         finally:
             sock.close(linger=0)
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, 301.0])
+def test_a_send_timeout_outside_0_to_half_the_longest_lease_is_refused(timeout_s: float) -> None:
+    with pytest.raises(InvalidArgument, match="zmq_send_timeout_s"):
+        DaemonConfig(zmq_send_timeout_s=timeout_s)
+    assert DaemonConfig(zmq_send_timeout_s=300.0).zmq_send_timeout_s == 300.0
