@@ -42,7 +42,7 @@ DEFAULT_PEER_STREAM_WINDOW = 32 << 20
 PEER_STREAM_WINDOW_MIN = 1 << 20
 PEER_STREAM_WINDOW_MAX = 1 << 30
 #: zmq_send_timeout_s stays under the engine's longest lease, which the send pins are.
-MAX_SEND_TIMEOUT_S = EngineConfig.__dataclass_fields__["max_lease_s"].default / 2
+MAX_SEND_TIMEOUT_S = EngineConfig().max_lease_s / 2
 
 _UNITS = {
     "": 1, "b": 1,

@@ -328,7 +328,7 @@ class DataFrontend:
         try:
             if isinstance(peer, bytes):
                 frames: Sequence[PayloadFrame] = cast(list[zmq.Frame], message)
-                source = frames[0] if frames else None
+                source = cast(zmq.Frame, frames[0]) if frames else None
                 if len(frames) == 2 and len(frames[0]) == 0 and len(frames[1]) == wire.SEQ_BYTES:
                     router, start = self._router, frames[1].buffer.tobytes()
                     if router is None:
@@ -425,7 +425,7 @@ class DataFrontend:
         if answer.error is not None:
             raw.send_multipart([peer, wire.encode_error(req_id, self._sid, *answer.error)])
         elif isinstance(result, Parts):
-            fd = cast(int, source.get(zmq.SRCFD)) if source is not None else -1
+            fd = source.get(zmq.SRCFD) if source is not None else -1
             self._sender.send(raw, peer, req_id, self._sid, result, fd)
         else:
             assert result is not None  # an Answer holds a result or an error
