@@ -57,6 +57,8 @@ MAX_HEADER_BYTES = 16 << 20
 #: longest list in a header (as many keys as a request may carry). Longer ones are refused at
 #: their array header, before an item is decoded: a prompt's token ids past it go packed.
 MAX_ARRAY_LEN = 1 << 16
+#: longest list in a reply (a get's part_frames: one per part, keys x ranks).
+MAX_REPLY_ARRAY_LEN = 1 << 21
 MAX_MAP_LEN = 64
 MAX_STR_LEN = 1 << 16
 #: longest chunk key accepted on the wire (the engine checks the exact size per namespace).
@@ -195,8 +197,9 @@ class Reply:
 # ----------------------------------------------------------------------------- requests
 
 
-def unpack_header(frame: bytes | memoryview) -> Any:
-    """Decode one untrusted msgpack frame with strict limits. Raises InvalidArgument."""
+def unpack_header(frame: bytes | memoryview, max_array_len: int = MAX_ARRAY_LEN) -> Any:
+    """Decode one untrusted msgpack frame with strict limits (a request's lists: at most
+    :data:`MAX_ARRAY_LEN` items; a reply's: ``MAX_REPLY_ARRAY_LEN``). Raises InvalidArgument."""
     size = memoryview(frame).nbytes
     if size == 0:
         raise InvalidArgument("empty header frame")
@@ -209,14 +212,14 @@ def unpack_header(frame: bytes | memoryview) -> Any:
             strict_map_key=True,
             max_str_len=MAX_STR_LEN,
             max_bin_len=size,
-            max_array_len=MAX_ARRAY_LEN,
+            max_array_len=max_array_len,
             max_map_len=MAX_MAP_LEN,
             max_ext_len=0,
         )
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         if isinstance(exc, ValueError) and "max_array_len" in str(exc):
             raise InvalidArgument(
-                f"a header list has more than {MAX_ARRAY_LEN} items (a longer prompt's "
+                f"a header list has more than {max_array_len} items (a longer prompt's "
                 "token_ids go packed: capability packed_token_ids, docs/wire.md)"
             ) from None
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -444,7 +447,7 @@ def encode_error(req_id: int, sid: str, code: str, message: str) -> bytes:
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     """Validate a reply header (the client side). Raises InvalidArgument if malformed."""
-    obj = unpack_header(frame)
+    obj = unpack_header(frame, MAX_REPLY_ARRAY_LEN)
     if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION:
         raise InvalidArgument("reply is not a version-1 header map")
     rid, sid, ok = obj.get("id"), obj.get("sid"), obj.get("ok")

@@ -440,3 +440,16 @@ def test_completion_results_round_trip_and_reject_malformed_replies() -> None:
     ):
         with pytest.raises(InvalidArgument, match="malformed"):
             grants.completion_results_from_wire(bad, count)
+
+
+def test_a_request_list_past_65536_items_is_refused_at_its_length_a_reply_list_is_not() -> None:
+    """Requests: a longer list is refused before an item is decoded, naming the packed form;
+    replies keep the longer bound (a get's part_frames: keys x ranks)."""
+    ids = list(range(wire.MAX_ARRAY_LEN + 1))
+    frame = wire.encode_request(3, wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": ids})
+    with pytest.raises(InvalidArgument, match="more than 65536 items.*packed"):
+        wire.unpack_header(frame)
+    ok = wire.encode_request(3, wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": ids[:-1]})
+    assert parse(wire.unpack_header(ok)).args["token_ids"] == ids[:-1]
+    reply = wire.decode_reply(wire.encode_reply(4, "sid", {"part_frames": [1] * (1 << 17)}))
+    assert len(reply.result["part_frames"]) == 1 << 17
