@@ -5,18 +5,21 @@ it never reads (receive high-water mark 1, a 4 KiB kernel buffer), so its zero-c
 in ZMQ's queue and its send pin holds every page. The daemon cuts that connection once the
 reply is ``zmq_send_timeout_s`` old: ZMQ drops the frames, the pin ends, and another client's
 store goes through (before: the pin held for ``max_lease_s``, 600 s, and the pages it left
-were overwritten under the frames still queued).
+were overwritten under the frames still queued). The peer stream's server end, serving
+another daemon, was bounded already: a reply not sent within the peer timeout closes the
+connection.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
-from kvserver import wire
+from kvserver import wire, wire_stream
 from kvserver.client import KVClient
 from kvserver.crypto import apply_token
 from kvserver.daemon.config import DaemonConfig
@@ -95,3 +98,42 @@ def test_a_send_timeout_outside_0_to_half_the_longest_lease_is_refused(timeout_s
     with pytest.raises(InvalidArgument, match="zmq_send_timeout_s"):
         DaemonConfig(zmq_send_timeout_s=timeout_s)
     assert DaemonConfig(zmq_send_timeout_s=300.0).zmq_send_timeout_s == 300.0
+
+
+@pytest.fixture
+def stream_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(
+        tmp_path, "--dram", f"{NUM_CHUNKS}MiB", "--page-size", "1MiB", "--peer-timeout-s", "1"
+    )
+    yield d
+    assert d.terminate() == 0, d.log()
+
+
+def test_a_peer_that_stops_reading_its_stream_reply_loses_the_connection(
+    stream_daemon: DaemonProc,
+) -> None:
+    """The peer stream was bounded already: a fetch of every chunk whose reply the fetcher
+    never reads is closed at the peer timeout, its pins end, another client's store goes
+    through (each reply is sent within the timeout, one at a time per connection)."""
+    d = stream_daemon
+    mine, theirs = make_keys(NUM_CHUNKS, tag="mine"), make_keys(NUM_CHUNKS, tag="theirs")
+    with KVClient(d.zmq_address, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        assert kv.put(ns.ns_id, mine, [pattern(k, 0, PART) for k in mine]).stored == mine
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(10)
+        try:
+            sock.connect(("127.0.0.1", d.info["peer_stream_port"]))
+            sock.sendall(wire_stream.encode_hello(d.token or ""))
+            sock.sendall(wire_stream.encode_request(wire_stream.FetchRequest(7, ns.ns_id, mine)))
+            wait_until(lambda: kv.stats()["pinned_pages"] > 0, timeout=10)
+
+            def stored() -> bool:
+                r = kv.put(ns.ns_id, theirs, [pattern(k, 1, PART) for k in theirs])
+                return set(r.stored) | set(r.present) == set(theirs)
+
+            wait_until(stored, timeout=15)
+            assert kv.stats()["pinned_pages"] == 0
+        finally:
+            sock.close()
