@@ -21,7 +21,9 @@ So a zero-copy reply ZMQ has not finished with ``timeout_s`` after its send
 (``zmq_send_timeout_s``, shorter than ``max_lease_s``) cuts the connection it goes to: its TCP
 socket (the request's ``zmq.SRCFD``, checked to still be the same peer address) is shut down,
 libzmq drops that connection's queued frames, and their pins end as any others do
-(``num_cuts`` counts it; the client's next request reconnects).
+(``num_cuts`` counts it; the client's next request reconnects). Parts read from a lower tier's
+buffers (no pin: the buffers are the reply's own) are held by ZMQ the same way, so their
+replies get the same timeout, under a guard of their own (negative: nothing to unpin).
 
 How the pin learns that ZMQ is done: every zero-copy frame of one reply wraps its view in a
 :class:`_Held` array that references the reply's one :class:`_SendDone`. libzmq hands a frame
@@ -96,19 +98,21 @@ class ZeroCopySender:
     def __init__(self, service: KVService, timeout_s: float = 60.0) -> None:
         self._service = service
         self._timeout_s = timeout_s
-        #: guard -> the timer that cuts its connection (None: nothing to cut, or copied)
+        #: guard -> the timer that cuts its connection (None: nothing to cut, or copied); a
+        #: guard < 0 is a zero-copy reply of a lower tier's buffers (nothing pinned)
         self._guards: dict[int, asyncio.TimerHandle | None] = {}
+        self._last_unpinned = 0
         #: connections cut because a zero-copy reply to them was not sent within timeout_s.
         self.num_cuts = 0
 
     @property
     def num_pins(self) -> int:
         """Send pins held now (replies ZMQ has not finished with)."""
-        return len(self._guards)
+        return sum(guard > 0 for guard in self._guards)
 
     def stats(self) -> dict[str, int]:
         """``pins`` (now) and ``cut_connections`` (since start): ``stats()["zmq_sends"]``."""
-        return {"pins": len(self._guards), "cut_connections": self.num_cuts}
+        return {"pins": self.num_pins, "cut_connections": self.num_cuts}
 
     def pin(self, ns_id: str, keys: list[bytes]) -> int:
         """Pin ``keys`` for a send; returns the guard (raises what ``prepare_load`` raises)."""
@@ -127,6 +131,8 @@ class ZeroCopySender:
             timer = self._guards.pop(guard)
             if timer is not None:
                 timer.cancel()
+            if guard < 0:  # a lower tier's buffers: nothing pinned
+                return
             try:
                 self._service.complete_load(guard)
             except KVServerError as exc:  # expired (a send stuck for max_lease_s) or closed
@@ -148,13 +154,16 @@ class ZeroCopySender:
         out: list[Any] = []
         guard = reply.guard
         loop = asyncio.get_running_loop()
-        done = _SendDone(loop, self.release, guard) if guard else None
         threshold = zmq.COPY_THRESHOLD
-        zero_copy = False
+        zero_copy = any(view.nbytes >= threshold for views in reply.parts for view in views)
+        if zero_copy and not guard:  # a lower tier's buffers: held by ZMQ all the same
+            self._last_unpinned -= 1
+            guard = self._last_unpinned
+            self._guards[guard] = None
+        done = _SendDone(loop, self.release, guard) if guard else None
         for views in reply.parts:
             for view in views:
                 if view.nbytes >= threshold:
-                    zero_copy = True
                     held = np.frombuffer(view, np.uint8).view(_Held)
                     held.done = done
                     out.append(zmq.Frame(held, copy=False))

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 
+import numpy as np
 import pytest
 import zmq
 
@@ -105,7 +107,7 @@ async def test_a_reply_zmq_still_holds_keeps_its_pages_pinned_until_sent(
     assert wire.unpack_header(frames[0])["id"] == 7
     assert frames[1:] == [pattern(k, 0, PART) for k in sent]
     await until(lambda: sender.num_pins == 0, "the send pin to end")
-    assert svc.stats()["pinned_pages"] == 0
+    assert svc.stats()["pinned_pages"] == 0 and sender.num_cuts == 0  # sent within 60 s
     store(svc, make_keys(8, tag="after"), 2)  # now the sent chunks can be evicted
     assert not any(svc.engine.contains(SPEC.ns_id, k) for k in sent)
     await sender.close()
@@ -139,3 +141,52 @@ async def test_close_releases_pins_of_replies_still_queued(
     assert sender.num_pins == 1  # ZMQ cannot have written it: the DEALER is throttled
     await sender.close()  # the daemon stops: pins end, the late frame release is a no-op
     assert sender.num_pins == 0 and svc.stats()["pinned_pages"] == 0
+
+
+def source_fd(router: zmq.Socket[bytes], dealer: zmq.Socket[bytes]) -> int:
+    """The ROUTER's descriptor of the DEALER's connection (``SRCFD`` of a request)."""
+    dealer.send(b"again")
+    assert router.poll(int(WAIT_S * 1000))
+    frames = router.recv_multipart(copy=False)
+    return int(frames[1].get(zmq.SRCFD))
+
+
+async def test_a_reply_the_client_does_not_read_cuts_its_connection_and_its_pin_ends(
+    svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
+    """The DEALER never reads: past the send timeout its connection is shut down, ZMQ drops
+    the frames, the pin ends and the pages can be evicted."""
+    router, dealer = pair
+    sender = ZeroCopySender(svc, timeout_s=0.2)
+    fd = source_fd(router, dealer)
+    keys = make_keys(4, tag="stuck")
+    store(svc, keys, 0)
+    got = fetched(svc, keys)
+    router.send_multipart([b"d", b"filler", b"x" * PART])  # fills the DEALER's queue (HWM 1)
+    reply = Parts({"keys": got.keys}, got.parts, sender.adopt(got.lease_id))
+    sender.send(router, b"d", 11, "sid", reply, fd)
+    del reply, got
+    await until(lambda: sender.num_pins == 0, "the stuck reply's pin to end")
+    assert sender.stats() == {"pins": 0, "cut_connections": 1}
+    assert svc.stats()["pinned_pages"] == 0
+    store(svc, make_keys(8, tag="after-cut"), 1)  # the pages are free to be evicted
+    await sender.close()
+
+
+async def test_a_reply_of_a_lower_tiers_buffers_is_held_to_the_same_timeout(
+    svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
+    """No pin (the buffers are the reply's own), but ZMQ holds them as long: the connection
+    is cut at the timeout and the buffers are freed."""
+    router, dealer = pair
+    sender = ZeroCopySender(svc, timeout_s=0.2)
+    fd = source_fd(router, dealer)
+    buffers = [np.full(PART, i, np.uint8) for i in range(4)]
+    alive = [weakref.ref(b) for b in buffers]
+    router.send_multipart([b"d", b"filler", b"x" * PART])
+    sender.send(router, b"d", 12, "sid", Parts({}, [[memoryview(b)] for b in buffers], 0), fd)
+    del buffers
+    await until(lambda: sender.num_cuts == 1, "the connection to be cut")
+    await until(lambda: not any(ref() for ref in alive), "ZMQ to drop the frames")
+    assert sender.stats() == {"pins": 0, "cut_connections": 1}
+    await sender.close()
