@@ -447,7 +447,7 @@ def test_a_request_list_past_65536_items_is_refused_at_its_length_a_reply_list_i
     replies keep the longer bound (a get's part_frames: keys x ranks)."""
     ids = list(range(wire.MAX_ARRAY_LEN + 1))
     frame = wire.encode_request(3, wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": ids})
-    with pytest.raises(InvalidArgument, match="more than 65536 items.*packed"):
+    with pytest.raises(InvalidArgument, match=r"more than 65536 items.*packed"):
         wire.unpack_header(frame)
     ok = wire.encode_request(3, wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": ids[:-1]})
     assert parse(wire.unpack_header(ok)).args["token_ids"] == ids[:-1]
