@@ -127,6 +127,7 @@ def plan_chunks(
             copies.append(plan_copies(
                 caches, i.to_bytes(8, "big"), ids, chunks.blocks, arena.tensor,
                 [(chunks.slots[i] * part, part)], is_load=is_load, builder=builder,
+                array=arena.array,
             ))  # fmt: skip
         planned.append(copies)
     return planned

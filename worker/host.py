@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 
+import numpy as np
 import torch
 
 from kvserver.arena import ArenaView
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 class MappedArena:
-    """The daemon's arena mapped here, as ``tensor`` (uint8, ``size`` bytes).
+    """The daemon's arena mapped here, as ``tensor`` (uint8, ``size`` bytes) and ``array``
+    (the same bytes as a numpy array, for the CPU's copies: worker/block_runs.py).
 
     ``pin=True`` registers the mapping with CUDA for the lifetime of this object.
     :attr:`is_stale` tells when the daemon has removed the file (it restarted): the caller
@@ -38,6 +40,7 @@ class MappedArena:
         self._inode = os.stat(path).st_ino
         self.size = self._view.size
         self.tensor = torch.frombuffer(self._view.buf, dtype=torch.uint8)
+        self.array: np.ndarray = self.tensor.numpy()
         self._pinned = None
         if pin:
             from worker.transfer_cuda import HostRegistration
@@ -72,8 +75,9 @@ class MappedArena:
             self._pinned.close()
             self._pinned = None
         if self._view is not None:
-            del self.tensor  # releases the buffer export so the mmap can close
+            del self.tensor, self.array  # releases the buffer export so the mmap can close
             self.tensor = torch.empty(0, dtype=torch.uint8)
+            self.array = self.tensor.numpy()
             self._view.close()
             self._view = None
 

@@ -36,14 +36,16 @@ merged where both sides continue) is the per-piece form, the staged path's fallb
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kvserver.errors import InvalidArgument
+from worker.block_runs import BlockRun, KVArrays, host_array
 from worker.staging import Piece, StagedPart, ViewGroup, widest
 from worker.transfer import Copy, IndexedCopy, KeyCopies
 
@@ -71,10 +73,13 @@ class CanonicalKVCaches:
     names: tuple[str, ...]
     #: the views grouped by the tensor they come from, in order.
     groups: tuple[ViewGroup, ...] = ()
+    #: the groups as numpy arrays (CPU caches only; worker/block_runs.py).
+    arrays: KVArrays | None = None
+    #: ``sum(page_bytes)``, kept: planning asks for it per chunk.
+    block_bytes: int = field(init=False)
 
-    @property
-    def block_bytes(self) -> int:
-        return sum(self.page_bytes)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_bytes", sum(self.page_bytes))
 
     @property
     def device(self) -> torch.device:
@@ -153,7 +158,9 @@ def canonicalize(
         names += [name] * count
     pages = tuple(int(v.shape[1]) for v in views)
     offsets = tuple(sum(pages[:i]) for i in range(len(pages)))
-    return CanonicalKVCaches(tuple(views), num_blocks, pages, offsets, tuple(names), tuple(groups))
+    arrays = KVArrays.of(groups, sum(pages))
+    return CanonicalKVCaches(tuple(views), num_blocks, pages, offsets, tuple(names),
+                             tuple(groups), arrays)  # fmt: skip
 
 
 def _block_views(
@@ -223,9 +230,11 @@ def plan_copies(
     skip: int = 0,
     is_load: bool,
     builder: Builder | None = None,
+    array: np.ndarray | None = None,
 ) -> KeyCopies:
     """The copies moving one part between KV blocks and ``host`` (a flat uint8 tensor; the
-    part's bytes are at ``extents`` of it, in order).
+    part's bytes are at ``extents`` of it, in order; ``array``: ``host`` as a numpy array, if
+    the caller keeps one, else made here for the strided builder).
 
     Store: ``block_ids`` are the part's ``chunk_blocks`` sub-blocks. Load: ``block_ids[j]``
     receives sub-block ``skip + j`` (1 to ``chunk_blocks - skip`` ids); the skipped leading
@@ -254,8 +263,13 @@ def plan_copies(
             raise InvalidArgument("extent outside the host buffer", offset=at, length=n)
     if builder is None:
         builder = "strided" if host.is_cpu and caches.views[0].is_cpu else "staged"
-    build = _BUILDERS[builder]
-    return KeyCopies(key, build(caches, ids, skip, host, pieces, is_load), size=length)
+    if builder == "strided":
+        if array is not None and array.size != size:
+            raise InvalidArgument("array is not the host buffer", size=array.size, host=size)
+        copies = strided_copies(caches, ids, skip, host, pieces, is_load, array)
+    else:
+        copies = _BUILDERS[builder](caches, ids, skip, host, pieces, is_load)
+    return KeyCopies(key, copies, size=length)
 
 
 def strided_copies(
@@ -265,18 +279,22 @@ def strided_copies(
     host: torch.Tensor,
     pieces: Sequence[Piece],
     is_load: bool,
+    array: np.ndarray | None = None,
 ) -> list[Copy]:
     """The copies of one checked part (see :func:`plan_copies`; ``pieces`` from
     :func:`split_extents` over the part bytes ``block_ids`` cover), for CPU caches and host.
 
-    Per run of whole sub-blocks inside one extent piece: one strided copy per
-    :class:`ViewGroup` when the block ids are consecutive, else one indexed copy per group;
-    the pieces of sub-blocks cut by an extent boundary are copied one by one.
+    Per run of whole sub-blocks inside one extent piece: when the block ids are consecutive,
+    one :class:`~worker.block_runs.BlockRun` (numpy copies, one per :class:`ViewGroup`, built
+    by the engine thread, which merges runs that continue each other), or one strided torch
+    copy per group where numpy cannot see the memory; else one indexed copy per group; the
+    pieces of sub-blocks cut by an extent boundary are copied one by one.
     """
     bb = caches.block_bytes
-    origin = int(host.storage_offset())
+    if array is None and caches.arrays is not None:
+        array = host_array(host)
     if len(pieces) == 1:  # the usual case: one extent holds every sub-block whole
-        return _whole_copies(caches, bb, block_ids, host, origin + pieces[0][0], is_load)
+        return _whole_copies(caches, block_ids, host, pieces[0][0], is_load, array)
     out: list[Copy] = []
     for at, start, length in pieces:
         end = start + length
@@ -287,7 +305,7 @@ def strided_copies(
         if start < first * bb:
             out += _range_copies(caches, block_ids, skip, host, at, start, first * bb, is_load)
         whole = block_ids[first - skip : last - skip]
-        out += _whole_copies(caches, bb, whole, host, origin + at + first * bb - start, is_load)
+        out += _whole_copies(caches, whole, host, at + first * bb - start, is_load, array)
         if last * bb < end:
             tail_at = at + last * bb - start
             out += _range_copies(caches, block_ids, skip, host, tail_at, last * bb, end, is_load)
@@ -296,17 +314,22 @@ def strided_copies(
 
 def _whole_copies(
     caches: CanonicalKVCaches,
-    bb: int,
     block_ids: tuple[int, ...],
     host: torch.Tensor,
-    origin: int,
+    at: int,
     is_load: bool,
+    array: np.ndarray | None,
 ) -> list[Copy]:
-    """Whole sub-blocks ``block_ids`` (``bb`` bytes each) at storage offset ``origin`` of
-    ``host``, back to back: one copy per view group."""
+    """Whole sub-blocks ``block_ids`` at ``host[at:]``, back to back: one run (``array``:
+    ``host`` as numpy) or one copy per view group."""
+    bb = caches.block_bytes
     n, first = len(block_ids), block_ids[0]
     out: list[Copy] = []
-    if block_ids == tuple(range(first, first + n)):
+    consecutive = block_ids == tuple(range(first, first + n))
+    if consecutive and array is not None and caches.arrays is not None:
+        return [BlockRun(caches.arrays, array, first, n, at, is_load)]
+    origin = int(host.storage_offset()) + at
+    if consecutive:
         for g in caches.groups:
             kv = g.rows[first : first + n]
             part = host.as_strided((n, g.count, g.page), (bb, g.page, 1), origin + g.offset)
@@ -314,7 +337,7 @@ def _whole_copies(
         return out
     if is_load and len(set(block_ids)) != n:  # a scatter needs distinct rows: keep the order
         for j, b in enumerate(block_ids):
-            out += _whole_copies(caches, bb, (b,), host, origin + j * bb, is_load)
+            out += _whole_copies(caches, (b,), host, at + j * bb, is_load, array)
         return out
     index = torch.tensor(block_ids, dtype=torch.int64)
     for g in caches.groups:
@@ -396,4 +419,7 @@ def staged_copies(
                        is_load, fallback)]  # fmt: skip
 
 
-_BUILDERS = {"strided": strided_copies, "contiguous": contiguous_copies, "staged": staged_copies}
+#: The builders other than the strided one (which takes the host's numpy array too).
+_BUILDERS: dict[str, Callable[..., list[Copy]]] = {
+    "contiguous": contiguous_copies, "staged": staged_copies,
+}  # fmt: skip

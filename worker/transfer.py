@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from worker.block_runs import BlockRun, run_block_runs
 from worker.staging import (
     HOST_KERNEL_MAX_PIECE,
     STAGING_BYTES,
@@ -83,13 +85,14 @@ class IndexedCopy:
         return dense.numel() * dense.element_size()
 
 
-#: One copy: a ``(src, dst)`` pair of equal shape (``dst.copy_(src)``), an indexed copy, or a
-#: part to move through the engine's staging buffer (worker/staging.py).
-Copy = tuple[torch.Tensor, torch.Tensor] | IndexedCopy | StagedPart
+#: One copy: a ``(src, dst)`` pair of equal shape (``dst.copy_(src)``), an indexed copy, a
+#: run of whole blocks between CPU caches and host memory (worker/block_runs.py), or a part to
+#: move through the engine's staging buffer (worker/staging.py).
+Copy = tuple[torch.Tensor, torch.Tensor] | IndexedCopy | BlockRun | StagedPart
 
 
 def copy_bytes(copy: Copy) -> int:
-    if isinstance(copy, IndexedCopy | StagedPart):
+    if isinstance(copy, IndexedCopy | BlockRun | StagedPart):
         return copy.nbytes
     return copy[0].numel() * copy[0].element_size()
 
@@ -184,6 +187,10 @@ class TransferEngine(ABC):
         }
         #: inside :meth:`batched`: submit queues without waking the engine threads.
         self._holding = False
+        #: per direction: a :meth:`_drain` is queued or running and will take what is queued
+        #: (one executor task per burst of submits, not one per transfer). Under ``_wake``.
+        self._draining = {d: False for d in Direction}
+        self._wake = threading.Lock()
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -197,7 +204,7 @@ class TransferEngine(ABC):
         self._inflight[transfer.direction].append(transfer)
         self._queued[transfer.direction].append((transfer, ctx))
         if not self._holding:
-            self._executors[transfer.direction].submit(self._drain, transfer.direction)
+            self._wake_drain(transfer.direction)
 
     @contextmanager
     def batched(self) -> Iterator[None]:
@@ -218,7 +225,16 @@ class TransferEngine(ABC):
         """Wake the engine thread of each direction with queued transfers."""
         for d, queue in self._queued.items():
             if queue:
-                self._executors[d].submit(self._drain, d)
+                self._wake_drain(d)
+
+    def _wake_drain(self, direction: Direction) -> None:
+        """Have a :meth:`_drain` of ``direction`` run, unless one is queued or running (it
+        takes what is queued before it returns)."""
+        with self._wake:
+            if self._draining[direction]:
+                return
+            self._draining[direction] = True
+        self._executors[direction].submit(self._drain, direction)
 
     def poll(self) -> list[Transfer]:
         """Transfers finished since the last call (non-blocking), in order per direction."""
@@ -263,19 +279,26 @@ class TransferEngine(ABC):
         transfers without ``prepare``/``finish`` as groups (at most ``max_group``), the
         others one by one. Every transfer's future is completed, whatever happens."""
         queue = self._queued[direction]
-        while queue:
-            items: list[tuple[Transfer, Any]] = []
-            while queue and len(items) < self.max_group:
-                items.append(queue.popleft())
-            run: list[tuple[Transfer, Any]] = []
-            for item in items:
-                if item[0].prepare is None and item[0].finish is None:
-                    run.append(item)
-                    continue
+        try:
+            while True:
+                with self._wake:
+                    if not queue:
+                        self._draining[direction] = False
+                        return
+                    items = [queue.popleft() for _ in range(min(len(queue), self.max_group))]
+                run: list[tuple[Transfer, Any]] = []
+                for item in items:
+                    if item[0].prepare is None and item[0].finish is None:
+                        run.append(item)
+                        continue
+                    self._run_group(run)
+                    run = []
+                    self._run_group([item])
                 self._run_group(run)
-                run = []
-                self._run_group([item])
-            self._run_group(run)
+        except BaseException:  # a bug: let the next submit start a drain again
+            with self._wake:
+                self._draining[direction] = False
+            raise
 
     def _run_group(self, items: list[tuple[Transfer, Any]]) -> None:
         """Engine thread: prepare → copies (per key) → land → finish, for one transfer or a
@@ -310,12 +333,17 @@ class TransferEngine(ABC):
     ) -> None:
         """The results of one transfer whose copies ran (``failed``: ``id()`` of the keys
         whose copies failed); runs its ``finish`` once the copies have landed."""
-        good = {id(kc) for kc in copies if kc.error is None and id(kc) not in failed}
-        ok = [kc.key for kc in copies if id(kc) in good]
-        keys_failed = [kc.key for kc in copies if id(kc) not in good]
-        nbytes = sum(kc.nbytes for kc in copies if id(kc) in good)
-        missing = set(transfer.keys) - set(ok) - set(keys_failed)
-        keys_failed += [k for k in transfer.keys if k in missing]
+        ok: list[bytes] = []
+        keys_failed: list[bytes] = []
+        nbytes = 0
+        for kc in copies:
+            if kc.error is None and (not failed or id(kc) not in failed):
+                ok.append(kc.key)
+                nbytes += kc.nbytes
+            else:
+                keys_failed.append(kc.key)
+        seen = {*ok, *keys_failed}
+        keys_failed += [k for k in transfer.keys if k not in seen]
         if transfer.finish is not None:
             self._sync(transfer)
             transfer.finish(ok)
@@ -346,16 +374,19 @@ class TransferEngine(ABC):
         staging buffer together (:func:`~worker.staging.run_staged`), the rest to
         :meth:`_copy_batch`."""
         run: list[Copy] = []
+        staged = False  # whether ``run`` holds staged parts
         for c in copies:
-            if run and isinstance(c, StagedPart) != isinstance(run[0], StagedPart):
+            is_staged = type(c) is StagedPart
+            if run and is_staged != staged:
                 self._copy_run(direction, run)
                 run = []
+            staged = is_staged
             run.append(c)
         if run:
             self._copy_run(direction, run)
 
     def _copy_run(self, direction: Direction, run: list[Copy]) -> None:
-        if isinstance(run[0], StagedPart):
+        if type(run[0]) is StagedPart:
             parts = [c for c in run if isinstance(c, StagedPart)]
             view = self._host_view if self.host_kernels else None
             run_staged(parts, self._staging[direction], self._copy_batch, view,
@@ -395,12 +426,15 @@ class TransferEngine(ABC):
         """Engine thread: one copy (may be asynchronous until :meth:`_landed`)."""
 
     def _copy_batch(self, copies: list[Copy]) -> None:
-        """Engine thread: ``copies`` (no staged parts) in order. Default: one call each."""
+        """Engine thread: ``copies`` (no staged parts) in order. Default: one call each (block
+        runs: host memory only, copied by numpy)."""
         for c in copies:
             if isinstance(c, IndexedCopy):
                 self._copy_indexed(c)
             elif isinstance(c, tuple):
                 self._copy(c[0], c[1])
+            elif isinstance(c, BlockRun):
+                run_block_runs([c])
             else:
                 raise TypeError("staged parts go through _copy_all")
 
@@ -443,10 +477,21 @@ class CpuTransferEngine(TransferEngine):
         dst.copy_(src)
 
     def _copy_batch(self, copies: list[Copy]) -> None:
-        # Runs of plain copies go to one _foreach_copy_ call (the loop runs in C++, in order).
+        # Consecutive block runs go to run_block_runs together (it merges those that continue
+        # each other), runs of plain copies to one _foreach_copy_ call (its loop runs in C++).
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
+        runs: list[BlockRun] = []
         for c in copies:
+            if type(c) is BlockRun:
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+                    srcs, dsts = [], []
+                runs.append(c)
+                continue
+            if runs:
+                run_block_runs(runs)
+                runs = []
             if isinstance(c, tuple):
                 srcs.append(c[0])
                 dsts.append(c[1])
@@ -457,6 +502,8 @@ class CpuTransferEngine(TransferEngine):
             if not isinstance(c, IndexedCopy):
                 raise TypeError("staged parts go through _copy_all")
             self._copy_indexed(c)
+        if runs:
+            run_block_runs(runs)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 

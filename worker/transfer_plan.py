@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from kvserver.client import KVClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from step_protocol import RankExtents, RequestTransfers
+from worker.block_runs import host_array
 from worker.host import MappedArena, staging_buffer, tensor_memoryview
 from worker.layout import CanonicalKVCaches, plan_copies
 from worker.transfer import Direction, KeyCopies, Transfer
@@ -70,17 +72,18 @@ class TransferPlanner:
         transfer = Transfer(direction, (is_load, t.req_id, t.lease_id), keys)
         if arena is not None:
             for key, blocks, skip, extents in chunks:
-                transfer.copies.append(
-                    self._key_copies(key, blocks, skip, is_load, arena.tensor, extents, arena)
-                )
+                transfer.copies.append(self._key_copies(
+                    key, blocks, skip, is_load, arena.tensor, extents, arena, arena.array
+                ))  # fmt: skip
             return transfer
         pb = self.spec.part_bytes
         staging = staging_buffer(pb * len(chunks), pinned=self.caches.device.type == "cuda")
         transfer.keepalive.append(staging)
+        array = host_array(staging) if self.caches.arrays is not None else None
         for i, (key, blocks, skip, _) in enumerate(chunks):  # one host tensor: the DMAs merge
-            transfer.copies.append(
-                self._key_copies(key, blocks, skip, is_load, staging, [(i * pb, pb)], None)
-            )
+            transfer.copies.append(self._key_copies(
+                key, blocks, skip, is_load, staging, [(i * pb, pb)], None, array
+            ))  # fmt: skip
         client = io[direction]
         if is_load:
             transfer.prepare = lambda: self._remote_read(client, t, transfer, staging)
@@ -100,14 +103,16 @@ class TransferPlanner:
         host: torch.Tensor,
         extents: list[tuple[int, int]],
         arena: MappedArena | None,
+        array: np.ndarray | None,
     ) -> KeyCopies:
-        """The (src, dst) pairs of one part; planning errors fail this key only."""
+        """The copies of one part (``array``: ``host`` as numpy, or None); planning errors
+        fail this key only."""
         try:
             if arena is not None:
                 arena.check_extents(extents, self.spec.part_bytes)
             return plan_copies(
                 self.caches, key, block_ids, self.spec.chunk_blocks, host, extents,
-                skip=skip, is_load=is_load,
+                skip=skip, is_load=is_load, array=array,
             )  # fmt: skip
         except InvalidArgument as exc:
             logger.warning("cannot plan chunk %s: %s", key.hex()[:16], exc)

@@ -14,7 +14,7 @@ import torch
 from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies
 from worker.transfer import Direction, Transfer, TransferEngine
 
-LAYOUTS = ["flash", "blocks_first", "cross", "hnd", "flat", "odd"]
+LAYOUTS = ["flash", "blocks_first", "cross", "hnd", "flat", "odd", "flash_shared", "flash_uneven"]
 
 
 def kv_tensors(kind: str, nb: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -29,6 +29,12 @@ def kv_tensors(kind: str, nb: int, seed: int) -> tuple[dict[str, torch.Tensor], 
     bs, h, d = 2, 2, 4
     if kind == "flash":  # (2, blocks, block_size, heads, dim) per layer: K and V views
         return {f"l{i}": rand(2, nb, bs, h, d) for i in range(3)}, 1
+    if kind == "flash_shared":  # the same, cut from one allocation: evenly spaced layers
+        alloc = rand(3, 2, nb, bs, h, d)
+        return {f"l{i}": alloc[i] for i in range(3)}, 1
+    if kind == "flash_uneven":  # cut from one allocation at uneven distances
+        alloc = rand(6, 2, nb, bs, h, d)
+        return {f"l{i}": alloc[j] for i, j in enumerate((0, 1, 3))}, 1
     if kind == "blocks_first":  # (blocks, 2, block_size, heads, dim): one view per layer
         return {f"l{i}": rand(nb, 2, bs, h, d) for i in range(2)}, 0
     if kind == "cross":  # one (blocks, layers, 2, ...) tensor: one view

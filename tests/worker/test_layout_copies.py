@@ -18,6 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvserver.errors import InvalidArgument  # noqa: E402
 from tests.worker.staged_scenarios import LAYOUTS, kv_tensors  # noqa: E402
+from worker.block_runs import BlockRun  # noqa: E402
 from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
 from worker.transfer import (  # noqa: E402
     Copy,
@@ -178,14 +179,15 @@ def planned(c: CanonicalKVCaches, ids: list[int], host: torch.Tensor,
     return kc.pairs
 
 
-def test_consecutive_blocks_are_one_copy_per_tensor() -> None:
-    """A run of blocks in one extent: one strided copy per registered tensor (K and V of a
-    FlashAttention layer together), however many blocks and pages."""
-    flash, cross = make_caches("flash", 8), make_caches("cross", 8)
-    for c, tensors in ((flash, 3), (cross, 1)):
-        host = torch.zeros(4 * c.block_bytes, dtype=torch.uint8)
-        copies = planned(c, [2, 3, 4, 5], host, [(0, 4 * c.block_bytes)], is_load=False)
-        assert len(copies) == tensors and all(isinstance(p, tuple) for p in copies)
+def test_consecutive_blocks_are_one_block_run() -> None:
+    """A run of blocks in one extent of a CPU host: one block run (worker/block_runs.py), for
+    every layout, however many blocks and pages."""
+    for kind in LAYOUTS:
+        c = make_caches(kind, 8)
+        host = torch.zeros(5 * c.block_bytes, dtype=torch.uint8)
+        copies = planned(c, [2, 3, 4, 5], host, [(7, 4 * c.block_bytes)], is_load=False)
+        assert len(copies) == 1 and isinstance(copies[0], BlockRun)
+        assert (copies[0].first, copies[0].count, copies[0].at) == (2, 4, 7)
 
 
 def test_scattered_blocks_are_one_indexed_copy_per_tensor() -> None:
