@@ -21,14 +21,16 @@ transfers, each paying its own staging pass and launches. :meth:`TransferEngine.
 holds the engine thread back while the connector submits a step's transfers, so that they
 queue together; :meth:`TransferEngine.wait` releases what is held first.
 
-Copies come as ``(src, dst)`` pairs, indexed copies (a gather or scatter of rows) or staged
-parts (worker/staging.py: consecutive staged parts of a transfer are gathered into, or
-scattered from, the direction's staging buffer together, with one copy per host extent).
-Implementations: :class:`CpuTransferEngine` here (one single-thread executor per direction,
-copies with ``torch`` ``copy_``, ``index_select`` and ``index_copy_``), and
+Copies come as ``(src, dst)`` pairs, indexed copies (a gather or scatter of rows), runs of
+whole blocks between CPU caches and host memory (worker/block_runs.py) or staged parts
+(worker/staging.py: consecutive staged parts of a transfer are gathered into, or scattered
+from, the direction's staging buffer together, with one copy per host extent).
+Implementations: ``CpuTransferEngine`` in worker/transfer_cpu.py (one single-thread executor
+per direction; numpy, ``torch`` ``copy_``, ``index_select`` and ``index_copy_``), and
 ``CudaTransferEngine`` in worker/transfer_cuda.py (dedicated streams, start/end events chained
-across transfers); ``make_engine`` in worker/transfer_factory.py picks one by device. Thread safety:
-``submit``/``poll``/``wait``/``close`` are called from one thread (the worker's); the engine's
+across transfers); ``make_engine`` in worker/transfer_factory.py picks one by device. Thread
+safety: ``submit``/``poll``/``wait``/``close`` are called from one thread (the worker's); the
+engine's own threads only run the transfer bodies, in order.
 own threads only run the transfer bodies, in order.
 """
 
@@ -455,61 +457,3 @@ class TransferEngine(ABC):
     def _sync(self, transfer: Transfer) -> None:
         """Block until the copies of a transfer whose body returned completed."""
         return None
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class CpuTransferEngine(TransferEngine):
-    """The thread-pool stand-in: copies run synchronously on the direction's thread, so a
-    transfer is finished when its future is. Same interface and ordering as the CUDA engine.
-    Indexed copies run as one native gather (``index_select``) or scatter (``index_copy_``)."""
-
-    def _copy_context(self, transfers: list[Transfer], ctxs: list[Any]) -> Any:
-        return _NullContext()
-
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def _copy_batch(self, copies: list[Copy]) -> None:
-        # Consecutive block runs go to run_block_runs together (it merges those that continue
-        # each other), runs of plain copies to one _foreach_copy_ call (its loop runs in C++).
-        srcs: list[torch.Tensor] = []
-        dsts: list[torch.Tensor] = []
-        runs: list[BlockRun] = []
-        for c in copies:
-            if type(c) is BlockRun:
-                if dsts:
-                    torch._foreach_copy_(dsts, srcs)
-                    srcs, dsts = [], []
-                runs.append(c)
-                continue
-            if runs:
-                run_block_runs(runs)
-                runs = []
-            if isinstance(c, tuple):
-                srcs.append(c[0])
-                dsts.append(c[1])
-                continue
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-                srcs, dsts = [], []
-            if not isinstance(c, IndexedCopy):
-                raise TypeError("staged parts go through _copy_all")
-            self._copy_indexed(c)
-        if runs:
-            run_block_runs(runs)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-
-    def _copy_indexed(self, copy: IndexedCopy) -> None:
-        # One native call per gather/scatter: a memcpy per row, no Python per row.
-        if copy.scatter:
-            copy.dst.index_copy_(0, copy.index, copy.src)
-        else:
-            torch.index_select(copy.src, 0, copy.index, out=copy.dst)

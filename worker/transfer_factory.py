@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from worker.staging import HOST_KERNEL_MAX_PIECE
-from worker.transfer import MAX_GROUP, CpuTransferEngine, TransferEngine
+from worker.transfer import MAX_GROUP, TransferEngine
+from worker.transfer_cpu import CpuTransferEngine
 
 
 def make_engine(

@@ -17,7 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 from tests.worker.staged_scenarios import LAYOUTS, caches_on  # noqa: E402
 from worker.block_runs import BlockRun, KVArrays, merged, run_block_runs  # noqa: E402
 from worker.layout import CanonicalKVCaches, plan_copies  # noqa: E402
-from worker.transfer import CpuTransferEngine, Direction, Transfer  # noqa: E402
+from worker.transfer import Direction, Transfer  # noqa: E402
+from worker.transfer_cpu import CpuTransferEngine  # noqa: E402
 
 
 def arrays(c: CanonicalKVCaches) -> KVArrays:

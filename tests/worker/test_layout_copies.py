@@ -22,12 +22,12 @@ from worker.block_runs import BlockRun  # noqa: E402
 from worker.layout import Builder, CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
 from worker.transfer import (  # noqa: E402
     Copy,
-    CpuTransferEngine,
     Direction,
     IndexedCopy,
     KeyCopies,
     Transfer,
 )
+from worker.transfer_cpu import CpuTransferEngine  # noqa: E402
 
 
 def make_caches(kind: str, nb: int, seed: int = 0) -> CanonicalKVCaches:

@@ -32,7 +32,8 @@ from worker.staging import (  # noqa: E402
     _host_kernel,
     _spans,
 )
-from worker.transfer import CpuTransferEngine, Direction  # noqa: E402
+from worker.transfer import Direction  # noqa: E402
+from worker.transfer_cpu import CpuTransferEngine  # noqa: E402
 
 
 @settings(max_examples=250, deadline=None)

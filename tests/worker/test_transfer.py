@@ -12,13 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from worker.transfer import (  # noqa: E402
-    CpuTransferEngine,
     Direction,
     IndexedCopy,
     KeyCopies,
     Transfer,
     TransferEngine,
 )
+from worker.transfer_cpu import CpuTransferEngine  # noqa: E402
 from worker.transfer_factory import make_engine  # noqa: E402
 
 gpu = pytest.mark.gpu

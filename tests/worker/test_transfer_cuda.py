@@ -96,7 +96,7 @@ def test_cuda_transfers_move_the_same_bytes_as_the_cpu(
     large) with the caches on CUDA and pinned host memory, through the CUDA engine: every byte
     as the strided path on the CPU; with ``host_kernels`` the pinned host memory is addressed
     by the gather/scatter kernels themselves."""
-    from worker.transfer import CpuTransferEngine
+    from worker.transfer_cpu import CpuTransferEngine
     from worker.transfer_cuda import CudaTransferEngine
 
     for seed in range(80):
@@ -150,7 +150,7 @@ def test_cuda_parts_are_staged_through_the_staging_buffer() -> None:
     moves through the engine's device staging buffer (no per-page fallback)."""
     from worker.layout import plan_copies
     from worker.staging import StagedPart
-    from worker.transfer import CpuTransferEngine
+    from worker.transfer_cpu import CpuTransferEngine
     from worker.transfer_cuda import CudaTransferEngine
 
     s = Scenario("flash", 8, 2, False, [Chunk([0, 1], 0, []), Chunk([5, 2], 0, [9])], 1, [0],
