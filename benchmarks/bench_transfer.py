@@ -6,10 +6,14 @@ Everything runs in one process, one run:
 
 - the arena: a real kvserver ``SharedArena`` in /dev/shm, mapped as the worker maps it
   (``worker.host.MappedArena``; page-locked with cudaHostRegister on CUDA);
-- KV caches on the device in two layouts: ``cross`` (one (blocks, block_bytes) tensor: the
-  blocks of a chunk are consecutive bytes) and ``flash`` (per layer (2, blocks, ...): K and V
-  pages of a block lie apart, in LAYERS tensors). Chunks take scattered runs of consecutive
-  blocks; parts go to scattered arena extents (one per part);
+- KV caches on the device in three layouts: ``cross`` (one (blocks, block_bytes) tensor: the
+  blocks of a chunk are consecutive bytes), ``flash`` (per layer (2, blocks, ...): K and V
+  pages of a block lie apart, in LAYERS tensors, cut from one allocation: evenly spaced, so
+  the CPU engine copies all layers at once, worker/block_runs.py) and ``flash-apart`` (the
+  same at uneven distances: one copy per layer, as separately allocated caches may be).
+  Chunks take scattered runs of consecutive blocks; parts go to scattered arena extents (one
+  per part); with ``--fresh``, a prefill on a fresh arena instead: consecutive blocks, one
+  chunk after the other, parts back to back (the CPU engine merges their copies);
 - engine: the chunks planned as the connector plans them (``worker.layout.plan_copies``, on
   the worker's thread: checks and builds the copies' views; its cost per chunk is reported as
   ``plan_us_per_chunk``, outside ``ratio``), one Transfer per 16 chunks, all submitted, then
@@ -32,18 +36,22 @@ Everything runs in one process, one run:
   ceiling for any engine built from copies (the flash caches are views of one allocation so
   that one call can reach every layer).
 
+The benchmark runs against older trees too (plan_copies without ``array``), for before/after
+runs of the same benchmark.
+
 Rounds interleave reference, engine and pattern; each ratio is the median over rounds of the
 per-round ratio (the machines are shared: a ratio within one round is stable, absolute speed
 is not).
 
 Usage: python benchmarks/bench_transfer.py [--quick] [--json FILE] [--chunk-blocks N]
-       [--devices cpu,cuda]
+       [--devices cpu,cuda] [--fresh] [--layouts cross,flash,flash-apart]
 With --json, also writes FILE with the .png suffix (a chart) when matplotlib is importable.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import random
@@ -71,21 +79,28 @@ TARGET = 0.8
 CHUNK_BLOCKS = 4  # default; --chunk-blocks
 CHUNKS_PER_TRANSFER = 16
 LAYERS = 4
+LAYOUTS = ("cross", "flash", "flash-apart")
 
 
 def make_caches(
     layout: str, page: int, num_blocks: int, device: torch.device
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """KV caches whose block holds LAYERS x 2 pages of ``page`` bytes (random bytes), and the
-    same memory as rows of pages: ``(blocks, block_bytes)`` for ``cross``, ``(LAYERS * 2 *
-    blocks, page)`` for ``flash`` (row ``view * blocks + block``, views in block-byte order)."""
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
+    """KV caches whose block holds LAYERS x 2 pages of ``page`` bytes (random bytes), the
+    same memory as rows of pages (``(blocks, block_bytes)`` for ``cross``, rows of ``page``
+    for the flash layouts), and the row of block 0 of each view, views in block-byte order."""
     if layout == "cross":
         t = torch.randint(0, 256, (num_blocks, LAYERS * 2 * page), dtype=torch.uint8)
         t = t.to(device)
-        return {"all": t}, t
-    alloc = torch.randint(0, 256, (LAYERS, 2, num_blocks, page), dtype=torch.uint8).to(device)
-    fp16 = alloc.view(torch.float16)  # (LAYERS, 2, blocks, page / 2): FlashAttention per layer
-    return {f"l{i}": fp16[i] for i in range(LAYERS)}, alloc.view(-1, page)
+        return {"all": t}, t, [0]
+    # flash: layer i at row 2 * i * blocks; flash-apart: i (i + 1) / 2 more pages further on
+    layer_rows = 2 * num_blocks
+    gaps = [0] * LAYERS if layout == "flash" else [i * (i + 1) // 2 for i in range(LAYERS)]
+    rows = LAYERS * layer_rows + gaps[-1]
+    alloc = torch.randint(0, 256, (rows, page), dtype=torch.uint8).to(device)
+    firsts = [i * layer_rows + gaps[i] for i in range(LAYERS)]
+    layers = [alloc[r : r + layer_rows].view(2, num_blocks, page) for r in firsts]
+    caches = {f"l{i}": t.view(torch.float16) for i, t in enumerate(layers)}  # FlashAttention
+    return caches, alloc, [r + k * num_blocks for r in firsts for k in range(2)]
 
 
 @dataclass
@@ -96,6 +111,11 @@ class Chunks:
     blocks: int  # GPU blocks per chunk
     starts: list[int]  # first GPU block of each chunk
     slots: list[int]  # arena slot (in parts) of each chunk
+
+    @classmethod
+    def fresh(cls, blocks: int, num_chunks: int) -> Chunks:
+        """A prefill on a fresh arena: consecutive blocks, parts back to back."""
+        return cls(blocks, [i * blocks for i in range(num_chunks)], list(range(num_chunks)))
 
     @classmethod
     def scattered(cls, blocks: int, num_blocks: int, num_chunks: int) -> Chunks:
@@ -119,6 +139,9 @@ def plan_chunks(
     ``builder``; default: the device's), grouped ``per_transfer`` chunks to a Transfer."""
     is_load = direction is Direction.LOAD
     part = caches.block_bytes * chunks.blocks
+    # what the connector passes: the arena as numpy (older trees: no such argument)
+    takes_array = "array" in inspect.signature(plan_copies).parameters
+    extra: dict[str, Any] = {"array": arena.array} if takes_array else {}
     planned = []
     for first in range(0, len(chunks.starts), per_transfer):
         copies = []
@@ -126,8 +149,7 @@ def plan_chunks(
             ids = list(range(chunks.starts[i], chunks.starts[i] + chunks.blocks))
             copies.append(plan_copies(
                 caches, i.to_bytes(8, "big"), ids, chunks.blocks, arena.tensor,
-                [(chunks.slots[i] * part, part)], is_load=is_load, builder=builder,
-                array=arena.array,
+                [(chunks.slots[i] * part, part)], is_load=is_load, builder=builder, **extra,
             ))  # fmt: skip
         planned.append(copies)
     return planned
@@ -151,13 +173,13 @@ def engine_run(
 
 
 def pattern_run(
-    rows: torch.Tensor, views: int, arena: MappedArena, direction: Direction, chunks: Chunks
+    rows: torch.Tensor, bases: list[int], arena: MappedArena, direction: Direction, chunks: Chunks
 ) -> Callable[[], None]:
-    """The same pages in one native call between the KV ``rows`` (``views`` pages per block,
-    see :func:`make_caches`) and a contiguous arena range, in part order."""
-    nb = rows.shape[0] // views
+    """The same pages in one native call between the KV ``rows`` (a block's pages at rows
+    ``bases[v] + block``, see :func:`make_caches`) and a contiguous arena range, in part
+    order."""
     index = torch.tensor([
-        v * nb + s + j for s in chunks.starts for j in range(chunks.blocks) for v in range(views)
+        v + s + j for s in chunks.starts for j in range(chunks.blocks) for v in bases
     ])  # fmt: skip
     host = arena.tensor[: index.numel() * rows.shape[1]].view(-1, rows.shape[1])
     wide_rows, wide_host = rows.view(torch.complex128), host.view(torch.complex128)
@@ -198,6 +220,8 @@ def bench(
     chunk_blocks: int,
     max_group: int = MAX_GROUP,
     per_transfer: int = CHUNKS_PER_TRANSFER,
+    fresh: bool = False,
+    layouts: tuple[str, ...] = LAYOUTS,
 ) -> list[dict[str, Any]]:
     pages = [8 << 10, 32 << 10] if quick else [4 << 10, 16 << 10, 64 << 10]
     total = (32 if quick else 192) * MiB
@@ -207,7 +231,7 @@ def bench(
     rows: list[dict[str, Any]] = []
     builder: Builder = "staged" if cuda else "strided"
     alt: Builder = "contiguous" if cuda else "staged"
-    work = [(lay, p, d) for lay in ("cross", "flash") for p in pages for d in Direction]
+    work = [(lay, p, d) for lay in layouts for p in pages for d in Direction]
     arena = SharedArena(total)
     mapped = MappedArena(arena.path, pin=cuda)
     engine = make_engine(device, max_group=max_group)
@@ -222,9 +246,13 @@ def bench(
             part = LAYERS * 2 * page * chunk_blocks
             num_chunks = total // part
             num_blocks = num_chunks * chunk_blocks * 2
-            raw, page_rows = make_caches(layout, page, num_blocks, device)
+            raw, page_rows, bases = make_caches(layout, page, num_blocks, device)
             caches = canonicalize(raw, num_blocks)
-            chunks = Chunks.scattered(chunk_blocks, num_blocks, num_chunks)
+            chunks = (
+                Chunks.fresh(chunk_blocks, num_chunks)
+                if fresh
+                else Chunks.scattered(chunk_blocks, num_blocks, num_chunks)
+            )
             nbytes = num_chunks * part
             dev_buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
             host_buf = mapped.tensor[:nbytes]
@@ -245,8 +273,7 @@ def bench(
                 fns.append(engine_run(kernels, direction, planned))
                 fns.append(engine_run(forced, direction, planned))
             else:
-                views = 1 if layout == "cross" else LAYERS * 2
-                fns.append(pattern_run(page_rows, views, mapped, direction, chunks))
+                fns.append(pattern_run(page_rows, bases, mapped, direction, chunks))
             times = interleaved(fns, sync, rounds)
             row = {
                 "device": device.type, "layout": layout, "page_kib": page >> 10,
@@ -333,18 +360,32 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads for every copy, engine and reference (default 1: the "
         "reference is a single-thread memcpy)",
     )  # fmt: skip
+    parser.add_argument(
+        "--fresh", action="store_true",
+        help="chunks of a prefill on a fresh arena (consecutive blocks, parts back to back) "
+        "instead of scattered blocks and arena slots",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS),
+        help=f"comma-separated KV layouts to run (default {','.join(LAYOUTS)})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     devices = [torch.device(d) for d in args.devices.split(",") if d]
     if any(d.type == "cuda" for d in devices) and not torch.cuda.is_available():
         parser.error("--devices names cuda, but torch has no usable GPU")
     per_transfer = args.chunks_per_transfer
+    layouts = tuple(x for x in args.layouts.split(",") if x)
+    if not set(layouts) <= set(LAYOUTS):
+        parser.error(f"--layouts: choose among {', '.join(LAYOUTS)}")
     rows = [
         row
         for d in devices
-        for row in bench(d, args.quick, args.chunk_blocks, args.max_group, per_transfer)
+        for row in bench(
+            d, args.quick, args.chunk_blocks, args.max_group, per_transfer, args.fresh, layouts
+        )
     ]
-    print(f"{'device':6} {'layout':6} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
+    print(f"{'device':6} {'layout':11} {'page':>6} {'dir':5} {'builder':8} {'copies':>6} "
           f"{'plan µs':>7} {'engine GB/s':>11} {'ref GB/s':>9} {'ratio':>6} {'+plan':>6} "
           f"{'alt':>16} {'pattern':>7} {'kernels':>7} {'k-only':>6}")  # fmt: skip
     for r in rows:
@@ -352,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         alt = f"{r['alt_builder']} {r['alt_ratio']:.2f}"
         kern = f"{r['host_kernels_ratio']:>7.2f}" if "host_kernels_ratio" in r else f"{'-':>7}"
         only = f"{r['kernels_only_ratio']:>6.2f}" if "kernels_only_ratio" in r else f"{'-':>6}"
-        print(f"{r['device']:6} {r['layout']:6} {r['page_kib']:>5}K {r['direction']:5} "
+        print(f"{r['device']:6} {r['layout']:11} {r['page_kib']:>5}K {r['direction']:5} "
               f"{r['builder']:8} {r['copies_per_chunk']:>6} {r['plan_us_per_chunk']:>7.1f} "
               f"{r['engine_gbps']:>11.2f} {r['reference_gbps']:>9.2f} "
               f"{r['ratio']:>6.2f} {r['ratio_with_plan']:>6.2f} {alt:>16} "
@@ -362,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "quick": args.quick, "target": TARGET, "layers": LAYERS,
             "chunk_blocks": args.chunk_blocks, "chunks_per_transfer": per_transfer,
-            "max_group": args.max_group,
+            "max_group": args.max_group, "fresh": args.fresh, "layouts": list(layouts),
         }  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
