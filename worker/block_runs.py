@@ -66,11 +66,12 @@ class KVArrays:
             return None
         pages = {g.page for g in groups}
         page = pages.pop() if len(pages) == 1 else 0
-        arrays = tuple((g.rows.numpy(), g.offset // page if page else 0, g.count) for g in groups)
+        arrays = tuple((g.rows.detach().numpy(), g.offset // page if page else 0, g.count)
+                       for g in groups)  # fmt: skip
         flat = None
         rows = groups[0].rows
         if len(groups) == 1 and rows.is_contiguous():  # one (num_blocks, block_bytes) tensor
-            flat = rows.reshape(-1).numpy()  # contiguous: a view, never a copy
+            flat = rows.detach().reshape(-1).numpy()  # contiguous: a view, never a copy
         offsets = tuple(g.offset for g in groups)
         return cls(arrays, block_bytes, page, flat, offsets, _evenly_spaced(groups))
 
@@ -104,7 +105,7 @@ def host_array(host: torch.Tensor) -> np.ndarray | None:
     is not a contiguous CPU tensor."""
     if not host.is_cpu or not host.is_contiguous():
         return None
-    return host.numpy()
+    return host.detach().numpy()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
