@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.worker.staged_scenarios import LAYOUTS, caches_on  # noqa: E402
 from worker.block_runs import BlockRun, KVArrays, merged, run_block_runs  # noqa: E402
-from worker.layout import CanonicalKVCaches, plan_copies  # noqa: E402
+from worker.layout import CanonicalKVCaches, canonicalize, plan_copies  # noqa: E402
 from worker.transfer import Direction, Transfer  # noqa: E402
 from worker.transfer_cpu import CpuTransferEngine  # noqa: E402
 
@@ -72,6 +72,21 @@ def test_layers_cut_from_one_allocation_are_one_array() -> None:
         assert spaced[b].tobytes() == block(c, b)
     assert arrays(caches_on("flash_uneven", 8, 0, "cpu")).spaced is None
     assert arrays(caches_on("cross", 8, 0, "cpu")).spaced is None
+
+
+def test_layers_registered_against_memory_order_copy_exactly() -> None:
+    """Layers evenly spaced downwards in memory (registered last-allocated first): one array
+    with a negative layer stride; a store and a load through it move each block's bytes."""
+    alloc = torch.randint(0, 256, (3, 2, 8, 2, 2, 8), dtype=torch.uint8)
+    c = canonicalize({f"l{i}": alloc[2 - i] for i in range(3)}, 8, block_dim=1)
+    kv, bb = arrays(c), c.block_bytes
+    assert kv.spaced is not None and kv.spaced.strides[1] < 0
+    want = blocks(c)
+    host = torch.zeros(4 * bb, dtype=torch.uint8)
+    run_block_runs([BlockRun(kv, host.numpy(), 5, 2, bb, False)])
+    assert host.numpy().tobytes() == bytes(bb) + want[5] + want[6] + bytes(bb)
+    run_block_runs([BlockRun(kv, host.numpy(), 0, 3, 0, True)])
+    assert blocks(c) == [bytes(bb), want[5], want[6], *want[3:]]
 
 
 @dataclass
