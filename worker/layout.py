@@ -22,11 +22,14 @@ the same bytes; a different *inner* physical order (HND vs NHD) produces differe
 workers that share a namespace must share the backend's inner layout.
 
 Copies (:func:`plan_copies`): Python pays about a microsecond per torch call, so the number of
-calls per chunk is what matters for small pages. On the CPU, :func:`strided_copies` moves a run
-of whole sub-blocks with one call per registered tensor (a :class:`ViewGroup`: all its views,
-e.g. K and V, and all the blocks at once, as ``(blocks, views, page)`` strided views on both
-sides), an ``index_select``/``index_copy_`` per tensor when the block ids are not consecutive,
-and only sub-blocks cut by an extent boundary page piece by page piece. For CUDA caches
+calls per chunk is what matters for small pages. On the CPU, :func:`strided_copies` describes a
+run of whole sub-blocks with consecutive ids as one :class:`~worker.block_runs.BlockRun`
+(integers only; the engine thread merges runs that continue each other and copies each with
+numpy, one copy per registered tensor, a :class:`ViewGroup`: all its views, e.g. K and V, and
+all the blocks at once, as ``(blocks, views, page)`` views on both sides; one in all for a
+cross-layer cache or evenly spaced layers), an ``index_select``/``index_copy_`` per tensor when
+the block ids are not consecutive, and only sub-blocks cut by an extent boundary page piece by
+page piece. For CUDA caches
 :func:`staged_copies` only describes the part (a :class:`~worker.staging.StagedPart`): the
 engine gathers the parts of a whole transfer on the device and copies them to the host in one
 DMA per extent (worker/staging.py). :func:`contiguous_copies` (one contiguous piece per page,

@@ -31,7 +31,6 @@ per direction; numpy, ``torch`` ``copy_``, ``index_select`` and ``index_copy_``)
 across transfers); ``make_engine`` in worker/transfer_factory.py picks one by device. Thread
 safety: ``submit``/``poll``/``wait``/``close`` are called from one thread (the worker's); the
 engine's own threads only run the transfer bodies, in order.
-own threads only run the transfer bodies, in order.
 """
 
 from __future__ import annotations
