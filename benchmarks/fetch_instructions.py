@@ -24,8 +24,12 @@ writes the counters there; in ``--wall`` mode the clock is read instead):
   head and arena views handed to the socket (the real ``PlainIO``, a stand-in socket: its
   first ``sendmsg``): ``KVService.get(leading=True)``, the leading run, the pins, the views;
 - ``A release`` (after the bytes are sent): the pins' end;
-- ``B grant`` (critical): from the window's bytes in B's pages to the load's reply encoded
-  (the window completed and published, the load granted, the reply's 128 locations encoded).
+- ``B early`` (overlapped: it runs while the window's last chunks are on the wire): the
+  window's leading chunks made ready as soon as they have arrived (``Placer.complete_
+  early``; 0 in a tree without it, whose stand-in connection is not given ``early``);
+- ``B grant`` (critical): from the window's last bytes in B's pages to the load's reply
+  encoded (the rest of the window completed and published, the load granted, the reply's 128
+  locations encoded).
 
 Prints instructions per fetch and per chunk for each phase, and the serial sum (B ask, the
 longer of B reserve and A serve, B grant). Needs valgrind; ~1 minute.
@@ -49,9 +53,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-PHASES = ("B ask", "B reserve", "A serve", "A release", "B grant")
+PHASES = ("B ask", "B reserve", "A serve", "A release", "B early", "B grant")
 #: what runs between two phases' ends, in order, once per fetch (``other``: not counted).
-_SEQUENCE = ("other", "B ask", "B reserve", "A serve", "A release", "other", "B grant")
+_SEQUENCE = ("other", "B ask", "B reserve", "A serve", "A release", "other", "B early", "B grant")
 CHUNKS = 128
 PART_BYTES = 256 << 10
 A_DRAM = 120 << 20
@@ -169,24 +173,30 @@ class _StandInConnection:
         return list(range(1, len(windows) + 1))
 
     def start_reply(self, request_id: int, rows: Any, tp: int, part_bytes: int,
-                    deadline: float, on_head: Any) -> Any:  # fmt: skip
+                    deadline: float, on_head: Any, *, early: int = 0,
+                    on_early: Any = None) -> Any:  # fmt: skip
         self.marks("B reserve")
         self.serve()  # A's answer: "A serve", "A release"
         head = SimpleNamespace(ok=True, count=len(rows), tp=tp, part_bytes=part_bytes)
         on_head(head)
-        return _StandInJob(head, self.marks)
+        if on_early is None or not 0 < early < head.count:
+            early = 0
+        return _StandInJob(head, self.marks, lambda: on_early(early) if early else None)
 
     def spoil(self) -> None:
         raise AssertionError("the stand-in reply is well formed")
 
 
 class _StandInJob:
-    def __init__(self, head: Any, marks: _Marks) -> None:
+    def __init__(self, head: Any, marks: _Marks, early: Any) -> None:
         self._head = head
         self._marks = marks
+        self._early = early
 
     async def result(self) -> Any:
-        self._marks("other")  # the bytes are in: "B grant" starts
+        self._marks("other")  # the leading chunks are in: "B early" starts
+        self._early()  # while the last chunks are on the wire
+        self._marks("B early")  # the last bytes are in: "B grant" starts
         return self._head, None
 
     async def stop(self) -> None:

@@ -103,9 +103,12 @@ class _StandInConnection:
         return list(range(1, len(windows) + 1))
 
     def start_reply(self, request_id: int, rows: Any, tp: int, part_bytes: int,
-                    deadline: float, on_head: Any) -> Any:  # fmt: skip
+                    deadline: float, on_head: Any, *, early: int = 0,
+                    on_early: Any = None) -> Any:  # fmt: skip
         head = SimpleNamespace(ok=True, count=len(rows), tp=1, part_bytes=PART_BYTES)
         on_head(head)
+        if on_early is not None and 0 < early < head.count:  # the leading chunks in first
+            on_early(early)
         return _StandInJob(head)
 
     def spoil(self) -> None:

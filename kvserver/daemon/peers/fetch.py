@@ -84,6 +84,13 @@ WINDOW_BYTES = 4 << 20
 #: window's keys. The default of ``PeerFetches(stream_window_bytes=)``: ``peer_stream_window``.
 STREAM_WINDOW_BYTES = DEFAULT_PEER_STREAM_WINDOW
 
+#: over a peer's stream, a window's chunks but about this many payload bytes at its end (at
+#: least one chunk) are made ready as soon as they have arrived, while these last ones are
+#: still on the wire (``StreamConnection.start_reply(early=)``, ``Placer.complete_early``):
+#: after the window's last byte only these are left to complete. Enough bytes that the
+#: completion of the others (~0.2 ms for 112 chunks of 256 KiB) is done before they arrive.
+EARLY_TAIL_BYTES = 4 << 20
+
 #: namespaces whose last sender is remembered at most (the oldest are dropped first).
 SENDERS_MAX = 4096
 
@@ -356,6 +363,7 @@ class PeerFetches:
         another holder or miss); the pages of a window that did not arrive, and those of
         chunks a reply did not bring, are given back."""
         book, tp, size = self._book, spec.tp_world_size, spec.part_bytes
+        tail = max(1, EARLY_TAIL_BYTES // (tp * size))  # chunks completed after the last byte
         out: list[tuple[list[bytes], Parts]] = []
         ahead: list[Slot] = []  # reserved, not yet settled (at most two)
         keep = list(protect)  # and the windows already placed: a later one must not evict them
@@ -375,7 +383,12 @@ class PeerFetches:
                     book.counters.fetches += 1
                     book.counters.stream_fetches += 1
                     deadline = time.monotonic() + stream.timeout_s
-                    return conn.start_reply(ids[k], ahead[0].rows, tp, size, deadline, on_head)
+                    slot = ahead[0]
+                    early = len(slot.keys) - tail if slot.can_complete_early else 0
+                    return conn.start_reply(
+                        ids[k], slot.rows, tp, size, deadline, on_head, early=early,
+                        on_early=lambda count: self._placer.complete_early(slot, count),
+                    )  # fmt: skip
 
                 job = start(0)
                 for k in range(len(windows)):
@@ -389,7 +402,7 @@ class PeerFetches:
                         out.append(self._placer.settle(spec, slot, head.count, direct))
                         keep += out[-1][0]
                         continue
-                    self._placer.settle(spec, slot, 0, direct)
+                    self._placer.settle(spec, slot, 0, direct)  # an error reply: no chunks
                     if not isinstance(error, (UnknownNamespace, UnknownKey)):
                         raise PeerFailed(f"peer refused: {error}", timed_out=False,
                                          peer=conn.peer_id)  # fmt: skip
@@ -399,6 +412,8 @@ class PeerFetches:
         finally:
             if job is not None:  # its thread ends before its pages are given back
                 await job.stop()
-            for slot in ahead:  # not received: given back
-                self._placer.settle(spec, slot, 0, direct)
+            for slot in ahead:  # not received: given back (but the keys made ready early)
+                sent, parts = self._placer.settle(spec, slot, 0, direct)
+                if sent:
+                    out.append((sent, parts))
         return out

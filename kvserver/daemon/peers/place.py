@@ -11,6 +11,9 @@ into the reserved pages (:meth:`Placer.slot` before the reply, :meth:`Placer.set
 the peer stream's path), then one ``settle_store`` of the keys written: they become READY, the
 rest of the reservation is rolled back (:meth:`Placer.complete`), and the BlockStored events
 go out on the normal path (``publish``), which also announces the chunks in the fleet index.
+Over the stream a window whose every key is reserved has its leading keys made ready as soon
+as they have arrived, while the rest is still on the wire (:meth:`Placer.complete_early`:
+``complete_store`` of those keys), so that only the rest is settled after the last byte.
 A chunk DRAM cannot take (every page pinned or reserved) is returned to the caller when it
 asked for ``direct`` parts (a remote ``get`` sends them on), else dropped.
 
@@ -43,13 +46,23 @@ Parts = dict[bytes, list[memoryview]]
 class Slot:
     """A stream window reserved ahead of its reply: its keys, their grant (None: DRAM took
     none), where each reserved key's pages are, per key the views to receive into (pages, or
-    the buffers of ``own``), and the parts of the keys DRAM did not take."""
+    the buffers of ``own``), the parts of the keys DRAM did not take, how many leading keys
+    were made ready before the rest arrived (:meth:`Placer.complete_early`), and whether it
+    is settled."""
 
     keys: list[bytes]
     grant: StoreGrant | None
     where: dict[bytes, Any]
     rows: list[list[memoryview]]
     own: Parts
+    early: int = 0
+    settled: bool = False
+
+    @property
+    def can_complete_early(self) -> bool:
+        """Every key reserved (DRAM took the whole window): its leading keys can be made
+        ready while the rest is received."""
+        return self.grant is not None and not self.own and len(self.grant.keys) == len(self.keys)
 
 
 class Placer:
@@ -80,15 +93,39 @@ class Placer:
                 rows.append(own[key])
         return Slot(keys, grant, where, rows, own)
 
+    def complete_early(self, slot: Slot, count: int) -> None:
+        """The first ``count`` chunks of a window whose every key is reserved arrived whole,
+        the rest is still being received: make them ready now (``complete_store`` of those
+        keys, the lease kept for the rest), publish. Nothing once the slot is settled (the
+        receive was given up meanwhile) or when its lease is gone."""
+        grant = slot.grant
+        if slot.settled or slot.early or grant is None or not 0 < count < len(slot.keys):
+            return
+        done = slot.keys[:count]
+        try:
+            placed = self._engine.complete_store(grant.lease_id, keys=done)
+        except KVServerError:  # the lease expired meanwhile: settle finds it gone too
+            return
+        slot.early = count
+        self._book.counters.placed_chunks += len(placed)
+        self._publish()
+
     def settle(
         self, spec: NamespaceSpec, slot: Slot, count: int, direct: bool
     ) -> tuple[list[bytes], Parts]:
         """A window's first ``count`` chunks arrived whole: make those reserved ready, give
-        the rest back; returns (keys it sent, direct parts)."""
+        the rest back; returns (keys it sent, direct parts). The keys made ready early count
+        as sent (``count`` is at least ``slot.early``: a reply cut short after them lost only
+        the rest)."""
+        count = max(count, slot.early)
         sent = slot.keys[:count]
         slot.rows.clear()  # the arena's views go before the pages can
+        slot.settled = True
         grant = slot.grant
         whole = grant is not None and not slot.own  # every key reserved: each sent one written
+        if slot.early:  # the lease holds the rest only
+            self.complete(grant, sent[slot.early :])
+            return sent, {}  # every key was reserved: nothing direct
         self.complete(grant, sent if whole else [k for k in sent if k in slot.where])
         if not direct:
             return sent, {}

@@ -167,16 +167,26 @@ class StreamConnection:
         part_bytes: int,
         deadline: float,
         on_head: Callable[[wire_stream.ReplyHead], None],
+        *,
+        early: int = 0,
+        on_early: Callable[[int], None] | None = None,
     ) -> ReplyJob:
         """Start receiving the reply to ``request_id`` in a worker thread (it is running when
         this returns): its head, checked (it answers ``request_id``; ok: at most
         ``len(rows)`` chunks of ``tp`` parts of ``part_bytes``), then ``on_head(head)`` called
         on the loop, then the parts of its ``count`` chunks straight into ``rows[:count]``
         (a chunk's views, rank order, ``tp * part_bytes`` bytes), or an error reply's body.
-        One thread hand-over per reply, whatever its size."""
+        One thread hand-over per reply, whatever its size.
+
+        ``early`` (with ``on_early``): when the reply brings more than ``early`` chunks, the
+        first ``early`` are received first and ``on_early(early)`` is called on the loop as
+        soon as every byte of them has arrived, while the rest is still being received (the
+        loop completes them meanwhile); it is called before the job's result is set, and never
+        for a reply that brings ``early`` chunks or fewer."""
         fut = self._loop.run_in_executor(
-            THREADS, self._reply, request_id, rows, tp, part_bytes, deadline, on_head
-        )
+            THREADS, self._reply, request_id, rows, tp, part_bytes, deadline, on_head, early,
+            on_early,
+        )  # fmt: skip
         return ReplyJob(self, fut)
 
     def _reply(
@@ -187,6 +197,8 @@ class StreamConnection:
         part_bytes: int,
         deadline: float,
         on_head: Callable[[wire_stream.ReplyHead], None],
+        early: int = 0,
+        on_early: Callable[[int], None] | None = None,
     ) -> tuple[wire_stream.ReplyHead, KVServerError | None]:
         """Worker thread: :meth:`start_reply`'s receive. Raises OSError / PeerFailed."""
         raw = bytearray(wire_stream.REPLY_HEAD.size)
@@ -211,7 +223,12 @@ class StreamConnection:
                 part_bytes=head.part_bytes,
             )  # fmt: skip
         self._loop.call_soon_threadsafe(on_head, head)
-        self._recv([view for row in rows[: head.count] for view in row], deadline)
+        start = 0
+        if on_early is not None and 0 < early < head.count:  # the leading chunks first
+            self._recv([view for row in rows[:early] for view in row], deadline)
+            self._loop.call_soon_threadsafe(on_early, early)  # runs before the result is set
+            start = early
+        self._recv([view for row in rows[start : head.count] for view in row], deadline)
         return head, None
 
     def _error_body(self, head: wire_stream.ReplyHead, deadline: float) -> KVServerError:
