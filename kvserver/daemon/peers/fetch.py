@@ -29,7 +29,9 @@ directory says hold it) and:
    pages are reserved before its reply comes (the first while the peer looks its keys up, each
    next one while the window before it is on the wire), a worker thread receives each reply,
    head and payload, straight into them (no ``write_part`` copy), and the window before is
-   completed meanwhile; a window's keys are completed once every part of it has arrived, those
+   completed meanwhile; a window's keys are completed once every part of it has arrived (its
+   leading chunks as soon as they are in, while its last :data:`EARLY_TAIL_BYTES` are on the
+   wire, when DRAM reserved every key: ``Placer.complete_early``), those
    the reply did not bring (a peer holding a shorter run) and every key of a reply cut short
    are rolled back (the receiving thread is stopped before the pages are given back:
    ``stream.py``). Reserving ahead can evict, for chunks the peer then does not send, at most

@@ -12,7 +12,8 @@ carries the token; an idle one the peer has closed meanwhile is dropped and anot
 → ``await conn.send_requests(ns_id, windows, deadline)`` (pipelined: every window asked at
 once) → per window, in order, ``job = conn.start_reply(request_id, rows, ...)`` (a worker
 thread starts at once receiving the reply, head and payload, into the rows given: the caller
-reserves the next window's pages meanwhile) then ``await job.result()`` (or ``await
+reserves the next window's pages meanwhile; with ``early``, the loop is told once the leading
+rows are in, while the rest is received) then ``await job.result()`` (or ``await
 job.stop()`` to give it up) → the block ends: the connection is kept unless a call on it
 failed (:meth:`StreamConnection.spoil`), so a half-read reply is never taken for the next.
 ``await close()`` closes the idle ones.

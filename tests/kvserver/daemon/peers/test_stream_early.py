@@ -68,7 +68,8 @@ async def test_a_windows_leading_chunks_are_ready_before_its_tail_and_all_read_b
     with engine_b() as engine:
         fetches, book = fetcher(engine)
         engine.take_events()
-        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": recorded_peer(peer_a)})
+        peers = {"A": recorded_peer(peer_a)}
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], peers)
         assert held_bytes(engine, keys) == expected(keys)
         # two completions: the leading 20 while the last 4 were on the wire, then those 4
         assert stored_batches(engine.take_events()) == [N - TAIL, TAIL]
@@ -84,7 +85,8 @@ async def test_a_window_no_longer_than_its_tail_is_completed_once(peer_a: Daemon
     with engine_b() as engine:
         fetches, book = fetcher(engine)
         engine.take_events()
-        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": recorded_peer(peer_a)})
+        peers = {"A": recorded_peer(peer_a)}
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], peers)
         assert held_bytes(engine, keys) == expected(keys)
         assert stored_batches(engine.take_events()) == [TAIL]
         no_reservations(engine)
