@@ -104,7 +104,7 @@ class StorageEngine:
         #: ``ns_id`` of each namespace index (``NamespaceSpec.ns_id`` hashes the spec per call).
         self._ns_ids: list[str] = []
         self.totals = self._namespaces.totals
-        self._holds = LeaseBook(self._dram, self._namespaces)
+        self._holds = LeaseBook(self._dram, self._namespaces, config.quarantine_s)
         self.leases = self._holds.leases
         # the payload path of clients that cannot map the arena, exposed as the engine's calls
         parts = PartCopies(self.arena, self.leases, self._namespaces, self._dram.entries)
@@ -435,6 +435,7 @@ class StorageEngine:
             reserved_pages=dram.reserved_pages,
             ready_pages=dram.ready_pages,
             pinned_pages=dram.pinned_pages,
+            quarantined_pages=dram.quarantined_pages,
             num_entries=len(self._dram.entries) - dram.num_writing,
             num_writing=dram.num_writing,
             num_leases=len(self.leases),

@@ -9,7 +9,9 @@ those around each call. Call order for one chunk::
                                       -> WRITING entries: the victims' parts recycled, other
                                          pages taken from the allocator
     make_ready(ns, keys)              -> READY, tracked by the eviction policy
-    rollback(entry)                   -> a WRITING entry removed, its pages freed
+    rollback(entry, until)            -> a WRITING entry removed, its pages freed (or, with
+                                         ``until``, quarantined: freed by release_quarantine)
+    release_quarantine(now)           -> the quarantined pages whose time is up freed
     free(entries)                     -> the pages of evicted entries returned
     add_pins / drop_pins / extend_ttl / clear_ttl   pinned-page accounting of READY entries
     ready_run(ns, keys) / missing(ns, keys)         a lookup's leading run, a batch's misses
@@ -19,8 +21,12 @@ free, one accounting update), since a batch of a co-located store or load is hun
 and this runs right after the client's copies have evicted the daemon's data from the caches.
 
 Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
-- every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
-  (READY, pinned); ``reserved_pages`` and ``pinned_pages`` are the counts of the middle two;
+- every arena page is free, reserved (WRITING entry), ready (READY, unpinned), pinned
+  (READY, pinned) or quarantined (an expired reservation's, not handed out again before its
+  time: a stalled client may still copy into it, ``engine_leases.py``); ``reserved_pages``,
+  ``pinned_pages`` and ``quarantined_pages`` are the counts of the middle three; quarantined
+  pages are neither free nor evictable (a store that needs them is refused, as on a full
+  cache) and are freed in the order they came, their times non-decreasing;
 - every READY entry is tracked by the policy and no other key is; ``ready[ns]`` holds exactly
   the keys of namespace ``ns``'s READY entries;
 - pinned and WRITING entries are never evicted; eviction removes whole entries, all or nothing.
@@ -28,7 +34,7 @@ Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import takewhile
 from operator import itemgetter
@@ -57,6 +63,9 @@ class DramIndex:
         self.reserved_pages = 0
         self.pinned_pages = 0
         self.num_writing = 0
+        #: pages of rolled-back reservations not free yet: (free at, pages), times ascending
+        self._quarantine: deque[tuple[float, list[int]]] = deque()
+        self.quarantined_pages = 0
         #: part size in bytes of each namespace index that reserved (a victim of the same part
         #: size hands its parts to a reservation as they are: same pages, same extents)
         self._part_bytes: dict[int, int] = {}
@@ -208,13 +217,31 @@ class DramIndex:
         self.reserved_pages -= pages
         self.num_writing -= count
 
-    def rollback(self, entry: Entry) -> None:
-        """Remove a WRITING entry and free its pages. REQUIRES: ``entry`` is WRITING."""
+    def rollback(self, entry: Entry, until: float | None = None) -> None:
+        """Remove a WRITING entry and free its pages; with ``until``, quarantine them instead
+        until that time (:meth:`release_quarantine`). REQUIRES: ``entry`` is WRITING; ``until``
+        is not earlier than any earlier quarantine's."""
         del self.entries[(entry.ns, entry.key)]
         self.reserved_pages -= entry.num_pages
         self.num_writing -= 1
-        for pages in entry.pages:
-            self.allocator.free(pages)
+        if until is None:
+            for pages in entry.pages:
+                self.allocator.free(pages)
+            return
+        held = [p for pages in entry.pages for p in pages]
+        self._quarantine.append((until, held))
+        self.quarantined_pages += len(held)
+
+    def release_quarantine(self, now: float) -> int:
+        """Free the quarantined pages whose time is ``<= now``; returns how many."""
+        quarantine = self._quarantine
+        freed: list[int] = []
+        while quarantine and quarantine[0][0] <= now:
+            freed += quarantine.popleft()[1]
+        if freed:
+            self.allocator.free(freed)
+            self.quarantined_pages -= len(freed)
+        return len(freed)
 
     def free(self, entries: Iterable[Entry]) -> None:
         """Return the pages of entries :meth:`make_room` removed (in one call)."""
@@ -290,7 +317,7 @@ class DramIndex:
     def ready_pages(self) -> int:
         """Pages of READY unpinned entries (the evictable ones)."""
         used = self.allocator.num_pages - self.allocator.num_free
-        return used - self.reserved_pages - self.pinned_pages
+        return used - self.reserved_pages - self.pinned_pages - self.quarantined_pages
 
     def ready_keys(self) -> dict[int, list[bytes]]:
         """The keys of READY entries per namespace index, in index order (O(entries))."""
@@ -329,7 +356,11 @@ class DramIndex:
         assert reserved == self.reserved_pages, (reserved, self.reserved_pages)
         assert pinned == self.pinned_pages, (pinned, self.pinned_pages)
         assert writing == self.num_writing
-        assert free + reserved + pinned + ready == self.allocator.num_pages
+        quarantined = sum(len(pages) for _, pages in self._quarantine)
+        assert quarantined == self.quarantined_pages, (quarantined, self.quarantined_pages)
+        times = [until for until, _ in self._quarantine]
+        assert times == sorted(times), "quarantine out of order"
+        assert free + reserved + pinned + ready + quarantined == self.allocator.num_pages
         assert len(self.policy) == len(self.entries) - writing
         held = {(ns, k) for ns, keys in self.ready.items() for k in keys}
         assert held == {k for k, e in self.entries.items() if e.state is EntryState.READY}

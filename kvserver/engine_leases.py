@@ -7,15 +7,29 @@ load's entries there directly); a store lease's part bookkeeping is the lease's 
 (:class:`~kvserver.leases.Lease`). :class:`LeaseBook` decides when leases and pins end:
 
     roll_back(lease, keys)       remove reserved WRITING entries (complete_store failure)
-    reap(now)                    expired leases: reservations rolled back, pins released;
-                                 expired TTL pins dropped
+    reap(now)                    expired leases: reservations rolled back (their pages
+                                 quarantined), pins released; expired TTL pins dropped;
+                                 quarantines whose time is up ended
     release_client(client)       the same for every lease of one client, now
     pin_ttl(ns, keys, until)     explicit pins that extend, never shorten
     unpin_ttl(ns, keys)          drop explicit pins now
 
 Leases themselves are a :class:`~kvserver.leases.LeaseTable` (``leases``). Reclaiming bumps the
-namespace counters (``rolled_back_chunks``, ``expired_leases``, ``released_leases``); it emits no
-events (WRITING entries were never announced).
+namespace counters (``rolled_back_chunks``, ``expired_leases``, ``released_leases``,
+``quarantined_chunks``); it emits no events (WRITING entries were never announced).
+
+Quarantine: a co-located client copies into its store grant's pages in its own process, and
+shared memory cannot be taken back from its mapping. A client stalled past its lease (stopped,
+swapped out, a long GC pause) may still be copying when the lease expires; were the pages
+handed to the next reservation at once, its late bytes would land in another key's chunk and
+be served as that key. So the pages of an *expired* store reservation are quarantined for
+``quarantine_s`` (the engine's ``default_lease_s``: a client late by up to another default
+lease cannot write into another key's pages) before they are free again; clients check a
+grant's deadline before they copy (``kvserver/client/calls.py``), so one that wakes up late
+does not write at all. Quarantined pages are neither free nor evictable: a store that needs
+them is refused as on a full cache until they drain, by time alone (at every reap). Pages of
+reservations ended otherwise are freed at once: a failed ``complete_store``, an explicit
+``release`` (the client says it is done) and a local-channel client whose process exited.
 
 Invariants: every entry with ``ttl_until > 0`` has an item ``(ttl_until, ns, key)`` in the TTL
 heap (stale items, whose entry is gone or was re-pinned, are skipped lazily); ``entry.pins`` is
@@ -39,33 +53,42 @@ logger = logging.getLogger(__name__)
 class LeaseBook:
     """The lease table and the TTL pins over one :class:`DramIndex` (see the module doc)."""
 
-    def __init__(self, dram: DramIndex, namespaces: NamespaceTable) -> None:
+    def __init__(
+        self, dram: DramIndex, namespaces: NamespaceTable, quarantine_s: float = 0.0
+    ) -> None:
         self.leases = LeaseTable()
+        self.quarantine_s = quarantine_s
         self._dram = dram
         self._namespaces = namespaces
         self._ttl_heap: list[tuple[float, int, bytes]] = []
 
-    def roll_back(self, lease: Lease, keys: Iterable[bytes]) -> None:
-        """Remove the WRITING entries of ``keys`` and free their pages. REQUIRES: ``lease`` is a
-        store lease that still holds every key (the caller then drops them from it:
-        ``lease.finish``)."""
+    def roll_back(self, lease: Lease, keys: Iterable[bytes], until: float | None = None) -> None:
+        """Remove the WRITING entries of ``keys`` and free their pages (``until``: quarantine
+        them until then). REQUIRES: ``lease`` is a store lease that still holds every key (the
+        caller then drops them from it: ``lease.finish``)."""
         entries = self._dram.entries
         rolled_back = 0
         for key in keys:
-            self._dram.rollback(entries[(lease.ns, key)])
+            self._dram.rollback(entries[(lease.ns, key)], until)
             rolled_back += 1
         for c in self._namespaces.pair(lease.ns):
             c.rolled_back_chunks += rolled_back
+            if until is not None:
+                c.quarantined_chunks += rolled_back
 
     def reap(self, now: float) -> int:
         """Reclaim every lease and drop every TTL pin whose deadline is ``<= now``; returns
         the number of leases reclaimed."""
+        self._dram.release_quarantine(now)
         expired = self.leases.pop_expired(now)
-        for lease in expired:
-            logger.debug(
-                "lease %d (%s, client %r) expired", lease.lease_id, lease.kind.value, lease.client
-            )
-            self._reclaim(lease, expired=True)
+        if expired:
+            until = now + self.quarantine_s if self.quarantine_s > 0 else None
+            for lease in expired:
+                logger.debug(
+                    "lease %d (%s, client %r) expired",
+                    lease.lease_id, lease.kind.value, lease.client,
+                )  # fmt: skip
+                self._reclaim(lease, expired=True, until=until)
         self._expire_ttl(now)
         return len(expired)
 
@@ -77,11 +100,11 @@ class LeaseBook:
             self._reclaim(lease, expired=False)
         return len(leases)
 
-    def _reclaim(self, lease: Lease, *, expired: bool) -> None:
+    def _reclaim(self, lease: Lease, *, expired: bool, until: float | None = None) -> None:
         if lease.kind is LeaseKind.LOAD:
             self._dram.drop_pins(lease.ns, lease.keys)
         else:
-            self.roll_back(lease, lease.keys)
+            self.roll_back(lease, lease.keys, until)
         for c in self._namespaces.pair(lease.ns):
             if expired:
                 c.expired_leases += 1

@@ -51,6 +51,12 @@ class EngineConfig:
     def num_pages(self) -> int:
         return self.dram_bytes // self.page_size
 
+    @property
+    def quarantine_s(self) -> float:
+        """How long the pages of an expired store reservation stay out of use
+        (``engine_leases.py``): ``default_lease_s``."""
+        return self.default_lease_s
+
     def lease_s_of(self, lease_s: float | None) -> float:
         """A call's lease duration: ``default_lease_s`` for None, else ``lease_s`` checked
         (InvalidArgument outside (0, max_lease_s])."""
@@ -157,6 +163,8 @@ class Counters:
     loaded_chunks: int = 0
     evicted_chunks: int = 0
     rolled_back_chunks: int = 0
+    #: of those, the chunks of expired reservations whose pages were quarantined
+    quarantined_chunks: int = 0
     expired_leases: int = 0
     released_leases: int = 0
     filtered_chunks: int = 0
@@ -172,6 +180,8 @@ class StorageStats:
     reserved_pages: int
     ready_pages: int
     pinned_pages: int
+    #: pages of expired reservations not free yet (``engine_leases.py``)
+    quarantined_pages: int
     num_entries: int
     num_writing: int
     num_leases: int

@@ -25,6 +25,7 @@ from kvserver import grants, wire
 from kvserver.arena import ArenaView
 from kvserver.client.parts import (
     Parts,
+    check_live,
     flatten_parts,
     readinto_part,
     split_parts,
@@ -316,12 +317,14 @@ class SessionCalls:
         if grant is None or not grant.keys:
             return []
         index = {key: i for i, key in enumerate(keys)}
+        lease_id, deadline = grant.lease_id, grant.deadline
         try:
             for key, extents in zip(grant.keys, grant.locations, strict=True):
                 if len(extents) != per_key:
                     raise InvalidArgument(
                         "need one part per TP rank", parts=per_key, tp_world_size=len(extents)
                     )
+                check_live(lease_id, deadline)  # a stalled client writes nothing late
                 for rank, ext in enumerate(extents):
                     write_part(arena, ext, flat[index[key] * per_key + rank])
         except Exception:

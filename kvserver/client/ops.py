@@ -22,7 +22,7 @@ from kvserver import wire
 from kvserver.allocator import Extents
 from kvserver.client.calls import LookupResult, NamespaceInfo, Proc, PutResult
 from kvserver.client.common import Session
-from kvserver.client.parts import Parts, readinto_part, write_part
+from kvserver.client.parts import Parts, check_live, readinto_part, write_part
 from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
 
@@ -61,8 +61,12 @@ class ClientBase:
         counts: Counter[str] = self._t.sent_by_op
         return counts
 
-    def write(self, extents: Extents, data: Any) -> None:
-        """Copy one part into the mapped arena. REQUIRES: a live store grant's extents."""
+    def write(self, extents: Extents, data: Any, *, grant: StoreGrant | None = None) -> None:
+        """Copy one part into the mapped arena. REQUIRES: a live store grant's extents.
+        ``grant`` (the grant they are from): its deadline is checked first, LeaseExpired with
+        nothing written once it has passed (the daemon may have handed the pages on)."""
+        if grant is not None:
+            check_live(grant.lease_id, grant.deadline)
         write_part(self._s.mapped(), extents, data)
 
     def read(self, extents: Extents) -> bytes:

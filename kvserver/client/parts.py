@@ -8,12 +8,13 @@ object, one thread). A part is the bytes of one chunk for one TP rank (docs/wire
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 from kvserver.allocator import Extents
 from kvserver.arena import ArenaView
-from kvserver.errors import InvalidArgument
+from kvserver.errors import InvalidArgument, LeaseExpired
 
 #: per key: one buffer (TP=1) or one buffer per rank (index = rank).
 Parts: TypeAlias = Sequence[Any]
@@ -22,6 +23,19 @@ Parts: TypeAlias = Sequence[Any]
 def frame_buffer(frame: Any) -> memoryview:
     """A received frame's bytes: a ``zmq.Frame``'s buffer, or a view from the local channel."""
     return frame if isinstance(frame, memoryview) else frame.buffer
+
+
+def check_live(lease_id: int, deadline: float) -> None:
+    """Raise LeaseExpired unless ``deadline`` (a grant's: this process's monotonic clock,
+    counted from the request's send, so never later than the daemon's) is still ahead.
+
+    A co-located client calls it before it copies into a store grant's pages: once the lease
+    has expired the daemon has taken the reservation back, and after a quarantine (the
+    daemon's default lease, docs/architecture.md "Leases") hands its pages to another key, so
+    a client that wakes up late must not write at all.
+    """
+    if time.monotonic() >= deadline:
+        raise LeaseExpired("the grant's lease has expired: nothing copied", lease=lease_id)
 
 
 def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:

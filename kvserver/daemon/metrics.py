@@ -91,6 +91,8 @@ _TIER_COUNTERS = (
 #: DRAM-only counters: (metric name without _total, help, engine counter)
 _DRAM_COUNTERS = (
     ("kvserver_rolled_back_chunks", "Reserved chunks rolled back.", "rolled_back_chunks"),
+    ("kvserver_quarantined_chunks", "Chunks of expired reservations whose pages were "
+     "quarantined.", "quarantined_chunks"),
     ("kvserver_store_rejections", "Store requests refused: no room.", "store_rejections"),
     ("kvserver_filtered_chunks", "Chunks not admitted (reuse gating, the policy's admission).",
      "filtered_chunks"),
@@ -174,6 +176,11 @@ class DaemonCollector(LoopCollector):
         for name, doc, key in _DRAM_COUNTERS:
             yield CounterMetricFamily(name, doc, value=s["totals"][key])
         yield GaugeMetricFamily("kvserver_leases", "Leases in flight.", s["num_leases"])
+        yield GaugeMetricFamily(
+            "kvserver_quarantined_bytes",
+            "DRAM of expired store reservations not handed out again yet.",
+            s["quarantined_pages"] * page,
+        )
         yield CounterMetricFamily("kvserver_events", "KV events emitted.", s["events_last_seq"])
         refusals = s["refusals"]
         for name, doc, key in _REFUSAL_COUNTERS:

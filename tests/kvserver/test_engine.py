@@ -388,7 +388,11 @@ def test_complete_a_finished_lease_is_lease_error() -> None:
 
 
 @pytest.mark.parametrize("policy", ALL)
-def test_complete_after_expiry_is_lease_expired_and_pages_are_back(policy: str) -> None:
+def test_complete_after_expiry_is_lease_expired_and_pages_come_back_after_quarantine(
+    policy: str,
+) -> None:
+    """An expired reservation's pages are quarantined for default_lease_s (a stalled client
+    may still copy into them), refused to stores meanwhile, then free again."""
     clock = FakeClock()
     with make_engine(policy, num_pages=8, clock=clock, default_lease_s=5.0) as engine:
         ns = engine.register_namespace(make_spec(tp_world_size=2))
@@ -401,13 +405,43 @@ def test_complete_after_expiry_is_lease_expired_and_pages_are_back(policy: str) 
         with pytest.raises(LeaseExpired):
             engine.complete_store(grant.lease_id, ranks=[1])
         stats = engine.stats()
-        assert stats.free_pages == 8 and stats.reserved_pages == 0 and stats.num_writing == 0
+        assert stats.free_pages == 2 and stats.quarantined_pages == 6
+        assert stats.reserved_pages == 0 and stats.num_writing == 0 and stats.ready_pages == 0
         assert stats.totals.expired_leases == 1 and stats.totals.rolled_back_chunks == 3
+        assert stats.totals.quarantined_chunks == 3
         assert engine.lookup(ns, keys) == 0
         assert engine.take_events() == []
         with pytest.raises(LeaseExpired):
             engine.write_part(grant.lease_id, keys[0], 1, bytes(PAGE))
+        assert engine.prepare_store(ns, keys) is None  # the quarantined pages are not handed out
+        engine.check_invariants()
+        clock.advance(4.999)
+        assert engine.stats().quarantined_pages == 6
+        clock.advance(0.001)
+        stats = engine.stats()
+        assert stats.free_pages == 8 and stats.quarantined_pages == 0
         store(engine, ns, keys)  # the keys can be stored again
+        engine.check_invariants()
+
+
+def test_quarantined_pages_are_never_handed_to_a_reservation_before_their_time() -> None:
+    """A reservation expires; the next store gets other pages (or none), never the expired
+    grant's, until the quarantine ends; explicit releases and failed completions free at once."""
+    clock = FakeClock()
+    with make_engine(num_pages=8, clock=clock, default_lease_s=5.0) as engine:
+        ns = engine.register_namespace(make_spec())
+        stale = engine.prepare_store(ns, make_keys(2, tag="a"), client="a")
+        assert stale is not None
+        clock.advance(5.0)
+        engine.expire()
+        fresh = engine.prepare_store(ns, make_keys(6, tag="b"), client="b")
+        assert fresh is not None
+        stale_offsets = {off for ext in stale.locations for part in ext for off, _ in part}
+        fresh_offsets = {off for ext in fresh.locations for part in ext for off, _ in part}
+        assert not stale_offsets & fresh_offsets
+        assert engine.prepare_store(ns, make_keys(1, tag="c")) is None
+        engine.release_client("b")  # released by its client: free at once
+        assert engine.stats().free_pages == 6 and engine.stats().quarantined_pages == 2
         engine.check_invariants()
 
 

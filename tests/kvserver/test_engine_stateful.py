@@ -100,6 +100,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.loads: dict[int, LoadLease] = {}
         self.sightings: Counter[Item] = Counter()
         self.next_seq = 1
+        #: pages of expired reservations, with the time they are free again (quarantine)
+        self.quarantine: list[tuple[float, int]] = []
 
     # ------------------------------------------------------------------ model helpers
 
@@ -113,10 +115,16 @@ class EngineMachine(RuleBasedStateMachine):
             self.engine.close()
 
     def reaped(self) -> None:
-        """The engine reaped expired leases (every call that reaps ends with this)."""
+        """The engine reaped expired leases (every call that reaps ends with this): ended
+        quarantines freed, the pages of expired reservations quarantined for the default lease."""
+        now = self.clock.now
+        self.quarantine = [(until, n) for until, n in self.quarantine if until > now]
         for lease in [*self.stores.values(), *self.loads.values()]:
             if lease.status == "pending":
                 lease.status = "expired"
+                if isinstance(lease, StoreLease) and lease.keys:
+                    pages = PAGES_PER_CHUNK[lease.ns] * len(lease.keys)
+                    self.quarantine.append((now + DEFAULT_LEASE_S, pages))
 
     def live_stores(self) -> list[StoreLease]:
         return [lease for lease in self.stores.values() if lease.status == "live"]
@@ -132,7 +140,11 @@ class EngineMachine(RuleBasedStateMachine):
         return load_pinned | set(self.ttl)
 
     def used_pages(self) -> int:
-        return sum(PAGES_PER_CHUNK[ns] for ns, _ in self.ready | self.writing())
+        held = sum(PAGES_PER_CHUNK[ns] for ns, _ in self.ready | self.writing())
+        return held + self.quarantined_pages()
+
+    def quarantined_pages(self) -> int:
+        return sum(n for _, n in self.quarantine)
 
     def admits(self, item: Item) -> bool:
         return self.threshold < 2 or self.sightings[item] >= self.threshold
@@ -577,6 +589,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert stats.reserved_pages == sum(PAGES_PER_CHUNK[n] for n, _ in writing)
         assert stats.pinned_pages == sum(PAGES_PER_CHUNK[n] for n, _ in pinned)
         assert stats.free_pages == NUM_PAGES - self.used_pages()
+        assert stats.quarantined_pages == self.quarantined_pages()
         assert stats.num_leases == len(self.live_stores()) + len(self.live_loads())
         self.drain_nothing()
 
@@ -592,7 +605,8 @@ class EngineMachine(RuleBasedStateMachine):
         owned = [p for e in eng.entries().values() for pages in e.pages for p in pages]
         assert len(owned) == len(set(owned)) <= NUM_PAGES
         assert set(owned).isdisjoint(eng.allocator._free)
-        assert len(owned) + eng.allocator.num_free == NUM_PAGES
+        quarantined = eng._dram.quarantined_pages  # stats() would reap
+        assert len(owned) + eng.allocator.num_free + quarantined == NUM_PAGES
 
     @invariant()
     def ready_set_agrees_with_model_events_and_lookup(self) -> None:

@@ -1,0 +1,97 @@
+"""A co-located client stalled past its store lease: the daemon quarantines the expired
+reservation's pages (no other key's chunk is made of them before the quarantine ends), and a
+client refuses to copy into a grant whose deadline has passed.
+
+Real daemon processes and co-located clients on this host (shared-memory arena); a stalled
+client's late copy is its own ``write`` at its grant's extents, as a copy in progress when it
+stalled would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserver.client import KVClient
+from kvserver.errors import LeaseExpired
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = make_spec()  # one 4 KiB page per part
+ARENA = 1 << 20
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "1MiB")
+    yield d
+    d.kill()
+
+
+def test_a_late_copy_into_an_expired_reservation_never_lands_in_another_keys_chunk(
+    daemon: DaemonProc,
+) -> None:
+    """Client a's reservation expires while it is stalled mid-copy; client b stores another
+    key right after. b's chunk must not be made of a's pages (a still writes into them when it
+    wakes up): before the quarantine, b got exactly a's page and was served a's bytes."""
+    with KVClient(daemon.zmq_address) as a, KVClient(daemon.zmq_address) as b:
+        ns_id = a.register_namespace(SPEC).ns_id
+        b.register_namespace(SPEC)
+        (key_a,), (key_b,) = make_keys(1, tag="a"), make_keys(1, tag="b")
+        grant = a.prepare_store(ns_id, [key_a], lease_s=0.3)
+        assert grant is not None and a.is_colocated
+        wait_until(lambda: b.stats()["totals"]["expired_leases"] == 1)
+        part_b = pattern(key_b, 0, SPEC.part_bytes)
+        assert b.store(ns_id, [key_b], [part_b]) == [key_b]
+        a.write(grant.locations[0][0], pattern(key_a, 0, SPEC.part_bytes))  # the stalled copy
+        assert bytes(b.get(ns_id, [key_b])[0][0]) == part_b, "a's late copy landed in b's chunk"
+        stats = b.stats()
+        assert stats["quarantined_pages"] == 1 and stats["totals"]["quarantined_chunks"] == 1
+        with pytest.raises(LeaseExpired):
+            a.complete_store(grant.lease_id)
+        assert b.lookup(ns_id, [key_a]).hit_chunks == 0
+
+
+def test_quarantined_pages_drain_by_time(tmp_path: Path) -> None:
+    """A reservation of the whole arena expires: its pages are quarantined for the default
+    lease, then free again, and a store of the whole arena succeeds (nothing stays wedged)."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "1MiB", "--default-lease-s", "1")
+    try:
+        with KVClient(d.zmq_address) as c:
+            ns_id = c.register_namespace(SPEC).ns_id
+            pages = ARENA // SPEC.part_bytes
+            assert c.prepare_store(ns_id, make_keys(pages, tag="a")) is not None
+            wait_until(lambda: c.stats()["totals"]["quarantined_chunks"] == pages)
+            keys = make_keys(pages, tag="b")
+            parts = [pattern(k, 0, SPEC.part_bytes) for k in keys]
+            wait_until(lambda: c.stats()["quarantined_pages"] == 0)
+            assert c.store(ns_id, keys, parts) == keys
+            assert c.stats()["free_pages"] == 0
+    finally:
+        d.kill()
+
+
+def test_a_client_that_wakes_up_after_its_grant_expired_writes_nothing(
+    daemon: DaemonProc,
+) -> None:
+    """A co-located store whose grant is past its deadline before the copy starts (a lease
+    shorter than the round trip) raises LeaseExpired and leaves every arena byte as it was;
+    ``write`` given the grant refuses likewise. Before: the bytes were copied, then
+    complete_store said LeaseExpired."""
+    with KVClient(daemon.zmq_address) as c:
+        ns_id = c.register_namespace(SPEC).ns_id
+        whole = ((0, ARENA),)
+        before = c.read(whole)
+        key = make_keys(1, tag="late")[0]
+        with pytest.raises(LeaseExpired):
+            c.store(ns_id, [key], [pattern(key, 0, SPEC.part_bytes)], lease_s=1e-6)
+        assert c.read(whole) == before, "the expired grant's pages were written"
+        grant = c.prepare_store(ns_id, make_keys(1, tag="late2"), lease_s=1e-6)
+        assert grant is not None
+        with pytest.raises(LeaseExpired):
+            c.write(grant.locations[0][0], pattern(key, 0, SPEC.part_bytes), grant=grant)
+        assert c.read(whole) == before
