@@ -25,7 +25,9 @@ Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index e
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
 sockets stop reading, the peer stream's connections close and their pins end) → give
 in-flight RPCs a short grace → close the tiers below DRAM,
-slowest first (the SSD tier drains its in-flight writes and closes its files) → roll back
+slowest first (the SSD tier drains its in-flight writes for at most its drain timeout, 10 s,
+and closes its files; disk jobs still running then are abandoned, and the process exits
+without waiting for them) → roll back
 in-flight reservations and release pins → stop event streams → remove the shared-memory
 arena and the token files → exit 0.
 """
@@ -86,10 +88,11 @@ GC_YOUNG_THRESHOLD = 10_000
 
 async def serve(
     config: DaemonConfig, stop: asyncio.Event | None = None, *, malloc_tuned: bool = False
-) -> None:
+) -> int:
     """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`);
     ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
-    file."""
+    file. Returns the SSD tier's disk jobs left running past its drain timeout (10 s) at
+    shutdown (``SsdTier.close``; 0 normally)."""
     stop = stop or asyncio.Event()
     # safe by default (docs/security.md): a random token unless one is configured or no_auth;
     # config keeps the configured one (what this daemon sends its peers: "" = their own files)
@@ -238,6 +241,7 @@ async def serve(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)
         logger.info("stopped; shared-memory arena removed")
+    return ssd.abandoned_jobs if ssd is not None else 0
 
 
 async def _join_fleet(
@@ -387,12 +391,17 @@ def main(config: DaemonConfig) -> int:
         logger.info("glibc allocator settings not applied (not glibc, or refused)")
     import uvloop
 
-    async def _main() -> None:
+    async def _main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: terminal closed
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, stop, malloc_tuned=malloc_tuned)
+        return await serve(config, stop, malloc_tuned=malloc_tuned)
 
-    uvloop.run(_main())
+    if uvloop.run(_main()):
+        # disk jobs still hang in the kernel past the drain timeout: the interpreter's exit
+        # would join their threads (wait for them) whatever the timeout said; everything
+        # else is closed by now (the arena and the token files removed)
+        logging.shutdown()
+        os._exit(0)
     return 0

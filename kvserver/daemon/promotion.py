@@ -3,8 +3,8 @@
 Runs on the daemon's event loop, owned by :class:`~kvserver.daemon.tiering.SsdTier` (its
 ``promote`` delegates to :class:`Promotions`); the slot reads run on the tier's I/O threads.
 :class:`Promotions` is given the collaborators it uses — the DRAM engine, the SSD index, the
-read-buffer pool, the counters, and the tier's ``read``/``unpin``/``flush_events`` — and knows
-nothing else of the tier.
+read-buffer pool, the counters, and the tier's ``read``/``unpin``/``flush_events``/``track``
+— and knows nothing else of the tier.
 Several promotions may be under way at once (the ZMQ front end runs each load that needs one as
 its own task), so :class:`Promotions` keeps the keys being promoted, per namespace and key:
 
@@ -31,11 +31,21 @@ One batch (:meth:`Promotions.promote_batch`):
 
 If DRAM cannot take the chunks (every page pinned or reserved) and the caller asked for
 ``direct``, the verified bytes are returned instead, for the remote ``get`` to send straight
-from the read buffers. The reservation holds a lease of ``max_lease_s``: should the disk be so
-slow that it expires, ``write_part`` fails and the chunk is simply not promoted. While a batch
-runs the loop serves other requests, so under DRAM pressure a chunk promoted (or protected) for
-one request may be evicted by another's store before the request pins it: its load then reports
-the chunk missing, as for any miss.
+from the read buffers. Those buffers are bounded per daemon: a batch that would hold more than
+``serve_limit`` bytes of them at once, counting every other batch's still alive (a buffer
+counts until the reply that sends it has let go of it: a finalizer on its mapping), is refused
+before it reads (``CapacityError``, counted in ``refused_direct_chunks``, nothing held), so a
+large ``get`` against a fully pinned DRAM cannot allocate without limit. The reservation holds
+a lease of ``max_lease_s``: should the disk be so slow that it expires, ``write_part`` fails
+and the chunk is simply not promoted. While a batch runs the loop serves other requests, so
+under DRAM pressure a chunk promoted (or protected) for one request may be evicted by another's
+store before the request pins it: its load then reports the chunk missing, as for any miss.
+
+A batch cancelled while slot reads are still running on the I/O threads (its caller's
+deadline, a shutdown) leaves each such slot pinned until its read has ended: the read goes on
+regardless, and an unpinned slot may be reused and rewritten under it (then counted corrupt).
+Such a read is the tier's disk work in flight (``track``: ``wait_idle`` and ``close`` wait
+for it) until it has ended and given back its buffer and its slot.
 """
 
 from __future__ import annotations
@@ -43,11 +53,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from functools import partial
 
 from kvserver.daemon.owners import PROMOTE_CLIENT as PROMOTE_CLIENT
 from kvserver.engine import StorageEngine
-from kvserver.errors import KVServerError
+from kvserver.errors import CapacityError, KVServerError
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd.buffers import BufferPool
 from kvserver.ssd.config import TierCounters
@@ -62,6 +74,7 @@ DEFAULT_PROMOTIONS = 4
 _Parts = dict[bytes, list[memoryview]]
 #: read and verify one pinned slot: (buffer, whether from the reads pool) or None (a miss)
 SlotRead = Callable[[SsdEntry, bool], Awaitable["tuple[memoryview, bool] | None"]]
+_Read = asyncio.Future["tuple[memoryview, bool] | None"]
 
 
 class Promotions:
@@ -83,7 +96,9 @@ class Promotions:
         read: SlotRead,
         unpin: Callable[[SsdEntry], None],
         flush_events: Callable[[], None],
+        track: Callable[[_Read, Callable[[_Read], None]], None],
         window_bytes: int,
+        serve_limit: int,
         limit: int = DEFAULT_PROMOTIONS,
     ) -> None:
         if limit < 1:
@@ -95,7 +110,11 @@ class Promotions:
         self._read = read
         self._unpin = unpin
         self._flush_events = flush_events
+        self._track = track
         self._window_bytes = window_bytes
+        self._serve_limit = serve_limit
+        #: bytes of direct-serve read buffers alive (budgeted, read or being read).
+        self.serving_bytes = 0
         self._slots = asyncio.Semaphore(limit)
         self._inflight: dict[tuple[str, bytes], asyncio.Future[_Parts]] = {}
         #: keys a request waited for because another batch was promoting them.
@@ -191,6 +210,10 @@ class Promotions:
         out: dict[bytes, list[memoryview]] = {}
         lease = 0
         done: list[bytes] = []
+        #: slot reads started and not yet taken by their ``take``
+        reads: dict[bytes, _Read] = {}
+        #: direct-serve bytes budgeted per key and not yet handed to a buffer's finalizer
+        serving: dict[bytes, int] = {}
         try:
             grant = engine.prepare_store(
                 ns_id,
@@ -203,17 +226,26 @@ class Promotions:
             reserved = set(grant.keys) if grant is not None else set()
             lease = grant.lease_id if grant is not None else 0
             wanted = [e for e in todo if e.key in reserved or direct]
+            serving.update((e.key, e.slot_bytes) for e in wanted if e.key not in reserved)
+            self._budget(serving)
 
             async def take(entry: SsdEntry) -> None:
                 """Read one chunk, then (as soon as it is verified, while the others are still
                 being read) copy it into its reserved pages or keep its bytes to send."""
-                got = await self._read(entry, entry.key in reserved)
+                reads[entry.key] = read = asyncio.ensure_future(
+                    self._read(entry, entry.key in reserved)
+                )
+                got = await asyncio.shield(read)  # a cancellation leaves the read running
+                if reads.pop(entry.key, None) is None:
+                    return  # the batch ended meanwhile and took the read over (``_abandon``)
                 if got is None:
+                    self._unserve(serving.pop(entry.key, 0))
                     return
                 buf, pooled = got
                 parts = _parts(buf, spec)
                 if entry.key not in reserved:
                     out[entry.key] = parts  # the caller sends them; the buffer is its own
+                    weakref.finalize(buf.obj, self._unserve, serving.pop(entry.key))
                     self._counters.served_direct_chunks += 1
                     return
                 try:
@@ -230,11 +262,52 @@ class Promotions:
                 await asyncio.gather(*(take(e) for e in window))
         finally:
             for entry in todo:
-                self._unpin(entry)
+                read = reads.pop(entry.key, None)
+                budget = serving.pop(entry.key, 0)
+                if read is None:
+                    self._unpin(entry)
+                    self._unserve(budget)
+                elif read.done():
+                    self._abandon(entry, budget, read)
+                else:  # its thread still reads the slot: unpinned once the read ends
+                    self._track(read, partial(self._abandon, entry, budget))
             if lease:
                 self._finish(lease, done)
             self._flush_events()
         return out
+
+    def _budget(self, serving: dict[bytes, int]) -> None:
+        """Hold the direct-serve bytes of ``serving`` or raise CapacityError, nothing held."""
+        need = sum(serving.values())
+        if not need:
+            return
+        if self.serving_bytes + need > self._serve_limit:
+            self._counters.refused_direct_chunks += len(serving)
+            held, chunks = self.serving_bytes, len(serving)
+            serving.clear()
+            raise CapacityError(
+                "serving these chunks straight from SSD (DRAM cannot take them: every page "
+                "pinned or reserved) would hold too many read buffers; retry later or ask for "
+                "fewer keys",
+                chunks=chunks,
+                bytes=need,
+                serving_bytes=held,
+                limit_bytes=self._serve_limit,
+            )
+        self.serving_bytes += need
+
+    def _unserve(self, nbytes: int) -> None:
+        self.serving_bytes -= nbytes
+
+    def _abandon(self, entry: SsdEntry, budget: int, read: _Read) -> None:
+        """A slot read whose batch ended first has ended: give back its pooled buffer and its
+        direct-serve budget, and unpin its slot."""
+        if not read.cancelled() and read.exception() is None:
+            got = read.result()
+            if got is not None and got[1]:
+                self._reads.release(got[0])
+        self._unserve(budget)
+        self._unpin(entry)
 
     def _finish(self, lease: int, done: list[bytes]) -> None:
         """Complete the promoted keys; roll back whatever else the lease still reserves (one

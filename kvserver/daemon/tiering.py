@@ -109,6 +109,8 @@ class SsdTier(Tier):
         self._publish = publish
         self.threads = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvserver-ssd")
         self.opened = False
+        #: disk jobs still unfinished when ``close`` gave up waiting (``drain_timeout_s``)
+        self.abandoned_jobs = 0
         self._inflight: set[asyncio.Future[Any]] = set()
         self._events: list[tuple[str, bool, bytes]] = []
         self._saved: dict[str, dict[str, Any]] = {}  # namespace specs in the directory
@@ -123,7 +125,9 @@ class SsdTier(Tier):
             read=self.read,
             unpin=self.unpin,
             flush_events=self.flush_events,
+            track=self.track,
             window_bytes=config.staging_bytes,
+            serve_limit=config.staging_bytes,
             limit=max_promotions,
         )
         self.writeback = WriteBack(
@@ -152,7 +156,15 @@ class SsdTier(Tier):
 
     async def close(self) -> None:
         """Drain in-flight I/O (at most ``drain_timeout_s``), stop the threads, close files.
-        REQUIRES: the engine no longer offers evictions (``KVService.close_tiers``)."""
+        REQUIRES: the engine no longer offers evictions (``KVService.close_tiers``).
+
+        Disk jobs not finished by then are abandoned: those not started are cancelled, those
+        running (a hung disk) are not waited for; ``abandoned_jobs`` says how many, and the
+        files stay open for them (closing them under a running job could let its next write
+        land in whatever file reuses the descriptor). What they leave unwritten is simply not
+        on SSD: a slot is valid only once its header, written after its payload, checks out
+        (docs/ssd_format.md), so the next start's rebuild never accepts a half-written one.
+        The daemon then exits without joining the threads (``process.main``)."""
         if self._retry_task is not None:
             self._retry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -160,10 +172,18 @@ class SsdTier(Tier):
         if self._inflight:
             _, pending = await asyncio.wait(self._inflight, timeout=self.config.drain_timeout_s)
             if pending:
-                logger.warning("SSD tier: %d I/O operations still running at close", len(pending))
+                self.abandoned_jobs = len(pending)
+                logger.warning(
+                    "SSD tier: %d disk operations not finished after the drain timeout "
+                    "(%.1f s): abandoned (what they had not written is not on SSD)",
+                    len(pending), self.config.drain_timeout_s,
+                )  # fmt: skip
         self.flush_events()
-        await asyncio.get_running_loop().run_in_executor(None, self.threads.shutdown, True)
-        self.store.close()
+        if self.abandoned_jobs:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self.threads.shutdown, True)
+            self.store.close()
         if self.opened:
             logger.info(
                 "SSD tier closed: %d chunks (%d MiB) in %s",
@@ -447,6 +467,7 @@ class SsdTier(Tier):
             "writes_in_flight": index.num_writing,
             "promoting_chunks": self.promotions.num_in_flight,
             "joined_promotion_chunks": self.promotions.joined_chunks,
+            "serving_bytes": self.promotions.serving_bytes,
             "unsaved_namespaces": len(set(self.engine.namespaces) - self.durable),
             "staging_bytes": self.staging.in_use_bytes,
             "rebuild_s": self.rebuild_s,

@@ -20,7 +20,8 @@ class TierConfig:
     admission: int = 2
     policy: str = "lru"
     io_threads: int = 4
-    #: bytes of evicted chunks waiting to be written (and of promotion read buffers).
+    #: bytes of evicted chunks waiting to be written (and of promotion read buffers); also
+    #: the most bytes of chunks served straight from SSD alive at once (promotion.py).
     staging_bytes: int = 64 << 20
     retry_s: float = 5.0
     #: "auto" (O_DIRECT when the filesystem allows it) or "off".
@@ -50,6 +51,8 @@ class TierCounters:
     loaded_chunks: int = 0
     promoted_chunks: int = 0
     served_direct_chunks: int = 0
+    #: chunks not served straight from SSD: over the read buffers' bound (``promotion.py``)
+    refused_direct_chunks: int = 0
     evicted_chunks: int = 0
     corrupt_chunks: int = 0
     recovered_chunks: int = 0
