@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvserver.client import KVClient
-from kvserver.errors import UnknownKey
+from kvserver.errors import CapacityError, UnknownKey
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd import format as fmt
@@ -158,6 +158,41 @@ def test_remote_get_is_served_from_ssd_when_dram_is_pinned(tmp_path: Path) -> No
                 got = remote.get(ns_id, cold)
                 assert [[bytes(p) for p in row] for row in got] == [expected(SPEC, k) for k in cold]
                 assert ssd(kv)["served_direct_chunks"] == 4
+            finally:
+                kv.complete_load(grant.lease_id)
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+def test_a_remote_get_served_from_ssd_past_the_daemons_bound_is_refused(tmp_path: Path) -> None:
+    """DRAM fully pinned, staging for 6 slots: a remote get of 8 SSD-only chunks would hold 8
+    read buffers at once, so it is answered ``capacity`` before any read (counted); a get of 4
+    is served byte-exact. Was: one buffer per chunk however many the get named."""
+    env = {**ENV, "KVSERVER_SSD_STAGING": str(6 * SLOT)}
+    d = start_daemon(tmp_path, *args(tmp_path / "ssd"), env=env)
+    try:
+        with KVClient(d.zmq_address) as kv, KVClient(d.zmq_address, colocated=False) as remote:
+            ns_id = registered(kv, SPEC)
+            keys = make_keys(80, tag="bound")
+            for i in range(0, len(keys), 4):  # 4 victims at most per store: staging holds 6
+                batch = keys[i : i + 4]
+                assert kv.store(ns_id, batch, [expected(SPEC, k) for k in batch]) == batch
+                settled(kv)
+            cold = on_ssd_only(kv, ns_id, keys)
+            assert len(cold) >= 8
+            hot = [k for k in keys if kv.lookup(ns_id, [k]).tiers["dram"] == 1]
+            grant = kv.prepare_load(ns_id, hot)  # every DRAM page pinned: nothing can move in
+            try:
+                remote.register_namespace(SPEC)
+                with pytest.raises(CapacityError, match="straight from SSD"):
+                    remote.get(ns_id, cold[:8])
+                stats = ssd(kv)
+                assert stats["refused_direct_chunks"] == 8 and stats["served_direct_chunks"] == 0
+                got = remote.get(ns_id, cold[:4])
+                assert [[bytes(p) for p in row] for row in got] == [
+                    expected(SPEC, k) for k in cold[:4]
+                ]
+                assert wait_until(lambda: ssd(kv)["serving_bytes"] == 0)  # the reply was sent
             finally:
                 kv.complete_load(grant.lease_id)
     finally:
