@@ -72,6 +72,12 @@ class RequestTransfers:
     lease id and the extents are that incarnation's: a co-located worker copies only if the
     arena it has mapped belongs to it, and otherwise fails the transfer (never reading or
     writing another arena at these offsets).
+
+    ``expires_in_s`` (stores): the lease time left when the producer shipped the metadata;
+    None when it does not say (older producers). A co-located worker does not start copying
+    into a store's extents once that much time has passed since it received the metadata:
+    the daemon has rolled the reservation back by then, and hands its pages to other keys
+    after a quarantine, so the transfer fails instead (reported in ``failed_keys``).
     """
 
     req_id: str
@@ -79,6 +85,7 @@ class RequestTransfers:
     loads: list[ChunkLoad] = field(default_factory=list)
     stores: list[ChunkStore] = field(default_factory=list)
     granted_by: str = ""
+    expires_in_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -214,7 +221,16 @@ def _transfers_from_wire(body: Any) -> RequestTransfers:
         loads=loads,
         stores=stores,
         granted_by=checked(d.get("granted_by", ""), str, "granted_by"),
+        expires_in_s=_expires_from_wire(d.get("expires_in_s")),
     )
+
+
+def _expires_from_wire(value: Any) -> float | None:
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not value >= 0:  # NaN fails too
+        raise InvalidArgument("expires_in_s must be a number >= 0", got=value)
+    return float(value)
 
 
 def _result_from_wire(body: Any) -> TransferResult:

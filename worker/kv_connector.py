@@ -38,6 +38,10 @@ granted by the incarnation whose arena it has mapped (the ``sid`` of the ``hello
 it after); any other lease fails (its extents are offsets in another arena), so a restarted
 daemon's arena is never read or written at its predecessor's offsets, whatever the timing.
 
+A co-located store whose lease has expired (``RequestTransfers.expires_in_s`` after the
+metadata arrived) before its copy is submitted fails without writing: the daemon has rolled
+that reservation back, and after a quarantine hands its pages to other keys.
+
 Failures never raise into the caller's step: a daemon that cannot be reached fails the chunks
 of the transfers it is given (reported per lease; vLLM recomputes them), and so does a
 co-located daemon that removed its arena file (stopped with SIGTERM, or restarted after a
@@ -50,6 +54,7 @@ it) makes the worker ask the daemon which incarnation it is, and map again if it
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -106,6 +111,10 @@ class KVServerWorkerConnector:
         self._arena_sid = ""
         self._inflight: dict[JobId, Transfer] = {}
         self._stores_left: dict[str, int] = {}
+        #: stores not submitted yet -> when their lease expires (this process's clock)
+        self._store_deadlines: dict[JobId, float] = {}
+        #: stores failed because their lease had expired before the copy could start.
+        self.expired_stores = 0
         self._output = ConnectorWorkerOutput(self.rank)
 
     # ------------------------------------------------------------------ lifetime
@@ -186,6 +195,7 @@ class KVServerWorkerConnector:
             meta = ConnectorMetadata.from_wire(meta)
         if meta.ns_id and meta.ns_id != self.spec.ns_id:
             raise InvalidArgument("metadata of another namespace", ns_id=meta.ns_id)
+        self._note_deadlines(meta)
         if not self._saved:
             self.wait_for_save()
         self._meta, self._saved = meta, False
@@ -250,6 +260,7 @@ class KVServerWorkerConnector:
         flush = set(meta.flush_req_ids)
         if not flush:
             return
+        self._note_deadlines(meta)
         for t in meta.stores:
             job: JobId = (False, t.req_id, t.lease_id)
             if t.req_id in flush and job not in self._flushed:
@@ -346,6 +357,7 @@ class KVServerWorkerConnector:
         if self.engine is None or self._planner is None:
             raise InvalidState("register_kv_caches first")
         job: JobId = (is_load, t.req_id, t.lease_id)
+        deadline = None if is_load else self._store_deadlines.pop(job, None)
         if job in self._inflight:
             logger.warning("lease %d of %s shipped twice; ignored", t.lease_id, t.req_id)
             if counted:
@@ -365,6 +377,11 @@ class KVServerWorkerConnector:
                                t.lease_id, t.req_id, exc)  # fmt: skip
         if not self._connected:
             transfer = unreachable(t, is_load)
+        elif self.arena is not None and deadline is not None and time.monotonic() >= deadline:
+            logger.warning("store lease %d of %s expired before its copy started; it fails",
+                           t.lease_id, t.req_id)  # fmt: skip
+            self.expired_stores += 1
+            transfer = unreachable(t, is_load, "its store lease expired before the copy")
         elif self.arena is not None and t.granted_by != self._arena_sid:
             logger.info("lease %d of %s was granted by another daemon instance (%r, mapped: "
                         "%r); it fails", t.lease_id, t.req_id, t.granted_by,
@@ -376,6 +393,15 @@ class KVServerWorkerConnector:
             self._load_blocks[job] = {c.key: c.block_ids for c in t.loads}
         self._inflight[job] = transfer
         self.engine.submit(transfer)
+
+    def _note_deadlines(self, meta: ConnectorMetadata) -> None:
+        """When each store of ``meta`` that says how long its lease has left expires, on
+        this process's clock (the first time a metadata is seen: ``flush`` or bind)."""
+        now = time.monotonic()
+        deadlines = self._store_deadlines
+        for t in meta.stores:
+            if t.expires_in_s is not None:
+                deadlines.setdefault((False, t.req_id, t.lease_id), now + t.expires_in_s)
 
     @property
     def caches_on_cuda(self) -> bool:

@@ -898,6 +898,11 @@ def test_connector_messages_round_trip_and_reject_malformed() -> None:
     assert ConnectorMetadata.from_wire(wire("meta", meta)) == meta
     older = {k: v for k, v in wire("meta", meta).items() if k != "failed_loads"}
     assert ConnectorMetadata.from_wire(older).failed_loads == []  # optional on the wire
+    meta.stores[0].expires_in_s = 29.5
+    assert ConnectorMetadata.from_wire(wire("meta", meta)).stores[0].expires_in_s == 29.5
+    old_store = {k: v for k, v in wire("meta", meta)["stores"][0].items() if k != "expires_in_s"}
+    older = {**wire("meta", meta), "stores": [old_store]}
+    assert ConnectorMetadata.from_wire(older).stores[0].expires_in_s is None  # optional
     out = ConnectorWorkerOutput(1, [TransferResult("a", 7, [b"k"])], [TransferResult("b", 8)])
     assert ConnectorWorkerOutput.from_wire(wire("out", out)) == out
     body = wire("meta", meta)
@@ -911,6 +916,9 @@ def test_connector_messages_round_trip_and_reject_malformed() -> None:
         {**body, "failed_loads": [{"req_id": "c", "block_ids": ["9"], "finished": True}]},
         {**body, "failed_loads": [{"req_id": "c", "block_ids": [9], "finished": 1}]},
         {**body, "failed_loads": [{"block_ids": [9], "finished": True}]},
+        {**body, "stores": [{**body["stores"][0], "expires_in_s": -1.0}]},
+        {**body, "stores": [{**body["stores"][0], "expires_in_s": "30"}]},
+        {**body, "stores": [{**body["stores"][0], "expires_in_s": float("nan")}]},
         [],
     ):
         with pytest.raises(InvalidArgument):

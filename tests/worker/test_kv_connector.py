@@ -370,3 +370,32 @@ def test_register_checks_the_namespace(daemon: DaemonProc) -> None:
             WorkerConnectorConfig(daemon.zmq_address, spec, 2)
     finally:
         conn.close()
+
+
+def test_a_colocated_store_whose_lease_ran_out_before_its_copy_writes_nothing(
+    make_cluster: Any, daemon: DaemonProc
+) -> None:
+    """The scheduler ships each store with the time its lease has left; a co-located worker
+    that gets to the copy only after that much time (here: none left on arrival, as after a
+    stall) fails the store instead of writing pages the daemon may have handed on (a
+    quarantine later). Was: it copied regardless; here the chunks then became READY."""
+    c = make_cluster()
+    w = c.workers[0]
+    r = FakeRequest("late", tokens(17, base=700), c.spec)
+    assert c.admit(r) == (0, False)
+    shipped: list[float | None] = []
+
+    def no_time_left(rank: int, meta: ConnectorMetadata) -> None:
+        for t in meta.stores:
+            shipped.append(t.expires_in_s)
+            t.expires_in_s = 0.0
+
+    c.step({"late": (r, 16)}, tamper=no_time_left, sync=True)  # the scheduler reserves
+    for _ in range(8):
+        _, report = c.step(tamper=no_time_left, sync=True)
+        if "late" in report.finished_sending:
+            break
+    c.settle()  # the completion goes out (held for a later plan)
+    assert shipped and all(s is not None and s > 0 for s in shipped)  # stamped when shipped
+    assert ready_chunks(daemon, r) == 0, "copied into an expired reservation and completed"
+    assert w.conn.expired_stores == 1
