@@ -72,7 +72,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROMOTIONS = 4
 
 _Parts = dict[bytes, list[memoryview]]
-#: read and verify one pinned slot: (buffer, whether from the reads pool) or None (a miss)
+#: read and verify one pinned slot: (buffer, whether from the reads pool) or None (a miss);
+#: a buffer not from the pool is a view of an object of its own that can be weakly referenced
+#: (an anonymous mmap: the direct-serve budget is given back when it is freed)
 SlotRead = Callable[[SsdEntry, bool], Awaitable["tuple[memoryview, bool] | None"]]
 _Read = asyncio.Future["tuple[memoryview, bool] | None"]
 
