@@ -1,5 +1,5 @@
-"""Tests of kvserver.policies.return_gaps: the learnt survival of the gaps between two requests
-of one conversation (``chain``'s ranking by age)."""
+"""Tests of kvserver.policies.chain.return_gaps: the learnt survival of the gaps between two
+requests of one conversation (``chain``'s ranking by age)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvserver.policies.return_gaps import LIMIT, PRIOR_GAP, ReturnGaps
+from kvserver.policies.chain.return_gaps import LIMIT, PRIOR_GAP, ReturnGaps
 
 AGES = [0, 1, 2, 3, 5, 8, 13, 50, 100, 333, 1_000, 4_097, 10**5, 10**9, (1 << 64) - 1]
 

@@ -1,0 +1,48 @@
+"""Chain-return eviction (``chain``): conversations ranked by the learnt odds that they come
+back, shared prefixes by how often they are read, each chain's tail before its head.
+
+Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
+:mod:`kvserver.policies.base` for the call contract. It reads whole requests through
+:meth:`EvictionPolicy.lookup` (``reads_requests = True``: the engine passes a planning lookup's
+keys, misses included), which is what lets it follow a conversation from turn to turn.
+
+Why. A conversation's next turn re-reads its whole context, so a private chain is worth its
+space only if the conversation comes back, and a chain that was read (or stored) long ago is
+more likely to have ended. Which chains end is learnt, not assumed. The modules, one concept
+each (imports go down the list):
+
+- :mod:`~kvserver.policies.chain.states`: a chain (one conversation as the policy follows
+  it), its state (turns so far, log2 of the chunks its last request added), and the return
+  chance learnt per state from the outcomes seen (it returned, or its tail was evicted first);
+- :mod:`~kvserver.policies.chain.return_gaps`: the learnt survival ``S(g)`` of the gaps between
+  two requests of one chain (a chain idle ``g`` ticks is live with odds ``p / (1 - p) *
+  S(g)``);
+- :mod:`~kvserver.policies.chain.queues`: the tracked keys in one LRU list per class (a chain
+  state, or a shared key's read-rate bucket), each list in rank order, merged by rank to
+  choose victims;
+- :mod:`~kvserver.policies.chain.admission`: whether a store's new keys are worth the keys they
+  would displace (a one-off document, once documents were seen to leave unread, is declined);
+- :mod:`~kvserver.policies.chain.policy`: :class:`ChainPolicy`, which follows the chains
+  through lookups, stores, loads and evictions, values shared prefixes by read rate and adapts
+  how much their age counts (``kappa``).
+
+docs/benchmarks.md ("Eviction policies vs Belady") has the measurements and what was tried.
+"""
+
+from __future__ import annotations
+
+from kvserver.policies.chain.admission import MARGIN, MIN_OUTCOMES
+from kvserver.policies.chain.policy import KAPPA_STEP, ChainPolicy
+from kvserver.policies.chain.states import HALF_LIFE, HI, LO, MAX_TURNS, PRIOR_WEIGHT
+
+__all__ = [
+    "HALF_LIFE",
+    "HI",
+    "KAPPA_STEP",
+    "LO",
+    "MARGIN",
+    "MAX_TURNS",
+    "MIN_OUTCOMES",
+    "PRIOR_WEIGHT",
+    "ChainPolicy",
+]

@@ -1,0 +1,352 @@
+"""``ChainPolicy``: follows each conversation from turn to turn and ranks its chunks by the learnt
+odds that it comes back; shared prefixes by how often they are read.
+
+Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
+:mod:`kvserver.policies.base` for the call contract and :mod:`kvserver.policies.chain` for the
+idea. This module owns which chain holds which key, the chains' tails, the keys looked up and
+not yet stored, the ghosts and ``kappa``; the learnt odds per state
+(:mod:`~kvserver.policies.chain.states`), the gaps' survival
+(:mod:`~kvserver.policies.chain.return_gaps`) and the ranked lists
+(:mod:`~kvserver.policies.chain.queues`) are objects it holds; admission
+(:mod:`~kvserver.policies.chain.admission`) reads them.
+
+- **chains.** A request extends a *chain*: the last key of the previous request of the same
+  conversation (the chain's *tail*) is among its keys. A lookup finds the deepest known tail
+  in its keys (tails are remembered after their keys leave, so an evicted conversation that
+  returns is still recognised); the chain's turn count goes up by one and the request's last
+  key becomes its tail. No known tail: a new chain (a conversation's first turn, a document).
+  The keys a lookup missed are the chain's when they are stored (``insert_batch``); a batch
+  no lookup announced is a chain of its own. A lookup that adds nothing to its chain (its
+  last key is the tail) is no new turn: while that key is still pending (looked up, not
+  stored: the scheduler retrying a request's planning lookup) nothing is counted; once it
+  was stored, it is a re-read: the chain returned, and stays in its state;
+- **plain clients.** A client that never looks up (put/get, gRPC) shows only stores and
+  loads. A load (``touch``) of a chain no lookup followed is that chain's return, counted as
+  a re-read; a chain a lookup follows has its returns counted by ``lookup`` only (the load
+  after a planning lookup is the same request). Without this such clients' puts learnt
+  only evictions (p near 0) and admission declined half of them;
+- **when.** A chain of state s is live with prior odds ``p / (1 - p)``; after ``g`` ticks
+  without a return its odds are ``p / (1 - p) * S(g)``, ``S(g)`` the chance that a live
+  chain's next request comes more than ``g`` ticks after its last, learnt from the gaps seen.
+  Chains are ranked by ``clip(logit p) + log S(g)`` evaluated when ``evict`` runs; ``r`` is
+  the learnt rate of returns (1 / the mean gap, in policy ticks, between two requests of one
+  chain);
+- **shared prefixes.** A key read by two different chains (a system prompt, a document several
+  questions start from), or stored again by another chain than the one that stored it before
+  it was evicted (every evicted key is a *ghost* for a while: its uses, when it was first
+  stored, its chain), is *shared*; it is valued by its read rate ``lam`` (reads per tick
+  since it was first stored): its log-odds are ``HI + ln(lam / r) - kappa r g``, those of a
+  memoryless chain sure to return whose reads are ``lam / r`` times as frequent (so a rare
+  prompt can rank below a fresh conversation), its age counting ``kappa`` times;
+- **how shared keys age, adapted online** (as ARC adapts its split). A chain's odds fall with
+  the time since its last read; a shared key read at a steady rate does not become less
+  likely to be read again. ``kappa`` in [0, 1] (1: it ages as a chain, 0: ranked by its read
+  rate alone) starts at 1 and moves with the misses on ghosts that a lookup shows: each
+  missed chunk that was the same conversation's adds ``KAPPA_STEP`` (conversations lacked
+  room), each that was shared or another conversation's takes ``KAPPA_STEP`` off (shared
+  prefixes left too early). In a small cache, where conversations' chunks are what misses,
+  shared keys age as chains; in a large one, where what misses is a rarely read prompt that
+  outlived the conversations around it, they are kept by their read rate;
+- **tail before head.** The keys of one request are queued deepest first, so of two keys read
+  together the deeper leaves first and what stays is a usable prefix.
+
+Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost; a
+return adds its gap to the histogram, whose table is rebuilt now and then); ``insert_batch``
+and ``touch`` O(1) per key; ``evict`` as :meth:`ClassQueues.choose`, plus O(len(incoming))
+dict probes to admit (it stops at the first key that ranks). ``bench_policies`` measures the
+cost per chunk operation against LRU.
+
+Invariants: ``_queues``, ``_owner``, ``_uses`` and ``_born`` hold exactly the tracked keys;
+``_shared`` is a subset of them; ghosts and tracked keys are disjoint; ``_tails`` (two per
+tracked key + 1,024), ``_pending`` (four + 1,024) and ``_ghosts`` (one) are bounded, oldest
+dropped first. ``evict`` changes nothing before it has chosen every victim and decided to
+admit, so a ``None`` leaves the same state; ``kappa`` stays in [0, 1] and only ``lookup``
+changes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+
+from kvserver.policies.base import EvictionPolicy
+from kvserver.policies.chain.admission import declines
+from kvserver.policies.chain.queues import ClassQueues
+from kvserver.policies.chain.return_gaps import ReturnGaps
+from kvserver.policies.chain.states import (
+    HI,
+    Chain,
+    Ghost,
+    State,
+    StateOdds,
+    shared_class,
+    shared_rate,
+)
+
+#: change of ``kappa`` (how much a shared key's age counts) per missed chunk that was a ghost
+KAPPA_STEP = 0.003
+
+
+class ChainPolicy(EvictionPolicy):
+    """Per-conversation odds of return, learnt online (see the module docstring)."""
+
+    name = "chain"
+    reads_requests = True
+    admits = True
+
+    def __init__(self) -> None:
+        self._now = 0  # ticks: one per lookup, touch or store batch
+        self._queues = ClassQueues()  # the tracked keys by class, in rank order
+        self._owner: dict[Hashable, Chain] = {}
+        self._uses: dict[Hashable, int] = {}
+        self._born: dict[Hashable, int] = {}
+        self._shared: set[Hashable] = set()
+        self._ghosts: OrderedDict[Hashable, Ghost] = OrderedDict()  # evicted keys
+        self._tails: OrderedDict[Hashable, Chain] = OrderedDict()
+        self._pending: OrderedDict[Hashable, Chain] = OrderedDict()  # looked up, not stored
+        self._odds = StateOdds()  # outcomes per chain state: the return chances
+        self._gaps = ReturnGaps()  # between two requests of one chain: mean, survival
+        self._kappa = 1.0  # how much a shared key's age counts (1: as a chain's)
+
+    # ------------------------------------------------------------------ observability
+
+    def return_chance(self, state: State) -> float:
+        """The learnt chance that a chain in ``state`` (turns, log2 chunks added) returns."""
+        return self._odds.return_chance(state)
+
+    @property
+    def mean_gap(self) -> float:
+        """The learnt mean gap, in ticks, between two requests of one chain."""
+        return self._gaps.mean
+
+    def log_survival(self, age: int) -> float:
+        """The learnt log chance that a live chain's next request comes more than ``age``
+        ticks after its last (0 at age 0, never rising with the age)."""
+        return self._gaps.log_survival(age)
+
+    @property
+    def shared_aging(self) -> float:
+        """``kappa``: how much a shared key's age counts against it (1: as much as a chain's,
+        0: not at all), adapted online from the misses on ghosts."""
+        return self._kappa
+
+    def is_shared(self, key: Hashable) -> bool:
+        """Whether ``key`` was read by two different chains."""
+        return key in self._shared
+
+    def turns(self, key: Hashable) -> int | None:
+        """The turn count of the chain that holds ``key`` (None: shared or not tracked)."""
+        owner = self._owner.get(key)
+        return None if owner is None or key in self._shared else owner.turns
+
+    # ------------------------------------------------------------------ contract
+
+    def lookup(self, keys: Sequence[Hashable], hits: int) -> None:
+        """A request read ``keys`` (head first), the first ``hits`` resident: it continues the
+        chain whose tail is the deepest of its keys (or starts one); its hits are used."""
+        self._now += 1
+        now, tails = self._now, self._tails
+        chain = None
+        j = len(keys) - 1
+        while j >= 0:
+            chain = tails.pop(keys[j], None)
+            if chain is not None:
+                break
+            j -= 1
+        if chain is not None and j == len(keys) - 1:  # nothing added: the same request again
+            tails[keys[j]] = chain
+            if keys[j] not in self._pending:  # stored since: a re-read, the chain returned
+                self._reread(chain, now)
+            chain.planned = True  # else a planning lookup retried: no outcome
+            self._use(keys[:hits], chain)
+            return
+        if chain is not None:
+            self._count(chain, returned=True)
+            self._gaps.add(now - chain.time)
+            chain.turns += 1
+            added = len(keys) - j - 1
+        else:
+            chain = Chain(1, (1, 0), now, 0)
+            added = len(keys) - hits
+        chain.planned = True
+        chain.enter(added, now)
+        if keys:
+            tails[keys[-1]] = chain
+            self._bound(tails)
+        pending, time, ghosts = self._pending, self._queues.time, self._ghosts
+        step = 0  # missed chunks that were this chain's ghosts, less those that were others'
+        for key in keys[hits:]:
+            if key not in time:
+                pending[key] = chain
+                pending.move_to_end(key)
+                ghost = ghosts.get(key)
+                if ghost is not None:
+                    step += 1 if ghost[2] is chain else -1
+        if step:
+            self._kappa = min(max(self._kappa + KAPPA_STEP * step, 0.0), 1.0)
+        self._bound(pending, 4)
+        self._use(keys[:hits], chain)
+
+    def insert(self, key: Hashable) -> None:
+        """Track ``key`` as a batch of one."""
+        self.insert_batch((key,))
+
+    def insert_batch(self, keys: Sequence[Hashable]) -> None:
+        """Track the keys of one store batch (head first): each joins the chain that looked
+        it up, else the batch is a new chain; deepest queued first. Tracked keys are used."""
+        self._now += 1
+        now, pending, time, queue = self._now, self._pending, self._queues.time, self._queues.queue
+        own: Chain | None = None
+        for position in range(len(keys) - 1, -1, -1):
+            key = keys[position]
+            if key in time:
+                self._use((key,), None)
+                continue
+            chain = pending.pop(key, None)
+            if chain is None:
+                if own is None:
+                    own = Chain(1, (1, 0), now, 0)
+                    own.enter(len(keys), now)
+                    self._tails[keys[-1]] = own
+                    self._bound(self._tails)
+                chain = own
+            ghost = self._ghosts.pop(key, None)
+            self._owner[key] = chain
+            self._born[key] = now if ghost is None else ghost[1]
+            self._uses[key] = 0 if ghost is None else ghost[0]
+            if ghost is not None and ghost[2] is not chain:  # shared, or another chain's
+                self._shared.add(key)
+                queue(key, shared_class(self._uses[key], self._born[key], now), now)
+            else:
+                queue(key, chain.state, now)
+
+    def remove(self, key: Hashable) -> None:
+        if key in self._queues:
+            self._drop(key)
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Use the tracked ``keys`` in their classes (first key ends most recent). A load of a
+        chain no lookup followed (a plain client's get of what it put) is that chain's return:
+        its state's outcome (returned) is counted and the chain stays in its state, open
+        again; a chain :meth:`lookup` follows has its returns counted there (the load after a
+        planning lookup is the same request, no second return)."""
+        self._now += 1
+        now, owner, shared, time = self._now, self._owner, self._shared, self._queues.time
+        used = [key for key in keys if key in time]
+        for key in used:
+            chain = owner[key]  # counted once per load: _reread sets its time to now
+            if not chain.planned and chain.time != now and key not in shared:
+                self._reread(chain, now)
+        self._use(used, None)
+
+    def evict(
+        self,
+        need: int,
+        cost: Callable[[Hashable], int],
+        evictable: Callable[[Hashable], bool],
+        incoming: Sequence[Hashable] = (),
+    ) -> list[Hashable] | None:
+        self.declined = False
+        if need <= 0:
+            return []
+        chosen = self._queues.choose(need, cost, evictable, self._offset, self._rank, self._now)
+        if chosen is None:
+            return None
+        victims, lowest = chosen
+        if incoming and declines(
+            incoming,
+            lowest,
+            self._now + 1,  # the tick insert_batch would queue them at
+            self._queues.time,
+            self._pending,
+            self._ghosts,
+            self._odds,
+            self._offset,
+        ):
+            self.declined = True
+            return None
+        ghosts, tails = self._ghosts, self._tails
+        for key in victims:
+            chain = tails.get(key)
+            if chain is not None and chain.open:
+                self._count(chain, returned=False)
+            shared = key in self._shared
+            ghosts[key] = (self._uses[key], self._born[key], None if shared else self._owner[key])
+            self._drop(key)
+        while len(ghosts) > len(self._queues):
+            ghosts.popitem(last=False)
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._queues.time
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """Tracked keys in eviction order (first = next victim, ignoring pins)."""
+        return iter(self._queues.ordered(self._offset, self._rank, self._now))
+
+    # ------------------------------------------------------------------ internals
+
+    def _rank(self, age: int, state: State, offset: float) -> float:
+        """The log-odds now of a key of class ``state`` (whose log-odds at age 0 are
+        ``offset``) last used ``age`` ticks ago; within a class it never rises with the age."""
+        if state[0] == 0:  # shared: its age counts kappa times, memoryless
+            return offset - self._kappa * age / self._gaps.mean
+        if age <= 0:
+            return offset
+        # self._gaps.log_survival(age), inlined (one call per key evict passes over)
+        table, b = self._gaps.table, age.bit_length()  # 2**(b-1) <= age < 2**b
+        low = 1 << (b - 1)
+        below = table[b - 1]
+        return offset + below + (age - low) / low * (table[b] - below)
+
+    def _offset(self, state: State) -> float:
+        """The log-odds of a key of ``state`` just read."""
+        if state[0] == 0:  # shared, read-rate bucket
+            return HI + math.log(shared_rate(state) * self._gaps.mean)
+        return self._odds.log_odds(state)
+
+    def _count(self, chain: Chain, returned: bool) -> None:
+        """One outcome of ``chain``'s state, once per state: it returned, or its tail was
+        evicted first (counted as not returned; a later return still counts as one)."""
+        self._odds.count(chain.state, chain.weight, returned, chain.open)
+        chain.open = False
+
+    def _reread(self, chain: Chain, now: int) -> None:
+        """``chain``'s keys were read again with nothing added (a re-read, or a plain client's
+        load): it returned, and stays in its state, open again, last read at ``now``."""
+        self._count(chain, returned=True)
+        self._gaps.add(now - chain.time)
+        chain.time = now
+        chain.open = True
+
+    def _use(self, keys: Sequence[Hashable], chain: Chain | None) -> None:
+        """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds
+        them): queued again deepest first; a key another chain holds becomes shared."""
+        owner, shared, uses, now = self._owner, self._shared, self._uses, self._now
+        queue = self._queues.queue
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            uses[key] += 1
+            if chain is not None and owner[key] is not chain and key not in shared:
+                shared.add(key)
+            if key in shared:
+                queue(key, shared_class(uses[key], self._born[key], now), now)
+            else:
+                if chain is not None:
+                    owner[key] = chain
+                queue(key, owner[key].state, now)
+
+    def _drop(self, key: Hashable) -> None:
+        self._queues.drop(key)
+        del self._owner[key], self._uses[key], self._born[key]
+        self._shared.discard(key)
+
+    def _bound(self, table: OrderedDict[Hashable, Chain], factor: int = 2) -> None:
+        """Keep ``table`` (oldest first) within ``factor`` entries per tracked key (+1024)."""
+        limit = factor * len(self._queues) + 1024
+        while len(table) > limit:
+            table.popitem(last=False)

@@ -1,0 +1,127 @@
+"""The tracked keys of ``chain`` in one LRU list per class, merged by rank to choose victims.
+
+Runs inside the storage engine as part of :class:`~kvserver.policies.chain.ChainPolicy` (single
+owner, no locks, no I/O). The policy queues a key when it is stored or read
+(:meth:`ClassQueues.queue`), drops it when it leaves (:meth:`ClassQueues.drop`), and asks
+:meth:`ClassQueues.choose` for the victims of an ``evict``.
+
+Order. A key's *class* is its chain's state, or a shared key's read-rate bucket. Within a class
+every key's log-odds are the same offset (the class's, from the policy's current estimates)
+plus a function of the key's age that never rises, so a list kept in order of last use is in
+rank order: its head is the class's least valuable key. ``choose`` merges the classes'
+evictable heads on a heap by their log-odds at that moment and takes the lowest first; ties go
+to the key queued first (its sequence number).
+
+Costs: ``queue`` and ``drop`` O(1); ``choose`` O(c + v log c) for c non-empty classes and v
+keys passed over (victims and keys ``evictable`` refuses).
+
+Invariants: ``time`` and ``classes`` hold exactly the tracked keys, each key in the list of its
+class and in no other; no list is empty; sequence numbers rise in each list from head to tail.
+``choose`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+
+from kvserver.policies.chain.states import State
+
+#: the log-odds at age 0 of a class (``offset(state)``)
+Offset = Callable[[State], float]
+#: the log-odds now of a key of class ``state`` last used ``age`` ticks ago, the class's
+#: offset given: ``rank(age, state, offset)``, never rising with the age
+Rank = Callable[[int, State, float], float]
+
+
+@dataclass(slots=True)
+class ClassQueues:
+    """Per-class LRU lists of the tracked keys (see the module docstring)."""
+
+    time: dict[Hashable, int] = field(default_factory=dict)  # key -> tick of its last use
+    classes: dict[Hashable, State] = field(default_factory=dict)
+    lists: dict[State, OrderedDict[Hashable, int]] = field(default_factory=dict)  # -> seq
+    seq: int = 0  # queue order (ties)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.time
+
+    def __len__(self) -> int:
+        return len(self.time)
+
+    def queue(self, key: Hashable, state: State, now: int) -> None:
+        """(Re)queue ``key`` at the end of ``state``'s list, used at ``now``."""
+        old = self.classes.get(key)
+        if old is not None:
+            del self.lists[old][key]
+            if not self.lists[old]:
+                del self.lists[old]
+        self.seq += 1
+        self.lists.setdefault(state, OrderedDict())[key] = self.seq
+        self.classes[key] = state
+        self.time[key] = now
+
+    def drop(self, key: Hashable) -> None:
+        """Forget the tracked ``key``. REQUIRES: ``key`` is tracked."""
+        state = self.classes.pop(key)
+        del self.lists[state][key]
+        if not self.lists[state]:
+            del self.lists[state]
+        del self.time[key]
+
+    def choose(
+        self,
+        need: int,
+        cost: Callable[[Hashable], int],
+        evictable: Callable[[Hashable], bool],
+        offset: Offset,
+        rank: Rank,
+        now: int,
+    ) -> tuple[list[Hashable], float] | None:
+        """The victims, lowest log-odds first, whose costs sum to ``need`` or more among the
+        ``evictable`` keys, and the log-odds of the first of them (0.0 when none could be
+        considered); ``None`` when the evictable keys cannot cover ``need``. Changes nothing."""
+        heads: list[tuple[float, int, State]] = []  # (log-odds now, seq, class)
+        head: dict[State, Hashable] = {}  # each class's next candidate
+        cursors: dict[State, Iterator[tuple[Hashable, int]]] = {}
+        offsets: dict[State, float] = {}
+        time = self.time
+
+        def advance(state: State) -> None:
+            """Queue the class's next evictable key (none left: the class drops out)."""
+            for key, seq in cursors[state]:
+                if evictable(key):
+                    head[state] = key
+                    value = rank(now - time[key], state, offsets[state])
+                    heapq.heappush(heads, (value, seq, state))
+                    return
+
+        for state, members in self.lists.items():
+            if members:
+                offsets[state] = offset(state)
+                cursors[state] = iter(members.items())
+                advance(state)
+        victims: list[Hashable] = []
+        lowest = heads[0][0] if heads else 0.0
+        freed = 0
+        while freed < need:
+            if not heads:
+                return None
+            _, _, state = heapq.heappop(heads)
+            key = head[state]
+            victims.append(key)
+            freed += cost(key)
+            advance(state)
+        return victims, lowest
+
+    def ordered(self, offset: Offset, rank: Rank, now: int) -> list[Hashable]:
+        """Every tracked key, lowest log-odds first (ties: queued first)."""
+        offsets = {state: offset(state) for state in self.lists}
+        order = sorted(
+            (rank(now - self.time[key], state, offsets[state]), seq, key)
+            for state, members in self.lists.items()
+            for key, seq in members.items()
+        )
+        return [key for _, _, key in order]

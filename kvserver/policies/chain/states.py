@@ -1,0 +1,130 @@
+"""The chains ``chain`` follows, their states, and the learnt odds that a chain returns.
+
+Runs inside the storage engine as part of :class:`~kvserver.policies.chain.ChainPolicy` (single
+owner, no locks, no I/O). The policy owns one :class:`StateOdds` and a :class:`Chain` per
+conversation it follows; it calls :meth:`Chain.enter` when a chain makes a request,
+:meth:`StateOdds.count` when a chain's stay in its state has an outcome, and
+:meth:`StateOdds.log_odds` when it ranks a class.
+
+- **chains.** A :class:`Chain` is one conversation as the policy sees it: its turn count, its
+  *state*, the tick of its last request, and the chunks that request added (its weight in the
+  counts). Its state is (turns so far, capped at ``MAX_TURNS``; log2 of the chunks its last
+  request added). A state with turns 0 is not a chain's but a shared key's read-rate bucket
+  (:func:`shared_class`);
+- **outcomes.** Each stay in a state has one outcome, weighted by the chunks that request
+  added: the chain returned, or its tail was evicted first (not returned; a later return still
+  adds a return). ``p(state)`` = returns / outcomes, shrunk towards the rate over all states
+  with ``PRIOR_WEIGHT`` chunks, that one towards ``PRIOR_P`` (no outcome, no change: before
+  any, every state is at even odds). A one-off document (hundreds of chunks on its first
+  turn) learns p ≈ 0 after one; a chat's early turns p ≈ 1, its last turns less. A state's
+  counts are halved when they reach ``HALF_LIFE`` chunks (recent outcomes win);
+- **log-odds.** A chain just read ranks by ``clip(logit p, -LO, HI)``.
+
+Invariants: every count is non-negative, and a state's three counts are halved together;
+``return_chance`` is in [1e-6, 1 - 1e-6]; ``log_odds`` in [-LO, HI].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: turn counts above this share one state
+MAX_TURNS = 16
+#: clip of logit(p), a just-read chain's log-odds: at most HI (sure to return; also the
+#: log-odds of a shared key read once per mean gap) ...
+HI = 6.0
+#: ... and at least -LO (sure not to)
+LO = 14.0
+#: prior of the return chance over all states; weight, in chunks, of a prior (that one in the
+#: overall rate, the overall rate in a state's)
+PRIOR_P = 0.5
+PRIOR_WEIGHT = 64.0
+#: a state's counts are halved when its outcomes reach this many chunks (recent ones win)
+HALF_LIFE = 1 << 16
+#: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
+RATE_SCALE = 1 << 16
+
+State = tuple[int, int]  # (turns, log2 chunks added); turns 0 = a shared-key rate bucket
+
+
+@dataclass(slots=True)
+class Chain:
+    """One conversation as the policy follows it."""
+
+    turns: int
+    state: State
+    time: int  # tick of its last request
+    weight: int  # chunks its last request added (its weight in the return counts)
+    open: bool = True  # its state's outcome not counted yet (neither returned nor evicted)
+    planned: bool = False  # followed through lookups (its returns are counted by lookup only)
+
+    def enter(self, added: int, now: int) -> None:
+        """The chain made a request adding ``added`` chunks at tick ``now``: its new state,
+        open (no outcome counted yet)."""
+        self.state = (min(self.turns, MAX_TURNS), added.bit_length())
+        self.time = now
+        self.weight = max(added, 1)
+        self.open = True
+
+
+#: an evicted key remembered: (its uses, the tick it was first stored, its chain; None: shared)
+Ghost = tuple[int, int, Chain | None]
+
+
+def shared_class(uses: int, born: int, now: int) -> State:
+    """The read-rate bucket of a shared key read ``uses`` times since tick ``born``."""
+    lam = (uses + 1) / (now - born + 1)
+    return (0, int(lam * RATE_SCALE).bit_length())
+
+
+def shared_rate(state: State) -> float:
+    """The read rate (reads per tick) a shared bucket stands for: the middle of its range."""
+    return (1 << state[1]) / (2 * RATE_SCALE)
+
+
+@dataclass(slots=True)
+class StateOdds:
+    """Outcomes counted per chain state (chunk-weighted, halved alike) and the return chance
+    learnt from them (see the module docstring)."""
+
+    counted: dict[State, float] = field(default_factory=dict)
+    outcomes: dict[State, float] = field(default_factory=dict)  # outcomes, not chunks
+    returned: dict[State, float] = field(default_factory=dict)
+    all_counted: float = 0.0  # the same summed over the states (the prior of each)
+    all_returned: float = 0.0
+
+    def return_chance(self, state: State) -> float:
+        """The learnt chance that a chain in ``state`` returns."""
+        prior = (self.all_returned + PRIOR_WEIGHT * PRIOR_P) / (self.all_counted + PRIOR_WEIGHT)
+        p = (self.returned.get(state, 0.0) + PRIOR_WEIGHT * prior) / (
+            self.counted.get(state, 0.0) + PRIOR_WEIGHT
+        )
+        return min(max(p, 1e-6), 1.0 - 1e-6)
+
+    def log_odds(self, state: State) -> float:
+        """The log-odds of a chain of ``state`` just read: ``logit p`` clipped to [-LO, HI]."""
+        p = self.return_chance(state)
+        return min(max(math.log(p / (1.0 - p)), -LO), HI)
+
+    def count(self, state: State, weight: int, returned: bool, first: bool) -> None:
+        """An outcome of a stay in ``state`` whose request added ``weight`` chunks: it returned
+        (``returned``) or its tail was evicted. Only the ``first`` outcome of a stay counts as
+        one; a return after it adds a return."""
+        if returned:
+            self.returned[state] = self.returned.get(state, 0.0) + weight
+            self.all_returned += weight
+        if not first:
+            return
+        counted = self.counted.get(state, 0.0) + weight
+        outcomes = self.outcomes.get(state, 0.0) + 1.0
+        if counted >= HALF_LIFE:
+            counted /= 2
+            outcomes /= 2
+            self.returned[state] = self.returned.get(state, 0.0) / 2
+        self.counted[state] = counted
+        self.outcomes[state] = outcomes
+        self.all_counted += weight
+        if self.all_counted >= HALF_LIFE:
+            self.all_counted /= 2
+            self.all_returned /= 2
