@@ -13,14 +13,23 @@ conversation it follows; it calls :meth:`Chain.enter` when a chain makes a reque
   (:func:`shared_class`);
 - **outcomes.** Each stay in a state has one outcome, weighted by the chunks that request
   added: the chain returned, or its tail was evicted first (not returned; a later return still
-  adds a return). ``p(state)`` = returns / outcomes, shrunk towards the rate over all states
-  with ``PRIOR_WEIGHT`` chunks, that one towards ``PRIOR_P`` (no outcome, no change: before
-  any, every state is at even odds). A one-off document (hundreds of chunks on its first
-  turn) learns p ≈ 0 after one; a chat's early turns p ≈ 1, its last turns less. A state's
-  counts are halved when they reach ``HALF_LIFE`` chunks (recent outcomes win);
+  adds a return). ``p(state)`` = returns / outcomes, shrunk with ``PRIOR_WEIGHT`` chunks
+  towards a prior learnt the same way one level up (no outcome, no change: before any, every
+  state is at even odds). The levels: the state and its two neighbours in size on the same
+  turn (``NEIGHBOUR_WEIGHT``), the same turn over every size (``TURN_WEIGHT``; turns 2 and up:
+  a first turn's sizes mix chats with documents), all states (``PRIOR_WEIGHT``), ``PRIOR_P``.
+  Why (session 9): a late turn's states see few outcomes, and shrunk straight to the rate over
+  all states, which chunk-weighted one-off documents pull down to about half, they were
+  ranked as if most such chains had ended (chat-alt at 20 %: a turn-10 state at p 0.56 where
+  the generator's chance is 0.8, its conversation evicted before ended ones). A one-off
+  document (hundreds of chunks on its first turn) learns p ≈ 0 after one; a chat's early
+  turns p ≈ 1, its last turns less. A state's counts are halved when they reach
+  ``HALF_LIFE`` chunks (recent outcomes win);
 - **log-odds.** A chain just read ranks by ``clip(logit p, -LO, HI)``.
 
 Invariants: every count is non-negative, and a state's three counts are halved together;
+``turn_counted`` / ``turn_returned`` are the sums of ``counted`` / ``returned`` over each turn's
+states;
 ``return_chance`` is in [1e-6, 1 - 1e-6]; ``log_odds`` in [-LO, HI].
 """
 
@@ -40,6 +49,10 @@ LO = 14.0
 #: overall rate, the overall rate in a state's)
 PRIOR_P = 0.5
 PRIOR_WEIGHT = 64.0
+#: weight, in chunks, of the prior from a state's neighbours in size on the same turn ...
+NEIGHBOUR_WEIGHT = 256.0
+#: ... and of that one's prior, the same turn over every size (turns 2 and up)
+TURN_WEIGHT = 1024.0
 #: a state's counts are halved when its outcomes reach this many chunks (recent ones win)
 HALF_LIFE = 1 << 16
 #: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
@@ -91,15 +104,26 @@ class StateOdds:
     counted: dict[State, float] = field(default_factory=dict)
     outcomes: dict[State, float] = field(default_factory=dict)  # outcomes, not chunks
     returned: dict[State, float] = field(default_factory=dict)
+    turn_counted: dict[int, float] = field(default_factory=dict)  # the same summed per turn
+    turn_returned: dict[int, float] = field(default_factory=dict)
     all_counted: float = 0.0  # the same summed over the states (the prior of each)
     all_returned: float = 0.0
 
     def return_chance(self, state: State) -> float:
-        """The learnt chance that a chain in ``state`` returns."""
+        """The learnt chance that a chain in ``state`` returns: its own rate, shrunk towards
+        its neighbours' in size, theirs towards the turn's, that towards all states'."""
         prior = (self.all_returned + PRIOR_WEIGHT * PRIOR_P) / (self.all_counted + PRIOR_WEIGHT)
-        p = (self.returned.get(state, 0.0) + PRIOR_WEIGHT * prior) / (
-            self.counted.get(state, 0.0) + PRIOR_WEIGHT
-        )
+        turns, size = state
+        if turns > 1:
+            prior = (self.turn_returned.get(turns, 0.0) + TURN_WEIGHT * prior) / (
+                self.turn_counted.get(turns, 0.0) + TURN_WEIGHT
+            )
+        returned, counted = self.returned.get, self.counted.get
+        below, above = (turns, size - 1), (turns, size + 1)
+        near = returned(below, 0.0) + returned(state, 0.0) + returned(above, 0.0)
+        seen = counted(below, 0.0) + counted(state, 0.0) + counted(above, 0.0)
+        prior = (near + NEIGHBOUR_WEIGHT * prior) / (seen + NEIGHBOUR_WEIGHT)
+        p = (returned(state, 0.0) + PRIOR_WEIGHT * prior) / (counted(state, 0.0) + PRIOR_WEIGHT)
         return min(max(p, 1e-6), 1.0 - 1e-6)
 
     def log_odds(self, state: State) -> float:
@@ -111,19 +135,27 @@ class StateOdds:
         """An outcome of a stay in ``state`` whose request added ``weight`` chunks: it returned
         (``returned``) or its tail was evicted. Only the ``first`` outcome of a stay counts as
         one; a return after it adds a return."""
+        turns = state[0]
         if returned:
             self.returned[state] = self.returned.get(state, 0.0) + weight
+            self.turn_returned[turns] = self.turn_returned.get(turns, 0.0) + weight
             self.all_returned += weight
         if not first:
             return
         counted = self.counted.get(state, 0.0) + weight
         outcomes = self.outcomes.get(state, 0.0) + 1.0
-        if counted >= HALF_LIFE:
+        halved = counted >= HALF_LIFE
+        if halved:
             counted /= 2
             outcomes /= 2
             self.returned[state] = self.returned.get(state, 0.0) / 2
         self.counted[state] = counted
         self.outcomes[state] = outcomes
+        if halved:  # the turn's sums again (rare: once per HALF_LIFE / 2 chunks of a state)
+            self.turn_counted[turns] = sum(c for s, c in self.counted.items() if s[0] == turns)
+            self.turn_returned[turns] = sum(r for s, r in self.returned.items() if s[0] == turns)
+        else:
+            self.turn_counted[turns] = self.turn_counted.get(turns, 0.0) + weight
         self.all_counted += weight
         if self.all_counted >= HALF_LIFE:
             self.all_counted /= 2
