@@ -60,7 +60,7 @@ import grpc
 import msgpack
 import zmq
 
-from benchmarks.harness.daemon import DaemonProc, start_daemon
+from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon
 from benchmarks.report import save_report
 from kvserver import wire, wire_local
 from kvserver.client import KVClient
@@ -369,7 +369,7 @@ STALLS = (
 def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
     seconds = 2.0 if quick else 6.0
     with tempfile.TemporaryDirectory() as tmp:
-        d = start_daemon(Path(tmp), "--dram", "64MiB")
+        d = start_daemon(Path(tmp), "--dram", "64MiB", *RECORDED_POLICY)
         sink_proc = subprocess.Popen(
             [sys.executable, __file__, "sink"],
             stdout=subprocess.PIPE,

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
-from benchmarks.harness.daemon import DaemonProc, start_daemon, wait_until
+from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon, wait_until
 from benchmarks.harness.redis import RedisServer
 from kvserver.client import KVClient
 from kvserver.cluster import ClusterConfig, ClusterNode, HostInfo
@@ -179,7 +179,7 @@ def run(
         redis = RedisServer.start(d / "redis")
         daemons: list[DaemonProc] = []
         try:
-            common = ("--dram", "512MiB", "--page-size", "64KiB")
+            common = ("--dram", "512MiB", "--page-size", "64KiB", *RECORDED_POLICY)
             off = start_daemon(d / "off", *common)
             daemons.append(off)
             on = start_daemon(d / "on", *common, "--cluster", redis.url, "--host-id", "bench-on")

@@ -44,7 +44,7 @@ from benchmarks.harness.cluster import (
     run_workload,
     start_tp_workers,
 )
-from benchmarks.harness.daemon import start_daemon
+from benchmarks.harness.daemon import RECORDED_POLICY, start_daemon
 from benchmarks.harness.procs import Proc, start_scheduler
 
 BLOCK_SIZE = 16
@@ -98,7 +98,7 @@ def _row(name: str, value: float, unit: str, reference: float) -> dict[str, Any]
 def measure(setup: Setup) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as d:
         tmp = Path(d)
-        daemon = start_daemon(tmp / "daemon", "--dram", "64MiB")
+        daemon = start_daemon(tmp / "daemon", "--dram", "64MiB", *RECORDED_POLICY)
         workers: list[Proc] = []
         try:
             workers = start_tp_workers(tmp, daemon.zmq_address)

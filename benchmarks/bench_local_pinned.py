@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.daemon import DaemonProc, start_daemon
+from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon
 from benchmarks.report import save_report
 from kvserver.client import KVClient
 from kvserver.namespace import NamespaceSpec
@@ -52,7 +52,9 @@ def _daemon(cpu: int | None, own: int | None) -> Iterator[DaemonProc]:
     with tempfile.TemporaryDirectory(prefix="bench-pin-") as tmp:
         _pin(cpu)
         try:
-            proc = start_daemon(Path(tmp), "--dram", "256MiB", "--log-level", "WARNING")
+            proc = start_daemon(
+                Path(tmp), "--dram", "256MiB", "--log-level", "WARNING", *RECORDED_POLICY
+            )
         finally:
             _pin(own)
         try:

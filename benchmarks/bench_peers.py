@@ -70,7 +70,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
-from benchmarks.harness.daemon import DaemonProc, start_daemon
+from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon
 from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
 from benchmarks.harness.raw_zmq import RawPeer, payload, serve, start_helper
 from benchmarks.report import save_report
@@ -137,7 +137,8 @@ def measure(
     floor: RawArenaTcp | None = None
 
     def start(name: str, *args: str) -> DaemonProc:
-        daemons[name] = start_daemon(workdir / f"{name}-{part_bytes}", *args, env=env)
+        where = workdir / f"{name}-{part_bytes}"
+        daemons[name] = start_daemon(where, *RECORDED_POLICY, *args, env=env)
         return daemons[name]
 
     try:

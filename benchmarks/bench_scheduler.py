@@ -128,6 +128,7 @@ def daemon(cpu: int | None = None) -> Iterator[str]:
         args = [
             sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
             "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "-1", "--dram", "1GiB",
+            "--policy", "prefix",  # the recorded figures' policy (harness.daemon.RECORDED_POLICY)
             "--ready-file", str(ready), "--log-level", "WARNING",
         ]  # fmt: skip
         pin = None if cpu is None else functools.partial(os.sched_setaffinity, 0, {cpu})

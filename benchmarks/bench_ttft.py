@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
-from benchmarks.harness.daemon import start_daemon, wait_until
+from benchmarks.harness.daemon import RECORDED_POLICY, start_daemon, wait_until
 from benchmarks.harness.vllm_engine import EngineProc, engine_python, make_model
 from kvserver.client import KVClient
 
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         engine_opts["extra"] = args.extra
     rng = random.Random(0)
     prompt = _tokens(rng, prompt_len, args.vocab)
-    daemon = start_daemon(work / "daemon", "--dram", f"{args.dram_mib}MiB", "--pub-port", "-1")
+    dram = ("--dram", f"{args.dram_mib}MiB")
+    daemon = start_daemon(work / "daemon", *dram, "--pub-port", "-1", *RECORDED_POLICY)
     kv = KVClient(daemon.zmq_address, timeout=10.0)
     engines: list[EngineProc] = []
     try:

@@ -80,6 +80,7 @@ def own_daemon(dram: str, workdir: Path, env: dict[str, str]) -> Iterator[Target
     args = [
         sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
         "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0", "--dram", dram,
+        "--policy", "prefix",  # the recorded figures' policy (harness.daemon.RECORDED_POLICY)
         "--ready-file", str(ready), "--log-level", "WARNING",
     ]  # fmt: skip
     with open(log_path, "wb") as log:

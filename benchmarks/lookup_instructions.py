@@ -92,6 +92,7 @@ def _client(calls: int, out: Path) -> None:
         "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/daemon.%p",
         sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
         "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0", "--dram", "256MiB",
+        "--policy", "prefix",  # the recorded figures' policy (harness.daemon.RECORDED_POLICY)
         "--ready-file", str(ready), "--log-level", "WARNING",
     ]  # fmt: skip
     daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -59,7 +59,9 @@ WARMUP_BATCHES = 4
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=50, help="batches of each kind (default 50)")
-    parser.add_argument("--policy", default="prefix", help="DRAM eviction policy (the default's)")
+    parser.add_argument(
+        "--policy", default="prefix", help="DRAM eviction policy (prefix: the recorded figures')"
+    )
     parser.add_argument("--wall", action="store_true", help="no valgrind: wall µs per batch")
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)

@@ -27,7 +27,7 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="Prometheus /metrics HTTP port (default 9473, 0=any, -1=off)")
     p.add_argument("--dram", help="DRAM tier size, e.g. 256MiB, 8GiB (default 256MiB)")
     p.add_argument("--page-size", help="arena page size (default 64KiB)")
-    p.add_argument("--policy", help="eviction policy: prefix, chain, lru or arc (default prefix)")
+    p.add_argument("--policy", help="eviction policy: chain, prefix, lru or arc (default chain)")
     p.add_argument("--store-threshold", type=int,
                    help="reuse gating: store a chunk only after N sightings (0/1 = off)")
     p.add_argument("--default-lease-s", type=float,

@@ -78,7 +78,7 @@ class DaemonConfig:
     metrics_port: int = DEFAULT_METRICS_PORT
     dram: int = 256 << 20
     page_size: int = 64 << 10
-    policy: str = "prefix"
+    policy: str = "chain"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     default_lease_s: float = 30.0

@@ -54,7 +54,7 @@ def test_status_table_and_json(server: InProcessServer, capsys: pytest.CaptureFi
     assert rc == 0 and err == ""
     assert "TIER" in out and "EVICTIONS" in out and "NAMESPACE" in out
     dram_row = next(line for line in out.splitlines() if line.startswith("dram"))
-    assert dram_row.split()[:3] == ["dram", "CPU", "prefix"] and "1.0 MiB" in dram_row
+    assert dram_row.split()[:3] == ["dram", "CPU", "chain"] and "1.0 MiB" in dram_row
     ns_row = next(line for line in out.splitlines() if line.startswith(ns_id))
     assert "llama/8b" in ns_row and "dram:3" in ns_row
     rc, out, _ = run(capsys, "status", "--server", server.address, "--json")

@@ -264,7 +264,7 @@ def test_stats_per_tier_and_namespace(server: InProcessServer, client: GrpcClien
     client.lookup_keys(ns_id, keys)
     stats = client.stats()
     (dram,) = stats.tiers
-    assert (dram.name, dram.medium, dram.policy) == ("dram", "CPU", "prefix")
+    assert (dram.name, dram.medium, dram.policy) == ("dram", "CPU", "chain")
     assert dram.capacity_bytes == 256 * PAGE and dram.used_bytes == 3 * PAGE
     assert (dram.entries, dram.hit_chunks, dram.miss_chunks, dram.evicted_chunks) == (3, 3, 2, 0)
     (ns,) = stats.namespaces
