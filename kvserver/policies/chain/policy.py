@@ -196,11 +196,15 @@ class ChainPolicy(EvictionPolicy):
         """Track the keys of one store batch (head first): each joins the chain that looked
         it up, else the batch is a new chain; deepest queued first. Tracked keys are used."""
         self._now += 1
-        now, pending, time, queue = self._now, self._pending, self._queues.time, self._queues.queue
+        now, pending, time, ghosts = self._now, self._pending, self._queues.time, self._ghosts
+        owner, born, uses, shared = self._owner, self._born, self._uses, self._shared
+        queued: list[tuple[Hashable, State]] = []  # queued in one call, in this order
         own: Chain | None = None
         for position in range(len(keys) - 1, -1, -1):
             key = keys[position]
             if key in time:
+                self._queues.queue_many(queued, now)
+                queued.clear()
                 self._use((key,), None)
                 continue
             chain = pending.pop(key, None)
@@ -211,15 +215,21 @@ class ChainPolicy(EvictionPolicy):
                     self._tails[keys[-1]] = own
                     self._bound(self._tails)
                 chain = own
-            ghost = self._ghosts.pop(key, None)
-            self._owner[key] = chain
-            self._born[key] = now if ghost is None else ghost[1]
-            self._uses[key] = 0 if ghost is None else ghost[0]
-            if ghost is not None and ghost[2] is not chain:  # shared, or another chain's
-                self._shared.add(key)
-                queue(key, shared_class(self._uses[key], self._born[key], now), now)
+            ghost = ghosts.pop(key, None)
+            owner[key] = chain
+            if ghost is None:
+                born[key] = now
+                uses[key] = 0
+                queued.append((key, chain.state))
             else:
-                queue(key, chain.state, now)
+                born[key] = ghost[1]
+                uses[key] = ghost[0]
+                if ghost[2] is not chain:  # shared, or another chain's
+                    shared.add(key)
+                    queued.append((key, shared_class(ghost[0], ghost[1], now)))
+                else:
+                    queued.append((key, chain.state))
+        self._queues.queue_many(queued, now)
 
     def remove(self, key: Hashable) -> None:
         if key in self._queues:
@@ -266,15 +276,21 @@ class ChainPolicy(EvictionPolicy):
         ):
             self.declined = True
             return None
-        ghosts, tails = self._ghosts, self._tails
+        ghosts, tails, shared = self._ghosts, self._tails, self._shared
+        owner, uses, born = self._owner, self._uses, self._born
         for key in victims:
             chain = tails.get(key)
             if chain is not None and chain.open:
                 self._count(chain, returned=False)
-            shared = key in self._shared
-            ghosts[key] = (self._uses[key], self._born[key], None if shared else self._owner[key])
-            self._drop(key)
-        while len(ghosts) > len(self._queues):
+            if key in shared:
+                shared.discard(key)
+                ghosts[key] = (uses.pop(key), born.pop(key), None)
+                del owner[key]
+            else:
+                ghosts[key] = (uses.pop(key), born.pop(key), owner.pop(key))
+        self._queues.drop_many(victims)
+        tracked = len(self._queues.time)
+        while len(ghosts) > tracked:
             ghosts.popitem(last=False)
         return victims
 
@@ -326,19 +342,21 @@ class ChainPolicy(EvictionPolicy):
     def _use(self, keys: Sequence[Hashable], chain: Chain | None) -> None:
         """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds
         them): queued again deepest first; a key another chain holds becomes shared."""
-        owner, shared, uses, now = self._owner, self._shared, self._uses, self._now
-        queue = self._queues.queue
+        owner, shared, uses, born = self._owner, self._shared, self._uses, self._born
+        now = self._now
+        queued: list[tuple[Hashable, State]] = []
         for i in range(len(keys) - 1, -1, -1):
             key = keys[i]
             uses[key] += 1
             if chain is not None and owner[key] is not chain and key not in shared:
                 shared.add(key)
             if key in shared:
-                queue(key, shared_class(uses[key], self._born[key], now), now)
+                queued.append((key, shared_class(uses[key], born[key], now)))
             else:
                 if chain is not None:
                     owner[key] = chain
-                queue(key, owner[key].state, now)
+                queued.append((key, owner[key].state))
+        self._queues.queue_many(queued, now)
 
     def _drop(self, key: Hashable) -> None:
         self._queues.drop(key)

@@ -2,7 +2,7 @@
 
 Runs inside the storage engine as part of :class:`~kvserver.policies.chain.ChainPolicy` (single
 owner, no locks, no I/O). The policy queues a key when it is stored or read
-(:meth:`ClassQueues.queue`), drops it when it leaves (:meth:`ClassQueues.drop`), and asks
+(:meth:`ClassQueues.queue_many`), drops it when it leaves (:meth:`ClassQueues.drop_many`), and asks
 :meth:`ClassQueues.choose` for the victims of an ``evict``.
 
 Order. A key's *class* is its chain's state, or a shared key's read-rate bucket. Within a class
@@ -12,8 +12,9 @@ rank order: its head is the class's least valuable key. ``choose`` merges the cl
 evictable heads on a heap by their log-odds at that moment and takes the lowest first; ties go
 to the key queued first (its sequence number).
 
-Costs: ``queue`` and ``drop`` O(1); ``choose`` O(c + v log c) for c non-empty classes and v
-keys passed over (victims and keys ``evictable`` refuses).
+Costs: ``queue_many`` and ``drop_many`` O(1) per key (one call a batch); ``choose``
+O(c + v log c) for c non-empty classes and v keys passed over (victims and keys ``evictable``
+refuses).
 
 Invariants: ``time`` and ``classes`` hold exactly the tracked keys, each key in the list of its
 class and in no other; no list is empty; sequence numbers rise in each list from head to tail.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvserver.policies.chain.states import State
@@ -51,25 +52,39 @@ class ClassQueues:
     def __len__(self) -> int:
         return len(self.time)
 
-    def queue(self, key: Hashable, state: State, now: int) -> None:
-        """(Re)queue ``key`` at the end of ``state``'s list, used at ``now``."""
-        old = self.classes.get(key)
-        if old is not None:
-            del self.lists[old][key]
-            if not self.lists[old]:
-                del self.lists[old]
-        self.seq += 1
-        self.lists.setdefault(state, OrderedDict())[key] = self.seq
-        self.classes[key] = state
-        self.time[key] = now
+    def queue_many(self, queued: list[tuple[Hashable, State]], now: int) -> None:
+        """(Re)queue each (key, class) of ``queued``, in order, at the end of its class's list,
+        used at ``now`` (one call per batch of keys: the store path pays no call per key)."""
+        classes, lists, time, seq = self.classes, self.lists, self.time, self.seq
+        for key, state in queued:
+            old = classes.get(key)
+            if old is not None:
+                del lists[old][key]
+                if not lists[old]:
+                    del lists[old]
+            seq += 1
+            members = lists.get(state)
+            if members is None:
+                members = lists[state] = OrderedDict()
+            members[key] = seq
+            classes[key] = state
+            time[key] = now
+        self.seq = seq
 
     def drop(self, key: Hashable) -> None:
         """Forget the tracked ``key``. REQUIRES: ``key`` is tracked."""
-        state = self.classes.pop(key)
-        del self.lists[state][key]
-        if not self.lists[state]:
-            del self.lists[state]
-        del self.time[key]
+        self.drop_many((key,))
+
+    def drop_many(self, keys: Iterable[Hashable]) -> None:
+        """Forget the tracked ``keys``. REQUIRES: each is tracked, none twice."""
+        classes, lists, time = self.classes, self.lists, self.time
+        for key in keys:
+            state = classes.pop(key)
+            members = lists[state]
+            del members[key]
+            if not members:
+                del lists[state]
+            del time[key]
 
     def choose(
         self,
