@@ -96,8 +96,8 @@ def replay_put_get(policy: str, seed: int, capacity: int) -> tuple[int, int]:
 def test_chain_declines_nothing_a_plain_client_puts_and_hits_as_often_as_prefix() -> None:
     """A client that never looks anything up: its gets are its puts' returns, its puts learn
     that they are read back, and ``chain`` declines none of them; its gets hit at least as
-    many chunks as under ``prefix`` (the default). Before: 40-50 % of the chunks put were
-    declined and the gets hit half as often."""
+    many chunks as under ``prefix`` (the default before ``chain``). Before: 40-50 % of the
+    chunks put were declined and the gets hit half as often."""
     for seed in (0, 1):
         declined, got = replay_put_get("chain", seed, 256)
         _, got_prefix = replay_put_get("prefix", seed, 256)
