@@ -12,8 +12,10 @@ Why. Every store must otherwise be made room for, and a 2,000-chunk document in 
 state (the chain that looked it up; a batch no lookup announced is a new chain's first turn; a
 returning ghost of a shared key in its read-rate class): if every one of them would rank below
 the first victim (lower log-odds, age 0) by ``MARGIN`` or more, and each such state has
-``MIN_OUTCOMES`` outcomes of its own (a state learnt from one eviction is no evidence), storing
-them would swap kept keys for keys that leave first. A document (hundreds of new chunks on a
+``MIN_OUTCOMES`` outcomes, its own and its two neighbours' in size on the same turn (a state
+learnt from one eviction is no evidence; since session 9 two documents of neighbouring sizes
+are, as they are for the pooled return chance), storing them would swap kept keys for keys that
+leave first. A document (hundreds of new chunks on a
 first turn) is so declined once documents have been seen to leave unread (``p`` of its state
 near 0), unless what it displaces ranks lower still (an older document's leftovers). Without
 ``incoming`` (the SSD tier; promotions and peer fetches' placements) nothing is declined.
@@ -27,8 +29,8 @@ from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 
 from kvserver.policies.chain.states import HI, Chain, Ghost, State, StateOdds, shared_class
 
-#: admission's evidence: a store is declined only if the state its new keys would enter has
-#: at least this many outcomes of its own ...
+#: admission's evidence: a store is declined only if the state its new keys would enter and
+#: its two neighbours in size on the same turn have at least this many outcomes ...
 MIN_OUTCOMES = 2
 #: ... and they rank below the first victim by at least this much (log-odds)
 MARGIN = 0.25
@@ -36,8 +38,14 @@ MARGIN = 0.25
 
 def proven(state: State, odds: StateOdds, offset: Callable[[State], float]) -> float:
     """The log-odds of a key of chain state ``state`` just read (``offset``), or ``HI`` (ranks
-    above every victim) while the state has too few outcomes of its own to decline on."""
-    if odds.outcomes.get(state, 0.0) < MIN_OUTCOMES:
+    above every victim) while the state and its two neighbours in size on the same turn (the
+    states its return chance is pooled with) have too few outcomes to decline on."""
+    turns, size = state
+    outcomes = odds.outcomes.get
+    seen = (
+        outcomes((turns, size - 1), 0.0) + outcomes(state, 0.0) + outcomes((turns, size + 1), 0.0)
+    )
+    if seen < MIN_OUTCOMES:
         return HI
     return offset(state)
 
