@@ -70,7 +70,9 @@ _PART = re.compile(r"^part: (\d+)$", re.M)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10, help="fetches counted (default 10)")
-    parser.add_argument("--policy", default="prefix", help="DRAM eviction policy (the default's)")
+    parser.add_argument(
+        "--policy", default="prefix", help="DRAM eviction policy (prefix: the recorded figures')"
+    )
     parser.add_argument("--wall", action="store_true", help="no valgrind: wall µs per phase")
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
