@@ -339,6 +339,22 @@ class KVServerWorkerConnector:
                 self._submit(t, is_load=False, counted=True)
         self.wait_inflight()
 
+    def forget(self) -> None:
+        """The scheduler forgot every transfer (its hello after a failed step, which follows
+        its ``reset``: the leases were released on the daemon, their pages may hold other
+        chunks already). Blocking: the deferred stores are dropped, never copied; the
+        transfers in flight (their copies cannot be recalled) are waited for; nothing of
+        either is reported."""
+        self._deferred = []
+        self.wait_inflight()
+        self.get_finished()
+        self._output = ConnectorWorkerOutput(self.rank)
+        self._stores_left.clear()
+        self._load_blocks.clear()
+        self._load_errors.clear()
+        self._flushed, self._submitted_now = set(), set()
+        self._meta, self._saved = None, True
+
     def wait_inflight(self) -> None:
         """Blocking: wait for the transfers already submitted (not the deferred stores)."""
         if self.engine is not None:

@@ -97,8 +97,9 @@ class ModelWorker:
             if self.kvserver is not None:
                 self.connector = self._make_connector(msg)
         elif self.connector is not None:
-            self.connector.drain()
-            self.connector.build_connector_worker_meta()  # old leases: nobody waits for them
+            # the scheduler forgot every transfer and released their leases: copy none of
+            # the deferred stores into pages the daemon may have given to other chunks
+            self.connector.forget()
         self._reqs.clear()
         vocab = self.model.config.vocab_size
         return WorkerInfo(self.rank, os.getpid(), vocab, dict(self.model.kv_layout()))

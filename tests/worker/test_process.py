@@ -3,6 +3,7 @@ in-process (ModelWorker) and as ``kvserver worker`` behind its ZMQ ROUTER."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -13,9 +14,14 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvserver.client import KVClient
 from kvserver.crypto import apply_token
 from kvserver.errors import InvalidArgument
+from kvserver.namespace import NamespaceSpec
+from scheduler.kv_connector import KVServerSchedulerConnector
+from scheduler.kv_connector_types import KVConnectorConfig
 from kvserver.token_file import token_path
+from tests.support.daemon import start_daemon
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -29,7 +35,7 @@ from step_protocol import (
     encode_body,
 )
 from worker.model import ModelConfig, generate, load_model, write_random_model
-from worker.process import ModelWorker
+from worker.process import KVServerSettings, ModelWorker
 
 PROMPT = list(range(40, 70))
 BS = 4
@@ -145,3 +151,60 @@ def test_worker_process_serves_the_step_protocol_and_exits_0_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.multiprocess
+def test_hello_after_a_failure_copies_none_of_the_forgotten_stores(
+    model_file: Path, tmp_path: Path
+) -> None:
+    """A step fails (another rank died): the scheduler forgets every transfer and releases its
+    leases on the daemon (``reset``), whose pages then hold another client's chunks. The
+    surviving worker still holds the last step's stores (deferred to the next step's start):
+    the recovery's hello must drop them, not copy them into the released pages (was: hello
+    drained them, overwriting the other client's chunks in the arena)."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "64KiB")  # 16 pages
+    worker = ModelWorker(load_model(model_file), KVServerSettings(d.zmq_address))
+    conn: KVServerSchedulerConnector | None = None
+    try:
+        worker.hello(WorkerHello(0, 1, BS, 32, "tiny"))
+        assert worker.connector is not None and worker.connector.is_colocated
+        spec = worker.connector.spec  # chunk_blocks 1: a 4 KiB part, one page per chunk
+        conn = KVServerSchedulerConnector(KVConnectorConfig(d.zmq_address, spec))
+        req = _Req("r", PROMPT, spec)
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+        blocks = list(range(1, 9))
+        conn.update_state_after_alloc(req, blocks, 0)
+        plan = StepPlan(1, new_reqs=[NewRequestData("r", PROMPT, blocks, 0, 4)],
+                        num_scheduled_tokens={"r": len(PROMPT)})  # fmt: skip
+        plan.connector_meta = conn.build_connector_meta(plan)
+        out = worker.execute(plan).connector_output
+        conn.update_connector_output([out] if out is not None else [])
+        plan = StepPlan(2, finished_req_ids=[])
+        plan.connector_meta = conn.build_connector_meta(plan)  # ships 7 reserved stores
+        assert plan.connector_meta.stores and worker.execute(plan) is not None
+        assert worker.connector.num_pending == 1  # deferred to the next step's start
+        conn.reset()  # the next step failed: everything forgotten, its leases released
+        other = [hashlib.sha256(b"other%d" % i).digest() for i in range(16)]
+        parts = [bytes([i + 1]) * spec.part_bytes for i in range(16)]
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            kv.register_namespace(spec)
+            assert kv.put(spec.ns_id, other, parts).stored == other  # every page
+            worker.hello(WorkerHello(0, 1, BS, 32, "tiny"))  # the recovery
+            assert worker.connector.num_pending == 0
+            got = [bytes(row[0]) for row in kv.get(spec.ns_id, other, ranks=[0])]
+        assert got == parts
+    finally:
+        if conn is not None:
+            conn.close()
+        worker.close()
+        d.terminate()
+
+
+class _Req:
+    """A request as the scheduler connector reads it (RequestLike)."""
+
+    def __init__(self, req_id: str, token_ids: list[int], spec: NamespaceSpec) -> None:
+        self.request_id, self.all_token_ids, self.cache_salt = req_id, token_ids, None
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []
+        assert spec.block_size == BS
