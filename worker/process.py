@@ -11,8 +11,9 @@ when unchanged), with ``--kvserver`` build the worker-side connector
 from our ``WorkerInfo`` and register the caches, forget every request → reply WorkerInfo.
 ``step`` (StepPlan) → update request state → bind connector metadata → ``start_load_kv`` →
 forward over every scheduled token → ``wait_for_save`` → ``build_connector_worker_meta`` →
-StepResult with the greedy tokens. ``stop``, SIGTERM or SIGINT → drain the connector's
-transfers → close → exit 0.
+StepResult with the greedy tokens. ``stop``, SIGTERM or SIGINT → wait for the connector's
+transfers in flight (stores still deferred are dropped: nobody would complete them, and the
+scheduler may have released their leases) → close → exit 0.
 
 Every rank receives the same plan, so every rank runs the same collectives in the same order.
 """
@@ -204,12 +205,14 @@ class ModelWorker:
         conn, self.connector = self.connector, None
         if conn is not None:
             try:
-                conn.drain()
+                # stores it still holds would never be reported (nor completed), and the
+                # scheduler may have released their leases already: dropped, not copied
+                conn.forget()
             finally:
                 conn.close()
 
     def close(self) -> None:
-        """Finish in-flight transfers and release the connector."""
+        """Wait for the transfers in flight, drop the deferred stores, release the connector."""
         self._close_connector()
 
 

@@ -154,14 +154,16 @@ def test_worker_process_serves_the_step_protocol_and_exits_0_on_sigterm(
 
 
 @pytest.mark.multiprocess
-def test_hello_after_a_failure_copies_none_of_the_forgotten_stores(
-    model_file: Path, tmp_path: Path
+@pytest.mark.parametrize("then", ["hello", "close"])
+def test_a_worker_copies_none_of_the_stores_its_scheduler_forgot(
+    model_file: Path, tmp_path: Path, then: str
 ) -> None:
-    """A step fails (another rank died): the scheduler forgets every transfer and releases its
-    leases on the daemon (``reset``), whose pages then hold another client's chunks. The
-    surviving worker still holds the last step's stores (deferred to the next step's start):
-    the recovery's hello must drop them, not copy them into the released pages (was: hello
-    drained them, overwriting the other client's chunks in the arena)."""
+    """A step fails (another rank died), or the scheduler stops: it forgets every transfer
+    and releases its leases on the daemon (``reset``, ``close``), whose pages then hold
+    another client's chunks. The worker still holds the last step's stores (deferred to the
+    next step's start): the recovery's hello, or the worker's own shutdown, must drop them,
+    not copy them into the released pages (was: both drained them, overwriting the other
+    client's chunks in the arena)."""
     d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "64KiB")  # 16 pages
     worker = ModelWorker(load_model(model_file), KVServerSettings(d.zmq_address))
     conn: KVServerSchedulerConnector | None = None
@@ -189,8 +191,11 @@ def test_hello_after_a_failure_copies_none_of_the_forgotten_stores(
         with KVClient(d.zmq_address, colocated=False) as kv:
             kv.register_namespace(spec)
             assert kv.put(spec.ns_id, other, parts).stored == other  # every page
-            worker.hello(WorkerHello(0, 1, BS, 32, "tiny"))  # the recovery
-            assert worker.connector.num_pending == 0
+            if then == "hello":
+                worker.hello(WorkerHello(0, 1, BS, 32, "tiny"))  # the recovery
+                assert worker.connector.num_pending == 0
+            else:
+                worker.close()
             got = [bytes(row[0]) for row in kv.get(spec.ns_id, other, ranks=[0])]
         assert got == parts
     finally:
