@@ -30,7 +30,9 @@ How the two halves' verdicts reach vLLM's scheduler:
   per rank.
 - A request that finishes with stores in flight keeps its GPU blocks (``request_finished``
   returns True); the next metadata names it, and each worker reports it as finished sending
-  once its own stores of the request are over. A request that finishes while its load is in
+  once its own stores of the request are over (stores of the bound metadata count even
+  before ``wait_for_save`` queued them: vLLM's model runners with a speculator collect the
+  results first). A request that finishes while its load is in
   flight is held by vLLM itself until the load is reported, so it is not held twice.
 
 Thread-safety: vLLM calls each instance from one thread. Nothing here blocks for longer than

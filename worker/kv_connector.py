@@ -269,8 +269,17 @@ class KVServerWorkerConnector:
         self.handle_preemptions(flush)
 
     def stores_pending(self, req_id: str) -> bool:
-        """True while a store of ``req_id`` is deferred or in flight on this rank."""
-        return req_id in self._stores_left
+        """True while a store of ``req_id`` is deferred or in flight on this rank, or is in
+        the bound metadata and not queued yet (asked before ``wait_for_save``: vLLM's model
+        runners with a speculator collect the results first)."""
+        if req_id in self._stores_left:
+            return True
+        meta = self._meta
+        return (
+            meta is not None
+            and not self._saved
+            and any(t.req_id == req_id for t in meta.stores)
+        )
 
     def take_load_error_block_ids(self) -> set[int]:
         """GPU blocks that loads finished since the last call failed to fill (vLLM's

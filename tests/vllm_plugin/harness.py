@@ -152,12 +152,20 @@ class MiniEngine:
     ``blocks_first``: per-layer KV tensors in FlashInfer's layout ``(num_blocks, 2, block_size,
     heads, head_size)`` instead of FlashAttention's ``(2, num_blocks, ...)``. With
     ``scheduler_config.async_scheduling`` the scheduler is vLLM's ``AsyncScheduler`` (steps
-    still run one after the other here)."""
+    still run one after the other here). ``defer_finalize``: the worker pass collects the
+    transfer results before ``wait_for_save`` (vLLM's model runners with a speculator: the
+    finalize waits for the drafter's forward)."""
 
     def __init__(
-        self, vllm_config: VllmConfig, num_blocks: int, *, blocks_first: bool = False
+        self,
+        vllm_config: VllmConfig,
+        num_blocks: int,
+        *,
+        blocks_first: bool = False,
+        defer_finalize: bool = False,
     ) -> None:
         self.blocks_first = blocks_first
+        self.defer_finalize = defer_finalize
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.kv_cache_config = make_kv_cache_config(vllm_config, num_blocks)
@@ -271,14 +279,21 @@ class MiniEngine:
         worker.bind_connector_metadata(meta)
         self._forward(out, computed)
         worker.start_load_kv(None)  # async loads start after the forward launch, as vLLM does
-        worker.wait_for_save()
+        if not self.defer_finalize:
+            worker.wait_for_save()
         results = worker.get_transfer_results(out.finished_req_ids)
         kv_out = KVConnectorOutput(
             finished_sending=results.finished_sending, finished_recving=results.finished_recving,
             invalid_block_ids=worker.get_block_ids_with_load_errors(),
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )  # fmt: skip
+        if self.defer_finalize:
+            worker.wait_for_save()
         worker.clear_connector_metadata()
+        half = worker.worker_half
+        assert half is not None
+        early = {r for r in results.finished_sending if half.stores_pending(r)}
+        assert not early, f"{early} reported finished sending while their stores are queued"
         return kv_out
 
     def _forward(self, out: Any, computed: dict[str, int]) -> None:

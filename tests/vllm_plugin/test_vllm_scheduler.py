@@ -53,11 +53,12 @@ def engine(
     connector: bool = True,
     kv_role: str = "kv_both",
     blocks_first: bool = False,
+    defer_finalize: bool = False,
     **extra: Any,
 ) -> MiniEngine:
     options = {"address": address, "chunk_blocks": CHUNK_BLOCKS, **extra}
     config = make_vllm_config(model_dir, options, connector=connector, kv_role=kv_role)
-    return MiniEngine(config, num_blocks, blocks_first=blocks_first)
+    return MiniEngine(config, num_blocks, blocks_first=blocks_first, defer_finalize=defer_finalize)
 
 
 def reference_outputs(
@@ -224,11 +225,16 @@ def test_full_chunks_are_stored_as_prefill_proceeds(model_dir: Path, daemon: Dae
     assert daemon_holds_nothing(daemon)
 
 
+@pytest.mark.parametrize("defer_finalize", [False, True], ids=["finalized", "deferred"])
 def test_request_finishing_with_stores_in_flight_holds_its_blocks(
-    model_dir: Path, daemon: DaemonProc
+    model_dir: Path, daemon: DaemonProc, defer_finalize: bool
 ) -> None:
+    """``deferred``: the worker's results are collected before its ``wait_for_save`` (vLLM
+    with a speculator); the request must still not be reported finished sending before its
+    stores have read its blocks (was: reported in the step its stores were shipped, before
+    they were even queued, so vLLM freed blocks they were about to read)."""
     tokens = prompt(4, 64)  # exactly 2 chunks
-    eng = engine(model_dir, daemon.zmq_address)
+    eng = engine(model_dir, daemon.zmq_address, defer_finalize=defer_finalize)
     try:
         eng.add("short", tokens, max_tokens=1)  # finishes in the step that computes the prompt
         records = eng.run()
