@@ -18,10 +18,9 @@ from kvserver.client import KVClient
 from kvserver.crypto import apply_token
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
+from kvserver.token_file import token_path
 from scheduler.kv_connector import KVServerSchedulerConnector
 from scheduler.kv_connector_types import KVConnectorConfig
-from kvserver.token_file import token_path
-from tests.support.daemon import start_daemon
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -34,6 +33,7 @@ from step_protocol import (
     decode,
     encode_body,
 )
+from tests.support.daemon import start_daemon
 from worker.model import ModelConfig, generate, load_model, write_random_model
 from worker.process import KVServerSettings, ModelWorker
 
