@@ -171,6 +171,9 @@ class EngineCore:
             except Exception:  # a bug: keep serving, fail what was in flight
                 logger.exception("scheduler step failed")
                 self._deliver(self.scheduler.fail_all("internal scheduler error; see its log"))
+                # the connector forgot the transfers and released their leases: the
+                # workers must drop theirs (a hello) before they run another step
+                self.workers.mark_down("internal scheduler error")
                 busy = True
             if busy:
                 idle_wait = IDLE_WAIT_MIN_S

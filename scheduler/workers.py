@@ -146,6 +146,13 @@ class WorkerGroup:
         logger.info("all %d workers answer again", self.world_size)
         return True
 
+    def mark_down(self, reason: str) -> None:
+        """Take the group down although every worker answered (the scheduler failed a step
+        of its own and forgot its requests): ``step`` refuses until :meth:`recover`, whose
+        hello makes every worker forget its requests and transfers too."""
+        self.failure = WorkerFailure(reason, rank=-1, address="")
+        logger.error("workers reset: %s", reason)
+
     async def close(self, *, stop_workers: bool = False) -> None:
         """Close every socket (optionally telling the workers to exit first). Idempotent."""
         for worker in self._workers:

@@ -23,6 +23,7 @@ from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
     KIND_RESULT,
+    KIND_STEP,
     StepPlan,
     StepResult,
     WorkerHello,
@@ -244,3 +245,54 @@ def test_killed_worker_fails_its_requests_and_the_scheduler_stays_up(tmp_path: P
         sched.kill()
         w0.kill()
         w1.kill()
+
+
+async def test_an_internal_scheduler_error_makes_the_workers_forget_before_the_next_step(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
+    """A bug raises out of a step: the scheduler fails what was in flight (``fail_all``: its
+    connector forgets every transfer and releases their leases). The workers must be told
+    (a hello, which makes them drop the transfers they still hold) before the next step, or
+    they copy the forgotten stores into released pages and loads into blocks given to new
+    requests (was: the next step went to them as if nothing had happened)."""
+    from scheduler.engine_service import GenerateParams
+    from scheduler.process import EngineCore
+    from scheduler.scheduler import Scheduler
+    from tests.scheduler.builders import config
+
+    worker = SyntheticWorker()
+    answer = synthetic(worker)
+    seen: list[str] = []
+
+    def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        seen.append(kind)
+        return answer(kind, body)
+
+    async with served(ctx, behaviour) as address:
+        group = groups([address], step_timeout_s=5)
+        await group.start(HELLO, timeout_s=5)
+        scheduler = Scheduler(config())
+        real = scheduler.update_from_output
+        broken = {"on": True}
+
+        def update_from_output(plan: StepPlan, results: Any) -> Any:
+            if broken.pop("on", False):  # a bug, once (the real parts cannot be made to)
+                raise RuntimeError("a bug")
+            return real(plan, results)
+
+        scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+        core = EngineCore(scheduler, group, probe_interval_s=0.05)
+        loop = asyncio.create_task(core.run())
+        try:
+            first = [o async for o in core.submit(GenerateParams(tokens(6), 2))]
+            assert first[-1].finished and "internal scheduler error" in (first[-1].error or "")
+            async with asyncio.timeout(5):  # new requests are refused until the hello is done
+                while group.failure is not None:
+                    await asyncio.sleep(0.01)  # polling the loop's recovery, bounded
+            second = [o async for o in core.submit(GenerateParams(tokens(6), 2))]
+            assert second[-1].finished and not second[-1].error
+        finally:
+            core.stop()
+            await loop
+        failed = seen.index(KIND_STEP)  # the step whose update_from_output raised
+        assert seen[failed + 1] == KIND_HELLO, seen
