@@ -128,12 +128,18 @@ class SchedulerConnector(ABC):
         need (a connector's daemon call). A scheduler that calls it calls it after every
         ``build_connector_meta``; one that never calls it (vLLM) loses nothing."""
 
-    def reset(self) -> None:  # noqa: B027 - a hook with a do-nothing default, not abstract
+    def reset(self, *, release: bool = True) -> None:  # noqa: B027 - a do-nothing default
         """The workers lost their KV (a worker died; the scheduler failed every request that
         held blocks): forget every request and every planned or in-flight transfer, and give
         back what they hold outside the scheduler (kvserver leases, pins). Afterwards
         ``has_pending_transfers`` is False and no report mentions the forgotten requests.
+        ``release=False``: give them back only at :meth:`release_forgotten`, once the workers
+        cannot be copying for them any more (they answered a hello).
 
         The default does nothing, which is right only for a connector that keeps no
         per-request state; every connector that plans transfers overrides it.
         """
+
+    def release_forgotten(self) -> None:  # noqa: B027 - a hook with a do-nothing default
+        """The workers answered a hello since ``reset(release=False)``: give back what the
+        forgotten transfers held. Nothing if no such reset came since the last call."""

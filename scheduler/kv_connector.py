@@ -122,6 +122,9 @@ class KVServerSchedulerConnector(SchedulerConnector):
             self._link, self._leases, self.stats, hasher, self._stores.is_storing
         )
         self._preempted: set[str] = set()
+        #: reset(release=False) forgot transfers that held leases: release_forgotten() owes
+        #: the daemon a release.
+        self._release_due = False
 
     def probe(self) -> str | None:
         """Reach the daemon now and register the namespace (a start-up check): None when it
@@ -154,21 +157,33 @@ class KVServerSchedulerConnector(SchedulerConnector):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def reset(self) -> None:
+    def reset(self, *, release: bool = True) -> None:
         """Forget every request and transfer (the workers lost their GPU contents): this
         client's reservations are rolled back and its pins released on the daemon (one
         blocking ``release``, skipped while it is marked down: the leases then expire); replies
-        still due are dropped (completions already sent stand; held ones are sent first)."""
-        holds_leases = self.has_pending_transfers
-        self._stores.cancel()  # release() below also rolls this reservation back
+        still due are dropped (completions already sent stand; held ones are sent first).
+        ``release=False``: the ``release`` waits for :meth:`release_forgotten` (a worker that
+        is only slow may still copy into the reservation's pages until it answers a hello)."""
+        holds_leases = self.has_pending_transfers or self._release_due
+        self._stores.cancel()  # the release also rolls this reservation back
         self._leases.clear()
-        if holds_leases and not self.is_daemon_down:
+        self._reqs.clear()
+        self._preempted.clear()
+        self._release_due = holds_leases
+        if release:
+            self.release_forgotten()
+
+    def release_forgotten(self) -> None:
+        """Release on the daemon what the transfers forgotten by ``reset(release=False)``
+        held (one blocking ``release``; skipped while the daemon is marked down: the leases
+        then expire). REQUIRES: no transfer planned since that reset (the workers answered
+        their hello first, before any step)."""
+        due, self._release_due = self._release_due, False
+        if due and not self.is_daemon_down:
             try:
                 self._link.release()
             except KVServerError as exc:
                 logger.info("could not release leases on reset: %s", exc)
-        self._reqs.clear()
-        self._preempted.clear()
 
     @property
     def has_pending_transfers(self) -> bool:

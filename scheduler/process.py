@@ -170,7 +170,9 @@ class EngineCore:
                 busy = await self._step()
             except Exception:  # a bug: keep serving, fail what was in flight
                 logger.exception("scheduler step failed")
-                self._deliver(self.scheduler.fail_all("internal scheduler error; see its log"))
+                self._deliver(
+                    self.scheduler.fail_all("internal scheduler error; see its log", release=False)
+                )
                 # the connector forgot the transfers and released their leases: the
                 # workers must drop theirs (a hello) before they run another step
                 self.workers.mark_down("internal scheduler error")
@@ -190,7 +192,9 @@ class EngineCore:
         try:
             results = await self.workers.step(plan, sent=scheduler.dispatched)
         except WorkerFailure as exc:
-            self._deliver(scheduler.fail_all(str(exc)))
+            # a worker that is only slow may still copy for the forgotten transfers: their
+            # leases are released once every worker answered the recovery's hello
+            self._deliver(scheduler.fail_all(str(exc), release=False))
             return True
         outputs = scheduler.update_from_output(plan, results)
         if scheduler.connector is not None:
@@ -202,6 +206,8 @@ class EngineCore:
         """Workers down: try a fresh hello; if they do not answer, fail what is queued and
         wait ``probe_interval_s`` (or until stopped) before trying again."""
         if await self.workers.recover(self.probe_interval_s):
+            if self.scheduler.connector is not None:  # no copy for the old steps is left
+                self.scheduler.connector.release_forgotten()
             return
         reason = f"workers are down: {self.workers.failure}"
         queued = list(self.scheduler.requests)

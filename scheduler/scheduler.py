@@ -144,10 +144,12 @@ class Scheduler:
             ended.append(request)
         return ended
 
-    def fail_all(self, reason: str) -> list[RequestOutput]:
+    def fail_all(self, reason: str, *, release: bool = True) -> list[RequestOutput]:
         """The workers lost their KV (a worker died or timed out): every request holding
         blocks ends FINISHED_ERROR with ``reason``, every block is released and the prefix cache
-        is forgotten. Requests still waiting without blocks stay queued."""
+        is forgotten. Requests still waiting without blocks stay queued. ``release=False``:
+        the connector gives back its leases only at ``connector.release_forgotten()`` (the
+        caller's, once every worker answered a hello)."""
         failed = [
             r
             for r in self.requests.values()
@@ -158,7 +160,7 @@ class Scheduler:
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
         self.transfers.release_all()
         if self.connector is not None:
-            self.connector.reset()  # drop planned transfers: the GPU contents are gone
+            self.connector.reset(release=release)  # the GPU contents are gone
         self.kv.reset_prefix_cache()
         return [
             RequestOutput(r.request_id, [], True, "error", r.usage(), error=reason)

@@ -296,3 +296,67 @@ async def test_an_internal_scheduler_error_makes_the_workers_forget_before_the_n
             await loop
         failed = seen.index(KIND_STEP)  # the step whose update_from_output raised
         assert seen[failed + 1] == KIND_HELLO, seen
+
+
+@pytest.mark.multiprocess
+async def test_leases_of_a_failed_step_are_released_only_once_the_workers_answered_hello(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup], tmp_path: Path
+) -> None:
+    """A worker misses a step's deadline: the scheduler fails what held KV and its connector
+    forgets every transfer, but a worker that is only slow may still be copying a store into
+    the reservation's pages. The leases are released once every worker answered the
+    recovery's hello (which waits for its copies in flight), not before (was: released at
+    once by ``reset``, the pages free for other chunks while the copies went on)."""
+    from kvserver.client import KVClient
+    from kvserver.namespace import NamespaceSpec
+    from scheduler.engine_service import GenerateParams
+    from scheduler.kv_connector import KVServerSchedulerConnector
+    from scheduler.kv_connector_types import KVConnectorConfig
+    from scheduler.process import EngineCore
+    from scheduler.scheduler import Scheduler
+    from tests.scheduler.builders import config
+    from tests.support.daemon import start_daemon
+
+    daemon = start_daemon(tmp_path)
+    cfg = config()
+    spec = NamespaceSpec(
+        model="test/failed-step", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8,
+        block_size=cfg.block_size, chunk_blocks=1, hash_algo=cfg.hash_algo,
+        hash_seed=cfg.hash_seed,
+    )  # fmt: skip
+    answer = synthetic(SyntheticWorker())
+    leases_at_hello: list[int] = []
+    steps = {"n": 0}
+
+    def num_leases() -> int:
+        with KVClient(daemon.zmq_address, colocated=False) as kv:
+            return int(kv.stats()["num_leases"])
+
+    def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        if kind == KIND_HELLO:
+            leases_at_hello.append(num_leases())
+            return answer(kind, body)
+        steps["n"] += 1  # slow in step 2, which ships the stores reserved in step 1
+        return None if steps["n"] == 2 else answer(kind, body)
+
+    connector = KVServerSchedulerConnector(KVConnectorConfig(daemon.zmq_address, spec))
+    try:
+        async with served(ctx, behaviour) as address:
+            group = groups([address], step_timeout_s=0.5)
+            await group.start(HELLO, timeout_s=5)
+            core = EngineCore(Scheduler(cfg, connector=connector), group, probe_interval_s=0.05)
+            loop = asyncio.create_task(core.run())
+            try:
+                outs = [o async for o in core.submit(GenerateParams(tokens(12), 8))]
+                assert outs[-1].finished and "no reply to step 2" in (outs[-1].error or "")
+                async with asyncio.timeout(5):
+                    while group.failure is not None:
+                        await asyncio.sleep(0.01)  # polling the loop's recovery, bounded
+            finally:
+                core.stop()
+                await loop
+        assert leases_at_hello[-1] >= 1, leases_at_hello  # still held while workers copy
+        assert num_leases() == 0  # released once they answered
+    finally:
+        connector.close()
+        daemon.terminate()
