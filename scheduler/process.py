@@ -205,9 +205,14 @@ class EngineCore:
     async def _recover(self) -> None:
         """Workers down: try a fresh hello; if they do not answer, fail what is queued and
         wait ``probe_interval_s`` (or until stopped) before trying again."""
-        if await self.workers.recover(self.probe_interval_s):
-            if self.scheduler.connector is not None:  # no copy for the old steps is left
-                self.scheduler.connector.release_forgotten()
+        recovered = await self.workers.recover(self.probe_interval_s)
+        if self.scheduler.connector is not None:
+            # the leases of the failed step's transfers: every worker that answered the hello
+            # has finished its copies for them, a dead one copies nothing, one that did not
+            # answer had the hello's timeout more (waiting longer would hold them until they
+            # expire on the daemon)
+            self.scheduler.connector.release_forgotten()
+        if recovered:
             return
         reason = f"workers are down: {self.workers.failure}"
         queued = list(self.scheduler.requests)

@@ -306,7 +306,9 @@ async def test_leases_of_a_failed_step_are_released_only_once_the_workers_answer
     forgets every transfer, but a worker that is only slow may still be copying a store into
     the reservation's pages. The leases are released once every worker answered the
     recovery's hello (which waits for its copies in flight), not before (was: released at
-    once by ``reset``, the pages free for other chunks while the copies went on)."""
+    once by ``reset``, the pages free for other chunks while the copies went on). A worker
+    that never answers is tests/test_e2e_failures.py's: released after that hello's
+    timeout."""
     from kvserver.client import KVClient
     from kvserver.namespace import NamespaceSpec
     from scheduler.engine_service import GenerateParams
