@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from kvserver.errors import KVServerError
@@ -18,6 +19,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Binds to loopback unless --host says otherwise."
         ),
     )
+    # "--dram -5GiB" is a bad value, not a missing one: a word that starts with a minus and a
+    # digit is a value here (argparse's own test takes plain negative numbers only)
+    p._negative_number_matcher = re.compile(r"^-\d")
     p.add_argument("--config", metavar="FILE", help="TOML config file (keys = long flag names)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, help="gRPC query API port (default 9470, 0=any)")

@@ -1,9 +1,9 @@
 """Daemon configuration: one validated dataclass, built from defaults < config file < environment
 < command-line flags.
 
-Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, LRU. The config file
-is TOML with the same keys as the dataclass fields (``dram = "8GiB"``); environment variables
-are ``KVSERVER_<FIELD>`` in upper case (``KVSERVER_DRAM=8GiB``).
+Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, the prefix-aware
+policy. The config file is TOML with the same keys as the dataclass fields (``dram = "8GiB"``);
+environment variables are ``KVSERVER_<FIELD>`` in upper case (``KVSERVER_DRAM=8GiB``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from errno import EADDRINUSE
 from typing import Any
 
 from kvserver.cluster.config import ClusterConfig, parse_weights
@@ -35,6 +36,8 @@ DEFAULT_GRPC_PORT = 9470
 DEFAULT_ZMQ_PORT = 9471
 DEFAULT_PUB_PORT = 9472
 DEFAULT_METRICS_PORT = 9473
+#: the values of ``log_level`` (the logging module's names)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``peer_stream_window``: its default (the one owner: ``kvserver.daemon.peers.fetch`` takes
 #: it as ``STREAM_WINDOW_BYTES``; this module must not import that one, which loads gRPC, since
 #: the CLI loads this module before gRPC's engine is chosen) and bounds.
@@ -53,12 +56,23 @@ _UNITS = {
 }
 
 
+def bind_hint(flag: str, errno: int | None = None) -> str:
+    """What to do when a listener cannot bind: the ``flag`` that moves it (``errno``
+    EADDRINUSE or None: the port may be taken; else the address itself is wrong)."""
+    if errno not in (None, EADDRINUSE):
+        return "; check --host (an address of this machine, or 0.0.0.0 for every one)"
+    return (
+        f"; is another kvserver (or another program) on that port? Stop it, or choose "
+        f"another with {flag} PORT (0: any free port)"
+    )
+
+
 def parse_size(text: str | int) -> int:
     """``"256MiB"`` → 268435456. Accepts plain integers, SI (MB) and IEC (MiB) units."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise InvalidArgument(f"bad size {text!r}; examples: 256MiB, 8GiB, 1073741824")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -253,6 +267,15 @@ class DaemonConfig:
         for address in self.peer_addresses:
             if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", address):
                 raise InvalidArgument("a peer address must be tcp://HOST:PORT", peer=address)
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise InvalidArgument(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}", value=self.log_level
+            )
+        if self.dram < self.page_size:  # the engine's own check, in the operator's words
+            raise InvalidArgument(
+                f"dram ({self.dram} bytes) is smaller than one page (page_size "
+                f"{self.page_size} bytes): give a few MiB at least, e.g. --dram 256MiB"
+            )
         self.engine_config()  # validates the engine part
         make_policy(self.policy)  # names the valid choices when wrong, before any start-up
         make_policy(self.ssd_policy)
@@ -373,13 +396,15 @@ class DaemonConfig:
         return dataclasses.replace(self, **changes)
 
 
-#: KVSERVER_* variables that are not daemon settings: read by the CLI, the tests or
-#: deploy/run-local.sh (which passes its environment on to the daemon it starts).
+#: KVSERVER_* variables that are not daemon settings: read by the CLI, the scheduler, the
+#: tests, the benchmarks or deploy/run-local.sh (which passes its environment on to the daemon
+#: it starts).
 ENV_ELSEWHERE = frozenset(
     f"KVSERVER_{name}"
     for name in (
         "SERVER", "REQUIRE_VLLM", "VLLM_ENGINE_PYTHON", "LOCAL_DIR", "CMD",
-        "GRPC", "ZMQ", "PUB", "METRICS",
+        "GRPC", "ZMQ", "PUB", "METRICS", "ENGINE_AUTH_TOKEN", "ENGINE_AUTH_TOKEN_FILE",
+        "TAIL_PROBE", "TAIL_PROBE_DEBUG",
     )
 )  # fmt: skip
 
@@ -425,7 +450,10 @@ def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
         "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes",
         "peer_stream_window",
     ):
-        return parse_size(value)
+        try:
+            return parse_size(value)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{name}: {exc.message}") from None
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
     if kind == "bool":
         return _parse_bool(name, value)

@@ -41,7 +41,7 @@ from kvserver.cluster.rpc import score_hosts
 from kvserver.crypto import TlsServer
 from kvserver.daemon.access import allow_prefix
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
-from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.daemon.grpc_stats import MAX_STATUS_DETAILS, stats_response
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
@@ -167,9 +167,14 @@ class GrpcFrontend:
         if cfg.tls_cert_file:
             tls = TlsServer(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
             credentials = tls.credentials()
-        self._server, self.port = await start_server(
-            SERVICE_NAME, handlers, self._health, cfg.host, cfg.grpc_port, credentials=credentials
-        )
+        try:
+            self._server, self.port = await start_server(
+                SERVICE_NAME, handlers, self._health, cfg.host, cfg.grpc_port,
+                credentials=credentials,
+            )  # fmt: skip
+        except KVServerError as exc:  # gRPC says no more than "failed to bind"
+            reason = exc.message.split("; set GRPC_VERBOSITY", 1)[0]
+            raise KVServerError(f"{reason}{bind_hint('--grpc-port')}") from None
         return self.port
 
     async def stop(self, grace: float) -> None:

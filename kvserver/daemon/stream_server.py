@@ -48,6 +48,7 @@ from typing import Any
 from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Authenticator, Principal
+from kvserver.daemon.config import bind_hint
 from kvserver.daemon.owners import STREAM_CLIENT as STREAM_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
@@ -119,7 +120,8 @@ class StreamServer:
                 "open_connections": self.num_connections, **self.counters.to_dict()}  # fmt: skip
 
     async def start(self) -> int:
-        """Bind and listen; returns the port (ephemeral when configured 0)."""
+        """Bind and listen; returns the port (ephemeral when configured 0). Raises
+        KVServerError when the address cannot be bound (in use, not this host's)."""
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -127,6 +129,12 @@ class StreamServer:
             listener.bind((self._host, self._port))
             listener.listen(128)
             listener.setblocking(False)
+        except OSError as exc:
+            listener.close()
+            hint = bind_hint("--peer-stream-port", exc.errno)
+            raise KVServerError(
+                f"cannot bind the peer stream to {self._host}:{self._port}: {exc.strerror}{hint}"
+            ) from None
         except BaseException:
             listener.close()
             raise

@@ -70,7 +70,7 @@ import zmq.asyncio
 from kvserver import wire, wire_local
 from kvserver.crypto import CurveServer
 from kvserver.daemon.auth import Authenticator
-from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.daemon.local_exits import ExitWatch
 from kvserver.daemon.local_server import (
     LocalConnection,
@@ -177,7 +177,7 @@ class DataFrontend:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
             self._router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
-            data_port = _bind(self._router, cfg.host, cfg.zmq_port)
+            data_port = _bind(self._router, cfg.host, cfg.zmq_port, "--zmq-port")
             pub_port = -1
             if cfg.pub_port >= 0:
                 self._pub = self._ctx.socket(zmq.PUB)
@@ -185,7 +185,7 @@ class DataFrontend:
                     curve.apply(self._pub)
                 self._pub.setsockopt(zmq.LINGER, 0)
                 self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
-                pub_port = _bind(self._pub, cfg.host, cfg.pub_port)
+                pub_port = _bind(self._pub, cfg.host, cfg.pub_port, "--pub-port")
         except BaseException:
             await self.stop()
             raise
@@ -434,7 +434,8 @@ class DataFrontend:
             self._schedule_drain()
 
 
-def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
+def _bind(sock: zmq.asyncio.Socket, host: str, port: int, flag: str) -> int:
+    """Bind ``sock`` to ``host:port``; a failure names ``flag``, the option that moves it."""
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
         host = f"[{host}]"
@@ -442,7 +443,7 @@ def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
-        raise KVServerError(f"cannot bind {endpoint}: {exc}") from None
+        raise KVServerError(f"cannot bind {endpoint}: {exc}{bind_hint(flag, exc.errno)}") from None
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return int(bound.rsplit(":", 1)[1])
 

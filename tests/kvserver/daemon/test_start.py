@@ -1,6 +1,8 @@
 """``kvserver start`` as a newcomer meets it: config errors (an unknown policy too) exit 2
-before any start-up work, misspelt KVSERVER_* variables are warned about, the arena's
-pre-fault is announced with progress on a terminal, and SIGHUP gets the ordered shutdown."""
+before any start-up work, in one line naming the setting, misspelt KVSERVER_* variables are
+warned about, a port in use names the flag that moves it, the start-up line says where the
+daemon listens and with what, the arena's pre-fault is announced with progress on a terminal,
+and SIGHUP gets the ordered shutdown."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import fcntl
 import os
 import pty
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -44,11 +47,71 @@ def test_an_unknown_policy_exits_2_before_start_up(tmp_path: Path) -> None:
 
 
 def test_unknown_env_names_every_typo_and_nothing_else() -> None:
-    env = {"KVSERVER_DRAM": "1GiB", "KVSERVER_POLICYY": "lru", "KVSERVER_XYZZY": "1", "HOME": "/"}
+    env = {"KVSERVER_DRAM": "1GiB", "KVSERVER_POLICYY": "lru", "KVSERVER_XYZZY": "1", "HOME": "/",
+           "KVSERVER_ENGINE_AUTH_TOKEN_FILE": "f", "KVSERVER_TAIL_PROBE": "p"}  # fmt: skip
     assert unknown_env(env) == [
         "ignoring unknown environment variable KVSERVER_POLICYY (did you mean KVSERVER_POLICY?)",
         "ignoring unknown environment variable KVSERVER_XYZZY",
     ]
+
+
+def start_cmd(tmp_path: Path, *extra: str) -> list[str]:
+    """``kvserver start`` on ephemeral ports, a small arena in ``tmp_path``, then ``extra``."""
+    return [
+        sys.executable, "-m", "kvserver.cli", "start", "--grpc-port", "0", "--zmq-port", "0",
+        "--pub-port", "-1", "--metrics-port", "-1", "--dram", "4MiB", "--shm-dir", str(tmp_path),
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--dram", "-5GiB"), "dram: size must be positive: '-5GiB'"),  # was: "expected one
+        # argument", under the whole usage
+        (("--dram", "1KiB"), "dram (1024 bytes) is smaller than one page (page_size 65536"),
+        (("--log-level", "LOUD"), "log_level must be one of DEBUG, INFO, WARNING"),  # was: ran
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_setting_and_exit_2(
+    tmp_path: Path, flags: tuple[str, ...], message: str
+) -> None:
+    result = subprocess.run(start_cmd(tmp_path, *flags), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"kvserver start: {message}"), line
+    assert list(tmp_path.iterdir()) == []  # no arena was created
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--zmq-port", "--pub-port", "--peer-stream-port"])
+def test_a_port_in_use_is_one_line_naming_the_flag_that_moves_it(tmp_path: Path, flag: str) -> None:
+    """Another program listens on the port: exit 1, what to do, no traceback (was: a
+    traceback for the peer stream port, no hint for the others)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cmd = start_cmd(tmp_path, flag, port)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("kvserver start: cannot bind") and f":{port}" in last, last
+    assert f"Stop it, or choose another with {flag} PORT (0: any free port)" in last
+
+
+def test_the_start_up_line_says_where_and_with_what(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--pub-port", "-1", "--metrics-port", "-1",
+                     "--ssd-dir", str(tmp_path / "ssd"), "--ssd", "64MiB")  # fmt: skip
+    try:
+        line = next(x for x in d.log().splitlines() if "kvserver listening:" in x)
+    finally:
+        assert d.terminate() == 0, d.log()
+    assert f"gRPC 127.0.0.1:{d.info['grpc_port']}, ZMQ data {d.zmq_address}, " in line
+    assert "events off, metrics off, DRAM " in line  # was: "tcp://127.0.0.1:off"
+    assert f"SSD 64 MiB (lru) in {tmp_path / 'ssd'}: ok" in line
+    assert "auth token required (this user's clients find it in" in line
+    assert line.endswith(", standalone")
 
 
 def test_prefault_is_announced_with_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
