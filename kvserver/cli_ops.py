@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserver.crypto import ClientSecurity, add_client_security_args
-from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, Unavailable
 from kvserver.token_file import client_auth_token
 
 DEFAULT_GRPC_PORT = 9470
@@ -154,6 +154,14 @@ def _run(name: str, args: argparse.Namespace, body: Any) -> int:
             file=sys.stderr,
         )
         return 1
+    except Unauthenticated as exc:
+        print(
+            f"kvserver {name}: error: {exc}: the daemon at {args.server} requires its token; "
+            "pass --auth-token-file FILE or --auth-token TOKEN (only the user who started it "
+            "finds it by itself, on its host)",
+            file=sys.stderr,
+        )
+        return 1
     except KVServerError as exc:
         print(f"kvserver {name}: error: {exc}", file=sys.stderr)
         return 1
@@ -178,6 +186,8 @@ def _status(client: Any, args: argparse.Namespace) -> str:
             + (f"\n  ({c['condition_detail']})" if c.get("condition_detail") else "")
             + "\n"
         )
+    else:
+        head += "fleet: none (standalone; kvserver start --cluster URL joins one)\n"
     head += "\n"
     tiers = _table(
         [
@@ -262,6 +272,8 @@ def _tier_notes(tiers: Sequence[Any]) -> str:
                 f"promoted {t.promoted_chunks}, corrupt {t.corrupt_chunks}, "
                 f"I/O errors {t.io_errors}, not written down {t.skipped_chunks}\n"
             )
+    if not any(t.name == "ssd" for t in tiers):
+        lines.append("ssd: none (kvserver start --ssd-dir DIR --ssd SIZE adds one)\n")
     return "".join(lines)
 
 
@@ -340,7 +352,9 @@ def _find_namespace(client: Any, model: str, ns_id: str | None) -> Any:
         models = sorted({ns.spec.model for ns in client.list_namespaces()})
         raise KVServerError(
             f"no namespace is registered for model {model!r} "
-            f"(registered models: {', '.join(map(repr, models)) or 'none'})"
+            f"(registered models: {', '.join(map(repr, models)) or 'none'}; a namespace is "
+            "registered by its first client: a vLLM engine with the kvserver connector, "
+            "KVClient.register_namespace)"
         )
     if len(matches) > 1:
         lines = "\n".join(

@@ -53,6 +53,8 @@ def test_status_table_and_json(server: InProcessServer, capsys: pytest.CaptureFi
     rc, out, err = run(capsys, "status", "--server", server.address)
     assert rc == 0 and err == ""
     assert "TIER" in out and "EVICTIONS" in out and "NAMESPACE" in out
+    assert "fleet: none (standalone; kvserver start --cluster URL joins one)" in out
+    assert "ssd: none (kvserver start --ssd-dir DIR --ssd SIZE adds one)" in out
     dram_row = next(line for line in out.splitlines() if line.startswith("dram"))
     assert dram_row.split()[:3] == ["dram", "CPU", "chain"] and "1.0 MiB" in dram_row
     ns_row = next(line for line in out.splitlines() if line.startswith(ns_id))
@@ -175,6 +177,7 @@ def test_auth_token_from_flag_or_environment(
         monkeypatch.setenv("KVSERVER_SHM_DIR", str(tmp_path / "shm"))
         rc, _, err = run(capsys, "status", "--server", srv.address)
         assert rc == 1 and "Bearer" in err
+        assert "pass --auth-token-file FILE or --auth-token TOKEN" in err  # what to do
         assert run(capsys, "status", "--server", srv.address, "--auth-token", "tok")[0] == 0
         monkeypatch.setenv("KVSERVER_AUTH_TOKEN", "tok")
         assert run(capsys, "status", "--server", srv.address)[0] == 0
