@@ -1,5 +1,9 @@
 """The docs stand alone and their examples are true.
 
+Every flag the operator's documents give a ``kvserver`` subcommand exists, every
+``KVSERVER_*`` variable they name is one a process reads, and the defaults ``kvserver start``
+states are its config's.
+
 A fresh clone has nothing beside it, so no doc, docstring or test may cite a file outside
 the repository (the design file, the seed documents, ``../shared``); the grpcurl examples of
 docs/grpc.md chain (the namespace id RegisterNamespace returns is the one Lookup and Pin use,
@@ -8,7 +12,9 @@ and the Pin key is the chunk key of the Lookup's tokens), checked against a real
 
 from __future__ import annotations
 
+import argparse
 import base64
+import dataclasses
 import itertools
 import json
 import re
@@ -79,3 +85,113 @@ def test_the_grpcurl_examples_chain(tmp_path: Path) -> None:
             assert client.register_namespace(spec).namespace_id == spec.ns_id
     finally:
         assert d.terminate() == 0, d.log()
+
+
+#: the operator's documents: README.md and docs/ (the benchmark log quotes past command lines)
+OPERATOR_DOCS = [
+    ROOT / "README.md",
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md"),
+]
+#: ``kvserver SUBCOMMAND ...`` as the documents write it, up to the end of its code span or line
+DOC_COMMAND = re.compile(
+    r"kvserver (start|status|lookup|hash|keys|scheduler|worker|bench)\b([^`\n|]*)"
+)
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every ``kvserver`` subcommand's real parser, the entry-point ones added by their own
+    ``add`` functions (so that a checkout without installed entry points checks them too)."""
+    from benchmarks.bench_daemon import add_bench
+    from kvserver.cli import build_parser
+    from scheduler.cli import add_scheduler
+    from worker.cli import add_worker
+
+    sub = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    parsers = dict(sub.choices)
+    for add in (add_scheduler, add_worker, add_bench):
+        scratch = argparse.ArgumentParser().add_subparsers()
+        add(scratch)
+        parsers.update(scratch.choices)
+    return parsers
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """``parser``'s options and those of its own subcommands (``kvserver keys tls --host``)."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                out |= option_strings(child)
+    return out
+
+
+def test_every_flag_the_documents_give_a_kvserver_command_exists() -> None:
+    """Each ``--flag`` written after ``kvserver SUBCOMMAND`` in README.md and docs/ (code
+    blocks with their ``\\`` continuations, inline spans and tables) is one that subcommand's
+    parser takes: a renamed or removed flag fails here, not in an operator's terminal."""
+    options = {name: option_strings(p) for name, p in subcommand_parsers().items()}
+    seen = 0
+    wrong = []
+    for doc in OPERATOR_DOCS:
+        text = doc.read_text().replace("\\\n", " ")
+        for m in DOC_COMMAND.finditer(text):
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", m.group(2)):
+                seen += 1
+                if flag not in options[m.group(1)]:
+                    line = text[: m.start()].count("\n") + 1
+                    wrong.append(f"{doc.relative_to(ROOT)}:{line}: kvserver {m.group(1)} {flag}")
+    assert seen > 50  # the pattern still finds the documents' commands
+    assert wrong == []
+
+
+def test_every_kvserver_variable_the_documents_name_is_read() -> None:
+    """Each ``KVSERVER_*`` environment variable of README.md and docs/ is a daemon setting or
+    one that ``kvserver start`` knows another process reads (so it does not warn about it)."""
+    from kvserver.daemon.config import unknown_env
+
+    named = {
+        var
+        for doc in OPERATOR_DOCS
+        for var in re.findall(r"\bKVSERVER_[A-Z0-9_]*[A-Z0-9]", doc.read_text())
+    }
+    assert {"KVSERVER_METRICS_PORT", "KVSERVER_AUTH_TOKEN_FILE"} <= named
+    assert unknown_env(dict.fromkeys(named, "")) == []
+
+
+def test_the_defaults_start_help_states_are_the_configs() -> None:
+    """``kvserver start --help``'s "(default X)" for a number, a size or a word is
+    DaemonConfig's default; the README's "Two commands" defaults too."""
+    from kvserver.daemon.config import DaemonConfig, parse_size
+    from kvserver.policies import policy_names
+
+    policies = set(policy_names())
+    defaults = {f.name: f.default for f in dataclasses.fields(DaemonConfig)}
+    checked = 0
+    for action in subcommand_parsers()["start"]._actions:
+        m = re.search(r"\(default:? ([\w./]+)[;,)]", action.help or "")
+        if m is None or action.dest not in defaults:
+            continue
+        stated, default = m.group(1), defaults[action.dest]
+        if isinstance(default, bool):
+            assert stated == ("on" if default else "off"), action.dest
+        elif isinstance(default, int | float) and re.fullmatch(r"[\d.]+[KMGT]iB", stated):
+            assert parse_size(stated) == default, action.dest
+        elif isinstance(default, int | float) and re.fullmatch(r"[\d.]+", stated):
+            assert float(stated) == default, action.dest
+        elif isinstance(default, str) and (re.search(r"[/.]", stated) or stated in policies):
+            assert stated == default, action.dest
+        else:
+            continue
+        checked += 1
+    assert checked > 15
+    config = DaemonConfig()
+    intro = (ROOT / "README.md").read_text().split("## Two commands", 1)[1].split("```", 1)[0]
+    assert (
+        f"gRPC :{config.grpc_port}, ZMQ data :{config.zmq_port}, "
+        f"KV events :{config.pub_port}," in " ".join(intro.split())
+    )
+    assert f"{config.dram >> 20} MiB of DRAM" in intro and config.policy == "prefix"
+    assert "prefix-aware eviction policy" in intro
