@@ -380,7 +380,14 @@ class DaemonConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = set(values) - set(known)
         if unknown:
-            raise InvalidArgument(f"unknown config keys: {', '.join(sorted(unknown))}")
+            hints = []
+            for key in sorted(unknown):
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+                hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+            raise InvalidArgument(
+                f"unknown config keys: {', '.join(hints)}; the keys are the long flag names "
+                "with '_' for '-' (kvserver start --help)"
+            )
         kwargs: dict[str, Any] = {}
         for name, value in values.items():
             kwargs[name] = _coerce(name, known[name], value)

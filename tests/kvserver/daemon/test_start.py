@@ -83,6 +83,24 @@ def test_a_bad_value_is_one_line_naming_the_setting_and_exit_2(
     assert list(tmp_path.iterdir()) == []  # no arena was created
 
 
+def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_one_line(tmp_path: Path) -> None:
+    """A misspelt key gets the closest one (was: the bare key); a wrong type names its key."""
+    for toml, message in (
+        ('dramm = "1GiB"\n', "unknown config keys: dramm (did you mean dram?); the keys are"),
+        ('grpc_port = "abc"\n', "config grpc_port must be a number, got 'abc'"),
+        ("no_auth = 3\n", "config no_auth must be true or false"),
+    ):
+        config = tmp_path / "kvserver.toml"
+        config.write_text(toml)
+        cmd = start_cmd(tmp_path / "shm", "--config", str(config))
+        cmd.remove("--grpc-port")
+        cmd.remove("0")  # the first "0" was --grpc-port's: the file's grpc_port must count
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"kvserver start: {message}"), line
+
+
 @pytest.mark.parametrize("flag", ["--grpc-port", "--zmq-port", "--pub-port", "--peer-stream-port"])
 def test_a_port_in_use_is_one_line_naming_the_flag_that_moves_it(tmp_path: Path, flag: str) -> None:
     """Another program listens on the port: exit 1, what to do, no traceback (was: a
