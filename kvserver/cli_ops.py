@@ -148,9 +148,10 @@ def _run(name: str, args: argparse.Namespace, body: Any) -> int:
         print(f"kvserver {name}: error: {exc}", file=sys.stderr)
         return 2
     except Unavailable as exc:
+        within = "" if "Connection refused" in exc.message else f" within {args.timeout:g}s"
         print(
-            f"kvserver {name}: error: cannot reach the daemon at {args.server} within "
-            f"{args.timeout:g}s; is `kvserver start` running there?\n  ({exc.message})",
+            f"kvserver {name}: error: cannot reach the daemon at {args.server}{within}; is "
+            f"`kvserver start` running there?\n  ({exc.message})",
             file=sys.stderr,
         )
         return 1

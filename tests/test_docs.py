@@ -195,3 +195,14 @@ def test_the_defaults_start_help_states_are_the_configs() -> None:
     )
     assert f"{config.dram >> 20} MiB of DRAM" in intro and config.policy == "prefix"
     assert "prefix-aware eviction policy" in intro
+
+
+def test_the_plug_in_options_table_lists_every_key_the_connector_takes() -> None:
+    """docs/vllm.md's ``kv_connector_extra_config`` table names exactly the keys the plug-in
+    accepts (was: ``host_kernels`` missing)."""
+    from kvserver_vllm.config import _KEYS
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    table = text.split("### `kv_connector_extra_config`", 1)[1].split("\n\n", 2)[1]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE))
+    assert documented == set(_KEYS)
