@@ -187,6 +187,8 @@ def _status(client: Any, args: argparse.Namespace) -> str:
             + (f"\n  ({c['condition_detail']})" if c.get("condition_detail") else "")
             + "\n"
         )
+    elif any(t.name == "peer" for t in stats.tiers):
+        head += "fleet: none (a fixed list of peers, --peers: the peer tier below)\n"
     else:
         head += "fleet: none (standalone; kvserver start --cluster URL joins one)\n"
     head += "\n"

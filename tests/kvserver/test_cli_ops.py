@@ -162,7 +162,7 @@ def test_unreachable_daemon_is_a_clear_error(capsys: pytest.CaptureFixture[str])
         started = time.monotonic()
         rc, out, err = run(capsys, *argv, "--server", address, "--timeout", "2")
         assert rc == 1 and out == ""
-        assert f"cannot reach the daemon at {address}" in err
+        assert f"cannot reach the daemon at {address}; is `kvserver start` running" in err
         assert time.monotonic() - started < 10
 
 
@@ -216,6 +216,23 @@ def test_real_cli_against_real_daemon(tmp_path: Path, capsys: pytest.CaptureFixt
             timeout=60,
         )
         assert lookup.returncode == 1 and "no namespace" in lookup.stderr
+        assert proc.terminate() == 0
+    finally:
+        proc.kill()
+
+
+@pytest.mark.multiprocess
+def test_status_names_a_fixed_peer_list_as_such(tmp_path: Path) -> None:
+    """A daemon with --peers is not standalone: its status says where the peers went."""
+    proc = start_daemon(tmp_path, "--dram", "2MiB", "--peers", f"tcp://127.0.0.1:{free_port()}")
+    try:
+        status = subprocess.run(
+            [sys.executable, "-m", "kvserver.cli", "status", "--server", proc.grpc_address],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert "fleet: none (a fixed list of peers, --peers: the peer tier below)" in status.stdout
+        assert any(line.startswith("peer ") for line in status.stdout.splitlines())
         assert proc.terminate() == 0
     finally:
         proc.kill()
