@@ -1,9 +1,10 @@
 """Daemon configuration: one validated dataclass, built from defaults < config file < environment
 < command-line flags.
 
-Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, the prefix-aware
-policy. The config file is TOML with the same keys as the dataclass fields (``dram = "8GiB"``);
-environment variables are ``KVSERVER_<FIELD>`` in upper case (``KVSERVER_DRAM=8GiB``).
+Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, the ``chain``
+eviction policy. The config file is TOML with the same keys as the dataclass fields
+(``dram = "8GiB"``); environment variables are ``KVSERVER_<FIELD>`` in upper case
+(``KVSERVER_DRAM=8GiB``).
 """
 
 from __future__ import annotations
