@@ -200,6 +200,17 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["start"]:  # a stop signal from here on stops start-up cleanly
+        from kvserver.daemon.signals import pause_point, recording
+
+        with recording():
+            pause_point("start")
+            return _main(argv)
+    return _main(argv)
+
+
+def _main(argv: Sequence[str]) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_unknown", False):

@@ -412,7 +412,7 @@ ENV_ELSEWHERE = frozenset(
     for name in (
         "SERVER", "REQUIRE_VLLM", "VLLM_ENGINE_PYTHON", "LOCAL_DIR", "CMD",
         "GRPC", "ZMQ", "PUB", "METRICS", "ENGINE_AUTH_TOKEN", "ENGINE_AUTH_TOKEN_FILE",
-        "TAIL_PROBE", "TAIL_PROBE_DEBUG",
+        "TAIL_PROBE", "TAIL_PROBE_DEBUG", "TEST_PAUSE_AT",
     )
 )  # fmt: skip
 

@@ -20,6 +20,8 @@ fleet when ``--cluster`` is set
 stop the daemon) and put the network tier over the fleet index at the bottom of the stack
 (``kvserver/daemon/peers/``) → collect and freeze what start-up left (``settle_gc``) → log
 where it listens → write the ready file (last, so that whoever waits for it finds that line).
+A stop signal during start-up (recorded from the process's start, ``signals.py``) stops it at
+its next step (the pre-fault included), undoing what was done: exit 0, no arena left.
 
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index entries
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
@@ -40,8 +42,8 @@ import gc
 import json
 import logging
 import os
-import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
@@ -53,6 +55,7 @@ from kvserver.crypto import CurveClient, TlsClient, TlsServer
 from kvserver.daemon.auth import ADMIN, Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
+from kvserver.daemon.listening import listening_line
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
@@ -60,6 +63,7 @@ from kvserver.daemon.peers.fleet import FleetDirectory
 from kvserver.daemon.peers.static import StaticDirectory
 from kvserver.daemon.peers.tier import PeerTier
 from kvserver.daemon.service import KVService
+from kvserver.daemon.signals import STOP_SIGNALS, forward, pause_point, recording
 from kvserver.daemon.stream_server import StreamServer
 from kvserver.daemon.tenants import tenant_tokens
 from kvserver.daemon.tiering import SsdTier
@@ -86,14 +90,42 @@ SWITCH_INTERVAL_S = 0.0005
 GC_YOUNG_THRESHOLD = 10_000
 
 
+class _StoppedStarting(Exception):
+    """``stop`` was set during start-up; the argument names the step that saw it."""
+
+
 async def serve(
-    config: DaemonConfig, stop: asyncio.Event | None = None, *, malloc_tuned: bool = False
+    config: DaemonConfig,
+    stop: asyncio.Event | None = None,
+    *,
+    malloc_tuned: bool = False,
+    serving: Callable[[], None] | None = None,
 ) -> int:
     """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`);
     ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
-    file. Returns the SSD tier's disk jobs left running past its drain timeout (10 s) at
-    shutdown (``SsdTier.close``; 0 normally)."""
+    file; ``serving()`` is called once started, before the start-up line. A ``stop`` set during
+    start-up stops it at its next step, what was done undone. Returns the SSD tier's disk jobs
+    left running past its drain timeout (10 s) at shutdown (``SsdTier.close``; 0 normally)."""
     stop = stop or asyncio.Event()
+    try:
+        return await _serve(config, stop, malloc_tuned, serving)
+    except _StoppedStarting as exc:
+        logger.info("stopped during start-up (a stop signal before step %s)", exc)
+        return 0
+
+
+async def _serve(
+    config: DaemonConfig,
+    stop: asyncio.Event,
+    malloc_tuned: bool,
+    serving: Callable[[], None] | None,
+) -> int:
+    def step(name: str) -> None:  # start-up goes on unless stopped
+        pause_point(name)
+        if stop.is_set():
+            raise _StoppedStarting(name)
+
+    step("config")
     # safe by default (docs/security.md): a random token unless one is configured or no_auth;
     # config keeps the configured one (what this daemon sends its peers: "" = their own files)
     token = server_token(config.auth_token, config.no_auth)
@@ -127,8 +159,13 @@ async def serve(
         config.shm_dir,
     )
     with _Progress("pre-faulting the DRAM arena") as progress:
+
+        def prefaulted(done: int, total: int) -> None:  # a stop ends the pre-fault here
+            progress(done, total)
+            step("prefault")
+
         service = KVService(
-            engine_config, event_capacity=config.event_capacity, prefault_progress=progress
+            engine_config, event_capacity=config.event_capacity, prefault_progress=prefaulted
         )
     zmq_front = DataFrontend(service, config, auth)
     service.zmq_sends = zmq_front.sender
@@ -157,6 +194,7 @@ async def serve(
         if config.peer_addresses:
             service.add_tier(_static_peer_tier(config, service))
         await service.open_tiers()
+        step("tiers")
         data_port, pub_port = await zmq_front.start()
         stream_port = await stream_front.start() if stream_front is not None else -1
         service.peer_stream = stream_front
@@ -169,6 +207,7 @@ async def serve(
             token_files = write_token_files(token, tcp_ports, config.shm_dir)
         else:  # a file left for these ports by a daemon that was SIGKILLed is stale now
             remove_token_files(token_path(p, config.shm_dir) for p in tcp_ports)
+        step("listen")
         reaper = asyncio.create_task(_reap_forever(service, config.reap_interval_s))
         collector = DaemonCollector(service, asyncio.get_running_loop())
         metrics_port, metrics_server = serve_metrics(collector, config.host, config.metrics_port)
@@ -180,6 +219,7 @@ async def serve(
             peer_tier = _fleet_peer_tier(config, service, node)
             service.add_tier(peer_tier)
             await peer_tier.open()
+        step("fleet")
         info: dict[str, object] = {
             "pid": os.getpid(),
             "host": config.host,
@@ -199,8 +239,10 @@ async def serve(
             "cluster_incarnation": node.incarnation if node is not None else "",
             "cluster_condition": node.condition if node is not None else "",
         }
+        if serving is not None:
+            serving()
         settle_gc()
-        logger.info("kvserver listening: %s", _listening(config, info, token))
+        logger.info("kvserver listening: %s", listening_line(config, info, token))
         if config.ready_file:  # after the line above: whoever waits for it may read the log
             write_atomic(config.ready_file, json.dumps(info))
         await stop.wait()
@@ -228,51 +270,6 @@ async def serve(
                 os.unlink(config.ready_file)
         logger.info("stopped; shared-memory arena removed")
     return ssd.abandoned_jobs if ssd is not None else 0
-
-
-def _listening(config: DaemonConfig, info: dict[str, object], token: str) -> str:
-    """The start-up line's body: every address (``off`` for a listener turned off), the
-    tiers, who may connect and the fleet, from the ready file's ``info``. Its first fields
-    (up to the DRAM arena) are stable: scripts may read them."""
-    host = f"[{config.host}]" if ":" in config.host else config.host
-
-    def at(scheme: str, key: str, path: str = "") -> str:
-        port = int(str(info[key]))
-        return f"{scheme}{host}:{port}{path}" if port >= 0 else "off"
-
-    parts = [
-        f"gRPC {host}:{info['grpc_port']}",
-        f"ZMQ data {at('tcp://', 'zmq_port')}",
-        f"events {at('tcp://', 'pub_port')}",
-        f"metrics {at('http://', 'metrics_port', '/metrics')}",
-        f"DRAM {int(str(info['dram_bytes'])) >> 20} MiB ({config.policy}) in {info['arena_path']}",
-    ]
-    if int(str(info["peer_stream_port"])) >= 0:
-        tls = " (TLS)" if info["peer_stream_tls"] else ""
-        parts.append(f"peer stream {at('tcp://', 'peer_stream_port')}{tls}")
-    if config.ssd_dir:
-        parts.append(
-            f"SSD {config.ssd >> 20} MiB ({config.ssd_policy}) in {config.ssd_dir}: "
-            f"{info['ssd_condition'] or 'ok'}"
-        )
-    else:
-        parts.append("no SSD tier (--ssd-dir DIR adds one)")
-    if not token:
-        parts.append("no auth token (--no-auth: any local user may read and write)")
-    else:
-        where = token_dir(config.shm_dir)
-        parts.append(f"auth token required (this user's clients find it in {where})")
-    cluster = config.cluster_config()
-    if cluster is not None:  # describe(): the URL without its password
-        parts.append(
-            f"fleet {cluster.target().describe()} as {info['cluster_host_id']}: "
-            f"{info['cluster_condition']}"
-        )
-    elif config.peers:
-        parts.append(f"peers {config.peers}")
-    else:
-        parts.append("standalone")
-    return ", ".join(parts)
 
 
 async def _join_fleet(
@@ -425,11 +422,17 @@ def main(config: DaemonConfig) -> int:
     async def _main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: terminal closed
-            loop.add_signal_handler(sig, stop.set)
-        return await serve(config, stop, malloc_tuned=malloc_tuned)
 
-    if uvloop.run(_main()):
+        def take_over() -> None:  # once serving: the loop's handlers (HUP: terminal closed)
+            for sig in STOP_SIGNALS:
+                loop.add_signal_handler(sig, stop.set)
+
+        with forward(stop.set):  # until then: a signal recorded stops start-up at its next step
+            return await serve(config, stop, malloc_tuned=malloc_tuned, serving=take_over)
+
+    with recording():  # from here when not run by ``kvserver start`` (which records already)
+        abandoned = uvloop.run(_main())
+    if abandoned:
         # disk jobs still hang in the kernel past the drain timeout: the interpreter's exit
         # would join their threads (wait for them) whatever the timeout said; everything
         # else is closed by now (the arena and the token files removed)

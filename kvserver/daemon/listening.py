@@ -1,0 +1,52 @@
+"""The daemon's start-up line (``kvserver listening: ...``), logged by ``process.py`` once
+serving: pure formatting of the config and the ready file's ``info``."""
+
+from __future__ import annotations
+
+from kvserver.daemon.config import DaemonConfig
+from kvserver.token_file import token_dir
+
+
+def listening_line(config: DaemonConfig, info: dict[str, object], token: str) -> str:
+    """The start-up line's body: every address (``off`` for a listener turned off), the
+    tiers, who may connect and the fleet, from the ready file's ``info``. Its first fields
+    (up to the DRAM arena) are stable: scripts may read them."""
+    host = f"[{config.host}]" if ":" in config.host else config.host
+
+    def at(scheme: str, key: str, path: str = "") -> str:
+        port = int(str(info[key]))
+        return f"{scheme}{host}:{port}{path}" if port >= 0 else "off"
+
+    parts = [
+        f"gRPC {host}:{info['grpc_port']}",
+        f"ZMQ data {at('tcp://', 'zmq_port')}",
+        f"events {at('tcp://', 'pub_port')}",
+        f"metrics {at('http://', 'metrics_port', '/metrics')}",
+        f"DRAM {int(str(info['dram_bytes'])) >> 20} MiB ({config.policy}) in {info['arena_path']}",
+    ]
+    if int(str(info["peer_stream_port"])) >= 0:
+        tls = " (TLS)" if info["peer_stream_tls"] else ""
+        parts.append(f"peer stream {at('tcp://', 'peer_stream_port')}{tls}")
+    if config.ssd_dir:
+        parts.append(
+            f"SSD {config.ssd >> 20} MiB ({config.ssd_policy}) in {config.ssd_dir}: "
+            f"{info['ssd_condition'] or 'ok'}"
+        )
+    else:
+        parts.append("no SSD tier (--ssd-dir DIR adds one)")
+    if not token:
+        parts.append("no auth token (--no-auth: any local user may read and write)")
+    else:
+        where = token_dir(config.shm_dir)
+        parts.append(f"auth token required (this user's clients find it in {where})")
+    cluster = config.cluster_config()
+    if cluster is not None:  # describe(): the URL without its password
+        parts.append(
+            f"fleet {cluster.target().describe()} as {info['cluster_host_id']}: "
+            f"{info['cluster_condition']}"
+        )
+    elif config.peers:
+        parts.append(f"peers {config.peers}")
+    else:
+        parts.append("standalone")
+    return ", ".join(parts)
