@@ -40,6 +40,14 @@ class EngineConfig:
     shm_dir: str = DEFAULT_SHM_DIR
 
     def __post_init__(self) -> None:
+        # the allocator's and the reuse tracker's own checks, here so that a daemon's config
+        # is refused before its arena is made
+        if self.page_size < 4096 or self.page_size & (self.page_size - 1):
+            raise InvalidArgument("page_size must be a power of two >= 4096", value=self.page_size)
+        if self.store_threshold < 0:
+            raise InvalidArgument("store_threshold must be >= 0", value=self.store_threshold)
+        if self.max_tracker_size < 1:
+            raise InvalidArgument("max_tracker_size must be >= 1", value=self.max_tracker_size)
         if self.dram_bytes < self.page_size:
             raise InvalidArgument("dram_bytes must hold at least one page", value=self.dram_bytes)
         if not 0 < self.default_lease_s <= self.max_lease_s:

@@ -221,8 +221,10 @@ class DaemonConfig:
                 f"zmq_send_timeout_s must be in (0, {MAX_SEND_TIMEOUT_S:.0f}]",
                 value=self.zmq_send_timeout_s,
             )
-        if self.ssd_promotions < 1:
-            raise InvalidArgument("ssd_promotions must be >= 1", value=self.ssd_promotions)
+        for name in ("ssd_promotions", "event_capacity", "max_message_bytes",
+                     "local_inflight_bytes", "local_max_connections"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1", value=getattr(self, name))
         if self.no_auth and self.auth_token:
             raise InvalidArgument("no_auth and auth_token contradict each other")
         if self.tenants and self.no_auth:

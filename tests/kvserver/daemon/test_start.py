@@ -71,6 +71,9 @@ def start_cmd(tmp_path: Path, *extra: str) -> list[str]:
         # argument", under the whole usage
         (("--dram", "1KiB"), "dram (1024 bytes) is smaller than one page (page_size 65536"),
         (("--log-level", "LOUD"), "log_level must be one of DEBUG, INFO, WARNING"),  # was: ran
+        # were: refused by the engine after the pre-fault line, exit 1
+        (("--store-threshold", "-3"), "store_threshold must be >= 0 (value=-3)"),
+        (("--page-size", "3KiB"), "page_size must be a power of two >= 4096 (value=3072)"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_setting_and_exit_2(
@@ -80,6 +83,27 @@ def test_a_bad_value_is_one_line_naming_the_setting_and_exit_2(
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"kvserver start: {message}"), line
+    assert list(tmp_path.iterdir()) == []  # no arena was created
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [
+        ("KVSERVER_EVENT_CAPACITY", "event_capacity must be >= 1"),  # was: exit 1, arena left
+        ("KVSERVER_LOCAL_MAX_CONNECTIONS", "local_max_connections must be >= 1"),  # was: served,
+        # closing every local connection
+        ("KVSERVER_MAX_TRACKER_SIZE", "max_tracker_size must be >= 1"),  # was: after pre-fault
+    ],
+)
+def test_a_count_the_daemon_cannot_use_is_refused_before_start_up(
+    tmp_path: Path, variable: str, message: str
+) -> None:
+    env = {**os.environ, variable: "0"}
+    result = subprocess.run(start_cmd(tmp_path), capture_output=True, text=True, timeout=60,
+                            env=env)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == f"kvserver start: {message} (value=0)", line
     assert list(tmp_path.iterdir()) == []  # no arena was created
 
 
