@@ -77,11 +77,14 @@ class KVServerConnectorScheduler:
         except KVServerError as exc:
             if not num_external_tokens:
                 raise
-            # vLLM changed the hit we offered (it may cap it); load nothing, recompute it.
+            # vLLM changed the hit we offered (it may cap it); load nothing, recompute it:
+            # the blocks after the local hit the lookup started from (vLLM sets
+            # request.num_computed_tokens only after this call: 0 for a new request)
             logger.warning("cannot load the hit of %s, recomputing: %s", request.request_id, exc)
             bs = self.config.spec.block_size
-            first = request.num_computed_tokens // bs
-            last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
+            local = self.connector.offered_local_tokens(request.request_id)
+            first = local // bs
+            last = -(-(local + num_external_tokens) // bs)
             self._unpinnable.append(FailedLoad(request.request_id, block_ids[first:last], True))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVServerConnectorMetadata:

@@ -203,6 +203,13 @@ class KVServerSchedulerConnector(SchedulerConnector):
         state = self._reqs.get(req_id)
         return (0, 0) if state is None else (state.num_loads, state.num_stores)
 
+    def offered_local_tokens(self, req_id: str) -> int:
+        """The local hit (tokens) after which the standing offer of request ``req_id`` starts
+        (its last ``get_num_new_matched_tokens``, until allocation); 0 when none stands."""
+        state = self._reqs.get(req_id)
+        offer = state.offer if state is not None else None
+        return offer[0] if offer is not None else 0
+
     def drain(self) -> None:
         """Send the held store completions, then wait for the replies of every call sent
         without waiting (each at most ``op_timeout_s``) and apply them: the reserved stores

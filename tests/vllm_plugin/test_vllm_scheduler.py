@@ -365,6 +365,51 @@ def test_hit_that_cannot_be_pinned_is_recomputed(
     assert outputs == ref
 
 
+def test_a_hit_vllm_changed_recomputes_only_the_blocks_after_the_local_hit(
+    model_dir: Path, daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM takes one block less of the offered hit than offered (as its caps may): the plug-in
+    loads nothing and flags the blocks after the GPU's own hit (was: from block 0, read off
+    ``request.num_computed_tokens`` that vLLM sets only after the call, so vLLM recomputed
+    from token 0 and the tail block went unflagged: each retry looked up, was cut and failed
+    again, 2000 steps without finishing here). lookup_timeout_s: a late lookup is no hit."""
+    shared = prompt(2, 130)
+    eng = engine(model_dir, daemon.zmq_address, num_blocks=64, lookup_timeout_s=5.0)
+    try:
+        eng.run_requests([("a", shared)], max_tokens=2)
+        assert ns_hits(eng, daemon, shared) == 4
+        eng.scheduler.reset_prefix_cache()
+        eng.run_requests([("warm", shared[:40])], max_tokens=1)  # chunk 0 on the GPU again
+        connector = eng.scheduler.connector
+        assert connector is not None
+        offer = connector.get_num_new_matched_tokens
+
+        def one_block_less(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+            hit, is_async = offer(request, num_computed_tokens)
+            assert request.request_id != "b" or (num_computed_tokens, hit) == (32, 96)
+            return (hit - 16 if hit else hit), is_async  # a real fault of vLLM's choosing
+
+        monkeypatch.setattr(connector, "get_num_new_matched_tokens", one_block_less)
+        stats = eng.connector.scheduler_half.stats  # type: ignore[union-attr]
+        loads = stats.loads  # warm's
+        eng.add("b", [*shared, 1, 2], max_tokens=2)
+        records = eng.run()
+        failed = next(r for r in records if "b" in r.finished_recving)
+        ran = next(r for r in records if "b" in r.scheduled)
+        assert ran.computed_before["b"] == CHUNK_TOKENS  # from the local hit, not from 0
+        assert len(failed.invalid_block_ids) == 5  # blocks 2-6: the 80 tokens vLLM took
+        assert stats.loads == loads  # b's hit was not loaded
+        assert_scheduler_empty(eng)
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    ref = reference_outputs(
+        model_dir, [("a", shared), ("warm", shared[:40]), ("b", [*shared, 1, 2])], 2
+    )
+    assert outputs["b"] == ref["b"]
+    assert daemon_holds_nothing(daemon)
+
+
 def test_daemon_down_means_no_hits_and_scheduling_goes_on(
     model_dir: Path, tmp_path: Path
 ) -> None:
