@@ -242,12 +242,21 @@ class ChainPolicy(EvictionPolicy):
         again; a chain :meth:`lookup` follows has its returns counted there (the load after a
         planning lookup is the same request, no second return)."""
         self._now += 1
-        now, owner, shared, time = self._now, self._owner, self._shared, self._queues.time
-        used = [key for key in keys if key in time]
-        for key in used:
-            chain = owner[key]  # counted once per load: _reread sets its time to now
-            if not chain.planned and chain.time != now and key not in shared:
+        now, owner, shared = self._now, self._owner, self._shared
+        used: list[Hashable] = []
+        settled: Chain | None = None  # the last chain seen that needs no reread this load
+        for key in keys:
+            chain = owner.get(key)  # None: not tracked (``_owner`` holds the tracked keys)
+            if chain is None:
+                continue
+            used.append(key)
+            if chain is settled:  # a load's keys are mostly one chain's: checked once
+                continue
+            if chain.planned or chain.time == now:  # counted once per load: _reread sets it
+                settled = chain
+            elif key not in shared:
                 self._reread(chain, now)
+                settled = chain
         self._use(used, None)
 
     def evict(
@@ -345,17 +354,25 @@ class ChainPolicy(EvictionPolicy):
         owner, shared, uses, born = self._owner, self._shared, self._uses, self._born
         now = self._now
         queued: list[tuple[Hashable, State]] = []
-        for i in range(len(keys) - 1, -1, -1):
-            key = keys[i]
-            uses[key] += 1
-            if chain is not None and owner[key] is not chain and key not in shared:
-                shared.add(key)
-            if key in shared:
-                queued.append((key, shared_class(uses[key], born[key], now)))
-            else:
-                if chain is not None:
-                    owner[key] = chain
-                queued.append((key, owner[key].state))
+        append = queued.append
+        if chain is None:
+            for key in reversed(keys):
+                count = uses[key] = uses[key] + 1
+                if key in shared:
+                    append((key, shared_class(count, born[key], now)))
+                else:
+                    append((key, owner[key].state))
+        else:
+            state = chain.state
+            for key in reversed(keys):
+                count = uses[key] = uses[key] + 1
+                if key in shared:
+                    append((key, shared_class(count, born[key], now)))
+                elif owner[key] is chain:
+                    append((key, state))
+                else:  # another chain's key read by this one: shared from now on
+                    shared.add(key)
+                    append((key, shared_class(count, born[key], now)))
         self._queues.queue_many(queued, now)
 
     def _drop(self, key: Hashable) -> None:

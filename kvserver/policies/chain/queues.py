@@ -56,19 +56,32 @@ class ClassQueues:
         """(Re)queue each (key, class) of ``queued``, in order, at the end of its class's list,
         used at ``now`` (one call per batch of keys: the store path pays no call per key)."""
         classes, lists, time, seq = self.classes, self.lists, self.time, self.seq
+        last: State | None = None  # a batch's keys are mostly of one class: its list, once
+        members: OrderedDict[Hashable, int] = OrderedDict()
         for key, state in queued:
-            old = classes.get(key)
-            if old is not None:
-                del lists[old][key]
-                if not lists[old]:
-                    del lists[old]
             seq += 1
-            members = lists.get(state)
-            if members is None:
-                members = lists[state] = OrderedDict()
+            time[key] = now
+            old = classes.get(key)
+            if old == state:  # used again in its class (a load, a re-read): to its list's end
+                if state != last:
+                    last, members = state, lists[state]
+                members.move_to_end(key)
+                members[key] = seq
+                continue
+            if old is not None:
+                left = lists[old]
+                del left[key]
+                if not left:
+                    del lists[old]
+                    if old == last:
+                        last = None
+            if state != last:
+                found = lists.get(state)
+                if found is None:
+                    found = lists[state] = OrderedDict()
+                last, members = state, found
             members[key] = seq
             classes[key] = state
-            time[key] = now
         self.seq = seq
 
     def drop(self, key: Hashable) -> None:
