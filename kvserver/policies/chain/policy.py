@@ -242,14 +242,16 @@ class ChainPolicy(EvictionPolicy):
         again; a chain :meth:`lookup` follows has its returns counted there (the load after a
         planning lookup is the same request, no second return)."""
         self._now += 1
-        now, owner, shared = self._now, self._owner, self._shared
-        used: list[Hashable] = []
+        now, owner, shared, uses, born = (
+            self._now, self._owner, self._shared, self._uses, self._born
+        )  # fmt: skip
+        used: list[tuple[Hashable, Chain]] = []
         settled: Chain | None = None  # the last chain seen that needs no reread this load
         for key in keys:
             chain = owner.get(key)  # None: not tracked (``_owner`` holds the tracked keys)
             if chain is None:
                 continue
-            used.append(key)
+            used.append((key, chain))
             if chain is settled:  # a load's keys are mostly one chain's: checked once
                 continue
             if chain.planned or chain.time == now:  # counted once per load: _reread sets it
@@ -257,7 +259,15 @@ class ChainPolicy(EvictionPolicy):
             elif key not in shared:
                 self._reread(chain, now)
                 settled = chain
-        self._use(used, None)
+        queued: list[tuple[Hashable, State]] = []  # as _use(keys, None), the owners known
+        append = queued.append
+        for key, chain in reversed(used):
+            count = uses[key] = uses[key] + 1
+            if key in shared:
+                append((key, shared_class(count, born[key], now)))
+            else:
+                append((key, chain.state))
+        self._queues.queue_many(queued, now)
 
     def evict(
         self,
