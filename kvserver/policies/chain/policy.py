@@ -56,8 +56,8 @@ and ``touch`` O(1) per key; ``evict`` as :meth:`ClassQueues.choose`, plus O(len(
 dict probes to admit (it stops at the first key that ranks). ``bench_policies`` measures the
 cost per chunk operation against LRU.
 
-Invariants: ``_queues``, ``_owner``, ``_uses`` and ``_born`` hold exactly the tracked keys;
-``_shared`` is a subset of them; ghosts and tracked keys are disjoint; ``_tails`` (two per
+Invariants: ``_queues`` and ``_held`` (a key's chain, uses, first store; chain None: shared)
+hold exactly the tracked keys; ghosts and tracked keys are disjoint; ``_tails`` (two per
 tracked key + 1,024), ``_pending`` (four + 1,024) and ``_ghosts`` (one) are bounded, oldest
 dropped first. ``evict`` changes nothing before it has chosen every victim and decided to
 admit, so a ``None`` leaves the same state; ``kappa`` stays in [0, 1] and only ``lookup``
@@ -78,6 +78,7 @@ from kvserver.policies.chain.states import (
     HI,
     Chain,
     Ghost,
+    Held,
     State,
     StateOdds,
     shared_class,
@@ -98,10 +99,7 @@ class ChainPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._now = 0  # ticks: one per lookup, touch or store batch
         self._queues = ClassQueues()  # the tracked keys by class, in rank order
-        self._owner: dict[Hashable, Chain] = {}
-        self._uses: dict[Hashable, int] = {}
-        self._born: dict[Hashable, int] = {}
-        self._shared: set[Hashable] = set()
+        self._held: dict[Hashable, Held] = {}  # the tracked keys: chain (None: shared), uses
         self._ghosts: OrderedDict[Hashable, Ghost] = OrderedDict()  # evicted keys
         self._tails: OrderedDict[Hashable, Chain] = OrderedDict()
         self._pending: OrderedDict[Hashable, Chain] = OrderedDict()  # looked up, not stored
@@ -133,12 +131,13 @@ class ChainPolicy(EvictionPolicy):
 
     def is_shared(self, key: Hashable) -> bool:
         """Whether ``key`` was read by two different chains."""
-        return key in self._shared
+        held = self._held.get(key)
+        return held is not None and held.chain is None
 
     def turns(self, key: Hashable) -> int | None:
         """The turn count of the chain that holds ``key`` (None: shared or not tracked)."""
-        owner = self._owner.get(key)
-        return None if owner is None or key in self._shared else owner.turns
+        held = self._held.get(key)
+        return None if held is None or held.chain is None else held.chain.turns
 
     # ------------------------------------------------------------------ contract
 
@@ -197,7 +196,7 @@ class ChainPolicy(EvictionPolicy):
         it up, else the batch is a new chain; deepest queued first. Tracked keys are used."""
         self._now += 1
         now, pending, time, ghosts = self._now, self._pending, self._queues.time, self._ghosts
-        owner, born, uses, shared = self._owner, self._born, self._uses, self._shared
+        held = self._held
         queued: list[tuple[Hashable, State]] = []  # queued in one call, in this order
         own: Chain | None = None
         for position in range(len(keys) - 1, -1, -1):
@@ -216,19 +215,15 @@ class ChainPolicy(EvictionPolicy):
                     self._bound(self._tails)
                 chain = own
             ghost = ghosts.pop(key, None)
-            owner[key] = chain
             if ghost is None:
-                born[key] = now
-                uses[key] = 0
+                held[key] = Held(chain, 0, now)
                 queued.append((key, chain.state))
+            elif ghost[2] is not chain:  # shared, or another chain's
+                held[key] = Held(None, ghost[0], ghost[1])
+                queued.append((key, shared_class(ghost[0], ghost[1], now)))
             else:
-                born[key] = ghost[1]
-                uses[key] = ghost[0]
-                if ghost[2] is not chain:  # shared, or another chain's
-                    shared.add(key)
-                    queued.append((key, shared_class(ghost[0], ghost[1], now)))
-                else:
-                    queued.append((key, chain.state))
+                held[key] = Held(chain, ghost[0], ghost[1])
+                queued.append((key, chain.state))
         self._queues.queue_many(queued, now)
 
     def remove(self, key: Hashable) -> None:
@@ -242,29 +237,27 @@ class ChainPolicy(EvictionPolicy):
         again; a chain :meth:`lookup` follows has its returns counted there (the load after a
         planning lookup is the same request, no second return)."""
         self._now += 1
-        now, owner, shared, uses, born = (
-            self._now, self._owner, self._shared, self._uses, self._born
-        )  # fmt: skip
-        used: list[tuple[Hashable, Chain]] = []
+        now, get = self._now, self._held.get
+        used: list[tuple[Hashable, Held]] = []
         settled: Chain | None = None  # the last chain seen that needs no reread this load
         for key in keys:
-            chain = owner.get(key)  # None: not tracked (``_owner`` holds the tracked keys)
-            if chain is None:
+            held = get(key)
+            if held is None:  # not tracked
                 continue
-            used.append((key, chain))
-            if chain is settled:  # a load's keys are mostly one chain's: checked once
+            used.append((key, held))
+            chain = held.chain
+            if chain is None or chain is settled:  # shared; a chain checked this load
                 continue
-            if chain.planned or chain.time == now:  # counted once per load: _reread sets it
-                settled = chain
-            elif key not in shared:
+            if not chain.planned and chain.time != now:  # once per load: _reread sets it
                 self._reread(chain, now)
-                settled = chain
-        queued: list[tuple[Hashable, State]] = []  # as _use(keys, None), the owners known
+            settled = chain  # a load's keys are mostly one chain's: checked once
+        queued: list[tuple[Hashable, State]] = []  # as _use(keys, None), the records known
         append = queued.append
-        for key, chain in reversed(used):
-            count = uses[key] = uses[key] + 1
-            if key in shared:
-                append((key, shared_class(count, born[key], now)))
+        for key, held in reversed(used):
+            held.uses += 1
+            chain = held.chain
+            if chain is None:
+                append((key, shared_class(held.uses, held.born, now)))
             else:
                 append((key, chain.state))
         self._queues.queue_many(queued, now)
@@ -295,18 +288,13 @@ class ChainPolicy(EvictionPolicy):
         ):
             self.declined = True
             return None
-        ghosts, tails, shared = self._ghosts, self._tails, self._shared
-        owner, uses, born = self._owner, self._uses, self._born
+        ghosts, tails, held = self._ghosts, self._tails, self._held
         for key in victims:
             chain = tails.get(key)
             if chain is not None and chain.open:
                 self._count(chain, returned=False)
-            if key in shared:
-                shared.discard(key)
-                ghosts[key] = (uses.pop(key), born.pop(key), None)
-                del owner[key]
-            else:
-                ghosts[key] = (uses.pop(key), born.pop(key), owner.pop(key))
+            gone = held.pop(key)
+            ghosts[key] = (gone.uses, gone.born, gone.chain)
         self._queues.drop_many(victims)
         tracked = len(self._queues.time)
         while len(ghosts) > tracked:
@@ -361,34 +349,32 @@ class ChainPolicy(EvictionPolicy):
     def _use(self, keys: Sequence[Hashable], chain: Chain | None) -> None:
         """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds
         them): queued again deepest first; a key another chain holds becomes shared."""
-        owner, shared, uses, born = self._owner, self._shared, self._uses, self._born
-        now = self._now
+        records, now = self._held, self._now
         queued: list[tuple[Hashable, State]] = []
         append = queued.append
         if chain is None:
             for key in reversed(keys):
-                count = uses[key] = uses[key] + 1
-                if key in shared:
-                    append((key, shared_class(count, born[key], now)))
+                held = records[key]
+                held.uses += 1
+                if held.chain is None:
+                    append((key, shared_class(held.uses, held.born, now)))
                 else:
-                    append((key, owner[key].state))
+                    append((key, held.chain.state))
         else:
             state = chain.state
             for key in reversed(keys):
-                count = uses[key] = uses[key] + 1
-                if key in shared:
-                    append((key, shared_class(count, born[key], now)))
-                elif owner[key] is chain:
+                held = records[key]
+                held.uses += 1
+                if held.chain is chain:
                     append((key, state))
-                else:  # another chain's key read by this one: shared from now on
-                    shared.add(key)
-                    append((key, shared_class(count, born[key], now)))
+                else:  # shared, or another chain's key read by this one: shared from now on
+                    held.chain = None
+                    append((key, shared_class(held.uses, held.born, now)))
         self._queues.queue_many(queued, now)
 
     def _drop(self, key: Hashable) -> None:
         self._queues.drop(key)
-        del self._owner[key], self._uses[key], self._born[key]
-        self._shared.discard(key)
+        del self._held[key]
 
     def _bound(self, table: OrderedDict[Hashable, Chain], factor: int = 2) -> None:
         """Keep ``table`` (oldest first) within ``factor`` entries per tracked key (+1024)."""

@@ -81,6 +81,16 @@ class Chain:
         self.open = True
 
 
+@dataclass(slots=True)
+class Held:
+    """A tracked key as the policy keeps it: one record, not a dict per field (a load reads
+    and updates every field of each key it uses)."""
+
+    chain: Chain | None  # the chain that holds it; None: shared (read by two chains)
+    uses: int  # reads since it was first stored (a ghost's kept when it comes back)
+    born: int  # the tick it was first stored
+
+
 #: an evicted key remembered: (its uses, the tick it was first stored, its chain; None: shared)
 Ghost = tuple[int, int, Chain | None]
 
