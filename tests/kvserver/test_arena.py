@@ -16,6 +16,7 @@ import pytest
 from kvserver.arena import ArenaView, SharedArena, reap_stale_arenas, total_length
 from kvserver.errors import InvalidArgument, StorageError
 from tests.kvserver.builders import PAGE, make_engine, make_keys, make_spec, pattern
+from tests.support.tmpfs import mount_tmpfs, unmount
 
 # A second process: map the arena by path, read some extents to stdout, write stdin into others.
 CHILD = """
@@ -242,15 +243,6 @@ def test_the_arena_is_prefaulted_in_steps_with_progress(
         arena.close()
 
 
-def mount_tmpfs(path: Path, size: str) -> bool:
-    """Mount a tmpfs of ``size`` on ``path`` (root only); False where that is not allowed."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        return False
-    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
-    return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
-
-
 def test_an_arena_larger_than_its_filesystem_is_a_clear_error_not_sigbus(tmp_path: Path) -> None:
     """A real 1 MiB tmpfs (a container's /dev/shm left at its default) under an 8 MiB arena:
     a StorageError that says how much is free, and no file left; was: the pre-fault touched
@@ -272,4 +264,4 @@ def test_an_arena_larger_than_its_filesystem_is_a_clear_error_not_sigbus(tmp_pat
         assert "8 MiB asked" in child.stdout and str(tiny) in child.stdout
         assert list(tiny.iterdir()) == []
     finally:
-        subprocess.run(["umount", str(tiny)], capture_output=True, timeout=30)
+        unmount(tiny)

@@ -30,6 +30,7 @@ from kvserver.namespace import NamespaceSpec
 from kvserver.ssd import format as fmt
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.tmpfs import mount_tmpfs, unmount
 
 pytestmark = pytest.mark.multiprocess
 
@@ -379,15 +380,6 @@ def test_write_failure_dram_keeps_serving_and_writes_resume(tmp_path: Path) -> N
         assert d.terminate() == 0, d.log()
 
 
-def mount_tmpfs(path: Path, size: str) -> bool:
-    """Mount a tmpfs of ``size`` on ``path`` (root only); False where that is not allowed."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        return False
-    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
-    return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
-
-
 def test_tiny_filesystem_fills_up_then_space_returns(tmp_path: Path) -> None:
     """A real full filesystem (a 1 MiB tmpfs under a 8 MiB tier): ENOSPC, degraded, DRAM
     serves; the filesystem is grown (space returns) and write-downs resume."""
@@ -424,7 +416,7 @@ def test_tiny_filesystem_fills_up_then_space_returns(tmp_path: Path) -> None:
         finally:
             assert d.terminate() == 0, d.log()
     finally:
-        subprocess.run(["umount", str(tiny)], capture_output=True, timeout=30)
+        unmount(tiny)
 
 
 def test_unusable_directory_dram_serves_then_the_tier_comes_up(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import pytest
 from kvserver.daemon.config import unknown_env
 from kvserver.policies import policy_names
 from tests.support.daemon import start_daemon, wait_for_ready_file
+from tests.support.tmpfs import mount_tmpfs, unmount
 
 pytestmark = pytest.mark.multiprocess
 
@@ -212,8 +213,6 @@ def test_a_dram_tier_larger_than_the_shm_filesystem_exits_1_with_the_reason(
     """``--dram`` over what the shared-memory filesystem can hold (a real 1 MiB tmpfs: a
     container's /dev/shm at its default): exit 1, the reason and the sizes on stderr, no arena
     left; was: killed by SIGBUS during the pre-fault (exit 135 from a shell), no word why."""
-    from tests.kvserver.test_arena import mount_tmpfs
-
     tiny = tmp_path / "shm"
     if not mount_tmpfs(tiny, "1m"):
         pytest.skip("mounting a tmpfs needs root")
@@ -229,4 +228,4 @@ def test_a_dram_tier_larger_than_the_shm_filesystem_exits_1_with_the_reason(
         assert "8 MiB asked" in result.stderr
         assert not [p for p in tiny.iterdir() if p.name.startswith("kvserver-")]
     finally:
-        subprocess.run(["umount", str(tiny)], capture_output=True, timeout=30)
+        unmount(tiny)
