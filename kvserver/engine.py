@@ -32,8 +32,9 @@ the arena); value types and the config's checks are in ``engine_types``.
 
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
 after every step):
-- every arena page is free, reserved (WRITING entry), ready (READY, unpinned) or pinned
-  (READY, pinned); the four counts add up to the total;
+- every arena page is free, reserved (WRITING entry), ready (READY, unpinned), pinned
+  (READY, pinned), held (READY: an expired load lease's quarantine) or quarantined (an expired
+  reservation's); the counts add up to the total;
 - lookup and prepare_load see READY entries only; WRITING entries are invisible;
 - pinned and WRITING entries are never evicted; eviction frees whole entries, all or nothing;
 - every READY entry is tracked by the eviction policy and no other key is;
@@ -436,6 +437,7 @@ class StorageEngine:
             ready_pages=dram.ready_pages,
             pinned_pages=dram.pinned_pages,
             quarantined_pages=dram.quarantined_pages,
+            quarantined_load_pages=dram.held_pages,
             num_entries=len(self._dram.entries) - dram.num_writing,
             num_writing=dram.num_writing,
             num_leases=len(self.leases),

@@ -11,7 +11,10 @@ those around each call. Call order for one chunk::
     make_ready(ns, keys)              -> READY, tracked by the eviction policy
     rollback(entry, until)            -> a WRITING entry removed, its pages freed (or, with
                                          ``until``, quarantined: freed by release_quarantine)
-    release_quarantine(now)           -> the quarantined pages whose time is up freed
+    hold(ns, keys, until)             -> READY entries kept from eviction until then (an
+                                         expired load lease's quarantine)
+    release_quarantine(now)           -> the quarantined pages whose time is up freed, the
+                                         holds whose time is up ended
     free(entries)                     -> the pages of evicted entries returned
     add_pins / drop_pins / extend_ttl / clear_ttl   pinned-page accounting of READY entries
     ready_run(ns, keys) / missing(ns, keys)         a lookup's leading run, a batch's misses
@@ -21,12 +24,14 @@ free, one accounting update), since a batch of a co-located store or load is hun
 and this runs right after the client's copies have evicted the daemon's data from the caches.
 
 Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
-- every arena page is free, reserved (WRITING entry), ready (READY, unpinned), pinned
-  (READY, pinned) or quarantined (an expired reservation's, not handed out again before its
-  time: a stalled client may still copy into it, ``engine_leases.py``); ``reserved_pages``,
-  ``pinned_pages`` and ``quarantined_pages`` are the counts of the middle three; quarantined
-  pages are neither free nor evictable (a store that needs them is refused, as on a full
-  cache) and are freed in the order they came, their times non-decreasing;
+- every arena page is free, reserved (WRITING entry), ready (READY, unpinned, not held),
+  pinned (READY, pinned), held (READY, unpinned, ``held_until > 0``: an expired load lease's
+  quarantine, its reader may still copy out of it) or quarantined (an expired reservation's,
+  not handed out again before its time: a stalled client may still copy into it,
+  ``engine_leases.py``); ``reserved_pages``, ``pinned_pages``, ``held_pages`` and
+  ``quarantined_pages`` count them; held and quarantined pages are neither free nor
+  evictable (a store that needs them is refused, as on a full cache); quarantines and holds
+  end in the order they came, their times non-decreasing;
 - every READY entry is tracked by the policy and no other key is; ``ready[ns]`` holds exactly
   the keys of namespace ``ns``'s READY entries;
 - pinned and WRITING entries are never evicted; eviction removes whole entries, all or nothing.
@@ -66,6 +71,10 @@ class DramIndex:
         #: pages of rolled-back reservations not free yet: (free at, pages), times ascending
         self._quarantine: deque[tuple[float, list[int]]] = deque()
         self.quarantined_pages = 0
+        #: READY entries held by expired load leases: (held until, entries), times ascending
+        #: (an entry re-held later has a later ``held_until``: its earlier item is skipped)
+        self._holds: deque[tuple[float, list[Entry]]] = deque()
+        self.held_pages = 0
         #: part size in bytes of each namespace index that reserved (a victim of the same part
         #: size hands its parts to a reservation as they are: same pages, same extents)
         self._part_bytes: dict[int, int] = {}
@@ -98,7 +107,10 @@ class DramIndex:
 
         def evictable(k: Hashable) -> bool:
             e = entries[k]  # type: ignore[index]
-            return e.pins <= 0 and e.ttl_until <= 0.0 and (not protected or k not in protected)
+            return (
+                e.pins <= 0 and e.ttl_until <= 0.0 and e.held_until <= 0.0
+                and (not protected or k not in protected)
+            )  # fmt: skip
 
         policy = self.policy
         if policy.admits and new:
@@ -233,7 +245,8 @@ class DramIndex:
         self.quarantined_pages += len(held)
 
     def release_quarantine(self, now: float) -> int:
-        """Free the quarantined pages whose time is ``<= now``; returns how many."""
+        """Free the quarantined pages whose time is ``<= now`` and end the holds whose time
+        is ``<= now``; returns how many pages were freed."""
         quarantine = self._quarantine
         freed: list[int] = []
         while quarantine and quarantine[0][0] <= now:
@@ -241,7 +254,30 @@ class DramIndex:
         if freed:
             self.allocator.free(freed)
             self.quarantined_pages -= len(freed)
+        holds = self._holds
+        while holds and holds[0][0] <= now:
+            until, entries = holds.popleft()
+            for entry in entries:
+                if entry.held_until == until:  # not held again since
+                    entry.held_until = 0.0
+                    if entry.pins <= 0 and entry.ttl_until <= 0.0:
+                        self.held_pages -= entry.num_pages
         return len(freed)
+
+    def hold(self, ns: int, keys: Iterable[bytes], until: float) -> int:
+        """Keep the READY entries of ``keys`` from eviction until ``until`` (an expired load
+        lease's quarantine: its reader may still be copying out of their pages); they stay
+        READY and served. Returns how many entries were held. REQUIRES: each key is READY in
+        ``ns``; ``until`` is not earlier than any earlier hold's."""
+        entries = self.entries
+        held = [entries[(ns, key)] for key in dict.fromkeys(keys)]
+        for entry in held:
+            if entry.held_until <= 0.0 and entry.pins <= 0 and entry.ttl_until <= 0.0:
+                self.held_pages += entry.num_pages
+            entry.held_until = until
+        if held:
+            self._holds.append((until, held))
+        return len(held)
 
     def free(self, entries: Iterable[Entry]) -> None:
         """Return the pages of entries :meth:`make_room` removed (in one call)."""
@@ -260,6 +296,8 @@ class DramIndex:
         for entry in entries:
             if entry.pins <= 0 and entry.ttl_until <= 0.0:
                 pages += entry.num_pages
+                if entry.held_until > 0.0:
+                    self.held_pages -= entry.num_pages
             entry.pins += 1
             entry.uses += 1
         self.pinned_pages += pages
@@ -272,6 +310,8 @@ class DramIndex:
             entry.pins -= 1
             if entry.pins <= 0 and entry.ttl_until <= 0.0:
                 pages += entry.num_pages
+                if entry.held_until > 0.0:
+                    self.held_pages += entry.num_pages
         self.pinned_pages -= pages
 
     def extend_ttl(self, entry: Entry, until: float) -> bool:
@@ -280,6 +320,8 @@ class DramIndex:
             return False
         if not entry.is_pinned:
             self.pinned_pages += entry.num_pages
+            if entry.held_until > 0.0:
+                self.held_pages -= entry.num_pages
         entry.ttl_until = until
         return True
 
@@ -288,6 +330,8 @@ class DramIndex:
         entry.ttl_until = 0.0
         if not entry.is_pinned:
             self.pinned_pages -= entry.num_pages
+            if entry.held_until > 0.0:
+                self.held_pages += entry.num_pages
 
     # ------------------------------------------------------------------ queries
 
@@ -315,9 +359,12 @@ class DramIndex:
 
     @property
     def ready_pages(self) -> int:
-        """Pages of READY unpinned entries (the evictable ones)."""
+        """Pages of READY unpinned entries not held (the evictable ones)."""
         used = self.allocator.num_pages - self.allocator.num_free
-        return used - self.reserved_pages - self.pinned_pages - self.quarantined_pages
+        return (
+            used - self.reserved_pages - self.pinned_pages - self.quarantined_pages
+            - self.held_pages
+        )  # fmt: skip
 
     def ready_keys(self) -> dict[int, list[bytes]]:
         """The keys of READY entries per namespace index, in index order (O(entries))."""
@@ -337,7 +384,7 @@ class DramIndex:
 
     def check_invariants(self) -> None:
         """Recompute the accounting from scratch and compare (tests; O(entries))."""
-        reserved = pinned = ready = writing = 0
+        reserved = pinned = ready = held = writing = 0
         for (ns, key), entry in self.entries.items():
             assert entry.ns == ns and entry.key == key
             n = entry.num_pages
@@ -350,17 +397,27 @@ class DramIndex:
                 assert (ns, key) in self.policy, "ready entry not tracked by the policy"
                 if entry.is_pinned:
                     pinned += n
+                elif entry.held_until > 0.0:
+                    held += n
                 else:
                     ready += n
         free = self.allocator.num_free
         assert reserved == self.reserved_pages, (reserved, self.reserved_pages)
         assert pinned == self.pinned_pages, (pinned, self.pinned_pages)
+        assert held == self.held_pages, (held, self.held_pages)
         assert writing == self.num_writing
         quarantined = sum(len(pages) for _, pages in self._quarantine)
         assert quarantined == self.quarantined_pages, (quarantined, self.quarantined_pages)
         times = [until for until, _ in self._quarantine]
         assert times == sorted(times), "quarantine out of order"
-        assert free + reserved + pinned + ready + quarantined == self.allocator.num_pages
+        assert free + reserved + pinned + ready + held + quarantined == self.allocator.num_pages
+        hold_times = [until for until, _ in self._holds]
+        assert hold_times == sorted(hold_times), "holds out of order"
+        items = {(id(e), until) for until, held_entries in self._holds for e in held_entries}
+        for entry in self.entries.values():
+            if entry.held_until > 0.0:
+                assert entry.state is EntryState.READY
+                assert (id(entry), entry.held_until) in items, "a hold without its item"
         assert len(self.policy) == len(self.entries) - writing
-        held = {(ns, k) for ns, keys in self.ready.items() for k in keys}
-        assert held == {k for k, e in self.entries.items() if e.state is EntryState.READY}
+        in_ready = {(ns, k) for ns, keys in self.ready.items() for k in keys}
+        assert in_ready == {k for k, e in self.entries.items() if e.state is EntryState.READY}

@@ -8,15 +8,17 @@ load's entries there directly); a store lease's part bookkeeping is the lease's 
 
     roll_back(lease, keys)       remove reserved WRITING entries (complete_store failure)
     reap(now)                    expired leases: reservations rolled back (their pages
-                                 quarantined), pins released; expired TTL pins dropped;
-                                 quarantines whose time is up ended
+                                 quarantined), pins released (their chunks held from
+                                 eviction); expired TTL pins dropped; quarantines and
+                                 holds whose time is up ended
     release_client(client)       the same for every lease of one client, now
     pin_ttl(ns, keys, until)     explicit pins that extend, never shorten
     unpin_ttl(ns, keys)          drop explicit pins now
 
 Leases themselves are a :class:`~kvserver.leases.LeaseTable` (``leases``). Reclaiming bumps the
 namespace counters (``rolled_back_chunks``, ``expired_leases``, ``released_leases``,
-``quarantined_chunks``); it emits no events (WRITING entries were never announced).
+``quarantined_chunks``, ``quarantined_load_chunks``); it emits no events (WRITING entries
+were never announced).
 
 Quarantine: a co-located client copies into its store grant's pages in its own process, and
 shared memory cannot be taken back from its mapping. A client stalled past its lease (stopped,
@@ -30,6 +32,17 @@ does not write at all. Quarantined pages are neither free nor evictable: a store
 them is refused as on a full cache until they drain, by time alone (at every reap). Pages of
 reservations ended otherwise are freed at once: a failed ``complete_store``, an explicit
 ``release`` (the client says it is done) and a local-channel client whose process exited.
+
+Loads alike: a co-located reader (a client, a worker) copies out of its load grant's pages
+itself. When its lease *expires* (rather than ``complete_load`` or a release), the pins go,
+but the chunks it named stay READY and served and are *held* from eviction for
+``quarantine_s`` (``DramIndex.hold``): a reader stalled past its deadline that is still
+copying reads their bytes, never another key's written into recycled pages. Readers check
+the deadline after their copy too (``kvserver/client/calls.py``, ``worker/kv_connector.py``)
+and drop what finished late, so the hold covers the time between the daemon's deadline and
+their check. Held pages are counted apart (``held_pages``, stats ``quarantined_load_pages``).
+Every key of the expired lease is held, also one another load or a TTL pin still pins: that
+pin may end before the late reader is done.
 
 Invariants: every entry with ``ttl_until > 0`` has an item ``(ttl_until, ns, key)`` in the TTL
 heap (stale items, whose entry is gone or was re-pinned, are skipped lazily); ``entry.pins`` is
@@ -102,6 +115,10 @@ class LeaseBook:
 
     def _reclaim(self, lease: Lease, *, expired: bool, until: float | None = None) -> None:
         if lease.kind is LeaseKind.LOAD:
+            if until is not None:  # held first: their pages go from pinned to held at once
+                held = self._dram.hold(lease.ns, lease.keys, until)
+                for c in self._namespaces.pair(lease.ns):
+                    c.quarantined_load_chunks += held
             self._dram.drop_pins(lease.ns, lease.keys)
         else:
             self.roll_back(lease, lease.keys, until)

@@ -61,8 +61,8 @@ class EngineConfig:
 
     @property
     def quarantine_s(self) -> float:
-        """How long the pages of an expired store reservation stay out of use
-        (``engine_leases.py``): ``default_lease_s``."""
+        """How long the pages of an expired store reservation stay out of use, and the chunks
+        of an expired load lease out of eviction (``engine_leases.py``): ``default_lease_s``."""
         return self.default_lease_s
 
     def lease_s_of(self, lease_s: float | None) -> float:
@@ -151,6 +151,9 @@ class Entry:
     pins: int = 0
     #: explicit TTL pin deadline (engine clock), 0.0 when not TTL-pinned.
     ttl_until: float = 0.0
+    #: until when an expired load lease's quarantine keeps it from eviction (engine clock;
+    #: 0.0: none): its reader may still be copying out of its pages (``engine_leases.py``)
+    held_until: float = 0.0
     #: times the chunk was used: 1 when stored, +1 per load and per touching/recording lookup
     #: hit. The SSD tier's admission rule reads it when the entry is evicted.
     uses: int = 1
@@ -173,6 +176,8 @@ class Counters:
     rolled_back_chunks: int = 0
     #: of those, the chunks of expired reservations whose pages were quarantined
     quarantined_chunks: int = 0
+    #: chunks of expired load leases kept from eviction for the quarantine (a late reader)
+    quarantined_load_chunks: int = 0
     expired_leases: int = 0
     released_leases: int = 0
     filtered_chunks: int = 0
@@ -190,6 +195,9 @@ class StorageStats:
     pinned_pages: int
     #: pages of expired reservations not free yet (``engine_leases.py``)
     quarantined_pages: int
+    #: pages of READY chunks that only an expired load lease's quarantine keeps from
+    #: eviction (served as usual; evictable again when it ends)
+    quarantined_load_pages: int
     num_entries: int
     num_writing: int
     num_leases: int

@@ -93,6 +93,8 @@ _DRAM_COUNTERS = (
     ("kvserver_rolled_back_chunks", "Reserved chunks rolled back.", "rolled_back_chunks"),
     ("kvserver_quarantined_chunks", "Chunks of expired reservations whose pages were "
      "quarantined.", "quarantined_chunks"),
+    ("kvserver_quarantined_load_chunks", "Chunks of expired load leases kept from eviction "
+     "for the quarantine.", "quarantined_load_chunks"),
     ("kvserver_store_rejections", "Store requests refused: no room.", "store_rejections"),
     ("kvserver_filtered_chunks", "Chunks not admitted (reuse gating, the policy's admission).",
      "filtered_chunks"),
@@ -182,6 +184,12 @@ class DaemonCollector(LoopCollector):
             "kvserver_quarantined_bytes",
             "DRAM of expired store reservations not handed out again yet.",
             s["quarantined_pages"] * page,
+        )
+        yield GaugeMetricFamily(
+            "kvserver_quarantined_load_bytes",
+            "DRAM of ready chunks that only an expired load lease's quarantine keeps from "
+            "eviction.",
+            s["quarantined_load_pages"] * page,
         )
         yield CounterMetricFamily("kvserver_events", "KV events emitted.", s["events_last_seq"])
         refusals = s["refusals"]

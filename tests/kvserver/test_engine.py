@@ -618,21 +618,98 @@ def test_duplicate_keys_in_a_load_pin_twice_and_release_both() -> None:
 
 
 @pytest.mark.parametrize("policy", ALL)
-def test_load_lease_expiry_releases_pins(policy: str) -> None:
+def test_load_lease_expiry_releases_pins_and_holds_its_chunks_for_the_quarantine(
+    policy: str,
+) -> None:
+    """An expired load lease's pins go, but its chunks stay READY and are kept from eviction
+    for default_lease_s (a stalled co-located reader may still copy out of their pages); then
+    they are evictable again. Was: evicted, their pages reused, at the expiry."""
     clock = FakeClock()
-    with make_engine(policy, num_pages=2, clock=clock) as engine:
+    with make_engine(policy, num_pages=2, clock=clock, default_lease_s=5.0) as engine:
         ns = engine.register_namespace(make_spec())
         k = make_keys(4)
         store(engine, ns, k[:2])
         load = engine.prepare_load(ns, k[:2], lease_s=2.0)
         assert engine.prepare_store(ns, [k[2]]) is None
         clock.advance(2.0)
-        grant = engine.prepare_store(ns, k[2:])
-        assert grant is not None and grant.num_evicted == 2
+        assert engine.prepare_store(ns, k[2:]) is None  # held: not handed out
         stats = engine.stats()
         assert stats.pinned_pages == 0 and stats.totals.expired_leases == 1
+        assert stats.quarantined_load_pages == 2 and stats.ready_pages == 0
+        assert stats.totals.quarantined_load_chunks == 2 and stats.quarantined_pages == 0
+        assert engine.lookup(ns, k[:2]) == 2  # still served
         with pytest.raises(LeaseExpired):
             engine.complete_load(load.lease_id)
+        engine.check_invariants()
+        clock.advance(4.999)
+        assert engine.prepare_store(ns, k[2:]) is None
+        clock.advance(0.001)
+        grant = engine.prepare_store(ns, k[2:])
+        assert grant is not None and grant.num_evicted == 2
+        assert engine.stats().quarantined_load_pages == 0
+        engine.check_invariants()
+
+
+def test_expired_load_pages_are_never_handed_to_a_reservation_before_their_time() -> None:
+    """A load lease expires: no reservation gets its chunks' pages before the quarantine
+    ends, also when another load of the same chunks ends first; a completed load and a
+    released client hold nothing."""
+    clock = FakeClock()
+    with make_engine(num_pages=8, clock=clock, default_lease_s=5.0) as engine:
+        ns = engine.register_namespace(make_spec())
+        a, b = make_keys(2, tag="a"), make_keys(2, tag="b")
+        store(engine, ns, a + b)
+        stale = engine.prepare_load(ns, a, client="late", lease_s=1.0)
+        other = engine.prepare_load(ns, a, client="other")
+        done = engine.prepare_load(ns, b[:1], client="quick", lease_s=1.0)
+        engine.complete_load(done.lease_id)
+        gone = engine.prepare_load(ns, b[1:], client="gone", lease_s=1.0)
+        engine.release_client("gone")
+        clock.advance(1.0)
+        engine.expire()
+        engine.complete_load(other.lease_id)  # the other reader is done: a is still held
+        stats = engine.stats()
+        assert stats.quarantined_load_pages == 2 and stats.totals.quarantined_load_chunks == 2
+        fresh = engine.prepare_store(ns, make_keys(6, tag="c"))
+        assert fresh is not None and fresh.num_evicted == 2  # b's, never a's
+        stale_offsets = {off for part in stale.locations for ext in part for off, _ in ext}
+        fresh_offsets = {off for part in fresh.locations for ext in part for off, _ in ext}
+        assert not stale_offsets & fresh_offsets
+        assert engine.lookup(ns, a) == 2 and gone.keys == b[1:]
+        engine.check_invariants()
+        clock.advance(4.999)
+        assert engine.prepare_store(ns, make_keys(2, tag="d")) is None
+        clock.advance(0.001)
+        grant = engine.prepare_store(ns, make_keys(2, tag="d"))
+        assert grant is not None and grant.num_evicted == 2
+        engine.check_invariants()
+
+
+def test_a_hold_outlasts_a_ttl_pin_and_a_new_load_of_its_chunks() -> None:
+    """Pins taken and dropped while a chunk is held move its pages between pinned and held,
+    never to evictable, until the hold ends."""
+    clock = FakeClock()
+    with make_engine(num_pages=4, clock=clock, default_lease_s=5.0) as engine:
+        ns = engine.register_namespace(make_spec())
+        k = make_keys(3)
+        store(engine, ns, k[:1])
+        engine.prepare_load(ns, k[:1], lease_s=1.0)
+        clock.advance(1.0)
+        engine.expire()
+        assert engine.stats().quarantined_load_pages == 1
+        assert engine.pin(ns, k[:1], 2.0) == 1
+        stats = engine.stats()
+        assert stats.quarantined_load_pages == 0 and stats.pinned_pages == 1
+        load = engine.prepare_load(ns, k[:1])
+        assert engine.unpin(ns, k[:1]) == 1
+        engine.complete_load(load.lease_id)
+        stats = engine.stats()
+        assert stats.quarantined_load_pages == 1 and stats.pinned_pages == 0
+        engine.check_invariants()
+        assert engine.prepare_store(ns, make_keys(4, tag="x")) is None
+        clock.advance(5.0)
+        assert engine.stats().quarantined_load_pages == 0
+        assert engine.prepare_store(ns, make_keys(4, tag="x")) is not None
         engine.check_invariants()
 
 

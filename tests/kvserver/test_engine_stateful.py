@@ -102,6 +102,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.next_seq = 1
         #: pages of expired reservations, with the time they are free again (quarantine)
         self.quarantine: list[tuple[float, int]] = []
+        #: chunks of expired load leases, with the time they are evictable again (quarantine)
+        self.held: dict[Item, float] = {}
 
     # ------------------------------------------------------------------ model helpers
 
@@ -116,15 +118,20 @@ class EngineMachine(RuleBasedStateMachine):
 
     def reaped(self) -> None:
         """The engine reaped expired leases (every call that reaps ends with this): ended
-        quarantines freed, the pages of expired reservations quarantined for the default lease."""
+        quarantines and holds ended, the pages of expired reservations quarantined and the
+        chunks of expired loads held for the default lease."""
         now = self.clock.now
         self.quarantine = [(until, n) for until, n in self.quarantine if until > now]
+        self.held = {item: until for item, until in self.held.items() if until > now}
         for lease in [*self.stores.values(), *self.loads.values()]:
             if lease.status == "pending":
                 lease.status = "expired"
                 if isinstance(lease, StoreLease) and lease.keys:
                     pages = PAGES_PER_CHUNK[lease.ns] * len(lease.keys)
                     self.quarantine.append((now + DEFAULT_LEASE_S, pages))
+                elif isinstance(lease, LoadLease):
+                    for key in lease.keys:
+                        self.held[(lease.ns, key)] = now + DEFAULT_LEASE_S
 
     def live_stores(self) -> list[StoreLease]:
         return [lease for lease in self.stores.values() if lease.status == "live"]
@@ -302,8 +309,9 @@ class EngineMachine(RuleBasedStateMachine):
         evictable = {
             item
             for item in self.ready
-            if item not in pinned and not (item[0] == ns and item[1] in seen)
-        }
+            if item not in pinned and item not in self.held
+            and not (item[0] == ns and item[1] in seen)
+        }  # fmt: skip
         room = free + sum(PAGES_PER_CHUNK[n] for n, _ in evictable)
 
         # declined: an admitting policy (``chain``) ranked the new keys below the victims; the
@@ -590,6 +598,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert stats.pinned_pages == sum(PAGES_PER_CHUNK[n] for n, _ in pinned)
         assert stats.free_pages == NUM_PAGES - self.used_pages()
         assert stats.quarantined_pages == self.quarantined_pages()
+        held_only = set(self.held) - pinned
+        assert stats.quarantined_load_pages == sum(PAGES_PER_CHUNK[n] for n, _ in held_only)
         assert stats.num_leases == len(self.live_stores()) + len(self.live_loads())
         self.drain_nothing()
 
@@ -623,6 +633,8 @@ class EngineMachine(RuleBasedStateMachine):
             assert index[item].is_pinned
         for item in self.writing():
             assert index[item].state is EntryState.WRITING, "a reserved chunk disappeared"
+        for item in self.held:
+            assert item in self.ready, "a chunk of an expired load was evicted in its quarantine"
 
 
 SETTINGS = settings(
