@@ -154,9 +154,10 @@ class LeaseBook:
             self._next_deadline = deadline
 
     def ship(self, meta: ConnectorMetadata) -> None:
-        """Move the jobs not shipped yet, and the failed pins, into ``meta``; a store job
+        """Move the jobs not shipped yet, and the failed pins, into ``meta``; every job
         carries the time its lease has left (``RequestTransfers.expires_in_s``: a co-located
-        worker does not start copying into an expired reservation)."""
+        worker does not copy into an expired reservation, nor trust a copy out of an expired
+        load's pages)."""
         if self.failed_loads:
             meta.failed_loads, self.failed_loads = self.failed_loads, []
         if self.to_ship:
@@ -165,11 +166,8 @@ class LeaseBook:
             now = self._clock()
             for job in to_ship:
                 job.shipped = True
-                if job.is_load:
-                    loads.append(job.transfers)
-                else:
-                    job.transfers.expires_in_s = max(0.0, job.deadline - now)
-                    stores.append(job.transfers)
+                job.transfers.expires_in_s = max(0.0, job.deadline - now)
+                (loads if job.is_load else stores).append(job.transfers)
 
     def apply_outputs(self, outputs: Sequence[Any]) -> list[TransferJob]:
         """Count each rank's reports; finish and return the jobs every rank has reported.

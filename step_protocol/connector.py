@@ -73,11 +73,13 @@ class RequestTransfers:
     arena it has mapped belongs to it, and otherwise fails the transfer (never reading or
     writing another arena at these offsets).
 
-    ``expires_in_s`` (stores): the lease time left when the producer shipped the metadata;
-    None when it does not say (older producers). A co-located worker does not start copying
-    into a store's extents once that much time has passed since it received the metadata:
-    the daemon has rolled the reservation back by then, and hands its pages to other keys
-    after a quarantine, so the transfer fails instead (reported in ``failed_keys``).
+    ``expires_in_s``: the lease time left when the producer shipped the metadata; None when
+    it does not say (older producers; before loads carried it, stores only). A co-located
+    worker does not start copying into a store's extents, nor out of a load's, once that
+    much time has passed since it received the metadata, and fails a load whose copies it
+    saw landed only after then: the daemon has rolled the reservation back or dropped the
+    load's pins by then, and after a quarantine hands their pages to other keys, so the
+    transfer fails instead (reported in ``failed_keys``; a load's tokens are recomputed).
     """
 
     req_id: str

@@ -38,9 +38,15 @@ granted by the incarnation whose arena it has mapped (the ``sid`` of the ``hello
 it after); any other lease fails (its extents are offsets in another arena), so a restarted
 daemon's arena is never read or written at its predecessor's offsets, whatever the timing.
 
-A co-located store whose lease has expired (``RequestTransfers.expires_in_s`` after the
-metadata arrived) before its copy is submitted fails without writing: the daemon has rolled
-that reservation back, and after a quarantine hands its pages to other keys.
+Leases that run out (worker/lease_deadlines.py): a co-located store or load whose lease has
+expired (``RequestTransfers.expires_in_s`` after the metadata arrived) before its copy is
+submitted fails without copying: the daemon has rolled that reservation back or dropped the
+load's pins, and after a quarantine hands their pages to other keys. A co-located load whose
+copies were seen landed only at or after its deadline fails too, whatever it copied (the
+blocks may hold another prompt's KV). A failed load's chunks are reported as every failed
+load's (``failed_keys``, their blocks in :meth:`take_load_error_block_ids`: vLLM's
+``get_block_ids_with_load_errors``), and the scheduler recomputes the tokens. The check runs
+here, on what either engine reports, so the CUDA engine's path is the CPU engine's.
 
 Failures never raise into the caller's step: a daemon that cannot be reached fails the chunks
 of the transfers it is given (reported per lease; vLLM recomputes them), and so does a
@@ -54,7 +60,6 @@ it) makes the worker ask the daemon which incarnation it is, and map again if it
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -73,14 +78,12 @@ from step_protocol import (
 from worker.config import WorkerConnectorConfig
 from worker.host import MappedArena
 from worker.layout import CanonicalKVCaches, canonicalize
+from worker.lease_deadlines import JobId, LeaseDeadlines
 from worker.transfer import Direction, Transfer, TransferEngine
 from worker.transfer_factory import make_engine
 from worker.transfer_plan import TransferPlanner, unreachable
 
 logger = logging.getLogger(__name__)
-
-#: (is_load, req_id, lease_id): one lease of one request, reported once.
-JobId = tuple[bool, str, int]
 
 
 class KVServerWorkerConnector:
@@ -111,10 +114,8 @@ class KVServerWorkerConnector:
         self._arena_sid = ""
         self._inflight: dict[JobId, Transfer] = {}
         self._stores_left: dict[str, int] = {}
-        #: stores not submitted yet -> when their lease expires (this process's clock)
-        self._store_deadlines: dict[JobId, float] = {}
-        #: stores failed because their lease had expired before the copy could start.
-        self.expired_stores = 0
+        #: the deadlines of the leases copied under (expired_stores, expired_loads)
+        self.deadlines = LeaseDeadlines()
         self._output = ConnectorWorkerOutput(self.rank)
 
     # ------------------------------------------------------------------ lifetime
@@ -195,7 +196,7 @@ class KVServerWorkerConnector:
             meta = ConnectorMetadata.from_wire(meta)
         if meta.ns_id and meta.ns_id != self.spec.ns_id:
             raise InvalidArgument("metadata of another namespace", ns_id=meta.ns_id)
-        self._note_deadlines(meta)
+        self.deadlines.note(meta)
         if not self._saved:
             self.wait_for_save()
         self._meta, self._saved = meta, False
@@ -260,7 +261,7 @@ class KVServerWorkerConnector:
         flush = set(meta.flush_req_ids)
         if not flush:
             return
-        self._note_deadlines(meta)
+        self.deadlines.note(meta)
         for t in meta.stores:
             job: JobId = (False, t.req_id, t.lease_id)
             if t.req_id in flush and job not in self._flushed:
@@ -317,10 +318,15 @@ class KVServerWorkerConnector:
             if self._inflight.pop(tr.tag, None) is None:
                 continue  # not one of ours (submitted to the engine by someone else)
             is_load, req_id, lease_id = tr.tag
-            result = TransferResult(req_id, lease_id, list(tr.failed_keys))
+            failed = list(tr.failed_keys)
+            if is_load and self.deadlines.landed_late(tr):
+                logger.warning("load lease %d of %s expired before its copies landed; it "
+                               "fails", lease_id, req_id)  # fmt: skip
+                failed = list(tr.keys)
+            result = TransferResult(req_id, lease_id, failed)
             blocks = self._load_blocks.pop(tr.tag, None)
             if blocks is not None:
-                for key in tr.failed_keys:
+                for key in failed:
                     self._load_errors.update(blocks.get(key, ()))
             if is_load:
                 self._output.loads.append(result)
@@ -361,6 +367,7 @@ class KVServerWorkerConnector:
         self._stores_left.clear()
         self._load_blocks.clear()
         self._load_errors.clear()
+        self.deadlines.clear()
         self._flushed, self._submitted_now = set(), set()
         self._meta, self._saved = None, True
 
@@ -382,7 +389,7 @@ class KVServerWorkerConnector:
         if self.engine is None or self._planner is None:
             raise InvalidState("register_kv_caches first")
         job: JobId = (is_load, t.req_id, t.lease_id)
-        deadline = None if is_load else self._store_deadlines.pop(job, None)
+        deadline = self.deadlines.take(job)
         if job in self._inflight:
             logger.warning("lease %d of %s shipped twice; ignored", t.lease_id, t.req_id)
             if counted:
@@ -402,11 +409,11 @@ class KVServerWorkerConnector:
                                t.lease_id, t.req_id, exc)  # fmt: skip
         if not self._connected:
             transfer = unreachable(t, is_load)
-        elif self.arena is not None and deadline is not None and time.monotonic() >= deadline:
-            logger.warning("store lease %d of %s expired before its copy started; it fails",
-                           t.lease_id, t.req_id)  # fmt: skip
-            self.expired_stores += 1
-            transfer = unreachable(t, is_load, "its store lease expired before the copy")
+        elif self.arena is not None and self.deadlines.expired(job, deadline):
+            kind = "load" if is_load else "store"
+            logger.warning("%s lease %d of %s expired before its copy started; it fails",
+                           kind, t.lease_id, t.req_id)  # fmt: skip
+            transfer = unreachable(t, is_load, f"its {kind} lease expired before the copy")
         elif self.arena is not None and t.granted_by != self._arena_sid:
             logger.info("lease %d of %s was granted by another daemon instance (%r, mapped: "
                         "%r); it fails", t.lease_id, t.req_id, t.granted_by,
@@ -414,19 +421,12 @@ class KVServerWorkerConnector:
             transfer = unreachable(t, is_load, "granted by another daemon instance")
         else:
             transfer = self._planner.plan(t, is_load, self.arena, self._io)
+            if is_load and self.arena is not None:
+                self.deadlines.watch(job, deadline)  # checked when its copies have landed
         if is_load:
             self._load_blocks[job] = {c.key: c.block_ids for c in t.loads}
         self._inflight[job] = transfer
         self.engine.submit(transfer)
-
-    def _note_deadlines(self, meta: ConnectorMetadata) -> None:
-        """When each store of ``meta`` that says how long its lease has left expires, on
-        this process's clock (the first time a metadata is seen: ``flush`` or bind)."""
-        now = time.monotonic()
-        deadlines = self._store_deadlines
-        for t in meta.stores:
-            if t.expires_in_s is not None:
-                deadlines.setdefault((False, t.req_id, t.lease_id), now + t.expires_in_s)
 
     @property
     def caches_on_cuda(self) -> bool:

@@ -141,6 +141,10 @@ class Transfer:
     future: Future[None] | None = None
     #: engine-specific completion state (CUDA: the end event).
     state: Any = None
+    #: when the submitting thread first saw its copies landed (``time.monotonic()``, by
+    #: :meth:`TransferEngine.poll` or :meth:`TransferEngine.wait`): never earlier than they
+    #: landed, so a reader whose lease deadline is before it knows its copies were done in time
+    landed_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -242,7 +246,9 @@ class TransferEngine(ABC):
         done: list[Transfer] = []
         for queue in self._inflight.values():
             while queue and self._is_done(queue[0]):
-                done.append(self._collect(queue.popleft()))
+                transfer = queue.popleft()
+                _stamp_landed(transfer)
+                done.append(self._collect(transfer))
         return done
 
     def wait(self, transfers: Iterable[Transfer]) -> None:
@@ -255,6 +261,7 @@ class TransferEngine(ABC):
             if t.future is not None:
                 t.future.result()
                 self._sync(t)
+                _stamp_landed(t)
 
     @property
     def num_inflight(self) -> int:
@@ -456,3 +463,9 @@ class TransferEngine(ABC):
     def _sync(self, transfer: Transfer) -> None:
         """Block until the copies of a transfer whose body returned completed."""
         return None
+
+
+def _stamp_landed(transfer: Transfer) -> None:
+    """Submitting thread: record when ``transfer``'s copies were first seen landed."""
+    if transfer.landed_at is None:
+        transfer.landed_at = time.monotonic()

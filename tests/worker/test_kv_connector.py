@@ -8,6 +8,7 @@ computed. Stored parts are checked in the daemon, loads by comparing block bytes
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ torch = pytest.importorskip("torch")
 from kvserver.client import KVClient  # noqa: E402
 from kvserver.errors import InvalidArgument  # noqa: E402
 from step_protocol import ConnectorMetadata  # noqa: E402
-from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
+from tests.support.daemon import DaemonProc, start_daemon, wait_until  # noqa: E402
 from tests.support.gate import Gate  # noqa: E402
 from tests.worker.builders import (  # noqa: E402
     BS,
@@ -357,6 +358,77 @@ def test_remote_store_to_an_unknown_lease_fails_its_keys(make_cluster: Any) -> N
     t.lease_id = lease
 
 
+def test_a_colocated_load_whose_lease_ran_out_before_its_copy_copies_nothing(
+    make_cluster: Any,
+) -> None:
+    """The scheduler ships each load with the time its lease has left; a co-located worker
+    that gets to the copy only after that much time (none left on arrival, as after a stall)
+    fails the load without copying (the daemon may have handed the pages on, after a
+    quarantine): its blocks are reported invalid and recomputed. Was: loads carried no
+    deadline and were copied regardless, reported good."""
+    c = make_cluster()
+    w = c.workers[0]
+    c.prefill(FakeRequest("a", tokens(33), c.spec))
+    b = FakeRequest("b", tokens(33), c.spec)
+    assert c.admit(b) == (32, True)
+    shipped: list[float | None] = []
+
+    def no_time_left(rank: int, meta: ConnectorMetadata) -> None:
+        for t in meta.loads:
+            shipped.append(t.expires_in_s)
+            t.expires_in_s = 0.0
+
+    before = [w.block(blk) for blk in c.blocks["b"]]
+    _, report = c.step(tamper=no_time_left, sync=True)
+    assert shipped and all(s is not None and s > 0 for s in shipped)  # stamped when shipped
+    assert report.finished_recving == {"b"}
+    assert report.load_errors == {"b": 0}  # recomputed from its first token
+    assert report.invalid_block_ids == set(c.blocks["b"][:8])  # the 32 tokens it loads
+    assert [w.block(blk) for blk in c.blocks["b"]] == before, "copied out of an expired lease"
+    assert w.conn.deadlines.expired_loads == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_a_colocated_load_that_lands_after_its_deadline_fails(make_cluster: Any, tp: int) -> None:
+    """A co-located load starts in time but its copies land only after its lease deadline
+    (the load thread stalled: held by a gate until the deadline has passed). What it copied
+    may be another key's bytes (the daemon reclaims the lease and, after a quarantine, reuses
+    the pages), so the load fails on every rank that was late: its blocks are reported
+    invalid. Was: reported loaded."""
+    c = make_cluster(tp=tp)
+    c.prefill(FakeRequest("a", tokens(33), c.spec))
+    b = FakeRequest("b", tokens(33), c.spec)
+    assert c.admit(b) == (32, True)
+    gates = [Gate(w.conn, Direction.LOAD) for w in c.workers]
+
+    def open_after_deadline(w: Any, gate: Gate) -> None:
+        try:  # once the load is submitted, its deadline (noted before) is < now + 0.5
+            wait_until(lambda: w.conn.deadlines.num_watched == 1)
+            deadline = time.monotonic() + 0.5
+            wait_until(lambda: time.monotonic() > deadline)
+        finally:
+            gate.open()
+
+    openers = [
+        threading.Thread(target=open_after_deadline, args=(w, g))
+        for w, g in zip(c.workers, gates, strict=True)
+    ]
+    for t in openers:
+        t.start()
+
+    def short_lease(rank: int, meta: ConnectorMetadata) -> None:
+        for t in meta.loads:
+            t.expires_in_s = 0.5
+
+    _, report = c.step(tamper=short_lease, sync=True)
+    for t in openers:
+        t.join()
+    assert report.finished_recving == {"b"}
+    assert report.load_errors == {"b": 0}
+    assert report.invalid_block_ids == set(c.blocks["b"][:8])
+    assert [w.conn.deadlines.expired_loads for w in c.workers] == [1] * tp
+
+
 def test_register_checks_the_namespace(daemon: DaemonProc) -> None:
     spec = make_spec("test/register", tp=2)
     conn = KVServerWorkerConnector(WorkerConnectorConfig(daemon.zmq_address, spec, 1))
@@ -398,4 +470,4 @@ def test_a_colocated_store_whose_lease_ran_out_before_its_copy_writes_nothing(
     c.settle()  # the completion goes out (held for a later plan)
     assert shipped and all(s is not None and s > 0 for s in shipped)  # stamped when shipped
     assert ready_chunks(daemon, r) == 0, "copied into an expired reservation and completed"
-    assert w.conn.expired_stores == 1
+    assert w.conn.deadlines.expired_stores == 1

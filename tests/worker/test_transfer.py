@@ -5,6 +5,7 @@ and again on the CUDA engine when a GPU is present (its CPU twin always runs).""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -69,6 +70,38 @@ def test_copies_land_and_are_collected_once(engine: TransferEngine) -> None:
     load = Transfer(Direction.LOAD, "l", [b"k"], [KeyCopies(b"k", [(dst, back)])])
     engine.submit(load)
     assert drain(engine, load) == [load] and torch.equal(back.cpu(), dst)
+
+
+def test_landed_at_is_stamped_when_the_copies_are_first_seen_landed(
+    engine: TransferEngine,
+) -> None:
+    """``landed_at`` (what a co-located load's lease deadline is checked against) is unset
+    while a transfer runs and stamped, once, by the wait or poll that first sees its copies
+    landed: never earlier than they landed."""
+    d = dev(engine)
+    src, dst = host(64, fill=7), torch.zeros(64, dtype=torch.uint8, device=d)
+    release = threading.Event()
+    returned: list[float] = []
+
+    def prepare() -> list[KeyCopies]:
+        release.wait()
+        returned.append(time.monotonic())
+        return [KeyCopies(b"k", [(src, dst)])]
+
+    t = Transfer(Direction.LOAD, "l", [b"k"], prepare=prepare)
+    engine.submit(t)
+    assert engine.poll() == [] and t.landed_at is None
+    release.set()
+    engine.wait([t])
+    assert t.landed_at is not None and t.landed_at >= returned[0]
+    stamped = t.landed_at
+    assert engine.poll() == [t] and t.landed_at == stamped and int(dst.min()) == 7
+    polled = Transfer(Direction.LOAD, "p", [b"k"], [KeyCopies(b"k", [(src, dst)])])
+    before = time.monotonic()
+    engine.submit(polled)
+    while not engine.poll():  # collected by poll alone: stamped there
+        time.sleep(0.001)
+    assert polled.landed_at is not None and polled.landed_at >= before
 
 
 def test_a_transfer_starts_only_after_the_previous_one_of_its_direction(
