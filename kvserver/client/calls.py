@@ -11,6 +11,9 @@ signatures and defaults are ``ops.py``'s.
 
 Multi-step procedures (``store``, ``load`` through the mapped arena) clean up the same way in
 both clients: a failed write rolls back its reservation, a finished read releases its pins.
+Both check the grant's deadline: nothing is copied into or out of a grant past it, and a load
+whose copy finished past it raises LeaseExpired instead of returning what it copied (the
+daemon may have handed the pages to another key by then).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvserver import grants, wire
 from kvserver.arena import ArenaView
 from kvserver.client.parts import (
     Parts,
+    check_copied_in_time,
     check_live,
     flatten_parts,
     readinto_part,
@@ -343,6 +347,7 @@ class SessionCalls:
         arena = self.arena
         grant = yield from self.prepare_load(ns_id, keys, None)
         try:
+            check_live(grant.lease_id, grant.deadline)  # a stalled client does not start late
             out: list[list[memoryview]] = []
             for extents in grant.locations:
                 chosen = [extents[r] for r in ranks] if ranks else list(extents)
@@ -352,6 +357,7 @@ class SessionCalls:
                     readinto_part(arena, ext, buf)
                     row.append(memoryview(buf))
                 out.append(row)
+            check_copied_in_time(grant.lease_id, grant.deadline)  # late: maybe another key's
         finally:
             yield Call(wire.COMPLETE_LOAD, {"lease_id": grant.lease_id})
         return out

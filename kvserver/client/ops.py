@@ -22,7 +22,13 @@ from kvserver import wire
 from kvserver.allocator import Extents
 from kvserver.client.calls import LookupResult, NamespaceInfo, Proc, PutResult
 from kvserver.client.common import Session
-from kvserver.client.parts import Parts, check_live, readinto_part, write_part
+from kvserver.client.parts import (
+    Parts,
+    check_copied_in_time,
+    check_live,
+    readinto_part,
+    write_part,
+)
 from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
 
@@ -69,12 +75,32 @@ class ClientBase:
             check_live(grant.lease_id, grant.deadline)
         write_part(self._s.mapped(), extents, data)
 
-    def read(self, extents: Extents) -> bytes:
-        """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents."""
-        return self._s.mapped().read(extents)
+    def read(self, extents: Extents, *, grant: LoadGrant | None = None) -> bytes:
+        """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents.
+        ``grant`` (the grant they are from): its deadline is checked before (nothing read)
+        and after the copy (LeaseExpired, the bytes dropped: the daemon may have handed the
+        pages to another key once it passed)."""
+        if grant is None:
+            return self._s.mapped().read(extents)
+        check_live(grant.lease_id, grant.deadline)
+        data = self._s.mapped().read(extents)
+        check_copied_in_time(grant.lease_id, grant.deadline)
+        return data
 
-    def readinto(self, extents: Extents, out: bytearray | memoryview) -> None:
+    def readinto(
+        self,
+        extents: Extents,
+        out: bytearray | memoryview,
+        *,
+        grant: LoadGrant | None = None,
+    ) -> None:
+        """:meth:`read` into ``out``; with ``grant``, LeaseExpired means ``out`` holds
+        nothing to use."""
+        if grant is not None:
+            check_live(grant.lease_id, grant.deadline)
         readinto_part(self._s.mapped(), extents, out)
+        if grant is not None:
+            check_copied_in_time(grant.lease_id, grant.deadline)
 
 
 # ---------------------------------------------------------------------- session

@@ -38,6 +38,22 @@ def check_live(lease_id: int, deadline: float) -> None:
         raise LeaseExpired("the grant's lease has expired: nothing copied", lease=lease_id)
 
 
+def check_copied_in_time(lease_id: int, deadline: float) -> None:
+    """Raise LeaseExpired unless ``deadline`` (a load grant's, as for :func:`check_live`) is
+    still ahead now that a copy out of its pages has finished.
+
+    A co-located reader calls it after it copied out of a load grant's pages: once the lease
+    has expired the daemon has dropped its pins, and after a quarantine (the daemon's default
+    lease, docs/architecture.md "Leases") may hand the pages to another key, so bytes copied
+    by a reader that was late may be another key's. They must not be used.
+    """
+    if time.monotonic() >= deadline:
+        raise LeaseExpired(
+            "the grant's lease expired before the copy out of it finished: bytes discarded",
+            lease=lease_id,
+        )
+
+
 def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:
     """Copy one part into the arena: a one-extent part of bytes-like ``data`` is one slice
     assignment (one memcpy, as the memcpy reference does); anything else (several extents,

@@ -1,6 +1,9 @@
 """A co-located client stalled past its store lease: the daemon quarantines the expired
 reservation's pages (no other key's chunk is made of them before the quarantine ends), and a
-client refuses to copy into a grant whose deadline has passed.
+client refuses to copy into a grant whose deadline has passed. Loads alike: an expired load
+lease's chunks are held from eviction for the quarantine (a stalled reader's late copy reads
+their bytes, never another key's), and a client neither starts copying out of a load grant
+past its deadline nor returns what it copied when the copy finished past it.
 
 Real daemon processes and co-located clients on this host (shared-memory arena); a stalled
 client's late copy is its own ``write`` at its grant's extents, as a copy in progress when it
@@ -9,13 +12,18 @@ stalled would be.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import kvserver.client.calls as client_calls
+from kvserver import grants
 from kvserver.client import KVClient
 from kvserver.errors import LeaseExpired
+from kvserver.grants import LoadGrant
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
@@ -95,3 +103,109 @@ def test_a_client_that_wakes_up_after_its_grant_expired_writes_nothing(
         with pytest.raises(LeaseExpired):
             c.write(grant.locations[0][0], pattern(key, 0, SPEC.part_bytes), grant=grant)
         assert c.read(whole) == before
+
+
+def test_a_late_copy_out_of_an_expired_load_never_reads_another_keys_bytes(
+    tmp_path: Path,
+) -> None:
+    """Client a's load lease expires while it is stalled before its copy out; client b then
+    stores as many chunks as the arena has pages. a's chunk is held (not evictable) for the
+    quarantine, so b's store does not fit and a's late copy reads a's bytes. Was: b's store
+    evicted a's chunk and recycled its page, and a's late copy read b's bytes."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "1MiB", "--policy", "lru")
+    try:
+        with KVClient(d.zmq_address) as a, KVClient(d.zmq_address) as b:
+            ns_id = a.register_namespace(SPEC).ns_id
+            b.register_namespace(SPEC)
+            (key_a,) = make_keys(1, tag="a")
+            part_a = pattern(key_a, 0, SPEC.part_bytes)
+            assert a.store(ns_id, [key_a], [part_a]) == [key_a]
+            grant = a.prepare_load(ns_id, [key_a], lease_s=0.3)
+            assert a.is_colocated and a.is_local
+            wait_until(lambda: b.stats()["totals"]["expired_leases"] == 1)
+            pages = ARENA // SPEC.part_bytes
+            keys = make_keys(pages, tag="b")
+            parts = [pattern(k, 0, SPEC.part_bytes) for k in keys]
+            assert b.store(ns_id, keys, parts) == [], "an expired load's chunk was evicted"
+            assert a.read(grant.locations[0][0]) == part_a  # the stalled copy, late
+            with pytest.raises(LeaseExpired):
+                a.read(grant.locations[0][0], grant=grant)
+            stats = b.stats()
+            assert stats["quarantined_load_pages"] == 1
+            assert stats["totals"]["quarantined_load_chunks"] == 1
+            assert b.lookup(ns_id, [key_a]).hit_chunks == 1  # still served meanwhile
+            assert b.store(ns_id, keys[1:], parts[1:]) == keys[1:]  # the other pages
+            with pytest.raises(LeaseExpired):
+                a.complete_load(grant.lease_id)
+    finally:
+        d.kill()
+
+
+#: the default lease of the daemon the client-load tests use: what a load's grant gets
+SHORT_LEASE_S = 0.5
+
+
+@pytest.fixture
+def short_lease_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    d = start_daemon(
+        tmp_path, "--page-size", "4KiB", "--dram", "1MiB", "--default-lease-s", str(SHORT_LEASE_S)
+    )
+    yield d
+    d.kill()
+
+
+def test_a_client_load_does_not_start_copying_out_of_an_expired_grant(
+    short_lease_daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A co-located client stalls between receiving its load grant and copying (injected:
+    right after the grant is decoded, until its deadline has passed): the load raises
+    LeaseExpired without copying a byte, and ``read`` given the grant likewise. Before: it
+    copied, then complete_load said LeaseExpired."""
+    copies: list[object] = []
+    real_copy, real_grant = client_calls.readinto_part, grants.load_grant_from_wire
+
+    def counted(*args: Any) -> None:
+        copies.append(args)
+        real_copy(*args)
+
+    def stalled_grant(*args: Any) -> LoadGrant:
+        grant = real_grant(*args)
+        wait_until(lambda: time.monotonic() > grant.deadline)
+        return grant
+
+    with KVClient(short_lease_daemon.zmq_address) as c:
+        ns_id = c.register_namespace(SPEC).ns_id
+        (key,) = make_keys(1, tag="load-late")
+        assert c.store(ns_id, [key], [pattern(key, 0, SPEC.part_bytes)]) == [key]
+        monkeypatch.setattr(client_calls, "readinto_part", counted)
+        monkeypatch.setattr(grants, "load_grant_from_wire", stalled_grant)
+        with pytest.raises(LeaseExpired):  # the client's, or complete_load's after it
+            c.load(ns_id, [key])
+        assert copies == [], "copied out of an expired grant"
+        grant = c.prepare_load(ns_id, [key])
+        with pytest.raises(LeaseExpired, match="nothing copied"):
+            c.read(grant.locations[0][0], grant=grant)
+
+
+def test_a_client_load_whose_copy_finishes_after_its_deadline_returns_nothing(
+    short_lease_daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A co-located load stalls in its copy out (injected) until past the grant's deadline:
+    it raises LeaseExpired instead of returning the bytes (the daemon may have reused the
+    pages after the quarantine), whatever complete_load answers."""
+    real = client_calls.readinto_part
+
+    def stalled(*args: Any) -> None:
+        until = time.monotonic() + SHORT_LEASE_S  # past the deadline: its send + the lease
+        wait_until(lambda: time.monotonic() > until)
+        real(*args)
+
+    with KVClient(short_lease_daemon.zmq_address) as c:
+        ns_id = c.register_namespace(SPEC).ns_id
+        (key,) = make_keys(1, tag="load-slow")
+        assert c.store(ns_id, [key], [pattern(key, 0, SPEC.part_bytes)]) == [key]
+        monkeypatch.setattr(client_calls, "readinto_part", stalled)
+        with pytest.raises(LeaseExpired):
+            c.load(ns_id, [key])
+        monkeypatch.setattr(client_calls, "readinto_part", real)
+        assert bytes(c.load(ns_id, [key])[0][0]) == pattern(key, 0, SPEC.part_bytes)
