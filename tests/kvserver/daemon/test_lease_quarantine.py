@@ -40,18 +40,24 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
     d.kill()
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["local-channel", "zmq"])
 def test_a_late_copy_into_an_expired_reservation_never_lands_in_another_keys_chunk(
-    daemon: DaemonProc,
+    daemon: DaemonProc, local: bool
 ) -> None:
     """Client a's reservation expires while it is stalled mid-copy; client b stores another
     key right after. b's chunk must not be made of a's pages (a still writes into them when it
-    wakes up): before the quarantine, b got exactly a's page and was served a's bytes."""
-    with KVClient(daemon.zmq_address) as a, KVClient(daemon.zmq_address) as b:
+    wakes up): before the quarantine, b got exactly a's page and was served a's bytes.
+    ``zmq``: a reservation made over ZMQ is copied into by a co-located writer too (here a
+    client that mapped the arena but sends over ZMQ; in a deployment the scheduler's, whose
+    grants its co-located workers copy into), so the daemon cannot tell a remote reservation,
+    which only its own write_parts fills, from one written from outside, and quarantines
+    both."""
+    with KVClient(daemon.zmq_address, local=local) as a, KVClient(daemon.zmq_address) as b:
         ns_id = a.register_namespace(SPEC).ns_id
         b.register_namespace(SPEC)
         (key_a,), (key_b,) = make_keys(1, tag="a"), make_keys(1, tag="b")
         grant = a.prepare_store(ns_id, [key_a], lease_s=0.3)
-        assert grant is not None and a.is_colocated
+        assert grant is not None and a.is_colocated and a.is_local is local
         wait_until(lambda: b.stats()["totals"]["expired_leases"] == 1)
         part_b = pattern(key_b, 0, SPEC.part_bytes)
         assert b.store(ns_id, [key_b], [part_b]) == [key_b]
