@@ -429,6 +429,60 @@ def test_a_colocated_load_that_lands_after_its_deadline_fails(make_cluster: Any,
     assert [w.conn.deadlines.expired_loads for w in c.workers] == [1] * tp
 
 
+def test_a_load_stalled_past_its_daemon_lease_never_yields_another_prompts_kv(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """End to end on a 16-page daemon with a 1 s default lease: a co-located worker's load
+    thread stalls (gated) until the daemon has reclaimed the load lease and another client
+    has tried to fill the whole arena. The daemon keeps the loaded chunks from eviction for
+    the quarantine (the filler's store does not fit, the chunks stay), and the worker, whose
+    copies landed after the deadline, reports the load failed: its blocks are recomputed,
+    never served. Was: the filler evicted them and took their pages, and the worker copied
+    the filler's bytes into b's blocks and reported them loaded."""
+    d = start_daemon(
+        tmp_path_factory.mktemp("stall"), "--page-size", "4KiB", "--dram", "64KiB",
+        "--default-lease-s", "1", "--policy", "lru",
+    )  # fmt: skip
+    c = Cluster(d.zmq_address, make_spec("test/stalled-load"))
+    try:
+        w = c.workers[0]
+        a = FakeRequest("a", tokens(33), c.spec)
+        c.prefill(a)
+        b = FakeRequest("b", tokens(33), c.spec)
+        assert c.admit(b) == (32, True)
+        gate = Gate(w.conn, Direction.LOAD)
+        filled: list[list[bytes]] = []
+
+        def reclaim_and_fill() -> None:
+            try:
+                queue = w.conn.engine._inflight[Direction.LOAD]
+                wait_until(lambda: len(queue) == 2)  # the load is submitted, behind the gate
+                deadline = time.monotonic() + 1.0  # past the worker's (noted before)
+                with KVClient(d.zmq_address, colocated=False) as kv:
+                    kv.register_namespace(c.spec)
+                    wait_until(lambda: kv.stats()["totals"]["expired_leases"] >= 1)
+                    size, part = len(a.chunk_keys()[0]), c.spec.part_bytes
+                    keys = [bytes([i]) * size for i in range(16)]
+                    parts = [bytes([i]) * part for i in range(16)]
+                    filled.append(kv.store(c.spec.ns_id, keys, parts))
+                wait_until(lambda: time.monotonic() > deadline)
+            finally:
+                gate.open()
+
+        filler = threading.Thread(target=reclaim_and_fill)
+        filler.start()
+        _, report = c.step(sync=True)
+        filler.join()
+        assert filled == [[]], "the expired load's chunks were evicted for another key"
+        assert ready_chunks(d, a) == 4
+        assert report.finished_recving == {"b"}
+        assert report.load_errors == {"b": 0}
+        assert report.invalid_block_ids == set(c.blocks["b"][:8])
+    finally:
+        c.close()
+        d.terminate()
+
+
 def test_register_checks_the_namespace(daemon: DaemonProc) -> None:
     spec = make_spec("test/register", tp=2)
     conn = KVServerWorkerConnector(WorkerConnectorConfig(daemon.zmq_address, spec, 1))
