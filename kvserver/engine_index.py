@@ -107,10 +107,16 @@ class DramIndex:
 
         def evictable(k: Hashable) -> bool:
             e = entries[k]  # type: ignore[index]
-            return (
-                e.pins <= 0 and e.ttl_until <= 0.0 and e.held_until <= 0.0
-                and (not protected or k not in protected)
-            )  # fmt: skip
+            return e.pins <= 0 and e.ttl_until <= 0.0 and (not protected or k not in protected)
+
+        if self._holds:  # an expired load's chunks may be held: they are not evictable either
+
+            def evictable(k: Hashable) -> bool:
+                e = entries[k]  # type: ignore[index]
+                return (
+                    e.pins <= 0 and e.ttl_until <= 0.0 and e.held_until <= 0.0
+                    and (not protected or k not in protected)
+                )  # fmt: skip
 
         policy = self.policy
         if policy.admits and new:
