@@ -337,6 +337,45 @@ def test_failed_load_is_recomputed(model_dir: Path, daemon: DaemonProc) -> None:
     assert outputs == ref
 
 
+def test_a_load_whose_lease_ran_out_before_the_worker_copies_it_is_recomputed(
+    model_dir: Path, daemon: DaemonProc
+) -> None:
+    """The hit is pinned and shipped, but the co-located worker gets to it only when its
+    lease has no time left (as after a stall: the daemon may reuse the pages after the
+    quarantine): it copies nothing and reports the blocks through
+    get_block_ids_with_load_errors; vLLM reschedules the request (here it finds the chunks
+    in kvserver again and loads them, every position's KV checked by the forward pass), the
+    output is unchanged. Was: loads carried no deadline, the worker copied them and
+    reported them loaded."""
+    shared = prompt(6, 100)
+    eng = engine(model_dir, daemon.zmq_address)
+    try:
+        eng.run_requests([("first", shared)], max_tokens=2)
+        assert ns_hits(eng, daemon, shared) == 3
+        eng.scheduler.reset_prefix_cache()
+        eng.add("second", [*shared, 4], max_tokens=2)
+        shipped: list[float | None] = []
+
+        def no_time_left(out: Any) -> None:
+            meta = out.kv_connector_metadata
+            for t in meta.inner.loads:
+                shipped.append(t.expires_in_s)
+                t.expires_in_s = 0.0
+
+        records = [eng.step(before_worker=no_time_left), *eng.run()]
+        assert shipped and all(s is not None and s > 0 for s in shipped)
+        failed = next(r for r in records if "second" in r.finished_recving)
+        assert failed.invalid_block_ids  # the blocks it did not fill
+        assert_scheduler_empty(eng)
+        assert eng.worker is not None
+        assert eng.worker.worker_half.deadlines.expired_loads == 1  # type: ignore[union-attr]
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    ref = reference_outputs(model_dir, [("first", shared), ("second", [*shared, 4])], 2)
+    assert outputs == ref
+
+
 def test_hit_that_cannot_be_pinned_is_recomputed(
     model_dir: Path, daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
