@@ -104,6 +104,10 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--peer-tls-server-name", metavar="NAME",
                    help="the name checked against the peers' stream certificates (default: "
                         "the host of each peer's address)")
+    p.add_argument("--zmq-send-max-unsent", metavar="SIZE",
+                   help="bytes of zero-copy replies one ZMQ connection may leave unsent before "
+                        "its next get is answered 'capacity' (retry later), e.g. 1GiB "
+                        "(default: a quarter of --dram)")
     p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
@@ -129,7 +133,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",
                   "peer_suspect_s", "peer_curve_server_key_file", "peer_stream_port",
                   "peer_stream_window", "peer_tls_ca_file", "peer_tls_server_name",
-                  "no_auth")
+                  "no_auth", "zmq_send_max_unsent")
     }
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)

@@ -133,6 +133,10 @@ class DaemonConfig:
     #: connection it goes to is cut (a client that does not read its socket); under the
     #: leases' max_lease_s (at most half of it, 300 s).
     zmq_send_timeout_s: float = 60.0
+    #: bytes of zero-copy replies one ZMQ connection may have unsent (pinned pages ZMQ still
+    #: holds) before its next ``get``/``read_parts`` is answered ``capacity`` (retry later);
+    #: 0 = a quarter of ``dram`` (kvserver/daemon/zmq_send.py).
+    zmq_send_max_unsent: int = 0
     #: seconds between lease-expiry sweeps.
     reap_interval_s: float = 0.25
     #: written (JSON: pid, ports, arena path) once every listener is up.
@@ -220,6 +224,11 @@ class DaemonConfig:
             raise InvalidArgument(
                 f"zmq_send_timeout_s must be in (0, {MAX_SEND_TIMEOUT_S:.0f}]",
                 value=self.zmq_send_timeout_s,
+            )
+        if self.zmq_send_max_unsent < 0:
+            raise InvalidArgument(
+                "zmq_send_max_unsent must be >= 0 (0: a quarter of dram)",
+                value=self.zmq_send_max_unsent,
             )
         for name in ("ssd_promotions", "event_capacity", "max_message_bytes",
                      "local_inflight_bytes", "local_max_connections"):  # fmt: skip
@@ -317,6 +326,11 @@ class DaemonConfig:
         if self.host_id or not self.cluster:
             return self.host_id
         return wire_host_id()
+
+    @property
+    def send_max_unsent(self) -> int:
+        """``zmq_send_max_unsent``, or a quarter of ``dram`` when it is 0."""
+        return self.zmq_send_max_unsent or max(self.dram // 4, 1)
 
     @property
     def peer_tls_ca(self) -> str:
@@ -458,7 +472,7 @@ def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
         return parse_tenants(value)
     if name in (
         "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes",
-        "peer_stream_window",
+        "peer_stream_window", "zmq_send_max_unsent",
     ):
         try:
             return parse_size(value)

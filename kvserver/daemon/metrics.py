@@ -226,6 +226,18 @@ class DaemonCollector(LoopCollector):
                 "kvserver_zmq_send_pins", "Zero-copy ZMQ replies ZMQ has not sent yet.",
                 sends["pins"],
             )  # fmt: skip
+            yield GaugeMetricFamily(
+                "kvserver_zmq_send_unsent_bytes",
+                "Bytes of zero-copy ZMQ replies ZMQ has not sent yet (all connections).",
+                sends["unsent_bytes"],
+            )
+            yield CounterMetricFamily(
+                "kvserver_zmq_send_refused",
+                "get/read_parts answered 'capacity': their ZMQ connection had "
+                "zmq_send_max_unsent bytes of replies unsent (a client asking faster than it "
+                "reads).",
+                value=sends["refused"],
+            )
         yield InfoMetricFamily("kvserver_build", "The version.", {"version": s["server_version"]})
         if ssd is not None:
             for name, doc, key in _SSD_COUNTERS:

@@ -50,6 +50,9 @@ OFFLOAD_HEADER_BYTES = 256 << 10
 #: ROUTER connections remembered as authenticated (for replay requests, which carry no token).
 MAX_AUTHENTICATED_PEERS = 1 << 16
 
+#: ops whose replies a ROUTER connection gets zero-copy (their pages pinned until sent)
+_ZERO_COPY_OPS = frozenset((wire.GET, wire.READ_PARTS))
+
 #: a connection: a ROUTER routing id, or a connection of the local channel.
 Peer = bytes | LocalConnection
 Frames = Sequence[PayloadFrame]
@@ -67,12 +70,16 @@ class RequestHandler:
         auth: Authenticator,
         ops: DataOps,
         send: Callable[[Peer, Answer], None],
+        admit_send: Callable[[bytes], None] = lambda ident: None,
     ) -> None:
         self._service = service
         self._config = config
         self._auth = auth
         self._ops = ops
         self._send = send
+        #: raises CapacityError when a ROUTER connection has too many reply bytes unsent
+        #: (``ZeroCopySender.admit``); before its ``get``/``read_parts`` is carried out
+        self._admit_send = admit_send
         #: local-channel connection → the lease owners (clients) its requests named
         self._local_clients: dict[LocalConnection, set[str]] = {}
         #: ROUTER connection → principal of its last authenticated request (oldest first, bounded)
@@ -184,4 +191,6 @@ class RequestHandler:
         client = who.owner(req.client or owner)
         if isinstance(peer, LocalConnection):
             self._local_clients.setdefault(peer, set()).add(client)
+        elif req.op in _ZERO_COPY_OPS:
+            self._admit_send(peer)
         return self._ops.handle(req.op, OpCall(req.args, frames[1:], client, who))

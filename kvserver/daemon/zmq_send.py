@@ -25,6 +25,20 @@ libzmq drops that connection's queued frames, and their pins end as any others d
 buffers (no pin: the buffers are the reply's own) are held by ZMQ the same way, so their
 replies get the same timeout, under a guard of their own (negative: nothing to unpin).
 
+The timeout bounds how long, not how much: a connection that pipelines ``get``s without
+reading would pin a reply's worth of pages per request until its cut. So each ROUTER
+connection (routing id) may have at most ``max_unsent`` bytes of zero-copy replies ZMQ has not
+finished with (``zmq_send_max_unsent``, default a quarter of DRAM): :meth:`admit`, called
+before a ``get``/``read_parts`` is carried out, refuses it with ``capacity`` ("retry later",
+nothing read or pinned, counted in ``refused``) while the connection is at or past the cap. A
+reply is admitted while the connection is under it, so one reply larger than the cap still goes
+out when nothing else of that connection is unsent. Refusing, not waiting: one ROUTER socket
+reads every connection, so the daemon cannot stop reading one of them (TCP's own backpressure);
+waiting would mean parking that connection's requests in daemon memory, a second unbounded
+queue. A client that reads its replies sees ``capacity`` only when it keeps more than the cap
+outstanding; the project answers its other bounded resources (prompts waiting to be hashed, an
+SSD tier's direct-serve buffers) the same way.
+
 How the pin learns that ZMQ is done: every zero-copy frame of one reply wraps its view in a
 :class:`_Held` array that references the reply's one :class:`_SendDone`. libzmq hands a frame
 back (pyzmq's gc thread drops its reference) once it has written it or dropped it (a closed
@@ -50,7 +64,7 @@ import zmq
 from kvserver import wire
 from kvserver.daemon.owners import ZMQ_SEND_CLIENT as ZMQ_SEND_CLIENT
 from kvserver.daemon.service import KVService
-from kvserver.errors import KVServerError
+from kvserver.errors import CapacityError, KVServerError
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +109,20 @@ class _SendDone:
 class ZeroCopySender:
     """Send pins and the sends they guard; see the module docstring."""
 
-    def __init__(self, service: KVService, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, service: KVService, timeout_s: float = 60.0, max_unsent: int = 1 << 62
+    ) -> None:
         self._service = service
         self._timeout_s = timeout_s
+        self._max_unsent = max_unsent
+        #: guard -> (connection, zero-copy bytes) of a reply ZMQ has not finished with
+        self._unsent_of: dict[int, tuple[bytes, int]] = {}
+        #: guard -> the connection (fd, peer address) its timer would cut
+        self._targets: dict[int, tuple[int, Any]] = {}
+        #: connection (routing id) -> its zero-copy bytes ZMQ has not finished with (> 0)
+        self._unsent: dict[bytes, int] = {}
+        #: get / read_parts refused because their connection had max_unsent bytes unsent
+        self.num_refused = 0
         #: guard -> the timer that cuts its connection (None: nothing to cut, or copied); a
         #: guard < 0 is a zero-copy reply of a lower tier's buffers (nothing pinned)
         self._guards: dict[int, asyncio.TimerHandle | None] = {}
@@ -110,9 +135,37 @@ class ZeroCopySender:
         """Send pins held now (replies ZMQ has not finished with)."""
         return sum(guard > 0 for guard in self._guards)
 
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes of zero-copy replies ZMQ has not finished with, all connections."""
+        return sum(self._unsent.values())
+
+    def unsent_bytes_of(self, ident: bytes) -> int:
+        """Bytes of zero-copy replies to connection ``ident`` ZMQ has not finished with."""
+        return self._unsent.get(ident, 0)
+
     def stats(self) -> dict[str, int]:
-        """``pins`` (now) and ``cut_connections`` (since start): ``stats()["zmq_sends"]``."""
-        return {"pins": self.num_pins, "cut_connections": self.num_cuts}
+        """``pins``, ``unsent_bytes`` (now), ``cut_connections`` and ``refused`` (since
+        start): ``stats()["zmq_sends"]``."""
+        return {
+            "pins": self.num_pins,
+            "unsent_bytes": self.unsent_bytes,
+            "cut_connections": self.num_cuts,
+            "refused": self.num_refused,
+        }
+
+    def admit(self, ident: bytes) -> None:
+        """Raise CapacityError (counted; nothing else changes) when connection ``ident``
+        has ``max_unsent`` bytes or more of zero-copy replies unsent (module docstring)."""
+        unsent = self._unsent.get(ident, 0)
+        if unsent >= self._max_unsent:
+            self.num_refused += 1
+            raise CapacityError(
+                "too many reply bytes to this connection not sent yet (the client does not "
+                "read its replies as fast as it asks); retry later",
+                unsent_bytes=unsent,
+                zmq_send_max_unsent=self._max_unsent,
+            )
 
     def pin(self, ns_id: str, keys: list[bytes]) -> int:
         """Pin ``keys`` for a send; returns the guard (raises what ``prepare_load`` raises)."""
@@ -128,6 +181,8 @@ class ZeroCopySender:
     def release(self, guard: int) -> None:
         """End a send pin (no-op for 0 or an unknown guard: idempotent)."""
         if guard in self._guards:
+            self._forget_unsent(guard)
+            self._targets.pop(guard, None)
             timer = self._guards.pop(guard)
             if timer is not None:
                 timer.cancel()
@@ -137,6 +192,16 @@ class ZeroCopySender:
                 self._service.complete_load(guard)
             except KVServerError as exc:  # expired (a send stuck for max_lease_s) or closed
                 logger.warning("send pin %d: %s", guard, exc)
+
+    def _forget_unsent(self, guard: int) -> None:
+        held = self._unsent_of.pop(guard, None)
+        if held is not None:
+            ident, nbytes = held
+            left = self._unsent[ident] - nbytes
+            if left > 0:
+                self._unsent[ident] = left
+            else:
+                del self._unsent[ident]
 
     def send(
         self,
@@ -161,19 +226,25 @@ class ZeroCopySender:
             guard = self._last_unpinned
             self._guards[guard] = None
         done = _SendDone(loop, self.release, guard) if guard else None
+        unsent = 0
         for views in reply.parts:
             for view in views:
                 if view.nbytes >= threshold:
+                    unsent += view.nbytes
                     held = np.frombuffer(view, np.uint8).view(_Held)
                     held.done = done
                     out.append(zmq.Frame(held, copy=False))
                 else:
                     out.append(bytes(view))
         header = _header(req_id, sid, reply)
+        if unsent and guard in self._guards:  # (counted before the frames can be dropped)
+            self._unsent_of[guard] = (ident, unsent)
+            self._unsent[ident] = self._unsent.get(ident, 0) + unsent
         del done  # from here on only the frames keep it alive
         if zero_copy and guard in self._guards and fd >= 0:
             address = _peer_address(fd)
             if address is not None:
+                self._targets[guard] = (fd, address)
                 self._guards[guard] = loop.call_later(
                     self._timeout_s, self._overdue, guard, fd, address
                 )
@@ -187,6 +258,14 @@ class ZeroCopySender:
         self._guards[guard] = None
         if _cut(fd, address):
             self.num_cuts += 1
+            target = self._targets.pop(guard)
+            for other, its in list(self._targets.items()):  # one cut per connection
+                if its == target:
+                    del self._targets[other]
+                    timer = self._guards[other]
+                    if timer is not None:
+                        timer.cancel()
+                    self._guards[other] = None
             logger.warning(
                 "cut the ZMQ connection of %s: a reply to it was not sent within %.0f s "
                 "(the client does not read its socket)",

@@ -125,9 +125,11 @@ class DataFrontend:
         self._exits = ExitWatch()  # closed local connections whose process may yet exit
         self._reading = False  # inside the reader callback
         self._drain_scheduled = False
-        self._sender = ZeroCopySender(service, config.zmq_send_timeout_s)
+        self._sender = ZeroCopySender(service, config.zmq_send_timeout_s, config.send_max_unsent)
         self._ops = DataOps(service, config, self._sid, self._sender)
-        self._requests = RequestHandler(service, config, self._auth, self._ops, self._send)
+        self._requests = RequestHandler(
+            service, config, self._auth, self._ops, self._send, self._sender.admit
+        )
         self._events = EventPublisher(service)
 
     @property

@@ -5,7 +5,10 @@ it never reads (receive high-water mark 1, a 4 KiB kernel buffer), so its zero-c
 in ZMQ's queue and its send pin holds every page. The daemon cuts that connection once the
 reply is ``zmq_send_timeout_s`` old: ZMQ drops the frames, the pin ends, and another client's
 store goes through (before: the pin held for ``max_lease_s``, 600 s, and the pages it left
-were overwritten under the frames still queued). The peer stream's server end, serving
+were overwritten under the frames still queued). That bounds the time; ``zmq_send_max_unsent``
+bounds the bytes: a client that pipelines many ``get``s without reading has all but the first
+answered ``capacity`` once its unsent replies reach the cap, so it pins about the cap, not a
+reply per request, for the time it takes to cut it. The peer stream's server end, serving
 another daemon, was bounded already: a reply not sent within the peer timeout closes the
 connection.
 """
@@ -44,7 +47,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
         f"{NUM_CHUNKS}MiB",
         "--page-size",
         "1MiB",
-        env={"KVSERVER_ZMQ_SEND_TIMEOUT_S": "1"},
+        env={"KVSERVER_ZMQ_SEND_TIMEOUT_S": "1", "KVSERVER_ZMQ_SEND_MAX_UNSENT": "1GiB"},
     )
     yield d
     assert d.terminate() == 0, d.log()
@@ -83,7 +86,9 @@ def test_a_client_that_stops_reading_loses_its_connection_not_everyones_dram(
 
             wait_until(stored, timeout=15)
             assert kv.stats()["pinned_pages"] == 0
-            assert kv.stats()["zmq_sends"] == {"pins": 0, "cut_connections": 1}
+            assert kv.stats()["zmq_sends"] == {
+                "pins": 0, "unsent_bytes": 0, "cut_connections": 1, "refused": 0
+            }
             metrics = scrape(daemon.metrics_url)
             assert metrics.value("kvserver_zmq_send_cuts_total") == 1
             assert metrics.value("kvserver_zmq_send_pins") == 0
@@ -91,6 +96,76 @@ def test_a_client_that_stops_reading_loses_its_connection_not_everyones_dram(
             assert [bytes(row[0]) for row in got] == [pattern(k, 1, PART) for k in theirs]
         finally:
             sock.close(linger=0)
+
+
+def pipelined_gets(address: str, ns_id: str, groups: list[list[bytes]]) -> zmq.Socket[bytes]:
+    """A DEALER that asks for each group of ``groups`` in turn without reading (kept open by
+    the caller)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    token = TokenFile(address).token() or ""
+    apply_token(sock, token)
+    sock.connect(address)
+    for req_id, keys in enumerate(groups, 1):
+        sock.send(wire.encode_request(req_id, wire.GET, {"ns_id": ns_id, "keys": keys}, auth=token))
+    return sock
+
+
+@pytest.fixture
+def capped_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    """64 pages of 1 MiB; a connection may leave 2 MiB of replies unsent; the send timeout
+    at its default (60 s: no cut within the test)."""
+    d = start_daemon(
+        tmp_path, "--dram", "64MiB", "--page-size", "1MiB", "--zmq-send-max-unsent", "2MiB"
+    )
+    yield d
+    assert d.terminate() == 0, d.log()
+
+
+def test_a_client_pipelining_gets_it_does_not_read_pins_about_the_cap_not_a_reply_each(
+    capped_daemon: DaemonProc,
+) -> None:
+    """24 gets of 2 MiB each, never read: the daemon stops pinning at the cap (the rest
+    answered ``capacity``), and another client's store of 40 chunks goes through at once
+    (before: every reply ZMQ could not hand to the kernel pinned its pages for 60 s, some
+    36 of the 64, and that store failed)."""
+    d = capped_daemon
+    mine, theirs = make_keys(48, tag="mine"), make_keys(40, tag="theirs")
+    with KVClient(d.zmq_address, colocated=False) as kv:
+        ns = kv.register_namespace(SPEC)
+        assert kv.put(ns.ns_id, mine, [pattern(k, 0, PART) for k in mine]).stored == mine
+        groups = [mine[i : i + 2] for i in range(0, len(mine), 2)]
+        sock = pipelined_gets(d.zmq_address, ns.ns_id, groups)
+        try:
+
+            def answered() -> dict[str, int] | None:
+                sends: dict[str, int] = kv.stats()["zmq_sends"]
+                count = ("kvserver_op_duration_seconds_count", (("op", "get"),))
+                sent = scrape(d.metrics_url).samples.get(count, 0)
+                return sends if sent + sends["refused"] >= len(groups) else None
+
+            sends = wait_until(answered, timeout=15)
+            r = kv.put(ns.ns_id, theirs, [pattern(k, 1, PART) for k in theirs])
+            assert set(r.stored) == set(theirs), (len(r.stored), sends)
+            # a reply is admitted while the connection is under the cap: those the client's
+            # queue and the kernel's buffers took, plus the one left unsent
+            assert sends["refused"] >= len(groups) // 2, sends
+            assert sends["unsent_bytes"] <= 2 * 2 * PART, sends
+            metrics = scrape(d.metrics_url)
+            assert metrics.value("kvserver_zmq_send_refused_total") == sends["refused"]
+            assert metrics.value("kvserver_zmq_send_unsent_bytes") <= sends["unsent_bytes"]
+        finally:
+            sock.close(linger=0)
+
+
+def test_the_unsent_cap_defaults_to_a_quarter_of_dram_and_takes_a_size() -> None:
+    assert DaemonConfig(dram=8 << 30).send_max_unsent == 2 << 30
+    config = DaemonConfig.load(env={"KVSERVER_ZMQ_SEND_MAX_UNSENT": "64MiB"})
+    assert config.send_max_unsent == 64 << 20
+    with pytest.raises(InvalidArgument, match="zmq_send_max_unsent"):
+        DaemonConfig(zmq_send_max_unsent=-1)
 
 
 @pytest.mark.parametrize("timeout_s", [0.0, -1.0, 301.0])

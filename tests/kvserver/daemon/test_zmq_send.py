@@ -24,6 +24,7 @@ from kvserver.daemon.results import Fetched
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.engine_types import EngineConfig
+from kvserver.errors import CapacityError
 from tests.kvserver.builders import make_keys, make_spec, pattern
 
 PART = 1 << 20
@@ -167,7 +168,7 @@ async def test_a_reply_the_client_does_not_read_cuts_its_connection_and_its_pin_
     sender.send(router, b"d", 11, "sid", reply, fd)
     del reply, got
     await until(lambda: sender.num_pins == 0, "the stuck reply's pin to end")
-    assert sender.stats() == {"pins": 0, "cut_connections": 1}
+    assert sender.stats() == {"pins": 0, "unsent_bytes": 0, "cut_connections": 1, "refused": 0}
     assert svc.stats()["pinned_pages"] == 0
     store(svc, make_keys(8, tag="after-cut"), 1)  # the pages are free to be evicted
     await sender.close()
@@ -188,5 +189,37 @@ async def test_a_reply_of_a_lower_tiers_buffers_is_held_to_the_same_timeout(
     del buffers
     await until(lambda: sender.num_cuts == 1, "the connection to be cut")
     await until(lambda: all(ref() is None for ref in alive), "ZMQ to drop the frames")
-    assert sender.stats() == {"pins": 0, "cut_connections": 1}
+    assert sender.stats() == {"pins": 0, "unsent_bytes": 0, "cut_connections": 1, "refused": 0}
+    await sender.close()
+
+
+async def test_a_connection_at_its_unsent_cap_is_refused_until_its_replies_are_sent(
+    svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
+    """Admitted while under the cap (a reply may take it past); refused at or past it, other
+    connections not; admitted again once ZMQ has sent what it held."""
+    router, dealer = pair
+    sender = ZeroCopySender(svc, max_unsent=2 * PART)
+    keys = make_keys(4, tag="capped")
+    store(svc, keys, 0)
+    router.send_multipart([b"d", b"filler", b"x" * PART])  # fills the DEALER's queue (HWM 1)
+    sender.admit(b"d")
+    got = fetched(svc, keys)
+    sender.send(router, b"d", 15, "sid", Parts({}, got.parts, sender.adopt(got.lease_id)))
+    del got
+    assert sender.unsent_bytes_of(b"d") == 4 * PART  # past the cap: the one reply went
+    with pytest.raises(CapacityError, match="retry later"):
+        sender.admit(b"d")
+    sender.admit(b"another connection")
+    assert sender.stats() == {
+        "pins": 1,
+        "unsent_bytes": 4 * PART,
+        "cut_connections": 0,
+        "refused": 1,
+    }
+    assert dealer.recv_multipart()[0] == b"filler"
+    assert dealer.recv_multipart()[1:] == [pattern(k, 0, PART) for k in keys]
+    await until(lambda: sender.num_pins == 0, "the pin to end")
+    assert sender.unsent_bytes == 0
+    sender.admit(b"d")
     await sender.close()
