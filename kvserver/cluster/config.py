@@ -25,6 +25,7 @@ Every Redis call is bounded by ``timeout_s`` (socket connect and read timeouts).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -68,12 +69,32 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         self.target()  # validates the URL
-        if self.batch_linger_s < 0 or self.batch_linger_s >= self.ttl_s:
-            raise InvalidArgument("cluster batch_linger_s must be in [0, ttl_s)")
-        if self.ttl_s <= 0 or self.timeout_s <= 0 or self.members_max_age_s < 0:
-            raise InvalidArgument("cluster ttl_s and timeout_s must be positive")
-        if self.heartbeat_s < 0 or self.heartbeat_s >= self.ttl_s:
-            raise InvalidArgument("cluster heartbeat_s must be below ttl_s", ttl_s=self.ttl_s)
+        # each message names the daemon's setting (cluster_ttl_s, cluster_timeout_s) or,
+        # for those it has none of, this class's field; "not x > 0" refuses NaN too
+        if not 0 < self.ttl_s < math.inf:
+            raise InvalidArgument("cluster_ttl_s must be a positive number", value=self.ttl_s)
+        if not 0 < self.timeout_s < math.inf:
+            raise InvalidArgument(
+                "cluster_timeout_s must be a positive number", value=self.timeout_s
+            )
+        if not 0 <= self.members_max_age_s < math.inf:
+            raise InvalidArgument(
+                "cluster members_max_age_s must be >= 0", value=self.members_max_age_s
+            )
+        if not 0 <= self.batch_linger_s < self.ttl_s:
+            raise InvalidArgument(
+                "cluster batch_linger_s must be in [0, cluster_ttl_s)",
+                value=self.batch_linger_s, cluster_ttl_s=self.ttl_s,
+            )  # fmt: skip
+        if not 0 <= self.heartbeat_s < self.ttl_s:
+            raise InvalidArgument(
+                "cluster heartbeat_s must be in [0, cluster_ttl_s)",
+                value=self.heartbeat_s, cluster_ttl_s=self.ttl_s,
+            )  # fmt: skip
+        if self.max_pending_keys < 1:
+            raise InvalidArgument(
+                "cluster max_pending_keys must be >= 1", value=self.max_pending_keys
+            )
         check_weights(self.tier_weights)
 
     @property

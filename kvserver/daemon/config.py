@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import socket
@@ -218,8 +219,8 @@ class DaemonConfig:
         for name in ("pub_port", "metrics_port", "peer_stream_port"):
             if not -1 <= getattr(self, name) <= 65535:
                 raise InvalidArgument(f"{name} out of range", value=getattr(self, name))
-        if self.reap_interval_s <= 0:
-            raise InvalidArgument("reap_interval_s must be positive")
+        if not 0 < self.reap_interval_s < math.inf:
+            raise InvalidArgument("reap_interval_s must be positive", value=self.reap_interval_s)
         if not 0 < self.zmq_send_timeout_s <= MAX_SEND_TIMEOUT_S:
             raise InvalidArgument(
                 f"zmq_send_timeout_s must be in (0, {MAX_SEND_TIMEOUT_S:.0f}]",
@@ -265,10 +266,12 @@ class DaemonConfig:
                     "(CURVE and TLS, docs/security.md; make keys with 'kvserver keys'), "
                     "or pass --insecure-remote to send traffic in clear"
                 )
-        if self.peer_timeout_s <= 0 or self.peer_suspect_s < 0 or self.peer_connections < 1:
-            raise InvalidArgument(
-                "need peer_timeout_s > 0, peer_suspect_s >= 0 and peer_connections >= 1"
-            )
+        if not 0 < self.peer_timeout_s < math.inf:
+            raise InvalidArgument("peer_timeout_s must be positive", value=self.peer_timeout_s)
+        if not 0 <= self.peer_suspect_s < math.inf:
+            raise InvalidArgument("peer_suspect_s must be >= 0", value=self.peer_suspect_s)
+        if self.peer_connections < 1:
+            raise InvalidArgument("peer_connections must be >= 1", value=self.peer_connections)
         if not PEER_STREAM_WINDOW_MIN <= self.peer_stream_window <= PEER_STREAM_WINDOW_MAX:
             raise InvalidArgument(
                 "peer_stream_window must be between 1MiB and 1GiB",
@@ -485,7 +488,10 @@ def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
         if kind == "int":
             return int(value)
         if kind == "float":
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(value)
+            return number
     except (TypeError, ValueError):
         raise InvalidArgument(f"config {name} must be a number, got {value!r}") from None
     return str(value)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvserver.errors import InvalidArgument
@@ -31,12 +32,22 @@ class TierConfig:
     def __post_init__(self) -> None:
         if not self.directory:
             raise InvalidArgument("the SSD tier needs a directory")
+        # each message names the daemon's setting (DaemonConfig's field, the flag's name)
         if self.capacity_bytes < slot_bytes_for(1):
-            raise InvalidArgument("SSD capacity too small", capacity=self.capacity_bytes)
-        if self.admission < 1 or self.io_threads < 1 or self.staging_bytes < 1:
-            raise InvalidArgument("ssd_admission, ssd_io_threads, ssd_staging must be >= 1")
-        if self.retry_s <= 0 or self.direct not in ("auto", "off"):
-            raise InvalidArgument("need ssd_retry_s > 0 and ssd_direct in {auto, off}")
+            raise InvalidArgument(
+                f"ssd (the SSD tier's capacity) must hold one slot at least, "
+                f"{slot_bytes_for(1)} bytes",
+                value=self.capacity_bytes,
+            )
+        for name, value in (("ssd_admission", self.admission),
+                            ("ssd_io_threads", self.io_threads),
+                            ("ssd_staging", self.staging_bytes)):  # fmt: skip
+            if value < 1:
+                raise InvalidArgument(f"{name} must be >= 1", value=value)
+        if not 0 < self.retry_s < math.inf:
+            raise InvalidArgument("ssd_retry_s must be a positive number", value=self.retry_s)
+        if self.direct not in ("auto", "off"):
+            raise InvalidArgument("ssd_direct must be auto or off", value=self.direct)
         make_policy(self.policy)  # names the valid choices when wrong
 
 

@@ -1,0 +1,76 @@
+"""Every numeric daemon setting refuses a bad value with a message naming that setting.
+
+Table-driven over DaemonConfig's numeric fields (a new one fails here until it has a row): the
+value goes in as an operator gives it (a flag's or variable's text, ``DaemonConfig.load``), and
+the InvalidArgument names the setting and no other setting of the table. Before:
+``cluster_ttl_s = -3`` was refused as "cluster batch_linger_s must be in [0, ttl_s)" (a field the
+operator cannot set), ``cluster_timeout_s = 0`` as "cluster ttl_s and timeout_s", three SSD and
+three peer settings shared one message, ``ssd`` (capacity) was not named, and NaN or infinity
+passed for most float settings (``not x > 0`` is False for NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import InvalidArgument
+
+#: setting -> bad values (text, as a flag or KVSERVER_* variable gives it)
+BAD: dict[str, tuple[str, ...]] = {
+    "grpc_port": ("-5", "70000"),
+    "zmq_port": ("-1", "65536"),
+    "pub_port": ("-2",),
+    "metrics_port": ("-2",),
+    "peer_stream_port": ("-2",),
+    "dram": ("-1", "0"),
+    "page_size": ("0",),
+    "store_threshold": ("-1",),
+    "max_tracker_size": ("0",),
+    "default_lease_s": ("-1", "0", "nan"),
+    "event_capacity": ("0",),
+    "max_message_bytes": ("0",),
+    "local_inflight_bytes": ("0",),
+    "local_max_connections": ("0",),
+    "zmq_send_timeout_s": ("0", "301", "nan"),
+    "zmq_send_max_unsent": ("-1",),
+    "reap_interval_s": ("0", "nan", "inf"),
+    "ssd": ("1",),
+    "ssd_admission": ("0",),
+    "ssd_io_threads": ("0",),
+    "ssd_staging": ("0",),
+    "ssd_retry_s": ("0", "nan"),
+    "ssd_promotions": ("0",),
+    "cluster_ttl_s": ("-3", "0", "nan", "inf"),
+    "cluster_timeout_s": ("0", "-1", "nan"),
+    "peer_timeout_s": ("0", "inf"),
+    "peer_suspect_s": ("-1", "nan"),
+    "peer_connections": ("0",),
+    "peer_stream_window": ("1", "2GiB"),
+}
+
+#: what a setting needs besides itself to be checked at all
+CONTEXT = {"ssd": {"ssd_dir": "/nonexistent/kv"}, "cluster": {"cluster": "redis://127.0.0.1:1/0"}}
+
+
+def numeric_settings() -> set[str]:
+    return {f.name for f in dataclasses.fields(DaemonConfig) if f.type in ("int", "float")}
+
+
+def test_the_table_has_a_row_for_every_numeric_setting() -> None:
+    assert set(BAD) == numeric_settings()
+
+
+@pytest.mark.parametrize(
+    ("setting", "bad"), [(name, value) for name, values in BAD.items() for value in values]
+)
+def test_a_bad_value_is_refused_naming_its_setting_and_no_other(setting: str, bad: str) -> None:
+    given = {**CONTEXT.get(setting.split("_")[0], {}), setting: bad}
+    with pytest.raises(InvalidArgument) as refused:
+        DaemonConfig.load(env={}, overrides=given)
+    message = str(refused.value)
+    named = {name for name in BAD if re.search(rf"(?<![\w-]){name}(?![\w-])", message)}
+    assert named == {setting}, message
