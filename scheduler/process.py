@@ -7,7 +7,8 @@ connect and hello every worker (their KV layout names the kvserver namespace) �
 kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC (its token:
 the configured one or a random one, written to this user's token file of the gRPC port,
 ``kvserver/token_file.py``, so that same-user clients find it) → serve Prometheus ``/metrics``
-(``metrics.py``; a port that cannot be bound is logged, not fatal) → write the ready file.
+(``metrics.py``; a port that cannot be bound is logged, not fatal) → log the start-up line
+(``scheduler serving HOST:PORT, metrics URL|off: ...``) → write the ready file.
 
 The step loop (:class:`EngineCore`) runs ``schedule()`` → every worker → ``update_from_output()``
 while there is work, and sleeps on an event otherwise. A worker that dies, errs or times out
@@ -352,13 +353,14 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
             "metrics_port": metrics_port,
             "workers": addresses,
         }
-        if config.ready_file:
-            write_atomic(config.ready_file, json.dumps(info))
         logger.info(
-            "scheduler serving %s:%d: %d workers, %d GPU blocks of %d tokens, kvserver %s",
-            config.host, port, len(addresses), sched.num_gpu_blocks, sched.block_size,
-            config.kvserver or "off",
+            "scheduler serving %s:%d, metrics %s: %d workers, %d GPU blocks of %d tokens, "
+            "kvserver %s",
+            config.host, port, _metrics_url(config.host, metrics_port), len(addresses),
+            sched.num_gpu_blocks, sched.block_size, config.kvserver or "off",
         )  # fmt: skip
+        if config.ready_file:  # after that line: whoever waits for the file finds it logged
+            write_atomic(config.ready_file, json.dumps(info))
         stop_wait = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stop_wait, loop_task}, return_when=asyncio.FIRST_COMPLETED)
         stop_wait.cancel()
@@ -417,3 +419,10 @@ def main(config: ProcessConfig) -> int:
 
     uvloop.run(_main())
     return 0
+
+
+def _metrics_url(host: str, port: int) -> str:
+    """Where ``/metrics`` is served (``off``: -1, turned off or not bound)."""
+    if port < 0:
+        return "off"
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"

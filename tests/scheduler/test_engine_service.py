@@ -123,6 +123,22 @@ def test_health_and_stats(client: EngineClient) -> None:
     assert stats.total_blocks == 512 and stats.workers_error == ""
 
 
+def test_the_start_up_line_names_the_metrics_url(sched: Proc, tmp_path: Path) -> None:
+    """The scheduler's ``serving`` line says where /metrics is, or ``off`` (before: it named
+    only the gRPC port, and an operator with ``--metrics-port 0`` could not find it)."""
+    port = sched.info["metrics_port"]
+    assert f"127.0.0.1:{sched.info['grpc_port']}, metrics http://127.0.0.1:{port}/metrics:" in (
+        sched.log()
+    )
+    off = start_scheduler(tmp_path, "--synthetic-workers", "1", "--metrics-port", "-1")
+    try:
+        assert off.info["metrics_port"] == -1
+        assert f"127.0.0.1:{off.info['grpc_port']}, metrics off:" in off.log()
+        assert off.terminate() == 0, off.log()
+    finally:
+        off.kill()
+
+
 def test_sigterm_ends_in_flight_streams_and_exits_0(tmp_path: Path) -> None:
     proc = start_scheduler(
         tmp_path,
