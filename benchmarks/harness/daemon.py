@@ -69,15 +69,19 @@ def raw_dealer(
     return sock
 
 
-def start_daemon(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> DaemonProc:
-    """Start ``kvserver start`` with ephemeral ports; returns once every listener is up."""
+def start_daemon(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None, module: str = "kvserver.cli"
+) -> DaemonProc:
+    """Start ``kvserver start`` with ephemeral ports; returns once every listener is up.
+    ``module``: run as ``python -m module start ...`` (a test's wrapper that injects a fault
+    first, then runs ``kvserver.cli``)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
     log_path = tmp_path / f"daemon-{time.monotonic_ns()}.log"
     args = [
         sys.executable,
         "-m",
-        "kvserver.cli",
+        module,
         "start",
         "--host",
         "127.0.0.1",

@@ -66,6 +66,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ssd-io-threads", type=int, help="threads for SSD I/O (default 4)")
     p.add_argument("--ssd-promotions", type=int,
                    help="SSD-to-DRAM promotions reading at once (default 4)")
+    p.add_argument("--ssd-drain-timeout-s", type=float,
+                   help="seconds shutdown waits for SSD I/O in flight before abandoning it "
+                        "(default 10)")
     p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction, default=None,
                    help="glibc allocator settings for large messages (default on; no-op "
                         "without glibc)")
@@ -127,7 +130,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "store_threshold", "default_lease_s", "shm_dir", "auth_token",
                   "auth_token_file", "ready_file",
                   "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
-                  "ssd_promotions", "tune_malloc", "cluster", "advertise_addr", "host_id",
+                  "ssd_promotions", "ssd_drain_timeout_s", "tune_malloc", "cluster",
+                  "advertise_addr", "host_id",
                   "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
                   "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",

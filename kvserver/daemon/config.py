@@ -160,6 +160,9 @@ class DaemonConfig:
     ssd_direct: str = "auto"
     #: promotions (SSD → DRAM batches) reading at once; more wait their turn.
     ssd_promotions: int = 4
+    #: seconds shutdown waits for the SSD tier's disk I/O in flight; past it, what has not
+    #: finished is abandoned (not on SSD after a restart) and the process exits without it.
+    ssd_drain_timeout_s: float = 10.0
     #: fleet state on Redis / Valkey (docs/cluster.md): redis://HOST:PORT/DB, rediss://...,
     #: redis+cluster://H1:P1,H2:P2, valkey://... (the valkey client); "" = this daemon is not
     #: part of a fleet.
@@ -358,6 +361,7 @@ class DaemonConfig:
             staging_bytes=self.ssd_staging,
             retry_s=self.ssd_retry_s,
             direct=self.ssd_direct,
+            drain_timeout_s=self.ssd_drain_timeout_s,
         )
 
     def engine_config(self) -> EngineConfig:

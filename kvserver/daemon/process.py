@@ -27,9 +27,9 @@ Shutdown on SIGTERM/SIGINT/SIGHUP, in order: leave the fleet (record and index e
 removed) → stop serving metrics → stop accepting (gRPC server stops taking new RPCs, ZMQ
 sockets stop reading, the peer stream's connections close and their pins end) → give
 in-flight RPCs a short grace → close the tiers below DRAM,
-slowest first (the SSD tier drains its in-flight writes for at most its drain timeout, 10 s,
-and closes its files; disk jobs still running then are abandoned, and the process exits
-without waiting for them) → roll back
+slowest first (the SSD tier drains its in-flight writes for at most ``ssd_drain_timeout_s``,
+10 s by default, and closes its files; disk jobs still running then are abandoned, and the
+process exits without waiting for them: ``os._exit``) → roll back
 in-flight reservations and release pins → stop event streams → remove the shared-memory
 arena and the token files → exit 0.
 """

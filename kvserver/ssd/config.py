@@ -27,6 +27,7 @@ class TierConfig:
     retry_s: float = 5.0
     #: "auto" (O_DIRECT when the filesystem allows it) or "off".
     direct: str = "auto"
+    #: seconds ``close`` waits for disk jobs in flight before abandoning them.
     drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -46,6 +47,10 @@ class TierConfig:
                 raise InvalidArgument(f"{name} must be >= 1", value=value)
         if not 0 < self.retry_s < math.inf:
             raise InvalidArgument("ssd_retry_s must be a positive number", value=self.retry_s)
+        if not 0 < self.drain_timeout_s < math.inf:
+            raise InvalidArgument(
+                "ssd_drain_timeout_s must be a positive number", value=self.drain_timeout_s
+            )
         if self.direct not in ("auto", "off"):
             raise InvalidArgument("ssd_direct must be auto or off", value=self.direct)
         make_policy(self.policy)  # names the valid choices when wrong

@@ -44,6 +44,7 @@ BAD: dict[str, tuple[str, ...]] = {
     "ssd_staging": ("0",),
     "ssd_retry_s": ("0", "nan"),
     "ssd_promotions": ("0",),
+    "ssd_drain_timeout_s": ("0", "-1", "nan"),
     "cluster_ttl_s": ("-3", "0", "nan", "inf"),
     "cluster_timeout_s": ("0", "-1", "nan"),
     "peer_timeout_s": ("0", "inf"),

@@ -454,3 +454,32 @@ if __name__ == "__main__":
         child_writer(*sys.argv[2:4])
     else:
         raise SystemExit(f"unknown child {sys.argv[1]}")
+
+
+def test_shutdown_leaves_a_hung_disk_write_behind_after_the_drain_timeout(tmp_path: Path) -> None:
+    """A write-down hangs in the disk (injected: ``tests/support/hung_disk.py``) when SIGTERM
+    comes: the daemon waits ``--ssd-drain-timeout-s`` (0.5 s), abandons the write, removes
+    its arena and exits 0 with ``os._exit`` (the interpreter's own exit would join the stuck
+    I/O thread forever)."""
+    arm, hanging = tmp_path / "arm", tmp_path / "hanging"
+    d = start_daemon(
+        tmp_path,
+        *args(tmp_path / "ssd", "--ssd-drain-timeout-s", "0.5"),
+        env={**ENV, "HUNG_DISK_ARM": str(arm), "HUNG_DISK_HANGING": str(hanging)},
+        module="tests.support.hung_disk",
+    )
+    try:
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            ns_id = registered(kv, SPEC)
+            arm.touch()
+            keys = make_keys(48, tag="hung")  # more than DRAM holds: victims are written down
+            store_all(kv, ns_id, SPEC, keys)
+            wait_until(hanging.exists)
+            assert ssd(kv)["writes_in_flight"] > 0
+        assert d.terminate(timeout=20) == 0, d.log()
+        log = d.log()
+        assert "not finished after the drain timeout (0.5 s): abandoned" in log, log
+        assert "shared-memory arena removed" in log
+        assert not os.path.exists(d.arena_path)
+    finally:
+        d.kill()
