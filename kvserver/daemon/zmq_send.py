@@ -30,9 +30,11 @@ reading would pin a reply's worth of pages per request until its cut. So each RO
 connection (routing id) may have at most ``max_unsent`` bytes of zero-copy replies ZMQ has not
 finished with (``zmq_send_max_unsent``, default a quarter of DRAM): :meth:`admit`, called
 before a ``get``/``read_parts`` is carried out, refuses it with ``capacity`` ("retry later",
-nothing read or pinned, counted in ``refused``) while the connection is at or past the cap. A
-reply is admitted while the connection is under it, so one reply larger than the cap still goes
-out when nothing else of that connection is unsent. Refusing, not waiting: one ROUTER socket
+nothing read or pinned, counted in ``refused``) while the connection is at or past the cap with
+two replies or more unsent. So one reply larger than the cap still goes out, and a client that
+waits for each reply is never refused: its last reply, read already, may still count here for
+a moment (its release reaches the loop from pyzmq's gc thread), but it is the only one; a
+connection pins at most the cap plus two replies. Refusing, not waiting: one ROUTER socket
 reads every connection, so the daemon cannot stop reading one of them (TCP's own backpressure);
 waiting would mean parking that connection's requests in daemon memory, a second unbounded
 queue. A client that reads its replies sees ``capacity`` only when it keeps more than the cap
@@ -119,8 +121,9 @@ class ZeroCopySender:
         self._unsent_of: dict[int, tuple[bytes, int]] = {}
         #: guard -> the connection (fd, peer address) its timer would cut
         self._targets: dict[int, tuple[int, Any]] = {}
-        #: connection (routing id) -> its zero-copy bytes ZMQ has not finished with (> 0)
-        self._unsent: dict[bytes, int] = {}
+        #: connection (routing id) -> [its zero-copy bytes ZMQ has not finished with (> 0),
+        #: the replies they are in]
+        self._unsent: dict[bytes, list[int]] = {}
         #: get / read_parts refused because their connection had max_unsent bytes unsent
         self.num_refused = 0
         #: guard -> the timer that cuts its connection (None: nothing to cut, or copied); a
@@ -138,11 +141,12 @@ class ZeroCopySender:
     @property
     def unsent_bytes(self) -> int:
         """Bytes of zero-copy replies ZMQ has not finished with, all connections."""
-        return sum(self._unsent.values())
+        return sum(held[0] for held in self._unsent.values())
 
     def unsent_bytes_of(self, ident: bytes) -> int:
         """Bytes of zero-copy replies to connection ``ident`` ZMQ has not finished with."""
-        return self._unsent.get(ident, 0)
+        held = self._unsent.get(ident)
+        return held[0] if held is not None else 0
 
     def stats(self) -> dict[str, int]:
         """``pins``, ``unsent_bytes`` (now), ``cut_connections`` and ``refused`` (since
@@ -156,9 +160,10 @@ class ZeroCopySender:
 
     def admit(self, ident: bytes) -> None:
         """Raise CapacityError (counted; nothing else changes) when connection ``ident``
-        has ``max_unsent`` bytes or more of zero-copy replies unsent (module docstring)."""
-        unsent = self._unsent.get(ident, 0)
-        if unsent >= self._max_unsent:
+        has ``max_unsent`` bytes or more of zero-copy replies unsent, in two replies or more
+        (module docstring)."""
+        unsent, replies = self._unsent.get(ident, (0, 0))
+        if unsent >= self._max_unsent and replies > 1:
             self.num_refused += 1
             raise CapacityError(
                 "too many reply bytes to this connection not sent yet (the client does not "
@@ -197,9 +202,10 @@ class ZeroCopySender:
         held = self._unsent_of.pop(guard, None)
         if held is not None:
             ident, nbytes = held
-            left = self._unsent[ident] - nbytes
-            if left > 0:
-                self._unsent[ident] = left
+            totals = self._unsent[ident]
+            if totals[1] > 1:
+                totals[0] -= nbytes
+                totals[1] -= 1
             else:
                 del self._unsent[ident]
 
@@ -239,7 +245,9 @@ class ZeroCopySender:
         header = _header(req_id, sid, reply)
         if unsent and guard in self._guards:  # (counted before the frames can be dropped)
             self._unsent_of[guard] = (ident, unsent)
-            self._unsent[ident] = self._unsent.get(ident, 0) + unsent
+            totals = self._unsent.setdefault(ident, [0, 0])
+            totals[0] += unsent
+            totals[1] += 1
         del done  # from here on only the frames keep it alive
         if zero_copy and guard in self._guards and fd >= 0:
             address = _peer_address(fd)

@@ -196,30 +196,30 @@ async def test_a_reply_of_a_lower_tiers_buffers_is_held_to_the_same_timeout(
 async def test_a_connection_at_its_unsent_cap_is_refused_until_its_replies_are_sent(
     svc: KVService, pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 ) -> None:
-    """Admitted while under the cap (a reply may take it past); refused at or past it, other
-    connections not; admitted again once ZMQ has sent what it held."""
+    """Admitted while under the cap or with one reply unsent (a reply may take it past the
+    cap: it goes); refused at or past it with two, other connections not; admitted again once
+    ZMQ has sent what it held."""
     router, dealer = pair
     sender = ZeroCopySender(svc, max_unsent=2 * PART)
     keys = make_keys(4, tag="capped")
     store(svc, keys, 0)
     router.send_multipart([b"d", b"filler", b"x" * PART])  # fills the DEALER's queue (HWM 1)
-    sender.admit(b"d")
-    got = fetched(svc, keys)
-    sender.send(router, b"d", 15, "sid", Parts({}, got.parts, sender.adopt(got.lease_id)))
-    del got
-    assert sender.unsent_bytes_of(b"d") == 4 * PART  # past the cap: the one reply went
+    for req_id, chunks in ((15, keys[:3]), (16, keys[3:])):
+        sender.admit(b"d")
+        got = fetched(svc, chunks)
+        sender.send(router, b"d", req_id, "sid", Parts({}, got.parts, sender.adopt(got.lease_id)))
+        del got
+    assert sender.unsent_bytes_of(b"d") == 4 * PART  # past the cap, in two replies
     with pytest.raises(CapacityError, match="retry later"):
         sender.admit(b"d")
     sender.admit(b"another connection")
     assert sender.stats() == {
-        "pins": 1,
-        "unsent_bytes": 4 * PART,
-        "cut_connections": 0,
-        "refused": 1,
-    }
+        "pins": 2, "unsent_bytes": 4 * PART, "cut_connections": 0, "refused": 1
+    }  # fmt: skip
     assert dealer.recv_multipart()[0] == b"filler"
-    assert dealer.recv_multipart()[1:] == [pattern(k, 0, PART) for k in keys]
-    await until(lambda: sender.num_pins == 0, "the pin to end")
+    assert dealer.recv_multipart()[1:] == [pattern(k, 0, PART) for k in keys[:3]]
+    assert dealer.recv_multipart()[1:] == [pattern(k, 0, PART) for k in keys[3:]]
+    await until(lambda: sender.num_pins == 0, "the pins to end")
     assert sender.unsent_bytes == 0
     sender.admit(b"d")
     await sender.close()
