@@ -64,7 +64,7 @@ from kvserver.daemon.peers.link import PeerFailed, PeerLink
 from kvserver.daemon.peers.place import Parts, Placer, Slot
 from kvserver.daemon.peers.stream import PeerStream, ReplyJob
 from kvserver.engine import StorageEngine
-from kvserver.errors import UnknownKey, UnknownNamespace
+from kvserver.errors import CapacityError, UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 from kvserver.wire_stream import MAX_KEYS, ReplyHead
 
@@ -314,7 +314,16 @@ class PeerFetches:
             async with link.connection() as kv:
                 keep = list(protect)  # and the windows placed: a later one must not evict them
                 calls = (self._fetch_run(spec, peer, link, kv, w, keep, direct) for w in windows)
-                return await asyncio.gather(*calls)
+                got = await asyncio.gather(*calls)
+                # windows the peer refused at its cap on unsent replies to one connection
+                # (zmq_send_max_unsent): asked again one at a time, every reply before them
+                # received; refused again, they are not sent (another holder, or a miss)
+                out: list[tuple[list[bytes], Parts]] = []
+                for window, sent in zip(windows, got, strict=True):
+                    if sent is None:
+                        sent = await self._fetch_run(spec, peer, link, kv, window, keep, direct)
+                    out.append(sent if sent is not None else ([], {}))
+                return out
         except PeerFailed as exc:  # no connection in time
             self._book.failed(peer, exc)
             return []
@@ -328,17 +337,21 @@ class PeerFetches:
         keys: list[bytes],
         keep: list[bytes],
         direct: bool,
-    ) -> tuple[list[bytes], Parts]:
+    ) -> tuple[list[bytes], Parts] | None:
         """Fetch one window from ``peer`` on ``via`` (a connection of ``link``) and place
         it, protecting the keys of ``keep`` from the eviction (and adding its own to it, for
-        the windows after it); returns (keys it sent, direct parts)."""
+        the windows after it); returns (keys it sent, direct parts), or None when the peer
+        refused it for now (``capacity``: not counted as a fetch, the peer not suspect)."""
         book = self._book
-        book.counters.fetches += 1
         try:
             rows = await link.fetch(spec, keys, via=via)
+        except CapacityError:
+            return None
         except PeerFailed as exc:
+            book.counters.fetches += 1
             book.failed(peer, exc)
             return [], {}
+        book.counters.fetches += 1
         sent = keys[: len(rows)]
         book.counters.fetched_chunks += len(rows)
         book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes

@@ -40,7 +40,13 @@ from typing import Any, TypeVar
 from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.peers.directory import Peer, PeerFailed
 from kvserver.daemon.peers.stream import TLS_SCHEME, PeerStream, split_address
-from kvserver.errors import KVServerError, Unavailable, UnknownKey, UnknownNamespace
+from kvserver.errors import (
+    CapacityError,
+    KVServerError,
+    Unavailable,
+    UnknownKey,
+    UnknownNamespace,
+)
 from kvserver.namespace import NamespaceSpec
 
 T = TypeVar("T")
@@ -127,7 +133,9 @@ class PeerLink:
         """The parts (one per rank, rank order) of the leading run of ``keys`` the peer holds:
         ``result[i]`` belongs to ``keys[i]``, and ``len(result) <= len(keys)`` (0: it holds
         none of them, or not this namespace). ``via``: a connection of ``connection()``
-        (else one is taken for this call). Raises :class:`PeerFailed`."""
+        (else one is taken for this call). Raises :class:`PeerFailed`, or CapacityError when
+        the peer has too many reply bytes unsent to this connection (``zmq_send_max_unsent``:
+        ask again once the replies before it have arrived)."""
         ns_id = spec.ns_id
         try:
             rows = await self._call(lambda kv: kv.get(ns_id, keys, leading=True), via)
@@ -219,8 +227,8 @@ class PeerLink:
                 peer=self.peer.host_id,
                 timeout_s=self.timeout_s,
             ) from None
-        except (UnknownNamespace, UnknownKey):
-            ok = True  # a clean answer: the connection is fine
+        except (UnknownNamespace, UnknownKey, CapacityError):
+            ok = True  # a clean answer (capacity: "retry later"): the connection is fine
             raise
         except Unavailable as exc:
             msg = f"peer unavailable: {exc.message}"
