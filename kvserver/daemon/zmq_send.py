@@ -266,7 +266,7 @@ class ZeroCopySender:
         self._guards[guard] = None
         if _cut(fd, address):
             self.num_cuts += 1
-            target = self._targets.pop(guard)
+            target = self._targets.pop(guard, None)
             for other, its in list(self._targets.items()):  # one cut per connection
                 if its == target:
                     del self._targets[other]
