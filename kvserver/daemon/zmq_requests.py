@@ -16,8 +16,10 @@ It holds what the checks learn about connections: which principal each ROUTER co
 authenticated as (a replay request carries no token: the connection's last authenticated
 request decides; oldest forgotten past :data:`MAX_AUTHENTICATED_PEERS`), and which clients
 (lease owners) each local connection's requests named, whose reservations and pins are
-released when it closes. Every failure becomes an error reply with the request's id (0 when
-the header is unreadable); nothing raised here reaches the receive loop.
+released when it closes. A ROUTER connection's ``get``/``read_parts`` is first admitted by the
+zero-copy sender (``capacity`` when that connection has too many reply bytes unsent:
+``zmq_send.py``). Every failure becomes an error reply with the request's id (0 when the
+header is unreadable); nothing raised here reaches the receive loop.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ pins).
 Modules: this one reads and answers requests (the receive loop, per-connection order, lanes,
 replies); ``zmq_requests.py`` checks each request (token, size, header) and hands it to its op;
 ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under
-pins; ``local_server.py`` frames the local channel's messages (clients on this host);
+pins (and bounds what one connection leaves unsent: ``zmq_send_max_unsent``);
+``local_server.py`` frames the local channel's messages (clients on this host);
 ``zmq_events.py`` publishes KV events and serves vLLM's replay protocol.
 
 A connection of the local channel is served exactly like a ROUTER connection (same messages,
