@@ -13,10 +13,10 @@ pins).
 
 Modules: this one reads and answers requests (the receive loop, per-connection order, lanes,
 replies); ``zmq_requests.py`` checks each request (token, size, header) and hands it to its op;
-``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under
-pins (and bounds what one connection leaves unsent: ``zmq_send_max_unsent``);
-``local_server.py`` frames the local channel's messages (clients on this host);
-``zmq_events.py`` publishes KV events and serves vLLM's replay protocol.
+``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under pins,
+at most ``zmq_send_max_unsent`` bytes unsent per connection; ``local_server.py`` frames the
+local channel's messages (clients on this host); ``zmq_events.py`` publishes KV events and
+serves vLLM's replay protocol.
 
 A connection of the local channel is served exactly like a ROUTER connection (same messages,
 handlers, lanes and order); its messages arrive from its protocol callbacks instead of the ROUTER's
@@ -128,9 +128,8 @@ class DataFrontend:
         self._drain_scheduled = False
         self._sender = ZeroCopySender(service, config.zmq_send_timeout_s, config.send_max_unsent)
         self._ops = DataOps(service, config, self._sid, self._sender)
-        self._requests = RequestHandler(
-            service, config, self._auth, self._ops, self._send, self._sender.admit
-        )
+        admit = self._sender.admit  # a ROUTER connection's get/read_parts, before it is served
+        self._requests = RequestHandler(service, config, self._auth, self._ops, self._send, admit)
         self._events = EventPublisher(service)
 
     @property
