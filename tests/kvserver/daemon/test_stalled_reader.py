@@ -130,7 +130,7 @@ def test_a_client_pipelining_gets_it_does_not_read_pins_about_the_cap_not_a_repl
     """24 gets of 2 MiB each, never read: the daemon stops pinning at the cap (the rest
     answered ``capacity``), and another client's store of 40 chunks goes through at once
     (before: every reply ZMQ could not hand to the kernel pinned its pages for 60 s, some
-    36 of the 64, and that store failed)."""
+    46 of the 64 in a run, and that store failed)."""
     d = capped_daemon
     mine, theirs = make_keys(48, tag="mine"), make_keys(40, tag="theirs")
     with KVClient(d.zmq_address, colocated=False) as kv:
