@@ -189,6 +189,8 @@ async def test_a_reply_of_a_lower_tiers_buffers_is_held_to_the_same_timeout(
     del buffers
     await until(lambda: sender.num_cuts == 1, "the connection to be cut")
     await until(lambda: all(ref() is None for ref in alive), "ZMQ to drop the frames")
+    # the release reaches the loop from ZMQ's gc thread after the frames are dropped
+    await until(lambda: sender.unsent_bytes == 0, "the release of the dropped frames")
     assert sender.stats() == {"pins": 0, "unsent_bytes": 0, "cut_connections": 1, "refused": 0}
     await sender.close()
 
