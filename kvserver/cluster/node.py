@@ -25,6 +25,12 @@ Lifecycle of the member (docs/cluster.md):
    pending changes dropped; the daemon keeps serving its own tiers. Retried every heartbeat
    interval; on success → back to 1 (register, full resync) → ``ok``. A heartbeat that finds
    its record gone (Redis restarted, or this daemon stalled past the TTL) does the same.
+5. **Fenced**: every pipeline of index writes, and every heartbeat, ends by moving the
+   incarnation's fence (``schema.fence_key``) from the number of the previous one to its own
+   (``SET .. GET``). Another number back means Redis lost or reordered writes of this
+   incarnation without a call failing (restarted from an older snapshot between two calls,
+   the client retrying its connection at once; a timed-out pipeline's tail run after a later
+   one): pending changes are dropped and the index resynced, as in 4, staying ``ok``.
 
 Conditions: ``connecting`` (not registered yet), ``ok``, ``unavailable``, ``stopped``.
 """
@@ -105,6 +111,8 @@ class ClusterNode:
         self._last_write = 0.0
         #: the newest storage event reflected in Redis.
         self.written_seq = 0
+        #: the number of the last write pipeline queued: the fence's value once it has run.
+        self._fence = 0
         self._written_changed = asyncio.Event()
 
     @property
@@ -284,7 +292,7 @@ class ClusterNode:
             with contextlib.suppress(Exception):
                 old = HostInfo.decode(old_raw)
                 if old.incarnation != self.incarnation:
-                    old_keys = old.index_keys()
+                    old_keys = [*old.index_keys(), schema.fence_key(old.host_id, old.incarnation)]
         snap = self.snapshot()  # no await between this and the batch: events after it follow
         self._ns_specs = dict(self.namespace_specs())
         batch = self.writer.full_batch(snap, self.events.last_seq)
@@ -294,6 +302,7 @@ class ClusterNode:
             pipe.execute_command("UNLINK", key)
         commands = len(old_keys) + self.writer.apply(pipe, batch)
         commands += self._queue_record(pipe, exists=False)
+        commands += self._queue_fence(pipe, check=False)  # the resync is the new truth
         await self._bounded(pipe, batch.num_keys)
         self._written(batch.last_seq)
         self.counters.registrations += 1
@@ -326,23 +335,45 @@ class ClusterNode:
             return 3
         return 2
 
+    def _queue_fence(self, pipe: Any, *, check: bool) -> int:
+        """Queue the move of the fence to the next number (``check``: getting the one it
+        had, which :meth:`_fenced` compares). Last in a pipeline: on the sets' slot, after
+        every write of the pipeline to them."""
+        self._fence += 1
+        key = schema.fence_key(self.host_id, self.incarnation)
+        pipe.set(key, self._fence, px=self.config.ttl_ms, get=check)
+        return 1
+
+    def _fenced(self, reply: Any) -> bool:
+        """Whether the fence's value before this pipeline's move (``reply``) was the number
+        of the pipeline before: else Redis lost or reordered writes; the index is resynced."""
+        if reply is not None and int(reply) == self._fence - 1:
+            return True
+        self._lost(
+            f"Redis lost index writes (its write fence read {reply!r}, not {self._fence - 1})"
+        )
+        return False
+
     async def _write(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
         commands = self.writer.apply(pipe, batch)
         if batch.new_namespaces:
             self._ns_specs.update(self.namespace_specs())
             commands += self._queue_record(pipe, exists=True)
-        await self._bounded(pipe, batch.num_keys)
-        self._written(batch.last_seq)
+        commands += self._queue_fence(pipe, check=True)
+        replies = await self._bounded(pipe, batch.num_keys)
         self.counters.batches += 1
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
+        if self._fenced(replies[-1]):
+            self._written(batch.last_seq)
 
     async def _heartbeat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         self._queue_record(pipe, exists=True)
         for key in self.writer.index_keys():
             pipe.pexpire(key, self.config.ttl_ms)
+        self._queue_fence(pipe, check=True)
         replies = await self._bounded(pipe)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)
@@ -350,11 +381,13 @@ class ClusterNode:
             logger.warning("cluster: membership record was gone; re-registering")
             self._registered = False
             return
+        if not self._fenced(replies[-1]):
+            return
         await self.reader.hosts(refresh=True)  # self.members
 
     async def _leave(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for key in self.writer.index_keys():
+        for key in [*self.writer.index_keys(), schema.fence_key(self.host_id, self.incarnation)]:
             pipe.execute_command("UNLINK", key)
         pipe.execute_command("DEL", schema.host_key(self.host_id))
         pipe.srem(schema.hosts_key(), self.host_id)

@@ -12,6 +12,8 @@ multi-key commands and scripts below never cross slots)::
     kvs1:{fleet}:ns                           HASH ns_id -> namespace spec (JSON), no TTL
     kvs1:{h:<host_id>}:<incarnation>:<ns_id>:d   SET of fingerprints of chunks in DRAM
     kvs1:{h:<host_id>}:<incarnation>:<ns_id>:s   SET of fingerprints of chunks on SSD
+    kvs1:{h:<host_id>}:<incarnation>:fence       STRING, the number of the incarnation's last
+                                                 index write, PX = member TTL
 
 - Membership is tiny (one record per host) and lives in one slot (``{fleet}``), so reading it
   is ``SMEMBERS`` + one ``MGET``.
@@ -25,6 +27,12 @@ multi-key commands and scripts below never cross slots)::
   8 bytes, a quarter of a sha256 key; hashing rather than truncating keeps any key uniform). A
   false positive needs a 64-bit collision within one host's set (about 1e-13 per lookup at
   1 M chunks). The index is never trusted for bytes, so a collision costs one failed fetch.
+- The **fence** counts an incarnation's index writes: each pipeline of its index writes (and
+  its heartbeat) ends with ``SET fence n PX ttl GET``, in the slot of its sets, and expects
+  ``n - 1`` back. Anything else means Redis lost or reordered some of its writes without the
+  writer seeing an error (restarted from older data between two calls, whose client then
+  retried the connection at once; a timed-out pipeline's tail run after a later one): the
+  writer resyncs (``node.py``).
 - Every index set has a TTL (``PEXPIRE ... NX`` in the script that adds its members, so it
   is never without one; renewed by each heartbeat): a host that stops heartbeating loses its
   record and its sets within the TTL.
@@ -83,6 +91,11 @@ def namespaces_key() -> str:
 def index_key(host_id: str, incarnation: str, ns_id: str, tier: str) -> str:
     """The set of ``tier`` fingerprints that ``host_id``'s ``incarnation`` holds in ``ns_id``."""
     return f"{PREFIX}:{{h:{host_id}}}:{incarnation}:{ns_id}:{_TIER_CODE[tier]}"
+
+
+def fence_key(host_id: str, incarnation: str) -> str:
+    """The write fence of ``host_id``'s ``incarnation`` (module docstring); its sets' slot."""
+    return f"{PREFIX}:{{h:{host_id}}}:{incarnation}:fence"
 
 
 #: the index member for a chunk key (bytes -> FP_BYTES bytes).
