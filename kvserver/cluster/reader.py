@@ -19,11 +19,12 @@ heartbeat); only the incarnation named in the record is read, so a restarted hos
 entries are ignored at once and expire within the TTL.
 
 Exactness: ``lookup(..., exact=True)`` (default) tests every key up to the first miss, per
-host, in a server-side script (``SMISMEMBER``, native; one script for all hosts on one
-server, one per host on a Redis Cluster). ``exact=False`` finds the run by
-binary search, assuming what a host holds of one prompt is prefix-closed (true unless a middle
-chunk was evicted alone, when the run is over-estimated); it costs O(log n) lookups per host
-instead of O(n) and is what ``ScoreHosts`` uses by default for long prompts. The index lags
+host, in a server-side script (``SMISMEMBER`` of :data:`RUN_SLICE` keys at a time, native;
+one script for all hosts on one server, one per host on a Redis Cluster). ``exact=False``
+finds the run by binary search, assuming what a host holds of one prompt is prefix-closed
+(true unless a middle chunk was evicted alone, when the run is over-estimated); it costs
+O(log n) lookups per host instead of O(n) and is what ``ScoreHosts`` uses by default for long
+prompts. The index lags
 the truth either way: it is never trusted for bytes.
 """
 
@@ -42,26 +43,38 @@ from kvserver.errors import Unavailable
 
 T = TypeVar("T")
 
+#: most fingerprints in one SMISMEMBER of the exact lookup (Lua's unpack stops at about 8,000
+#: values: a longer prompt is tested in slices, up to the slice of its first key held nowhere).
+RUN_SLICE = 4096
+
 # KEYS: per host, its DRAM set then its SSD set. ARGV: the concatenated fingerprints, their
 # width, "1" exact / "0" binary search. Returns per host {dram, ssd}: its leading run by tier.
 _RUN_SCRIPT = """
 local blob, w, exact = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local n = #blob / w
 local function fp(j) return string.sub(blob, (j - 1) * w + 1, j * w) end
-local fps = nil
-local function exact_run(dkey, skey)
-  if fps == nil then
-    fps = {}
-    for j = 1, n do fps[j] = fp(j) end
+local slices = {}  -- the k-th STEP fingerprints, made once for every host
+local function slice(k)
+  local t = slices[k]
+  if t == nil then
+    t = {}
+    for j = (k - 1) * STEP + 1, math.min(k * STEP, n) do t[#t + 1] = fp(j) end
+    slices[k] = t
   end
-  local d = redis.call('SMISMEMBER', dkey, unpack(fps))
-  local s = nil
+  return t
+end
+local function exact_run(dkey, skey)
   local nd, ns = 0, 0
-  for j = 1, n do
-    if d[j] == 1 then nd = nd + 1
-    else
-      if s == nil then s = redis.call('SMISMEMBER', skey, unpack(fps)) end
-      if s[j] == 1 then ns = ns + 1 else break end
+  for k = 1, math.ceil(n / STEP) do
+    local part = slice(k)
+    local d = redis.call('SMISMEMBER', dkey, unpack(part))
+    local s = nil
+    for j = 1, #part do
+      if d[j] == 1 then nd = nd + 1
+      else
+        if s == nil then s = redis.call('SMISMEMBER', skey, unpack(part)) end
+        if s[j] == 1 then ns = ns + 1 else return nd, ns end
+      end
     end
   end
   return nd, ns
@@ -92,7 +105,7 @@ for i = 1, #KEYS, 2 do
   out[#out + 1] = ns
 end
 return out
-"""
+""".replace("STEP", str(RUN_SLICE))
 
 # KEYS[1]: the hosts set; KEYS[2..]: the records of members read as gone; ARGV: their ids.
 # Forgets a member only while its record is still absent: one that registered again since

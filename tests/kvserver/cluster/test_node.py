@@ -256,3 +256,26 @@ async def test_events_while_redis_is_down_do_not_make_the_member_spin(
         assert node.writer.pending_keys == 0  # dropped: a resync replaces them
     finally:
         await node.stop()
+
+
+async def test_a_prompt_longer_than_luas_unpack_limit_is_looked_up_exactly(
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
+) -> None:
+    """A 9,000-chunk prompt (144 k tokens of 16-token chunks): the exact lookup's script
+    tests its keys in slices (Lua's unpack stops near 8,000 values: one SMISMEMBER of every
+    key was an error, so the network tier found no holder of any long prompt and ScoreHosts
+    exact=true answered UNAVAILABLE); the run and its tier split cross the slices."""
+    a = Member("host-a", cluster_config(fleet_url, ttl_s=5.0))
+    node = await a.start()
+    try:
+        ks = keys(9000)
+        a.store(ks[:5000])
+        a.store(ks[5000:8600], tier="ssd")
+        a.store(ks[8601:])  # after the first key held nowhere: not in the run
+        await a.settled()
+        assert await runs_by_host(reader, ks) == {"host-a": (8600, {"dram": 5000, "ssd": 3600})}
+        assert await runs_by_host(reader, ks[:8600]) == {
+            "host-a": (8600, {"dram": 5000, "ssd": 3600})
+        }
+    finally:
+        await node.stop()
