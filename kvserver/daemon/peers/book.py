@@ -162,7 +162,10 @@ class PeerBook:
 
     def failed(self, peer: Peer, exc: PeerFailed) -> None:
         """A call to ``peer`` failed: count it (a timeout or another failure) and suspect the
-        peer."""
+        peer; nothing for a call that never reached it, every connection being busy with
+        this daemon's other calls (``exc.busy``: the peer is serving those)."""
+        if exc.busy:
+            return
         if exc.timed_out:
             self.counters.timeouts += 1
         else:

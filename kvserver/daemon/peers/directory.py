@@ -36,11 +36,16 @@ class Peer:
 
 class PeerFailed(Unavailable):
     """A peer did not answer in time, or answered with something it should not have sent.
-    ``timed_out`` tells which."""
+    ``timed_out`` tells which. ``busy``: the call never reached the peer, every connection to
+    it being in use by this daemon's other calls for the whole timeout (this daemon's
+    congestion, not the peer failing: the peer is not made suspect for it)."""
 
-    def __init__(self, message: str, *, timed_out: bool, **context: Any) -> None:
+    def __init__(
+        self, message: str, *, timed_out: bool, busy: bool = False, **context: Any
+    ) -> None:
         super().__init__(message, **context)
         self.timed_out = timed_out
+        self.busy = busy
 
 
 class PeerDirectory(Protocol):

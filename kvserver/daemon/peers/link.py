@@ -114,12 +114,15 @@ class PeerLink:
         taken within ``timeout_s`` (else :class:`PeerFailed`) and given back when the block
         ends: kept for reuse unless a call on it failed (then closed, so that a late reply
         cannot be taken for another's)."""
+        waiting: list[bool] = [False]  # waited for a busy connection
         try:
             async with asyncio.timeout(self.timeout_s):
-                kv = await self._acquire()
+                kv = await self._acquire(waiting)
         except TimeoutError:
             msg = "no connection to the peer in time"
-            raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+            if waiting[0]:
+                msg += f" (all {self._max} busy with other calls)"
+            raise PeerFailed(msg, timed_out=True, busy=waiting[0], peer=self.peer.host_id) from None
         try:
             yield kv
         finally:
@@ -213,17 +216,21 @@ class PeerLink:
         marked spoiled if the call fails) or on a connection taken for it."""
         kv: AsyncKVClient | None = via
         ok = False
+        waiting: list[bool] = [False]  # waited for a busy connection
         try:
             async with asyncio.timeout(self.timeout_s):
                 if kv is None:
-                    kv = await self._acquire()
+                    kv = await self._acquire(waiting)
                 result = await op(kv)
             ok = True
             return result
         except TimeoutError:
             raise PeerFailed(
-                "peer did not answer in time",
+                "no connection to the peer in time (all busy with other calls)"
+                if waiting[0]
+                else "peer did not answer in time",
                 timed_out=True,
+                busy=waiting[0],
                 peer=self.peer.host_id,
                 timeout_s=self.timeout_s,
             ) from None
@@ -243,9 +250,12 @@ class PeerLink:
             elif kv is not None:
                 await self._release(kv, reuse=ok)
 
-    async def _acquire(self) -> AsyncKVClient:
+    async def _acquire(self, waiting: list[bool]) -> AsyncKVClient:
+        """An idle connection, or a new one; sets ``waiting[0]`` once every connection was
+        in use and this waited for one to be given back (a timeout then is not the peer's)."""
         async with self._freed:
             while not self._idle and self._opened >= self._max:
+                waiting[0] = True
                 await self._freed.wait()
             if self._idle:
                 return self._idle.pop()

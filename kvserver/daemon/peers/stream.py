@@ -403,12 +403,15 @@ class PeerStream:
     async def connection(self) -> AsyncIterator[StreamConnection]:
         """A connection for the block (module docstring); :class:`PeerFailed` when none can be
         had within the timeout."""
+        waiting: list[bool] = [False]  # waited for a busy connection
         try:
             async with asyncio.timeout(self.timeout_s):
-                conn = await self._acquire()
+                conn = await self._acquire(waiting)
         except TimeoutError:
             msg = "no stream connection to the peer in time"
-            raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+            if waiting[0]:
+                msg += f" (all {self._max} busy with other fetches)"
+            raise PeerFailed(msg, timed_out=True, busy=waiting[0], peer=self.peer.host_id) from None
         except OSError as exc:
             self.unreachable = True
             msg = f"cannot connect to the peer's stream port: {exc}"
@@ -428,7 +431,9 @@ class PeerStream:
             conn.sock.close()
         self._opened -= len(idle)
 
-    async def _acquire(self) -> StreamConnection:
+    async def _acquire(self, waiting: list[bool]) -> StreamConnection:
+        """An idle connection, or a new one; sets ``waiting[0]`` once every connection was
+        in use and this waited for one to be given back (a timeout then is not the peer's)."""
         async with self._freed:
             while True:
                 while self._idle:
@@ -439,6 +444,7 @@ class PeerStream:
                     self._opened -= 1
                 if self._opened < self._max:
                     break
+                waiting[0] = True
                 await self._freed.wait()
             self._opened += 1
         try:
