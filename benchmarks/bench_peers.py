@@ -74,6 +74,8 @@ from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon
 from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
 from benchmarks.harness.raw_zmq import RawPeer, payload, serve, start_helper
 from benchmarks.report import save_report
+from kvserver import wire
+from kvserver.arena import ArenaView
 from kvserver.client import KVClient
 from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.daemon import config as daemon_config
@@ -104,6 +106,36 @@ def spec_for(part_bytes: int) -> NamespaceSpec:
 
 def batch_keys(part_bytes: int, batch: int, n: int) -> list[bytes]:
     return [f"{part_bytes}-{batch}-{i}".encode().ljust(32, b".")[:32] for i in range(n)]
+
+
+def require_colocated(client: KVClient) -> None:
+    """The fetches are timed as a co-located worker's loads: ``client`` must have mapped its
+    daemon's arena. When its first hello did not, a second one tries again (once, noted on
+    stderr); when that fails too, the error says why: the daemon's host id and ours (a
+    client maps the arena only of a daemon with its own), and what mapping the arena
+    raises. (Session 9 saw "the bench must run on B's host" in 5 of 31 runs within ten
+    minutes, in both trees, with no cause recorded.)"""
+    if client.is_colocated:
+        return
+    info = client.hello()  # maps the arena when it can
+    ours, theirs, path = wire.host_id(), info.get("host_id"), info.get("arena_path")
+    if _colocated(client):
+        print(f"note: a hello did not map {path}; the next did", file=sys.stderr)
+        return
+    try:
+        ArenaView.attach(str(path)).close()
+        mapping = "maps now"
+    except KVServerError as exc:
+        mapping = f"cannot be mapped: {exc}"
+    raise AssertionError(
+        f"the bench must run on B's host: B's host id {theirs!r}, ours {ours!r}; "
+        f"its arena {path!r} {mapping}"
+    )
+
+
+def _colocated(client: KVClient) -> bool:
+    """``client.is_colocated``, read again (a call: not narrowed by an earlier test)."""
+    return client.is_colocated
 
 
 # ----------------------------------------------------------------------------- the fleet
@@ -176,7 +208,7 @@ def measure(
                 remote.register_namespace(spec)
                 for client in clients.values():
                     client.register_namespace(spec)
-                    assert client.is_colocated, "the bench must run on B's host"
+                    require_colocated(client)
                     got = client.load(ns_id, batches[0])  # check once: A's bytes, through B
                     assert all(
                         bytes(row[0]) == payload(k, part_bytes)
