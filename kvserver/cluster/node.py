@@ -55,7 +55,10 @@ from kvserver.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
 
-#: pending index changes that are written at once, without waiting for the batch linger.
+#: pending index changes that are written at once, without waiting for the batch linger;
+#: also the most index keys one pipeline carries (a larger batch, a resync, goes out as
+#: several, one after another: a pipeline is encoded in one go on the event loop, ~0.3 s for
+#: 1 M keys, which the daemon's other work would wait for).
 MAX_BATCH_KEYS = 65_536
 #: time allowed per index key of a pipeline, on top of the call timeout (seconds).
 KEY_WRITE_S = 1e-5
@@ -297,13 +300,17 @@ class ClusterNode:
         self._ns_specs = dict(self.namespace_specs())
         batch = self.writer.full_batch(snap, self.events.last_seq)
         self._registered = True  # events from here on go to the writer
-        pipe = r.pipeline(transaction=False)
-        for key in old_keys:
-            pipe.execute_command("UNLINK", key)
-        commands = len(old_keys) + self.writer.apply(pipe, batch)
-        commands += self._queue_record(pipe, exists=False)
-        commands += self._queue_fence(pipe, check=False)  # the resync is the new truth
-        await self._bounded(pipe, batch.num_keys)
+        parts = batch.split(MAX_BATCH_KEYS)  # the record last: a new incarnation appears whole
+        commands = len(old_keys)
+        for i, part in enumerate(parts):
+            pipe = r.pipeline(transaction=False)
+            for key in old_keys if i == 0 else ():
+                pipe.execute_command("UNLINK", key)
+            commands += self.writer.apply(pipe, part)
+            if i == len(parts) - 1:
+                commands += self._queue_record(pipe, exists=False)
+                commands += self._queue_fence(pipe, check=False)  # the resync is the new truth
+            await self._bounded(pipe, part.num_keys)
         self._written(batch.last_seq)
         self.counters.registrations += 1
         self.counters.resyncs += 1
@@ -355,6 +362,13 @@ class ClusterNode:
         return False
 
     async def _write(self, batch: Batch) -> None:
+        for part in batch.split(MAX_BATCH_KEYS):  # the fence in each: checked in each
+            await self._write_part(part)
+            if not self._registered:  # the fence found writes lost: resync instead
+                return
+        self._written(batch.last_seq)
+
+    async def _write_part(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
         commands = self.writer.apply(pipe, batch)
         if batch.new_namespaces:
@@ -365,8 +379,7 @@ class ClusterNode:
         self.counters.batches += 1
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
-        if self._fenced(replies[-1]):
-            self._written(batch.last_seq)
+        self._fenced(replies[-1])
 
     async def _heartbeat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -69,6 +69,29 @@ class Batch:
     def num_keys(self) -> int:
         return sum(len(a) + len(r) for _, a, r in self.sets.values())
 
+    def split(self, max_keys: int) -> list[Batch]:
+        """This batch as batches of at most ``max_keys`` keys each, which applied in order
+        do what it does (a set's unlink goes in the first that names it; a key is added or
+        removed, never both, so the order of the rest is free); the new namespaces are the
+        first one's. One batch, this one, when it is no larger."""
+        if self.num_keys <= max_keys:
+            return [self]
+        parts: list[dict[SetId, tuple[bool, list[bytes], list[bytes]]]] = [{}]
+        room = max_keys
+        for set_id, (unlink, adds, removes) in self.sets.items():
+            first = True
+            while first or adds or removes:
+                if room <= 0:
+                    parts.append({})
+                    room = max_keys
+                gone, removes = removes[:room], removes[room:]
+                new, adds = adds[: room - len(gone)], adds[room - len(gone) :]
+                parts[-1][set_id] = (unlink and first, new, gone)
+                room -= len(gone) + len(new)
+                first = False
+        news = [self.new_namespaces] + [()] * (len(parts) - 1)
+        return [Batch(p, n, self.last_seq) for p, n in zip(parts, news, strict=True)]
+
 
 class IndexWriter:
     """Coalesces events into batches for one incarnation's index sets (module docstring)."""

@@ -5,9 +5,11 @@ at once) is found out at the member's next write or heartbeat, and the member re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from kvserver.cluster import FleetReader, schema
+from kvserver.cluster import ClusterNode, FleetReader, HostInfo, schema
 from kvserver.cluster.config import connect
+from kvserver.cluster.node import MAX_BATCH_KEYS
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import RedisServer, require_redis
 
@@ -55,6 +57,59 @@ async def test_redis_restarted_from_an_older_snapshot_gets_the_lost_writes_again
 
         await eventually(true_again, timeout=heartbeat_s * 3)
         assert node.condition == "ok"
+    finally:
+        await reader.redis.aclose()
+        await node.stop()
+        server.stop()
+
+
+class Sizes:
+    """The node's client, recording the arguments of every pipeline it executes."""
+
+    def __init__(self, redis: Any) -> None:
+        self._redis = redis
+        self.pipelines: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._redis, name)
+
+    def pipeline(self, *args: Any, **kw: Any) -> Any:
+        pipe = self._redis.pipeline(*args, **kw)
+        execute = pipe.execute
+
+        async def counted() -> Any:
+            self.pipelines.append(sum(len(a) for a, _ in pipe.command_stack))
+            return await execute()
+
+        pipe.execute = counted
+        return pipe
+
+
+async def test_a_large_resync_is_written_in_pipelines_the_loop_runs_between(
+    tmp_path: Path,
+) -> None:
+    """A member holding 150,000 chunks registers: its resync goes out as pipelines of at most
+    MAX_BATCH_KEYS keys each, one awaited after another (a pipeline is encoded in one go on
+    the event loop: one of 1 M keys held the daemon's loop ~0.2-0.4 s), and the index then
+    holds every chunk."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=30.0, timeout_s=5.0)
+    a = Member("host-a", config)
+    ks = keys(150_000)
+    a.held[(NS, "dram")] = list(ks)
+    sizes = Sizes(connect(config))
+    identity = HostInfo("host-a", "", "tcp://127.0.0.1:1", "127.0.0.1:2", ("dram",))
+    node = ClusterNode(config, identity, a.log, lambda: dict(a.held), lambda: {NS: "{}"},
+                       redis=sizes)  # fmt: skip
+    await node.start()
+    reader = FleetReader(connect(config), config)
+    try:
+        assert node.condition == "ok"
+        assert len(sizes.pipelines) > 1, sizes.pipelines
+        assert max(sizes.pipelines) <= MAX_BATCH_KEYS + 64, sizes.pipelines  # + command words
+        assert int(server.cli("SCARD", node.writer.key(NS, "dram"))) == len(ks)
+        assert [r.hit_chunks for r in await reader.lookup(NS, ks[:5000])] == [5000]
     finally:
         await reader.redis.aclose()
         await node.stop()

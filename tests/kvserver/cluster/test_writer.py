@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserver.cluster import schema
-from kvserver.cluster.writer import ADD_SCRIPT, IndexWriter
+from kvserver.cluster.writer import ADD_SCRIPT, Batch, IndexWriter
 from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD, AllBlocksCleared, BlockRemoved, BlockStored
 
 K = [bytes([i]) * 32 for i in range(6)]
@@ -73,3 +73,27 @@ def test_a_resync_replaces_every_set_and_empties_those_no_longer_held() -> None:
     assert batch.sets[("old", "dram")] == (True, [], [])
     assert batch.sets[("old", "ssd")] == (True, [], [])
     assert w.pending_keys == 0 and w.namespaces == {"old", "new"}
+
+
+def test_a_batch_split_into_parts_does_what_it_does_whole() -> None:
+    """Parts of at most N keys (a resync of a large daemon goes out as several pipelines):
+    each set's unlink in its first part only, every add and remove once, the new namespaces
+    in the first part."""
+    batch = Batch(
+        {
+            ("a", "dram"): (True, FP[:5], []),
+            ("a", "ssd"): (True, [], []),  # emptied: an unlink and nothing else
+            ("b", "dram"): (False, [FP[5]], FP[:3]),
+        },
+        ("a", "b"),
+        7,
+    )
+    assert batch.split(9) == [batch]
+    parts = batch.split(2)
+    assert all(p.num_keys <= 2 for p in parts) and all(p.last_seq == 7 for p in parts)
+    assert [p.new_namespaces for p in parts] == [("a", "b")] + [()] * (len(parts) - 1)
+    unlinks = [s for p in parts for s, (unlink, _, _) in p.sets.items() if unlink]
+    assert unlinks == [("a", "dram"), ("a", "ssd")]
+    for set_id, (_, adds, removes) in batch.sets.items():
+        assert [k for p in parts for k in p.sets.get(set_id, (0, [], []))[1]] == adds
+        assert [k for p in parts for k in p.sets.get(set_id, (0, [], []))[2]] == removes
