@@ -141,16 +141,19 @@ class FleetReader:
         return self._hosts
 
     async def hosts(
-        self, *, refresh: bool = False, timeout_s: float | None = None
+        self, *, refresh: bool = False, timeout_s: float | None = None, forget: bool = True
     ) -> list[HostInfo]:
-        """Live members sorted by host id; cached for ``members_max_age_s`` unless ``refresh``."""
+        """Live members sorted by host id; cached for ``members_max_age_s`` unless ``refresh``.
+        ``forget``: a read also removes from the hosts set the ids whose record expired (a
+        script that writes: it waits out a server pausing writes, as a failover does, so the
+        reads of lookups and ``ScoreHosts`` leave it to the members' heartbeats)."""
         now = time.monotonic()
         if refresh or now - self._hosts_at > self.config.members_max_age_s:
-            self._hosts = await self._bounded(self._read_hosts(), timeout_s)
+            self._hosts = await self._bounded(self._read_hosts(forget), timeout_s)
             self._hosts_at = time.monotonic()
         return list(self._hosts)
 
-    async def _read_hosts(self) -> list[HostInfo]:
+    async def _read_hosts(self, forget: bool) -> list[HostInfo]:
         ids = sorted(x.decode() for x in await self.redis.smembers(schema.hosts_key()))
         if not ids:
             return []
@@ -164,7 +167,8 @@ class FleetReader:
                 live.append(HostInfo.decode(raw))
             except Exception:  # another version's record: not ours to read
                 continue
-        if gone:  # lazily forget members whose record expired (re-added by their heartbeat)
+        if gone and forget:  # lazily forget members whose record expired (re-added by their
+            # heartbeat)
             records = [schema.host_key(h) for h in gone]  # one slot with the set: {fleet}
             await self.redis.execute_command(
                 "EVAL", _FORGET_SCRIPT, 1 + len(gone), schema.hosts_key(), *records, *gone
@@ -185,7 +189,7 @@ class FleetReader:
         chunk: its leading run of ``keys``, longest first (module docstring)."""
         if not keys:
             return []
-        members = await self.hosts(timeout_s=timeout_s)
+        members = await self.hosts(timeout_s=timeout_s, forget=False)  # reads only
         wanted = set(hosts) if hosts is not None else None
         skip = set(exclude)
         chosen = [

@@ -89,7 +89,7 @@ async def score_hosts(
     scores = score_runs(runs, spec.chunk_tokens, weights)
     seen = {s.host.host_id for s in scores}
     wanted = set(candidates) if candidates is not None else None
-    for host in await node.reader.hosts():
+    for host in await node.reader.hosts(forget=False):  # reads only (as the lookup's)
         if host.host_id not in seen and (wanted is None or host.host_id in wanted):
             scores.append(HostScore(host, 0, 0, dict.fromkeys(TIERS, 0), 0.0))
     reply = pb.ScoreHostsResponse(

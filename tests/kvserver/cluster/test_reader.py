@@ -72,3 +72,33 @@ async def test_a_member_whose_record_expired_is_forgotten(
         assert fleet_server.cli("SMEMBERS", schema.hosts_key()).split() == ["host-b"]
     finally:
         await redis.aclose()
+
+
+async def test_a_lookup_goes_on_while_the_server_pauses_writes_with_a_member_to_forget(
+    fleet_server: RedisServer, fleet_url: str
+) -> None:
+    """A failover pauses writes (CLIENT PAUSE WRITE) while a dead member's id is still in
+    the hosts set (its record expired): a lookup's refresh of the members reads them and
+    answers; forgetting the dead id (a script that writes) is left to a member's heartbeat
+    (the lookup waited for the pause behind it and timed out: the network tier found no
+    holder and ScoreHosts answered UNAVAILABLE all through the failover)."""
+    config = cluster_config(fleet_url, timeout_s=1.0)
+    inc = "inc2"
+    info = HostInfo("host-b", inc, "tcp://127.0.0.1:1", "127.0.0.1:2", namespaces=("ns1",))
+    fleet_server.cli("SADD", schema.hosts_key(), "host-a", "host-b")
+    fleet_server.cli("SET", schema.host_key("host-b"), info.encode(), "PX", "60000")
+    ks = [bytes([i]) * 32 for i in range(3)]
+    dram = schema.index_key("host-b", inc, "ns1", schema.TIER_DRAM)
+    redis = connect(config)
+    try:
+        await redis.sadd(dram, *map(schema.fingerprint, ks))
+        reader = FleetReader(redis, config)
+        assert fleet_server.cli("CLIENT", "PAUSE", "3000", "WRITE") == "OK"
+        runs = await reader.lookup("ns1", ks)
+        assert [(r.host.host_id, r.hit_chunks) for r in runs] == [("host-b", 3)]
+        fleet_server.cli("CLIENT", "UNPAUSE")
+        assert [h.host_id for h in await reader.hosts(refresh=True)] == ["host-b"]
+        assert fleet_server.cli("SMEMBERS", schema.hosts_key()).split() == ["host-b"]
+    finally:
+        fleet_server.cli("CLIENT", "UNPAUSE")
+        await redis.aclose()
