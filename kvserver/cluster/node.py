@@ -19,7 +19,8 @@ Lifecycle of the member (docs/cluster.md):
 3. **Steady state**: storage events (BlockStored / BlockRemoved / AllBlocksCleared, medium CPU
    → dram, STORAGE → ssd) are coalesced by the ``IndexWriter`` and written as one pipeline
    at most every ``batch_linger_s`` (default 10 ms); a heartbeat every
-   ``heartbeat_interval_s`` rewrites the record (``SET .. XX PX ttl``) and renews the TTL of
+   ``heartbeat_interval_s`` renews the record while it names this incarnation (``record.py``;
+   a later daemon with this host id has taken it: step down) and the TTL of
    the index sets.
 4. **Degraded**: any Redis error or timeout → condition ``unavailable`` (with the error),
    pending changes dropped; the daemon keeps serving its own tiers. Retried every heartbeat
@@ -46,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvserver.cluster import schema
+from kvserver.cluster import record, schema
 from kvserver.cluster.config import ClusterConfig, connect
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
@@ -267,7 +268,10 @@ class ClusterNode:
     def _failed(self, exc: BaseException) -> None:
         self.counters.errors += 1
         detail = f"{type(exc).__name__}: {exc}"
-        if self.condition != "unavailable":
+        if isinstance(exc, record.HostIdTaken):
+            if self.condition_detail != detail:
+                logger.error("cluster: %s", exc)
+        elif self.condition != "unavailable":
             logger.warning(
                 "cluster: Redis unreachable (%s); serving local tiers only, retrying", detail
             )
@@ -292,6 +296,9 @@ class ClusterNode:
         )
         old_keys: list[str] = []
         if old_raw is not None:
+            other = record.taken_by(self.info, old_raw)
+            if other is not None:
+                raise record.taken(self.info, other)
             with contextlib.suppress(Exception):
                 old = HostInfo.decode(old_raw)
                 if old.incarnation != self.incarnation:
@@ -331,11 +338,16 @@ class ClusterNode:
         await self.reader.hosts(refresh=True)  # self.members
 
     def _queue_record(self, pipe: Any, *, exists: bool) -> int:
-        """Queue the record (with the current namespaces), the hosts set and the specs."""
+        """Queue the record (with the current namespaces; ``exists``: renewed only while it
+        names this incarnation, :meth:`_renewed` checks the reply), the hosts set and the
+        specs."""
         self.info = replace(self.info, namespaces=tuple(sorted(self.writer.namespaces)))
-        pipe.set(
-            schema.host_key(self.host_id), self.info.encode(), px=self.config.ttl_ms, xx=exists
-        )
+        key, ttl = schema.host_key(self.host_id), self.config.ttl_ms
+        if exists:
+            mine = record.field(self.incarnation)
+            pipe.execute_command("EVAL", record.RENEW_SCRIPT, 1, key, self.info.encode(), ttl, mine)
+        else:
+            pipe.set(key, self.info.encode(), px=ttl)
         pipe.sadd(schema.hosts_key(), self.host_id)
         if self._ns_specs:
             pipe.hset(schema.namespaces_key(), mapping=self._ns_specs)
@@ -371,6 +383,7 @@ class ClusterNode:
     async def _write_part(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
         commands = self.writer.apply(pipe, batch)
+        at = commands
         if batch.new_namespaces:
             self._ns_specs.update(self.namespace_specs())
             commands += self._queue_record(pipe, exists=True)
@@ -379,7 +392,22 @@ class ClusterNode:
         self.counters.batches += 1
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
-        self._fenced(replies[-1])
+        if not batch.new_namespaces or self._renewed(replies[at]):
+            self._fenced(replies[-1])
+
+    def _renewed(self, reply: Any) -> bool:
+        """Whether the record was renewed (``reply``: :data:`record.RENEW_SCRIPT`'s); else
+        register again (the record was gone, or an earlier incarnation's was there), or
+        step down (:class:`record.HostIdTaken`: a later daemon has the host id)."""
+        if reply == 1:
+            return True
+        if reply is not None:
+            other = record.taken_by(self.info, reply)
+            if other is not None:
+                raise record.taken(self.info, other)
+        logger.warning("cluster: membership record was gone or replaced; re-registering")
+        self._registered = False
+        return False
 
     async def _heartbeat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -390,11 +418,8 @@ class ClusterNode:
         replies = await self._bounded(pipe)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)
-        if replies[0] is None:  # record gone: Redis lost it, or we stalled past the TTL
-            logger.warning("cluster: membership record was gone; re-registering")
-            self._registered = False
-            return
-        if not self._fenced(replies[-1]):
+        # the record gone (Redis lost it, or we stalled past the TTL) or another's
+        if not self._renewed(replies[0]) or not self._fenced(replies[-1]):
             return
         await self.reader.hosts(refresh=True)  # self.members
 
@@ -402,6 +427,7 @@ class ClusterNode:
         pipe = self.redis.pipeline(transaction=False)
         for key in [*self.writer.index_keys(), schema.fence_key(self.host_id, self.incarnation)]:
             pipe.execute_command("UNLINK", key)
-        pipe.execute_command("DEL", schema.host_key(self.host_id))
-        pipe.srem(schema.hosts_key(), self.host_id)
+        keys = (schema.host_key(self.host_id), schema.hosts_key())  # while it names us
+        pipe.execute_command("EVAL", record.LEAVE_SCRIPT, 2, *keys, self.host_id,
+                             record.field(self.incarnation))  # fmt: skip
         await pipe.execute()

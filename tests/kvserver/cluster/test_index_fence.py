@@ -114,3 +114,69 @@ async def test_a_large_resync_is_written_in_pipelines_the_loop_runs_between(
         await reader.redis.aclose()
         await node.stop()
         server.stop()
+
+
+async def test_two_daemons_with_one_host_id_the_later_keeps_it_the_earlier_steps_down(
+    tmp_path: Path,
+) -> None:
+    """Two daemons started with one host id (two daemons on one machine both default to
+    hostname/boot-id): the later one's registration takes the id over, as a restart does;
+    the earlier one then finds its record names the later one and steps down (unavailable,
+    saying why) instead of writing its record and index back over the later one's, which
+    made the two undo each other at every heartbeat and batch."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=5.0, heartbeat_s=0.2)
+    first, second = Member("host-a", config), Member("host-a", config)
+    reader = FleetReader(connect(config), config)
+    await first.start()
+    try:
+        first.store(keys(3))
+        await first.settled()
+        node = await second.start()
+        ks = keys(4, seed=1)
+        second.store(ks)
+        await second.settled()
+        assert first.node is not None
+
+        async def stepped_down() -> bool:
+            assert first.node is not None
+            return first.node.condition == "unavailable" and node.counters.heartbeats > 10
+
+        await eventually(stepped_down, timeout=10.0)
+        assert "host id" in first.node.condition_detail, first.node.condition_detail
+        assert node.condition == "ok" and node.counters.registrations == 1
+        (info,) = await reader.hosts(refresh=True)
+        assert info.incarnation == node.incarnation
+        assert [r.hit_chunks for r in await reader.lookup(NS, ks)] == [4]
+    finally:
+        await reader.redis.aclose()
+        for m in (second, first):
+            if m.node is not None:
+                await m.node.stop()
+        server.stop()
+
+
+async def test_a_daemon_leaving_after_its_host_id_was_taken_leaves_the_later_ones_record(
+    tmp_path: Path,
+) -> None:
+    """The earlier of two daemons with one host id stops before a heartbeat told it the id
+    was taken: leaving removes the record and the id from the hosts set only while they name
+    it (its DEL took the later daemon out of the fleet until that one's next heartbeat)."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=30.0, heartbeat_s=10.0)
+    first, second = Member("host-a", config), Member("host-a", config)
+    reader = FleetReader(connect(config), config)
+    try:
+        await first.start()
+        node = await second.start()
+        assert first.node is not None and first.node.condition == "ok"  # not told yet
+        await first.node.stop()
+        (info,) = await reader.hosts(refresh=True)
+        assert info.incarnation == node.incarnation
+    finally:
+        await reader.redis.aclose()
+        if second.node is not None:
+            await second.node.stop()
+        server.stop()

@@ -1,0 +1,71 @@
+"""The host record's conditional writes: a member renews or removes its record only while the
+record still names its own incarnation (``schema.host_key``; ``ClusterNode`` runs them).
+
+Runs wherever the node runs (pure: script text and reply checks, no I/O). Why: two daemons
+that share a host id (two daemons on one machine both default to hostname/boot-id, or a
+copied ``--host-id``) would otherwise write their records and index over each other at every
+heartbeat and batch, each registration unlinking the other's sets. The rule is a restart's:
+the member that started later owns the host id (:func:`taken_by`); the earlier one finds the
+record names the later one and steps down (``unavailable``, saying why) until the id is free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserver.cluster.schema import HostInfo
+from kvserver.errors import InvalidState
+
+# KEYS[1]: the record. ARGV: the new record, its TTL (ms), the incarnation's JSON field.
+# Renews the record while it names this incarnation (1); else changes nothing and returns
+# the record there (nil: none).
+RENEW_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return false end
+if not string.find(cur, ARGV[3], 1, true) then return cur end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS[1]: the record, KEYS[2]: the hosts set (one slot). ARGV: the host id, the
+# incarnation's JSON field. Removes both while the record names this incarnation.
+LEAVE_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.find(cur, ARGV[2], 1, true) then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
+class HostIdTaken(InvalidState):
+    """Another daemon, started later, registered this daemon's host id."""
+
+
+def field(incarnation: str) -> str:
+    """The incarnation as it appears in an encoded record (``HostInfo.encode``)."""
+    return f'"incarnation":"{incarnation}"'
+
+
+def taken_by(mine: HostInfo, raw: Any) -> HostInfo | None:
+    """The member that owns the host id instead of ``mine``, given the record ``raw`` found
+    there: one that started after it (ties: the larger incarnation); None when ``raw`` is
+    ``mine``'s, an earlier incarnation's (a restart: ``mine`` takes over) or unreadable."""
+    try:
+        other = HostInfo.decode(raw)
+    except Exception:
+        return None
+    if other.incarnation == mine.incarnation:
+        return None
+    later = (other.started_at, other.incarnation) > (mine.started_at, mine.incarnation)
+    return other if later else None
+
+
+def taken(mine: HostInfo, other: HostInfo) -> HostIdTaken:
+    return HostIdTaken(
+        f"host id {mine.host_id!r} is registered by another daemon started later "
+        f"(incarnation {other.incarnation}, data plane {other.data_address}); this one "
+        "stays out of the fleet until it is free: give each daemon its own --host-id"
+    )
