@@ -40,6 +40,11 @@ KEY_SIZES: dict[str, int] = {"sha256": 32, "sha256_cbor": 32, "xxhash_cbor": 16}
 
 MAX_MODEL_NAME = 512
 MAX_PART_BYTES = 1 << 34  # 16 GiB: anything larger is a unit error, not a real chunk.
+#: largest value of a spec's integer fields (but ``part_bytes_override``): the gRPC API's
+#: ``uint32``. So every registered spec can be told back over every API, and ``chunk_tokens``
+#: (``block_size * chunk_blocks``) fits the wire's 64-bit integers: a larger one was
+#: registered and then could not be encoded in ``register_namespace``'s reply (no reply).
+MAX_FIELD_INT = (1 << 32) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +83,10 @@ class NamespaceSpec:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "chunk_blocks",
                      "tp_world_size", "kv_factor"):
             value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise InvalidArgument(f"{name} must be a positive integer", value=value)
+            if type(value) is not int or not 1 <= value <= MAX_FIELD_INT:
+                raise InvalidArgument(
+                    f"{name} must be an integer in 1..{MAX_FIELD_INT}", value=value
+                )
         if self.kv_factor not in (1, 2):
             raise InvalidArgument("kv_factor must be 2 (K and V) or 1 (MLA latent)")
         heads, tp = self.num_kv_heads, self.tp_world_size

@@ -13,6 +13,7 @@ from kvserver.namespace import (
     DTYPE_SIZES,
     HASH_ALGOS,
     KEY_SIZES,
+    MAX_FIELD_INT,
     MAX_PART_BYTES,
     NamespaceSpec,
 )
@@ -149,6 +150,10 @@ INVALID: list[tuple[str, Any]] = [
         )
         for bad in (0, -1, True, 2.0, "2", None)
     ],
+    *[
+        (name, MAX_FIELD_INT + 1)  # beyond the gRPC API's uint32 (part size overridden)
+        for name in ("num_layers", "head_dim", "block_size", "chunk_blocks")
+    ],
     ("kv_factor", 3),
     ("tp_world_size", 3),  # 2 heads, 3 ranks: neither divides the other
     ("part_bytes_override", -1),
@@ -161,6 +166,14 @@ INVALID: list[tuple[str, Any]] = [
     ("label", ["x"]),
     ("label", "l" * 513),
 ]
+
+
+def test_largest_field_values_fit_every_wire() -> None:
+    """Each integer field at its largest (the part size overridden): chunk_tokens still fits
+    the 64-bit integers of msgpack and the gRPC API."""
+    spec = make_spec(block_size=MAX_FIELD_INT, chunk_blocks=MAX_FIELD_INT, num_layers=MAX_FIELD_INT,
+                     part_bytes_override=4096)  # fmt: skip
+    assert spec.chunk_tokens < 1 << 64
 
 
 @pytest.mark.parametrize(("name", "value"), INVALID, ids=[f"{n}={v!r:.20}" for n, v in INVALID])
