@@ -371,12 +371,15 @@ class KVService:
         promotion must run first. Keys DRAM could not take are served from the lower tier's
         bytes. ``leading`` (a peer's request): only the leading run of ``keys`` held in this
         daemon's own tiers, promoted from those only. Raises ``InvalidArgument`` for a rank
-        out of range, what ``prepare_load`` raises for a missing key (nothing held then)."""
+        out of range or a key or rank named twice (a reply never carries a part twice, so it
+        holds no more than the tiers do: 65,536 ranks of one key were 65,536 copies of it),
+        what ``prepare_load`` raises for a missing key (nothing held then)."""
         tp = self.engine.namespace(ns_id).tp_world_size
         ranks = ranks if ranks is not None else list(range(tp))
         for rank in ranks:
             if not rank < tp:
                 raise InvalidArgument("rank out of range", rank=rank, tp_world_size=tp)
+        check_unique("get", keys, ranks)
         if not self.needs_promotion(ns_id, keys, local=leading):
             if leading:
                 keys = keys[: self.engine.lookup(ns_id, keys)]
@@ -489,3 +492,13 @@ def check_parts(parts: Sequence[Any], expected: int, part_bytes: int | None) -> 
                     size=size,
                     part_bytes=part_bytes,
                 )
+
+
+def check_unique(op: str, keys: Sequence[bytes], ranks: Sequence[int] = ()) -> None:
+    """Refuse a reply-sending request that names a key or a rank twice: its reply would carry
+    the same part again and again (copied, on the local channel and for small parts), so a
+    short request could make the daemon copy far more than its tiers hold."""
+    if len(set(keys)) != len(keys):
+        raise InvalidArgument(f"{op}: duplicate keys")
+    if len(set(ranks)) != len(ranks):
+        raise InvalidArgument(f"{op}: duplicate ranks")

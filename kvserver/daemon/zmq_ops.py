@@ -30,7 +30,7 @@ from kvserver.daemon.access import authorize, visible_namespaces, visible_stats
 from kvserver.daemon.auth import ADMIN, Principal
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.results import Fetched, LookupHits, Pending
-from kvserver.daemon.service import KVService, check_parts
+from kvserver.daemon.service import KVService, check_parts, check_unique
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.engine_types import HashedKeys
 from kvserver.errors import KVServerError
@@ -289,6 +289,7 @@ class DataOps:
     def _read_parts(self, c: OpCall) -> Result:
         """One rank's parts of a load lease the caller holds (it must cover ``keys``)."""
         lease_id, keys, rank = c.args["lease_id"], c.args["keys"], c.args["rank"]
+        check_unique("read_parts", keys)
         parts = [self._service.read_part(lease_id, key, rank) for key in keys]
         guard = self._sender.pin(c.args["ns_id"], keys)  # the lease may end before the send
         return Parts({"keys": keys, "ranks": [rank]}, parts, guard)

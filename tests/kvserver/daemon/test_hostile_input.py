@@ -10,7 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvserver import wire
-from tests.kvserver.daemon.test_zmq_fuzz import LIMIT, SPEC, Fuzzed, assert_round_trip, req
+from kvserver.client import KVClient
+from tests.kvserver.builders import make_keys
+from tests.kvserver.daemon.test_zmq_fuzz import LIMIT, SPEC, Fuzzed, assert_round_trip, parts, req
 from tests.support.daemon import start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -60,3 +62,52 @@ def test_namespace_fields_beyond_uint32_are_refused(fz: Fuzzed) -> None:
     reply, _ = fz.exchange([req(wire.REGISTER_NAMESPACE, {"spec": largest})])
     assert reply.ok and reply.result["chunk_tokens"] == MAX_FIELD_INT * MAX_FIELD_INT
     assert_round_trip(fz, "huge-fields")
+
+
+def test_replies_never_carry_a_part_twice(fz: Fuzzed) -> None:
+    """A get naming one key 16,384 times and rank 0 16,384 times asked for 2^28 copies of one
+    2 KiB part (512 GiB from an 8 MiB arena: the daemon copied until it ran out of memory); a
+    read_parts naming a key of its lease twice, likewise. Refused before anything is pinned."""
+    key = fz.keys[0]
+    ns = fz.ns.ns_id
+    fz.error(
+        [req(wire.GET, {"ns_id": ns, "keys": [key] * (1 << 14), "ranks": [0] * (1 << 14)})],
+        "invalid_argument",
+        "get: duplicate keys",
+    )
+    fz.error(
+        [req(wire.GET, {"ns_id": ns, "keys": [key], "ranks": [0, 1, 0]})],
+        "invalid_argument",
+        "get: duplicate ranks",
+    )
+    fz.error(
+        [req(wire.GET, {"ns_id": ns, "keys": [key, fz.keys[1], key]})],
+        "invalid_argument",
+        "get: duplicate keys",
+    )
+    reply, frames = fz.exchange([req(wire.GET, {"ns_id": ns, "keys": fz.keys[:2], "ranks": [1]})])
+    assert reply.ok and [bytes(f) for f in frames] == [p[1] for p in parts(fz.keys[:2])]
+
+    with KVClient(fz.daemon.zmq_address) as kv:
+        grant = kv.prepare_load(ns, fz.keys[:2])
+        try:
+            args = {"ns_id": ns, "lease_id": grant.lease_id, "keys": [key] * 4096, "rank": 0}
+            fz.error(
+                [req(wire.READ_PARTS, args)],
+                "invalid_argument",
+                "read_parts: duplicate keys",
+            )
+        finally:
+            kv.complete_load(grant.lease_id)
+
+        def pinned() -> int:
+            return int(kv.stats()["pinned_pages"])
+
+        assert pinned() == 0
+    keys = make_keys(2, tag="twice")
+    with KVClient(fz.daemon.zmq_address, colocated=False) as kv:
+        kv.store(ns, keys, parts(keys))
+        assert [[bytes(p) for p in row] for row in kv.get(ns, keys, ranks=[1, 0])] == [
+            [p[1], p[0]] for p in parts(keys)
+        ]
+    assert_round_trip(fz, "twice")
