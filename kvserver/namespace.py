@@ -40,10 +40,11 @@ KEY_SIZES: dict[str, int] = {"sha256": 32, "sha256_cbor": 32, "xxhash_cbor": 16}
 
 MAX_MODEL_NAME = 512
 MAX_PART_BYTES = 1 << 34  # 16 GiB: anything larger is a unit error, not a real chunk.
-#: largest value of a spec's integer fields (but ``part_bytes_override``): the gRPC API's
-#: ``uint32``. So every registered spec can be told back over every API, and ``chunk_tokens``
-#: (``block_size * chunk_blocks``) fits the wire's 64-bit integers: a larger one was
-#: registered and then could not be encoded in ``register_namespace``'s reply (no reply).
+#: largest value of a spec's integer fields (but ``part_bytes_override``), the gRPC API's
+#: ``uint32``, and of ``chunk_tokens`` (``block_size * chunk_blocks``): so every registered
+#: spec can be told back over every API, and token counts (``hit_tokens``: up to 2^21 chunks
+#: of ``chunk_tokens``) fit the wire's 64-bit integers. Larger ones were registered, then
+#: their replies could not be encoded (``register_namespace``'s, a ``lookup``'s: no reply).
 MAX_FIELD_INT = (1 << 32) - 1
 
 
@@ -100,6 +101,11 @@ class NamespaceSpec:
             raise InvalidArgument("label must be a string of <= 512 chars")
         if type(self.part_bytes_override) is not int or self.part_bytes_override < 0:
             raise InvalidArgument("part_bytes_override must be an integer >= 0")
+        if self.chunk_tokens > MAX_FIELD_INT:
+            raise InvalidArgument(
+                f"block_size * chunk_blocks (tokens per chunk) must be at most {MAX_FIELD_INT}",
+                chunk_tokens=self.chunk_tokens,
+            )
         if not 0 < self.part_bytes <= MAX_PART_BYTES:
             raise InvalidArgument("part size out of range", part_bytes=self.part_bytes)
 

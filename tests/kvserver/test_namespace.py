@@ -169,11 +169,12 @@ INVALID: list[tuple[str, Any]] = [
 
 
 def test_largest_field_values_fit_every_wire() -> None:
-    """Each integer field at its largest (the part size overridden): chunk_tokens still fits
-    the 64-bit integers of msgpack and the gRPC API."""
-    spec = make_spec(block_size=MAX_FIELD_INT, chunk_blocks=MAX_FIELD_INT, num_layers=MAX_FIELD_INT,
-                     part_bytes_override=4096)  # fmt: skip
-    assert spec.chunk_tokens < 1 << 64
+    """Each integer field at its largest (the part size overridden): the tokens of 2^21
+    chunks (a request's most) still fit the 64-bit integers of msgpack and the gRPC API."""
+    spec = make_spec(block_size=MAX_FIELD_INT, num_layers=MAX_FIELD_INT, part_bytes_override=4096)
+    assert spec.chunk_tokens == MAX_FIELD_INT and (1 << 21) * spec.chunk_tokens < 1 << 64
+    with pytest.raises(InvalidArgument, match="tokens per chunk"):
+        make_spec(block_size=MAX_FIELD_INT, chunk_blocks=2, part_bytes_override=4096)
 
 
 @pytest.mark.parametrize(("name", "value"), INVALID, ids=[f"{n}={v!r:.20}" for n, v in INVALID])

@@ -46,21 +46,29 @@ def test_namespace_fields_beyond_uint32_are_refused(fz: Fuzzed) -> None:
     registered, then its reply's chunk_tokens (2^124) could not be encoded: no reply at all,
     an ``internal`` traceback in the log, and a namespace gRPC could not list."""
     spec = SPEC.to_dict() | {"part_bytes_override": 4096, "model": "test/huge-fields"}
-    for fields in (
-        {"block_size": 1 << 62, "chunk_blocks": 1 << 62},
-        {"num_layers": MAX_FIELD_INT + 1},
-        {"head_dim": 1 << 63},
+    for fields, match in (
+        ({"block_size": 1 << 62, "chunk_blocks": 1 << 62}, "must be an integer in 1.."),
+        ({"num_layers": MAX_FIELD_INT + 1}, "must be an integer in 1.."),
+        ({"head_dim": 1 << 63}, "must be an integer in 1.."),
+        ({"block_size": MAX_FIELD_INT, "chunk_blocks": MAX_FIELD_INT}, "tokens per chunk"),
     ):
-        fz.error(
-            [req(wire.REGISTER_NAMESPACE, {"spec": spec | fields})],
-            "invalid_argument",
-            f"must be an integer in 1..{MAX_FIELD_INT}",
-        )
+        fz.error([req(wire.REGISTER_NAMESPACE, {"spec": spec | fields})], "invalid_argument", match)
     reply, _ = fz.exchange([req(wire.NAMESPACES, {})])
     assert {s["model"] for s in reply.result["namespaces"]} == {SPEC.model}
-    largest = spec | {"block_size": MAX_FIELD_INT, "chunk_blocks": MAX_FIELD_INT}
-    reply, _ = fz.exchange([req(wire.REGISTER_NAMESPACE, {"spec": largest})])
-    assert reply.ok and reply.result["chunk_tokens"] == MAX_FIELD_INT * MAX_FIELD_INT
+
+
+def test_token_counts_of_the_largest_chunks_are_answered(fz: Fuzzed) -> None:
+    """A namespace of 2^32-1 tokens per chunk: a lookup's hit_tokens for its chunks fits the
+    wire's integers (with 2^64-2^33+1 tokens per chunk, two hits were past 2^64: no reply)."""
+    spec = SPEC.to_dict() | {"part_bytes_override": 4096, "model": "test/huge-chunks",
+                             "tp_world_size": 1, "block_size": MAX_FIELD_INT}  # fmt: skip
+    reply, _ = fz.exchange([req(wire.REGISTER_NAMESPACE, {"spec": spec})])
+    assert reply.ok and reply.result["chunk_tokens"] == MAX_FIELD_INT
+    ns, keys = reply.result["ns_id"], make_keys(2, tag="huge-chunks")
+    with KVClient(fz.daemon.zmq_address) as kv:
+        assert kv.store(ns, keys, [[bytes(4096)] for _ in keys]) == keys
+    reply, _ = fz.exchange([req(wire.LOOKUP, {"ns_id": ns, "keys": keys})])
+    assert reply.result["hit_chunks"] == 2 and reply.result["hit_tokens"] == 2 * MAX_FIELD_INT
     assert_round_trip(fz, "huge-fields")
 
 
