@@ -75,6 +75,29 @@ def checked(value: Any, kind: type, name: str) -> Any:
     return value
 
 
+def count(value: Any, name: str, least: int = 0) -> int:
+    """An int of at least ``least`` (a count, a position, a block id), else InvalidArgument:
+    a negative one slipped past ``checked`` into a worker's indexing (an IndexError there
+    ended the worker process)."""
+    checked(value, int, name)
+    if value < least:
+        raise InvalidArgument(f"{name} must be at least {least}", got=value)
+    return int(value)
+
+
+def count_field(d: dict[str, Any], name: str, least: int = 0) -> int:
+    if name not in d:
+        raise InvalidArgument(f"missing field {name}")
+    return count(d[name], name, least)
+
+
+def count_list(value: Any, name: str) -> list[int]:
+    ids = int_list(value, name)
+    if ids and min(ids) < 0:
+        raise InvalidArgument(f"{name} must hold integers >= 0")
+    return ids
+
+
 def typed_field(d: dict[str, Any], name: str, kind: type) -> Any:
     if name not in d:
         raise InvalidArgument(f"missing field {name}")

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserver.errors import InvalidArgument
-from step_protocol.codec import as_map, checked, int_list, to_plain, typed_field
+from step_protocol.codec import (
+    as_map,
+    checked,
+    count,
+    count_list,
+    to_plain,
+    typed_field,
+)
 
 #: ((offset, length), ...) per rank, as in kvserver.allocator.Extents (a grant's location as
 #: it is: tuples or lists)
@@ -181,7 +188,7 @@ class ConnectorWorkerOutput:
 def _extents_from_wire(value: Any) -> RankExtents:
     try:
         return [[(int(off), int(length)) for off, length in rank] for rank in value]
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # int(inf): OverflowError
         raise InvalidArgument(f"malformed extents: {exc}") from None
 
 
@@ -189,7 +196,7 @@ def _failed_load_from_wire(body: Any) -> FailedLoad:
     d = as_map(body, "failed load")
     return FailedLoad(
         req_id=typed_field(d, "req_id", str),
-        block_ids=int_list(typed_field(d, "block_ids", list), "block_ids"),
+        block_ids=count_list(typed_field(d, "block_ids", list), "block_ids"),
         finished=typed_field(d, "finished", bool),
     )
 
@@ -202,8 +209,8 @@ def _transfers_from_wire(body: Any) -> RequestTransfers:
         loads.append(
             ChunkLoad(
                 key=typed_field(c, "key", bytes),
-                block_ids=int_list(c.get("block_ids"), "block_ids"),
-                skip_blocks=typed_field(c, "skip_blocks", int),
+                block_ids=count_list(c.get("block_ids"), "block_ids"),
+                skip_blocks=count(typed_field(c, "skip_blocks", int), "skip_blocks"),
                 extents=_extents_from_wire(c.get("extents", [])),
             )
         )
@@ -213,7 +220,7 @@ def _transfers_from_wire(body: Any) -> RequestTransfers:
         stores.append(
             ChunkStore(
                 key=typed_field(c, "key", bytes),
-                block_ids=int_list(c.get("block_ids"), "block_ids"),
+                block_ids=count_list(c.get("block_ids"), "block_ids"),
                 extents=_extents_from_wire(c.get("extents", [])),
             )
         )

@@ -52,7 +52,9 @@ class StepWorker(Protocol):
 
 def handle_message(worker: StepWorker, data: bytes) -> bytes | None:
     """One message → its reply; None for ``stop``. A ``KVServerError`` raised by the worker
-    or by decoding becomes a ``KIND_ERROR`` reply carrying the step (or hello seq)."""
+    or by decoding becomes a ``KIND_ERROR`` reply carrying the step (or hello seq); so does
+    any other exception (logged with its traceback: a bug, or input no check foresaw), which
+    ended the worker process before (an IndexError from a negative position)."""
     kind = ""
     body: dict[str, Any] = {}
     try:
@@ -66,9 +68,18 @@ def handle_message(worker: StepWorker, data: bytes) -> bytes | None:
             return None
         raise InvalidArgument("unknown message kind", kind=kind)
     except KVServerError as exc:
-        seq = body.get("step", body.get("seq", -1)) if kind else -1
         logger.warning("rank %d: %s failed: %s", worker.rank, kind or "message", exc)
-        return encode_body(KIND_ERROR, {"step": seq, "message": str(exc)})
+        return _error(kind, body, str(exc))
+    except Exception as exc:  # the worker serves on: the scheduler's hello resets its state
+        logger.exception("rank %d: %s failed unexpectedly", worker.rank, kind or "message")
+        return _error(kind, body, f"internal error in the worker: {type(exc).__name__}: {exc}")
+
+
+def _error(kind: str, body: dict[str, Any], message: str) -> bytes:
+    seq = body.get("step", body.get("seq", -1)) if kind else -1
+    if type(seq) is not int or not -(1 << 63) <= seq < 1 << 64:
+        seq = -1  # the error reply must encode whatever the request carried
+    return encode_body(KIND_ERROR, {"step": seq, "message": message})
 
 
 def serve_steps(
@@ -145,10 +156,14 @@ def serve_steps(
                     break
                 continue
             frames = sock.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) < 2:
                 continue
-            ident, data = frames
-            reply = handle_message(worker, data)
+            ident, data = frames[0], frames[1]
+            if len(frames) == 2:
+                reply = handle_message(worker, data)
+            else:  # answered rather than dropped: the sender would wait for its timeout
+                message = f"a step message is one frame, not {len(frames) - 1}"
+                reply = encode_body(KIND_ERROR, {"step": -1, "message": message})
             if reply is None:
                 break
             sock.send_multipart([ident, reply])

@@ -28,7 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserver.errors import InvalidArgument
-from step_protocol.codec import as_map, checked, int_list, to_plain, typed_field
+from step_protocol.codec import (
+    as_map,
+    checked,
+    count,
+    count_field,
+    count_list,
+    int_list,
+    to_plain,
+    typed_field,
+)
 from step_protocol.connector import ConnectorWorkerOutput
 
 KIND_HELLO = "hello"
@@ -68,9 +77,9 @@ class NewRequestData:
         return cls(
             req_id=checked(req_id, str, "req_id"),
             prompt_token_ids=int_list(prompt, "prompt_token_ids"),
-            block_ids=int_list(blocks, "block_ids"),
-            num_computed_tokens=checked(computed, int, "num_computed_tokens"),
-            max_tokens=checked(max_tokens, int, "max_tokens"),
+            block_ids=count_list(blocks, "block_ids"),
+            num_computed_tokens=count(computed, "num_computed_tokens"),
+            max_tokens=count(max_tokens, "max_tokens"),
             output_token_ids=int_list(output, "output_token_ids"),
             greedy=checked(greedy, bool, "greedy"),
             seed=checked(seed, int, "seed"),
@@ -98,8 +107,8 @@ class CachedRequestData:
         req_id, blocks, computed, tokens = body
         return cls(
             req_id=checked(req_id, str, "req_id"),
-            new_block_ids=int_list(blocks, "new_block_ids"),
-            num_computed_tokens=checked(computed, int, "num_computed_tokens"),
+            new_block_ids=count_list(blocks, "new_block_ids"),
+            num_computed_tokens=count(computed, "num_computed_tokens"),
             token_ids=int_list(tokens, "token_ids"),
         )
 
@@ -154,7 +163,7 @@ class StepPlan:
         sched = typed_field(d, "sched", dict)
         for req_id, n in sched.items():
             checked(req_id, str, "num_scheduled_tokens key")
-            checked(n, int, "num_scheduled_tokens")
+            count(n, "num_scheduled_tokens", 1)
         return cls(
             step=typed_field(d, "step", int),
             new_reqs=[NewRequestData.from_wire(r) for r in typed_field(d, "new", list)],
@@ -223,10 +232,10 @@ class WorkerHello:
     def from_wire(cls, body: Any) -> WorkerHello:
         d = as_map(body, "worker hello")
         return cls(
-            rank=typed_field(d, "rank", int),
-            world_size=typed_field(d, "world_size", int),
-            block_size=typed_field(d, "block_size", int),
-            num_gpu_blocks=typed_field(d, "num_gpu_blocks", int),
+            rank=count_field(d, "rank"),
+            world_size=count_field(d, "world_size", 1),
+            block_size=count_field(d, "block_size", 1),
+            num_gpu_blocks=count_field(d, "num_gpu_blocks", 1),
             model=typed_field(d, "model", str),
         )
 
