@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from kvserver.client.links import ConnectionWatch
 from kvserver.crypto import CurveClient
-from kvserver.errors import KVServerError, Unavailable
+from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -292,7 +292,10 @@ class WorkerGroup:
                 raise result
             if isinstance(result, BaseException):
                 raise self._fail(worker, f"bad reply to step {plan.step}: {result}")
-            out.append(StepResult.from_wire(result))
+            try:
+                out.append(StepResult.from_wire(result))
+            except InvalidArgument as exc:  # the worker's fault, not the scheduler's
+                raise self._fail(worker, f"malformed result of step {plan.step}: {exc}") from None
         return out
 
     def _fail(self, worker: _Worker, what: str) -> WorkerFailure:

@@ -172,6 +172,28 @@ async def test_error_reply_fails_the_step(
         await group.close()
 
 
+async def test_malformed_result_fails_the_step_as_the_workers_fault(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
+    """A result whose fields have the wrong types: a WorkerFailure naming the worker (the
+    scheduler recovers it by a hello), not an InvalidArgument out of the scheduler's step
+    (which it took for a bug of its own: "internal scheduler error")."""
+
+    def behaviour(kind: str, body: dict[str, object]) -> list[bytes] | None:
+        if kind == KIND_HELLO:
+            return synthetic(SyntheticWorker())(kind, body)
+        bad = {"step": body["step"], "rank": 0, "sampled": {"A": "not a token"}}
+        return [encode_body(KIND_RESULT, bad)]
+
+    async with served(ctx, behaviour) as address:
+        group = groups([address], step_timeout_s=5)
+        await group.start(HELLO, timeout_s=5)
+        with pytest.raises(WorkerFailure, match="malformed result of step 1"):
+            await group.step(StepPlan(1))
+        assert group.failure is not None
+        await group.close()
+
+
 async def test_stale_replies_are_dropped(
     ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
 ) -> None:
