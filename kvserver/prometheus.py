@@ -11,6 +11,12 @@ prometheus_client ``Histogram`` objects (thread-safe) observed on the loop and c
 Call order: build the collectors → :func:`serve_metrics` (returns the bound port, or -1 if the
 listener could not be opened: metrics are not the service, so that is logged, not fatal) →
 ``server.shutdown()`` at exit.
+
+The listener is unauthenticated (figures, no KV) and takes a thread per connection, so it is
+bounded: a connection that sends or reads nothing for :data:`IDLE_TIMEOUT_S` is closed, and
+past :data:`MAX_CONNECTIONS` at once a new one is closed unanswered. (prometheus_client's own
+server kept an idle connection and its thread for ever: 300 connections that sent half a
+request line held 300 threads of the daemon.)
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import socket
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -35,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 #: how long a scrape waits for the event loop to take its snapshot.
 SNAPSHOT_TIMEOUT_S = 5.0
+#: a metrics connection idle this long (no byte sent or read) is closed.
+IDLE_TIMEOUT_S = 10.0
+#: metrics connections served at once (a thread each); more are closed unanswered.
+MAX_CONNECTIONS = 64
 #: seconds; from 50 µs (a co-located lookup) to 10 s (an SSD promotion under load).
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -81,8 +94,65 @@ class LoopCollector(Collector):
         yield from self.families(future.result(SNAPSHOT_TIMEOUT_S))
 
 
-def serve_metrics(collector: Collector, host: str, port: int) -> tuple[int, WSGIServer | None]:
-    """Serve ``collector`` at ``http://host:port/metrics`` (0 = any port, -1 = off).
+class _Handler(WSGIRequestHandler):
+    """A request handler that logs nothing and gives up on an idle connection."""
+
+    timeout = IDLE_TIMEOUT_S  # the socket's timeout (socketserver.StreamRequestHandler)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most ``max_connections`` at once."""
+
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+        if full:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing will count it out
+            self._closed()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed()
+
+    def _closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # an idle connection timed out, or the client went away: not worth a traceback
+        logger.debug("metrics connection from %s ended", client_address, exc_info=True)
+
+
+def serve_metrics(
+    collector: Collector,
+    host: str,
+    port: int,
+    *,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+) -> tuple[int, WSGIServer | None]:
+    """Serve ``collector`` at ``http://host:port/metrics`` (0 = any port, -1 = off), on a
+    thread of its own, closing connections idle ``idle_timeout_s`` and refusing more than
+    ``max_connections`` at once.
 
     Returns (bound port, server to ``shutdown()``), or (-1, None) when off or when the port
     cannot be bound (logged as an error: the process keeps serving without metrics)."""
@@ -93,8 +163,21 @@ def serve_metrics(collector: Collector, host: str, port: int) -> tuple[int, WSGI
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type(
+        "MetricsServer",
+        (_BoundedServer,),
+        {"address_family": family, "max_connections": max_connections},
+    )
+    handler_class = type("MetricsHandler", (_Handler,), {"timeout": idle_timeout_s})
+    try:
+        server: WSGIServer = make_server(
+            host, port, make_wsgi_app(registry), server_class, handler_class=handler_class
+        )
     except OSError as exc:
         logger.error("metrics not served: cannot listen on %s:%d: %s", host, port, exc)
         return -1, None
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return int(server.server_port), server

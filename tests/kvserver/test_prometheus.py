@@ -1,0 +1,92 @@
+"""kvserver.prometheus's /metrics listener under slowloris: its real HTTP server on loopback
+(the daemon's and the scheduler's), a trivial collector."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from kvserver.prometheus import IDLE_TIMEOUT_S, MAX_CONNECTIONS, serve_metrics
+from tests.support.daemon import wait_until
+
+
+class _One(Collector):
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvserver_test_gauge", "A gauge.", value=1.0)
+
+
+@contextlib.contextmanager
+def listening(idle_timeout_s: float) -> Iterator[int]:
+    port, server = serve_metrics(
+        _One(), "127.0.0.1", 0, idle_timeout_s=idle_timeout_s, max_connections=4
+    )
+    assert server is not None
+    try:
+        yield port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def scrape(port: int) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return bytes(reply.read())
+
+
+def half_request(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+    return sock
+
+
+def test_the_defaults_bound_threads_and_idle_time() -> None:
+    assert 0 < IDLE_TIMEOUT_S <= 30 and 0 < MAX_CONNECTIONS <= 256
+
+
+def test_idle_connections_are_closed_and_their_threads_end() -> None:
+    """Connections that send half a request line and wait: each held a thread of the process
+    for ever. Now closed after the idle timeout; scrapes are served during and after."""
+    threads = threading.active_count()
+    with listening(idle_timeout_s=0.5) as port:
+        idle = [half_request(port) for _ in range(3)]
+        try:
+            assert b"kvserver_test_gauge 1.0" in scrape(port)
+            for sock in idle:
+                assert sock.recv(1) == b""  # closed by the server (the socket waits 10 s)
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_until(lambda: threading.active_count() <= threads + 1)  # + serve_forever's
+        assert b"kvserver_test_gauge 1.0" in scrape(port)
+
+
+def test_connections_past_the_limit_are_closed_at_once() -> None:
+    threads = threading.active_count()
+    with listening(idle_timeout_s=30) as port:
+        idle = [half_request(port) for _ in range(4)]
+        try:
+            wait_until(lambda: threading.active_count() >= threads + 1 + 4)  # each in a thread
+            extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+            started = time.monotonic()
+            assert extra.recv(1) == b""
+            assert time.monotonic() - started < 5  # at once, not after the 30 s idle timeout
+            extra.close()
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_until(lambda: _served(port))
+
+
+def _served(port: int) -> bool:
+    try:
+        return b"kvserver_test_gauge" in scrape(port)
+    except OSError:  # the closed connections' threads have not ended yet
+        return False
