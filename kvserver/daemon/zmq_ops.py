@@ -226,6 +226,7 @@ class DataOps:
 
     def _prepare_load(self, c: OpCall) -> Result | Deferred:
         a = c.args
+        check_unique("prepare_load", a["keys"])  # a grant's extents per key named
         got = self._service.load(a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"])
         if isinstance(got, Pending):
             pending = got

@@ -75,7 +75,9 @@ def test_token_counts_of_the_largest_chunks_are_answered(fz: Fuzzed) -> None:
 def test_replies_never_carry_a_part_twice(fz: Fuzzed) -> None:
     """A get naming one key 16,384 times and rank 0 16,384 times asked for 2^28 copies of one
     2 KiB part (512 GiB from an 8 MiB arena: the daemon copied until it ran out of memory); a
-    read_parts naming a key of its lease twice, likewise. Refused before anything is pinned."""
+    read_parts naming a key of its lease twice, likewise; a prepare_load's grant repeated the
+    key's extents (65,536 copies of a key of 4,096 ranks: a 2 GB grant). Refused before
+    anything is pinned."""
     key = fz.keys[0]
     ns = fz.ns.ns_id
     fz.error(
@@ -96,6 +98,11 @@ def test_replies_never_carry_a_part_twice(fz: Fuzzed) -> None:
     reply, frames = fz.exchange([req(wire.GET, {"ns_id": ns, "keys": fz.keys[:2], "ranks": [1]})])
     assert reply.ok and [bytes(f) for f in frames] == [p[1] for p in parts(fz.keys[:2])]
 
+    fz.error(
+        [req(wire.PREPARE_LOAD, {"ns_id": ns, "keys": [key, fz.keys[1], key]})],
+        "invalid_argument",
+        "prepare_load: duplicate keys",
+    )
     with KVClient(fz.daemon.zmq_address) as kv:
         grant = kv.prepare_load(ns, fz.keys[:2])
         try:
