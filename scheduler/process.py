@@ -112,6 +112,19 @@ class EngineCore:
 
     # ------------------------------------------------------------------ EngineBackend
 
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        """Refuse a prompt token the workers' model does not have (their hello told its
+        vocabulary): a model worker's embedding raised IndexError on it, failing the step and
+        with it every request in flight (each rank ended before the step protocol answered
+        errors; now the step fails, all the same)."""
+        vocab = min((info.vocab_size for info in self.workers.infos), default=0)
+        if vocab > 0 and token_ids and max(token_ids) >= vocab:
+            raise InvalidArgument(
+                "token_ids: a token id is outside the model's vocabulary",
+                token_id=max(token_ids),
+                vocab_size=vocab,
+            )
+
     def submit(self, params: GenerateParams) -> _Stream:
         failure = self.workers.failure
         if failure is not None:
@@ -121,6 +134,7 @@ class EngineCore:
         req_id = params.request_id or uuid.uuid4().hex
         if req_id in self._streams:
             raise InvalidArgument("duplicate request id", request=req_id)
+        self._check_vocabulary(params.token_ids)
         request = self.scheduler.make_request(
             req_id,
             params.token_ids,

@@ -1,6 +1,7 @@
 """A real synthetic worker process (``python -m scheduler.synthetic``) fed hostile step
 messages by a raw DEALER holding its token: each gets one ``error`` reply and the worker
-serves on (a hello, then a step of its scheduler, answered exactly)."""
+serves on (a hello, then a step of its scheduler, answered exactly); and a real scheduler's
+front door refusing what would fail its workers' step."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import zmq
 
 from kvserver.crypto import apply_token
 from kvserver.token_file import token_path
-from scheduler.synthetic import next_token
+from scheduler.synthetic import VOCAB_SIZE, next_token
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -25,7 +27,8 @@ from step_protocol import (
     decode,
     encode_body,
 )
-from tests.scheduler.procs import Proc, start_worker
+from tests.scheduler.builders import expected_output, tokens
+from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler, start_worker
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,7 +78,7 @@ def assert_served(worker: Proc, peer: Peer) -> None:
     kind, body = peer.call(encode_body(KIND_HELLO, HELLO))
     assert kind == KIND_HELLO and body["seq"] == -1
     kind, body = peer.call(encode_body(KIND_STEP, plan(9, 0)))
-    assert kind == KIND_RESULT and body["sampled"] == {"A": next_token(7, 3, 0, 32_000)}
+    assert kind == KIND_RESULT and body["sampled"] == {"A": next_token(7, 3, 0, VOCAB_SIZE)}
 
 
 def test_negative_and_out_of_range_fields_are_errors(peer: tuple[Proc, Peer]) -> None:
@@ -116,3 +119,30 @@ def test_malformed_messages_are_answered(peer: tuple[Proc, Peer]) -> None:
         kind, reply = p.call(*frames)
         assert kind == KIND_ERROR and match in reply["message"], reply
     assert_served(worker, p)
+
+
+def test_a_prompt_token_outside_the_vocabulary_is_refused_at_the_front_door(
+    tmp_path: Path,
+) -> None:
+    """A token id past the workers' vocabulary reached their model, whose embedding raised
+    IndexError: the step failed, and with it every request in flight. Now INVALID_ARGUMENT
+    at submit, while another client's generation runs on exactly."""
+    worker = start_worker(tmp_path, "w")
+    sched = start_scheduler(tmp_path, "--workers", worker.info["endpoint"], "--num-gpu-blocks",
+                            "64")  # fmt: skip
+    try:
+        prompt = tokens(30, 11)
+        with EngineClient(sched.info["grpc_port"]) as client:
+            running = client.stream(prompt, 24)
+            first = next(running)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate([5, VOCAB_SIZE, 7], 4)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "outside the model's vocabulary" in str(refused.value.details())
+            assert output_tokens([first, *running]) == expected_output(prompt, 24)
+            assert output_tokens(client.generate([5, VOCAB_SIZE - 1], 4)) == expected_output(
+                [5, VOCAB_SIZE - 1], 4
+            )
+    finally:
+        assert sched.terminate() == 0, sched.log()
+        worker.kill()
