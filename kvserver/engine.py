@@ -57,7 +57,7 @@ from kvserver.arena import SharedArena
 from kvserver.engine_events import EngineEvents, EvictHook
 from kvserver.engine_index import DramIndex, IndexKey
 from kvserver.engine_leases import LeaseBook
-from kvserver.engine_namespaces import NamespaceTable
+from kvserver.engine_namespaces import MAX_NAMESPACES, NamespaceTable
 from kvserver.engine_parts import PartCopies
 from kvserver.engine_types import (
     Counters,
@@ -131,11 +131,14 @@ class StorageEngine:
     def register_namespace(self, spec: NamespaceSpec) -> str:
         """Register ``spec`` (idempotent) and return its ``ns_id``.
 
-        Raises CapacityError if one chunk (all TP parts) cannot fit in the whole arena.
+        Raises CapacityError if one chunk (all TP parts) cannot fit in the whole arena, or
+        when ``MAX_NAMESPACES`` are registered already.
         """
         ns_id = spec.ns_id
         if ns_id in self._namespaces.ids:
             return ns_id
+        if len(self._ns_ids) >= MAX_NAMESPACES:
+            raise CapacityError("too many namespaces registered", max=MAX_NAMESPACES)
         if self._dram.pages_for(spec, 1) > self.allocator.num_pages:
             raise CapacityError(
                 "one chunk is larger than the whole DRAM tier",

@@ -18,6 +18,12 @@ from kvserver.engine_types import Counters, CutKeys, HashedKeys
 from kvserver.errors import InvalidArgument, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
+#: most namespaces one engine registers (they are never removed). Past it a registration is
+#: ``capacity``: any client could otherwise grow the daemon without bound (a spec per hash
+#: seed), and the replies that list them (``namespaces``, ``stats``' per-namespace rows) past
+#: what a client decodes.
+MAX_NAMESPACES = 4096
+
 
 class NamespaceTable:
     """Registered namespaces by id and index (see the module docstring)."""

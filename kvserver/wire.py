@@ -57,7 +57,9 @@ MAX_HEADER_BYTES = 16 << 20
 #: longest list in a header (as many keys as a request may carry). Longer ones are refused at
 #: their array header, before an item is decoded: a prompt's token ids past it go packed.
 MAX_ARRAY_LEN = 1 << 16
-#: longest list in a reply (a get's part_frames: one per part, keys x ranks).
+#: longest list in a reply (a get's part_frames: one per part, keys x ranks), and largest
+#: map (``stats``' per-namespace rows: a map over 64 entries made every client's ``stats``
+#: undecodable once 65 namespaces were registered).
 MAX_REPLY_ARRAY_LEN = 1 << 21
 MAX_MAP_LEN = 64
 MAX_STR_LEN = 1 << 16
@@ -197,9 +199,12 @@ class Reply:
 # ----------------------------------------------------------------------------- requests
 
 
-def unpack_header(frame: bytes | memoryview, max_array_len: int = MAX_ARRAY_LEN) -> Any:
+def unpack_header(
+    frame: bytes | memoryview, max_array_len: int = MAX_ARRAY_LEN, max_map_len: int = MAX_MAP_LEN
+) -> Any:
     """Decode one untrusted msgpack frame with strict limits (a request's lists: at most
-    :data:`MAX_ARRAY_LEN` items; a reply's: ``MAX_REPLY_ARRAY_LEN``). Raises InvalidArgument."""
+    :data:`MAX_ARRAY_LEN` items, its maps :data:`MAX_MAP_LEN`; a reply's lists and maps:
+    ``MAX_REPLY_ARRAY_LEN``). Raises InvalidArgument."""
     size = memoryview(frame).nbytes
     if size == 0:
         raise InvalidArgument("empty header frame")
@@ -213,7 +218,7 @@ def unpack_header(frame: bytes | memoryview, max_array_len: int = MAX_ARRAY_LEN)
             max_str_len=MAX_STR_LEN,
             max_bin_len=size,
             max_array_len=max_array_len,
-            max_map_len=MAX_MAP_LEN,
+            max_map_len=max_map_len,
             max_ext_len=0,
         )
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
@@ -447,7 +452,7 @@ def encode_error(req_id: int, sid: str, code: str, message: str) -> bytes:
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     """Validate a reply header (the client side). Raises InvalidArgument if malformed."""
-    obj = unpack_header(frame, MAX_REPLY_ARRAY_LEN)
+    obj = unpack_header(frame, MAX_REPLY_ARRAY_LEN, MAX_REPLY_ARRAY_LEN)
     if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION:
         raise InvalidArgument("reply is not a version-1 header map")
     rid, sid, ok = obj.get("id"), obj.get("sid"), obj.get("ok")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvserver.engine import StorageEngine
+from kvserver.engine_namespaces import MAX_NAMESPACES
 from kvserver.engine_types import CutKeys, EngineConfig, EntryState, HashedKeys
 from kvserver.errors import (
     CapacityError,
@@ -1072,6 +1073,19 @@ def test_register_namespace_idempotent_and_capacity_checked() -> None:
         with pytest.raises(CapacityError):
             engine.register_namespace(make_spec(tp_world_size=4, part_bytes_override=PAGE + 1))
         assert len(engine.namespaces) == 2
+
+
+def test_registrations_past_the_namespace_bound_are_capacity() -> None:
+    """A client could register a namespace per hash seed without end (the daemon's memory,
+    and replies listing them, grew with it); the registered ones stay usable."""
+    with make_engine(num_pages=4) as engine:
+        specs = [make_spec(hash_seed=f"s{i}") for i in range(MAX_NAMESPACES)]
+        ids = [engine.register_namespace(spec) for spec in specs]
+        with pytest.raises(CapacityError, match="too many namespaces"):
+            engine.register_namespace(make_spec(hash_seed="one-more"))
+        assert engine.register_namespace(make_spec(hash_seed="s7")) == ids[7]  # idempotent
+        assert len(engine.namespaces) == MAX_NAMESPACES
+        assert engine.lookup(ids[-1], make_keys(1)) == 0
 
 
 # ============================================================================ bad input

@@ -6,12 +6,13 @@ error reply, changes nothing, and a well-behaved client is served byte-exact aft
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvserver import wire
 from kvserver.client import KVClient
-from tests.kvserver.builders import make_keys
+from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.test_zmq_fuzz import LIMIT, SPEC, Fuzzed, assert_round_trip, parts, req
 from tests.support.daemon import start_daemon
 
@@ -126,3 +127,22 @@ def test_replies_never_carry_a_part_twice(fz: Fuzzed) -> None:
             [p[1], p[0]] for p in parts(keys)
         ]
     assert_round_trip(fz, "twice")
+
+
+def test_stats_stay_readable_with_many_namespaces(tmp_path: Path) -> None:
+    """Past 64 registered namespaces (any client may register them) the stats reply's
+    per-namespace map was over the clients' 64-entry map limit: every client's stats failed
+    ("discarding unreadable reply", then a timeout), kvserver status with it."""
+    d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "8MiB", "--no-auth")
+    try:
+        with KVClient(d.zmq_address, timeout=10) as kv:
+            seeds = [f"seed-{i}" for i in range(70)]
+            specs = [make_spec(model=SPEC.model, tp_world_size=2, hash_seed=s) for s in seeds]
+            ids = {kv.register_namespace(spec).ns_id for spec in specs}
+            assert ids <= set(kv.stats()["namespaces"]) and len(kv.namespaces()) == 70
+            keys = make_keys(2, tag="many")
+            ns = sorted(ids)[0]
+            assert kv.store(ns, keys, parts(keys)) == keys
+            assert [[bytes(p) for p in row] for row in kv.load(ns, keys)] == parts(keys)
+    finally:
+        assert d.terminate() == 0, d.log()[-3000:]
