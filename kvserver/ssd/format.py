@@ -39,6 +39,10 @@ HEADER_BYTES = BLOCK
 MAX_KEY_BYTES = 64
 #: namespace ids are 16 hex characters (kvserver.namespace.NamespaceSpec.ns_id).
 NS_ID_BYTES = 16
+#: largest valid sequence number. A rebuilt index continues after the largest one it finds,
+#: so a (forged) header near 2**64 would leave no number that fits the 8-byte field for the
+#: next write: such a header is invalid (``geometry``). 2**63 writes never run out.
+MAX_SEQ = (1 << 63) - 1
 
 #: directory entries
 LOCK_FILE = "LOCK"
@@ -121,8 +125,10 @@ def encode_header(h: ChunkHeader, out: memoryview) -> None:
 
     REQUIRES: the geometry is consistent (checked: StorageError otherwise).
     """
-    if len(h.key) > MAX_KEY_BYTES or len(h.ns_id) != NS_ID_BYTES:
-        raise StorageError("chunk key or namespace id does not fit the header", key=h.key)
+    if len(h.key) > MAX_KEY_BYTES or len(h.ns_id) != NS_ID_BYTES or not 0 < h.seq <= MAX_SEQ:
+        raise StorageError(
+            "chunk key, namespace id or sequence number does not fit the header", key=h.key
+        )
     if slot_bytes_for(h.payload_bytes) != h.slot_bytes:
         raise StorageError("slot size does not match the payload", slot_bytes=h.slot_bytes)
     body = _BODY.pack(
@@ -149,7 +155,8 @@ def encode_header(h: ChunkHeader, out: memoryview) -> None:
 
 def decode_header(block: memoryview | bytes) -> ChunkHeader:
     """Parse and check a header block; raises :class:`CorruptChunk` (``reason="blank"`` for
-    an empty slot). Checks: magic, version, header checksum, geometry."""
+    an empty slot). Checks: magic, version, header checksum, geometry (including a sequence
+    number in 1..MAX_SEQ)."""
     view = memoryview(block)[:HEADER_USED]
     if len(view) < HEADER_USED:
         raise CorruptChunk("geometry", "short header block")
@@ -180,6 +187,7 @@ def decode_header(block: memoryview | bytes) -> ChunkHeader:
         raise CorruptChunk("header_checksum")
     if (
         header_len != HEADER_USED
+        or not 0 < seq <= MAX_SEQ
         or not 0 < key_len <= MAX_KEY_BYTES
         or num_parts < 1
         or part_bytes < 1

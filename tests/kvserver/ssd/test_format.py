@@ -4,6 +4,7 @@ check that caught it, payload checksums catch a single flipped bit, directory me
 from __future__ import annotations
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,7 +50,7 @@ def test_header_round_trip() -> None:
 
 @given(
     key=st.binary(min_size=1, max_size=fmt.MAX_KEY_BYTES),
-    seq=st.integers(0, 2**64 - 1),
+    seq=st.integers(1, fmt.MAX_SEQ),
     part=st.integers(1, 1 << 30),
     parts=st.integers(1, 64),
     checksum=st.integers(0, 2**128 - 1),
@@ -64,6 +65,23 @@ def test_any_header_round_trips(key: bytes, seq: int, part: int, parts: int, che
         checksum=checksum,
     )
     assert fmt.decode_header(encoded(h)) == h
+
+
+@pytest.mark.parametrize("seq", [0, fmt.MAX_SEQ + 1, 2**64 - 1])
+def test_a_sequence_number_out_of_range_is_refused(seq: int) -> None:
+    """A rebuilt index continues after the largest sequence number found: one near 2**64
+    (forged: both checksums right) would leave none that fits for the next write."""
+    with pytest.raises(StorageError, match="sequence number"):
+        encoded(header(seq=seq))
+    block = encoded(header())
+    block[16:24] = seq.to_bytes(8, "little")  # the seq field, then a valid header checksum
+    body = bytes(block[: fmt.HEADER_USED - 8])
+    block[fmt.HEADER_USED - 8 : fmt.HEADER_USED] = xxhash.xxh3_64_intdigest(body).to_bytes(
+        8, "little"
+    )
+    with pytest.raises(CorruptChunk) as bad:
+        fmt.decode_header(block)
+    assert bad.value.reason == "geometry"
 
 
 def test_blank_block_is_an_empty_slot() -> None:
