@@ -256,3 +256,57 @@ def test_a_restart_with_less_capacity_or_another_page_size_keeps_the_newest_byte
             assert ssd(kv)["corrupt_chunks"] == 0
     finally:
         assert d.terminate() == 0, d.log()
+
+
+def test_of_two_valid_copies_of_a_key_the_newest_is_served_and_the_other_discarded(
+    tmp_path: Path,
+) -> None:
+    """A second valid copy of a chunk with other bytes (checksums right) appended to the data
+    file between two runs, once with a lower sequence number (an evicted copy whose discard
+    never ran), once with a higher one (a rewrite whose discard of the old copy never ran):
+    the copy with the higher number is served, byte for byte, the other slot is zeroed."""
+    ssd_dir = tmp_path / "ssd"
+    d = start(tmp_path, ssd_dir)
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = registered(kv, SPEC)
+            store_all(kv, ns_id, SPEC, make_keys(80, tag="dup"))
+            settled(kv)
+    finally:
+        assert d.terminate() == 0, d.log()
+    path = data_file(ssd_dir)
+    disk = headers(path)
+    (old_key, (_, old_h)), (new_key, (_, new_h)) = [i for i in disk.items() if i[1][1].seq > 1][:2]
+    other = [bytes(b ^ 0xA5 for b in part) for part in expected(SPEC, new_key)]
+    end = path.stat().st_size // SLOT
+    # old_key: its copy on disk is the newer; new_key: the appended copy is the newer
+    write_at(path, end * SLOT, copy_of(old_h, other_parts(old_key), seq=old_h.seq - 1))
+    write_at(path, (end + 1) * SLOT, copy_of(new_h, other, seq=new_h.seq + 10_000))
+    d = start(tmp_path, ssd_dir)
+    try:
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            assert ssd(kv)["recovered_chunks"] == len(disk)
+            assert [bytes(p) for p in kv.get(ns_id, [old_key])[0]] == expected(SPEC, old_key)
+            assert [bytes(p) for p in kv.get(ns_id, [new_key])[0]] == other
+            settled(kv)
+        assert "2 older duplicates" in d.log()
+    finally:
+        assert d.terminate() == 0, d.log()
+    left = _all_headers(path)
+    assert [h.key for h in left].count(old_key) == 1 and [h.key for h in left].count(new_key) == 1
+
+
+def other_parts(key: bytes) -> list[bytes]:
+    return [bytes(b ^ 0x3C for b in part) for part in expected(SPEC, key)]
+
+
+def copy_of(h: fmt.ChunkHeader, parts: list[bytes], *, seq: int) -> bytes:
+    """A whole valid slot for ``h``'s key holding ``parts`` with sequence number ``seq``."""
+    slot = aligned_buffer(SLOT)
+    payload = b"".join(parts)
+    slot[fmt.HEADER_BYTES : fmt.HEADER_BYTES + len(payload)] = payload
+    meta = fmt.prepare_slot(slot, SLOT, fmt.ChunkHeader(h.ns_id, h.key, seq, SLOT,
+                                                         h.part_bytes, h.num_parts, 0))  # fmt: skip
+    fmt.encode_header(meta, slot)
+    return bytes(slot)
