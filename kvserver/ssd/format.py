@@ -105,14 +105,17 @@ def data_file_name(slot_bytes: int) -> str:
 
 
 def parse_data_file_name(name: str) -> int | None:
-    """The slot size encoded in a data file name, or None if ``name`` is not a data file."""
+    """The slot size encoded in a data file name, or None if ``name`` is not a data file
+    (only the name :func:`data_file_name` gives: the store opens that one)."""
     if not (name.startswith(DATA_PREFIX) and name.endswith(DATA_SUFFIX)):
         return None
     digits = name[len(DATA_PREFIX) : -len(DATA_SUFFIX)]
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):
         return None
     size = int(digits)
-    return size if size > HEADER_BYTES and size % BLOCK == 0 else None
+    if size <= HEADER_BYTES or size % BLOCK or data_file_name(size) != name:
+        return None  # "slots-08192.dat" would alias the file the store opens for 8192
+    return size
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:

@@ -138,7 +138,15 @@ def test_payload_checksum_catches_one_flipped_bit() -> None:
 def test_data_file_names() -> None:
     name = fmt.data_file_name(8192)
     assert fmt.parse_data_file_name(name) == 8192
-    for bad in ("slots-8193.dat", "slots-4096.dat", "slots-x.dat", "LOCK", "slots-8192.tmp"):
+    for bad in (
+        "slots-8193.dat",
+        "slots-4096.dat",
+        "slots-x.dat",
+        "LOCK",
+        "slots-8192.tmp",
+        "slots-08192.dat",  # would alias slots-8192.dat (the store opens that one)
+        "slots-\u0668\u0661\u0669\u0662.dat",  # 8192 in Arabic-Indic digits: int() takes them
+    ):
         assert fmt.parse_data_file_name(bad) is None
 
 
