@@ -56,7 +56,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvserver.daemon.promotion import DEFAULT_PROMOTIONS, Promotions
-from kvserver.daemon.rebuild import rebuild
+from kvserver.daemon.rebuild import compact, rebuild
 from kvserver.daemon.tier_health import TierHealth
 from kvserver.daemon.tier_jobs import ReadQueue, ReadResult
 from kvserver.daemon.tiers import OK, UNAVAILABLE, DirectParts, Tier
@@ -210,6 +210,7 @@ class SsdTier(Tier):
             self.health.set(UNAVAILABLE, str(exc))
             return False
         trimmed = self._restore(saved, scan)
+        trimmed |= await compact(self.index, self.store, self._run, self.wait_idle)
         if trimmed:
             try:
                 await self._run(self._trim, trimmed)

@@ -337,6 +337,67 @@ class SsdIndex:
         self._next_seq = max_seq + 1
         return result
 
+    # ------------------------------------------------------------------ start-up compaction
+
+    def past_bound(self) -> bool:
+        """Whether some entry lies at or past its file's bound (see :meth:`plan_moves`)."""
+        return any(e.slot >= self.capacity_bytes // e.slot_bytes for e in self._entries.values())
+
+    def plan_moves(self) -> list[tuple[SsdEntry, int, int]]:
+        """After :meth:`restore`, before any other write: the entries lying at or past their
+        file's bound (``capacity // slot size`` slots: a restart with a smaller capacity kept
+        the newest chunks wherever they lie), each with a free slot below the bound to be
+        copied into and a new sequence number, highest slots first. The targets leave the
+        free list; report each back with :meth:`moved` or :meth:`move_failed`, then
+        :meth:`cut`."""
+        plan: list[tuple[SsdEntry, int, int]] = []
+        late = sorted(
+            (e for e in self._entries.values() if e.slot >= self.capacity_bytes // e.slot_bytes),
+            key=lambda e: e.slot,
+            reverse=True,
+        )
+        for e in late:
+            free = self._files[e.slot_bytes].free
+            if free and free[0] < self.capacity_bytes // e.slot_bytes:
+                plan.append((e, heapq.heappop(free), self._next_seq))
+                self._next_seq += 1
+        return plan
+
+    def moved(self, entry: SsdEntry, slot: int, seq: int, *, cleared: bool) -> None:
+        """``entry`` was copied into ``slot`` with sequence number ``seq``; its old slot is
+        free if its header was ``cleared``, quarantined otherwise."""
+        old = entry.location
+        entry.slot, entry.seq = slot, seq
+        if cleared:
+            heapq.heappush(self._files[old[0]].free, old[1])
+        else:
+            self._quarantined.add(old)
+
+    def move_failed(self, slot_bytes: int, slot: int, *, touched: bool) -> None:
+        """A planned copy into ``slot`` failed (the entry stays where it was): the slot is
+        free again if nothing was written to it, else (it may hold a torn copy) not reused in
+        this run."""
+        if touched:
+            self._quarantined.add((slot_bytes, slot))
+        else:
+            heapq.heappush(self._files[slot_bytes].free, slot)
+
+    def cut(self) -> dict[int, int]:
+        """Shorten each file to just past its last slot in use (held, discarding, doomed or
+        quarantined); returns slot size → slots kept for the files that shrank."""
+        busy: dict[int, int] = {}
+        groups = (self._discarding, self._quarantined, self._doomed)
+        for sb, s in [e.location for e in self._entries.values()] + [x for g in groups for x in g]:
+            busy[sb] = max(busy.get(sb, 0), s + 1)
+        trimmed: dict[int, int] = {}
+        for slot_bytes, f in self._files.items():
+            keep = busy.get(slot_bytes, 0)
+            if keep < f.num_slots:
+                f.num_slots = trimmed[slot_bytes] = keep
+                f.free = [s for s in f.free if s < keep]
+                heapq.heapify(f.free)
+        return trimmed
+
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:

@@ -213,26 +213,34 @@ def _all_headers(path: Path) -> list[fmt.ChunkHeader]:
     return out
 
 
-def test_a_restart_with_less_capacity_or_another_page_size_keeps_the_newest_byte_exact(
-    tmp_path: Path,
-) -> None:
-    """200 chunks (3.2 MiB) on SSD; a restart with ``--ssd 1MiB`` keeps the newest chunks that
-    fit (at most 64 slots), byte-exact, and never holds more; one with 8 KiB DRAM pages serves
-    them byte-exact too (slots do not depend on the page size)."""
-    ssd_dir = tmp_path / "ssd"
+def fill_in_order(tmp_path: Path, ssd_dir: Path, keys: list[bytes]) -> tuple[str, list[bytes]]:
+    """Store ``keys`` (4 at a time, each write-down done before the next store, so sequence
+    numbers and slots follow store order) and stop; the namespace id and the 64 newest keys
+    on SSD."""
     d = start(tmp_path, ssd_dir)
-    keys = make_keys(200, tag="cap")
     try:
         with KVClient(d.zmq_address) as kv:
             ns_id = registered(kv, SPEC)
             for i in range(0, len(keys), 4):
                 batch = keys[i : i + 4]
                 assert kv.store(ns_id, batch, [expected(SPEC, k) for k in batch]) == batch
-                settled(kv)  # one write-down at a time: sequence numbers follow store order
+                settled(kv)
     finally:
         assert d.terminate() == 0, d.log()
     disk = headers(data_file(ssd_dir))
-    newest = sorted(disk, key=lambda k: disk[k][1].seq)[-64:]
+    return ns_id, sorted(disk, key=lambda k: disk[k][1].seq)[-64:]
+
+
+def test_a_restart_with_less_capacity_or_another_page_size_keeps_the_newest_byte_exact(
+    tmp_path: Path,
+) -> None:
+    """160 chunks (2.5 MiB) on SSD; a restart with ``--ssd 1MiB`` keeps the newest chunks that
+    fit (64 slots), byte-exact, and never holds more; they are moved below the file's bound
+    and the file is cut there (was: the file kept 2.5 MiB); a restart with 8 KiB DRAM pages
+    serves them byte-exact too (slots do not depend on the page size)."""
+    ssd_dir = tmp_path / "ssd"
+    keys = make_keys(200, tag="cap")
+    ns_id, newest = fill_in_order(tmp_path, ssd_dir, keys)
     d = start_daemon(tmp_path, *args(ssd_dir, "--ssd", "1MiB"), env=ENV)
     try:
         with KVClient(d.zmq_address) as kv:
@@ -242,8 +250,11 @@ def test_a_restart_with_less_capacity_or_another_page_size_keeps_the_newest_byte
             kv.register_namespace(SPEC)
             held = [k for k in keys if kv.lookup(ns_id, [k]).hit_chunks == 1]
             assert sorted(held) == sorted(newest)
+            # the kept chunks lay in slots 96..159: moved below the bound, the file cut there
+            assert data_file(ssd_dir).stat().st_size <= 64 * SLOT
             read_back(kv, ns_id, held[:16])
             assert ssd(kv)["used_bytes"] <= 1 << 20
+        assert "moved 64 chunks below the capacity bound" in d.log()
     finally:
         assert d.terminate() == 0, d.log()
     d = start_daemon(tmp_path, *args(ssd_dir, "--ssd", "1MiB", "--page-size", "8KiB"), env=ENV)
@@ -310,3 +321,27 @@ def copy_of(h: fmt.ChunkHeader, parts: list[bytes], *, seq: int) -> bytes:
                                                          h.part_bytes, h.num_parts, 0))  # fmt: skip
     fmt.encode_header(meta, slot)
     return bytes(slot)
+
+
+def test_a_chunk_that_fails_its_move_below_the_bound_stays_a_miss(tmp_path: Path) -> None:
+    """As above, with one payload byte of a kept chunk flipped between the runs: its move
+    reads and verifies it first, so it is not copied (never laundered under a new checksum);
+    it stays where it was and is a counted miss; the 63 others moved, byte-exact."""
+    ssd_dir = tmp_path / "ssd"
+    keys = make_keys(200, tag="cap-flip")
+    ns_id, newest = fill_in_order(tmp_path, ssd_dir, keys)
+    bad = newest[-1]
+    slot, _ = headers(data_file(ssd_dir))[bad]
+    write_at(data_file(ssd_dir), slot * SLOT + fmt.HEADER_BYTES + 7, b"\xff\x00\xff")
+    d = start_daemon(tmp_path, *args(ssd_dir, "--ssd", "1MiB"), env=ENV)
+    try:
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            kv.register_namespace(SPEC)
+            with pytest.raises(UnknownKey):
+                kv.get(ns_id, [bad])
+            assert settled(kv)["corrupt_chunks"] == 1
+            read_back(kv, ns_id, newest[:-1])
+        assert "moved 63 chunks below the capacity bound" in d.log()
+        assert "chunk not moved below the capacity bound" in d.log()
+    finally:
+        assert d.terminate() == 0, d.log()

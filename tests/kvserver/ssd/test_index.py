@@ -173,6 +173,36 @@ def test_restore_of_the_same_seq_twice_keeps_one() -> None:
     index.check_invariants()
 
 
+def test_chunks_past_the_bound_are_planned_into_free_slots_below_it() -> None:
+    """Capacity 3 slots; the newest 3 of 5 chunks lie in slots 2..4 (0 and 1: over capacity,
+    discarding). Once discarded, 3 and 4 move to 0 and 1 with new sequence numbers; one move
+    fails after touching its slot (quarantined, the chunk stays), the file is cut after the
+    last slot in use."""
+    index = SsdIndex(3 * SLOT)
+    chunks = [(SLOT, s, header(KEYS[s], s + 1)) for s in range(5)]
+    result = index.restore(chunks, {SLOT: 5}, [], {NS: (3 * BLOCK, 1)})
+    assert sorted(result.discard) == [(SLOT, 0), (SLOT, 1)] and index.past_bound()
+    assert index.plan_moves() == []  # no free slot below the bound yet
+    for slot in result.discard:
+        index.discarded(slot)
+    plan = index.plan_moves()
+    assert [(e.key, target, seq) for e, target, seq in plan] == [
+        (KEYS[4], 0, 6),
+        (KEYS[3], 1, 7),
+    ]
+    (first, slot0, seq0), (second, slot1, _) = plan
+    index.moved(first, slot0, seq0, cleared=True)
+    index.move_failed(second.slot_bytes, slot1, touched=True)
+    index.check_invariants()
+    assert index.cut() == {SLOT: 4}  # KEYS[3] is still in slot 3
+    assert index.get(NS, KEYS[4]).location == (SLOT, 0)  # type: ignore[union-attr]
+    assert index.slot_state((SLOT, 1)) == "quarantined"
+    index.check_invariants()
+    got = index.reserve(NS, KEYS[5], SLOT)  # full: evicts the oldest; no free slot left
+    assert got is not None and got[0].slot == 4
+    index.check_invariants()
+
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["write", "fail", "pin", "unpin", "remove", "discard", "touch"]),
