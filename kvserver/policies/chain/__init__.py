@@ -23,8 +23,9 @@ each (imports go down the list):
 - :mod:`~kvserver.policies.chain.admission`: whether a store's new keys are worth the keys they
   would displace (a one-off document, once documents were seen to leave unread, is declined);
 - :mod:`~kvserver.policies.chain.policy`: :class:`ChainPolicy`, which follows the chains
-  through lookups, stores, loads and evictions, values shared prefixes by read rate and adapts
-  how much their age counts (``kappa``).
+  through lookups, stores, loads and evictions, values shared prefixes by read rate and by the
+  odds that the chains reading them return (their readers' mass), and adapts how much their
+  age (``kappa``) and their read rate (``bias``) count.
 
 docs/benchmarks.md ("Eviction policies vs Belady") has the measurements and what was tried.
 """

@@ -25,6 +25,7 @@ Pure: reads the policy's tables it is given, changes nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 
 from kvserver.policies.chain.states import HI, Chain, Ghost, State, StateOdds, shared_class
@@ -65,7 +66,9 @@ def declines(
     state with evidence of its own (a shared key's by its read rate); False when none is new.
 
     ``now`` is the tick the store would queue them at; ``pending`` the chains that looked keys
-    up, ``ghosts`` the evicted keys remembered, ``offset(state)`` a class's log-odds at age 0."""
+    up, ``ghosts`` the evicted keys remembered, ``offset(state)`` a class's log-odds at age 0
+    (a shared class's readers' mass included: a ghost coming back shared is lent the odds of
+    the chain that looked it up, as the store would)."""
     lowest -= MARGIN
     fresh: float | None = None  # a batch no lookup announced: a new chain's first turn
     new = False
@@ -77,8 +80,9 @@ def declines(
         new = True
         chain = pending.get(key)
         ghost = ghosts.get(key)
-        if ghost is not None and ghost[2] is not chain:  # comes back shared
-            rank = offset(shared_class(ghost[0], ghost[1], now))
+        if ghost is not None and ghost[2] is not chain:  # comes back shared, read by chain
+            lent = math.exp(odds.log_odds(chain.state)) if chain is not None else 0.0
+            rank = offset(shared_class(ghost[0], ghost[1], now, lent))
         elif chain is not None:
             if chain is not last:
                 last, last_rank = chain, proven(chain.state, odds, offset)

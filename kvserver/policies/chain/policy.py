@@ -35,9 +35,21 @@ not yet stored, the ghosts and ``kappa``; the learnt odds per state
   questions start from), or stored again by another chain than the one that stored it before
   it was evicted (every evicted key is a *ghost* for a while: its uses, when it was first
   stored, its chain), is *shared*; it is valued by its read rate ``lam`` (reads per tick
-  since it was first stored): its log-odds are ``HI + ln(lam / r) - kappa r g``, those of a
-  memoryless chain sure to return whose reads are ``lam / r`` times as frequent (so a rare
-  prompt can rank below a fresh conversation), its age counting ``kappa`` times;
+  since it was first stored) and by its *readers*: its odds are ``e**bias * lam / r *
+  e**(-kappa r g) + M S(g)``, ``M`` the summed odds (as of its last use) that the chains
+  which read it come back. A key read by a live conversation is worth at least what that
+  conversation's own keys are (prefix semantics: they are no use without it), and a rare
+  prompt's worth is mostly its live readers' (a conversation on it that returns reads it
+  again). A chain that reads a key again replaces its share of ``M``, it does not add a
+  second one;
+- **how much a read rate counts against the readers, adapted online** (``bias`` in [0, HI]).
+  ``bias`` = HI ranks a shared key as a chain sure to return whose reads are ``lam / r``
+  times as frequent (a prompt above any conversation read as recently: the ranking before
+  session 10); 0 weighs its expected reads per mean gap as a chain's odds of returning in
+  one. It starts at HI and moves with the same misses as ``kappa``: in a small cache, where
+  conversations' chunks are what misses, towards 0 (their keys win room from rarely read
+  prompts, which keep what their live readers give them); where prompts are what misses,
+  back towards HI;
 - **how shared keys age, adapted online** (as ARC adapts its split). A chain's odds fall with
   the time since its last read; a shared key read at a steady rate does not become less
   likely to be read again. ``kappa`` in [0, 1] (1: it ages as a chain, 0: ranked by its read
@@ -52,7 +64,8 @@ not yet stored, the ghosts and ``kappa``; the learnt odds per state
 
 Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost; a
 return adds its gap to the histogram, whose table is rebuilt now and then); ``insert_batch``
-and ``touch`` O(1) per key; ``evict`` as :meth:`ClassQueues.choose`, plus O(len(incoming))
+and ``touch`` O(1) per key (a shared key's mass: one ``exp`` per distinct age a call sees);
+``evict`` as :meth:`ClassQueues.choose`, plus O(len(incoming))
 dict probes to admit (it stops at the first key that ranks). ``bench_policies`` measures the
 cost per chunk operation against LRU.
 
@@ -60,8 +73,9 @@ Invariants: ``_queues`` and ``_held`` (a key's chain, uses, first store; chain N
 hold exactly the tracked keys; ghosts and tracked keys are disjoint; ``_tails`` (two per
 tracked key + 1,024), ``_pending`` (four + 1,024) and ``_ghosts`` (one) are bounded, oldest
 dropped first. ``evict`` changes nothing before it has chosen every victim and decided to
-admit, so a ``None`` leaves the same state; ``kappa`` stays in [0, 1] and only ``lookup``
-changes it.
+admit, so a ``None`` leaves the same state; ``kappa`` stays in [0, 1], ``bias`` in [0, HI],
+and only ``lookup`` changes them; a shared key's readers' mass is at least the odds the
+chain that read it last had then (classes round it up).
 """
 
 from __future__ import annotations
@@ -82,10 +96,12 @@ from kvserver.policies.chain.states import (
     State,
     StateOdds,
     shared_class,
+    shared_mass,
     shared_rate,
 )
 
-#: change of ``kappa`` (how much a shared key's age counts) per missed chunk that was a ghost
+#: change of ``kappa`` (how much a shared key's age counts) and of ``bias`` (how much its read
+#: rate counts against its readers' odds, log-odds) per missed chunk that was a ghost
 KAPPA_STEP = 0.003
 
 
@@ -106,6 +122,9 @@ class ChainPolicy(EvictionPolicy):
         self._odds = StateOdds()  # outcomes per chain state: the return chances
         self._gaps = ReturnGaps()  # between two requests of one chain: mean, survival
         self._kappa = 1.0  # how much a shared key's age counts (1: as a chain's)
+        self._bias = HI  # how much its read rate counts against its readers' odds (HI: most)
+        self._decay_age, self._decay_factor = 0, 1.0  # _decay's memo (S(0) = 1) ...
+        self._decay_table = self._gaps.table  # ... valid for this survival table
 
     # ------------------------------------------------------------------ observability
 
@@ -128,6 +147,18 @@ class ChainPolicy(EvictionPolicy):
         """``kappa``: how much a shared key's age counts against it (1: as much as a chain's,
         0: not at all), adapted online from the misses on ghosts."""
         return self._kappa
+
+    @property
+    def shared_bias(self) -> float:
+        """``bias``: the log-odds a shared key's read rate is lifted by against its readers'
+        odds (HI: ranked as a chain sure to return; 0: as odds), adapted online."""
+        return self._bias
+
+    def readers(self, key: Hashable) -> float:
+        """A shared key's readers' summed odds of returning, as of its last use (0: none, or
+        not shared)."""
+        held = self._held.get(key)
+        return 0.0 if held is None or held.chain is not None else held.mass
 
     def is_shared(self, key: Hashable) -> bool:
         """Whether ``key`` was read by two different chains."""
@@ -184,6 +215,7 @@ class ChainPolicy(EvictionPolicy):
                     step += 1 if ghost[2] is chain else -1
         if step:
             self._kappa = min(max(self._kappa + KAPPA_STEP * step, 0.0), 1.0)
+            self._bias = min(max(self._bias - KAPPA_STEP * step, 0.0), HI)
         self._bound(pending, 4)
         self._use(keys[:hits], chain)
 
@@ -218,9 +250,10 @@ class ChainPolicy(EvictionPolicy):
             if ghost is None:
                 held[key] = Held(chain, 0, now)
                 queued.append((key, chain.state))
-            elif ghost[2] is not chain:  # shared, or another chain's
-                held[key] = Held(None, ghost[0], ghost[1])
-                queued.append((key, shared_class(ghost[0], ghost[1], now)))
+            elif ghost[2] is not chain:  # shared, or another chain's: its storer reads it
+                mass = self._lend(chain, now)
+                held[key] = Held(None, ghost[0], ghost[1], mass)
+                queued.append((key, shared_class(ghost[0], ghost[1], now, mass)))
             else:
                 held[key] = Held(chain, ghost[0], ghost[1])
                 queued.append((key, chain.state))
@@ -253,11 +286,14 @@ class ChainPolicy(EvictionPolicy):
             settled = chain  # a load's keys are mostly one chain's: checked once
         queued: list[tuple[Hashable, State]] = []  # as _use(keys, None), the records known
         append = queued.append
+        decay = self._decay
         for key, held in reversed(used):
             held.uses += 1
             chain = held.chain
             if chain is None:
-                append((key, shared_class(held.uses, held.born, now)))
+                if held.mass:
+                    held.mass *= decay(key, now)
+                append((key, shared_class(held.uses, held.born, now, held.mass)))
             else:
                 append((key, chain.state))
         self._queues.queue_many(queued, now)
@@ -284,7 +320,7 @@ class ChainPolicy(EvictionPolicy):
             self._pending,
             self._ghosts,
             self._odds,
-            self._offset,
+            self._entry,
         ):
             self.declined = True
             return None
@@ -316,8 +352,14 @@ class ChainPolicy(EvictionPolicy):
     def _rank(self, age: int, state: State, offset: float) -> float:
         """The log-odds now of a key of class ``state`` (whose log-odds at age 0 are
         ``offset``) last used ``age`` ticks ago; within a class it never rises with the age."""
-        if state[0] == 0:  # shared: its age counts kappa times, memoryless
-            return offset - self._kappa * age / self._gaps.mean
+        if state[0] <= 0:  # shared: its read rate's odds, age counting kappa times; its readers'
+            rate = offset - self._kappa * age / self._gaps.mean
+            if state[0] == 0:
+                return rate
+            readers = math.log(shared_mass(state)) + self._gaps.log_survival(age)
+            if rate < readers:
+                rate, readers = readers, rate
+            return rate + math.log1p(math.exp(readers - rate))  # log(e**rate + e**readers)
         if age <= 0:
             return offset
         # self._gaps.log_survival(age), inlined (one call per key evict passes over)
@@ -328,9 +370,30 @@ class ChainPolicy(EvictionPolicy):
 
     def _offset(self, state: State) -> float:
         """The log-odds of a key of ``state`` just read."""
-        if state[0] == 0:  # shared, read-rate bucket
-            return HI + math.log(shared_rate(state) * self._gaps.mean)
+        if state[0] <= 0:  # shared: the read rate's part (its readers' is added by _rank)
+            return self._bias + math.log(shared_rate(state) * self._gaps.mean)
         return self._odds.log_odds(state)
+
+    def _entry(self, state: State) -> float:
+        """The log-odds of a key of class ``state`` just used (age 0; admission's)."""
+        return self._rank(0, state, self._offset(state))
+
+    def _lend(self, chain: Chain, now: int) -> float:
+        """``chain``'s odds of returning as of ``now``, recorded as what it lends the readers'
+        mass of the shared keys it reads (as of its last request, so the next read of those
+        keys by it can take its share out before adding the new one)."""
+        chain.lent = math.exp(self._odds.log_odds(chain.state))
+        chain.lent_at = chain.time
+        return chain.lent * math.exp(self._gaps.log_survival(now - chain.time))
+
+    def _decay(self, key: Hashable, now: int) -> float:
+        """The factor a tracked key's readers' mass has decayed by since its last use:
+        ``S(age)`` (memoised per age: a call's keys mostly share one)."""
+        age, table = now - self._queues.time[key], self._gaps.table
+        if age != self._decay_age or table is not self._decay_table:
+            self._decay_age, self._decay_table = age, table
+            self._decay_factor = math.exp(self._gaps.log_survival(age))
+        return self._decay_factor
 
     def _count(self, chain: Chain, returned: bool) -> None:
         """One outcome of ``chain``'s state, once per state: it returned, or its tail was
@@ -352,24 +415,38 @@ class ChainPolicy(EvictionPolicy):
         records, now = self._held, self._now
         queued: list[tuple[Hashable, State]] = []
         append = queued.append
+        decay = self._decay
         if chain is None:
             for key in reversed(keys):
                 held = records[key]
                 held.uses += 1
                 if held.chain is None:
-                    append((key, shared_class(held.uses, held.born, now)))
+                    if held.mass:
+                        held.mass *= decay(key, now)
+                    append((key, shared_class(held.uses, held.born, now, held.mass)))
                 else:
                     append((key, held.chain.state))
         else:
             state = chain.state
+            # what chain lent these keys at its last request, as of now: replaced, not added to
+            owed = chain.lent * math.exp(self._gaps.log_survival(now - chain.lent_at))
+            lends = 0.0  # its odds as of now, once a shared key is met
             for key in reversed(keys):
                 held = records[key]
                 held.uses += 1
-                if held.chain is chain:
+                owner = held.chain
+                if owner is chain:
                     append((key, state))
-                else:  # shared, or another chain's key read by this one: shared from now on
+                    continue
+                if not lends:
+                    lends = self._lend(chain, now)
+                if owner is None:  # shared: its mass decayed to now, chain's old share out
+                    mass = held.mass * decay(key, now) - owed if held.mass else 0.0
+                    held.mass = (mass if mass > 0.0 else 0.0) + lends
+                else:  # another chain's key read by this one: shared from now on, read by both
                     held.chain = None
-                    append((key, shared_class(held.uses, held.born, now)))
+                    held.mass = self._lend(owner, now) + lends
+                append((key, shared_class(held.uses, held.born, now, held.mass)))
         self._queues.queue_many(queued, now)
 
     def _drop(self, key: Hashable) -> None:

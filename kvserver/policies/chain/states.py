@@ -9,7 +9,7 @@ conversation it follows; it calls :meth:`Chain.enter` when a chain makes a reque
 - **chains.** A :class:`Chain` is one conversation as the policy sees it: its turn count, its
   *state*, the tick of its last request, and the chunks that request added (its weight in the
   counts). Its state is (turns so far, capped at ``MAX_TURNS``; log2 of the chunks its last
-  request added). A state with turns 0 is not a chain's but a shared key's read-rate bucket
+  request added). A state with turns 0 or less is not a chain's but a shared key's class
   (:func:`shared_class`);
 - **outcomes.** Each stay in a state has one outcome, weighted by the chunks that request
   added: the chain returned, or its tail was evicted first (not returned; a later return still
@@ -25,12 +25,17 @@ conversation it follows; it calls :meth:`Chain.enter` when a chain makes a reque
   document (hundreds of chunks on its first turn) learns p ≈ 0 after one; a chat's early
   turns p ≈ 1, its last turns less. A state's counts are halved when they reach
   ``HALF_LIFE`` chunks (recent outcomes win);
-- **log-odds.** A chain just read ranks by ``clip(logit p, -LO, HI)``.
+- **log-odds.** A chain just read ranks by ``clip(logit p, -LO, HI)``;
+- **shared keys' classes** (:func:`shared_class`): a read-rate bucket and a *readers' mass*
+  bucket, the summed odds that the chains which read the key come back (issue 15, session
+  10: a prefix is worth at least what the conversations reading it are; without it a rarely
+  read prompt left before the conversation on it that returned).
 
 Invariants: every count is non-negative, and a state's three counts are halved together;
 ``turn_counted`` / ``turn_returned`` are the sums of ``counted`` / ``returned`` over each turn's
 states;
-``return_chance`` is in [1e-6, 1 - 1e-6]; ``log_odds`` in [-LO, HI].
+``return_chance`` is in [1e-6, 1 - 1e-6]; ``log_odds`` in [-LO, HI]; a shared class's
+``shared_mass`` is at least the mass it was made from (buckets round up).
 """
 
 from __future__ import annotations
@@ -57,8 +62,12 @@ TURN_WEIGHT = 1024.0
 HALF_LIFE = 1 << 16
 #: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
 RATE_SCALE = 1 << 16
+#: readers' mass buckets of shared keys: bucket m (1 .. 2 * MASS_BUCKETS) stands for a mass up
+#: to 2 ** (m - MASS_BUCKETS); at or below MASS_FLOOR a key has no live reader to speak of
+MASS_BUCKETS = 20
+MASS_FLOOR = 2.0**-MASS_BUCKETS
 
-State = tuple[int, int]  # (turns, log2 chunks added); turns 0 = a shared-key rate bucket
+State = tuple[int, int]  # (turns, log2 chunks added); turns <= 0: a shared key's class
 
 
 @dataclass(slots=True)
@@ -71,6 +80,8 @@ class Chain:
     weight: int  # chunks its last request added (its weight in the return counts)
     open: bool = True  # its state's outcome not counted yet (neither returned nor evicted)
     planned: bool = False  # followed through lookups (its returns are counted by lookup only)
+    lent: float = 0.0  # the odds it added to the readers' mass of the shared keys it read ...
+    lent_at: int = 0  # ... at this tick (replaced, not added to, when it reads them again)
 
     def enter(self, added: int, now: int) -> None:
         """The chain made a request adding ``added`` chunks at tick ``now``: its new state,
@@ -89,16 +100,31 @@ class Held:
     chain: Chain | None  # the chain that holds it; None: shared (read by two chains)
     uses: int  # reads since it was first stored (a ghost's kept when it comes back)
     born: int  # the tick it was first stored
+    mass: float = 0.0  # shared: its readers' summed odds of returning, as of its last use
 
 
 #: an evicted key remembered: (its uses, the tick it was first stored, its chain; None: shared)
 Ghost = tuple[int, int, Chain | None]
 
 
-def shared_class(uses: int, born: int, now: int) -> State:
-    """The read-rate bucket of a shared key read ``uses`` times since tick ``born``."""
-    lam = (uses + 1) / (now - born + 1)
-    return (0, int(lam * RATE_SCALE).bit_length())
+def shared_class(uses: int, born: int, now: int, mass: float = 0.0) -> State:
+    """The class of a shared key read ``uses`` times since tick ``born`` whose readers' odds
+    of returning sum to ``mass``: ``(-m, rate bucket)``, ``m`` 0 for no mass to speak of
+    (below ``2 ** -MASS_BUCKETS``), else the least ``m >= 1`` with ``mass <= 2 ** (m -
+    MASS_BUCKETS)`` (rounded up, so a key never ranks below its readers' own keys)."""
+    rate = int((uses + 1) / (now - born + 1) * RATE_SCALE).bit_length()
+    if mass <= MASS_FLOOR:
+        return (0, rate)
+    fraction, exponent = math.frexp(mass)  # mass = fraction * 2**exponent, 0.5 <= fraction < 1
+    if fraction == 0.5:
+        exponent -= 1
+    bucket = exponent + MASS_BUCKETS
+    return (-(bucket if bucket < 2 * MASS_BUCKETS else 2 * MASS_BUCKETS), rate)
+
+
+def shared_mass(state: State) -> float:
+    """The readers' mass a shared class stands for (its bucket's upper bound; 0: none)."""
+    return 0.0 if state[0] == 0 else 2.0 ** (-state[0] - MASS_BUCKETS)
 
 
 def shared_rate(state: State) -> float:
