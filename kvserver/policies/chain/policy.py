@@ -416,6 +416,10 @@ class ChainPolicy(EvictionPolicy):
         queued: list[tuple[Hashable, State]] = []
         append = queued.append
         decay = self._decay
+        # a request's shared keys (a prompt) mostly share their uses, first store and mass:
+        # their class is computed once per run of equal ones
+        last: tuple[int, int, float] | None = None
+        cls: State = (0, 0)
         if chain is None:
             for key in reversed(keys):
                 held = records[key]
@@ -423,7 +427,10 @@ class ChainPolicy(EvictionPolicy):
                 if held.chain is None:
                     if held.mass:
                         held.mass *= decay(key, now)
-                    append((key, shared_class(held.uses, held.born, now, held.mass)))
+                    if last != (held.uses, held.born, held.mass):
+                        last = (held.uses, held.born, held.mass)
+                        cls = shared_class(held.uses, held.born, now, held.mass)
+                    append((key, cls))
                 else:
                     append((key, held.chain.state))
         else:
@@ -446,7 +453,10 @@ class ChainPolicy(EvictionPolicy):
                 else:  # another chain's key read by this one: shared from now on, read by both
                     held.chain = None
                     held.mass = self._lend(owner, now) + lends
-                append((key, shared_class(held.uses, held.born, now, held.mass)))
+                if last != (held.uses, held.born, held.mass):
+                    last = (held.uses, held.born, held.mass)
+                    cls = shared_class(held.uses, held.born, now, held.mass)
+                append((key, cls))
         self._queues.queue_many(queued, now)
 
     def _drop(self, key: Hashable) -> None:
