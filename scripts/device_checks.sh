@@ -35,4 +35,13 @@ timeout "${GPU_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rA
 #    also times the other builder (CUDA: the per-page copies of before the staged path)
 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_transfer.py ${BENCH_ARGS:-} \
     --json "$out/transfer_gpu.json" 2>&1 | tee "$out/bench_transfer.log" || status=1
+
+# 3. one chunk per transfer (a decode step's stores), the rows where each transfer's own cost
+#    shows: the engine's completion is a done flag per transfer and one condition per direction
+#    (session 10, no GPU to test it then); compare with benchmarks/results/gpu_h100_decode_g256.json
+if [ -z "${BENCH_ARGS:-}" ]; then
+    timeout "${DECODE_TIMEOUT:-180}" python3 benchmarks/bench_transfer.py --quick --devices cuda \
+        --chunks-per-transfer 1 --json "$out/transfer_gpu_decode.json" 2>&1 \
+        | tee "$out/bench_transfer_decode.log" || status=1
+fi
 exit $status

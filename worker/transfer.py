@@ -42,7 +42,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,7 +138,10 @@ class Transfer:
     failed_keys: list[bytes] = field(default_factory=list)
     nbytes: int = 0
     seconds: float = 0.0
-    future: Future[None] | None = None
+    #: None until submitted; then False until the engine's thread has run the transfer and
+    #: written the results above (set under the direction's condition, see
+    #: :meth:`TransferEngine.wait`). A device engine's copies may still be in flight then.
+    done: bool | None = None
     #: engine-specific completion state (CUDA: the end event).
     state: Any = None
     #: when the submitting thread first saw its copies landed (``time.monotonic()``, by
@@ -196,6 +199,9 @@ class TransferEngine(ABC):
         #: (one executor task per burst of submits, not one per transfer). Under ``_wake``.
         self._draining = {d: False for d in Direction}
         self._wake = threading.Lock()
+        #: per direction: notified when transfers of it are marked done (one notification
+        #: per group, not a future per transfer).
+        self._finished = {d: threading.Condition(threading.Lock()) for d in Direction}
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -205,7 +211,7 @@ class TransferEngine(ABC):
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         ctx = self._on_submit(transfer)
-        transfer.future = Future()
+        transfer.done = False
         self._inflight[transfer.direction].append(transfer)
         self._queued[transfer.direction].append((transfer, ctx))
         if not self._holding:
@@ -258,10 +264,15 @@ class TransferEngine(ABC):
         if self._holding:
             self._release()  # what is held may be among them
         for t in reversed(list(transfers)):
-            if t.future is not None:
-                t.future.result()
-                self._sync(t)
-                _stamp_landed(t)
+            if t.done is None:  # never submitted
+                continue
+            if not t.done:
+                finished = self._finished[t.direction]
+                with finished:
+                    while not t.done:
+                        finished.wait()
+            self._sync(t)
+            _stamp_landed(t)
 
     @property
     def num_inflight(self) -> int:
@@ -285,7 +296,7 @@ class TransferEngine(ABC):
     def _drain(self, direction: Direction) -> None:
         """Engine thread: run what is queued in ``direction``, in order: maximal runs of
         transfers without ``prepare``/``finish`` as groups (at most ``max_group``), the
-        others one by one. Every transfer's future is completed, whatever happens."""
+        others one by one. Every transfer is marked done, whatever happens."""
         queue = self._queued[direction]
         try:
             while True:
@@ -311,7 +322,7 @@ class TransferEngine(ABC):
     def _run_group(self, items: list[tuple[Transfer, Any]]) -> None:
         """Engine thread: prepare → copies (per key) → land → finish, for one transfer or a
         group of transfers without prepare/finish (their copies in one batch). Never raises;
-        completes every future."""
+        marks every transfer done (once its results are written) and wakes the waiters."""
         if not items:
             return
         start = time.perf_counter()
@@ -332,26 +343,26 @@ class TransferEngine(ABC):
                 logger.warning("transfer %s failed: %s", t.tag, exc)
                 t.failed_keys = list(t.keys)
                 t.seconds = time.perf_counter() - start
-        for t in transfers:
-            if t.future is not None and not t.future.done():
-                t.future.set_result(None)
+        finished = self._finished[transfers[0].direction]
+        with finished:
+            for t in transfers:
+                t.done = True
+            finished.notify_all()
 
     def _account(
         self, transfer: Transfer, copies: list[KeyCopies], failed: set[int], start: float
     ) -> None:
         """The results of one transfer whose copies ran (``failed``: ``id()`` of the keys
         whose copies failed); runs its ``finish`` once the copies have landed."""
-        ok: list[bytes] = []
-        keys_failed: list[bytes] = []
-        nbytes = 0
-        for kc in copies:
-            if kc.error is None and (not failed or id(kc) not in failed):
-                ok.append(kc.key)
-                nbytes += kc.nbytes
-            else:
-                keys_failed.append(kc.key)
-        seen = {*ok, *keys_failed}
-        keys_failed += [k for k in transfer.keys if k not in seen]
+        done = [kc for kc in copies if kc.error is None and id(kc) not in failed]
+        ok = [kc.key for kc in done]
+        nbytes = sum([kc.nbytes for kc in done])
+        if len(done) == len(copies) and ok == transfer.keys:  # every key copied, in order
+            keys_failed: list[bytes] = []
+        else:
+            keys_failed = [kc.key for kc in copies if kc.error is not None or id(kc) in failed]
+            seen = {*ok, *keys_failed}
+            keys_failed += [k for k in transfer.keys if k not in seen]
         if transfer.finish is not None:
             self._sync(transfer)
             transfer.finish(ok)
@@ -381,6 +392,11 @@ class TransferEngine(ABC):
         """Engine thread: ``copies`` in order; runs of staged parts go through the direction's
         staging buffer together (:func:`~worker.staging.run_staged`), the rest to
         :meth:`_copy_batch`."""
+        kinds = set(map(type, copies))
+        if StagedPart not in kinds or len(kinds) == 1:  # one run (one pass in C to tell)
+            if copies:
+                self._copy_run(direction, copies)
+            return
         run: list[Copy] = []
         staged = False  # whether ``run`` holds staged parts
         for c in copies:
@@ -411,7 +427,7 @@ class TransferEngine(ABC):
         return transfer
 
     def _is_done(self, transfer: Transfer) -> bool:
-        return transfer.future is not None and transfer.future.done() and self._landed(transfer)
+        return bool(transfer.done) and self._landed(transfer)
 
     # ------------------------------------------------------------------ engine hooks
 

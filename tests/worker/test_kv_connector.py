@@ -131,7 +131,7 @@ def test_colocated_cpu_load_is_reported_by_the_step_that_shipped_it(
     def loads_landed() -> None:  # right after every worker's start_load_kv
         for w in c.workers:
             queue = w.conn.engine._inflight[Direction.LOAD]
-            landed.append(bool(queue) and all(t.future.done() for t in queue))
+            landed.append(bool(queue) and all(t.done for t in queue))
 
     _, report = c.step(before_forward=loads_landed)
     for t in timers:
@@ -288,7 +288,7 @@ def test_preemption_barrier_finishes_stores_before_blocks_are_reused(
 
     def barrier(transfers: Any) -> None:
         transfers = list(transfers)
-        seen.append([(t.tag, t.future.done()) for t in transfers])
+        seen.append([(t.tag, bool(t.done)) for t in transfers])
         gate.open()
         wait(transfers)
 

@@ -261,7 +261,7 @@ def test_transfers_submitted_together_run_as_one_group(engine: TransferEngine) -
     with engine.batched():
         for t in ts:
             engine.submit(t)
-        assert all(t.future is not None and not t.future.done() for t in ts)
+        assert all(t.done is False for t in ts)
     assert drain(engine, *ts) == ts
     assert engine.stats.groups["store"] == 1 and engine.stats.grouped_transfers["store"] == 7
     for i, dst in enumerate(dsts):
@@ -303,3 +303,27 @@ def test_wait_inside_batched_releases_what_is_held(engine: TransferEngine) -> No
         engine.wait([t])  # would never return if what is held stayed held
         assert int(dst.sum()) == 7 * 16
     assert engine.poll() == [t]
+
+
+def test_a_transfer_is_done_once_its_results_are_written(engine: TransferEngine) -> None:
+    """The completion without a future per transfer: ``done`` is None before submit (wait
+    skips such a transfer), False while queued, True once the engine's thread has written the
+    results; a wait for one transfer returns with every earlier one of its direction done."""
+    d = dev(engine)
+    never = store(b"n", torch.ones(4, dtype=torch.uint8, device=d), host(4))
+    engine.wait([never])  # not submitted: returns at once
+    assert never.done is None
+    dsts = [host(32) for _ in range(5)]
+    ts = [store(bytes([i]), torch.full((32,), i, dtype=torch.uint8, device=d), dst)
+          for i, dst in enumerate(dsts)]  # fmt: skip
+    with engine.batched():
+        for t in ts:
+            engine.submit(t)
+        assert [t.done for t in ts] == [False] * 5 and engine.poll() == []
+    engine.wait([ts[2]])
+    assert all(t.done for t in ts[:3])
+    assert all(t.nbytes == 32 and not t.failed_keys for t in ts[:3])
+    engine.wait(ts)
+    assert engine.poll() == ts
+    for i, dst in enumerate(dsts):
+        assert torch.equal(dst, torch.full((32,), i, dtype=torch.uint8))
