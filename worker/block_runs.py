@@ -150,9 +150,84 @@ def merged(runs: Sequence[BlockRun]) -> Iterator[Span]:
 
 
 def run_block_runs(runs: Sequence[BlockRun]) -> None:
-    """Engine thread: copy ``runs`` in order, :func:`merged`."""
-    for span in merged(runs):
-        _copy(*span)
+    """Engine thread: copy ``runs`` in order, :func:`merged` (the same merge, inlined: this
+    is the CPU engine's per-chunk loop). The host's views are made once per call and kept
+    for the runs that follow on the same host and caches, not once per run; they live only
+    during the call (a view kept would hold the arena's mapping open)."""
+    views = _HostViews()
+    i, n = 0, len(runs)
+    while i < n:
+        r = runs[i]
+        kv, host, is_load = r.kv, r.host, r.is_load
+        first, count, at, bb = r.first, r.count, r.at, kv.block_bytes
+        i += 1
+        while i < n:
+            s = runs[i]
+            if (s.first != first + count or s.at != at + count * bb or s.kv is not kv
+                    or s.host is not host or s.is_load != is_load):  # fmt: skip
+                break
+            count += s.count
+            i += 1
+        views.copy(kv, host, first, count, at, is_load)
+
+
+class _HostViews:
+    """:func:`_copy` with the views of the host made once per host, caches and offset
+    modulo the block size: a flat cache is copied between two memoryviews (slicing one costs
+    half a numpy slice), the others from ``host`` seen as ``(rows, *block)`` from the run's
+    offset modulo ``block_bytes`` on, so that a run is one slice of it, not a slice and a
+    reshape."""
+
+    __slots__ = ("_blocks", "_bytes", "_flat", "_host", "_kv", "_res")
+
+    def __init__(self) -> None:
+        self._host: np.ndarray | None = None
+        self._kv: KVArrays | None = None
+        self._res = -1
+        self._flat: memoryview | None = None
+        self._bytes: memoryview | None = None
+        self._blocks: np.ndarray | None = None
+
+    def copy(self, kv: KVArrays, host: np.ndarray, first: int, count: int, at: int,
+             is_load: bool) -> None:  # fmt: skip
+        """One merged run, as :func:`_copy` does it."""
+        bb, whole = kv.block_bytes, kv.flat
+        if whole is not None:
+            if host is not self._host or kv is not self._kv or self._flat is None:
+                self._host, self._kv, self._res, self._blocks = host, kv, -1, None
+                self._bytes, self._flat = host.data, whole.data  # memoryviews
+            side, flat = self._bytes, self._flat
+            assert side is not None
+            if is_load:
+                flat[first * bb : (first + count) * bb] = side[at : at + count * bb]
+            else:
+                side[at : at + count * bb] = flat[first * bb : (first + count) * bb]
+            return
+        if not kv.page and kv.spaced is None:  # pages of mixed sizes: per group, as before
+            _copy(kv, host, first, count, at, is_load)
+            return
+        res = at % bb
+        blocks = self._blocks
+        if host is not self._host or kv is not self._kv or res != self._res or blocks is None:
+            shape = kv.spaced.shape[1:] if kv.spaced is not None else (bb // kv.page, kv.page)
+            rows = (host.size - res) // bb
+            blocks = host[res : res + rows * bb].reshape(rows, *shape)  # contiguous: a view
+            self._host, self._kv, self._res, self._blocks = host, kv, res, blocks
+            self._bytes = self._flat = None
+        q = (at - res) // bb
+        part = blocks[q : q + count]
+        if kv.spaced is not None:
+            cache = kv.spaced[first : first + count]
+            if is_load:
+                cache[...] = part
+            else:
+                part[...] = cache
+            return
+        for rows_g, p, c in kv.groups:
+            if is_load:
+                rows_g[first : first + count] = part[:, p : p + c]
+            else:
+                part[:, p : p + c] = rows_g[first : first + count]
 
 
 def _copy(kv: KVArrays, host: np.ndarray, first: int, count: int, at: int, is_load: bool) -> None:

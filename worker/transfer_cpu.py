@@ -3,7 +3,7 @@
 Runs in the worker process; the interface, ordering and grouping are
 :class:`~worker.transfer.TransferEngine`'s (worker/transfer.py), shared with the CUDA engine
 (worker/transfer_cuda.py). The copies run synchronously on the direction's thread, so a
-transfer is finished when its future is: runs of whole blocks with numpy
+transfer is finished once it is marked done: runs of whole blocks with numpy
 (worker/block_runs.py, neighbours that continue each other merged), plain pairs in one
 ``torch._foreach_copy_`` per run of them, indexed copies as one native gather or scatter.
 """
@@ -39,6 +39,9 @@ class CpuTransferEngine(TransferEngine):
     def _copy_batch(self, copies: list[Copy]) -> None:
         # Consecutive block runs go to run_block_runs together (it merges those that continue
         # each other), runs of plain copies to one _foreach_copy_ call (its loop runs in C++).
+        if set(map(type, copies)) == {BlockRun}:  # the strided plan: told in one pass in C
+            run_block_runs(copies)  # type: ignore[arg-type]
+            return
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
         runs: list[BlockRun] = []

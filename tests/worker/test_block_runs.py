@@ -95,27 +95,30 @@ class Runs:
     nb: int
     host_blocks: int
     is_load: bool
-    runs: list[tuple[int, int, int]]  # (first, count, host block)
+    runs: list[tuple[int, int, int, int, int]]  # (first, count, host block, shift, host)
     seed: int
 
 
 @st.composite
 def run_lists(draw: st.DrawFn) -> Runs:
     """Runs of one direction, each continuing the one before it or starting anywhere (blocks
-    repeat across runs: a load's later run must win)."""
+    repeat across runs: a load's later run must win), in one of two hosts, at host offsets a
+    whole number of blocks plus a shift (0, 1 or 7 bytes: the engine keeps views of the host
+    per offset modulo the block size and per host)."""
     kind = draw(st.sampled_from(LAYOUTS))
     nb, host_blocks = 8, 12
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, int, int, int, int]] = []
     for _ in range(draw(st.integers(1, 8))):
         count = draw(st.integers(1, 3))
         if out and draw(st.booleans()):
-            first, n, at = out[-1]
+            first, n, at, shift, which = out[-1]
             first, at = first + n, at + n
         else:
             first, at = draw(st.integers(0, nb - 1)), draw(st.integers(0, host_blocks - 1))
+            shift, which = draw(st.sampled_from([0, 1, 7])), draw(st.integers(0, 1))
         count = min(count, nb - first, host_blocks - at)
         if count > 0:
-            out.append((first, count, at))
+            out.append((first, count, at, shift, which))
     return Runs(kind, nb, host_blocks, draw(st.booleans()), out, draw(st.integers(0, 99)))
 
 
@@ -129,21 +132,41 @@ def test_merged_runs_move_the_bytes_of_the_runs_in_order(r: Runs) -> None:
     c = caches_on(r.kind, r.nb, r.seed, "cpu")
     bb = c.block_bytes
     g = torch.Generator().manual_seed(r.seed)
-    host = torch.randint(0, 256, (r.host_blocks * bb + 3,), dtype=torch.uint8, generator=g)
-    want_host = bytearray(host.numpy().tobytes())
+    hosts = [torch.randint(0, 256, (r.host_blocks * bb + 8,), dtype=torch.uint8, generator=g)
+             for _ in range(2)]  # fmt: skip
+    want_hosts = [bytearray(h.numpy().tobytes()) for h in hosts]
     want_blocks = blocks(c)
-    for first, count, at in r.runs:
+    for first, count, at, shift, which in r.runs:
+        want_host = want_hosts[which]
         for j in range(count):
-            lo = (at + j) * bb
+            lo = (at + j) * bb + shift
             if r.is_load:
                 want_blocks[first + j] = bytes(want_host[lo : lo + bb])
             else:
                 want_host[lo : lo + bb] = want_blocks[first + j]
-    host_array = host.numpy()
-    run_block_runs([BlockRun(arrays(c), host_array, first, count, at * bb, r.is_load)
-                    for first, count, at in r.runs])  # fmt: skip
-    assert host.numpy().tobytes() == bytes(want_host)
+    arrays_ = [h.numpy() for h in hosts]
+    run_block_runs([BlockRun(arrays(c), arrays_[which], first, count, at * bb + shift, r.is_load)
+                    for first, count, at, shift, which in r.runs])  # fmt: skip
+    assert [h.numpy().tobytes() for h in hosts] == [bytes(w) for w in want_hosts]
     assert blocks(c) == want_blocks
+    assert spans([BlockRun(arrays(c), arrays_[which], first, count, at * bb + shift, False)
+                  for first, count, at, shift, which in r.runs]) == [
+        (first, count, at * bb + shift) for first, count, at, shift, _ in _joined(r.runs)
+    ]  # fmt: skip
+
+
+def _joined(runs: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """The runs with each neighbour that continues the one before it joined (the model of
+    :func:`merged`)."""
+    out: list[tuple[int, int, int, int, int]] = []
+    for first, count, at, shift, which in runs:
+        if out:
+            f, n, a, s, w = out[-1]
+            if (first, at, shift, which) == (f + n, a + n, s, w):
+                out[-1] = (f, n + count, a, s, w)
+                continue
+        out.append((first, count, at, shift, which))
+    return out
 
 
 @st.composite
