@@ -25,26 +25,30 @@ Copies come as ``(src, dst)`` pairs, indexed copies (a gather or scatter of rows
 whole blocks between CPU caches and host memory (worker/block_runs.py) or staged parts
 (worker/staging.py: consecutive staged parts of a transfer are gathered into, or scattered
 from, the direction's staging buffer together, with one copy per host extent).
-Implementations: ``CpuTransferEngine`` in worker/transfer_cpu.py (one single-thread executor
-per direction; numpy, ``torch`` ``copy_``, ``index_select`` and ``index_copy_``), and
+The value types (``Transfer``, ``KeyCopies``, the copies) are in worker/transfer_types.py,
+re-exported here. Implementations: ``CpuTransferEngine`` in worker/transfer_cpu.py (one
+single-thread executor per direction; numpy, ``torch`` ``copy_``, ``index_select`` and
+``index_copy_``), and
 ``CudaTransferEngine`` in worker/transfer_cuda.py (dedicated streams, start/end events chained
 across transfers); ``make_engine`` in worker/transfer_factory.py picks one by device. Thread
 safety: ``submit``/``poll``/``wait``/``close`` are called from one thread (the worker's); the
-engine's own threads only run the transfer bodies, in order.
+engine's own threads run the transfer bodies, in order, except that a ``wait`` about to block
+runs the copy-only transfers queued at its direction's head itself when that direction's
+thread is not running any (:meth:`TransferEngine._help`: no two thread wake-ups per wait);
+one runner per direction at a time, and ``prepare``/``finish`` hooks (daemon I/O) always run
+on the engine's threads.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,107 +61,25 @@ from worker.staging import (
     StagingBuffer,
     run_staged,
 )
+from worker.transfer_types import (
+    Copy,
+    Direction,
+    EngineStats,
+    IndexedCopy,
+    KeyCopies,
+    Transfer,
+    copy_bytes,
+)
+
+__all__ = [
+    "MAX_GROUP", "Copy", "Direction", "EngineStats", "IndexedCopy", "KeyCopies", "Transfer",
+    "TransferEngine", "copy_bytes",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 #: Most transfers run as one group (the rest form the next group).
 MAX_GROUP = 256
-
-
-class Direction(enum.Enum):
-    STORE = "store"  # KV blocks → host
-    LOAD = "load"  # host → KV blocks
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class IndexedCopy:
-    """Rows along dim 0 picked by ``index`` on one side: a gather ``dst[k] = src[index[k]]``
-    or, with ``scatter``, ``dst[index[k]] = src[k]``. ``index`` (int64, on the CPU) has no
-    duplicates when ``scatter``; the row shapes of ``src`` and ``dst`` match."""
-
-    src: torch.Tensor
-    dst: torch.Tensor
-    index: torch.Tensor
-    scatter: bool
-
-    @property
-    def nbytes(self) -> int:
-        dense = self.src if self.scatter else self.dst
-        return dense.numel() * dense.element_size()
-
-
-#: One copy: a ``(src, dst)`` pair of equal shape (``dst.copy_(src)``), an indexed copy, a
-#: run of whole blocks between CPU caches and host memory (worker/block_runs.py), or a part to
-#: move through the engine's staging buffer (worker/staging.py).
-Copy = tuple[torch.Tensor, torch.Tensor] | IndexedCopy | BlockRun | StagedPart
-
-
-def copy_bytes(copy: Copy) -> int:
-    if isinstance(copy, IndexedCopy | BlockRun | StagedPart):
-        return copy.nbytes
-    return copy[0].numel() * copy[0].element_size()
-
-
-@dataclass(slots=True, eq=False)
-class KeyCopies:
-    """The copies of one chunk part, run in order. ``error`` set means planning failed
-    already: nothing is copied and the key is reported failed. ``size``: the bytes the copies
-    move, when the planner knows it (else summed from ``pairs``)."""
-
-    key: bytes
-    pairs: list[Copy] = field(default_factory=list)
-    error: str | None = None
-    size: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.size is not None:
-            return self.size
-        return sum(copy_bytes(c) for c in self.pairs)
-
-
-@dataclass(slots=True, eq=False)
-class Transfer:
-    """One unit of ordered work, reported once.
-
-    ``prepare`` (optional) runs first on the engine's thread and returns the copies (e.g. a
-    remote load reads the parts from the daemon, then copies them out); otherwise ``copies``
-    are used. ``finish`` (optional) runs on the engine's thread once the copies have landed,
-    with the keys that copied fine (e.g. a remote store sends its staging buffer). An exception
-    from either fails every key. ``keepalive`` holds buffers the copies use until done.
-    """
-
-    direction: Direction
-    tag: Any
-    keys: list[bytes]
-    copies: list[KeyCopies] = field(default_factory=list)
-    prepare: Callable[[], list[KeyCopies]] | None = None
-    finish: Callable[[list[bytes]], None] | None = None
-    keepalive: list[Any] = field(default_factory=list)
-    # --- results (written by the engine thread, read after completion) ---
-    failed_keys: list[bytes] = field(default_factory=list)
-    nbytes: int = 0
-    seconds: float = 0.0
-    #: None until submitted; then False until the engine's thread has run the transfer and
-    #: written the results above (set under the direction's condition, see
-    #: :meth:`TransferEngine.wait`). A device engine's copies may still be in flight then.
-    done: bool | None = None
-    #: engine-specific completion state (CUDA: the end event).
-    state: Any = None
-    #: when the submitting thread first saw its copies landed (``time.monotonic()``, by
-    #: :meth:`TransferEngine.poll` or :meth:`TransferEngine.wait`): never earlier than they
-    #: landed, so a reader whose lease deadline is before it knows its copies were done in time
-    landed_at: float | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    transfers: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    bytes: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    failed_keys: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    #: runs of two or more transfers copied as one group, and the transfers in them.
-    groups: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
-    grouped_transfers: dict[str, int] = field(default_factory=lambda: {"store": 0, "load": 0})
 
 
 class TransferEngine(ABC):
@@ -182,7 +104,7 @@ class TransferEngine(ABC):
         self.stats = EngineStats()
         self.host_kernels = host_kernels
         self.host_kernel_max_piece = host_kernel_max_piece
-        #: one staging buffer per direction (used by that direction's thread only).
+        #: one staging buffer per direction (used by that direction's runner only).
         self._staging = {d: StagingBuffer(staging_bytes) for d in Direction}
         self._executors = {
             d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-{d.value}")
@@ -198,6 +120,9 @@ class TransferEngine(ABC):
         #: per direction: a :meth:`_drain` is queued or running and will take what is queued
         #: (one executor task per burst of submits, not one per transfer). Under ``_wake``.
         self._draining = {d: False for d in Direction}
+        #: per direction: held while transfers of it run (by its thread, or by a waiter that
+        #: runs what is queued itself, :meth:`_help`): one runner at a time, in order.
+        self._running = {d: threading.Lock() for d in Direction}
         self._wake = threading.Lock()
         #: per direction: notified when transfers of it are marked done (one notification
         #: per group, not a future per transfer).
@@ -267,12 +192,37 @@ class TransferEngine(ABC):
             if t.done is None:  # never submitted
                 continue
             if not t.done:
+                self._help(t.direction)
+            if not t.done:
                 finished = self._finished[t.direction]
                 with finished:
                     while not t.done:
                         finished.wait()
             self._sync(t)
             _stamp_landed(t)
+
+    def _help(self, direction: Direction) -> None:
+        """Worker's thread, about to block in :meth:`wait`: if no transfer of ``direction`` is
+        running, run the copy-only transfers queued at its head here (one group) instead of
+        sleeping until the direction's thread has woken, run them and woken this one: two
+        thread wake-ups per wait, which a busy machine makes cost milliseconds. Transfers with
+        ``prepare``/``finish`` (daemon I/O) stay for the direction's thread; the order holds
+        (one runner at a time, ``_running``; each takes from the head of the queue)."""
+        running = self._running[direction]
+        if not running.acquire(blocking=False):
+            return  # the direction's thread is running a group: it goes on with the rest
+        try:
+            queue = self._queued[direction]
+            with self._wake:
+                items: list[tuple[Transfer, Any]] = []
+                while queue and len(items) < self.max_group:
+                    t = queue[0][0]
+                    if t.prepare is not None or t.finish is not None:
+                        break
+                    items.append(queue.popleft())
+            self._run_group(items)
+        finally:
+            running.release()
 
     @property
     def num_inflight(self) -> int:
@@ -300,28 +250,30 @@ class TransferEngine(ABC):
         queue = self._queued[direction]
         try:
             while True:
-                with self._wake:
-                    if not queue:
-                        self._draining[direction] = False
-                        return
-                    items = [queue.popleft() for _ in range(min(len(queue), self.max_group))]
-                run: list[tuple[Transfer, Any]] = []
-                for item in items:
-                    if item[0].prepare is None and item[0].finish is None:
-                        run.append(item)
-                        continue
+                with self._running[direction]:
+                    with self._wake:
+                        if not queue:
+                            self._draining[direction] = False
+                            return
+                        items = [queue.popleft() for _ in range(min(len(queue), self.max_group))]
+                    run: list[tuple[Transfer, Any]] = []
+                    for item in items:
+                        if item[0].prepare is None and item[0].finish is None:
+                            run.append(item)
+                            continue
+                        self._run_group(run)
+                        run = []
+                        self._run_group([item])
                     self._run_group(run)
-                    run = []
-                    self._run_group([item])
-                self._run_group(run)
         except BaseException:  # a bug: let the next submit start a drain again
             with self._wake:
                 self._draining[direction] = False
             raise
 
     def _run_group(self, items: list[tuple[Transfer, Any]]) -> None:
-        """Engine thread: prepare → copies (per key) → land → finish, for one transfer or a
-        group of transfers without prepare/finish (their copies in one batch). Never raises;
+        """The direction's runner (its thread, or a waiter: :meth:`_help`): prepare → copies
+        (per key) → land → finish, for one transfer or a group of transfers without
+        prepare/finish (their copies in one batch). Never raises;
         marks every transfer done (once its results are written) and wakes the waiters."""
         if not items:
             return

@@ -91,7 +91,8 @@ class CudaTransferEngine(TransferEngine):
                 d: [_cuda.Stream(device) for _ in range(streams_per_direction)] for d in Direction
             }
         self._next = dict.fromkeys(Direction, 0)
-        #: end event of the last transfer launched per direction (engine threads only).
+        #: end event of the last transfer launched per direction (its runner only: the
+        #: direction's thread, or a waiter running queued copies, one at a time).
         self._last_end: dict[Direction, torch.cuda.Event | None] = dict.fromkeys(Direction)
         #: host_view has logged that it cannot make device views (once).
         self._no_views = False

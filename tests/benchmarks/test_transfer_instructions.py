@@ -4,11 +4,7 @@ leaves nothing in flight (its assertion)."""
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("torch")
-
-from benchmarks.transfer_instructions import KINDS, run_kinds  # noqa: E402
+from benchmarks.transfer_instructions import KINDS, run_kinds
 
 
 def test_every_kind_runs_once_through_the_engine() -> None:

@@ -327,3 +327,34 @@ def test_a_transfer_is_done_once_its_results_are_written(engine: TransferEngine)
     assert engine.poll() == ts
     for i, dst in enumerate(dsts):
         assert torch.equal(dst, torch.full((32,), i, dtype=torch.uint8))
+
+
+def test_a_waiter_that_runs_queued_copies_keeps_the_order_and_leaves_hooks_to_the_engine(
+    engine: TransferEngine,
+) -> None:
+    """A wait may run the copy-only transfers queued at its direction's head on its own
+    thread (instead of sleeping until the engine thread has run them); whoever runs what,
+    the order holds: a store with a ``finish`` hook between two copy-only stores to the same
+    bytes sees the first one's bytes and runs on the direction's thread, and the last store
+    wins. Repeated, so that the waiter and the engine thread meet in either order."""
+    d = dev(engine)
+    for round_ in range(20):
+        dst = host(16)
+        first = store(b"a", torch.full((16,), 1, dtype=torch.uint8, device=d), dst)
+        seen: list[tuple[int, str]] = []
+        hooked = store(b"b", torch.full((4,), 9, dtype=torch.uint8, device=d), host(4),
+                       finish=lambda ok, dst=dst, seen=seen: seen.append(
+                           (int(dst[0]), threading.current_thread().name)))  # fmt: skip
+        last = store(b"c", torch.full((16,), 3, dtype=torch.uint8, device=d), dst)
+        if round_ % 2:
+            with engine.batched():
+                for t in (first, hooked, last):
+                    engine.submit(t)
+        else:
+            for t in (first, hooked, last):
+                engine.submit(t)
+        engine.wait([last])
+        assert first.done and hooked.done and last.done
+        assert len(seen) == 1 and seen[0][0] == 1 and seen[0][1].startswith("kv-store")
+        assert torch.equal(dst, torch.full((16,), 3, dtype=torch.uint8))
+        assert engine.poll() == [first, hooked, last]
