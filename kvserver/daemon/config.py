@@ -122,6 +122,11 @@ class DaemonConfig:
     #: token; kvserver/keyset.py); excludes the settings it fills in.
     keys_dir: str = ""
     event_capacity: int = 100_000
+    #: KV-event PUB: messages (events) queued per subscriber before ZMQ drops what follows, for
+    #: it alone; a subscriber that fell behind gets them by replay (kvserver/daemon/pub_limit.py).
+    pub_hwm: int = 1000
+    #: KV-event PUB: most subscriber connections at once (one more is closed at once).
+    pub_max_subscribers: int = 64
     #: largest request accepted, bytes: all frames of a local-channel message (refused at its
     #: size prefix) or of a ROUTER message (refused once ZMQ has received it whole); ZMQ itself
     #: (MAXMSGSIZE, the ROUTER's and the network tier's DEALERs') bounds each frame only.
@@ -235,7 +240,8 @@ class DaemonConfig:
                 value=self.zmq_send_max_unsent,
             )
         for name in ("ssd_promotions", "event_capacity", "max_message_bytes",
-                     "local_inflight_bytes", "local_max_connections"):  # fmt: skip
+                     "local_inflight_bytes", "local_max_connections", "pub_hwm",
+                     "pub_max_subscribers"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1", value=getattr(self, name))
         if self.no_auth and self.auth_token:

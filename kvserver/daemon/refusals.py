@@ -209,3 +209,15 @@ class HandshakeCounts:
             "refused_key": self.refused_key,
             "failed": self.failed,
         }
+
+
+@dataclass(slots=True)
+class SubscriberCounts:
+    """Connections to the KV-event PUB (``pub_limit.py``): those open now and those cut at once
+    because ``pub_max_subscribers`` were open already. In ``stats()`` as ``pub_subscribers``."""
+
+    connected: int = 0
+    refused: int = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"connected": self.connected, "refused": self.refused}

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvserver import __version__
 from kvserver.daemon.prompt_hashing import PromptHashing
-from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle
+from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle, SubscriberCounts
 from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
@@ -83,6 +83,9 @@ class KVService:
         #: the ZMQ handshakes the ZAP handler admitted and refused (``zap.py``); in
         #: ``stats()`` as ``handshakes``.
         self.handshakes = HandshakeCounts()
+        #: the KV-event PUB's subscriber connections, open and refused (``pub_limit.py``); in
+        #: ``stats()`` as ``pub_subscribers``.
+        self.subscribers = SubscriberCounts()
 
     def add_tier(self, tier: Tier) -> None:
         """Put ``tier`` below the tiers already added (``TierStack.add``)."""
@@ -241,6 +244,7 @@ class KVService:
         out["cluster"] = self.cluster.stats() if self.cluster is not None else None
         out["refusals"] = self.refusals.stats()
         out["handshakes"] = self.handshakes.stats()
+        out["pub_subscribers"] = self.subscribers.stats()
         out["peer_stream"] = self.peer_stream.stats() if self.peer_stream is not None else None
         out["prompt_hashing"] = self.prompts.stats()
         out["zmq_sends"] = self.zmq_sends.stats() if self.zmq_sends is not None else None

@@ -80,6 +80,7 @@ from kvserver.daemon.local_server import (
     LocalMessage,
     Refused,
 )
+from kvserver.daemon.pub_limit import SubscriberLimit, configure
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zap import HandshakeGate
 from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
@@ -90,7 +91,6 @@ from kvserver.errors import InvalidArgument, KVServerError
 
 logger = logging.getLogger(__name__)
 
-PUB_HWM = 100_000
 ROUTER_SNDHWM = REPLAY_MAX_BATCHES + 100
 #: messages one reader wake-up handles before it lets the loop run other callbacks.
 MAX_DRAIN = 64
@@ -118,6 +118,7 @@ class DataFrontend:
         self._raw: zmq.Socket[bytes] | None = None
         self._fd: int | None = None
         self._pub: zmq.asyncio.Socket | None = None
+        self._subscribers: SubscriberLimit | None = None  # the PUB's connections (pub_limit.py)
         self._zap: HandshakeGate | None = None  # tokens / CURVE keys at the handshake
         self._tasks: set[asyncio.Task[None]] = set()
         #: connection → messages waiting behind that connection's lane
@@ -186,8 +187,12 @@ class DataFrontend:
                 if curve is not None:
                     curve.apply(self._pub)
                 self._pub.setsockopt(zmq.LINGER, 0)
-                self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+                configure(self._pub, cfg.pub_hwm)
                 pub_port = _bind(self._pub, cfg.host, cfg.pub_port, "--pub-port")
+                self._subscribers = SubscriberLimit(
+                    self._ctx, self._service.subscribers, cfg.pub_max_subscribers
+                )
+                self._subscribers.watch(self._pub, pub_port)
         except BaseException:
             await self.stop()
             raise
@@ -245,6 +250,9 @@ class DataFrontend:
         if self._zap is not None:
             self._zap.stop()  # (it watches the ROUTER: before the ROUTER closes)
             self._zap = None
+        if self._subscribers is not None:
+            self._subscribers.stop()  # (it watches the PUB: before the PUB closes)
+            self._subscribers = None
         for sock in (self._router, self._pub):
             if sock is not None:
                 sock.close(linger=0)

@@ -35,6 +35,8 @@ BAD: dict[str, tuple[str, ...]] = {
     "max_message_bytes": ("0",),
     "local_inflight_bytes": ("0",),
     "local_max_connections": ("0",),
+    "pub_hwm": ("0",),
+    "pub_max_subscribers": ("0",),
     "zmq_send_timeout_s": ("0", "301", "nan"),
     "zmq_send_max_unsent": ("-1",),
     "reap_interval_s": ("0", "nan", "inf"),

@@ -1,0 +1,162 @@
+"""Bounds on the KV-event PUB: a per-subscriber queue in messages and a number of connections.
+
+Runs in the daemon process, on its event loop (the monitor socket is read by a reader callback
+on its file descriptor, as ``zap.py`` reads its own). Not thread-safe: loop only.
+
+Call order: ``configure(pub, hwm)`` before the PUB binds → ``SubscriberLimit(ctx, counts,
+max_subscribers)`` → ``watch(pub, port)`` after it binds → serving → ``stop()`` before the PUB
+closes.
+
+Why: without CURVE anyone who can reach the PUB port may subscribe, and ZMQ has no cap on a
+bound socket's connections. A subscriber that never reads keeps, in the daemon, every message
+published since it stalled up to the PUB's ``SNDHWM`` (ZMQ then drops its messages, for it
+alone): at vLLM's ``SNDHWM`` of 100,000 messages that was ~21 MB per stalled subscriber (one
+event of a few keys is one ~210-byte message), and 50 of them took the daemon from 230 to
+674 MB. So:
+
+- **Queue**: ``pub_hwm`` messages per subscriber (default 1,000; one message is one event, a
+  vLLM ``KVEventBatch`` of one, ``zmq_events.py``). A subscriber that falls further behind loses
+  messages and sees the gap in ``seq``; it gets them back from the replay protocol on the data
+  port (``docs/wire.md`` §5), which serves any of the event log's ``event_capacity`` (100,000)
+  newest events — the recovery vLLM's subscribers already do.
+- **Connections**: at most ``pub_max_subscribers`` (default 64). The PUB's monitor reports each
+  accepted connection with its descriptor; one accepted while that many are open is shut down
+  at once (``shutdown(2)`` of the descriptor: libzmq sees the end of the stream, drops the
+  connection and its queue), counted as ``refused``. ZMQ offers no per-socket cap, ZAP is not
+  told when a connection ends, and the monitor is: it reports ``DISCONNECTED`` with the same
+  descriptor, so the count of open connections is exact while no monitor event is lost (its
+  queue here is unbounded) — and is checked against the descriptors themselves before any
+  connection is refused, so a lost event cannot lock subscribers out.
+
+So a daemon's stalled subscribers hold at most ``pub_max_subscribers x pub_hwm`` messages
+(64 x 1,000 x ~210 B ≈ 13 MB for events of a few keys; messages of events with many keys are
+larger, ~35 B a key). Events are published in the order the engine numbers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any, cast
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvserver.daemon.refusals import SubscriberCounts
+
+logger = logging.getLogger(__name__)
+
+#: the PUB's monitor events read here (a refused handshake also ends with DISCONNECTED)
+WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
+def configure(pub: zmq.Socket[Any], hwm: int) -> None:
+    """Bound each subscriber's queue at ``hwm`` messages (before ``pub`` binds)."""
+    pub.setsockopt(zmq.SNDHWM, hwm)
+
+
+class SubscriberLimit:
+    """Keeps at most ``max_subscribers`` connections on one PUB; see the module docstring.
+
+    Invariant (while no monitor event is lost): ``_open`` holds the descriptor of every
+    connection the PUB has accepted and not yet reported disconnected, except those refused.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context[Any], counts: SubscriberCounts, max_subscribers: int
+    ) -> None:
+        self._ctx = ctx
+        self._counts = counts
+        self._max = max_subscribers
+        self._open: set[int] = set()
+        self._port = 0
+        self._watched: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._fd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def watch(self, pub: zmq.Socket[Any], port: int) -> None:
+        """Start counting ``pub``'s connections (bound on TCP ``port``), on the running loop."""
+        addr = f"inproc://kvserver-pub-subscribers-{id(self):x}"
+        pub.monitor(addr, WATCHED_EVENTS)
+        pair: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.setsockopt(zmq.RCVHWM, 0)  # no monitor event is dropped (the loop drains them)
+        pair.connect(addr)
+        self._watched, self._monitor, self._port = pub, pair, port
+        self._loop = asyncio.get_running_loop()
+        self._fd = cast(int, pair.getsockopt(zmq.FD))
+        self._loop.add_reader(self._fd, self._drain)
+        self._loop.call_soon(self._drain)  # the descriptor signals changes only
+
+    def stop(self) -> None:
+        """Stop watching and close the monitor socket (before the PUB closes). Idempotent."""
+        if self._fd is not None and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+        self._fd = None
+        if self._watched is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._watched.disable_monitor()
+            self._watched = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def _drain(self) -> None:
+        """Read every queued monitor event, then refuse what is over the limit. Acting only
+        after the queue is empty means a descriptor reported closed meanwhile is not cut."""
+        pair = self._monitor
+        if pair is None:
+            return
+        over: list[int] = []
+        try:
+            while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                event = parse_monitor_message(pair.recv_multipart(zmq.NOBLOCK))
+                fd = int(event["value"])
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._open.discard(fd)
+                    with contextlib.suppress(ValueError):
+                        over.remove(fd)
+                elif event["event"] == zmq.EVENT_ACCEPTED:
+                    if len(self._open) >= self._max:
+                        self._prune()
+                    if len(self._open) >= self._max:
+                        over.append(fd)
+                    else:
+                        self._open.add(fd)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EAGAIN, zmq.ETERM):
+                logger.warning("KV-event PUB monitor failed: %s", exc)
+        for fd in over:
+            if self._shut_down(fd):
+                self._counts.refused += 1
+        self._counts.connected = len(self._open)
+
+    def _prune(self) -> None:
+        """Forget descriptors that are no longer connections to the PUB (a lost event)."""
+        for fd in list(self._open):
+            if not self._is_subscriber(fd):
+                self._open.discard(fd)
+
+    def _is_subscriber(self, fd: int) -> bool:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.getpeername()
+                return cast(int, sock.getsockname()[1]) == self._port
+        except (OSError, IndexError, TypeError):
+            return False
+
+    def _shut_down(self, fd: int) -> bool:
+        """End the connection on ``fd`` if it still is one to the PUB; True if it was."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:  # closes the duplicate only
+                sock.getpeername()  # a connection (the listener has no peer)
+                if sock.getsockname()[1] != self._port:
+                    return False
+                sock.shutdown(socket.SHUT_RDWR)
+                return True
+        except (OSError, IndexError, TypeError):
+            return False
