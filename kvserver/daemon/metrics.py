@@ -197,6 +197,17 @@ class DaemonCollector(LoopCollector):
             yield CounterMetricFamily(name, doc, value=refusals[key])
         for name, doc, key in _HANDSHAKE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=s["handshakes"][key])
+        subscribers = s["pub_subscribers"]
+        yield GaugeMetricFamily(
+            "kvserver_pub_subscribers",
+            "Connections open to the KV-event PUB.",
+            subscribers["connected"],
+        )
+        yield CounterMetricFamily(
+            "kvserver_pub_subscribers_refused",
+            "Connections to the KV-event PUB shut down at once: pub_max_subscribers were open.",
+            value=subscribers["refused"],
+        )
         prompts = s["prompt_hashing"]
         for name, doc, key in _PROMPT_COUNTERS:
             yield CounterMetricFamily(name, doc, value=prompts[key])

@@ -15,6 +15,7 @@ from kvserver.client import KVClient
 from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.test_memory_bounds import MIB, rss
 from tests.support.daemon import DaemonProc, raw_dealer, start_daemon, wait_until
+from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -149,7 +150,7 @@ def test_stalled_subscribers_are_bounded_and_a_slow_reader_misses_nothing(
 
 
 def test_a_subscriber_over_the_limit_is_cut_and_admitted_once_one_leaves(tmp_path: Path) -> None:
-    """8 subscribers fill the limit; a 9th is cut at once (counted, never counted as open);
+    """8 subscribers fill the limit; a 9th is cut at once (counted in stats and /metrics);
     once one of the 8 closes, the 9th's own reconnection is admitted and receives events."""
     d = start(tmp_path)
     ctx: zmq.Context[bytes] = zmq.Context()
@@ -173,6 +174,9 @@ def test_a_subscriber_over_the_limit_is_cut_and_admitted_once_one_leaves(tmp_pat
             wait_until(lambda: counts()["refused"] >= 1)
             assert counts()["connected"] == MAX_SUBSCRIBERS
             assert extra.poll(0) == 0
+            metrics = scrape(d.metrics_url)
+            assert metrics.value("kvserver_pub_subscribers") == MAX_SUBSCRIBERS
+            assert metrics.value("kvserver_pub_subscribers_refused_total") >= 1
             subs.pop().close()
             wait_until(lambda: admitted(extra))
             assert counts()["connected"] == MAX_SUBSCRIBERS
