@@ -57,7 +57,7 @@ def rebuild(
     geometry = {s.ns_id: (s.part_bytes, s.tp_world_size) for s in specs}
     geometry |= {s.ns_id: (s.part_bytes, s.tp_world_size) for s in engine.namespaces.values()}
     chunks = [(c.slot_bytes, c.slot, c.header) for c in scan.chunks]
-    result = index.restore(chunks, scan.num_slots, scan.invalid, geometry)
+    result = index.restore(chunks, scan.num_slots, scan.invalid, geometry, scan.blank)
     if result.discard:
         logger.warning(
             "SSD tier: discarding %d slots (%d invalid headers, %d older duplicates, "

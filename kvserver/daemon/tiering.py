@@ -70,7 +70,7 @@ from kvserver.ssd.buffers import BufferPool
 from kvserver.ssd.config import TierConfig, TierCounters
 from kvserver.ssd.fileio import FileIO, aligned_buffer
 from kvserver.ssd.format import ChunkHeader, CorruptChunk
-from kvserver.ssd.index import SsdEntry, SsdIndex
+from kvserver.ssd.index import SsdEntry, SsdIndex, slack_bytes_for
 from kvserver.ssd.scan import ScanResult
 from kvserver.ssd.store import ChunkRead, SlotStore
 
@@ -99,7 +99,12 @@ class SsdTier(Tier):
             raise ValueError("at least one promotion must be allowed")
         self.engine = engine
         self.config = config
-        self.store = SlotStore(config.directory, fileio=fileio, direct=config.direct)
+        self.store = SlotStore(
+            config.directory,
+            fileio=fileio,
+            direct=config.direct,
+            allocate_step=slack_bytes_for(config.capacity_bytes),
+        )
         self.index = SsdIndex(config.capacity_bytes, config.policy)
         self.staging = BufferPool(config.staging_bytes)
         self.reads = BufferPool(config.staging_bytes)
@@ -216,6 +221,7 @@ class SsdTier(Tier):
                 await self._run(self._trim, trimmed)
             except StorageError as exc:  # only space is lost: the files stay longer
                 logger.warning("SSD tier: %s", exc)
+        self.writeback.release()  # blank slots kept by an earlier run, past the slack
         self.rebuild_s = time.perf_counter() - start
         self.opened = True
         self.health.set(OK, "")
@@ -471,6 +477,8 @@ class SsdTier(Tier):
             "serving_bytes": self.promotions.serving_bytes,
             "unsaved_namespaces": len(set(self.engine.namespaces) - self.durable),
             "staging_bytes": self.staging.in_use_bytes,
+            "spare_bytes": index.spare_bytes,
+            "freeing_slots": index.num_discarding + index.num_releasing,
             "rebuild_s": self.rebuild_s,
             **asdict(self.counters),
             "namespaces": index.usage_by_namespace(),

@@ -23,7 +23,11 @@ through every ``retry_s``.
 
 Invariants: every staging buffer acquired here is released exactly once, when its job is done;
 every slot handed to a job is reported back to the index exactly once (``commit``/``abort``,
-``discarded``/``discard_failed``), on the loop.
+``discarded``/``discard_failed``), on the loop; so is every slot handed to :meth:`release`
+(``released``).
+
+Disk space: once discards have freed slots, :meth:`release` punches the spare slots the index
+no longer wants kept (the files then hold about the capacity whatever the mix of slot sizes).
 """
 
 from __future__ import annotations
@@ -159,6 +163,33 @@ class WriteBack:
             self._discard_done(slot, err)
         for entry, w, err in zip(batch.entries, batch.writes, written, strict=True):
             self._write_done(entry, w.buf, err)
+        self.release()
+
+    def release(self) -> None:
+        """Return the disk blocks of the spare slots the index no longer wants kept
+        (:meth:`SsdIndex.to_release`: the files past the capacity plus its slack), one thread
+        job per data file; each slot is free again when its job is done."""
+        files: dict[int, list[int]] = {}
+        for slot_bytes, slot in self._index.to_release():
+            files.setdefault(slot_bytes, []).append(slot)
+        loop = asyncio.get_running_loop()
+        for slot_bytes, slots in files.items():
+            fut = loop.run_in_executor(self._threads, self._store.release_slots, slot_bytes, slots)
+            self._track(fut, partial(self._released, slot_bytes, slots))
+
+    def _released(self, slot_bytes: int, slots: list[int], fut: asyncio.Future[Any]) -> None:
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        errors = fut.result() if exc is None else [exc] * len(slots)
+        for slot, err in zip(slots, errors, strict=True):
+            self._index.released((slot_bytes, slot), ok=err is None)
+            if err is None:
+                self._counters.released_slots += 1
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            logger.warning(
+                "SSD tier: free slots keep their disk space from now on (%s): the data files "
+                "may hold up to the capacity per slot size", failed
+            )
 
     def _write_done(self, entry: SsdEntry, buf: memoryview, exc: BaseException | None) -> None:
         self._staging.release(buf)

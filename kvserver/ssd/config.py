@@ -77,3 +77,5 @@ class TierCounters:
     skipped_chunks: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    #: free slots whose disk blocks went back to the filesystem (``SsdIndex.to_release``)
+    released_slots: int = 0

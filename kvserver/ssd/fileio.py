@@ -25,6 +25,9 @@ from typing import Any
 from kvserver.errors import StorageError
 
 _libc: Any = None
+#: fallocate(2) mode bits (linux/falloc.h)
+_KEEP_SIZE = 0x01
+_PUNCH_HOLE = 0x02
 
 
 def _fallocate() -> Any:
@@ -107,6 +110,20 @@ class FileIO:
         if fn is None:
             return False
         if fn(fd, 0, offset, length) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise OSError(err, os.strerror(err))
+
+    def punch(self, fd: int, offset: int, length: int) -> bool:
+        """Return the disk blocks of ``[offset, offset+length)`` to the filesystem, the file's
+        size unchanged (fallocate ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE``): the range
+        then reads as zeros. False if the filesystem (or platform) cannot; OSError otherwise."""
+        fn = _fallocate()
+        if fn is None:
+            return False
+        if fn(fd, _PUNCH_HOLE | _KEEP_SIZE, offset, length) == 0:
             return True
         err = ctypes.get_errno()
         if err in (errno.EOPNOTSUPP, errno.ENOSYS):

@@ -9,6 +9,14 @@ Slot life::
 
     free ──reserve──► WRITING ──commit──► READY ──evict / remove──► discarding ──discarded──► free
                          └─────abort─────────────────────────────────────┘
+    free (spare) ──to_release──► releasing ──released──► free (no disk blocks)
+
+Disk space: a discarded slot keeps its disk blocks (*spare*: reused in place, fast) as long as
+``used_bytes + spare_bytes`` stays within the capacity plus ``slack_bytes``; past that,
+:meth:`to_release` hands out the highest spare slots, largest file first, for the caller to
+punch (their blocks go back to the filesystem). Free slots are reused lowest first, so what is
+in use gathers at the start of each file. So while the tier runs, its files hold about the
+capacity, whatever the mix of slot sizes (was: one capacity per slot size).
 
 Invariants (:meth:`check_invariants`):
 - every slot below a file's high-water mark is exactly one of: free, held by one entry
@@ -18,7 +26,11 @@ Invariants (:meth:`check_invariants`):
 - the policy tracks exactly the READY entries; a WRITING entry is invisible to ``ready()``;
 - an entry with readers (a read in flight) is never evicted and its slot is never freed;
   :meth:`remove` of a read entry defers the slot's release to the last :meth:`unpin`;
-- sequence numbers are unique and increase; a rebuilt index continues after the largest seen.
+- sequence numbers are unique and increase; a rebuilt index continues after the largest seen;
+- ``spare`` ⊆ free slots, ``spare_bytes`` their total; a releasing slot is in no other state;
+- slots at or past ``listed`` (a file restored longer than the capacity bound) that are in no
+  state are *unlisted*: never handed out (start-up memory is bounded by the capacity, not by
+  a file's length).
 
 Check-then-act: :meth:`reserve` either returns the new entry (and the victims it evicted) or
 None with nothing changed.
@@ -33,6 +45,16 @@ from dataclasses import dataclass, field
 
 from kvserver.policies import make_policy
 from kvserver.ssd.format import BLOCK, ChunkHeader
+
+#: spare slots (free with disk blocks) kept beyond the capacity: a fraction of it, at most this
+SLACK_MAX = 64 << 20
+SLACK_FRACTION = 16
+
+
+def slack_bytes_for(capacity_bytes: int) -> int:
+    """The disk space a tier of ``capacity_bytes`` may hold beyond its capacity in spare slots
+    (also its files' preallocation step): 1/16 of it, at most 64 MiB."""
+    return min(SLACK_MAX, capacity_bytes // SLACK_FRACTION)
 
 IndexKey = tuple[str, bytes]
 Slot = tuple[int, int]  # (slot_bytes, slot number)
@@ -68,6 +90,10 @@ class _SlotFile:
     #: slots 0..num_slots-1 exist (the file's high-water mark).
     num_slots: int = 0
     free: list[int] = field(default_factory=list)  # heap: lowest slot reused first
+    #: free slots that hold disk blocks (the others are holes or were never written)
+    spare: set[int] = field(default_factory=set)
+    #: slots from here to num_slots in no state are unlisted (see the module docstring)
+    listed: int = 1 << 62
 
 
 @dataclass(slots=True)
@@ -95,9 +121,15 @@ class SsdIndex:
         self._quarantined: set[Slot] = set()
         #: slots of entries removed while being read (released by the last unpin).
         self._doomed: set[Slot] = set()
+        #: free slots whose disk blocks are being returned (``to_release``)
+        self._releasing: set[Slot] = set()
         self._next_seq = 1
         self.used_bytes = 0
         self.num_writing = 0
+        self.slack_bytes = slack_bytes_for(capacity_bytes)
+        self.spare_bytes = 0
+        #: False once a release failed (the filesystem cannot punch holes): spares are kept
+        self.can_release = True
 
     # ------------------------------------------------------------------ queries
 
@@ -128,6 +160,10 @@ class SsdIndex:
         return len(self._discarding)
 
     @property
+    def num_releasing(self) -> int:
+        return len(self._releasing)
+
+    @property
     def reserved_bytes(self) -> int:
         return sum(e.slot_bytes for e in self._entries.values() if e.state is SsdState.WRITING)
 
@@ -154,6 +190,7 @@ class SsdIndex:
             return "held"
         for name, group in (
             ("discarding", self._discarding),
+            ("releasing", self._releasing),
             ("doomed", self._doomed),
             ("quarantined", self._quarantined),
         ):
@@ -193,7 +230,7 @@ class SsdIndex:
                 victims.append(victim)
         f = self._files.setdefault(slot_bytes, _SlotFile())
         if f.free:
-            slot = heapq.heappop(f.free)
+            slot = self._pop_free(slot_bytes)
         else:
             slot = f.num_slots
             f.num_slots += 1
@@ -254,7 +291,57 @@ class SsdIndex:
     def discarded(self, slot: Slot) -> None:
         """The slot was invalidated on disk: it may be reused."""
         self._discarding.remove(slot)
-        heapq.heappush(self._files[slot[0]].free, slot[1])
+        self._free(slot, spare=True)
+
+    def _pop_free(self, slot_bytes: int) -> int:
+        """The lowest free slot of a file, taken off the free list. REQUIRES: one is free."""
+        f = self._files[slot_bytes]
+        slot = heapq.heappop(f.free)
+        if slot in f.spare:
+            f.spare.remove(slot)
+            self.spare_bytes -= slot_bytes
+        return slot
+
+    def _free(self, slot: Slot, *, spare: bool) -> None:
+        f = self._files[slot[0]]
+        heapq.heappush(f.free, slot[1])
+        if spare:
+            f.spare.add(slot[1])
+            self.spare_bytes += slot[0]
+
+    def to_release(self) -> list[Slot]:
+        """Spare slots whose disk blocks should go back to the filesystem now (``used_bytes +
+        spare_bytes`` past the capacity plus ``slack_bytes``): the highest slots of the files
+        with the most spare bytes first. They leave the free list until :meth:`released`."""
+        over = self.used_bytes + self.spare_bytes - self.capacity_bytes - self.slack_bytes
+        if over <= 0 or not self.can_release:
+            return []
+        out: list[Slot] = []
+        files = sorted(self._files.items(), key=lambda i: len(i[1].spare) * i[0], reverse=True)
+        for slot_bytes, f in files:
+            if over <= 0:
+                break
+            take = min(len(f.spare), -(-over // slot_bytes))
+            if not take:
+                continue
+            chosen = sorted(f.spare)[-take:]
+            f.spare.difference_update(chosen)
+            gone = set(chosen)
+            f.free = [s for s in f.free if s not in gone]
+            heapq.heapify(f.free)
+            self.spare_bytes -= take * slot_bytes
+            over -= take * slot_bytes
+            out += [(slot_bytes, s) for s in chosen]
+        self._releasing.update(out)
+        return out
+
+    def released(self, slot: Slot, *, ok: bool) -> None:
+        """A slot of :meth:`to_release` is free again: without disk blocks if ``ok``, else (the
+        filesystem refused) spare, and no more slots are released in this run."""
+        self._releasing.remove(slot)
+        self._free(slot, spare=not ok)
+        if not ok:
+            self.can_release = False
 
     def discard_failed(self, slot: Slot) -> None:
         """The slot could not be invalidated: never reuse it in this run."""
@@ -269,10 +356,16 @@ class SsdIndex:
         num_slots: dict[int, int],
         invalid: Iterable[Slot],
         geometry: dict[str, tuple[int, int]],
+        blank: Iterable[Slot] = (),
     ) -> RestoreResult:
         """Rebuild from a scan: ``chunks`` (slot_bytes, slot, header), the files' lengths in
-        slots, the invalid slots, and ``geometry`` ns_id → (part_bytes, num_parts) of the
-        namespaces this daemon serves (chunks of others are orphans).
+        slots, the invalid slots, ``geometry`` ns_id → (part_bytes, num_parts) of the
+        namespaces this daemon serves (chunks of others are orphans), and the ``blank`` slots
+        that hold disk blocks (they are spare; other free slots are holes).
+
+        Only the free slots below a file's bound (``capacity // slot size``) are listed; the
+        others are unlisted (memory in proportion to the capacity, not to a file's length: a
+        huge sparse file is cut at start-up, see :meth:`plan_moves`).
 
         Keeps the newest (highest seq) copy of each key and, past the capacity, the newest
         chunks; every other non-blank slot is returned for discarding, except those past the
@@ -331,9 +424,13 @@ class SsdIndex:
                 result.trimmed[slot_bytes] = f.num_slots = keep
         result.discard = [s for s in result.discard if s[1] < self._files[s[0]].num_slots]
         self._discarding.update(result.discard)
+        spare = set(blank)
         for slot_bytes, f in self._files.items():
-            f.free = [s for s in range(f.num_slots) if (slot_bytes, s) not in taken]
-            heapq.heapify(f.free)
+            f.listed = self.capacity_bytes // slot_bytes
+            listed = range(min(f.num_slots, f.listed))
+            f.free = [s for s in listed if (slot_bytes, s) not in taken]  # ascending: a heap
+            f.spare = {s for s in f.free if (slot_bytes, s) in spare}
+            self.spare_bytes += len(f.spare) * slot_bytes
         self._next_seq = max_seq + 1
         return result
 
@@ -359,7 +456,7 @@ class SsdIndex:
         for e in late:
             free = self._files[e.slot_bytes].free
             if free and free[0] < self.capacity_bytes // e.slot_bytes:
-                plan.append((e, heapq.heappop(free), self._next_seq))
+                plan.append((e, self._pop_free(e.slot_bytes), self._next_seq))
                 self._next_seq += 1
         return plan
 
@@ -369,7 +466,7 @@ class SsdIndex:
         old = entry.location
         entry.slot, entry.seq = slot, seq
         if cleared:
-            heapq.heappush(self._files[old[0]].free, old[1])
+            self._free(old, spare=True)
         else:
             self._quarantined.add(old)
 
@@ -380,13 +477,13 @@ class SsdIndex:
         if touched:
             self._quarantined.add((slot_bytes, slot))
         else:
-            heapq.heappush(self._files[slot_bytes].free, slot)
+            self._free((slot_bytes, slot), spare=True)  # may hold blocks: counted as such
 
     def cut(self) -> dict[int, int]:
         """Shorten each file to just past its last slot in use (held, discarding, doomed or
         quarantined); returns slot size → slots kept for the files that shrank."""
         busy: dict[int, int] = {}
-        groups = (self._discarding, self._quarantined, self._doomed)
+        groups = (self._discarding, self._quarantined, self._doomed, self._releasing)
         for sb, s in [e.location for e in self._entries.values()] + [x for g in groups for x in g]:
             busy[sb] = max(busy.get(sb, 0), s + 1)
         trimmed: dict[int, int] = {}
@@ -396,6 +493,8 @@ class SsdIndex:
                 f.num_slots = trimmed[slot_bytes] = keep
                 f.free = [s for s in f.free if s < keep]
                 heapq.heapify(f.free)
+                self.spare_bytes -= slot_bytes * sum(1 for s in f.spare if s >= keep)
+                f.spare = {s for s in f.spare if s < keep}
         return trimmed
 
     # ------------------------------------------------------------------ checks
@@ -422,17 +521,18 @@ class SsdIndex:
         assert writing == self.num_writing
         assert len(self.policy) == len(self._entries) - writing
         assert not held & self._discarding and not held & self._quarantined
+        groups = (held, self._discarding, self._quarantined, self._doomed, self._releasing)
+        spare = 0
         for slot_bytes, f in self._files.items():
             free = set(f.free)
             assert len(free) == len(f.free), "slot freed twice"
-            for s in range(f.num_slots):
+            assert f.spare <= free, "a spare slot is not free"
+            spare += len(f.spare) * slot_bytes
+            listed = set(range(min(f.num_slots, f.listed)))  # the others may be unlisted
+            others = {s for g in groups for sb, s in g if sb == slot_bytes}
+            for s in listed | free | others:
                 loc = (slot_bytes, s)
-                states = (
-                    (loc in held)
-                    + (s in free)
-                    + (loc in self._discarding)
-                    + (loc in self._quarantined)
-                    + (loc in self._doomed)
-                )
+                states = (s in free) + sum(loc in g for g in groups)
                 assert states == 1, f"slot {loc} in {states} states"
-            assert all(0 <= s < f.num_slots for s in free)
+            assert all(0 <= s < f.num_slots for s in free | others)
+        assert spare == self.spare_bytes, (spare, self.spare_bytes)

@@ -43,6 +43,8 @@ class ScanResult:
     chunks: list[ScannedSlot] = field(default_factory=list)
     #: non-blank slots whose header is invalid (torn, flipped, wrong version): to discard.
     invalid: list[tuple[int, int]] = field(default_factory=list)
+    #: slots holding disk blocks under an all-zero header (discarded, preallocated): spare.
+    blank: list[tuple[int, int]] = field(default_factory=list)
     #: slots per data file (its length in slots), by slot size.
     num_slots: dict[int, int] = field(default_factory=dict)
     headers_read: int = 0
@@ -65,6 +67,7 @@ def scan_files(store: SlotFiles, workers: int) -> ScanResult:
         for part in pool.map(lambda job: _scan_range(store, *job), jobs):
             result.chunks += part.chunks
             result.invalid += part.invalid
+            result.blank += part.blank
             result.headers_read += part.headers_read
     return result
 
@@ -89,8 +92,7 @@ def _scan_range(store: SlotFiles, slot_bytes: int, lo: int, hi: int) -> ScanResu
                     raise CorruptChunk("geometry")
                 header = decode_header(block)
             except CorruptChunk as bad:
-                if bad.reason != "blank":
-                    out.invalid.append((slot_bytes, slot))
+                (out.blank if bad.reason == "blank" else out.invalid).append((slot_bytes, slot))
                 continue
             if header.slot_bytes != slot_bytes:
                 out.invalid.append((slot_bytes, slot))

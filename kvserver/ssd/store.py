@@ -23,8 +23,10 @@ Crash safety (the whole argument; the format is in ``format.py`` and docs/ssd_fo
 Space: a data file is preallocated (fallocate) ahead of the slots being written, in steps of
 ``ALLOCATE_STEP``, because concurrent O_DIRECT writes into allocated blocks run in parallel
 while writes that extend a file or fill holes are serialised by the filesystem (about twice
-the bandwidth with 4 threads). Discarded slots keep their blocks (a cache of fixed budget);
-:meth:`truncate` returns the unused tail of a file at start-up.
+the bandwidth with 4 threads). Discarded slots keep their blocks while the tier is within its
+budget, so a slot is mostly reused in place; :meth:`release_slots` returns the blocks of free
+slots the tier no longer needs (punched holes: they read as zeros, an empty slot), and
+:meth:`truncate` cuts the unused tail of a file at start-up.
 
 Rebuild (:meth:`scan`, in ``scan.py``) reads one header block per slot that holds data (holes
 are skipped with SEEK_DATA), never the payloads, on several threads.
@@ -98,8 +100,17 @@ class ChunkRead(NamedTuple):
 class SlotStore:
     """The data files of one SSD directory; see the module docstring."""
 
-    def __init__(self, directory: str, *, fileio: FileIO | None = None, direct: str = "auto"):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        fileio: FileIO | None = None,
+        direct: str = "auto",
+        allocate_step: int = ALLOCATE_STEP,
+    ):
         self.directory = os.path.abspath(directory)
+        #: a data file is preallocated this far ahead (the tier caps it by its capacity)
+        self.allocate_step = allocate_step
         self.io = fileio or FileIO()
         self._want_direct = direct != "off"
         self.direct = False
@@ -287,7 +298,7 @@ class SlotStore:
                 return
             known = max(known, self.io.size(fd))
             if end > known:
-                step = max(slot_bytes, ALLOCATE_STEP // slot_bytes * slot_bytes)
+                step = max(slot_bytes, self.allocate_step // slot_bytes * slot_bytes)
                 target = max(end, known + step)
                 try:
                     supported = self.io.allocate(fd, known, target - known)
@@ -382,6 +393,26 @@ class SlotStore:
             except OSError as exc:
                 errors.append(storage_error("cannot discard a slot", exc, self.path(slot_bytes)))
         return errors
+
+    def release_slots(self, slot_bytes: int, slots: Sequence[int]) -> list[StorageError | None]:
+        """Return the disk blocks of free slots to the filesystem (:meth:`FileIO.punch`; each
+        run of consecutive slots in one call): they then read as zeros, an empty slot. One
+        result per slot, in order: None, or the StorageError that kept its blocks (errno
+        EOPNOTSUPP where the filesystem cannot punch holes). REQUIRES: the slots were
+        discarded and nothing reads or writes them meanwhile."""
+        path = self.path(slot_bytes)
+        out: list[StorageError | None] = [None] * len(slots)
+        for run in _runs(slots):
+            try:
+                first = slots[run[0]] * slot_bytes
+                if self.io.punch(self.fd(slot_bytes), first, len(run) * slot_bytes):
+                    continue
+                exc = OSError(errno.EOPNOTSUPP, "the filesystem cannot punch holes")
+            except OSError as error:
+                exc = error
+            for i in run:
+                out[i] = storage_error("cannot release a slot's disk space", exc, path)
+        return out
 
     def truncate(self, slot_bytes: int, num_slots: int) -> None:
         """Cut a data file to ``num_slots`` slots; a file cut to 0 is removed. REQUIRES: no

@@ -203,9 +203,84 @@ def test_chunks_past_the_bound_are_planned_into_free_slots_below_it() -> None:
     index.check_invariants()
 
 
+def test_spare_slots_past_the_slack_go_back_highest_first_and_low_slots_are_reused() -> None:
+    """Capacity 8 slots filled with chunks of one size, then taken over by chunks of twice the
+    size: once the first size's slots are discarded, those past the slack are handed out to
+    release, highest first (the files then hold about the capacity, not one per slot size);
+    a released slot is free again, and a new chunk takes the lowest free slot."""
+    index = SsdIndex(8 * SLOT)
+    assert index.slack_bytes == 8 * SLOT // 16
+    filled(index, KEYS[:8])
+    victims = []
+    for key in make_keys(4, tag="big"):
+        got = index.reserve(NS, key, 2 * SLOT)
+        assert got is not None
+        index.commit(got[0])
+        victims += got[1]
+    assert len(victims) == 8 and index.to_release() == []  # nothing spare yet
+    for v in victims:
+        index.discarded(v.location)
+    assert index.spare_bytes == 8 * SLOT
+    released = index.to_release()
+    assert released == [(SLOT, s) for s in range(0, 8)], "all spare: past the slack"
+    assert index.spare_bytes == 0 and index.num_releasing == 8
+    index.check_invariants()
+    for slot in released:
+        index.released(slot, ok=True)
+    assert index.spare_bytes == 0 and index.slot_state((SLOT, 7)) == "free"
+    index.check_invariants()
+    got = index.reserve(NS, KEYS[9], SLOT)
+    assert got is not None and got[0].slot == 0, "lowest free slot first"
+
+
+def test_within_the_slack_spare_slots_keep_their_blocks_and_a_refusal_stops_releases() -> None:
+    """One spare slot of 2 over the slack is released (the highest); where the filesystem
+    refuses, the slot stays spare and no more releases are asked for in this run."""
+    index = SsdIndex(32 * SLOT)  # slack 2 slots
+    filled(index, make_keys(32, tag="a"))
+    victims = []
+    for key in make_keys(3, tag="big"):
+        got = index.reserve(NS, key, SLOT)
+        assert got is not None
+        victims += got[1]
+        index.commit(got[0])
+    for v in victims:
+        index.discarded(v.location)
+    assert index.used_bytes + index.spare_bytes == 35 * SLOT
+    (slot,) = index.to_release()  # 35 slots held, 34 allowed
+    assert slot == max(v.location for v in victims)
+    index.released(slot, ok=False)
+    assert not index.can_release and index.spare_bytes == 3 * SLOT
+    assert index.to_release() == []
+    index.check_invariants()
+
+
+def test_restoring_a_huge_sparse_file_lists_slots_by_the_capacity_not_its_length() -> None:
+    """A file 4 Mi slots long with one valid chunk at its end (a huge sparse file): the free
+    list is bounded by the capacity (was: one entry per slot of the file, ~150 MB here); the
+    chunk moves below the bound and the file is cut to one slot."""
+    import tracemalloc
+
+    index = SsdIndex(8 * SLOT)
+    last = (1 << 22) - 1
+    tracemalloc.start()
+    index.restore([(SLOT, last, header(KEYS[0], 5))], {SLOT: last + 1}, [], {NS: (3 * BLOCK, 1)})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    index.check_invariants()
+    ((entry, target, seq),) = index.plan_moves()
+    assert target == 0 and index.slot_state((SLOT, 1 << 21)) == "lost"  # unlisted
+    index.moved(entry, target, seq, cleared=True)
+    assert index.cut() == {SLOT: 1}
+    index.check_invariants()
+
+
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["write", "fail", "pin", "unpin", "remove", "discard", "touch"]),
+        st.sampled_from(
+            ["write", "fail", "pin", "unpin", "remove", "discard", "touch", "release", "punched"]
+        ),
         st.integers(0, len(KEYS) - 1),
     ),
     max_size=60,
@@ -219,6 +294,7 @@ def test_random_operations_keep_the_invariants(policy: str, steps: list[tuple[st
     index = SsdIndex(5 * SLOT + BLOCK, policy)
     pins: list[object] = []
     discarding: list[tuple[int, int]] = []
+    releasing: list[tuple[int, int]] = []
     for op, i in steps:
         key = KEYS[i]
         entry = index.get(NS, key)
@@ -246,6 +322,12 @@ def test_random_operations_keep_the_invariants(policy: str, steps: list[tuple[st
             index.discarded(discarding.pop(i % len(discarding)))
         elif op == "touch":
             index.touch(NS, [key])
+        elif op == "release":
+            releasing += index.to_release()
+            if index.can_release:
+                assert index.used_bytes + index.spare_bytes <= 5 * SLOT + BLOCK + index.slack_bytes
+        elif op == "punched" and releasing:
+            index.released(releasing.pop(i % len(releasing)), ok=i != 5)
         index.check_invariants()
         assert index.used_bytes <= index.capacity_bytes
 

@@ -15,6 +15,7 @@ from kvserver.errors import StorageError
 from kvserver.ssd import format as fmt
 from kvserver.ssd.fileio import FileIO, aligned_buffer
 from kvserver.ssd.format import ChunkHeader, CorruptChunk
+from kvserver.ssd.index import slack_bytes_for
 from kvserver.ssd.store import SlotStore
 from tests.kvserver.builders import make_keys, pattern
 from tests.kvserver.ssd.faults import Crash, FaultyIO
@@ -327,3 +328,62 @@ def test_namespaces_file_is_replaced_atomically(store: SlotStore, io: FaultyIO) 
     assert store.load_namespaces() == [{"model": "a"}]  # the old file is intact
     store.save_namespaces([{"model": "b"}])
     assert store.load_namespaces() == [{"model": "b"}]
+
+
+# ----------------------------------------------------------------------------- disk space
+
+
+def test_released_slots_give_their_blocks_back_and_read_as_empty(store: SlotStore) -> None:
+    """Slots 1..3 of 5, discarded then released (one punch for the run): the file's blocks
+    (st_blocks) drop by 3 slots, its size stays, a released slot reads as an empty slot
+    (never the chunk it held), the neighbours are intact, and a write fills it again."""
+    slot_bytes = fmt.slot_bytes_for(2 * PART)
+    keys = make_keys(5)
+    for slot, key in enumerate(keys):
+        write(store, slot, key, slot + 1)
+    store.truncate(slot_bytes, 5)  # drop the preallocation: only the slots are counted
+    before = os.stat(data_path(store))
+    for slot in (1, 2, 3):
+        store.discard(slot_bytes, slot)
+    assert store.release_slots(slot_bytes, [3, 1, 2]) == [None, None, None]
+    after = os.stat(data_path(store))
+    assert after.st_size == before.st_size
+    assert (before.st_blocks - after.st_blocks) * 512 == 3 * slot_bytes
+    with pytest.raises(CorruptChunk) as bad:
+        read(store, 2, keys[2], 3)
+    assert bad.value.reason == "blank"
+    assert read(store, 4, keys[4], 5)[1] == pattern(keys[4], 1, PART)
+    assert [c.slot for c in store.scan().chunks] == [0, 4]
+    write(store, 2, keys[2], 9)
+    assert read(store, 2, keys[2], 9)[0] == pattern(keys[2], 0, PART)
+
+
+class NoPunchIO(FaultyIO):
+    def punch(self, fd: int, offset: int, length: int) -> bool:
+        return False
+
+
+def test_a_filesystem_that_cannot_punch_keeps_the_blocks(tmp_path: Path) -> None:
+    s = SlotStore(str(tmp_path / "ssd"), fileio=NoPunchIO())
+    s.open()
+    try:
+        slot_bytes = fmt.slot_bytes_for(2 * PART)
+        write(s, 0, make_keys(1)[0], 1)
+        (err,) = s.release_slots(slot_bytes, [0])
+        assert err is not None and err.context["errno"] == errno.EOPNOTSUPP
+    finally:
+        s.close()
+
+
+def test_preallocation_ahead_follows_the_step_given(tmp_path: Path) -> None:
+    """The tier caps the preallocation by its capacity (``slack_bytes_for``: 1/16 of it, at
+    most 64 MiB); was: 64 MiB ahead whatever the capacity (8 times an 8 MiB tier)."""
+    slot_bytes = fmt.slot_bytes_for(2 * PART)
+    s = SlotStore(str(tmp_path / "ssd"), allocate_step=slack_bytes_for(64 * slot_bytes))
+    s.open()
+    try:
+        write(s, 0, make_keys(1)[0], 1)
+        assert os.path.getsize(data_path(s)) == 4 * slot_bytes
+        assert os.stat(data_path(s)).st_blocks * 512 == 4 * slot_bytes
+    finally:
+        s.close()
