@@ -70,8 +70,9 @@ from kvserver.ssd.buffers import BufferPool
 from kvserver.ssd.config import TierConfig, TierCounters
 from kvserver.ssd.fileio import FileIO, aligned_buffer
 from kvserver.ssd.format import ChunkHeader, CorruptChunk
-from kvserver.ssd.index import SsdEntry, SsdIndex, slack_bytes_for
+from kvserver.ssd.index import SsdEntry, SsdIndex
 from kvserver.ssd.scan import ScanResult
+from kvserver.ssd.slots import slack_bytes_for
 from kvserver.ssd.store import ChunkRead, SlotStore
 
 logger = logging.getLogger(__name__)

@@ -188,7 +188,8 @@ class WriteBack:
         if failed is not None:
             logger.warning(
                 "SSD tier: free slots keep their disk space from now on (%s): the data files "
-                "may hold up to the capacity per slot size", failed
+                "may hold up to the capacity per slot size",
+                failed,
             )
 
     def _write_done(self, entry: SsdEntry, buf: memoryview, exc: BaseException | None) -> None:

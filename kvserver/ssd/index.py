@@ -27,10 +27,9 @@ Invariants (:meth:`check_invariants`):
 - an entry with readers (a read in flight) is never evicted and its slot is never freed;
   :meth:`remove` of a read entry defers the slot's release to the last :meth:`unpin`;
 - sequence numbers are unique and increase; a rebuilt index continues after the largest seen;
-- ``spare`` ⊆ free slots, ``spare_bytes`` their total; a releasing slot is in no other state;
-- slots at or past ``listed`` (a file restored longer than the capacity bound) that are in no
-  state are *unlisted*: never handed out (start-up memory is bounded by the capacity, not by
-  a file's length).
+- a releasing slot is in no other state; spare slots are free (``slots.SlotFile``, which also
+  says what an *unlisted* slot is: never handed out; start-up memory is bounded by the
+  capacity, not by a file's length).
 
 Check-then-act: :meth:`reserve` either returns the new entry (and the victims it evicted) or
 None with nothing changed.
@@ -39,25 +38,16 @@ None with nothing changed.
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserver.policies import make_policy
 from kvserver.ssd.format import BLOCK, ChunkHeader
-
-#: spare slots (free with disk blocks) kept beyond the capacity: a fraction of it, at most this
-SLACK_MAX = 64 << 20
-SLACK_FRACTION = 16
-
-
-def slack_bytes_for(capacity_bytes: int) -> int:
-    """The disk space a tier of ``capacity_bytes`` may hold beyond its capacity in spare slots
-    (also its files' preallocation step): 1/16 of it, at most 64 MiB."""
-    return min(SLACK_MAX, capacity_bytes // SLACK_FRACTION)
+from kvserver.ssd.selection import Slot as Slot
+from kvserver.ssd.selection import select
+from kvserver.ssd.slots import SlotFile, slack_bytes_for
 
 IndexKey = tuple[str, bytes]
-Slot = tuple[int, int]  # (slot_bytes, slot number)
 
 
 class SsdState(enum.IntEnum):
@@ -86,17 +76,6 @@ class SsdEntry:
 
 
 @dataclass(slots=True)
-class _SlotFile:
-    #: slots 0..num_slots-1 exist (the file's high-water mark).
-    num_slots: int = 0
-    free: list[int] = field(default_factory=list)  # heap: lowest slot reused first
-    #: free slots that hold disk blocks (the others are holes or were never written)
-    spare: set[int] = field(default_factory=set)
-    #: slots from here to num_slots in no state are unlisted (see the module docstring)
-    listed: int = 1 << 62
-
-
-@dataclass(slots=True)
 class RestoreResult:
     recovered: list[SsdEntry] = field(default_factory=list)
     #: slots to discard: invalid headers, older duplicates, orphans, over capacity.
@@ -116,7 +95,7 @@ class SsdIndex:
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy)
         self._entries: dict[IndexKey, SsdEntry] = {}
-        self._files: dict[int, _SlotFile] = {}
+        self._files: dict[int, SlotFile] = {}
         self._discarding: set[Slot] = set()
         self._quarantined: set[Slot] = set()
         #: slots of entries removed while being read (released by the last unpin).
@@ -127,7 +106,6 @@ class SsdIndex:
         self.used_bytes = 0
         self.num_writing = 0
         self.slack_bytes = slack_bytes_for(capacity_bytes)
-        self.spare_bytes = 0
         #: False once a release failed (the filesystem cannot punch holes): spares are kept
         self.can_release = True
 
@@ -158,6 +136,11 @@ class SsdIndex:
     @property
     def num_discarding(self) -> int:
         return len(self._discarding)
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the free slots that hold disk blocks (O(files))."""
+        return sum(f.spare_bytes for f in self._files.values())
 
     @property
     def num_releasing(self) -> int:
@@ -228,12 +211,10 @@ class SsdIndex:
                 self.used_bytes -= victim.slot_bytes
                 self._discarding.add(victim.location)
                 victims.append(victim)
-        f = self._files.setdefault(slot_bytes, _SlotFile())
-        if f.free:
-            slot = self._pop_free(slot_bytes)
-        else:
-            slot = f.num_slots
-            f.num_slots += 1
+        f = self._files.get(slot_bytes)
+        if f is None:
+            f = self._files[slot_bytes] = SlotFile(slot_bytes)
+        slot = f.take()
         entry = SsdEntry(ns_id, key, slot_bytes, slot, self._next_seq, SsdState.WRITING)
         self._next_seq += 1
         self._entries[(ns_id, key)] = entry
@@ -293,21 +274,8 @@ class SsdIndex:
         self._discarding.remove(slot)
         self._free(slot, spare=True)
 
-    def _pop_free(self, slot_bytes: int) -> int:
-        """The lowest free slot of a file, taken off the free list. REQUIRES: one is free."""
-        f = self._files[slot_bytes]
-        slot = heapq.heappop(f.free)
-        if slot in f.spare:
-            f.spare.remove(slot)
-            self.spare_bytes -= slot_bytes
-        return slot
-
     def _free(self, slot: Slot, *, spare: bool) -> None:
-        f = self._files[slot[0]]
-        heapq.heappush(f.free, slot[1])
-        if spare:
-            f.spare.add(slot[1])
-            self.spare_bytes += slot[0]
+        self._files[slot[0]].put(slot[1], spare=spare)
 
     def to_release(self) -> list[Slot]:
         """Spare slots whose disk blocks should go back to the filesystem now (``used_bytes +
@@ -317,21 +285,12 @@ class SsdIndex:
         if over <= 0 or not self.can_release:
             return []
         out: list[Slot] = []
-        files = sorted(self._files.items(), key=lambda i: len(i[1].spare) * i[0], reverse=True)
-        for slot_bytes, f in files:
+        for f in sorted(self._files.values(), key=lambda f: f.spare_bytes, reverse=True):
             if over <= 0:
                 break
-            take = min(len(f.spare), -(-over // slot_bytes))
-            if not take:
-                continue
-            chosen = sorted(f.spare)[-take:]
-            f.spare.difference_update(chosen)
-            gone = set(chosen)
-            f.free = [s for s in f.free if s not in gone]
-            heapq.heapify(f.free)
-            self.spare_bytes -= take * slot_bytes
-            over -= take * slot_bytes
-            out += [(slot_bytes, s) for s in chosen]
+            chosen = f.take_spare(-(-over // f.slot_bytes))
+            over -= len(chosen) * f.slot_bytes
+            out += [(f.slot_bytes, s) for s in chosen]
         self._releasing.update(out)
         return out
 
@@ -367,71 +326,44 @@ class SsdIndex:
         others are unlisted (memory in proportion to the capacity, not to a file's length: a
         huge sparse file is cut at start-up, see :meth:`plan_moves`).
 
-        Keeps the newest (highest seq) copy of each key and, past the capacity, the newest
-        chunks; every other non-blank slot is returned for discarding, except those past the
-        last live slot of their file: the file is cut there (``trimmed``). REQUIRES: empty
-        index.
+        Keeps what ``selection.select`` keeps; every other non-blank slot is returned for
+        discarding, except those past the last live slot of their file: the file is cut there
+        (``trimmed``). REQUIRES: empty index.
         """
         assert not self._entries and not self._files, "restore into an empty index only"
-        result = RestoreResult()
+        sel = select(chunks, invalid, geometry, self.capacity_bytes)
+        result = RestoreResult(
+            discard=sel.discard,
+            duplicates=sel.duplicates,
+            orphans=sel.orphans,
+            over_capacity=sel.over_capacity,
+            invalid=sel.invalid,
+        )
         for slot_bytes, n in num_slots.items():
-            self._files[slot_bytes] = _SlotFile(num_slots=n)
-        taken: set[Slot] = set()
-        for bad in invalid:
-            result.discard.append(bad)
-            result.invalid += 1
-            taken.add(bad)
-        newest: dict[IndexKey, tuple[int, int, ChunkHeader]] = {}
-        max_seq = 0
-        for slot_bytes, slot, h in chunks:
-            taken.add((slot_bytes, slot))
-            max_seq = max(max_seq, h.seq)
-            if geometry.get(h.ns_id) != (h.part_bytes, h.num_parts):
-                result.orphans += 1
-                result.discard.append((slot_bytes, slot))
-                continue
-            k = (h.ns_id, h.key)
-            old = newest.get(k)
-            if old is not None:
-                result.duplicates += 1
-                loser = old if old[2].seq < h.seq else (slot_bytes, slot, h)
-                result.discard.append((loser[0], loser[1]))
-                if loser is not old:
-                    continue
-            newest[k] = (slot_bytes, slot, h)
-        kept = sorted(newest.values(), key=lambda c: c[2].seq, reverse=True)
-        budget = self.capacity_bytes
-        chosen: list[tuple[int, int, ChunkHeader]] = []
-        for c in kept:
-            if c[0] <= budget:
-                budget -= c[0]
-                chosen.append(c)
-            else:
-                result.over_capacity += 1
-                result.discard.append((c[0], c[1]))
-        for slot_bytes, slot, h in reversed(chosen):  # oldest first: LRU order by age
+            self._files[slot_bytes] = SlotFile(slot_bytes, n)
+        for slot_bytes, slot, h in sel.kept:  # oldest first: LRU order by age
             entry = SsdEntry(h.ns_id, h.key, slot_bytes, slot, h.seq, SsdState.READY)
             self._entries[(h.ns_id, h.key)] = entry
             self.policy.insert((h.ns_id, h.key))
             self.used_bytes += slot_bytes
             result.recovered.append(entry)
         live: dict[int, int] = {}
-        for slot_bytes, slot, _h in chosen:
+        for slot_bytes, slot, _h in sel.kept:
             live[slot_bytes] = max(live.get(slot_bytes, 0), slot + 1)
         for slot_bytes, f in self._files.items():
             keep = live.get(slot_bytes, 0)
             if keep < f.num_slots:
                 result.trimmed[slot_bytes] = f.num_slots = keep
         result.discard = [s for s in result.discard if s[1] < self._files[s[0]].num_slots]
+        blank = list(blank)
         self._discarding.update(result.discard)
-        spare = set(blank)
         for slot_bytes, f in self._files.items():
-            f.listed = self.capacity_bytes // slot_bytes
-            listed = range(min(f.num_slots, f.listed))
-            f.free = [s for s in listed if (slot_bytes, s) not in taken]  # ascending: a heap
-            f.spare = {s for s in f.free if (slot_bytes, s) in spare}
-            self.spare_bytes += len(f.spare) * slot_bytes
-        self._next_seq = max_seq + 1
+            f.restore(
+                self.capacity_bytes // slot_bytes,
+                {s for sb, s in sel.taken if sb == slot_bytes},
+                {s for sb, s in blank if sb == slot_bytes},
+            )
+        self._next_seq = sel.max_seq + 1
         return result
 
     # ------------------------------------------------------------------ start-up compaction
@@ -454,9 +386,10 @@ class SsdIndex:
             reverse=True,
         )
         for e in late:
-            free = self._files[e.slot_bytes].free
-            if free and free[0] < self.capacity_bytes // e.slot_bytes:
-                plan.append((e, self._pop_free(e.slot_bytes), self._next_seq))
+            f = self._files[e.slot_bytes]
+            lowest = f.lowest_free()
+            if lowest is not None and lowest < self.capacity_bytes // e.slot_bytes:
+                plan.append((e, f.take(), self._next_seq))
                 self._next_seq += 1
         return plan
 
@@ -488,13 +421,8 @@ class SsdIndex:
             busy[sb] = max(busy.get(sb, 0), s + 1)
         trimmed: dict[int, int] = {}
         for slot_bytes, f in self._files.items():
-            keep = busy.get(slot_bytes, 0)
-            if keep < f.num_slots:
-                f.num_slots = trimmed[slot_bytes] = keep
-                f.free = [s for s in f.free if s < keep]
-                heapq.heapify(f.free)
-                self.spare_bytes -= slot_bytes * sum(1 for s in f.spare if s >= keep)
-                f.spare = {s for s in f.spare if s < keep}
+            if f.cut(busy.get(slot_bytes, 0)):
+                trimmed[slot_bytes] = f.num_slots
         return trimmed
 
     # ------------------------------------------------------------------ checks
@@ -522,12 +450,10 @@ class SsdIndex:
         assert len(self.policy) == len(self._entries) - writing
         assert not held & self._discarding and not held & self._quarantined
         groups = (held, self._discarding, self._quarantined, self._doomed, self._releasing)
-        spare = 0
         for slot_bytes, f in self._files.items():
             free = set(f.free)
             assert len(free) == len(f.free), "slot freed twice"
             assert f.spare <= free, "a spare slot is not free"
-            spare += len(f.spare) * slot_bytes
             listed = set(range(min(f.num_slots, f.listed)))  # the others may be unlisted
             others = {s for g in groups for sb, s in g if sb == slot_bytes}
             for s in listed | free | others:
@@ -535,4 +461,3 @@ class SsdIndex:
                 states = (s in free) + sum(loc in g for g in groups)
                 assert states == 1, f"slot {loc} in {states} states"
             assert all(0 <= s < f.num_slots for s in free | others)
-        assert spare == self.spare_bytes, (spare, self.spare_bytes)

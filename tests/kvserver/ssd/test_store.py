@@ -15,7 +15,7 @@ from kvserver.errors import StorageError
 from kvserver.ssd import format as fmt
 from kvserver.ssd.fileio import FileIO, aligned_buffer
 from kvserver.ssd.format import ChunkHeader, CorruptChunk
-from kvserver.ssd.index import slack_bytes_for
+from kvserver.ssd.slots import slack_bytes_for
 from kvserver.ssd.store import SlotStore
 from tests.kvserver.builders import make_keys, pattern
 from tests.kvserver.ssd.faults import Crash, FaultyIO
