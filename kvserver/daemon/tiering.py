@@ -241,7 +241,8 @@ class SsdTier(Tier):
     def _open_and_scan(self) -> tuple[list[dict[str, Any]], ScanResult]:
         self.store.open()
         try:
-            return self.store.load_namespaces(), self.store.scan()
+            scan = self.store.scan(blank_within=self.config.capacity_bytes)
+            return self.store.load_namespaces(), scan
         except BaseException:
             self.store.close()
             raise

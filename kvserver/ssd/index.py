@@ -164,7 +164,8 @@ class SsdIndex:
         return out
 
     def slot_state(self, slot: Slot) -> str:
-        """ "held", "free", "discarding", "doomed", "quarantined" or "unused" (beyond the end);
+        """ "held", "free", "discarding", "releasing", "doomed", "quarantined", "unlisted"
+        (past the bound of a file restored longer, see ``slots.py``) or "unused" (beyond the end);
         O(entries): for tests and debugging."""
         f = self._files.get(slot[0])
         if f is None or slot[1] >= f.num_slots:
@@ -179,7 +180,9 @@ class SsdIndex:
         ):
             if slot in group:
                 return name
-        return "free" if slot[1] in f.free else "lost"
+        if slot[1] in f.free:
+            return "free"
+        return "unlisted" if slot[1] >= f.listed else "lost"
 
     def touch(self, ns_id: str, keys: Iterable[bytes]) -> None:
         self.policy.touch([(ns_id, k) for k in keys])

@@ -43,14 +43,14 @@ class ScanResult:
     chunks: list[ScannedSlot] = field(default_factory=list)
     #: non-blank slots whose header is invalid (torn, flipped, wrong version): to discard.
     invalid: list[tuple[int, int]] = field(default_factory=list)
-    #: slots holding disk blocks under an all-zero header (discarded, preallocated): spare.
+    #: slots holding disk blocks under an all-zero header (discarded): spare, if listed.
     blank: list[tuple[int, int]] = field(default_factory=list)
     #: slots per data file (its length in slots), by slot size.
     num_slots: dict[int, int] = field(default_factory=dict)
     headers_read: int = 0
 
 
-def scan_files(store: SlotFiles, workers: int) -> ScanResult:
+def scan_files(store: SlotFiles, workers: int, blank_within: int | None = None) -> ScanResult:
     """See :meth:`SlotStore.scan`. Raises StorageError (path, errno) on an OS error."""
     result = ScanResult()
     jobs: list[tuple[int, int, int]] = []  # (slot_bytes, first slot, end slot)
@@ -64,7 +64,7 @@ def scan_files(store: SlotFiles, workers: int) -> ScanResult:
         step = max(256, -(-num // workers))
         jobs += [(slot_bytes, lo, min(num, lo + step)) for lo in range(0, num, step)]
     with ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
-        for part in pool.map(lambda job: _scan_range(store, *job), jobs):
+        for part in pool.map(lambda j: _scan_range(store, j[0], j[1], j[2], blank_within), jobs):
             result.chunks += part.chunks
             result.invalid += part.invalid
             result.blank += part.blank
@@ -72,7 +72,9 @@ def scan_files(store: SlotFiles, workers: int) -> ScanResult:
     return result
 
 
-def _scan_range(store: SlotFiles, slot_bytes: int, lo: int, hi: int) -> ScanResult:
+def _scan_range(
+    store: SlotFiles, slot_bytes: int, lo: int, hi: int, blank_within: int | None
+) -> ScanResult:
     out = ScanResult()
     block = aligned_buffer(HEADER_BYTES)
     path = store.path(slot_bytes)
@@ -92,7 +94,10 @@ def _scan_range(store: SlotFiles, slot_bytes: int, lo: int, hi: int) -> ScanResu
                     raise CorruptChunk("geometry")
                 header = decode_header(block)
             except CorruptChunk as bad:
-                (out.blank if bad.reason == "blank" else out.invalid).append((slot_bytes, slot))
+                if bad.reason != "blank":
+                    out.invalid.append((slot_bytes, slot))
+                elif blank_within is None or (slot + 1) * slot_bytes <= blank_within:
+                    out.blank.append((slot_bytes, slot))  # (a huge file of zeros: not listed)
                 continue
             if header.slot_bytes != slot_bytes:
                 out.invalid.append((slot_bytes, slot))

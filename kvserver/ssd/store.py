@@ -434,11 +434,13 @@ class SlotStore:
 
     # ------------------------------------------------------------------ rebuild
 
-    def scan(self, workers: int = 8) -> ScanResult:
+    def scan(self, workers: int = 8, blank_within: int | None = None) -> ScanResult:
         """Read the header of every slot holding data, in every data file (not the payloads),
         on ``workers`` threads (``scan.py``). Blank slots are left out; slots with an invalid
-        header are listed in ``invalid``. Results are in (file, slot) order."""
-        return scan_files(self, workers)
+        header are listed in ``invalid``; blank slots holding disk blocks in ``blank``, those
+        within the first ``blank_within`` bytes of their file only (None: all). Results are in
+        (file, slot) order."""
+        return scan_files(self, workers, blank_within)
 
     # ------------------------------------------------------------------ namespaces
 

@@ -358,6 +358,20 @@ def test_released_slots_give_their_blocks_back_and_read_as_empty(store: SlotStor
     assert read(store, 2, keys[2], 9)[0] == pattern(keys[2], 0, PART)
 
 
+def test_the_scan_reports_discarded_slots_as_blank_within_a_bound(store: SlotStore) -> None:
+    """A discarded slot keeps its payload's blocks under a zero header: the scan lists it as
+    blank (spare at start-up), only within ``blank_within`` bytes (a huge file of zeros would
+    otherwise cost one entry per slot); a released slot holds no data and is not listed."""
+    slot_bytes = fmt.slot_bytes_for(2 * PART)
+    for slot, key in enumerate(make_keys(6)):
+        write(store, slot, key, slot + 1)
+    for slot in (1, 2, 4):
+        store.discard(slot_bytes, slot)
+    assert store.release_slots(slot_bytes, [2]) == [None]
+    assert store.scan().blank == [(slot_bytes, 1), (slot_bytes, 4)]
+    assert store.scan(blank_within=4 * slot_bytes).blank == [(slot_bytes, 1)]
+
+
 class NoPunchIO(FaultyIO):
     def punch(self, fd: int, offset: int, length: int) -> bool:
         return False
