@@ -180,12 +180,13 @@ class WriteBack:
     def _released(self, slot_bytes: int, slots: list[int], fut: asyncio.Future[Any]) -> None:
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         errors = fut.result() if exc is None else [exc] * len(slots)
+        could = self._index.can_release  # several jobs may fail: one warning
         for slot, err in zip(slots, errors, strict=True):
             self._index.released((slot_bytes, slot), ok=err is None)
             if err is None:
                 self._counters.released_slots += 1
         failed = next((e for e in errors if e is not None), None)
-        if failed is not None:
+        if failed is not None and could:
             logger.warning(
                 "SSD tier: free slots keep their disk space from now on (%s): the data files "
                 "may hold up to the capacity per slot size",
