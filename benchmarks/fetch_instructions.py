@@ -1,12 +1,13 @@
 """Instructions on the critical path of one peer fetch, phase by phase, counted by callgrind
 in one process (no sockets): the serial work of both daemons around the bytes of a 32 MiB
-fetch of 128 chunks of 256 KiB (docs/benchmarks.md, "The critical path of a peer fetch").
+fetch of 128 chunks of 256 KiB, or of 32 MiB in parts of ``--part-bytes`` (docs/benchmarks.md, "The critical path of a peer fetch").
 
 Usage (PYTHONPATH selects the tree measured; to measure an older tree, copy this file into its
 benchmarks/ first)::
 
     PYTHONPATH=TREE python -m benchmarks.fetch_instructions [--reps 10] [--policy prefix]
     PYTHONPATH=TREE python -m benchmarks.fetch_instructions --wall     # no valgrind: µs/phase
+    PYTHONPATH=TREE python -m benchmarks.fetch_instructions --part-bytes 1MiB   # 32 chunks
 
 Two services in this process: A (120 MiB of DRAM holding the batch) and B (48 MiB, ``bench_
 peers``'s B: full after the warm-up, so every fetch evicts 128 chunks) with the network tier
@@ -56,8 +57,8 @@ from typing import Any
 PHASES = ("B ask", "B reserve", "A serve", "A release", "B early", "B grant")
 #: what runs between two phases' ends, in order, once per fetch (``other``: not counted).
 _SEQUENCE = ("other", "B ask", "B reserve", "A serve", "A release", "other", "B early", "B grant")
-CHUNKS = 128
-PART_BYTES = 256 << 10
+BATCH_BYTES = 32 << 20
+PART_BYTES = 256 << 10  # the default: 128 chunks
 A_DRAM = 120 << 20
 B_DRAM = 48 << 20
 WARMUP = 4
@@ -74,18 +75,26 @@ def main() -> None:
         "--policy", default="prefix", help="DRAM eviction policy (prefix: the recorded figures')"
     )
     parser.add_argument("--wall", action="store_true", help="no valgrind: wall µs per phase")
+    parser.add_argument("--part-bytes", default="256KiB",
+                        help="part size of the 32 MiB fetch (default 256KiB: 128 chunks)")
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")
+    from kvserver.daemon.config import parse_size
+
+    part_bytes = parse_size(args.part_bytes)
+    if not 0 < part_bytes <= BATCH_BYTES or BATCH_BYTES % part_bytes:
+        parser.error("--part-bytes must divide 32MiB")
+    chunks = BATCH_BYTES // part_bytes
     if args.wall:
-        totals = run(args.reps, args.policy, time.perf_counter)
+        totals = run(args.reps, args.policy, time.perf_counter, part_bytes)
         for phase in PHASES:
             print(f"{phase:10s} {totals[phase] / args.reps * 1e6:9.1f} us/fetch")
         return
     if args.measured:
-        run(args.reps, args.policy, None)
+        run(args.reps, args.policy, None, part_bytes)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
@@ -96,7 +105,7 @@ def main() -> None:
         "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/fetch.out",
         "--dump-before=math_gcd", "--collect-systime=no",
         sys.executable, "-m", "benchmarks.fetch_instructions", "--measured",
-        "--reps", str(args.reps), "--policy", args.policy,
+        "--reps", str(args.reps), "--policy", args.policy, "--part-bytes", str(part_bytes),
     ]  # fmt: skip
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -104,10 +113,10 @@ def main() -> None:
         raise SystemExit("the measured process failed:\n" + "\n".join(lines[-20:]))
     totals = read_dumps(out, args.reps)
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; policy {args.policy}; "
-          f"callgrind files in {out}")  # fmt: skip
+          f"{chunks} chunks of {part_bytes >> 10} KiB; callgrind files in {out}")  # fmt: skip
     for phase in PHASES:
         ir = totals[phase] / args.reps
-        print(f"{phase:10s} {ir / 1e6:8.3f} M instructions/fetch  {ir / CHUNKS / 1e3:7.2f} k/chunk")
+        print(f"{phase:10s} {ir / 1e6:8.3f} M instructions/fetch  {ir / chunks / 1e3:7.2f} k/chunk")
     # A serves the request while B reserves the window: the longer of the two is serial
     overlap = max(totals["B reserve"], totals["A serve"])
     critical = (totals["B ask"] + overlap + totals["B grant"]) / args.reps
@@ -238,9 +247,11 @@ class _StandInSocket:
         return sum(v.nbytes for v in views)
 
 
-def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
-    """Run ``WARMUP`` then ``reps`` fetches; returns the seconds per phase (``clock``), or
-    {} (callgrind mode: each phase's end is a ``math.gcd`` call)."""
+def run(reps: int, policy: str, clock: Any, part_bytes: int = PART_BYTES) -> dict[str, float]:
+    """Run ``WARMUP`` then ``reps`` fetches of 32 MiB in parts of ``part_bytes``; returns the
+    seconds per phase (``clock``), or {} (callgrind mode: each phase's end is a ``math.gcd``
+    call)."""
+    chunks = BATCH_BYTES // part_bytes
     from benchmarks.harness.raw_zmq import payload
     from kvserver import wire, wire_stream
     from kvserver.daemon.auth import Principal
@@ -258,15 +269,15 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
 
     spec = NamespaceSpec(
         model="bench/fetch-instructions", dtype="bfloat16", num_layers=32, num_kv_heads=8,
-        head_dim=128, block_size=16, part_bytes_override=PART_BYTES,
+        head_dim=128, block_size=16, part_bytes_override=part_bytes,
     )  # fmt: skip
     a = KVService(EngineConfig(dram_bytes=A_DRAM, policy=policy))
     b = KVService(EngineConfig(dram_bytes=B_DRAM, policy=policy))
     ns_id = a.register_namespace(spec)["ns_id"]
     b.register_namespace(spec)
-    held = [f"held-{i}".encode().ljust(32, b".") for i in range(CHUNKS)]
-    for i in range(0, CHUNKS, 8):
-        a.put(ns_id, held[i : i + 8], [payload(k, PART_BYTES) for k in held[i : i + 8]],
+    held = [f"held-{i}".encode().ljust(32, b".") for i in range(chunks)]
+    for i in range(0, chunks, 8):
+        a.put(ns_id, held[i : i + 8], [payload(k, part_bytes) for k in held[i : i + 8]],
               client="bench")  # fmt: skip
     marks = _Marks(None)
     server = StreamServer(a, None, host="127.0.0.1", port=0, timeout_s=60.0)  # type: ignore[arg-type]
@@ -300,7 +311,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
 
     async def fetch() -> None:
         n = next(batches)
-        keys = [f"{n}-{i}".encode().ljust(32, b".") for i in range(CHUNKS)]
+        keys = [f"{n}-{i}".encode().ljust(32, b".") for i in range(chunks)]
         marks("other")  # the last fetch's end and these keys
         got = b.load(ns_id, keys, client="bench")
         assert isinstance(got, Pending)
@@ -309,7 +320,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
         assert isinstance(reply, dict)
         wire.encode_reply(1, "0123456789abcdef", reply)
         marks("B grant")
-        assert len(grant.keys) == CHUNKS, len(grant.keys)
+        assert len(grant.keys) == chunks, len(grant.keys)
         b.complete_load(grant.lease_id)
 
     for _ in range(WARMUP):
@@ -318,7 +329,7 @@ def run(reps: int, policy: str, clock: Any) -> dict[str, float]:
     marks.last = clock() if clock else 0.0
     for _ in range(reps):
         loop.run_until_complete(fetch())
-    assert sock.sent == (WARMUP + reps) * (CHUNKS + 1)
+    assert sock.sent == (WARMUP + reps) * (chunks + 1)
     loop.close()
     a.close()
     b.close()
