@@ -1,0 +1,252 @@
+"""The peer fetch's wire alone: 32 MiB over loopback TCP, by sending pattern and by the pages
+received into, against raw ZMQ between two processes in the same rounds.
+
+Which costs the bytes of a fetch more than raw ZMQ's: the arena pages received into (cold, a
+/dev/shm mapping rotating as B's DRAM does; ZMQ receives into heap buffers it reuses) or the
+way the bytes are sent? No kvserver protocol runs here, only the transfer:
+
+- senders (a helper process, ``python -m benchmarks.peers_wire serve ...``, sending a batch's
+  parts out of a /dev/shm mapping of three batches, a batch after another, as A's arena):
+  ``blocking``: one blocking ``sendmsg`` of every part's view, as ``bench_peers``'s floor did
+  until session 10; ``loop``: A's own ``PlainIO.send`` (``kvserver/daemon/stream_io.py``) on
+  a uvloop loop, as a daemon serves a peer's window (a non-blocking ``sendmsg`` of the views,
+  the rest of a view the socket did not take awaited with ``sock_sendall``, again);
+- destinations (this process, one ``recvmsg_into(MSG_WAITALL)`` per ``IOV_MAX`` views, as B's
+  receiving thread): ``rotate``: a /dev/shm mapping of B's 48 MiB, each batch a third further
+  (B's pages, and the floor's); ``same``: the same 32 MiB of that mapping every round;
+  ``heap``: one 32 MiB bytearray reused every round (warm, as ZMQ's reused buffers);
+- the reference: ``bench_peers``'s raw ZMQ pair (``benchmarks/harness/raw_zmq.py``), unchanged.
+
+Every round runs the reference and each case once (cases named SENDER:DEST); per case the
+median ms per 32 MiB, reference / case (median over median, and the median of each round's
+pair), this process's CPU per round in the receive (``time.thread_time``: the kernel's copy
+into the pages and the TCP receive work) and the sender's CPU per round (its ``getrusage``, the warm-up rounds
+left out). Wall times need quiet cores; the CPU per round much less so.
+
+Usage::
+
+    python benchmarks/peers_wire.py [--parts 1MiB,256KiB] [--rounds 20]
+        [--cases blocking:rotate,loop:rotate,loop:same,loop:heap] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
+
+from benchmarks.harness.raw_tcp import shm_mapping
+from benchmarks.harness.raw_zmq import RawPeer
+from kvserver.daemon.config import parse_size
+from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
+
+MiB = 1 << 20
+BATCH_BYTES = 32 * MiB
+B_DRAM = 48 * MiB
+IOV_MAX = 1024
+SENDERS = ("blocking", "loop")
+DESTS = ("rotate", "same", "heap")
+DEFAULT_CASES = "blocking:rotate,loop:rotate,loop:same,loop:heap"
+#: every byte the senders send (their mapping is filled with it): the receiver checks it.
+FILL = 0x07
+
+
+def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
+    """Helper process: per request byte b"g", a batch of ``n`` parts sent as ``sender`` says
+    out of a /dev/shm mapping of three batches (a batch after another); b"s" stops it and
+    writes to ``port_file`` + ".cpu" its CPU seconds from its third request on (after the
+    warm-up) and how many requests that was."""
+    batch = n * part_bytes
+    arena = memoryview(shm_mapping(3 * batch))
+    arena[:] = bytes([FILL]) * (3 * batch)
+    listener = socket.create_server(("127.0.0.1", 0))
+    Path(port_file).write_text(str(listener.getsockname()[1]))
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def views(r: int) -> list[memoryview]:
+        base = (r % 3) * batch
+        return [arena[base + i * part_bytes : base + (i + 1) * part_bytes] for i in range(n)]
+
+    rounds = 0
+    marks: list[float] = []
+
+    def mark(r: int) -> None:  # the CPU at the end of the warm-up (two rounds)
+        if r == 2:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            marks.append(usage.ru_utime + usage.ru_stime)
+
+    if sender == "loop":
+        import uvloop
+
+        from kvserver.daemon.stream_io import PlainIO
+
+        conn.setblocking(False)
+        io = PlainIO(conn, 30.0)
+        loop = uvloop.new_event_loop()
+
+        async def answer() -> int:
+            r = 0
+            while await loop.sock_recv(conn, 1) == b"g":
+                mark(r)
+                await io.send(views(r))
+                r += 1
+            return r
+
+        rounds = loop.run_until_complete(answer())
+    else:
+        while conn.recv(1) == b"g":
+            mark(rounds)
+            left = views(rounds)
+            while left:
+                sent = conn.sendmsg(left[:IOV_MAX])
+                while left and sent >= left[0].nbytes:
+                    sent -= left.pop(0).nbytes
+                if left and sent:
+                    left[0] = left[0][sent:]
+            rounds += 1
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - (marks[0] if marks else 0.0)
+    Path(port_file + ".cpu").write_text(f"{cpu} {max(0, rounds - 2)}")
+    return 0
+
+
+class Case:
+    """One sender helper and this process's receiving end into ``dest``."""
+
+    def __init__(self, name: str, workdir: Path, part_bytes: int, env: dict[str, str]) -> None:
+        sender, _, dest = name.partition(":")
+        if sender not in SENDERS or dest not in DESTS:
+            raise ValueError(f"a case is SENDER:DEST, {SENDERS} x {DESTS}: {name!r}")
+        self.name, self.dest, self.part_bytes = name, dest, part_bytes
+        self.n = BATCH_BYTES // part_bytes
+        self.port_file = workdir / f"{sender}-{dest}-{part_bytes}.port"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peers_wire", "serve", str(self.port_file),
+             str(part_bytes), str(self.n), sender],
+            cwd=Path(__file__).resolve().parents[1], env=env,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not self.port_file.exists() or not self.port_file.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the {sender} sender did not start")
+            time.sleep(0.02)  # waiting for the helper's port file, bounded by the deadline
+        port = int(self.port_file.read_text())
+        self.sock = socket.create_connection(("127.0.0.1", port), 30)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(30)
+        self.buf = memoryview(bytearray(BATCH_BYTES) if dest == "heap" else shm_mapping(B_DRAM))
+        self.rounds = 0
+        self.cpu: list[float] = []
+
+    def round(self) -> float:
+        size = self.part_bytes
+        base = (self.rounds % 3) * (B_DRAM // 3) if self.dest == "rotate" else 0
+        self.rounds += 1
+        span = len(self.buf)
+        views = [self.buf[(base + i * size) % span :][:size] for i in range(self.n)]
+        last = views[-1]
+        start, cpu = time.perf_counter(), time.thread_time()
+        self.sock.sendall(b"g")
+        while views:
+            got = self.sock.recvmsg_into(views[:IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            if got == 0:
+                raise ConnectionError(f"{self.name}: the sender closed the connection")
+            while views and got >= views[0].nbytes:
+                got -= views.pop(0).nbytes
+            if views and got:
+                views[0] = views[0][got:]
+        elapsed = time.perf_counter() - start
+        self.cpu.append(time.thread_time() - cpu)
+        assert last[0] == last[-1] == FILL, f"{self.name}: other bytes arrived"
+        return elapsed
+
+    def close(self) -> float:
+        """Stops the helper; its CPU seconds per round."""
+        self.sock.sendall(b"s")
+        self.proc.wait(30)
+        self.sock.close()
+        seconds, rounds = Path(str(self.port_file) + ".cpu").read_text().split()
+        return float(seconds) / max(1, int(rounds))
+
+
+def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> dict[str, Any]:
+    env = dict(os.environ, **MALLOC_ENV)
+    n = BATCH_BYTES // part_bytes
+    ref = RawPeer(workdir, part_bytes, n, env, 30_000)
+    running: dict[str, Case] = {}
+    times: dict[str, list[float]] = {"ref": [], **{c: [] for c in cases}}
+    load_before = os.getloadavg()[0]
+    try:
+        for c in cases:
+            running[c] = Case(c, workdir, part_bytes, env)
+        for r in range(rounds + 2):  # two rounds of warm-up
+            for name in times:
+                seconds = ref.round() if name == "ref" else running[name].round()
+                if r >= 2:
+                    times[name].append(seconds)
+    finally:
+        ref.close()
+        sender_cpu = {c: case.close() for c, case in running.items()}
+    ref_ms = statistics.median(times["ref"]) * 1e3
+    out: dict[str, Any] = {
+        "part_bytes": part_bytes, "rounds": rounds, "reference_ms": ref_ms,
+        "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+        "cases": {},
+    }  # fmt: skip
+    for c in cases:
+        ms = statistics.median(times[c]) * 1e3
+        out["cases"][c] = {
+            "ms": ms,
+            "ratio": ref_ms / ms,
+            "paired_ratio": statistics.median(r / t for r, t in zip(times["ref"], times[c])),
+            "receiver_cpu_ms": statistics.median(running[c].cpu[2:]) * 1e3,
+            "sender_cpu_ms": sender_cpu[c] * 1e3,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve(argv[1], int(argv[2]), int(argv[3]), argv[4])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="1MiB,256KiB", help="part sizes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (default 20)")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"default {DEFAULT_CASES}")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    tune_malloc()  # this process receives the reference's frames: tuned as B is
+    cases = args.cases.split(",")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvserver-peers-wire-") as tmp:
+        for text in args.parts.split(","):
+            result = measure(parse_size(text), args.rounds, cases, Path(tmp))
+            results.append(result)
+            print(f"{result['part_bytes'] >> 10} KiB parts, load {result['load_average_before']:.2f}"
+                  f" -> {result['load_average_after']:.2f}: raw ZMQ {result['reference_ms']:.2f} "
+                  f"ms")  # fmt: skip
+            for c, row in result["cases"].items():
+                print(f"  {c:16s} {row['ms']:6.2f} ms  ref/case {row['ratio']:.2f} (paired "
+                      f"{row['paired_ratio']:.2f})  receiver CPU {row['receiver_cpu_ms']:.2f} ms"
+                      f"  sender CPU {row['sender_cpu_ms']:.2f} ms")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps({"benchmark": "peers_wire", "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
