@@ -15,9 +15,14 @@ way the bytes are sent? No kvserver protocol runs here, only the transfer:
   receiving thread): ``rotate``: a /dev/shm mapping of B's 48 MiB, each batch a third further
   (B's pages, and the floor's); ``same``: the same 32 MiB of that mapping every round;
   ``heap``: one 32 MiB bytearray reused every round (warm, as ZMQ's reused buffers);
-- the reference: ``bench_peers``'s raw ZMQ pair (``benchmarks/harness/raw_zmq.py``), unchanged.
+- placement (optional third field): ``same``: the sender and the receiving thread pinned to
+  one CPU (they take turns; the receiver copies what the sender just wrote, from that CPU's
+  caches); ``split``: pinned to two CPUs; none: where the scheduler puts them (the daemons'
+  case);
+- the reference: ``bench_peers``'s raw ZMQ pair (``benchmarks/harness/raw_zmq.py``), unchanged
+  and never pinned (this process's receiving thread is pinned during a case's round only).
 
-Every round runs the reference and each case once (cases named SENDER:DEST); per case the
+Every round runs the reference and each case once (cases named SENDER:DEST[:PIN]); per case the
 median ms per 32 MiB, reference / case (median over median, and the median of each round's
 pair), this process's CPU per round in the receive (``time.thread_time``: the kernel's copy
 into the pages and the TCP receive work) and the sender's CPU per round (its ``getrusage``, the warm-up rounds
@@ -26,7 +31,7 @@ left out). Wall times need quiet cores; the CPU per round much less so.
 Usage::
 
     python benchmarks/peers_wire.py [--parts 1MiB,256KiB] [--rounds 20]
-        [--cases blocking:rotate,loop:rotate,loop:same,loop:heap] [--json FILE]
+        [--cases blocking:rotate,loop:rotate,loop:same,loop:heap,loop:rotate:split] [--json FILE]
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ B_DRAM = 48 * MiB
 IOV_MAX = 1024
 SENDERS = ("blocking", "loop")
 DESTS = ("rotate", "same", "heap")
+PINS = ("", "same", "split")
 DEFAULT_CASES = "blocking:rotate,loop:rotate,loop:same,loop:heap"
 #: every byte the senders send (their mapping is filled with it): the receiver checks it.
 FILL = 0x07
@@ -128,14 +134,22 @@ class Case:
 
     def __init__(self, name: str, workdir: Path, part_bytes: int, env: dict[str, str]) -> None:
         sender, _, dest = name.partition(":")
-        if sender not in SENDERS or dest not in DESTS:
-            raise ValueError(f"a case is SENDER:DEST, {SENDERS} x {DESTS}: {name!r}")
+        dest, _, self.pin = dest.partition(":")
+        if sender not in SENDERS or dest not in DESTS or self.pin not in PINS:
+            raise ValueError(f"a case is SENDER:DEST[:PIN], {SENDERS} x {DESTS} x {PINS}: "
+                             f"{name!r}")  # fmt: skip
+        cpus = sorted(os.sched_getaffinity(0))
+        if self.pin and len(cpus) < 2:
+            raise ValueError(f"{name!r}: pinning needs two CPUs")
+        #: the receiving thread's CPU and the sender's (None: not pinned)
+        self.cpus = (cpus[0], cpus[0] if self.pin == "same" else cpus[1]) if self.pin else None
         self.name, self.dest, self.part_bytes = name, dest, part_bytes
         self.n = BATCH_BYTES // part_bytes
-        self.port_file = workdir / f"{sender}-{dest}-{part_bytes}.port"
+        self.port_file = workdir / f"{sender}-{dest}-{self.pin}-{part_bytes}.port"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.peers_wire", "serve", str(self.port_file),
-             str(part_bytes), str(self.n), sender],
+             str(part_bytes), str(self.n), sender,
+             "" if self.cpus is None else str(self.cpus[1])],
             cwd=Path(__file__).resolve().parents[1], env=env,
         )  # fmt: skip
         deadline = time.monotonic() + 30
@@ -159,6 +173,9 @@ class Case:
         span = len(self.buf)
         views = [self.buf[(base + i * size) % span :][:size] for i in range(self.n)]
         last = views[-1]
+        every = os.sched_getaffinity(0)
+        if self.cpus is not None:  # this thread only (the reference's are never pinned)
+            os.sched_setaffinity(0, {self.cpus[0]})
         start, cpu = time.perf_counter(), time.thread_time()
         self.sock.sendall(b"g")
         while views:
@@ -170,6 +187,7 @@ class Case:
             if views and got:
                 views[0] = views[0][got:]
         elapsed = time.perf_counter() - start
+        os.sched_setaffinity(0, every)
         self.cpu.append(time.thread_time() - cpu)
         assert last[0] == last[-1] == FILL, f"{self.name}: other bytes arrived"
         return elapsed
@@ -222,6 +240,8 @@ def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> di
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
+        if argv[5:6] and argv[5]:  # the CPU the sender is pinned to
+            os.sched_setaffinity(0, {int(argv[5])})
         return serve(argv[1], int(argv[2]), int(argv[3]), argv[4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="1MiB,256KiB", help="part sizes, comma-separated")

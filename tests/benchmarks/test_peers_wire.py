@@ -1,5 +1,5 @@
 """benchmarks/peers_wire.py moves real batches over loopback TCP from both senders into every
-kind of destination, beside the raw ZMQ reference: each case's bytes are the sender's, and
+kind of destination (and pinned to one CPU), beside the raw ZMQ reference: each case's bytes are the sender's, and
 every figure of the report is there and positive; a case it does not know is refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from benchmarks.peers_wire import Case, measure
 
 
 def test_every_sender_and_destination_moves_the_batch(tmp_path: Path) -> None:
-    cases = ["blocking:rotate", "loop:rotate", "loop:same", "loop:heap"]
+    cases = ["blocking:rotate", "loop:rotate", "loop:same", "loop:heap", "loop:rotate:same"]
     result = measure(4 << 20, 1, cases, tmp_path)  # 8 parts of 4 MiB, one timed round
     assert result["reference_ms"] > 0
     assert sorted(result["cases"]) == sorted(cases)
@@ -24,3 +24,5 @@ def test_every_sender_and_destination_moves_the_batch(tmp_path: Path) -> None:
 def test_an_unknown_case_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="SENDER:DEST"):
         Case("sendfile:rotate", tmp_path, 1 << 20, {})
+    with pytest.raises(ValueError, match="SENDER:DEST"):
+        Case("loop:rotate:elsewhere", tmp_path, 1 << 20, {})
