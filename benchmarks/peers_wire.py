@@ -8,9 +8,11 @@ way the bytes are sent? No kvserver protocol runs here, only the transfer:
 - senders (a helper process, ``python -m benchmarks.peers_wire serve ...``, sending a batch's
   parts out of a /dev/shm mapping of three batches, a batch after another, as A's arena):
   ``blocking``: one blocking ``sendmsg`` of every part's view, as ``bench_peers``'s floor did
-  until session 10; ``loop``: A's own ``PlainIO.send`` (``kvserver/daemon/stream_io.py``) on
+  (the floor's); ``loop``: A's own ``PlainIO.send`` (``kvserver/daemon/stream_io.py``) on
   a uvloop loop, as a daemon serves a peer's window (a non-blocking ``sendmsg`` of the views,
-  the rest of a view the socket did not take awaited with ``sock_sendall``, again);
+  the rest of a view the socket did not take awaited with ``sock_sendall``, again); ``zmq``:
+  the raw ZMQ pair itself, a second instance of the reference's (``zmq:heap``: into its own
+  buffers), so that it can be pinned too;
 - destinations (this process, one ``recvmsg_into(MSG_WAITALL)`` per ``IOV_MAX`` views, as B's
   receiving thread): ``rotate``: a /dev/shm mapping of B's 48 MiB, each batch a third further
   (B's pages, and the floor's); ``same``: the same 32 MiB of that mapping every round;
@@ -24,23 +26,24 @@ way the bytes are sent? No kvserver protocol runs here, only the transfer:
 
 Every round runs the reference and each case once (cases named SENDER:DEST[:PIN]); per case the
 median ms per 32 MiB, reference / case (median over median, and the median of each round's
-pair), this process's CPU per round in the receive (``time.thread_time``: the kernel's copy
-into the pages and the TCP receive work) and the sender's CPU per round (its ``getrusage``, the warm-up rounds
-left out). Wall times need quiet cores; the CPU per round much less so.
+pair), and the CPU per round (``/proc/PID/task/*/schedstat``, all threads) of the receiving
+process (this one: the kernel's copy into the pages and the TCP receive work, or ZMQ's I/O
+thread's) and of the sender's, the reference's included. Wall times need quiet cores; the CPU
+per round much less so.
 
 Usage::
 
     python benchmarks/peers_wire.py [--parts 1MiB,256KiB] [--rounds 20]
-        [--cases blocking:rotate,loop:rotate,loop:same,loop:heap,loop:rotate:split] [--json FILE]
+        [--cases blocking:rotate,loop:rotate,loop:rotate:same,loop:rotate:split,zmq:heap:split]
+        [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -61,7 +64,7 @@ MiB = 1 << 20
 BATCH_BYTES = 32 * MiB
 B_DRAM = 48 * MiB
 IOV_MAX = 1024
-SENDERS = ("blocking", "loop")
+SENDERS = ("blocking", "loop", "zmq")
 DESTS = ("rotate", "same", "heap")
 PINS = ("", "same", "split")
 DEFAULT_CASES = "blocking:rotate,loop:rotate,loop:same,loop:heap"
@@ -71,9 +74,7 @@ FILL = 0x07
 
 def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
     """Helper process: per request byte b"g", a batch of ``n`` parts sent as ``sender`` says
-    out of a /dev/shm mapping of three batches (a batch after another); b"s" stops it and
-    writes to ``port_file`` + ".cpu" its CPU seconds from its third request on (after the
-    warm-up) and how many requests that was."""
+    out of a /dev/shm mapping of three batches (a batch after another); b"s" stops it."""
     batch = n * part_bytes
     arena = memoryview(shm_mapping(3 * batch))
     arena[:] = bytes([FILL]) * (3 * batch)
@@ -86,14 +87,6 @@ def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
         base = (r % 3) * batch
         return [arena[base + i * part_bytes : base + (i + 1) * part_bytes] for i in range(n)]
 
-    rounds = 0
-    marks: list[float] = []
-
-    def mark(r: int) -> None:  # the CPU at the end of the warm-up (two rounds)
-        if r == 2:
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-            marks.append(usage.ru_utime + usage.ru_stime)
-
     if sender == "loop":
         import uvloop
 
@@ -103,18 +96,16 @@ def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
         io = PlainIO(conn, 30.0)
         loop = uvloop.new_event_loop()
 
-        async def answer() -> int:
+        async def answer() -> None:
             r = 0
             while await loop.sock_recv(conn, 1) == b"g":
-                mark(r)
                 await io.send(views(r))
                 r += 1
-            return r
 
-        rounds = loop.run_until_complete(answer())
+        loop.run_until_complete(answer())
     else:
+        rounds = 0
         while conn.recv(1) == b"g":
-            mark(rounds)
             left = views(rounds)
             while left:
                 sent = conn.sendmsg(left[:IOV_MAX])
@@ -123,28 +114,61 @@ def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
                 if left and sent:
                     left[0] = left[0][sent:]
             rounds += 1
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = usage.ru_utime + usage.ru_stime - (marks[0] if marks else 0.0)
-    Path(port_file + ".cpu").write_text(f"{cpu} {max(0, rounds - 2)}")
     return 0
 
 
+def runtime_ms(pid: int) -> float:
+    """CPU milliseconds the process ``pid`` has run, all its threads (``schedstat``)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e6
+
+
+def _pin_all(pid: int, tids: set[str], cpu: int) -> None:
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), {cpu})
+
+
 class Case:
-    """One sender helper and this process's receiving end into ``dest``."""
+    """One sender (a helper process) and this process's receiving end into ``dest``: the
+    sender ``zmq`` is the raw ZMQ pair itself (``dest`` ``heap``: its own buffers), pinned
+    like the others when asked (the reference, apart from the cases, never is)."""
 
     def __init__(self, name: str, workdir: Path, part_bytes: int, env: dict[str, str]) -> None:
         sender, _, dest = name.partition(":")
         dest, _, self.pin = dest.partition(":")
-        if sender not in SENDERS or dest not in DESTS or self.pin not in PINS:
-            raise ValueError(f"a case is SENDER:DEST[:PIN], {SENDERS} x {DESTS} x {PINS}: "
-                             f"{name!r}")  # fmt: skip
+        if (sender not in SENDERS or dest not in DESTS or self.pin not in PINS
+                or (sender == "zmq" and dest != "heap")):  # fmt: skip
+            raise ValueError(f"a case is SENDER:DEST[:PIN], {SENDERS} x {DESTS} x {PINS} "
+                             f"(zmq: heap only): {name!r}")  # fmt: skip
         cpus = sorted(os.sched_getaffinity(0))
         if self.pin and len(cpus) < 2:
             raise ValueError(f"{name!r}: pinning needs two CPUs")
-        #: the receiving thread's CPU and the sender's (None: not pinned)
+        #: the receiving end's CPU and the sender's (None: not pinned)
         self.cpus = (cpus[0], cpus[0] if self.pin == "same" else cpus[1]) if self.pin else None
         self.name, self.dest, self.part_bytes = name, dest, part_bytes
         self.n = BATCH_BYTES // part_bytes
+        self.rounds = 0
+        self.receiver_ms: list[float] = []
+        self.sender_ms: list[float] = []
+        self.zmq: RawPeer | None = None
+        self.mine: set[str] = set()  # this process's threads of the receiving end
+        if sender == "zmq":
+            before = set(os.listdir("/proc/self/task"))
+            self.zmq = RawPeer(workdir, part_bytes, self.n, env, 30_000)
+            self.mine = set(os.listdir("/proc/self/task")) - before  # its context's threads
+            self.proc = self.zmq.proc
+            if self.cpus is not None:
+                _pin_all(self.proc.pid, set(os.listdir(f"/proc/{self.proc.pid}/task")),
+                         self.cpus[1])  # fmt: skip
+                _pin_all(os.getpid(), self.mine, self.cpus[0])
+            return
         self.port_file = workdir / f"{sender}-{dest}-{self.pin}-{part_bytes}.port"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.peers_wire", "serve", str(self.port_file),
@@ -163,20 +187,30 @@ class Case:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(30)
         self.buf = memoryview(bytearray(BATCH_BYTES) if dest == "heap" else shm_mapping(B_DRAM))
-        self.rounds = 0
-        self.cpu: list[float] = []
 
     def round(self) -> float:
+        every = os.sched_getaffinity(0)
+        if self.cpus is not None:  # this thread, for this round only
+            os.sched_setaffinity(0, {self.cpus[0]})
+        me, sender = runtime_ms(os.getpid()), runtime_ms(self.proc.pid)
+        start = time.perf_counter()
+        if self.zmq is not None:
+            self.zmq.round()
+        else:
+            self._receive()
+        elapsed = time.perf_counter() - start
+        self.receiver_ms.append(runtime_ms(os.getpid()) - me)
+        self.sender_ms.append(runtime_ms(self.proc.pid) - sender)
+        os.sched_setaffinity(0, every)
+        return elapsed
+
+    def _receive(self) -> None:
         size = self.part_bytes
         base = (self.rounds % 3) * (B_DRAM // 3) if self.dest == "rotate" else 0
         self.rounds += 1
         span = len(self.buf)
         views = [self.buf[(base + i * size) % span :][:size] for i in range(self.n)]
         last = views[-1]
-        every = os.sched_getaffinity(0)
-        if self.cpus is not None:  # this thread only (the reference's are never pinned)
-            os.sched_setaffinity(0, {self.cpus[0]})
-        start, cpu = time.perf_counter(), time.thread_time()
         self.sock.sendall(b"g")
         while views:
             got = self.sock.recvmsg_into(views[:IOV_MAX], 0, socket.MSG_WAITALL)[0]
@@ -186,19 +220,15 @@ class Case:
                 got -= views.pop(0).nbytes
             if views and got:
                 views[0] = views[0][got:]
-        elapsed = time.perf_counter() - start
-        os.sched_setaffinity(0, every)
-        self.cpu.append(time.thread_time() - cpu)
         assert last[0] == last[-1] == FILL, f"{self.name}: other bytes arrived"
-        return elapsed
 
-    def close(self) -> float:
-        """Stops the helper; its CPU seconds per round."""
+    def close(self) -> None:
+        if self.zmq is not None:
+            self.zmq.close()
+            return
         self.sock.sendall(b"s")
         self.proc.wait(30)
         self.sock.close()
-        seconds, rounds = Path(str(self.port_file) + ".cpu").read_text().split()
-        return float(seconds) / max(1, int(rounds))
 
 
 def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> dict[str, Any]:
@@ -207,32 +237,43 @@ def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> di
     ref = RawPeer(workdir, part_bytes, n, env, 30_000)
     running: dict[str, Case] = {}
     times: dict[str, list[float]] = {"ref": [], **{c: [] for c in cases}}
+    ref_cpu: dict[str, list[float]] = {"receiver": [], "sender": []}
     load_before = os.getloadavg()[0]
     try:
         for c in cases:
             running[c] = Case(c, workdir, part_bytes, env)
         for r in range(rounds + 2):  # two rounds of warm-up
             for name in times:
-                seconds = ref.round() if name == "ref" else running[name].round()
+                if name != "ref":
+                    seconds = running[name].round()
+                else:
+                    me, sender = runtime_ms(os.getpid()), runtime_ms(ref.proc.pid)
+                    seconds = ref.round()
+                    ref_cpu["receiver"].append(runtime_ms(os.getpid()) - me)
+                    ref_cpu["sender"].append(runtime_ms(ref.proc.pid) - sender)
                 if r >= 2:
                     times[name].append(seconds)
     finally:
         ref.close()
-        sender_cpu = {c: case.close() for c, case in running.items()}
+        for case in running.values():
+            case.close()
     ref_ms = statistics.median(times["ref"]) * 1e3
     out: dict[str, Any] = {
         "part_bytes": part_bytes, "rounds": rounds, "reference_ms": ref_ms,
+        "reference_receiver_cpu_ms": statistics.median(ref_cpu["receiver"][2:]),
+        "reference_sender_cpu_ms": statistics.median(ref_cpu["sender"][2:]),
         "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
         "cases": {},
     }  # fmt: skip
     for c in cases:
         ms = statistics.median(times[c]) * 1e3
+        pairs = zip(times["ref"], times[c], strict=True)
         out["cases"][c] = {
             "ms": ms,
             "ratio": ref_ms / ms,
-            "paired_ratio": statistics.median(r / t for r, t in zip(times["ref"], times[c])),
-            "receiver_cpu_ms": statistics.median(running[c].cpu[2:]) * 1e3,
-            "sender_cpu_ms": sender_cpu[c] * 1e3,
+            "paired_ratio": statistics.median(r / t for r, t in pairs),
+            "receiver_cpu_ms": statistics.median(running[c].receiver_ms[2:]),
+            "sender_cpu_ms": statistics.median(running[c].sender_ms[2:]),
         }
     return out
 
@@ -258,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(f"{result['part_bytes'] >> 10} KiB parts, load {result['load_average_before']:.2f}"
                   f" -> {result['load_average_after']:.2f}: raw ZMQ {result['reference_ms']:.2f} "
-                  f"ms")  # fmt: skip
+                  f"ms, receiver CPU {result['reference_receiver_cpu_ms']:.2f} ms, sender CPU "
+                  f"{result['reference_sender_cpu_ms']:.2f} ms")  # fmt: skip
             for c, row in result["cases"].items():
                 print(f"  {c:16s} {row['ms']:6.2f} ms  ref/case {row['ratio']:.2f} (paired "
                       f"{row['paired_ratio']:.2f})  receiver CPU {row['receiver_cpu_ms']:.2f} ms"
