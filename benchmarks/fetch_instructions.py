@@ -1,6 +1,7 @@
 """Instructions on the critical path of one peer fetch, phase by phase, counted by callgrind
 in one process (no sockets): the serial work of both daemons around the bytes of a 32 MiB
-fetch of 128 chunks of 256 KiB, or of 32 MiB in parts of ``--part-bytes`` (docs/benchmarks.md, "The critical path of a peer fetch").
+fetch of 128 chunks of 256 KiB, or in parts of ``--part-bytes`` (docs/benchmarks.md, "The
+critical path of a peer fetch").
 
 Usage (PYTHONPATH selects the tree measured; to measure an older tree, copy this file into its
 benchmarks/ first)::
@@ -75,8 +76,11 @@ def main() -> None:
         "--policy", default="prefix", help="DRAM eviction policy (prefix: the recorded figures')"
     )
     parser.add_argument("--wall", action="store_true", help="no valgrind: wall µs per phase")
-    parser.add_argument("--part-bytes", default="256KiB",
-                        help="part size of the 32 MiB fetch (default 256KiB: 128 chunks)")
+    parser.add_argument(
+        "--part-bytes",
+        default="256KiB",
+        help="part size of the 32 MiB fetch (default 256KiB: 128 chunks)",
+    )
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

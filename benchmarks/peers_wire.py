@@ -297,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         for text in args.parts.split(","):
             result = measure(parse_size(text), args.rounds, cases, Path(tmp))
             results.append(result)
-            print(f"{result['part_bytes'] >> 10} KiB parts, load {result['load_average_before']:.2f}"
-                  f" -> {result['load_average_after']:.2f}: raw ZMQ {result['reference_ms']:.2f} "
+            load = (result["load_average_before"], result["load_average_after"])
+            print(f"{result['part_bytes'] >> 10} KiB parts, load {load[0]:.2f} -> {load[1]:.2f}: "
+                  f"raw ZMQ {result['reference_ms']:.2f} "
                   f"ms, receiver CPU {result['reference_receiver_cpu_ms']:.2f} ms, sender CPU "
                   f"{result['reference_sender_cpu_ms']:.2f} ms")  # fmt: skip
             for c, row in result["cases"].items():

@@ -1,6 +1,7 @@
 """benchmarks/peers_wire.py moves real batches over loopback TCP from both senders into every
-kind of destination (and pinned to one CPU), beside the raw ZMQ reference (and the ZMQ pair pinned): each case's bytes are the sender's, and
-every figure of the report is there and positive; a case it does not know is refused."""
+kind of destination (and pinned to one CPU), beside the raw ZMQ reference (and the ZMQ pair
+pinned): each case's bytes are the sender's, and every figure of the report is there and
+positive; a case it does not know is refused."""
 
 from __future__ import annotations
 
