@@ -46,7 +46,12 @@ rotating from round to round), so all see the same machine; the figure per chunk
 the median fetch bandwidth over the median reference bandwidth, with the per-round ratios as
 the spread (and their median, ``paired_ratio_median``: each fetch round against the reference
 round of the same round, which a drifting load on a shared machine disturbs less). The load
-average before and after the run is in the report. Before timing, one fetched batch is read
+average before and after the run is in the report, and the CPU per round (``cpu_ms_median``,
+from ``schedstat``) of A and B during the stream fetch and of the reference's two processes:
+on loopback a transfer whose two ends the scheduler put on two vCPUs costs its sender about
+twice the CPU of one on a shared vCPU, for the reference as for a fetch (docs/benchmarks.md,
+"A 1 MiB fetch's wire"), so these show which draw a run had. The summary, the table and the
+chart are ``benchmarks/peers_report.py``. Before timing, one fetched batch is read
 back through each B and compared byte for byte with what was stored.
 
 Usage: python benchmarks/bench_peers.py [--quick] [--runs N] [--parts SIZES] [--rounds N]
@@ -71,8 +76,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
 from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon
+from benchmarks.harness.proc import runtime_ms
 from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
 from benchmarks.harness.raw_zmq import RawPeer, payload, serve, start_helper
+from benchmarks.peers_report import TARGET, print_table, summarize, write_chart
 from benchmarks.report import save_report
 from kvserver import wire
 from kvserver.arena import ArenaView
@@ -84,7 +91,6 @@ from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
 
 MiB = 1 << 20
-TARGET = 0.8
 BATCH_BYTES = 32 * MiB
 BATCHES = 3
 #: the fetching daemons' DRAM (and the floor's receiving mapping).
@@ -197,6 +203,10 @@ def measure(
         proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
         floor = RawArenaTcp(proc, int(ep.read_text()), part_bytes, n, B_DRAM, TIMEOUT_MS / 1000)
         times: dict[str, list[float]] = {name: [] for name in (*FETCHES, "ref", "get", "floor")}
+        # CPU ms per round: A and B around the stream fetch, the reference's two processes
+        cpu: dict[str, list[float]] = {k: [] for k in ("a", "b", "ref_sender", "ref_receiver")}
+        pids = {"a": a.proc.pid, "b": daemons["stream"].proc.pid,
+                "ref_sender": ref.proc.pid, "ref_receiver": os.getpid()}  # fmt: skip
         lookups: list[float] = []  # a lookup of the batch on A, from this process
         clients = {
             name: KVClient(daemons[name].zmq_address, timeout=60,
@@ -217,6 +227,14 @@ def measure(
 
                 short: dict[str, int] = dict.fromkeys(FETCHES, 0)
 
+                def counted(who: tuple[str, str], step: Any, *args: Any) -> float:
+                    """``step(*args)``'s result; the CPU of the processes ``who`` meanwhile."""
+                    before = [runtime_ms(pids[k]) for k in who]
+                    out: float = step(*args)
+                    for k, ms in zip(who, before, strict=True):
+                        cpu[k].append(runtime_ms(pids[k]) - ms)
+                    return out
+
                 def fetch(name: str, keys: list[bytes]) -> float:
                     client = clients[name]
                     start = time.perf_counter()
@@ -228,7 +246,7 @@ def measure(
 
                 for r in range(1, rounds + 1):
                     keys = batches[r % BATCHES]
-                    times["ref"].append(ref.round())
+                    times["ref"].append(counted(("ref_sender", "ref_receiver"), ref.round))
                     times["floor"].append(floor.round())
                     start_get = time.perf_counter()
                     remote.get(ns_id, keys)  # context: one remote get straight from A
@@ -238,7 +256,10 @@ def measure(
                     lookups.append(time.perf_counter() - start_lookup)
                     for i in range(len(FETCHES)):  # rotate who goes first
                         name = FETCHES[(i + r) % len(FETCHES)]
-                        times[name].append(fetch(name, keys))
+                        if name == "stream":
+                            times[name].append(counted(("a", "b"), fetch, name, keys))
+                        else:
+                            times[name].append(fetch(name, keys))
                 stats = {name: c.stats()["peer"] for name, c in clients.items()}
         finally:
             for client in clients.values():
@@ -301,6 +322,9 @@ def measure(
         "tls_fetch_ms_median": statistics.median(times["tls"]) * 1e3,
         "curve_fetch_ms_median": statistics.median(times["curve"]) * 1e3,
         "reference_ms_median": statistics.median(times["ref"]) * 1e3,
+        # CPU per round (ms, medians): A and B during the stream fetch (B's to the grant; A's
+        # release after its send may fall outside), the reference's sender and receiver
+        "cpu_ms_median": {k: statistics.median(v) for k, v in cpu.items()},
         # --peers: B asks A for the bytes without a lookup first (PeerTier.promote); a
         # lookup of A, as each load made before, cost about lookup_ms_median more per load
         "lookup_ms_median": statistics.median(lookups) * 1e3,
@@ -329,94 +353,6 @@ def run(
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per chunk size, each run's ratios and their median over the runs."""
-    out = []
-    for rows in zip(*(r["results"] for r in runs), strict=True):
-        entry: dict[str, Any] = {"name": rows[0]["name"], "part_bytes": rows[0]["part_bytes"]}
-        for key in ("ratio", "paired_ratio_median", "zmq_ratio", "floor_ratio",
-                    "stream_over_floor", "tls_ratio", "curve_ratio", "tls_over_curve"):  # fmt: skip
-            values = [row[key] for row in rows]
-            entry[f"{key}_per_run"] = values
-            entry[f"{key}_median"] = statistics.median(values)
-        stream_over_zmq = [row["value_MBps"] / row["zmq_MBps"] for row in rows]
-        entry["stream_over_zmq_per_run"] = stream_over_zmq
-        entry["stream_over_zmq_median"] = statistics.median(stream_over_zmq)
-        out.append(entry)
-    return out
-
-
-def print_table(report: dict[str, Any]) -> None:
-    for n, run_report in enumerate(report["runs"], 1):
-        head = f"{'case':<34} {'stream':>7} {'ZMQ':>6} {'ref':>6} {'ratio':>6} {'round range':>12}"
-        print(f"\nrun {n}\n{head} {'paired':>7} {'ZMQ ratio':>10} {'floor':>6} {'get from A':>11}")
-        for r in run_report["results"]:
-            lo, hi = min(r["round_ratios"]), max(r["round_ratios"])
-            flag = "" if r["ratio"] >= TARGET else f"  (below {TARGET})"
-            print(
-                f"{r['name']:<34} {r['value_MBps']:>7.0f} {r['zmq_MBps']:>6.0f} "
-                f"{r['reference_MBps']:>6.0f} {r['ratio']:>6.2f} {lo:>5.2f}-{hi:<5.2f} "
-                f"{r['paired_ratio_median']:>7.2f} {r['zmq_ratio']:>9.2f}x "
-                f"{r['floor_ratio']:>5.2f}x {r['remote_get_ratio']:>10.2f}x{flag}"
-            )
-        for r in run_report["results"]:
-            print(
-                f"{r['name']:<34} B's lookups of A per load {r['directory_lookups_per_load']:.2f}"
-                f" (loads asking A straight away {r['directory_skipped_per_load']:.2f}); a "
-                f"lookup of A: {r['lookup_ms_median']:.2f} ms, "
-                f"{100 * r['lookup_share_of_fetch']:.1f}% of lookup + fetch"
-            )
-        before, after = run_report["load_average_before"], run_report["load_average_after"]
-        print(f"load average before {before[0]:.2f}, after {after[0]:.2f} (1 min); stream "
-              f"window {run_report['stream_window_bytes'] / MiB:g} MiB (B, B_tls)")  # fmt: skip
-    print(f"\nmedian over {len(report['runs'])} run(s), per run in brackets")
-    print(f"{'case':<34} {'stream/ref':>11} {'ZMQ/ref':>8} {'floor/ref':>10} {'stream/ZMQ':>11} "
-          f"{'TLS/ref':>8} {'CURVE/ref':>10} {'TLS/CURVE':>10}")  # fmt: skip
-    for e in report["summary"]:
-        runs = " ".join(f"{x:.2f}" for x in e["ratio_per_run"])
-        tls = " ".join(f"{x:.2f}" for x in e["tls_ratio_per_run"])
-        print(
-            f"{e['name']:<34} {e['ratio_median']:>11.2f} {e['zmq_ratio_median']:>8.2f} "
-            f"{e['floor_ratio_median']:>10.2f} {e['stream_over_zmq_median']:>11.2f} "
-            f"{e['tls_ratio_median']:>8.2f} {e['curve_ratio_median']:>10.2f} "
-            f"{e['tls_over_curve_median']:>10.2f}  [{runs}] TLS [{tls}]"
-        )
-
-
-def write_chart(report: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rows = report["summary"]
-    fig, ax = plt.subplots(figsize=(8, 1.6 + 1.3 * len(rows)))
-    ys = list(range(len(rows)))
-    for offset, key, label in (
-        (-0.3, "ratio", "fetch through B over the peer stream"),
-        (-0.15, "zmq_ratio", "fetch through B over ZMQ"),
-        (0.0, "tls_ratio", "secure fleet: over the TLS peer stream"),
-        (0.15, "curve_ratio", "secure fleet: over ZMQ with CURVE"),
-        (0.3, "floor_ratio", "floor: raw TCP, arena pages to arena pages"),
-    ):
-        med = [r[f"{key}_median"] for r in rows]
-        spread = [
-            [max(0.0, m - min(r[f"{key}_per_run"])) for m, r in zip(med, rows, strict=True)],
-            [max(0.0, max(r[f"{key}_per_run"]) - m) for m, r in zip(med, rows, strict=True)],
-        ]
-        ax.barh([y + offset for y in ys], med, height=0.14, xerr=spread, capsize=3, label=label)
-    ax.set_yticks(ys, [r["name"] for r in rows])
-    ax.axvline(TARGET, color="red", linestyle="--", label=f"target {TARGET}")
-    ax.set_xlabel(f"/ raw ZMQ, same run: median of {len(report['runs'])} runs (whiskers: runs)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def _sizes(text: str) -> list[int]:
     try:
         return [daemon_config.parse_size(t) for t in text.split(",")]
@@ -443,8 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", type=_sizes, metavar="SIZES",
                         help="part sizes, comma-separated (default 256KiB,1MiB,4MiB; "
                              "--quick: 1MiB)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, metavar="N",
-                        help="timed rounds per part size (default 25; --quick: 6)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="timed rounds per part size (default 25; --quick: 6)",
+    )
     parser.add_argument("--stream-window", type=_window, metavar="SIZE",
                         default=daemon_config.DEFAULT_PEER_STREAM_WINDOW,
                         help="B's and B_tls's --peer-stream-window, e.g. 8MiB (default the "

@@ -55,6 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
+from benchmarks.harness.proc import runtime_ms
 from benchmarks.harness.raw_tcp import shm_mapping
 from benchmarks.harness.raw_zmq import RawPeer
 from kvserver.daemon.config import parse_size
@@ -115,18 +116,6 @@ def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
                     left[0] = left[0][sent:]
             rounds += 1
     return 0
-
-
-def runtime_ms(pid: int) -> float:
-    """CPU milliseconds the process ``pid`` has run, all its threads (``schedstat``)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
-            continue
-    return total / 1e6
 
 
 def _pin_all(pid: int, tids: set[str], cpu: int) -> None:
