@@ -7,20 +7,20 @@ way the bytes are sent? No kvserver protocol runs here, only the transfer:
 
 - senders (a helper process, ``python -m benchmarks.peers_wire serve ...``, sending a batch's
   parts out of a /dev/shm mapping of three batches, a batch after another, as A's arena):
-  ``blocking``: one blocking ``sendmsg`` of every part's view, as ``bench_peers``'s floor did
-  (the floor's); ``loop``: A's own ``PlainIO.send`` (``kvserver/daemon/stream_io.py``) on
+  ``blocking``: one blocking ``sendmsg`` of every part's view (``bench_peers``'s floor's);
+  ``loop``: A's own ``PlainIO.send`` (``kvserver/daemon/stream_io.py``) on
   a uvloop loop, as a daemon serves a peer's window (a non-blocking ``sendmsg`` of the views,
   the rest of a view the socket did not take awaited with ``sock_sendall``, again); ``zmq``:
-  the raw ZMQ pair itself, a second instance of the reference's (``zmq:heap``: into its own
+  the raw ZMQ pair itself, a second instance of the reference (``zmq:heap``: into its own
   buffers), so that it can be pinned too;
 - destinations (this process, one ``recvmsg_into(MSG_WAITALL)`` per ``IOV_MAX`` views, as B's
   receiving thread): ``rotate``: a /dev/shm mapping of B's 48 MiB, each batch a third further
   (B's pages, and the floor's); ``same``: the same 32 MiB of that mapping every round;
   ``heap``: one 32 MiB bytearray reused every round (warm, as ZMQ's reused buffers);
-- placement (optional third field): ``same``: the sender and the receiving thread pinned to
-  one CPU (they take turns; the receiver copies what the sender just wrote, from that CPU's
-  caches); ``split``: pinned to two CPUs; none: where the scheduler puts them (the daemons'
-  case);
+- placement (optional third field): ``same``: the sender and the receiving thread (ZMQ's:
+  its I/O threads) pinned to one CPU (they take turns; the receiver copies what the sender
+  just wrote, from that CPU's caches); ``split``: pinned to two CPUs; none: where the
+  scheduler puts them (the daemons' case);
 - the reference: ``bench_peers``'s raw ZMQ pair (``benchmarks/harness/raw_zmq.py``), unchanged
   and never pinned (this process's receiving thread is pinned during a case's round only).
 
