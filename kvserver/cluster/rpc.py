@@ -32,6 +32,7 @@ from kvserver.namespace import NamespaceSpec
 from kvserver.prompts import check_prompt_size
 
 MAX_KEYS = 1 << 16
+NOWHERE = "namespace registered nowhere in the fleet"
 MAX_NAMESPACE_ID = 64
 
 
@@ -68,8 +69,9 @@ async def score_hosts(
 ) -> Any:
     """Answer one ``ScoreHostsRequest`` (see the proto for the contract). ``allow(spec,
     req)``, when given, raises (e.g. PermissionDenied) if the caller may not ask about the
-    namespace, before any hashing or fleet lookup; ``caller`` names it to the service's
-    bound on prompts hashing (``hash_prompt``)."""
+    namespace, before any hashing or fleet lookup (an UnknownNamespace it raises, for a
+    namespace the caller may not see, is answered as one registered nowhere); ``caller``
+    names it to the service's bound on prompts hashing (``hash_prompt``)."""
     node = service.cluster
     if node is None:
         raise InvalidState("this daemon is not part of a fleet (start it with --cluster)")
@@ -78,9 +80,16 @@ async def score_hosts(
         raise InvalidArgument("namespace_id is required (at most 64 characters)")
     weights = dict(node.config.tier_weights)
     weights.update(check_weights(dict(req.tier_weights)))
-    spec = await _spec(service, ns_id)
-    if allow is not None:
-        allow(spec, req)
+    try:
+        spec = await _spec(service, ns_id)
+        if allow is not None:
+            allow(spec, req)
+    except UnknownNamespace:
+        if allow is None:
+            raise
+        # one answer for a tenant, whether the id is registered nowhere, its spec unusable,
+        # or a namespace it may not see (docs/security.md, "Tenants")
+        raise UnknownNamespace(NOWHERE, ns=ns_id) from None
     keys = _keys(service, spec, req, caller)
     if inspect.isawaitable(keys):
         keys = await keys
@@ -130,7 +139,7 @@ async def _spec(service: ScoringService, ns_id: str) -> NamespaceSpec:
         return cached
     raw = await service.cluster.reader.namespace_spec(ns_id)
     if raw is None:
-        raise UnknownNamespace("namespace registered nowhere in the fleet", ns=ns_id)
+        raise UnknownNamespace(NOWHERE, ns=ns_id)
     try:
         spec = NamespaceSpec.from_dict(json.loads(raw))
     except (ValueError, InvalidArgument) as exc:

@@ -8,8 +8,9 @@ of the ZMQ ROUTER and the local channel alike, before the op runs: a refused req
 hot path). The gRPC front end calls the same ``Principal`` methods, through
 :func:`allow_prefix` for the RPCs that name a prompt.
 
-What is checked: the namespace an op names (``ns_id``, the spec to register, or the namespace
-of the lease an op names: ``complete_store``, ``write_parts``, ``complete_load``,
+What is checked: the namespace an op names (``ns_id``: one the tenant may not see is
+answered as if not registered, ``auth.py``; the spec to register; or the namespace of the
+lease an op names: ``complete_store``, ``write_parts``, ``complete_load``,
 ``read_parts``) against the tenant's models; writes (register, store, pin, unpin) against
 ``read_only``; ``lookup_tokens``' ``cache_salt`` against the tenant's salts. Chunk keys are
 opaque hashes: an op that names keys cannot tell which cache_salt made them, so a tenant with
@@ -40,15 +41,16 @@ _LEASE_OPS = {wire.COMPLETE_STORE: True, wire.WRITE_PARTS: True, wire.COMPLETE_L
 
 
 def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any]) -> None:
-    """Raise PermissionDenied (or UnknownNamespace) unless ``who`` may make request ``op``
-    with (validated) ``args``; see the module docstring."""
+    """Raise PermissionDenied (or UnknownNamespace: not registered, or not ``who``'s to
+    see, one answer for both) unless ``who`` may make request ``op`` with (validated)
+    ``args``; see the module docstring."""
     if op in _LEASE_OPS and service.lease_owner(args["lease_id"]) in DAEMON_OWNERS:
         # the admin too: the daemon's own leases guard bytes in flight (``owners.py``)
         raise PermissionDenied("the lease is the daemon's own", lease=args["lease_id"])
     if who.is_admin:
         return
     if op == wire.REGISTER_NAMESPACE:
-        who.may_use(NamespaceSpec.from_dict(args["spec"]), write=True)
+        who.may_register(NamespaceSpec.from_dict(args["spec"]))
         return
     if op in _READ_NS or op in _WRITE_NS:
         who.may_use(service.namespace(args["ns_id"]), write=op in _WRITE_NS)
@@ -58,7 +60,7 @@ def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any])
     if write is not None:
         spec = service.lease_namespace(args["lease_id"])
         if spec is not None:  # no such lease: the op itself says so
-            who.may_use(spec, write=write)
+            who.may_use_lease(spec, args["lease_id"], write=write)
         elif write:
             who.may_write()
 
@@ -66,7 +68,8 @@ def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any])
 def allow_prefix(
     who: Principal, spec: NamespaceSpec, request: Any, *, write: bool = False
 ) -> None:
-    """gRPC: PermissionDenied unless ``who`` may use ``spec`` (``write``: change it) with the
+    """gRPC: UnknownNamespace (as if not registered) unless ``who`` sees ``spec``;
+    PermissionDenied unless it may use it (``write``: change it) with the
     cache_salt of ``request``'s ``tokens`` prefix, if it has one (Lookup, Pin, Unpin,
     ScoreHosts)."""
     if who.is_admin:

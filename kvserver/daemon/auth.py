@@ -17,6 +17,12 @@ with, and whether they may write. The daemon's own token (and no token at all) i
 unrestricted admin principal. The checks live here, in :class:`Principal`, and only here: both
 front ends call them (``kvserver/daemon/access.py`` for the data plane, ``grpc_server.py``) for
 every operation that names a namespace, before anything changes.
+
+A namespace a tenant may not see is, to it, not registered: :meth:`Principal.may_use` raises
+the very ``UnknownNamespace`` (message and context) that a namespace id registered nowhere
+gets, so no answer tells a tenant whether another tenant's namespace id exists (listings and
+stats already leave such namespaces out). Registering another model's spec, which the
+caller names itself, stays ``PermissionDenied``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserver.errors import PermissionDenied, Unauthenticated
+from kvserver.errors import PermissionDenied, Unauthenticated, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
 #: in a tenant's ``models``: every model.
@@ -56,13 +62,28 @@ class Principal:
         return self.models is None or ANY_MODEL in self.models or spec.model in self.models
 
     def may_use(self, spec: NamespaceSpec, *, write: bool = False) -> None:
-        """Raise PermissionDenied unless this caller may use ``spec`` (``write``: register,
-        store or pin in it)."""
+        """Raise :func:`not_registered` unless this caller sees registered namespace ``spec``
+        (the answer of an unregistered id: see the module docstring); PermissionDenied if
+        ``write`` (store or pin in it) and this caller is read-only."""
+        if not self.sees(spec):
+            raise not_registered(spec.ns_id)
+        if write:
+            self.may_write()
+
+    def may_register(self, spec: NamespaceSpec) -> None:
+        """Raise PermissionDenied unless this caller may register ``spec`` (a spec the caller
+        sent: naming its model tells it nothing)."""
         if not self.sees(spec):
             raise PermissionDenied(
-                f"tenant {self.name!r} may not use namespaces of model {spec.model[:64]!r}",
-                ns=spec.ns_id,
+                f"tenant {self.name!r} may not use namespaces of model {spec.model[:64]!r}"
             )
+        self.may_write()
+
+    def may_use_lease(self, spec: NamespaceSpec, lease_id: int, *, write: bool) -> None:
+        """Raise PermissionDenied unless this caller may use a lease of namespace ``spec``
+        (``write``: write into it); the refusal names neither the namespace nor its model."""
+        if not self.sees(spec):
+            raise PermissionDenied(f"tenant {self.name!r} may not use this lease", lease=lease_id)
         if write:
             self.may_write()
 
@@ -85,6 +106,12 @@ class Principal:
         """The lease owner of a request naming ``client``: a tenant's clients live in a name
         space of their own (one tenant cannot release another's leases by naming them)."""
         return client if self.is_admin else f"{self.name}/{client}"
+
+
+def not_registered(ns_id: str) -> UnknownNamespace:
+    """The error of a namespace id that is not registered here (``engine_namespaces``), and
+    so of one a tenant may not see."""
+    return UnknownNamespace("namespace not registered", ns=ns_id)
 
 
 #: the caller when the daemon requires no token.

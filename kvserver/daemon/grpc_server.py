@@ -40,12 +40,12 @@ from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.rpc import score_hosts
 from kvserver.crypto import TlsServer
 from kvserver.daemon.access import allow_prefix
-from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal
+from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal, not_registered
 from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.daemon.grpc_stats import MAX_STATUS_DETAILS, stats_response
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
-from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 from kvserver.eventlog import EventGap
 from kvserver.events import Event
 from kvserver.grpc_format import (
@@ -233,7 +233,7 @@ class GrpcFrontend:
         self._specs = {s.ns_id: s for s in self.service.list_namespaces()}
         spec = self._specs.get(ns_id)
         if spec is None:
-            raise UnknownNamespace("namespace not registered", ns=ns_id)
+            raise not_registered(ns_id)
         return spec
 
     def _prefix_keys(
@@ -319,7 +319,7 @@ class GrpcFrontend:
         if not req.HasField("spec"):
             raise InvalidArgument("spec is required")
         spec = spec_from_proto(req.spec)
-        who.may_use(spec, write=True)
+        who.may_register(spec)
         try:
             reply = namespace_to_proto(spec)  # check before registering: nothing half-done
         except ValueError as exc:

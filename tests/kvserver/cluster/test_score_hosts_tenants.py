@@ -1,6 +1,7 @@
 """``ScoreHosts`` for tenants (docs/security.md, "Tenants"), on a real fleet daemon (real
-Redis) with a config file: a tenant may score only prompts of its own models, hashed with its
-own cache_salt; the read-only router token scores any model."""
+Redis) with a config file: a tenant may score only prompts of its own models, hashed with
+its own cache_salt, another model's namespace answered as one registered nowhere; the
+read-only router token scores any model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from kvserver.client import KVClient
 from kvserver.cluster.rpc import call_score_hosts
-from kvserver.errors import PermissionDenied
+from kvserver.errors import PermissionDenied, UnknownNamespace
 from kvserver.grpc_client import GrpcClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import start_daemon, wait_until
@@ -64,8 +65,13 @@ def test_score_hosts_is_limited_to_the_tenants_namespaces(
                 timeout=10.0,
             )
             assert call_score_hosts(router, ns, token_ids=prompt, cache_salt="any")
-        with GrpcClient(d.grpc_address, auth_token=TOKEN_B) as b, pytest.raises(PermissionDenied):
-            call_score_hosts(b, ns, keys=keys)
+        with GrpcClient(d.grpc_address, auth_token=TOKEN_B) as b:
+            answers = []
+            for ns_asked in (ns, make_spec(model="model-b", block_size=8).ns_id):
+                with pytest.raises(UnknownNamespace) as hidden:
+                    call_score_hosts(b, ns_asked, keys=keys)
+                answers.append(str(hidden.value).replace(ns_asked, "<ns>"))
+            assert answers[0] == answers[1]  # B cannot tell A's namespace exists
         with GrpcClient(d.grpc_address, auth_token=TOKEN_A) as ga:
             assert [h.hit_chunks for h in call_score_hosts(ga, ns, keys=keys)] == [3]
             assert call_score_hosts(ga, ns, token_ids=prompt, cache_salt="salt-a")

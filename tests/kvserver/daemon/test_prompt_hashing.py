@@ -168,8 +168,9 @@ cache_salts = ["salt-a"]
 
 def test_a_tenants_long_prompt_is_refused_as_a_short_one(tmp_path: Path) -> None:
     """A real daemon with a tenant: its long prompt of a namespace it may not use, or with a
-    salt it may not use, gets the short prompt's PERMISSION_DENIED, over gRPC and ZMQ; the
-    admin's long prompt over ZMQ is answered with the keys of the namespace's algorithm."""
+    salt it may not use, gets the short prompt's NOT_FOUND / PERMISSION_DENIED, over gRPC
+    and ZMQ; the admin's long prompt over ZMQ is answered with the keys of the namespace's
+    algorithm."""
     config = tmp_path / "kvserver.toml"
     config.write_text(TENANTS)
     d = start_daemon(tmp_path, "--config", str(config), "--dram", "16MiB")
@@ -188,10 +189,13 @@ def test_a_tenants_long_prompt_is_refused_as_a_short_one(tmp_path: Path) -> None
             KVClient(d.zmq_address, auth_token=token, colocated=False) as z,
         ):
             for lookup in (g.lookup_tokens, z.lookup_tokens):
-                for ns_id, salt in ((ns_b, None), (ns_a, "salt-b")):
+                for ns_id, salt, error in (
+                    (ns_b, None, UnknownNamespace),  # not hers: as if not registered
+                    (ns_a, "salt-b", PermissionDenied),
+                ):
                     long = _error(lambda: lookup(ns_id, LONG, cache_salt=salt))  # noqa: B023
                     short = _error(lambda: lookup(ns_id, LONG[:64], cache_salt=salt))  # noqa: B023
-                    assert long == short and long[0] is PermissionDenied
+                    assert long == short and long[0] is error
             assert g.lookup_tokens(ns_a, LONG, cache_salt="salt-a").num_chunks == 4097
     finally:
         assert d.terminate() == 0

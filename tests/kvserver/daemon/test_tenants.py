@@ -1,6 +1,7 @@
 """Tenants (docs/security.md, "Tenants"), on a real daemon started with a config file and real
 ZMQ, local-channel and gRPC clients: a tenant cannot register, look up, read, write or pin
-another tenant's namespace (and changes nothing trying), sees only its own namespaces in
+another tenant's namespace (and changes nothing trying; nor learns that it exists: the answer
+is that of an id registered nowhere), sees only its own namespaces in
 listings, stats and events; a read-only router token looks up but cannot store; the daemon's
 own token still does everything; a malformed ``[[tenants]]`` table stops start-up (exit 2)."""
 
@@ -20,7 +21,7 @@ from kvserver import wire
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.client import KVClient
 from kvserver.daemon.config import DaemonConfig
-from kvserver.errors import InvalidArgument, PermissionDenied
+from kvserver.errors import InvalidArgument, KVServerError, PermissionDenied, UnknownNamespace
 from kvserver.grants import StoreCompletion
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
@@ -38,6 +39,8 @@ SPEC_B = make_spec(model="model-b")
 KEYS_A = make_keys(2, tag="tenant-a")
 KEYS_B = make_keys(2, tag="tenant-b")
 PROMPT = list(range(SPEC_A.block_size * 2))
+#: a namespace id registered nowhere
+NS_NOWHERE = make_spec(model="model-b", block_size=8).ns_id
 
 
 def parts(keys: list[bytes], spec: NamespaceSpec) -> list[list[bytes]]:
@@ -117,10 +120,26 @@ def b_unchanged(f: Fleet) -> None:
         assert admin.unpin(f.ns_b, KEYS_B) == 0  # nobody's pin was taken
 
 
+def same_answer(op: Callable[[str], object], ns_b: str) -> UnknownNamespace:
+    """``op`` on B's namespace fails exactly as on an id registered nowhere (type, message,
+    context with the id swapped): the tenant cannot tell whether B's namespace exists."""
+    answers = []
+    for ns in (ns_b, NS_NOWHERE):
+        with pytest.raises(KVServerError) as refused:
+            op(ns)
+        exc = refused.value
+        answers.append((type(exc), exc.code, str(exc).replace(ns, "<ns>")))
+    assert answers[0] == answers[1], answers
+    assert answers[0][0] is UnknownNamespace, answers
+    return exc  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize("channel", ["zmq", "local"])
 def test_a_tenant_cannot_touch_another_tenants_namespace(fleet: Fleet, channel: str) -> None:
-    """Team A, over ZMQ and over the local channel: every op on B's namespace is refused
-    with PermissionDenied and B's chunks are as they were; its own namespace works."""
+    """Team A, over ZMQ and over the local channel: every op on B's namespace is answered as
+    for a namespace registered nowhere (unknown_namespace, same message), registering B's
+    model and a foreign cache_salt are PermissionDenied, and B's chunks are as they were;
+    its own namespace works."""
     local = channel == "local"
     with KVClient(
         fleet.d.zmq_address, auth_token=TOKEN_A, colocated=local, local=local
@@ -128,19 +147,24 @@ def test_a_tenant_cannot_touch_another_tenants_namespace(fleet: Fleet, channel: 
         a.hello()
         a.namespaces()  # the first call after hello connects the local channel
         assert a.is_local is local
+        hidden: list[Callable[[str], object]] = [
+            lambda ns: a.lookup(ns, KEYS_B),
+            lambda ns: a.lookup_tokens(ns, PROMPT),
+            lambda ns: a.lookup_tokens(ns, PROMPT, cache_salt="salt-a"),
+            lambda ns: a.touch(ns, KEYS_B),
+            lambda ns: a.get(ns, KEYS_B),
+            lambda ns: a.load(ns, KEYS_B),
+            lambda ns: a.prepare_load(ns, KEYS_B),
+            lambda ns: a.store(ns, make_keys(1, tag="a-in-b"), parts([b""], SPEC_B)),
+            lambda ns: a.put(ns, KEYS_B, parts(KEYS_B, SPEC_B)),
+            lambda ns: a.prepare_store(ns, make_keys(1, tag="a-in-b")),
+            lambda ns: a.pin(ns, KEYS_B, 60.0),
+            lambda ns: a.unpin(ns, KEYS_B),
+        ]
+        for op in hidden:
+            same_answer(op, fleet.ns_b)
         refused: list[Callable[[], object]] = [
             lambda: a.register_namespace(make_spec(model="model-b", block_size=32)),
-            lambda: a.lookup(fleet.ns_b, KEYS_B),
-            lambda: a.lookup_tokens(fleet.ns_b, PROMPT),
-            lambda: a.touch(fleet.ns_b, KEYS_B),
-            lambda: a.get(fleet.ns_b, KEYS_B),
-            lambda: a.load(fleet.ns_b, KEYS_B),
-            lambda: a.prepare_load(fleet.ns_b, KEYS_B),
-            lambda: a.store(fleet.ns_b, make_keys(1, tag="a-in-b"), parts([b""], SPEC_B)),
-            lambda: a.put(fleet.ns_b, KEYS_B, parts(KEYS_B, SPEC_B)),
-            lambda: a.prepare_store(fleet.ns_b, make_keys(1, tag="a-in-b")),
-            lambda: a.pin(fleet.ns_b, KEYS_B, 60.0),
-            lambda: a.unpin(fleet.ns_b, KEYS_B),
             # its own namespace with a cache_salt it was not given
             lambda: a.lookup_tokens(fleet.ns_a, PROMPT, cache_salt="salt-b"),
             lambda: a.lookup_tokens(fleet.ns_a, PROMPT),
@@ -184,7 +208,7 @@ def test_a_tenant_cannot_use_another_tenants_leases(fleet: Fleet) -> None:
         a.complete_store(res.grant.lease_id, success=False)
         assert b.write_parts(grant.lease_id, new, 0, [bytes(SPEC_B.part_bytes)]) == new
         load = b.prepare_load(fleet.ns_b, KEYS_B)
-        with pytest.raises(PermissionDenied):
+        with pytest.raises(UnknownNamespace):  # B's namespace: as if not registered
             a.read_parts(fleet.ns_b, load.lease_id, KEYS_B, 0)
         with pytest.raises(PermissionDenied):
             a.read_parts(fleet.ns_a, load.lease_id, KEYS_B, 0)
@@ -196,16 +220,22 @@ def test_a_tenant_cannot_use_another_tenants_leases(fleet: Fleet) -> None:
 
 
 def test_grpc_enforces_the_same_rules(fleet: Fleet) -> None:
-    """Team A over gRPC: PERMISSION_DENIED for B's namespace (Register, Lookup, Pin, Unpin)
-    and for a foreign cache_salt; ListNamespaces and Stats show A's namespace only."""
+    """Team A over gRPC: B's namespace answers Lookup, Pin and Unpin as an id registered
+    nowhere (NOT_FOUND, same details and trailers); PERMISSION_DENIED for registering B's
+    model and for a foreign cache_salt; ListNamespaces and Stats show A's namespace only."""
     with GrpcClient(fleet.d.grpc_address, auth_token=TOKEN_A) as g:
+        hidden: list[Callable[[str], object]] = [
+            lambda ns: g.lookup_keys(ns, KEYS_B),
+            lambda ns: g.lookup_tokens(ns, PROMPT, cache_salt="salt-a"),
+            lambda ns: g.lookup_tokens(ns, PROMPT, cache_salt="salt-b"),
+            lambda ns: g.pin(ns, ttl_s=60.0, keys=KEYS_B),
+            lambda ns: g.unpin(ns, keys=KEYS_B),
+        ]
+        for hide in hidden:
+            same_answer(hide, fleet.ns_b)
         refused: list[Callable[[], object]] = [
             lambda: g.register_namespace(make_spec(model="model-b", block_size=64)),
-            lambda: g.lookup_keys(fleet.ns_b, KEYS_B),
-            lambda: g.lookup_tokens(fleet.ns_b, PROMPT, cache_salt="salt-a"),
             lambda: g.lookup_tokens(fleet.ns_a, PROMPT, cache_salt="salt-b"),
-            lambda: g.pin(fleet.ns_b, ttl_s=60.0, keys=KEYS_B),
-            lambda: g.unpin(fleet.ns_b, keys=KEYS_B),
             lambda: g.pin(fleet.ns_a, ttl_s=60.0, token_ids=PROMPT),
         ]
         for op in refused:
@@ -218,9 +248,15 @@ def test_grpc_enforces_the_same_rules(fleet: Fleet) -> None:
     with grpc.insecure_channel(fleet.d.grpc_address) as channel:
         call = channel.unary_unary("/kvserver.v1.KVServer/Lookup")
         req = pb.LookupRequest(namespace_id=fleet.ns_b, keys=pb.KeyPrefix(keys=KEYS_B))
-        with pytest.raises(grpc.RpcError) as denied:
-            call(req.SerializeToString(), timeout=10, metadata=(("authorization", BEARER_A),))
-        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        answers = []
+        for ns in (fleet.ns_b, NS_NOWHERE):
+            req = pb.LookupRequest(namespace_id=ns, keys=pb.KeyPrefix(keys=KEYS_B))
+            with pytest.raises(grpc.RpcError) as hidden_ns:
+                call(req.SerializeToString(), timeout=10, metadata=(("authorization", BEARER_A),))
+            err = hidden_ns.value
+            answers.append((err.code(), err.details().replace(ns, "<ns>"), err.trailing_metadata()))
+        assert answers[0] == answers[1]
+        assert answers[0][0] == grpc.StatusCode.NOT_FOUND
     b_unchanged(fleet)
 
 

@@ -559,9 +559,12 @@ def test_a_bad_request_in_good_framing_is_answered_and_the_stream_goes_on(
 
 
 def test_a_tenant_gets_only_the_namespaces_its_token_grants(served: DaemonProc) -> None:
-    with Raw(served, token=TENANT) as raw:
-        raw.ask(SPEC.ns_id, KEYS)
-        assert raw.error() == "permission_denied"
+    """A namespace the token does not grant is answered as one registered nowhere."""
+    nowhere = make_spec(model="other", block_size=8).ns_id
+    for ns_id in (SPEC.ns_id, nowhere):
+        with Raw(served, token=TENANT) as raw:
+            raw.ask(ns_id, KEYS)
+            assert raw.error() == "unknown_namespace"
     still_serving(served)
 
 
