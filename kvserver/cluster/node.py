@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,6 +69,17 @@ KEY_WRITE_S = 1e-5
 Snapshot = Callable[[], Mapping[SetId, Sequence[bytes]]]
 #: the daemon's namespace specs as JSON, by namespace id.
 Specs = Callable[[], Mapping[str, str]]
+
+
+async def _drive(steps: Generator[None, None, Batch]) -> Batch:
+    """Run ``steps`` to its value, letting the event loop run between two steps."""
+    while True:
+        await asyncio.sleep(0)
+        try:
+            next(steps)
+        except StopIteration as done:
+            batch: Batch = done.value
+            return batch
 
 
 @dataclass(slots=True)
@@ -303,10 +314,12 @@ class ClusterNode:
                 old = HostInfo.decode(old_raw)
                 if old.incarnation != self.incarnation:
                     old_keys = [*old.index_keys(), schema.fence_key(old.host_id, old.incarnation)]
-        snap = self.snapshot()  # no await between this and the batch: events after it follow
-        self._ns_specs = dict(self.namespace_specs())
-        batch = self.writer.full_batch(snap, self.events.last_seq)
+        snap = self.snapshot()  # no await between this and the resync's start: events after
+        self._ns_specs = dict(self.namespace_specs())  # it follow, and stay pending
+        steps = self.writer.resync(snap, self.events.last_seq)
+        next(steps)  # its first step: pending changes dropped
         self._registered = True  # events from here on go to the writer
+        batch = await _drive(steps)  # the fingerprints, in steps: the loop runs between
         parts = batch.split(MAX_BATCH_KEYS)  # the record last: a new incarnation appears whole
         commands = len(old_keys)
         for i, part in enumerate(parts):

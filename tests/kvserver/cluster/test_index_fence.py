@@ -4,12 +4,17 @@ at once) is found out at the member's next write or heartbeat, and the member re
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvserver.cluster import ClusterNode, FleetReader, HostInfo, schema
 from kvserver.cluster.config import connect
 from kvserver.cluster.node import MAX_BATCH_KEYS
+from kvserver.cluster.writer import RESYNC_STEP
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import RedisServer, require_redis
 
@@ -86,13 +91,30 @@ class Sizes:
 
 
 async def test_a_large_resync_is_written_in_pipelines_the_loop_runs_between(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A member holding 150,000 chunks registers: its resync goes out as pipelines of at most
     MAX_BATCH_KEYS keys each, one awaited after another (a pipeline is encoded in one go on
-    the event loop: one of 1 M keys held the daemon's loop ~0.2-0.4 s), and the index then
-    holds every chunk."""
+    the event loop: one of 1 M keys held the daemon's loop ~0.2-0.4 s), its keys are
+    fingerprinted at most RESYNC_STEP between two turns of the loop (all 150,000 in one
+    before: 1 M took ~0.25 s), and the index then holds every chunk."""
     require_redis()
+    counted = [0]
+    fingerprint = schema.fingerprint
+
+    def counting(key: bytes) -> bytes:
+        counted[0] += 1
+        return fingerprint(key)
+
+    monkeypatch.setattr(schema, "fingerprint", counting)
+    turns: list[int] = []  # the fingerprints made so far, at each turn of the loop
+    ticking = True
+
+    async def ticker() -> None:
+        while ticking:
+            turns.append(counted[0])
+            await asyncio.sleep(0)
+
     server = RedisServer.start(tmp_path / "redis")
     config = cluster_config(server.url, ttl_s=30.0, timeout_s=5.0)
     a = Member("host-a", config)
@@ -102,10 +124,16 @@ async def test_a_large_resync_is_written_in_pipelines_the_loop_runs_between(
     identity = HostInfo("host-a", "", "tcp://127.0.0.1:1", "127.0.0.1:2", ("dram",))
     node = ClusterNode(config, identity, a.log, lambda: dict(a.held), lambda: {NS: "{}"},
                        redis=sizes)  # fmt: skip
+    tick = asyncio.create_task(ticker())
     await node.start()
+    ticking = False
+    await tick
     reader = FleetReader(connect(config), config)
     try:
         assert node.condition == "ok"
+        assert counted[0] >= len(ks)
+        steps = [b - a for a, b in itertools.pairwise(turns)]
+        assert max(steps) <= RESYNC_STEP, max(steps)
         assert len(sizes.pipelines) > 1, sizes.pipelines
         assert max(sizes.pipelines) <= MAX_BATCH_KEYS + 64, sizes.pipelines  # + command words
         assert int(server.cli("SCARD", node.writer.key(NS, "dram"))) == len(ks)

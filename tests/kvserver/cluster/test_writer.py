@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvserver.cluster import schema
-from kvserver.cluster.writer import ADD_SCRIPT, Batch, IndexWriter
+from kvserver.cluster.writer import ADD_SCRIPT, RESYNC_STEP, Batch, IndexWriter
 from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD, AllBlocksCleared, BlockRemoved, BlockStored
 
 K = [bytes([i]) * 32 for i in range(6)]
@@ -73,6 +75,42 @@ def test_a_resync_replaces_every_set_and_empties_those_no_longer_held() -> None:
     assert batch.sets[("old", "dram")] == (True, [], [])
     assert batch.sets[("old", "ssd")] == (True, [], [])
     assert w.pending_keys == 0 and w.namespaces == {"old", "new"}
+
+
+def test_a_resync_in_steps_fingerprints_at_most_resync_step_keys_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node runs the event loop between a resync's steps: no step fingerprints more than
+    RESYNC_STEP keys (1 M keys were one step of ~0.25 s), the first none (it drops what is
+    pending), and the batch is the one-step resync's."""
+    snapshot = {
+        ("a", "dram"): [i.to_bytes(32, "big") for i in range(RESYNC_STEP * 2 + 5)],
+        ("a", "ssd"): [],
+        ("b", "ssd"): [i.to_bytes(32, "little") for i in range(RESYNC_STEP // 2 + 1)],
+    }
+    whole = writer().full_batch(snapshot, last_seq=9)
+    counted = [0]
+    fingerprint = schema.fingerprint
+
+    def counting(key: bytes) -> bytes:
+        counted[0] += 1
+        return fingerprint(key)
+
+    monkeypatch.setattr(schema, "fingerprint", counting)
+    w = writer()
+    w.add([BlockStored(1, "a", (K[0],), MEDIUM_DRAM)])
+    steps = w.resync(snapshot, last_seq=9)
+    per_step = []
+    with pytest.raises(StopIteration) as done:
+        while True:
+            before = counted[0]
+            next(steps)
+            per_step.append(counted[0] - before)
+    per_step.append(counted[0] - before)  # the step that returned
+    assert per_step[0] == 0 and w.pending_keys == 0
+    assert max(per_step) <= RESYNC_STEP and len(per_step) >= 4, per_step
+    assert sum(per_step) == sum(map(len, snapshot.values()))
+    assert done.value.value == whole
 
 
 def test_a_batch_split_into_parts_does_what_it_does_whole() -> None:
