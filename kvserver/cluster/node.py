@@ -28,10 +28,13 @@ Lifecycle of the member (docs/cluster.md):
    its record gone (Redis restarted, or this daemon stalled past the TTL) does the same.
 5. **Fenced**: every pipeline of index writes, and every heartbeat, ends by moving the
    incarnation's fence (``schema.fence_key``) from the number of the previous one to its own
-   (``SET .. GET``). Another number back means Redis lost or reordered writes of this
-   incarnation without a call failing (restarted from an older snapshot between two calls,
-   the client retrying its connection at once; a timed-out pipeline's tail run after a later
-   one): pending changes are dropped and the index resynced, as in 4, staying ``ok``.
+   (:data:`FENCE_SCRIPT`, only from that number). Another number back means Redis lost or
+   reordered writes of this incarnation without a call failing (restarted from an older
+   snapshot between two calls, the client retrying its connection at once): pending changes
+   are dropped and the index resynced, as in 4, staying ``ok``. Every index write is done
+   only while the fence reads its pipeline's number (``writer.py``, fenced writes), and a
+   resync first sets a new number: a timed-out pipeline's tail that Redis runs during the
+   resync changes nothing the resync does not replace.
 
 Conditions: ``connecting`` (not registered yet), ``ok``, ``unavailable``, ``stopped``.
 """
@@ -63,6 +66,15 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_KEYS = 65_536
 #: time allowed per index key of a pipeline, on top of the call timeout (seconds).
 KEY_WRITE_S = 1e-5
+
+# KEYS[1]: an incarnation's write fence. ARGV: the number it should read, the next, its TTL
+# (ms). Moves it only from the number before (a late tail's move, after a resync set a new
+# one, changes nothing); returns what it read (nil: none).
+FENCE_SCRIPT = """
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+return v
+"""
 
 
 #: what the daemon holds: chunk keys per (namespace id, tier).
@@ -324,13 +336,19 @@ class ClusterNode:
         commands = len(old_keys)
         for i, part in enumerate(parts):
             pipe = r.pipeline(transaction=False)
+            if i == 0:  # a new fence number first: a late tail of an earlier pipeline that
+                self._fence += 1  # runs after it writes nothing (writer.py, fenced writes)
+                pipe.set(self.writer.fence_key, self._fence, px=self.config.ttl_ms)
+                commands += 1
             for key in old_keys if i == 0 else ():
                 pipe.execute_command("UNLINK", key)
-            commands += self.writer.apply(pipe, part)
+            commands += self.writer.apply(pipe, part, self._fence)
             if i == len(parts) - 1:
                 commands += self._queue_record(pipe, exists=False)
-                commands += self._queue_fence(pipe, check=False)  # the resync is the new truth
-            await self._bounded(pipe, part.num_keys)
+                commands += self._queue_fence(pipe)
+            replies = await self._bounded(pipe, part.num_keys)
+        if not self._fenced(replies[-1]):  # Redis lost some of the resync: once more
+            return
         self._written(batch.last_seq)
         self.counters.registrations += 1
         self.counters.resyncs += 1
@@ -367,13 +385,13 @@ class ClusterNode:
             return 3
         return 2
 
-    def _queue_fence(self, pipe: Any, *, check: bool) -> int:
-        """Queue the move of the fence to the next number (``check``: getting the one it
-        had, which :meth:`_fenced` compares). Last in a pipeline: on the sets' slot, after
-        every write of the pipeline to them."""
+    def _queue_fence(self, pipe: Any) -> int:
+        """Queue the move of the fence to the next number, done only from the number before
+        (:data:`FENCE_SCRIPT`; its reply, the number it read, :meth:`_fenced` compares).
+        Last in a pipeline: on the sets' slot, after every write of the pipeline to them."""
         self._fence += 1
-        key = schema.fence_key(self.host_id, self.incarnation)
-        pipe.set(key, self._fence, px=self.config.ttl_ms, get=check)
+        pipe.execute_command("EVAL", FENCE_SCRIPT, 1, self.writer.fence_key, self._fence - 1,
+                             self._fence, self.config.ttl_ms)  # fmt: skip
         return 1
 
     def _fenced(self, reply: Any) -> bool:
@@ -395,12 +413,12 @@ class ClusterNode:
 
     async def _write_part(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        commands = self.writer.apply(pipe, batch)
+        commands = self.writer.apply(pipe, batch, self._fence)
         at = commands
         if batch.new_namespaces:
             self._ns_specs.update(self.namespace_specs())
             commands += self._queue_record(pipe, exists=True)
-        commands += self._queue_fence(pipe, check=True)
+        commands += self._queue_fence(pipe)
         replies = await self._bounded(pipe, batch.num_keys)
         self.counters.batches += 1
         self.counters.commands += commands
@@ -427,7 +445,7 @@ class ClusterNode:
         self._queue_record(pipe, exists=True)
         for key in self.writer.index_keys():
             pipe.pexpire(key, self.config.ttl_ms)
-        self._queue_fence(pipe, check=True)
+        self._queue_fence(pipe)
         replies = await self._bounded(pipe)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)

@@ -12,9 +12,16 @@ the same in steps, a generator the node drives with the loop running between ste
 Invariant: after a batch is applied, each index set equals the keys the daemon's tier held
 when the last event of the batch was emitted (events of one key coalesce, last wins; an
 ``AllBlocksCleared`` empties the set first). A set never exists without a TTL: its members
-are added by one script (:data:`ADD_SCRIPT`) that runs ``SADD`` and ``PEXPIRE .. NX``
+are added by one script (:data:`WRITE_SCRIPT`) that runs ``SADD`` and ``PEXPIRE .. NX``
 atomically, so a daemon killed (or a connection cut) between the two cannot leave a set
 that outlives its host; the node's heartbeat renews the TTL.
+
+Fenced writes: every write (unlink, remove, add) is that script, which does nothing unless
+the incarnation's write fence (``schema.fence_key``) reads the value the node gave
+``apply``: the number of the pipeline before. A resync first sets the fence to a new number,
+then writes: a write of a timed-out pipeline that Redis runs late (after the client gave up
+on it) either runs before that (and the resync's unlink of its set, after it, replaces it)
+or after (and finds another number: nothing done). So no late tail leaves a stale entry.
 
 Cost: per batch and per (namespace, tier) touched, at most one ``SREM`` and one ``EVAL`` per
 ``MAX_ARGS`` keys (inside it one ``SADD`` per ``SADD_ARGS`` keys and one ``PEXPIRE``):
@@ -30,23 +37,29 @@ from typing import Any
 from kvserver.cluster import schema
 from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-#: most fingerprints in one SREM / one ADD_SCRIPT call.
+#: most fingerprints in one WRITE_SCRIPT call.
 MAX_ARGS = 8192
-#: most fingerprints in one SADD inside ADD_SCRIPT (Lua's unpack stops at about 8,000 values).
+#: most fingerprints in one SADD / SREM inside WRITE_SCRIPT (Lua's unpack stops at about
+#: 8,000 values).
 SADD_ARGS = 4096
 #: most keys a resync fingerprints between two yields to the event loop (``resync``).
 RESYNC_STEP = 8192
 
-# KEYS[1]: an index set. ARGV[1]: its TTL (ms); ARGV[2..]: fingerprints. Adds them and gives
-# the set the TTL if it has none, atomically (a script runs whole or not at all). One key: a
-# Redis Cluster runs it on the set's slot.
-ADD_SCRIPT = f"""
+# KEYS[1]: an index set, KEYS[2]: its incarnation's write fence. ARGV[1]: the fence value the
+# write expects (else it does nothing and returns -1: a late pipeline's tail, see the module
+# docstring), ARGV[2]: the set's TTL (ms), ARGV[3]: 'u' unlink the set, 'r' remove or 'a' add
+# ARGV[4..] (an add gives the set the TTL if it has none, atomically: a script runs whole or
+# not at all). Both keys on the set's slot (``{h:<host_id>}``): one Redis Cluster node runs it.
+WRITE_SCRIPT = f"""
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+if ARGV[3] == 'u' then return redis.call('UNLINK', KEYS[1]) end
+local op = ARGV[3] == 'a' and 'SADD' or 'SREM'
 local n = #ARGV
-for i = 2, n, {SADD_ARGS} do
-  redis.call('SADD', KEYS[1], unpack(ARGV, i, math.min(i + {SADD_ARGS - 1}, n)))
+for i = 4, n, {SADD_ARGS} do
+  redis.call(op, KEYS[1], unpack(ARGV, i, math.min(i + {SADD_ARGS - 1}, n)))
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[1], 'NX')
-return n - 1
+if op == 'SADD' then redis.call('PEXPIRE', KEYS[1], ARGV[2], 'NX') end
+return n - 3
 """
 
 SetId = tuple[str, str]  # (ns_id, tier)
@@ -206,21 +219,23 @@ class IndexWriter:
     def index_keys(self) -> list[str]:
         return [self.key(ns, tier) for ns in sorted(self.namespaces) for tier in schema.TIERS]
 
-    def apply(self, pipe: Any, batch: Batch) -> int:
-        """Queue ``batch`` on ``pipe`` (a non-transactional redis-py pipeline); returns the
-        number of commands queued."""
+    @property
+    def fence_key(self) -> str:
+        return schema.fence_key(self.host_id, self.incarnation)
+
+    def apply(self, pipe: Any, batch: Batch, fence: int) -> int:
+        """Queue ``batch`` on ``pipe`` (a non-transactional redis-py pipeline), each write
+        done only while the fence reads ``fence`` (:data:`WRITE_SCRIPT`); returns the number
+        of commands queued."""
         commands = 0
+        fence_key = self.fence_key
         for (ns, tier), (unlink, adds, removes) in batch.sets.items():
-            key = self.key(ns, tier)
+            args = (WRITE_SCRIPT, 2, self.key(ns, tier), fence_key, fence, self.ttl_ms)
             if unlink:
-                pipe.execute_command("UNLINK", key)
+                pipe.execute_command("EVAL", *args, "u")
                 commands += 1
-            for i in range(0, len(removes), MAX_ARGS):
-                pipe.srem(key, *removes[i : i + MAX_ARGS])
-                commands += 1
-            for i in range(0, len(adds), MAX_ARGS):  # SADD + PEXPIRE NX, atomically
-                pipe.execute_command(
-                    "EVAL", ADD_SCRIPT, 1, key, self.ttl_ms, *adds[i : i + MAX_ARGS]
-                )
-                commands += 1
+            for op, fps in (("r", removes), ("a", adds)):
+                for i in range(0, len(fps), MAX_ARGS):
+                    pipe.execute_command("EVAL", *args, op, *fps[i : i + MAX_ARGS])
+                    commands += 1
         return commands

@@ -135,7 +135,7 @@ async def test_a_large_resync_is_written_in_pipelines_the_loop_runs_between(
         steps = [b - a for a, b in itertools.pairwise(turns)]
         assert max(steps) <= RESYNC_STEP, max(steps)
         assert len(sizes.pipelines) > 1, sizes.pipelines
-        assert max(sizes.pipelines) <= MAX_BATCH_KEYS + 64, sizes.pipelines  # + command words
+        assert max(sizes.pipelines) <= MAX_BATCH_KEYS + 128, sizes.pipelines  # + command words
         assert int(server.cli("SCARD", node.writer.key(NS, "dram"))) == len(ks)
         assert [r.hit_chunks for r in await reader.lookup(NS, ks[:5000])] == [5000]
     finally:
@@ -207,4 +207,92 @@ async def test_a_daemon_leaving_after_its_host_id_was_taken_leaves_the_later_one
         await reader.redis.aclose()
         if second.node is not None:
             await second.node.stop()
+        server.stop()
+
+
+class LateTail:
+    """The node's client, where the first pipeline after :meth:`arm` times out unsent and
+    Redis runs it late: on another connection, just before the last pipeline of the resync
+    that follows (after the resync's first pipeline rewrote the sets it writes), as a
+    timed-out pipeline's tail may run when Redis interleaves two connections."""
+
+    def __init__(self, redis: Any, late: Any, host_id: str) -> None:
+        self._redis, self._late = redis, late
+        self._record = schema.host_key(host_id)
+        self._armed = False
+        self.stashed: list[tuple[Any, ...]] | None = None
+        self.ran = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._redis, name)
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def pipeline(self, *args: Any, **kw: Any) -> Any:
+        pipe = self._redis.pipeline(*args, **kw)
+        execute = pipe.execute
+
+        async def run() -> Any:
+            stack = [a for a, _ in pipe.command_stack]
+            if self._armed and self.stashed is None:
+                self.stashed = stack
+                raise TimeoutError("injected: the pipeline timed out")
+            last_of_resync = any(a[:2] == ("SET", self._record) for a in stack)
+            if self.stashed is not None and not self.ran and last_of_resync:
+                for command in self.stashed:  # the tail Redis runs late
+                    await self._late.execute_command(*command)
+                self.ran = True
+            return await execute()
+
+        pipe.execute = run
+        return pipe
+
+
+async def test_a_timed_out_batch_run_late_within_a_resync_leaves_no_stale_entry(
+    tmp_path: Path,
+) -> None:
+    """A batch adding chunk X times out unsent; X is evicted; the member resyncs (three
+    pipelines: 150,000 chunks) and Redis runs the timed-out batch between the resync's
+    pipelines, after the resync rewrote X's set: X's add, and the batch's move of the
+    fence, do nothing (the resync set a new fence number first; every write is fenced), so
+    the index never names X. Before, X's add landed, the batch's fence move was overwritten
+    by the resync's, and X stayed indexed (a stale holder) until the next resync."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=90.0, timeout_s=5.0, heartbeat_s=30.0)
+    a = Member("host-a", config)
+    a.held[(NS, "dram")] = list(keys(150_000))
+    late = connect(config)
+    client = LateTail(connect(config), late, "host-a")
+    identity = HostInfo("host-a", "", "tcp://127.0.0.1:1", "127.0.0.1:2", ("dram",))
+    node = ClusterNode(config, identity, a.log, lambda: dict(a.held), lambda: {NS: "{}"},
+                       redis=client)  # fmt: skip
+    await node.start()
+    try:
+        assert node.condition == "ok" and node.counters.resyncs == 1
+        (x,) = keys(1, seed=7)
+        client.arm()
+        a.store([x])
+
+        async def timed_out() -> bool:
+            return client.stashed is not None
+
+        await eventually(timed_out)
+        a.evict([x])  # while the member is unavailable: the resync's snapshot lacks X
+
+        async def resynced() -> bool:
+            return node.counters.resyncs == 2 and node.condition == "ok"
+
+        await eventually(resynced, timeout=20.0)
+        assert client.ran  # the late tail did run, within the resync
+        dram = node.writer.key(NS, "dram")
+        members = await late.sismember(dram, schema.fingerprint(x))
+        assert not members, "the late tail's add of X is in the index"
+        assert int(server.cli("SCARD", dram)) == 150_000
+        await node._heartbeat()  # the fence still reads what the member expects
+        assert node.condition == "ok" and node.counters.resyncs == 2
+    finally:
+        await late.aclose()
+        await node.stop()
         server.stop()

@@ -129,8 +129,9 @@ async def write_through(server: RedisServer, url: str, limit: int) -> int:
         w = batch_writer(config.ttl_ms)
         batch = w.take_batch()
         assert batch is not None
+        server.cli("SET", w.fence_key, "0", "PX", str(config.ttl_ms))  # the writes expect 0
         pipe = redis.pipeline(transaction=False)
-        w.apply(pipe, batch)
+        w.apply(pipe, batch, 0)
         with contextlib.suppress(Exception):  # the cut: a ConnectionError (or a timeout)
             await asyncio.wait_for(pipe.execute(), 5)
     finally:
@@ -154,7 +155,7 @@ async def test_an_index_set_has_a_ttl_whatever_command_the_connection_is_cut_aft
 ) -> None:
     whole = await write_through(fleet_server, fleet_url, 10_000)
     written = fleet_server.cli("--scan", "--pattern", f"{schema.PREFIX}:*").split()
-    assert len(written) == 2 and untimed_keys(fleet_server) == []  # the batch as a whole
+    assert len(written) == 3 and untimed_keys(fleet_server) == []  # the batch, the fence
     for limit in range(1, whole):
         fleet_server.cli("FLUSHALL")
         assert await write_through(fleet_server, fleet_url, limit) == limit

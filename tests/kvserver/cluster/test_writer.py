@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvserver.cluster import schema
-from kvserver.cluster.writer import ADD_SCRIPT, RESYNC_STEP, Batch, IndexWriter
+from kvserver.cluster.writer import RESYNC_STEP, WRITE_SCRIPT, Batch, IndexWriter
 from kvserver.events import MEDIUM_DRAM, MEDIUM_SSD, AllBlocksCleared, BlockRemoved, BlockStored
 
 K = [bytes([i]) * 32 for i in range(6)]
@@ -53,12 +53,13 @@ def test_media_map_to_tiers_and_a_clear_empties_the_set_first() -> None:
     assert batch.sets[("ns", "ssd")] == (False, [FP[0]], [])
     assert batch.sets[("ns", "dram")] == (True, [FP[3]], [])
     pipe = RecordingPipe()
-    n = w.apply(pipe, batch)
+    n = w.apply(pipe, batch, 7)
     assert n == len(pipe.calls)
     dram = schema.index_key("h", "inc", "ns", "dram")
-    assert ("execute_command", "UNLINK", dram) in pipe.calls
+    fenced = ("execute_command", "EVAL", WRITE_SCRIPT, 2, dram, schema.fence_key("h", "inc"), 7)
+    assert (*fenced, 1000, "u") in pipe.calls
     # SADD and the TTL in one script: a set never exists without its TTL
-    assert ("execute_command", "EVAL", ADD_SCRIPT, 1, dram, 1000, FP[3]) in pipe.calls
+    assert (*fenced, 1000, "a", FP[3]) in pipe.calls
     # the namespace is claimed once: a later batch does not report it new
     w.add([BlockStored(4, "ns", (K[4],), MEDIUM_DRAM)])
     later = w.take_batch()
