@@ -87,6 +87,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from kvserver.policies.base import EvictionPolicy
 from kvserver.policies.chain.admission import declines
 from kvserver.policies.chain.queues import ClassQueues
+from kvserver.policies.chain.ranking import Ranking
 from kvserver.policies.chain.return_gaps import ReturnGaps
 from kvserver.policies.chain.states import (
     HI,
@@ -96,8 +97,6 @@ from kvserver.policies.chain.states import (
     State,
     StateOdds,
     shared_class,
-    shared_mass,
-    shared_rate,
 )
 
 #: change of ``kappa`` (how much a shared key's age counts) and of ``bias`` (how much its read
@@ -121,8 +120,7 @@ class ChainPolicy(EvictionPolicy):
         self._pending: OrderedDict[Hashable, Chain] = OrderedDict()  # looked up, not stored
         self._odds = StateOdds()  # outcomes per chain state: the return chances
         self._gaps = ReturnGaps()  # between two requests of one chain: mean, survival
-        self._kappa = 1.0  # how much a shared key's age counts (1: as a chain's)
-        self._bias = HI  # how much its read rate counts against its readers' odds (HI: most)
+        self._ranking = Ranking(self._odds, self._gaps)  # the log-odds now; kappa, bias
         self._decay_age, self._decay_factor = 0, 1.0  # _decay's memo (S(0) = 1) ...
         self._decay_table = self._gaps.table  # ... valid for this survival table
 
@@ -146,13 +144,13 @@ class ChainPolicy(EvictionPolicy):
     def shared_aging(self) -> float:
         """``kappa``: how much a shared key's age counts against it (1: as much as a chain's,
         0: not at all), adapted online from the misses on ghosts."""
-        return self._kappa
+        return self._ranking.kappa
 
     @property
     def shared_bias(self) -> float:
         """``bias``: the log-odds a shared key's read rate is lifted by against its readers'
         odds (HI: ranked as a chain sure to return; 0: as odds), adapted online."""
-        return self._bias
+        return self._ranking.bias
 
     def readers(self, key: Hashable) -> float:
         """A shared key's readers' summed odds of returning, as of its last use (0: none, or
@@ -214,8 +212,9 @@ class ChainPolicy(EvictionPolicy):
                 if ghost is not None:
                     step += 1 if ghost[2] is chain else -1
         if step:
-            self._kappa = min(max(self._kappa + KAPPA_STEP * step, 0.0), 1.0)
-            self._bias = min(max(self._bias - KAPPA_STEP * step, 0.0), HI)
+            ranking = self._ranking
+            ranking.kappa = min(max(ranking.kappa + KAPPA_STEP * step, 0.0), 1.0)
+            ranking.bias = min(max(ranking.bias - KAPPA_STEP * step, 0.0), HI)
         self._bound(pending, 4)
         self._use(keys[:hits], chain)
 
@@ -308,7 +307,7 @@ class ChainPolicy(EvictionPolicy):
         self.declined = False
         if need <= 0:
             return []
-        chosen = self._queues.choose(need, cost, evictable, self._offset, self._rank, self._now)
+        chosen = self._ranking.choose(self._queues, need, cost, evictable, self._now)
         if chosen is None:
             return None
         victims, lowest = chosen
@@ -320,7 +319,7 @@ class ChainPolicy(EvictionPolicy):
             self._pending,
             self._ghosts,
             self._odds,
-            self._entry,
+            self._ranking.entry,
         ):
             self.declined = True
             return None
@@ -345,38 +344,9 @@ class ChainPolicy(EvictionPolicy):
 
     def __iter__(self) -> Iterator[Hashable]:
         """Tracked keys in eviction order (first = next victim, ignoring pins)."""
-        return iter(self._queues.ordered(self._offset, self._rank, self._now))
+        return iter(self._ranking.ordered(self._queues, self._now))
 
     # ------------------------------------------------------------------ internals
-
-    def _rank(self, age: int, state: State, offset: float) -> float:
-        """The log-odds now of a key of class ``state`` (whose log-odds at age 0 are
-        ``offset``) last used ``age`` ticks ago; within a class it never rises with the age."""
-        if state[0] <= 0:  # shared: its read rate's odds, age counting kappa times; its readers'
-            rate = offset - self._kappa * age / self._gaps.mean
-            if state[0] == 0:
-                return rate
-            readers = math.log(shared_mass(state)) + self._gaps.log_survival(age)
-            if rate < readers:
-                rate, readers = readers, rate
-            return rate + math.log1p(math.exp(readers - rate))  # log(e**rate + e**readers)
-        if age <= 0:
-            return offset
-        # self._gaps.log_survival(age), inlined (one call per key evict passes over)
-        table, b = self._gaps.table, age.bit_length()  # 2**(b-1) <= age < 2**b
-        low = 1 << (b - 1)
-        below = table[b - 1]
-        return offset + below + (age - low) / low * (table[b] - below)
-
-    def _offset(self, state: State) -> float:
-        """The log-odds of a key of ``state`` just read."""
-        if state[0] <= 0:  # shared: the read rate's part (its readers' is added by _rank)
-            return self._bias + math.log(shared_rate(state) * self._gaps.mean)
-        return self._odds.log_odds(state)
-
-    def _entry(self, state: State) -> float:
-        """The log-odds of a key of class ``state`` just used (age 0; admission's)."""
-        return self._rank(0, state, self._offset(state))
 
     def _lend(self, chain: Chain, now: int) -> float:
         """``chain``'s odds of returning as of ``now``, recorded as what it lends the readers'

@@ -2,39 +2,30 @@
 
 Runs inside the storage engine as part of :class:`~kvserver.policies.chain.ChainPolicy` (single
 owner, no locks, no I/O). The policy queues a key when it is stored or read
-(:meth:`ClassQueues.queue_many`), drops it when it leaves (:meth:`ClassQueues.drop_many`), and asks
-:meth:`ClassQueues.choose` for the victims of an ``evict``.
+(:meth:`ClassQueues.queue_many`) and drops it when it leaves (:meth:`ClassQueues.drop_many`);
+:meth:`~kvserver.policies.chain.ranking.Ranking.choose` merges the lists to choose the victims
+of an ``evict``.
 
 Order. A key's *class* is its chain's state, or a shared key's read-rate bucket. Within a class
 every key's log-odds are the same offset (the class's, from the policy's current estimates)
 plus a function of the key's age that never rises, so a list kept in order of last use is in
-rank order: its head is the class's least valuable key. ``choose`` merges the classes'
+rank order: its head is the class's least valuable key. ``Ranking.choose`` merges the classes'
 evictable heads on a heap by their log-odds at that moment and takes the lowest first; ties go
 to the key queued first (its sequence number).
 
-Costs: ``queue_many`` and ``drop_many`` O(1) per key (one call a batch); ``choose``
-O(c + v log c) for c non-empty classes and v keys passed over (victims and keys ``evictable``
-refuses).
+Costs: ``queue_many`` and ``drop_many`` O(1) per key (one call a batch).
 
 Invariants: ``time`` and ``classes`` hold exactly the tracked keys, each key in the list of its
 class and in no other; no list is empty; sequence numbers rise in each list from head to tail.
-``choose`` changes nothing.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from kvserver.policies.chain.states import State
-
-#: the log-odds at age 0 of a class (``offset(state)``)
-Offset = Callable[[State], float]
-#: the log-odds now of a key of class ``state`` last used ``age`` ticks ago, the class's
-#: offset given: ``rank(age, state, offset)``, never rising with the age
-Rank = Callable[[int, State, float], float]
 
 
 @dataclass(slots=True)
@@ -98,58 +89,3 @@ class ClassQueues:
             if not members:
                 del lists[state]
             del time[key]
-
-    def choose(
-        self,
-        need: int,
-        cost: Callable[[Hashable], int],
-        evictable: Callable[[Hashable], bool],
-        offset: Offset,
-        rank: Rank,
-        now: int,
-    ) -> tuple[list[Hashable], float] | None:
-        """The victims, lowest log-odds first, whose costs sum to ``need`` or more among the
-        ``evictable`` keys, and the log-odds of the first of them (0.0 when none could be
-        considered); ``None`` when the evictable keys cannot cover ``need``. Changes nothing."""
-        heads: list[tuple[float, int, State]] = []  # (log-odds now, seq, class)
-        head: dict[State, Hashable] = {}  # each class's next candidate
-        cursors: dict[State, Iterator[tuple[Hashable, int]]] = {}
-        offsets: dict[State, float] = {}
-        time = self.time
-
-        def advance(state: State) -> None:
-            """Queue the class's next evictable key (none left: the class drops out)."""
-            for key, seq in cursors[state]:
-                if evictable(key):
-                    head[state] = key
-                    value = rank(now - time[key], state, offsets[state])
-                    heapq.heappush(heads, (value, seq, state))
-                    return
-
-        for state, members in self.lists.items():
-            if members:
-                offsets[state] = offset(state)
-                cursors[state] = iter(members.items())
-                advance(state)
-        victims: list[Hashable] = []
-        lowest = heads[0][0] if heads else 0.0
-        freed = 0
-        while freed < need:
-            if not heads:
-                return None
-            _, _, state = heapq.heappop(heads)
-            key = head[state]
-            victims.append(key)
-            freed += cost(key)
-            advance(state)
-        return victims, lowest
-
-    def ordered(self, offset: Offset, rank: Rank, now: int) -> list[Hashable]:
-        """Every tracked key, lowest log-odds first (ties: queued first)."""
-        offsets = {state: offset(state) for state in self.lists}
-        order = sorted(
-            (rank(now - self.time[key], state, offsets[state]), seq, key)
-            for state, members in self.lists.items()
-            for key, seq in members.items()
-        )
-        return [key for _, _, key in order]
