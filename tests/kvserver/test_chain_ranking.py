@@ -5,12 +5,18 @@ queued first), over chains' states and shared keys of every read-rate and reader
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Hashable
 
 import pytest
 
 from kvserver.policies.chain import ChainPolicy
 
 from .test_policies import unit
+
+
+def outside(own: set[str]) -> Callable[[Hashable], bool]:
+    """Evictable: not one of the request's own keys."""
+    return lambda key: key not in own
 
 
 def conversations(seed: int, capacity: int) -> ChainPolicy:
@@ -37,8 +43,7 @@ def conversations(seed: int, capacity: int) -> ChainPolicy:
         policy.lookup(keys, hits)
         missing = [key for key in keys[hits:] if key not in policy]
         need = len(policy) + len(missing) - capacity
-        own = set(keys)
-        if need <= 0 or policy.evict(need, unit, lambda k: k not in own, missing) is not None:
+        if need <= 0 or policy.evict(need, unit, outside(set(keys)), missing) is not None:
             policy.insert_batch(missing)
     return policy
 

@@ -18,8 +18,10 @@ each (imports go down the list):
   two requests of one chain (a chain idle ``g`` ticks is live with odds ``p / (1 - p) *
   S(g)``);
 - :mod:`~kvserver.policies.chain.queues`: the tracked keys in one LRU list per class (a chain
-  state, or a shared key's read-rate bucket), each list in rank order, merged by rank to
-  choose victims;
+  state, or a shared key's read-rate and readers' mass buckets), each list in rank order;
+- :mod:`~kvserver.policies.chain.ranking`: a class's log-odds now (its state's odds and the
+  gap survival; a shared class's read rate, ``kappa``, ``bias`` and readers' mass), and the
+  merge of the classes' heads by rank that chooses the victims;
 - :mod:`~kvserver.policies.chain.admission`: whether a store's new keys are worth the keys they
   would displace (a one-off document, once documents were seen to leave unread, is declined);
 - :mod:`~kvserver.policies.chain.policy`: :class:`ChainPolicy`, which follows the chains

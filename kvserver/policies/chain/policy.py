@@ -4,10 +4,11 @@ odds that it comes back; shared prefixes by how often they are read.
 Runs inside the storage engine like every policy (single owner, no locks, no I/O); see
 :mod:`kvserver.policies.base` for the call contract and :mod:`kvserver.policies.chain` for the
 idea. This module owns which chain holds which key, the chains' tails, the keys looked up and
-not yet stored, the ghosts and ``kappa``; the learnt odds per state
+not yet stored, the ghosts and the readers' mass of shared keys; the learnt odds per state
 (:mod:`~kvserver.policies.chain.states`), the gaps' survival
-(:mod:`~kvserver.policies.chain.return_gaps`) and the ranked lists
-(:mod:`~kvserver.policies.chain.queues`) are objects it holds; admission
+(:mod:`~kvserver.policies.chain.return_gaps`), the ranked lists
+(:mod:`~kvserver.policies.chain.queues`) and the ranking that merges them, ``kappa`` and
+``bias`` (:mod:`~kvserver.policies.chain.ranking`) are objects it holds; admission
 (:mod:`~kvserver.policies.chain.admission`) reads them.
 
 - **chains.** A request extends a *chain*: the last key of the previous request of the same
@@ -65,7 +66,7 @@ not yet stored, the ghosts and ``kappa``; the learnt odds per state
 Costs: ``lookup`` O(len(keys)) dict operations (one more probe per missed key: its ghost; a
 return adds its gap to the histogram, whose table is rebuilt now and then); ``insert_batch``
 and ``touch`` O(1) per key (a shared key's mass: one ``exp`` per distinct age a call sees);
-``evict`` as :meth:`ClassQueues.choose`, plus O(len(incoming))
+``evict`` as :meth:`Ranking.choose`, plus O(len(incoming))
 dict probes to admit (it stops at the first key that ranks). ``bench_policies`` measures the
 cost per chunk operation against LRU.
 

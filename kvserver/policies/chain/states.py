@@ -144,6 +144,10 @@ class StateOdds:
     turn_returned: dict[int, float] = field(default_factory=dict)
     all_counted: float = 0.0  # the same summed over the states (the prior of each)
     all_returned: float = 0.0
+    #: log_odds per state since the last count (every count moves the prior of every state):
+    #: an ``evict`` ranks each chain state once, the next often with no outcome in between. A
+    #: cache, not state: left out of equality (``evict`` that declines changes no state)
+    known: dict[State, float] = field(default_factory=dict, compare=False, repr=False)
 
     def return_chance(self, state: State) -> float:
         """The learnt chance that a chain in ``state`` returns: its own rate, shrunk towards
@@ -164,13 +168,17 @@ class StateOdds:
 
     def log_odds(self, state: State) -> float:
         """The log-odds of a chain of ``state`` just read: ``logit p`` clipped to [-LO, HI]."""
-        p = self.return_chance(state)
-        return min(max(math.log(p / (1.0 - p)), -LO), HI)
+        known = self.known.get(state)
+        if known is None:
+            p = self.return_chance(state)
+            known = self.known[state] = min(max(math.log(p / (1.0 - p)), -LO), HI)
+        return known
 
     def count(self, state: State, weight: int, returned: bool, first: bool) -> None:
         """An outcome of a stay in ``state`` whose request added ``weight`` chunks: it returned
         (``returned``) or its tail was evicted. Only the ``first`` outcome of a stay counts as
         one; a return after it adds a return."""
+        self.known.clear()
         turns = state[0]
         if returned:
             self.returned[state] = self.returned.get(state, 0.0) + weight
