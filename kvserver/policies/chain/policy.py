@@ -122,8 +122,6 @@ class ChainPolicy(EvictionPolicy):
         self._odds = StateOdds()  # outcomes per chain state: the return chances
         self._gaps = ReturnGaps()  # between two requests of one chain: mean, survival
         self._ranking = Ranking(self._odds, self._gaps)  # the log-odds now; kappa, bias
-        self._decay_age, self._decay_factor = 0, 1.0  # _decay's memo (S(0) = 1) ...
-        self._decay_table = self._gaps.table  # ... valid for this survival table
 
     # ------------------------------------------------------------------ observability
 
@@ -286,13 +284,17 @@ class ChainPolicy(EvictionPolicy):
             settled = chain  # a load's keys are mostly one chain's: checked once
         queued: list[tuple[Hashable, State]] = []  # as _use(keys, None), the records known
         append = queued.append
-        decay = self._decay
+        time, survival = self._queues.time, self._gaps.log_survival
+        known, factor = -1, 1.0  # S(age) of the last age met (a load's keys mostly share one)
         for key, held in reversed(used):
             held.uses += 1
             chain = held.chain
             if chain is None:
-                if held.mass:
-                    held.mass *= decay(key, now)
+                if held.mass:  # its readers' mass decayed by S(age) since its last use
+                    if now - time[key] != known:
+                        known = now - time[key]
+                        factor = math.exp(survival(known))
+                    held.mass *= factor
                 append((key, shared_class(held.uses, held.born, now, held.mass)))
             else:
                 append((key, chain.state))
@@ -357,15 +359,6 @@ class ChainPolicy(EvictionPolicy):
         chain.lent_at = chain.time
         return chain.lent * math.exp(self._gaps.log_survival(now - chain.time))
 
-    def _decay(self, key: Hashable, now: int) -> float:
-        """The factor a tracked key's readers' mass has decayed by since its last use:
-        ``S(age)`` (memoised per age: a call's keys mostly share one)."""
-        age, table = now - self._queues.time[key], self._gaps.table
-        if age != self._decay_age or table is not self._decay_table:
-            self._decay_age, self._decay_table = age, table
-            self._decay_factor = math.exp(self._gaps.log_survival(age))
-        return self._decay_factor
-
     def _count(self, chain: Chain, returned: bool) -> None:
         """One outcome of ``chain``'s state, once per state: it returned, or its tail was
         evicted first (counted as not returned; a later return still counts as one)."""
@@ -383,10 +376,11 @@ class ChainPolicy(EvictionPolicy):
     def _use(self, keys: Sequence[Hashable], chain: Chain | None) -> None:
         """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds
         them): queued again deepest first; a key another chain holds becomes shared."""
-        records, now = self._held, self._now
+        records, now, time = self._held, self._now, self._queues.time
         queued: list[tuple[Hashable, State]] = []
         append = queued.append
-        decay = self._decay
+        survival, exp = self._gaps.log_survival, math.exp
+        known, factor = -1, 1.0  # S(age) of the last age met (a request's keys mostly share one)
         # a request's shared keys (a prompt) mostly share their uses, first store and mass:
         # their class is computed once per run of equal ones
         last: tuple[int, int, float] | None = None
@@ -397,7 +391,10 @@ class ChainPolicy(EvictionPolicy):
                 held.uses += 1
                 if held.chain is None:
                     if held.mass:
-                        held.mass *= decay(key, now)
+                        if now - time[key] != known:
+                            known = now - time[key]
+                            factor = exp(survival(known))
+                        held.mass *= factor
                     if last != (held.uses, held.born, held.mass):
                         last = (held.uses, held.born, held.mass)
                         cls = shared_class(held.uses, held.born, now, held.mass)
@@ -419,7 +416,13 @@ class ChainPolicy(EvictionPolicy):
                 if not lends:
                     lends = self._lend(chain, now)
                 if owner is None:  # shared: its mass decayed to now, chain's old share out
-                    mass = held.mass * decay(key, now) - owed if held.mass else 0.0
+                    if held.mass:
+                        if now - time[key] != known:
+                            known = now - time[key]
+                            factor = exp(survival(known))
+                        mass = held.mass * factor - owed
+                    else:
+                        mass = 0.0
                     held.mass = (mass if mass > 0.0 else 0.0) + lends
                 else:  # another chain's key read by this one: shared from now on, read by both
                     held.chain = None

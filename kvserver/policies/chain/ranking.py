@@ -41,6 +41,7 @@ from kvserver.policies.chain.queues import ClassQueues
 from kvserver.policies.chain.return_gaps import ReturnGaps
 from kvserver.policies.chain.states import (
     HI,
+    MASS_BUCKETS,
     RATE_SCALE,
     State,
     StateOdds,
@@ -50,6 +51,8 @@ from kvserver.policies.chain.states import (
 
 #: a class's kind in :meth:`Ranking.choose`: a chain's, a shared one without readers, with
 _CHAIN, _SHARED, _READ = "chain", "shared", "read"
+#: log(shared_mass) per readers' mass bucket (a shared class's ``state[0]``), the same values
+_LOG_MASS = {-m: math.log(shared_mass((-m, 0))) for m in range(1, 2 * MASS_BUCKETS + 1)}
 #: a class as ``choose`` advances it: (its keys from the head, kind, offset, log readers' mass)
 _Line = tuple[Iterator[tuple[Hashable, int]], str, float, float]
 
@@ -119,7 +122,7 @@ class Ranking:
                 if state[0] == 0:
                     todo.append((iter(members.items()), _SHARED, offset, 0.0))
                 else:
-                    todo.append((iter(members.items()), _READ, offset, log(shared_mass(state))))
+                    todo.append((iter(members.items()), _READ, offset, _LOG_MASS[state[0]]))
         heads: list[tuple[float, int, Hashable, _Line]] = []
         push, replace = heapq.heappush, heapq.heapreplace
         victims: list[Hashable] = []
