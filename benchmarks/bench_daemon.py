@@ -424,7 +424,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kvserver.grpc_engine import use_polling_engine
 
     use_polling_engine()  # the client as the daemon: before grpc is imported
-    from kvserver.daemon.config import parse_size
+    from kvserver.daemon.config_parse import parse_size
     from kvserver.errors import KVServerError
 
     try:

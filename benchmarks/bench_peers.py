@@ -86,6 +86,7 @@ from kvserver.arena import ArenaView
 from kvserver.client import KVClient
 from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.daemon import config as daemon_config
+from kvserver.daemon.config_parse import parse_size
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
 from kvserver.errors import KVServerError
 from kvserver.namespace import NamespaceSpec
@@ -355,7 +356,7 @@ def run(
 
 def _sizes(text: str) -> list[int]:
     try:
-        return [daemon_config.parse_size(t) for t in text.split(",")]
+        return [parse_size(t) for t in text.split(",")]
     except KVServerError as exc:  # parse_size's InvalidArgument
         raise argparse.ArgumentTypeError(str(exc)) from None
 

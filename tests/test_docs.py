@@ -164,7 +164,8 @@ def test_every_kvserver_variable_the_documents_name_is_read() -> None:
 def test_the_defaults_start_help_states_are_the_configs() -> None:
     """``kvserver start --help``'s "(default X)" for a number, a size or a word is
     DaemonConfig's default; the README's "Two commands" defaults too."""
-    from kvserver.daemon.config import DaemonConfig, parse_size
+    from kvserver.daemon.config import DaemonConfig
+    from kvserver.daemon.config_parse import parse_size
     from kvserver.policies import policy_names
 
     policies = set(policy_names())

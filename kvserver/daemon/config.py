@@ -4,7 +4,9 @@
 Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, the ``chain``
 eviction policy. The config file is TOML with the same keys as the dataclass fields
 (``dram = "8GiB"``); environment variables are ``KVSERVER_<FIELD>`` in upper case
-(``KVSERVER_DRAM=8GiB``).
+(``KVSERVER_DRAM=8GiB``). Each value, whatever its source, is coerced to its field's type by
+``kvserver.daemon.config_parse`` (sizes, booleans, numbers, tenants, ``keys_dir``) before
+``__post_init__`` checks the whole.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from typing import Any
 from kvserver.cluster.config import ClusterConfig, parse_weights
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import MAX_TOKEN_BYTES, is_loopback
-from kvserver.daemon.tenants import Tenant, parse_tenants
+from kvserver.daemon.config_parse import coerce, fill_from_keys_dir
+from kvserver.daemon.tenants import Tenant
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
-from kvserver.keyset import ensure_key_set
 from kvserver.policies import make_policy
 from kvserver.ssd.config import TierConfig
 from kvserver.token_file import read_token_file
@@ -49,14 +51,6 @@ PEER_STREAM_WINDOW_MAX = 1 << 30
 #: zmq_send_timeout_s stays under the engine's longest lease, which the send pins are.
 MAX_SEND_TIMEOUT_S = EngineConfig().max_lease_s / 2
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
-}
-
 
 def bind_hint(flag: str, errno: int | None = None) -> str:
     """What to do when a listener cannot bind: the ``flag`` that moves it (``errno``
@@ -67,20 +61,6 @@ def bind_hint(flag: str, errno: int | None = None) -> str:
         f"; is another kvserver (or another program) on that port? Stop it, or choose "
         f"another with {flag} PORT (0: any free port)"
     )
-
-
-def parse_size(text: str | int) -> int:
-    """``"256MiB"`` → 268435456. Accepts plain integers, SI (MB) and IEC (MiB) units."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise InvalidArgument(f"bad size {text!r}; examples: 256MiB, 8GiB, 1073741824")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise InvalidArgument(f"size must be positive: {text!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,9 +400,9 @@ class DaemonConfig:
             )
         kwargs: dict[str, Any] = {}
         for name, value in values.items():
-            kwargs[name] = _coerce(name, known[name], value)
+            kwargs[name] = coerce(name, known[name], value)
         if kwargs.get("keys_dir"):
-            _fill_from_keys_dir(kwargs)
+            fill_from_keys_dir(kwargs, DEFAULT_HOST)
         if kwargs.get("auth_token_file"):
             if kwargs.get("auth_token") or kwargs.get("no_auth"):
                 raise InvalidArgument("auth_token_file excludes auth_token and no_auth")
@@ -458,63 +438,3 @@ def unknown_env(env: Mapping[str, str]) -> list[str]:
             hint = f" (did you mean KVSERVER_{close[0]}?)" if close else ""
             out.append(f"ignoring unknown environment variable {name}{hint}")
     return out
-
-
-#: what ``keys_dir`` fills in (and so excludes)
-_KEYS_DIR_FIELDS = ("curve_secret_key_file", "curve_clients_dir", "tls_cert_file",
-                    "tls_key_file", "auth_token_file", "auth_token", "no_auth")  # fmt: skip
-
-
-def _fill_from_keys_dir(kwargs: dict[str, Any]) -> None:
-    """Make the key set of ``kwargs["keys_dir"]`` and set the fields it fills in."""
-    given = [name for name in _KEYS_DIR_FIELDS if kwargs.get(name)]
-    if given:
-        raise InvalidArgument(f"keys_dir excludes {', '.join(given)}")
-    hosts = [socket.gethostname(), "localhost", "127.0.0.1", "::1"]
-    host = str(kwargs.get("host", DEFAULT_HOST))
-    advertised = str(kwargs.get("advertise_addr") or "")
-    hosts += [h for h in (host, advertised) if h and h not in ("0.0.0.0", "::")]
-    keys = ensure_key_set(str(kwargs["keys_dir"]), hosts)
-    kwargs.update(
-        (name, getattr(keys, name)) for name in _KEYS_DIR_FIELDS if hasattr(keys, name)
-    )
-
-
-def _coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
-    if name == "tenants":
-        return parse_tenants(value)
-    if name in (
-        "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes",
-        "peer_stream_window", "zmq_send_max_unsent",
-    ):
-        try:
-            return parse_size(value)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"{name}: {exc.message}") from None
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-    if kind == "bool":
-        return _parse_bool(name, value)
-    try:
-        if kind == "int":
-            return int(value)
-        if kind == "float":
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError(value)
-            return number
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"config {name} must be a number, got {value!r}") from None
-    return str(value)
-
-
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
-          "0": False, "false": False, "no": False, "off": False}  # fmt: skip
-
-
-def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    parsed = _BOOLS.get(str(value).strip().lower())
-    if parsed is None:
-        raise InvalidArgument(f"config {name} must be true or false (1/0, yes/no), got {value!r}")
-    return parsed
