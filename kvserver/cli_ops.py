@@ -2,8 +2,8 @@
 
 Runs in the CLI process. Each command: parse flags → one :class:`~kvserver.grpc_client.GrpcClient`
 (closed on return) → one or two calls, each bounded by ``--timeout`` → print a readable table
-(or JSON with ``--json``). Wired into ``kvserver/cli.py`` with :func:`add_status` and
-:func:`add_lookup`.
+(or JSON with ``--json``; the tables are made by ``kvserver/cli_render.py``). Wired into
+``kvserver/cli.py`` with :func:`add_status` and :func:`add_lookup`.
 
 Exit status: 0 ok; 1 the daemon is unreachable or refused the request (message on stderr);
 2 bad arguments (unparsable tokens, an ambiguous model without ``--namespace``).
@@ -17,9 +17,9 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
 from typing import Any
 
+from kvserver.cli_render import render_fleet, render_lookup, render_status
 from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, Unavailable
 from kvserver.token_file import client_auth_token
@@ -174,110 +174,7 @@ def _status(client: Any, args: argparse.Namespace) -> str:
     stats = client.stats()
     if args.json:
         return json.dumps(stats.to_dict(), indent=2, sort_keys=True) + "\n"
-    head = (
-        f"kvserver {stats.server_version} at {args.server}  host {stats.host_id}\n"
-        f"leases {stats.num_leases}  events: seq {stats.events_oldest_seq}.."
-        f"{stats.events_last_seq} (log {stats.event_log_id})\n"
-    )
-    if stats.cluster is not None:
-        c = stats.cluster
-        head += (
-            f"fleet {c.get('url', '')}: {c.get('condition', '')}  as {c.get('host_id', '')} "
-            f"(incarnation {c.get('incarnation', '')}), {c.get('live_hosts', 0)} live host(s)"
-            + (f"\n  ({c['condition_detail']})" if c.get("condition_detail") else "")
-            + "\n"
-        )
-    elif any(t.name == "peer" for t in stats.tiers):
-        head += "fleet: none (a fixed list of peers, --peers: the peer tier below)\n"
-    else:
-        head += "fleet: none (standalone; kvserver start --cluster URL joins one)\n"
-    head += "\n"
-    tiers = _table(
-        [
-            "TIER",
-            "MEDIUM",
-            "POLICY",
-            "CAPACITY",
-            "USED",
-            "USED%",
-            "PINNED",
-            "ENTRIES",
-            "HITS",
-            "MISSES",
-            "HIT%",
-            "EVICTIONS",
-            "STATE",
-        ],
-        [
-            [
-                t.name,
-                t.medium,
-                t.policy,
-                _size(t.capacity_bytes),
-                _size(t.used_bytes),
-                _pct(t.used_bytes, t.capacity_bytes),
-                _size(t.pinned_bytes),
-                t.entries,
-                t.hit_chunks,
-                t.miss_chunks,
-                _pct(t.hit_chunks, t.hit_chunks + t.miss_chunks),
-                t.evicted_chunks,
-                t.condition or "ok",
-            ]
-            for t in stats.tiers
-        ],
-    )
-    tiers += _tier_notes(stats.tiers)
-    if not stats.namespaces:
-        return head + tiers + "\n(no namespaces registered)\n"
-    namespaces = _table(
-        [
-            "NAMESPACE",
-            "MODEL",
-            "ENTRIES",
-            "SIZE",
-            "PER TIER",
-            "LOOKUPS",
-            "HITS",
-            "MISSES",
-            "HIT%",
-            "EVICTIONS",
-        ],
-        [
-            [
-                n.namespace_id,
-                n.model,
-                n.entries,
-                _size(n.bytes),
-                " ".join(f"{tier}:{entries}" for tier, (entries, _b) in n.tiers.items()) or "-",
-                n.lookups,
-                n.hit_chunks,
-                n.miss_chunks,
-                _pct(n.hit_chunks, n.hit_chunks + n.miss_chunks),
-                n.evicted_chunks,
-            ]
-            for n in stats.namespaces
-        ],
-    )
-    return head + tiers + "\n" + namespaces
-
-
-def _tier_notes(tiers: Sequence[Any]) -> str:
-    """One line per lower tier (SSD): I/O mode and its health counters; its condition first
-    when it is not ok (DRAM keeps serving)."""
-    lines = []
-    for t in tiers:
-        if t.condition not in ("", "ok"):
-            lines.append(f"!! {t.name} {t.condition}: {t.condition_detail} (DRAM keeps serving)\n")
-        if t.io_mode:
-            lines.append(
-                f"{t.name}: {t.io_mode} I/O, recovered {t.recovered_chunks} at start, "
-                f"promoted {t.promoted_chunks}, corrupt {t.corrupt_chunks}, "
-                f"I/O errors {t.io_errors}, not written down {t.skipped_chunks}\n"
-            )
-    if not any(t.name == "ssd" for t in tiers):
-        lines.append("ssd: none (kvserver start --ssd-dir DIR --ssd SIZE adds one)\n")
-    return "".join(lines)
+    return render_status(stats, args.server)
 
 
 def _lookup(client: Any, args: argparse.Namespace) -> str:
@@ -299,17 +196,7 @@ def _lookup(client: Any, args: argparse.Namespace) -> str:
             "tiers": reply.tiers,
         }
         return json.dumps(out, indent=2) + "\n"
-    spec = ns.spec
-    tiers = ", ".join(
-        f"{tier} {n} chunks ({n * reply.chunk_tokens} tokens)" for tier, n in reply.tiers.items()
-    )
-    return (
-        f"namespace {ns.namespace_id}  model {spec.model}  ({spec.hash_algo}, "
-        f"{spec.block_size} tokens/block, {spec.chunk_blocks} block(s)/chunk)\n"
-        f"hit: {reply.hit_tokens} of {len(tokens)} tokens, {reply.hit_chunks} of "
-        f"{reply.num_chunks} chunks ({_pct(reply.hit_chunks, reply.num_chunks)})\n"
-        f"tiers: {tiers or 'none'}\n"
-    )
+    return render_lookup(ns, reply, len(tokens))
 
 
 def _fleet(client: Any, args: argparse.Namespace, tokens: list[int]) -> str:
@@ -326,16 +213,7 @@ def _fleet(client: Any, args: argparse.Namespace, tokens: list[int]) -> str:
     if args.json:
         rows = [dataclasses.asdict(h) for h in scored]
         return json.dumps({"namespace_id": ns_id, "hosts": rows}, indent=2) + "\n"
-    if not scored:
-        return f"namespace {ns_id}: no live host in the fleet\n"
-    return f"namespace {ns_id}, {len(tokens)} tokens\n" + _table(
-        ["HOST", "SCORE", "HIT TOKENS", "CHUNKS", "DRAM", "SSD", "DATA PLANE"],
-        [
-            [h.host_id, f"{h.score:g}", h.hit_tokens, h.hit_chunks, h.tiers.get("dram", 0),
-             h.tiers.get("ssd", 0), h.data_address]
-            for h in scored
-        ],
-    )  # fmt: skip
+    return render_fleet(ns_id, len(tokens), scored)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -421,32 +299,3 @@ def parse_lora(text: str | None) -> tuple[str, str] | None:
     if not sep or not name:
         raise _UsageError(f"bad --lora {text!r}: expected NAME:PATH")
     return name, path
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _pct(part: int, whole: int) -> str:
-    return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Columns padded to their widest cell; numbers right-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    numeric = [bool(rows) and all(isinstance(r[i], int) for r in rows) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [
-            v.rjust(w) if num else v.ljust(w)
-            for v, w, num in zip(values, widths, numeric, strict=True)
-        ]
-        return "  ".join(parts).rstrip() + "\n"
-
-    return line(headers) + "".join(line(r) for r in cells)
