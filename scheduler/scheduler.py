@@ -55,8 +55,9 @@ from scheduler.request import (
     priority_key,
     select_queue,
 )
+from scheduler.step_decisions import StepDecisions
 from scheduler.trace import StepTrace
-from step_protocol import CachedRequestData, StepPlan, StepResult
+from step_protocol import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -219,23 +220,17 @@ class Scheduler:
                 token_budget=cfg.max_num_batched_tokens,
             )
         threshold = cfg.long_prefill_token_threshold
-        budget = cfg.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        preempted: list[Request] = []
+        decisions = StepDecisions(cfg.max_num_batched_tokens)
 
         # 1. running requests, in admission order
         running = self.running
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and decisions.budget > 0:
             request = running[i]
             n = request.num_tokens - request.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, budget, self.max_model_len - request.num_computed_tokens)
+            n = min(n, decisions.budget, self.max_model_len - request.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -249,77 +244,38 @@ class Scheduler:
                     del running[index]
                     if index < i:  # already visited: roll back what it got this step
                         i -= 1
-                        if victim.request_id in num_scheduled:
-                            scheduled_running.remove(victim)
-                            budget += num_scheduled.pop(victim.request_id)
-                            new_block_ids.pop(victim.request_id)
+                        decisions.unschedule_running(victim)
                 else:
                     victim = running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                decisions.preempted.append(victim)
                 if victim is request:
                     break
             if blocks is None:
                 # It preempted itself. FCFS: it was the tail, the loop ends. Priority: later
                 # requests may use the blocks it freed (vLLM stops the loop here instead).
                 continue
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = n
-            new_block_ids[request.request_id] = [b.block_id for b in blocks]
-            budget -= n
+            decisions.schedule_running(request, n, blocks)
             i += 1
 
         # 2. waiting requests, only when nobody was preempted (no admit → preempt churn)
-        if not preempted:
-            budget = self._admit(budget, num_scheduled, scheduled_new, scheduled_resumed, preempted)
+        if not decisions.preempted:
+            self._admit(decisions)
 
-        plan = StepPlan(
-            step=step,
-            new_reqs=[
-                r.new_request_data(kv.get_block_ids(r.request_id))
-                for r in (*scheduled_new, *scheduled_resumed)
-            ],
-            cached_reqs=[
-                CachedRequestData(
-                    r.request_id,
-                    new_block_ids[r.request_id],
-                    r.num_computed_tokens,
-                    r.all_token_ids[
-                        r.num_computed_tokens : r.num_computed_tokens + num_scheduled[r.request_id]
-                    ],
-                )
-                for r in scheduled_running
-            ],
-            num_scheduled_tokens=num_scheduled,
-            finished_req_ids=self._finished_req_ids,
-            preempted_req_ids=[r.request_id for r in preempted],
-        )
+        plan = decisions.plan(step, kv, self._finished_req_ids)
         self._finished_req_ids = []
         if self.connector is not None:
             plan.connector_meta = self.connector.build_connector_meta(plan)
         requests = self.requests
-        for req_id, n in num_scheduled.items():
+        for req_id, n in decisions.num_scheduled.items():
             requests[req_id].num_computed_tokens += n
         if trace is not None:
-            trace.decision(
-                step,
-                new=[r.request_id for r in scheduled_new],
-                resumed=[r.request_id for r in scheduled_resumed],
-                running=[r.request_id for r in scheduled_running],
-                preempted=plan.preempted_req_ids,
-                num_scheduled_tokens=num_scheduled,
-            )
+            decisions.trace(trace, step)
         return plan
 
-    def _admit(
-        self,
-        budget: int,
-        num_scheduled: dict[str, int],
-        scheduled_new: list[Request],
-        scheduled_resumed: list[Request],
-        preempted: list[Request],
-    ) -> int:
-        """The waiting half of ``schedule()``; returns the budget left."""
+    def _admit(self, decisions: StepDecisions) -> None:
+        """The waiting half of ``schedule()``: admits into ``decisions`` while its budget
+        lasts."""
         cfg, kv, connector, trace = self.config, self.kv, self.connector, self.trace
         threshold = cfg.long_prefill_token_threshold
         deferred = create_queue(cfg.policy)  # skipped in this step; rejoin skipped_waiting after
@@ -330,7 +286,7 @@ class Scheduler:
             self.transfers.land(request)
             self.skipped_waiting.remove(request)
             self.skipped_waiting.prepend(request)
-        while (self.waiting or self.skipped_waiting) and budget > 0:
+        while (self.waiting or self.skipped_waiting) and decisions.budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             queue = select_queue(cfg.policy, self.waiting, self.skipped_waiting)
@@ -371,9 +327,9 @@ class Scheduler:
                 n = request.num_tokens - num_computed
                 if cfg.enable_chunked_prefill and 0 < threshold < n:
                     n = threshold
-                if not cfg.enable_chunked_prefill and n > budget:
+                if not cfg.enable_chunked_prefill and n > decisions.budget:
                     break
-                n = min(n, budget)
+                n = min(n, decisions.budget)
             blocks = kv.allocate_slots(
                 request,
                 n,
@@ -388,7 +344,7 @@ class Scheduler:
                     # the rest of it does not fit: give the blocks back rather than hold them
                     # (they stay prefix-cached; its next admission hits them if still there)
                     self._preempt(queue.pop(), requeue=False)
-                    preempted.append(request)
+                    decisions.preempted.append(request)
                     deferred.add(request)
                     continue
                 if any(kv.has_blocks(r.request_id) for r in self.skipped_waiting):
@@ -406,17 +362,13 @@ class Scheduler:
                 self.transfers.start_load(request, num_local)
                 deferred.add(request)
                 continue
-            if request.status == RequestStatus.PREEMPTED:
-                scheduled_resumed.append(request)
-            else:
-                scheduled_new.append(request)
+            decisions.schedule_waiting(
+                request, n, resumed=request.status == RequestStatus.PREEMPTED
+            )
             request.status = _RUNNING
             self.running.append(request)
-            num_scheduled[req_id] = n
-            budget -= n
         if deferred:
             self.skipped_waiting.prepend_all(deferred)
-        return budget
 
     def _preempt(self, request: Request, *, requeue: bool = True) -> None:
         """Free all its KV; it is recomputed (prefix cache permitting) when readmitted."""
