@@ -55,6 +55,9 @@ crash): the worker unmaps it, connects again at once and maps the new arena, and
 the old daemon granted fail by the rule above. A lease granted by an incarnation other than
 the mapped one while the mapped arena file is still in place (a restart that did not reap
 it) makes the worker ask the daemon which incarnation it is, and map again if it changed.
+The session with the daemon (clients, mapped arena, its incarnation) is
+:class:`~worker.daemon_session.DaemonSession`'s; this class decides when to connect, map
+again or fail a lease.
 """
 
 from __future__ import annotations
@@ -66,9 +69,7 @@ from typing import Any
 
 import torch
 
-from kvserver.client import KVClient
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError
-from kvserver.wire import host_id
 from step_protocol import (
     ConnectorMetadata,
     ConnectorWorkerOutput,
@@ -76,10 +77,11 @@ from step_protocol import (
     TransferResult,
 )
 from worker.config import WorkerConnectorConfig
+from worker.daemon_session import DaemonSession
 from worker.host import MappedArena
 from worker.layout import CanonicalKVCaches, canonicalize
 from worker.lease_deadlines import JobId, LeaseDeadlines
-from worker.transfer import Direction, Transfer, TransferEngine
+from worker.transfer import Transfer, TransferEngine
 from worker.transfer_factory import make_engine
 from worker.transfer_plan import TransferPlanner, unreachable
 
@@ -95,10 +97,9 @@ class KVServerWorkerConnector:
         self.rank = config.rank
         self.caches: CanonicalKVCaches | None = None
         self.engine: TransferEngine | None = None
-        self.arena: MappedArena | None = None
         self._planner: TransferPlanner | None = None
-        self._kv = self._client("main")
-        self._io: dict[Direction, KVClient] = {}
+        #: the clients, the data path and the daemon incarnation they are with
+        self.session = DaemonSession(config)
         self._meta: ConnectorMetadata | None = None
         self._saved = True  # wait_for_save ran for the bound metadata
         self._submitted_now: set[JobId] = set()
@@ -108,10 +109,6 @@ class KVServerWorkerConnector:
         #: loads in flight: chunk key -> GPU blocks it fills (for load_error_block_ids).
         self._load_blocks: dict[JobId, dict[bytes, list[int]]] = {}
         self._load_errors: set[int] = set()
-        #: False until the namespace is registered (the daemon may be down at start-up).
-        self._connected = False
-        #: the daemon incarnation (session id) whose arena is mapped; "" when none is.
-        self._arena_sid = ""
         self._inflight: dict[JobId, Transfer] = {}
         self._stores_left: dict[str, int] = {}
         #: the deadlines of the leases copied under (expired_stores, expired_loads)
@@ -119,6 +116,11 @@ class KVServerWorkerConnector:
         self._output = ConnectorWorkerOutput(self.rank)
 
     # ------------------------------------------------------------------ lifetime
+
+    @property
+    def arena(self) -> MappedArena | None:
+        """The daemon's arena, mapped (co-located), or None (remote, or not connected)."""
+        return self.session.arena
 
     @property
     def is_colocated(self) -> bool:
@@ -159,27 +161,16 @@ class KVServerWorkerConnector:
         return caches
 
     def _connect(self) -> None:
-        """Register the namespace and choose the data path (map the arena, else open one
-        client per direction). Raises KVServerError if the daemon cannot be reached."""
+        """Connect the session (DaemonSession.connect). Raises KVServerError if the daemon
+        cannot be reached."""
         assert self.caches is not None
-        self._kv.register_namespace(self.spec)
-        self._map_arena(self.caches.device)
-        if self.arena is None:
-            for d in Direction:
-                if d not in self._io:
-                    self._io[d] = self._client(d.value)
-                self._io[d].register_namespace(self.spec)
-        self._connected = True
+        self.session.connect(self.spec, self.caches.device)
 
     def close(self) -> None:
         """Finish in-flight copies, stop the engine, unmap the arena, close clients."""
         if self.engine is not None:
             self.engine.close()
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        for kv in (self._kv, *self._io.values()):
-            kv.close()
+        self.session.close()
 
     def __enter__(self) -> KVServerWorkerConnector:
         return self
@@ -398,29 +389,30 @@ class KVServerWorkerConnector:
         if not is_load and not counted:
             self._stores_left[t.req_id] = self._stores_left.get(t.req_id, 0) + 1
         if self.arena is not None and (
-            self.arena.is_stale or (t.granted_by != self._arena_sid and self._restarted())
+            self.arena.is_stale
+            or (t.granted_by != self.session.arena_sid and self.session.restarted())
         ):
             self._arena_gone()
-        if not self._connected:
+        if not self.session.connected:
             try:
                 self._connect()
             except (KVServerError, OSError) as exc:
                 logger.warning("kvserver unreachable; lease %d of %s fails: %s",
                                t.lease_id, t.req_id, exc)  # fmt: skip
-        if not self._connected:
+        if not self.session.connected:
             transfer = unreachable(t, is_load)
         elif self.arena is not None and self.deadlines.expired(job, deadline):
             kind = "load" if is_load else "store"
             logger.warning("%s lease %d of %s expired before its copy started; it fails",
                            kind, t.lease_id, t.req_id)  # fmt: skip
             transfer = unreachable(t, is_load, f"its {kind} lease expired before the copy")
-        elif self.arena is not None and t.granted_by != self._arena_sid:
+        elif self.arena is not None and t.granted_by != self.session.arena_sid:
             logger.info("lease %d of %s was granted by another daemon instance (%r, mapped: "
                         "%r); it fails", t.lease_id, t.req_id, t.granted_by,
-                        self._arena_sid)  # fmt: skip
+                        self.session.arena_sid)  # fmt: skip
             transfer = unreachable(t, is_load, "granted by another daemon instance")
         else:
-            transfer = self._planner.plan(t, is_load, self.arena, self._io)
+            transfer = self._planner.plan(t, is_load, self.arena, self.session.io)
             if is_load and self.arena is not None:
                 self.deadlines.watch(job, deadline)  # checked when its copies have landed
         if is_load:
@@ -434,38 +426,6 @@ class KVServerWorkerConnector:
 
     # ------------------------------------------------------------------ session
 
-    def _client(self, role: str) -> KVClient:
-        base = self.config.client_id
-        return KVClient(
-            self.config.address, timeout=self.config.timeout_s, auth_token=self.config.auth_token,
-            client_id=f"{base}-{role}" if base else None, colocated=False,
-            curve=self.config.curve,
-        )  # fmt: skip
-
-    def _map_arena(self, device: torch.device) -> None:
-        mode = self.config.colocated
-        if mode is False:
-            return
-        info = self._kv.hello()
-        path = info.get("arena_path")
-        try:
-            if info.get("host_id") != host_id() or not isinstance(path, str):
-                raise InvalidState("the daemon runs on another host")
-            self.arena = MappedArena(path, pin=device.type == "cuda")
-            self._arena_sid = str(info.get("sid", ""))
-        except KVServerError as exc:
-            if mode:
-                raise
-            logger.warning("cannot map the arena (%s); using payload frames", exc)
-
-    def _restarted(self) -> bool:
-        """Whether the daemon is no longer the incarnation whose arena is mapped (asked with
-        one ``hello``; a daemon that does not answer has not been seen to restart)."""
-        try:
-            return str(self._kv.hello().get("sid", "")) != self._arena_sid
-        except KVServerError:
-            return False
-
     def _arena_gone(self) -> None:
         """The mapped arena is not the daemon's any more (its file was removed: the daemon
         stopped, or restarted after a crash): wait for the copies into the old mapping, unmap
@@ -476,12 +436,5 @@ class KVServerWorkerConnector:
                        "granted fail, the next transfer maps its new arena")  # fmt: skip
         if self.engine is not None:
             self.engine.wait(list(self._inflight.values()))
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-        self._arena_sid = ""
         # the daemon's sessions went with it: start over with new clients
-        for kv in (self._kv, *self._io.values()):
-            kv.close()
-        self._kv, self._io = self._client("main"), {}
-        self._connected = False
+        self.session.drop_arena()

@@ -479,7 +479,7 @@ def test_worker_starts_while_the_daemon_is_down_and_stores_once_it_is_up(
     eng = engine(model_dir, address, lookup_timeout_s=0.05, op_timeout_s=0.5,
                  down_backoff_s=0.01)  # fmt: skip
     worker = eng.worker
-    assert worker is not None and not worker.worker_half._connected  # type: ignore[union-attr]
+    assert worker is not None and not worker.worker_half.session.connected  # type: ignore[union-attr]
     port = address.rsplit(":", 1)[1]
     second = start_daemon(tmp_path / "d2", "--zmq-port", port)
     try:
