@@ -13,37 +13,27 @@ daemon cannot be reached in time, :class:`EventsDropped` when a WatchEvents resu
 gone.
 
 The wire constants and the protobuf conversions are in ``kvserver/grpc_format.py``, which the
-daemon's front end imports too.
+daemon's front end imports too; a failed call's error is made by ``kvserver/grpc_errors.py``;
+a WatchEvents stream is a ``kvserver/grpc_events.py`` :class:`EventStream`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.crypto import TlsClient
-from kvserver.errors import (
-    InvalidArgument,
-    KVServerError,
-    Unauthenticated,
-    Unavailable,
-    error_from_code,
-)
-from kvserver.events import Event
+from kvserver.errors import InvalidArgument
+from kvserver.grpc_errors import EventsDropped, rpc_error
+from kvserver.grpc_events import EventStream
 from kvserver.grpc_format import (
-    ERROR_CODE_KEY,
-    EVENTS_DROPPED_CODE,
-    FROM_SEQ_KEY,
-    LOG_ID_KEY,
     MAX_MESSAGE_BYTES,
     MEDIUM_FROM_PROTO,
-    OLDEST_SEQ_KEY,
     SERVICE_NAME,
     bearer_metadata,
-    event_from_proto,
     keys_to_proto,
     spec_from_proto,
     spec_to_proto,
@@ -64,86 +54,12 @@ from kvserver.token_file import TokenFile
 DEFAULT_TARGET = "127.0.0.1:9470"
 DEFAULT_TIMEOUT_S = 5.0
 
-
-class EventsDropped(KVServerError):
-    """WatchEvents cannot resume where asked (events dropped, or the daemon restarted).
-
-    Resynchronise (e.g. Lookup what you track), then watch again from ``oldest_seq``.
-    """
-
-    code: ClassVar[str] = EVENTS_DROPPED_CODE
-
-    def __init__(self, message: str, *, oldest_seq: int = 0) -> None:
-        super().__init__(message)
-        self.oldest_seq = oldest_seq
+#: EventStream and EventsDropped are defined in kvserver/grpc_events.py and grpc_errors.py and
+#: importable from here, with the client that makes and raises them.
+__all__ = ["DEFAULT_TARGET", "DEFAULT_TIMEOUT_S", "EventStream", "EventsDropped", "GrpcClient"]
 
 
 # ---------------------------------------------------------------------- the client
-
-
-class EventStream:
-    """Iterator over the events of one WatchEvents call; :meth:`close` ends it.
-
-    :attr:`log_id` and :attr:`next_seq` say where the stream stands (before the first event:
-    where the daemon started it). Resume after a disconnect, with no gap and no duplicate, by
-    ``client.watch_events(stream.next_seq, log_id=stream.log_id)``. Iteration ends when the
-    daemon shuts down or after :meth:`close`; errors are raised from ``next()``.
-    """
-
-    def __init__(self, call: Any, target: str, from_seq: int, log_id: str) -> None:
-        self._rpc = call
-        self._target = target
-        self._closed = False
-        self._log_id = log_id
-        self._next_seq = from_seq  # 0 = not known until the daemon's headers arrive
-
-    @property
-    def log_id(self) -> str:
-        self._resolve()
-        return self._log_id
-
-    @property
-    def next_seq(self) -> int:
-        """Seq of the next event this stream will deliver (0 if the call failed at once)."""
-        self._resolve()
-        return self._next_seq
-
-    def _resolve(self) -> None:
-        if self._next_seq and self._log_id:
-            return
-        try:
-            metadata = dict(self._rpc.initial_metadata() or ())
-        except grpc.RpcError:
-            return
-        self._log_id = self._log_id or str(metadata.get(LOG_ID_KEY, ""))
-        seq = str(metadata.get(FROM_SEQ_KEY, ""))
-        if not self._next_seq and seq.isdigit():
-            self._next_seq = int(seq)
-
-    def __iter__(self) -> Iterator[Event]:
-        return self
-
-    def __next__(self) -> Event:
-        try:
-            msg = next(self._rpc)
-        except grpc.RpcError as exc:
-            if self._closed and exc.code() == grpc.StatusCode.CANCELLED:
-                raise StopIteration from None
-            raise _error(exc, self._target) from None
-        self._log_id = msg.log_id
-        self._next_seq = msg.seq + 1
-        return event_from_proto(msg)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._rpc.cancel()
-
-    def __enter__(self) -> EventStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class GrpcClient:
@@ -343,7 +259,7 @@ class GrpcClient:
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout or self.timeout
             )
         except grpc.RpcError as exc:
-            raise _error(exc, self.target, tls=self._tls) from None
+            raise rpc_error(exc, self.target, tls=self._tls) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status))
 
     # ------------------------------------------------------------------ plumbing
@@ -392,7 +308,7 @@ class GrpcClient:
                     raise
             return method(request, timeout=timeout or self.timeout, metadata=self._metadata())
         except grpc.RpcError as exc:
-            raise _error(exc, self.target, tls=self._tls) from None
+            raise rpc_error(exc, self.target, tls=self._tls) from None
 
 
 def _serialize(msg: Any) -> bytes:
@@ -441,44 +357,3 @@ def _lookup_reply(msg: Any) -> LookupReply:
 def _namespace_reply(msg: Any) -> NamespaceReply:
     info: NamespaceReply = copy_fields(NamespaceReply, msg, spec=spec_from_proto(msg.spec))
     return info
-
-
-def _error(exc: grpc.RpcError, target: str, tls: bool | None = None) -> KVServerError:
-    """The kvserver error of a failed call (typed when the daemon said which). ``tls``:
-    whether the channel uses TLS (None: unknown), to say when a TLS mismatch is the likely
-    reason a connection failed."""
-    call: Any = exc
-    status = call.code()
-    details = call.details() or status.name
-    metadata = dict(call.trailing_metadata() or ())
-    code = metadata.get(ERROR_CODE_KEY)
-    if code == EVENTS_DROPPED_CODE:
-        oldest = metadata.get(OLDEST_SEQ_KEY, "0")
-        return EventsDropped(details, oldest_seq=int(oldest) if oldest.isdigit() else 0)
-    if isinstance(code, str) and code:
-        return error_from_code(code, details)
-    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        hint = _tls_hint(details, tls)
-        return Unavailable(f"kvserver at {target} is unreachable ({status.name}): {details}{hint}")
-    if status == grpc.StatusCode.UNAUTHENTICATED:
-        return Unauthenticated(details)
-    if status in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return InvalidArgument(details, status=status.name)
-    return KVServerError(details, status=status.name)
-
-
-def _tls_hint(details: str, tls: bool | None) -> str:
-    """What a connection failure's ``details`` say about TLS, in the client options' names."""
-    low = details.lower()
-    if tls and any(w in low for w in ("ssl", "handshake", "certificate", "tls")):
-        return (
-            "; the TLS handshake failed: tls_ca_file must be the CA of the daemon's "
-            "certificate, tls_server_name a name in it, and tls_cert_file/tls_key_file a "
-            "client certificate when the daemon requires one (docs/security.md)"
-        )
-    if tls is False and "socket closed" in low:
-        return (
-            "; the daemon closed the connection: if it serves gRPC over TLS, give tls_ca_file "
-            "(--tls-ca-file; docs/security.md)"
-        )
-    return ""
