@@ -16,7 +16,8 @@ replies); ``zmq_requests.py`` checks each request (token, size, header) and hand
 ``zmq_ops.py`` carries out each op; ``zmq_send.py`` sends payload replies zero-copy under pins,
 at most ``zmq_send_max_unsent`` bytes unsent per connection; ``local_server.py`` frames the
 local channel's messages (clients on this host); ``zmq_events.py`` publishes KV events and
-serves vLLM's replay protocol.
+serves vLLM's replay protocol; ``zmq_sockets.py`` makes, secures, binds and closes the ROUTER
+and the PUB.
 
 A connection of the local channel is served exactly like a ROUTER connection (same messages,
 handlers, lanes and order); its messages arrive from its protocol callbacks instead of the ROUTER's
@@ -69,9 +70,8 @@ import zmq
 import zmq.asyncio
 
 from kvserver import wire, wire_local
-from kvserver.crypto import CurveServer
 from kvserver.daemon.auth import Authenticator
-from kvserver.daemon.config import DaemonConfig, bind_hint
+from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.local_exits import ExitWatch
 from kvserver.daemon.local_server import (
     LocalConnection,
@@ -80,18 +80,16 @@ from kvserver.daemon.local_server import (
     LocalMessage,
     Refused,
 )
-from kvserver.daemon.pub_limit import SubscriberLimit, configure
 from kvserver.daemon.service import KVService
-from kvserver.daemon.zap import HandshakeGate
-from kvserver.daemon.zmq_events import REPLAY_MAX_BATCHES, EventPublisher
+from kvserver.daemon.zmq_events import EventPublisher
 from kvserver.daemon.zmq_ops import Answer, DataOps, PayloadFrame, failed
 from kvserver.daemon.zmq_requests import Peer, RequestHandler
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
-from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.daemon.zmq_sockets import DataSockets
+from kvserver.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
-ROUTER_SNDHWM = REPLAY_MAX_BATCHES + 100
 #: messages one reader wake-up handles before it lets the loop run other callbacks.
 MAX_DRAIN = 64
 
@@ -112,14 +110,10 @@ class DataFrontend:
         self._config = config
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
         self._sid = secrets.token_hex(8)  # changes on every daemon start
-        self._ctx: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._sockets = DataSockets()
         #: the same ROUTER without the asyncio layer: non-blocking receives and sends.
         self._raw: zmq.Socket[bytes] | None = None
         self._fd: int | None = None
-        self._pub: zmq.asyncio.Socket | None = None
-        self._subscribers: SubscriberLimit | None = None  # the PUB's connections (pub_limit.py)
-        self._zap: HandshakeGate | None = None  # tokens / CURVE keys at the handshake
         self._tasks: set[asyncio.Task[None]] = set()
         #: connection → messages waiting behind that connection's lane
         self._lanes: dict[Peer, deque[_Message]] = {}
@@ -161,49 +155,24 @@ class DataFrontend:
         """Bind ROUTER, the local channel (unless it cannot be bound) and PUB (unless pub_port
         is -1); returns (data_port, pub_port or -1)."""
         cfg = self._config
-        self._ctx = zmq.asyncio.Context()
+        service = self._service
         try:
-            curve = (
-                CurveServer.from_file(cfg.curve_secret_key_file, cfg.curve_clients_dir)
-                if cfg.curve_secret_key_file
-                else None
+            data_port, pub_port = self._sockets.open(
+                cfg, self._auth, service.handshakes, service.subscribers
             )
-            # tokens (PLAIN) or listed CURVE keys at the handshake: before the ROUTER binds
-            self._zap = HandshakeGate.start_for(
-                self._ctx, self._service.handshakes, self._auth, curve
-            )
-            self._router = self._ctx.socket(zmq.ROUTER)
-            if curve is not None:
-                curve.apply(self._router)
-            if self._zap is not None:
-                self._zap.guard(self._router)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-            self._router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
-            data_port = _bind(self._router, cfg.host, cfg.zmq_port, "--zmq-port")
-            pub_port = -1
-            if cfg.pub_port >= 0:
-                self._pub = self._ctx.socket(zmq.PUB)
-                if curve is not None:
-                    curve.apply(self._pub)
-                self._pub.setsockopt(zmq.LINGER, 0)
-                configure(self._pub, cfg.pub_hwm)
-                pub_port = _bind(self._pub, cfg.host, cfg.pub_port, "--pub-port")
-                self._subscribers = SubscriberLimit(
-                    self._ctx, self._service.subscribers, cfg.pub_max_subscribers
-                )
-                self._subscribers.watch(self._pub, pub_port)
         except BaseException:
             await self.stop()
             raise
+        router = self._sockets.router
+        assert router is not None  # open() made it
         self._events.set_pod(data_port, cfg.member_id)
-        self._raw = zmq.Socket.shadow(self._router.underlying)
+        self._raw = zmq.Socket.shadow(router.underlying)
         fd = self._fd = cast(int, self._raw.getsockopt(zmq.FD))
         asyncio.get_running_loop().add_reader(fd, self._drain)
         self._schedule_drain()  # anything that arrived before the reader was added
         await self._start_local()
-        if self._pub is not None:
-            self._spawn(self._events.publish_forever(self._pub))
+        if self._sockets.pub is not None:
+            self._spawn(self._events.publish_forever(self._sockets.pub))
         return data_port, pub_port
 
     async def _start_local(self) -> None:
@@ -247,19 +216,7 @@ class DataFrontend:
                 await task
         self._lanes.clear()
         await self._sender.close()
-        if self._zap is not None:
-            self._zap.stop()  # (it watches the ROUTER: before the ROUTER closes)
-            self._zap = None
-        if self._subscribers is not None:
-            self._subscribers.stop()  # (it watches the PUB: before the PUB closes)
-            self._subscribers = None
-        for sock in (self._router, self._pub):
-            if sock is not None:
-                sock.close(linger=0)
-        self._router = self._pub = None
-        if self._ctx is not None:
-            self._ctx.term()  # every socket is closed: returns at once, frees queued frames
-            self._ctx = None
+        self._sockets.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
@@ -340,7 +297,7 @@ class DataFrontend:
                 frames: Sequence[PayloadFrame] = cast(list[zmq.Frame], message)
                 source = cast(zmq.Frame, frames[0]) if frames else None
                 if len(frames) == 2 and len(frames[0]) == 0 and len(frames[1]) == wire.SEQ_BYTES:
-                    router, start = self._router, frames[1].buffer.tobytes()
+                    router, start = self._sockets.router, frames[1].buffer.tobytes()
                     if router is None:
                         return None
                     error = self._requests.replay_refusal(peer)
@@ -442,20 +399,6 @@ class DataFrontend:
             raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])
         if not self._reading:
             self._schedule_drain()
-
-
-def _bind(sock: zmq.asyncio.Socket, host: str, port: int, flag: str) -> int:
-    """Bind ``sock`` to ``host:port``; a failure names ``flag``, the option that moves it."""
-    if ":" in host:
-        sock.setsockopt(zmq.IPV6, 1)
-        host = f"[{host}]"
-    endpoint = f"tcp://{host}:{port}"
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        raise KVServerError(f"cannot bind {endpoint}: {exc}{bind_hint(flag, exc.errno)}") from None
-    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return int(bound.rsplit(":", 1)[1])
 
 
 def _close(fd: int | None) -> None:
