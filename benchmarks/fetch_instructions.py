@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be >= 1")
-    from kvserver.daemon.config import parse_size
+    from kvserver.daemon.config_parse import parse_size
 
     part_bytes = parse_size(args.part_bytes)
     if not 0 < part_bytes <= BATCH_BYTES or BATCH_BYTES % part_bytes:

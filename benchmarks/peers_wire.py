@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.harness.proc import runtime_ms
 from benchmarks.harness.raw_tcp import shm_mapping
 from benchmarks.harness.raw_zmq import RawPeer
-from kvserver.daemon.config import parse_size
+from kvserver.daemon.config_parse import parse_size
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
 
 MiB = 1 << 20

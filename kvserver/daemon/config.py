@@ -27,6 +27,7 @@ from kvserver.cluster.config import ClusterConfig, parse_weights
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import MAX_TOKEN_BYTES, is_loopback
 from kvserver.daemon.config_parse import coerce, fill_from_keys_dir
+from kvserver.daemon.config_parse import parse_size as parse_size  # still importable from here
 from kvserver.daemon.tenants import Tenant
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
