@@ -63,7 +63,7 @@ import logging
 import os
 import secrets
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, cast
 
 import zmq
@@ -384,7 +384,7 @@ class DataFrontend:
                 peer.send(self._sender.copy_out(req_id, self._sid, result))
             else:
                 assert result is not None  # an Answer holds a result or an error
-                peer.send([wire.encode_reply(req_id, self._sid, result)])
+                peer.send([self._encoded(req_id, result)])
             return
         raw = self._raw
         if raw is None:  # stopping: the socket is gone
@@ -396,9 +396,20 @@ class DataFrontend:
             self._sender.send(raw, peer, req_id, self._sid, result, fd)
         else:
             assert result is not None  # an Answer holds a result or an error
-            raw.send_multipart([peer, wire.encode_reply(req_id, self._sid, result)])
+            raw.send_multipart([peer, self._encoded(req_id, result)])
         if not self._reading:
             self._schedule_drain()
+
+    def _encoded(self, req_id: int, result: Mapping[str, Any]) -> bytes:
+        """``result``'s reply header, or, when it cannot be encoded (a daemon bug: a value
+        msgpack refuses), an ``internal`` error for ``req_id``, so that the caller is answered
+        at once rather than left to its timeout."""
+        try:
+            return wire.encode_reply(req_id, self._sid, result)
+        except Exception as exc:  # any encoder failure is answered
+            logger.exception("the reply to request %d could not be encoded", req_id)
+            message = f"internal error: the reply could not be encoded ({type(exc).__name__})"
+            return wire.encode_error(req_id, self._sid, "internal", message)
 
 
 def _close(fd: int | None) -> None:

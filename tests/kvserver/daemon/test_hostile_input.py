@@ -12,6 +12,7 @@ import pytest
 
 from kvserver import wire
 from kvserver.client import KVClient
+from kvserver.errors import KVServerError
 from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.test_zmq_fuzz import LIMIT, SPEC, Fuzzed, assert_round_trip, parts, req
 from tests.support.daemon import start_daemon
@@ -144,5 +145,34 @@ def test_stats_stay_readable_with_many_namespaces(tmp_path: Path) -> None:
             ns = sorted(ids)[0]
             assert kv.store(ns, keys, parts(keys)) == keys
             assert [[bytes(p) for p in row] for row in kv.load(ns, keys)] == parts(keys)
+    finally:
+        assert d.terminate() == 0, d.log()[-3000:]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["zmq", "local"])
+def test_a_reply_that_cannot_be_encoded_is_answered_internal(tmp_path: Path, local: bool) -> None:
+    """A result msgpack refuses (a daemon bug, injected: ``tests/support/bad_reply.py``) was
+    only logged: the caller got no reply and waited for its timeout. Now it is answered with
+    an ``internal`` error at once, and the daemon serves that client and others on."""
+    arm = tmp_path / "arm"
+    d = start_daemon(
+        tmp_path,
+        *("--page-size", "4KiB", "--dram", "8MiB", "--no-auth"),
+        env={"BAD_REPLY_ARM": str(arm)},
+        module="tests.support.bad_reply",
+    )
+    try:
+        with KVClient(d.zmq_address, timeout=10, local=local) as kv:
+            ns = kv.register_namespace(SPEC).ns_id
+            assert "unencodable" not in kv.stats()
+            arm.touch()
+            with pytest.raises(KVServerError, match="could not be encoded") as caught:
+                kv.stats()
+            assert caught.value.code == "internal"
+            keys = make_keys(2, tag="after-bad-reply")
+            assert kv.store(ns, keys, parts(keys)) == keys
+            with KVClient(d.zmq_address, timeout=10) as other:
+                assert [[bytes(p) for p in row] for row in other.get(ns, keys)] == parts(keys)
+        assert "the reply to request" in d.log()
     finally:
         assert d.terminate() == 0, d.log()[-3000:]
