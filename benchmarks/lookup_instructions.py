@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.daemon_lookup import LOOKUP_TOKENS
-from benchmarks.harness.callgrind import dump_name, per_call
+from benchmarks.harness.callgrind import dump_name, per_call, run_measured
 
 KINDS = (
     "health", "lookup 1 key", "lookup 2,048 keys", "lookup a new 32k-token prompt",
@@ -59,16 +58,10 @@ def main() -> None:
     if args.client:
         _client(args.calls, out)
         return
-    if shutil.which("valgrind") is None:
-        raise SystemExit("needs valgrind (apt-get install valgrind)")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    command = [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/client.%p",
-        sys.executable, "-m", "benchmarks.lookup_instructions", "--client",
+    run_measured(out, "client", "benchmarks.lookup_instructions", [
+        "--client",
         "--calls", str(args.calls), "--out", str(out),
-    ]  # fmt: skip
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ])  # fmt: skip
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; callgrind files in {out}")
     for who in ("daemon", "client"):
         counts = per_call(out, f"{who}.*.*", KINDS)

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.bench_policies import _Counting, replay_policy
-from benchmarks.harness.callgrind import dump_name, per_call
+from benchmarks.harness.callgrind import dump, dump_name, per_call, run_measured
 from benchmarks.policy_traces import TRACES_ALL, generate_trace
-from benchmarks.store_instructions import _dump
 from kvserver.policies import make_policy
 
 
@@ -36,11 +32,11 @@ def measured(trace_name: str, budget: float, seed: int, policies: list[str], out
     """Replay under callgrind, one dump per policy named by its index and chunk operations."""
     trace = generate_trace(replace(TRACES_ALL[trace_name], seed=seed))
     capacity = max(1, round(budget * len({key for keys in trace for key in keys})))
-    _dump(out, "warm-up")
+    dump(out, "warm-up")
     for index, name in enumerate(policies):
         count = _Counting()
         replay_policy(make_policy(name), trace, capacity, count)
-        _dump(out, dump_name(index, count.ops))
+        dump(out, dump_name(index, count.ops))
 
 
 def main() -> None:
@@ -56,20 +52,11 @@ def main() -> None:
     if args.measured:
         measured(args.trace, args.budget, args.seed, args.policies, out)
         return
-    if shutil.which("valgrind") is None:
-        raise SystemExit("needs valgrind (apt-get install valgrind)")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    command = [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/replay.%p",
-        sys.executable, "-m", "benchmarks.policy_instructions", "--measured",
+    run_measured(out, "replay", "benchmarks.policy_instructions", [
+        "--measured",
         "--trace", args.trace, "--budget", str(args.budget), "--seed", str(args.seed),
         "--policies", *args.policies, "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if not line.startswith("==")]
-        raise SystemExit("the measured process failed:\n" + "\n".join(lines[-20:]))
+    ])  # fmt: skip
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; {args.trace} seed {args.seed} "
           f"at {args.budget:.0%}; callgrind files in {out}")  # fmt: skip
     counts = per_call(out, "replay.*.*", args.policies)

@@ -37,9 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,7 +44,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.harness.callgrind import dump_name, per_call
+from benchmarks.harness.callgrind import dump, dump_name, per_call, run_measured
 
 KINDS = ("store", "put", "peer fetch", "get", "load", "copy")
 CHUNKS = 128
@@ -76,19 +73,10 @@ def main() -> None:
     if args.measured:
         run_kinds(args.reps, args.policy, out)
         return
-    if shutil.which("valgrind") is None:
-        raise SystemExit("needs valgrind (apt-get install valgrind)")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    command = [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/store.%p",
-        sys.executable, "-m", "benchmarks.store_instructions", "--measured",
+    run_measured(out, "store", "benchmarks.store_instructions", [
+        "--measured",
         "--reps", str(args.reps), "--policy", args.policy, "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if not line.startswith("==")]
-        raise SystemExit("the measured process failed:\n" + "\n".join(lines[-20:]))
+    ])  # fmt: skip
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; policy {args.policy}; "
           f"callgrind files in {out}")  # fmt: skip
     for kind, ir in per_call(out, "store.*.*", KINDS).items():
@@ -224,7 +212,7 @@ def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
     pinned = service.prepare_load(ns_id, held, client="bench", lease_s=600)  # ends after "copy"
     where[:] = pinned.locations
     seconds: dict[str, float] = {}
-    _dump(out, "warm-up")
+    dump(out, "warm-up")
     # get and load first, while ``held`` is READY; the stores then evict it
     for kind in ("get", "load", "copy", "store", "put", "peer fetch"):
         fn = kinds[kind]
@@ -232,25 +220,12 @@ def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
         for _ in range(reps):
             fn()
         seconds[kind] = time.perf_counter() - start
-        _dump(out, dump_name(KINDS.index(kind), reps))
+        dump(out, dump_name(KINDS.index(kind), reps))
         if kind == "copy":
             service.complete_load(pinned.lease_id)
     loop.close()
     service.close()
     return seconds
-
-
-def _dump(out: Path | None, name: str) -> None:
-    """Have callgrind write its counters (a loaded machine sometimes makes callgrind_control
-    miss the process's answer: asked again, at most 5 times)."""
-    if out is None:
-        return
-    for _ in range(5):
-        done = subprocess.run(["callgrind_control", "--dump", name, str(os.getpid())],
-                              capture_output=True, text=True)  # fmt: skip
-        if done.returncode == 0:
-            return
-    raise SystemExit(f"callgrind_control --dump failed: {done.stdout}{done.stderr}")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
-from benchmarks.harness.callgrind import dump_name, per_call
+from benchmarks.harness.callgrind import dump, dump_name, per_call, run_measured
 
 LAYOUTS = ("cross", "flash", "flash-apart")
 STEPS = ("plan", "engine", "decode")
@@ -66,19 +64,10 @@ def main() -> None:
     if args.measured:
         run_kinds(args.reps, out)
         return
-    if shutil.which("valgrind") is None:
-        raise SystemExit("needs valgrind (apt-get install valgrind)")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    command = [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/transfer.%p",
-        sys.executable, "-m", "benchmarks.transfer_instructions", "--measured",
+    run_measured(out, "transfer", "benchmarks.transfer_instructions", [
+        "--measured",
         "--reps", str(args.reps), "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if not line.startswith("==")]
-        raise SystemExit("the measured process failed:\n" + "\n".join(lines[-20:]))
+    ])  # fmt: skip
     print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; callgrind files in {out}")
     for kind, ir in per_call(out, "transfer.*.*", KINDS).items():
         print(f"{kind:20s} {ir / CHUNKS / 1e3:8.2f} k instructions/chunk")
@@ -128,33 +117,20 @@ def run_kinds(reps: int, out: Path | None) -> dict[str, float]:
                 fn()
             gc.collect()
             gc.freeze()  # the process's older objects: no kind pays for traversing them
-            _dump(out, "warm-up")
+            dump(out, "warm-up")
             for step, fn in fns.items():
                 kind = f"{layout} {step}"
                 start = time.perf_counter()
                 for _ in range(reps):
                     fn()
                 seconds[kind] = time.perf_counter() - start
-                _dump(out, dump_name(KINDS.index(kind), reps))
+                dump(out, dump_name(KINDS.index(kind), reps))
             assert engine.num_inflight == 0
     finally:
         engine.close()
         mapped.close()
         arena.close()
     return seconds
-
-
-def _dump(out: Path | None, name: str) -> None:
-    """Have callgrind write its counters (asked again, at most 5 times, as
-    store_instructions.py does)."""
-    if out is None:
-        return
-    for _ in range(5):
-        done = subprocess.run(["callgrind_control", "--dump", name, str(os.getpid())],
-                              capture_output=True, text=True)  # fmt: skip
-        if done.returncode == 0:
-            return
-    raise SystemExit(f"callgrind_control --dump failed: {done.stdout}{done.stderr}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
-"""Reading callgrind's per-kind dumps: the instruction-count benchmarks (lookup_instructions.py,
-store_instructions.py) run each kind of call N times between two ``callgrind_control --dump
-kind<I>x<N>`` and read the totals back here."""
+"""Callgrind for the instruction-count benchmarks (lookup_, store_, transfer_, policy_instructions
+.py): :func:`run_measured` runs a benchmark's measured part under valgrind, which calls each
+kind of call N times between two :func:`dump` calls named by :func:`dump_name`
+(``kind<I>x<N>``); :func:`per_call` reads the totals back."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,3 +37,35 @@ def per_call(out: Path, pattern: str, kinds: Sequence[str]) -> dict[str, float]:
     if missing:
         raise SystemExit(f"no callgrind dump of {missing} ({pattern}) in {out}")
     return {kind: counts[kind] for kind in kinds}
+
+
+def run_measured(out: Path, prefix: str, module: str, args: Sequence[str]) -> None:
+    """Run ``python -m module *args`` under callgrind, its files ``out/prefix.<pid>[.<n>]``
+    (``out`` emptied first). SystemExit if valgrind is missing or the process failed (with
+    the last lines of its stderr, valgrind's own ``==`` lines left out)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("needs valgrind (apt-get install valgrind)")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    command = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/{prefix}.%p",
+        sys.executable, "-m", module, *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if not line.startswith("==")]
+        raise SystemExit("the measured process failed:\n" + "\n".join(lines[-20:]))
+
+
+def dump(out: Path | None, name: str) -> None:
+    """Have callgrind write this process's counters as dump ``name`` (no-op when ``out`` is
+    None: not under callgrind). A loaded machine sometimes makes ``callgrind_control`` miss
+    the process's answer: asked again, at most 5 times."""
+    if out is None:
+        return
+    for _ in range(5):
+        done = subprocess.run(["callgrind_control", "--dump", name, str(os.getpid())],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode == 0:
+            return
+    raise SystemExit(f"callgrind_control --dump failed: {done.stdout}{done.stderr}")
