@@ -111,6 +111,8 @@ _SSD_COUNTERS = (
     ("kvserver_io_errors", "Failed disk reads and writes.", "io_errors"),
     ("kvserver_ssd_written_bytes", "Bytes written to the SSD tier.", "bytes_written"),
     ("kvserver_ssd_read_bytes", "Bytes read from the SSD tier.", "bytes_read"),
+    ("kvserver_ssd_released_slots", "SSD slots whose disk blocks were given back (punched) "
+     "to keep the disk used within --ssd.", "released_slots"),
 )
 #: the peer stream's server end (``stats()["peer_stream"]``): (name without _total, help, key)
 _STREAM_COUNTERS = (
@@ -260,6 +262,16 @@ class DaemonCollector(LoopCollector):
             )
             yield GaugeMetricFamily(
                 "kvserver_ssd_writes_in_flight", "Write-downs in flight.", ssd["writes_in_flight"]
+            )
+            yield GaugeMetricFamily(
+                "kvserver_ssd_spare_bytes",
+                "Disk bytes of free SSD slots kept for reuse in place (counted against --ssd).",
+                ssd["spare_bytes"],
+            )
+            yield GaugeMetricFamily(
+                "kvserver_ssd_freeing_slots",
+                "SSD slots being discarded or having their disk blocks given back.",
+                ssd["freeing_slots"],
             )
         peer: dict[str, Any] | None = s.get("peer")
         if peer is not None:

@@ -46,6 +46,9 @@ FAMILIES = {
     "kvserver_leases": "gauge",
     "kvserver_leases_expired": "counter",
     "kvserver_ssd_condition": "gauge",  # a state set: one series per condition, 1 or 0
+    "kvserver_ssd_spare_bytes": "gauge",
+    "kvserver_ssd_freeing_slots": "gauge",
+    "kvserver_ssd_released_slots": "counter",
     "kvserver_op_duration_seconds": "histogram",
     "kvserver_build_info": "gauge",
     "kvserver_gc_collections": "counter",
@@ -84,6 +87,7 @@ def test_metrics_move_with_real_operations(tmp_path: Path) -> None:
             got = kv.get(ns_id, cold)  # promoted from SSD, then loaded
             assert [bytes(row[0]) for row in got] == [pattern(k, 0, SPEC.part_bytes) for k in cold]
             after = scrape(d.metrics_url)
+            kv_stats = kv.stats()  # nothing moves between the two: no write-down in flight
 
         assert FAMILIES.items() <= after.types.items(), after.types
         assert not any(name.endswith("_created") for name in after.names())
@@ -100,6 +104,10 @@ def test_metrics_move_with_real_operations(tmp_path: Path) -> None:
         assert after.value("kvserver_promotions_total") == 2
         assert after.value("kvserver_corrupt_chunks_total") == 0
         assert after.value("kvserver_io_errors_total") == 0
+        ssd = kv_stats["ssd"]
+        assert after.value("kvserver_ssd_spare_bytes") == ssd["spare_bytes"]
+        assert after.value("kvserver_ssd_freeing_slots") == ssd["freeing_slots"]
+        assert after.value("kvserver_ssd_released_slots_total") == ssd["released_slots"]
         assert after.value("kvserver_leases") == 0
         assert after.value("kvserver_op_duration_seconds_count", op="put") == 8
         assert after.value("kvserver_op_duration_seconds_count", op="get") == 1
