@@ -72,6 +72,8 @@ class KVServerConnectorScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens:
+            self._events.index(request)  # a chunk the pin finds gone is removed by its blocks
         try:
             self.connector.update_state_after_alloc(request, block_ids, num_external_tokens)
         except KVServerError as exc:

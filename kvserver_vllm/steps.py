@@ -5,7 +5,8 @@
   (KV cache group 0: the plug-in stores models with a single group).
 - :class:`EventSource` turns the connector's storage events (chunk keys) into vLLM's
   ``BlockStored`` / ``BlockRemoved`` KV events, with the block hashes, parent hash and token
-  ids of each stored chunk, as vLLM publishes its own.
+  ids of each stored chunk, as vLLM publishes its own (a removed chunk by its block hashes
+  too).
 
 No vLLM import at module level: vLLM's types are read by attribute.
 """
@@ -85,14 +86,25 @@ class EventSource:
         self.block_size = block_size
         self.chunk_blocks = chunk_blocks
         self._chunks: dict[bytes, _ChunkInfo] = {}
-        self._index: dict[str, dict[bytes, int]] = {}
+        #: req_id -> (its block hashes, block hash -> position)
+        self._index: dict[str, tuple[Sequence[bytes], dict[bytes, int]]] = {}
+
+    def index(self, request: Any) -> dict[bytes, int]:
+        """Position of each block hash of ``request`` (kept until :meth:`forget`): what
+        :meth:`record` and the fan-out of a removed chunk of the request read."""
+        hashes: Sequence[bytes] = request.block_hashes
+        entry = self._index.get(request.request_id)
+        if entry is None or entry[0] is not hashes or len(entry[1]) > len(hashes):
+            entry = self._index[request.request_id] = (hashes, {})
+        index = entry[1]
+        if len(index) < len(hashes):
+            index.update((bytes(h), i) for i, h in enumerate(hashes[len(index) :], len(index)))
+        return index
 
     def record(self, request: Any, keys: Iterable[bytes]) -> None:
         """``keys``: chunk keys of ``request`` whose stores are shipped this step."""
         hashes: Sequence[bytes] = request.block_hashes
-        index = self._index.setdefault(request.request_id, {})
-        if len(index) < len(hashes):
-            index.update((bytes(h), i) for i, h in enumerate(hashes[len(index) :], len(index)))
+        index = self.index(request)
         bs, cb = self.block_size, self.chunk_blocks
         lora = getattr(request, "lora_request", None)
         tokens = request.all_token_ids
@@ -131,5 +143,17 @@ class EventSource:
                         medium=MEDIUM, lora_name=info.lora_name,
                     ))  # fmt: skip
             elif isinstance(event, BlockRemoved):
-                out.append(removed_cls(block_hashes=[ext(k) for k in event.keys], medium=MEDIUM))
+                hashes = [h for key in event.keys for h in self._blocks_of(key)]
+                out.append(removed_cls(block_hashes=[ext(h) for h in hashes], medium=MEDIUM))
         return out
+
+    def _blocks_of(self, key: bytes) -> list[bytes]:
+        """The block hashes of chunk ``key`` (a BlockStored names all of them, so its removal
+        does too, as vLLM's own connectors fan a removal out), read from an indexed request
+        that holds it (the one whose pin found it gone); ``[key]`` when none does."""
+        cb = self.chunk_blocks
+        for hashes, index in self._index.values():
+            last = index.get(key)
+            if last is not None and last + 1 >= cb:
+                return [bytes(h) for h in hashes[last + 1 - cb : last + 1]]
+        return [key]

@@ -532,6 +532,66 @@ def test_take_events_describes_stored_chunks_as_vllm_does(
     assert first.block_size == 16
 
 
+def test_a_chunk_found_gone_is_removed_under_the_block_hashes_it_was_stored_under(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BlockStored named a chunk's CHUNK_BLOCKS block hashes; the BlockRemoved of that chunk,
+    found evicted when a later hit is pinned, names the same hashes (as vLLM's own
+    OffloadingConnector fans its removals out), so a subscriber indexing vLLM blocks forgets
+    every block of it, not only the last one."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    from tests.kvserver.builders import make_keys, pattern
+
+    published: list[Any] = []
+
+    class Sink:  # vLLM's event publisher, recording instead of sending
+        def publish(self, batch: Any) -> None:
+            published.extend(batch.events)
+
+        def shutdown(self) -> None:
+            return None
+
+    small = start_daemon(tmp_path / "small", "--dram", "1MiB")
+    eng = engine(model_dir, small.zmq_address)
+    eng.scheduler.kv_event_publisher = Sink()
+    try:
+        tokens = prompt(12, 100)
+        hashes = list(eng.add("a", tokens, max_tokens=1).block_hashes)
+        eng.run()
+        eng.connector.scheduler_half.drain()  # type: ignore[union-attr]
+        published.extend(eng.connector.take_events())
+        stored = [e for e in published if isinstance(e, BlockStored) and e.medium == "CPU"]
+        assert stored[0].block_hashes == [ext(h) for h in hashes[:CHUNK_BLOCKS]]
+        assert eng.scheduler.reset_prefix_cache()
+        spec = eng.connector.config.spec
+        client = eng.connector.scheduler_half.client  # type: ignore[union-attr]
+        real_prepare_load = client.prepare_load
+
+        def evict_then_pin(*args: Any, **kwargs: Any) -> Any:
+            # another engine's chunks fill the daemon's DRAM between the lookup and the pin
+            with KVClient(small.zmq_address, colocated=False) as kv:
+                ns_id = kv.register_namespace(spec).ns_id
+                filler = make_keys(2 * (1 << 20) // spec.part_bytes + 2, tag="filler")
+                for key in filler:
+                    kv.put(ns_id, [key], [pattern(key, 0, spec.part_bytes)])
+            monkeypatch.setattr(client, "prepare_load", real_prepare_load)
+            return real_prepare_load(*args, **kwargs)
+
+        monkeypatch.setattr(client, "prepare_load", evict_then_pin)
+        eng.add("b", [*tokens, 4], max_tokens=1)
+        eng.run()
+        published.extend(eng.connector.take_events())
+        removed = [e for e in published if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+        assert [e.block_hashes for e in removed] == [[ext(h) for h in hashes[:CHUNK_BLOCKS]]]
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+        small.terminate()
+    assert outputs == reference_outputs(model_dir, [("a", tokens), ("b", [*tokens, 4])], 1)
+
+
 def test_router_lookup_by_tokens_agrees_with_vllm_block_hashes(
     model_dir: Path, daemon: DaemonProc
 ) -> None:
