@@ -104,7 +104,6 @@ class LoadPlanner:
             return 0, False
         num_external = end_tokens - num_computed_tokens
         state.offered((num_computed_tokens, start, keys[:hits], end_tokens))
-        self._stats.hit_tokens += num_external
         return num_external, True
 
     def pin(self, state: RequestState, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -137,6 +136,8 @@ class LoadPlanner:
                 got=num_external_tokens, offered=end_tokens - num_local, blocks=len(block_ids),
             )  # fmt: skip
         state.take_offer(block_ids)
+        # counted when taken: vLLM asks again every step a request waits for blocks
+        self._stats.hit_tokens += num_external_tokens
         loads: list[ChunkLoad] = []
         first_tokens: list[int] = []
         for i, key in enumerate(keys, start):

@@ -96,7 +96,9 @@ class KVConnectorConfig:
 
 @dataclass(slots=True)
 class ConnectorStats:
-    """Counters. ``lookups_failed``: answered "no hit" as the daemon failed or was marked down;
+    """Counters. ``hit_tokens``: tokens of the offered hits the scheduler took (allocated
+    blocks for), each once however often it asked; ``lookups_failed``: answered "no hit" as
+    the daemon failed or was marked down;
     ``timeouts``: calls that found it unreachable (each marks it down for down_backoff_s);
     ``completion_errors``: completions not applied — refused, unanswered, or skipped while
     the daemon was marked down (their chunks count as not stored; the daemon reclaims the

@@ -40,7 +40,7 @@ _PROMPT_SOURCES = (
 _CONNECTOR_COUNTERS = (
     ("scheduler_connector_lookups", "kvserver lookups for new prompts.", "lookups"),
     ("scheduler_connector_lookup_failures", "Lookups failed: no hit.", "lookups_failed"),
-    ("scheduler_connector_hit_tokens", "Prompt tokens offered from kvserver.", "hit_tokens"),
+    ("scheduler_connector_hit_tokens", "Prompt tokens of kvserver hits taken.", "hit_tokens"),
     ("scheduler_connector_loads", "Loads from kvserver started.", "loads"),
     ("scheduler_connector_load_errors", "Loads that failed (recomputed).", "load_errors"),
     ("scheduler_connector_planned_chunks", "Chunks planned for storing.", "planned_chunks"),

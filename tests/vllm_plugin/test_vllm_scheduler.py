@@ -317,6 +317,34 @@ def test_preemption_with_stores_in_flight(
 # ---------------------------------------------------------------------------------- failures
 
 
+def test_a_hit_offered_while_the_request_waits_for_blocks_is_counted_once(
+    model_dir: Path, daemon: DaemonProc
+) -> None:
+    """vLLM asks again every step while the blocks of an offered hit cannot be allocated (a
+    long request holds them); hit_tokens counts the hit vLLM took, once, not every offer."""
+    shared, long = prompt(6, 100), prompt(7, 150)
+    eng = engine(model_dir, daemon.zmq_address, num_blocks=12)
+    try:
+        eng.run_requests([("first", shared)], max_tokens=3)
+        assert eng.scheduler.reset_prefix_cache()
+        stats = eng.connector.scheduler_half.stats  # type: ignore[union-attr]
+        eng.add("long", long, max_tokens=20)
+        eng.step()
+        eng.add("second", [*shared, 5], max_tokens=3)
+        lookups = stats.lookups
+        records = eng.run()
+        assert stats.lookups - lookups > 1  # offered on several steps before it was admitted
+        loaded = next(r for r in records if "second" in r.finished_recving)
+        assert not loaded.invalid_block_ids
+        assert stats.loads == 1 and stats.hit_tokens == 3 * CHUNK_TOKENS
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    prompts = [("first", shared), ("long", long), ("second", [*shared, 5])]
+    ref = reference_outputs(model_dir, prompts, 3, num_blocks=12)
+    assert outputs["second"] == ref["second"]
+
+
 def test_failed_load_is_recomputed(model_dir: Path, daemon: DaemonProc) -> None:
     """The daemon dies after the hit was pinned and before the worker reads it (remote path):
     the worker reports the blocks, vLLM recomputes them, the output is unchanged."""
