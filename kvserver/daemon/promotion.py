@@ -3,8 +3,8 @@
 Runs on the daemon's event loop, owned by :class:`~kvserver.daemon.tiering.SsdTier` (its
 ``promote`` delegates to :class:`Promotions`); the slot reads run on the tier's I/O threads.
 :class:`Promotions` is given the collaborators it uses — the DRAM engine, the SSD index, the
-read-buffer pool, the counters, and the tier's ``read``/``unpin``/``flush_events``/``track``
-— and knows nothing else of the tier.
+read-buffer pool, the counters, the slot reads' ``read`` (``tier_reads.SlotReads``) and the
+tier's ``unpin``/``flush_events``/``track`` — and knows nothing else of the tier.
 Several promotions may be under way at once (the ZMQ front end runs each load that needs one as
 its own task), so :class:`Promotions` keeps the keys being promoted, per namespace and key:
 

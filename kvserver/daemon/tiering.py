@@ -25,10 +25,10 @@ discarded and the tier turns ``degraded``.
 
 Promotion (``promote``, awaited by the ZMQ front end before a load, in a task of its own;
 ``promotion.py``): reserve DRAM for the keys that are READY on SSD but not in DRAM, read and
-verify their slots on threads (:meth:`SsdTier.read`; the reads of one loop turn go together,
-``tier_jobs.ReadQueue``), copy them into the arena and complete the store. Several run at once
-(at most ``max_promotions`` reading); a key is promoted by one of them at a time, the others
-wait for it. A chunk that fails verification is dropped from the index (counted, slot
+verify their slots on threads (``tier_reads.SlotReads``; the reads of one loop turn go
+together, ``tier_jobs.ReadQueue``), copy them into the arena and complete the store. Several
+run at once (at most ``max_promotions`` reading); a key is promoted by one of them at a time,
+the others wait for it. A chunk that fails verification is dropped from the index (counted, slot
 discarded, BlockRemoved STORAGE) and is a miss. When DRAM cannot take the chunks and the caller
 asked for ``direct``, the verified bytes are returned for it to send (remote ``get``).
 
@@ -39,8 +39,11 @@ directory could not be opened; retried every ``retry_s``). Transitions are logge
 and shown in ``stats()``.
 
 Who owns what: the tier owns the slot store, the SSD index, the staging and read pools, the
-threads, the counters and the health; it hands :class:`~kvserver.daemon.writeback.WriteBack`
-and :class:`~kvserver.daemon.promotion.Promotions` the ones each uses.
+threads, the counters and the health; it hands :class:`~kvserver.daemon.writeback.WriteBack`,
+:class:`~kvserver.daemon.tier_reads.SlotReads` (a slot read and verified, and a failed read's
+drop) and :class:`~kvserver.daemon.promotion.Promotions` the ones each uses. The namespace
+specs in the directory, and which are durable, are
+:class:`~kvserver.daemon.tier_namespaces.SavedNamespaces`'.
 """
 
 from __future__ import annotations
@@ -52,13 +55,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from functools import partial
 from typing import Any, TypeVar
 
 from kvserver.daemon.promotion import DEFAULT_PROMOTIONS, Promotions
 from kvserver.daemon.rebuild import compact, rebuild
 from kvserver.daemon.tier_health import TierHealth
-from kvserver.daemon.tier_jobs import ReadQueue, ReadResult
+from kvserver.daemon.tier_namespaces import SavedNamespaces
+from kvserver.daemon.tier_reads import SlotReads
 from kvserver.daemon.tiers import OK, UNAVAILABLE, DirectParts, Tier
 from kvserver.daemon.writeback import WriteBack
 from kvserver.engine import StorageEngine
@@ -68,12 +71,11 @@ from kvserver.events import MEDIUM_SSD
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd.buffers import BufferPool
 from kvserver.ssd.config import TierConfig, TierCounters
-from kvserver.ssd.fileio import FileIO, aligned_buffer
-from kvserver.ssd.format import ChunkHeader, CorruptChunk
+from kvserver.ssd.fileio import FileIO
 from kvserver.ssd.index import SsdEntry, SsdIndex
 from kvserver.ssd.scan import ScanResult
 from kvserver.ssd.slots import slack_bytes_for
-from kvserver.ssd.store import ChunkRead, SlotStore
+from kvserver.ssd.store import SlotStore
 
 logger = logging.getLogger(__name__)
 
@@ -119,22 +121,15 @@ class SsdTier(Tier):
         self.abandoned_jobs = 0
         self._inflight: set[asyncio.Future[Any]] = set()
         self._events: list[tuple[str, bool, bytes]] = []
-        self._saved: dict[str, dict[str, Any]] = {}  # namespace specs in the directory
-        self.durable: set[str] = set()  # ns_ids whose spec is on disk
-        self._ns_saving = False
         self._retry_task: asyncio.Task[None] | None = None
-        self.promotions = Promotions(
+        #: the namespace specs in the directory, and which are durable
+        self.saved = SavedNamespaces(
             engine=engine,
-            index=self.index,
-            reads=self.reads,
-            counters=self.counters,
-            read=self.read,
-            unpin=self.unpin,
-            flush_events=self.flush_events,
+            store=self.store,
+            threads=self.threads,
+            health=self.health,
             track=self.track,
-            window_bytes=config.staging_bytes,
-            serve_limit=config.staging_bytes,
-            limit=max_promotions,
+            is_open=lambda: self.opened,
         )
         self.writeback = WriteBack(
             index=self.index,
@@ -148,8 +143,29 @@ class SsdTier(Tier):
             event=self.event,
             track=self.track,
         )
-        self._read_queue = ReadQueue(
-            self.store, self.threads, config.io_threads, track=self._inflight_add
+        self.slot_reads = SlotReads(
+            store=self.store,
+            threads=self.threads,
+            num_threads=config.io_threads,
+            index=self.index,
+            reads=self.reads,
+            counters=self.counters,
+            event=self.event,
+            discard=self.writeback.discard,
+            track=self._inflight_add,
+        )
+        self.promotions = Promotions(
+            engine=engine,
+            index=self.index,
+            reads=self.reads,
+            counters=self.counters,
+            read=self.slot_reads.read,
+            unpin=self.unpin,
+            flush_events=self.flush_events,
+            track=self.track,
+            window_bytes=config.staging_bytes,
+            serve_limit=config.staging_bytes,
+            limit=max_promotions,
         )
 
     # ================================================================== lifetime
@@ -253,8 +269,7 @@ class SsdTier(Tier):
 
     def _restore(self, saved: list[dict[str, Any]], scan: ScanResult) -> dict[int, int]:
         rebuilt = rebuild(self.engine, self.index, saved, scan)
-        self._saved.update(rebuilt.saved)
-        self.durable = set(self._saved)
+        self.saved.restore(rebuilt.saved)
         result = rebuilt.result
         self.counters.recovered_chunks += len(result.recovered)
         self.writeback.discard(*result.discard)
@@ -270,7 +285,7 @@ class SsdTier(Tier):
             try:
                 if not self.opened:
                     await self._try_open()
-                elif self._unsaved():
+                elif self.saved.unsaved():
                     self.namespaces_changed()
             except Exception:  # housekeeping must never end
                 logger.exception("SSD tier retry failed")
@@ -291,7 +306,7 @@ class SsdTier(Tier):
     def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
         """The engine's eviction hook (:meth:`WriteBack.on_evict` once the namespace is saved
         in the directory; skipped and counted before). Never calls the engine."""
-        if not self.opened or spec.ns_id not in self.durable:
+        if not self.opened or spec.ns_id not in self.saved.durable:
             self.counters.skipped_chunks += len(victims)
             if self.writeback.writable():
                 self.namespaces_changed()
@@ -353,59 +368,6 @@ class SsdTier(Tier):
         if slot is not None:
             self.writeback.discard(slot)
 
-    async def read(self, entry: SsdEntry, use_pool: bool) -> tuple[memoryview, bool] | None:
-        """Read and verify one slot on a thread (with the other reads of this loop turn, see
-        :class:`~kvserver.daemon.tier_jobs.ReadQueue`): (buffer, whether it came from the
-        ``reads`` pool; its payload starts at HEADER_BYTES), or None on failure — then the
-        chunk is dropped (counted, BlockRemoved STORAGE, slot discarded) and is a miss.
-        REQUIRES: ``entry`` pinned by the caller."""
-        size = entry.slot_bytes
-        buf = self.reads.acquire(size) if use_pool else None
-        pooled = buf is not None
-        if buf is None:
-            buf = aligned_buffer(size)
-        fut: asyncio.Future[tuple[memoryview, bool] | None]
-        fut = asyncio.get_running_loop().create_future()
-
-        def done(result: ReadResult) -> None:
-            got = self._read_done(entry, buf, pooled, result)
-            if not fut.cancelled():
-                fut.set_result(got)
-            elif got is not None and pooled:  # the caller is gone: the buffer comes back
-                self.reads.release(buf)
-
-        expect = (entry.ns_id, entry.key, entry.seq)
-        self._read_queue.submit(size, ChunkRead(entry.slot, expect, buf), done)
-        try:
-            return await fut
-        except asyncio.CancelledError:  # cancelled after the result was set: nobody takes it
-            got = fut.result() if fut.done() and not fut.cancelled() else None
-            if got is not None and got[1]:
-                self.reads.release(got[0])
-            raise
-
-    def _read_done(
-        self, entry: SsdEntry, buf: memoryview, pooled: bool, result: ReadResult
-    ) -> tuple[memoryview, bool] | None:
-        if isinstance(result, ChunkHeader):
-            self.counters.loaded_chunks += 1
-            self.counters.bytes_read += entry.slot_bytes
-            return buf, pooled
-        if isinstance(result, CorruptChunk):
-            self.counters.corrupt_chunks += 1
-            logger.warning("SSD tier: dropped a corrupt chunk (a miss): %s", result)
-        else:
-            self.counters.io_errors += 1
-            logger.warning("SSD tier: dropped an unreadable chunk (a miss): %s", result)
-        if self.index.get(entry.ns_id, entry.key) is entry:
-            slot = self.index.remove(entry)
-            self.event(entry.ns_id, False, entry.key)
-            if slot is not None:
-                self.writeback.discard(slot)
-        if pooled:
-            self.reads.release(buf)
-        return None
-
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
@@ -430,32 +392,11 @@ class SsdTier(Tier):
         if events:
             self._publish()
 
-    def _unsaved(self) -> bool:
-        return not set(self.engine.namespaces) <= self.durable
-
     def namespaces_changed(self) -> None:
-        """Save the namespace specs with the data (off the loop) if some are not saved yet.
-        Chunks of a namespace are written down only once its spec is durable. One save at a
-        time; a change during a save is saved right after it."""
-        if not self.opened or self._ns_saving or not self._unsaved():
-            return
-        for ns_id, spec in self.engine.namespaces.items():
-            self._saved.setdefault(ns_id, spec.to_dict())
-        specs = dict(self._saved)
-        self._ns_saving = True
-        fut = asyncio.get_running_loop().run_in_executor(
-            self.threads, self.store.save_namespaces, list(specs.values())
-        )
-        self.track(fut, partial(self._saved_namespaces, set(specs)))
-
-    def _saved_namespaces(self, ns_ids: set[str], fut: asyncio.Future[Any]) -> None:
-        self._ns_saving = False
-        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-        if exc is not None:
-            self.health.failed_write(exc)  # retried by the retry task, or by the next write-back
-            return
-        self.durable |= ns_ids
-        self.namespaces_changed()
+        """Save the namespace specs with the data (off the loop) if some are not saved yet
+        (:meth:`SavedNamespaces.save <kvserver.daemon.tier_namespaces.SavedNamespaces.save>`).
+        Chunks of a namespace are written down only once its spec is durable."""
+        self.saved.save()
 
     # ================================================================== stats
 
@@ -477,7 +418,7 @@ class SsdTier(Tier):
             "promoting_chunks": self.promotions.num_in_flight,
             "joined_promotion_chunks": self.promotions.joined_chunks,
             "serving_bytes": self.promotions.serving_bytes,
-            "unsaved_namespaces": len(set(self.engine.namespaces) - self.durable),
+            "unsaved_namespaces": self.saved.num_unsaved,
             "staging_bytes": self.staging.in_use_bytes,
             "spare_bytes": index.spare_bytes,
             "freeing_slots": index.num_discarding + index.num_releasing,

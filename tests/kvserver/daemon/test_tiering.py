@@ -534,7 +534,7 @@ async def test_a_promotion_cancelled_as_its_read_completes_returns_the_read_buff
     entry = node.tier.index.ready(spec.ns_id, victim)
     assert entry is not None
     task: asyncio.Task[Any] | None = None
-    read_done = node.tier._read_done
+    read_done = node.tier.slot_reads._read_done
 
     def done_then_cancelled(*args: Any) -> Any:
         got = read_done(*args)
@@ -543,9 +543,9 @@ async def test_a_promotion_cancelled_as_its_read_completes_returns_the_read_buff
         asyncio.get_running_loop().call_soon(task.cancel)
         return got
 
-    monkeypatch.setattr(node.tier, "_read_done", done_then_cancelled)
+    monkeypatch.setattr(node.tier.slot_reads, "_read_done", done_then_cancelled)
     node.tier.index.pin(entry)
-    task = asyncio.get_running_loop().create_task(node.tier.read(entry, True))
+    task = asyncio.get_running_loop().create_task(node.tier.slot_reads.read(entry, True))
     with pytest.raises(asyncio.CancelledError):
         await task
     node.tier.unpin(entry)
