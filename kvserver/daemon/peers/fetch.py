@@ -62,7 +62,8 @@ from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.link import PeerFailed, PeerLink
 from kvserver.daemon.peers.place import Parts, Placer, Slot
-from kvserver.daemon.peers.stream import PeerStream, ReplyJob
+from kvserver.daemon.peers.stream import PeerStream
+from kvserver.daemon.peers.stream_connection import ReplyJob
 from kvserver.engine import StorageEngine
 from kvserver.errors import CapacityError, UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec

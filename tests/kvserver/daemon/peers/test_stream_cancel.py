@@ -21,7 +21,7 @@ from kvserver.crypto import TlsClient, make_tls_cert
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import PeerFetches
-from kvserver.daemon.peers.stream import StreamConnection
+from kvserver.daemon.peers.stream_connection import StreamConnection
 from tests.kvserver.builders import make_keys
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b
 from tests.kvserver.daemon.peers.test_stream import no_reservations

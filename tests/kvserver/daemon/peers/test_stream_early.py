@@ -22,7 +22,7 @@ import pytest
 from kvserver import wire_stream
 from kvserver.daemon.peers import fetch
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.stream import StreamConnection
+from kvserver.daemon.peers.stream_connection import StreamConnection
 from kvserver.events import BlockStored
 from tests.kvserver.builders import make_keys, pattern
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes, store
