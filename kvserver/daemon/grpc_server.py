@@ -249,7 +249,7 @@ class GrpcFrontend:
             t = request.tokens
             lora = (t.lora.name, t.lora.path) if t.HasField("lora") else None
             # one uint32 array, which the hasher takes as it is
-            return self.service.prompt_keys(
+            return self.service.prompts.prompt_keys(
                 ns_id,
                 token_ids_from_proto(t),
                 cache_salt=t.cache_salt or None,

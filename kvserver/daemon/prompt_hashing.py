@@ -3,13 +3,15 @@ a thread so that the event loop keeps serving the other clients.
 
 Runs in the daemon process. :class:`PromptHashing` is owned by
 :class:`~kvserver.daemon.service.KVService` and called on its event loop, for ZMQ and
-local-channel ``lookup_tokens``, gRPC Lookup / Pin / Unpin by token ids and ScoreHosts
-(``kvserver/cluster/rpc.py``, through the service). Not thread-safe: loop only, except the
-hashing it hands to its threads.
+local-channel ``lookup_tokens`` and gRPC Lookup / Pin / Unpin by token ids (the front ends
+call ``service.prompts.prompt_keys``), and ScoreHosts (``kvserver/cluster/rpc.py``, through
+the service's ``hash_prompt``). Not thread-safe: loop only, except the hashing it hands to its
+threads.
 
-Call order: the caller first checks on the loop what is cheap (namespace, authorization, the
-number of tokens and chunks), so a request's error does not depend on its size; then
-:meth:`PromptHashing.keys`:
+Call order: first what is cheap is checked on the loop (the caller's authorization by the
+caller; the number of tokens, the namespace and the number of chunks by
+:meth:`PromptHashing.prompt_keys`, against this daemon's namespaces), so a request's error
+does not depend on its size; then :meth:`PromptHashing.keys`:
 
 - a prompt of at most :data:`HASH_OFF_LOOP_TOKENS` tokens is hashed at once, on the loop: it
   holds the loop for at most a few ms (~60 ms per 1M tokens of a new prompt), and a short
@@ -52,9 +54,10 @@ from functools import partial
 from typing import Any
 
 from kvserver.engine_types import HashedKeys
-from kvserver.errors import CapacityError
+from kvserver.errors import CapacityError, InvalidArgument
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
+from kvserver.prompts import MAX_PROMPT_TOKENS, check_prompt_size
 
 #: prompts of more tokens than this hash on a thread (what is done with the keys: on the loop).
 HASH_OFF_LOOP_TOKENS = 1 << 16
@@ -101,10 +104,17 @@ class PromptHashing:
     def __init__(
         self,
         *,
+        namespace: Callable[[str], NamespaceSpec],
+        max_keys_per_request: int,
         max_jobs: int = MAX_HASH_JOBS,
         max_tokens_per_caller: int = MAX_TOKENS_PER_CALLER,
         max_tokens_waiting: int = MAX_TOKENS_WAITING,
     ) -> None:
+        """``namespace(ns_id)``: the spec of a namespace registered with the daemon
+        (``StorageEngine.namespace``: UnknownNamespace otherwise); ``max_keys_per_request``:
+        the most chunks a prompt may make (the engine's limit on keys)."""
+        self._namespace = namespace
+        self._max_keys = max_keys_per_request
         self._max_jobs = max_jobs
         self.max_tokens_per_caller = max_tokens_per_caller
         self.max_tokens_waiting = max_tokens_waiting
@@ -128,6 +138,44 @@ class PromptHashing:
         elif len(self._hashers) > 1:
             self._hashers.move_to_end(params)
         return hasher
+
+    def chunk_keys_for_tokens(
+        self,
+        ns_id: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+    ) -> HashedKeys:
+        """The chunk keys of a prompt, hashed now as a vLLM replica of this namespace would:
+        digests of ``key_size`` bytes, which the engine's key check takes without looking at
+        each. The front ends use :meth:`prompt_keys`."""
+        spec = self._check_prompt(ns_id, len(token_ids))
+        return self.keys_now(spec, token_ids, cache_salt=cache_salt, lora=lora)
+
+    def prompt_keys(
+        self,
+        ns_id: str,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        caller: str = "",
+    ) -> HashedKeys | Awaitable[HashedKeys]:
+        """The chunk keys of a prompt, or for more than ``HASH_OFF_LOOP_TOKENS`` tokens an
+        awaitable hashing them on a thread for ``caller``: :meth:`keys`, after the
+        namespace and sizes are checked, now, whatever the size."""
+        spec = self._check_prompt(ns_id, len(token_ids))
+        return self.keys(spec, token_ids, cache_salt=cache_salt, lora=lora, caller=caller)
+
+    def _check_prompt(self, ns_id: str, num_tokens: int) -> NamespaceSpec:
+        """The spec of ``ns_id``, after the checks of a prompt's size, which refuse it before
+        any hashing (InvalidArgument, UnknownNamespace)."""
+        if num_tokens > MAX_PROMPT_TOKENS:  # before the namespace: the same error for all
+            raise InvalidArgument("too many tokens", count=num_tokens, max=MAX_PROMPT_TOKENS)
+        spec = self._namespace(ns_id)
+        check_prompt_size(num_tokens, spec.chunk_tokens, self._max_keys)
+        return spec
 
     def keys_now(
         self,

@@ -15,9 +15,11 @@ registrations are passed on, and ``stats()`` carries one section per tier under 
 The composite operations (``put``, ``get`` with promotion) are here too, so the front ends
 never reach into the engine.
 
-Inputs are typed Python values; each front end decodes and type-checks its wire format first.
-Errors are :class:`~kvserver.errors.KVServerError` subclasses, mapped to error replies / gRPC
-status codes by the front ends only.
+Inputs are typed Python values; each front end decodes and type-checks its wire format first
+(a data request's shape: ``request_checks.py``; a prompt's token ids are checked and hashed by
+``prompts``, a :class:`~kvserver.daemon.prompt_hashing.PromptHashing`). Errors are
+:class:`~kvserver.errors.KVServerError` subclasses, mapped to error replies / gRPC status codes
+by the front ends only.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ from typing import Any
 from kvserver import __version__
 from kvserver.daemon.prompt_hashing import PromptHashing
 from kvserver.daemon.refusals import HandshakeCounts, RefusalThrottle, SubscriberCounts
+from kvserver.daemon.request_checks import check_parts, check_unique
 from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig, HashedKeys
+from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.eventlog import EventLog
 from kvserver.grants import LoadGrant, StoreGrant
 from kvserver.namespace import NamespaceSpec
 from kvserver.prometheus import latency_histogram
-from kvserver.prompts import MAX_PROMPT_TOKENS, check_prompt_size
 from kvserver.wire import host_id
 
 logger = logging.getLogger(__name__)
@@ -71,8 +73,12 @@ class KVService:
         self.peer_stream: Any = None
         #: the ZMQ front end's zero-copy sends (``zmq_send.ZeroCopySender``), set by process.py.
         self.zmq_sends: Any = None
-        #: the token paths' hashing, big prompts on threads (``prompt_hashing.py``).
-        self.prompts = PromptHashing()
+        #: the token paths' prompts checked and hashed, big ones on threads
+        #: (``prompt_hashing.py``): the front ends call ``prompts.prompt_keys``.
+        self.prompts = PromptHashing(
+            namespace=self.engine.namespace,
+            max_keys_per_request=self.engine.config.max_keys_per_request,
+        )
         #: seconds per data-plane op (ZMQ and local channel), label ``op``; see daemon/metrics.py
         self.op_seconds = latency_histogram(
             "kvserver_op_duration_seconds", "Time to carry out one data-plane request.", ["op"]
@@ -180,35 +186,6 @@ class KVService:
         chunk_tokens = self.engine.namespace(ns_id).chunk_tokens
         return self.stack.lookup(ns_id, keys, hits, chunk_tokens, touch=touch, local=local)
 
-    def chunk_keys_for_tokens(
-        self,
-        ns_id: str,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora: tuple[str, str] | None = None,
-    ) -> HashedKeys:
-        """The chunk keys of a prompt, hashed now as a vLLM replica of this namespace would:
-        digests of ``key_size`` bytes, which the engine's key check takes without looking at
-        each. The front ends use :meth:`prompt_keys`."""
-        spec = self._check_prompt(ns_id, len(token_ids))
-        return self.prompts.keys_now(spec, token_ids, cache_salt=cache_salt, lora=lora)
-
-    def prompt_keys(
-        self,
-        ns_id: str,
-        token_ids: Sequence[int],
-        *,
-        cache_salt: str | None = None,
-        lora: tuple[str, str] | None = None,
-        caller: str = "",
-    ) -> HashedKeys | Awaitable[HashedKeys]:
-        """The chunk keys of a prompt, or for more than ``HASH_OFF_LOOP_TOKENS`` tokens an
-        awaitable hashing them on a thread for ``caller``: ``PromptHashing.keys``, after the
-        namespace and sizes are checked, now, whatever the size."""
-        spec = self._check_prompt(ns_id, len(token_ids))
-        return self.prompts.keys(spec, token_ids, cache_salt=cache_salt, lora=lora, caller=caller)
-
     def hash_prompt(
         self,
         spec: NamespaceSpec,
@@ -221,15 +198,6 @@ class KVService:
         """``PromptHashing.keys`` of a spec that need not be registered here (ScoreHosts
         scores the fleet's; it checked the sizes)."""
         return self.prompts.keys(spec, token_ids, cache_salt=cache_salt, lora=lora, caller=caller)
-
-    def _check_prompt(self, ns_id: str, num_tokens: int) -> NamespaceSpec:
-        """The spec of ``ns_id``, after the checks of a prompt's size, which refuse it before
-        any hashing (InvalidArgument, UnknownNamespace)."""
-        if num_tokens > MAX_PROMPT_TOKENS:  # before the namespace: the same error for all
-            raise InvalidArgument("too many tokens", count=num_tokens, max=MAX_PROMPT_TOKENS)
-        spec = self.engine.namespace(ns_id)
-        check_prompt_size(num_tokens, spec.chunk_tokens, self.engine.config.max_keys_per_request)
-        return spec
 
     def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:
         self.engine.touch(ns_id, keys)
@@ -478,33 +446,3 @@ class KVService:
         events = self.engine.take_events()
         if events:
             self.events.extend(events)
-
-
-def check_parts(parts: Sequence[Any], expected: int, part_bytes: int | None) -> None:
-    """Refuse a payload with the wrong number of parts or (when given) of the wrong size."""
-    if len(parts) != expected:
-        raise InvalidArgument(
-            "wrong number of payload frames", frames=len(parts), expected=expected
-        )
-    if part_bytes is not None:
-        for i, part in enumerate(parts):
-            size = part.nbytes if isinstance(part, memoryview) else len(part)
-            if size != part_bytes:
-                raise InvalidArgument(
-                    "payload size does not match the slot",
-                    frame=i,
-                    size=size,
-                    part_bytes=part_bytes,
-                )
-
-
-def check_unique(op: str, keys: Sequence[bytes], ranks: Sequence[int] = ()) -> None:
-    """Refuse a request that names a key or a rank twice where its reply has an entry per
-    key and rank named (``get``, ``read_parts``: the part, copied on the local channel and
-    for small parts; ``prepare_load``: the part's extents): a short request could make the
-    daemon build a reply far larger than its tiers (1,024 copies of one key of a 4,096-rank
-    namespace made a 33 MB grant, its event loop busy for a second)."""
-    if len(set(keys)) != len(keys):
-        raise InvalidArgument(f"{op}: duplicate keys")
-    if len(set(ranks)) != len(ranks):
-        raise InvalidArgument(f"{op}: duplicate ranks")

@@ -29,8 +29,9 @@ from kvserver import wire, wire_local
 from kvserver.daemon.access import authorize, visible_namespaces, visible_stats
 from kvserver.daemon.auth import ADMIN, Principal
 from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.request_checks import check_parts, check_unique
 from kvserver.daemon.results import Fetched, LookupHits, Pending
-from kvserver.daemon.service import KVService, check_parts, check_unique
+from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.engine_types import HashedKeys
 from kvserver.errors import KVServerError
@@ -171,7 +172,7 @@ class DataOps:
         lora = (a["lora"][0], a["lora"][1]) if a["lora"] is not None else None
         ns_id = a["ns_id"]
         token_ids = unpack_token_ids(a["token_ids"])  # a list, or packed: one copy
-        keys = self._service.prompt_keys(
+        keys = self._service.prompts.prompt_keys(
             ns_id, token_ids, cache_salt=a["cache_salt"], lora=lora, caller=c.who.name
         )
         if isinstance(keys, HashedKeys):

@@ -167,7 +167,7 @@ def test_token_keys_are_hashed_keys_of_the_namespace_size(
     spec = make_spec(hash_algo=algo)
     ns_id = client.register_namespace(spec).namespace_id
     tokens = list(range(16 * 40))
-    keys = server.call(lambda: server.service.chunk_keys_for_tokens(ns_id, tokens))
+    keys = server.call(lambda: server.service.prompts.chunk_keys_for_tokens(ns_id, tokens))
     assert type(keys) is HashedKeys and keys.key_size == spec.key_size
     assert list(keys) == chunk_keys(spec, tokens)
     assert {type(k) for k in keys} == {bytes} and {len(k) for k in keys} == {spec.key_size}

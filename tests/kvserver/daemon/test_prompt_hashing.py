@@ -112,7 +112,7 @@ def test_a_long_prompt_gets_the_keys_of_the_namespaces_algorithm(
         salted = {"cache_salt": "s", "lora": ("ad", "/p")}
         keys = chunk_keys(spec, LONG, **salted)
         on_loop = server.call(
-            lambda: server.service.chunk_keys_for_tokens(ns_id, LONG, **salted)  # type: ignore[arg-type]
+            lambda: server.service.prompts.chunk_keys_for_tokens(ns_id, LONG, **salted)  # type: ignore[arg-type]
         )
         assert list(on_loop) == keys
         server.store(ns_id, keys[:7])
@@ -243,7 +243,13 @@ def test_the_allowances_per_caller_and_daemon_wide(monkeypatch: pytest.MonkeyPat
     thread is done with them; short prompts are hashed at once, never refused."""
     gate = HashGate(monkeypatch)
     n = len(LONG)
-    hashing = PromptHashing(max_jobs=1, max_tokens_per_caller=n, max_tokens_waiting=2 * n)
+    hashing = PromptHashing(
+        namespace={SPEC.ns_id: SPEC}.__getitem__,
+        max_keys_per_request=1 << 16,
+        max_jobs=1,
+        max_tokens_per_caller=n,
+        max_tokens_waiting=2 * n,
+    )
 
     async def scenario() -> None:
         first = asyncio.ensure_future(hashing.keys(SPEC, LONG, caller="a"))  # type: ignore[arg-type]
