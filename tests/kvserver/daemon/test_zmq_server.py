@@ -278,14 +278,16 @@ def test_client_killed_mid_operation_is_reclaimed(daemon: DaemonProc, mode: str)
                 assert kv.store(ns.ns_id, keys, parts_for(keys, spec)) == keys
             spec_json = json.dumps(spec.to_dict())
             child = spawn(
-                "hold", daemon.zmq_address, mode, path, spec_json, ",".join(k.hex() for k in keys)
-            )
+                "hold", daemon.zmq_address, mode, path, spec_json,
+                ",".join(k.hex() for k in keys), "5.0",
+            )  # fmt: skip
             children.append((child, keys))
-        for child, _keys in children:
+            # each child's lease is checked as soon as it holds it: a second child's start-up
+            # can outlast a first lease under load, so the two are not asked to overlap
             assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        held = kv.stats()
-        assert held["num_leases"] >= 2
-        assert held["reserved_pages" if mode == "store" else "pinned_pages"] > 0
+            held = kv.stats()
+            assert held["num_leases"] >= 1
+            assert held["reserved_pages" if mode == "store" else "pinned_pages"] > 0
         for child, _keys in children:
             child.send_signal(signal.SIGKILL)
             child.wait(10)
@@ -293,7 +295,7 @@ def test_client_killed_mid_operation_is_reclaimed(daemon: DaemonProc, mode: str)
             assert child.stdin is not None and child.stdout is not None
             child.stdin.close()
             child.stdout.close()
-        wait_until(lambda: idle(kv), timeout=10)
+        wait_until(lambda: idle(kv), timeout=30)
         # the ZMQ client's lease expired; the co-located one's was released when its local
         # channel closed (test_a_local_client_killed_..._is_released_at_once)
         assert kv.stats()["totals"]["expired_leases"] >= before + 1
