@@ -12,7 +12,7 @@ more likely to have ended. Which chains end is learnt, not assumed. The modules,
 each (imports go down the list):
 
 - :mod:`~kvserver.policies.chain.states`: a chain (one conversation as the policy follows
-  it), its state (turns so far, log2 of the chunks its last request added), and the return
+  it), its state (turns so far; on a first turn, log2 of the chunks it added), and the return
   chance learnt per state from the outcomes seen (it returned, or its tail was evicted first);
 - :mod:`~kvserver.policies.chain.return_gaps`: the learnt survival ``S(g)`` of the gaps between
   two requests of one chain (a chain idle ``g`` ticks is live with odds ``p / (1 - p) *

@@ -8,34 +8,34 @@ conversation it follows; it calls :meth:`Chain.enter` when a chain makes a reque
 
 - **chains.** A :class:`Chain` is one conversation as the policy sees it: its turn count, its
   *state*, the tick of its last request, and the chunks that request added (its weight in the
-  counts). Its state is (turns so far, capped at ``MAX_TURNS``; log2 of the chunks its last
-  request added). A state with turns 0 or less is not a chain's but a shared key's class
-  (:func:`shared_class`);
+  counts). A first turn's state is (1, log2 of the chunks it added): its size is what tells a
+  chat from a one-off document. A later turn's state is (turns so far, capped at
+  ``MAX_TURNS``; 0): its size is left out (issue 15, session 11: split five ways by size, a
+  turn's outcomes left each state a fifth of the evidence, and the states' estimates scattered
+  around the turn's rate, ±0.05 at p 0.88 or ±0.45 log-odds, what a hundred ticks of age
+  weigh, most of the replay: with the turn's rate alone ``chain`` closes 48 -> 51 % of the
+  ARC→Belady gap on chat at 5 %; the estimates of a whole replay given from its start, 53 %).
+  A state with turns 0 or
+  less is not a chain's but a shared key's class (:func:`shared_class`);
 - **outcomes.** Each stay in a state has one outcome, weighted by the chunks that request
   added: the chain returned, or its tail was evicted first (not returned; a later return still
   adds a return). ``p(state)`` = returns / outcomes, shrunk with ``PRIOR_WEIGHT`` chunks
-  towards a prior learnt the same way one level up (no outcome, no change: before any, every
-  state is at even odds). The levels: the state and its two neighbours in size on the same
-  turn (``NEIGHBOUR_WEIGHT``), the same turn over every size (``TURN_WEIGHT``; turns 2 and up:
-  a first turn's sizes mix chats with documents), all states (``PRIOR_WEIGHT``), ``PRIOR_P``.
-  Why (session 9): a late turn's states see few outcomes, and shrunk straight to the rate over
-  all states, which chunk-weighted one-off documents pull down to about half, they were
-  ranked as if most such chains had ended (chat-alt at 20 %: a turn-10 state at p 0.56 where
-  the generator's chance is 0.8, its conversation evicted before ended ones). A one-off
-  document (hundreds of chunks on its first turn) learns p ≈ 0 after one; a chat's early
-  turns p ≈ 1, its last turns less. A state's counts are halved when they reach
-  ``HALF_LIFE`` chunks (recent outcomes win);
+  towards a prior (no outcome, no change: before any, every state is at even odds): for a
+  first turn the rate of the state and its two neighbours in size (``NEIGHBOUR_WEIGHT``), that
+  shrunk towards the rate over all states (``PRIOR_WEIGHT``), that towards ``PRIOR_P``; for a
+  later turn the rate over all states. A one-off document (hundreds of chunks on its first
+  turn) learns p ≈ 0 after one; a chat's early turns p ≈ 1, its last turns less. A state's
+  counts are halved when they reach ``HALF_LIFE`` chunks (recent outcomes win);
 - **log-odds.** A chain just read ranks by ``clip(logit p, -LO, HI)``;
 - **shared keys' classes** (:func:`shared_class`): a read-rate bucket and a *readers' mass*
   bucket, the summed odds that the chains which read the key come back (issue 15, session
   10: a prefix is worth at least what the conversations reading it are; without it a rarely
   read prompt left before the conversation on it that returned).
 
-Invariants: every count is non-negative, and a state's three counts are halved together;
-``turn_counted`` / ``turn_returned`` are the sums of ``counted`` / ``returned`` over each turn's
-states;
-``return_chance`` is in [1e-6, 1 - 1e-6]; ``log_odds`` in [-LO, HI]; a shared class's
-``shared_mass`` is at least the mass it was made from (buckets round up).
+Invariants: every count is non-negative, and a state's three counts are halved together; a
+chain's state has size 0 from its second turn on; ``return_chance`` is in [1e-6, 1 - 1e-6];
+``log_odds`` in [-LO, HI]; a shared class's ``shared_mass`` is at least the mass it was made
+from (buckets round up).
 """
 
 from __future__ import annotations
@@ -54,10 +54,8 @@ LO = 14.0
 #: overall rate, the overall rate in a state's)
 PRIOR_P = 0.5
 PRIOR_WEIGHT = 64.0
-#: weight, in chunks, of the prior from a state's neighbours in size on the same turn ...
+#: weight, in chunks, of the prior of a first turn's state from its neighbours in size
 NEIGHBOUR_WEIGHT = 256.0
-#: ... and of that one's prior, the same turn over every size (turns 2 and up)
-TURN_WEIGHT = 1024.0
 #: a state's counts are halved when its outcomes reach this many chunks (recent ones win)
 HALF_LIFE = 1 << 16
 #: read-rate buckets of shared keys: bucket b holds rates in [2**(b-1), 2**b) / RATE_SCALE
@@ -86,7 +84,8 @@ class Chain:
     def enter(self, added: int, now: int) -> None:
         """The chain made a request adding ``added`` chunks at tick ``now``: its new state,
         open (no outcome counted yet)."""
-        self.state = (min(self.turns, MAX_TURNS), added.bit_length())
+        turns = self.turns
+        self.state = (1, added.bit_length()) if turns <= 1 else (min(turns, MAX_TURNS), 0)
         self.time = now
         self.weight = max(added, 1)
         self.open = True
@@ -140,8 +139,6 @@ class StateOdds:
     counted: dict[State, float] = field(default_factory=dict)
     outcomes: dict[State, float] = field(default_factory=dict)  # outcomes, not chunks
     returned: dict[State, float] = field(default_factory=dict)
-    turn_counted: dict[int, float] = field(default_factory=dict)  # the same summed per turn
-    turn_returned: dict[int, float] = field(default_factory=dict)
     all_counted: float = 0.0  # the same summed over the states (the prior of each)
     all_returned: float = 0.0
     #: log_odds per state since the last count (every count moves the prior of every state):
@@ -151,18 +148,16 @@ class StateOdds:
 
     def return_chance(self, state: State) -> float:
         """The learnt chance that a chain in ``state`` returns: its own rate, shrunk towards
-        its neighbours' in size, theirs towards the turn's, that towards all states'."""
+        (a first turn) its neighbours' in size, theirs towards all states'; (a later turn, whose
+        state is the turn's) all states'."""
         prior = (self.all_returned + PRIOR_WEIGHT * PRIOR_P) / (self.all_counted + PRIOR_WEIGHT)
-        turns, size = state
-        if turns > 1:
-            prior = (self.turn_returned.get(turns, 0.0) + TURN_WEIGHT * prior) / (
-                self.turn_counted.get(turns, 0.0) + TURN_WEIGHT
-            )
         returned, counted = self.returned.get, self.counted.get
-        below, above = (turns, size - 1), (turns, size + 1)
-        near = returned(below, 0.0) + returned(state, 0.0) + returned(above, 0.0)
-        seen = counted(below, 0.0) + counted(state, 0.0) + counted(above, 0.0)
-        prior = (near + NEIGHBOUR_WEIGHT * prior) / (seen + NEIGHBOUR_WEIGHT)
+        turns, size = state
+        if turns <= 1:
+            below, above = (turns, size - 1), (turns, size + 1)
+            near = returned(below, 0.0) + returned(state, 0.0) + returned(above, 0.0)
+            seen = counted(below, 0.0) + counted(state, 0.0) + counted(above, 0.0)
+            prior = (near + NEIGHBOUR_WEIGHT * prior) / (seen + NEIGHBOUR_WEIGHT)
         p = (returned(state, 0.0) + PRIOR_WEIGHT * prior) / (counted(state, 0.0) + PRIOR_WEIGHT)
         return min(max(p, 1e-6), 1.0 - 1e-6)
 
@@ -179,27 +174,19 @@ class StateOdds:
         (``returned``) or its tail was evicted. Only the ``first`` outcome of a stay counts as
         one; a return after it adds a return."""
         self.known.clear()
-        turns = state[0]
         if returned:
             self.returned[state] = self.returned.get(state, 0.0) + weight
-            self.turn_returned[turns] = self.turn_returned.get(turns, 0.0) + weight
             self.all_returned += weight
         if not first:
             return
         counted = self.counted.get(state, 0.0) + weight
         outcomes = self.outcomes.get(state, 0.0) + 1.0
-        halved = counted >= HALF_LIFE
-        if halved:
+        if counted >= HALF_LIFE:
             counted /= 2
             outcomes /= 2
             self.returned[state] = self.returned.get(state, 0.0) / 2
         self.counted[state] = counted
         self.outcomes[state] = outcomes
-        if halved:  # the turn's sums again (rare: once per HALF_LIFE / 2 chunks of a state)
-            self.turn_counted[turns] = sum(c for s, c in self.counted.items() if s[0] == turns)
-            self.turn_returned[turns] = sum(r for s, r in self.returned.items() if s[0] == turns)
-        else:
-            self.turn_counted[turns] = self.turn_counted.get(turns, 0.0) + weight
         self.all_counted += weight
         if self.all_counted >= HALF_LIFE:
             self.all_counted /= 2
