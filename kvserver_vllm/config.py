@@ -11,6 +11,8 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
     model_id           the served model name, else the model path: part of the namespace, so
                        every replica of one model must agree on it
     lookup_timeout_s   0.1    bound on the lookup inside get_num_new_matched_tokens
+    lookup_reuse_s     0.25   a waiting request asked again reuses its last lookup for this
+                              long, unless the connector saw its chunks change (0: never)
     op_timeout_s       1.0    bound on pin / reserve / complete calls
     down_backoff_s     5.0    how long an unreachable daemon is skipped before retrying
     lease_s            null   pin / reservation lifetime (null: the daemon's default)
@@ -60,7 +62,7 @@ _FLOAT_KEYS = ("lookup_timeout_s", "op_timeout_s", "down_backoff_s", "transfer_t
 _KEYS = {
     "address", "chunk_blocks", "model_id", "lease_s", "colocated", "auth_token",
     "auth_token_file", "max_store_batch_chunks", "min_hit_tokens", "host_kernels",
-    *_FLOAT_KEYS, *_CURVE_KEYS,
+    "lookup_reuse_s", *_FLOAT_KEYS, *_CURVE_KEYS,
 }  # fmt: skip
 
 
@@ -127,6 +129,7 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
     spec = namespace_spec(vllm_config, kv_cache_config, chunk_blocks, extra.get("model_id"))
     scheduler = KVConnectorConfig(
         address=address, spec=spec, lookup_timeout_s=floats["lookup_timeout_s"],
+        lookup_reuse_s=float(_get(extra, "lookup_reuse_s", (int, float), 0.25)),
         op_timeout_s=floats["op_timeout_s"], down_backoff_s=floats["down_backoff_s"],
         lease_s=None if lease is None else float(lease), auth_token=auth, curve=curve,
         client_id=f"vllm-scheduler-{os.getpid()}",
@@ -204,6 +207,8 @@ def _get(extra: dict[str, Any], key: str, kind: type | tuple[type, ...], default
     number: Any = value  # an int, a float or a str now
     if key in _FLOAT_KEYS and not number > 0:
         raise InvalidArgument(f"kv_connector_extra_config.{key} must be > 0", got=number)
+    if key == "lookup_reuse_s" and not number >= 0:
+        raise InvalidArgument(f"kv_connector_extra_config.{key} must be >= 0", got=number)
     if key in ("chunk_blocks", "max_store_batch_chunks", "min_hit_tokens") and number < 1:
         raise InvalidArgument(f"kv_connector_extra_config.{key} must be >= 1", got=number)
     return number

@@ -119,7 +119,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         self._leases = LeaseBook(self._reqs, self._link, self.stats, clock)
         self._stores = StorePlanner(self._reqs, self._link, self._leases, self.stats, hasher)
         self._loads = LoadPlanner(
-            self._link, self._leases, self.stats, hasher, self._stores.is_storing
+            self._link, self._leases, self.stats, hasher, self._stores.is_storing, clock
         )
         self._preempted: set[str] = set()
         #: reset(release=False) forgot transfers that held leases: release_forgotten() owes

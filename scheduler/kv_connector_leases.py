@@ -26,7 +26,11 @@ Invariants:
   per step until a lease may really have expired);
 - a finished request (``request_finished`` returned True) is reported in ``finished_sending``
   and forgotten as soon as it has no job and no share of the store batch left;
-- every lease taken is completed, rolled back, or left to expire on the daemon.
+- every lease taken is completed, rolled back, or left to expire on the daemon;
+- every chunk key this connector last saw change (:meth:`note_changed`: a store of it over,
+  its store batch answered, found gone) maps to a change mark above every mark taken
+  (:attr:`change_mark`) before that change, unless the mark is below ``_changed_floor``
+  (at most ``MAX_CHANGED`` keys are kept): :meth:`changed_since` never misses such a change.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 class LeaseBook:
     """Jobs, their completion on the daemon, and what the scheduler is told about them."""
+
+    #: chunk keys :meth:`changed_since` remembers (the oldest are forgotten first).
+    MAX_CHANGED = 1 << 16
 
     def __init__(
         self,
@@ -94,6 +101,11 @@ class LeaseBook:
         self.events: deque[Event] = deque()
         self._max_events = link.config.max_pending_events
         self._event_seq = 0
+        #: chunk key -> change mark of the last change seen (:meth:`note_changed`).
+        self._changed: dict[bytes, int] = {}
+        self._change_mark = 0
+        #: marks up to this one may have been forgotten.
+        self._changed_floor = 0
 
     def clear(self) -> None:
         """Forget every job and reply still due (replies are dropped: see ``reset``). Held
@@ -271,6 +283,7 @@ class LeaseBook:
             for key in job.keys:
                 (bad if key in job.failed else ok).append(key)
         for lease_id, (ok, bad) in stores.items():
+            self.note_changed(ok + bad)  # made ready or rolled back: lookups look again
             if ok:
                 self._complete_store("store", lease_id, ok, hold)
             if bad:
@@ -388,9 +401,38 @@ class LeaseBook:
 
     def emit(self, kind: type[BlockStored | BlockRemoved], keys: Sequence[bytes]) -> None:
         if keys:
+            if kind is BlockRemoved:
+                self.note_changed(keys)
             self._event_seq += 1
             events = self.events
             if len(events) >= self._max_events:  # nobody drains them: keep the newest
                 events.popleft()
                 self._stats.dropped_events += 1
             events.append(kind(self._event_seq, self.ns_id, tuple(keys), MEDIUM_DRAM))
+
+    # ------------------------------------------------------------------ changes seen
+
+    @property
+    def change_mark(self) -> int:
+        """The mark of the last change seen: take it before a lookup, then
+        :meth:`changed_since` tells whether a chunk it looked at changed since."""
+        return self._change_mark
+
+    def note_changed(self, keys: Iterable[bytes]) -> None:
+        """``keys`` may have changed on the daemon as this connector sees it: a store of them
+        is over (made ready, or rolled back), its batch was answered (stored already, not
+        admitted), or they were found gone."""
+        self._change_mark += 1
+        mark, changed = self._change_mark, self._changed
+        for key in keys:
+            changed.pop(key, None)  # to the end: the dict stays in mark order
+            changed[key] = mark
+        while len(changed) > self.MAX_CHANGED:
+            self._changed_floor = changed.pop(next(iter(changed)))
+
+    def changed_since(self, keys: Iterable[bytes], mark: int) -> bool:
+        """True if one of ``keys`` may have changed since :attr:`change_mark` was ``mark``."""
+        if mark < self._changed_floor:
+            return True
+        changed = self._changed
+        return any(changed.get(key, 0) > mark for key in keys)

@@ -25,11 +25,25 @@ serves them to this request as well, instead of a second copy of the same chunks
 of its own (many requests sharing a prefix often arrive together). A hit that can no longer
 be pinned (evicted meanwhile, daemon unreachable) becomes a load error from its first missing
 chunk.
+
+**A request asked again reuses its last answer** for ``lookup_reuse_s`` (vLLM asks
+``get_num_new_matched_tokens`` at every step while a waiting request cannot get its blocks:
+without this, a daemon round trip per step for the head of the waiting queue, and one per
+request answered "ask again"), unless the daemon is marked down, the request's keys changed, or
+this connector saw one of the chunks the answer rests on change since (the hit chunks found
+gone, the first missing chunk made ready or answered present by a store batch:
+``LeaseBook.changed_since``). What it cannot see — another client storing the first missing
+chunk, or the daemon evicting a hit chunk — is seen by the next lookup, at most
+``lookup_reuse_s`` later; until then a stale hit fails safe at :meth:`pin` (a load error from
+the first chunk gone: recomputed) and a stale miss only loads less. Reused answers are not
+recorded or touched again on the daemon: a request that waits is one sighting for reuse
+gating, not one per step.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from kvserver.errors import InvalidArgument, KVServerError, UnknownKey
@@ -56,9 +70,12 @@ class LoadPlanner:
         stats: ConnectorStats,
         hasher: BlockHasher,
         is_storing: Callable[[bytes], bool],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``is_storing(key)``: a store of chunk ``key`` is planned or in flight."""
         self.spec = link.config.spec
+        self._reuse_s = link.config.lookup_reuse_s
+        self._clock = clock
         self._link = link
         self._leases = leases
         self._stats = stats
@@ -89,14 +106,11 @@ class LoadPlanner:
         keys = list(hashes[start * cb + cb - 1 : max_chunks * cb : cb])
         if keys[0] in self._leases.loading:
             return None, False  # being loaded for another request: ask again once it landed
-        self._stats.lookups += 1
-        try:
-            with self.lookup_seconds.time():
-                hits = self._link.lookup(keys, planning=True)
-        except KVServerError as exc:
-            self._stats.lookups_failed += 1
-            logger.debug("lookup for %s failed, no external hit: %s", request.request_id, exc)
-            return 0, False
+        hits = self._reusable(state, keys)
+        if hits is None:
+            hits = self._lookup(state, keys)
+            if hits is None:
+                return 0, False
         if hits < len(keys) and self._is_storing(keys[hits]):
             return None, False  # the next chunk is being stored right now: ask again
         end_tokens = min((start + hits) * ct, max_blocks * bs)
@@ -105,6 +119,40 @@ class LoadPlanner:
         num_external = end_tokens - num_computed_tokens
         state.offered((num_computed_tokens, start, keys[:hits], end_tokens))
         return num_external, True
+
+    def _reusable(self, state: RequestState, keys: list[bytes]) -> int | None:
+        """The hits of the request's last lookup if they still stand for ``keys`` (see the
+        module docstring), else None."""
+        last = state.last_lookup
+        if last is None:
+            return None
+        last_keys, hits, at, mark = last
+        if (
+            self._clock() - at >= self._reuse_s
+            or last_keys != keys
+            or self._link.is_down
+            or self._leases.changed_since(keys[: hits + 1], mark)
+        ):
+            return None
+        self._stats.lookups_reused += 1
+        return hits
+
+    def _lookup(self, state: RequestState, keys: list[bytes]) -> int | None:
+        """Ask the daemon how many leading chunks of ``keys`` are ready (remembered for
+        :meth:`_reusable`); None when it failed (no hit)."""
+        self._stats.lookups += 1
+        mark = self._leases.change_mark
+        try:
+            with self.lookup_seconds.time():
+                hits = self._link.lookup(keys, planning=True)
+        except KVServerError as exc:
+            self._stats.lookups_failed += 1
+            state.looked_up(None)
+            logger.debug("lookup for %s failed, no external hit: %s", state.req_id, exc)
+            return None
+        if self._reuse_s > 0:
+            state.looked_up((keys, hits, self._clock(), mark))
+        return hits
 
     def pin(self, state: RequestState, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """``update_state_after_alloc``: pins the offered hit and pairs its chunks with

@@ -40,13 +40,18 @@ from scheduler.connector_base import RequestLike
 #: (num_local_tokens, first chunk, hit keys, end of the offer in tokens) of the last lookup,
 #: until allocation.
 Offer = tuple[int, int, list[bytes], int]
+#: (keys looked up, leading hits, clock at the lookup, ``LeaseBook.change_mark`` then) of the
+#: request's last lookup, reused by the next offer while it stays valid
+#: (:class:`~scheduler.kv_connector_loads.LoadPlanner`), until allocation.
+LastLookup = tuple[list[bytes], int, float, int]
 
 
 class RequestState:
     """One request's block table, store cursor, transfers in flight and lookup offer."""
 
     __slots__ = ("_cursor", "_hashes", "_num_loads", "_num_stores", "_watch", "block_ids",
-                 "checked", "finished", "offer", "order", "request", "wake")  # fmt: skip
+                 "checked", "finished", "last_lookup", "offer", "order", "request",
+                 "wake")  # fmt: skip
 
     def __init__(self, request: RequestLike, watch: list[RequestState] | None = None) -> None:
         """``watch``: where the request puts itself whenever its cursor changes."""
@@ -59,6 +64,8 @@ class RequestState:
         self.block_ids: list[int] = []
         #: the hit offered by the last lookup, until allocation (:meth:`take_offer`).
         self.offer: Offer | None = None
+        #: the last lookup's answer, until allocation (:meth:`looked_up`, :meth:`take_offer`).
+        self.last_lookup: LastLookup | None = None
         #: request_finished returned True: report finished_sending when the jobs are over.
         self.finished = False
         self._cursor = 0
@@ -125,10 +132,15 @@ class RequestState:
         """The last lookup's hit (None: nothing offered)."""
         self.offer = offer
 
+    def looked_up(self, lookup: LastLookup | None) -> None:
+        """The daemon answered a lookup of the request (None: forget the last answer)."""
+        self.last_lookup = lookup
+
     def take_offer(self, block_ids: Sequence[int]) -> Offer | None:
         """Blocks were allocated: the request's block table is ``block_ids`` from now on; the
-        offer (if any) is returned and forgotten."""
+        offer (if any) is returned and forgotten, and so is the last lookup's answer."""
         offer, self.offer = self.offer, None
+        self.last_lookup = None
         self.block_ids = list(block_ids)
         return offer
 

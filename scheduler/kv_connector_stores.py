@@ -283,6 +283,8 @@ class StorePlanner:
         stats.granted_chunks += len(grant.keys)
         stats.present_chunks += len(grant.present)
         stats.filtered_chunks += len(grant.filtered)
+        if grant.present:  # ready already, stored by another request or client
+            self._leases.note_changed(grant.present)
         self._batch_limit = min(self._batch_limit * 2, self._max_batch)
         locations: dict[bytes, Any] = dict(zip(grant.keys, grant.locations, strict=True))
         take, lease_id, deadline = locations.pop, grant.lease_id, grant.deadline

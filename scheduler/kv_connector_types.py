@@ -57,6 +57,9 @@ class KVConnectorConfig:
     address: str
     spec: NamespaceSpec
     lookup_timeout_s: float = 0.1
+    #: how long a waiting request asked again reuses its last lookup's answer (0: never;
+    #: scheduler/kv_connector_loads.py says when it is looked up again sooner).
+    lookup_reuse_s: float = 0.25
     #: prepare_* / complete_* (these run inside a scheduler step too).
     op_timeout_s: float = 1.0
     down_backoff_s: float = 5.0
@@ -82,6 +85,8 @@ class KVConnectorConfig:
         for name in ("lookup_timeout_s", "op_timeout_s", "down_backoff_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgument(f"{name} must be > 0", value=getattr(self, name))
+        if not self.lookup_reuse_s >= 0:
+            raise InvalidArgument("lookup_reuse_s must be >= 0", value=self.lookup_reuse_s)
         if self.max_pending_events < 1:
             raise InvalidArgument("max_pending_events must be >= 1", value=self.max_pending_events)
         if self.completion_hold_steps < 1:
@@ -96,8 +101,10 @@ class KVConnectorConfig:
 
 @dataclass(slots=True)
 class ConnectorStats:
-    """Counters. ``hit_tokens``: tokens of the offered hits the scheduler took (allocated
-    blocks for), each once however often it asked; ``lookups_failed``: answered "no hit" as
+    """Counters. ``lookups``: lookups sent to the daemon; ``lookups_reused``: answers
+    given from a request's last lookup instead (``lookup_reuse_s``); ``hit_tokens``: tokens
+    of the offered hits the scheduler took (allocated blocks for), each once however often it
+    asked; ``lookups_failed``: answered "no hit" as
     the daemon failed or was marked down;
     ``timeouts``: calls that found it unreachable (each marks it down for down_backoff_s);
     ``completion_errors``: completions not applied — refused, unanswered, or skipped while
@@ -120,6 +127,7 @@ class ConnectorStats:
     ``completion_errors``."""
 
     lookups: int = 0
+    lookups_reused: int = 0
     hit_tokens: int = 0
     lookups_failed: int = 0
     loads: int = 0

@@ -39,6 +39,8 @@ _PROMPT_SOURCES = (
 #: connector counters: (metric name without _total, help, ConnectorStats field)
 _CONNECTOR_COUNTERS = (
     ("scheduler_connector_lookups", "kvserver lookups for new prompts.", "lookups"),
+    ("scheduler_connector_lookups_reused", "Lookups answered from the request's last one.",
+     "lookups_reused"),
     ("scheduler_connector_lookup_failures", "Lookups failed: no hit.", "lookups_failed"),
     ("scheduler_connector_hit_tokens", "Prompt tokens of kvserver hits taken.", "hit_tokens"),
     ("scheduler_connector_loads", "Loads from kvserver started.", "loads"),

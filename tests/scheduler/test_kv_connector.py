@@ -14,7 +14,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,14 +168,20 @@ class Harness:
     """A minimal scheduler around the connector: block allocation, steps, fake workers."""
 
     def __init__(
-        self, daemon: DaemonProc, spec: NamespaceSpec, *, dispatch: bool = False, **config: Any
+        self,
+        daemon: DaemonProc,
+        spec: NamespaceSpec,
+        *,
+        dispatch: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        **config: Any,
     ) -> None:
         """``dispatch``: call ``dispatched()`` after each ``build_connector_meta``, as
-        kvserver's scheduler process does."""
+        kvserver's scheduler process does; ``clock``: the connector's."""
         self.spec = spec
         self.dispatch = dispatch
         self.conn = KVServerSchedulerConnector(
-            KVConnectorConfig(daemon.zmq_address, spec, **config)
+            KVConnectorConfig(daemon.zmq_address, spec, **config), clock=clock
         )
         self.workers = [FakeWorker(daemon.zmq_address, spec, r) for r in range(spec.tp_world_size)]
         self.blocks: dict[str, list[int]] = {}

@@ -20,6 +20,7 @@ require_vllm()
 from kvserver.client import KVClient  # noqa: E402
 from kvserver.crypto import TlsClient, make_curve_keys, make_tls_cert  # noqa: E402
 from kvserver.grpc_client import GrpcClient  # noqa: E402
+from kvserver.wire import LOOKUP  # noqa: E402
 from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
 from tests.vllm_plugin.harness import (  # noqa: E402
     MiniEngine,
@@ -343,6 +344,120 @@ def test_a_hit_offered_while_the_request_waits_for_blocks_is_counted_once(
     prompts = [("first", shared), ("long", long), ("second", [*shared, 5])]
     ref = reference_outputs(model_dir, prompts, 3, num_blocks=12)
     assert outputs["second"] == ref["second"]
+
+
+def blocked_behind_a_long_request(
+    eng: MiniEngine, shared: list[int], num_waiting: int
+) -> list[str]:
+    """``shared`` stored in kvserver (and forgotten by the GPU), then a long request that
+    holds the blocks, then ``num_waiting`` requests extending ``shared``, which wait."""
+    eng.run_requests([("first", shared)], max_tokens=3)
+    assert eng.scheduler.reset_prefix_cache()
+    eng.add("long", prompt(7, 150), max_tokens=20)
+    eng.step()
+    waiting = [f"w{i}" for i in range(num_waiting)]
+    for i, req_id in enumerate(waiting):
+        eng.add(req_id, [*shared, 5 + i], max_tokens=3)
+    return waiting
+
+
+@pytest.mark.parametrize("lookup_reuse_s", [0.0, 60.0], ids=["no-reuse", "reuse"])
+def test_requests_waiting_for_blocks_reuse_their_lookup(
+    model_dir: Path, daemon: DaemonProc, lookup_reuse_s: float
+) -> None:
+    """Six requests with a kvserver hit wait while a long request holds the blocks; vLLM asks
+    for the hit of the first at every step. lookup_reuse_s=0: a daemon lookup per step (as
+    before the reuse); else one lookup in all, the later asks answered from it. Outputs as
+    without kvserver either way."""
+    shared = prompt(6, 100)
+    eng = engine(model_dir, daemon.zmq_address, num_blocks=12, lookup_reuse_s=lookup_reuse_s)
+    try:
+        waiting = blocked_behind_a_long_request(eng, shared, 6)
+        conn = eng.connector.scheduler_half
+        assert conn is not None
+        sent, stats = conn.client.sent_by_op, conn.stats
+        lookups, reused = sent[LOOKUP], stats.lookups_reused
+        for _ in range(12):
+            record = eng.step()
+            assert not set(waiting) & set(record.scheduled)  # still waiting for blocks
+        asks = sent[LOOKUP] - lookups + stats.lookups_reused - reused
+        assert asks >= 6  # asked on most of the 12 steps
+        if lookup_reuse_s:
+            assert sent[LOOKUP] - lookups == 1
+        else:
+            assert stats.lookups_reused == reused == 0
+        eng.run()
+        assert stats.hit_tokens >= 3 * CHUNK_TOKENS and stats.load_errors == 0
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+    prompts = [("first", shared), ("long", prompt(7, 150))]
+    prompts += [(r, [*shared, 5 + i]) for i, r in enumerate(waiting)]
+    ref = reference_outputs(model_dir, prompts, 3, num_blocks=12)
+    assert {r: outputs[r] for r in waiting} == {r: ref[r] for r in waiting}
+
+
+@pytest.mark.parametrize("admitted", ["past-the-bound", "within-the-bound"])
+def test_a_chunk_evicted_while_its_request_waits(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, admitted: str
+) -> None:
+    """Another client's chunks evict the hit of a request waiting for blocks, unseen by the
+    connector. Within lookup_reuse_s the request is still offered the hit (its last answer);
+    past it the next ask looks up again and offers nothing. Admitted within the bound, the
+    stale hit fails at the pin and is recomputed: the output is unchanged either way."""
+    from tests.kvserver.builders import make_keys, pattern
+
+    small = start_daemon(tmp_path / "small", "--dram", "1MiB")
+    shared = prompt(6, 100)
+    eng = engine(model_dir, small.zmq_address, num_blocks=12, lookup_reuse_s=1.0)
+    now = [0.0]
+    conn = eng.connector.scheduler_half
+    assert conn is not None
+    monkeypatch.setattr(conn._loads, "_clock", lambda: now[0])  # the bound, deterministically
+    offers: list[int | None] = []
+    connector = eng.scheduler.connector
+    assert connector is not None
+    offer = connector.get_num_new_matched_tokens
+
+    def recorded(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        hit, is_async = offer(request, num_computed_tokens)
+        if request.request_id == "w0":
+            offers.append(hit)
+        return hit, is_async
+
+    monkeypatch.setattr(connector, "get_num_new_matched_tokens", recorded)
+    try:
+        blocked_behind_a_long_request(eng, shared, 1)
+        while not offers:
+            eng.step()
+        assert offers == [3 * CHUNK_TOKENS]
+        spec = eng.connector.config.spec
+        with KVClient(small.zmq_address, colocated=False) as kv:  # fills the 1 MiB DRAM
+            ns_id = kv.register_namespace(spec).ns_id
+            for key in make_keys(2 * (1 << 20) // spec.part_bytes + 2, tag="filler"):
+                kv.put(ns_id, [key], [pattern(key, 0, spec.part_bytes)])
+        stats = conn.stats
+        if admitted == "past-the-bound":
+            eng.step()
+            assert offers[-1] == 3 * CHUNK_TOKENS  # within the bound: its last answer
+            now[0] += 1.0
+            lookups = stats.lookups
+            eng.step()
+            assert stats.lookups == lookups + 1 and offers[-1] == 0  # looked up: gone
+            records = eng.run()
+            assert stats.loads == 0 and stats.load_errors == 0
+        else:
+            records = eng.run()  # the stale offer is taken: the pin finds the chunks gone
+            assert stats.loads == 1 and stats.load_errors == 1
+            assert_recomputed(eng, records, "w0")
+        ran = next(r for r in records if "w0" in r.scheduled)
+        assert ran.computed_before["w0"] == 0
+        outputs = dict(eng.outputs)
+    finally:
+        eng.close()
+        small.terminate()
+    prompts = [("first", shared), ("long", prompt(7, 150)), ("w0", [*shared, 5])]
+    assert outputs["w0"] == reference_outputs(model_dir, prompts, 3, num_blocks=12)["w0"]
 
 
 def test_failed_load_is_recomputed(model_dir: Path, daemon: DaemonProc) -> None:
