@@ -108,3 +108,27 @@ def test_a_hit_found_gone_at_a_pin_makes_the_others_look_again(
     h.step()  # b's load of the chunks left
     assert h.conn.get_num_new_matched_tokens(c, 0) == (24, True)
     assert daemon_lookups(h) == lookups + 2  # b's pin looked the prefix up, then c
+
+
+def test_its_first_missing_chunk_answered_present_to_a_store_is_looked_up_again(
+    harness: Harness, daemon: DaemonProc
+) -> None:
+    """b missed; another client stores b's chunks (unseen); then this connector plans to store
+    the same chunks for c (a local GPU hit: no lookup) and the daemon answers them present:
+    b's next ask, within the bound, looks up again and is offered them."""
+    h, spec = harness, harness.spec
+    b = FakeRequest("b", tokens(33), spec)
+    assert h.conn.get_num_new_matched_tokens(b, 0) == (0, False)
+    keys = b.chunk_keys()
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        kv.register_namespace(spec)
+        assert kv.put(spec.ns_id, keys, [bytes(spec.part_bytes)] * len(keys)).stored == keys
+    assert h.conn.get_num_new_matched_tokens(b, 0) == (0, False)  # unseen: the last answer
+    c = FakeRequest("c", tokens(33), spec)
+    assert h.admit(c, num_local=32, blocks=h.alloc(8)) == (0, False)  # the GPU holds them
+    h.step({"c": (c, 1)})  # c's stores planned from chunk 0 ...
+    h.step()  # ... and answered: present
+    assert h.conn.stats.present_chunks == len(keys)
+    lookups = daemon_lookups(h)
+    assert h.conn.get_num_new_matched_tokens(b, 0) == (32, True)
+    assert daemon_lookups(h) == lookups + 1
