@@ -28,9 +28,10 @@ Invariants:
   and forgotten as soon as it has no job and no share of the store batch left;
 - every lease taken is completed, rolled back, or left to expire on the daemon;
 - every chunk key this connector last saw change (:meth:`note_changed`: a store of it over,
-  its store batch answered, found gone) maps to a change mark above every mark taken
-  (:attr:`change_mark`) before that change, unless the mark is below ``_changed_floor``
-  (at most ``MAX_CHANGED`` keys are kept): :meth:`changed_since` never misses such a change.
+  answered present to a store batch, found gone at a pin) maps to a change mark above every
+  mark taken (:attr:`change_mark`) before that change, unless the mark is below
+  ``_changed_floor`` (at most ``MAX_CHANGED`` keys are kept): :meth:`changed_since` never
+  misses such a change.
 """
 
 from __future__ import annotations
@@ -420,8 +421,8 @@ class LeaseBook:
 
     def note_changed(self, keys: Iterable[bytes]) -> None:
         """``keys`` may have changed on the daemon as this connector sees it: a store of them
-        is over (made ready, or rolled back), its batch was answered (stored already, not
-        admitted), or they were found gone."""
+        is over (made ready, or rolled back), a store batch found them present already, or a
+        pin found them gone."""
         self._change_mark += 1
         mark, changed = self._change_mark, self._changed
         for key in keys:
