@@ -54,7 +54,7 @@ from kvserver.cluster import record, schema
 from kvserver.cluster.config import ClusterConfig, connect
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
-from kvserver.cluster.writer import Batch, IndexWriter, SetId
+from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId
 from kvserver.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 #: several, one after another: a pipeline is encoded in one go on the event loop, ~0.3 s for
 #: 1 M keys, which the daemon's other work would wait for).
 MAX_BATCH_KEYS = 65_536
+#: said with a Redis that refuses writes (OOM: ``maxmemory`` reached under ``noeviction``).
+OOM_HINT = "Redis is full: raise its maxmemory (docs/cluster.md sizes the index)"
 #: time allowed per index key of a pipeline, on top of the call timeout (seconds).
 KEY_WRITE_S = 1e-5
 
@@ -104,6 +106,9 @@ class NodeCounters:
     indexed_keys: int = 0
     errors: int = 0
     dropped_keys: int = 0
+    #: Redis found to have lost index writes or entries without a call failing (the fence
+    #: moved or gone, a set evicted); each followed by a resync.
+    index_losses: int = 0
 
 
 class ClusterNode:
@@ -207,6 +212,7 @@ class ClusterNode:
             "indexed_keys": c.indexed_keys,
             "errors": c.errors,
             "dropped_keys": c.dropped_keys,
+            "index_losses": c.index_losses,
         }
 
     async def wait_written(self, seq: int | None = None, timeout_s: float = 10.0) -> bool:
@@ -290,13 +296,18 @@ class ClusterNode:
 
     def _failed(self, exc: BaseException) -> None:
         self.counters.errors += 1
-        detail = f"{type(exc).__name__}: {exc}"
+        detail = f"{type(exc).__name__}: {str(exc) or 'Redis did not answer in time'}"
+        full = type(exc).__name__ == "OutOfMemoryError"  # either client library's
+        if full:
+            detail += f" ({OOM_HINT})"
         if isinstance(exc, record.HostIdTaken):
             if self.condition_detail != detail:
                 logger.error("cluster: %s", exc)
         elif self.condition != "unavailable":
             logger.warning(
-                "cluster: Redis unreachable (%s); serving local tiers only, retrying", detail
+                "cluster: Redis %s (%s); serving local tiers only, retrying",
+                "refuses writes, out of memory" if full else "unreachable or failing",
+                detail,
             )
         self.condition, self.condition_detail = "unavailable", detail
         self.counters.dropped_keys += self.writer.pending_keys
@@ -326,6 +337,15 @@ class ClusterNode:
                 old = HostInfo.decode(old_raw)
                 if old.incarnation != self.incarnation:
                     old_keys = [*old.index_keys(), schema.fence_key(old.host_id, old.incarnation)]
+        # A new fence number first: a late tail of an earlier pipeline that runs after it
+        # writes nothing (writer.py, fenced writes). Alone, before the bulk: a Redis that
+        # refuses writes (out of memory under noeviction) refuses this one SET, not a
+        # resync's megabytes sent again at every retry.
+        self._fence += 1
+        await asyncio.wait_for(  # as long as a pipeline: it waits out a write pause
+            r.set(self.writer.fence_key, self._fence, px=self.config.ttl_ms),
+            self.config.timeout_s * 4,
+        )
         snap = self.snapshot()  # no await between this and the resync's start: events after
         self._ns_specs = dict(self.namespace_specs())  # it follow, and stay pending
         steps = self.writer.resync(snap, self.events.last_seq)
@@ -333,20 +353,19 @@ class ClusterNode:
         self._registered = True  # events from here on go to the writer
         batch = await _drive(steps)  # the fingerprints, in steps: the loop runs between
         parts = batch.split(MAX_BATCH_KEYS)  # the record last: a new incarnation appears whole
-        commands = len(old_keys)
+        commands = 2 + len(old_keys)
         for i, part in enumerate(parts):
             pipe = r.pipeline(transaction=False)
-            if i == 0:  # a new fence number first: a late tail of an earlier pipeline that
-                self._fence += 1  # runs after it writes nothing (writer.py, fenced writes)
-                pipe.set(self.writer.fence_key, self._fence, px=self.config.ttl_ms)
-                commands += 1
             for key in old_keys if i == 0 else ():
                 pipe.execute_command("UNLINK", key)
-            commands += self.writer.apply(pipe, part, self._fence)
+            at = len(old_keys) if i == 0 else 0
+            writes = self.writer.apply(pipe, part, self._fence)
+            commands += writes
             if i == len(parts) - 1:
                 commands += self._queue_record(pipe, exists=False)
                 commands += self._queue_fence(pipe)
             replies = await self._bounded(pipe, part.num_keys)
+            self.writer.count(part, replies[at : at + writes])
         if not self._fenced(replies[-1]):  # Redis lost some of the resync: once more
             return
         self._written(batch.last_seq)
@@ -399,6 +418,7 @@ class ClusterNode:
         of the pipeline before: else Redis lost or reordered writes; the index is resynced."""
         if reply is not None and int(reply) == self._fence - 1:
             return True
+        self.counters.index_losses += 1
         self._lost(
             f"Redis lost index writes (its write fence read {reply!r}, not {self._fence - 1})"
         )
@@ -413,13 +433,13 @@ class ClusterNode:
 
     async def _write_part(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        commands = self.writer.apply(pipe, batch, self._fence)
-        at = commands
+        commands = at = self.writer.apply(pipe, batch, self._fence)
         if batch.new_namespaces:
             self._ns_specs.update(self.namespace_specs())
             commands += self._queue_record(pipe, exists=True)
         commands += self._queue_fence(pipe)
         replies = await self._bounded(pipe, batch.num_keys)
+        self.writer.count(batch, replies[:at])
         self.counters.batches += 1
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
@@ -443,14 +463,23 @@ class ClusterNode:
     async def _heartbeat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         self._queue_record(pipe, exists=True)
-        for key in self.writer.index_keys():
-            pipe.pexpire(key, self.config.ttl_ms)
+        sets = self.writer.index_keys()
+        if sets:  # renewed, and counted: a set Redis evicted is found here
+            pipe.execute_command("EVAL", KEEP_SCRIPT, len(sets), *sets, self.config.ttl_ms)
         self._queue_fence(pipe)
         replies = await self._bounded(pipe)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)
         # the record gone (Redis lost it, or we stalled past the TTL) or another's
         if not self._renewed(replies[0]) or not self._fenced(replies[-1]):
+            return
+        lost = self.writer.lost_sets(replies[-2]) if sets else []
+        if lost:
+            self.counters.index_losses += 1
+            self._lost(
+                f"Redis lost index entries without a write failing ({'; '.join(lost[:2])}): "
+                "evicted? the fleet's Redis needs maxmemory-policy noeviction"
+            )
             return
         await self.reader.hosts(refresh=True)  # self.members
 

@@ -30,7 +30,7 @@ commands per stored chunk fall as batches grow.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,17 +49,30 @@ RESYNC_STEP = 8192
 # write expects (else it does nothing and returns -1: a late pipeline's tail, see the module
 # docstring), ARGV[2]: the set's TTL (ms), ARGV[3]: 'u' unlink the set, 'r' remove or 'a' add
 # ARGV[4..] (an add gives the set the TTL if it has none, atomically: a script runs whole or
-# not at all). Both keys on the set's slot (``{h:<host_id>}``): one Redis Cluster node runs it.
+# not at all); returns the number of members removed or added (:meth:`IndexWriter.count`).
+# Both keys on the set's slot (``{h:<host_id>}``): one Redis Cluster node runs it.
 WRITE_SCRIPT = f"""
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if ARGV[3] == 'u' then return redis.call('UNLINK', KEYS[1]) end
 local op = ARGV[3] == 'a' and 'SADD' or 'SREM'
-local n = #ARGV
+local n, changed = #ARGV, 0
 for i = 4, n, {SADD_ARGS} do
-  redis.call(op, KEYS[1], unpack(ARGV, i, math.min(i + {SADD_ARGS - 1}, n)))
+  changed = changed + redis.call(op, KEYS[1], unpack(ARGV, i, math.min(i + {SADD_ARGS - 1}, n)))
 end
 if op == 'SADD' then redis.call('PEXPIRE', KEYS[1], ARGV[2], 'NX') end
-return n - 3
+return changed
+"""
+
+# KEYS: every index set of an incarnation (one slot). ARGV[1]: their TTL (ms). Renews each
+# set's TTL and returns each set's number of members (the heartbeat compares them with what
+# the writes left there: :attr:`IndexWriter.sizes`).
+KEEP_SCRIPT = """
+local out = {}
+for i = 1, #KEYS do
+  redis.call('PEXPIRE', KEYS[i], ARGV[1])
+  out[i] = redis.call('SCARD', KEYS[i])
+end
+return out
 """
 
 SetId = tuple[str, str]  # (ns_id, tier)
@@ -124,6 +137,9 @@ class IndexWriter:
         self.pending_keys = 0
         #: the newest event seq added.
         self.last_seq = 0
+        #: members of each set in Redis, as the replies of this incarnation's writes left it
+        #: (:meth:`count`); the heartbeat checks Redis still holds them (:meth:`lost_sets`).
+        self.sizes: dict[SetId, int] = {}
 
     def add(self, events: Iterable[Event]) -> None:
         for ev in events:
@@ -216,8 +232,13 @@ class IndexWriter:
     def key(self, ns_id: str, tier: str) -> str:
         return schema.index_key(self.host_id, self.incarnation, ns_id, tier)
 
+    def set_ids(self) -> list[SetId]:
+        """Every (namespace, tier) this incarnation may have a set for, in a fixed order."""
+        return [(ns, tier) for ns in sorted(self.namespaces) for tier in schema.TIERS]
+
     def index_keys(self) -> list[str]:
-        return [self.key(ns, tier) for ns in sorted(self.namespaces) for tier in schema.TIERS]
+        """The keys of :meth:`set_ids`, in that order."""
+        return [self.key(ns, tier) for ns, tier in self.set_ids()]
 
     @property
     def fence_key(self) -> str:
@@ -226,16 +247,43 @@ class IndexWriter:
     def apply(self, pipe: Any, batch: Batch, fence: int) -> int:
         """Queue ``batch`` on ``pipe`` (a non-transactional redis-py pipeline), each write
         done only while the fence reads ``fence`` (:data:`WRITE_SCRIPT`); returns the number
-        of commands queued."""
+        of commands queued (their replies, in order, go to :meth:`count`)."""
         commands = 0
         fence_key = self.fence_key
-        for (ns, tier), (unlink, adds, removes) in batch.sets.items():
-            args = (WRITE_SCRIPT, 2, self.key(ns, tier), fence_key, fence, self.ttl_ms)
+        for set_id, op, fps in self._writes(batch):
+            args = (WRITE_SCRIPT, 2, self.key(*set_id), fence_key, fence, self.ttl_ms)
+            pipe.execute_command("EVAL", *args, op, *fps)
+            commands += 1
+        return commands
+
+    def count(self, batch: Batch, replies: Sequence[Any]) -> None:
+        """Update :attr:`sizes` from the replies of ``batch``'s commands (:meth:`apply`'s, in
+        order). A write the fence refused (-1) changed nothing (the node resyncs)."""
+        for (set_id, op, _), reply in zip(self._writes(batch), replies, strict=True):
+            n = int(reply)
+            if op == "u":
+                self.sizes[set_id] = 0
+            elif n >= 0:
+                self.sizes[set_id] = self.sizes.get(set_id, 0) + (n if op == "a" else -n)
+
+    @staticmethod
+    def _writes(batch: Batch) -> Iterator[tuple[SetId, str, list[bytes]]]:
+        """``batch``'s writes, in the order :meth:`apply` queues them: per set, its unlink,
+        then its removes and its adds, :data:`MAX_ARGS` fingerprints a command."""
+        for set_id, (unlink, adds, removes) in batch.sets.items():
             if unlink:
-                pipe.execute_command("EVAL", *args, "u")
-                commands += 1
+                yield set_id, "u", []
             for op, fps in (("r", removes), ("a", adds)):
                 for i in range(0, len(fps), MAX_ARGS):
-                    pipe.execute_command("EVAL", *args, op, *fps[i : i + MAX_ARGS])
-                    commands += 1
-        return commands
+                    yield set_id, op, fps[i : i + MAX_ARGS]
+
+    def lost_sets(self, cards: Sequence[Any]) -> list[str]:
+        """The sets among :meth:`index_keys` (``cards``: the number of members Redis reports
+        for each, :data:`KEEP_SCRIPT`'s reply) that do not hold what this incarnation's
+        writes left there: Redis lost members without any write failing (a set evicted
+        under a ``maxmemory-policy`` other than ``noeviction``; the node resyncs)."""
+        return [
+            f"{self.key(*set_id)} holds {int(card)}, not {self.sizes.get(set_id, 0)}"
+            for set_id, card in zip(self.set_ids(), cards, strict=True)
+            if int(card) != self.sizes.get(set_id, 0)
+        ]

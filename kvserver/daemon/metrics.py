@@ -46,6 +46,8 @@ _CLUSTER_COUNTERS = (
     ("kvserver_cluster_errors", "Redis calls that failed or timed out.", "errors"),
     ("kvserver_cluster_dropped_keys", "Index changes dropped while Redis was unreachable.",
      "dropped_keys"),
+    ("kvserver_cluster_index_losses", "Index writes or entries Redis lost without an error "
+     "(fence moved, set evicted); each resynced.", "index_losses"),
 )  # fmt: skip
 
 #: per-tier gauges: (metric name, help, key of the tier's values)
