@@ -14,7 +14,11 @@ it answers from the ``ClusterNode``'s view of the fleet:
   a Redis timeout on every lookup), and ``error`` says why;
 - ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one server-side
   script for all live members, bounded by the cluster timeout), turned into per-key holder sets; an
-  unreachable Redis answers no holders (the tier then serves local tiers only).
+  unreachable Redis answers no holders (the tier then serves local tiers only). After a
+  lookup Redis did not answer, the next :data:`RETRY_S` seconds answer no holders at once
+  (``skipped_lookups``): a Redis that stalls (a slow command, ``CLIENT PAUSE``, a failover)
+  cost every lookup that missed locally the whole cluster timeout (1 s by default) until the
+  node's own writes timed out (4 timeouts) and it went ``unavailable``; now one a second.
 
 Usage (``kvserver/daemon/process.py`` when both ``--cluster`` and the network tier are on)::
 
@@ -25,6 +29,7 @@ Usage (``kvserver/daemon/process.py`` when both ``--cluster`` and the network ti
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 
 from kvserver.cluster.node import ClusterNode
@@ -32,6 +37,10 @@ from kvserver.daemon.peers.directory import Peer
 from kvserver.errors import Unavailable
 
 logger = logging.getLogger(__name__)
+
+#: seconds during which lookups answer no holders without asking Redis, after one that Redis
+#: did not answer (module docstring).
+RETRY_S = 1.0
 
 
 class FleetDirectory:
@@ -42,13 +51,19 @@ class FleetDirectory:
 
     def __init__(self, node: ClusterNode) -> None:
         self.node = node
+        #: lookups Redis did not answer (in time), and lookups not sent in the RETRY_S after one
         self.unavailable_lookups = 0
+        self.skipped_lookups = 0
+        self._retry_at = 0.0
+        self._failure = ""
 
     @property
     def error(self) -> str:
         """Why the fleet state cannot be read now ("" while the node is ``ok``)."""
         node = self.node
         if node.condition == "ok":
+            if time.monotonic() < self._retry_at:
+                return f"fleet index lookups skipped for {RETRY_S:g} s: {self._failure}"
             return ""
         detail = node.condition_detail
         return f"{node.condition}: {detail}" if detail else node.condition
@@ -64,10 +79,15 @@ class FleetDirectory:
         }
 
     async def holders(self, ns_id: str, keys: Sequence[bytes]) -> list[frozenset[str]]:
+        if time.monotonic() < self._retry_at:  # Redis just failed a lookup: not again yet
+            self.skipped_lookups += 1
+            return []
         try:
             runs = await self.node.reader.lookup(ns_id, keys, exclude=(self.node.host_id,))
         except Unavailable as exc:
             self.unavailable_lookups += 1
+            self._retry_at = time.monotonic() + RETRY_S
+            self._failure = str(exc)
             logger.debug("fleet directory: %s", exc)
             return []
         if not runs:
