@@ -26,6 +26,7 @@ Every Redis call is bounded by ``timeout_s`` (socket connect and read timeouts).
 from __future__ import annotations
 
 import math
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -46,6 +47,8 @@ DEFAULT_TIMEOUT_S = 1.0
 #: score weight per tier (a token in DRAM counts 1, on SSD 0.5); overridable per request.
 DEFAULT_TIER_WEIGHTS = {"dram": 1.0, "ssd": 0.5}
 _TLS_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+#: the values of ``ssl_cert_reqs`` both client libraries take
+CERT_REQS = ("none", "optional", "required")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,7 @@ class ClusterConfig:
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
 
     def __post_init__(self) -> None:
-        self.target()  # validates the URL
+        check_tls_options(self.target().tls_options)  # validates the URL and its TLS files
         # each message names the daemon's setting (cluster_ttl_s, cluster_timeout_s) or,
         # for those it has none of, this class's field; "not x > 0" refuses NaN too
         if not 0 < self.ttl_s < math.inf:
@@ -203,6 +206,32 @@ def parse_url(url: str) -> RedisTarget:
             url=url,
         )
     return RedisTarget(tuple(nodes), cluster, tls, db, client, username, password, query)
+
+
+def check_tls_options(options: dict[str, str]) -> None:
+    """InvalidArgument naming the URL parameter unless ``ssl_cert_reqs`` is one of
+    :data:`CERT_REQS` and the files of ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile``
+    load (read now, at start-up: a missing CA file was found only by the first connection,
+    as "Error 2 connecting to HOST:PORT. No such file or directory.", the daemon running
+    ``unavailable`` for ever)."""
+    reqs = options.get("ssl_cert_reqs")
+    if reqs is not None and reqs not in CERT_REQS:
+        raise InvalidArgument(
+            f"cluster URL ssl_cert_reqs must be one of {', '.join(CERT_REQS)}", value=reqs
+        )
+    ca, cert, key = (options.get(k) for k in _TLS_PARAMS[:3])
+    param, path = "ssl_ca_certs", ca
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if cert:
+            param, path = "ssl_certfile", cert
+            context.load_cert_chain(cert, key)
+        elif key:
+            raise InvalidArgument("cluster URL ssl_keyfile needs ssl_certfile", file=key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgument(
+            f"cluster URL {param}: cannot load {path!r}: {exc.strerror or exc}", file=path
+        ) from None
 
 
 def connect(config: ClusterConfig) -> Any:

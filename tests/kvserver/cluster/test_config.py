@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvserver.cluster.config import (
@@ -139,3 +141,33 @@ def test_kvserver_start_refuses_bad_cluster_settings_before_starting(
     )  # fmt: skip
     assert result.returncode == 2, result.stderr  # a usage error, nothing started
     assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("query", "named"),
+    [
+        ("ssl_ca_certs={missing}", "ssl_ca_certs"),
+        ("ssl_ca_certs={not_pem}", "ssl_ca_certs"),
+        ("ssl_ca_certs={ca}&ssl_certfile={missing}", "ssl_certfile"),
+        ("ssl_keyfile={ca}", "ssl_keyfile"),
+        ("ssl_ca_certs={ca}&ssl_cert_reqs=always", "ssl_cert_reqs"),
+    ],
+)
+def test_tls_files_and_options_are_checked_when_the_daemon_is_configured(
+    tmp_path: Path, query: str, named: str
+) -> None:
+    """A CA file missing or not PEM, a client certificate missing, a bad ``ssl_cert_reqs``:
+    refused by ``kvserver start``'s configuration, naming the parameter. Before, the daemon
+    started and stayed ``unavailable`` for ever, a missing CA reported as "Error 2
+    connecting to HOST:PORT. No such file or directory." (which file, it did not say)."""
+    pytest.importorskip("cryptography")
+    from kvserver.crypto import make_tls_cert
+
+    ca, _ = make_tls_cert(str(tmp_path / "tls"), "redis", ["127.0.0.1"])
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate\n")
+    missing = tmp_path / "missing.pem"
+    url = "rediss://127.0.0.1:6380/0?" + query.format(ca=ca, not_pem=not_pem, missing=missing)
+    with pytest.raises(InvalidArgument, match=named):
+        DaemonConfig(cluster=url)
+    assert ClusterConfig(f"rediss://127.0.0.1:6380/0?ssl_ca_certs={ca}").target().tls
