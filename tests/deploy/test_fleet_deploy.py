@@ -196,3 +196,28 @@ def test_the_vllm_pod_shares_what_co_location_needs_and_its_connector_config_is_
     assert extra["auth_token_file"] == f"{mounts['keys']}/auth.token"  # the engine keys' token
     env = {e["name"]: e for e in c["env"]}
     assert "PYTHONHASHSEED" in env
+
+
+def test_the_vllm_pods_command_parses_with_vllms_own_parser(
+    k8s: dict[tuple[str, str], Any],
+) -> None:
+    """``vllm serve``'s flags in the pod spec exist in the installed vLLM and take the values
+    given (a flag vLLM renamed or removed would stop the pod at start): its own parser, the
+    one ``vllm serve`` runs; the connector's settings reach it intact."""
+    from tests.vllm_plugin.vllm_env import require_vllm
+
+    require_vllm()
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    (c,) = k8s[("Pod", "vllm-llama-8b")]["spec"]["containers"]
+    argv = shlex.split(c["args"][0])
+    assert argv[:3] == ["exec", "vllm", "serve"]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert args.model_tag == "meta-llama/Llama-3.1-8B-Instruct" and args.port == 8000
+    assert args.prefix_caching_hash_algo == "sha256_cbor"
+    kv = args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role) == ("KVServerConnector", "kv_both")
+    assert kv.kv_connector_module_path == "kvserver_vllm.connector"
+    assert kv.kv_load_failure_policy == "recompute"
+    assert kv.kv_connector_extra_config["address"] == "tcp://127.0.0.1:9471"
