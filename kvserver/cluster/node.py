@@ -136,6 +136,8 @@ class ClusterNode:
         self.condition = "connecting"
         self.condition_detail = ""
         self._registered = False
+        #: whether started_at is Redis's time (set at the first registration)
+        self._clocked = False
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -325,6 +327,15 @@ class ClusterNode:
 
     async def _register_and_resync(self) -> None:
         r = self.redis
+        if not self._clocked:  # this incarnation's start by Redis's clock, not this host's:
+            # which of two daemons sharing a host id started later (record.taken_by) must not
+            # depend on their hosts' clocks agreeing
+            sec, usec = await asyncio.wait_for(
+                r.execute_command("EVAL_RO", record.TIME_SCRIPT, 1, schema.hosts_key()),
+                self.config.timeout_s,
+            )
+            self.info = replace(self.info, started_at=int(sec) + int(usec) / 1e6)
+            self._clocked = True
         old_raw = await asyncio.wait_for(
             r.get(schema.host_key(self.host_id)), self.config.timeout_s
         )

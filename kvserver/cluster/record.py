@@ -16,6 +16,11 @@ from typing import Any
 from kvserver.cluster.schema import HostInfo
 from kvserver.errors import InvalidState
 
+# KEYS[1]: any key of the {fleet} slot (the server that holds the records answers). Redis's
+# TIME: a member's ``started_at``, taken at its first registration, so that :func:`taken_by`
+# compares two readings of one clock, not the clocks of two hosts.
+TIME_SCRIPT = "return redis.call('TIME')"
+
 # KEYS[1]: the record. ARGV: the new record, its TTL (ms), the incarnation's JSON field.
 # Renews the record while it names this incarnation (1); else changes nothing and returns
 # the record there (nil: none).
@@ -51,7 +56,8 @@ def field(incarnation: str) -> str:
 
 def taken_by(mine: HostInfo, raw: Any) -> HostInfo | None:
     """The member that owns the host id instead of ``mine``, given the record ``raw`` found
-    there: one that started after it (ties: the larger incarnation); None when ``raw`` is
+    there: one that started after it (``started_at``: Redis's time at each one's first
+    registration; ties: the larger incarnation); None when ``raw`` is
     ``mine``'s, an earlier incarnation's (a restart: ``mine`` takes over) or unreadable."""
     try:
         other = HostInfo.decode(raw)

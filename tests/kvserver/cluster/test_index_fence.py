@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
 from kvserver.cluster import ClusterNode, FleetReader, HostInfo, schema
+from kvserver.cluster import node as node_module
 from kvserver.cluster.config import connect
 from kvserver.cluster.node import MAX_BATCH_KEYS
 from kvserver.cluster.writer import RESYNC_STEP
@@ -295,4 +298,37 @@ async def test_a_timed_out_batch_run_late_within_a_resync_leaves_no_stale_entry(
     finally:
         await late.aclose()
         await node.stop()
+        server.stop()
+
+
+async def test_which_of_two_daemons_with_one_host_id_started_later_is_redis_time_not_theirs(
+    tmp_path: Path,
+) -> None:
+    """The later daemon's host clock is an hour behind (a copied --host-id on a host whose
+    clock lags): it still owns the id, as started later by Redis's clock. Before, each
+    record's ``started_at`` was its own host's ``time.time()``: the later daemon read as
+    started an hour earlier and stepped down, the earlier one kept the id, and the later
+    one's error said the id was taken by a daemon "started later"."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=5.0, heartbeat_s=0.2)
+    first, second = Member("host-a", config), Member("host-a", config)
+    try:
+        await first.start()
+        assert first.node is not None and first.node.condition == "ok"
+        real = time.time
+        with mock.patch.object(node_module.time, "time", lambda: real() - 3600):  # the skew
+            node = await second.start()
+
+        async def stepped_down() -> bool:
+            assert first.node is not None
+            return first.node.condition == "unavailable"
+
+        await eventually(stepped_down, timeout=10.0)
+        assert node.condition == "ok", node.condition_detail
+        assert "host id" in first.node.condition_detail
+    finally:
+        for m in (second, first):
+            if m.node is not None:
+                await m.node.stop()
         server.stop()
