@@ -376,7 +376,8 @@ class ClusterNode:
                 commands += self._queue_record(pipe, exists=False)
                 commands += self._queue_fence(pipe)
             replies = await self._bounded(pipe, part.num_keys)
-            self.writer.count(part, replies[at : at + writes])
+            if not self._counted(part, replies[at : at + writes]):  # once more
+                return
         if not self._fenced(replies[-1]):  # Redis lost some of the resync: once more
             return
         self._written(batch.last_seq)
@@ -450,12 +451,26 @@ class ClusterNode:
             commands += self._queue_record(pipe, exists=True)
         commands += self._queue_fence(pipe)
         replies = await self._bounded(pipe, batch.num_keys)
-        self.writer.count(batch, replies[:at])
         self.counters.batches += 1
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
+        if not self._counted(batch, replies[:at]):
+            return
         if not batch.new_namespaces or self._renewed(replies[at]):
             self._fenced(replies[-1])
+
+    def _counted(self, batch: Batch, replies: Sequence[Any]) -> bool:
+        """Count ``batch``'s write replies (:meth:`IndexWriter.count`); False, and a resync
+        ahead, when the fence refused some: Redis ran them out of order, after the fence
+        moved (a Redis Cluster client retries a write that met a slot in migration, TRYAGAIN
+        or ASK, after the rest of the pipeline, its fence move included)."""
+        refused = self.writer.count(batch, replies)
+        if not refused:
+            return True
+        self.counters.index_losses += 1
+        self._lost(f"Redis ran {refused} index write(s) after their pipeline's fence move "
+                   "(a slot migrating?): their changes are lost")  # fmt: skip
+        return False
 
     def _renewed(self, reply: Any) -> bool:
         """Whether the record was renewed (``reply``: :data:`record.RENEW_SCRIPT`'s); else
@@ -473,10 +488,12 @@ class ClusterNode:
 
     async def _heartbeat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        self._queue_record(pipe, exists=True)
+        at = self._queue_record(pipe, exists=True)
         sets = self.writer.index_keys()
-        if sets:  # renewed, and counted: a set Redis evicted is found here
-            pipe.execute_command("EVAL", KEEP_SCRIPT, len(sets), *sets, self.config.ttl_ms)
+        for key in sets:  # renewed, and counted: a set Redis evicted is found here. One key
+            # a call: a slot migrating between Redis Cluster nodes answers a script of two
+            # keys there TRYAGAIN (a failed heartbeat, a resync), one of one key ASK
+            pipe.execute_command("EVAL", KEEP_SCRIPT, 1, key, self.config.ttl_ms)
         self._queue_fence(pipe)
         replies = await self._bounded(pipe)
         self.counters.heartbeats += 1
@@ -484,7 +501,7 @@ class ClusterNode:
         # the record gone (Redis lost it, or we stalled past the TTL) or another's
         if not self._renewed(replies[0]) or not self._fenced(replies[-1]):
             return
-        lost = self.writer.lost_sets(replies[-2]) if sets else []
+        lost = self.writer.lost_sets([n for (n,) in replies[at : at + len(sets)]])
         if lost:
             self.counters.index_losses += 1
             self._lost(

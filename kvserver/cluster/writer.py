@@ -22,6 +22,9 @@ the incarnation's write fence (``schema.fence_key``) reads the value the node ga
 then writes: a write of a timed-out pipeline that Redis runs late (after the client gave up
 on it) either runs before that (and the resync's unlink of its set, after it, replaces it)
 or after (and finds another number: nothing done). So no late tail leaves a stale entry.
+A write of the node's current pipeline that the fence refuses ran after that pipeline's
+fence move (a Redis Cluster client retrying a redirected write at the end): its change is
+lost, and :meth:`IndexWriter.count` reports it so that the node resyncs.
 
 Cost: per batch and per (namespace, tier) touched, at most one ``SREM`` and one ``EVAL`` per
 ``MAX_ARGS`` keys (inside it one ``SADD`` per ``SADD_ARGS`` keys and one ``PEXPIRE``):
@@ -63,9 +66,9 @@ if op == 'SADD' then redis.call('PEXPIRE', KEYS[1], ARGV[2], 'NX') end
 return changed
 """
 
-# KEYS: every index set of an incarnation (one slot). ARGV[1]: their TTL (ms). Renews each
-# set's TTL and returns each set's number of members (the heartbeat compares them with what
-# the writes left there: :attr:`IndexWriter.sizes`).
+# KEYS: index sets of an incarnation (one slot; the heartbeat passes one). ARGV[1]: their
+# TTL (ms). Renews each set's TTL and returns each set's number of members (the heartbeat
+# compares them with what the writes left there: :attr:`IndexWriter.sizes`).
 KEEP_SCRIPT = """
 local out = {}
 for i = 1, #KEYS do
@@ -256,15 +259,22 @@ class IndexWriter:
             commands += 1
         return commands
 
-    def count(self, batch: Batch, replies: Sequence[Any]) -> None:
+    def count(self, batch: Batch, replies: Sequence[Any]) -> int:
         """Update :attr:`sizes` from the replies of ``batch``'s commands (:meth:`apply`'s, in
-        order). A write the fence refused (-1) changed nothing (the node resyncs)."""
+        order); returns how many of them the fence refused (-1: they changed nothing). A
+        write of the node's current pipeline is refused only when Redis ran it after the
+        pipeline's fence move (a Redis Cluster client retrying it after a redirection, at
+        the end): its change is lost, and the node resyncs."""
+        refused = 0
         for (set_id, op, _), reply in zip(self._writes(batch), replies, strict=True):
             n = int(reply)
-            if op == "u":
+            if n < 0:
+                refused += 1
+            elif op == "u":
                 self.sizes[set_id] = 0
-            elif n >= 0:
+            else:
                 self.sizes[set_id] = self.sizes.get(set_id, 0) + (n if op == "a" else -n)
+        return refused
 
     @staticmethod
     def _writes(batch: Batch) -> Iterator[tuple[SetId, str, list[bytes]]]:
