@@ -23,18 +23,22 @@ Lifecycle of the member (docs/cluster.md):
    a later daemon with this host id has taken it: step down) and the TTL of
    the index sets.
 4. **Degraded**: any Redis error or timeout → condition ``unavailable`` (with the error),
-   pending changes dropped; the daemon keeps serving its own tiers. Retried every heartbeat
-   interval; on success → back to 1 (register, full resync) → ``ok``. A heartbeat that finds
-   its record gone (Redis restarted, or this daemon stalled past the TTL) does the same.
+   pending changes dropped; the daemon keeps serving its own tiers. Retried every second
+   (every heartbeat interval when shorter); on success → back to 1 (register, full resync)
+   → ``ok``. A heartbeat that finds its record gone (Redis restarted or evicted it, or this
+   daemon stalled past the TTL) does the same.
 5. **Fenced**: every pipeline of index writes, and every heartbeat, ends by moving the
    incarnation's fence (``schema.fence_key``) from the number of the previous one to its own
-   (:data:`FENCE_SCRIPT`, only from that number). Another number back means Redis lost or
+   (``writer.FENCE_SCRIPT``, only from that number). Another number back means Redis lost or
    reordered writes of this incarnation without a call failing (restarted from an older
    snapshot between two calls, the client retrying its connection at once): pending changes
-   are dropped and the index resynced, as in 4, staying ``ok``. Every index write is done
-   only while the fence reads its pipeline's number (``writer.py``, fenced writes), and a
-   resync first sets a new number: a timed-out pipeline's tail that Redis runs during the
-   resync changes nothing the resync does not replace.
+   are dropped and the index resynced, as in 4, staying ``ok``. So are a write of the
+   pipeline that the fence refused (Redis ran it after the fence move: a Redis Cluster client
+   retrying a redirected write) and an index set whose member count, which the heartbeat
+   reads, is not what this incarnation's writes left there (evicted by Redis). Every index
+   write is done only while the fence reads its pipeline's number (``writer.py``, fenced
+   writes), and a resync first sets a new number: a timed-out pipeline's tail that Redis
+   runs during the resync changes nothing the resync does not replace.
 
 Conditions: ``connecting`` (not registered yet), ``ok``, ``unavailable``, ``stopped``.
 """
@@ -68,15 +72,6 @@ MAX_BATCH_KEYS = 65_536
 OOM_HINT = "Redis is full: raise its maxmemory (docs/cluster.md sizes the index)"
 #: time allowed per index key of a pipeline, on top of the call timeout (seconds).
 KEY_WRITE_S = 1e-5
-
-# KEYS[1]: an incarnation's write fence. ARGV: the number it should read, the next, its TTL
-# (ms). Moves it only from the number before (a late tail's move, after a resync set a new
-# one, changes nothing); returns what it read (nil: none).
-FENCE_SCRIPT = """
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
-return v
-"""
 
 
 #: what the daemon holds: chunk keys per (namespace id, tier).
@@ -145,8 +140,6 @@ class ClusterNode:
         self._last_write = 0.0
         #: the newest storage event reflected in Redis.
         self.written_seq = 0
-        #: the number of the last write pipeline queued: the fence's value once it has run.
-        self._fence = 0
         self._written_changed = asyncio.Event()
 
     @property
@@ -327,36 +320,19 @@ class ClusterNode:
 
     async def _register_and_resync(self) -> None:
         r = self.redis
-        if not self._clocked:  # this incarnation's start by Redis's clock, not this host's:
-            # which of two daemons sharing a host id started later (record.taken_by) must not
-            # depend on their hosts' clocks agreeing
-            sec, usec = await asyncio.wait_for(
-                r.execute_command("EVAL_RO", record.TIME_SCRIPT, 1, schema.hosts_key()),
-                self.config.timeout_s,
-            )
-            self.info = replace(self.info, started_at=int(sec) + int(usec) / 1e6)
+        if not self._clocked:  # started_at by Redis's clock (record.taken_by compares them)
+            started = await record.redis_time(r, self.config.timeout_s)
+            self.info = replace(self.info, started_at=started)
             self._clocked = True
-        old_raw = await asyncio.wait_for(
-            r.get(schema.host_key(self.host_id)), self.config.timeout_s
-        )
-        old_keys: list[str] = []
-        if old_raw is not None:
-            other = record.taken_by(self.info, old_raw)
-            if other is not None:
-                raise record.taken(self.info, other)
-            with contextlib.suppress(Exception):
-                old = HostInfo.decode(old_raw)
-                if old.incarnation != self.incarnation:
-                    old_keys = [*old.index_keys(), schema.fence_key(old.host_id, old.incarnation)]
+        old_keys = await record.predecessor(r, self.info, self.config.timeout_s)
         # A new fence number first: a late tail of an earlier pipeline that runs after it
         # writes nothing (writer.py, fenced writes). Alone, before the bulk: a Redis that
         # refuses writes (out of memory under noeviction) refuses this one SET, not a
-        # resync's megabytes sent again at every retry.
-        self._fence += 1
-        await asyncio.wait_for(  # as long as a pipeline: it waits out a write pause
-            r.set(self.writer.fence_key, self._fence, px=self.config.ttl_ms),
-            self.config.timeout_s * 4,
-        )
+        # resync's megabytes sent again at every retry. As long as a pipeline: it waits
+        # out a write pause.
+        fence = self.writer.next_fence()
+        await asyncio.wait_for(r.set(self.writer.fence_key, fence, px=self.config.ttl_ms),
+                               self.config.timeout_s * 4)  # fmt: skip
         snap = self.snapshot()  # no await between this and the resync's start: events after
         self._ns_specs = dict(self.namespace_specs())  # it follow, and stay pending
         steps = self.writer.resync(snap, self.events.last_seq)
@@ -370,11 +346,11 @@ class ClusterNode:
             for key in old_keys if i == 0 else ():
                 pipe.execute_command("UNLINK", key)
             at = len(old_keys) if i == 0 else 0
-            writes = self.writer.apply(pipe, part, self._fence)
+            writes = self.writer.apply(pipe, part)
             commands += writes
             if i == len(parts) - 1:
                 commands += self._queue_record(pipe, exists=False)
-                commands += self._queue_fence(pipe)
+                commands += self.writer.queue_fence(pipe)
             replies = await self._bounded(pipe, part.num_keys)
             if not self._counted(part, replies[at : at + writes]):  # once more
                 return
@@ -400,40 +376,19 @@ class ClusterNode:
         await self.reader.hosts(refresh=True)  # self.members
 
     def _queue_record(self, pipe: Any, *, exists: bool) -> int:
-        """Queue the record (with the current namespaces; ``exists``: renewed only while it
-        names this incarnation, :meth:`_renewed` checks the reply), the hosts set and the
-        specs."""
+        """Queue the record with the current namespaces (``record.queue``; ``exists``: renewed
+        only while it names this incarnation, :meth:`_renewed` checks the reply)."""
         self.info = replace(self.info, namespaces=tuple(sorted(self.writer.namespaces)))
-        key, ttl = schema.host_key(self.host_id), self.config.ttl_ms
-        if exists:
-            mine = record.field(self.incarnation)
-            pipe.execute_command("EVAL", record.RENEW_SCRIPT, 1, key, self.info.encode(), ttl, mine)
-        else:
-            pipe.set(key, self.info.encode(), px=ttl)
-        pipe.sadd(schema.hosts_key(), self.host_id)
-        if self._ns_specs:
-            pipe.hset(schema.namespaces_key(), mapping=self._ns_specs)
-            return 3
-        return 2
-
-    def _queue_fence(self, pipe: Any) -> int:
-        """Queue the move of the fence to the next number, done only from the number before
-        (:data:`FENCE_SCRIPT`; its reply, the number it read, :meth:`_fenced` compares).
-        Last in a pipeline: on the sets' slot, after every write of the pipeline to them."""
-        self._fence += 1
-        pipe.execute_command("EVAL", FENCE_SCRIPT, 1, self.writer.fence_key, self._fence - 1,
-                             self._fence, self.config.ttl_ms)  # fmt: skip
-        return 1
+        return record.queue(pipe, self.info, self.config.ttl_ms, self._ns_specs, exists=exists)
 
     def _fenced(self, reply: Any) -> bool:
         """Whether the fence's value before this pipeline's move (``reply``) was the number
         of the pipeline before: else Redis lost or reordered writes; the index is resynced."""
-        if reply is not None and int(reply) == self._fence - 1:
+        if self.writer.fence_read(reply):
             return True
         self.counters.index_losses += 1
-        self._lost(
-            f"Redis lost index writes (its write fence read {reply!r}, not {self._fence - 1})"
-        )
+        self._lost(f"Redis lost index writes (its write fence read {reply!r}, "
+                   f"not {self.writer.fence - 1})")  # fmt: skip
         return False
 
     async def _write(self, batch: Batch) -> None:
@@ -445,11 +400,11 @@ class ClusterNode:
 
     async def _write_part(self, batch: Batch) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        commands = at = self.writer.apply(pipe, batch, self._fence)
+        commands = at = self.writer.apply(pipe, batch)
         if batch.new_namespaces:
             self._ns_specs.update(self.namespace_specs())
             commands += self._queue_record(pipe, exists=True)
-        commands += self._queue_fence(pipe)
+        commands += self.writer.queue_fence(pipe)
         replies = await self._bounded(pipe, batch.num_keys)
         self.counters.batches += 1
         self.counters.commands += commands
@@ -494,7 +449,7 @@ class ClusterNode:
             # a call: a slot migrating between Redis Cluster nodes answers a script of two
             # keys there TRYAGAIN (a failed heartbeat, a resync), one of one key ASK
             pipe.execute_command("EVAL", KEEP_SCRIPT, 1, key, self.config.ttl_ms)
-        self._queue_fence(pipe)
+        self.writer.queue_fence(pipe)
         replies = await self._bounded(pipe)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)

@@ -1,7 +1,9 @@
 """The host record's conditional writes: a member renews or removes its record only while the
 record still names its own incarnation (``schema.host_key``; ``ClusterNode`` runs them).
 
-Runs wherever the node runs (pure: script text and reply checks, no I/O). Why: two daemons
+Runs wherever the node runs, on its event loop: script text, reply checks, the record's
+queueing, and the two reads a registration starts with (:func:`redis_time`,
+:func:`predecessor`). Why: two daemons
 that share a host id (two daemons on one machine both default to hostname/boot-id, or a
 copied ``--host-id``) would otherwise write their records and index over each other at every
 heartbeat and batch, each registration unlinking the other's sets. The rule is a restart's:
@@ -11,8 +13,12 @@ record names the later one and steps down (``unavailable``, saying why) until th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Mapping
 from typing import Any
 
+from kvserver.cluster import schema
 from kvserver.cluster.schema import HostInfo
 from kvserver.errors import InvalidState
 
@@ -75,3 +81,47 @@ def taken(mine: HostInfo, other: HostInfo) -> HostIdTaken:
         f"(incarnation {other.incarnation}, data plane {other.data_address}); this one "
         "stays out of the fleet until it is free: give each daemon its own --host-id"
     )
+
+
+async def redis_time(redis: Any, timeout_s: float) -> float:
+    """Redis's time (seconds since the epoch; :data:`TIME_SCRIPT`, read-only: it runs while
+    the server pauses writes): a member's ``started_at``, so :func:`taken_by` compares two
+    readings of one clock, not the clocks of two hosts."""
+    sec, usec = await asyncio.wait_for(
+        redis.execute_command("EVAL_RO", TIME_SCRIPT, 1, schema.hosts_key()), timeout_s
+    )
+    return int(sec) + int(usec) / 1e6
+
+
+async def predecessor(redis: Any, mine: HostInfo, timeout_s: float) -> list[str]:
+    """The keys to unlink of the incarnation the host id's record names, when it is an
+    earlier one of this host ([] when none, or ``mine``); :class:`HostIdTaken` when a
+    daemon started later owns the id."""
+    raw = await asyncio.wait_for(redis.get(schema.host_key(mine.host_id)), timeout_s)
+    if raw is None:
+        return []
+    other = taken_by(mine, raw)
+    if other is not None:
+        raise taken(mine, other)
+    with contextlib.suppress(Exception):
+        old = HostInfo.decode(raw)
+        if old.incarnation != mine.incarnation:
+            return [*old.index_keys(), schema.fence_key(old.host_id, old.incarnation)]
+    return []
+
+
+def queue(pipe: Any, info: HostInfo, ttl_ms: int, specs: Mapping[str, str], *, exists: bool) -> int:
+    """Queue ``info``'s record on ``pipe`` (``exists``: renewed only while it names this
+    incarnation, :data:`RENEW_SCRIPT`; else set), its id in the hosts set and the namespace
+    ``specs``; returns the number of commands queued (the record's first)."""
+    key = schema.host_key(info.host_id)
+    if exists:
+        mine = field(info.incarnation)
+        pipe.execute_command("EVAL", RENEW_SCRIPT, 1, key, info.encode(), ttl_ms, mine)
+    else:
+        pipe.set(key, info.encode(), px=ttl_ms)
+    pipe.sadd(schema.hosts_key(), info.host_id)
+    if specs:
+        pipe.hset(schema.namespaces_key(), mapping=dict(specs))
+        return 3
+    return 2

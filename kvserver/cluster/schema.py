@@ -28,9 +28,10 @@ multi-key commands and scripts below never cross slots)::
   false positive needs a 64-bit collision within one host's set (about 1e-13 per lookup at
   1 M chunks). The index is never trusted for bytes, so a collision costs one failed fetch.
 - The **fence** counts an incarnation's index writes: each pipeline of its index writes (and
-  its heartbeat) ends with ``SET fence n PX ttl GET``, in the slot of its sets, and expects
-  ``n - 1`` back. Anything else means Redis lost or reordered some of its writes without the
-  writer seeing an error (restarted from older data between two calls, whose client then
+  its heartbeat) ends with a script moving it from ``n - 1`` to ``n`` (``PX ttl``; only from
+  ``n - 1``: ``writer.FENCE_SCRIPT``), in the slot of its sets, and expects ``n - 1`` back.
+  Anything else means Redis lost or reordered some of its writes without the writer seeing
+  an error (restarted from older data between two calls, whose client then
   retried the connection at once; a timed-out pipeline's tail run after a later one): the
   writer resyncs (``node.py``).
 - Every index set has a TTL (``PEXPIRE ... NX`` in the script that adds its members, so it

@@ -78,6 +78,15 @@ end
 return out
 """
 
+# KEYS[1]: an incarnation's write fence. ARGV: the number it should read, the next, its TTL
+# (ms). Moves it only from the number before (a late tail's move, after a resync set a new
+# one, changes nothing); returns what it read (nil: none).
+FENCE_SCRIPT = """
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+return v
+"""
+
 SetId = tuple[str, str]  # (ns_id, tier)
 
 
@@ -140,6 +149,8 @@ class IndexWriter:
         self.pending_keys = 0
         #: the newest event seq added.
         self.last_seq = 0
+        #: the number of the last write pipeline queued: the fence's value once it has run.
+        self.fence = 0
         #: members of each set in Redis, as the replies of this incarnation's writes left it
         #: (:meth:`count`); the heartbeat checks Redis still holds them (:meth:`lost_sets`).
         self.sizes: dict[SetId, int] = {}
@@ -247,12 +258,33 @@ class IndexWriter:
     def fence_key(self) -> str:
         return schema.fence_key(self.host_id, self.incarnation)
 
-    def apply(self, pipe: Any, batch: Batch, fence: int) -> int:
+    def next_fence(self) -> int:
+        """A new fence number, for a resync to set before its writes (module docstring)."""
+        self.fence += 1
+        return self.fence
+
+    def queue_fence(self, pipe: Any) -> int:
+        """Queue the move of the fence to the next number, done only from the number before
+        (:data:`FENCE_SCRIPT`; :meth:`fence_read` checks its reply, the number it read).
+        Last in a pipeline: on the sets' slot, after every write of the pipeline to them."""
+        self.fence += 1
+        pipe.execute_command("EVAL", FENCE_SCRIPT, 1, self.fence_key, self.fence - 1, self.fence,
+                             self.ttl_ms)  # fmt: skip
+        return 1
+
+    def fence_read(self, reply: Any) -> bool:
+        """Whether the fence read (``reply``) the number of the pipeline before the last
+        move queued: else Redis lost or reordered writes (the node resyncs)."""
+        return reply is not None and int(reply) == self.fence - 1
+
+    def apply(self, pipe: Any, batch: Batch, fence: int | None = None) -> int:
         """Queue ``batch`` on ``pipe`` (a non-transactional redis-py pipeline), each write
-        done only while the fence reads ``fence`` (:data:`WRITE_SCRIPT`); returns the number
-        of commands queued (their replies, in order, go to :meth:`count`)."""
+        done only while the fence reads ``fence`` (default: :attr:`fence`, the number the
+        next move expects; :data:`WRITE_SCRIPT`); returns the number of commands queued
+        (their replies, in order, go to :meth:`count`)."""
         commands = 0
         fence_key = self.fence_key
+        fence = self.fence if fence is None else fence
         for set_id, op, fps in self._writes(batch):
             args = (WRITE_SCRIPT, 2, self.key(*set_id), fence_key, fence, self.ttl_ms)
             pipe.execute_command("EVAL", *args, op, *fps)

@@ -85,6 +85,7 @@ async def test_a_member_stays_in_the_fleet_through_a_stall_shorter_than_its_ttl(
             return node.condition == "unavailable"
 
         await eventually(unavailable, timeout=5.0)  # the heartbeat timed out: Redis sleeps
+
         async def listed() -> list[tuple[str, str]] | None:  # once Redis answers again
             with contextlib.suppress(Unavailable):
                 return [(h.host_id, h.incarnation) for h in await reader.hosts()]
