@@ -111,6 +111,17 @@ class RedisServer:
                 self.proc.wait(10)
 
 
+def _is_master(server: RedisServer) -> bool:
+    return server.cli("ROLE").split()[:1] == ["master"]
+
+
+def _ready(server: RedisServer) -> bool:
+    """A cluster node that sees the cluster ``ok`` and, a replica, has synchronised."""
+    if "cluster_state:ok" not in server.cli("CLUSTER", "INFO"):
+        return False
+    return _is_master(server) or "master_link_status:up" in server.cli("INFO", "replication")
+
+
 @dataclass
 class RedisCluster:
     servers: list[RedisServer] = field(default_factory=list)
@@ -122,12 +133,15 @@ class RedisCluster:
         nodes: int = 3,
         tls: tuple[str, str] | None = None,
         binary: str = "redis-server",
+        replicas: int = 0,
     ) -> RedisCluster:
         """``tls``: (certificate, key): every node serves TLS only, the bus too. ``binary``:
-        the server program (a ``valkey-server``: the same flags, the same cluster protocol)."""
+        the server program (a ``valkey-server``: the same flags, the same cluster protocol).
+        ``replicas``: per master (``nodes`` masters), started too; returns once each has
+        synchronised with its master (a failover then promotes one)."""
         cluster = cls()
         try:
-            for i in range(nodes):
+            for i in range(nodes * (1 + replicas)):
                 d = directory / f"node{i}"
                 d.mkdir(parents=True, exist_ok=True)
                 conf = str(d / "nodes.conf")
@@ -145,11 +159,12 @@ class RedisCluster:
             cli_tls = ["--tls", "--cacert", tls[0]] if tls is not None else []
             subprocess.run(
                 ["redis-cli", *cli_tls, "--cluster", "create",
-                 *[f"127.0.0.1:{s.port}" for s in cluster.servers], "--cluster-yes"],
+                 *[f"127.0.0.1:{s.port}" for s in cluster.servers], "--cluster-yes",
+                 "--cluster-replicas", str(replicas)],
                 capture_output=True, check=True, timeout=30,
             )  # fmt: skip
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in cluster.servers):
+            while not all(_ready(s) for s in cluster.servers):
                 if time.monotonic() > deadline:
                     raise RuntimeError("redis cluster did not become ok")
                 time.sleep(0.05)  # polling for cluster state, bounded by the deadline
@@ -157,6 +172,15 @@ class RedisCluster:
             cluster.stop()
             raise
         return cluster
+
+    def master_of(self, key: str) -> RedisServer:
+        """The live master that holds keys of ``key``'s slot (the slot must hold some)."""
+        slot = self.servers[0].cli("CLUSTER", "KEYSLOT", key)
+        for s in self.servers:
+            alive = s.proc is not None and s.proc.poll() is None
+            if alive and _is_master(s) and s.cli("CLUSTER", "COUNTKEYSINSLOT", slot) != "0":
+                return s
+        raise LookupError(f"no live master holds keys of slot {slot}")
 
     @property
     def url(self) -> str:

@@ -6,6 +6,7 @@ crash expiry and restart, through redis-py's and valkey's cluster clients
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,6 +170,63 @@ async def test_a_members_slot_migrated_while_it_writes_leaves_its_index_true(
             return node.condition == "ok" and node.written_seq >= a.seq and got == want
 
         await eventually(true, timeout=15.0)
+    finally:
+        stop.set()
+        if a.node is not None:
+            await a.node.stop()
+        await reader.redis.aclose()
+        cluster.stop()
+
+
+async def test_the_master_of_a_members_slot_fails_over_while_it_writes(tmp_path: Path) -> None:
+    """3 masters with a replica each; the master holding host-a's sets is SIGKILLed while
+    host-a stores and evicts. Its calls fail (``unavailable``) until the replica is promoted
+    (cluster-node-timeout 2 s) and the client follows ``MOVED``; then it resyncs, and writes
+    the old master acknowledged but had not replicated are found by the fence or the
+    heartbeat's count: the set ends equal to what host-a holds."""
+    cluster = RedisCluster.start(
+        tmp_path / "rc", nodes=3, replicas=1, binary=server_binary("redis")
+    )
+    config = cluster_config(cluster.url, ttl_s=6.0, heartbeat_s=0.5, timeout_s=0.5)
+    a = Member("host-a", config)
+    reader = FleetReader(connect(config), config)
+    stop = asyncio.Event()
+    ks = keys(4000)
+
+    async def store_and_evict() -> None:
+        i = 1000
+        while not stop.is_set() and i < len(ks):
+            a.store(ks[i : i + 5])
+            i += 5
+            if i % 200 == 0:
+                a.evict(ks[i - 100 : i - 95])
+            await asyncio.sleep(0.005)
+
+    try:
+        await reader.hosts(refresh=True, timeout_s=10.0)  # discovers the cluster
+        node = await a.start()
+        a.store(ks[:1000])
+        await a.settled()
+        master = cluster.master_of(node.writer.fence_key)
+        writing = asyncio.create_task(store_and_evict())
+
+        async def failing() -> bool:
+            return node.condition == "unavailable"
+
+        master.kill()
+        await eventually(failing, timeout=10.0)
+        stop.set()
+        await writing
+
+        async def true() -> bool:
+            want = {schema.fingerprint(k) for k in a.held[(NS, "dram")]}
+            with contextlib.suppress(Exception):  # until the client sees the new master
+                got = set(await reader.redis.smembers(node.writer.index_keys()[0]))
+                return node.condition == "ok" and node.written_seq >= a.seq and got == want
+            return False
+
+        await eventually(true, timeout=30.0)
+        assert cluster.master_of(node.writer.fence_key) is not master
     finally:
         stop.set()
         if a.node is not None:
