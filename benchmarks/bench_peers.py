@@ -54,8 +54,22 @@ twice the CPU of one on a shared vCPU, for the reference as for a fetch (docs/be
 chart are ``benchmarks/peers_report.py``. Before timing, one fetched batch is read
 back through each B and compared byte for byte with what was stored.
 
+Placement (``--placement``, ``benchmarks/harness/placement.py``): which CPUs each side of
+every transfer may use, the same for the reference, the floor and every fetch. The receiving
+side is this process (B's co-located client, the reference's DEALER, the floor's receiver; its
+ZMQ I/O threads included) and the fetching daemons (B, B_zmq, B_tls, B_curve); the sending
+side is A, A_sec and the reference's and the floor's helper processes. ``free`` (the default,
+today's behaviour): where the scheduler puts each thread, so that the fetch and the reference
+each draw their own placement; ``same``: both sides on one CPU; ``split``: the receiving side
+on one CPU, the sending side on another; ``all``: each of the three in every run (``--runs``),
+the order rotating run by run, summarized per placement. A process is started on its side's
+CPUs (it and every thread it starts inherit them), this process's threads are moved to the
+receiving side's; after the rounds every thread of every process is read back
+(``/proc/PID/task/*/status``, ``Cpus_allowed_list``), checked, and reported (``placement``,
+``thread_masks`` per part size).
+
 Usage: python benchmarks/bench_peers.py [--quick] [--runs N] [--parts SIZES] [--rounds N]
-       [--stream-window SIZE] [--json FILE]
+       [--stream-window SIZE] [--placement {free,same,split,all}] [--json FILE]
 ``--stream-window`` is passed to B and B_tls (the fetchers over a stream) as
 ``--peer-stream-window``: the window sizes can be alternated run by run without editing code.
 With --json, also writes FILE with the .png suffix (chart) when matplotlib is importable.
@@ -76,20 +90,27 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
 from benchmarks.harness.daemon import RECORDED_POLICY, DaemonProc, start_daemon
+from benchmarks.harness.placement import (
+    Placement,
+    check,
+    pin_threads,
+    placement,
+    placements,
+    rotated,
+    spawning_on,
+    thread_masks,
+)
 from benchmarks.harness.proc import runtime_ms
 from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
 from benchmarks.harness.raw_zmq import RawPeer, payload, serve, start_helper
+from benchmarks.peers_fleet import batch_keys, require_colocated, secure_args, spec_for
 from benchmarks.peers_report import TARGET, print_table, summarize, write_chart
 from benchmarks.report import save_report
-from kvserver import wire
-from kvserver.arena import ArenaView
 from kvserver.client import KVClient
-from kvserver.crypto import CurveClient, make_curve_keys, make_tls_cert
 from kvserver.daemon import config as daemon_config
 from kvserver.daemon.config_parse import parse_size
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
 from kvserver.errors import KVServerError
-from kvserver.namespace import NamespaceSpec
 
 MiB = 1 << 20
 BATCH_BYTES = 32 * MiB
@@ -99,52 +120,6 @@ B_DRAM = 48 * MiB
 TIMEOUT_MS = 30_000
 
 
-def spec_for(part_bytes: int) -> NamespaceSpec:
-    return NamespaceSpec(
-        model=f"bench/peers-{part_bytes}",
-        dtype="bfloat16",
-        num_layers=32,
-        num_kv_heads=8,
-        head_dim=128,
-        block_size=16,
-        part_bytes_override=part_bytes,
-    )
-
-
-def batch_keys(part_bytes: int, batch: int, n: int) -> list[bytes]:
-    return [f"{part_bytes}-{batch}-{i}".encode().ljust(32, b".")[:32] for i in range(n)]
-
-
-def require_colocated(client: KVClient) -> None:
-    """The fetches are timed as a co-located worker's loads: ``client`` must have mapped its
-    daemon's arena. When its first hello did not, a second one tries again (once, noted on
-    stderr); when that fails too, the error says why: the daemon's host id and ours (a
-    client maps the arena only of a daemon with its own), and what mapping the arena
-    raises. (Session 9 saw "the bench must run on B's host" in 5 of 31 runs within ten
-    minutes, in both trees, with no cause recorded.)"""
-    if client.is_colocated:
-        return
-    info = client.hello()  # maps the arena when it can
-    ours, theirs, path = wire.host_id(), info.get("host_id"), info.get("arena_path")
-    if _colocated(client):
-        print(f"note: a hello did not map {path}; the next did", file=sys.stderr)
-        return
-    try:
-        ArenaView.attach(str(path)).close()
-        mapping = "maps now"
-    except KVServerError as exc:
-        mapping = f"cannot be mapped: {exc}"
-    raise AssertionError(
-        f"the bench must run on B's host: B's host id {theirs!r}, ours {ours!r}; "
-        f"its arena {path!r} {mapping}"
-    )
-
-
-def _colocated(client: KVClient) -> bool:
-    """``client.is_colocated``, read again (a call: not narrowed by an earlier test)."""
-    return client.is_colocated
-
-
 # ----------------------------------------------------------------------------- the fleet
 
 
@@ -152,23 +127,20 @@ def _colocated(client: KVClient) -> bool:
 FETCHES = ("stream", "zmq", "tls", "curve")
 
 
-def secure_args(workdir: Path) -> tuple[tuple[str, ...], CurveClient]:
-    """Flags of the secure fleet (one CURVE pair and one TLS certificate for it, as
-    ``kvserver keys`` makes them) and the CURVE client settings of its clients."""
-    keys = workdir / "keys"
-    if not (keys / "server.key_secret").exists():
-        make_curve_keys(str(keys), "server")
-        make_tls_cert(str(keys), "server", ["127.0.0.1"])
-    args = ("--curve-secret-key-file", str(keys / "server.key_secret"),
-            "--tls-cert-file", str(keys / "server.crt"),
-            "--tls-key-file", str(keys / "server.pem"))  # fmt: skip
-    return args, CurveClient.from_files(str(keys / "server.key"))
+#: the sending side's processes (--placement); this process and the fetching daemons receive
+SENDING = ("a", "a_sec", "ref_helper", "floor_helper")
 
 
 def measure(
-    workdir: Path, part_bytes: int, rounds: int, env: dict[str, str], window: int
+    workdir: Path,
+    part_bytes: int,
+    rounds: int,
+    env: dict[str, str],
+    window: int,
+    place: Placement,
 ) -> dict[str, Any]:
     n = BATCH_BYTES // part_bytes
+    pin_threads(os.getpid(), place.receiving)  # this process, its ZMQ I/O threads included
     spec = spec_for(part_bytes)
     secure, curve = secure_args(workdir)
     daemons: dict[str, DaemonProc] = {}
@@ -177,7 +149,8 @@ def measure(
 
     def start(name: str, *args: str) -> DaemonProc:
         where = workdir / f"{name}-{part_bytes}"
-        daemons[name] = start_daemon(where, *RECORDED_POLICY, *args, env=env)
+        with spawning_on(place.sending if name in SENDING else place.receiving):
+            daemons[name] = start_daemon(where, *RECORDED_POLICY, *args, env=env)
         return daemons[name]
 
     try:
@@ -200,9 +173,11 @@ def measure(
                         chunk = keys[i : i + 8]
                         data = [payload(k, part_bytes) for k in chunk]
                         assert kv.put(ns_id, chunk, data).stored == chunk, "A is full"
-        ref = RawPeer(workdir, part_bytes, n, env, TIMEOUT_MS)
-        proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
+        with spawning_on(place.sending):  # the helpers; RawPeer's own ZMQ context pinned below
+            ref = RawPeer(workdir, part_bytes, n, env, TIMEOUT_MS)
+            proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)
         floor = RawArenaTcp(proc, int(ep.read_text()), part_bytes, n, B_DRAM, TIMEOUT_MS / 1000)
+        pin_threads(os.getpid(), place.receiving)
         times: dict[str, list[float]] = {name: [] for name in (*FETCHES, "ref", "get", "floor")}
         # CPU ms per round: A and B around the stream fetch, the reference's two processes
         cpu: dict[str, list[float]] = {k: [] for k in ("a", "b", "ref_sender", "ref_receiver")}
@@ -262,6 +237,14 @@ def measure(
                         else:
                             times[name].append(fetch(name, keys))
                 stats = {name: c.stats()["peer"] for name, c in clients.items()}
+                # every thread there is now (the daemons' fetching threads started): where it
+                # may run, checked against the placement and reported
+                procs = {"bench": os.getpid(), "ref_helper": ref.proc.pid,
+                         "floor_helper": proc.pid,
+                         **{name: d.proc.pid for name, d in daemons.items()}}  # fmt: skip
+                masks = {name: thread_masks(pid) for name, pid in procs.items()}
+                check(masks, {name: place.sending if name in SENDING else place.receiving
+                              for name in procs})  # fmt: skip
         finally:
             for client in clients.values():
                 client.close()
@@ -295,6 +278,8 @@ def measure(
         "part_bytes": part_bytes,
         "chunks_per_fetch": n,
         "rounds": rounds,
+        "placement": place.describe(),
+        "thread_masks": masks,  # per process: Cpus_allowed_list -> threads with it
         "stream_window_bytes": window,
         "stream_windows_per_fetch": per_load,
         "value_MBps": med["stream"],
@@ -339,13 +324,19 @@ def measure(
 
 
 def run(
-    workdir: Path, sizes: list[int], rounds: int, env: dict[str, str], window: int
+    workdir: Path,
+    sizes: list[int],
+    rounds: int,
+    env: dict[str, str],
+    window: int,
+    place: Placement,
 ) -> dict[str, Any]:
     load_before = os.getloadavg()
-    results = [measure(workdir, size, rounds, env, window) for size in sizes]
+    results = [measure(workdir, size, rounds, env, window, place) for size in sizes]
     return {
         "benchmark": "peers",
         "target": TARGET,
+        "placement": place.name,
         "stream_window_bytes": window,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -393,6 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1, metavar="N",
                         help="repeat the whole run N times (fresh daemons each); the summary "
                              "is the median over runs")  # fmt: skip
+    parser.add_argument("--placement", choices=("free", "same", "split", "all"), default="free",
+                        help="CPUs of the receiving side (this process, the fetching daemons) "
+                             "and the sending side (A, A_sec, the reference's and the floor's "
+                             "helpers), the same for every fetch and the reference: "
+                             "free (default) where the scheduler puts them, same one CPU, "
+                             "split one CPU each; all: each of the three every run, "
+                             "rotating")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="FILE", help="write results as JSON here")
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave every process on glibc's allocator defaults")  # fmt: skip
@@ -405,7 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = args.parts or ([1 * MiB] if args.quick else [256 << 10, 1 * MiB, 4 * MiB])
         rounds = args.rounds or (6 if args.quick else 25)
-        runs = [run(workdir, sizes, rounds, env, args.stream_window) for _ in range(args.runs)]
+        cpus = os.sched_getaffinity(0)
+        names = placements(args.placement)
+        runs = [
+            run(workdir, sizes, rounds, env, args.stream_window, placement(name, cpus))
+            for i in range(args.runs)
+            for name in rotated(names, i)
+        ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report = {
@@ -413,8 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         "target": TARGET,
         "stream_window_bytes": args.stream_window,
         "reference": runs[0]["reference"],
+        "placement": args.placement,
         "runs": runs,
-        "summary": summarize(runs),
+        "summary": summarize(runs) if len(names) == 1 else [],
+        "placements": {
+            name: summarize([r for r in runs if r["placement"] == name]) for name in names
+        },
     }
     print_table(report)
     if args.json is not None:

@@ -25,6 +25,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         stream_over_zmq = [row["value_MBps"] / row["zmq_MBps"] for row in rows]
         entry["stream_over_zmq_per_run"] = stream_over_zmq
         entry["stream_over_zmq_median"] = statistics.median(stream_over_zmq)
+        for key, name in (("fetch_ms_median", "fetch_ms"), ("reference_ms_median", "reference_ms")):
+            values = [row[key] for row in rows]
+            entry[f"{name}_per_run"] = values
+            entry[f"{name}_median"] = statistics.median(values)
         out.append(entry)
     return out
 
@@ -32,7 +36,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_table(report: dict[str, Any]) -> None:
     for n, run_report in enumerate(report["runs"], 1):
         head = f"{'case':<34} {'stream':>7} {'ZMQ':>6} {'ref':>6} {'ratio':>6} {'round range':>12}"
-        print(f"\nrun {n}\n{head} {'paired':>7} {'ZMQ ratio':>10} {'floor':>6} {'get from A':>11}")
+        where = run_report.get("placement", "free")
+        print(f"\nrun {n}, placement {where}\n{head} {'paired':>7} {'ZMQ ratio':>10} "
+              f"{'floor':>6} {'get from A':>11}")  # fmt: skip
         for r in run_report["results"]:
             lo, hi = min(r["round_ratios"]), max(r["round_ratios"])
             flag = "" if r["ratio"] >= TARGET else f"  (below {TARGET})"
@@ -55,13 +61,23 @@ def print_table(report: dict[str, Any]) -> None:
                 f"lookup of A: {r['lookup_ms_median']:.2f} ms, "
                 f"{100 * r['lookup_share_of_fetch']:.1f}% of lookup + fetch"
             )
+        for r in run_report["results"][:1]:
+            masks = ", ".join(f"{k} {'/'.join(m)}" for k, m in r.get("thread_masks", {}).items())
+            print(f"CPUs allowed, every thread (checked): {masks}")
         before, after = run_report["load_average_before"], run_report["load_average_after"]
         print(f"load average before {before[0]:.2f}, after {after[0]:.2f} (1 min); stream "
               f"window {run_report['stream_window_bytes'] / MiB:g} MiB (B, B_tls)")  # fmt: skip
-    print(f"\nmedian over {len(report['runs'])} run(s), per run in brackets")
+    for name, summary in report.get("placements", {"free": report["summary"]}).items():
+        print_summary(name, summary)
+
+
+def print_summary(name: str, summary: list[dict[str, Any]]) -> None:
+    """The medians over the runs of one placement."""
+    count = len(summary[0]["ratio_per_run"]) if summary else 0
+    print(f"\nplacement {name}: median over {count} run(s), per run in brackets")
     print(f"{'case':<34} {'stream/ref':>11} {'ZMQ/ref':>8} {'floor/ref':>10} {'stream/ZMQ':>11} "
           f"{'TLS/ref':>8} {'CURVE/ref':>10} {'TLS/CURVE':>10}")  # fmt: skip
-    for e in report["summary"]:
+    for e in summary:
         runs = " ".join(f"{x:.2f}" for x in e["ratio_per_run"])
         tls = " ".join(f"{x:.2f}" for x in e["tls_ratio_per_run"])
         print(
@@ -70,6 +86,10 @@ def print_table(report: dict[str, Any]) -> None:
             f"{e['tls_ratio_median']:>8.2f} {e['curve_ratio_median']:>10.2f} "
             f"{e['tls_over_curve_median']:>10.2f}  [{runs}] TLS [{tls}]"
         )
+        fetch = " ".join(f"{x:.2f}" for x in e["fetch_ms_per_run"])
+        ref = " ".join(f"{x:.2f}" for x in e["reference_ms_per_run"])
+        print(f"{'':<34} stream fetch {e['fetch_ms_median']:.2f} ms [{fetch}], raw ZMQ "
+              f"{e['reference_ms_median']:.2f} ms [{ref}]")  # fmt: skip
 
 
 def write_chart(report: dict[str, Any], path: Path) -> bool:
@@ -80,6 +100,8 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    if len(report.get("placements", {})) > 1:
+        return _placement_chart(plt, report["placements"], path)
     rows = report["summary"]
     fig, ax = plt.subplots(figsize=(8, 1.6 + 1.3 * len(rows)))
     ys = list(range(len(rows)))
@@ -99,6 +121,34 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
     ax.set_yticks(ys, [r["name"] for r in rows])
     ax.axvline(TARGET, color="red", linestyle="--", label=f"target {TARGET}")
     ax.set_xlabel(f"/ raw ZMQ, same run: median of {len(report['runs'])} runs (whiskers: runs)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _placement_chart(plt: Any, by_placement: dict[str, list[dict[str, Any]]], path: Path) -> bool:
+    """Per part size, the stream fetch / raw ZMQ ratio under each placement (the fetch and the
+    reference under the same one), median over runs, whiskers the runs."""
+    names = list(by_placement)
+    sizes = [e["name"] for e in by_placement[names[0]]]
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 1.1 * len(sizes)))
+    height = 0.8 / len(names)
+    for k, name in enumerate(names):
+        rows = by_placement[name]
+        med = [r["ratio_median"] for r in rows]
+        spread = [
+            [max(0.0, m - min(r["ratio_per_run"])) for m, r in zip(med, rows, strict=True)],
+            [max(0.0, max(r["ratio_per_run"]) - m) for m, r in zip(med, rows, strict=True)],
+        ]
+        ys = [y - 0.4 + height * (k + 0.5) for y in range(len(sizes))]
+        runs = len(rows[0]["ratio_per_run"])
+        label = f"placement {name} ({runs} runs)"
+        ax.barh(ys, med, height=height * 0.9, xerr=spread, capsize=3, label=label)
+    ax.set_yticks(list(range(len(sizes))), sizes)
+    ax.axvline(TARGET, color="red", linestyle="--", label=f"target {TARGET}")
+    ax.set_xlabel("stream fetch through B / raw ZMQ, the same placement (median of runs)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
