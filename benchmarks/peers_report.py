@@ -1,9 +1,18 @@
 """The report of ``benchmarks/bench_peers.py``: the summary over runs, the table it prints,
-the chart. Plain functions over the report's dicts (no processes, no sockets)."""
+the chart. Plain functions over the report's dicts (no processes, no sockets).
+
+Run as a script, it merges the runs of several reports of the same part sizes into one (its
+summary per placement, its table and chart)::
+
+    python benchmarks/peers_report.py A.json B.json --json MERGED.json
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +163,31 @@ def _placement_chart(plt: Any, by_placement: dict[str, list[dict[str, Any]]], pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def merge(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of every run of ``reports`` (their part sizes the same), summarized per
+    placement (a run without one: ``free``) in the order the placements first appear."""
+    runs = [run for report in reports for run in report["runs"]]
+    names = list(dict.fromkeys(run.get("placement", "free") for run in runs))
+    by_name = {n: summarize([r for r in runs if r.get("placement", "free") == n]) for n in names}
+    return {**reports[0], "placement": names[0] if len(names) == 1 else "all", "runs": runs,
+            "summary": by_name[names[0]] if len(names) == 1 else [],
+            "placements": by_name}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="merge bench_peers reports")
+    parser.add_argument("reports", type=Path, nargs="+", help="bench_peers --json files")
+    parser.add_argument("--json", type=Path, required=True, help="the merged report (and .png)")
+    args = parser.parse_args(argv)
+    merged = merge([json.loads(path.read_text()) for path in args.reports])
+    print_table(merged)
+    args.json.write_text(json.dumps(merged, indent=2) + "\n")
+    write_chart(merged, args.json.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
