@@ -219,8 +219,10 @@ class WorkerGroup:
             reply = await self._watched(worker, self._recv(worker, KIND_HELLO, seq, deadline),
                                         deadline)  # fmt: skip
         except TimeoutError:
+            why = worker.watch.why_silent() if worker.watch is not None else None
             raise WorkerFailure(
-                f"worker {worker.rank} at {worker.address} did not answer hello in time",
+                f"worker {worker.rank} at {worker.address} did not answer hello in time"
+                + (f": {why}" if why is not None else ""),
                 rank=worker.rank,
                 address=worker.address,
             ) from None

@@ -289,7 +289,7 @@ class AioTransport:
         except TimeoutError:
             if slot.future.done():
                 return slot.future.result()
-            why = self._watch.failure() if self._watch is not None else None
+            why = self._watch.why_silent() if self._watch is not None else None
             error = self._s.timed_out(slot.call, timeout, why)
             slot.cancelled = True  # its future is never awaited again
             self.drop(f"an earlier call timed out ({slot.call.op})")

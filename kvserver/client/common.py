@@ -41,8 +41,27 @@ from kvserver.token_file import TokenFile
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
+#: the daemon's ZMQ data port by default (``kvserver start --zmq-port``)
+DEFAULT_DATA_PORT = 9471
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2000
+
+
+def data_address(text: str) -> str:
+    """The daemon's ZMQ data endpoint for ``text``: an endpoint with a scheme
+    (``tcp://HOST:PORT``, ``ipc://PATH``) as it is; ``HOST[:PORT]`` (ZMQ refuses it with a bare
+    "Invalid argument") with ``tcp://`` and, without a port, the daemon's default
+    :data:`DEFAULT_DATA_PORT`. IPv6 hosts may be bracketed. Raises InvalidArgument for ""."""
+    text = text.strip()
+    if not text:
+        raise InvalidArgument("no daemon address: give tcp://HOST:PORT (its ZMQ data port)")
+    if "://" in text:
+        return text
+    if text.startswith("["):  # [v6] or [v6]:port
+        return f"tcp://{text}" if "]:" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
+    if text.count(":") > 1:  # a bare IPv6 address
+        return f"tcp://[{text}]:{DEFAULT_DATA_PORT}"
+    return f"tcp://{text}" if ":" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
 
 
 def default_client_id() -> str:
@@ -62,11 +81,11 @@ class Session(SessionCalls):
         colocated: bool | None = None,
         curve: CurveClient | None = None,
     ) -> None:
-        self.address = address
+        self.address = data_address(address)
         self.client_id = client_id or default_client_id()
         self.auth_token = auth_token
         #: without a token of our own: the one a daemon on this host left for its user
-        self._token_file = TokenFile(address) if not auth_token else None
+        self._token_file = TokenFile(self.address) if not auth_token else None
         self._sent_token = auth_token  # the token of the last request encoded
         self._presented = ""  # the token the newest DEALER presents at its handshake
         #: CURVE settings applied to every ZMQ socket of this session (None: plain TCP).
@@ -153,9 +172,10 @@ class Session(SessionCalls):
         """The error of a call without a reply (Unavailable); ``why``: the failed handshake
         that explains it (:meth:`kvserver.client.handshake.Failure.error`)."""
         self.needs_hello = True
-        if why is not None:
+        if why is not None and not why.silent:
             return why.error(f"cannot talk to {self.address}: {why}", op=call.op)
-        return Unavailable(f"no reply from {self.address} within {timeout}s", op=call.op)
+        because = f": {why}" if why is not None else ""
+        return Unavailable(f"no reply from {self.address} within {timeout}s{because}", op=call.op)
 
     def close(self) -> None:
         if self.arena is not None:

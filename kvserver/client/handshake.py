@@ -7,7 +7,9 @@ reconnects and fails again forever, and its requests simply go unanswered.
 :class:`~kvserver.client.links.ConnectionWatch` listens to the socket's monitor events so that
 the client can say which of these happened instead of "no reply": its ``failure()`` is
 :func:`explain` of the latest failed handshake (None once one succeeds), in the option names
-of ``docs/security.md``. Works for blocking and asyncio sockets alike (the monitor socket is a
+of ``docs/security.md``. And when no handshake failed, :func:`explain_silence` says why a
+request timed out all the same: nothing accepted the connection (no daemon there), or what
+accepted it never began the ZMQ handshake (a wrong port: the daemon's gRPC or metrics port). Works for blocking and asyncio sockets alike (the monitor socket is a
 blocking one on the same libzmq context, read without waiting).
 """
 
@@ -37,6 +39,8 @@ class Failure:
 
     reason: str
     unauthenticated: bool = False
+    #: no handshake failed: why the server never answered (:func:`explain_silence`)
+    silent: bool = False
 
     def __str__(self) -> str:
         return self.reason
@@ -118,3 +122,35 @@ def explain(
         f"the {peer} dropped the handshake: it probably requires CURVE (give "
         f"{server_key}, the {peer}'s public key; docs/security.md){tail}"
     )
+
+
+#: where each server's ZMQ port is set, for :func:`explain_silence`
+_PORT_HINTS = {
+    "daemon": (
+        "the daemon's ZMQ data port: `kvserver start --zmq-port`, 9471 by default; 9470 is "
+        "its gRPC port, 9473 its metrics"
+    ),
+    "worker": "a worker's step channel: its `kvserver worker --listen` address",
+}
+
+
+def explain_silence(*, connected: bool, refused: bool, peer: str = "daemon") -> Failure | None:
+    """Why a socket whose handshake never failed got no reply, from what its monitor saw:
+    ``refused`` (a connection attempt failed: refused, unreachable) and ``connected`` (one was
+    accepted) since it was made, no handshake completed. None when neither explains it (the
+    server is slow, or nothing was tried yet)."""
+    hint = f" ({_PORT_HINTS[peer]})" if peer in _PORT_HINTS else ""
+    if connected:
+        return Failure(
+            "it accepted the connection but never began the ZMQ handshake: is that the "
+            f"{peer}'s ZMQ port?{hint}",
+            silent=True,
+        )
+    if refused:
+        start = "`kvserver start`" if peer == "daemon" else f"the {peer}"
+        return Failure(
+            f"nothing accepts connections there (refused or unreachable): is {start} running "
+            f"on that host and port?{hint}",
+            silent=True,
+        )
+    return None

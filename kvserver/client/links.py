@@ -75,7 +75,12 @@ class ConnectionWatch:
     calls it (one non-blocking check of an inproc PAIR socket when nothing happened).
     """
 
-    EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | handshake.EVENTS
+    EVENTS = (
+        zmq.EVENT_CONNECTED
+        | zmq.EVENT_DISCONNECTED
+        | zmq.EVENT_CONNECT_RETRIED
+        | handshake.EVENTS
+    )
 
     def __init__(
         self,
@@ -101,6 +106,9 @@ class ConnectionWatch:
         self._broke = False
         self._established = False  # the current connection completed its handshake
         self._failure: handshake.Failure | None = None
+        # for ``why_silent``: a connection accepted / an attempt failed, and whether any
+        # handshake completed, since the socket was made
+        self._connected = self._refused = self._handshaken = False
 
     @property
     def fd(self) -> zmq.Socket[bytes]:
@@ -112,17 +120,22 @@ class ConnectionWatch:
         while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             message = parse_monitor_message(pair.recv_multipart())
             event = int(message["event"])
-            if event == zmq.EVENT_DISCONNECTED:
+            if event == zmq.EVENT_CONNECT_RETRIED:
+                self._refused = True
+            elif event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
                 # only a connection that completed its handshake can have carried requests
                 # (a failed handshake is its own error: ``failure()``)
                 self._broke |= self._established
                 self._established = False
-            elif event != zmq.EVENT_CONNECTED:
+            else:
                 self._failure = handshake.explain(
                     event, int(message["value"]), self._mechanism,
                     peer=self._peer, option_prefix=self._option_prefix,
                 )  # fmt: skip
                 self._established = self._failure is None
+                self._handshaken |= self._established
 
     def broke(self) -> bool:
         """True once an established connection broke (see the class docstring)."""
@@ -138,6 +151,18 @@ class ConnectionWatch:
         """Why the latest handshake failed; None if it did not (see the class docstring)."""
         self._read()
         return self._failure
+
+    def why_silent(self) -> handshake.Failure | None:
+        """Why a request on this socket got no reply: ``failure()``, else, when no handshake
+        ever completed, what the connection attempts saw (nothing listening, or a server
+        that does not speak ZMTP: :func:`~kvserver.client.handshake.explain_silence`); None
+        when the daemon was reached (it is just slow)."""
+        failure = self.failure()
+        if failure is not None or self._handshaken:
+            return failure
+        return handshake.explain_silence(
+            connected=self._connected, refused=self._refused, peer=self._peer
+        )
 
     def close(self) -> None:
         """Stop watching (before the socket is closed)."""
@@ -195,9 +220,9 @@ class ZmqLink:
         self._watch.close()
         self._sock.close(linger=0)
 
-    def handshake_failure(self) -> handshake.Failure | None:
-        """Why the latest handshake with the daemon failed; None if it did not."""
-        return self._watch.failure()
+    def why_silent(self) -> handshake.Failure | None:
+        """Why a request got no reply (:meth:`ConnectionWatch.why_silent`)."""
+        return self._watch.why_silent()
 
     def broke(self) -> bool:
         """The connection broke (the daemon went away): no reply to what is outstanding can

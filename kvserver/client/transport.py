@@ -178,7 +178,7 @@ class Transport:
                     if not link.ready():
                         self.drop(LOST)
                     continue
-                why = link.handshake_failure() if isinstance(link, ZmqLink) else None
+                why = link.why_silent() if isinstance(link, ZmqLink) else None
                 error = self._s.timed_out(slot.call, timeout, why)
                 self.drop(f"an earlier call timed out ({slot.call.op})")
                 raise error

@@ -1,0 +1,98 @@
+"""A client pointed at the wrong place says so: nothing listening, a port of the daemon that
+is not its ZMQ data port, an address written without ``tcp://``. Real daemons and real
+sockets; the errors are the ones an operator would read."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from kvserver.client import AsyncKVClient, KVClient
+from kvserver.client.common import DEFAULT_DATA_PORT, data_address
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import InvalidArgument, Unavailable
+from tests.support.daemon import start_daemon
+
+NOTHING_THERE = r"within 0\.5s: nothing accepts connections there .* is `kvserver start` running"
+NOT_ZMQ = r"never began the ZMQ handshake: is that the daemon's ZMQ port\? .*--zmq-port"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_client_of_a_port_nobody_listens_on_is_told_nothing_accepts_there() -> None:
+    """KVClient at a port with no daemon: was "no reply from ... within 0.5s" and no more."""
+    with (
+        KVClient(f"tcp://127.0.0.1:{closed_port()}", timeout=0.5) as kv,
+        pytest.raises(Unavailable, match=NOTHING_THERE),
+    ):
+        kv.stats()
+
+
+def test_an_asyncio_client_of_a_port_nobody_listens_on_is_told_so_too() -> None:
+    async def main() -> None:
+        async with AsyncKVClient(f"tcp://127.0.0.1:{closed_port()}", timeout=0.5) as kv:
+            with pytest.raises(Unavailable, match=NOTHING_THERE):
+                await kv.stats()
+
+    uvloop.run(main())
+
+
+@pytest.mark.multiprocess
+def test_a_client_of_the_daemons_grpc_or_metrics_port_is_told_it_is_not_the_zmq_port(
+    tmp_path: Path,
+) -> None:
+    """KVClient given the gRPC port (an HTTP/2 server: it hangs up at the ZMQ greeting) or the
+    metrics port (HTTP: it waits for a request line): was a bare "no reply"."""
+    d = start_daemon(tmp_path)
+    try:
+        for port in (d.info["grpc_port"], d.info["metrics_port"]):
+            with (
+                KVClient(f"tcp://127.0.0.1:{port}", timeout=1.0) as kv,
+                pytest.raises(Unavailable, match=NOT_ZMQ),
+            ):
+                kv.stats()
+        with KVClient(d.zmq_address, timeout=5.0) as kv:  # the daemon itself is fine
+            assert kv.stats()["capacity_bytes"] > 0
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+@pytest.mark.multiprocess
+def test_an_address_without_tcp_reaches_the_daemon(tmp_path: Path) -> None:
+    """``KVClient("127.0.0.1:PORT")``, as ``kvserver status --server`` takes its address: was
+    ``zmq.ZMQError: Invalid argument`` from ``connect``."""
+    d = start_daemon(tmp_path)
+    try:
+        with KVClient(f"127.0.0.1:{d.info['zmq_port']}", timeout=5.0) as kv:
+            assert kv.stats()["capacity_bytes"] > 0
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+@pytest.mark.parametrize(
+    ("given", "endpoint"),
+    [
+        ("tcp://10.0.0.1:5", "tcp://10.0.0.1:5"),
+        ("ipc:///run/kv", "ipc:///run/kv"),
+        ("10.0.0.1:5", "tcp://10.0.0.1:5"),
+        ("kvserver", f"tcp://kvserver:{DEFAULT_DATA_PORT}"),
+        ("[::1]", f"tcp://[::1]:{DEFAULT_DATA_PORT}"),
+        ("::1", f"tcp://[::1]:{DEFAULT_DATA_PORT}"),
+        ("[::1]:5", "tcp://[::1]:5"),
+    ],
+)
+def test_data_address_completes_what_zmq_would_refuse(given: str, endpoint: str) -> None:
+    assert data_address(given) == endpoint
+
+
+def test_the_clients_default_data_port_is_the_daemons() -> None:
+    assert DEFAULT_DATA_PORT == DaemonConfig().zmq_port
+    with pytest.raises(InvalidArgument, match="no daemon address"):
+        data_address(" ")
