@@ -148,12 +148,8 @@ def _run(name: str, args: argparse.Namespace, body: Any) -> int:
         print(f"kvserver {name}: error: {exc}", file=sys.stderr)
         return 2
     except Unavailable as exc:
-        within = "" if "Connection refused" in exc.message else f" within {args.timeout:g}s"
-        print(
-            f"kvserver {name}: error: cannot reach the daemon at {args.server}{within}; is "
-            f"`kvserver start` running there?\n  ({exc.message})",
-            file=sys.stderr,
-        )
+        print(f"kvserver {name}: error: {unreachable(args.server, args.timeout, exc.message)}",
+              file=sys.stderr)  # fmt: skip
         return 1
     except Unauthenticated as exc:
         print(
@@ -262,6 +258,22 @@ def _read_tokens(args: argparse.Namespace) -> list[int]:
         except OSError as exc:
             raise _UsageError(f"cannot read {args.tokens_file}: {exc.strerror}") from None
     return parse_tokens(text)
+
+
+def unreachable(server: str, timeout: float, detail: str) -> str:
+    """What ``kvserver status``/``lookup`` say when gRPC found no daemon at ``server``:
+    nothing listening, or something that is not an HTTP/2 server (a port of the daemon other
+    than its gRPC one), with gRPC's own words after."""
+    if "Failed parsing HTTP/2" in detail:
+        said = (
+            f"{server} answered, but not as a gRPC server: is that the daemon's gRPC port? "
+            f"(`kvserver start --grpc-port`, {DEFAULT_GRPC_PORT} by default; 9471 is its ZMQ "
+            "data port, 9473 its metrics)"
+        )
+    else:
+        within = "" if "Connection refused" in detail else f" within {timeout:g}s"
+        said = f"cannot reach the daemon at {server}{within}; is `kvserver start` running there?"
+    return f"{said}\n  ({detail})"
 
 
 def server_address(text: str) -> str:

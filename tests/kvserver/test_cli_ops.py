@@ -166,6 +166,26 @@ def test_unreachable_daemon_is_a_clear_error(capsys: pytest.CaptureFixture[str])
         assert time.monotonic() - started < 10
 
 
+@pytest.mark.multiprocess
+def test_status_at_the_daemons_zmq_or_metrics_port_names_the_grpc_port(tmp_path: Path) -> None:
+    """``kvserver status --server HOST:9471`` (the data port, or 9473: metrics) said "cannot
+    reach the daemon ... is `kvserver start` running there?" of a daemon that was running."""
+    d = start_daemon(tmp_path, "--dram", "2MiB")
+    try:
+        for port in (d.info["zmq_port"], d.info["metrics_port"]):
+            status = subprocess.run(
+                [sys.executable, "-m", "kvserver.cli", "status", "--server",
+                 f"127.0.0.1:{port}", "--timeout", "5"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert status.returncode == 1 and status.stdout == ""
+            first = status.stderr.splitlines()[0]
+            assert f"127.0.0.1:{port} answered, but not as a gRPC server" in first, first
+            assert "--grpc-port`, 9470 by default" in first
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
 def test_auth_token_from_flag_or_environment(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
