@@ -166,6 +166,7 @@ class SharedArena(ArenaView):
     ) -> None:
         if size < 1:
             raise InvalidArgument("arena size must be positive", size=size)
+        check_room(size, directory)
         name = name or f"kvserver-{os.getpid()}-{secrets.token_hex(4)}"
         path = os.path.join(directory, name)
         fd = _create_locked(path)
@@ -212,14 +213,11 @@ class SharedArena(ArenaView):
             os.posix_fallocate(self._fd, offset, length)
         except OSError as exc:
             directory = os.path.dirname(self.path) or "."
-            free = _free_bytes(directory)
-            raise StorageError(
-                f"cannot commit the arena's memory: {exc.strerror} ({self.size >> 20} MiB "
-                f"asked, {free >> 20} MiB free in {directory}; a container's /dev/shm is "
-                "small unless sized: --shm-size, shm_size)",
-                path=self.path,
+            free = _free_bytes(directory) or 0
+            raise _no_room(
+                exc.strerror or str(exc), self.size, free, directory, path=self.path,
                 errno=exc.errno,
-            ) from None
+            ) from None  # fmt: skip
 
     def close(self) -> None:
         """Unmap and unlink the file. Idempotent."""
@@ -229,12 +227,36 @@ class SharedArena(ArenaView):
             _unlink(self.path)
 
 
-def _free_bytes(directory: str) -> int:
+def check_room(size: int, directory: str = DEFAULT_SHM_DIR) -> None:
+    """Raise StorageError, naming the fixes, when ``directory``'s filesystem has less than
+    ``size`` bytes free: an arena that cannot fit is refused before a byte is committed (the
+    pre-fault would otherwise fill the filesystem, a host's RAM when it is /dev/shm, before it
+    failed). A filesystem that cannot be asked passes (the pre-fault's own check remains)."""
+    free = _free_bytes(directory)
+    if free is not None and free < size:
+        raise _no_room("it does not fit", size, free, directory)
+
+
+def _free_bytes(directory: str) -> int | None:
+    """Bytes an unprivileged writer may still use in ``directory``'s filesystem; None when it
+    cannot be told."""
     try:
         st = os.statvfs(directory)
     except OSError:
-        return 0
+        return None
     return st.f_bavail * st.f_frsize
+
+
+def _no_room(
+    reason: str, size: int, free: int, directory: str, **context: object
+) -> StorageError:
+    """The arena cannot have ``size`` bytes in ``directory``: the error, naming the fixes."""
+    return StorageError(
+        f"cannot commit the arena's memory: {reason} ({size >> 20} MiB asked, {free >> 20} MiB "
+        f"free in {directory}): give a smaller --dram, or make room there (a container's "
+        "/dev/shm is 64 MiB unless sized: docker --shm-size, compose shm_size)",
+        **context,
+    )
 
 
 def _unlink(path: str) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvserver.arena import reap_stale_arenas
+from kvserver.arena import check_room, reap_stale_arenas
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import CurveClient, TlsClient, TlsServer
@@ -153,6 +153,7 @@ async def _serve(
         logger.info("removed %d token files left by servers that are no longer running in %s",
                     len(stale_tokens), token_dir(config.shm_dir))  # fmt: skip
     engine_config = config.engine_config()
+    check_room(engine_config.num_pages * engine_config.page_size, config.shm_dir)
     logger.info(
         "pre-faulting the DRAM arena: %d MiB in %s (the tier's memory is committed now)",
         engine_config.num_pages * engine_config.page_size >> 20,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.arena import ArenaView, SharedArena, reap_stale_arenas, total_length
+from kvserver.arena import ArenaView, SharedArena, check_room, reap_stale_arenas, total_length
 from kvserver.errors import InvalidArgument, StorageError
 from tests.kvserver.builders import PAGE, make_engine, make_keys, make_spec, pattern
 from tests.support.tmpfs import mount_tmpfs, unmount
@@ -247,21 +247,37 @@ def test_an_arena_larger_than_its_filesystem_is_a_clear_error_not_sigbus(tmp_pat
     """A real 1 MiB tmpfs (a container's /dev/shm left at its default) under an 8 MiB arena:
     a StorageError that says how much is free, and no file left; was: the pre-fault touched
     pages the filesystem could not back and the process died of SIGBUS, leaving the file.
-    Run in a child process, so that SIGBUS before the fix fails the test, not pytest."""
+    Run in a child process, so that SIGBUS before the fix fails the test, not pytest. The
+    up-front check (:func:`check_room`) is bypassed: this is the filesystem another process
+    fills between that check and the pre-fault."""
     tiny = tmp_path / "tiny"
     if not mount_tmpfs(tiny, "1m"):
         pytest.skip("mounting a tmpfs needs root")
     try:
         code = (
-            "import sys; from kvserver.arena import SharedArena; from kvserver.errors import "
-            "StorageError\ntry:\n    SharedArena(8 << 20, directory=sys.argv[1])\n"
+            "import sys; import kvserver.arena as a; from kvserver.errors import StorageError\n"
+            "a.check_room = lambda size, directory: None\ntry:\n"
+            "    a.SharedArena(8 << 20, directory=sys.argv[1])\n"
             "except StorageError as exc:\n    print(exc)"
         )
         child = subprocess.run([sys.executable, "-c", code, str(tiny)],
                                capture_output=True, text=True, timeout=60)  # fmt: skip
         assert child.returncode == 0, (child.returncode, child.stderr)
-        assert "cannot commit the arena's memory" in child.stdout
+        assert "cannot commit the arena's memory: No space left on device" in child.stdout
         assert "8 MiB asked" in child.stdout and str(tiny) in child.stdout
         assert list(tiny.iterdir()) == []
     finally:
         unmount(tiny)
+
+
+def test_an_arena_its_filesystem_cannot_hold_is_refused_before_anything_is_committed(
+    tmp_path: Path,
+) -> None:
+    """check_room: more than the filesystem has free is refused naming the sizes and the fix;
+    what fits passes. (It reads statvfs only: nothing is allocated either way.)"""
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    with pytest.raises(StorageError, match=r"it does not fit \(\d+ MiB asked, \d+ MiB free in "):
+        check_room(free + (1 << 30), str(tmp_path))
+    check_room(min(free, 1 << 20), str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

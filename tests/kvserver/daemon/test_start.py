@@ -229,3 +229,28 @@ def test_a_dram_tier_larger_than_the_shm_filesystem_exits_1_with_the_reason(
         assert not [p for p in tiny.iterdir() if p.name.startswith("kvserver-")]
     finally:
         unmount(tiny)
+
+
+def test_a_dram_tier_that_cannot_fit_is_refused_before_the_pre_fault(tmp_path: Path) -> None:
+    """``--dram`` over the free room of the shared-memory filesystem (a real 1 MiB tmpfs) is
+    refused before the pre-fault begins, naming the sizes and the fix; was: pre-faulted until
+    the filesystem was full (``--dram 40GiB`` on a 24 GiB /dev/shm: 19 s and all of it, the
+    host's RAM, committed), then failed."""
+    tiny = tmp_path / "shm"
+    if not mount_tmpfs(tiny, "1m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cmd = [
+            sys.executable, "-m", "kvserver.cli", "start", "--dram", "64MiB", "--shm-dir",
+            str(tiny), "--metrics-port", "-1", "--zmq-port", "0", "--grpc-port", "0",
+            "--pub-port", "-1",
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1, (result.returncode, result.stderr)
+        last = result.stderr.splitlines()[-1]
+        assert last.startswith("kvserver start: cannot commit the arena's memory: it does not fit")
+        assert "64 MiB asked" in last and "give a smaller --dram" in last
+        assert "pre-faulting" not in result.stderr
+        assert list(tiny.iterdir()) == []
+    finally:
+        unmount(tiny)
