@@ -31,7 +31,11 @@ slowest first (the SSD tier drains its in-flight writes for at most ``ssd_drain_
 10 s by default, and closes its files; disk jobs still running then are abandoned, and the
 process exits without waiting for them: ``os._exit``) → roll back
 in-flight reservations and release pins → stop event streams → remove the shared-memory
-arena and the token files → exit 0.
+arena and the token files → exit 0. A second stop signal during that shutdown (a second
+Ctrl-C, a hung disk's drain taking its 10 s) exits at once, as a SIGKILL would (the SSD tier
+is crash-safe: the next start rebuilds it; the fleet record expires), but first removes the
+arena, its local-channel socket, the token files and the ready file: exit 128 + the signal's
+number (:class:`_StopSignals`).
 """
 
 from __future__ import annotations
@@ -94,21 +98,51 @@ class _StoppedStarting(Exception):
     """``stop`` was set during start-up; the argument names the step that saw it."""
 
 
+class _StopSignals:
+    """The loop's handler of the stop signals once serving: the first sets ``stop`` (the
+    ordered shutdown); one during the shutdown removes :attr:`leaving` (the files the daemon
+    leaves in the shared-memory directory, given once the shutdown begins) and exits at once,
+    128 + its number. Main thread, event loop only."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self._stop = stop
+        #: removed by a second signal; set by ``serve`` when its shutdown begins
+        self.leaving: list[str] | None = None
+
+    def __call__(self, signum: int) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+        elif self.leaving is not None:
+            logger.warning(
+                "a second stop signal: exiting now, without the ordered shutdown (SSD writes "
+                "in flight are not on SSD; the next start rebuilds the tier); the arena and "
+                "the token files are removed"
+            )
+            for path in self.leaving:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            logging.shutdown()
+            os._exit(128 + signum)
+
+
 async def serve(
     config: DaemonConfig,
     stop: asyncio.Event | None = None,
     *,
     malloc_tuned: bool = False,
     serving: Callable[[], None] | None = None,
+    leaving: Callable[[list[str]], None] | None = None,
 ) -> int:
     """Run the daemon until ``stop`` is set (or SIGTERM/SIGINT when run by :func:`main`);
     ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
-    file; ``serving()`` is called once started, before the start-up line. A ``stop`` set during
+    file; ``serving()`` is called once started, before the start-up line; ``leaving(paths)``
+    when the shutdown begins, with the files it will remove (arena, local-channel socket, token
+    and ready files: what a hurried exit removes, :class:`_StopSignals`). A ``stop`` set during
     start-up stops it at its next step, what was done undone. Returns the SSD tier's disk jobs
     left running past its drain timeout (10 s) at shutdown (``SsdTier.close``; 0 normally)."""
     stop = stop or asyncio.Event()
     try:
-        return await _serve(config, stop, malloc_tuned, serving)
+        return await _serve(config, stop, malloc_tuned, serving, leaving)
     except _StoppedStarting as exc:
         logger.info("stopped during start-up (a stop signal before step %s)", exc)
         return 0
@@ -119,6 +153,7 @@ async def _serve(
     stop: asyncio.Event,
     malloc_tuned: bool,
     serving: Callable[[], None] | None,
+    leaving: Callable[[list[str]], None] | None,
 ) -> int:
     def step(name: str) -> None:  # start-up goes on unless stopped
         pause_point(name)
@@ -247,6 +282,10 @@ async def _serve(
         if config.ready_file:  # after the line above: whoever waits for it may read the log
             write_atomic(config.ready_file, json.dumps(info))
         await stop.wait()
+        if leaving is not None:
+            arena = service.arena_path
+            tokens = token_files.paths if token_files is not None else []
+            leaving([arena, f"{arena}.sock", *tokens, *filter(None, [config.ready_file])])
         logger.info("shutting down")
     finally:
         if node is not None:  # leave the fleet first: peers stop routing here
@@ -424,12 +463,19 @@ def main(config: DaemonConfig) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
+        signals = _StopSignals(stop)
+
         def take_over() -> None:  # once serving: the loop's handlers (HUP: terminal closed)
             for sig in STOP_SIGNALS:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, signals, sig)
+
+        def leaving(paths: list[str]) -> None:
+            signals.leaving = paths
 
         with forward(stop.set):  # until then: a signal recorded stops start-up at its next step
-            return await serve(config, stop, malloc_tuned=malloc_tuned, serving=take_over)
+            return await serve(
+                config, stop, malloc_tuned=malloc_tuned, serving=take_over, leaving=leaving
+            )
 
     with recording():  # from here when not run by ``kvserver start`` (which records already)
         abandoned = uvloop.run(_main())

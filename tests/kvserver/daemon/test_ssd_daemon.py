@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from kvserver.errors import CapacityError, UnknownKey
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd import format as fmt
+from kvserver.token_file import token_path
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.tmpfs import mount_tmpfs, unmount
@@ -454,6 +456,53 @@ if __name__ == "__main__":
         child_writer(*sys.argv[2:4])
     else:
         raise SystemExit(f"unknown child {sys.argv[1]}")
+
+
+def test_a_second_sigterm_during_a_hung_drain_exits_at_once_leaving_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a write-down hangs in the disk, with a 120 s drain timeout: the ordered
+    shutdown waits on the drain; a second SIGTERM then exits at once (143), the arena, its
+    local-channel socket, the token files and the ready file removed, and the SSD directory
+    serves the next start (crash-safe: only the hung write is missing). Was: the second signal
+    ignored, the drain waited out."""
+    arm, hanging = tmp_path / "arm", tmp_path / "hanging"
+    ssd_dir = tmp_path / "ssd"
+    d = start_daemon(
+        tmp_path,
+        *args(ssd_dir, "--ssd-drain-timeout-s", "120"),
+        env={**ENV, "HUNG_DISK_ARM": str(arm), "HUNG_DISK_HANGING": str(hanging)},
+        module="tests.support.hung_disk",
+    )
+    shm_dir = Path(d.arena_path).parent
+    ours = {Path(d.arena_path).name, Path(d.arena_path).name + ".sock"}
+    tokens = [token_path(d.info[p], str(shm_dir)) for p in ("zmq_port", "grpc_port")]
+    ready = [a for a in d.args if a.endswith(".json") and "ready" in a]
+    try:
+        assert ours <= {p.name for p in shm_dir.iterdir()}
+        assert all(os.path.exists(t) for t in tokens) and ready and os.path.exists(ready[0])
+        with KVClient(d.zmq_address, colocated=False) as kv:
+            ns_id = registered(kv, SPEC)
+            arm.touch()
+            store_all(kv, ns_id, SPEC, make_keys(48, tag="hung2"))  # victims are written down
+            wait_until(hanging.exists)
+        d.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "shutting down" in d.log())
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 128 + signal.SIGTERM, d.log()
+        assert "a second stop signal: exiting now" in d.log()
+        assert not ours & {p.name for p in shm_dir.iterdir()}
+        assert not any(os.path.exists(t) for t in tokens) and not os.path.exists(ready[0])
+    finally:
+        d.kill()
+    arm.unlink()
+    d2 = start(tmp_path, ssd_dir)
+    try:
+        assert d2.info["ssd_condition"] == "ok"
+        with KVClient(d2.zmq_address) as kv:
+            assert ssd(kv)["corrupt_chunks"] == 0
+    finally:
+        assert d2.terminate() == 0, d2.log()
 
 
 def test_shutdown_leaves_a_hung_disk_write_behind_after_the_drain_timeout(tmp_path: Path) -> None:
