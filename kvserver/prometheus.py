@@ -33,6 +33,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import (
     CollectorRegistry,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     make_wsgi_app,
 )
@@ -162,6 +163,9 @@ def serve_metrics(
     disable_created_metrics()  # type: ignore[no-untyped-call]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    # the standard process_* series (start time, CPU seconds, resident memory, open fds): what
+    # a dashboard's restart and leak panels read; Linux only (nothing elsewhere)
+    ProcessCollector(registry=registry)  # type: ignore[no-untyped-call]
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except OSError:

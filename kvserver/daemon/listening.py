@@ -17,11 +17,14 @@ def listening_line(config: DaemonConfig, info: dict[str, object], token: str) ->
         port = int(str(info[key]))
         return f"{scheme}{host}:{port}{path}" if port >= 0 else "off"
 
+    metrics = at("http://", "metrics_port", "/metrics")
+    if metrics == "off" and config.metrics_port >= 0:  # asked for, but the port was refused
+        metrics = f"NOT served ({host}:{config.metrics_port} could not be bound: see above)"
     parts = [
         f"gRPC {host}:{info['grpc_port']}",
         f"ZMQ data {at('tcp://', 'zmq_port')}",
         f"events {at('tcp://', 'pub_port')}",
-        f"metrics {at('http://', 'metrics_port', '/metrics')}",
+        f"metrics {metrics}",
         f"DRAM {int(str(info['dram_bytes'])) >> 20} MiB ({config.policy}) in {info['arena_path']}",
     ]
     if int(str(info["peer_stream_port"])) >= 0:

@@ -30,6 +30,8 @@ FAMILIES = {
     "scheduler_connector_dropped_events": "counter",
     "scheduler_connector_carried_completions": "counter",
     "scheduler_connector_completion_errors": "counter",
+    "process_start_time_seconds": "gauge",  # prometheus_client's process collector
+    "process_resident_memory_bytes": "gauge",
 }
 
 

@@ -53,6 +53,11 @@ FAMILIES = {
     "kvserver_build_info": "gauge",
     "kvserver_gc_collections": "counter",
     "kvserver_gc_frozen_objects": "gauge",
+    # prometheus_client's process collector: restarts (start time), CPU, memory, descriptors
+    "process_start_time_seconds": "gauge",
+    "process_cpu_seconds": "counter",
+    "process_resident_memory_bytes": "gauge",
+    "process_open_fds": "gauge",
 }
 
 
@@ -145,6 +150,8 @@ def test_a_busy_metrics_port_is_logged_and_the_daemon_serves(tmp_path: Path) -> 
         try:
             assert d.info["metrics_port"] == -1
             assert f"metrics not served: cannot listen on 127.0.0.1:{port}" in d.log()
+            # the start-up line does not say "off" of metrics that were asked for (was)
+            assert f"metrics NOT served (127.0.0.1:{port} could not be bound" in d.log()
             with KVClient(d.zmq_address, colocated=False) as kv:
                 assert kv.stats()["num_entries"] == 0  # still serving
         finally:
