@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import dataclasses
+import io
 import itertools
 import json
 import re
@@ -145,6 +147,63 @@ def test_every_flag_the_documents_give_a_kvserver_command_exists() -> None:
                     wrong.append(f"{doc.relative_to(ROOT)}:{line}: kvserver {m.group(1)} {flag}")
     assert seen > 50  # the pattern still finds the documents' commands
     assert wrong == []
+
+
+def shell_blocks(text: str) -> list[str]:
+    """The bodies of ``text``'s fenced code blocks that a shell would run (``bash``, ``sh``,
+    ``shell``, ``console`` or no language), ``\\`` continuations joined."""
+    bodies: list[str] = []
+    lang: str | None = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        fence = line.strip()
+        if not fence.startswith("```"):
+            if lang is not None:
+                lines.append(line)
+        elif lang is None:
+            lang, lines = fence[3:].strip(), []
+        else:
+            if lang in ("bash", "sh", "shell", "console", ""):
+                bodies.append("\n".join(lines).replace("\\\n", " "))
+            lang = None
+    return bodies
+
+
+#: what ends a command on a shell line
+SHELL_OPERATORS = {"&", "&&", "|", "||", ";"}
+
+
+def test_every_kvserver_command_of_the_documents_code_blocks_parses() -> None:
+    """Each whole ``kvserver SUBCOMMAND ...`` line of README.md's and docs/' shell blocks is
+    accepted by that subcommand's real parser: required flags present, values of the right
+    type and choice, positionals where they go (the flag check above sees only flag names).
+    ``$(seq ...)`` stands for token ids; synopses with ``...`` or ``[`` are not commands."""
+    parsers = subcommand_parsers()
+    names = "|".join(parsers)
+    command = re.compile(rf"(?:^|[\s;&|(])kvserver ({names})\b(.*)")
+    parsed, wrong = 0, []
+    for doc in OPERATOR_DOCS:
+        for body in shell_blocks(doc.read_text()):
+            for line in body.splitlines():
+                m = command.search(line.split(" #", 1)[0])
+                if m is None or line.lstrip().startswith("#"):
+                    continue
+                rest = re.sub(r"\$\(seq [^)]*\)", "0 1 2", m.group(2))
+                if "..." in rest or "[" in rest:
+                    continue
+                words = list(itertools.takewhile(lambda w: w not in SHELL_OPERATORS and
+                                                 not w.startswith((">", "2>")),
+                                                 shlex.split(rest)))  # fmt: skip
+                said = io.StringIO()
+                try:
+                    with contextlib.redirect_stderr(said):
+                        parsers[m.group(1)].parse_args(words)
+                    parsed += 1
+                except SystemExit:
+                    error = said.getvalue().strip().splitlines()[-1]
+                    wrong.append(f"{doc.relative_to(ROOT)}: kvserver {m.group(1)} {rest}: {error}")
+    assert wrong == []
+    assert parsed > 15  # the blocks are still found
 
 
 def test_every_kvserver_variable_the_documents_name_is_read() -> None:
