@@ -165,7 +165,7 @@ def serve_metrics(
     registry.register(collector)
     # the standard process_* series (start time, CPU seconds, resident memory, open fds): what
     # a dashboard's restart and leak panels read; Linux only (nothing elsewhere)
-    ProcessCollector(registry=registry)  # type: ignore[no-untyped-call]
+    ProcessCollector(registry=registry)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except OSError:

@@ -9,8 +9,9 @@ the client can say which of these happened instead of "no reply": its ``failure(
 :func:`explain` of the latest failed handshake (None once one succeeds), in the option names
 of ``docs/security.md``. And when no handshake failed, :func:`explain_silence` says why a
 request timed out all the same: nothing accepted the connection (no daemon there), or what
-accepted it never began the ZMQ handshake (a wrong port: the daemon's gRPC or metrics port). Works for blocking and asyncio sockets alike (the monitor socket is a
-blocking one on the same libzmq context, read without waiting).
+accepted it never began the ZMQ handshake (a wrong port: the daemon's gRPC or metrics port).
+Works for blocking and asyncio sockets alike (the monitor socket is a blocking one on the same
+libzmq context, read without waiting).
 """
 
 from __future__ import annotations

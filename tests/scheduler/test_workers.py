@@ -221,7 +221,7 @@ async def test_unreachable_worker_fails_hello(
     ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
 ) -> None:
     group = groups(["tcp://127.0.0.1:1"])
-    with pytest.raises(WorkerFailure, match="did not answer hello.*nothing accepts connections"):
+    with pytest.raises(WorkerFailure, match=r"did not answer hello.*nothing accepts connections"):
         await group.start(HELLO, timeout_s=0.2)
     assert not await group.recover(0.1)
     await group.close()

@@ -93,6 +93,6 @@ def test_data_address_completes_what_zmq_would_refuse(given: str, endpoint: str)
 
 
 def test_the_clients_default_data_port_is_the_daemons() -> None:
-    assert DEFAULT_DATA_PORT == DaemonConfig().zmq_port
+    assert DaemonConfig().zmq_port == DEFAULT_DATA_PORT
     with pytest.raises(InvalidArgument, match="no daemon address"):
         data_address(" ")
