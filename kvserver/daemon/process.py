@@ -182,7 +182,8 @@ async def _serve(
         stream_tls = tls_files.ssl_context()
     token_files: TokenFiles | None = None
     for path in reap_stale_arenas(config.shm_dir):
-        logger.warning("removed arena %s left by a daemon that is no longer running", path)
+        what = "local-channel socket" if path.endswith(".sock") else "arena"
+        logger.warning("removed the %s %s left by a daemon that is no longer running", what, path)
     stale_tokens = reap_stale_token_files(config.shm_dir)
     if stale_tokens:
         logger.info("removed %d token files left by servers that are no longer running in %s",

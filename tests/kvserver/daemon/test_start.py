@@ -23,6 +23,7 @@ import pytest
 
 from kvserver.daemon.config import unknown_env
 from kvserver.policies import policy_names
+from kvserver.token_file import token_path
 from tests.support.daemon import start_daemon, wait_for_ready_file
 from tests.support.tmpfs import mount_tmpfs, unmount
 
@@ -254,3 +255,28 @@ def test_a_dram_tier_that_cannot_fit_is_refused_before_the_pre_fault(tmp_path: P
         assert list(tiny.iterdir()) == []
     finally:
         unmount(tiny)
+
+
+def test_a_restart_after_sigkill_removes_what_the_killed_daemon_left(tmp_path: Path) -> None:
+    """kill -9 leaves the arena, its local-channel socket and the token files in the
+    shared-memory directory; the next ``kvserver start`` there removes them, saying which
+    (the socket was called an "arena" in that line)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {"KVSERVER_SHM_DIR": str(shm)}
+    first = start_daemon(tmp_path / "a", "--shm-dir", str(shm), "--dram", "4MiB", env=env)
+    arena = first.arena_path
+    tokens = [token_path(first.info[p], str(shm)) for p in ("zmq_port", "grpc_port")]
+    first.kill()
+    assert os.path.exists(arena) and os.path.exists(f"{arena}.sock")
+    assert all(os.path.exists(t) for t in tokens)
+    second = start_daemon(tmp_path / "b", "--shm-dir", str(shm), "--dram", "4MiB", env=env)
+    try:
+        log = second.log()
+        assert f"removed the arena {arena} left by a daemon that is no longer running" in log
+        assert f"removed the local-channel socket {arena}.sock left by a daemon" in log
+        assert not os.path.exists(arena) and not os.path.exists(f"{arena}.sock")
+        assert not any(os.path.exists(t) for t in tokens)
+    finally:
+        assert second.terminate() == 0, second.log()
+    assert [p.name for p in shm.iterdir() if not p.is_dir()] == []
