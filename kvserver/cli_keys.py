@@ -21,10 +21,12 @@ def add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
     curve = kinds.add_parser("curve", help="a ZMQ CURVE key pair")
-    curve.add_argument("directory")
+    curve.add_argument(
+        "directory", help="where to write NAME.key and NAME.key_secret (made if missing)"
+    )
     curve.add_argument("--name", default="server", help="file name stem (default: server)")
     tls = kinds.add_parser("tls", help="a self-signed TLS certificate and key")
-    tls.add_argument("directory")
+    tls.add_argument("directory", help="where to write NAME.crt and NAME.pem (made if missing)")
     tls.add_argument("--name", default="server", help="file name stem (default: server)")
     tls.add_argument(
         "--host",
@@ -34,7 +36,7 @@ def add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     tls.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     token = kinds.add_parser("token", help="a random token for --auth-token-file")
-    token.add_argument("directory")
+    token.add_argument("directory", help="where to write NAME.token (0600) (made if missing)")
     token.add_argument("--name", default="auth", help="file name stem (default: auth)")
     p.set_defaults(func=_cmd_keys)
 

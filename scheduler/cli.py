@@ -75,10 +75,12 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     add_client_security_args(p, curve=True, token=True)
     p.add_argument("--model", default="synthetic", help="model name (part of the namespace)")
-    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks,
+                   help=f"GPU KV blocks the workers hold (default {d.num_gpu_blocks})")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per GPU block")
     p.add_argument("--chunk-blocks", type=int, default=1, help="GPU blocks per kvserver chunk")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"requests running at once, at most (default {d.max_num_seqs})")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -97,9 +99,12 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="admit a prompt only when it fits the step whole",
     )
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the whole block pool")
-    p.add_argument("--policy", default="fcfs", choices=POLICIES)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--hash-algo", default=d.hash_algo)
+    p.add_argument("--policy", default="fcfs", choices=POLICIES,
+                   help="which waiting request goes first: fcfs or priority (default fcfs)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the GPU blocks of earlier prompts")
+    p.add_argument("--hash-algo", default=d.hash_algo,
+                   help=f"block hash algorithm, as the namespace's (default {d.hash_algo})")
     p.add_argument("--hash-seed", default=d.hash_seed, help="NONE_HASH seed (PYTHONHASHSEED)")
     p.add_argument("--trace", metavar="FILE", help="append a per-step JSONL trace here")
     p.add_argument(
@@ -124,7 +129,7 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="at SIGTERM, seconds in-flight streams get before they are cancelled",
     )
     p.add_argument("--ready-file", help="write JSON {pid, grpc_port, workers} here once serving")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_scheduler)
 
 

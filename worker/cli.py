@@ -34,8 +34,8 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "at --dist-init, and with --kvserver load/store prompt KV through a kvserver daemon."
         ),
     )
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True, help="this worker's tensor-parallel rank")
+    p.add_argument("--world-size", type=int, required=True, help="tensor-parallel ranks in all")
     p.add_argument("--listen", required=True, help="ZMQ endpoint to bind, e.g. tcp://0.0.0.0:9500")
     p.add_argument(
         "--dist-init", required=True, help="torch.distributed init address (tcp://HOST:PORT)"
@@ -47,7 +47,7 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="S",
         help="first write a random model (seed S) to --model-file if it does not exist",
     )
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
     p.add_argument("--kvserver", metavar="ADDR", help="kvserver daemon ZMQ address (default off)")
     add_client_security_args(p, curve=True, token=True)
     step_security.add_worker_args(p)
@@ -62,7 +62,7 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "arena where its pieces are small (default on; docs/worker.md, \"Copies\")",
     )
     p.add_argument("--ready-file", help="write JSON {pid, endpoint, rank} here once serving")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_worker)
 
 
