@@ -16,6 +16,7 @@ from several threads are (they are plain memcpy).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -231,7 +232,14 @@ def check_room(size: int, directory: str = DEFAULT_SHM_DIR) -> None:
     """Raise StorageError, naming the fixes, when ``directory``'s filesystem has less than
     ``size`` bytes free: an arena that cannot fit is refused before a byte is committed (the
     pre-fault would otherwise fill the filesystem, a host's RAM when it is /dev/shm, before it
-    failed). A filesystem that cannot be asked passes (the pre-fault's own check remains)."""
+    failed), and so is a directory that does not exist. A filesystem that cannot be asked
+    passes (the pre-fault's own check remains)."""
+    if not os.path.isdir(directory):
+        raise StorageError(
+            f"the arena's directory {directory} does not exist: create it (a tmpfs), or give "
+            "another --shm-dir",
+            errno=errno.ENOENT,
+        )
     free = _free_bytes(directory)
     if free is not None and free < size:
         raise _no_room("it does not fit", size, free, directory)

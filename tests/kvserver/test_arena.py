@@ -281,3 +281,5 @@ def test_an_arena_its_filesystem_cannot_hold_is_refused_before_anything_is_commi
         check_room(free + (1 << 30), str(tmp_path))
     check_room(min(free, 1 << 20), str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(StorageError, match=r"directory .*/gone does not exist: create it"):
+        check_room(1, str(tmp_path / "gone"))
