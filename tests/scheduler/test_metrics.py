@@ -11,7 +11,7 @@ import pytest
 from tests.scheduler.builders import tokens
 from tests.scheduler.procs import EngineClient, start_scheduler
 from tests.support.daemon import start_daemon
-from tests.support.metrics import scrape
+from tests.support.metrics import convention_faults, scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,6 +46,7 @@ def test_prompt_tokens_by_source_and_lookup_latency(tmp_path: Path) -> None:
     try:
         before = scrape(url)
         assert FAMILIES.items() <= before.types.items(), before.types
+        assert convention_faults(before, "scheduler") == []
         assert before.value("scheduler_gpu_blocks") == 17
         with EngineClient(proc.info["grpc_port"]) as c:
             p, q = tokens(128, 100), tokens(240, 5000)

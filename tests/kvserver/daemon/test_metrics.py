@@ -19,7 +19,7 @@ import pytest
 from kvserver.client import KVClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import start_daemon, wait_until
-from tests.support.metrics import Scrape, scrape
+from tests.support.metrics import Scrape, convention_faults, scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,6 +95,7 @@ def test_metrics_move_with_real_operations(tmp_path: Path) -> None:
             kv_stats = kv.stats()  # nothing moves between the two: no write-down in flight
 
         assert FAMILIES.items() <= after.types.items(), after.types
+        assert convention_faults(after, "kvserver") == []
         assert not any(name.endswith("_created") for name in after.names())
         assert dram(after, "kvserver_stores_total") == 64 + 2  # promoted chunks are stored too
         assert dram(after, "kvserver_evictions_total") >= 64 - 40
