@@ -7,8 +7,9 @@ Start-up: apply the glibc allocator settings (``malloc.py``; before any thread e
 ``tune_malloc`` is off) → build the service (creates the shared-memory arena) → open the SSD
 tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
 the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
-retried, the daemon serves DRAM) → below it the network tier over a fixed peer list when
-``--peers`` is set → start the ZMQ front end → open the peer stream port (``stream_server.py``;
+retried, the daemon serves DRAM; a ``--ssd`` over the filesystem's room is warned about) →
+below it the network tier over a fixed peer list when ``--peers`` is set → start the ZMQ
+front end → open the peer stream port (``stream_server.py``;
 TLS with the gRPC certificate when ``tls_cert_file`` is set; none when ``peer_stream_port``
 is -1, or CURVE is configured without a certificate; announced in ``hello``) → start the
 gRPC front end → leave the token (a
@@ -231,6 +232,8 @@ async def _serve(
         if config.peer_addresses:
             service.add_tier(_static_peer_tier(config, service))
         await service.open_tiers()
+        if ssd is not None and ssd.opened:
+            _warn_if_the_disk_is_smaller(config.ssd_dir, config.ssd)
         step("tiers")
         data_port, pub_port = await zmq_front.start()
         stream_port = await stream_front.start() if stream_front is not None else -1
@@ -311,6 +314,25 @@ async def _serve(
                 os.unlink(config.ready_file)
         logger.info("stopped; shared-memory arena removed")
     return ssd.abandoned_jobs if ssd is not None else 0
+
+
+def _warn_if_the_disk_is_smaller(directory: str, capacity: int) -> None:
+    """Log a warning when the SSD tier's filesystem cannot hold ``capacity`` (its free room
+    plus what the tier's files already take): the tier would go ``degraded`` once the disk is
+    full (ENOSPC), long after start-up. Not an error: the disk may be shared, or grow."""
+    try:
+        st = os.statvfs(directory)
+        with os.scandir(directory) as entries:
+            files = [e.stat() for e in entries if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return
+    room = st.f_bavail * st.f_frsize + sum(f.st_blocks * 512 for f in files)
+    if room < capacity:
+        logger.warning(
+            "SSD tier: --ssd %d MiB, but its filesystem has room for %d MiB in %s: the tier "
+            "will go degraded when the disk fills; give --ssd %d MiB at most, or free space",
+            capacity >> 20, room >> 20, directory, room >> 20,
+        )  # fmt: skip
 
 
 async def _join_fleet(

@@ -280,3 +280,25 @@ def test_a_restart_after_sigkill_removes_what_the_killed_daemon_left(tmp_path: P
     finally:
         assert second.terminate() == 0, second.log()
     assert [p.name for p in shm.iterdir() if not p.is_dir()] == []
+
+
+def test_an_ssd_tier_larger_than_its_disk_is_warned_about_at_start(tmp_path: Path) -> None:
+    """``--ssd`` over what the SSD directory's filesystem has room for starts (the disk may
+    be shared or grow) but says so at once, with the figure to give; was: silence until the
+    disk filled, hours later, and the tier went degraded."""
+    st = os.statvfs(tmp_path)
+    too_big = ((st.f_bavail * st.f_frsize) >> 30) + 1024  # GiB: a TiB more than is free
+    d = start_daemon(tmp_path, "--dram", "4MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                     "--ssd", f"{too_big}GiB")  # fmt: skip
+    try:
+        assert d.info["ssd_condition"] == "ok"
+        assert f"SSD tier: --ssd {too_big << 10} MiB, but its filesystem has room for" in d.log()
+        assert "give --ssd" in d.log()
+    finally:
+        assert d.terminate() == 0, d.log()
+    fits = start_daemon(tmp_path, "--dram", "4MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                        "--ssd", "8MiB")  # fmt: skip
+    try:
+        assert "filesystem has room for" not in fits.log()
+    finally:
+        assert fits.terminate() == 0, fits.log()
