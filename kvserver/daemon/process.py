@@ -36,7 +36,7 @@ arena and the token files → exit 0. A second stop signal during that shutdown 
 Ctrl-C, a hung disk's drain taking its 10 s) exits at once, as a SIGKILL would (the SSD tier
 is crash-safe: the next start rebuilds it; the fleet record expires), but first removes the
 arena, its local-channel socket, the token files and the ready file: exit 128 + the signal's
-number (:class:`_StopSignals`).
+number (``signals.StopSignals``).
 """
 
 from __future__ import annotations
@@ -56,25 +56,23 @@ from tqdm import tqdm
 from kvserver.arena import check_room, reap_stale_arenas
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
-from kvserver.crypto import CurveClient, TlsClient, TlsServer
+from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ADMIN, Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
 from kvserver.daemon.listening import listening_line
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
-from kvserver.daemon.peers.book import PeerBook, PeerSettings
-from kvserver.daemon.peers.fleet import FleetDirectory
-from kvserver.daemon.peers.static import StaticDirectory
-from kvserver.daemon.peers.tier import PeerTier
+from kvserver.daemon.peer_setup import fleet_peer_tier, static_peer_tier
 from kvserver.daemon.service import KVService
-from kvserver.daemon.signals import STOP_SIGNALS, forward, pause_point, recording
+from kvserver.daemon.signals import STOP_SIGNALS, StopSignals, forward, pause_point, recording
 from kvserver.daemon.stream_server import StreamServer
 from kvserver.daemon.tenants import tenant_tokens
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
+from kvserver.ssd.config import disk_room
 from kvserver.token_file import (
     TokenFiles,
     reap_stale_token_files,
@@ -99,33 +97,6 @@ class _StoppedStarting(Exception):
     """``stop`` was set during start-up; the argument names the step that saw it."""
 
 
-class _StopSignals:
-    """The loop's handler of the stop signals once serving: the first sets ``stop`` (the
-    ordered shutdown); one during the shutdown removes :attr:`leaving` (the files the daemon
-    leaves in the shared-memory directory, given once the shutdown begins) and exits at once,
-    128 + its number. Main thread, event loop only."""
-
-    def __init__(self, stop: asyncio.Event) -> None:
-        self._stop = stop
-        #: removed by a second signal; set by ``serve`` when its shutdown begins
-        self.leaving: list[str] | None = None
-
-    def __call__(self, signum: int) -> None:
-        if not self._stop.is_set():
-            self._stop.set()
-        elif self.leaving is not None:
-            logger.warning(
-                "a second stop signal: exiting now, without the ordered shutdown (SSD writes "
-                "in flight are not on SSD; the next start rebuilds the tier); the arena and "
-                "the token files are removed"
-            )
-            for path in self.leaving:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            logging.shutdown()
-            os._exit(128 + signum)
-
-
 async def serve(
     config: DaemonConfig,
     stop: asyncio.Event | None = None,
@@ -138,7 +109,7 @@ async def serve(
     ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
     file; ``serving()`` is called once started, before the start-up line; ``leaving(paths)``
     when the shutdown begins, with the files it will remove (arena, local-channel socket, token
-    and ready files: what a hurried exit removes, :class:`_StopSignals`). A ``stop`` set during
+    and ready files: what a hurried exit removes, ``signals.StopSignals``). A ``stop`` set during
     start-up stops it at its next step, what was done undone. Returns the SSD tier's disk jobs
     left running past its drain timeout (10 s) at shutdown (``SsdTier.close``; 0 normally)."""
     stop = stop or asyncio.Event()
@@ -230,7 +201,7 @@ async def _serve(
             )
             service.add_tier(ssd)
         if config.peer_addresses:
-            service.add_tier(_static_peer_tier(config, service))
+            service.add_tier(static_peer_tier(config, service))
         await service.open_tiers()
         if ssd is not None and ssd.opened:
             _warn_if_the_disk_is_smaller(config.ssd_dir, config.ssd)
@@ -256,7 +227,7 @@ async def _serve(
         node = await _join_fleet(config, service, data_port, grpc_port,
                                  (stream_scheme, stream_port), ssd)  # fmt: skip
         if node is not None:  # the network tier over the fleet index, at the bottom
-            peer_tier = _fleet_peer_tier(config, service, node)
+            peer_tier = fleet_peer_tier(config, service, node)
             service.add_tier(peer_tier)
             await peer_tier.open()
         step("fleet")
@@ -317,17 +288,11 @@ async def _serve(
 
 
 def _warn_if_the_disk_is_smaller(directory: str, capacity: int) -> None:
-    """Log a warning when the SSD tier's filesystem cannot hold ``capacity`` (its free room
-    plus what the tier's files already take): the tier would go ``degraded`` once the disk is
-    full (ENOSPC), long after start-up. Not an error: the disk may be shared, or grow."""
-    try:
-        st = os.statvfs(directory)
-        with os.scandir(directory) as entries:
-            files = [e.stat() for e in entries if e.is_file(follow_symlinks=False)]
-    except OSError:
-        return
-    room = st.f_bavail * st.f_frsize + sum(f.st_blocks * 512 for f in files)
-    if room < capacity:
+    """Warn when the SSD tier's filesystem cannot hold ``capacity``: the tier would go
+    ``degraded`` once the disk is full (ENOSPC), long after start-up. Not an error: the disk
+    may be shared, or grow."""
+    room = disk_room(directory)
+    if room is not None and room < capacity:
         logger.warning(
             "SSD tier: --ssd %d MiB, but its filesystem has room for %d MiB in %s: the tier "
             "will go degraded when the disk fills; give --ssd %d MiB at most, or free space",
@@ -401,52 +366,6 @@ class _Progress:
             self._bar.close()
 
 
-def _peer_settings(config: DaemonConfig) -> PeerSettings:
-    """How this daemon calls its peers: the fleet's auth token, and CURVE when configured
-    (the peers' public key: ``peer_curve_server_key_file``, else the public half of this
-    daemon's own ``curve_secret_key_file`` (one key pair for the fleet); this daemon's pair
-    as the client's, so a ``curve_clients_dir`` can admit it). Their TLS stream ports with a
-    CA (``peer_tls_ca_file``, else this daemon's own certificate: one for the fleet), this
-    daemon's certificate presented when a peer requires one (mutual TLS)."""
-    options: tuple[tuple[str, object], ...] = ()
-    server_key = config.peer_curve_server_key_file or config.curve_secret_key_file
-    if server_key:
-        curve = CurveClient.from_files(server_key, config.curve_secret_key_file)
-        options = (("curve", curve),)
-    stream_tls = None
-    if config.peer_tls_ca and config.peer_stream_port >= 0:
-        tls = TlsClient(config.peer_tls_ca, config.tls_cert_file, config.tls_key_file)
-        stream_tls = tls.ssl_context()
-    return PeerSettings(
-        timeout_s=config.peer_timeout_s,
-        suspect_s=config.peer_suspect_s,
-        connections=config.peer_connections,
-        auth_token=config.auth_token,
-        client_options=options,
-        # never chunks in clear when CURVE is on; -1 turns the stream off both ways
-        stream=not options and config.peer_stream_port >= 0,
-        stream_tls=stream_tls,
-        tls_server_name=config.peer_tls_server_name,
-        # what a peer's reply may make this daemon receive: its own bound on inbound frames
-        max_frame_bytes=config.max_message_bytes,
-    )
-
-
-def _static_peer_tier(config: DaemonConfig, service: KVService) -> PeerTier:
-    """The network tier over a configured peer list (``--peers``)."""
-    book = PeerBook(_peer_settings(config))
-    directory = StaticDirectory(config.peer_addresses, book)
-    return PeerTier(service.engine, directory, book, publish=service.publish,
-                    stream_window_bytes=config.peer_stream_window)  # fmt: skip
-
-
-def _fleet_peer_tier(config: DaemonConfig, service: KVService, node: ClusterNode) -> PeerTier:
-    """The network tier over the fleet index (``--cluster``)."""
-    book = PeerBook(_peer_settings(config))
-    return PeerTier(service.engine, FleetDirectory(node), book, publish=service.publish,
-                    stream_window_bytes=config.peer_stream_window)  # fmt: skip
-
-
 async def _reap_forever(service: KVService, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
@@ -486,7 +405,7 @@ def main(config: DaemonConfig) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
-        signals = _StopSignals(stop)
+        signals = StopSignals(stop)
 
         def take_over() -> None:  # once serving: the loop's handlers (HUP: terminal closed)
             for sig in STOP_SIGNALS:

@@ -1,9 +1,11 @@
 """Settings and counters of the SSD tier: plain validated data, shared by the daemon's config
-(``kvserver/daemon/config.py``) and the tier (``kvserver/daemon/tiering.py``). No I/O."""
+(``kvserver/daemon/config.py``) and the tier (``kvserver/daemon/tiering.py``). No I/O but
+:func:`disk_room`'s (a statvfs and a directory listing, at start-up)."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from kvserver.errors import InvalidArgument
@@ -79,3 +81,15 @@ class TierCounters:
     bytes_read: int = 0
     #: free slots whose disk blocks went back to the filesystem (``SsdIndex.to_release``)
     released_slots: int = 0
+
+
+def disk_room(directory: str) -> int | None:
+    """Bytes an SSD tier in ``directory`` could take: its filesystem's free room plus what the
+    files there already take (the tier's own); None when that cannot be told."""
+    try:
+        st = os.statvfs(directory)
+        with os.scandir(directory) as entries:
+            files = [e.stat() for e in entries if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize + sum(f.st_blocks * 512 for f in files)
