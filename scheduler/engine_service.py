@@ -34,6 +34,7 @@ from grpc_health.v1 import health
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import Authenticator
+from kvserver.daemon.config import bind_hint
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 from kvserver.grpc_format import ERROR_CODE_KEY, bearer_token
 from kvserver.grpc_serve import start_server
@@ -168,9 +169,14 @@ class EngineService:
             "EngineStats": grpc.unary_unary_rpc_method_handler(self._engine_stats),
         }
         credentials = self.tls.credentials() if self.tls is not None else None
-        self._server, self.port = await start_server(
-            SERVICE_NAME, handlers, self._health, self.host, self.port, credentials=credentials
-        )
+        try:
+            self._server, self.port = await start_server(
+                SERVICE_NAME, handlers, self._health, self.host, self.port,
+                credentials=credentials,
+            )  # fmt: skip
+        except KVServerError as exc:  # gRPC says no more than "failed to bind": say what to do
+            reason = exc.message.split("; set GRPC_VERBOSITY", 1)[0]
+            raise KVServerError(f"{reason}{bind_hint('--grpc-port')}") from None
         return self.port
 
     async def stop(self, grace: float) -> None:

@@ -43,3 +43,24 @@ def test_the_scheduler_selects_the_polling_engine_before_grpc_loads() -> None:
 @pytest.mark.parametrize("value", ["", "event_engine_client"])
 def test_an_operators_value_wins(value: str) -> None:
     assert _probe({ENV: value}) == f"{value!r} False"
+
+
+@pytest.mark.multiprocess
+def test_a_grpc_port_in_use_is_one_line_naming_the_flag_that_moves_it() -> None:
+    """``kvserver scheduler --grpc-port P`` with P taken: exit 1, the flag to give; was
+    "Failed to bind ...; set GRPC_VERBOSITY=debug environment variable ..." (gRPC's words)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvserver.cli", "scheduler", "--synthetic-workers", "1",
+             "--host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "-1"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"kvserver scheduler: cannot bind gRPC to 127.0.0.1:{port}"), last
+    assert "choose another with --grpc-port PORT" in last and "GRPC_VERBOSITY" not in last
