@@ -17,6 +17,11 @@ Usage::
         hits = kv.lookup(ns.ns_id, keys).hit_chunks
         parts = kv.load(ns.ns_id, keys[:hits])
 
+``address`` is the daemon's ZMQ data endpoint, ``tcp://HOST:PORT`` (``HOST[:PORT]`` is read as
+that, 9471 by default: :func:`~kvserver.client.common.data_address`). A call that gets no reply
+says why when it can: a failed handshake (the token, CURVE keys), nothing listening there, or a
+port that is not a ZMQ data port (``docs/security.md``, :mod:`kvserver.client.handshake`).
+
 Low-level co-located flow: ``prepare_store`` → ``write(extents, data)`` per part →
 ``complete_store``; ``prepare_load`` → ``read``/``readinto`` → ``complete_load``.
 
