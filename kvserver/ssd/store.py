@@ -139,14 +139,35 @@ class SlotStore:
         try:
             io.lock(self._lock_fd)
         except OSError:
+            holder = self._lock_holder()
             self.close()
-            raise StorageError("SSD directory is in use by another daemon", path=d) from None
+            raise StorageError(
+                f"SSD directory is in use by another daemon{holder}: stop it, or give this one "
+                "another --ssd-dir",
+                path=d,
+            ) from None
+        try:
+            # who holds it, for the next daemon refused here (the lock, not this, decides)
+            io.truncate(self._lock_fd, 0)
+            io.pwrite(self._lock_fd, memoryview(f"{os.getpid()}\n".encode()), 0)
+        except OSError:
+            pass
         try:
             self._check_format()
             self.direct = self._want_direct and self._probe_direct()
         except BaseException:
             self.close()
             raise
+
+    def _lock_holder(self) -> str:
+        """`` (pid N)`` of the daemon that wrote the LOCK file (its pid on its host), or "" when
+        it says nothing readable."""
+        try:
+            text = self.io.read_file(os.path.join(self.directory, LOCK_FILE))
+        except OSError:
+            return ""
+        pid = text.decode("ascii", "replace").strip()
+        return f" (pid {pid})" if pid.isdigit() else ""
 
     def _check_format(self) -> None:
         path = os.path.join(self.directory, FORMAT_FILE)

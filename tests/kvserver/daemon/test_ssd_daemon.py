@@ -458,6 +458,32 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown child {sys.argv[1]}")
 
 
+def test_a_second_daemon_on_the_same_ssd_directory_names_the_one_holding_it(
+    tmp_path: Path,
+) -> None:
+    """A second daemon given a directory in use serves DRAM with its SSD tier unavailable,
+    and its log and status say which daemon holds the directory and what to do; was "SSD
+    directory is in use by another daemon" alone."""
+    ssd_dir = tmp_path / "ssd"
+    first = start(tmp_path / "a", ssd_dir)
+    try:
+        second = start(tmp_path / "b", ssd_dir)
+        try:
+            assert second.info["ssd_condition"] == "unavailable"
+            said = f"in use by another daemon (pid {first.info['pid']}): stop it, or give"
+            assert said in second.log()
+            status = subprocess.run(
+                [sys.executable, "-m", "kvserver.cli", "status", "--server",
+                 second.grpc_address],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert status.returncode == 0 and said in status.stdout, status.stdout
+        finally:
+            assert second.terminate() == 0, second.log()
+    finally:
+        assert first.terminate() == 0, first.log()
+
+
 def test_a_second_sigterm_during_a_hung_drain_exits_at_once_leaving_nothing_behind(
     tmp_path: Path,
 ) -> None:
