@@ -263,8 +263,11 @@ def _read_tokens(args: argparse.Namespace) -> list[int]:
 def unreachable(server: str, timeout: float, detail: str) -> str:
     """What ``kvserver status``/``lookup`` say when gRPC found no daemon at ``server``:
     nothing listening, or something that is not an HTTP/2 server (a port of the daemon other
-    than its gRPC one), with gRPC's own words after."""
-    if "Failed parsing HTTP/2" in detail:
+    than its gRPC one: it answers with what gRPC cannot parse, or resets the connection), with
+    gRPC's own words after."""
+    # the daemon's ZMQ port sends its greeting (which gRPC cannot parse) or resets the
+    # connection at gRPC's preface, whichever comes first; an HTTP server sends HTTP/1
+    if "Failed parsing HTTP/2" in detail or "Connection reset by peer" in detail:
         said = (
             f"{server} answered, but not as a gRPC server: is that the daemon's gRPC port? "
             f"(`kvserver start --grpc-port`, {DEFAULT_GRPC_PORT} by default; 9471 is its ZMQ "
@@ -278,8 +281,11 @@ def unreachable(server: str, timeout: float, detail: str) -> str:
 
 def server_address(text: str) -> str:
     """``HOST[:PORT]`` as a gRPC target: without a port, the daemon's default gRPC port (gRPC
-    itself would dial 443). IPv6 hosts may be bracketed; targets with a scheme pass as they are.
+    itself would dial 443). IPv6 hosts may be bracketed; targets with a scheme pass as they are,
+    but ``tcp://`` (a ZMQ endpoint's, which gRPC cannot resolve) is dropped.
     """
+    if text.startswith("tcp://"):
+        text = text[len("tcp://") :]
     if "://" in text or text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return text
     if text.startswith("["):  # [v6] or [v6]:port

@@ -172,7 +172,7 @@ def test_status_at_the_daemons_zmq_or_metrics_port_names_the_grpc_port(tmp_path:
     reach the daemon ... is `kvserver start` running there?" of a daemon that was running."""
     d = start_daemon(tmp_path, "--dram", "2MiB")
     try:
-        for port in (d.info["zmq_port"], d.info["metrics_port"]):
+        for port in (d.info["zmq_port"], d.info["zmq_port"], d.info["metrics_port"]):
             status = subprocess.run(
                 [sys.executable, "-m", "kvserver.cli", "status", "--server",
                  f"127.0.0.1:{port}", "--timeout", "5"],
@@ -268,6 +268,8 @@ def test_status_names_a_fixed_peer_list_as_such(tmp_path: Path) -> None:
         ("::1", "[::1]:9470"),
         ("[::1]:5", "[::1]:5"),
         ("dns:///kvserver:9470", "dns:///kvserver:9470"),
+        ("tcp://127.0.0.1:5", "127.0.0.1:5"),  # was: "Misformatted domain name"
+        ("tcp://kvserver", "kvserver:9470"),
         ("unix:/run/kvserver.sock", "unix:/run/kvserver.sock"),
     ],
 )
