@@ -1,10 +1,54 @@
-"""The daemon's start-up line (``kvserver listening: ...``), logged by ``process.py`` once
-serving: pure formatting of the config and the ready file's ``info``."""
+"""Where the daemon listens: :func:`check_ports`, a probe that its fixed ports are free before
+the arena is made (``process.py``, at start-up), and the start-up line
+(``kvserver listening: ...``, :func:`listening_line`), logged once serving: pure formatting of
+the config and the ready file's ``info``."""
 
 from __future__ import annotations
 
-from kvserver.daemon.config import DaemonConfig
+import errno
+import socket
+
+from kvserver.daemon.config import DaemonConfig, bind_hint
+from kvserver.errors import KVServerError
 from kvserver.token_file import token_dir
+
+#: the fixed ports whose binding start-up needs, with the flag that moves each
+_PORT_FLAGS = (
+    ("grpc_port", "--grpc-port"),
+    ("zmq_port", "--zmq-port"),
+    ("pub_port", "--pub-port"),
+    ("peer_stream_port", "--peer-stream-port"),
+)
+
+
+def check_ports(config: DaemonConfig) -> None:
+    """Raise KVServerError, naming the flag that moves it, when one of the daemon's fixed TCP
+    ports (0: any, -1: off; metrics are not the service: not checked) is taken or ``--host``
+    is not an address of this machine: found before the arena is pre-faulted (a second
+    ``kvserver start --dram 64GiB`` committed 64 GiB more before it was told). A probe, bound
+    and closed as the listeners bind (SO_REUSEADDR: a port a stopped daemon's connections
+    still wait on is free); the listeners' own binds still decide."""
+    for name, flag in _PORT_FLAGS:
+        port = int(getattr(config, name))
+        if port <= 0:
+            continue
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                config.host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except OSError:  # the listener's bind says what is wrong with the host
+            return
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                    continue
+                host = f"[{config.host}]" if ":" in config.host else config.host
+                raise KVServerError(
+                    f"cannot bind {host}:{port}: {exc.strerror}{bind_hint(flag, exc.errno)}"
+                ) from None
 
 
 def listening_line(config: DaemonConfig, info: dict[str, object], token: str) -> str:

@@ -60,7 +60,7 @@ from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ADMIN, Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
-from kvserver.daemon.listening import listening_line
+from kvserver.daemon.listening import check_ports, listening_line
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.peer_setup import fleet_peer_tier, static_peer_tier
@@ -152,6 +152,7 @@ async def _serve(
     if config.tls_cert_file:
         tls_files = TlsServer(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
         stream_tls = tls_files.ssl_context()
+    check_ports(config)  # before the arena: a port in use is said at once
     token_files: TokenFiles | None = None
     for path in reap_stale_arenas(config.shm_dir):
         what = "local-channel socket" if path.endswith(".sock") else "arena"

@@ -142,6 +142,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag_that_moves_it(tmp_path: Path,
     last = result.stderr.splitlines()[-1]
     assert last.startswith("kvserver start: cannot bind") and f":{port}" in last, last
     assert f"Stop it, or choose another with {flag} PORT (0: any free port)" in last
+    assert "pre-faulting" not in result.stderr  # found before the arena (was: after it)
 
 
 def test_the_start_up_line_says_where_and_with_what(tmp_path: Path) -> None:
