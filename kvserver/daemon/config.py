@@ -208,6 +208,14 @@ class DaemonConfig:
         for name in ("pub_port", "metrics_port", "peer_stream_port"):
             if not -1 <= getattr(self, name) <= 65535:
                 raise InvalidArgument(f"{name} out of range", value=getattr(self, name))
+        fixed: dict[int, str] = {}  # two listeners cannot share a port (0: any, -1: off)
+        for name in ("grpc_port", "zmq_port", "pub_port", "metrics_port", "peer_stream_port"):
+            port = getattr(self, name)
+            if port > 0 and fixed.setdefault(port, name) != name:
+                raise InvalidArgument(
+                    f"{fixed[port]} and {name} are the same port; give each its own",
+                    value=port,
+                )
         if not 0 < self.reap_interval_s < math.inf:
             raise InvalidArgument("reap_interval_s must be positive", value=self.reap_interval_s)
         if not 0 < self.zmq_send_timeout_s <= MAX_SEND_TIMEOUT_S:
