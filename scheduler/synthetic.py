@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from kvserver.crypto import CurveServer
 from kvserver.errors import InvalidArgument
 from step_protocol import (
@@ -187,14 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, args.log_level.upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return serve(
-        args.bind,
-        ready_file=args.ready_file,
-        delay_s=args.delay_ms / 1e3,
-        parent_pid=args.parent_pid,
-        curve=curve,
-        no_auth=args.step_no_auth,
-    )
+    try:
+        return serve(
+            args.bind,
+            ready_file=args.ready_file,
+            delay_s=args.delay_ms / 1e3,
+            parent_pid=args.parent_pid,
+            curve=curve,
+            no_auth=args.step_no_auth,
+        )
+    except zmq.ZMQError as exc:  # as `kvserver worker` says it (was: a traceback)
+        print(f"synthetic worker: cannot listen on {args.bind}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -140,3 +140,24 @@ def test_hello_resets_the_worker() -> None:
     info = worker.hello(WorkerHello(3, 4, 8, 32))
     assert worker.num_requests == 0 and info.rank == 3 and info.kv_layout
     assert (worker.block_size, worker.num_gpu_blocks) == (8, 32)
+
+
+@pytest.mark.multiprocess
+def test_a_bind_address_in_use_is_one_line_not_a_traceback() -> None:
+    """``python -m scheduler.synthetic --bind`` on a taken port, as ``kvserver worker``."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        bind = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        result = subprocess.run(
+            [sys.executable, "-m", "scheduler.synthetic", "--bind", bind, "--step-no-auth"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        f"synthetic worker: cannot listen on {bind}: Address already in use (addr='{bind}')"
+    )
