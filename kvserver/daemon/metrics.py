@@ -143,6 +143,8 @@ _PEER_COUNTERS = (
     ("kvserver_peer_failures", "Peer calls answered with what was refused.", "failures"),
     ("kvserver_peer_missed_chunks", "Chunks a peer was named for but none sent.", "missed_chunks"),
     ("kvserver_peer_joined_chunks", "Chunks a load waited for another fetch of.", "joined_chunks"),
+    ("kvserver_peer_refused_windows", "ZMQ fetch windows a peer answered 'capacity' (its "
+     "zmq_send_max_unsent); asked again once.", "refused_windows"),
 )  # fmt: skip
 #: every condition the network tier can be in.
 PEER_CONDITIONS = (OK, DEGRADED)

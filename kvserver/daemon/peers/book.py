@@ -55,6 +55,9 @@ class PeerCounters:
     #: keys the directory named a holder for that no peer then sent (not those asked of a
     #: peer on a guess, ``directory_skipped``).
     missed_chunks: int = 0
+    #: ZMQ fetch windows a peer refused for now (``capacity``: its cap on unsent replies
+    #: to one connection, ``zmq_windows.py``); asked again once.
+    refused_windows: int = 0
     #: lookups that asked the directory.
     directory_lookups: int = 0
     #: keys a load found holders for in a lookup's recent answer (the directory not asked).

@@ -13,10 +13,12 @@ directory says hold it) and:
    last sent chunks of the namespace: :meth:`PeerFetches.last_sender`), so a prompt held by
    one peer is one call per window of :data:`WINDOW_BYTES` (``stream_window_bytes``, by
    default :data:`STREAM_WINDOW_BYTES`, over a peer's stream); a peer's windows are
-   pipelined on one of its link's connections (``PeerLink.connection``), all asked at once,
-   each bounded by the peer timeout: they arrive one after another, in order, so each window
-   is copied into DRAM while the next is still on the wire (windows on separate connections
-   would arrive together, at the end); different peers are asked concurrently;
+   pipelined on one of its link's connections (``PeerLink.connection``), each bounded by the
+   peer timeout: they arrive one after another, in order, so each window is copied into DRAM
+   while the next is still on the wire (windows on separate connections would arrive
+   together, at the end); over ZMQ at most two are in flight, under the peer's cap on unsent
+   replies (``zmq_windows.py``), over a stream all are asked at once; different peers are
+   asked concurrently;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
    DRAM as an SSD promotion does (:class:`~kvserver.daemon.peers.place.Placer`): one
    ``prepare_store(gated=False)`` for the run (protecting from the eviction it may cause the
@@ -56,16 +58,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kvserver.client.aio import AsyncKVClient
 from kvserver.daemon.config import DEFAULT_PEER_STREAM_WINDOW
+from kvserver.daemon.peers import zmq_windows
 from kvserver.daemon.peers.book import PeerBook
 from kvserver.daemon.peers.directory import Peer
-from kvserver.daemon.peers.link import PeerFailed, PeerLink
+from kvserver.daemon.peers.link import PeerFailed
 from kvserver.daemon.peers.place import Parts, Placer, Slot
 from kvserver.daemon.peers.stream import PeerStream
 from kvserver.daemon.peers.stream_connection import ReplyJob
 from kvserver.engine import StorageEngine
-from kvserver.errors import CapacityError, UnknownKey, UnknownNamespace
+from kvserver.errors import UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 from kvserver.wire_stream import MAX_KEYS, ReplyHead
 
@@ -311,54 +313,9 @@ class PeerFetches:
             windows = windows_of(runs, chunk_bytes, self.stream_window_bytes)
             return await self._stream_windows(spec, peer, stream, windows, protect, direct)
         windows = windows_of(runs, chunk_bytes, WINDOW_BYTES)
-        try:
-            async with link.connection() as kv:
-                keep = list(protect)  # and the windows placed: a later one must not evict them
-                calls = (self._fetch_run(spec, peer, link, kv, w, keep, direct) for w in windows)
-                got = await asyncio.gather(*calls)
-                # windows the peer refused at its cap on unsent replies to one connection
-                # (zmq_send_max_unsent): asked again one at a time, every reply before them
-                # received; refused again, they are not sent (another holder, or a miss)
-                out: list[tuple[list[bytes], Parts]] = []
-                for window, sent in zip(windows, got, strict=True):
-                    if sent is None:
-                        sent = await self._fetch_run(spec, peer, link, kv, window, keep, direct)
-                    out.append(sent if sent is not None else ([], {}))
-                return out
-        except PeerFailed as exc:  # no connection in time
-            self._book.failed(peer, exc)
-            return []
-
-    async def _fetch_run(
-        self,
-        spec: NamespaceSpec,
-        peer: Peer,
-        link: PeerLink,
-        via: AsyncKVClient,
-        keys: list[bytes],
-        keep: list[bytes],
-        direct: bool,
-    ) -> tuple[list[bytes], Parts] | None:
-        """Fetch one window from ``peer`` on ``via`` (a connection of ``link``) and place
-        it, protecting the keys of ``keep`` from the eviction (and adding its own to it, for
-        the windows after it); returns (keys it sent, direct parts), or None when the peer
-        refused it for now (``capacity``: not counted as a fetch, the peer not suspect)."""
-        book = self._book
-        try:
-            rows = await link.fetch(spec, keys, via=via)
-        except CapacityError:
-            return None
-        except PeerFailed as exc:
-            book.counters.fetches += 1
-            book.failed(peer, exc)
-            return [], {}
-        book.counters.fetches += 1
-        sent = keys[: len(rows)]
-        book.counters.fetched_chunks += len(rows)
-        book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
-        placed = self._placer.place(spec, sent, rows, keep, direct)
-        keep += sent
-        return sent, placed
+        return await zmq_windows.fetch_windows(
+            self._book, self._placer, spec, peer, windows, protect, direct
+        )
 
     async def _stream_windows(
         self,

@@ -51,10 +51,21 @@ from kvserver.namespace import NamespaceSpec
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_CONNECTIONS", "DEFAULT_MAX_FRAME_BYTES", "PeerFailed", "PeerLink", "check_rows"]
+__all__ = [
+    "DEFAULT_CONNECTIONS",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "ZMQ_WINDOWS_IN_FLIGHT",
+    "PeerFailed",
+    "PeerLink",
+    "check_rows",
+]
 
 #: DEALER sockets per peer unless configured otherwise.
 DEFAULT_CONNECTIONS = 4
+#: a fetch's windows asked over ZMQ and not yet received, at most, per connection: two, so
+#: one is copied into DRAM while the next is on the wire, and a peer counts at most two
+#: replies unsent (its ``zmq_send_max_unsent`` cap: ``zmq_windows.py``).
+ZMQ_WINDOWS_IN_FLIGHT = 2
 #: the largest frame a peer's reply may carry over ZMQ unless configured otherwise: the
 #: daemon's own bound on inbound frames (``max_message_bytes``), for what its peers send.
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
@@ -102,6 +113,9 @@ class PeerLink:
         self._tls_server_name = tls_server_name
         self._stream: PeerStream | None = None
         self._stream_known = False
+        #: a fetch's ZMQ windows in flight at most (``zmq_windows.py``): 1 once the peer
+        #: refused one (``capacity``: its cap is smaller than two windows), for the link's life.
+        self.windows_in_flight = ZMQ_WINDOWS_IN_FLIGHT
 
     @property
     def connections_open(self) -> int:

@@ -1,0 +1,146 @@
+"""A fetch's windows over a peer's ZMQ data plane, under the peer's cap on unsent replies.
+
+Runs in the daemon process, on its event loop; part of :class:`~kvserver.daemon.peers.fetch.
+PeerFetches` (used only from there), for a peer without a stream port this daemon may dial
+(a fleet with CURVE and no TLS certificate). Not thread-safe: loop only.
+
+Flow control. The serving daemon pins each zero-copy ``get`` reply until ZMQ has sent it,
+and answers ``capacity`` to a ``get`` that arrives while the connection has
+``zmq_send_max_unsent`` bytes or more unsent in two replies or more (``zmq_send.py``, a
+quarter of its DRAM by default). Asking every window of a fetch at once (session 10) made a
+fetch larger than that cap be refused part of its windows every time (then asked again one by
+one). So :func:`fetch_windows` keeps at most :attr:`PeerLink.windows_in_flight` windows asked
+and not yet received on its connection (:data:`~kvserver.daemon.peers.link.
+ZMQ_WINDOWS_IN_FLIGHT`, two: one is copied into DRAM while the next is on the wire), asking
+the next one as each reply arrives. When this daemon asks window ``k + 2``, the peer counts
+as unsent at most windows ``k + 1`` and ``k`` (whose pin's release may lag its last byte by a
+moment: it reaches the peer's loop from pyzmq's gc thread), two windows of at most
+:data:`~kvserver.daemon.peers.fetch.WINDOW_BYTES`: under any cap above 8 MiB (a peer with
+more than 32 MiB of DRAM, by default) nothing is refused. Recovery: a refused window (a
+peer with a smaller cap) is counted (``refused_windows``), the link asks one window at a time
+from then on (its peer's incarnation: one unsent reply is never refused), and the window is
+asked again once; refused again, it is not sent (another holder, or a miss). The peer is not
+suspect for a refusal and the connection is kept.
+
+A window that fails (:class:`PeerFailed`: a timeout, a malformed reply) marks the peer suspect
+and ends the fetch from it: the windows not yet asked are not asked (their keys go to another
+holder, or miss), those in flight are awaited (each bounded by the peer timeout), so a dead
+peer costs one timeout, not one per window. A cancelled fetch cancels its calls in flight
+(their connection is closed, not reused: a late reply cannot be taken for another's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+
+from kvserver.client.aio import AsyncKVClient
+from kvserver.daemon.peers.book import PeerBook
+from kvserver.daemon.peers.directory import Peer
+from kvserver.daemon.peers.link import PeerFailed, PeerLink
+from kvserver.daemon.peers.place import Parts, Placer
+from kvserver.errors import CapacityError
+from kvserver.namespace import NamespaceSpec
+
+#: per window asked: (keys it sent, direct parts).
+Sent = tuple[list[bytes], Parts]
+
+
+async def fetch_windows(
+    book: PeerBook,
+    placer: Placer,
+    spec: NamespaceSpec,
+    peer: Peer,
+    windows: list[list[bytes]],
+    protect: Sequence[bytes],
+    direct: bool,
+) -> list[Sent]:
+    """Fetch ``windows`` from ``peer`` on one connection of its link, at most
+    ``link.windows_in_flight`` in flight (module docstring), placing each as it arrives and
+    protecting the windows placed before it from the eviction it may cause; per window asked
+    (in the order received), (keys it sent, direct parts)."""
+    link = book.link(peer)
+    try:
+        async with link.connection() as kv:
+            return await _pipeline(book, placer, spec, peer, link, kv, windows, protect, direct)
+    except PeerFailed as exc:  # no connection in time
+        book.failed(peer, exc)
+        return []
+
+
+async def _pipeline(
+    book: PeerBook,
+    placer: Placer,
+    spec: NamespaceSpec,
+    peer: Peer,
+    link: PeerLink,
+    kv: AsyncKVClient,
+    windows: list[list[bytes]],
+    protect: Sequence[bytes],
+    direct: bool,
+) -> list[Sent]:
+    keep = list(protect)  # and the windows placed: a later one must not evict them
+    todo: deque[tuple[list[bytes], bool]] = deque((w, False) for w in windows)  # (window, again)
+    asked: deque[tuple[list[bytes], bool, asyncio.Task[Sent | None]]] = deque()
+    out: list[Sent] = []
+    failed = False
+    try:
+        while todo or asked:
+            while todo and not failed and len(asked) < link.windows_in_flight:
+                window, again = todo.popleft()
+                call = _window(book, placer, spec, peer, link, kv, window, keep, direct)
+                asked.append((window, again, asyncio.ensure_future(call)))
+            if not asked:
+                break  # failed: the windows left are not asked
+            window, again, task = asked.popleft()
+            try:
+                sent = await task
+            except PeerFailed:
+                failed = True  # counted and the peer marked suspect by ``_window``
+                continue
+            if sent is not None:
+                out.append(sent)
+                continue
+            book.counters.refused_windows += 1
+            link.windows_in_flight = 1  # this incarnation's cap is smaller than two windows
+            if not again:
+                todo.appendleft((window, True))  # after the one in flight
+    finally:
+        for _, _, task in asked:  # cancelled: none is left running on the connection
+            task.cancel()
+        if asked:
+            await asyncio.gather(*(t for _, _, t in asked), return_exceptions=True)
+    return out
+
+
+async def _window(
+    book: PeerBook,
+    placer: Placer,
+    spec: NamespaceSpec,
+    peer: Peer,
+    link: PeerLink,
+    via: AsyncKVClient,
+    keys: list[bytes],
+    keep: list[bytes],
+    direct: bool,
+) -> Sent | None:
+    """Fetch one window from ``peer`` on ``via`` and place it, protecting the keys of
+    ``keep`` from the eviction (and adding its own to it, for the windows after it); returns
+    (keys it sent, direct parts), or None when the peer refused it for now (``capacity``:
+    not counted as a fetch). Raises :class:`PeerFailed` (counted, the peer marked suspect)."""
+    try:
+        rows = await link.fetch(spec, keys, via=via)
+    except CapacityError:
+        return None
+    except PeerFailed as exc:
+        book.counters.fetches += 1
+        book.failed(peer, exc)
+        raise
+    book.counters.fetches += 1
+    sent = keys[: len(rows)]
+    book.counters.fetched_chunks += len(rows)
+    book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
+    placed = placer.place(spec, sent, rows, keep, direct)
+    keep += sent
+    return sent, placed
