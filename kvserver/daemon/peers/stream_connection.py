@@ -292,9 +292,10 @@ class StreamConnection:
     def _recv_tls(self, views: Sequence[memoryview], deadline: float) -> None:
         sock = self.sock
         for view in views:
-            _set_tls_timeout(sock, deadline)
             pos, size = 0, view.nbytes
             while pos < size:
+                # per record: a peer trickling records must not renew the time left
+                _set_tls_timeout(sock, deadline)
                 got = sock.recv_into(view[pos:])  # OpenSSL's plaintext lands in the view
                 if got == 0:
                     raise self._failed("peer closed the stream mid-reply", timed_out=True)
