@@ -165,11 +165,11 @@ class ZeroCopySender:
         unsent, replies = self._unsent.get(ident, (0, 0))
         if unsent >= self._max_unsent and replies > 1:
             self.num_refused += 1
-            raise CapacityError(
+            raise CapacityError(  # a fetching daemon tells it by the setting's name
                 "too many reply bytes to this connection not sent yet (the client does not "
                 "read its replies as fast as it asks); retry later",
                 unsent_bytes=unsent,
-                zmq_send_max_unsent=self._max_unsent,
+                zmq_send_max_unsent=self._max_unsent,  # peers/zmq_windows.CAP_REFUSAL
             )
 
     def pin(self, ns_id: str, keys: list[bytes]) -> int:

@@ -67,7 +67,7 @@ from kvserver.daemon.peers.place import Parts, Placer, Slot
 from kvserver.daemon.peers.stream import PeerStream
 from kvserver.daemon.peers.stream_connection import ReplyJob
 from kvserver.engine import StorageEngine
-from kvserver.errors import UnknownKey, UnknownNamespace
+from kvserver.errors import CapacityError, UnknownKey, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 from kvserver.wire_stream import MAX_KEYS, ReplyHead
 
@@ -376,7 +376,9 @@ class PeerFetches:
                         keep += out[-1][0]
                         continue
                     self._placer.settle(spec, slot, 0, direct)  # an error reply: no chunks
-                    if not isinstance(error, (UnknownNamespace, UnknownKey)):
+                    # none held, or too busy now (capacity: its SSD read buffers): a clean
+                    # answer, the window left to another holder; anything else is a fault
+                    if not isinstance(error, (UnknownNamespace, UnknownKey, CapacityError)):
                         raise PeerFailed(f"peer refused: {error}", timed_out=False,
                                          peer=conn.peer_id)  # fmt: skip
                     out.append(([], {}))

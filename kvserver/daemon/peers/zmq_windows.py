@@ -20,7 +20,8 @@ more than 32 MiB of DRAM, by default) nothing is refused. Recovery: a refused wi
 peer with a smaller cap) is counted (``refused_windows``), the link asks one window at a time
 from then on (its peer's incarnation: one unsent reply is never refused), and the window is
 asked again once; refused again, it is not sent (another holder, or a miss). The peer is not
-suspect for a refusal and the connection is kept.
+suspect for a refusal and the connection is kept; nor for a ``capacity`` that is not its cap
+(too busy: its SSD read buffers), whose window is not sent and not asked again.
 
 A window that fails (:class:`PeerFailed`: a timeout, a malformed reply) marks the peer suspect
 and ends the fetch from it: the windows not yet asked are not asked (their keys go to another
@@ -45,6 +46,10 @@ from kvserver.namespace import NamespaceSpec
 
 #: per window asked: (keys it sent, direct parts).
 Sent = tuple[list[bytes], Parts]
+#: what a ``capacity`` answer names when it is the cap on unsent replies (``zmq_send.py``
+#: puts the setting in its message), not another bound (a peer's SSD read buffers: that
+#: window is not sent, and the link keeps its windows in flight).
+CAP_REFUSAL = "zmq_send_max_unsent"
 
 
 async def fetch_windows(
@@ -127,12 +132,17 @@ async def _window(
 ) -> Sent | None:
     """Fetch one window from ``peer`` on ``via`` and place it, protecting the keys of
     ``keep`` from the eviction (and adding its own to it, for the windows after it); returns
-    (keys it sent, direct parts), or None when the peer refused it for now (``capacity``:
-    not counted as a fetch). Raises :class:`PeerFailed` (counted, the peer marked suspect)."""
+    (keys it sent, direct parts), or None when the peer refused it at its cap on unsent
+    replies (``capacity`` naming :data:`CAP_REFUSAL`: not counted as a fetch); another
+    ``capacity`` (the peer too busy) sends nothing, the peer not suspect. Raises
+    :class:`PeerFailed` (counted, the peer marked suspect)."""
     try:
         rows = await link.fetch(spec, keys, via=via)
-    except CapacityError:
-        return None
+    except CapacityError as exc:
+        if CAP_REFUSAL in str(exc):
+            return None
+        book.counters.fetches += 1  # too busy now (its SSD read buffers): not sent, no fault
+        return [], {}
     except PeerFailed as exc:
         book.counters.fetches += 1
         book.failed(peer, exc)

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from kvserver import wire
+from kvserver.daemon.peers.zmq_windows import CAP_REFUSAL
 from kvserver.daemon.results import Fetched
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
@@ -212,8 +213,9 @@ async def test_a_connection_at_its_unsent_cap_is_refused_until_its_replies_are_s
         sender.send(router, b"d", req_id, "sid", Parts({}, got.parts, sender.adopt(got.lease_id)))
         del got
     assert sender.unsent_bytes_of(b"d") == 4 * PART  # past the cap, in two replies
-    with pytest.raises(CapacityError, match="retry later"):
+    with pytest.raises(CapacityError, match="retry later") as refused:
         sender.admit(b"d")
+    assert CAP_REFUSAL in str(refused.value)  # how a fetching daemon tells it from others
     sender.admit(b"another connection")
     assert sender.stats() == {
         "pins": 2, "unsent_bytes": 4 * PART, "cut_connections": 0, "refused": 1

@@ -92,7 +92,8 @@ class Watched:
             if keys[0] in self._refuse:
                 self._refuse.remove(keys[0])
                 self.refused += 1
-                raise CapacityError("too many reply bytes to this connection not sent yet")
+                raise CapacityError("too many reply bytes to this connection not sent yet",
+                                    zmq_send_max_unsent=MiB)  # as zmq_send.py words it
             return await self._fetch(spec, keys, **kw)
         finally:
             self.in_flight -= 1
