@@ -157,6 +157,8 @@ class DataOps:
             "local_version": wire_local.LOCAL_VERSION if self.local_path else None,
             "peer_stream_port": self.peer_stream_port,
             "peer_stream_tls_port": self.peer_stream_tls_port,
+            # a fetching daemon's windows in flight stay under it (peers/zmq_windows.py)
+            "zmq_send_max_unsent": self._config.send_max_unsent,
         }
         return self._service.hello() | extra
 

@@ -62,9 +62,9 @@ __all__ = [
 
 #: DEALER sockets per peer unless configured otherwise.
 DEFAULT_CONNECTIONS = 4
-#: a fetch's windows asked over ZMQ and not yet received, at most, per connection: two, so
-#: one is copied into DRAM while the next is on the wire, and a peer counts at most two
-#: replies unsent (its ``zmq_send_max_unsent`` cap: ``zmq_windows.py``).
+#: a fetch's windows asked over ZMQ and not yet received, at most, per connection, of a peer
+#: that does not announce its ``zmq_send_max_unsent`` (older): two, so one is copied into
+#: DRAM while the next is on the wire (``zmq_windows.py``).
 ZMQ_WINDOWS_IN_FLIGHT = 2
 #: the largest frame a peer's reply may carry over ZMQ unless configured otherwise: the
 #: daemon's own bound on inbound frames (``max_message_bytes``), for what its peers send.
@@ -113,9 +113,11 @@ class PeerLink:
         self._tls_server_name = tls_server_name
         self._stream: PeerStream | None = None
         self._stream_known = False
-        #: a fetch's ZMQ windows in flight at most (``zmq_windows.py``): 1 once the peer
-        #: refused one (``capacity``: its cap is smaller than two windows), for the link's life.
-        self.windows_in_flight = ZMQ_WINDOWS_IN_FLIGHT
+        #: the peer's cap on a connection's unsent replies, from its ``hello`` (None: not
+        #: asked yet; 0: it announces none).
+        self._unsent_cap: int | None = None
+        #: the peer refused a window at its cap (``capacity``): one at a time from then on.
+        self._refused = False
 
     @property
     def connections_open(self) -> int:
@@ -201,6 +203,29 @@ class PeerLink:
                     stream = None
             self._stream, self._stream_known = stream, True
         return self._stream
+
+    async def windows_in_flight(self, window_bytes: int) -> int:
+        """How many windows of at most ``window_bytes`` a fetch may keep asked and not yet
+        received on one ZMQ connection so that the peer never refuses one (``zmq_windows.py``):
+        ``n`` such that ``n`` windows stay under the ``zmq_send_max_unsent`` its ``hello``
+        announces (asked once per link; the count it has unsent when the next is asked is at
+        most the ``n - 1`` in flight and the one just received, whose release may lag);
+        :data:`ZMQ_WINDOWS_IN_FLIGHT` when it announces none (an older peer); 1 once it
+        refused one all the same (:meth:`refused`). Raises :class:`PeerFailed` (its hello)."""
+        if self._refused:
+            return 1
+        if self._unsent_cap is None:
+            info = await self._call(lambda kv: kv.hello())
+            cap = info.get("zmq_send_max_unsent")
+            self._unsent_cap = cap if type(cap) is int and cap > 0 else 0
+        if not self._unsent_cap:
+            return ZMQ_WINDOWS_IN_FLIGHT
+        return max(1, (self._unsent_cap - 1) // window_bytes)
+
+    def refused(self) -> None:
+        """The peer refused a window at its cap (``capacity``): from now on a fetch keeps one
+        window in flight (one unsent reply is never refused)."""
+        self._refused = True
 
     async def lookup(self, ns_id: str, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (a leading run) the peer holds in its own tiers. Raises

@@ -9,19 +9,22 @@ and answers ``capacity`` to a ``get`` that arrives while the connection has
 ``zmq_send_max_unsent`` bytes or more unsent in two replies or more (``zmq_send.py``, a
 quarter of its DRAM by default). Asking every window of a fetch at once (session 10) made a
 fetch larger than that cap be refused part of its windows every time (then asked again one by
-one). So :func:`fetch_windows` keeps at most :attr:`PeerLink.windows_in_flight` windows asked
-and not yet received on its connection (:data:`~kvserver.daemon.peers.link.
-ZMQ_WINDOWS_IN_FLIGHT`, two: one is copied into DRAM while the next is on the wire), asking
-the next one as each reply arrives. When this daemon asks window ``k + 2``, the peer counts
-as unsent at most windows ``k + 1`` and ``k`` (whose pin's release may lag its last byte by a
-moment: it reaches the peer's loop from pyzmq's gc thread), two windows of at most
-:data:`~kvserver.daemon.peers.fetch.WINDOW_BYTES`: under any cap above 8 MiB (a peer with
-more than 32 MiB of DRAM, by default) nothing is refused. Recovery: a refused window (a
-peer with a smaller cap) is counted (``refused_windows``), the link asks one window at a time
-from then on (its peer's incarnation: one unsent reply is never refused), and the window is
-asked again once; refused again, it is not sent (another holder, or a miss). The peer is not
-suspect for a refusal and the connection is kept; nor for a ``capacity`` that is not its cap
-(too busy: its SSD read buffers), whose window is not sent and not asked again.
+one). So :func:`fetch_windows` keeps at most ``n`` windows asked and not yet received on its
+connection (:meth:`PeerLink.windows_in_flight`), asking the next one as each reply arrives:
+when this daemon asks a window, the peer counts as unsent at most the ``n - 1`` others in
+flight and the one just received (whose pin's release may lag its last byte by a moment: it
+reaches the peer's loop from pyzmq's gc thread), so ``n`` windows under the cap its ``hello``
+announces (``zmq_send_max_unsent``, asked once per link) are never refused: a 32 MiB fetch
+from a peer with 128 MiB of DRAM has 7 of its 8 windows of 4 MiB in flight at once, one
+with many GiB all of them. A peer that announces no cap (older) gets
+:data:`~kvserver.daemon.peers.link.ZMQ_WINDOWS_IN_FLIGHT` (two: one is copied into DRAM while
+the next is on the wire). Recovery: a refused window (a peer whose cap is not what it
+announced, or an older peer's under two windows) is counted (``refused_windows``), the link
+asks one window at a time from then on (its peer's incarnation: one unsent reply is never
+refused), and the window is asked again once; refused again, it is not sent (another holder,
+or a miss). The peer is not suspect for a refusal and the connection is kept; nor for a
+``capacity`` that is not its cap (too busy: its SSD read buffers), whose window is not sent
+and not asked again.
 
 A window that fails (:class:`PeerFailed`: a timeout, a malformed reply) marks the peer suspect
 and ends the fetch from it: the windows not yet asked are not asked (their keys go to another
@@ -62,13 +65,22 @@ async def fetch_windows(
     direct: bool,
 ) -> list[Sent]:
     """Fetch ``windows`` from ``peer`` on one connection of its link, at most
-    ``link.windows_in_flight`` in flight (module docstring), placing each as it arrives and
+    ``link.windows_in_flight()`` in flight (module docstring), placing each as it arrives and
     protecting the windows placed before it from the eviction it may cause; per window asked
     (in the order received), (keys it sent, direct parts)."""
     link = book.link(peer)
+    window_bytes = max(len(w) for w in windows) * spec.tp_world_size * spec.part_bytes
+    try:
+        depth = await link.windows_in_flight(window_bytes)
+    except PeerFailed as exc:  # its hello failed: the windows were asked of a dead peer
+        book.counters.fetches += len(windows)
+        book.failed(peer, exc)
+        return []
     try:
         async with link.connection() as kv:
-            return await _pipeline(book, placer, spec, peer, link, kv, windows, protect, direct)
+            return await _pipeline(
+                book, placer, spec, peer, link, kv, windows, protect, direct, depth
+            )
     except PeerFailed as exc:  # no connection in time
         book.failed(peer, exc)
         return []
@@ -84,6 +96,7 @@ async def _pipeline(
     windows: list[list[bytes]],
     protect: Sequence[bytes],
     direct: bool,
+    depth: int,
 ) -> list[Sent]:
     keep = list(protect)  # and the windows placed: a later one must not evict them
     todo: deque[tuple[list[bytes], bool]] = deque((w, False) for w in windows)  # (window, again)
@@ -92,7 +105,7 @@ async def _pipeline(
     failed = False
     try:
         while todo or asked:
-            while todo and not failed and len(asked) < link.windows_in_flight:
+            while todo and not failed and len(asked) < depth:
                 window, again = todo.popleft()
                 call = _window(book, placer, spec, peer, link, kv, window, keep, direct)
                 asked.append((window, again, asyncio.ensure_future(call)))
@@ -108,7 +121,8 @@ async def _pipeline(
                 out.append(sent)
                 continue
             book.counters.refused_windows += 1
-            link.windows_in_flight = 1  # this incarnation's cap is smaller than two windows
+            link.refused()
+            depth = 1  # one unsent reply is never refused
             if not again:
                 todo.appendleft((window, True))  # after the one in flight
     finally:

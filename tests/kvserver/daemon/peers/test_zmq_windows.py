@@ -72,13 +72,14 @@ def engine_b() -> StorageEngine:
 
 
 class Watched:
-    """Wraps ``link.fetch``: counts the windows in flight at once (most, and after the first
-    refusal) and answers ``capacity`` to the windows ``refuse`` names (by first key) without
-    asking the peer, as often as listed."""
+    """Wraps ``link.fetch``: records each window's first key and the windows in flight as it
+    starts (``starts``; ``most`` of them) and answers ``capacity`` (as ``zmq_send.py`` words
+    it) to the windows ``refuse`` names (by first key) without asking the peer, as often as
+    listed."""
 
     def __init__(self, link: PeerLink, refuse: list[bytes] | None = None) -> None:
-        self.in_flight = self.most = self.most_after_refusal = 0
-        self.refused = 0
+        self.in_flight = self.most = self.refused = 0
+        self.starts: list[tuple[bytes, int]] = []
         self._refuse = list(refuse or [])
         self._fetch: Callable[..., Awaitable[Any]] = link.fetch
         link.fetch = self  # type: ignore[method-assign]
@@ -86,8 +87,7 @@ class Watched:
     async def __call__(self, spec: NamespaceSpec, keys: list[bytes], **kw: Any) -> Any:
         self.in_flight += 1
         self.most = max(self.most, self.in_flight)
-        if self.refused:
-            self.most_after_refusal = max(self.most_after_refusal, self.in_flight)
+        self.starts.append((keys[0], self.in_flight))
         try:
             if keys[0] in self._refuse:
                 self._refuse.remove(keys[0])
@@ -100,9 +100,10 @@ class Watched:
 
 
 async def test_a_fetch_larger_than_the_peers_cap_is_never_refused(peer_a: DaemonProc) -> None:
-    """48 MiB from a peer whose cap on one connection's unsent replies is 16 MiB: twelve
-    windows, at most two in flight, none refused by A (all twelve asked at once, A refused
-    the ones past its cap every time: 8, 8, 7 of 12 in 3 runs before), every byte placed."""
+    """48 MiB from a peer whose cap on one connection's unsent replies is 16 MiB (its
+    hello says so): twelve windows of 4 MiB, three in flight at once, none refused by A (all
+    twelve asked at once, A refused the ones past its cap every time: 8, 8, 7 of 12 in 3 runs
+    before), every byte placed."""
     keys = make_keys(48, tag="cap")
     store(peer_a, keys)
     refused = refused_by(peer_a)
@@ -114,7 +115,7 @@ async def test_a_fetch_larger_than_the_peers_cap_is_never_refused(peer_a: Daemon
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer})
         assert refused_by(peer_a) - refused == 0
         assert book.counters.refused_windows == 0
-        assert watched.most == 2
+        assert watched.most == 3 == (16 * MiB - 1) // WINDOW_BYTES
         assert book.counters.fetches == 48 // PER_WINDOW
         assert book.counters.placed_chunks == 48
         assert held(engine, keys) == [pattern(k, 0, MiB) for k in keys]
@@ -138,7 +139,10 @@ async def test_a_refused_window_is_asked_again_and_then_one_window_at_a_time(
         watched = Watched(link, refuse=[keys[PER_WINDOW]])
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer})
         assert watched.refused == book.counters.refused_windows == 1
-        assert link.windows_in_flight == 1 and watched.most_after_refusal == 1
+        assert await link.windows_in_flight(WINDOW_BYTES) == 1
+        firsts = [k for k, _ in watched.starts]
+        again = firsts.index(keys[PER_WINDOW], firsts.index(keys[PER_WINDOW]) + 1)
+        assert [n for _, n in watched.starts[again:]] == [1] * (len(firsts) - again)
         assert not book.is_suspect("A")
         assert book.counters.fetches == 24 // PER_WINDOW  # a refused window is not a fetch
         assert book.counters.placed_chunks == 24 and book.counters.missed_chunks == 0
@@ -176,7 +180,7 @@ async def test_a_peer_stopped_mid_fetch_costs_one_timeout_not_one_per_window(
     peer_a: DaemonProc,
 ) -> None:
     """A peer that stops answering (SIGSTOP: its sockets stay open) in a twelve-window fetch:
-    the two windows in flight time out (two timeouts counted; twelve before, every window
+    the three windows in flight time out (three timeouts counted; twelve before, every window
     asked at once), the windows after them are not asked (the peer is suspect: their keys
     miss), and the fetch ends within about one peer timeout."""
     keys = make_keys(48, tag="stop")
@@ -185,7 +189,7 @@ async def test_a_peer_stopped_mid_fetch_costs_one_timeout_not_one_per_window(
         book = PeerBook(PeerSettings(stream=False, timeout_s=1.0, suspect_s=60))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         peer = Peer("A", "", peer_a.zmq_address)
-        await book.link(peer).lookup(SPEC.ns_id, keys[:1])  # connected: A is up
+        assert await book.link(peer).windows_in_flight(WINDOW_BYTES) == 3  # A up, cap known
         peer_a.proc.send_signal(19)  # SIGSTOP
         try:
             start = time.monotonic()
@@ -195,7 +199,7 @@ async def test_a_peer_stopped_mid_fetch_costs_one_timeout_not_one_per_window(
             peer_a.proc.send_signal(18)  # SIGCONT
         assert took < 1.9
         assert book.is_suspect("A")
-        assert book.counters.timeouts == 2  # the two windows in flight
+        assert book.counters.timeouts == 3  # the windows in flight
         assert book.counters.missed_chunks == 48
         assert engine.lookup(SPEC.ns_id, keys) == 0 and fetches.num_in_flight == 0
         engine.check_invariants()
