@@ -116,8 +116,9 @@ class PeerLink:
         #: the peer's cap on a connection's unsent replies, from its ``hello`` (None: not
         #: asked yet; 0: it announces none).
         self._unsent_cap: int | None = None
-        #: the peer refused a window at its cap (``capacity``): one at a time from then on.
-        self._refused = False
+        #: at most this many windows in flight, once the peer refused one at its cap (0: none
+        #: refused): one fewer than the fetch that was refused had.
+        self._refused_at = 0
 
     @property
     def connections_open(self) -> int:
@@ -207,25 +208,27 @@ class PeerLink:
     async def windows_in_flight(self, window_bytes: int) -> int:
         """How many windows of at most ``window_bytes`` a fetch may keep asked and not yet
         received on one ZMQ connection so that the peer never refuses one (``zmq_windows.py``):
-        ``n`` such that ``n`` windows stay under the ``zmq_send_max_unsent`` its ``hello``
-        announces (asked once per link; the count it has unsent when the next is asked is at
-        most the ``n - 1`` in flight and the one just received, whose release may lag);
-        :data:`ZMQ_WINDOWS_IN_FLIGHT` when it announces none (an older peer); 1 once it
-        refused one all the same (:meth:`refused`). Raises :class:`PeerFailed` (its hello)."""
-        if self._refused:
-            return 1
+        windows of half the ``zmq_send_max_unsent`` its ``hello`` announces (asked once per
+        link; at least one): when the next is asked, the peer counts as unsent the ``n - 1``
+        others in flight and those just received whose release lags (several on a loaded
+        host: the other half is their slack); :data:`ZMQ_WINDOWS_IN_FLIGHT` when it announces
+        none (an older peer); after a refusal all the same, one fewer than the fetch that was
+        refused had (:meth:`refused`). Raises :class:`PeerFailed` (its hello)."""
         if self._unsent_cap is None:
             info = await self._call(lambda kv: kv.hello())
             cap = info.get("zmq_send_max_unsent")
             self._unsent_cap = cap if type(cap) is int and cap > 0 else 0
         if not self._unsent_cap:
-            return ZMQ_WINDOWS_IN_FLIGHT
-        return max(1, (self._unsent_cap - 1) // window_bytes)
+            n = ZMQ_WINDOWS_IN_FLIGHT
+        else:
+            n = max(1, self._unsent_cap // (2 * window_bytes))
+        return min(n, self._refused_at) if self._refused_at else n
 
-    def refused(self) -> None:
-        """The peer refused a window at its cap (``capacity``): from now on a fetch keeps one
-        window in flight (one unsent reply is never refused)."""
-        self._refused = True
+    def refused(self, in_flight: int) -> None:
+        """The peer refused a window at its cap (``capacity``) while ``in_flight`` were
+        asked: later fetches keep one fewer in flight (at least one: one unsent reply is never
+        refused)."""
+        self._refused_at = max(1, in_flight - 1)
 
     async def lookup(self, ns_id: str, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (a leading run) the peer holds in its own tiers. Raises

@@ -11,20 +11,21 @@ quarter of its DRAM by default). Asking every window of a fetch at once (session
 fetch larger than that cap be refused part of its windows every time (then asked again one by
 one). So :func:`fetch_windows` keeps at most ``n`` windows asked and not yet received on its
 connection (:meth:`PeerLink.windows_in_flight`), asking the next one as each reply arrives:
-when this daemon asks a window, the peer counts as unsent at most the ``n - 1`` others in
-flight and the one just received (whose pin's release may lag its last byte by a moment: it
-reaches the peer's loop from pyzmq's gc thread), so ``n`` windows under the cap its ``hello``
-announces (``zmq_send_max_unsent``, asked once per link) are never refused: a 32 MiB fetch
-from a peer with 128 MiB of DRAM has 7 of its 8 windows of 4 MiB in flight at once, one
-with many GiB all of them. A peer that announces no cap (older) gets
+when this daemon asks a window, the peer counts as unsent the ``n - 1`` others in flight and
+those just received whose pin's release lags their last byte (it reaches the peer's loop from
+pyzmq's gc thread, which a loaded host can keep waiting: three windows of 4 MiB were seen
+lagging on the shared 2-core machine), so ``n`` windows fill half the cap its ``hello``
+announces (``zmq_send_max_unsent``, asked once per link) and the other half is the slack for
+those: a 32 MiB fetch from a peer with 128 MiB of DRAM (cap 32 MiB) has 4 of its 8 windows
+of 4 MiB in flight at once, one with many GiB all of them. A peer that announces no cap (older) gets
 :data:`~kvserver.daemon.peers.link.ZMQ_WINDOWS_IN_FLIGHT` (two: one is copied into DRAM while
-the next is on the wire). Recovery: a refused window (a peer whose cap is not what it
-announced, or an older peer's under two windows) is counted (``refused_windows``), the link
-asks one window at a time from then on (its peer's incarnation: one unsent reply is never
-refused), and the window is asked again once; refused again, it is not sent (another holder,
-or a miss). The peer is not suspect for a refusal and the connection is kept; nor for a
-``capacity`` that is not its cap (too busy: its SSD read buffers), whose window is not sent
-and not asked again.
+the next is on the wire). Recovery: a refused window (releases that lagged more, or an older
+peer's cap under four windows) is counted (``refused_windows``), the rest of that fetch asks
+one window at a time (one unsent reply is never refused), the link's later fetches one fewer
+than it had in flight, and the window is asked again once; refused again, it is not sent
+(another holder, or a miss). The peer is not suspect for a refusal and the connection is
+kept; nor for a ``capacity`` that is not its cap (too busy: its SSD read buffers), whose
+window is not sent and not asked again.
 
 A window that fails (:class:`PeerFailed`: a timeout, a malformed reply) marks the peer suspect
 and ends the fetch from it: the windows not yet asked are not asked (their keys go to another
@@ -121,8 +122,9 @@ async def _pipeline(
                 out.append(sent)
                 continue
             book.counters.refused_windows += 1
-            link.refused()
-            depth = 1  # one unsent reply is never refused
+            if depth > 1:
+                link.refused(depth)  # later fetches: one fewer in flight
+            depth = 1  # this one: one unsent reply is never refused
             if not again:
                 todo.appendleft((window, True))  # after the one in flight
     finally:
