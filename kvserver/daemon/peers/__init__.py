@@ -10,6 +10,8 @@ one concept each (imports go one way, from the tier down):
 - ``book.py``: :class:`PeerBook`, the peers known, their links, which are suspect, counters;
 - ``link.py``: :class:`PeerLink`, the data-plane connections to one peer and the checks on
   what it sends, and which transport a fetch from it takes;
+- ``zmq_windows.py``: a fetch's windows over a peer's ZMQ data plane, flow-controlled under
+  the peer's cap on unsent replies;
 - ``stream.py``: :class:`PeerStream`, the connections to one peer's stream port (TCP, plain
   or TLS, received straight into the arena; ``kvserver/wire_stream.py``), used instead of ZMQ
   when the peer advertises one this daemon may dial (``link.py``);
