@@ -92,8 +92,9 @@ class Watched:
             if keys[0] in self._refuse:
                 self._refuse.remove(keys[0])
                 self.refused += 1
-                raise CapacityError("too many reply bytes to this connection not sent yet",
-                                    zmq_send_max_unsent=MiB)  # as zmq_send.py words it
+                raise CapacityError(
+                    "too many reply bytes to this connection not sent yet", zmq_send_max_unsent=MiB
+                )  # as zmq_send.py words it
             return await self._fetch(spec, keys, **kw)
         finally:
             self.in_flight -= 1
@@ -205,3 +206,30 @@ async def test_a_peer_stopped_mid_fetch_costs_one_timeout_not_one_per_window(
         assert engine.lookup(SPEC.ns_id, keys) == 0 and fetches.num_in_flight == 0
         engine.check_invariants()
         await book.close()
+
+
+async def test_an_older_peer_that_announces_no_cap_gets_two_windows_in_flight(
+    tmp_path: Path,
+) -> None:
+    """A peer whose ``hello`` does not announce ``zmq_send_max_unsent`` (before session 11;
+    here the real daemon with that field dropped) is asked two windows at a time: it refuses
+    none (its cap, 32 MiB, is well over two windows) and every byte is placed."""
+    a = start_daemon(tmp_path / "a", "--dram", "128MiB", module="tests.support.older_peer")
+    try:
+        with KVClient(a.zmq_address, colocated=False) as kv:
+            assert "zmq_send_max_unsent" not in kv.hello()
+        keys = make_keys(24, tag="older")
+        store(a, keys)
+        refused = refused_by(a)
+        with engine_b() as engine:
+            book = PeerBook(PeerSettings(stream=False, timeout_s=10))
+            fetches = PeerFetches(engine, book, publish=lambda: None)
+            peer = Peer("A", "", a.zmq_address)
+            watched = Watched(book.link(peer))
+            await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer})
+            assert await book.link(peer).windows_in_flight(WINDOW_BYTES) == 2 == watched.most
+            assert refused_by(a) == refused and book.counters.refused_windows == 0
+            assert held(engine, keys) == [pattern(k, 0, MiB) for k in keys]
+            await book.close()
+    finally:
+        a.kill()
