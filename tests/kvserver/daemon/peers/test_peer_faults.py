@@ -29,6 +29,7 @@ from tests.kvserver.daemon.test_ssd_daemon import SLOT, expected, on_ssd_only, r
 from tests.kvserver.daemon.test_ssd_daemon import SPEC as SSD_SPEC
 from tests.kvserver.daemon.test_ssd_daemon import args as ssd_args
 from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,6 +88,9 @@ def test_overlapping_loads_fetch_each_chunk_once_and_leave_nothing_held(
         assert peer["fetched_chunks"] == len(KEYS) == peer["placed_chunks"]
         assert peer["fetching_chunks"] == 0 and peer["refused_windows"] == 0
         assert (stats["reserved_pages"], stats["pinned_pages"], stats["num_leases"]) == (0, 0, 0)
+        m = scrape(b.metrics_url)
+        assert m.value("kvserver_peer_fetched_chunks_total") == len(KEYS)
+        assert m.value("kvserver_peer_refused_windows_total") == 0
     finally:
         b.kill()
 
