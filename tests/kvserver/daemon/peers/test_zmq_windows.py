@@ -9,6 +9,7 @@ was sent), the link's ``fetch`` is wrapped to answer ``capacity`` instead of ask
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -233,3 +234,33 @@ async def test_an_older_peer_that_announces_no_cap_gets_two_windows_in_flight(
             await book.close()
     finally:
         a.kill()
+
+
+async def test_a_fetch_cancelled_with_windows_in_flight_leaves_nothing_running(
+    peer_a: DaemonProc,
+) -> None:
+    """A fetch cancelled once its first window is placed (the next ones in flight): no call
+    of it is left running, its connection is closed, not kept (a late reply must not be taken
+    for another call's), no key stays claimed, and the next fetch brings every byte."""
+    keys = make_keys(48, tag="cancel")
+    store(peer_a, keys)
+    with engine_b() as engine:
+        book = PeerBook(PeerSettings(stream=False, timeout_s=10))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        peer = Peer("A", "", peer_a.zmq_address)
+        link = book.link(peer)
+        watched = Watched(link)
+        wanted = [(k, frozenset({"A"})) for k in keys]
+        task = asyncio.ensure_future(fetches.fetch(SPEC, wanted, {"A": peer}))
+        while book.counters.placed_chunks == 0:
+            assert not task.done()
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert watched.in_flight == 0 and fetches.num_in_flight == 0
+        assert link.connections_open == 0  # the windows' one (the hello's, reused): closed
+        engine.check_invariants()
+        await fetches.fetch(SPEC, wanted, {"A": peer})
+        assert held(engine, keys) == [pattern(k, 0, MiB) for k in keys]
+        await book.close()
