@@ -70,7 +70,7 @@ async def fetch_windows(
     protecting the windows placed before it from the eviction it may cause; per window asked
     (in the order received), (keys it sent, direct parts)."""
     link = book.link(peer)
-    window_bytes = max(len(w) for w in windows) * spec.tp_world_size * spec.part_bytes
+    window_bytes = max((len(w) for w in windows), default=1) * spec.tp_world_size * spec.part_bytes
     try:
         depth = await link.windows_in_flight(window_bytes)
     except PeerFailed as exc:  # its hello failed: the windows were asked of a dead peer
