@@ -187,6 +187,7 @@ class PeerLink:
             if address is None:
                 info = await self._call(lambda kv: kv.hello())
                 address = stream_address_from(self.peer.data_address, info)
+                self._note_cap(info)  # for a fetch over ZMQ: no second hello
             stream = None
             tls = address.startswith(TLS_SCHEME)
             if address and (self._stream_tls is not None if tls else self._stream_allowed):
@@ -215,14 +216,16 @@ class PeerLink:
         none (an older peer); after a refusal all the same, one fewer than the fetch that was
         refused had (:meth:`refused`). Raises :class:`PeerFailed` (its hello)."""
         if self._unsent_cap is None:
-            info = await self._call(lambda kv: kv.hello())
-            cap = info.get("zmq_send_max_unsent")
-            self._unsent_cap = cap if type(cap) is int and cap > 0 else 0
+            self._note_cap(await self._call(lambda kv: kv.hello()))
         if not self._unsent_cap:
             n = ZMQ_WINDOWS_IN_FLIGHT
         else:
             n = max(1, self._unsent_cap // (2 * window_bytes))
         return min(n, self._refused_at) if self._refused_at else n
+
+    def _note_cap(self, hello: dict[str, Any]) -> None:
+        cap = hello.get("zmq_send_max_unsent")
+        self._unsent_cap = cap if type(cap) is int and cap > 0 else 0
 
     def refused(self, in_flight: int) -> None:
         """The peer refused a window at its cap (``capacity``) while ``in_flight`` were

@@ -226,7 +226,8 @@ async def test_a_peer_that_advertises_no_stream_is_fetched_over_zmq(
 ) -> None:
     """A fleet record written before the field (decoded as "") and a configured peer whose
     ``hello`` announces no port (``--peer-stream-port -1``, or an older daemon) are fetched
-    from over ZMQ, byte for byte."""
+    from over ZMQ, byte for byte; the fetch asks A one ``hello`` (the port and the cap on
+    unsent replies that its ZMQ windows stay under come in the same reply)."""
     extra = ("--peer-stream-port", "-1") if how == "no stream port" else ()
     a = start_daemon(tmp_path / "a", "--dram", "8MiB", *extra)
     try:
@@ -241,11 +242,14 @@ async def test_a_peer_that_advertises_no_stream_is_fetched_over_zmq(
         else:
             assert a.info["peer_stream_port"] == -1
             peer = Peer("A", "", a.zmq_address)  # a configured peer: asks its hello
+        hellos = ("kvserver_op_duration_seconds_count", (("op", "hello"),))
+        before = scrape(a.metrics_url).samples.get(hellos, 0)
         with engine_b() as engine:
             fetches, book = fetcher(engine)
             await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer})
             assert held_bytes(engine, keys) == expected(keys)
             assert (book.counters.fetches, book.counters.stream_fetches) == (1, 0)
+            assert scrape(a.metrics_url).samples.get(hellos, 0) - before == 1
             await book.close()
     finally:
         a.kill()
