@@ -28,7 +28,7 @@ from tests.kvserver.daemon.test_ssd_daemon import ENV as SSD_ENV
 from tests.kvserver.daemon.test_ssd_daemon import SLOT, expected, on_ssd_only, registered, settled
 from tests.kvserver.daemon.test_ssd_daemon import SPEC as SSD_SPEC
 from tests.kvserver.daemon.test_ssd_daemon import args as ssd_args
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.multiprocess
@@ -117,8 +117,8 @@ def test_a_fetcher_stopped_while_its_peer_stalls_mid_fetch_exits_at_once(
 
             waiting = threading.Thread(target=load)
             waiting.start()
-            while not kv_fetching(b):
-                time.sleep(0.01)
+            wait_until(lambda: kv_fetching(b) or not waiting.is_alive(), timeout=10)
+            assert waiting.is_alive()  # the load waits on the fetch
             start = time.monotonic()
             b.proc.send_signal(signal.SIGTERM)
             assert b.proc.wait(20) == 0
