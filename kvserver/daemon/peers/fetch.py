@@ -16,7 +16,7 @@ directory says hold it) and:
    pipelined on one of its link's connections (``PeerLink.connection``), each bounded by the
    peer timeout: they arrive one after another, in order, so each window is copied into DRAM
    while the next is still on the wire (windows on separate connections would arrive
-   together, at the end); over ZMQ at most two are in flight, under the peer's cap on unsent
+   together, at the end); over ZMQ as many in flight as fill half the peer's cap on unsent
    replies (``zmq_windows.py``), over a stream all are asked at once; different peers are
    asked concurrently;
 3. as each run arrives (already checked: one part per rank of ``part_bytes``), places it in
