@@ -22,7 +22,7 @@ from kvserver.client import KVClient
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import PeerFetches
-from kvserver.errors import KVServerError
+from kvserver.errors import KVServerError, UnknownKey
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.kvserver.daemon.test_ssd_daemon import ENV as SSD_ENV
 from tests.kvserver.daemon.test_ssd_daemon import SLOT, expected, on_ssd_only, registered, settled
@@ -183,3 +183,49 @@ async def test_a_peer_too_busy_to_serve_a_window_is_not_suspect(
                 kv.complete_load(grant.lease_id)
     finally:
         a.kill()
+
+
+def test_while_a_peer_stalls_mid_fetch_other_clients_are_served_and_the_load_ends(
+    tmp_path: Path, holder: DaemonProc, transport: str
+) -> None:
+    """A stops answering (SIGSTOP) while B fetches for one client: another client of B stores
+    and loads chunks of its own meanwhile, byte for byte, each call well within a second (B's
+    loop is not held by the fetch), and the waiting load ends at the peer timeout (3 s) with
+    the chunks missing, not a hang; A is suspect."""
+    b = fetcher(tmp_path, holder, transport, "3")
+    try:
+        with KVClient(b.zmq_address, colocated=False, timeout=30) as kv:
+            kv.register_namespace(SPEC)
+            assert len(kv.get(SPEC.ns_id, KEYS[:1])) == 1  # B's link to A is up
+            os.kill(holder.proc.pid, signal.SIGSTOP)
+            result: list[object] = []
+
+            def load() -> None:
+                start = time.monotonic()
+                try:
+                    result.append(len(kv.get(SPEC.ns_id, KEYS[1:])))
+                except KVServerError as exc:
+                    result.append(exc)
+                result.append(time.monotonic() - start)
+
+            waiting = threading.Thread(target=load)
+            waiting.start()
+            wait_until(lambda: kv_fetching(b) or not waiting.is_alive(), timeout=10)
+            assert waiting.is_alive()
+            own = make_keys(4, tag="own")
+            with KVClient(b.zmq_address, colocated=False, timeout=30) as other:
+                other.register_namespace(SPEC)
+                start = time.monotonic()
+                data = [pattern(k, 1, MiB) for k in own]
+                assert other.put(SPEC.ns_id, own, data).stored == own
+                assert [bytes(r[0]) for r in other.get(SPEC.ns_id, own)] == data
+                assert time.monotonic() - start < 1.0
+            assert waiting.is_alive()  # still waiting on A meanwhile
+            waiting.join(15)
+            assert not waiting.is_alive()
+            outcome, took = result
+            assert isinstance(outcome, UnknownKey)  # a miss: nothing served for them
+            assert isinstance(took, float) and took < 3.0 + 2.0
+            assert kv.stats()["peer"]["peers_suspect"] == 1
+    finally:
+        b.kill()
