@@ -83,7 +83,7 @@ class Watched:
         self.starts: list[tuple[bytes, int]] = []
         self._refuse = list(refuse or [])
         self._fetch: Callable[..., Awaitable[Any]] = link.fetch
-        link.fetch = self  # type: ignore[method-assign]
+        link.fetch = self  # type: ignore[method-assign,assignment]
 
     async def __call__(self, spec: NamespaceSpec, keys: list[bytes], **kw: Any) -> Any:
         self.in_flight += 1
