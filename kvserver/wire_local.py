@@ -27,12 +27,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserver.errors import InvalidArgument
+from kvserver.wire_schema import MAX_FRAMES as MAX_FRAMES  # the data plane's bound
 
 LOCAL_VERSION = 1
 SIZE = struct.Struct(">Q")
 COUNT = struct.Struct(">I")
-#: a header plus one payload frame per part of the largest request (2^21 parts).
-MAX_FRAMES = (1 << 21) + 1
 
 
 def overhead(count: int) -> int:

@@ -115,6 +115,23 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
     ``v``, ``id`` and ``op`` that follow it are read too, for the id (an error reply to a header
     that is then refused undecoded carries it). Raises InvalidArgument for a frame that does
     not start as a msgpack map of string keys."""
+    auth, req_id, _ = _peek(frame, strict=True)
+    return auth, req_id
+
+
+def peek_op(frame: bytes | memoryview) -> str | None:
+    """The ``op`` of an undecoded request header if :func:`peek_auth`'s scan reaches it (a
+    string among the scalar fields before ``args``), else None; never raises. The receiver
+    reads it to know, before the payload frames, whether the request may carry any."""
+    try:
+        return _peek(frame, strict=False)[2]
+    except InvalidArgument:
+        return None
+
+
+def _peek(frame: bytes | memoryview, *, strict: bool) -> tuple[str | None, int, str | None]:
+    """``(auth, request id, op)`` of an undecoded header (see :func:`peek_auth`); ``strict``:
+    raise InvalidArgument for a malformed start even when ``auth`` was not found."""
     view = memoryview(frame).cast("B")
     size = view.nbytes
     if size == 0:
@@ -134,6 +151,7 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
     )
     req_id = 0
     auth: Any = None
+    op: Any = None
     found = False
     try:
         for _ in range(unpacker.read_map_header()):
@@ -149,13 +167,19 @@ def peek_auth(frame: bytes | memoryview) -> tuple[str | None, int]:
             value = unpacker.unpack()
             if key == "id" and type(value) is int and 0 < value <= MAX_INT:
                 req_id = value
+            elif key == "op":
+                op = value
     except (
         ValueError, TypeError, OverflowError, RecursionError, msgpack.OutOfData,
         msgpack.BufferFull,  # a truncated map16/map32 header (b"\xde")
     ) as exc:  # fmt: skip
-        if not found:
+        if strict and not found:
             raise InvalidArgument(f"malformed msgpack header ({type(exc).__name__})") from None
-    return (auth if isinstance(auth, str) else None), req_id
+    return (
+        auth if isinstance(auth, str) else None,
+        req_id,
+        op if isinstance(op, str) else None,
+    )
 
 
 #: first bytes of msgpack maps and arrays (fixmap, fixarray, array16/32, map16/32).

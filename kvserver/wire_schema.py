@@ -41,6 +41,9 @@ MAX_ARRAY_LEN = 1 << 16
 #: undecodable once 65 namespaces were registered).
 MAX_REPLY_ARRAY_LEN = 1 << 21
 MAX_MAP_LEN = 64
+#: most frames of one request: a header plus one payload frame per part of the largest request
+#: (2^21 parts; the local channel's framing has the same bound, ``kvserver/wire_local.py``).
+MAX_FRAMES = (1 << 21) + 1
 MAX_STR_LEN = 1 << 16
 #: longest chunk key accepted on the wire (the engine checks the exact size per namespace).
 MAX_KEY_BYTES = 64

@@ -45,6 +45,7 @@ from kvserver.daemon.zmq_ops import (
     failed,
     finish,
 )
+from kvserver.daemon.zmq_receive import Overflow
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 
 #: request headers larger than this are decoded and validated on a thread, off the loop.
@@ -112,15 +113,21 @@ class RequestHandler:
         self._local_clients.clear()
 
     def handle(
-        self, peer: Peer, owner: str, frames: Sequence[PayloadFrame]
+        self,
+        peer: Peer,
+        owner: str,
+        frames: Sequence[PayloadFrame],
+        overflow: Overflow | None = None,
     ) -> Answer | Later | None:
         """Check and carry out one request; ``owner`` owns its leases unless it names its
         ``client``. The token is checked first, before anything else of the header is decoded
         (``wire.peek_auth``); a header over :data:`OFFLOAD_HEADER_BYTES` is decoded and
-        validated on a thread (the rest of the request then runs on the connection's lane)."""
+        validated on a thread (the rest of the request then runs on the connection's lane).
+        ``overflow``: a ROUTER message received past its budget (``frames`` its header only),
+        answered with its error once its token is checked."""
         req_id, who = 0, ANONYMOUS
         try:
-            total = sum(len(f) for f in frames)
+            total = overflow.size if overflow is not None else sum(len(f) for f in frames)
             limit = self._config.max_message_bytes
             if total > limit:
                 raise InvalidArgument("message too large", size=total, max=limit)
@@ -139,6 +146,8 @@ class RequestHandler:
                     return None
                 if isinstance(peer, bytes):
                     self._remember(peer, who)
+            if overflow is not None:
+                raise overflow.error(limit)
             if len(frames[0]) > OFFLOAD_HEADER_BYTES:
                 header = frames[0].buffer
                 return lambda: self._handle_offloaded(req_id, header, peer, owner, frames, who)

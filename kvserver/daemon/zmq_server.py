@@ -83,6 +83,7 @@ from kvserver.daemon.local_server import (
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import EventPublisher
 from kvserver.daemon.zmq_ops import Answer, DataOps, PayloadFrame, failed
+from kvserver.daemon.zmq_receive import FrameReceiver, Overflow
 from kvserver.daemon.zmq_requests import Peer, RequestHandler
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
 from kvserver.daemon.zmq_sockets import DataSockets
@@ -97,7 +98,7 @@ MAX_DRAIN = 64
 #: the rest of a request that must wait (promotion, replay), run on its connection's lane.
 _Job = Callable[[], Awaitable[None]]
 #: one message of a peer: ROUTER frames after the routing id, or a local message.
-_Message = list[zmq.Frame] | LocalMessage
+_Message = list[zmq.Frame] | Overflow | LocalMessage
 
 
 class DataFrontend:
@@ -111,6 +112,7 @@ class DataFrontend:
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
         self._sid = secrets.token_hex(8)  # changes on every daemon start
         self._sockets = DataSockets()
+        self._receiver = FrameReceiver(config.max_message_bytes)
         #: the same ROUTER without the asyncio layer: non-blocking receives and sends.
         self._raw: zmq.Socket[bytes] | None = None
         self._fd: int | None = None
@@ -237,8 +239,10 @@ class DataFrontend:
             for _ in range(MAX_DRAIN):
                 if not cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
-                msg = raw.recv_multipart(zmq.NOBLOCK, copy=False)
-                self._accept(msg[0].bytes, msg[1:])
+                received = self._receiver.receive(raw)
+                if received is None:  # a message of many frames: the rest in a later call
+                    break
+                self._accept(*received)
             self._schedule_drain()  # more may be queued: after the loop's other callbacks
         except zmq.Again:
             return
@@ -292,8 +296,11 @@ class DataFrontend:
     def _serve_one(self, peer: Peer, message: _Message) -> _Job | None:
         """Handle one message: answer it now and return None, or return the rest of it."""
         source: zmq.Frame | None = None  # a ROUTER message's first frame: its connection
+        overflow: Overflow | None = None  # a ROUTER message received past its budget
         try:
             if isinstance(peer, bytes):
+                if isinstance(message, Overflow):
+                    overflow, message = message, message.frames
                 frames: Sequence[PayloadFrame] = cast(list[zmq.Frame], message)
                 source = cast(zmq.Frame, frames[0]) if frames else None
                 if len(frames) == 2 and len(frames[0]) == 0 and len(frames[1]) == wire.SEQ_BYTES:
@@ -318,7 +325,7 @@ class DataFrontend:
                     return None
                 frames = [LocalFrame(view) for view in views]
                 owner = peer.name
-            answer = self._requests.handle(peer, owner, frames)
+            answer = self._requests.handle(peer, owner, frames, overflow)
             if answer is None:  # an error reply held back or dropped (refusals.py)
                 return None
             if not isinstance(answer, Answer):

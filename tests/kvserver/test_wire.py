@@ -419,6 +419,20 @@ def test_peek_auth_on_random_bytes_returns_or_raises_invalid_argument(data: byte
     assert 0 <= req_id <= wire.MAX_INT
 
 
+@pytest.mark.parametrize("op", sorted(wire.OPS))
+def test_peek_op_reads_the_op_clients_send(op: str) -> None:
+    """The receiver reads the op before the payload frames (``zmq_receive.py``)."""
+    assert wire.peek_op(wire.encode_request(42, op, valid_args(op), auth="secret")) == op
+    assert wire.peek_op(wire.encode_request(42, op, valid_args(op))) == op
+
+
+@given(st.binary(max_size=300))
+def test_peek_op_on_random_bytes_never_raises(data: bytes) -> None:
+    op = wire.peek_op(data)
+    assert op is None or isinstance(op, str)
+    assert wire.peek_op(b"") is None and wire.peek_op(msgpack.packb({"op": 5})) is None
+
+
 def test_ints_arguments_are_checked_without_a_python_loop_and_still_refuse_bad_items() -> None:
     ok = wire.check_args(wire.LOOKUP_TOKENS, {"ns_id": "n", "token_ids": list(range(1 << 20))})
     assert len(ok["token_ids"]) == 1 << 20

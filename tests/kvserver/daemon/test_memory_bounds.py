@@ -1,6 +1,7 @@
 """Memory stays bounded whatever a peer announces or repeats, measured on a real daemon
 process (its RSS from /proc): idle local-channel connections announcing 1 GiB each, a bound on
-local connections, and refused oversized gRPC requests sent over and over."""
+local connections, refused oversized gRPC requests sent over and over, and a ZMQ message of a
+million empty frames."""
 
 from __future__ import annotations
 
@@ -10,22 +11,23 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvserver import wire_local
+from kvserver import wire, wire_local
 from kvserver.client import KVClient
+from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.local_conn import LocalConn
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, raw_dealer, start_daemon
 
 pytestmark = pytest.mark.multiprocess
 
 MIB = 1 << 20
 
 
-def rss(pid: int) -> int:
-    """Resident set size of ``pid`` in bytes."""
+def rss(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size of ``pid`` in bytes (``field="VmHWM"``: its peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +89,33 @@ def test_oversized_grpc_requests_sent_again_and_again_do_not_grow_memory(
         grew = rss(daemon.proc.pid) - before
     assert codes and grpc.StatusCode.OK not in codes
     assert grew < 64 * MIB, grew
+
+
+def test_a_message_of_a_million_empty_frames_is_refused_without_keeping_them(
+    daemon: DaemonProc,
+) -> None:
+    """A hello followed by 1,000,000 empty frames (2 MB on the wire, from a peer the handshake
+    admitted): the daemon kept a zmq.Frame of each until it refused the message, its peak RSS
+    +245 MB; now it keeps the header only (zmq_receive.py), the peak is what ZMQ's own queue
+    held (~61 MB). The error is unchanged, and the sender and another client are served."""
+    token = daemon.token
+    sock = raw_dealer(daemon.zmq_address)
+    with KVClient(daemon.zmq_address) as kv:
+        info = kv.register_namespace(make_spec(model="test/frames"))
+        ns, keys = info.ns_id, make_keys(2, tag="frames")
+        data = [[bytes([i + 1]) * info.part_bytes] for i in range(2)]
+        assert kv.store(ns, keys, data) == keys
+        Path(f"/proc/{daemon.proc.pid}/clear_refs").write_text("5")  # the peak := RSS now
+        before = rss(daemon.proc.pid)
+        header = wire.encode_request(7, wire.HELLO, {}, auth=token)
+        sock.send_multipart([header] + [b""] * 1_000_000)
+        assert sock.poll(60_000), "no reply"
+        reply = wire.decode_reply(sock.recv_multipart()[0])
+        peak = rss(daemon.proc.pid, "VmHWM") - before
+        assert not reply.ok and reply.req_id == 7 and reply.error is not None
+        assert str(reply.error) == "hello takes no payload frames (frames=1000000)"
+        assert peak < 150 * MIB, peak
+        sock.send(wire.encode_request(8, wire.HELLO, {}, auth=token))
+        assert sock.poll(10_000) and wire.decode_reply(sock.recv_multipart()[0]).ok
+        assert [[bytes(p) for p in row] for row in kv.load(ns, keys)] == data
+    sock.close()

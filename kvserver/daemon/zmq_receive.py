@@ -1,0 +1,131 @@
+"""Receiving one ROUTER message frame by frame, keeping no more of it than a request may carry.
+
+Runs in the daemon process, on its event loop (the ROUTER's reader callback in
+``zmq_server.py``). Not thread-safe: one :class:`FrameReceiver` per ROUTER, used from the loop
+only.
+
+Why not ``recv_multipart``: ZMQ bounds a frame's bytes (``MAXMSGSIZE``), not a message's frame
+count, and hands a multipart message over only once all of it has arrived. A peer admitted at
+the handshake could send one message of a million empty frames (2 bytes each on the wire):
+``recv_multipart`` made a ``zmq.Frame`` of each, ~190 bytes apiece, so the message held ~245 MB
+of the daemon's memory and ~4 s of its loop before it was refused. Here every frame is received
+on its own and kept only within the message's budget:
+
+- a request whose header names an op that carries no payload (every op but ``put`` and
+  ``write_parts``, read with :func:`~kvserver.wire_requests.peek_op` once a second frame
+  follows the header) keeps its header only;
+- any other keeps at most :data:`~kvserver.wire_schema.MAX_FRAMES` frames whose bytes plus
+  :data:`FRAME_COST` each stay within ``max_message_bytes``, so a message's frames hold at most
+  about ``max_message_bytes`` of the daemon's memory however small they are.
+
+Past the budget the frames kept are let go and the rest are received and dropped one at a time;
+the message becomes an :class:`Overflow` (its header, its true frame count and bytes), answered
+with one error like any other request (``zmq_requests.py``). What ZMQ itself holds of such a
+message until it is read (~64 bytes a frame in its queue) cannot be bounded by the daemon: only
+the handshake's admission does (``docs/security.md``). A message is received over several
+wake-ups of the loop when it has more than :data:`FRAMES_PER_CALL` frames, so other work on the
+loop runs meanwhile (the reader keeps the message's state; the ROUTER is read nowhere else).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvserver import wire
+from kvserver.errors import InvalidArgument
+
+#: what a kept frame costs the daemon beyond its bytes (its ``zmq.Frame``, ~190 bytes, and the
+#: list slot), counted against ``max_message_bytes``.
+FRAME_COST = 256
+#: frames one call of :meth:`FrameReceiver.receive` takes before it yields to the loop.
+FRAMES_PER_CALL = 1 << 16
+
+
+@dataclass(slots=True)
+class Overflow:
+    """A message received past its budget: its header kept, the rest counted and dropped."""
+
+    frames: list[zmq.Frame]  # the header (empty when the message had none)
+    count: int  # the message's frames after the routing id, all of them
+    size: int  # their bytes
+    op: str | None  # the op its header names, as far as peek_op could read it
+
+    def error(self, max_message_bytes: int) -> InvalidArgument:
+        """The error the request is answered with (after its token is checked)."""
+        if self.op is not None and self.op in wire.OPS and self.op not in wire.OPS_WITH_PAYLOAD:
+            return InvalidArgument(f"{self.op} takes no payload frames", frames=self.count - 1)
+        if self.count > wire.MAX_FRAMES:
+            return InvalidArgument("message has too many frames", frames=self.count,
+                                   max=wire.MAX_FRAMES)  # fmt: skip
+        return InvalidArgument(
+            f"message too large (each frame counts {FRAME_COST} bytes besides its own)",
+            size=self.size + FRAME_COST * self.count,
+            max=max_message_bytes,
+        )
+
+
+@dataclass(slots=True)
+class _Partial:
+    """A message whose frames are still being received."""
+
+    peer: bytes
+    frames: list[zmq.Frame] = field(default_factory=list)
+    count: int = 0
+    size: int = 0
+    cost: int = 0
+    keep: int = wire.MAX_FRAMES  # frames it may keep
+    op: str | None = None
+    over: bool = False
+
+
+class FrameReceiver:
+    """Receives the ROUTER's messages within their budgets; see the module docstring."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._max_bytes = max_message_bytes
+        self._partial: _Partial | None = None
+
+    def receive(self, raw: zmq.Socket[Any]) -> tuple[bytes, list[zmq.Frame] | Overflow] | None:
+        """The next message, as ``(routing id, frames after it)``, or an :class:`Overflow`
+        in place of the frames; None when its frames are not all taken yet (call again, from a
+        later callback). Raises ``zmq.Again`` when no message is queued."""
+        part = self._partial
+        if part is None:
+            peer = raw.recv(zmq.NOBLOCK)
+            if not raw.getsockopt(zmq.RCVMORE):
+                return peer, []
+            header = raw.recv(zmq.NOBLOCK, copy=False)
+            if not header.more:  # the common case: a request without payload
+                return peer, [header]
+            part = _Partial(peer, [header], 1, len(header), len(header) + FRAME_COST)
+            part.op = wire.peek_op(header.buffer)
+            if part.op in wire.OPS and part.op not in wire.OPS_WITH_PAYLOAD:
+                part.keep = 1
+        self._partial = None
+        for _ in range(FRAMES_PER_CALL):
+            frame = raw.recv(zmq.NOBLOCK, copy=False)
+            more = frame.more
+            size = len(frame)
+            part.count += 1
+            part.size += size
+            part.cost += size + FRAME_COST
+            if not part.over:
+                if part.count <= part.keep and part.cost <= self._max_bytes:
+                    part.frames.append(frame)
+                else:  # let go of what was kept; count the rest only
+                    part.over = True
+                    del part.frames[1:]
+            del frame
+            if not more:
+                return part.peer, self._finished(part)
+        self._partial = part
+        return None
+
+    @staticmethod
+    def _finished(part: _Partial) -> list[zmq.Frame] | Overflow:
+        if part.over:
+            return Overflow(part.frames, part.count, part.size, part.op)
+        return part.frames

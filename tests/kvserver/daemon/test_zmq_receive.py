@@ -1,0 +1,111 @@
+"""The ROUTER's receiver (``kvserver/daemon/zmq_receive.py``) on a real ROUTER/DEALER pair: a
+message keeps no more frames than its request may carry, and one of many frames is received
+over several calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from kvserver import wire
+from kvserver.daemon.zmq_receive import FRAME_COST, FRAMES_PER_CALL, FrameReceiver, Overflow
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind("inproc://receive")
+    dealer.connect("inproc://receive")
+    yield router, dealer
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+
+
+def received(receiver: FrameReceiver, router: zmq.Socket[Any]) -> list[zmq.Frame] | Overflow:
+    """The next message's frames (calling again while it is only partly taken)."""
+    assert router.poll(5000)
+    calls = 0
+    while (got := receiver.receive(router)) is None:
+        calls += 1
+    assert calls <= 64
+    return got[1]
+
+
+def test_a_request_keeps_its_frames_within_the_budget(pair: Any) -> None:
+    """A one-frame request and a put whose parts fit are received whole, byte-exact."""
+    router, dealer = pair
+    receiver = FrameReceiver(1 << 20)
+    dealer.send(wire.encode_request(1, wire.HELLO, {}))
+    frames = received(receiver, router)
+    assert isinstance(frames, list) and len(frames) == 1
+    put = [wire.encode_request(2, wire.PUT, {}), *(bytes([i]) * 100 for i in range(50))]
+    dealer.send_multipart(put)
+    frames = received(receiver, router)
+    assert isinstance(frames, list) and [f.bytes for f in frames] == put
+
+
+def test_an_op_without_payload_keeps_its_header_only(pair: Any) -> None:
+    """A hello followed by 200,000 empty frames: an Overflow holding the header, counting every
+    frame, answered as before ("hello takes no payload frames (frames=200000)")."""
+    router, dealer = pair
+    receiver = FrameReceiver(1 << 30)
+    header = wire.encode_request(3, wire.HELLO, {}, auth="t")
+    dealer.send_multipart([header] + [b""] * 200_000)
+    got = received(receiver, router)
+    assert isinstance(got, Overflow)
+    assert [f.bytes for f in got.frames] == [header]
+    assert (got.count, got.size, got.op) == (200_001, len(header), wire.HELLO)
+    assert str(got.error(1 << 30)) == "hello takes no payload frames (frames=200000)"
+
+
+def test_frames_past_the_byte_budget_are_dropped(pair: Any) -> None:
+    """A put of 1-byte frames costs FRAME_COST + 1 each against max_message_bytes: past it the
+    frames kept are let go; the error names the counted size. The next message is whole."""
+    router, dealer = pair
+    limit = 1000 * (FRAME_COST + 1)
+    receiver = FrameReceiver(limit)
+    header = wire.encode_request(4, wire.PUT, {})
+    dealer.send_multipart([header] + [b"x"] * 5000)
+    got = received(receiver, router)
+    assert isinstance(got, Overflow) and [f.bytes for f in got.frames] == [header]
+    assert got.count == 5001 and got.size == len(header) + 5000
+    error = str(got.error(limit))
+    assert error.startswith("message too large") and f"max={limit}" in error
+    dealer.send_multipart([header, b"y"])
+    frames = received(receiver, router)
+    assert isinstance(frames, list) and [f.bytes for f in frames] == [header, b"y"]
+
+
+def test_a_header_the_peek_cannot_read_gets_the_general_budget(pair: Any) -> None:
+    """vLLM's replay request ([b"", seq]) and a garbage header with frames are kept within
+    the byte budget (the op decides nothing it cannot read)."""
+    router, dealer = pair
+    receiver = FrameReceiver(1 << 20)
+    dealer.send_multipart([b"", bytes(8)])
+    frames = received(receiver, router)
+    assert isinstance(frames, list) and [f.bytes for f in frames] == [b"", bytes(8)]
+    dealer.send_multipart([b"\xde\xad", b"a", b"b"])
+    frames = received(receiver, router)
+    assert isinstance(frames, list) and len(frames) == 3
+
+
+def test_a_message_of_many_frames_takes_several_calls(pair: Any) -> None:
+    """More than FRAMES_PER_CALL frames: receive() returns None (the loop runs meanwhile)
+    until the last frame, then the message; the routing id is the sender's."""
+    router, dealer = pair
+    receiver = FrameReceiver(1 << 30)
+    header = wire.encode_request(5, wire.WRITE_PARTS, {})
+    dealer.send_multipart([header] + [b"p"] * (2 * FRAMES_PER_CALL + 10))
+    assert router.poll(5000)
+    assert receiver.receive(router) is None
+    assert receiver.receive(router) is None
+    got = receiver.receive(router)
+    assert got is not None
+    peer, frames = got
+    assert isinstance(peer, bytes) and peer
+    assert isinstance(frames, list) and len(frames) == 2 * FRAMES_PER_CALL + 11
