@@ -11,10 +11,12 @@ hot path). The gRPC front end calls the same ``Principal`` methods, through
 What is checked: the namespace an op names (``ns_id``: one the tenant may not see is
 answered as if not registered, ``auth.py``; the spec to register; or the namespace of the
 lease an op names: ``complete_store``, ``write_parts``, ``complete_load``,
-``read_parts``) against the tenant's models; writes (register, store, pin, unpin) against
-``read_only``; ``lookup_tokens``' ``cache_salt`` against the tenant's salts. Chunk keys are
-opaque hashes: an op that names keys cannot tell which cache_salt made them, so a tenant with
-salts still reaches, by key, every chunk of a namespace its models allow. A lease op naming a
+``read_parts``) against the tenant's models, and the lease's owner: a tenant uses its own
+clients' leases only (lease ids are small integers; two tenants may share a model); writes
+(register, store, pin, unpin) against ``read_only``; ``lookup_tokens``' ``cache_salt``
+against the tenant's salts. Chunk keys are opaque hashes: an op that names keys cannot tell
+which cache_salt made them, so a tenant with salts still reaches, by key, every chunk of a
+namespace its models allow. A lease op naming a
 lease the daemon itself owns (``owners.py``: bytes are moving in or out of its pages) is
 refused for every principal, the admin included.
 """
@@ -44,7 +46,8 @@ def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any])
     """Raise PermissionDenied (or UnknownNamespace: not registered, or not ``who``'s to
     see, one answer for both) unless ``who`` may make request ``op`` with (validated)
     ``args``; see the module docstring."""
-    if op in _LEASE_OPS and service.lease_owner(args["lease_id"]) in DAEMON_OWNERS:
+    owner = service.lease_owner(args["lease_id"]) if op in _LEASE_OPS else None
+    if owner in DAEMON_OWNERS:
         # the admin too: the daemon's own leases guard bytes in flight (``owners.py``)
         raise PermissionDenied("the lease is the daemon's own", lease=args["lease_id"])
     if who.is_admin:
@@ -59,8 +62,8 @@ def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any])
     write = _LEASE_OPS.get(op)
     if write is not None:
         spec = service.lease_namespace(args["lease_id"])
-        if spec is not None:  # no such lease: the op itself says so
-            who.may_use_lease(spec, args["lease_id"], write=write)
+        if spec is not None and owner is not None:  # no such lease: the op itself says so
+            who.may_use_lease(spec, args["lease_id"], owner, write=write)
         elif write:
             who.may_write()
 

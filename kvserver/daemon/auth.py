@@ -79,13 +79,21 @@ class Principal:
             )
         self.may_write()
 
-    def may_use_lease(self, spec: NamespaceSpec, lease_id: int, *, write: bool) -> None:
-        """Raise PermissionDenied unless this caller may use a lease of namespace ``spec``
-        (``write``: write into it); the refusal names neither the namespace nor its model."""
-        if not self.sees(spec):
+    def may_use_lease(self, spec: NamespaceSpec, lease_id: int, owner: str, *, write: bool) -> None:
+        """Raise PermissionDenied unless this caller may use live lease ``lease_id`` of
+        namespace ``spec`` owned by ``owner`` (``write``: write into it): a tenant only its own
+        clients' leases (:meth:`owner`), in a namespace it sees; the refusal names neither the
+        namespace, its model nor the owner. Namespace rights alone are not enough: two tenants
+        may share a model, and a lease id is a small integer, easily guessed."""
+        if not self.sees(spec) or not self.owns(owner):
             raise PermissionDenied(f"tenant {self.name!r} may not use this lease", lease=lease_id)
         if write:
             self.may_write()
+
+    def owns(self, owner: str) -> bool:
+        """True if lease owner ``owner`` is one of this caller's clients (the admin: every
+        owner; a tenant: ``NAME/CLIENT``, and tenant names hold no '/')."""
+        return self.is_admin or owner.startswith(f"{self.name}/")
 
     def may_write(self) -> None:
         """Raise PermissionDenied for a read-only caller."""

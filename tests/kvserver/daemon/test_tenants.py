@@ -33,6 +33,7 @@ pytestmark = pytest.mark.multiprocess
 TOKEN_A = "token-of-team-a-0123456789"
 TOKEN_B = "token-of-team-b-0123456789"
 TOKEN_ROUTER = "token-of-the-router-012345"
+TOKEN_C = "token-of-team-c-0123456789"
 BEARER_A = f"Bearer {TOKEN_A}"
 SPEC_A = make_spec(model="model-a")
 SPEC_B = make_spec(model="model-b")
@@ -72,6 +73,11 @@ token = "{token_b}"
 models = ["model-b"]
 
 [[tenants]]
+name = "team-c"
+token = "{token_c}"
+models = ["model-b"]
+
+[[tenants]]
 name = "router"
 token_file = "{router_file}"
 models = ["*"]
@@ -94,6 +100,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         TENANTS.format(
             a_file=private_file(tmp / "a.token", TOKEN_A + "\n"),
             token_b=TOKEN_B,
+            token_c=TOKEN_C,
             router_file=private_file(tmp / "router.token", TOKEN_ROUTER, 0o640),
         ),
     )
@@ -217,6 +224,53 @@ def test_a_tenant_cannot_use_another_tenants_leases(fleet: Fleet) -> None:
         b.complete_load(load.lease_id)
         assert a.release() == 0  # A's release names A's clients only
         assert b.lookup(fleet.ns_b, new).hit_chunks == 1
+
+
+def test_a_tenant_sharing_a_model_cannot_use_another_tenants_leases(fleet: Fleet) -> None:
+    """C may use model-b too, and the router reads every model: the lease ids of B's store
+    and load (small integers) were theirs to complete, abort, write into and read through
+    (C aborted B's store, the router ended B's load). A lease is its owner tenant's: refused
+    for the others (the namespace checks alone let them through), and B's leases complete."""
+    new = make_keys(1, tag="b-shared-lease")
+    part = bytes([9]) * SPEC_B.part_bytes
+    with (
+        KVClient(fleet.d.zmq_address, auth_token=TOKEN_B, colocated=False) as b,
+        KVClient(fleet.d.zmq_address, auth_token=TOKEN_C, colocated=False) as c,
+        KVClient(fleet.d.zmq_address, auth_token=TOKEN_ROUTER, colocated=False) as r,
+    ):
+        grant = b.prepare_store(fleet.ns_b, new)
+        assert grant is not None
+        for attempt in (
+            lambda: c.write_parts(grant.lease_id, new, 0, [bytes(SPEC_B.part_bytes)]),
+            lambda: c.complete_store(grant.lease_id, success=False),
+            lambda: c.complete_store(grant.lease_id),
+        ):
+            with pytest.raises(PermissionDenied, match="may not use this lease"):
+                attempt()
+        res = c.prepare_store_completing(
+            fleet.ns_b, make_keys(1, tag="c-carry"), [StoreCompletion(grant.lease_id, False)]
+        )
+        assert isinstance(res.completed[0], PermissionDenied)
+        assert res.grant is not None
+        c.complete_store(res.grant.lease_id, success=False)
+        assert b.write_parts(grant.lease_id, new, 0, [part]) == new
+        load = b.prepare_load(fleet.ns_b, new)
+        for attempt in (
+            lambda: r.read_parts(fleet.ns_b, load.lease_id, new, 0),
+            lambda: r.complete_load(load.lease_id),
+            lambda: c.complete_load(load.lease_id),
+        ):
+            with pytest.raises(PermissionDenied, match="may not use this lease"):
+                attempt()
+        assert [bytes(v) for v in b.read_parts(fleet.ns_b, load.lease_id, new, 0)] == [part]
+        b.complete_load(load.lease_id)
+        assert c.release() == 0 and r.release() == 0
+        with KVClient(fleet.d.zmq_address, colocated=False) as admin:  # the daemon's token
+            grant = admin.prepare_store(fleet.ns_b, make_keys(1, tag="admin-lease"))
+            assert grant is not None
+            with pytest.raises(PermissionDenied, match="may not use this lease"):
+                c.complete_store(grant.lease_id, success=False)
+            admin.complete_store(grant.lease_id, success=False)
 
 
 def test_grpc_enforces_the_same_rules(fleet: Fleet) -> None:
