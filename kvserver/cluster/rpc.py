@@ -34,6 +34,10 @@ from kvserver.prompts import check_prompt_size
 MAX_KEYS = 1 << 16
 NOWHERE = "namespace registered nowhere in the fleet"
 MAX_NAMESPACE_ID = 64
+#: most ``candidate_hosts`` one ScoreHosts may name (duplicates counted): a bound on the
+#: strings and sets a request makes, far above any fleet's size. 1.5M names (12 MB) cost the
+#: daemon +254 MB and ~1.2 s of its loop when there was none.
+MAX_CANDIDATE_HOSTS = 4096
 
 
 class ScoringService(Protocol):
@@ -78,6 +82,16 @@ async def score_hosts(
     ns_id = req.namespace_id
     if not ns_id or len(ns_id) > MAX_NAMESPACE_ID:
         raise InvalidArgument("namespace_id is required (at most 64 characters)")
+    # counted before a Python object is made of any of them
+    if len(req.candidate_hosts) > MAX_CANDIDATE_HOSTS:
+        raise InvalidArgument(
+            f"at most {MAX_CANDIDATE_HOSTS} candidate_hosts", count=len(req.candidate_hosts)
+        )
+    if len(req.tier_weights) > len(TIERS):
+        raise InvalidArgument(
+            f"tier_weights names at most {len(TIERS)} tiers ({', '.join(TIERS)})",
+            count=len(req.tier_weights),
+        )
     weights = dict(node.config.tier_weights)
     weights.update(check_weights(dict(req.tier_weights)))
     try:

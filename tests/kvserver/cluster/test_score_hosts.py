@@ -10,14 +10,18 @@ status`` show the fleet.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
+from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.client import KVClient
 from kvserver.cluster.rpc import call_score_hosts
 from kvserver.daemon.prompt_hashing import HASH_OFF_LOOP_TOKENS
@@ -26,6 +30,7 @@ from kvserver.grpc_client import GrpcClient
 from kvserver.hashing import BlockHasher
 from tests.kvserver.builders import make_spec, pattern
 from tests.kvserver.cluster.test_fleet_daemons import start_host
+from tests.kvserver.daemon.test_memory_bounds import MIB, rss
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.redis import RedisServer
 
@@ -149,5 +154,58 @@ def test_a_standalone_daemon_refuses_score_hosts(tmp_path: Path) -> None:
             with pytest.raises(InvalidState):
                 call_score_hosts(client, SPEC.ns_id, token_ids=TOKENS)
             assert client.stats().cluster is None
+    finally:
+        d.kill()
+
+
+def test_hostile_candidate_lists_and_tier_weights_are_refused_before_they_cost(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """ScoreHosts from an authenticated caller, one daemon of a fleet: 1,500,000 candidate
+    hosts (12 MB) were made into Python strings, a list and two sets (peak RSS +254 MB, ~1.2 s
+    of the daemon's loop) and answered OK; now INVALID_ARGUMENT at their count, as is a
+    tier_weights map of more entries than there are tiers (350,000: converted to a dict before
+    its first unknown name was refused). Duplicate candidates answer each host once; NaN,
+    infinite and negative weights are refused; the daemon serves on."""
+    d = start_host(tmp_path, redis_server, "a")
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = kv.register_namespace(SPEC).ns_id
+        keys = chunk_keys(TOKENS)[:2]
+        with grpc.insecure_channel(
+            d.grpc_address, options=[("grpc.max_send_message_length", 64 << 20)]
+        ) as channel:
+            call = channel.unary_unary(
+                "/kvserver.v1.KVServer/ScoreHosts",
+                request_serializer=pb.ScoreHostsRequest.SerializeToString,
+                response_deserializer=pb.ScoreHostsResponse.FromString,
+            )
+            metadata = (("authorization", f"Bearer {d.token}"),)
+
+            def refused(match: str, **fields: Any) -> None:
+                req = pb.ScoreHostsRequest(namespace_id=ns_id, keys=pb.KeyPrefix(keys=keys))
+                for name, value in fields.items():
+                    field = getattr(req, name)
+                    (field.update if name == "tier_weights" else field.extend)(value)
+                with pytest.raises(grpc.RpcError) as info:
+                    call(req, metadata=metadata, timeout=60)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert match in (info.value.details() or ""), info.value.details()
+
+            Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # the peak := RSS now
+            before = rss(d.proc.pid)
+            refused("candidate_hosts", candidate_hosts=[str(i) for i in range(1_500_000)])
+            peak = rss(d.proc.pid, "VmHWM") - before
+            assert peak < 150 * MIB, peak
+            refused("tier_weights", tier_weights={f"tier-{i}": 1.0 for i in range(350_000)})
+            for bad in (math.nan, math.inf, -1.0, 1e7):
+                refused("tier weight must be in [0, 1e6]", tier_weights={"dram": bad})
+            refused("unknown tier", tier_weights={"gpu": 1.0})
+            req = pb.ScoreHostsRequest(namespace_id=ns_id, keys=pb.KeyPrefix(keys=keys))
+            req.candidate_hosts.extend(["a"] * 4092 + ["b"] * 4)  # within the bound
+            reply = call(req, metadata=metadata, timeout=60)
+            assert [h.host_id for h in reply.hosts] == ["a"]
+        with KVClient(d.zmq_address) as kv:
+            assert kv.hello()["protocol_version"] > 0
     finally:
         d.kill()

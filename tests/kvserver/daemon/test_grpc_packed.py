@@ -8,6 +8,7 @@ repeated ones.
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.errors import InvalidArgument
 from kvserver.grpc_client import GrpcClient
-from kvserver.grpc_format import SERVICE_NAME
+from kvserver.grpc_format import SERVICE_NAME, keys_from_proto
 from tests.kvserver.builders import make_keys, make_spec
 from tests.kvserver.daemon.test_grpc_server import InProcessServer, chunk_keys
 
@@ -103,6 +104,23 @@ def test_malformed_packed_keys_are_invalid_argument(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (err.value.details() or "")
     assert raw_lookup(server, packed(ns_id, b"".join(keys), 32)).hit_chunks == 4  # still serving
+
+
+def test_too_many_repeated_keys_are_refused_at_their_count() -> None:
+    """Lookup, Pin, Unpin and ScoreHosts by ``keys``: 1,000,001 one-byte keys were copied
+    into a list of bytes objects (~42 MB here; 5M keys in a 15 MB request, 0.7 s of the
+    daemon's loop) before the count was refused; now refused at ``len``, nothing copied."""
+    msg = pb.KeyPrefix()
+    msg.keys.extend([b"k"] * 1_000_001)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidArgument, match="too many keys"):
+            keys_from_proto(msg, 32, 1 << 16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert len(keys_from_proto(msg, 32, 1_000_001)) == 1_000_001  # the caller's bound
 
 
 def test_empty_packed_keys_are_an_empty_prefix(server: InProcessServer) -> None:
