@@ -13,16 +13,20 @@ listener could not be opened: metrics are not the service, so that is logged, no
 ``server.shutdown()`` at exit.
 
 The listener is unauthenticated (figures, no KV) and takes a thread per connection, so it is
-bounded: a connection that sends or reads nothing for :data:`IDLE_TIMEOUT_S` is closed, and
-past :data:`MAX_CONNECTIONS` at once a new one is closed unanswered. (prometheus_client's own
+bounded: a connection that sends or reads nothing for :data:`IDLE_TIMEOUT_S` is closed, one
+still open :data:`REQUEST_DEADLINE_S` after it was accepted is closed too, and past
+:data:`MAX_CONNECTIONS` at once a new one is closed unanswered. (prometheus_client's own
 server kept an idle connection and its thread for ever: 300 connections that sent half a
-request line held 300 threads of the daemon.)
+request line held 300 threads of the daemon. The idle timeout alone let a connection that
+sends a header byte every few seconds keep its slot for days: as many as the limit kept
+every scrape out.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import socket
 import threading
@@ -49,6 +53,9 @@ SNAPSHOT_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 10.0
 #: metrics connections served at once (a thread each); more are closed unanswered.
 MAX_CONNECTIONS = 64
+#: a metrics connection still open this long after it was accepted is closed (a scrape takes
+#: milliseconds; Prometheus gives up after its scrape_timeout, 10 s by default).
+REQUEST_DEADLINE_S = 30.0
 #: seconds; from 50 µs (a co-located lookup) to 10 s (an SSD promotion under load).
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -105,9 +112,11 @@ class _Handler(WSGIRequestHandler):
 
 
 class _BoundedServer(ThreadingWSGIServer):
-    """A thread per connection, at most ``max_connections`` at once."""
+    """A thread per connection, at most ``max_connections`` at once, each connection cut
+    ``request_deadline_s`` after it was accepted."""
 
     max_connections = MAX_CONNECTIONS
+    request_deadline_s = REQUEST_DEADLINE_S
 
     def server_activate(self) -> None:
         self._lock = threading.Lock()
@@ -129,9 +138,13 @@ class _BoundedServer(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        deadline = threading.Timer(self.request_deadline_s, _cut, (request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self._closed()
 
     def _closed(self) -> None:
@@ -143,6 +156,12 @@ class _BoundedServer(ThreadingWSGIServer):
         logger.debug("metrics connection from %s ended", client_address, exc_info=True)
 
 
+def _cut(request: socket.socket) -> None:
+    """End a connection past its deadline: its thread's next read or write fails."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
+
+
 def serve_metrics(
     collector: Collector,
     host: str,
@@ -150,10 +169,11 @@ def serve_metrics(
     *,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
+    request_deadline_s: float = REQUEST_DEADLINE_S,
 ) -> tuple[int, WSGIServer | None]:
     """Serve ``collector`` at ``http://host:port/metrics`` (0 = any port, -1 = off), on a
-    thread of its own, closing connections idle ``idle_timeout_s`` and refusing more than
-    ``max_connections`` at once.
+    thread of its own, closing connections idle ``idle_timeout_s`` or open
+    ``request_deadline_s``, and refusing more than ``max_connections`` at once.
 
     Returns (bound port, server to ``shutdown()``), or (-1, None) when off or when the port
     cannot be bound (logged as an error: the process keeps serving without metrics)."""
@@ -173,7 +193,11 @@ def serve_metrics(
     server_class = type(
         "MetricsServer",
         (_BoundedServer,),
-        {"address_family": family, "max_connections": max_connections},
+        {
+            "address_family": family,
+            "max_connections": max_connections,
+            "request_deadline_s": request_deadline_s,
+        },
     )
     handler_class = type("MetricsHandler", (_Handler,), {"timeout": idle_timeout_s})
     try:

@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kvserver.prometheus import IDLE_TIMEOUT_S, MAX_CONNECTIONS, serve_metrics
+from kvserver.prometheus import IDLE_TIMEOUT_S, MAX_CONNECTIONS, REQUEST_DEADLINE_S, serve_metrics
 from tests.support.daemon import wait_until
 
 
@@ -90,3 +90,41 @@ def _served(port: int) -> bool:
         return b"kvserver_test_gauge" in scrape(port)
     except OSError:  # the closed connections' threads have not ended yet
         return False
+
+
+def test_connections_that_drip_a_byte_at_a_time_are_closed_at_their_deadline() -> None:
+    """Slow drip: 4 connections (the limit) each send one byte of a header line every 0.2 s,
+    so the idle timeout (0.5 s) never fires: they held every slot for as long as they
+    dripped (100 header lines of 64 KiB at a byte each: days), and every scrape was closed
+    unanswered. A connection now has REQUEST_DEADLINE_S in all: past it it is closed, and
+    scrapes are served again while the drippers go on."""
+    port, server = serve_metrics(
+        _One(), "127.0.0.1", 0, idle_timeout_s=0.5, max_connections=4, request_deadline_s=2.0
+    )
+    assert server is not None
+    stop = threading.Event()
+    closed = [False] * 4
+
+    def drip(i: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+            while not stop.wait(0.2):
+                try:
+                    sock.sendall(b"a")
+                except OSError:
+                    closed[i] = True
+                    return
+
+    drippers = [threading.Thread(target=drip, args=(i,)) for i in range(4)]
+    try:
+        for t in drippers:
+            t.start()
+        wait_until(lambda: all(closed), timeout=10.0)
+        wait_until(lambda: _served(port), timeout=10.0)
+    finally:
+        stop.set()
+        for t in drippers:
+            t.join()
+        server.shutdown()
+        server.server_close()
+    assert 0 < REQUEST_DEADLINE_S <= 60
