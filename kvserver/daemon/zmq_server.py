@@ -83,7 +83,7 @@ from kvserver.daemon.local_server import (
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_events import EventPublisher
 from kvserver.daemon.zmq_ops import Answer, DataOps, PayloadFrame, failed
-from kvserver.daemon.zmq_receive import FrameReceiver, Overflow
+from kvserver.daemon.zmq_receive import FrameReceiver, Overflow, local_frames
 from kvserver.daemon.zmq_requests import Peer, RequestHandler
 from kvserver.daemon.zmq_send import Parts, ZeroCopySender
 from kvserver.daemon.zmq_sockets import DataSockets
@@ -296,7 +296,7 @@ class DataFrontend:
     def _serve_one(self, peer: Peer, message: _Message) -> _Job | None:
         """Handle one message: answer it now and return None, or return the rest of it."""
         source: zmq.Frame | None = None  # a ROUTER message's first frame: its connection
-        overflow: Overflow | None = None  # a ROUTER message received past its budget
+        overflow: Overflow | None = None  # a message received past its budget
         try:
             if isinstance(peer, bytes):
                 if isinstance(message, Overflow):
@@ -319,10 +319,12 @@ class DataFrontend:
                     peer.close()
                     return None
                 try:
-                    views = wire_local.decode(cast(memoryview, message))
+                    views = local_frames(cast(memoryview, message), self._config.max_message_bytes)
                 except InvalidArgument as exc:
                     self._send(peer, failed(0, exc))
                     return None
+                if isinstance(views, Overflow):
+                    overflow, views = views, views.frames
                 frames = [LocalFrame(view) for view in views]
                 owner = peer.name
             answer = self._requests.handle(peer, owner, frames, overflow)

@@ -119,3 +119,27 @@ def test_a_message_of_a_million_empty_frames_is_refused_without_keeping_them(
         assert sock.poll(10_000) and wire.decode_reply(sock.recv_multipart()[0]).ok
         assert [[bytes(p) for p in row] for row in kv.load(ns, keys)] == data
     sock.close()
+
+
+def test_a_local_message_of_two_million_empty_frames_keeps_its_header_only(
+    daemon: DaemonProc,
+) -> None:
+    """The local channel: a hello with 2,000,000 empty frames (16 MB of framing) was cut into
+    2M views and LocalFrame objects before it was refused (peak RSS +521 MB, ~6 s of the
+    loop); now the framing decides (zmq_receive.local_frames): the same error, a peak of
+    about the message itself, and the connection goes on with its next message."""
+    conn = LocalConn(f"{daemon.arena_path}.sock", timeout=60)
+    try:
+        frames = [wire.encode_request(9, wire.HELLO, {}, auth=daemon.token)] + [b""] * 2_000_000
+        Path(f"/proc/{daemon.proc.pid}/clear_refs").write_text("5")
+        before = rss(daemon.proc.pid)
+        conn.send_multipart(frames)
+        reply = wire.decode_reply(conn.recv_multipart()[0])
+        peak = rss(daemon.proc.pid, "VmHWM") - before
+        assert not reply.ok and reply.req_id == 9 and reply.error is not None
+        assert str(reply.error) == "hello takes no payload frames (frames=2000000)"
+        assert peak < 150 * MIB, peak
+        conn.send_multipart([wire.encode_request(10, wire.HELLO, {}, auth=daemon.token)])
+        assert wire.decode_reply(conn.recv_multipart()[0]).ok
+    finally:
+        conn.close()

@@ -1,6 +1,6 @@
 """The ROUTER's receiver (``kvserver/daemon/zmq_receive.py``) on a real ROUTER/DEALER pair: a
 message keeps no more frames than its request may carry, and one of many frames is received
-over several calls."""
+over several calls; a local-channel message gets the same budget from its framing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from typing import Any
 import pytest
 import zmq
 
-from kvserver import wire
-from kvserver.daemon.zmq_receive import FRAME_COST, FRAMES_PER_CALL, FrameReceiver, Overflow
+from kvserver import wire, wire_local
+from kvserver.daemon.zmq_receive import (
+    FRAME_COST,
+    FRAMES_PER_CALL,
+    FrameReceiver,
+    Overflow,
+    local_frames,
+)
+from kvserver.errors import InvalidArgument
 
 
 @pytest.fixture
@@ -109,3 +116,28 @@ def test_a_message_of_many_frames_takes_several_calls(pair: Any) -> None:
     peer, frames = got
     assert isinstance(peer, bytes) and peer
     assert isinstance(frames, list) and len(frames) == 2 * FRAMES_PER_CALL + 11
+
+
+def local_body(frames: list[bytes]) -> memoryview:
+    """A local-channel message as the daemon holds it: everything after its size field."""
+    data = b"".join(bytes(b) for b in wire_local.encode(frames))
+    return memoryview(data)[wire_local.SIZE.size :]
+
+
+def test_a_local_message_gets_the_same_budget_from_its_framing() -> None:
+    """local_frames: a hello with extra frames and a put past the byte budget are Overflows
+    holding the header (the other frames never cut into views); a put within it, and any
+    one-frame message, are decoded as wire_local.decode does; bad framing is still refused."""
+    hello = wire.encode_request(1, wire.HELLO, {})
+    got = local_frames(local_body([hello] + [b""] * 1000), 1 << 30)
+    assert isinstance(got, Overflow) and [bytes(v) for v in got.frames] == [hello]
+    assert str(got.error(1 << 30)) == "hello takes no payload frames (frames=1000)"
+    put = [wire.encode_request(2, wire.PUT, {}), *(b"x" for _ in range(100))]
+    over = local_frames(local_body(put), 50 * FRAME_COST)
+    assert isinstance(over, Overflow) and over.count == 101 and over.op == wire.PUT
+    assert str(over.error(50 * FRAME_COST)).startswith("message too large")
+    within = local_frames(local_body(put), 1 << 20)
+    assert isinstance(within, list) and [bytes(v) for v in within] == put
+    assert [bytes(v) for v in local_frames(local_body([hello]), 1)] == [hello]  # type: ignore[union-attr]
+    with pytest.raises(InvalidArgument, match="bad frame count"):
+        local_frames(memoryview(wire_local.COUNT.pack(3) + bytes(16)), 1 << 20)
