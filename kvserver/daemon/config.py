@@ -108,6 +108,9 @@ class DaemonConfig:
     pub_hwm: int = 1000
     #: KV-event PUB: most subscriber connections at once (one more is closed at once).
     pub_max_subscribers: int = 64
+    #: gRPC WatchEvents: most streams at once, all callers together (one more is answered
+    #: RESOURCE_EXHAUSTED): each event is written to every stream on the loop.
+    max_event_watchers: int = 64
     #: largest request accepted, bytes: all frames of a local-channel message (refused at its
     #: size prefix) or of a ROUTER message (refused once ZMQ has received it whole); ZMQ itself
     #: (MAXMSGSIZE, the ROUTER's and the network tier's DEALERs') bounds each frame only.
@@ -230,7 +233,7 @@ class DaemonConfig:
             )
         for name in ("ssd_promotions", "event_capacity", "max_message_bytes",
                      "local_inflight_bytes", "local_max_connections", "pub_hwm",
-                     "pub_max_subscribers"):  # fmt: skip
+                     "pub_max_subscribers", "max_event_watchers"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1", value=getattr(self, name))
         if self.no_auth and self.auth_token:

@@ -8,6 +8,9 @@ encode — no per-block Python objects beyond the keys themselves.
 Call order: ``GrpcFrontend(service, config)`` → ``await start()`` (returns the bound port) →
 serve → ``await stop(grace)``: health turns NOT_SERVING, WatchEvents streams end (status OK),
 the server stops accepting and in-flight RPCs get ``grace`` seconds before being cancelled.
+At most ``max_event_watchers`` WatchEvents streams are open at once, one more is answered
+RESOURCE_EXHAUSTED: each event is written to every stream on the loop, so a caller opening
+thousands of streams multiplied the loop's work per store for every other client.
 
 Requests are decoded here, not by grpc: methods are registered with identity (de)serializers
 so that undecodable bytes become INVALID_ARGUMENT instead of grpc's generic INTERNAL. The
@@ -45,7 +48,7 @@ from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.daemon.grpc_stats import MAX_STATUS_DETAILS, stats_response
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
-from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
+from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated
 from kvserver.eventlog import EventGap
 from kvserver.events import Event
 from kvserver.grpc_format import (
@@ -142,6 +145,7 @@ class GrpcFrontend:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopping = asyncio.Event()
+        self._watchers = 0  # WatchEvents streams open
         self.port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -337,19 +341,27 @@ class GrpcFrontend:
         try:
             who = self._authenticate(context)
             from_seq = self._resume_point(pb.WatchEventsRequest.FromString(raw))
+            if self._watchers >= self.config.max_event_watchers:
+                raise CapacityError(
+                    f"{self.config.max_event_watchers} WatchEvents streams are open (the "
+                    "daemon's max_event_watchers); retry later"
+                )
             failure = None
         except Exception as exc:
             failure = _failure(exc)
         if failure is not None:
             await _abort(context, failure)
-        await context.send_initial_metadata(
-            ((LOG_ID_KEY, self.log_id), (FROM_SEQ_KEY, str(from_seq)))
-        )
+        self._watchers += 1
         try:
+            await context.send_initial_metadata(
+                ((LOG_ID_KEY, self.log_id), (FROM_SEQ_KEY, str(from_seq)))
+            )
             await self._follow(from_seq, context, who)
             return
         except EventGap as exc:  # the subscriber fell behind the bounded log
             failure = _failure(exc)
+        finally:
+            self._watchers -= 1
         await _abort(context, failure)
 
     def _resume_point(self, req: pb.WatchEventsRequest) -> int:
