@@ -35,9 +35,10 @@ from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import bind_hint
-from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
+from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated
 from kvserver.grpc_format import ERROR_CODE_KEY, bearer_token
 from kvserver.grpc_serve import start_server
+from kvserver.prompts import MAX_PROMPT_TOKENS
 from scheduler.request import PromptUsage, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "kvserver.v1.Engine"
 DEFAULT_PORT = 9480
 MAX_STATUS_DETAILS = 1024
+#: most stop_token_ids a request may name (held as a set for its life: 3M were +308 MB).
+MAX_STOP_TOKEN_IDS = 1024
 
 #: kvserver error code → gRPC status (subclasses walk up to their nearest listed base)
 STATUS_BY_CODE: dict[str, grpc.StatusCode] = {
@@ -102,9 +105,20 @@ def status_for(exc: KVServerError) -> grpc.StatusCode:
 
 
 def params_from_proto(req: pb.GenerateRequest) -> GenerateParams:
-    """Validate a GenerateRequest (InvalidArgument names the field)."""
+    """Validate a GenerateRequest (InvalidArgument names the field; CapacityError for a
+    prompt longer than any request may be: the daemon's bound, ``kvserver.prompts``; the
+    scheduler's max_model_len then applies). The lists are counted before they are copied."""
     if not req.token_ids:
         raise InvalidArgument("token_ids: the prompt needs at least one token")
+    if len(req.token_ids) > MAX_PROMPT_TOKENS:
+        raise CapacityError(
+            f"prompt too long: at most {MAX_PROMPT_TOKENS} token ids in one request",
+            prompt_tokens=len(req.token_ids),
+        )
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", count=len(req.stop_token_ids)
+        )
     if req.max_tokens < 1:
         raise InvalidArgument("max_tokens must be >= 1")
     if len(req.request_id) > 256:

@@ -134,6 +134,7 @@ class EngineCore:
         req_id = params.request_id or uuid.uuid4().hex
         if req_id in self._streams:
             raise InvalidArgument("duplicate request id", request=req_id)
+        self.scheduler.check_prompt_tokens(len(params.token_ids))  # before any pass over it
         self._check_vocabulary(params.token_ids)
         request = self.scheduler.make_request(
             req_id,

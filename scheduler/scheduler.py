@@ -103,20 +103,29 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], **kw: Any) -> Request:
-        """A :class:`Request` hashed with this scheduler's block hasher (kvserver's keys)."""
+        """A :class:`Request` hashed with this scheduler's block hasher (kvserver's keys).
+        CapacityError, before any hashing, for a prompt :meth:`check_prompt_tokens` refuses
+        (a 15M-token prompt was hashed block by block, ~1 GB and 12.7 s of the step loop,
+        before ``add_request`` refused it)."""
+        self.check_prompt_tokens(len(prompt_token_ids))
         return Request(request_id, prompt_token_ids, hasher=self.hasher, **kw)
+
+    def check_prompt_tokens(self, num_tokens: int) -> None:
+        """CapacityError for a prompt that leaves no room for an output token within
+        ``max_model_len``."""
+        if num_tokens >= self.max_model_len:
+            raise CapacityError(
+                "prompt too long: it must be shorter than max_model_len",
+                prompt_tokens=num_tokens,
+                max_model_len=self.max_model_len,
+            )
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. InvalidArgument for a duplicate id; CapacityError for a prompt
         that leaves no room for an output token within ``max_model_len``."""
         if request.request_id in self.requests:
             raise InvalidArgument("duplicate request id", req=request.request_id)
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise CapacityError(
-                "prompt too long: it must be shorter than max_model_len",
-                prompt_tokens=request.num_prompt_tokens,
-                max_model_len=self.max_model_len,
-            )
+        self.check_prompt_tokens(request.num_prompt_tokens)
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise InvalidArgument("only a fresh request can be added", req=request.request_id)
         self.requests[request.request_id] = request

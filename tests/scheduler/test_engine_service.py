@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserver._proto.kvserver.v1 import engine_pb2 as epb
 from kvserver.grpc_format import ERROR_CODE_KEY
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
@@ -206,3 +207,51 @@ def test_an_unreachable_daemon_is_said_at_start_and_prompts_are_computed(
         assert proc.terminate() == 0, proc.log()
     finally:
         proc.kill()
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_oversized_prompts_and_stop_lists_are_refused_before_they_cost(
+    sched: Proc, client: EngineClient
+) -> None:
+    """A 3,000,000-token prompt (3 MB, max_model_len 1,024) was made into a list, checked
+    against the vocabulary and hashed block by block (15M tokens: +1 GB and 12.7 s of the
+    scheduler's loop, every other generation stalled) before add_request refused its length;
+    now RESOURCE_EXHAUSTED before it is hashed. 100,000 stop_token_ids (held as a frozenset
+    for the request's life: 3M were +308 MB) are INVALID_ARGUMENT at their count. Another
+    client's generation runs on."""
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{sched.info['grpc_port']}",
+        options=[("grpc.max_send_message_length", 64 << 20)],
+    )
+    call = channel.unary_stream(
+        "/kvserver.v1.Engine/Generate",
+        request_serializer=epb.GenerateRequest.SerializeToString,
+        response_deserializer=epb.GenerateResponse.FromString,
+    )
+    try:
+        Path(f"/proc/{sched.proc.pid}/clear_refs").write_text("5")  # the peak := RSS now
+        before = _peak_rss(sched.proc.pid)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(epb.GenerateRequest(token_ids=[1] * 3_000_000, max_tokens=1),
+                      metadata=client.metadata(), timeout=60))  # fmt: skip
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "prompt too long" in (info.value.details() or "")
+        peak = _peak_rss(sched.proc.pid) - before
+        assert peak < 48 << 20, peak
+        with pytest.raises(grpc.RpcError) as info:
+            stops = list(range(1000, 101_000))
+            list(call(epb.GenerateRequest(token_ids=[1, 2, 3], max_tokens=4,
+                                          stop_token_ids=stops),
+                      metadata=client.metadata(), timeout=60))  # fmt: skip
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stop_token_ids" in (info.value.details() or "")
+    finally:
+        channel.close()
+    prompt = tokens(40, start=900)
+    assert output_tokens(list(client.stream(prompt, 4))) == expected_output(prompt, 4)
