@@ -214,6 +214,11 @@ class DaemonCollector(LoopCollector):
             "Connections to the KV-event PUB shut down at once: pub_max_subscribers were open.",
             value=subscribers["refused"],
         )
+        yield CounterMetricFamily(
+            "kvserver_pub_subscribers_too_many_topics",
+            "Connections to the KV-event PUB shut down for subscribing to too many topics.",
+            value=subscribers["too_many_topics"],
+        )
         prompts = s["prompt_hashing"]
         for name, doc, key in _PROMPT_COUNTERS:
             yield CounterMetricFamily(name, doc, value=prompts[key])

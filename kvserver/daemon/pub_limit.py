@@ -33,6 +33,17 @@ event of a few keys is one ~210-byte message), and 50 of them took the daemon fr
   66% of a core for eight such SUBs (1,900 refusals a second) and a client's ``hello`` from
   0.46 to 2.6 ms (p50); a refusal now costs the accept, two monitor events and a shutdown.
 
+- **Topics**: a subscription is a message to the PUB (its topic prefix), and ZMQ keeps every
+  one in a trie in the daemon, a node per byte of a new prefix: a SUB that subscribed to
+  100,000 random 100-byte topics (10 MB) grew the daemon by 488 MB, and the next 200 stores
+  took 5.1 s (ZMQ applies subscriptions while the PUB sends). The socket is an XPUB that
+  passes every subscription up (``XPUB_VERBOSE``): they are read here every
+  :data:`TOPICS_EVERY_S` (and ZMQ applies them then), counted per connection (its descriptor,
+  ``SRCFD``), and a connection past :data:`MAX_TOPICS` is shut down as above, its subscriptions
+  freed with it (counted as ``too_many_topics``); a topic is at most :data:`MAX_TOPIC_BYTES`
+  bytes (``MAXMSGSIZE``: ZMQ drops a connection sending a longer one). Subscribers see the
+  same events: topics are what vLLM-style subscribers filter on, one or a few each.
+
 So a daemon's stalled subscribers hold at most ``pub_max_subscribers x pub_hwm`` messages
 (64 x 1,000 x ~210 B ≈ 13 MB for events of a few keys; messages of events with many keys are
 larger, ~35 B a key). Events are published in the order the engine numbers them.
@@ -61,9 +72,22 @@ WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 PRUNE_INTERVAL_S = 1.0
 
 
+#: most subscriptions one connection may send (its topics; repeats counted) before it is cut.
+MAX_TOPICS = 256
+#: longest topic prefix a subscription may name (a subscription message is one byte more).
+MAX_TOPIC_BYTES = 1024
+#: how often the subscriptions the PUB received are read (and so applied by ZMQ).
+TOPICS_EVERY_S = 0.05
+#: subscriptions read per turn of the loop, at most.
+TOPICS_PER_CALL = 4096
+
+
 def configure(pub: zmq.Socket[Any], hwm: int) -> None:
-    """Bound each subscriber's queue at ``hwm`` messages (before ``pub`` binds)."""
+    """Bound each subscriber's queue at ``hwm`` messages, and pass every subscription up, each
+    at most MAX_TOPIC_BYTES (``pub`` an XPUB, before it binds)."""
     pub.setsockopt(zmq.SNDHWM, hwm)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    pub.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES + 1)
 
 
 class SubscriberLimit:
@@ -86,6 +110,11 @@ class SubscriberLimit:
         self._fd: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pruned_at = -PRUNE_INTERVAL_S  # time.monotonic() of the last _prune
+        #: the PUB without the asyncio layer, to read subscriptions; its next read
+        self._raw: zmq.Socket[bytes] | None = None
+        self._topics_timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        #: descriptor of an open connection -> subscriptions it sent
+        self._topics: dict[int, int] = {}
 
     def watch(self, pub: zmq.Socket[Any], port: int) -> None:
         """Start counting ``pub``'s connections (bound on TCP ``port``), on the running loop."""
@@ -100,12 +129,18 @@ class SubscriberLimit:
         self._fd = cast(int, pair.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
         self._loop.call_soon(self._drain)  # the descriptor signals changes only
+        self._raw = zmq.Socket.shadow(pub.underlying)
+        self._topics_timer = self._loop.call_later(TOPICS_EVERY_S, self._read_topics)
 
     def stop(self) -> None:
         """Stop watching and close the monitor socket (before the PUB closes). Idempotent."""
         if self._fd is not None and self._loop is not None:
             self._loop.remove_reader(self._fd)
         self._fd = None
+        if self._topics_timer is not None:
+            self._topics_timer.cancel()
+            self._topics_timer = None
+        self._raw = None  # a shadow: the PUB itself is closed by its owner
         if self._watched is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._watched.disable_monitor()
@@ -125,6 +160,7 @@ class SubscriberLimit:
             while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 event = parse_monitor_message(pair.recv_multipart(zmq.NOBLOCK))
                 fd = int(event["value"])
+                self._topics.pop(fd, None)  # a new connection, or one gone: none counted
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._open.discard(fd)
                     with contextlib.suppress(ValueError):
@@ -143,6 +179,34 @@ class SubscriberLimit:
             if self._shut_down(fd):
                 self._counts.refused += 1
         self._counts.connected = len(self._open)
+
+    def _read_topics(self) -> None:
+        """Timer: read the subscriptions received (ZMQ applies them as they are read), count
+        them per connection, and cut a connection past MAX_TOPICS."""
+        raw, loop = self._raw, self._loop
+        if raw is None or loop is None:
+            return
+        more = False
+        try:
+            for _ in range(TOPICS_PER_CALL):
+                frame = raw.recv(zmq.NOBLOCK, copy=False)
+                if frame.bytes[:1] != b"\x01":  # an unsubscription (or nothing)
+                    continue
+                fd = frame.get(zmq.SRCFD)
+                count = self._topics[fd] = self._topics.get(fd, 0) + 1
+                if count == MAX_TOPICS + 1 and self._shut_down(fd):
+                    self._counts.too_many_topics += 1
+            more = True
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                return
+            logger.warning("KV-event PUB subscriptions could not be read: %s", exc)
+        if more:
+            self._topics_timer = loop.call_soon(self._read_topics)
+        else:
+            self._topics_timer = loop.call_later(TOPICS_EVERY_S, self._read_topics)
 
     def _prune(self) -> None:
         """Forget descriptors that are no longer connections to the PUB (a lost event); does

@@ -213,11 +213,17 @@ class HandshakeCounts:
 
 @dataclass(slots=True)
 class SubscriberCounts:
-    """Connections to the KV-event PUB (``pub_limit.py``): those open now and those cut at once
-    because ``pub_max_subscribers`` were open already. In ``stats()`` as ``pub_subscribers``."""
+    """Connections to the KV-event PUB (``pub_limit.py``): those open now, those cut at once
+    because ``pub_max_subscribers`` were open already, and those cut for subscribing to more
+    than ``MAX_TOPICS`` topics. In ``stats()`` as ``pub_subscribers``."""
 
     connected: int = 0
     refused: int = 0
+    too_many_topics: int = 0
 
     def stats(self) -> dict[str, int]:
-        return {"connected": self.connected, "refused": self.refused}
+        return {
+            "connected": self.connected,
+            "refused": self.refused,
+            "too_many_topics": self.too_many_topics,
+        }

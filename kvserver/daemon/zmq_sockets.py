@@ -75,7 +75,7 @@ class DataSockets:
         data_port = _bind(self.router, cfg.host, cfg.zmq_port, "--zmq-port")
         pub_port = -1
         if cfg.pub_port >= 0:
-            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub = self.ctx.socket(zmq.XPUB)  # a PUB whose subscriptions are read too
             if curve is not None:
                 curve.apply(self.pub)
             self.pub.setsockopt(zmq.LINGER, 0)

@@ -5,6 +5,7 @@ never read, a bound on their number, and a well-behaved subscriber that still ge
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,63 @@ def test_a_subscriber_over_the_limit_is_cut_and_admitted_once_one_leaves(tmp_pat
             assert counts()["connected"] == MAX_SUBSCRIBERS
     finally:
         for sock in [*subs, *([extra] if extra is not None else [])]:
+            sock.close()
+        ctx.term()
+        d.terminate()
+
+
+def test_a_subscriber_sending_many_topics_is_cut_and_memory_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    """Anyone who reaches the PUB port may subscribe (no token): one SUB subscribing to
+    20,000 random 100-byte topics (2 MB) grew ZMQ's subscription trie in the daemon (100,000
+    of them: RSS +488 MB, and the next 200 stores took 5.1 s instead of 0.05). A connection
+    past pub_max_topics subscriptions is now cut (counted as ``too_many_topics``), its
+    subscriptions freed with it; the daemon's RSS grows by less than 32 MiB and a
+    well-behaved subscriber still gets the events."""
+    d = start(tmp_path)
+    ctx: zmq.Context[bytes] = zmq.Context()
+    good = subscriber(ctx, d.pub_address)
+    flood = ctx.socket(zmq.SUB)
+    flood.linger = 0
+    flood.setsockopt(zmq.SNDHWM, 0)
+    flood.setsockopt(zmq.RECONNECT_IVL, 60_000)  # cut: it stays away for the test
+    flood.connect(d.pub_address)
+    received: dict[int, bytes] = {}
+    try:
+        with KVClient(d.zmq_address) as kv:
+            spec = make_spec(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte parts
+            ns = kv.register_namespace(spec)
+            part = bytes(spec.part_bytes)
+            probes = iter(make_keys(5000, tag="topics"))
+
+            def put_probe() -> int:
+                kv.put(ns.ns_id, [next(probes)], [part])
+                return int(kv.stats()["events_last_seq"])
+
+            def subscribed() -> bool:
+                put_probe()
+                return good.poll(50) != 0
+
+            wait_until(subscribed)
+            before = rss(d.proc.pid)
+            for _ in range(20_000):
+                flood.setsockopt(zmq.SUBSCRIBE, os.urandom(100))
+            wait_until(lambda: kv.stats()["pub_subscribers"]["too_many_topics"] >= 1)
+            for _ in range(200):
+                put_probe()
+            grew = rss(d.proc.pid) - before
+
+            def caught_up() -> bool:
+                newest = put_probe()
+                drain(good, received)
+                return max(received, default=0) >= newest
+
+            wait_until(caught_up, timeout=60)
+            assert kv.stats()["pub_subscribers"]["connected"] == 1
+        assert grew < 32 * MIB, grew
+    finally:
+        for sock in (good, flood):
             sock.close()
         ctx.term()
         d.terminate()

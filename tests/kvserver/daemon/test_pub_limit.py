@@ -40,7 +40,7 @@ def test_a_subscriber_reconnecting_every_millisecond_does_not_rescan_every_conne
 
     async def main() -> tuple[int, int, float, int]:
         ctx: zmq.Context[Any] = zmq.Context()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)  # as the daemon makes it (zmq_sockets.py)
         pub.linger = 0
         configure(pub, 100)
         port = pub.bind_to_random_port("tcp://127.0.0.1")
