@@ -389,6 +389,11 @@ class DaemonConfig:
                     values.update(tomllib.load(fh))
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from None
+            except UnicodeDecodeError as exc:  # tomllib decodes the bytes first
+                raise InvalidArgument(
+                    f"cannot read config file {config_file}: not UTF-8 text ({exc.reason} at "
+                    f"byte {exc.start})"
+                ) from None
         env = os.environ if env is None else env
         for f in fields(cls):
             raw = env.get(f"KVSERVER_{f.name.upper()}")

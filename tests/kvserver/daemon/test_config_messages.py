@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,20 @@ def test_a_bad_value_is_refused_naming_its_setting_and_no_other(setting: str, ba
     message = str(refused.value)
     named = {name for name in BAD if re.search(rf"(?<![\w-]){name}(?![\w-])", message)}
     assert named == {setting}, message
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\x8b\x00\xff binary", "not UTF-8 text"),  # was a UnicodeDecodeError traceback
+        (b"dram = \n", "Invalid value"),
+        (b"no_such_setting = 1\n", "no_such_setting"),
+    ],
+)
+def test_a_config_file_that_is_not_toml_text_is_a_clear_error(
+    tmp_path: Path, content: bytes, match: str
+) -> None:
+    path = tmp_path / "kvserver.toml"
+    path.write_bytes(content)
+    with pytest.raises(InvalidArgument, match=match):
+        DaemonConfig.load(config_file=str(path), env={})
