@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserver import wire, wire_local
 from kvserver.daemon.zmq_receive import (
@@ -141,3 +143,30 @@ def test_a_local_message_gets_the_same_budget_from_its_framing() -> None:
     assert [bytes(v) for v in local_frames(local_body([hello]), 1)] == [hello]  # type: ignore[union-attr]
     with pytest.raises(InvalidArgument, match="bad frame count"):
         local_frames(memoryview(wire_local.COUNT.pack(3) + bytes(16)), 1 << 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    op=st.sampled_from([*sorted(wire.OPS), "bogus"]),
+    sizes=st.lists(st.integers(0, 40), max_size=40),
+    budget=st.integers(0, 60 * (FRAME_COST + 40)),
+)
+def test_local_frames_agrees_with_the_framing_or_overflows_exactly(
+    op: str, sizes: list[int], budget: int
+) -> None:
+    """Any header and payload frames, any budget: local_frames returns wire_local.decode's
+    frames when they fit, else an Overflow naming the true count and bytes and holding the
+    header; which one follows the documented rule."""
+    header = wire.encode_request(3, op, {})
+    frames = [header, *(bytes([i % 251]) * n for i, n in enumerate(sizes))]
+    body = local_body(frames)
+    got = local_frames(body, budget)
+    size = sum(map(len, frames))
+    no_payload = op in wire.OPS and op not in wire.OPS_WITH_PAYLOAD
+    over = len(frames) > 1 and (no_payload or size + FRAME_COST * len(frames) > budget)
+    if over:
+        assert isinstance(got, Overflow)
+        assert (got.count, got.size, got.op) == (len(frames), size, op)
+        assert [bytes(v) for v in got.frames] == [header]
+    else:
+        assert [bytes(v) for v in got] == frames  # type: ignore[union-attr]
