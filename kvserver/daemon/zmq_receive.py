@@ -15,6 +15,10 @@ on its own and kept only within the message's budget:
 - a request whose header names an op that carries no payload (every op but ``put`` and
   ``write_parts``, read with :func:`~kvserver.wire_requests.peek_op` once a second frame
   follows the header) keeps its header only;
+- so does one whose header carries no valid token when the daemon requires one (a peer the
+  handshake admitted without a token: any key of a CURVE daemon without a clients
+  directory): it is refused, so its payload is not kept; an empty header (vLLM's replay
+  request, ``[b"", seq]``, carries no token) keeps two frames;
 - any other keeps at most :data:`~kvserver.wire_schema.MAX_FRAMES` frames whose bytes plus
   :data:`FRAME_COST` each stay within ``max_message_bytes``, so a message's frames hold at most
   about ``max_message_bytes`` of the daemon's memory however small they are.
@@ -43,7 +47,8 @@ from typing import Any
 import zmq
 
 from kvserver import wire, wire_local
-from kvserver.errors import InvalidArgument
+from kvserver.daemon.auth import Authenticator
+from kvserver.errors import InvalidArgument, Unauthenticated
 
 #: what a kept frame costs the daemon beyond its bytes (its ``zmq.Frame``, ~190 bytes, and the
 #: list slot), counted against ``max_message_bytes``.
@@ -63,6 +68,8 @@ class Overflow:
 
     def error(self, max_message_bytes: int) -> InvalidArgument:
         """The error the request is answered with (after its token is checked)."""
+        if not self.frames or not len(self.frames[0]):  # not a replay request: garbage
+            return InvalidArgument("empty header frame", frames=self.count)
         if self.op is not None and self.op in wire.OPS and self.op not in wire.OPS_WITH_PAYLOAD:
             return InvalidArgument(f"{self.op} takes no payload frames", frames=self.count - 1)
         if self.count > wire.MAX_FRAMES:
@@ -92,8 +99,9 @@ class _Partial:
 class FrameReceiver:
     """Receives the ROUTER's messages within their budgets; see the module docstring."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, auth: Authenticator | None = None) -> None:
         self._max_bytes = max_message_bytes
+        self._auth = auth if auth is not None and auth.required else None
         self._partial: _Partial | None = None
 
     def receive(self, raw: zmq.Socket[Any]) -> tuple[bytes, list[zmq.Frame] | Overflow] | None:
@@ -110,8 +118,11 @@ class FrameReceiver:
                 return peer, [header]
             part = _Partial(peer, [header], 1, len(header), len(header) + FRAME_COST)
             part.op = wire.peek_op(header.buffer)
-            if part.op in wire.OPS and part.op not in wire.OPS_WITH_PAYLOAD:
-                part.keep = 1
+            no_payload = part.op in wire.OPS and part.op not in wire.OPS_WITH_PAYLOAD
+            if not len(header):  # vLLM's replay request ([b"", seq], no token) or garbage
+                part.keep = 2
+            elif no_payload or (self._auth is not None and not _admitted(self._auth, header)):
+                part.keep = 1  # its header is all its answer needs
         self._partial = None
         for _ in range(FRAMES_PER_CALL):
             frame = raw.recv(zmq.NOBLOCK, copy=False)
@@ -137,6 +148,16 @@ class FrameReceiver:
         if part.over:
             return Overflow(part.frames, part.count, part.size, part.op)
         return part.frames
+
+
+def _admitted(auth: Authenticator, header: zmq.Frame) -> bool:
+    """True if ``header``'s token is one ``auth`` admits (the request is checked again, and
+    answered, by ``zmq_requests.py``)."""
+    try:
+        auth.check(wire.peek_auth(header.buffer)[0])
+    except (InvalidArgument, Unauthenticated):
+        return False
+    return True
 
 
 def local_frames(body: memoryview, max_message_bytes: int) -> list[memoryview] | Overflow:

@@ -110,9 +110,9 @@ class DataFrontend:
         self._service = service
         self._config = config
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
+        self._receiver = FrameReceiver(config.max_message_bytes, self._auth)
         self._sid = secrets.token_hex(8)  # changes on every daemon start
         self._sockets = DataSockets()
-        self._receiver = FrameReceiver(config.max_message_bytes)
         #: the same ROUTER without the asyncio layer: non-blocking receives and sends.
         self._raw: zmq.Socket[bytes] | None = None
         self._fd: int | None = None

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserver import wire, wire_local
+from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.zmq_receive import (
     FRAME_COST,
     FRAMES_PER_CALL,
@@ -88,6 +89,31 @@ def test_frames_past_the_byte_budget_are_dropped(pair: Any) -> None:
     dealer.send_multipart([header, b"y"])
     frames = received(receiver, router)
     assert isinstance(frames, list) and [f.bytes for f in frames] == [header, b"y"]
+
+
+def test_a_request_without_a_valid_token_keeps_its_header_only(pair: Any) -> None:
+    """A daemon that requires a token: a put whose header carries a wrong one (a peer the
+    handshake admitted without it: any key of a CURVE daemon without a clients directory)
+    is refused, so its 100 payload frames are dropped as they come; the right token's put
+    keeps them."""
+    router, dealer = pair
+    receiver = FrameReceiver(1 << 30, Authenticator.single("the-daemons-token"))
+    for token, whole in (("a-wrong-token", False), ("the-daemons-token", True), (None, False)):
+        put = [wire.encode_request(6, wire.PUT, {}, auth=token), *([b"p"] * 100)]
+        dealer.send_multipart(put)
+        got = received(receiver, router)
+        if whole:
+            assert isinstance(got, list) and len(got) == 101
+        else:
+            assert isinstance(got, Overflow) and [f.bytes for f in got.frames] == put[:1]
+            assert got.count == 101
+    dealer.send_multipart([b"", bytes(8)])  # vLLM's replay request: no token, served whole
+    frames = received(receiver, router)
+    assert isinstance(frames, list) and [f.bytes for f in frames] == [b"", bytes(8)]
+    dealer.send_multipart([b"", bytes(8), b"x", b"y"])
+    got = received(receiver, router)
+    assert isinstance(got, Overflow) and got.count == 4 and len(got.frames) == 1
+    assert str(got.error(1 << 30)) == "empty header frame (frames=4)"
 
 
 def test_a_header_the_peek_cannot_read_gets_the_general_budget(pair: Any) -> None:
