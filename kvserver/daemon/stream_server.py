@@ -26,7 +26,11 @@ promoted from SSD when needed, pinned by a load lease while its pages are sent s
 the arena (``sendmsg`` of arena views, the kernel's copy the only one; with TLS,
 ``SSL_write`` of them in a worker thread: ``stream_io.py``), then unpinned.
 
-Bounds: at most ``max_connections`` connections (more are closed at once); a request's header
+Bounds: at most ``max_connections`` connections (more are closed at once), of which at most
+:data:`MAX_HELLO_WAITS_PER_ADDRESS` from one address that have not yet passed their hello (more
+are closed at once: an unauthenticated peer opening a connection every few milliseconds and
+sending nothing held all 256 for the hello timeout each, and every other peer's new connection
+was refused meanwhile); a request's header
 at most ``wire_stream.MAX_REQUEST_BYTES``; the hello within ``timeout_s`` of connecting;
 every read of a request after its first byte and every reply's send within ``timeout_s``
 (past it the connection is closed and the pins end); an authenticated connection may stay idle
@@ -58,6 +62,8 @@ from kvserver.errors import KVServerError
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
+#: connections from one address that may wait for their TLS handshake and hello at once.
+MAX_HELLO_WAITS_PER_ADDRESS = 16
 IDLE_S = 300.0
 
 StreamIO = PlainIO | TlsIO
@@ -108,6 +114,8 @@ class StreamServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: address -> its connections still before their hello (bounded per address)
+        self._hello_waits: dict[str, int] = {}
         self.counters = StreamCounters()
         self.port = -1
 
@@ -166,25 +174,29 @@ class StreamServer:
         assert self._listener is not None
         while True:
             try:
-                sock, _ = await loop.sock_accept(self._listener)
+                sock, peer = await loop.sock_accept(self._listener)
             except OSError as exc:  # e.g. EMFILE: keep serving the connections we have
                 logger.warning("peer stream: accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._tasks) >= self._max:
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            waits = self._hello_waits.get(address, 0)
+            if len(self._tasks) >= self._max or waits >= MAX_HELLO_WAITS_PER_ADDRESS:
                 self.counters.refused_connections += 1
                 sock.close()
                 continue
+            self._hello_waits[address] = waits + 1
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.counters.connections += 1
-            task = loop.create_task(self._serve(sock))
+            task = loop.create_task(self._serve(sock, address))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, sock: socket.socket) -> None:
+    async def _serve(self, sock: socket.socket, address: str) -> None:
         io: StreamIO | None = None
+        waiting = True  # counted in _hello_waits until its hello is read
         try:
             if self.tls is not None:
                 try:
@@ -195,6 +207,7 @@ class StreamServer:
             else:
                 io = PlainIO(sock, self._timeout_s)
             who = await self._hello(io)
+            waiting = self._hello_done(address)
             if who is None:
                 return
             while True:
@@ -222,9 +235,20 @@ class StreamServer:
         except Exception:  # a bug must not take the daemon down: log, close this connection
             logger.exception("peer stream: connection failed")
         finally:
+            if waiting:
+                self._hello_done(address)
             if io is not None:
                 io.close()
             sock.close()
+
+    def _hello_done(self, address: str) -> bool:
+        """A connection from ``address`` is past its hello (or gone before it); returns False."""
+        left = self._hello_waits.get(address, 0) - 1
+        if left > 0:
+            self._hello_waits[address] = left
+        else:
+            self._hello_waits.pop(address, None)
+        return False
 
     async def _hello(self, io: StreamIO) -> Principal | None:
         """Read the connection's hello (at most 261 bytes, within the timeout) and check its

@@ -710,3 +710,41 @@ def test_stream_framing_round_trips() -> None:
     error = wire_stream.decode_error(err[wire_stream.REPLY_HEAD.size :])
     assert error.code == "invalid_argument" and "nope" in str(error)
     assert struct.calcsize(">4sBBI") == wire_stream.REQUEST_HEAD.size
+
+
+def test_silent_connections_from_one_address_cannot_take_every_slot(tmp_path: Path) -> None:
+    """Connections that send no hello held their slot for the hello timeout each: one address
+    opening 256 of them (no token needed) kept every other peer's new connection out. Now at
+    most MAX_HELLO_WAITS_PER_ADDRESS wait from one address: one more from it is closed at once
+    (not after the 30 s timeout), and a peer from another address (127.0.0.2) is served."""
+    from kvserver.daemon.stream_server import MAX_HELLO_WAITS_PER_ADDRESS
+
+    d = start_daemon(tmp_path / "a", "--dram", "8MiB", "--auth-token", TOKEN,
+                     "--peer-timeout-s", "30")  # fmt: skip
+    port = d.info["peer_stream_port"]
+    silent: list[socket.socket] = []
+    try:
+        with KVClient(d.zmq_address, colocated=False, auth_token=TOKEN) as kv:
+            kv.register_namespace(SPEC)
+            parts = [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in KEYS]
+            assert kv.put(SPEC.ns_id, KEYS, parts).stored == KEYS
+        silent = [socket.create_connection(("127.0.0.1", port), 5)
+                  for _ in range(MAX_HELLO_WAITS_PER_ADDRESS)]  # fmt: skip
+        with socket.create_connection(("127.0.0.1", port), 5) as extra:
+            extra.settimeout(10)
+            started = time.monotonic()
+            with contextlib.suppress(ConnectionResetError):
+                assert extra.recv(1) == b""
+            assert time.monotonic() - started < 5
+        other = socket.create_connection(("127.0.0.1", port), 5, source_address=("127.0.0.2", 0))
+        with other:
+            other.settimeout(10)
+            other.sendall(wire_stream.encode_hello(TOKEN))
+            other.sendall(wire_stream.encode_request(wire_stream.FetchRequest(3, SPEC.ns_id, KEYS)))
+            head = wire_stream.decode_reply_head(other.recv(wire_stream.REPLY_HEAD.size,
+                                                            socket.MSG_WAITALL))  # fmt: skip
+            assert head.ok and head.count == 4
+    finally:
+        for sock in silent:
+            sock.close()
+        d.kill()
