@@ -15,7 +15,8 @@ listener could not be opened: metrics are not the service, so that is logged, no
 The listener is unauthenticated (figures, no KV) and takes a thread per connection, so it is
 bounded: a connection that sends or reads nothing for :data:`IDLE_TIMEOUT_S` is closed, one
 still open :data:`REQUEST_DEADLINE_S` after it was accepted is closed too, and past
-:data:`MAX_CONNECTIONS` at once a new one is closed unanswered. (prometheus_client's own
+:data:`MAX_CONNECTIONS` at once, or :data:`MAX_CONNECTIONS_PER_ADDRESS` from one address, a new
+one is closed unanswered (one address cannot hold every slot). (prometheus_client's own
 server kept an idle connection and its thread for ever: 300 connections that sent half a
 request line held 300 threads of the daemon. The idle timeout alone let a connection that
 sends a header byte every few seconds keep its slot for days: as many as the limit kept
@@ -56,6 +57,8 @@ MAX_CONNECTIONS = 64
 #: a metrics connection still open this long after it was accepted is closed (a scrape takes
 #: milliseconds; Prometheus gives up after its scrape_timeout, 10 s by default).
 REQUEST_DEADLINE_S = 30.0
+#: metrics connections one address may have open at once (a scraper needs one).
+MAX_CONNECTIONS_PER_ADDRESS = 8
 #: seconds; from 50 µs (a co-located lookup) to 10 s (an SSD promotion under load).
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -121,20 +124,24 @@ class _BoundedServer(ThreadingWSGIServer):
     def server_activate(self) -> None:
         self._lock = threading.Lock()
         self._open = 0
+        self._by_address: dict[str, int] = {}
         super().server_activate()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        address = _address_of(client_address)
         with self._lock:
-            full = self._open >= self.max_connections
+            mine = self._by_address.get(address, 0)
+            full = self._open >= self.max_connections or mine >= MAX_CONNECTIONS_PER_ADDRESS
             if not full:
                 self._open += 1
+                self._by_address[address] = mine + 1
         if full:
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread started: nothing will count it out
-            self._closed()
+            self._closed(address)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -145,15 +152,25 @@ class _BoundedServer(ThreadingWSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             deadline.cancel()
-            self._closed()
+            self._closed(_address_of(client_address))
 
-    def _closed(self) -> None:
+    def _closed(self, address: str) -> None:
         with self._lock:
             self._open -= 1
+            left = self._by_address.get(address, 0) - 1
+            if left > 0:
+                self._by_address[address] = left
+            else:
+                self._by_address.pop(address, None)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # an idle connection timed out, or the client went away: not worth a traceback
         logger.debug("metrics connection from %s ended", client_address, exc_info=True)
+
+
+def _address_of(client_address: Any) -> str:
+    """The host part of a connection's peer address ("" when it has none)."""
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else ""
 
 
 def _cut(request: socket.socket) -> None:

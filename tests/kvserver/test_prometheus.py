@@ -14,7 +14,13 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kvserver.prometheus import IDLE_TIMEOUT_S, MAX_CONNECTIONS, REQUEST_DEADLINE_S, serve_metrics
+from kvserver.prometheus import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    REQUEST_DEADLINE_S,
+    serve_metrics,
+)
 from tests.support.daemon import wait_until
 
 
@@ -128,3 +134,26 @@ def test_connections_that_drip_a_byte_at_a_time_are_closed_at_their_deadline() -
         server.shutdown()
         server.server_close()
     assert 0 < REQUEST_DEADLINE_S <= 60
+
+
+def test_one_address_cannot_hold_every_connection() -> None:
+    """One address holding half-sent requests took every slot (64 by default) and every
+    scrape was refused. Now at most MAX_CONNECTIONS_PER_ADDRESS from one address: one more from
+    it is closed at once, and a scraper at another address (127.0.0.2) is served."""
+    port, server = serve_metrics(_One(), "127.0.0.1", 0, idle_timeout_s=30, max_connections=32)
+    assert server is not None
+    held = [half_request(port) for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
+    try:
+        wait_until(lambda: not _served(port))  # 127.0.0.1 holds all it may
+        with socket.create_connection(("127.0.0.1", port), 10,
+                                      source_address=("127.0.0.2", 0)) as other:  # fmt: skip
+            other.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            reply = b""
+            while chunk := other.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.0 200") and b"kvserver_test_gauge 1.0" in reply
+    finally:
+        for sock in held:
+            sock.close()
+        server.shutdown()
+        server.server_close()
