@@ -19,7 +19,8 @@ event of a few keys is one ~210-byte message), and 50 of them took the daemon fr
   messages and sees the gap in ``seq``; it gets them back from the replay protocol on the data
   port (``docs/wire.md`` §5), which serves any of the event log's ``event_capacity`` (100,000)
   newest events — the recovery vLLM's subscribers already do.
-- **Connections**: at most ``pub_max_subscribers`` (default 64). The PUB's monitor reports each
+- **Connections**: at most ``pub_max_subscribers`` (default 64), at most
+  :data:`MAX_SUBSCRIBERS_PER_ADDRESS` of them from one address. The PUB's monitor reports each
   accepted connection with its descriptor; one accepted while that many are open is shut down
   at once (``shutdown(2)`` of the descriptor: libzmq sees the end of the stream, drops the
   connection and its queue), counted as ``refused``. ZMQ offers no per-socket cap, ZAP is not
@@ -72,6 +73,9 @@ WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 PRUNE_INTERVAL_S = 1.0
 
 
+#: most connections one address may hold (of ``pub_max_subscribers``): one address opening
+#: connections (no token needed) held every slot, and other subscribers were refused.
+MAX_SUBSCRIBERS_PER_ADDRESS = 16
 #: most subscriptions one connection may send (its topics; repeats counted) before it is cut.
 MAX_TOPICS = 256
 #: longest topic prefix a subscription may name (a subscription message is one byte more).
@@ -80,6 +84,15 @@ MAX_TOPIC_BYTES = 1024
 TOPICS_EVERY_S = 0.05
 #: subscriptions read per turn of the loop, at most.
 TOPICS_PER_CALL = 4096
+
+
+def _peer_address(fd: int) -> str:
+    """The host part of the peer address of connection ``fd`` ("" if it cannot be read)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:  # closes the duplicate only
+            return str(sock.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return ""
 
 
 def configure(pub: zmq.Socket[Any], hwm: int) -> None:
@@ -94,7 +107,8 @@ class SubscriberLimit:
     """Keeps at most ``max_subscribers`` connections on one PUB; see the module docstring.
 
     Invariant (while no monitor event is lost): ``_open`` holds the descriptor of every
-    connection the PUB has accepted and not yet reported disconnected, except those refused.
+    connection the PUB has accepted and not yet reported disconnected, except those refused,
+    with its peer's address.
     """
 
     def __init__(
@@ -103,7 +117,7 @@ class SubscriberLimit:
         self._ctx = ctx
         self._counts = counts
         self._max = max_subscribers
-        self._open: set[int] = set()
+        self._open: dict[int, str] = {}  # descriptor -> peer address
         self._port = 0
         self._watched: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
@@ -162,16 +176,18 @@ class SubscriberLimit:
                 fd = int(event["value"])
                 self._topics.pop(fd, None)  # a new connection, or one gone: none counted
                 if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._open.discard(fd)
+                    self._open.pop(fd, None)
                     with contextlib.suppress(ValueError):
                         over.remove(fd)
                 elif event["event"] == zmq.EVENT_ACCEPTED:
                     if len(self._open) >= self._max:
                         self._prune()
-                    if len(self._open) >= self._max:
+                    address = _peer_address(fd)
+                    mine = sum(a == address for a in self._open.values())
+                    if len(self._open) >= self._max or mine >= MAX_SUBSCRIBERS_PER_ADDRESS:
                         over.append(fd)
                     else:
-                        self._open.add(fd)
+                        self._open[fd] = address
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EAGAIN, zmq.ETERM):
                 logger.warning("KV-event PUB monitor failed: %s", exc)
@@ -217,7 +233,7 @@ class SubscriberLimit:
         self._pruned_at = now
         for fd in list(self._open):
             if not self._is_subscriber(fd):
-                self._open.discard(fd)
+                del self._open[fd]
 
     def _is_subscriber(self, fd: int) -> bool:
         try:

@@ -10,7 +10,12 @@ from typing import Any
 
 import zmq
 
-from kvserver.daemon.pub_limit import PRUNE_INTERVAL_S, SubscriberLimit, configure
+from kvserver.daemon.pub_limit import (
+    MAX_SUBSCRIBERS_PER_ADDRESS,
+    PRUNE_INTERVAL_S,
+    SubscriberLimit,
+    configure,
+)
 from kvserver.daemon.refusals import SubscriberCounts
 
 MAX_SUBSCRIBERS = 4
@@ -74,3 +79,37 @@ def test_a_subscriber_reconnecting_every_millisecond_does_not_rescan_every_conne
     checks, refused, elapsed, connected = asyncio.run(main())
     assert connected == MAX_SUBSCRIBERS
     assert checks <= MAX_SUBSCRIBERS * (elapsed / PRUNE_INTERVAL_S + 1), (checks, refused, elapsed)
+
+
+def test_one_address_may_hold_only_its_share_of_the_subscriber_slots() -> None:
+    """The limit counted every connection alike: one address (no token needed) opening
+    pub_max_subscribers SUBs kept every other subscriber out. Now at most
+    MAX_SUBSCRIBERS_PER_ADDRESS from one address: one more from it is refused, and a SUB
+    from another address (127.0.0.2) is admitted."""
+
+    async def main() -> tuple[int, int]:
+        ctx: zmq.Context[Any] = zmq.Context()
+        pub = ctx.socket(zmq.XPUB)
+        pub.linger = 0
+        configure(pub, 100)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        counts = SubscriberCounts()
+        limit = SubscriberLimit(ctx, counts, 64)
+        limit.watch(pub, port)
+        address = f"tcp://127.0.0.1:{port}"
+        mine = [sub(ctx, address) for _ in range(MAX_SUBSCRIBERS_PER_ADDRESS)]
+        await run_until(lambda: counts.connected == MAX_SUBSCRIBERS_PER_ADDRESS)
+        extra = sub(ctx, address, reconnect_ms=60_000)
+        await run_until(lambda: counts.refused >= 1)
+        other = sub(ctx, f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+        await run_until(lambda: counts.connected == MAX_SUBSCRIBERS_PER_ADDRESS + 1)
+        connected, refused = counts.connected, counts.refused
+        for s in [*mine, extra, other]:
+            s.close(0)
+        limit.stop()
+        pub.close(0)
+        ctx.term()
+        return connected, refused
+
+    connected, refused = asyncio.run(main())
+    assert connected == MAX_SUBSCRIBERS_PER_ADDRESS + 1 and refused == 1
