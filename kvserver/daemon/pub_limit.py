@@ -99,6 +99,9 @@ def configure(pub: zmq.Socket[Any], hwm: int) -> None:
     """Bound each subscriber's queue at ``hwm`` messages, and pass every subscription up, each
     at most MAX_TOPIC_BYTES (``pub`` an XPUB, before it binds)."""
     pub.setsockopt(zmq.SNDHWM, hwm)
+    # subscriptions ZMQ queues per connection before they are read (and applied): few past
+    # MAX_TOPICS are applied before a connection sending more is cut
+    pub.setsockopt(zmq.RCVHWM, MAX_TOPICS)
     pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     pub.setsockopt(zmq.MAXMSGSIZE, MAX_TOPIC_BYTES + 1)
 
@@ -210,8 +213,8 @@ class SubscriberLimit:
                     continue
                 fd = frame.get(zmq.SRCFD)
                 count = self._topics[fd] = self._topics.get(fd, 0) + 1
-                if count == MAX_TOPICS + 1 and self._shut_down(fd):
-                    self._counts.too_many_topics += 1
+                if count > MAX_TOPICS and self._shut_down(fd) and count == MAX_TOPICS + 1:
+                    self._counts.too_many_topics += 1  # (once; cut again if it goes on)
             more = True
         except zmq.Again:
             pass
