@@ -193,11 +193,11 @@ def test_a_subscriber_sending_many_topics_is_cut_and_memory_stays_bounded(
     tmp_path: Path,
 ) -> None:
     """Anyone who reaches the PUB port may subscribe (no token): one SUB subscribing to
-    20,000 random 100-byte topics (2 MB) grew ZMQ's subscription trie in the daemon (100,000
-    of them: RSS +488 MB, and the next 200 stores took 5.1 s instead of 0.05). A connection
-    past pub_max_topics subscriptions is now cut (counted as ``too_many_topics``), its
-    subscriptions freed with it; the daemon's RSS grows by less than 32 MiB and a
-    well-behaved subscriber still gets the events."""
+    50,000 random 100-byte topics (5 MB) grew ZMQ's subscription trie in the daemon by 241 MB
+    (100,000 of them: +488 MB, and the next 200 stores took 5.1 s instead of 0.05). A
+    connection past MAX_TOPICS subscriptions is now cut (counted as ``too_many_topics``), its
+    subscriptions freed with it; the daemon's RSS grows by less than 64 MiB (3-7 MB in
+    most runs) and a well-behaved subscriber still gets the events."""
     d = start(tmp_path)
     ctx: zmq.Context[bytes] = zmq.Context()
     good = subscriber(ctx, d.pub_address)
@@ -224,7 +224,7 @@ def test_a_subscriber_sending_many_topics_is_cut_and_memory_stays_bounded(
 
             wait_until(subscribed)
             before = rss(d.proc.pid)
-            for _ in range(20_000):
+            for _ in range(50_000):
                 flood.setsockopt(zmq.SUBSCRIBE, os.urandom(100))
             wait_until(lambda: kv.stats()["pub_subscribers"]["too_many_topics"] >= 1)
             for _ in range(200):
@@ -238,7 +238,7 @@ def test_a_subscriber_sending_many_topics_is_cut_and_memory_stays_bounded(
 
             wait_until(caught_up, timeout=60)
             assert kv.stats()["pub_subscribers"]["connected"] == 1
-        assert grew < 32 * MIB, grew
+        assert grew < 64 * MIB, grew
     finally:
         for sock in (good, flood):
             sock.close()
