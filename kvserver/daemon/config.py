@@ -108,6 +108,10 @@ class DaemonConfig:
     pub_hwm: int = 1000
     #: KV-event PUB: most subscriber connections at once (one more is closed at once).
     pub_max_subscribers: int = 64
+    #: KV-event PUB: most of those connections from one address (one address opening
+    #: connections, no token needed, must not hold every slot); raise it where many
+    #: subscribers share an address (behind NAT, or every engine of a host on loopback).
+    pub_max_subscribers_per_address: int = 16
     #: gRPC WatchEvents: most streams at once, all callers together (one more is answered
     #: RESOURCE_EXHAUSTED): each event is written to every stream on the loop.
     max_event_watchers: int = 64
@@ -233,7 +237,8 @@ class DaemonConfig:
             )
         for name in ("ssd_promotions", "event_capacity", "max_message_bytes",
                      "local_inflight_bytes", "local_max_connections", "pub_hwm",
-                     "pub_max_subscribers", "max_event_watchers"):  # fmt: skip
+                     "pub_max_subscribers", "pub_max_subscribers_per_address",
+                     "max_event_watchers"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1", value=getattr(self, name))
         if self.no_auth and self.auth_token:

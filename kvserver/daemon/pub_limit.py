@@ -76,8 +76,9 @@ WATCHED_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 PRUNE_INTERVAL_S = 1.0
 
 
-#: most connections one address may hold (of ``pub_max_subscribers``): one address opening
-#: connections (no token needed) held every slot, and other subscribers were refused.
+#: default of the most connections one address may hold (of ``pub_max_subscribers``; the
+#: setting ``pub_max_subscribers_per_address``): one address opening connections (no token
+#: needed) held every slot, and other subscribers were refused.
 MAX_SUBSCRIBERS_PER_ADDRESS = 16
 #: most subscriptions one connection may send (its topics; repeats counted) before it is cut.
 MAX_TOPICS = 256
@@ -118,11 +119,16 @@ class SubscriberLimit:
     """
 
     def __init__(
-        self, ctx: zmq.Context[Any], counts: SubscriberCounts, max_subscribers: int
+        self,
+        ctx: zmq.Context[Any],
+        counts: SubscriberCounts,
+        max_subscribers: int,
+        per_address: int = MAX_SUBSCRIBERS_PER_ADDRESS,
     ) -> None:
         self._ctx = ctx
         self._counts = counts
         self._max = max_subscribers
+        self._per_address = per_address
         self._open: dict[int, str] = {}  # descriptor -> peer address
         self._port = 0
         self._watched: zmq.Socket[Any] | None = None
@@ -190,7 +196,7 @@ class SubscriberLimit:
                         self._prune()
                     address = _peer_address(fd)
                     mine = sum(a == address for a in self._open.values())
-                    if len(self._open) >= self._max or mine >= MAX_SUBSCRIBERS_PER_ADDRESS:
+                    if len(self._open) >= self._max or mine >= self._per_address:
                         over.append(fd)
                     else:
                         self._open[fd] = address

@@ -81,7 +81,9 @@ class DataSockets:
             self.pub.setsockopt(zmq.LINGER, 0)
             configure(self.pub, cfg.pub_hwm)
             pub_port = _bind(self.pub, cfg.host, cfg.pub_port, "--pub-port")
-            self._subscribers = SubscriberLimit(self.ctx, subscribers, cfg.pub_max_subscribers)
+            self._subscribers = SubscriberLimit(
+                self.ctx, subscribers, cfg.pub_max_subscribers, cfg.pub_max_subscribers_per_address
+            )
             self._subscribers.watch(self.pub, pub_port)
         return data_port, pub_port
 

@@ -38,6 +38,7 @@ BAD: dict[str, tuple[str, ...]] = {
     "local_max_connections": ("0",),
     "pub_hwm": ("0",),
     "pub_max_subscribers": ("0",),
+    "pub_max_subscribers_per_address": ("0",),
     "max_event_watchers": ("0",),
     "zmq_send_timeout_s": ("0", "301", "nan"),
     "zmq_send_max_unsent": ("-1",),

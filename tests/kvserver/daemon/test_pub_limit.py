@@ -8,6 +8,7 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 import zmq
 
 from kvserver.daemon.pub_limit import (
@@ -81,11 +82,16 @@ def test_a_subscriber_reconnecting_every_millisecond_does_not_rescan_every_conne
     assert checks <= MAX_SUBSCRIBERS * (elapsed / PRUNE_INTERVAL_S + 1), (checks, refused, elapsed)
 
 
-def test_one_address_may_hold_only_its_share_of_the_subscriber_slots() -> None:
+@pytest.mark.parametrize("per_address", [None, 3])
+def test_one_address_may_hold_only_its_share_of_the_subscriber_slots(
+    per_address: int | None,
+) -> None:
     """The limit counted every connection alike: one address (no token needed) opening
     pub_max_subscribers SUBs kept every other subscriber out. Now at most
-    MAX_SUBSCRIBERS_PER_ADDRESS from one address: one more from it is refused, and a SUB
-    from another address (127.0.0.2) is admitted."""
+    MAX_SUBSCRIBERS_PER_ADDRESS (or the setting pub_max_subscribers_per_address) from one
+    address: one more from it is refused, and a SUB from another address (127.0.0.2) is
+    admitted."""
+    share = MAX_SUBSCRIBERS_PER_ADDRESS if per_address is None else per_address
 
     async def main() -> tuple[int, int]:
         ctx: zmq.Context[Any] = zmq.Context()
@@ -94,15 +100,18 @@ def test_one_address_may_hold_only_its_share_of_the_subscriber_slots() -> None:
         configure(pub, 100)
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         counts = SubscriberCounts()
-        limit = SubscriberLimit(ctx, counts, 64)
+        if per_address is None:
+            limit = SubscriberLimit(ctx, counts, 64)
+        else:
+            limit = SubscriberLimit(ctx, counts, 64, per_address)
         limit.watch(pub, port)
         address = f"tcp://127.0.0.1:{port}"
-        mine = [sub(ctx, address) for _ in range(MAX_SUBSCRIBERS_PER_ADDRESS)]
-        await run_until(lambda: counts.connected == MAX_SUBSCRIBERS_PER_ADDRESS)
+        mine = [sub(ctx, address) for _ in range(share)]
+        await run_until(lambda: counts.connected == share)
         extra = sub(ctx, address, reconnect_ms=60_000)
         await run_until(lambda: counts.refused >= 1)
         other = sub(ctx, f"tcp://127.0.0.2:0;127.0.0.1:{port}")
-        await run_until(lambda: counts.connected == MAX_SUBSCRIBERS_PER_ADDRESS + 1)
+        await run_until(lambda: counts.connected == share + 1)
         connected, refused = counts.connected, counts.refused
         for s in [*mine, extra, other]:
             s.close(0)
@@ -112,4 +121,4 @@ def test_one_address_may_hold_only_its_share_of_the_subscriber_slots() -> None:
         return connected, refused
 
     connected, refused = asyncio.run(main())
-    assert connected == MAX_SUBSCRIBERS_PER_ADDRESS + 1 and refused == 1
+    assert connected == share + 1 and refused == 1
