@@ -1,6 +1,6 @@
 """The scheduler process: one asyncio event loop running the step loop and the gRPC front door.
 
-This is the only scheduler module that knows it is a process (event loop, children, signals).
+The only scheduler module that knows it is a process (event loop, children, ``signals.py``).
 
 Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
 connect and hello every worker (their KV layout names the kvserver namespace) → build the
@@ -22,7 +22,8 @@ Shutdown on SIGTERM/SIGINT/SIGHUP, in order: metrics stop → gRPC stops accepti
 streams get a short grace (the loop still serves them) → remaining streams are cancelled (their
 requests aborted) → the step loop stops → workers are told to stop and synthetic children
 reaped → the connector's leases are released → the trace is closed → the token file and the
-ready file are removed → exit 0.
+ready file are removed → exit 0. A second stop signal exits at once, 128 + the signal, after
+killing synthetic children and removing those files and the ipc:// directory (``signals.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +59,7 @@ from scheduler.engine_service import EngineService, GenerateParams
 from scheduler.metrics import SchedulerCollector
 from scheduler.request import RequestOutput, RequestStatus
 from scheduler.scheduler import Scheduler
+from scheduler.signals import Leaving, StopSignals
 from scheduler.workers import WorkerFailure, WorkerGroup
 from step_protocol import WorkerHello, WorkerInfo
 
@@ -314,10 +315,15 @@ def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> Scheduler
     return connector
 
 
-async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the scheduler process until ``stop`` is set (SIGTERM/SIGINT under :func:`main`)."""
+async def serve(
+    config: ProcessConfig, stop: asyncio.Event | None = None, leaving: Leaving | None = None
+) -> None:
+    """Run the scheduler process until ``stop`` is set (SIGTERM/SIGINT under :func:`main`);
+    what a forced exit must clean up is added to ``leaving`` as it is made."""
     stop = stop or asyncio.Event()
+    leaving = leaving or Leaving()
     tmpdir = tempfile.mkdtemp(prefix="kvserver-sched-")
+    leaving.dirs.append(tmpdir)
     children: list[Any] = []
     workers: WorkerGroup | None = None
     scheduler: Scheduler | None = None
@@ -335,6 +341,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         addresses = list(config.workers)
         if config.synthetic_workers:
             addresses, children = _spawn_synthetic(config, tmpdir)
+            leaving.children.extend(children)
         workers = WorkerGroup(
             addresses, step_timeout_s=config.step_timeout_s,
             hello_timeout_s=config.hello_timeout_s, curve=config.step_curve,
@@ -353,6 +360,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
         port = await service.start()
         if token:  # the front door's token for this user's clients (docs/security.md)
             token_files = write_token_files(token, {port})
+            leaving.files.extend(str(p) for p in token_files.paths)
             service.token_hint = (
                 f"clients of its user on this host read {token_files.paths[0]}; others present "
                 "the token it was given, --engine-auth-token-file (docs/security.md)"
@@ -375,6 +383,7 @@ async def serve(config: ProcessConfig, stop: asyncio.Event | None = None) -> Non
             sched.num_gpu_blocks, sched.block_size, config.kvserver or "off",
         )  # fmt: skip
         if config.ready_file:  # after that line: whoever waits for the file finds it logged
+            leaving.files.append(str(config.ready_file))
             write_atomic(config.ready_file, json.dumps(info))
         stop_wait = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stop_wait, loop_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -427,10 +436,9 @@ def main(config: ProcessConfig) -> int:
 
     async def _main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: terminal closed
-            loop.add_signal_handler(sig, stop.set)
-        await serve(config, stop)
+        signals = StopSignals(stop)  # the second one exits at once (signals.py)
+        signals.install(asyncio.get_running_loop())
+        await serve(config, stop, signals.leaving)
 
     uvloop.run(_main())
     return 0

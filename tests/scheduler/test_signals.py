@@ -1,0 +1,85 @@
+"""A real ``kvserver scheduler`` whose ordered shutdown is held up (a stream in flight, its
+worker stopped with SIGSTOP so no step is answered, a long ``--shutdown-grace-s``): the first
+stop signal starts the shutdown and does not end it; a second ends it at once with 128 + the
+signal, as the daemon does (scheduler/signals.py), leaving no token file, ready file, ipc://
+directory or synthetic worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvserver.token_file import token_path
+from tests.scheduler.builders import tokens
+from tests.scheduler.procs import EngineClient, Proc, start_scheduler, start_worker
+from tests.support.daemon import wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+HELD_S = "120"  # the grace and step timeout: far longer than the test waits for anything
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # exited, not yet reaped
+
+
+@pytest.mark.parametrize(
+    ("sig", "synthetic"), [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["TERM", "INT"]
+)
+def test_a_second_stop_signal_ends_a_held_up_shutdown_at_once(
+    tmp_path: Path, sig: signal.Signals, synthetic: bool
+) -> None:
+    worker: Proc | None = None
+    if synthetic:  # the scheduler's own child; it polls for its parent, unless stopped
+        workers = ["--synthetic-workers", "1", "--synthetic-delay-ms", "20"]
+    else:
+        worker = start_worker(tmp_path, "w", "tcp://127.0.0.1:0", "--delay-ms", "20")
+        workers = ["--workers", worker.info["endpoint"]]
+    sched = start_scheduler(
+        tmp_path, *workers, "--num-gpu-blocks", "64", "--block-size", "16",
+        "--shutdown-grace-s", HELD_S, "--step-timeout-s", HELD_S,
+    )  # fmt: skip
+    port = sched.info["grpc_port"]
+    ready = Path(sched.args[sched.args.index("--ready-file") + 1])
+    (worker_pid,) = children_of(sched.proc.pid) if worker is None else (worker.proc.pid,)
+    ipc_dir = Path(sched.info["workers"][0].removeprefix("ipc://")).parent if synthetic else None
+    try:
+        with EngineClient(port) as c:
+            stream = c.stream(tokens(32), 1000)  # 20 s of steps at least
+            assert next(stream).token_ids
+            os.kill(worker_pid, signal.SIGSTOP)  # no step is answered from now on
+            sched.proc.send_signal(sig)
+            wait_until(lambda: "shutting down" in sched.log())
+            with pytest.raises(subprocess.TimeoutExpired):  # the stream's grace holds it
+                sched.proc.wait(1.0)
+
+            sched.proc.send_signal(sig)
+            assert sched.proc.wait(10) == 128 + sig, sched.log()
+            assert "a second stop signal: exiting now" in sched.log()
+            assert not Path(token_path(port)).exists() and not ready.exists()
+            with pytest.raises(grpc.RpcError) as cut:
+                for _ in stream:
+                    pass
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+        if synthetic:  # stopped, it could not have noticed its parent go: it was killed
+            wait_until(lambda: gone(worker_pid))
+            assert ipc_dir is not None and not ipc_dir.exists()
+    finally:
+        sched.kill()
+        if not gone(worker_pid):
+            os.kill(worker_pid, signal.SIGCONT)
+        if worker is not None:
+            worker.kill()
