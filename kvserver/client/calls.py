@@ -271,9 +271,14 @@ class SessionCalls:
         keys: Sequence[bytes],
         ranks: Sequence[int] | None,
         leading: bool = False,
+        part_bytes: int | None = None,
     ) -> Proc[list[list[memoryview]]]:
         """Parts of ``keys``; ``leading``: of the leading run the daemon holds in its own
-        tiers (as many rows as keys it sent, at most ``len(keys)``)."""
+        tiers (as many rows as keys it sent, at most ``len(keys)``). ``part_bytes``: the size
+        of each part when this session did not register the namespace (else its spec's): a
+        split part of another size is refused before it is joined (``split_parts``)."""
+        if part_bytes is None:
+            part_bytes = self._part_bytes(ns_id)
         args: dict[str, Any] = {
             "ns_id": ns_id,
             "keys": list(keys),
@@ -282,11 +287,16 @@ class SessionCalls:
         }
         answer = yield Call(wire.GET, args)
         if not leading:
-            return split_parts(answer.result, answer.payload, len(keys))
+            return split_parts(answer.result, answer.payload, len(keys), part_bytes)
         sent = answer.result.get("keys")
         if not isinstance(sent, list) or len(sent) > len(keys) or sent != list(keys[: len(sent)]):
             raise InvalidArgument("get reply names keys that were not asked for")
-        return split_parts(answer.result, answer.payload, len(sent))
+        return split_parts(answer.result, answer.payload, len(sent), part_bytes)
+
+    def _part_bytes(self, ns_id: str) -> int | None:
+        """The part size of ``ns_id`` when this session registered it."""
+        spec = self.specs.get(ns_id)
+        return spec.part_bytes if spec is not None else None
 
     def write_parts(
         self,
@@ -305,7 +315,8 @@ class SessionCalls:
     ) -> Proc[list[memoryview]]:
         args = {"ns_id": ns_id, "lease_id": lease_id, "keys": list(keys), "rank": rank}
         answer = yield Call(wire.READ_PARTS, args)
-        return [views[0] for views in split_parts(answer.result, answer.payload, len(keys))]
+        rows = split_parts(answer.result, answer.payload, len(keys), self._part_bytes(ns_id))
+        return [views[0] for views in rows]
 
     def store(
         self, ns_id: str, keys: Sequence[bytes], parts: Parts, lease_s: float | None

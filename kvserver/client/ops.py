@@ -291,11 +291,14 @@ def get(
     *,
     ranks: Sequence[int] | None = None,
     leading: bool = False,
+    part_bytes: int | None = None,
 ) -> Proc[list[list[memoryview]]]:
     """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
     ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
-    does not ask its peers); the result may then be shorter than ``keys``."""
-    return s.get(ns_id, keys, ranks, leading)
+    does not ask its peers); the result may then be shorter than ``keys``. ``part_bytes``:
+    each part's size, for a namespace this client did not register (a peer daemon's link);
+    a reply part of another size raises InvalidArgument before it is copied."""
+    return s.get(ns_id, keys, ranks, leading, part_bytes)
 
 
 def write_parts(

@@ -103,17 +103,38 @@ def flatten_parts(keys: Sequence[bytes], parts: Parts) -> list[Any]:
 
 
 def split_parts(
-    result: dict[str, Any], frames: list[memoryview], num_keys: int
+    result: dict[str, Any],
+    frames: list[memoryview],
+    num_keys: int,
+    part_bytes: int | None = None,
 ) -> list[list[memoryview]]:
     """Group a GET reply's payload ``frames`` (its ``result`` says how many frames make each
-    part): key-major, len(ranks) parts per key, joined if split."""
+    part): key-major, len(ranks) parts per key, joined if split. ``part_bytes``: the size
+    every part must have (the namespace's, when known): a split part whose frames add up to
+    another size is refused (InvalidArgument) before it is joined, so a malformed or hostile
+    reply (``part_frames`` naming thousands of frames as one part) is not copied into a
+    second buffer of its whole size (the bytes are already in memory once, as ZMQ's frames).
+    Raises InvalidArgument when ``part_frames`` does not describe the frames."""
     counts = result.get("part_frames")
     if counts is None:
         parts = frames
     else:
+        if not isinstance(counts, list) or any(type(n) is not int or n < 1 for n in counts):
+            raise InvalidArgument("malformed part_frames in a reply")
+        if sum(counts) != len(frames):
+            raise InvalidArgument(
+                "reply part_frames do not add up to its frames", frames=len(frames)
+            )
         parts, pos = [], 0
         for n in counts:
-            parts.append(memoryview(b"".join(frames[pos : pos + n])))
+            group = frames[pos : pos + n]
+            if part_bytes is not None:
+                size = sum(f.nbytes for f in group)
+                if size != part_bytes:
+                    raise InvalidArgument(
+                        "reply part of the wrong size", size=size, part_bytes=part_bytes
+                    )
+            parts.append(memoryview(b"".join(group)))
             pos += n
     per_key = len(parts) // num_keys if num_keys else 0
     return [parts[i * per_key : (i + 1) * per_key] for i in range(num_keys)]

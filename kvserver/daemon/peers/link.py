@@ -158,7 +158,9 @@ class PeerLink:
         ask again once the replies before it have arrived)."""
         ns_id = spec.ns_id
         try:
-            rows = await self._call(lambda kv: kv.get(ns_id, keys, leading=True), via)
+            rows = await self._call(
+                lambda kv: kv.get(ns_id, keys, leading=True, part_bytes=spec.part_bytes), via
+            )
         except (UnknownNamespace, UnknownKey):
             return []
         check_rows(spec, keys, rows, self.peer)
