@@ -37,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from kvserver import wire_local
+from kvserver.client import replies
 from kvserver.client.calls import Answer, Call
 from kvserver.client.common import Session
 from kvserver.client.links import ConnectionWatch, open_dealer
@@ -112,6 +113,8 @@ class AioTransport:
         self._watch_fd = -1
         #: the DEALER reader's receive, once done until the reader has routed its reply.
         self._zmq_recv: asyncio.Future[Any] | None = None
+        #: the DEALER and a plain socket on its handle (``_zmq_sync``).
+        self._zmq_plain: tuple[zmq.asyncio.Socket, zmq.Socket[Any]] | None = None
         self._send_lock = asyncio.Lock()
         #: requests sent on the wire, by op (session renewals and retries included).
         self.sent_by_op: Counter[str] = Counter()
@@ -148,7 +151,7 @@ class AioTransport:
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
             self._zmq.close(linger=0)
-        self._zmq = self._watch = self._zmq_recv = None
+        self._zmq = self._watch = self._zmq_recv = self._zmq_plain = None
         self._broken = False
 
     async def close(self, why: str) -> None:
@@ -309,11 +312,15 @@ class AioTransport:
                     frames: Sequence[Any] = await link.recv()
                 else:
                     assert isinstance(link, zmq.asyncio.Socket)
-                    received = self._zmq_recv = cast(
-                        "asyncio.Future[Any]", link.recv_multipart(copy=False)
-                    )
-                    frames = await received
+                    received = self._zmq_recv = cast("asyncio.Future[Any]", link.recv(copy=False))
+                    header = await received
+                    # the rest of the message is queued with it: taken without waiting
+                    whole = replies.receive_after(self._zmq_sync(link), header, self._budget)
                     self._zmq_recv = None
+                    if isinstance(whole, replies.Oversized):
+                        self._refuse(whole)
+                        return
+                    frames = whole
                 self._route(frames)
                 if self._broken:
                     self._fail_if_broken()
@@ -335,6 +342,32 @@ class AioTransport:
             logger.warning("the connection to %s failed (%s)", self._s.address, why)
             self._close_dealer()
             self._fail_outstanding(f"the connection failed ({why})")
+
+    def _zmq_sync(self, sock: zmq.asyncio.Socket) -> zmq.Socket[Any]:
+        """A plain (blocking-API) socket on ``sock``'s handle, for non-blocking receives."""
+        if self._zmq_plain is None or self._zmq_plain[0] is not sock:
+            self._zmq_plain = (sock, zmq.Socket.shadow(sock.underlying))
+        return self._zmq_plain[1]
+
+    def _budget(self, header: Any) -> int:
+        """The payload frames the reply whose first frame is ``header`` may carry: what its
+        request may bring back (none for an error, or a reply to no request outstanding)."""
+        reply = self._s.decode([header])
+        slot = self._slots.get(reply.req_id) if reply is not None and reply.ok else None
+        return slot.call.reply_frames if slot is not None else 0
+
+    def _refuse(self, over: replies.Oversized) -> None:
+        """A reply with more frames than its request may bring back: its request fails with
+        ``over.error()``; the DEALER is faulty: closed, the other requests outstanding on it
+        fail with Unavailable (the next request opens a new one)."""
+        reply = self._s.decode([over.header])
+        slot = self._slots.pop(reply.req_id, None) if reply is not None else None
+        error = over.error()
+        logger.warning("refusing a reply from %s: %s", self._s.address, error)
+        if slot is not None and not slot.future.done() and not slot.cancelled:
+            slot.future.set_exception(error)
+        self._close_dealer()
+        self._fail_outstanding(f"the daemon sent a reply past its request's frames ({error})")
 
     def _route(self, frames: Sequence[Any]) -> None:
         reply = self._s.decode(frames)

@@ -35,6 +35,7 @@ from kvserver.client.parts import (
     split_parts,
     write_part,
 )
+from kvserver.client.replies import frames_per_part
 from kvserver.errors import InvalidArgument, InvalidState, KVServerError, Unavailable
 from kvserver.grants import LoadGrant, StoreCompletion, StoreGrant, StoreReservation
 from kvserver.namespace import NamespaceSpec
@@ -48,6 +49,8 @@ class Call:
     op: str
     args: dict[str, Any]
     payload: Sequence[Any] = ()
+    #: payload frames its reply may carry at most (``replies.py``): more fail it.
+    reply_frames: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,21 +274,27 @@ class SessionCalls:
         keys: Sequence[bytes],
         ranks: Sequence[int] | None,
         leading: bool = False,
-        part_bytes: int | None = None,
+        spec: NamespaceSpec | None = None,
     ) -> Proc[list[list[memoryview]]]:
         """Parts of ``keys``; ``leading``: of the leading run the daemon holds in its own
-        tiers (as many rows as keys it sent, at most ``len(keys)``). ``part_bytes``: the size
-        of each part when this session did not register the namespace (else its spec's): a
-        split part of another size is refused before it is joined (``split_parts``)."""
-        if part_bytes is None:
-            part_bytes = self._part_bytes(ns_id)
+        tiers (as many rows as keys it sent, at most ``len(keys)``). ``spec``: the
+        namespace's, when this session did not register it (else the registered one): its
+        reply may carry at most the frames of ``len(keys)`` x ranks parts (``replies.py``),
+        and a split part of another size than ``part_bytes`` is refused before it is joined
+        (``split_parts``)."""
+        if spec is None:
+            spec = self.specs.get(ns_id)
+        part_bytes = spec.part_bytes if spec is not None else None
+        per_key = len(ranks) if ranks else spec.tp_world_size if spec is not None else None
         args: dict[str, Any] = {
             "ns_id": ns_id,
             "keys": list(keys),
             "ranks": list(ranks) if ranks else None,
             "leading": True if leading else None,
         }
-        answer = yield Call(wire.GET, args)
+        answer = yield Call(
+            wire.GET, args, reply_frames=_reply_frames(len(keys), per_key, part_bytes)
+        )
         if not leading:
             return split_parts(answer.result, answer.payload, len(keys), part_bytes)
         sent = answer.result.get("keys")
@@ -314,8 +323,10 @@ class SessionCalls:
         self, ns_id: str, lease_id: int, keys: Sequence[bytes], rank: int
     ) -> Proc[list[memoryview]]:
         args = {"ns_id": ns_id, "lease_id": lease_id, "keys": list(keys), "rank": rank}
-        answer = yield Call(wire.READ_PARTS, args)
-        rows = split_parts(answer.result, answer.payload, len(keys), self._part_bytes(ns_id))
+        part_bytes = self._part_bytes(ns_id)
+        budget = _reply_frames(len(keys), 1, part_bytes)
+        answer = yield Call(wire.READ_PARTS, args, reply_frames=budget)
+        rows = split_parts(answer.result, answer.payload, len(keys), part_bytes)
         return [views[0] for views in rows]
 
     def store(
@@ -379,6 +390,14 @@ class SessionCalls:
         if self.arena is None:
             raise InvalidState("the arena is not mapped (daemon not co-located): use put/get")
         return self.arena
+
+
+def _reply_frames(keys: int, per_key: int | None, part_bytes: int | None) -> int:
+    """The payload frames a reply of ``keys`` x ``per_key`` parts of ``part_bytes`` may carry
+    (unknown ranks or size: the reply's own limit on its list of parts)."""
+    if per_key is None or part_bytes is None:
+        return wire.MAX_REPLY_ARRAY_LEN
+    return keys * per_key * frames_per_part(part_bytes)
 
 
 def _lookup_result(answer: Answer) -> LookupResult:

@@ -29,14 +29,14 @@ import itertools
 import select
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvserver import wire_local
-from kvserver.client import handshake
+from kvserver.client import handshake, replies
 from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
 from kvserver.crypto import CurveClient, apply_token
 from kvserver.errors import InvalidArgument
@@ -262,9 +262,13 @@ class ZmqLink:
             if time.monotonic() >= deadline:
                 return False
 
-    def recv(self, timeout: float) -> list[zmq.Frame]:
-        """One message. REQUIRES: ``ready()`` (ZMQ delivers whole messages)."""
-        return self._sock.recv_multipart(copy=False)
+    def recv(
+        self, timeout: float, budget: Callable[[zmq.Frame], int]
+    ) -> list[zmq.Frame] | replies.Oversized:
+        """One message, frame by frame, its payload frames kept up to ``budget(header)``
+        (:func:`kvserver.client.replies.receive`). REQUIRES: ``ready()`` (ZMQ delivers whole
+        messages)."""
+        return replies.receive(self._sock, budget)
 
 
 class LocalLink:

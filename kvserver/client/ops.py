@@ -291,14 +291,15 @@ def get(
     *,
     ranks: Sequence[int] | None = None,
     leading: bool = False,
-    part_bytes: int | None = None,
+    spec: NamespaceSpec | None = None,
 ) -> Proc[list[list[memoryview]]]:
     """Parts of ready ``keys`` (all must be ready): ``result[i][j]`` is rank ``ranks[j]``.
     ``leading``: only the leading run of ``keys`` the daemon holds in its own tiers (it
-    does not ask its peers); the result may then be shorter than ``keys``. ``part_bytes``:
-    each part's size, for a namespace this client did not register (a peer daemon's link);
-    a reply part of another size raises InvalidArgument before it is copied."""
-    return s.get(ns_id, keys, ranks, leading, part_bytes)
+    does not ask its peers); the result may then be shorter than ``keys``. ``spec``:
+    the namespace's, when this client did not register it (a peer daemon's link): a reply
+    with more frames than ``len(keys)`` x ranks parts may take, or a part of another size
+    than its ``part_bytes``, raises InvalidArgument before it is kept or copied."""
+    return s.get(ns_id, keys, ranks, leading, spec)
 
 
 def write_parts(

@@ -42,6 +42,7 @@ from kvserver import wire_local
 from kvserver.client.calls import Answer, Call
 from kvserver.client.common import Session
 from kvserver.client.links import LocalLink, ZmqLink
+from kvserver.client.replies import Oversized
 from kvserver.errors import KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,14 @@ class Transport:
 
     def _read_one(self, link: ZmqLink | LocalLink, timeout: float) -> None:
         try:
-            frames = link.recv(timeout)
+            if isinstance(link, ZmqLink):
+                received = link.recv(timeout, self._budget)
+                if isinstance(received, Oversized):
+                    self._refuse(received)
+                    return
+                frames: Sequence[Any] = received
+            else:
+                frames = link.recv(timeout)
         except OSError as exc:  # the local channel (closed, timed out)
             self._lose_local(str(exc))
             return
@@ -197,6 +205,25 @@ class Transport:
             self.drop(f"the connection failed ({type(exc).__name__}: {exc})")
             return
         self._route(frames)
+
+    def _budget(self, header: Any) -> int:
+        """The payload frames the reply whose first frame is ``header`` may carry: what its
+        request may bring back (none for an error, or a reply to no request outstanding)."""
+        reply = self._s.decode([header])
+        slot = self._slots.get(reply.req_id) if reply is not None and reply.ok else None
+        return slot.call.reply_frames if slot is not None else 0
+
+    def _refuse(self, over: Oversized) -> None:
+        """A reply with more frames than its request may bring back: its request fails with
+        ``over.error()``, and the DEALER is faulty: both links are replaced, the other
+        requests outstanding fail with Unavailable."""
+        reply = self._s.decode([over.header])
+        slot = self._slots.pop(reply.req_id, None) if reply is not None else None
+        error = over.error()
+        logger.warning("refusing a reply from %s: %s", self._s.address, error)
+        if slot is not None:
+            slot.outcome = error
+        self.drop(f"the daemon sent a reply past its request's frames ({error})")
 
     def _route(self, frames: Sequence[Any]) -> None:
         """Hand one reply to the slot of its request; stale and unreadable ones are dropped."""

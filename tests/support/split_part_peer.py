@@ -1,7 +1,9 @@
-"""``python -m tests.support.split_part_peer FRAMES FRAME_BYTES``: a stand-in peer daemon (a
-ZMQ ROUTER speaking just enough of ``docs/wire.md``) whose ``get`` reply names all its
-``FRAMES`` payload frames of ``FRAME_BYTES`` each as one part (``part_frames: [FRAMES]``):
-a reply no real daemon sends, whose part is far larger than the namespace's. It answers
+"""``python -m tests.support.split_part_peer FRAMES FRAME_BYTES [part|extra]``: a stand-in
+peer daemon (a ZMQ ROUTER speaking just enough of ``docs/wire.md``) whose ``get`` reply (for
+the first key asked, rank 0) carries ``FRAMES`` payload frames of ``FRAME_BYTES`` each:
+``part`` (the default) names them all as one part (``part_frames: [FRAMES]``), a part far
+larger than the namespace's; ``extra`` sends them as they are, far more parts than asked.
+Replies no real daemon sends. It answers
 ``hello`` (no stream port, no cap), ``register_namespace`` (as a daemon would) and ``lookup``
 (it holds every key), any other op with an ``invalid_argument`` error.
 Prints its address on the first line of stdout, then serves until killed.
@@ -22,6 +24,7 @@ SID = "split-part-peer"
 
 def main() -> int:
     frames, frame_bytes = int(sys.argv[1]), int(sys.argv[2])
+    split = sys.argv[3:] in ([], ["part"])
     sock = zmq.Context().socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(f"tcp://127.0.0.1:{port}", flush=True)
@@ -43,7 +46,9 @@ def main() -> int:
             sock.send_multipart([peer, wire.encode_reply(req_id, SID, result)])
         elif op == wire.GET:
             keys = args["keys"][:1]
-            result = {"keys": keys, "ranks": [0], "part_frames": [frames]}
+            result = {"keys": keys, "ranks": [0]}
+            if split:
+                result["part_frames"] = [frames]
             sock.send(peer, zmq.SNDMORE)
             sock.send(wire.encode_reply(req_id, SID, result), zmq.SNDMORE)
             for _ in range(frames - 1):

@@ -159,7 +159,7 @@ class PeerLink:
         ns_id = spec.ns_id
         try:
             rows = await self._call(
-                lambda kv: kv.get(ns_id, keys, leading=True, part_bytes=spec.part_bytes), via
+                lambda kv: kv.get(ns_id, keys, leading=True, spec=spec), via
             )
         except (UnknownNamespace, UnknownKey):
             return []

@@ -275,7 +275,7 @@ def test_sync_client_fails_fast_when_its_dealer_fails(
         ns = kv.register_namespace(SPEC)
         link = kv._t._zmq
         assert link is not None
-        monkeypatch.setattr(link._sock, "recv_multipart", broken_recv)
+        monkeypatch.setattr(link._sock, "recv", broken_recv)
         with pytest.raises(Unavailable, match=r"connection failed.*ZMQError"):
             kv.lookup(ns.ns_id, make_keys(1, tag="broken"))
         assert kv.lookup(ns.ns_id, make_keys(1, tag="broken")).hit_chunks == 0
@@ -293,7 +293,7 @@ async def test_async_client_fails_outstanding_requests_when_its_reader_fails(
         assert sock is not None
         # the reader is parked in a receive begun before the fault: the reply to `first`
         # completes it, and the reader's next receive fails
-        monkeypatch.setattr(sock, "recv_multipart", async_broken_recv)
+        monkeypatch.setattr(sock, "recv", async_broken_recv)
         first = await kv.submit_lookup(ns.ns_id, make_keys(1, tag="a"))
         second = await kv.submit_lookup(ns.ns_id, make_keys(1, tag="b"))
         third = await kv.submit_lookup(ns.ns_id, make_keys(1, tag="c"))

@@ -1,10 +1,13 @@
-"""A peer's ``get`` reply whose ``part_frames`` names many frames as one part (a part far
-larger than the namespace's) is refused before the part is joined: the fetching daemon does
-not copy the reply's bytes into a second buffer of their whole size (they are in its memory
-once already, as ZMQ's frames: libzmq holds a multipart message whole before its first frame
-can be read, so no receiver can bound that copy). The peer is a stand-in process
-(``tests/support/split_part_peer.py``); the copy is measured with tracemalloc (Python's
-allocations: the joined ``bytes``; ZMQ's frames are not counted).
+"""A ``get`` reply carrying more than its request may bring back is refused before it is kept
+or copied, by a fetching daemon's peer link and by a client: more payload frames than the
+keys' parts may take (``kvserver/client/replies.py``: received one at a time and dropped, not
+made into ``zmq.Frame`` objects), or a part whose frames (``part_frames``) add up to another
+size than the namespace's (refused before it is joined into a second buffer of that size).
+The bytes themselves are in memory once while they arrive: libzmq holds a multipart message
+whole before its first frame can be read, so no receiver can bound that. The server is a
+stand-in process (``tests/support/split_part_peer.py``); what the receiver allocates is
+measured with tracemalloc (Python's heap: the joined ``bytes``, the ``zmq.Frame`` objects;
+not libzmq's buffers).
 """
 
 from __future__ import annotations
@@ -27,16 +30,16 @@ from tests.kvserver.daemon.peers.test_stream import no_reservations
 pytestmark = pytest.mark.multiprocess
 
 SPEC = make_spec(model="test/reply-parts")  # one part of 4 KiB per chunk
-FRAMES, FRAME_BYTES = 512, 64 << 10  # one "part" of 32 MiB
+FRAMES, FRAME_BYTES = 2, 16 << 20  # one "part" of 32 MiB, in as few frames as a part may take
 #: what the fetch may allocate (Python's heap) while the reply is refused: far under its
 #: 32 MiB (before: the joined part, +32 MiB).
 BOUND = 8 << 20
+EMPTY_FRAMES = 200_000
 
 
-@pytest.fixture
-def fake_peer() -> Iterator[str]:
+def stand_in(*args: object) -> Iterator[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.split_part_peer", str(FRAMES), str(FRAME_BYTES)],
+        [sys.executable, "-m", "tests.support.split_part_peer", *map(str, args)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -48,6 +51,17 @@ def fake_peer() -> Iterator[str]:
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[str]:
+    yield from stand_in(FRAMES, FRAME_BYTES, "part")
+
+
+@pytest.fixture
+def flooding_peer() -> Iterator[str]:
+    """Its get reply: 200,000 empty frames (~400 KB on the wire)."""
+    yield from stand_in(EMPTY_FRAMES, 0, "extra")
 
 
 async def test_a_fetch_refuses_a_split_part_larger_than_the_namespaces(fake_peer: str) -> None:
@@ -84,5 +98,52 @@ def test_a_client_refuses_a_split_part_of_another_size(fake_peer: str) -> None:
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
+        assert peak < BOUND, f"the client allocated {peak >> 20} MiB"
+        assert kv.hello()["sid"] == "split-part-peer"
+
+
+async def test_a_fetch_refuses_a_reply_with_more_frames_than_its_get_may_bring(
+    flooding_peer: str,
+) -> None:
+    """200,000 empty frames answer a get of 4 keys of one 4 KiB part each (at most 8 frames):
+    received one at a time and dropped, not made into 200,000 zmq.Frame objects (before:
+    +45 MiB of Python's heap, tracemalloc); the peer suspect, nothing placed."""
+    keys = make_keys(4, tag="flood")
+    engine = make_engine(num_pages=64)
+    engine.register_namespace(SPEC)
+    with engine:
+        book = PeerBook(PeerSettings(stream=False, timeout_s=10, suspect_s=60))
+        fetches = PeerFetches(engine, book, publish=lambda: None)
+        tracemalloc.start()
+        try:
+            await fetches.fetch(SPEC, [(k, frozenset({"F"})) for k in keys],
+                                {"F": Peer("F", "", flooding_peer)})  # fmt: skip
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < BOUND, f"the fetch allocated {peak >> 20} MiB"
+        assert engine.lookup(SPEC.ns_id, keys) == 0
+        assert book.is_suspect("F") and book.counters.missed_chunks == 4
+        assert book.link(Peer("F", "", flooding_peer)).connections_open == 0  # not reused
+        no_reservations(engine)
+        await book.close()
+
+
+def test_a_client_refuses_a_reply_with_more_frames_than_its_get_may_bring(
+    flooding_peer: str,
+) -> None:
+    """The same reply to a KVClient that registered the namespace: InvalidArgument naming the
+    frames, without keeping them; the connection is replaced and the next call answered."""
+    keys = make_keys(2, tag="client-flood")
+    with KVClient(flooding_peer, colocated=False, timeout=10) as kv:
+        kv.register_namespace(SPEC)
+        tracemalloc.start()
+        try:
+            with pytest.raises(InvalidArgument, match="more frames than its request") as info:
+                kv.get(SPEC.ns_id, keys)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert info.value.context["frames"] == EMPTY_FRAMES and info.value.context["max"] == 4
         assert peak < BOUND, f"the client allocated {peak >> 20} MiB"
         assert kv.hello()["sid"] == "split-part-peer"
