@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 
 from kvserver.arena import SharedArena
@@ -222,6 +223,7 @@ class StorageEngine:
         client: str = "",
         lease_s: float | None = None,
         gated: bool = True,
+        protect: AbstractSet[bytes] = frozenset(),
     ) -> StoreGrant | None:
         """Reserve space for the keys that are not present yet.
 
@@ -234,6 +236,9 @@ class StorageEngine:
         come back in ``filtered`` (not admitted, as reuse gating's: not a full cache); a
         ``gated=False`` store (an SSD promotion, a peer fetch's placement: chunks a load asked
         for) is never declined so. New entries are WRITING and invisible until complete_store.
+        ``protect``: keys of the namespace that the eviction must not take either, without
+        being part of the request (a peer fetch's earlier windows: a set the caller grows
+        across calls, looked up, never iterated).
         """
         ns = self._ns(ns_id)
         spec = self._namespaces.specs[ns]
@@ -259,7 +264,7 @@ class StorageEngine:
             need = self._dram.pages_for(spec, len(new_keys))
             # placements (gated=False) are reads of chunks a lower tier or a peer holds: shown
             # to no admission, so a load never loses them to it
-            evicted = self._dram.make_room(need, ns, present, new_keys if gated else ())
+            evicted = self._dram.make_room(need, ns, present, new_keys if gated else (), protect)
             if evicted is None and self.policy.declined:  # not admitted, as reuse gating's
                 filtered, new_keys, evicted = filtered + new_keys, [], []
         if evicted is None:

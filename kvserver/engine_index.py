@@ -4,7 +4,7 @@ Runs inside the storage engine (``kvserver/engine.py``), its only caller: single
 locks, no I/O. It knows nothing of leases, namespaces, events or counters; the engine adds
 those around each call. Call order for one chunk::
 
-    make_room(need, ns, keep, new)    -> READY victims removed from index + policy, or None
+    make_room(need, ns, keep, new, protect) -> READY victims removed from index + policy, or None
     reserve(ns, spec, keys, lease_id, victims)
                                       -> WRITING entries: the victims' parts recycled, other
                                          pages taken from the allocator
@@ -40,7 +40,8 @@ Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import takewhile
 from operator import itemgetter
 from typing import cast
@@ -52,6 +53,25 @@ from kvserver.policies import make_policy
 
 #: ``(namespace index, chunk key)``: the key of the engine's index and of its policy.
 IndexKey = tuple[int, bytes]
+
+
+class _Protected:
+    """``make_room``'s keys never chosen: ``keep``'s (ns, key) pairs, and the keys of
+    ``protect`` in namespace ``ns`` (looked up in place: not copied per call)."""
+
+    __slots__ = ("_keep", "_ns", "_protect")
+
+    def __init__(self, keep: set[IndexKey], ns: int, protect: AbstractSet[bytes]) -> None:
+        self._keep, self._ns, self._protect = keep, ns, protect
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __contains__(self, k: object) -> bool:
+        if k in self._keep:
+            return True
+        ns, key = cast("IndexKey", k)
+        return ns == self._ns and key in self._protect
 
 
 class DramIndex:
@@ -86,11 +106,18 @@ class DramIndex:
         return self.allocator.pages_for(spec.part_bytes) * spec.tp_world_size * count
 
     def make_room(
-        self, need: int, ns: int, keep: Iterable[bytes], new: Sequence[bytes] = ()
+        self,
+        need: int,
+        ns: int,
+        keep: Iterable[bytes],
+        new: Sequence[bytes] = (),
+        protect: AbstractSet[bytes] = frozenset(),
     ) -> list[Entry] | None:
         """Evict READY unpinned entries until ``need`` pages are free.
 
         Keys of ``keep`` (in namespace ``ns``: the request's own keys that are in the index)
+        and of ``protect`` (keys of ``ns`` the caller holds on to, e.g. a peer fetch's earlier
+        windows: only looked up, never copied, so a caller may grow one set across calls)
         are never chosen. ``new``: the keys the pages are for (request order), shown to a
         policy that ``admits`` (it may decline them). The victims leave the index and the
         policy and are returned in eviction order with their pages still allocated: the
@@ -103,7 +130,9 @@ class DramIndex:
         if shortfall <= 0:
             return []
         entries = self.entries
-        protected = {(ns, k) for k in keep}
+        protected: Container[Hashable] = {(ns, k) for k in keep}
+        if protect:
+            protected = _Protected(cast("set[IndexKey]", protected), ns, protect)
 
         def evictable(k: Hashable) -> bool:
             e = entries[k]  # type: ignore[index]

@@ -339,7 +339,7 @@ class PeerFetches:
         tail = max(1, EARLY_TAIL_BYTES // (tp * size))  # chunks completed after the last byte
         out: list[tuple[list[bytes], Parts]] = []
         ahead: list[Slot] = []  # reserved, not yet settled (at most two)
-        keep = list(protect)  # and the windows already placed: a later one must not evict them
+        keep = set(protect)  # and the windows already placed: a later one must not evict them
 
         def on_head(head: ReplyHead) -> None:  # on the loop, as a reply's head arrives
             book.counters.fetched_chunks += head.count
@@ -373,7 +373,7 @@ class PeerFetches:
                     job = start(k + 1) if k + 1 < len(windows) else None  # already coming
                     if error is None:
                         out.append(self._placer.settle(spec, slot, head.count, direct))
-                        keep += out[-1][0]
+                        keep.update(out[-1][0])
                         continue
                     self._placer.settle(spec, slot, 0, direct)  # an error reply: no chunks
                     # none held, or too busy now (capacity: its SSD read buffers): a clean

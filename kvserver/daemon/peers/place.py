@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,7 @@ class Placer:
         self._book = book
         self._publish = publish
 
-    def slot(self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]) -> Slot:
+    def slot(self, spec: NamespaceSpec, keys: list[bytes], protect: AbstractSet[bytes]) -> Slot:
         """Reserve DRAM for a window's ``keys`` before its reply comes; per key, the views
         its parts are to be received into: its reserved pages, or buffers of its own when
         DRAM cannot take it."""
@@ -134,21 +135,19 @@ class Placer:
         return sent, {k: own[k] for k in sent if k in own and not engine.contains(ns_id, k)}
 
     def reserve(
-        self, spec: NamespaceSpec, keys: list[bytes], protect: Sequence[bytes]
+        self, spec: NamespaceSpec, keys: list[bytes], protect: AbstractSet[bytes]
     ) -> StoreGrant | None:
-        """Reserve DRAM for fetched ``keys`` as a promotion does, protecting the request's
-        keys already in DRAM; None when DRAM cannot take them."""
+        """Reserve DRAM for fetched ``keys`` as a promotion does, protecting from the eviction
+        the keys of ``protect`` (the request's keys, the fetch's windows placed before: one set
+        the fetch grows, handed to the engine as is, so a window's placement costs its own
+        keys, not the fetch's so far); None when DRAM cannot take them."""
         if not keys:
             return None
-        engine, ns_id = self._engine, spec.ns_id
-        keep: list[bytes] = []
-        if protect:
-            fetched = set(keys)
-            absent = set(engine.missing(ns_id, protect))
-            keep = [k for k in dict.fromkeys(protect) if k not in fetched and k not in absent]
+        engine = self._engine
         try:
-            return engine.prepare_store(ns_id, keep + keys, client=FETCH_CLIENT, gated=False,
-                                        lease_s=engine.config.max_lease_s)  # fmt: skip
+            return engine.prepare_store(spec.ns_id, keys, client=FETCH_CLIENT, gated=False,
+                                        lease_s=engine.config.max_lease_s,
+                                        protect=protect)  # fmt: skip
         except KVServerError as exc:  # e.g. more than the whole tier
             logger.warning("network tier: cannot place fetched chunks: %s", exc)
             return None
@@ -167,7 +166,7 @@ class Placer:
         spec: NamespaceSpec,
         keys: list[bytes],
         rows: list[list[memoryview]],
-        protect: Sequence[bytes],
+        protect: AbstractSet[bytes],
         direct: bool,
     ) -> Parts:
         """Write fetched ``rows`` into DRAM (synchronously: nothing else runs meanwhile);

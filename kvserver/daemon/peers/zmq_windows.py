@@ -99,7 +99,7 @@ async def _pipeline(
     direct: bool,
     depth: int,
 ) -> list[Sent]:
-    keep = list(protect)  # and the windows placed: a later one must not evict them
+    keep = set(protect)  # and the windows placed: a later one must not evict them
     todo: deque[tuple[list[bytes], bool]] = deque((w, False) for w in windows)  # (window, again)
     asked: deque[tuple[list[bytes], bool, asyncio.Task[Sent | None]]] = deque()
     out: list[Sent] = []
@@ -143,7 +143,7 @@ async def _window(
     link: PeerLink,
     via: AsyncKVClient,
     keys: list[bytes],
-    keep: list[bytes],
+    keep: set[bytes],
     direct: bool,
 ) -> Sent | None:
     """Fetch one window from ``peer`` on ``via`` and place it, protecting the keys of
@@ -168,5 +168,5 @@ async def _window(
     book.counters.fetched_chunks += len(rows)
     book.counters.fetched_bytes += len(rows) * spec.tp_world_size * spec.part_bytes
     placed = placer.place(spec, sent, rows, keep, direct)
-    keep += sent
+    keep.update(sent)
     return sent, placed

@@ -339,3 +339,46 @@ async def test_a_fetchs_later_windows_do_not_evict_its_earlier_ones(
             await book.close()
     finally:
         a.kill()
+
+
+async def test_a_long_fetchs_placement_work_is_linear_in_its_keys(
+    peer_a: DaemonProc, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch of 48 chunks in 48 windows of one chunk: the keys the engine is handed to place
+    them (``prepare_store``'s keys, ``missing``'s) stay within a few per chunk fetched. Before,
+    each window's placement handed the engine every key placed before it in the fetch (its
+    protection from the eviction), then filtered them with ``missing``: 48 windows cost
+    ~48 * 48 = 2,300 keys, a fetch of n windows ~n * n; now each window names its own keys and
+    the fetch's protected keys go as one set the eviction consults (48 + 48 here)."""
+    import kvserver.daemon.peers.fetch as fetch_module
+
+    keys = make_keys(48, tag="linear")
+    store(peer_a, keys)
+    chunk = SPEC.part_bytes * SPEC.tp_world_size
+    monkeypatch.setattr(fetch_module, "WINDOW_BYTES", chunk)  # ZMQ: one chunk a window
+    with make_engine(num_pages=128) as engine:
+        engine.register_namespace(SPEC)
+        handed = 0
+        real_prepare, real_missing = engine.prepare_store, engine.missing
+
+        def prepare_store(ns_id: str, ks: list[bytes], **kw: Any) -> Any:
+            nonlocal handed
+            handed += len(ks)
+            return real_prepare(ns_id, ks, **kw)
+
+        def missing(ns_id: str, ks: Any) -> list[bytes]:
+            nonlocal handed
+            ks = list(ks)
+            handed += len(ks)
+            return real_missing(ns_id, ks)
+
+        monkeypatch.setattr(engine, "prepare_store", prepare_store)
+        monkeypatch.setattr(engine, "missing", missing)
+        book = PeerBook(settings(transport, timeout_s=10))
+        fetches = PeerFetches(engine, book, publish=lambda: None, stream_window_bytes=chunk)
+        await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
+        assert book.counters.fetches == 48 and book.counters.placed_chunks == 48
+        assert held_bytes(engine, keys) == expected(keys)
+        assert handed <= 3 * len(keys), handed
+        engine.check_invariants()
+        await book.close()
