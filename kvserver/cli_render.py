@@ -29,6 +29,7 @@ def render_status(stats: Any, server: str) -> str:
             f"fleet {c.get('url', '')}: {c.get('condition', '')}  as {c.get('host_id', '')} "
             f"(incarnation {c.get('incarnation', '')}), {c.get('live_hosts', 0)} live host(s)"
             + (f"\n  ({c['condition_detail']})" if c.get("condition_detail") else "")
+            + (_resync_note(c) if c.get("resync_pending") else "")
             + "\n"
         )
     elif any(t.name == "peer" for t in stats.tiers):
@@ -182,3 +183,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return "  ".join(parts).rstrip() + "\n"
 
     return line(headers) + "".join(line(r) for r in cells)
+
+
+def _resync_note(cluster: dict[str, Any]) -> str:
+    """The fleet line's note while the daemon owes the index a resync."""
+    wait = float(cluster.get("resync_in_s", 0.0))
+    when = f"starts in {wait:.1f} s (spread)" if wait > 0 else "after the next retry"
+    return f"\n  (index resync pending: {when}; this host's entries are missing meanwhile)"

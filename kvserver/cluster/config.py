@@ -69,6 +69,16 @@ class ClusterConfig:
     #: index is resynchronised from the daemon's own tiers.
     max_pending_keys: int = 1_000_000
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    #: seconds over which a resync that is not urgent is spread: every one but an
+    #: incarnation's first (after Redis returns or restarts empty, after lost entries) waits
+    #: a random delay in [0, this) once Redis answers its fence ``SET``, so that a fleet does
+    #: not send every index at once (100 hosts x 8 MB per 1 M chunks). None: the heartbeat
+    #: interval (ttl_s / 3); 0: no delay.
+    resync_spread_s: float | None = None
+    #: most seconds between two retries of a failing registration (the pause doubles from
+    #: min(1 s, heartbeat interval) per failure in a row, each drawn in [half, whole]).
+    #: None: ttl_s.
+    retry_max_s: float | None = None
 
     def __post_init__(self) -> None:
         check_tls_options(self.target().tls_options)  # validates the URL and its TLS files
@@ -94,6 +104,10 @@ class ClusterConfig:
                 "cluster heartbeat_s must be in [0, cluster_ttl_s)",
                 value=self.heartbeat_s, cluster_ttl_s=self.ttl_s,
             )  # fmt: skip
+        for name, value in (("cluster_resync_spread_s", self.resync_spread_s),
+                            ("cluster retry_max_s", self.retry_max_s)):  # fmt: skip
+            if value is not None and not 0 <= value < math.inf:
+                raise InvalidArgument(f"{name} must be a number >= 0", value=value)
         if self.max_pending_keys < 1:
             raise InvalidArgument(
                 "cluster max_pending_keys must be >= 1", value=self.max_pending_keys
@@ -103,6 +117,16 @@ class ClusterConfig:
     @property
     def heartbeat_interval_s(self) -> float:
         return self.heartbeat_s or self.ttl_s / 3
+
+    @property
+    def resync_window_s(self) -> float:
+        """The spread of a resync that is not urgent (``resync_spread_s``)."""
+        return self.heartbeat_interval_s if self.resync_spread_s is None else self.resync_spread_s
+
+    @property
+    def retry_cap_s(self) -> float:
+        """The longest pause between two retries (``retry_max_s``)."""
+        return self.ttl_s if self.retry_max_s is None else self.retry_max_s
 
     @property
     def ttl_ms(self) -> int:

@@ -82,6 +82,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--cluster-ttl-s", type=float,
                    help="seconds a member lives without a heartbeat (default 10)")
     p.add_argument("--cluster-timeout-s", type=float, help="bound on Redis calls (default 1)")
+    p.add_argument("--cluster-resync-spread-s", type=float, metavar="S",
+                   help="a resync after Redis returns waits a random delay below S "
+                        "(default: the heartbeat interval, TTL / 3; 0: none)")
     p.add_argument("--cluster-tier-weights", metavar="W",
                    help="ScoreHosts tier weights (default dram=1,ssd=0.5)")
     p.add_argument("--peers", metavar="ADDRS",
@@ -133,6 +136,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "ssd_promotions", "ssd_drain_timeout_s", "tune_malloc", "cluster",
                   "advertise_addr", "host_id",
                   "cluster_ttl_s", "cluster_timeout_s", "cluster_tier_weights",
+                  "cluster_resync_spread_s",
                   "curve_secret_key_file", "curve_clients_dir", "tls_cert_file", "tls_key_file",
                   "tls_client_ca_file", "insecure_remote", "keys_dir", "peers", "peer_timeout_s",
                   "peer_suspect_s", "peer_curve_server_key_file", "peer_stream_port",

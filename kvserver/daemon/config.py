@@ -169,6 +169,9 @@ class DaemonConfig:
     cluster_ttl_s: float = 10.0
     #: bound on every Redis call, seconds.
     cluster_timeout_s: float = 1.0
+    #: a resync that is not urgent (Redis back, restarted empty) waits a random delay below
+    #: this many seconds (-1 = the heartbeat interval, cluster_ttl_s / 3; 0 = none).
+    cluster_resync_spread_s: float = -1.0
     #: ScoreHosts tier weights, e.g. "dram=1,ssd=0.5".
     cluster_tier_weights: str = "dram=1,ssd=0.5"
     #: the network tier without a fleet index: other daemons' data planes, comma-separated
@@ -311,10 +314,12 @@ class DaemonConfig:
         """The fleet settings, or None when no ``cluster`` URL is given."""
         if not self.cluster:
             return None
+        spread = self.cluster_resync_spread_s
         return ClusterConfig(
             self.cluster,
             ttl_s=self.cluster_ttl_s,
             timeout_s=self.cluster_timeout_s,
+            resync_spread_s=None if spread == -1 else spread,
             tier_weights=parse_weights(self.cluster_tier_weights),
         )
 

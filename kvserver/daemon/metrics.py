@@ -316,6 +316,12 @@ class DaemonCollector(LoopCollector):
             yield GaugeMetricFamily(
                 "kvserver_cluster_live_hosts", "Live fleet members seen.", cluster["live_hosts"]
             )
+            yield GaugeMetricFamily(
+                "kvserver_cluster_resync_pending",
+                "1 while this daemon owes the fleet index a resync (waiting for its random delay "
+                "or a retry): its entries are missing from the index meanwhile.",
+                cluster.get("resync_pending", 0),
+            )
             for name, doc, key in _CLUSTER_COUNTERS:
                 yield CounterMetricFamily(name, doc, value=cluster[key])
         generations, frozen = s["gc"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,16 @@ def keys(n: int, seed: int = 0) -> list[bytes]:
 
 
 def cluster_config(url: str, **kw: float) -> ClusterConfig:
-    defaults: dict[str, float] = {"ttl_s": 1.5, "timeout_s": 0.5, "members_max_age_s": 0.0}
+    """Short TTLs and timeouts; a resync not delayed, retries at most 1 s apart (the timing
+    before the spread and the backoff: ``test_resync_spread.py`` sets its own) so that the
+    tests of other behaviours wait for no random delay."""
+    defaults: dict[str, float] = {
+        "ttl_s": 1.5,
+        "timeout_s": 0.5,
+        "members_max_age_s": 0.0,
+        "resync_spread_s": 0.0,
+        "retry_max_s": 1.0,
+    }
     defaults.update(kw)
     return ClusterConfig(url, **defaults)  # type: ignore[arg-type]
 
@@ -46,6 +56,8 @@ class Member:
     held: dict[tuple[str, str], list[bytes]] = field(default_factory=dict)
     seq: int = 0
     node: ClusterNode | None = None
+    #: the node's random draws (a resync's delay, a retry's pause); None: its own
+    rng: random.Random | None = None
 
     def _emit(self, ev: Event) -> None:
         self.log.extend([ev])
@@ -72,7 +84,12 @@ class Member:
             self.host_id, "", f"tcp://127.0.0.1:1{len(self.host_id)}", "127.0.0.1:2", ("dram",)
         )
         self.node = ClusterNode(
-            self.config, identity, self.log, lambda: dict(self.held), lambda: {NS: "{}"}
+            self.config,
+            identity,
+            self.log,
+            lambda: dict(self.held),
+            lambda: {NS: "{}"},
+            rng=self.rng,
         )
         await self.node.start()
         return self.node

@@ -147,6 +147,8 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
         metrics = scrape(a.metrics_url)
         assert metrics.value(condition, **{condition: "unavailable"}) == 1
         assert metrics.value("kvserver_cluster_errors_total") >= 1
+        assert metrics.value("kvserver_cluster_resync_pending") == 1  # it owes one
+        assert cluster_stats(a)["resync_pending"] == 1
         store(a, keys[4:])  # the daemon keeps serving its own tiers
         with KVClient(a.zmq_address) as kv:
             assert kv.lookup(ns_id, keys).hit_chunks == 8
@@ -154,6 +156,8 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
         wait_until(lambda: cluster_stats(a)["condition"] == "ok", timeout=10.0)
         await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 8}), timeout=5.0)
         assert cluster_stats(a)["resyncs"] >= 2
+        assert cluster_stats(a)["resync_pending"] == 0
+        assert scrape(a.metrics_url).value("kvserver_cluster_resync_pending") == 0
     finally:
         await reader.redis.aclose()
 

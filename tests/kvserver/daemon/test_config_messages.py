@@ -52,6 +52,7 @@ BAD: dict[str, tuple[str, ...]] = {
     "ssd_drain_timeout_s": ("0", "-1", "nan"),
     "cluster_ttl_s": ("-3", "0", "nan", "inf"),
     "cluster_timeout_s": ("0", "-1", "nan"),
+    "cluster_resync_spread_s": ("-2", "nan", "inf"),
     "peer_timeout_s": ("0", "inf"),
     "peer_suspect_s": ("-1", "nan"),
     "peer_connections": ("0",),
