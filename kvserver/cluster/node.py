@@ -24,15 +24,12 @@ Lifecycle of the member (docs/cluster.md):
    the index sets.
 4. **Degraded**: any Redis error or timeout → condition ``unavailable`` (with the error),
    pending changes dropped; the daemon keeps serving its own tiers. Retried after a pause
-   that backs off: 1 s (the heartbeat interval when shorter), doubled per failure in a row
-   up to ``retry_max_s`` (default the TTL), each drawn in [half, whole]; on success → back
-   to 1 (register, full resync) → ``ok``. A heartbeat that finds its record gone (Redis
-   restarted or evicted it, or this daemon stalled past the TTL) does the same. Every
-   registration but an incarnation's first waits, once Redis answers its first read, a
-   random delay in [0, ``resync_spread_s``) (default the heartbeat interval) before its
-   fence and resync (:meth:`ClusterNode._spread`): a fleet that found Redis back at one
-   moment spreads its resyncs over that window. Meanwhile the index lacks this member
-   (never a false holder) and ``stats()`` says ``resync_pending``.
+   that backs off; on success → back to 1 (register, full resync) → ``ok``. A heartbeat
+   that finds its record gone (Redis restarted or evicted it, or this daemon stalled past
+   the TTL) does the same. Every registration but an incarnation's first waits a random
+   delay before its fence and resync, so a fleet that found Redis back at one moment
+   spreads its resyncs (``pacing.py``: the pauses, the delay). Meanwhile the index lacks
+   this member (never a false holder) and ``stats()`` says ``resync_pending``.
 5. **Fenced**: every pipeline of index writes, and every heartbeat, ends by moving the
    incarnation's fence (``schema.fence_key``) from the number of the previous one to its own
    (``writer.FENCE_SCRIPT``, only from that number). Another number back means Redis lost or
@@ -63,6 +60,7 @@ from typing import Any
 
 from kvserver.cluster import record, schema
 from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.cluster.pacing import Pacing
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
 from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId
@@ -139,13 +137,8 @@ class ClusterNode:
         self.condition = "connecting"
         self.condition_detail = ""
         self._registered = False
-        #: draws the resync's delay and the retries' pauses (a seeded one in tests)
-        self._rng = rng if rng is not None else random.Random()
-        #: registrations tried (the first is urgent: not delayed); failures in a row
-        self._attempts = 0
-        self._failures = 0
-        #: when (monotonic) the delayed resync under way starts; 0.0: none waiting
-        self._resync_at = 0.0
+        #: the resync's delay and the retries' pauses (``rng``: a seeded one in tests)
+        self.pacing = Pacing(config, rng)
         #: whether started_at is Redis's time (set at the first registration)
         self._clocked = False
         self._wake = asyncio.Event()
@@ -217,7 +210,7 @@ class ClusterNode:
             # a resync owed (the index not kept: waiting for its delay, or a retry), and how
             # long until it starts when it waits for its delay
             "resync_pending": int(not self._registered and self.condition != "stopped"),
-            "resync_in_s": max(0.0, self._resync_at - time.monotonic()) if self._resync_at else 0.0,
+            "resync_in_s": self.pacing.resync_in_s(),
             "registrations": c.registrations,
             "resyncs": c.resyncs,
             "heartbeats": c.heartbeats,
@@ -305,33 +298,8 @@ class ClusterNode:
                 self._failed(exc)
                 # retry after a pause that events do not cut short (a refused connection
                 # fails at once: retrying per event would spin while Redis is down)
-                await asyncio.sleep(self._retry_pause())
+                await asyncio.sleep(self.pacing.retry_pause())
                 self._wake.clear()
-
-    def _retry_pause(self) -> float:
-        """The pause before the next retry: min(1 s, heartbeat interval), doubled per failure
-        in a row up to ``retry_max_s``, drawn in [half, whole] (a fleet that lost Redis at
-        the same moment does not retry in step; a full or failing Redis is not asked by every
-        host every second)."""
-        base = min(self.config.heartbeat_interval_s, 1.0)
-        cap = max(base, self.config.retry_cap_s)
-        pause = min(cap, base * 2.0 ** min(self._failures - 1, 30))
-        return pause * self._rng.uniform(0.5, 1.0)
-
-    async def _spread(self) -> None:
-        """Wait a random delay in [0, ``resync_window_s``) before a resync that is not urgent
-        (every one but this incarnation's first): the members of a fleet that all found Redis
-        back, or restarted empty, at the same moment send their indexes over the window, not
-        at once. Meanwhile the index lags (this member is absent from it, never wrong) and
-        ``stats()`` says a resync is pending."""
-        delay = self._rng.random() * self.config.resync_window_s
-        if delay <= 0:
-            return
-        self._resync_at = time.monotonic() + delay
-        try:
-            await asyncio.sleep(delay)
-        finally:
-            self._resync_at = 0.0
 
     def _failed(self, exc: BaseException) -> None:
         self.counters.errors += 1
@@ -349,7 +317,7 @@ class ClusterNode:
                 detail,
             )
         self.condition, self.condition_detail = "unavailable", detail
-        self._failures += 1
+        self.pacing.failed()
         self.counters.dropped_keys += self.writer.pending_keys
         self.writer.drop()
         self._registered = False
@@ -365,15 +333,14 @@ class ClusterNode:
 
     async def _register_and_resync(self) -> None:
         r = self.redis
-        self._attempts += 1
-        urgent = self._attempts == 1  # this incarnation's first try: kvserver start waits
+        urgent = self.pacing.urgent()  # this incarnation's first try: kvserver start waits
         if not self._clocked:  # started_at by Redis's clock (record.taken_by compares them)
             started = await record.redis_time(r, self.config.timeout_s)
             self.info = replace(self.info, started_at=started)
             self._clocked = True
         old_keys = await record.predecessor(r, self.info, self.config.timeout_s)
-        if not urgent:  # Redis answers: the bulk after a random delay (_spread)
-            await self._spread()
+        if not urgent:  # Redis answers: the bulk after a random delay (pacing.py)
+            await self.pacing.spread()
         # A new fence number first: a late tail of an earlier pipeline that runs after it
         # writes nothing (writer.py, fenced writes). Alone, before the bulk: a Redis that
         # refuses writes (out of memory under noeviction) refuses this one SET, not a
@@ -408,7 +375,7 @@ class ClusterNode:
         self._written(batch.last_seq)
         self.counters.registrations += 1
         self.counters.resyncs += 1
-        self._failures = 0
+        self.pacing.succeeded()
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
         if self.condition != "ok":
