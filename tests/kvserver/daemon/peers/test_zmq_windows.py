@@ -252,7 +252,10 @@ async def test_a_fetch_cancelled_with_windows_in_flight_leaves_nothing_running(
         watched = Watched(link)
         wanted = [(k, frozenset({"A"})) for k in keys]
         task = asyncio.ensure_future(fetches.fetch(SPEC, wanted, {"A": peer}))
-        while book.counters.placed_chunks == 0:
+        # a window placed and another's call on the connection: cancelled with no call on it
+        # (between a window's end and the next one's first step, a narrow moment that a
+        # loaded host hits) the connection is rightly kept for reuse
+        while book.counters.placed_chunks == 0 or watched.in_flight == 0:
             assert not task.done()
             await asyncio.sleep(0)
         task.cancel()
