@@ -23,9 +23,10 @@ Over TLS (``ssl`` sockets have no ``recvmsg_into``) a window is received with on
 copied here; OpenSSL decrypts each record in its own record buffer and copies the plaintext
 into the view (its record layer's one copy, which kernel TLS would remove).
 
-Every call is bounded by the caller's deadline (``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` per
-blocking call, or the TLS socket's timeout); a receive given up (cancelled, :meth:`ReplyJob.
-stop`) shuts the socket down and waits for the thread, so it writes nothing more. A peer
+Every call is bounded by the caller's deadline (``poll``'s timeout before each receive,
+``SO_SNDTIMEO`` per blocking send, or the TLS socket's timeout); a receive given up
+(cancelled, :meth:`ReplyJob.stop`) shuts the socket down and waits for the thread, so it
+writes nothing more. A peer
 that closes the connection mid-reply, or whose certificate is refused, raises
 :class:`~kvserver.daemon.peers.directory.PeerFailed`.
 """
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import select
 import socket
 import ssl
 import struct
@@ -48,6 +51,10 @@ from kvserver.errors import KVServerError
 
 #: buffers per ``recvmsg_into`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
+#: a receiving thread is woken when this many bytes of its transfer are in (``SO_RCVLOWAT``),
+#: not at every segment: each wake-up costs the sending side's CPU (on loopback the sender
+#: runs the receiver's TCP input and its wake-up).
+WAKE_BYTES = 1 << 20
 #: the threads that move the streams' bytes and resolve the peers' names: the streams' own, so
 #: that the loop's default executor being busy (the daemon's other off-loop work, each job up
 #: to its own timeout) cannot hold a receive past its deadline and make a healthy peer look
@@ -85,11 +92,15 @@ class StreamConnection:
     """One connected socket to a peer's stream port; see the module docstring.
 
     The socket is blocking and every transfer runs in a worker thread (``run_in_executor``),
-    bounded by a deadline (``time.monotonic()``) through ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``:
-    a thread receives a whole reply, its head then its window with one scattering
-    ``recvmsg_into(MSG_WAITALL)`` over the views of all its pages (the GIL released, the
-    kernel copying straight into the arena pages), where the event loop would wake up and
-    call ``recv`` once per socket-buffer's worth. If the awaiting task is cancelled, the
+    bounded by a deadline (``time.monotonic()``) through ``poll``'s timeout (``SO_RCVTIMEO``
+    where ``SO_RCVLOWAT`` cannot be set) / ``SO_SNDTIMEO``:
+    a thread receives a whole reply, its head then its window with scattering
+    ``recvmsg_into`` calls over the views of its pages (the GIL released, the kernel copying
+    straight into the arena pages), where the event loop would wake up and call ``recv``
+    once per socket-buffer's worth; it sleeps in ``poll`` until :data:`WAKE_BYTES` are
+    unread (``SO_RCVLOWAT``; fewer when the peer owes it fewer), so that the peer's CPU,
+    which on loopback runs this side's TCP input and its wake-ups, wakes it once per
+    :data:`WAKE_BYTES`, not at every segment. If the awaiting task is cancelled, the
     socket is shut down and the thread awaited before the cancellation goes on, so no byte
     lands in a buffer after its owner gave it up. A TLS socket (``ssl.SSLSocket``) is in
     timeout mode instead, every transfer in the thread (its calls take no flags).
@@ -102,6 +113,12 @@ class StreamConnection:
         self._next_id = 1
         self._loop = asyncio.get_running_loop()
         self.spoiled = False
+        #: bytes a receive waits for before it is woken (``SO_RCVLOWAT``: :data:`WAKE_BYTES`,
+        #: or less where the kernel caps it, 1: one wake-up per segment, as without it), and
+        #: the socket's value now (set by the worker thread: one transfer at a time).
+        self._wake = self._lowat = 1
+        if not self.tls:
+            self._wake = _wake_bytes(sock)
 
     def spoil(self) -> None:
         """A call on it failed: close it when it is given back."""
@@ -271,18 +288,33 @@ class StreamConnection:
             raise
 
     def _recv(self, views: Sequence[memoryview], deadline: float) -> None:
-        """Worker thread: fill ``views``, in order, with one scattering ``recvmsg_into``
-        (``MSG_WAITALL``) per :data:`IOV_MAX` of them, again for what a call left (a timeout
-        or a signal cuts one short); with TLS, ``recv_into`` per record into each view.
-        Raises OSError / PeerFailed."""
+        """Worker thread: fill ``views``, in order, with scattering ``recvmsg_into`` calls
+        over :data:`IOV_MAX` of them at a time, each once ``min(WAKE_BYTES, what is left)``
+        bytes are unread (``SO_RCVLOWAT`` and ``poll``: the thread sleeps until then, not
+        woken at every TCP segment, and never waits for more than the peer still owes it);
+        with TLS, ``recv_into`` per record into each view. Raises OSError / PeerFailed."""
         if self.tls:
             return self._recv_tls(views, deadline)
-        sock, todo, i = self.sock, list(views), 0
+        sock, wake = self.sock, self._wake
+        left = sum(view.nbytes for view in views)
+        todo, i = list(views), 0
         while i < len(todo):
-            _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
-            got = sock.recvmsg_into(todo[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            if wake > 1:
+                # woken once this many bytes are unread, not at every segment (the peer's CPU
+                # pays for each wake-up): never more than is left to come (the kernel wakes
+                # a reader for ``SO_RCVLOWAT`` unread bytes, a closed or stopped connection)
+                lowat = min(wake, left)
+                if lowat != self._lowat:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                    self._lowat = lowat
+                _wait_readable(sock, deadline)
+                got = sock.recvmsg_into(todo[i : i + IOV_MAX], 0, socket.MSG_DONTWAIT)[0]
+            else:
+                _set_timeout(sock, socket.SO_RCVTIMEO, deadline)
+                got = sock.recvmsg_into(todo[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
             if got == 0:
                 raise self._failed("peer closed the stream mid-reply", timed_out=True)
+            left -= got
             while i < len(todo) and got >= todo[i].nbytes:
                 got -= todo[i].nbytes
                 i += 1
@@ -314,6 +346,32 @@ class StreamConnection:
 
     def _failed(self, message: str, *, timed_out: bool) -> PeerFailed:
         return PeerFailed(message, timed_out=timed_out, peer=self.peer_id)
+
+
+def _wake_bytes(sock: socket.socket) -> int:
+    """The most unread bytes a receive on ``sock`` waits for before it is woken:
+    :data:`WAKE_BYTES`, or the kernel's cap on ``SO_RCVLOWAT`` (half the largest receive
+    buffer); 1 where it cannot be set (then every receive is one ``MSG_WAITALL`` call)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, WAKE_BYTES)
+        got = int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    except OSError:
+        return 1
+    return max(1, min(got, WAKE_BYTES))
+
+
+def _wait_readable(sock: socket.socket, deadline: float) -> None:
+    """Block until ``sock`` has its ``SO_RCVLOWAT`` bytes unread (or is closed, or shut
+    down); TimeoutError past ``deadline``."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if poller.poll(max(1, math.ceil(left * 1000))):
+            return
 
 
 def _set_timeout(sock: socket.socket, option: int, deadline: float) -> None:
