@@ -14,7 +14,14 @@ from kvserver import wire
 from kvserver.client import KVClient
 from kvserver.errors import KVServerError
 from tests.kvserver.builders import make_keys, make_spec
-from tests.kvserver.daemon.test_zmq_fuzz import LIMIT, SPEC, Fuzzed, assert_round_trip, parts, req
+from tests.kvserver.daemon.test_zmq_fuzz import (
+    SPEC,
+    Fuzzed,
+    assert_round_trip,
+    fuzzed_daemon,
+    parts,
+    req,
+)
 from tests.support.daemon import start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -27,20 +34,7 @@ MAX_FIELD_INT = (1 << 32) - 1
 def fz(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Fuzzed]:
-    d = start_daemon(
-        tmp_path_factory.mktemp("hostile"),
-        "--page-size",
-        "4KiB",
-        "--dram",
-        "8MiB",
-        "--no-auth",
-        env={"KVSERVER_MAX_MESSAGE_BYTES": str(LIMIT)},
-    )
-    fuzzed = Fuzzed(d, transport=request.param)
-    yield fuzzed
-    fuzzed.close()
-    assert d.proc.poll() is None, "the daemon died"
-    assert d.terminate() == 0, d.log()[-3000:]
+    yield from fuzzed_daemon(tmp_path_factory, request.param, "hostile")
 
 
 def test_namespace_fields_beyond_uint32_are_refused(fz: Fuzzed) -> None:

@@ -104,14 +104,15 @@ def parts(keys: list[bytes]) -> list[list[bytes]]:
     return [[pattern(k, r, SPEC.part_bytes) for r in range(2)] for k in keys]
 
 
-@pytest.fixture(scope="module", params=["zmq", "local"])
-def fz(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+def fuzzed_daemon(
+    tmp_path_factory: pytest.TempPathFactory, transport: str, name: str
 ) -> Iterator[Fuzzed]:
-    # --no-auth: the fuzzed headers reach the parser (with a token required they would stop
-    # at the token check; that path is fuzzed by test_wrong_auth_tokens_are_refused)
+    """A daemon (4 KiB pages, 8 MiB DRAM, ``max_message_bytes`` LIMIT, --no-auth) reached over
+    ``transport``, for a module's ``fz`` fixture; after the module it must still be alive and
+    stop cleanly. --no-auth: the fuzzed headers reach the parser (with a token required they
+    would stop at the token check; that path is fuzzed by test_wrong_auth_tokens_are_refused)."""
     d = start_daemon(
-        tmp_path_factory.mktemp("fuzz"),
+        tmp_path_factory.mktemp(name),
         "--page-size",
         "4KiB",
         "--dram",
@@ -119,11 +120,18 @@ def fz(
         "--no-auth",
         env={"KVSERVER_MAX_MESSAGE_BYTES": str(LIMIT)},
     )
-    fuzzed = Fuzzed(d, transport=request.param)
+    fuzzed = Fuzzed(d, transport=transport)
     yield fuzzed
     fuzzed.close()
-    assert d.proc.poll() is None, "the daemon died while being fuzzed"
+    assert d.proc.poll() is None, f"the daemon died ({name})"
     assert d.terminate() == 0, d.log()[-3000:]
+
+
+@pytest.fixture(scope="module", params=["zmq", "local"])
+def fz(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Fuzzed]:
+    yield from fuzzed_daemon(tmp_path_factory, request.param, "fuzz")
 
 
 def assert_round_trip(fz: Fuzzed, tag: str) -> None:
