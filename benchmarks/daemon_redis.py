@@ -39,12 +39,13 @@ import importlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness.ports import free_port as _free_port
 
 DEFAULT_SERVER = "redis-server"
 READY_TIMEOUT_S = 30.0
@@ -69,13 +70,6 @@ def redis_unavailable(server: str = DEFAULT_SERVER) -> str | None:
     except ImportError:
         return "the redis Python package is not installed (pip install 'kvserver[bench]')"
     return None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class RedisRef:

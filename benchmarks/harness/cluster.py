@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.daemon import wait_for_ready_file
+from benchmarks.harness.ports import free_port
 from benchmarks.harness.procs import EngineClient, Proc, output_tokens
 
 READY_TIMEOUT_S = 60.0
 MODEL_SEED = 7
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_tp_workers(
@@ -120,8 +114,13 @@ def run_workload(
     with EngineClient(port) as c:
         for _turn in range(w.turns):
             for conv in range(w.conversations):
-                msgs = list(c.stub.Generate(_request(prompts[conv], w.max_tokens), timeout=timeout,
-                                            metadata=c.metadata()))
+                msgs = list(
+                    c.stub.Generate(
+                        _request(prompts[conv], w.max_tokens),
+                        timeout=timeout,
+                        metadata=c.metadata(),
+                    )
+                )
                 out = output_tokens(msgs)
                 u = msgs[0].usage
                 result.turns.append(

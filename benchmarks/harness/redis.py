@@ -9,19 +9,14 @@ create`` (masters only). Both wait until the server answers PING / the cluster i
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness.ports import free_port as _free_port
+
 READY_TIMEOUT_S = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cli(port: int, *args: str, timeout: float = 10.0, cacert: str = "") -> str:

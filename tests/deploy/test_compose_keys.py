@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,17 +32,12 @@ from tests.deploy.test_fleet_deploy import daemon_config
 from tests.deploy.test_fleet_keys import SECURITY_FIELDS, _assert_clients_served
 from tests.scheduler.procs import EngineClient
 from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.ports import free_port as _free_port
 
 pytestmark = pytest.mark.multiprocess
 
 CLIENTS = ("worker-0", "worker-1", "scheduler")
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_keys(script: str, tmp_path: Path) -> None:
@@ -114,14 +108,16 @@ def test_compose_keys_make_a_secure_daemon_that_serves_its_clients(tmp_path: Pat
         assert client_auth_token(probe) == token
         _assert_clients_served(served, clients, ClientSecurity.from_mapping(probe), token)
         # without the keys or the token: refused
-        with pytest.raises(KVServerError, match="CURVE"), KVClient(
-            served.zmq_address, auth_token=token, colocated=False, timeout=5
-        ) as kv:
+        with (
+            pytest.raises(KVServerError, match="CURVE"),
+            KVClient(served.zmq_address, auth_token=token, colocated=False, timeout=5) as kv,
+        ):
             kv.hello()
         tls = ClientSecurity.from_mapping(probe).tls()
-        with pytest.raises(KVServerError), GrpcClient(
-            served.grpc_address, tls=tls, auth_token="x" * 32, timeout=5
-        ) as g:
+        with (
+            pytest.raises(KVServerError),
+            GrpcClient(served.grpc_address, tls=tls, auth_token="x" * 32, timeout=5) as g,
+        ):
             g.stats()
         _assert_front_door_needs_its_token(cmds["scheduler"], keys_dir, tmp_path)
     finally:
@@ -187,9 +183,10 @@ def test_dockerfile_default_command_makes_keeps_and_uses_its_keys(tmp_path: Path
         proc = start_daemon(tmp_path / "daemon", *local)
         try:
             _assert_clients_served(proc, {"client": client}, client, token)
-            with pytest.raises(KVServerError, match="CURVE"), KVClient(
-                proc.zmq_address, auth_token=token, colocated=False, timeout=5
-            ) as kv:
+            with (
+                pytest.raises(KVServerError, match="CURVE"),
+                KVClient(proc.zmq_address, auth_token=token, colocated=False, timeout=5) as kv,
+            ):
                 kv.hello()
         finally:
             assert proc.terminate() == 0, proc.log()

@@ -8,7 +8,6 @@ exits 0 on SIGTERM."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,12 @@ from tests.deploy.test_compose_keys import run_keys
 from tests.scheduler.procs import EngineClient, Proc, output_tokens
 from tests.support.daemon import wait_for_ready_file, wait_until
 from tests.support.metrics import scrape
+from tests.support.ports import free_port as _free_port
 
 pytestmark = pytest.mark.multiprocess
 
 READY_TIMEOUT_S = 60.0
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(name: str, cmd: list[str], tmp_path: Path) -> Proc:

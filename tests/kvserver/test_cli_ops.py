@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from kvserver import cli_ops
 from tests.kvserver.builders import make_spec
 from tests.kvserver.daemon.test_grpc_server import InProcessServer, chunk_keys
 from tests.support.daemon import start_daemon
+from tests.support.ports import free_port
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -38,12 +38,6 @@ def server(tmp_path: Path) -> Iterator[InProcessServer]:
     srv = InProcessServer(tmp_path)
     yield srv
     srv.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_status_table_and_json(server: InProcessServer, capsys: pytest.CaptureFixture[str]) -> None:

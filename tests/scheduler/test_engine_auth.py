@@ -9,7 +9,6 @@ is checked here; this machine's other users cannot run its Python.)"""
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from kvserver.grpc_format import ERROR_CODE_KEY
 from kvserver.token_file import make_token_file, read_token_file, token_path
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -129,13 +129,6 @@ def test_an_unusable_token_file_is_refused_at_start(tmp_path: Path) -> None:
     os.chmod(path, 0o600)
     proc = scheduler_exit("--engine-auth-token-file", path, "--engine-no-auth")
     assert proc.returncode == 2 and "excludes engine_no_auth" in proc.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_no_auth_opts_out_and_removes_a_stale_token_file(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import signal
-import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -47,6 +46,7 @@ from step_protocol import (
 )
 from tests.support.connector import admit
 from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.ports import free_port
 
 mp = pytest.mark.multiprocess
 
@@ -295,13 +295,6 @@ def ready_chunks(daemon: DaemonProc, req: FakeRequest) -> int:
 def daemon_stats(daemon: DaemonProc) -> dict[str, Any]:
     with KVClient(daemon.zmq_address, colocated=False) as kv:
         return kv.stats()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def stored_keys(conn: KVServerSchedulerConnector) -> list[bytes]:

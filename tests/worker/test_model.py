@@ -4,7 +4,6 @@ equals a full recompute, weights files are deterministic and validated."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserver.errors import InvalidArgument
+from tests.support.ports import free_port as _free_port
 from worker.model import (
     ModelConfig,
     SeqInput,
@@ -31,12 +31,6 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("model") / "model.safetensors"
     write_random_model(path, ModelConfig(), seed=3)
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tp_rank(rank: int, world: int, port: int, model_file: str, out_dir: str) -> None:

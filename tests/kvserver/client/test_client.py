@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from kvserver.errors import (
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.ports import free_port
 
 SPEC = make_spec(model="test/client", tp_world_size=2)
 
@@ -43,13 +43,6 @@ def parts(keys: list[bytes], spec: NamespaceSpec = SPEC) -> list[list[bytes]]:
 
 def as_bytes(rows: list[list[memoryview]]) -> list[list[bytes]]:
     return [[bytes(p) for p in row] for row in rows]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 # ----------------------------------------------------------------------------- session (no I/O)
