@@ -3,12 +3,61 @@
 ``write_atomic`` replaces a file all at once: readers see the old content or the new, never a
 part (ready files, announcement files). It does not fsync: for data that must survive a power
 loss use the SSD tier's ``FileIO.write_file_atomic`` (through its fault-injection seam).
+
+``read_limited`` reads a file an operator names (a config file) with a bound on its bytes and,
+for what is not a regular file (a FIFO, a device, a pipe), on the wait: ``--config /dev/zero``
+read without end, and a FIFO nobody writes blocked the start for ever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
+import stat
+import time
+
+#: how long ``read_limited`` waits for the end of what is not a regular file, by default.
+READ_WAIT_S = 10.0
+
+
+class TooLarge(OSError):
+    """``read_limited``: the file holds more than the limit."""
+
+
+def read_limited(path: str, max_bytes: int, wait_s: float = READ_WAIT_S) -> bytes:
+    """The bytes of ``path``, at most ``max_bytes`` of them. A regular file is read at once; a
+    FIFO, pipe or device must reach its end within ``wait_s`` (``open`` does not wait for a
+    FIFO's writer). Raises TooLarge past ``max_bytes``, TimeoutError past ``wait_s``, OSError
+    (with the path) when it cannot be opened or read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            os.set_blocking(fd, True)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + wait_s
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            if not regular:  # a FIFO with no writer yet polls as nothing (not as its end)
+                left = deadline - time.monotonic()
+                if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                    raise TimeoutError(
+                        f"no end of file within {wait_s:g} s (a FIFO or device nobody writes?)"
+                    )
+            try:
+                chunk = os.read(fd, min(1 << 16, max_bytes + 1 - size))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+        raise TooLarge(f"{path} is larger than {max_bytes} bytes")
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str, data: str | bytes) -> None:

@@ -31,6 +31,7 @@ from kvserver.daemon.config_parse import parse_size as parse_size  # still impor
 from kvserver.daemon.tenants import Tenant
 from kvserver.engine_types import EngineConfig
 from kvserver.errors import InvalidArgument
+from kvserver.files import TooLarge, read_limited
 from kvserver.policies import make_policy
 from kvserver.ssd.config import TierConfig
 from kvserver.token_file import read_token_file
@@ -51,6 +52,8 @@ PEER_STREAM_WINDOW_MIN = 1 << 20
 PEER_STREAM_WINDOW_MAX = 1 << 30
 #: zmq_send_timeout_s stays under the engine's longest lease, which the send pins are.
 MAX_SEND_TIMEOUT_S = EngineConfig().max_lease_s / 2
+#: the largest config file read (a real one is a few KiB; ``--config /dev/zero`` read for ever).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def bind_hint(flag: str, errno: int | None = None) -> str:
@@ -395,8 +398,13 @@ class DaemonConfig:
         values: dict[str, Any] = {}
         if config_file:
             try:
-                with open(config_file, "rb") as fh:
-                    values.update(tomllib.load(fh))
+                text = read_limited(config_file, MAX_CONFIG_BYTES)
+                values.update(tomllib.loads(text.decode()))
+            except TooLarge:
+                raise InvalidArgument(
+                    f"cannot read config file {config_file}: larger than {MAX_CONFIG_BYTES} "
+                    "bytes (a config file is a few KiB of TOML)"
+                ) from None
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from None
             except UnicodeDecodeError as exc:  # tomllib decodes the bytes first

@@ -6,6 +6,7 @@ and SIGHUP gets the ordered shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pty
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.daemon.config import unknown_env
+from kvserver.daemon.config import MAX_CONFIG_BYTES, unknown_env
 from kvserver.policies import policy_names
 from kvserver.token_file import token_path
 from tests.support.daemon import start_daemon, wait_for_ready_file
@@ -129,6 +130,46 @@ def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_one_line(tmp_path:
         assert result.returncode == 2, result.stderr
         (line,) = result.stderr.splitlines()
         assert line.startswith(f"kvserver start: {message}"), line
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "endless fifo", "2 MiB file"])
+def test_a_config_file_past_its_size_limit_is_one_line_naming_it_and_the_limit(
+    tmp_path: Path, source: str
+) -> None:
+    """``--config /dev/zero`` (or a FIFO fed without end) was read until memory ran out."""
+    feeding = threading.Event()
+    writer = None
+    if source == "/dev/zero":
+        config = source
+    elif source == "2 MiB file":
+        config = str(tmp_path / "huge.toml")
+        Path(config).write_bytes(b"# comment\n" * (200 << 10))
+    else:
+        config = str(tmp_path / "fifo")
+        os.mkfifo(config)
+
+        def feed() -> None:
+            with contextlib.suppress(BrokenPipeError), open(config, "wb") as fh:
+                while not feeding.is_set():
+                    fh.write(b"# more\n" * 4096)
+
+        writer = threading.Thread(target=feed, daemon=True)
+        writer.start()
+    try:
+        result = subprocess.run(
+            start_cmd(tmp_path / "shm", "--config", config), capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        feeding.set()
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == (
+        f"kvserver start: cannot read config file {config}: larger than {MAX_CONFIG_BYTES} "
+        "bytes (a config file is a few KiB of TOML)"
+    )
+    if writer is not None:
+        writer.join(60)
 
 
 @pytest.mark.parametrize("flag", ["--grpc-port", "--zmq-port", "--pub-port", "--peer-stream-port"])
