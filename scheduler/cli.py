@@ -114,6 +114,12 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="a worker silent this long on a step is failed",
     )
     p.add_argument(
+        "--hello-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long the workers may take to answer the first hello (loading a model)",
+    )
+    p.add_argument(
         "--probe-interval-s", type=float, default=1.0, help="how often failed workers are retried"
     )
     p.add_argument(
@@ -193,6 +199,7 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
         chunk_blocks=args.chunk_blocks,
         model=args.model,
         step_timeout_s=args.step_timeout_s,
+        hello_timeout_s=args.hello_timeout_s,
         probe_interval_s=args.probe_interval_s,
         synthetic_delay_ms=args.synthetic_delay_ms,
         shutdown_grace_s=args.shutdown_grace_s,

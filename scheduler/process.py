@@ -22,7 +22,8 @@ Shutdown on SIGTERM/SIGINT/SIGHUP, in order: metrics stop → gRPC stops accepti
 streams get a short grace (the loop still serves them) → remaining streams are cancelled (their
 requests aborted) → the step loop stops → workers are told to stop and synthetic children
 reaped → the connector's leases are released → the trace is closed → the token file and the
-ready file are removed → exit 0. A second stop signal exits at once, 128 + the signal, after
+ready file are removed → exit 0. A stop signal while the workers' hello is awaited (up to
+``--hello-timeout-s``) cancels it and does the same at once. A second stop signal exits at once, 128 + the signal, after
 killing synthetic children and removing those files and the ipc:// directory (``signals.py``).
 """
 
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from kvserver.daemon.auth import Authenticator
@@ -275,6 +276,25 @@ def _spawn_synthetic(config: ProcessConfig, tmpdir: str) -> tuple[list[str], lis
     return addresses, children
 
 
+async def _unless_stopped(
+    aw: Awaitable[list[WorkerInfo]], stop: asyncio.Event
+) -> list[WorkerInfo] | None:
+    """``aw``'s result, or None (``aw`` cancelled) once ``stop`` is set first: the first stop
+    signal while the workers' hello is awaited (up to ``--hello-timeout-s``) stops at once."""
+    task = asyncio.ensure_future(aw)
+    stop_wait = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_wait.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> SchedulerConnector | None:
     """The kvserver connector over the namespace the workers' KV layout describes."""
     if config.kvserver is None:
@@ -347,9 +367,18 @@ async def serve(
             hello_timeout_s=config.hello_timeout_s, curve=config.step_curve,
         )  # fmt: skip
         sched = config.scheduler
-        infos = await workers.start(
-            WorkerHello(0, len(addresses), sched.block_size, sched.num_gpu_blocks, config.model)
+        logger.info("waiting for %d workers to answer hello (at most %g s)", len(addresses),
+                    config.hello_timeout_s)  # fmt: skip
+        infos = await _unless_stopped(
+            workers.start(
+                WorkerHello(0, len(addresses), sched.block_size, sched.num_gpu_blocks,
+                            config.model)  # fmt: skip
+            ),
+            stop,
         )
+        if infos is None:
+            logger.info("stopped before the workers answered hello")
+            return
         scheduler = Scheduler(sched, connector=_make_connector(config, infos))
         core = EngineCore(scheduler, workers, probe_interval_s=config.probe_interval_s)
         loop_task = asyncio.create_task(core.run(), name="step-loop")

@@ -2,13 +2,15 @@
 worker stopped with SIGSTOP so no step is answered, a long ``--shutdown-grace-s``): the first
 stop signal starts the shutdown and does not end it; a second ends it at once with 128 + the
 signal, as the daemon does (scheduler/signals.py), leaving no token file, ready file, ipc://
-directory or synthetic worker behind."""
+directory or synthetic worker behind. The first stop signal while the scheduler waits for its
+workers' hello stops it at once and cleanly."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -83,3 +85,41 @@ def test_a_second_stop_signal_ends_a_held_up_shutdown_at_once(
             os.kill(worker_pid, signal.SIGCONT)
         if worker is not None:
             worker.kill()
+
+
+def test_a_stop_signal_while_the_workers_hello_is_awaited_stops_at_once_and_cleanly(
+    tmp_path: Path,
+) -> None:
+    """The worker is stopped (SIGSTOP: its hello is never answered) and the hello may take
+    600 s: the first SIGTERM was left unanswered until the hello timed out, then the scheduler
+    failed with a traceback. Now it exits 0 at once, leaving no private directory behind."""
+    worker = start_worker(tmp_path, "w", "tcp://127.0.0.1:0")
+    own_tmp = tmp_path / "tmp"  # the scheduler's tempfile directory: its ipc:// directory
+    own_tmp.mkdir()
+    log = tmp_path / "scheduler.log"
+    ready = tmp_path / "scheduler.ready"
+    args = [
+        sys.executable, "-m", "kvserver.cli", "scheduler", "--host", "127.0.0.1",
+        "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
+        "--workers", worker.info["endpoint"], "--hello-timeout-s", "600",
+    ]  # fmt: skip
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "TMPDIR": str(own_tmp)})  # fmt: skip
+        try:
+            wait_until(lambda: "waiting for 1 workers to answer hello" in log.read_text(), 60)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        text = log.read_text()
+        assert "stopped before the workers answered hello" in text, text
+        assert "Traceback" not in text, text
+        assert not ready.exists() and list(own_tmp.iterdir()) == []
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+        worker.kill()
