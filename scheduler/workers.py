@@ -317,6 +317,8 @@ class WorkerGroup:
         sock = worker.sock
         assert sock is not None
         while True:
+            # one frame at a time (never recv_multipart): a reply of many frames costs no more
+            # than ZMQ's queue of it; its second frame fails decoding like any bad reply
             data = await asyncio.wait_for(sock.recv(), _left(deadline))
             got_kind, body = decode(data)
             got_seq = body.get("seq", body.get("step"))

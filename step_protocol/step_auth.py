@@ -101,6 +101,7 @@ class StepGate:
         """Answer the ZAP requests waiting (libzmq asks one per handshake)."""
         sock = self.socket
         while sock.poll(0):
+            # made by libzmq from the handshake (inproc, bounded frames), not sent by a peer
             frames = sock.recv_multipart()
             reply = self._gate.answer(frames[2:]) if len(frames) >= 2 else None
             if reply is not None:

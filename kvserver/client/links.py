@@ -118,6 +118,7 @@ class ConnectionWatch:
     def _read(self) -> None:
         pair = self._pair
         while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            # libzmq's own monitor (inproc, two frames): no peer writes it
             message = parse_monitor_message(pair.recv_multipart())
             event = int(message["event"])
             if event == zmq.EVENT_CONNECT_RETRIED:

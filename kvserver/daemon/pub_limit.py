@@ -184,6 +184,7 @@ class SubscriberLimit:
         over: list[int] = []
         try:
             while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                # libzmq's own monitor (inproc, two frames): no peer writes it
                 event = parse_monitor_message(pair.recv_multipart(zmq.NOBLOCK))
                 fd = int(event["value"])
                 self._topics.pop(fd, None)  # a new connection, or one gone: none counted

@@ -166,6 +166,7 @@ class HandshakeGate:
             return
         try:
             while cast(int, pair.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                # libzmq's own monitor (inproc, two frames): no peer writes it
                 pair.recv_multipart(zmq.NOBLOCK)  # the event's kind does not matter here
                 self._counts.failed += 1
         except zmq.ZMQError as exc:
@@ -180,6 +181,8 @@ class HandshakeGate:
             for _ in range(MAX_DRAIN):
                 if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
+                # a ZAP request is made by libzmq (inproc, 6-7 frames, each bounded by the
+                # handshake: a PLAIN password <= 255 bytes, a CURVE key 32), not sent by a peer
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 reply = self.answer(frames[2:]) if len(frames) >= 2 else None
                 if reply is not None:

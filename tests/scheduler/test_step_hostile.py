@@ -121,6 +121,29 @@ def test_malformed_messages_are_answered(peer: tuple[Proc, Peer]) -> None:
     assert_served(worker, p)
 
 
+def peak_rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_message_of_a_million_frames_is_answered_without_keeping_its_frames(
+    peer: tuple[Proc, Peer],
+) -> None:
+    """1.5M two-byte frames after a hello: ``recv_multipart`` made a ``bytes`` of each, and
+    the worker's peak RSS grew by ~170 MB (ZMQ's own queue of the message, ~60 B a frame, is
+    the ~90 MB left: only the handshake bounds that); now frames past the second are dropped
+    as they are received."""
+    worker, p = peer
+    assert p.call(encode_body(KIND_HELLO, HELLO))[0] == KIND_HELLO
+    before = peak_rss_mib(worker.proc.pid)
+    kind, reply = p.call(encode_body(KIND_HELLO, HELLO), *([b"xy"] * 1_500_000))
+    assert kind == KIND_ERROR and "one frame, not 1500001" in reply["message"], reply
+    assert peak_rss_mib(worker.proc.pid) - before < 130
+    assert_served(worker, p)
+
+
 def test_a_prompt_token_outside_the_vocabulary_is_refused_at_the_front_door(
     tmp_path: Path,
 ) -> None:
