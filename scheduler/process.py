@@ -20,11 +20,12 @@ logged and fails the requests in flight.
 
 Shutdown on SIGTERM/SIGINT/SIGHUP, in order: metrics stop → gRPC stops accepting and in-flight
 streams get a short grace (the loop still serves them) → remaining streams are cancelled (their
-requests aborted) → the step loop stops → workers are told to stop and synthetic children
-reaped → the connector's leases are released → the trace is closed → the token file and the
-ready file are removed → exit 0. A stop signal while the workers' hello is awaited (up to
-``--hello-timeout-s``) cancels it and does the same at once. A second stop signal exits at once, 128 + the signal, after
-killing synthetic children and removing those files and the ipc:// directory (``signals.py``).
+requests aborted) → the step loop stops → workers are told to stop and synthetic children reaped
+→ the connector's leases are released → the trace is closed → the token file and the ready file
+are removed → exit 0. A stop signal while the workers' hello is awaited (up to
+``--hello-timeout-s``) cancels it and does the same at once. A second stop signal exits at once,
+128 + the signal, after killing synthetic children and removing those files and the ipc://
+directory (``signals.py``).
 """
 
 from __future__ import annotations
@@ -369,13 +370,10 @@ async def serve(
         sched = config.scheduler
         logger.info("waiting for %d workers to answer hello (at most %g s)", len(addresses),
                     config.hello_timeout_s)  # fmt: skip
-        infos = await _unless_stopped(
-            workers.start(
-                WorkerHello(0, len(addresses), sched.block_size, sched.num_gpu_blocks,
-                            config.model)  # fmt: skip
-            ),
-            stop,
+        hello = WorkerHello(
+            0, len(addresses), sched.block_size, sched.num_gpu_blocks, config.model
         )
+        infos = await _unless_stopped(workers.start(hello), stop)
         if infos is None:
             logger.info("stopped before the workers answered hello")
             return

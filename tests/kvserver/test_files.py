@@ -55,7 +55,7 @@ def test_read_limited_gives_up_on_a_fifo_nobody_writes(tmp_path: Path) -> None:
     """Was: open() blocked for ever waiting for a writer."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(TimeoutError, match="no end of file within 0.2 s"):
+    with pytest.raises(TimeoutError, match=r"no end of file within 0\.2 s"):
         read_limited(str(fifo), 1024, wait_s=0.2)
 
 
