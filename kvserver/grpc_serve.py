@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserver.errors import KVServerError
 from kvserver.grpc_format import MAX_MESSAGE_BYTES
+from kvserver.grpc_limit import ConnectionLimit, max_connections, server_options
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +29,21 @@ async def start_server(
     port: int,
     *,
     credentials: grpc.ServerCredentials | None = None,
-) -> tuple[grpc.aio.Server, int]:
+) -> tuple[grpc.aio.Server, int, ConnectionLimit]:
     """Serve ``handlers`` as ``service_name`` on ``host:port`` (0 = ephemeral; IPv6 hosts
     bracketed), with grpc.health.v1 (``health_servicer``, set SERVING for "" and
     ``service_name``) and server reflection; TLS when ``credentials`` are given. Messages up
     to ``MAX_MESSAGE_BYTES`` each way; no SO_REUSEPORT (a second server on the same port must
-    fail). Returns the started server and its port. Raises KVServerError if the address cannot
-    be bound (in use, bad host)."""
+    fail); its connections bounded (``grpc_limit.py``: in all, per address, idle, unfinished
+    handshakes, calls per connection). Returns the started server, its port and the started
+    per-address limit (stop it when the server stops). Raises KVServerError if the address
+    cannot be bound (in use, bad host)."""
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *server_options(max_connections()),
         ]
     )
     table = dict(handlers)
@@ -62,5 +66,7 @@ async def start_server(
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    limit = ConnectionLimit(bound, what=service_name)
+    limit.start()
     logger.info("gRPC serving %s on %s", service_name, address.rsplit(":", 1)[0] + f":{bound}")
-    return server, bound
+    return server, bound, limit

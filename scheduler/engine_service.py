@@ -37,6 +37,7 @@ from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import bind_hint
 from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated
 from kvserver.grpc_format import ERROR_CODE_KEY, bearer_token
+from kvserver.grpc_limit import ConnectionLimit
 from kvserver.grpc_serve import start_server
 from kvserver.prompts import MAX_PROMPT_TOKENS
 from scheduler.request import PromptUsage, RequestOutput
@@ -173,6 +174,7 @@ class EngineService:
         self.port = port
         self.tls = tls
         self._server: grpc.aio.Server | None = None
+        self._limit: ConnectionLimit | None = None
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> int:
@@ -184,7 +186,7 @@ class EngineService:
         }
         credentials = self.tls.credentials() if self.tls is not None else None
         try:
-            self._server, self.port = await start_server(
+            self._server, self.port, self._limit = await start_server(
                 SERVICE_NAME, handlers, self._health, self.host, self.port,
                 credentials=credentials,
             )  # fmt: skip
@@ -198,6 +200,8 @@ class EngineService:
         server, self._server = self._server, None
         if server is None:
             return
+        if self._limit is not None:
+            self._limit.stop()
         await self._health.enter_graceful_shutdown()
         await server.stop(grace)
 

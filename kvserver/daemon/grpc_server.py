@@ -65,6 +65,7 @@ from kvserver.grpc_format import (
     spec_from_proto,
     token_ids_from_proto,
 )
+from kvserver.grpc_limit import ConnectionLimit
 from kvserver.grpc_serve import start_server
 from kvserver.namespace import NamespaceSpec
 
@@ -143,6 +144,7 @@ class GrpcFrontend:
         self._auth = auth if auth is not None else Authenticator.single(config.auth_token)
         self._specs: dict[str, NamespaceSpec] = {}
         self._server: grpc.aio.Server | None = None
+        self._limit: ConnectionLimit | None = None
         self._health = health.aio.HealthServicer()
         self._stopping = asyncio.Event()
         self._watchers = 0  # WatchEvents streams open
@@ -172,7 +174,7 @@ class GrpcFrontend:
             tls = TlsServer(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
             credentials = tls.credentials()
         try:
-            self._server, self.port = await start_server(
+            self._server, self.port, self._limit = await start_server(
                 SERVICE_NAME, handlers, self._health, cfg.host, cfg.grpc_port,
                 credentials=credentials,
             )  # fmt: skip
@@ -187,6 +189,8 @@ class GrpcFrontend:
         server, self._server = self._server, None
         if server is None:
             return
+        if self._limit is not None:
+            self._limit.stop()
         await self._health.enter_graceful_shutdown()
         self._stopping.set()
         await server.stop(grace)
