@@ -18,17 +18,18 @@ SSD file, no ZMQ or local-channel client, no peer could be opened then
   process's soft limit on descriptors if less; ``grpc.max_allowed_incoming_connections``: gRPC
   closes one accepted past it at once). The hard bound on descriptors and memory, whoever
   holds them.
-- **Per address**: at most ``per_address`` (:data:`MAX_CONNECTIONS_PER_ADDRESS`) from one
-  address, as for the KV-event PUB (``daemon/pub_limit.py``), the peer stream and ``/metrics``.
-  gRPC offers no hook on accept, so every :data:`CHECK_EVERY_S` the process's descriptors are
-  read (``/proc/self/fd``: a ``readlink`` each; each socket's addresses read once, by its
-  inode) and an address holding more than ``per_address`` connections to the port has its
-  newest ones (the highest inodes) shut down (``shutdown(2)``: gRPC sees their end and drops
-  them), counted in :attr:`ConnectionLimit.refused`. After a cut the next check comes in
-  :data:`RECHECK_AFTER_CUT_S`, so one address reconnecting holds past its share at most that
-  long, and never more than ``max_connections`` in all. Reading ``/proc/net/tcp`` instead
-  took 100 ms a read on a host with 17,000 TCP sockets; the descriptors of one process are
-  ``max_connections`` at most. Without ``/proc`` (not Linux) only the total is bounded.
+- **Per address**: at most ``per_address`` (:data:`MAX_CONNECTIONS_PER_ADDRESS`; the daemon's
+  setting ``grpc_max_connections_per_address``) from one address, as for the KV-event PUB
+  (``daemon/pub_limit.py``), the peer stream and ``/metrics``. gRPC offers no hook on accept, so
+  every :data:`CHECK_EVERY_S` the process's descriptors are read (``/proc/self/fd``: a
+  ``readlink`` each; each socket's addresses read once, by its inode) and an address holding
+  more than ``per_address`` connections to the port has the rest shut down (the highest inodes,
+  mostly the newest: the kernel numbers sockets in per-CPU batches; ``shutdown(2)``: gRPC sees
+  their end and drops them), counted in :attr:`ConnectionLimit.refused`. After a cut the next
+  check comes in :data:`RECHECK_AFTER_CUT_S`, so one address reconnecting holds past its share
+  at most that long, and never more than ``max_connections`` in all. Reading ``/proc/net/tcp``
+  instead took 100 ms a read on a host with 17,000 TCP sockets; the descriptors of one process
+  are ``max_connections`` at most. Without ``/proc`` (not Linux) only the total is bounded.
 - **Idle**: a connection with no call for :data:`MAX_IDLE_MS` is sent GOAWAY and closed
   (``grpc.max_connection_idle_ms``; a client's channel reconnects at its next call). A
   streaming call (WatchEvents, Generate) keeps its connection busy, not idle.
@@ -140,7 +141,7 @@ class ConnectionLimit:
 
     def check(self) -> int:
         """One count: shut down the connections past ``per_address`` of every address (the
-        newest); returns how many."""
+        highest inodes); returns how many."""
         by_address: dict[str, list[tuple[int, int]]] = {}
         known: dict[int, tuple[str, int]] = {}
         for name in os.listdir(_FD_DIR):
@@ -163,7 +164,7 @@ class ConnectionLimit:
         for address, conns in by_address.items():
             if len(conns) <= self.per_address:
                 continue
-            conns.sort()  # inodes grow as sockets are made: the newest last
+            conns.sort()  # inodes grow as sockets are made (per-CPU batches): mostly newest last
             ended = sum(_shut_down(fd, inode) for inode, fd in conns[self.per_address :])
             cut += ended
             self._warn(address, ended)

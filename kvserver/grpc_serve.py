@@ -16,7 +16,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserver.errors import KVServerError
 from kvserver.grpc_format import MAX_MESSAGE_BYTES
-from kvserver.grpc_limit import ConnectionLimit, max_connections, server_options
+from kvserver.grpc_limit import (
+    MAX_CONNECTIONS_PER_ADDRESS,
+    ConnectionLimit,
+    max_connections,
+    server_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +34,16 @@ async def start_server(
     port: int,
     *,
     credentials: grpc.ServerCredentials | None = None,
+    per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
 ) -> tuple[grpc.aio.Server, int, ConnectionLimit]:
     """Serve ``handlers`` as ``service_name`` on ``host:port`` (0 = ephemeral; IPv6 hosts
     bracketed), with grpc.health.v1 (``health_servicer``, set SERVING for "" and
-    ``service_name``) and server reflection; TLS when ``credentials`` are given. Messages up
-    to ``MAX_MESSAGE_BYTES`` each way; no SO_REUSEPORT (a second server on the same port must
-    fail); its connections bounded (``grpc_limit.py``: in all, per address, idle, unfinished
-    handshakes, calls per connection). Returns the started server, its port and the started
-    per-address limit (stop it when the server stops). Raises KVServerError if the address
-    cannot be bound (in use, bad host)."""
+    ``service_name``) and server reflection; TLS when ``credentials`` are given. Messages up to
+    ``MAX_MESSAGE_BYTES`` each way; no SO_REUSEPORT (a second server on the same port must
+    fail); its connections bounded (``grpc_limit.py``: in all, ``per_address`` from one address,
+    idle, unfinished handshakes, calls per connection). Returns the started server, its port and
+    the started per-address limit (stop it when the server stops). Raises KVServerError if the
+    address cannot be bound (in use, bad host)."""
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),
@@ -66,7 +72,7 @@ async def start_server(
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    limit = ConnectionLimit(bound, what=service_name)
+    limit = ConnectionLimit(bound, per_address, what=service_name)
     limit.start()
     logger.info("gRPC serving %s on %s", service_name, address.rsplit(":", 1)[0] + f":{bound}")
     return server, bound, limit

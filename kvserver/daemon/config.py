@@ -118,6 +118,10 @@ class DaemonConfig:
     #: gRPC WatchEvents: most streams at once, all callers together (one more is answered
     #: RESOURCE_EXHAUSTED): each event is written to every stream on the loop.
     max_event_watchers: int = 64
+    #: gRPC: most connections from one address (the newest past it are shut down within
+    #: 0.5 s; kvserver/grpc_limit.py); raise it where many clients share an address (behind
+    #: NAT or a proxy).
+    grpc_max_connections_per_address: int = 64
     #: largest request accepted, bytes: all frames of a local-channel message (refused at its
     #: size prefix) or of a ROUTER message (refused once ZMQ has received it whole); ZMQ itself
     #: (MAXMSGSIZE, the ROUTER's and the network tier's DEALERs') bounds each frame only.
@@ -244,7 +248,7 @@ class DaemonConfig:
         for name in ("ssd_promotions", "event_capacity", "max_message_bytes",
                      "local_inflight_bytes", "local_max_connections", "pub_hwm",
                      "pub_max_subscribers", "pub_max_subscribers_per_address",
-                     "max_event_watchers"):  # fmt: skip
+                     "max_event_watchers", "grpc_max_connections_per_address"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1", value=getattr(self, name))
         if self.no_auth and self.auth_token:

@@ -176,7 +176,7 @@ class GrpcFrontend:
         try:
             self._server, self.port, self._limit = await start_server(
                 SERVICE_NAME, handlers, self._health, cfg.host, cfg.grpc_port,
-                credentials=credentials,
+                credentials=credentials, per_address=cfg.grpc_max_connections_per_address,
             )  # fmt: skip
         except KVServerError as exc:  # gRPC says no more than "failed to bind"
             reason = exc.message.split("; set GRPC_VERBOSITY", 1)[0]

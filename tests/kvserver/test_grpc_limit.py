@@ -113,6 +113,20 @@ def test_one_address_holding_idle_connections_is_cut_to_its_share_and_others_ser
     assert daemon.proc.poll() is None
 
 
+def test_the_daemons_share_per_address_is_a_setting(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--dram", "16MiB",
+                     env={"KVSERVER_GRPC_MAX_CONNECTIONS_PER_ADDRESS": "8"})  # fmt: skip
+    idle = IdleConnections(int(d.info["grpc_port"]), 40)
+    try:
+        wait_until(lambda: idle.closed() >= 32, WAIT_S)
+        with grpc.insecure_channel(d.grpc_address) as channel:
+            assert lookup(d, channel) == grpc.StatusCode.NOT_FOUND
+        assert idle.closed() == 32
+    finally:
+        idle.close()
+        d.terminate()
+
+
 def test_many_addresses_never_take_the_daemon_to_its_descriptor_limit(tmp_path: Path) -> None:
     """Soft limit 256 descriptors: at most 128 gRPC connections; 300 from 30 addresses (10
     each, under the per-address share) took every descriptor the daemon had."""

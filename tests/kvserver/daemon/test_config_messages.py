@@ -40,6 +40,7 @@ BAD: dict[str, tuple[str, ...]] = {
     "pub_max_subscribers": ("0",),
     "pub_max_subscribers_per_address": ("0",),
     "max_event_watchers": ("0",),
+    "grpc_max_connections_per_address": ("0",),
     "zmq_send_timeout_s": ("0", "301", "nan"),
     "zmq_send_max_unsent": ("-1",),
     "reap_interval_s": ("0", "nan", "inf"),
