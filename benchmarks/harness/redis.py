@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.harness.ports import free_port as _free_port
 
-READY_TIMEOUT_S = 20.0
+READY_TIMEOUT_S = 60.0
 
 
 def _cli(port: int, *args: str, timeout: float = 10.0, cacert: str = "") -> str:
@@ -83,10 +83,25 @@ class RedisServer:
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while self.cli("PING") != "PONG":
+        # ready = our own process answers: a PONG from another server that took the port (a
+        # concurrent run) must not pass, nor may a server that did not start be left running
+        while not self._answers_as(self.proc.pid):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.binary} did not start: {log.read_text()}")
+                self.kill()
+                text = log.read_text() if log.exists() else "(no log)"
+                raise RuntimeError(f"{self.binary} did not start on port {self.port}: {text}")
             time.sleep(0.02)  # polling for readiness, bounded by the deadline
+
+    def _answers_as(self, pid: int) -> bool:
+        """Whether the server on our port answers and is process ``pid``."""
+        try:
+            info = self.cli("INFO", "server")
+        except subprocess.TimeoutExpired:  # a loaded machine: ask again until the deadline
+            return False
+        for line in info.splitlines():
+            if line.startswith("process_id:"):
+                return line.partition(":")[2].strip() == str(pid)
+        return False
 
     def cli(self, *args: str) -> str:
         return _cli(self.port, *args, cacert=self.tls_cert)

@@ -193,7 +193,10 @@ def connector(daemon: DaemonProc, model: str, *, scan_every_step: bool) -> Any:
         model=model, dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8,
         block_size=BS, chunk_blocks=2,
     )  # fmt: skip
-    conn = KVServerSchedulerConnector(KVConnectorConfig(daemon.zmq_address, spec))
+    # patient timeouts: both connectors must see every answer (the production 0.1 s lookup
+    # bound skipped a daemon for 5 s on a loaded machine, and the two plans parted)
+    config = KVConnectorConfig(daemon.zmq_address, spec, lookup_timeout_s=30.0, op_timeout_s=30.0)
+    conn = KVServerSchedulerConnector(config)
     if scan_every_step:
         conn._stores.calendar = StoreCalendar(spec.chunk_tokens, scan_every_step=True)
     return conn
