@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 
+from kvserver.cli_render import render_status
 from kvserver.client import KVClient
 from kvserver.cluster import FleetReader
 from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.grpc_client import GrpcClient
+from kvserver.grpc_replies import ServerStats
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.cluster.builders import eventually
@@ -62,6 +65,12 @@ def cluster_stats(d: DaemonProc) -> dict[str, Any]:
     with KVClient(d.zmq_address) as kv:
         stats: dict[str, Any] = kv.stats()["cluster"]
         return stats
+
+
+def grpc_stats(d: DaemonProc) -> ServerStats:
+    """The daemon's ``Stats`` over gRPC, as ``kvserver status`` reads them."""
+    with GrpcClient(d.grpc_address) as client:
+        return client.stats()
 
 
 def reader_for(redis: RedisServer, url: str = "") -> FleetReader:
@@ -149,6 +158,11 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
         assert metrics.value("kvserver_cluster_errors_total") >= 1
         assert metrics.value("kvserver_cluster_resync_pending") == 1  # it owes one
         assert cluster_stats(a)["resync_pending"] == 1
+        # and so do gRPC Stats and kvserver status (before, ClusterStats had no such field:
+        # the status never said it, though it has the note)
+        grpc_cluster = grpc_stats(a).cluster
+        assert grpc_cluster is not None and grpc_cluster["resync_pending"] == 1
+        assert "index resync pending" in render_status(grpc_stats(a), a.grpc_address)
         store(a, keys[4:])  # the daemon keeps serving its own tiers
         with KVClient(a.zmq_address) as kv:
             assert kv.lookup(ns_id, keys).hit_chunks == 8
@@ -158,6 +172,8 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
         assert cluster_stats(a)["resyncs"] >= 2
         assert cluster_stats(a)["resync_pending"] == 0
         assert scrape(a.metrics_url).value("kvserver_cluster_resync_pending") == 0
+        assert "resync_pending" not in (grpc_stats(a).cluster or {})  # 0: proto3 omits it
+        assert "resync pending" not in render_status(grpc_stats(a), a.grpc_address)
     finally:
         await reader.redis.aclose()
 
