@@ -43,7 +43,18 @@ Lifecycle of the member (docs/cluster.md):
    writes), and a resync first sets a new number: a timed-out pipeline's tail that Redis
    runs during the resync changes nothing the resync does not replace.
 
-Conditions: ``connecting`` (not registered yet), ``ok``, ``unavailable``, ``stopped``.
+6. **Redis full** (``maxmemory`` under ``noeviction``): Redis refuses the index's adds and
+   nothing else (the membership's writes and the fence's are ``allow-oom`` scripts, removes
+   free memory): the member stays in the fleet, ``degraded`` ("Redis is full" and the adds
+   deferred in ``condition_detail``, ``redis_full`` in ``stats()``); the adds refused, and
+   those of the batches after, are deferred (``writer.py``) and retried on their own after
+   a pause that backs off as the retries of 4 do; once all are in: ``ok``. Before, the
+   heartbeat's first command (the record's renewal, a ``SET``) was refused: the member went
+   ``unavailable``, its record expired, its sets with it (freeing memory), it registered
+   again and filled Redis again: members left and rejoined, over and over.
+
+Conditions: ``connecting`` (not registered yet), ``ok``, ``degraded`` (a member, its newest
+index entries deferred: Redis full), ``unavailable``, ``stopped``.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ from kvserver.cluster.config import ClusterConfig, connect
 from kvserver.cluster.pacing import Pacing
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
-from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId
+from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId, is_oom
 from kvserver.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
@@ -136,6 +147,10 @@ class ClusterNode:
         self.counters = NodeCounters()
         self.condition = "connecting"
         self.condition_detail = ""
+        #: Redis refused index adds for memory (``writer.deferred`` holds them); when
+        #: (monotonic) the deferred adds are tried again
+        self.full = False
+        self._full_retry_at = 0.0
         self._registered = False
         #: the resync's delay and the retries' pauses (``rng``: a seeded one in tests)
         self.pacing = Pacing(config, rng)
@@ -157,6 +172,12 @@ class ClusterNode:
     @property
     def incarnation(self) -> str:
         return self.info.incarnation
+
+    @property
+    def readable(self) -> bool:
+        """Whether the fleet state is read and this daemon a member (``ok``, or ``degraded``:
+        Redis full, its newest index entries deferred)."""
+        return self.condition in ("ok", "degraded")
 
     @property
     def members(self) -> list[HostInfo]:
@@ -211,6 +232,9 @@ class ClusterNode:
             # long until it starts when it waits for its delay
             "resync_pending": int(not self._registered and self.condition != "stopped"),
             "resync_in_s": self.pacing.resync_in_s(),
+            # Redis refuses index adds for memory: this member's adds wait, deferred
+            "redis_full": int(self.full),
+            "deferred_keys": self.writer.deferred_keys,
             "registrations": c.registrations,
             "resyncs": c.resyncs,
             "heartbeats": c.heartbeats,
@@ -280,18 +304,22 @@ class ClusterNode:
                     await self._heartbeat()
                     next_beat = time.monotonic() + interval
                     continue
+                if self.full and time.monotonic() >= self._full_retry_at:
+                    await self._retry_deferred()
+                    continue
                 if self.writer.pending_keys:
                     linger = self._last_write + self.config.batch_linger_s - time.monotonic()
                     if linger > 0 and self.writer.pending_keys < MAX_BATCH_KEYS:
                         await asyncio.sleep(min(linger, next_beat - time.monotonic()))
-                batch = self.writer.take_batch()
+                batch = self.writer.take_batch(defer_adds=self.full)
                 if batch is not None:
                     await self._write(batch)
                     self._last_write = time.monotonic()
                     continue
                 self._wake.clear()
+                until = min(next_beat, self._full_retry_at) if self.full else next_beat
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), next_beat - time.monotonic())
+                    await asyncio.wait_for(self._wake.wait(), until - time.monotonic())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -304,7 +332,7 @@ class ClusterNode:
     def _failed(self, exc: BaseException) -> None:
         self.counters.errors += 1
         detail = f"{type(exc).__name__}: {str(exc) or 'Redis did not answer in time'}"
-        full = type(exc).__name__ == "OutOfMemoryError"  # either client library's
+        full = is_oom(exc)
         if full:
             detail += f" ({OOM_HINT})"
         if isinstance(exc, record.HostIdTaken):
@@ -318,9 +346,48 @@ class ClusterNode:
             )
         self.condition, self.condition_detail = "unavailable", detail
         self.pacing.failed()
-        self.counters.dropped_keys += self.writer.pending_keys
+        self.counters.dropped_keys += self.writer.pending_keys + self.writer.deferred_keys
         self.writer.drop()
         self._registered = False
+        self.full = False
+
+    def _full_refused(self, refused: BaseException) -> None:
+        """Redis refused index adds for memory (``refused``): ``degraded``, the deferred adds
+        (``writer.deferred``) retried after a pause that backs off as 4's retries do."""
+        if not self.full:
+            logger.warning("cluster: Redis refuses index writes, out of memory (%s); this host "
+                           "stays a member, its new index entries wait", refused)  # fmt: skip
+            self.pacing.succeeded()  # the backoff of the adds' retries starts here
+        self.full = True
+        self.pacing.failed()
+        self._full_retry_at = time.monotonic() + self.pacing.retry_pause()
+        self.condition = "degraded"
+        self._full_detail()
+
+    def _full_detail(self) -> None:
+        n = self.writer.deferred_keys
+        self.condition_detail = (
+            f"OutOfMemoryError: {n} index entr{'y' if n == 1 else 'ies'} deferred, missing "
+            f"from the index until Redis takes them ({OOM_HINT})"
+        )
+
+    async def _retry_deferred(self) -> None:
+        """Try the deferred adds again (Redis full), a batch of at most MAX_BATCH_KEYS; the
+        rest follow at once when Redis took them all, else after the next pause; none left:
+        ``ok`` again."""
+        batch = self.writer.take_deferred(MAX_BATCH_KEYS)
+        refused = None if batch is None else await self._write_part(batch)
+        if not self._registered:  # the fence found writes lost: a resync instead
+            return
+        if refused is not None:
+            self._full_refused(refused)
+        elif self.writer.deferred_keys:
+            self._full_detail()  # the next part at once
+        else:
+            logger.info("cluster: Redis takes index writes again; the deferred ones are in")
+            self.full = False
+            self.pacing.succeeded()
+            self.condition, self.condition_detail = "ok", ""
 
     # ------------------------------------------------------------------ Redis writes
 
@@ -328,7 +395,10 @@ class ClusterNode:
         """Execute ``pipe`` within 4 timeouts plus 10 us per index key it carries (a resync of
         1 M chunks sends 8 MB: it must not time out, and then retry, forever)."""
         limit = self.config.timeout_s * 4 + num_keys * KEY_WRITE_S
-        result: list[Any] = await asyncio.wait_for(pipe.execute(), limit)
+        result: list[Any] = await asyncio.wait_for(pipe.execute(raise_on_error=False), limit)
+        for reply in result:  # refused adds (Redis full) are the writer's: IndexWriter.count
+            if isinstance(reply, Exception) and not is_oom(reply):
+                raise reply
         return result
 
     async def _register_and_resync(self) -> None:
@@ -347,7 +417,7 @@ class ClusterNode:
         # resync's megabytes sent again at every retry. As long as a pipeline: it waits
         # out a write pause.
         fence = self.writer.next_fence()
-        await asyncio.wait_for(r.set(self.writer.fence_key, fence, px=self.config.ttl_ms),
+        await asyncio.wait_for(record.set_px(r, self.writer.fence_key, fence, self.config.ttl_ms),
                                self.config.timeout_s * 4)  # fmt: skip
         snap = self.snapshot()  # no await between this and the resync's start: events after
         self._ns_specs = dict(self.namespace_specs())  # it follow, and stay pending
@@ -357,6 +427,7 @@ class ClusterNode:
         batch = await _drive(steps)  # the fingerprints, in steps: the loop runs between
         parts = batch.split(MAX_BATCH_KEYS)  # the record last: a new incarnation appears whole
         commands = 2 + len(old_keys)
+        refused: BaseException | None = None  # an add Redis refused for memory
         for i, part in enumerate(parts):
             pipe = r.pipeline(transaction=False)
             for key in old_keys if i == 0 else ():
@@ -368,8 +439,10 @@ class ClusterNode:
                 commands += self._queue_record(pipe, exists=False)
                 commands += self.writer.queue_fence(pipe)
             replies = await self._bounded(pipe, part.num_keys)
+            refused = refused or _refused(replies)
             if not self._counted(part, replies[at : at + writes]):  # once more
                 return
+        _check(replies[at + writes :])
         if not self._fenced(replies[-1]):  # Redis lost some of the resync: once more
             return
         self._written(batch.last_seq)
@@ -390,6 +463,9 @@ class ClusterNode:
                 else "",
             )
         self.condition, self.condition_detail = "ok", ""
+        self.full = False
+        if refused is not None or self.writer.deferred_keys:  # Redis is full
+            self._full_refused(refused or MemoryError("index adds refused"))
         await self.reader.hosts(refresh=True)  # self.members
 
     def _queue_record(self, pipe: Any, *, exists: bool) -> int:
@@ -410,12 +486,16 @@ class ClusterNode:
 
     async def _write(self, batch: Batch) -> None:
         for part in batch.split(MAX_BATCH_KEYS):  # the fence in each: checked in each
-            await self._write_part(part)
+            refused = await self._write_part(part)
             if not self._registered:  # the fence found writes lost: resync instead
                 return
+            if refused is not None:  # Redis full: its adds deferred, the rest go on
+                self._full_refused(refused)
         self._written(batch.last_seq)
 
-    async def _write_part(self, batch: Batch) -> None:
+    async def _write_part(self, batch: Batch) -> BaseException | None:
+        """Write ``batch`` in one pipeline; the error of an add Redis refused for memory
+        (deferred by the writer), or None."""
         pipe = self.redis.pipeline(transaction=False)
         commands = at = self.writer.apply(pipe, batch)
         if batch.new_namespaces:
@@ -427,9 +507,11 @@ class ClusterNode:
         self.counters.commands += commands
         self.counters.indexed_keys += batch.num_keys
         if not self._counted(batch, replies[:at]):
-            return
+            return None
+        _check(replies[at:])
         if not batch.new_namespaces or self._renewed(replies[at]):
             self._fenced(replies[-1])
+        return _refused(replies[:at])
 
     def _counted(self, batch: Batch, replies: Sequence[Any]) -> bool:
         """Count ``batch``'s write replies (:meth:`IndexWriter.count`); False, and a resync
@@ -468,6 +550,7 @@ class ClusterNode:
             pipe.execute_command("EVAL", KEEP_SCRIPT, 1, key, self.config.ttl_ms)
         self.writer.queue_fence(pipe)
         replies = await self._bounded(pipe)
+        _check(replies)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)
         # the record gone (Redis lost it, or we stalled past the TTL) or another's
@@ -491,3 +574,16 @@ class ClusterNode:
         pipe.execute_command("EVAL", record.LEAVE_SCRIPT, 2, *keys, self.host_id,
                              record.field(self.incarnation))  # fmt: skip
         await pipe.execute()
+
+
+def _refused(replies: Sequence[Any]) -> BaseException | None:
+    """The first reply that is Redis refusing a write for memory (an add), or None."""
+    return next((r for r in replies if isinstance(r, BaseException) and is_oom(r)), None)
+
+
+def _check(replies: Sequence[Any]) -> None:
+    """Raise the first error among ``replies`` (commands that Redis runs while full: an
+    error there is a failure, as when the pipeline raised)."""
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply

@@ -27,16 +27,40 @@ from kvserver.errors import InvalidState
 # compares two readings of one clock, not the clocks of two hosts.
 TIME_SCRIPT = "return redis.call('TIME')"
 
+# Membership must survive a Redis that is full under ``noeviction``, so the membership's
+# writes (and the write fence's) are scripts flagged ``allow-oom``: Redis runs them when it
+# refuses every other write that may need memory (``SET``, ``SADD``, ``HSET``, even one that
+# changes nothing). Each writes a few hundred bytes at most, and nothing when the value is
+# there already; the index's adds (kilobytes to megabytes) stay refused (``writer.py``).
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+
 # KEYS[1]: the record. ARGV: the new record, its TTL (ms), the incarnation's JSON field.
-# Renews the record while it names this incarnation (1); else changes nothing and returns
-# the record there (nil: none).
-RENEW_SCRIPT = """
+# Renews the record while it names this incarnation (1): its TTL alone when its contents are
+# the same, else rewritten; otherwise changes nothing and returns the record there (nil:
+# none).
+RENEW_SCRIPT = ALLOW_OOM + """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return false end
 if not string.find(cur, ARGV[3], 1, true) then return cur end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
 return 1
 """
+
+# KEYS[1]: a string. ARGV: its value, its TTL (ms). A registration's record, a resync's
+# new fence number (``SET .. PX``, allowed while Redis is full).
+SET_SCRIPT = ALLOW_OOM + "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])"
+
+# KEYS[1]: the hosts set. ARGV[1]: a host id (already there at every heartbeat: nothing
+# allocated).
+JOIN_SCRIPT = ALLOW_OOM + "return redis.call('SADD', KEYS[1], ARGV[1])"
+
+# KEYS[1]: the namespace specs. ARGV: ns id, spec, ... (the same at every heartbeat: an ns
+# id is a digest of its spec).
+SPECS_SCRIPT = ALLOW_OOM + "return redis.call('HSET', KEYS[1], unpack(ARGV))"
 
 # KEYS[1]: the record, KEYS[2]: the hosts set (one slot). ARGV: the host id, the
 # incarnation's JSON field. Removes both while the record names this incarnation.
@@ -110,18 +134,27 @@ async def predecessor(redis: Any, mine: HostInfo, timeout_s: float) -> list[str]
     return []
 
 
+def set_px(pipe: Any, key: str, value: Any, ttl_ms: int) -> Any:
+    """``SET key value PX ttl_ms`` on ``pipe`` (queued), or a client (its awaitable), done
+    even while Redis is full (:data:`SET_SCRIPT`)."""
+    return pipe.execute_command("EVAL", SET_SCRIPT, 1, key, value, ttl_ms)
+
+
 def queue(pipe: Any, info: HostInfo, ttl_ms: int, specs: Mapping[str, str], *, exists: bool) -> int:
     """Queue ``info``'s record on ``pipe`` (``exists``: renewed only while it names this
     incarnation, :data:`RENEW_SCRIPT`; else set), its id in the hosts set and the namespace
-    ``specs``; returns the number of commands queued (the record's first)."""
+    ``specs``; returns the number of commands queued (the record's first). Every one is
+    done while Redis is full (:data:`ALLOW_OOM`): a member's heartbeat never fails for
+    memory, so a full Redis does not make the fleet's members leave and rejoin."""
     key = schema.host_key(info.host_id)
     if exists:
         mine = field(info.incarnation)
         pipe.execute_command("EVAL", RENEW_SCRIPT, 1, key, info.encode(), ttl_ms, mine)
     else:
-        pipe.set(key, info.encode(), px=ttl_ms)
-    pipe.sadd(schema.hosts_key(), info.host_id)
+        set_px(pipe, key, info.encode(), ttl_ms)
+    pipe.execute_command("EVAL", JOIN_SCRIPT, 1, schema.hosts_key(), info.host_id)
     if specs:
-        pipe.hset(schema.namespaces_key(), mapping=dict(specs))
+        flat = [part for item in sorted(specs.items()) for part in item]
+        pipe.execute_command("EVAL", SPECS_SCRIPT, 1, schema.namespaces_key(), *flat)
         return 3
     return 2

@@ -26,6 +26,15 @@ A write of the node's current pipeline that the fence refuses ran after that pip
 fence move (a Redis Cluster client retrying a redirected write at the end): its change is
 lost, and :meth:`IndexWriter.count` reports it so that the node resyncs.
 
+Redis full (``maxmemory`` under ``noeviction``): Redis refuses an add (``SADD`` needs memory)
+and nothing else a pipeline does (removes and unlinks free memory; the fence's move is a
+script flagged ``allow-oom``, as the membership's writes are: ``record.ALLOW_OOM``). The
+refused adds are kept, **deferred** (:meth:`IndexWriter.count`), not sent again with every
+batch: a later event of the key (removed, stored again, the set cleared) forgets it, so a
+deferred key is always one the tier holds, and the node retries them, paced, in batches of
+their own (:meth:`IndexWriter.take_deferred`). Meanwhile the index lacks them: fewer holders,
+never a false one.
+
 Cost: per batch and per (namespace, tier) touched, at most one ``SREM`` and one ``EVAL`` per
 ``MAX_ARGS`` keys (inside it one ``SADD`` per ``SADD_ARGS`` keys and one ``PEXPIRE``):
 commands per stored chunk fall as batches grow.
@@ -38,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserver.cluster import schema
+from kvserver.cluster.record import ALLOW_OOM
 from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 #: most fingerprints in one WRITE_SCRIPT call.
@@ -80,8 +90,8 @@ return out
 
 # KEYS[1]: an incarnation's write fence. ARGV: the number it should read, the next, its TTL
 # (ms). Moves it only from the number before (a late tail's move, after a resync set a new
-# one, changes nothing); returns what it read (nil: none).
-FENCE_SCRIPT = """
+# one, changes nothing); returns what it read (nil: none). Done while Redis is full.
+FENCE_SCRIPT = ALLOW_OOM + """
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
 return v
@@ -154,6 +164,14 @@ class IndexWriter:
         #: members of each set in Redis, as the replies of this incarnation's writes left it
         #: (:meth:`count`); the heartbeat checks Redis still holds them (:meth:`lost_sets`).
         self.sizes: dict[SetId, int] = {}
+        #: adds Redis refused for memory, per set, to retry (module docstring): each a key
+        #: the tier holds (a later event of it removes it from here).
+        self.deferred: dict[SetId, set[bytes]] = {}
+
+    @property
+    def deferred_keys(self) -> int:
+        """Adds Redis refused for memory, still to be written (the index lacks them)."""
+        return sum(len(d) for d in self.deferred.values())
 
     def add(self, events: Iterable[Event]) -> None:
         for ev in events:
@@ -164,7 +182,10 @@ class IndexWriter:
             changes = self._pending.get((ev.ns_id, tier))
             if changes is None:
                 changes = self._pending[(ev.ns_id, tier)] = _SetChanges()
+            deferred = self.deferred.get((ev.ns_id, tier))
             if isinstance(ev, AllBlocksCleared):
+                if deferred:
+                    deferred.clear()
                 self.pending_keys -= len(changes.ops)
                 changes.ops.clear()
                 changes.cleared = True
@@ -173,25 +194,50 @@ class IndexWriter:
             assert added or isinstance(ev, BlockRemoved)
             before = len(changes.ops)
             for key in ev.keys:
-                changes.ops[schema.fingerprint(key)] = added
+                fp = schema.fingerprint(key)
+                changes.ops[fp] = added
+                if deferred:  # this event is newer: it decides
+                    deferred.discard(fp)
             self.pending_keys += len(changes.ops) - before
 
     def drop(self) -> None:
-        """Forget pending changes (the node resyncs instead)."""
+        """Forget pending and deferred changes (the node resyncs instead)."""
         self._pending.clear()
         self.pending_keys = 0
+        self.deferred.clear()
 
-    def take_batch(self) -> Batch | None:
-        """The pending changes as one batch (and none pending after), or None."""
+    def take_batch(self, *, defer_adds: bool = False) -> Batch | None:
+        """The pending changes as one batch (and none pending after), or None. ``defer_adds``
+        (Redis is full): the adds go to :attr:`deferred` instead, the batch carries the
+        removes and unlinks (which Redis does while full: they free memory)."""
         if not self._pending:
             return None
         sets: dict[SetId, tuple[bool, list[bytes], list[bytes]]] = {}
         for set_id, ch in self._pending.items():
             adds = [fp for fp, add in ch.ops.items() if add]
             removes = [] if ch.cleared else [fp for fp, add in ch.ops.items() if not add]
+            if defer_adds and adds:
+                self.deferred.setdefault(set_id, set()).update(adds)
+                adds = []
             sets[set_id] = (ch.cleared, adds, removes)
-        self.drop()
+        self._pending.clear()
+        self.pending_keys = 0
         return Batch(sets, self._claim({ns for ns, _ in sets}), self.last_seq)
+
+    def take_deferred(self, max_keys: int) -> Batch | None:
+        """At most ``max_keys`` of the :attr:`deferred` adds as a batch of their own (no
+        longer deferred: :meth:`count` defers again those Redis refuses), or None."""
+        sets: dict[SetId, tuple[bool, list[bytes], list[bytes]]] = {}
+        room = max_keys
+        for set_id, fps in self.deferred.items():
+            if room <= 0:
+                break
+            take = [fps.pop() for _ in range(min(room, len(fps)))]
+            if take:
+                sets[set_id] = (False, take, [])
+                room -= len(take)
+        self.deferred = {k: v for k, v in self.deferred.items() if v}
+        return Batch(sets, (), self.last_seq) if sets else None
 
     def full_batch(self, snapshot: Mapping[SetId, Sequence[bytes]], last_seq: int) -> Batch:
         """A resync: every set of this incarnation replaced by ``snapshot`` (chunk keys per
@@ -296,9 +342,17 @@ class IndexWriter:
         order); returns how many of them the fence refused (-1: they changed nothing). A
         write of the node's current pipeline is refused only when Redis ran it after the
         pipeline's fence move (a Redis Cluster client retrying it after a redirection, at
-        the end): its change is lost, and the node resyncs."""
+        the end): its change is lost, and the node resyncs. An add Redis refused for memory
+        (the reply an ``OutOfMemoryError``: :func:`is_oom`) is deferred, unless an event
+        newer than the batch decided its keys already (pending here); any other error
+        reply is raised."""
         refused = 0
-        for (set_id, op, _), reply in zip(self._writes(batch), replies, strict=True):
+        for (set_id, op, fps), reply in zip(self._writes(batch), replies, strict=True):
+            if isinstance(reply, Exception):
+                if not (op == "a" and is_oom(reply)):
+                    raise reply
+                self._defer(set_id, fps)
+                continue
             n = int(reply)
             if n < 0:
                 refused += 1
@@ -307,6 +361,13 @@ class IndexWriter:
             else:
                 self.sizes[set_id] = self.sizes.get(set_id, 0) + (n if op == "a" else -n)
         return refused
+
+    def _defer(self, set_id: SetId, fps: list[bytes]) -> None:
+        newer = self._pending.get(set_id)
+        if newer is not None and newer.cleared:
+            return  # the set was cleared since: these adds are void
+        deferred = self.deferred.setdefault(set_id, set())
+        deferred.update(fps if newer is None else (fp for fp in fps if fp not in newer.ops))
 
     @staticmethod
     def _writes(batch: Batch) -> Iterator[tuple[SetId, str, list[bytes]]]:
@@ -329,3 +390,9 @@ class IndexWriter:
             for set_id, card in zip(self.set_ids(), cards, strict=True)
             if int(card) != self.sizes.get(set_id, 0)
         ]
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a write for memory (``maxmemory`` reached under
+    ``noeviction``): either client library's ``OutOfMemoryError``."""
+    return type(exc).__name__ == "OutOfMemoryError"

@@ -34,7 +34,7 @@ from kvserver.prometheus import LoopCollector
 SSD_CONDITIONS = (OK, DEGRADED, UNAVAILABLE)
 
 #: every condition of the fleet membership (kvserver/cluster/node.py; a state set).
-CLUSTER_CONDITIONS = ("connecting", "ok", "unavailable", "stopped")
+CLUSTER_CONDITIONS = ("connecting", "ok", "degraded", "unavailable", "stopped")
 #: fleet counters: (metric name without _total, help, ClusterNode stats key)
 _CLUSTER_COUNTERS = (
     ("kvserver_cluster_registrations", "Registrations in the fleet (start, Redis back).",
@@ -310,7 +310,8 @@ class DaemonCollector(LoopCollector):
         if cluster is not None:
             yield StateSetMetricFamily(
                 "kvserver_cluster_condition",
-                "Fleet membership on Redis/Valkey (unavailable: serving local tiers only).",
+                "Fleet membership on Redis/Valkey (unavailable: serving local tiers only; "
+                "degraded: a member, Redis full, new index entries deferred).",
                 {c: cluster["condition"] == c for c in CLUSTER_CONDITIONS},
             )
             yield GaugeMetricFamily(
@@ -321,6 +322,18 @@ class DaemonCollector(LoopCollector):
                 "1 while this daemon owes the fleet index a resync (waiting for its random delay "
                 "or a retry): its entries are missing from the index meanwhile.",
                 cluster.get("resync_pending", 0),
+            )
+            yield GaugeMetricFamily(
+                "kvserver_cluster_redis_full",
+                "1 while Redis refuses this daemon's index writes for memory (maxmemory under "
+                "noeviction): it stays a member, its new index entries wait (deferred).",
+                cluster.get("redis_full", 0),
+            )
+            yield GaugeMetricFamily(
+                "kvserver_cluster_deferred_keys",
+                "Index entries Redis refused for memory, waiting to be written (the index "
+                "lacks them meanwhile).",
+                cluster.get("deferred_keys", 0),
             )
             for name, doc, key in _CLUSTER_COUNTERS:
                 yield CounterMetricFamily(name, doc, value=cluster[key])

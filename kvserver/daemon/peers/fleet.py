@@ -61,7 +61,7 @@ class FleetDirectory:
     def error(self) -> str:
         """Why the fleet state cannot be read now ("" while the node is ``ok``)."""
         node = self.node
-        if node.condition == "ok":
+        if node.readable:  # degraded (Redis full) reads as ok does
             if time.monotonic() < self._retry_at:
                 return f"fleet index lookups skipped for {RETRY_S:g} s: {self._failure}"
             return ""
@@ -69,7 +69,7 @@ class FleetDirectory:
         return f"{node.condition}: {detail}" if detail else node.condition
 
     def peers(self) -> Mapping[str, Peer]:
-        if self.node.condition != "ok":  # Redis unreachable: no peers, so no lookup waits on it
+        if not self.node.readable:  # Redis unreachable: no peers, so no lookup waits on it
             return {}
         me = self.node.host_id
         return {

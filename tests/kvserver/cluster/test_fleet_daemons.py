@@ -28,7 +28,7 @@ from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.cluster.builders import eventually
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.metrics import scrape
-from tests.support.redis import RedisServer, client_url
+from tests.support.redis import RedisServer, client_url, require_redis
 
 pytestmark = pytest.mark.multiprocess
 
@@ -176,6 +176,47 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
         assert "resync pending" not in render_status(grpc_stats(a), a.grpc_address)
     finally:
         await reader.redis.aclose()
+
+
+async def test_a_full_redis_is_reported_in_stats_metrics_and_status(
+    tmp_path: Path, daemons: list[DaemonProc]
+) -> None:
+    """Redis full under ``noeviction``: the daemon stays a member and says so: ``degraded``
+    with the error, ``redis_full`` and the adds deferred, in its stats, its metrics, gRPC
+    ``Stats`` and ``kvserver status``; with room again, ``ok``."""
+    require_redis()
+    redis = RedisServer.start(tmp_path / "redis", "--maxmemory-policy", "noeviction")
+    try:
+        daemons.append(start_host(tmp_path, redis, "a"))
+        (a,) = daemons
+        keys = make_keys(4, tag="full")
+        ns_id = store(a, keys[:2])
+        wait_until(lambda: cluster_stats(a)["pending_keys"] == 0, timeout=10.0)
+        redis.cli("CONFIG", "SET", "maxmemory", "1")  # below anything: every add refused
+        store(a, keys[2:])
+        wait_until(lambda: cluster_stats(a)["condition"] == "degraded", timeout=10.0)
+        stats = cluster_stats(a)
+        assert stats["redis_full"] == 1 and stats["deferred_keys"] == 2, stats
+        metrics = scrape(a.metrics_url)
+        condition = "kvserver_cluster_condition"
+        assert metrics.value(condition, **{condition: "degraded"}) == 1
+        assert metrics.value("kvserver_cluster_redis_full") == 1
+        assert metrics.value("kvserver_cluster_deferred_keys") == 2
+        grpc_cluster = grpc_stats(a).cluster or {}
+        assert grpc_cluster["redis_full"] == 1 and grpc_cluster["deferred_keys"] == 2
+        text = render_status(grpc_stats(a), a.grpc_address)
+        assert ": degraded" in text and "2 index entries deferred" in text, text
+        assert "raise its maxmemory" in text
+        redis.cli("CONFIG", "SET", "maxmemory", "0")
+        wait_until(lambda: cluster_stats(a)["condition"] == "ok", timeout=10.0)
+        assert scrape(a.metrics_url).value("kvserver_cluster_redis_full") == 0
+        reader = reader_for(redis)
+        try:
+            await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=5.0)
+        finally:
+            await reader.redis.aclose()
+    finally:
+        redis.stop()
 
 
 async def _eq(value: Any, expected: Any) -> bool:

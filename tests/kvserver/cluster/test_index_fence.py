@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from kvserver.cluster import ClusterNode, FleetReader, HostInfo, schema
+from kvserver.cluster import ClusterNode, FleetReader, HostInfo, record, schema
 from kvserver.cluster import node as node_module
 from kvserver.cluster.config import connect
 from kvserver.cluster.node import MAX_BATCH_KEYS
@@ -89,9 +89,9 @@ class Sizes:
         pipe = self._redis.pipeline(*args, **kw)
         execute = pipe.execute
 
-        async def counted() -> Any:
+        async def counted(**kw: Any) -> Any:
             self.pipelines.append(sum(len(a) for a, _ in pipe.command_stack))
-            return await execute()
+            return await execute(**kw)
 
         pipe.execute = counted
         return pipe
@@ -240,17 +240,17 @@ class LateTail:
         pipe = self._redis.pipeline(*args, **kw)
         execute = pipe.execute
 
-        async def run() -> Any:
+        async def run(**kw: Any) -> Any:
             stack = [a for a, _ in pipe.command_stack]
             if self._armed and self.stashed is None:
                 self.stashed = stack
                 raise TimeoutError("injected: the pipeline timed out")
-            last_of_resync = any(a[:2] == ("SET", self._record) for a in stack)
+            last_of_resync = any(a[1:4] == (record.SET_SCRIPT, 1, self._record) for a in stack)
             if self.stashed is not None and not self.ran and last_of_resync:
                 for command in self.stashed:  # the tail Redis runs late
                     await self._late.execute_command(*command)
                 self.ran = True
-            return await execute()
+            return await execute(**kw)
 
         pipe.execute = run
         return pipe
