@@ -71,10 +71,11 @@ from typing import Any
 
 from kvserver.cluster import record, schema
 from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.cluster.full import OOM_HINT, FullRedis, check, first_refused, is_oom
 from kvserver.cluster.pacing import Pacing
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
-from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId, is_oom
+from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId
 from kvserver.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,6 @@ logger = logging.getLogger(__name__)
 #: several, one after another: a pipeline is encoded in one go on the event loop, ~0.3 s for
 #: 1 M keys, which the daemon's other work would wait for).
 MAX_BATCH_KEYS = 65_536
-#: said with a Redis that refuses writes (OOM: ``maxmemory`` reached under ``noeviction``).
-OOM_HINT = "Redis is full: raise its maxmemory (docs/cluster.md sizes the index)"
 #: time allowed per index key of a pipeline, on top of the call timeout (seconds).
 KEY_WRITE_S = 1e-5
 
@@ -147,13 +146,11 @@ class ClusterNode:
         self.counters = NodeCounters()
         self.condition = "connecting"
         self.condition_detail = ""
-        #: Redis refused index adds for memory (``writer.deferred`` holds them); when
-        #: (monotonic) the deferred adds are tried again
-        self.full = False
-        self._full_retry_at = 0.0
         self._registered = False
         #: the resync's delay and the retries' pauses (``rng``: a seeded one in tests)
         self.pacing = Pacing(config, rng)
+        #: whether Redis refuses index adds for memory (``writer.deferred`` holds them)
+        self.full = FullRedis(self.pacing)
         #: whether started_at is Redis's time (set at the first registration)
         self._clocked = False
         self._wake = asyncio.Event()
@@ -233,7 +230,7 @@ class ClusterNode:
             "resync_pending": int(not self._registered and self.condition != "stopped"),
             "resync_in_s": self.pacing.resync_in_s(),
             # Redis refuses index adds for memory: this member's adds wait, deferred
-            "redis_full": int(self.full),
+            "redis_full": int(self.full.active),
             "deferred_keys": self.writer.deferred_keys,
             "registrations": c.registrations,
             "resyncs": c.resyncs,
@@ -304,20 +301,20 @@ class ClusterNode:
                     await self._heartbeat()
                     next_beat = time.monotonic() + interval
                     continue
-                if self.full and time.monotonic() >= self._full_retry_at:
+                if self.full.due():
                     await self._retry_deferred()
                     continue
                 if self.writer.pending_keys:
                     linger = self._last_write + self.config.batch_linger_s - time.monotonic()
                     if linger > 0 and self.writer.pending_keys < MAX_BATCH_KEYS:
                         await asyncio.sleep(min(linger, next_beat - time.monotonic()))
-                batch = self.writer.take_batch(defer_adds=self.full)
+                batch = self.writer.take_batch(defer_adds=self.full.active)
                 if batch is not None:
                     await self._write(batch)
                     self._last_write = time.monotonic()
                     continue
                 self._wake.clear()
-                until = min(next_beat, self._full_retry_at) if self.full else next_beat
+                until = self.full.wake_at(next_beat)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), until - time.monotonic())
             except asyncio.CancelledError:
@@ -349,27 +346,13 @@ class ClusterNode:
         self.counters.dropped_keys += self.writer.pending_keys + self.writer.deferred_keys
         self.writer.drop()
         self._registered = False
-        self.full = False
+        self.full.reset()
 
     def _full_refused(self, refused: BaseException) -> None:
         """Redis refused index adds for memory (``refused``): ``degraded``, the deferred adds
         (``writer.deferred``) retried after a pause that backs off as 4's retries do."""
-        if not self.full:
-            logger.warning("cluster: Redis refuses index writes, out of memory (%s); this host "
-                           "stays a member, its new index entries wait", refused)  # fmt: skip
-            self.pacing.succeeded()  # the backoff of the adds' retries starts here
-        self.full = True
-        self.pacing.failed()
-        self._full_retry_at = time.monotonic() + self.pacing.retry_pause()
         self.condition = "degraded"
-        self._full_detail()
-
-    def _full_detail(self) -> None:
-        n = self.writer.deferred_keys
-        self.condition_detail = (
-            f"OutOfMemoryError: {n} index entr{'y' if n == 1 else 'ies'} deferred, missing "
-            f"from the index until Redis takes them ({OOM_HINT})"
-        )
+        self.condition_detail = self.full.refused(refused, self.writer.deferred_keys)
 
     async def _retry_deferred(self) -> None:
         """Try the deferred adds again (Redis full), a batch of at most MAX_BATCH_KEYS; the
@@ -381,12 +364,10 @@ class ClusterNode:
             return
         if refused is not None:
             self._full_refused(refused)
-        elif self.writer.deferred_keys:
-            self._full_detail()  # the next part at once
+        elif self.writer.deferred_keys:  # the next part at once
+            self.condition_detail = self.full.detail(self.writer.deferred_keys)
         else:
-            logger.info("cluster: Redis takes index writes again; the deferred ones are in")
-            self.full = False
-            self.pacing.succeeded()
+            self.full.cleared()
             self.condition, self.condition_detail = "ok", ""
 
     # ------------------------------------------------------------------ Redis writes
@@ -439,10 +420,10 @@ class ClusterNode:
                 commands += self._queue_record(pipe, exists=False)
                 commands += self.writer.queue_fence(pipe)
             replies = await self._bounded(pipe, part.num_keys)
-            refused = refused or _refused(replies)
+            refused = refused or first_refused(replies)
             if not self._counted(part, replies[at : at + writes]):  # once more
                 return
-        _check(replies[at + writes :])
+        check(replies[at + writes :])
         if not self._fenced(replies[-1]):  # Redis lost some of the resync: once more
             return
         self._written(batch.last_seq)
@@ -463,7 +444,7 @@ class ClusterNode:
                 else "",
             )
         self.condition, self.condition_detail = "ok", ""
-        self.full = False
+        self.full.reset()
         if refused is not None or self.writer.deferred_keys:  # Redis is full
             self._full_refused(refused or MemoryError("index adds refused"))
         await self.reader.hosts(refresh=True)  # self.members
@@ -508,10 +489,10 @@ class ClusterNode:
         self.counters.indexed_keys += batch.num_keys
         if not self._counted(batch, replies[:at]):
             return None
-        _check(replies[at:])
+        check(replies[at:])
         if not batch.new_namespaces or self._renewed(replies[at]):
             self._fenced(replies[-1])
-        return _refused(replies[:at])
+        return first_refused(replies[:at])
 
     def _counted(self, batch: Batch, replies: Sequence[Any]) -> bool:
         """Count ``batch``'s write replies (:meth:`IndexWriter.count`); False, and a resync
@@ -550,7 +531,7 @@ class ClusterNode:
             pipe.execute_command("EVAL", KEEP_SCRIPT, 1, key, self.config.ttl_ms)
         self.writer.queue_fence(pipe)
         replies = await self._bounded(pipe)
-        _check(replies)
+        check(replies)
         self.counters.heartbeats += 1
         self.counters.commands += len(replies)
         # the record gone (Redis lost it, or we stalled past the TTL) or another's
@@ -575,15 +556,3 @@ class ClusterNode:
                              record.field(self.incarnation))  # fmt: skip
         await pipe.execute()
 
-
-def _refused(replies: Sequence[Any]) -> BaseException | None:
-    """The first reply that is Redis refusing a write for memory (an add), or None."""
-    return next((r for r in replies if isinstance(r, BaseException) and is_oom(r)), None)
-
-
-def _check(replies: Sequence[Any]) -> None:
-    """Raise the first error among ``replies`` (commands that Redis runs while full: an
-    error there is a failure, as when the pipeline raised)."""
-    for reply in replies:
-        if isinstance(reply, BaseException):
-            raise reply

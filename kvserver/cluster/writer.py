@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserver.cluster import schema
+from kvserver.cluster.full import is_oom
 from kvserver.cluster.record import ALLOW_OOM
 from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
@@ -391,8 +392,3 @@ class IndexWriter:
             if int(card) != self.sizes.get(set_id, 0)
         ]
 
-
-def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is Redis refusing a write for memory (``maxmemory`` reached under
-    ``noeviction``): either client library's ``OutOfMemoryError``."""
-    return type(exc).__name__ == "OutOfMemoryError"

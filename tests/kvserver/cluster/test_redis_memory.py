@@ -16,7 +16,7 @@ import pytest
 
 from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import connect
-from kvserver.cluster.node import OOM_HINT
+from kvserver.cluster.full import OOM_HINT
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import FLEET_SERVERS, RedisServer, require_redis, server_binary
 
