@@ -23,7 +23,9 @@ Lifecycle of the member (docs/cluster.md):
    a later daemon with this host id has taken it: step down) and the TTL of
    the index sets.
 4. **Degraded**: any Redis error or timeout → condition ``unavailable`` (with the error),
-   pending changes dropped; the daemon keeps serving its own tiers. Retried after a pause
+   pending changes dropped, the client's pooled connections closed (the next call connects
+   anew: a failover behind a DNS name or a moved address is followed); the daemon keeps
+   serving its own tiers. Retried after a pause
    that backs off; on success → back to 1 (register, full resync) → ``ok``. A heartbeat
    that finds its record gone (Redis restarted or evicted it, or this daemon stalled past
    the TTL) does the same. Every registration but an incarnation's first waits a random
@@ -321,6 +323,7 @@ class ClusterNode:
                 raise
             except Exception as exc:
                 self._failed(exc)
+                await self._reconnect()
                 # retry after a pause that events do not cut short (a refused connection
                 # fails at once: retrying per event would spin while Redis is down)
                 await asyncio.sleep(self.pacing.retry_pause())
@@ -347,6 +350,18 @@ class ClusterNode:
         self.writer.drop()
         self._registered = False
         self.full.reset()
+
+    async def _reconnect(self) -> None:
+        """After a failure, close the client's pooled connections (one Redis; a Redis Cluster
+        client follows its topology itself), so that the next call connects anew, resolving
+        the URL's host name again. Before, a pooled connection outlived a failover: the old
+        master, demoted to a replica at its old address (Sentinel, a managed Redis's
+        failover behind a DNS name or a virtual IP), answered every write ``READONLY`` for
+        as long as the connection stayed open, the member ``unavailable`` all along."""
+        pool = getattr(self.redis, "connection_pool", None)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pool.disconnect(), self.config.timeout_s)
 
     def _full_refused(self, refused: BaseException) -> None:
         """Redis refused index adds for memory (``refused``): ``degraded``, the deferred adds
