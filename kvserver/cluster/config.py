@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvserver.cluster.schema import TIERS
+from kvserver.crypto import is_loopback
 from kvserver.errors import InvalidArgument
 
 #: the client libraries, by URL scheme prefix (module docstring)
@@ -230,6 +231,24 @@ def parse_url(url: str) -> RedisTarget:
             url=url,
         )
     return RedisTarget(tuple(nodes), cluster, tls, db, client, username, password, query)
+
+
+def advertised_beyond_reach(advertised_host: str, target: RedisTarget) -> str:
+    """Why peers on other hosts cannot reach a daemon that advertises ``advertised_host``
+    while its fleet's Redis is ``target`` ("" when nothing says so): a loopback address with
+    a Redis beyond loopback (the fleet spans hosts) is this daemon's only from this host;
+    every other host reaching it reaches its own loopback instead."""
+    if not is_loopback(advertised_host):
+        return ""
+    remote = [h for h, _ in target.nodes if not is_loopback(h)]
+    if not remote:
+        return ""
+    return (
+        f"this daemon advertises {advertised_host} to its fleet, a loopback address, while "
+        f"the fleet's Redis is at {remote[0]}: daemons on other hosts cannot reach it there "
+        "(and do not ask it: an address that is their own is left out); set "
+        "--advertise-addr to an address they reach (and --host to bind it)"
+    )
 
 
 def check_tls_options(options: dict[str, str]) -> None:

@@ -318,6 +318,11 @@ async def _join_fleet(
     from kvserver.cluster.schema import HostInfo
 
     host = config.advertised_host
+    from kvserver.cluster.config import advertised_beyond_reach
+
+    unreachable = advertised_beyond_reach(host, cluster_config.target())
+    if unreachable:
+        logger.warning("cluster: %s", unreachable)
     capacity = {"dram": service.dram_bytes}
     if tier is not None and config.tier_config() is not None:
         capacity["ssd"] = config.ssd

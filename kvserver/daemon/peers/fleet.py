@@ -11,7 +11,12 @@ it answers from the ``ClusterNode``'s view of the fleet:
   a read notices, at most TTL + one heartbeat interval; a fetch from it fails and the tier
   marks it suspect meanwhile); none while the node is not ``ok``
   (Redis unreachable: the tier then answers at once from local tiers instead of waiting for
-  a Redis timeout on every lookup), and ``error`` says why;
+  a Redis timeout on every lookup), and ``error`` says why. Never a member that advertises
+  this daemon's own data address (``self_named``: daemons on other hosts left at the
+  default ``--host 127.0.0.1`` and fixed ports all advertise ``tcp://127.0.0.1:9471``):
+  fetching from it would ask this daemon itself, which holds none of those chunks (every
+  such load missed, silently, and its lookups counted peer hits that no fetch could bring);
+  ``error`` names them, so the network tier is ``degraded`` with the fix in its detail;
 - ``holders(ns_id, keys)``: one ``FleetReader.lookup`` (exact leading runs, one server-side
   script for all live members, bounded by the cluster timeout), turned into per-key holder sets; an
   unreachable Redis answers no holders (the tier then serves local tiers only). After a
@@ -64,6 +69,11 @@ class FleetDirectory:
         if node.readable:  # degraded (Redis full) reads as ok does
             if time.monotonic() < self._retry_at:
                 return f"fleet index lookups skipped for {RETRY_S:g} s: {self._failure}"
+            named = self.self_named()
+            if named:
+                return (f"member(s) {', '.join(named)} advertise this daemon's own address "
+                        f"{node.info.data_address}, so they are not asked: give each an "
+                        "--advertise-addr its peers reach")  # fmt: skip
             return ""
         detail = node.condition_detail
         return f"{node.condition}: {detail}" if detail else node.condition
@@ -71,19 +81,27 @@ class FleetDirectory:
     def peers(self) -> Mapping[str, Peer]:
         if not self.node.readable:  # Redis unreachable: no peers, so no lookup waits on it
             return {}
-        me = self.node.host_id
+        me, mine = self.node.host_id, self.node.info.data_address
         return {
             h.host_id: Peer(h.host_id, h.incarnation, h.data_address, h.stream_address)
             for h in self.node.members
-            if h.host_id != me
+            if h.host_id != me and h.data_address != mine
         }
+
+    def self_named(self) -> list[str]:
+        """The members other than this daemon that advertise its data address (module
+        docstring): unreachable at it from here, never asked."""
+        me, mine = self.node.host_id, self.node.info.data_address
+        return sorted(h.host_id for h in self.node.members
+                      if h.host_id != me and h.data_address == mine)  # fmt: skip
 
     async def holders(self, ns_id: str, keys: Sequence[bytes]) -> list[frozenset[str]]:
         if time.monotonic() < self._retry_at:  # Redis just failed a lookup: not again yet
             self.skipped_lookups += 1
             return []
         try:
-            runs = await self.node.reader.lookup(ns_id, keys, exclude=(self.node.host_id,))
+            exclude = (self.node.host_id, *self.self_named())
+            runs = await self.node.reader.lookup(ns_id, keys, exclude=exclude)
         except Unavailable as exc:
             self.unavailable_lookups += 1
             self._retry_at = time.monotonic() + RETRY_S

@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +59,8 @@ class Member:
     node: ClusterNode | None = None
     #: the node's random draws (a resync's delay, a retry's pause); None: its own
     rng: random.Random | None = None
+    #: the data address it advertises ("": one of its own, from its host id)
+    data_address: str = ""
 
     def _emit(self, ev: Event) -> None:
         self.log.extend([ev])
@@ -80,8 +83,10 @@ class Member:
         self._emit(AllBlocksCleared(self.seq, ns, MEDIUM[tier]))
 
     async def start(self) -> ClusterNode:
-        identity = HostInfo(
-            self.host_id, "", f"tcp://127.0.0.1:1{len(self.host_id)}", "127.0.0.1:2", ("dram",)
+        port = 10_000 + zlib.crc32(self.host_id.encode()) % 50_000  # one per member: never
+        identity = HostInfo(  # connected to, but one address per member, as in a real fleet
+            self.host_id, "", self.data_address or f"tcp://127.0.0.1:{port}", "127.0.0.1:2",
+            ("dram",),
         )
         self.node = ClusterNode(
             self.config,

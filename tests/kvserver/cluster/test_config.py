@@ -8,6 +8,7 @@ import pytest
 
 from kvserver.cluster.config import (
     ClusterConfig,
+    advertised_beyond_reach,
     client_errors,
     connect,
     parse_url,
@@ -171,3 +172,17 @@ def test_tls_files_and_options_are_checked_when_the_daemon_is_configured(
     with pytest.raises(InvalidArgument, match=named):
         DaemonConfig(cluster=url)
     assert ClusterConfig(f"rediss://127.0.0.1:6380/0?ssl_ca_certs={ca}").target().tls
+
+
+def test_a_loopback_address_advertised_to_a_fleet_beyond_loopback_is_named() -> None:
+    """``--host 127.0.0.1`` (the default) and no ``--advertise-addr`` in a fleet whose Redis
+    is on another host: peers elsewhere would reach their own loopback; the daemon says so
+    at start (``process.py`` logs it). A fleet on one host (Redis on loopback) or an
+    address peers reach says nothing."""
+    remote = parse_url("redis://10.0.0.5:6379/0")
+    said = advertised_beyond_reach("127.0.0.1", remote)
+    assert "127.0.0.1" in said and "10.0.0.5" in said and "--advertise-addr" in said
+    assert advertised_beyond_reach("localhost", parse_url("redis+cluster://127.0.0.1:1,r:2"))
+    assert advertised_beyond_reach("127.0.0.1", parse_url("redis://127.0.0.1:6379/0")) == ""
+    assert advertised_beyond_reach("10.0.0.7", remote) == ""
+    assert advertised_beyond_reach("node-7.example", remote) == ""

@@ -189,6 +189,11 @@ async def test_the_fleet_directory_names_other_members_and_per_key_holders(
         await a.node.stop()  # type: ignore[union-attr]
         a.node = None
         node_d = await d.start()
+
+        async def registered() -> bool:  # start() waits 3 timeouts: a loaded host overran it
+            return node_d.condition == "ok"
+
+        await eventually(registered, timeout=10.0)
         directory = FleetDirectory(node_d)
         assert {h: p.incarnation for h, p in directory.peers().items()} == {
             "host-b": b.node.incarnation,  # type: ignore[union-attr]
@@ -203,6 +208,40 @@ async def test_the_fleet_directory_names_other_members_and_per_key_holders(
         for m in (b, c, d):
             if m.node is not None:
                 await m.node.stop()
+
+
+async def test_the_fleet_directory_never_asks_a_member_that_advertises_its_own_address(
+    redis_server: RedisServer,
+) -> None:
+    """Daemons on two hosts left at ``--host 127.0.0.1`` with the default ports both
+    advertise ``tcp://127.0.0.1:9471``: each, fetching from the other, would ask itself
+    (which holds none of those chunks: every such load missed, silently, and its lookups
+    counted peer hits no fetch could bring). The directory leaves such a member out of its
+    peers and holders and says why (the peer tier's detail); one at its own address is
+    asked as before."""
+    config = cluster_config(redis_server.url, ttl_s=5.0)
+    same = "tcp://127.0.0.1:9471"
+    a, b = Member("host-a", config, data_address=same), Member("host-b", config, data_address=same)
+    c = Member("host-c", config)
+    for m in (a, b, c):
+        await m.start()
+    try:
+        ks = keys(4)
+        for m in (a, b, c):
+            m.store(ks)
+            await m.settled()
+        directory = FleetDirectory(b.node)  # type: ignore[arg-type]
+        await b.node.reader.hosts(refresh=True)  # type: ignore[union-attr]
+        assert set(directory.peers()) == {"host-c"}  # host-a before: the address of b itself
+        assert await directory.holders(NS, ks) == [frozenset({"host-c"})] * 4
+        assert directory.self_named() == ["host-a"]
+        assert "host-a advertise this daemon's own address tcp://127.0.0.1:9471" in directory.error
+        assert "--advertise-addr" in directory.error
+        assert set(FleetDirectory(c.node).peers()) == {"host-a", "host-b"}  # type: ignore[arg-type]
+        assert FleetDirectory(c.node).error == ""  # type: ignore[arg-type]
+    finally:
+        for m in (a, b, c):
+            await m.node.stop()  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("client", FLEET_CLIENTS)
