@@ -4,11 +4,12 @@ and the real redis-server fixtures (tests/support/redis.py) of the fleet tests."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.proc import STARTED
 from tests.support.entry_points import declare_commands
 from tests.support.redis import (
     FLEET_CLIENTS,
@@ -36,6 +37,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if _session_dir is not None:
         _session_dir.close()
         _session_dir = None
+
+
+_LOG_TAIL_LINES = 40
+_FIRST_STARTED = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_FIRST_STARTED] = len(STARTED)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries the last lines of every daemon, scheduler or worker log
+    it started (benchmarks/harness/proc.py): a process that died or stalled says why there,
+    which the client's error alone cannot (a CI failure is often read from its output only)."""
+    report = yield
+    if report.failed:
+        for name, pid, log_path in STARTED[item.stash.get(_FIRST_STARTED, len(STARTED)) :]:
+            try:
+                lines = log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            except OSError as exc:
+                lines = [f"(log unreadable: {exc})"]
+            report.sections.append((f"log of {name} (pid {pid}), last lines", "\n".join(lines)))
+    return report
 
 
 @pytest.fixture

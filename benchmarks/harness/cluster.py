@@ -16,6 +16,7 @@ from typing import Any
 
 from benchmarks.harness.daemon import wait_for_ready_file
 from benchmarks.harness.ports import free_port
+from benchmarks.harness.proc import STARTED
 from benchmarks.harness.procs import EngineClient, Proc, output_tokens
 
 READY_TIMEOUT_S = 60.0
@@ -57,6 +58,7 @@ def start_tp_workers(
         args += extra
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        STARTED.append((f"worker rank {rank}", proc.pid, log_path))
         pending.append((proc, ready, log_path, args))
     procs: list[Proc] = []
     deadline = time.monotonic() + READY_TIMEOUT_S

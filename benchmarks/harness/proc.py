@@ -14,6 +14,11 @@ from typing import Any
 
 READY_TIMEOUT_S = 30.0
 
+#: (name, pid, log file) of every process :func:`start_process` started, in order: the tests'
+#: conftest shows the tail of each log started during a test that failed (no handles are kept,
+#: so a leaked process still warns when its test drops it)
+STARTED: list[tuple[str, int, Path]] = []
+
 
 @dataclass
 class Proc:
@@ -64,6 +69,7 @@ def start_process(
     carrying the log, if it exits first or is not ready in time (it is killed then)."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    STARTED.append((name, proc.pid, log_path))
     try:
         wait_for_ready_file(ready, proc, time.monotonic() + READY_TIMEOUT_S)
     except RuntimeError as exc:
