@@ -53,8 +53,12 @@ from kvserver.errors import KVServerError
 IOV_MAX = 1024
 #: a receiving thread is woken when this many bytes of its transfer are in (``SO_RCVLOWAT``),
 #: not at every segment: each wake-up costs the sending side's CPU (on loopback the sender
-#: runs the receiver's TCP input and its wake-up).
-WAKE_BYTES = 1 << 20
+#: runs the receiver's TCP input, its wake-up, and the window updates each read sends back).
+#: Towards a reply's end the bound shrinks (:func:`wake_at`), so that what is left to copy
+#: after the last byte arrives stays under :data:`TAIL_WAKE_BYTES`.
+WAKE_BYTES = 4 << 20
+#: the bound below which :func:`wake_at` does not halve it (1 MiB: the bound before it grew).
+TAIL_WAKE_BYTES = 1 << 20
 #: the threads that move the streams' bytes and resolve the peers' names: the streams' own, so
 #: that the loop's default executor being busy (the daemon's other off-loop work, each job up
 #: to its own timeout) cannot hold a receive past its deadline and make a healthy peer look
@@ -98,8 +102,9 @@ class StreamConnection:
     ``recvmsg_into`` calls over the views of its pages (the GIL released, the kernel copying
     straight into the arena pages), where the event loop would wake up and call ``recv``
     once per socket-buffer's worth; it sleeps in ``poll`` until :data:`WAKE_BYTES` are
-    unread (``SO_RCVLOWAT``; fewer when the peer owes it fewer), so that the peer's CPU,
-    which on loopback runs this side's TCP input and its wake-ups, wakes it once per
+    unread (``SO_RCVLOWAT``; fewer towards the reply's end and when the peer owes it fewer:
+    :func:`wake_at`), so that the peer's CPU, which on loopback runs this side's TCP input,
+    its wake-ups and the window updates its reads send back, wakes it about once per
     :data:`WAKE_BYTES`, not at every segment. If the awaiting task is cancelled, the
     socket is shut down and the thread awaited before the cancellation goes on, so no byte
     lands in a buffer after its owner gave it up. A TLS socket (``ssl.SSLSocket``) is in
@@ -289,9 +294,10 @@ class StreamConnection:
 
     def _recv(self, views: Sequence[memoryview], deadline: float) -> None:
         """Worker thread: fill ``views``, in order, with scattering ``recvmsg_into`` calls
-        over :data:`IOV_MAX` of them at a time, each once ``min(WAKE_BYTES, what is left)``
-        bytes are unread (``SO_RCVLOWAT`` and ``poll``: the thread sleeps until then, not
-        woken at every TCP segment, and never waits for more than the peer still owes it);
+        over :data:`IOV_MAX` of them at a time, each once :func:`wake_at` bytes (at most
+        :data:`WAKE_BYTES`, never more than is left) are unread (``SO_RCVLOWAT`` and
+        ``poll``: the thread sleeps until then, not woken at every TCP segment, and never
+        waits for more than the peer still owes it);
         with TLS, ``recv_into`` per record into each view. Raises OSError / PeerFailed."""
         if self.tls:
             return self._recv_tls(views, deadline)
@@ -303,7 +309,7 @@ class StreamConnection:
                 # woken once this many bytes are unread, not at every segment (the peer's CPU
                 # pays for each wake-up): never more than is left to come (the kernel wakes
                 # a reader for ``SO_RCVLOWAT`` unread bytes, a closed or stopped connection)
-                lowat = min(wake, left)
+                lowat = wake_at(left, wake)
                 if lowat != self._lowat:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
                     self._lowat = lowat
@@ -346,6 +352,15 @@ class StreamConnection:
 
     def _failed(self, message: str, *, timed_out: bool) -> PeerFailed:
         return PeerFailed(message, timed_out=timed_out, peer=self.peer_id)
+
+
+def wake_at(left: int, wake: int) -> int:
+    """The unread bytes a receive waits for when ``left`` bytes of a transfer are still to
+    come and the socket's bound is ``wake`` (:func:`_wake_bytes`): ``wake``, or half of
+    ``left`` once that is smaller (but not below :data:`TAIL_WAKE_BYTES`), never more than
+    ``left``. A 32 MiB reply wakes the thread at most 10 times (4 MiB x 7, 2, 1, 1; a fixed
+    4 MiB would leave up to 4 MiB to copy after the last byte), a 1 MiB bound 32 times."""
+    return min(wake, left, max(TAIL_WAKE_BYTES, left // 2))
 
 
 def _wake_bytes(sock: socket.socket) -> int:
