@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +66,24 @@ def threads(pid: int) -> dict[int, tuple[str, int, int]]:
         name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         out[int(tid)] = (name, *ticks(pid, int(tid)))
     return out
+
+
+def segments(pid: int) -> dict[str, int]:
+    """TCP segments in and out so far over every TCP socket of ``pid`` (``ss -tinp``'s
+    ``segs_in``, ``data_segs_in``, ...: exact counts, not samples); empty without ``ss``."""
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    totals: dict[str, int] = {}
+    mine = False
+    for line in out.splitlines():
+        if not line[:1].isspace():  # a socket's line; its tcp_info follows, indented
+            mine = f"pid={pid}," in line
+        elif mine:
+            for name, value in re.findall(r"\b((?:data_)?segs_(?:in|out)):(\d+)", line):
+                totals[name] = totals.get(name, 0) + int(value)
+    return totals
 
 
 def measure(part_bytes: int, fetches: int, where: str, workdir: Path) -> dict[str, Any]:
@@ -106,6 +126,7 @@ def measure(part_bytes: int, fetches: int, where: str, workdir: Path) -> dict[st
                 ref.round()
             pids = {"a": a.proc.pid, "b": b.proc.pid, "ref_sender": ref.proc.pid}
             before = {k: ticks(pid) for k, pid in pids.items()}
+            segs = {k: segments(pids[k]) for k in ("a", "ref_sender")}
             a_threads = threads(a.proc.pid)
             load = os.getloadavg()
             wall: dict[str, list[float]] = {"fetch": [], "ref": []}
@@ -118,6 +139,7 @@ def measure(part_bytes: int, fetches: int, where: str, workdir: Path) -> dict[st
                 wall["fetch"].append(fetch(batches[r % BATCHES]))
                 cpu["a"].append(runtime_ms(a.proc.pid) - ms)
             after = {k: ticks(pid) for k, pid in pids.items()}
+            segs_after = {k: segments(pids[k]) for k in ("a", "ref_sender")}
             a_after = threads(a.proc.pid)
     finally:
         if ref is not None:
@@ -148,6 +170,13 @@ def measure(part_bytes: int, fetches: int, where: str, workdir: Path) -> dict[st
         "cpu_ms_median": {k: statistics.median(v) for k, v in cpu.items()},
         "user_sys_ms_per_fetch": {k: split(*before[k], *after[k]) for k in pids},
         "a_threads_user_sys_ms_per_fetch": per_thread,
+        # TCP segments per fetch on the sender's sockets: data out, and in: the receiver's
+        # ACKs and window updates (each processed by the sender; on loopback on its CPU)
+        "segments_per_fetch": {
+            k: {name: (segs_after[k][name] - n) / fetches for name, n in segs[k].items()}
+            for k in segs
+            if segs[k] and segs_after[k]
+        },
     }
 
 
@@ -169,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {who:10s} CPU {out['cpu_ms_median'][who]:5.2f} ms/fetch "
               f"(user {us[who]['user']:.2f}, sys {us[who]['sys']:.2f})")  # fmt: skip
     print(f"  b          user {us['b']['user']:.2f}, sys {us['b']['sys']:.2f} ms/fetch")
+    for who, row in out["segments_per_fetch"].items():
+        acks = row["segs_in"] - row["data_segs_in"]
+        print(f"  {who:10s} segments per fetch: out {row['segs_out']:.1f}, "
+              f"in without data (ACKs, window updates) {acks:.1f}")  # fmt: skip
     for name, row in out["a_threads_user_sys_ms_per_fetch"].items():
         print(f"  A thread {name}: user {row['user']:.2f}, sys {row['sys']:.2f} ms/fetch")
     if args.json:
