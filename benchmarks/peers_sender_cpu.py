@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.harness.daemon import RECORDED_POLICY, start_daemon
 from benchmarks.harness.placement import PLACEMENTS, pin_threads, placement, spawning_on
-from benchmarks.harness.proc import runtime_ms
+from benchmarks.harness.proc import runtime_ms, ticks
 from benchmarks.harness.raw_zmq import RawPeer, payload
 from benchmarks.peers_fleet import batch_keys, spec_for
 from kvserver.client import KVClient
@@ -50,13 +50,6 @@ MiB = 1 << 20
 BATCH_BYTES = 32 * MiB
 BATCHES = 3
 WARM_UP = 6
-
-
-def ticks(pid: int, tid: int | None = None) -> tuple[int, int]:
-    """(user, system) clock ticks of a process (or one of its threads) so far."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]), int(fields[12])
 
 
 def threads(pid: int) -> dict[int, tuple[str, int, int]]:

@@ -12,7 +12,9 @@ way the bytes are sent? No kvserver protocol runs here, only the transfer:
   a uvloop loop, as a daemon serves a peer's window (a non-blocking ``sendmsg`` of the views,
   the rest of a view the socket did not take awaited with ``sock_sendall``, again); ``zmq``:
   the raw ZMQ pair itself, a second instance of the reference (``zmq:heap``: into its own
-  buffers), so that it can be pinned too;
+  buffers), so that it can be pinned too; ``splice``: no copy on the sender's CPU, the
+  parts' pages ``vmsplice``d into a pipe of ``/proc/sys/fs/pipe-max-size`` and the pipe
+  ``splice``d into the blocking socket, again (``benchmarks/harness/splice.py``);
 - destinations (this process, one ``recvmsg_into(MSG_WAITALL)`` per ``IOV_MAX`` views, as B's
   receiving thread): ``rotate``: a /dev/shm mapping of B's 48 MiB, each batch a third further
   (B's pages, and the floor's); ``same``: the same 32 MiB of that mapping every round;
@@ -28,13 +30,15 @@ Every round runs the reference and each case once (cases named SENDER:DEST[:PIN]
 median ms per 32 MiB, reference / case (median over median, and the median of each round's
 pair), and the CPU per round (``/proc/PID/task/*/schedstat``, all threads) of the receiving
 process (this one: the kernel's copy into the pages and the TCP receive work, or ZMQ's I/O
-thread's) and of the sender's, the reference's included. Wall times need quiet cores; the CPU
-per round much less so.
+thread's) and of the sender's, the reference's included, with the sender's user / system
+split over all the timed rounds (``/proc/PID/stat``, sampled per tick: a sum over many rounds
+only). Wall times need quiet cores; the CPU per round much less so.
 
 Usage::
 
     python benchmarks/peers_wire.py [--parts 1MiB,256KiB] [--rounds 20]
-        [--cases blocking:rotate,loop:rotate,loop:rotate:same,loop:rotate:split,zmq:heap:split]
+        [--cases blocking:rotate,loop:rotate,loop:rotate:same,loop:rotate:split,zmq:heap:split,
+                 splice:rotate:same,splice:rotate:split]
         [--json FILE]
 """
 
@@ -55,7 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout as-is
 
-from benchmarks.harness.proc import runtime_ms
+from benchmarks.harness.proc import runtime_ms, ticks
 from benchmarks.harness.raw_tcp import shm_mapping
 from benchmarks.harness.raw_zmq import RawPeer
 from kvserver.daemon.config_parse import parse_size
@@ -65,7 +69,7 @@ MiB = 1 << 20
 BATCH_BYTES = 32 * MiB
 B_DRAM = 48 * MiB
 IOV_MAX = 1024
-SENDERS = ("blocking", "loop", "zmq")
+SENDERS = ("blocking", "loop", "zmq", "splice")
 DESTS = ("rotate", "same", "heap")
 PINS = ("", "same", "split")
 DEFAULT_CASES = "blocking:rotate,loop:rotate,loop:same,loop:heap"
@@ -77,7 +81,8 @@ def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
     """Helper process: per request byte b"g", a batch of ``n`` parts sent as ``sender`` says
     out of a /dev/shm mapping of three batches (a batch after another); b"s" stops it."""
     batch = n * part_bytes
-    arena = memoryview(shm_mapping(3 * batch))
+    mapping = shm_mapping(3 * batch)
+    arena = memoryview(mapping)
     arena[:] = bytes([FILL]) * (3 * batch)
     listener = socket.create_server(("127.0.0.1", 0))
     Path(port_file).write_text(str(listener.getsockname()[1]))
@@ -104,6 +109,15 @@ def serve(port_file: str, part_bytes: int, n: int, sender: str) -> int:
                 r += 1
 
         loop.run_until_complete(answer())
+    elif sender == "splice":
+        from benchmarks.harness.splice import SpliceSender, address
+
+        start, out, r = address(mapping), SpliceSender(conn.fileno()), 0
+        while conn.recv(1) == b"g":
+            base = start + (r % 3) * batch
+            out.send([(base + i * part_bytes, part_bytes) for i in range(n)])
+            r += 1
+        out.close()
     else:
         rounds = 0
         while conn.recv(1) == b"g":
@@ -228,10 +242,15 @@ def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> di
     times: dict[str, list[float]] = {"ref": [], **{c: [] for c in cases}}
     ref_cpu: dict[str, list[float]] = {"receiver": [], "sender": []}
     load_before = os.getloadavg()[0]
+    senders = {"ref": ref.proc.pid}
+    user_sys: dict[str, list[tuple[int, int]]] = {}
     try:
         for c in cases:
             running[c] = Case(c, workdir, part_bytes, env)
+            senders[c] = running[c].proc.pid
         for r in range(rounds + 2):  # two rounds of warm-up
+            if r == 2:
+                user_sys = {name: [ticks(pid)] for name, pid in senders.items()}
             for name in times:
                 if name != "ref":
                     seconds = running[name].round()
@@ -242,15 +261,24 @@ def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> di
                     ref_cpu["sender"].append(runtime_ms(ref.proc.pid) - sender)
                 if r >= 2:
                     times[name].append(seconds)
+        for name, pid in senders.items():
+            user_sys[name].append(ticks(pid))
     finally:
         ref.close()
         for case in running.values():
             case.close()
     ref_ms = statistics.median(times["ref"]) * 1e3
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+
+    def split(name: str) -> dict[str, float]:  # the sender's, per timed round
+        (u0, s0), (u1, s1) = user_sys[name]
+        return {"user": (u1 - u0) * tick_ms / rounds, "sys": (s1 - s0) * tick_ms / rounds}
+
     out: dict[str, Any] = {
         "part_bytes": part_bytes, "rounds": rounds, "reference_ms": ref_ms,
         "reference_receiver_cpu_ms": statistics.median(ref_cpu["receiver"][2:]),
         "reference_sender_cpu_ms": statistics.median(ref_cpu["sender"][2:]),
+        "reference_sender_user_sys_ms": split("ref"),
         "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
         "cases": {},
     }  # fmt: skip
@@ -263,8 +291,13 @@ def measure(part_bytes: int, rounds: int, cases: list[str], workdir: Path) -> di
             "paired_ratio": statistics.median(r / t for r, t in pairs),
             "receiver_cpu_ms": statistics.median(running[c].receiver_ms[2:]),
             "sender_cpu_ms": statistics.median(running[c].sender_ms[2:]),
+            "sender_user_sys_ms": split(c),
         }
     return out
+
+
+def _user_sys(row: dict[str, float]) -> str:
+    return f"{row['user']:.2f}/{row['sys']:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result['part_bytes'] >> 10} KiB parts, load {load[0]:.2f} -> {load[1]:.2f}: "
                   f"raw ZMQ {result['reference_ms']:.2f} "
                   f"ms, receiver CPU {result['reference_receiver_cpu_ms']:.2f} ms, sender CPU "
-                  f"{result['reference_sender_cpu_ms']:.2f} ms")  # fmt: skip
+                  f"{result['reference_sender_cpu_ms']:.2f} ms (user/sys "
+                  f"{_user_sys(result['reference_sender_user_sys_ms'])})")  # fmt: skip
             for c, row in result["cases"].items():
                 print(f"  {c:16s} {row['ms']:6.2f} ms  ref/case {row['ratio']:.2f} (paired "
                       f"{row['paired_ratio']:.2f})  receiver CPU {row['receiver_cpu_ms']:.2f} ms"
-                      f"  sender CPU {row['sender_cpu_ms']:.2f} ms")  # fmt: skip
+                      f"  sender CPU {row['sender_cpu_ms']:.2f} ms (user/sys "
+                      f"{_user_sys(row['sender_user_sys_ms'])})")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps({"benchmark": "peers_wire", "results": results}, indent=1))
     return 0

@@ -92,3 +92,10 @@ def runtime_ms(pid: int) -> float:
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
     return total / 1e6
+
+
+def ticks(pid: int, tid: int | None = None) -> tuple[int, int]:
+    """(user, system) clock ticks of a process (or one of its threads) so far."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
