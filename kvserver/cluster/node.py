@@ -2,7 +2,9 @@
 
 Runs on the daemon's event loop; created and started by ``kvserver/daemon/process.py`` after
 the front ends are up (it advertises their addresses), stopped before they close. One task
-does every Redis write, in order; a second one follows the daemon's ``EventLog``.
+does every Redis write, in order; a second one follows the daemon's ``EventLog``. This class
+decides when each write runs and holds the member's condition; the writes themselves, each
+one pipeline, and their checks are ``pipelines.py``'s (``Pipelines``).
 
 Call order: ``ClusterNode(config, identity, events, snapshot, namespace_specs)`` →
 ``await start()`` (never fails for Redis: an unreachable Redis leaves the node
@@ -68,33 +70,30 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from kvserver.cluster import record, schema
+from kvserver.cluster import record
 from kvserver.cluster.config import ClusterConfig, connect
-from kvserver.cluster.full import OOM_HINT, FullRedis, check, first_refused, is_oom
+from kvserver.cluster.full import OOM_HINT, FullRedis, is_oom
 from kvserver.cluster.pacing import Pacing
+from kvserver.cluster.pipelines import (
+    MAX_BATCH_KEYS,
+    IndexLost,
+    NodeCounters,
+    Pipelines,
+    RecordGone,
+    Specs,
+)
 from kvserver.cluster.reader import FleetReader
 from kvserver.cluster.schema import HostInfo
-from kvserver.cluster.writer import KEEP_SCRIPT, Batch, IndexWriter, SetId
+from kvserver.cluster.writer import Batch, IndexWriter, SetId
 from kvserver.eventlog import EventGap, EventLog
 
 logger = logging.getLogger(__name__)
 
-#: pending index changes that are written at once, without waiting for the batch linger;
-#: also the most index keys one pipeline carries (a larger batch, a resync, goes out as
-#: several, one after another: a pipeline is encoded in one go on the event loop, ~0.3 s for
-#: 1 M keys, which the daemon's other work would wait for).
-MAX_BATCH_KEYS = 65_536
-#: time allowed per index key of a pipeline, on top of the call timeout (seconds).
-KEY_WRITE_S = 1e-5
-
-
 #: what the daemon holds: chunk keys per (namespace id, tier).
 Snapshot = Callable[[], Mapping[SetId, Sequence[bytes]]]
-#: the daemon's namespace specs as JSON, by namespace id.
-Specs = Callable[[], Mapping[str, str]]
 
 
 async def _drive(steps: Generator[None, None, Batch]) -> Batch:
@@ -106,21 +105,6 @@ async def _drive(steps: Generator[None, None, Batch]) -> Batch:
         except StopIteration as done:
             batch: Batch = done.value
             return batch
-
-
-@dataclass(slots=True)
-class NodeCounters:
-    registrations: int = 0
-    resyncs: int = 0
-    heartbeats: int = 0
-    batches: int = 0
-    commands: int = 0
-    indexed_keys: int = 0
-    errors: int = 0
-    dropped_keys: int = 0
-    #: Redis found to have lost index writes or entries without a call failing (the fence
-    #: moved or gone, a set evicted); each followed by a resync.
-    index_losses: int = 0
 
 
 class ClusterNode:
@@ -139,13 +123,16 @@ class ClusterNode:
     ) -> None:
         self.config = config
         self.redis = redis if redis is not None else connect(config)
-        self.info = replace(identity, incarnation=uuid.uuid4().hex[:16], started_at=time.time())
+        info = replace(identity, incarnation=uuid.uuid4().hex[:16], started_at=time.time())
         self.events = events
         self.snapshot = snapshot
         self.namespace_specs = namespace_specs
         self.reader = FleetReader(self.redis, config)
-        self.writer = IndexWriter(self.info.host_id, self.info.incarnation, config.ttl_ms)
+        self.writer = IndexWriter(info.host_id, info.incarnation, config.ttl_ms)
         self.counters = NodeCounters()
+        #: every write to Redis, and the record as written (``info``)
+        self.pipes = Pipelines(self.redis, config, info, self.writer, self.counters,
+                               namespace_specs)  # fmt: skip
         self.condition = "connecting"
         self.condition_detail = ""
         self._registered = False
@@ -153,16 +140,18 @@ class ClusterNode:
         self.pacing = Pacing(config, rng)
         #: whether Redis refuses index adds for memory (``writer.deferred`` holds them)
         self.full = FullRedis(self.pacing)
-        #: whether started_at is Redis's time (set at the first registration)
-        self._clocked = False
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._ns_specs: dict[str, str] = {}
         self._last_write = 0.0
         #: the newest storage event reflected in Redis.
         self.written_seq = 0
         self._written_changed = asyncio.Event()
+
+    @property
+    def info(self) -> HostInfo:
+        """This member's record as last written (read only)."""
+        return self.pipes.info
 
     @property
     def host_id(self) -> str:
@@ -209,7 +198,7 @@ class ClusterNode:
                 await task
         if self._registered:
             try:
-                await asyncio.wait_for(self._leave(), self.config.timeout_s)
+                await asyncio.wait_for(self.pipes.leave(), self.config.timeout_s)
             except Exception as exc:
                 logger.warning("cluster: could not leave cleanly (%s); entries expire by TTL", exc)
         self.condition = "stopped"
@@ -321,6 +310,12 @@ class ClusterNode:
                     await asyncio.wait_for(self._wake.wait(), until - time.monotonic())
             except asyncio.CancelledError:
                 raise
+            except IndexLost as exc:  # Redis lost writes without a call failing: resync
+                self.counters.index_losses += 1
+                self._lost(str(exc))
+            except RecordGone:  # register again
+                logger.warning("cluster: membership record was gone or replaced; re-registering")
+                self._registered = False
             except Exception as exc:
                 self._failed(exc)
                 await self._reconnect()
@@ -374,9 +369,7 @@ class ClusterNode:
         rest follow at once when Redis took them all, else after the next pause; none left:
         ``ok`` again."""
         batch = self.writer.take_deferred(MAX_BATCH_KEYS)
-        refused = None if batch is None else await self._write_part(batch)
-        if not self._registered:  # the fence found writes lost: a resync instead
-            return
+        refused = None if batch is None else await self.pipes.write_part(batch)
         if refused is not None:
             self._full_refused(refused)
         elif self.writer.deferred_keys:  # the next part at once
@@ -387,66 +380,23 @@ class ClusterNode:
 
     # ------------------------------------------------------------------ Redis writes
 
-    async def _bounded(self, pipe: Any, num_keys: int = 0) -> list[Any]:
-        """Execute ``pipe`` within 4 timeouts plus 10 us per index key it carries (a resync of
-        1 M chunks sends 8 MB: it must not time out, and then retry, forever)."""
-        limit = self.config.timeout_s * 4 + num_keys * KEY_WRITE_S
-        result: list[Any] = await asyncio.wait_for(pipe.execute(raise_on_error=False), limit)
-        for reply in result:  # refused adds (Redis full) are the writer's: IndexWriter.count
-            if isinstance(reply, Exception) and not is_oom(reply):
-                raise reply
-        return result
-
     async def _register_and_resync(self) -> None:
-        r = self.redis
         urgent = self.pacing.urgent()  # this incarnation's first try: kvserver start waits
-        if not self._clocked:  # started_at by Redis's clock (record.taken_by compares them)
-            started = await record.redis_time(r, self.config.timeout_s)
-            self.info = replace(self.info, started_at=started)
-            self._clocked = True
-        old_keys = await record.predecessor(r, self.info, self.config.timeout_s)
+        old_keys = await self.pipes.predecessor()
         if not urgent:  # Redis answers: the bulk after a random delay (pacing.py)
             await self.pacing.spread()
-        # A new fence number first: a late tail of an earlier pipeline that runs after it
-        # writes nothing (writer.py, fenced writes). Alone, before the bulk: a Redis that
-        # refuses writes (out of memory under noeviction) refuses this one SET, not a
-        # resync's megabytes sent again at every retry. As long as a pipeline: it waits
-        # out a write pause.
-        fence = self.writer.next_fence()
-        await asyncio.wait_for(record.set_px(r, self.writer.fence_key, fence, self.config.ttl_ms),
-                               self.config.timeout_s * 4)  # fmt: skip
+        await self.pipes.new_fence()
         snap = self.snapshot()  # no await between this and the resync's start: events after
-        self._ns_specs = dict(self.namespace_specs())  # it follow, and stay pending
+        self.pipes.read_specs()  # it follow, and stay pending
         steps = self.writer.resync(snap, self.events.last_seq)
         next(steps)  # its first step: pending changes dropped
         self._registered = True  # events from here on go to the writer
         batch = await _drive(steps)  # the fingerprints, in steps: the loop runs between
-        parts = batch.split(MAX_BATCH_KEYS)  # the record last: a new incarnation appears whole
-        commands = 2 + len(old_keys)
-        refused: BaseException | None = None  # an add Redis refused for memory
-        for i, part in enumerate(parts):
-            pipe = r.pipeline(transaction=False)
-            for key in old_keys if i == 0 else ():
-                pipe.execute_command("UNLINK", key)
-            at = len(old_keys) if i == 0 else 0
-            writes = self.writer.apply(pipe, part)
-            commands += writes
-            if i == len(parts) - 1:
-                commands += self._queue_record(pipe, exists=False)
-                commands += self.writer.queue_fence(pipe)
-            replies = await self._bounded(pipe, part.num_keys)
-            refused = refused or first_refused(replies)
-            if not self._counted(part, replies[at : at + writes]):  # once more
-                return
-        check(replies[at + writes :])
-        if not self._fenced(replies[-1]):  # Redis lost some of the resync: once more
-            return
+        refused = await self.pipes.resync(batch, old_keys)  # IndexLost: once more
         self._written(batch.last_seq)
         self.counters.registrations += 1
         self.counters.resyncs += 1
         self.pacing.succeeded()
-        self.counters.commands += commands
-        self.counters.indexed_keys += batch.num_keys
         if self.condition != "ok":
             logger.info(
                 "cluster: registered %s (incarnation %s) at %s; %d chunk(s) indexed%s",
@@ -464,110 +414,13 @@ class ClusterNode:
             self._full_refused(refused or MemoryError("index adds refused"))
         await self.reader.hosts(refresh=True)  # self.members
 
-    def _queue_record(self, pipe: Any, *, exists: bool) -> int:
-        """Queue the record with the current namespaces (``record.queue``; ``exists``: renewed
-        only while it names this incarnation, :meth:`_renewed` checks the reply)."""
-        self.info = replace(self.info, namespaces=tuple(sorted(self.writer.namespaces)))
-        return record.queue(pipe, self.info, self.config.ttl_ms, self._ns_specs, exists=exists)
-
-    def _fenced(self, reply: Any) -> bool:
-        """Whether the fence's value before this pipeline's move (``reply``) was the number
-        of the pipeline before: else Redis lost or reordered writes; the index is resynced."""
-        if self.writer.fence_read(reply):
-            return True
-        self.counters.index_losses += 1
-        self._lost(f"Redis lost index writes (its write fence read {reply!r}, "
-                   f"not {self.writer.fence - 1})")  # fmt: skip
-        return False
-
     async def _write(self, batch: Batch) -> None:
         for part in batch.split(MAX_BATCH_KEYS):  # the fence in each: checked in each
-            refused = await self._write_part(part)
-            if not self._registered:  # the fence found writes lost: resync instead
-                return
+            refused = await self.pipes.write_part(part)
             if refused is not None:  # Redis full: its adds deferred, the rest go on
                 self._full_refused(refused)
         self._written(batch.last_seq)
 
-    async def _write_part(self, batch: Batch) -> BaseException | None:
-        """Write ``batch`` in one pipeline; the error of an add Redis refused for memory
-        (deferred by the writer), or None."""
-        pipe = self.redis.pipeline(transaction=False)
-        commands = at = self.writer.apply(pipe, batch)
-        if batch.new_namespaces:
-            self._ns_specs.update(self.namespace_specs())
-            commands += self._queue_record(pipe, exists=True)
-        commands += self.writer.queue_fence(pipe)
-        replies = await self._bounded(pipe, batch.num_keys)
-        self.counters.batches += 1
-        self.counters.commands += commands
-        self.counters.indexed_keys += batch.num_keys
-        if not self._counted(batch, replies[:at]):
-            return None
-        check(replies[at:])
-        if not batch.new_namespaces or self._renewed(replies[at]):
-            self._fenced(replies[-1])
-        return first_refused(replies[:at])
-
-    def _counted(self, batch: Batch, replies: Sequence[Any]) -> bool:
-        """Count ``batch``'s write replies (:meth:`IndexWriter.count`); False, and a resync
-        ahead, when the fence refused some: Redis ran them out of order, after the fence
-        moved (a Redis Cluster client retries a write that met a slot in migration, TRYAGAIN
-        or ASK, after the rest of the pipeline, its fence move included)."""
-        refused = self.writer.count(batch, replies)
-        if not refused:
-            return True
-        self.counters.index_losses += 1
-        self._lost(f"Redis ran {refused} index write(s) after their pipeline's fence move "
-                   "(a slot migrating?): their changes are lost")  # fmt: skip
-        return False
-
-    def _renewed(self, reply: Any) -> bool:
-        """Whether the record was renewed (``reply``: :data:`record.RENEW_SCRIPT`'s); else
-        register again (the record was gone, or an earlier incarnation's was there), or
-        step down (:class:`record.HostIdTaken`: a later daemon has the host id)."""
-        if reply == 1:
-            return True
-        if reply is not None:
-            other = record.taken_by(self.info, reply)
-            if other is not None:
-                raise record.taken(self.info, other)
-        logger.warning("cluster: membership record was gone or replaced; re-registering")
-        self._registered = False
-        return False
-
     async def _heartbeat(self) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        at = self._queue_record(pipe, exists=True)
-        sets = self.writer.index_keys()
-        for key in sets:  # renewed, and counted: a set Redis evicted is found here. One key
-            # a call: a slot migrating between Redis Cluster nodes answers a script of two
-            # keys there TRYAGAIN (a failed heartbeat, a resync), one of one key ASK
-            pipe.execute_command("EVAL", KEEP_SCRIPT, 1, key, self.config.ttl_ms)
-        self.writer.queue_fence(pipe)
-        replies = await self._bounded(pipe)
-        check(replies)
-        self.counters.heartbeats += 1
-        self.counters.commands += len(replies)
-        # the record gone (Redis lost it, or we stalled past the TTL) or another's
-        if not self._renewed(replies[0]) or not self._fenced(replies[-1]):
-            return
-        lost = self.writer.lost_sets([n for (n,) in replies[at : at + len(sets)]])
-        if lost:
-            self.counters.index_losses += 1
-            self._lost(
-                f"Redis lost index entries without a write failing ({'; '.join(lost[:2])}): "
-                "evicted? the fleet's Redis needs maxmemory-policy noeviction"
-            )
-            return
+        await self.pipes.heartbeat()
         await self.reader.hosts(refresh=True)  # self.members
-
-    async def _leave(self) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for key in [*self.writer.index_keys(), schema.fence_key(self.host_id, self.incarnation)]:
-            pipe.execute_command("UNLINK", key)
-        keys = (schema.host_key(self.host_id), schema.hosts_key())  # while it names us
-        pipe.execute_command("EVAL", record.LEAVE_SCRIPT, 2, *keys, self.host_id,
-                             record.field(self.incarnation))  # fmt: skip
-        await pipe.execute()
-
