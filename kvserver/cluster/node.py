@@ -176,7 +176,11 @@ class ClusterNode:
         return self.reader.known_hosts
 
     async def start(self) -> None:
-        """Start following events and writing; tries to register once before returning."""
+        """Start following events and writing; returns once the first registration attempt
+        has ended (``condition`` no longer ``connecting``: ``ok``, ``degraded`` or
+        ``unavailable``), or after 3 cluster timeouts, whichever comes first: a slow Redis
+        holds up the daemon's start no longer than that. So the member may not be registered
+        yet when this returns; one that must be waits for :attr:`readable`."""
         self._tasks = [
             asyncio.create_task(self._follow(), name="cluster-events"),
             asyncio.create_task(self._run(), name="cluster-writer"),

@@ -82,7 +82,13 @@ class Member:
         self.seq += 1
         self._emit(AllBlocksCleared(self.seq, ns, MEDIUM[tier]))
 
-    async def start(self) -> ClusterNode:
+    async def start(self, *, joined: bool = True) -> ClusterNode:
+        """Start the member's node; ``joined``: until it is registered (:func:`registered`),
+        else until its first attempt has ended (``connecting`` no more: ``unavailable`` with
+        Redis down). ``ClusterNode.start`` waits for that first attempt at most 3 cluster
+        timeouts (a daemon's start is not held up longer by a slow Redis): on a loaded host
+        it returned before the member was registered, and tests that took it for registered
+        failed."""
         port = 10_000 + zlib.crc32(self.host_id.encode()) % 50_000  # one per member: never
         identity = HostInfo(  # connected to, but one address per member, as in a real fleet
             self.host_id, "", self.data_address or f"tcp://127.0.0.1:{port}", "127.0.0.1:2",
@@ -96,8 +102,17 @@ class Member:
             lambda: {NS: "{}"},
             rng=self.rng,
         )
-        await self.node.start()
-        return self.node
+        node = self.node
+        await node.start()
+        if joined:
+            await registered(node)
+        else:
+
+            async def attempted() -> bool:
+                return node.condition != "connecting"
+
+            await eventually(attempted, timeout=30.0)
+        return node
 
     async def crash(self) -> None:
         """Stop writing without leaving (as SIGKILL would)."""
@@ -109,7 +124,7 @@ class Member:
     async def settled(self) -> None:
         """Until every event so far is written (bounded)."""
         assert self.node is not None
-        assert await self.node.wait_written(timeout_s=5.0), self.node.stats()
+        assert await self.node.wait_written(timeout_s=30.0), self.node.stats()
 
 
 async def eventually(check: Callable[[], Awaitable[object]], timeout: float = 10.0) -> object:
@@ -122,3 +137,16 @@ async def eventually(check: Callable[[], Awaitable[object]], timeout: float = 10
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout}s")
         await asyncio.sleep(0.02)
+
+
+async def registered(node: ClusterNode, timeout: float = 30.0) -> None:
+    """Until ``node`` is a member, its index resynced (``readable``: ``ok``, or ``degraded``
+    with Redis full); AssertionError with its stats after ``timeout``."""
+
+    async def member() -> bool:
+        return node.readable
+
+    try:
+        await eventually(member, timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"not registered within {timeout}s: {node.stats()}") from exc

@@ -19,7 +19,14 @@ from kvserver.cluster.config import connect
 from kvserver.cluster.node import MAX_BATCH_KEYS
 from kvserver.cluster.writer import RESYNC_STEP
 from kvserver.errors import Unavailable
-from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
+from tests.kvserver.cluster.builders import (
+    NS,
+    Member,
+    cluster_config,
+    eventually,
+    keys,
+    registered,
+)
 from tests.support.redis import RedisServer, require_redis
 
 
@@ -133,6 +140,7 @@ async def test_a_large_resync_is_written_in_pipelines_the_loop_runs_between(
                        redis=sizes)  # fmt: skip
     tick = asyncio.create_task(ticker())
     await node.start()
+    await registered(node)  # start() waits 3 timeouts at most
     ticking = False
     await tick
     reader = FleetReader(connect(config), config)
@@ -277,6 +285,7 @@ async def test_a_timed_out_batch_run_late_within_a_resync_leaves_no_stale_entry(
                        redis=client)  # fmt: skip
     await node.start()
     try:
+        await registered(node)  # start() waits 3 timeouts at most
         assert node.condition == "ok" and node.counters.resyncs == 1
         (x,) = keys(1, seed=7)
         client.arm()

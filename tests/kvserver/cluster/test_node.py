@@ -12,7 +12,14 @@ from kvserver.cluster.config import connect
 from kvserver.crypto import make_tls_cert
 from kvserver.daemon.peers.fleet import FleetDirectory
 from kvserver.errors import Unavailable
-from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
+from tests.kvserver.cluster.builders import (
+    NS,
+    Member,
+    cluster_config,
+    eventually,
+    keys,
+    registered,
+)
 from tests.support.redis import (
     FLEET_CLIENTS,
     RedisServer,
@@ -32,6 +39,25 @@ async def reader(fleet_url: str):  # type: ignore[no-untyped-def]
     r = FleetReader(connect(config), config)
     yield r
     await r.redis.aclose()
+
+
+async def test_start_returns_while_redis_stalls_and_the_member_registers_once_it_answers(
+    fleet_server: RedisServer, fleet_url: str, reader: FleetReader
+) -> None:
+    """Redis stalled (``CLIENT PAUSE ALL``): ``start()`` returns without the member registered
+    (it waits for the first attempt 3 cluster timeouts at most: a daemon's start is not held
+    up by a slow Redis), and the member registers once Redis answers. So whoever needs it
+    registered waits for ``readable`` (``Member.start`` does: on a loaded host ``start()``
+    returned before the registration, and tests that took it for done failed)."""
+    a = Member("host-a", cluster_config(fleet_url))  # 0.5 s timeout: start() waits <= 1.5 s
+    assert fleet_server.cli("CLIENT", "PAUSE", "8000", "ALL") == "OK"  # it expires on its own
+    node = await a.start(joined=False)
+    try:
+        assert not node.readable and node.stats()["resync_pending"] == 1
+        await registered(node)
+        assert [h.incarnation for h in await reader.hosts()] == [node.incarnation]
+    finally:
+        await node.stop()
 
 
 async def test_a_member_registers_and_its_stores_are_indexed_per_tier(
@@ -145,7 +171,7 @@ async def test_a_daemon_starts_while_redis_is_down_and_joins_when_it_comes_up(
 ) -> None:
     fleet_server.kill()
     a = Member("host-a", cluster_config(fleet_url))
-    node = await a.start()
+    node = await a.start(joined=False)
     try:
         assert node.condition == "unavailable"
         a.store(keys(2))
@@ -188,12 +214,7 @@ async def test_the_fleet_directory_names_other_members_and_per_key_holders(
             await m.settled()
         await a.node.stop()  # type: ignore[union-attr]
         a.node = None
-        node_d = await d.start()
-
-        async def registered() -> bool:  # start() waits 3 timeouts: a loaded host overran it
-            return node_d.condition == "ok"
-
-        await eventually(registered, timeout=10.0)
+        node_d = await d.start()  # registered (Member.start waits for it)
         directory = FleetDirectory(node_d)
         assert {h: p.incarnation for h, p in directory.peers().items()} == {
             "host-b": b.node.incarnation,  # type: ignore[union-attr]

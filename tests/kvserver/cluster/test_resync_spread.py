@@ -29,9 +29,15 @@ class Fixed(random.Random):
     def __init__(self, value: float) -> None:
         super().__init__(0)
         self.value = value
+        #: draws of :meth:`random` (a resync's delay), not of :meth:`uniform` (a retry's pause)
+        self.delays = 0
 
     def random(self) -> float:
+        self.delays += 1
         return self.value
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * self.value
 
 
 @pytest.fixture
@@ -50,11 +56,13 @@ async def test_after_redis_restarts_empty_the_members_resync_spread_over_the_win
     spread = 2.0
     config = cluster_config(server.url, ttl_s=3.0, resync_spread_s=spread)
     draws = (0.0, 0.3, 0.6, 0.9)
-    members = [Member(f"host-{i}", config, rng=Fixed(v)) for i, v in enumerate(draws)]
+    rngs = [Fixed(v) for v in draws]
+    members = [Member(f"host-{i}", config, rng=rng) for i, rng in enumerate(rngs)]
     ks = keys(8)
-    for m in members:
-        node = await m.start()
-        assert node.condition == "ok"  # the first registration is urgent: not delayed
+    for m, rng in zip(members, rngs, strict=True):
+        node = await m.start()  # registered (Member.start waits for it)
+        assert node.condition == "ok"
+        assert rng.delays == 0  # the first registration is urgent: no delay drawn
         m.store(ks)
         await m.settled()
     nodes = [m.node for m in members]
