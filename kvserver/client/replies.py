@@ -4,21 +4,15 @@ may bring back.
 Runs in client processes (and in a daemon's peer links, which are clients), on the thread or
 event loop that owns the socket; not thread-safe.
 
-Why not ``recv_multipart``: ZMQ bounds a frame's bytes (``MAXMSGSIZE``), not a message's frame
-count. A daemon (or a peer a fetching daemon asks) that answers with a million empty frames
-made ``recv_multipart`` build a ``zmq.Frame`` of each (~190 bytes, plus the list's slot),
-three times what libzmq itself holds of them (~64 bytes a frame). Here a reply's payload
-frames are received one at a time and kept up to its request's budget (:func:`payload_frames`
-of its :class:`~kvserver.client.calls.Call`: a ``get`` of N keys and R ranks at most N x R
-parts of at most ``part_bytes // MIN_EXTENT + 1`` frames each, a ``read_parts`` N parts, any
-other op none); past it the frames kept are let go and the rest received and dropped, and the
-reply becomes an :class:`Oversized`: the caller fails its request with
-:meth:`Oversized.error` and treats the connection as faulty (replaces it).
-
-What is *not* bounded here: libzmq holds a multipart message whole (every frame's bytes)
-before its first frame can be read, so the bytes of an oversized reply are in memory once
-while it arrives whatever the receiver does; only the handshake that admitted the server
-bounds that (``docs/security.md``).
+Received frame by frame within a budget (``kvserver/zmq_frames.py``, which says why not
+``recv_multipart``): a reply's payload frames are kept up to its request's budget
+(:func:`payload_frames` of its :class:`~kvserver.client.calls.Call`: a ``get`` of N keys and R
+ranks at most N x R parts of at most ``part_bytes // MIN_EXTENT + 1`` frames each, a
+``read_parts`` N parts, any other op none); past it the frames kept are let go and the rest
+received and dropped, and the reply becomes an :class:`Oversized`: the caller fails its request
+with :meth:`Oversized.error` and treats the connection as faulty (replaces it). A daemon (or a
+peer a fetching daemon asks) that answered with a million empty frames made ``recv_multipart``
+build a ``zmq.Frame`` of each.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from typing import Any
 import zmq
 
 from kvserver.errors import InvalidArgument
+from kvserver.zmq_frames import Incoming
 
 #: the smallest arena extent a split part's frame can be (the smallest page size).
 MIN_EXTENT = 4096
@@ -84,18 +79,8 @@ def receive_after(
 
 
 def _rest(sock: zmq.Socket[Any], header: Any, keep: int) -> list[Any] | Oversized:
-    frames = [header]
-    count = size = 0
-    while True:
-        frame = sock.recv(zmq.NOBLOCK, copy=False)
-        more = frame.more
-        count += 1
-        size += len(frame)
-        if count <= keep:
-            frames.append(frame)
-        elif len(frames) > 1:
-            del frames[1:]  # past the budget: let go of what was kept
-        del frame
-        if not more:
-            break
-    return frames if count <= keep else Oversized(header, count, size, keep)
+    incoming = Incoming(header, keep + 1)  # the header besides its payload frames
+    incoming.take(sock)
+    if incoming.over:
+        return Oversized(header, incoming.count - 1, incoming.size - len(header), keep)
+    return incoming.frames

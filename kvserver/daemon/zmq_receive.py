@@ -5,12 +5,10 @@ Runs in the daemon process, on its event loop (the ROUTER's reader callback in
 ``zmq_server.py``, and its local-channel messages). Not thread-safe: one :class:`FrameReceiver`
 per ROUTER, used from the loop only.
 
-Why not ``recv_multipart``: ZMQ bounds a frame's bytes (``MAXMSGSIZE``), not a message's frame
-count, and hands a multipart message over only once all of it has arrived. A peer admitted at
-the handshake could send one message of a million empty frames (2 bytes each on the wire):
-``recv_multipart`` made a ``zmq.Frame`` of each, ~190 bytes apiece, so the message held ~245 MB
-of the daemon's memory and ~4 s of its loop before it was refused. Here every frame is received
-on its own and kept only within the message's budget:
+Received frame by frame within a budget (``kvserver/zmq_frames.py``, which says why not
+``recv_multipart``): a peer admitted at the handshake could send one message of a million empty
+frames, which held ~245 MB of the daemon's memory and ~4 s of its loop before it was refused.
+The budget of a message:
 
 - a request whose header names an op that carries no payload (every op but ``put`` and
   ``write_parts``, read with :func:`~kvserver.wire_requests.peek_op` once a second frame
@@ -23,13 +21,11 @@ on its own and kept only within the message's budget:
   :data:`FRAME_COST` each stay within ``max_message_bytes``, so a message's frames hold at most
   about ``max_message_bytes`` of the daemon's memory however small they are.
 
-Past the budget the frames kept are let go and the rest are received and dropped one at a time;
-the message becomes an :class:`Overflow` (its header, its true frame count and bytes), answered
-with one error like any other request (``zmq_requests.py``). What ZMQ itself holds of such a
-message until it is read (~64 bytes a frame in its queue) cannot be bounded by the daemon: only
-the handshake's admission does (``docs/security.md``). A message is received over several
-wake-ups of the loop when it has more than :data:`FRAMES_PER_CALL` frames, so other work on the
-loop runs meanwhile (the reader keeps the message's state; the ROUTER is read nowhere else).
+Past the budget the message becomes an :class:`Overflow` (its header, its true frame count and
+bytes), answered with one error like any other request (``zmq_requests.py``). A message is
+received over several wake-ups of the loop when it has more than :data:`FRAMES_PER_CALL`
+frames, so other work on the loop runs meanwhile (the reader keeps the message's state; the
+ROUTER is read nowhere else).
 
 A local-channel message is in the daemon's memory whole when it is read (its bytes bounded by
 ``local_inflight_bytes``), but not yet its frames: :func:`local_frames` applies the same budget
@@ -41,7 +37,7 @@ made. A ``hello`` with 2,000,000 empty frames (16 MB) made 2M views and ``LocalF
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -49,6 +45,7 @@ import zmq
 from kvserver import wire, wire_local
 from kvserver.daemon.auth import Authenticator
 from kvserver.errors import InvalidArgument, Unauthenticated
+from kvserver.zmq_frames import Incoming
 
 #: what a kept frame costs the daemon beyond its bytes (its ``zmq.Frame``, ~190 bytes, and the
 #: list slot), counted against ``max_message_bytes``.
@@ -87,13 +84,8 @@ class _Partial:
     """A message whose frames are still being received."""
 
     peer: bytes
-    frames: list[zmq.Frame] = field(default_factory=list)
-    count: int = 0
-    size: int = 0
-    cost: int = 0
-    keep: int = wire.MAX_FRAMES  # frames it may keep
-    op: str | None = None
-    over: bool = False
+    incoming: Incoming
+    op: str | None
 
 
 class FrameReceiver:
@@ -116,38 +108,23 @@ class FrameReceiver:
             header = raw.recv(zmq.NOBLOCK, copy=False)
             if not header.more:  # the common case: a request without payload
                 return peer, [header]
-            part = _Partial(peer, [header], 1, len(header), len(header) + FRAME_COST)
-            part.op = wire.peek_op(header.buffer)
-            no_payload = part.op in wire.OPS and part.op not in wire.OPS_WITH_PAYLOAD
+            op = wire.peek_op(header.buffer)
+            no_payload = op in wire.OPS and op not in wire.OPS_WITH_PAYLOAD
             if not len(header):  # vLLM's replay request ([b"", seq], no token) or garbage
-                part.keep = 2
+                keep = 2
             elif no_payload or (self._auth is not None and not _admitted(self._auth, header)):
-                part.keep = 1  # its header is all its answer needs
+                keep = 1  # its header is all its answer needs
+            else:
+                keep = wire.MAX_FRAMES
+            part = _Partial(peer, Incoming(header, keep, self._max_bytes, FRAME_COST), op)
         self._partial = None
-        for _ in range(FRAMES_PER_CALL):
-            frame = raw.recv(zmq.NOBLOCK, copy=False)
-            more = frame.more
-            size = len(frame)
-            part.count += 1
-            part.size += size
-            part.cost += size + FRAME_COST
-            if not part.over:
-                if part.count <= part.keep and part.cost <= self._max_bytes:
-                    part.frames.append(frame)
-                else:  # let go of what was kept; count the rest only
-                    part.over = True
-                    del part.frames[1:]
-            del frame
-            if not more:
-                return part.peer, self._finished(part)
-        self._partial = part
-        return None
-
-    @staticmethod
-    def _finished(part: _Partial) -> list[zmq.Frame] | Overflow:
-        if part.over:
-            return Overflow(part.frames, part.count, part.size, part.op)
-        return part.frames
+        if not part.incoming.take(raw, FRAMES_PER_CALL):
+            self._partial = part
+            return None
+        incoming = part.incoming
+        if incoming.over:
+            return part.peer, Overflow(incoming.frames, incoming.count, incoming.size, part.op)
+        return part.peer, incoming.frames
 
 
 def _admitted(auth: Authenticator, header: zmq.Frame) -> bool:
