@@ -1,6 +1,7 @@
 """The scheduler process: one asyncio event loop running the step loop and the gRPC front door.
 
-The only scheduler module that knows it is a process (event loop, children, ``signals.py``).
+The only scheduler module that knows it is a process (event loop, children, signals: the stop
+signals' handler is ``kvserver/stop_signals.py``, the daemon's too).
 
 Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
 connect and hello every worker (their KV layout names the kvserver namespace) → build the
@@ -25,7 +26,10 @@ requests aborted) → the step loop stops → workers are told to stop and synth
 are removed → exit 0. A stop signal while the workers' hello is awaited (up to
 ``--hello-timeout-s``) cancels it and does the same at once. A second stop signal exits at once,
 128 + the signal, after killing synthetic children and removing those files and the ipc://
-directory (``signals.py``).
+directory; a repeat within a second of the first is the same request, not a second one
+(``kvserver/stop_signals.py``). What a forced exit skips: streams are cut (clients get
+UNAVAILABLE), workers given by ``--workers`` are not told to stop, the connector's daemon leases
+are not released (they expire on the daemon), the trace's last records may be lost.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from kvserver.daemon.auth import Authenticator
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
+from kvserver.stop_signals import Leaving, StopSignals
 from kvserver.token_file import (
     TokenFiles,
     reap_stale_token_files,
@@ -61,12 +66,16 @@ from scheduler.engine_service import EngineService, GenerateParams
 from scheduler.metrics import SchedulerCollector
 from scheduler.request import RequestOutput, RequestStatus
 from scheduler.scheduler import Scheduler
-from scheduler.signals import Leaving, StopSignals
 from scheduler.workers import WorkerFailure, WorkerGroup
 from step_protocol import WorkerHello, WorkerInfo
 
 logger = logging.getLogger("scheduler.process")
 
+#: what the warning of a forced exit (a later stop signal) says
+FORCED_EXIT_NOTE = (
+    "(streams cut, daemon leases left to expire); synthetic workers killed, token and ready "
+    "files removed"
+)
 #: empty steps (only transfers in flight) are paced from this up to IDLE_WAIT_MAX_S
 IDLE_WAIT_MIN_S = 0.0005
 IDLE_WAIT_MAX_S = 0.02
@@ -463,9 +472,11 @@ def main(config: ProcessConfig) -> int:
 
     async def _main() -> None:
         stop = asyncio.Event()
-        signals = StopSignals(stop)  # the second one exits at once (signals.py)
+        leaving = Leaving()
+        signals = StopSignals(stop)
+        signals.arm(leaving, FORCED_EXIT_NOTE)  # from the first signal on: a later one exits
         signals.install(asyncio.get_running_loop())
-        await serve(config, stop, signals.leaving)
+        await serve(config, stop, leaving)
 
     uvloop.run(_main())
     return 0

@@ -36,7 +36,8 @@ arena and the token files → exit 0. A second stop signal during that shutdown 
 Ctrl-C, a hung disk's drain taking its 10 s) exits at once, as a SIGKILL would (the SSD tier
 is crash-safe: the next start rebuilds it; the fleet record expires), but first removes the
 arena, its local-channel socket, the token files and the ready file: exit 128 + the signal's
-number (``signals.StopSignals``).
+number; a repeat within a second of the first signal is the same request, not a second one
+(``kvserver/stop_signals.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.peer_setup import fleet_peer_tier, static_peer_tier
 from kvserver.daemon.service import KVService
-from kvserver.daemon.signals import STOP_SIGNALS, StopSignals, forward, pause_point, recording
+from kvserver.daemon.signals import forward, pause_point, recording
 from kvserver.daemon.stream_server import StreamServer
 from kvserver.daemon.tenants import tenant_tokens
 from kvserver.daemon.tiering import SsdTier
@@ -73,6 +74,7 @@ from kvserver.daemon.zmq_server import DataFrontend
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
 from kvserver.ssd.config import disk_room
+from kvserver.stop_signals import Leaving, StopSignals
 from kvserver.token_file import (
     TokenFiles,
     reap_stale_token_files,
@@ -91,6 +93,11 @@ SWITCH_INTERVAL_S = 0.0005
 #: 700). A gRPC Lookup allocates ~20, so at 700 one call in ~80 paid a collection
 #: (docs/benchmarks.md, "Lookup latency, issue 15").
 GC_YOUNG_THRESHOLD = 10_000
+#: what the warning of a forced exit (a later stop signal during the shutdown) says
+FORCED_EXIT_NOTE = (
+    "(SSD writes in flight are not on SSD; the next start rebuilds the tier); the arena and "
+    "the token files are removed"
+)
 
 
 class _StoppedStarting(Exception):
@@ -109,9 +116,10 @@ async def serve(
     ``malloc_tuned`` (whether :func:`main` applied the allocator settings) goes into the ready
     file; ``serving()`` is called once started, before the start-up line; ``leaving(paths)``
     when the shutdown begins, with the files it will remove (arena, local-channel socket, token
-    and ready files: what a hurried exit removes, ``signals.StopSignals``). A ``stop`` set during
-    start-up stops it at its next step, what was done undone. Returns the SSD tier's disk jobs
-    left running past its drain timeout (10 s) at shutdown (``SsdTier.close``; 0 normally)."""
+    and ready files: what a hurried exit removes, ``kvserver/stop_signals.py``). A ``stop``
+    set during start-up stops it at its next step, what was done undone. Returns the SSD tier's
+    disk jobs left running past its drain timeout (10 s) at shutdown (``SsdTier.close``; 0
+    normally)."""
     stop = stop or asyncio.Event()
     try:
         return await _serve(config, stop, malloc_tuned, serving, leaving)
@@ -414,11 +422,10 @@ def main(config: DaemonConfig) -> int:
         signals = StopSignals(stop)
 
         def take_over() -> None:  # once serving: the loop's handlers (HUP: terminal closed)
-            for sig in STOP_SIGNALS:
-                loop.add_signal_handler(sig, signals, sig)
+            signals.install(loop)
 
-        def leaving(paths: list[str]) -> None:
-            signals.leaving = paths
+        def leaving(paths: list[str]) -> None:  # the shutdown began: a later signal exits
+            signals.arm(Leaving(files=paths), FORCED_EXIT_NOTE)
 
         with forward(stop.set):  # until then: a signal recorded stops start-up at its next step
             return await serve(

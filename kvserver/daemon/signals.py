@@ -9,8 +9,8 @@ Call order: ``kvserver start`` enters :func:`recording` before its heavy imports
 that records the first stop signal) → :func:`forward` hands each recorded signal to the
 daemon's stop event (at once when one came already) → start-up checks that event at each
 step and stops cleanly (``process.py``) → once serving, the loop's own handlers replace these
-(:class:`StopSignals`: the first signal stops, one during the shutdown exits at once) →
-:func:`recording` exits: the handlers it found are back.
+(``kvserver/stop_signals.py``: the first signal stops, a later one during the shutdown exits
+at once) → :func:`recording` exits: the handlers it found are back.
 
 :func:`pause_point` is a test's hook: under ``KVSERVER_TEST_PAUSE_AT=STEP`` start-up waits at
 STEP until a stop signal has been recorded, so that a test sends it at a known step instead of
@@ -19,8 +19,6 @@ racing a sleep.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import signal
 import sys
@@ -29,15 +27,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the module is imported before the heavy ones (kvserver start)
-    import asyncio
+from kvserver.stop_signals import STOP_SIGNALS
 
-logger = logging.getLogger("kvserver.daemon")
-
-#: the signals that stop the daemon (HUP: its terminal closed)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: the test hook's variable: the start-up step to wait at
 PAUSE_ENV = "KVSERVER_TEST_PAUSE_AT"
 #: the longest a pause point waits for its signal
@@ -108,30 +100,3 @@ def pause_point(step: str) -> None:
     deadline = time.monotonic() + PAUSE_LIMIT_S
     while recorder.received is None and time.monotonic() < deadline:
         time.sleep(0.01)  # the signal's handler runs within this
-
-
-class StopSignals:
-    """The loop's handler of the stop signals once serving: the first sets ``stop`` (the
-    ordered shutdown); one during the shutdown removes :attr:`leaving` (the files the daemon
-    leaves in the shared-memory directory, given once the shutdown begins) and exits at once,
-    128 + its number. Main thread, event loop only."""
-
-    def __init__(self, stop: asyncio.Event) -> None:
-        self._stop = stop
-        #: removed by a second signal; set by ``serve`` when its shutdown begins
-        self.leaving: list[str] | None = None
-
-    def __call__(self, signum: int) -> None:
-        if not self._stop.is_set():
-            self._stop.set()
-        elif self.leaving is not None:
-            logger.warning(
-                "a second stop signal: exiting now, without the ordered shutdown (SSD writes "
-                "in flight are not on SSD; the next start rebuilds the tier); the arena and "
-                "the token files are removed"
-            )
-            for path in self.leaving:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            logging.shutdown()
-            os._exit(128 + signum)

@@ -1,9 +1,10 @@
 """A real ``kvserver scheduler`` whose ordered shutdown is held up (a stream in flight, its
 worker stopped with SIGSTOP so no step is answered, a long ``--shutdown-grace-s``): the first
-stop signal starts the shutdown and does not end it; a second ends it at once with 128 + the
-signal, as the daemon does (scheduler/signals.py), leaving no token file, ready file, ipc://
-directory or synthetic worker behind. The first stop signal while the scheduler waits for its
-workers' hello stops it at once and cleanly."""
+stop signal starts the shutdown and does not end it; a second, past the repeat window, ends it
+at once with 128 + the signal, as the daemon does (``kvserver/stop_signals.py``), leaving no
+token file, ready file, ipc:// directory or synthetic worker behind. A repeat milliseconds after
+the first is the same request: the ordered shutdown, exit 0. The first stop signal while the
+scheduler waits for its workers' hello stops it at once and cleanly."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -20,6 +22,11 @@ from kvserver.token_file import token_path
 from tests.scheduler.builders import tokens
 from tests.scheduler.procs import EngineClient, Proc, start_scheduler, start_worker
 from tests.support.daemon import wait_until
+from tests.support.stop_signals import (
+    assert_stopped_in_order,
+    send_burst,
+    wait_past_repeat_window,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,9 +72,11 @@ def test_a_second_stop_signal_ends_a_held_up_shutdown_at_once(
             os.kill(worker_pid, signal.SIGSTOP)  # no step is answered from now on
             sched.proc.send_signal(sig)
             wait_until(lambda: "shutting down" in sched.log())
+            took_first = time.monotonic()  # after the scheduler took the first signal
             with pytest.raises(subprocess.TimeoutExpired):  # the stream's grace holds it
                 sched.proc.wait(1.0)
 
+            wait_past_repeat_window(took_first)  # else it is the same request
             sched.proc.send_signal(sig)
             assert sched.proc.wait(10) == 128 + sig, sched.log()
             assert "a second stop signal: exiting now" in sched.log()
@@ -123,3 +132,25 @@ def test_a_stop_signal_while_the_workers_hello_is_awaited_stops_at_once_and_clea
     finally:
         os.kill(worker.proc.pid, signal.SIGCONT)
         worker.kill()
+
+
+def test_a_repeat_milliseconds_after_the_first_stop_signal_is_the_same_request(
+    tmp_path: Path,
+) -> None:
+    """Two SIGTERMs a few milliseconds apart (``timeout`` forwarding its signal while a
+    supervisor's ``pkill`` sends its own): the ordered shutdown, exit 0, its files removed. Was:
+    the second exited at once (143), without the shutdown."""
+    sched = start_scheduler(
+        tmp_path, "--synthetic-workers", "1", "--num-gpu-blocks", "64", "--block-size", "16"
+    )
+    port = sched.info["grpc_port"]
+    ready = Path(sched.args[sched.args.index("--ready-file") + 1])
+    try:
+        with EngineClient(port) as c:
+            assert c.generate(tokens(32), 4)
+        send_burst(sched.proc, signal.SIGTERM)
+        assert sched.proc.wait(60) == 0, sched.log()
+        assert_stopped_in_order(sched.log(), "scheduler.process: stopped")
+        assert not Path(token_path(port)).exists() and not ready.exists()
+    finally:
+        sched.kill()
