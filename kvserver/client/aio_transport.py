@@ -36,7 +36,7 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
-from kvserver import wire_local
+from kvserver import wire, wire_local
 from kvserver.client import replies
 from kvserver.client.calls import Answer, Call
 from kvserver.client.common import Session
@@ -310,18 +310,20 @@ class AioTransport:
             try:
                 if isinstance(link, AioLocalLink):
                     frames: Sequence[Any] = await link.recv()
+                    reply = self._s.decode(frames)
                 else:
                     assert isinstance(link, zmq.asyncio.Socket)
                     received = self._zmq_recv = cast("asyncio.Future[Any]", link.recv(copy=False))
                     header = await received
+                    reply = self._s.decode([header])  # once: for its budget and its routing
                     # the rest of the message is queued with it: taken without waiting
-                    whole = replies.receive_after(self._zmq_sync(link), header, self._budget)
+                    whole = replies.receive(self._zmq_sync(link), header, self._budget(reply))
                     self._zmq_recv = None
                     if isinstance(whole, replies.Oversized):
-                        self._refuse(whole)
+                        self._refuse(reply, whole)
                         return
                     frames = whole
-                self._route(frames)
+                self._route(reply, frames)
                 if self._broken:
                     self._fail_if_broken()
                     if link is not self._zmq:
@@ -349,18 +351,16 @@ class AioTransport:
             self._zmq_plain = (sock, zmq.Socket.shadow(sock.underlying))
         return self._zmq_plain[1]
 
-    def _budget(self, header: Any) -> int:
-        """The payload frames the reply whose first frame is ``header`` may carry: what its
-        request may bring back (none for an error, or a reply to no request outstanding)."""
-        reply = self._s.decode([header])
+    def _budget(self, reply: wire.Reply | None) -> int:
+        """The payload frames ``reply`` may carry: what its request may bring back (none for
+        an error, an unreadable header, or a reply to no request outstanding)."""
         slot = self._slots.get(reply.req_id) if reply is not None and reply.ok else None
         return slot.call.reply_frames if slot is not None else 0
 
-    def _refuse(self, over: replies.Oversized) -> None:
-        """A reply with more frames than its request may bring back: its request fails with
-        ``over.error()``; the DEALER is faulty: closed, the other requests outstanding on it
-        fail with Unavailable (the next request opens a new one)."""
-        reply = self._s.decode([over.header])
+    def _refuse(self, reply: wire.Reply | None, over: replies.Oversized) -> None:
+        """``reply`` came with more frames than its request may bring back: its request fails
+        with ``over.error()``; the DEALER is faulty: closed, the other requests outstanding on
+        it fail with Unavailable (the next request opens a new one)."""
         slot = self._slots.pop(reply.req_id, None) if reply is not None else None
         error = over.error()
         logger.warning("refusing a reply from %s: %s", self._s.address, error)
@@ -369,8 +369,9 @@ class AioTransport:
         self._close_dealer()
         self._fail_outstanding(f"the daemon sent a reply past its request's frames ({error})")
 
-    def _route(self, frames: Sequence[Any]) -> None:
-        reply = self._s.decode(frames)
+    def _route(self, reply: wire.Reply | None, frames: Sequence[Any]) -> None:
+        """Hand one reply (its header decoded: ``reply``, None when unreadable) to its
+        request; stale and unreadable ones are dropped."""
         if reply is None:
             return
         req_id = reply.req_id

@@ -29,7 +29,7 @@ import itertools
 import select
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
 import zmq
@@ -263,13 +263,14 @@ class ZmqLink:
             if time.monotonic() >= deadline:
                 return False
 
-    def recv(
-        self, timeout: float, budget: Callable[[zmq.Frame], int]
-    ) -> list[zmq.Frame] | replies.Oversized:
-        """One message, frame by frame, its payload frames kept up to ``budget(header)``
-        (:func:`kvserver.client.replies.receive`). REQUIRES: ``ready()`` (ZMQ delivers whole
-        messages)."""
-        return replies.receive(self._sock, budget)
+    def recv_header(self) -> zmq.Frame:
+        """A message's first frame (``copy=False``). REQUIRES: ``ready()``."""
+        return self._sock.recv(zmq.NOBLOCK, copy=False)
+
+    def recv_rest(self, header: zmq.Frame, keep: int) -> list[zmq.Frame] | replies.Oversized:
+        """The message whose first frame is ``header``, frame by frame, its payload frames kept
+        up to ``keep`` (:func:`kvserver.client.replies.receive`)."""
+        return replies.receive(self._sock, header, keep)
 
 
 class LocalLink:

@@ -17,7 +17,6 @@ build a ``zmq.Frame`` of each.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +40,8 @@ def frames_per_part(part_bytes: int | None) -> int:
 
 @dataclass(slots=True)
 class Oversized:
-    """A reply received past its budget: its header kept, the rest counted and dropped."""
+    """A reply received past its budget: its payload frames counted and dropped."""
 
-    header: Any  # zmq.Frame
     count: int  # payload frames, all of them
     size: int  # their bytes
     budget: int  # payload frames its request may bring back
@@ -58,29 +56,15 @@ class Oversized:
         )
 
 
-def receive(sock: zmq.Socket[Any], budget: Callable[[Any], int]) -> list[Any] | Oversized:
-    """One reply from ``sock`` (frames, ``copy=False``), or an :class:`Oversized`.
-    ``budget(header)``: the payload frames the reply whose header frame is ``header`` may
-    carry (asked only when it has any). REQUIRES: a message is queued (libzmq delivers a
-    message's frames together); raises ``zmq.Again`` otherwise."""
-    header = sock.recv(zmq.NOBLOCK, copy=False)
+def receive(sock: zmq.Socket[Any], header: Any, keep: int) -> list[Any] | Oversized:
+    """The reply whose first frame ``header`` was received (``copy=False``): its frames, its
+    payload frames kept up to ``keep`` (what its request may bring back, decided by the caller
+    from the header it decoded), or an :class:`Oversized`. REQUIRES: ``header`` is a message's
+    first frame (libzmq delivers a message's frames together: none is waited for)."""
     if not header.more:
         return [header]
-    return _rest(sock, header, budget(header))
-
-
-def receive_after(
-    sock: zmq.Socket[Any], header: Any, budget: Callable[[Any], int]
-) -> list[Any] | Oversized:
-    """As :func:`receive`, ``header`` (the reply's first frame) already received."""
-    if not header.more:
-        return [header]
-    return _rest(sock, header, budget(header))
-
-
-def _rest(sock: zmq.Socket[Any], header: Any, keep: int) -> list[Any] | Oversized:
     incoming = Incoming(header, keep + 1)  # the header besides its payload frames
     incoming.take(sock)
     if incoming.over:
-        return Oversized(header, incoming.count - 1, incoming.size - len(header), keep)
+        return Oversized(incoming.count - 1, incoming.size - len(header), keep)
     return incoming.frames

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from kvserver import wire_local
+from kvserver import wire, wire_local
 from kvserver.client.calls import Answer, Call
 from kvserver.client.common import Session
 from kvserver.client.links import LocalLink, ZmqLink
@@ -189,35 +189,37 @@ class Transport:
         return slot.outcome
 
     def _read_one(self, link: ZmqLink | LocalLink, timeout: float) -> None:
+        """One reply of ``link``, its header decoded once: for its budget and its routing."""
         try:
             if isinstance(link, ZmqLink):
-                received = link.recv(timeout, self._budget)
+                header = link.recv_header()
+                reply = self._s.decode([header])
+                received = link.recv_rest(header, self._budget(reply))
                 if isinstance(received, Oversized):
-                    self._refuse(received)
+                    self._refuse(reply, received)
                     return
                 frames: Sequence[Any] = received
             else:
                 frames = link.recv(timeout)
+                reply = self._s.decode(frames)
         except OSError as exc:  # the local channel (closed, timed out)
             self._lose_local(str(exc))
             return
         except zmq.ZMQError as exc:  # the DEALER: what is outstanding on it fails at once
             self.drop(f"the connection failed ({type(exc).__name__}: {exc})")
             return
-        self._route(frames)
+        self._route(reply, frames)
 
-    def _budget(self, header: Any) -> int:
-        """The payload frames the reply whose first frame is ``header`` may carry: what its
-        request may bring back (none for an error, or a reply to no request outstanding)."""
-        reply = self._s.decode([header])
+    def _budget(self, reply: wire.Reply | None) -> int:
+        """The payload frames ``reply`` may carry: what its request may bring back (none for
+        an error, an unreadable header, or a reply to no request outstanding)."""
         slot = self._slots.get(reply.req_id) if reply is not None and reply.ok else None
         return slot.call.reply_frames if slot is not None else 0
 
-    def _refuse(self, over: Oversized) -> None:
-        """A reply with more frames than its request may bring back: its request fails with
-        ``over.error()``, and the DEALER is faulty: both links are replaced, the other
+    def _refuse(self, reply: wire.Reply | None, over: Oversized) -> None:
+        """``reply`` came with more frames than its request may bring back: its request fails
+        with ``over.error()``, and the DEALER is faulty: both links are replaced, the other
         requests outstanding fail with Unavailable."""
-        reply = self._s.decode([over.header])
         slot = self._slots.pop(reply.req_id, None) if reply is not None else None
         error = over.error()
         logger.warning("refusing a reply from %s: %s", self._s.address, error)
@@ -225,9 +227,9 @@ class Transport:
             slot.outcome = error
         self.drop(f"the daemon sent a reply past its request's frames ({error})")
 
-    def _route(self, frames: Sequence[Any]) -> None:
-        """Hand one reply to the slot of its request; stale and unreadable ones are dropped."""
-        reply = self._s.decode(frames)
+    def _route(self, reply: wire.Reply | None, frames: Sequence[Any]) -> None:
+        """Hand one reply (its header decoded: ``reply``, None when unreadable) to the slot of
+        its request; stale and unreadable ones are dropped."""
         if reply is None:
             return
         req_id = reply.req_id

@@ -156,6 +156,38 @@ def test_sync_client_both_paths(daemon: DaemonProc, colocated: bool | None) -> N
 
 
 @pytest.mark.multiprocess
+def test_a_multi_frame_reply_header_is_decoded_once(
+    daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get's reply over ZMQ (a header and 8 payload frames), sync and asyncio: its header is
+    decoded once, for both its frame budget and its routing (was twice)."""
+    keys = make_keys(4, tag="decode-once")
+    decoded: list[int] = []
+    real = wire.decode_reply
+
+    def counting(frame: bytes | memoryview) -> wire.Reply:
+        reply = real(frame)
+        decoded.append(reply.req_id)
+        return reply
+
+    async def aio_load(ns_id: str) -> list[list[memoryview]]:
+        async with AsyncKVClient(daemon.zmq_address, colocated=False) as akv:
+            await akv.register_namespace(SPEC)
+            decoded.clear()
+            return await akv.load(ns_id, keys)
+
+    with KVClient(daemon.zmq_address, colocated=False) as kv:
+        ns_id = kv.register_namespace(SPEC).ns_id
+        assert kv.store(ns_id, keys, parts(keys)) == keys
+        monkeypatch.setattr(wire, "decode_reply", counting)
+        decoded.clear()
+        assert as_bytes(kv.load(ns_id, keys)) == parts(keys)
+        assert len(decoded) == 1, decoded
+        assert as_bytes(asyncio.run(aio_load(ns_id))) == parts(keys)
+        assert len(decoded) == 1, decoded
+
+
+@pytest.mark.multiprocess
 def test_typed_errors_and_rollback(daemon: DaemonProc) -> None:
     with KVClient(daemon.zmq_address) as kv:
         ns = kv.register_namespace(SPEC)
