@@ -2,11 +2,13 @@
 
 - ``format``: the on-disk format (every constant, the chunk header, checksums); docs/ssd_format.md
 - ``fileio``: the OS interface (the fault-injection seam) and page-aligned buffers
-- ``store``: slot files: batched chunk I/O, O_DIRECT detection and fallback
+- ``store``: slot files: batched chunk I/O, O_DIRECT or buffered
+- ``directory``: the directory's own files (lock, FORMAT, the O_DIRECT probe, namespaces)
 - ``scan``: rebuild by header scan (one header per slot holding data)
 - ``index``: which chunk is in which slot, slot allocation, byte accounting, eviction (pure)
 - ``buffers``: the bounded staging / read buffer pool
 - ``config``: the tier's settings and counters
 
-Only ``store``, ``scan`` and ``fileio`` touch the filesystem; ``index`` and the policies never do.
+Only ``store``, ``directory``, ``scan`` and ``fileio`` touch the filesystem; ``index`` and the
+policies never do.
 """

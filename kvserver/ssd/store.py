@@ -31,46 +31,34 @@ slots the tier no longer needs (punched holes: they read as zeros, an empty slot
 Rebuild (:meth:`scan`, in ``scan.py``) reads one header block per slot that holds data (holes
 are skipped with SEEK_DATA), never the payloads, on several threads.
 
-O_DIRECT: with ``direct="auto"`` :meth:`open` probes the directory (open with O_DIRECT, write
-and read back one aligned block). If the filesystem refuses (EINVAL: some tmpfs, overlay and
-network filesystems) the store falls back to buffered I/O through the page cache, logs it and
-reports ``io_mode == "buffered"``; the format and the crash argument are the same.
+The directory's own files (its lock, FORMAT, the O_DIRECT probe with ``direct="auto"``, the
+saved namespaces) are :class:`~kvserver.ssd.directory.SsdDirectory`'s, which the store owns;
+without O_DIRECT the store does buffered I/O through the page cache and reports
+``io_mode == "buffered"``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import logging
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvserver.errors import StorageError
+from kvserver.ssd.directory import SsdDirectory
 from kvserver.ssd.fileio import FileIO, aligned_buffer, storage_error
 from kvserver.ssd.format import (
-    BLOCK,
-    FORMAT_FILE,
     HEADER_BYTES,
-    LOCK_FILE,
-    NAMESPACES_FILE,
-    PROBE_FILE,
     ChunkHeader,
     CorruptChunk,
-    check_format_file,
     check_slot,
     data_file_name,
-    decode_namespaces,
-    encode_format_file,
     encode_header,
-    encode_namespaces,
     parse_data_file_name,
     prepare_slot,
 )
 from kvserver.ssd.scan import ScanResult, scan_files
-
-logger = logging.getLogger(__name__)
 
 #: an aligned zero header block (discards write it; nothing ever writes into it).
 _ZERO_ALIGNED = aligned_buffer(HEADER_BYTES)
@@ -114,7 +102,7 @@ class SlotStore:
         self.io = fileio or FileIO()
         self._want_direct = direct != "off"
         self.direct = False
-        self._lock_fd = -1
+        self._dir = SsdDirectory(self.directory, self.io)
         self._fds: dict[int, int] = {}
         self._fds_lock = threading.Lock()
         #: bytes known allocated per data file (-1: the filesystem cannot preallocate)
@@ -128,90 +116,10 @@ class SlotStore:
         return "direct" if self.direct else "buffered"
 
     def open(self) -> None:
-        """Create/lock the directory, check its format, decide O_DIRECT. Raises StorageError
-        (with path and errno) if the directory cannot be used; then nothing stays open."""
-        io, d = self.io, self.directory
-        try:
-            io.makedirs(d)
-            self._lock_fd = io.open(os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT)
-        except OSError as exc:
-            raise storage_error("cannot open the SSD directory", exc, d) from None
-        try:
-            io.lock(self._lock_fd)
-        except OSError:
-            holder = self._lock_holder()
-            self.close()
-            raise StorageError(
-                f"SSD directory is in use by another daemon{holder}: stop it, or give this one "
-                "another --ssd-dir",
-                path=d,
-            ) from None
-        try:
-            # who holds it, for the next daemon refused here (the lock, not this, decides)
-            io.truncate(self._lock_fd, 0)
-            io.pwrite(self._lock_fd, memoryview(f"{os.getpid()}\n".encode()), 0)
-        except OSError:
-            pass
-        try:
-            self._check_format()
-            self.direct = self._want_direct and self._probe_direct()
-        except BaseException:
-            self.close()
-            raise
-
-    def _lock_holder(self) -> str:
-        """`` (pid N)`` of the daemon that wrote the LOCK file (its pid on its host), or "" when
-        it says nothing readable."""
-        try:
-            text = self.io.read_file(os.path.join(self.directory, LOCK_FILE))
-        except OSError:
-            return ""
-        pid = text.decode("ascii", "replace").strip()
-        return f" (pid {pid})" if pid.isdigit() else ""
-
-    def _check_format(self) -> None:
-        path = os.path.join(self.directory, FORMAT_FILE)
-        try:
-            check_format_file(self.io.read_file(path))
-            return
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise storage_error("cannot read the FORMAT file", exc, path) from None
-        try:
-            self.io.write_file_atomic(path, encode_format_file())
-        except OSError as exc:
-            raise storage_error("cannot write the FORMAT file", exc, path) from None
-
-    def _probe_direct(self) -> bool:
-        """True if O_DIRECT works here (aligned write + read back of one block)."""
-        io, path = self.io, os.path.join(self.directory, PROBE_FILE)
-        if not io.O_DIRECT:
-            return False
-        try:
-            fd = io.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | io.O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise storage_error("cannot create a file in the SSD directory", exc, path) from exc
-            logger.info("O_DIRECT refused by the filesystem of %s: buffered I/O", self.directory)
-            return False
-        try:
-            buf = aligned_buffer(BLOCK)
-            buf[:8] = b"kvprobe!"
-            io.pwrite(fd, buf, 0)
-            back = aligned_buffer(BLOCK)
-            io.pread_into(fd, back, 0)
-            ok = bytes(back[:8]) == b"kvprobe!"
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise storage_error("cannot write to the SSD directory", exc, path) from None
-            logger.info("O_DIRECT I/O fails on %s (EINVAL): buffered I/O", self.directory)
-            ok = False
-        finally:
-            io.close(fd)
-            with contextlib.suppress(OSError):
-                io.unlink(path)
-        return ok
+        """Create/lock the directory, check its format, decide O_DIRECT
+        (:meth:`SsdDirectory.open`). Raises StorageError (with path and errno) if the directory
+        cannot be used; then nothing stays open."""
+        self.direct = self._dir.open(self._want_direct)
 
     def close(self) -> None:
         """Close every file and release the directory lock. Idempotent."""
@@ -219,9 +127,7 @@ class SlotStore:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             self.io.close(fd)
-        if self._lock_fd >= 0:
-            self.io.close(self._lock_fd)
-            self._lock_fd = -1
+        self._dir.close()
 
     # ------------------------------------------------------------------ files
 
@@ -467,21 +373,11 @@ class SlotStore:
 
     def load_namespaces(self) -> list[dict[str, Any]]:
         """The namespace specs saved with the data ([] if none were saved yet)."""
-        path = os.path.join(self.directory, NAMESPACES_FILE)
-        try:
-            return decode_namespaces(self.io.read_file(path))
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise storage_error("cannot read the namespaces file", exc, path) from None
+        return self._dir.load_namespaces()
 
     def save_namespaces(self, specs: list[dict[str, Any]]) -> None:
         """Replace the namespaces file atomically (temp + fsync + rename + fsync dir)."""
-        path = os.path.join(self.directory, NAMESPACES_FILE)
-        try:
-            self.io.write_file_atomic(path, encode_namespaces(specs))
-        except OSError as exc:
-            raise storage_error("cannot write the namespaces file", exc, path) from None
+        self._dir.save_namespaces(specs)
 
 
 def _runs(slots: Sequence[int]) -> list[list[int]]:
