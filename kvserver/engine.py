@@ -103,8 +103,6 @@ class StorageEngine:
             progress=prefault_progress,
         )
         self._namespaces = NamespaceTable(config.max_keys_per_request)
-        #: ``ns_id`` of each namespace index (``NamespaceSpec.ns_id`` hashes the spec per call).
-        self._ns_ids: list[str] = []
         self.totals = self._namespaces.totals
         self._holds = LeaseBook(self._dram, self._namespaces, config.quarantine_s)
         self.leases = self._holds.leases
@@ -112,7 +110,7 @@ class StorageEngine:
         parts = PartCopies(self.arena, self.leases, self._namespaces, self._dram.entries)
         self.write_parts, self.write_part = parts.write_parts, parts.write_part
         self.read_parts, self.read_part = parts.read_parts, parts.read_part
-        self._log = EngineEvents(self._namespaces, self._ns_ids)
+        self._log = EngineEvents(self._namespaces)
 
     @property
     def on_evict(self) -> EvictHook | None:
@@ -138,7 +136,7 @@ class StorageEngine:
         ns_id = spec.ns_id
         if ns_id in self._namespaces.ids:
             return ns_id
-        if len(self._ns_ids) >= MAX_NAMESPACES:
+        if len(self._namespaces.specs) >= MAX_NAMESPACES:
             raise CapacityError("too many namespaces registered", max=MAX_NAMESPACES)
         if self._dram.pages_for(spec, 1) > self.allocator.num_pages:
             raise CapacityError(
@@ -148,7 +146,6 @@ class StorageEngine:
                 capacity=self.config.dram_bytes,
             )
         self._namespaces.add(spec)
-        self._ns_ids.append(ns_id)
         logger.info("registered namespace %s (%s, %d B/part)", ns_id, spec.model, spec.part_bytes)
         return ns_id
 
@@ -162,11 +159,12 @@ class StorageEngine:
 
     @property
     def namespaces(self) -> dict[str, NamespaceSpec]:
-        return dict(zip(self._ns_ids, self._namespaces.specs, strict=True))
+        return self._namespaces.by_id()
 
     def held_keys(self) -> dict[str, list[bytes]]:
         """The READY (visible) chunk keys per namespace id: what the fleet index mirrors."""
-        return {self._ns_ids[ns]: keys for ns, keys in self._dram.ready_keys().items()}
+        ns_ids = self._namespaces.ns_ids
+        return {ns_ids[ns]: keys for ns, keys in self._dram.ready_keys().items()}
 
     # ================================================================== queries
 

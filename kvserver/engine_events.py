@@ -33,12 +33,11 @@ EvictHook = Callable[[NamespaceSpec, list[Entry]], None]
 
 
 class EngineEvents:
-    """The engine's events and their counters; see the module docstring. ``ns_ids`` is the
-    engine's list of namespace ids by namespace index (appended to as namespaces register)."""
+    """The engine's events and their counters; see the module docstring."""
 
-    def __init__(self, namespaces: NamespaceTable, ns_ids: list[str]) -> None:
+    def __init__(self, namespaces: NamespaceTable) -> None:
         self._namespaces = namespaces
-        self._ns_ids = ns_ids
+        self._ns_ids = namespaces.ns_ids  # appended to as namespaces register
         self._events: list[Event] = []
         self._next_seq = 1
         self.on_evict: EvictHook | None = None

@@ -6,8 +6,8 @@ the position in ``specs``) is the first half of every index key and stays fixed 
 engine's life. Counters are monotonic, per namespace and in ``totals``; the engine bumps both
 through :meth:`NamespaceTable.pair`.
 
-Invariant: ``specs``, ``counters`` and the values of ``ids`` are parallel:
-``ids[specs[i].ns_id] == i`` for every ``i``.
+Invariant: ``specs``, ``ns_ids``, ``counters`` and the values of ``ids`` are parallel:
+``ids[specs[i].ns_id] == i`` and ``ns_ids[i] == specs[i].ns_id`` for every ``i``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ class NamespaceTable:
 
     def __init__(self, max_keys_per_request: int) -> None:
         self.specs: list[NamespaceSpec] = []
+        #: the ``ns_id`` of each index (``NamespaceSpec.ns_id`` hashes the spec per call)
+        self.ns_ids: list[str] = []
         self.ids: dict[str, int] = {}
         self.counters: list[Counters] = []
         self.totals = Counters()
@@ -39,9 +41,14 @@ class NamespaceTable:
         """Register ``spec``; returns its index. REQUIRES: ``spec.ns_id`` is not registered."""
         ns = len(self.specs)
         self.ids[spec.ns_id] = ns
+        self.ns_ids.append(spec.ns_id)
         self.specs.append(spec)
         self.counters.append(Counters())
         return ns
+
+    def by_id(self) -> dict[str, NamespaceSpec]:
+        """Every registered spec by its ``ns_id``, in registration order."""
+        return dict(zip(self.ns_ids, self.specs, strict=True))
 
     def index_of(self, ns_id: str) -> int:
         """The index of ``ns_id``; UnknownNamespace if it is not registered."""
