@@ -3,7 +3,7 @@ and server reflection, served by the scheduler process; over TLS (optionally mut
 given a :class:`~kvserver.crypto.TlsServer` (required beyond loopback: scheduler/config.py).
 
 Runs on the scheduler process's event loop (grpc.aio), next to the step loop; handlers only
-talk to an :class:`EngineBackend` (``scheduler/process.py``'s ``EngineCore``), never to the
+talk to an :class:`EngineBackend` (``scheduler/engine_core.py``'s ``EngineCore``), never to the
 scheduler directly. Call order: ``EngineService(backend, host, port)`` → ``await start()``
 (returns the bound port) → serve → ``await stop(grace)``: health turns NOT_SERVING, new RPCs
 are refused, in-flight ones get ``grace`` seconds, then they are cancelled (and a cancelled

@@ -22,8 +22,8 @@ from scheduler.scheduler import Scheduler
 
 
 class CoreView(Protocol):
-    """What the collector reads of the process's engine core (scheduler/process.py's
-    ``EngineCore``), stated here so that this module does not import the process module."""
+    """What the collector reads of the process's engine core (``scheduler/engine_core.py``'s
+    ``EngineCore``), stated here so that this module does not import the step loop."""
 
     @property
     def scheduler(self) -> Scheduler: ...

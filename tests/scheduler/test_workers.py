@@ -277,8 +277,8 @@ async def test_an_internal_scheduler_error_makes_the_workers_forget_before_the_n
     (a hello, which makes them drop the transfers they still hold) before the next step, or
     they copy the forgotten stores into released pages and loads into blocks given to new
     requests (was: the next step went to them as if nothing had happened)."""
+    from scheduler.engine_core import EngineCore
     from scheduler.engine_service import GenerateParams
-    from scheduler.process import EngineCore
     from scheduler.scheduler import Scheduler
     from tests.scheduler.builders import config
 
@@ -333,10 +333,10 @@ async def test_leases_of_a_failed_step_are_released_only_once_the_workers_answer
     timeout."""
     from kvserver.client import KVClient
     from kvserver.namespace import NamespaceSpec
+    from scheduler.engine_core import EngineCore
     from scheduler.engine_service import GenerateParams
     from scheduler.kv_connector import KVServerSchedulerConnector
     from scheduler.kv_connector_types import KVConnectorConfig
-    from scheduler.process import EngineCore
     from scheduler.scheduler import Scheduler
     from tests.scheduler.builders import config
     from tests.support.daemon import start_daemon
