@@ -83,21 +83,20 @@ def _error(kind: str, body: dict[str, Any], message: str) -> bytes:
 
 
 def receive_frames(sock: Any, keep: int) -> tuple[list[bytes], int]:
-    """One whole message of ``sock`` (ready: ZMQ delivers whole messages), frame by frame:
-    its first ``keep`` frames and its frame count; the others are received and dropped one at
-    a time. Not ``recv_multipart``: a peer the handshake admitted (any one without a token,
-    with ``--step-no-auth`` or over ``ipc://``) could send a message of a million empty frames,
-    and ``recv_multipart`` made a ``bytes`` of each (see ``receive_frames`` in the tests)."""
-    frames: list[bytes] = []
-    count = 0
-    more = True
-    while more:
-        frame = sock.recv(copy=False)
-        count += 1
-        if count <= keep:
-            frames.append(frame.bytes)
-        more = bool(frame.more)
-    return frames, count
+    """One whole message of ``sock`` (ready: ZMQ delivers whole messages), frame by frame
+    (``kvserver/zmq_frames.py``): all its frames when it has at most ``keep``, else its first
+    one only, and its frame count; the others are received and dropped one at a time. Not
+    ``recv_multipart``: a peer the handshake admitted (any one without a token, with
+    ``--step-no-auth`` or over ``ipc://``) could send a message of a million empty frames, and
+    ``recv_multipart`` made a ``bytes`` of each (see ``receive_frames`` in the tests)."""
+    from kvserver.zmq_frames import Incoming
+
+    first = sock.recv(copy=False)
+    if not first.more:
+        return [first.bytes], 1
+    incoming = Incoming(first, keep)
+    incoming.take(sock)
+    return [frame.bytes for frame in incoming.frames], incoming.count
 
 
 def serve_steps(
@@ -176,9 +175,9 @@ def serve_steps(
             frames, count = receive_frames(sock, 2)
             if count < 2:
                 continue
-            ident, data = frames[0], frames[1]
+            ident = frames[0]
             if count == 2:
-                reply = handle_message(worker, data)
+                reply = handle_message(worker, frames[1])
             else:  # answered rather than dropped: the sender would wait for its timeout
                 message = f"a step message is one frame, not {count - 1}"
                 reply = encode_body(KIND_ERROR, {"step": -1, "message": message})
