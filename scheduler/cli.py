@@ -74,6 +74,15 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="kvserver daemon ZMQ address, e.g. tcp://127.0.0.1:9471 (default: off)",
     )
     add_client_security_args(p, curve=True, token=True)
+    p.add_argument(
+        "--kvserver-lookup-timeout-s", type=float, default=0.1,
+        help="bound on the daemon lookup inside a step's admission; a late one is no hit and "
+        "skips the daemon for a while (default 0.1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kvserver-op-timeout-s", type=float, default=1.0,
+        help="bound on the connector's pin / reserve / complete calls (default 1.0)",
+    )  # fmt: skip
     p.add_argument("--model", default="synthetic", help="model name (part of the namespace)")
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks,
                    help=f"GPU KV blocks the workers hold (default {d.num_gpu_blocks})")
@@ -191,6 +200,8 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
         kvserver_curve=ClientSecurity(  # its --tls-* flags are the front door's own
             args.curve_server_key_file, args.curve_secret_key_file
         ).curve(),
+        kvserver_lookup_timeout_s=args.kvserver_lookup_timeout_s,
+        kvserver_op_timeout_s=args.kvserver_op_timeout_s,
         tls=_tls(args),
         engine_auth_token=_engine_token(args),
         engine_no_auth=args.engine_no_auth,

@@ -118,6 +118,10 @@ class ProcessConfig:
     kvserver_auth_token: str = ""
     #: CURVE settings for a daemon that uses CURVE (docs/security.md)
     kvserver_curve: CurveClient | None = None
+    #: the connector's bounds (KVConnectorConfig): the lookup inside a step's admission, and
+    #: pin / reserve / complete calls
+    kvserver_lookup_timeout_s: float = 0.1
+    kvserver_op_timeout_s: float = 1.0
     #: TLS for the gRPC front door (and the /metrics port's host): certificate, key, client CA
     tls: TlsServer | None = None
     #: the front door's token ("": a random one made at start, left for this user in
@@ -169,7 +173,8 @@ class ProcessConfig:
         ):
             raise InvalidArgument("engine_auth_token must be one line of text")
         check_worker_addresses(self.workers, self.step_curve, self.insecure_remote)
-        for name in ("step_timeout_s", "hello_timeout_s", "probe_interval_s"):
+        for name in ("step_timeout_s", "hello_timeout_s", "probe_interval_s",
+                     "kvserver_lookup_timeout_s", "kvserver_op_timeout_s"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise InvalidArgument(f"{name} must be > 0", **{name: value})

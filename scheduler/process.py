@@ -131,7 +131,9 @@ def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> Scheduler
     )
     connector = KVServerSchedulerConnector(
         KVConnectorConfig(config.kvserver, spec, auth_token=config.kvserver_auth_token,
-                          curve=config.kvserver_curve)
+                          curve=config.kvserver_curve,
+                          lookup_timeout_s=config.kvserver_lookup_timeout_s,
+                          op_timeout_s=config.kvserver_op_timeout_s)
     )  # fmt: skip
     problem = connector.probe()
     if problem is None:

@@ -18,6 +18,7 @@ from kvserver.client import KVClient
 from kvserver.hashing import BlockHasher
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
 from tests.support.cluster import start_tp_workers
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -87,8 +88,9 @@ def test_multi_turn_conversations_load_their_prefix_from_kvserver(
         assert all(len(o) == MAX_TOKENS for o in want) and len({tuple(o) for o in want}) > 1
 
         on = start_scheduler(
-            tmp_path, *common, "--kvserver", daemon.zmq_address, "--chunk-blocks", "1"
-        )
+            tmp_path, *common, "--kvserver", daemon.zmq_address, *PATIENT_ARGS,
+            "--chunk-blocks", "1",
+        )  # fmt: skip
         try:
             got, loaded = _run(on.info["grpc_port"])
             assert on.terminate() == 0, on.log()
@@ -159,7 +161,7 @@ def test_loaded_kv_bytes_equal_what_the_model_computes(tmp_path: Path) -> None:
         on = start_scheduler(
             tmp_path, "--workers", addrs, "--num-gpu-blocks", str(NUM_GPU_BLOCKS),
             "--block-size", str(BLOCK_SIZE), "--model", "tiny-e2e",
-            "--kvserver", daemon.zmq_address, "--chunk-blocks", "1",
+            "--kvserver", daemon.zmq_address, *PATIENT_ARGS, "--chunk-blocks", "1",
         )  # fmt: skip
         try:
             outputs, loaded = _run(on.info["grpc_port"])

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvserver.grpc_client import GrpcClient
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
 from tests.support.cluster import free_port, start_tp_workers
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
@@ -54,7 +55,7 @@ def test_worker_killed_mid_run_fails_requests_and_daemon_reclaims(tmp_path: Path
         sched = start_scheduler(
             tmp_path, "--workers", ",".join(addrs), "--num-gpu-blocks", "80",
             "--block-size", str(BLOCK_SIZE), "--model", "tiny-fail",
-            "--kvserver", daemon.zmq_address, "--chunk-blocks", "1",
+            "--kvserver", daemon.zmq_address, *PATIENT_ARGS, "--chunk-blocks", "1",
             "--step-timeout-s", "3", "--probe-interval-s", "0.3",
         )  # fmt: skip
         port = sched.info["grpc_port"]

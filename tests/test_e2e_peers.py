@@ -18,6 +18,7 @@ from kvserver.client import KVClient
 from kvserver.hashing import BlockHasher
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
 from tests.support.cluster import start_tp_workers
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.redis import RedisServer
 
@@ -42,7 +43,7 @@ def start_engine(tmp_path: Path, daemon: DaemonProc) -> tuple[Proc, list[Proc]]:
     scheduler = start_scheduler(
         tmp_path, "--workers", workers[0].info["endpoint"], "--num-gpu-blocks", "32",
         "--block-size", str(BLOCK_SIZE), "--model", "tiny-e2e", "--no-prefix-caching",
-        "--kvserver", daemon.zmq_address, "--chunk-blocks", "1",
+        "--kvserver", daemon.zmq_address, *PATIENT_ARGS, "--chunk-blocks", "1",
     )  # fmt: skip
     return scheduler, workers
 

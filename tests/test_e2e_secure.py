@@ -22,6 +22,7 @@ from kvserver.grpc_client import GrpcClient
 from tests.kvserver.daemon.test_transport_security import keys
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
 from tests.support.cluster import start_tp_workers
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import DaemonProc, start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -78,7 +79,7 @@ def _engine(
         sched = start_scheduler(
             tmp_path, "--workers", workers[0].info["endpoint"], "--model", "tiny-secure",
             "--num-gpu-blocks", "16", "--block-size", "16", "--no-prefix-caching",
-            "--kvserver", daemon.zmq_address, "--chunk-blocks", "1", *flags,
+            "--kvserver", daemon.zmq_address, *PATIENT_ARGS, "--chunk-blocks", "1", *flags,
         )  # fmt: skip
     except BaseException:
         for w in workers:

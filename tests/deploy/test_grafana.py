@@ -15,6 +15,7 @@ import pytest
 
 from tests.scheduler.builders import tokens
 from tests.scheduler.procs import EngineClient, start_scheduler
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import start_daemon, wait_until
 from tests.support.metrics import scrape
 from tests.support.redis import RedisServer
@@ -73,7 +74,7 @@ def test_every_queried_metric_exists_in_a_real_scrape(
     sched = start_scheduler(
         tmp_path,
         "--synthetic-workers", "1", "--num-gpu-blocks", "17", "--block-size", "16",
-        "--kvserver", daemon.zmq_address,
+        "--kvserver", daemon.zmq_address, *PATIENT_ARGS,
     )  # fmt: skip
     try:
         with EngineClient(sched.info["grpc_port"]) as c:

@@ -43,6 +43,8 @@ def test_bad_scheduler_configs(kw: dict[str, Any], field: str) -> None:
         {"workers": ("tcp://a:1",), "synthetic_workers": 2},
         {"workers": ("a:1",)},
         {"synthetic_workers": 1, "step_timeout_s": 0},
+        {"synthetic_workers": 1, "kvserver_lookup_timeout_s": 0},
+        {"synthetic_workers": 1, "kvserver_op_timeout_s": -1.0},
         {"synthetic_workers": 1, "chunk_blocks": 0},
     ],
 )

@@ -4,7 +4,6 @@ computed), maps errors to status codes, aborts cancelled requests, shuts down in
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +16,9 @@ from kvserver._proto.kvserver.v1 import engine_pb2 as epb
 from kvserver.grpc_format import ERROR_CODE_KEY
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, Proc, output_tokens, start_scheduler
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import start_daemon, wait_until
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -165,7 +166,7 @@ def test_prompt_kv_comes_back_from_kvserver(tmp_path: Path) -> None:
     proc = start_scheduler(
         tmp_path,
         "--synthetic-workers", "2", "--num-gpu-blocks", "17", "--block-size", "16",
-        "--kvserver", daemon.zmq_address, "--chunk-blocks", "1",
+        "--kvserver", daemon.zmq_address, *PATIENT_ARGS, "--chunk-blocks", "1",
     )  # fmt: skip
     try:
         with EngineClient(proc.info["grpc_port"]) as c:
@@ -189,9 +190,7 @@ def test_an_unreachable_daemon_is_said_at_start_and_prompts_are_computed(
     tmp_path: Path,
 ) -> None:
     """The scheduler used to start without a word when its --kvserver did not answer."""
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on (outside the ephemeral range)
     proc = start_scheduler(
         tmp_path,
         "--synthetic-workers", "1", "--num-gpu-blocks", "17", "--block-size", "16",

@@ -14,8 +14,9 @@ import pytest
 from kvserver.events import BlockStored
 from kvserver.namespace import NamespaceSpec
 from scheduler.kv_connector import KVServerSchedulerConnector
-from scheduler.kv_connector_types import ConnectorStats, KVConnectorConfig
+from scheduler.kv_connector_types import ConnectorStats
 from tests.scheduler.builders import Harness, harness
+from tests.support.connector import patient_config
 from tests.support.daemon import DaemonProc, start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -45,7 +46,7 @@ def connector(daemon: DaemonProc, model: str, **config: Any) -> KVServerSchedule
         model=model, dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8,
         block_size=BS, chunk_blocks=1,
     )  # fmt: skip
-    return KVServerSchedulerConnector(KVConnectorConfig(daemon.zmq_address, spec, **config))
+    return KVServerSchedulerConnector(patient_config(daemon.zmq_address, spec, **config))
 
 
 def run(conn: KVServerSchedulerConnector, prompts: list[list[int]], **kw: Any) -> Harness:

@@ -25,6 +25,7 @@ from tests.scheduler.test_kv_connector import (
     stored_keys,
     tokens,
 )
+from tests.support.connector import bound
 from tests.support.daemon import DaemonProc, start_daemon
 
 pytestmark = pytest.mark.multiprocess
@@ -186,14 +187,13 @@ def test_daemon_down_counts_carried_completions_as_errors(tmp_path: Path) -> Non
     completions count as errors (the leases expire on the daemon), the step goes on."""
     d = start_daemon(tmp_path, "--page-size", "4KiB", "--dram", "4MiB")
     spec = make_spec(model="test/carry-down")
-    h = Harness(
-        d, spec, lookup_timeout_s=0.2, op_timeout_s=0.2, down_backoff_s=60, completion_hold_steps=1
-    )
+    h = Harness(d, spec, down_backoff_s=60, completion_hold_steps=1)  # patient while it lives
     try:
         reqs = [FakeRequest(f"r{i}", tokens(17, base=100 * i), spec) for i in range(2)]
         decode(h, reqs, 0)
         h.step({r.request_id: (r, 0) for r in reqs})  # shipped, stored, completions held
         assert h.conn.has_pending_transfers
+        bound(h.conn, lookup_timeout_s=0.2, op_timeout_s=0.2)
         d.kill()
         h.step({r.request_id: (r, 0) for r in reqs})
         assert h.conn.stats.completion_errors >= 1

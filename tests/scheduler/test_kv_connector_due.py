@@ -21,10 +21,10 @@ from kvserver.namespace import NamespaceSpec
 from scheduler.kv_connector import KVServerSchedulerConnector
 from scheduler.kv_connector_due import StoreCalendar
 from scheduler.kv_connector_request import RequestState
-from scheduler.kv_connector_types import KVConnectorConfig
 from scheduler.request import Request
 from step_protocol import CachedRequestData, NewRequestData, StepPlan
 from tests.scheduler.builders import Harness, harness
+from tests.support.connector import patient_config
 from tests.support.daemon import DaemonProc, start_daemon
 
 BS = 4  # tests.scheduler.builders.BLOCK
@@ -195,8 +195,7 @@ def connector(daemon: DaemonProc, model: str, *, scan_every_step: bool) -> Any:
     )  # fmt: skip
     # patient timeouts: both connectors must see every answer (the production 0.1 s lookup
     # bound skipped a daemon for 5 s on a loaded machine, and the two plans parted)
-    config = KVConnectorConfig(daemon.zmq_address, spec, lookup_timeout_s=30.0, op_timeout_s=30.0)
-    conn = KVServerSchedulerConnector(config)
+    conn = KVServerSchedulerConnector(patient_config(daemon.zmq_address, spec))
     if scan_every_step:
         conn._stores.calendar = StoreCalendar(spec.chunk_tokens, scan_every_step=True)
     return conn

@@ -10,6 +10,7 @@ import pytest
 
 from tests.scheduler.builders import tokens
 from tests.scheduler.procs import EngineClient, start_scheduler
+from tests.support.connector import PATIENT_ARGS
 from tests.support.daemon import start_daemon
 from tests.support.metrics import convention_faults, scrape
 
@@ -40,7 +41,7 @@ def test_prompt_tokens_by_source_and_lookup_latency(tmp_path: Path) -> None:
     proc = start_scheduler(
         tmp_path,
         "--synthetic-workers", "2", "--num-gpu-blocks", "17", "--block-size", "16",
-        "--kvserver", daemon.zmq_address, "--chunk-blocks", "1",
+        "--kvserver", daemon.zmq_address, *PATIENT_ARGS, "--chunk-blocks", "1",
     )  # fmt: skip
     url = f"http://127.0.0.1:{proc.info['metrics_port']}/metrics"
     try:

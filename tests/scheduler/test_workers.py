@@ -33,6 +33,7 @@ from step_protocol import (
 )
 from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, output_tokens, start_scheduler, start_worker
+from tests.support.connector import patient_config
 from tests.support.daemon import wait_until
 
 HELLO = WorkerHello(0, 1, 4, 64)
@@ -336,7 +337,6 @@ async def test_leases_of_a_failed_step_are_released_only_once_the_workers_answer
     from scheduler.engine_core import EngineCore
     from scheduler.engine_service import GenerateParams
     from scheduler.kv_connector import KVServerSchedulerConnector
-    from scheduler.kv_connector_types import KVConnectorConfig
     from scheduler.scheduler import Scheduler
     from tests.scheduler.builders import config
     from tests.support.daemon import start_daemon
@@ -363,7 +363,7 @@ async def test_leases_of_a_failed_step_are_released_only_once_the_workers_answer
         steps["n"] += 1  # slow in step 2, which ships the stores reserved in step 1
         return None if steps["n"] == 2 else answer(kind, body)
 
-    connector = KVServerSchedulerConnector(KVConnectorConfig(daemon.zmq_address, spec))
+    connector = KVServerSchedulerConnector(patient_config(daemon.zmq_address, spec))
     try:
         async with served(ctx, behaviour) as address:
             group = groups([address], step_timeout_s=0.5)

@@ -4,9 +4,35 @@ request and the requests already sent to the workers, and allocate blocks their 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
+from kvserver.namespace import NamespaceSpec
 from scheduler.kv_connector import KVServerSchedulerConnector
+from scheduler.kv_connector_types import KVConnectorConfig
+
+#: the connector's bounds in tests whose daemon calls must succeed. The defaults (a lookup
+#: answered within 0.1 s, other calls within 1 s) are a scheduler step's budget on a quiet
+#: host; a loaded CI machine (load 4-14 on 2 cores) answers a lookup late now and then, which
+#: is no hit and marks the daemon down for ``down_backoff_s``, so the hits and stores a test
+#: counts go missing (seen at load 12-14, e95698e). Tests of timeouts pass their own bounds,
+#: after a patient set-up where they can (:func:`bound`).
+PATIENT: dict[str, float] = {"lookup_timeout_s": 10.0, "op_timeout_s": 10.0}
+#: :data:`PATIENT` for ``kvserver scheduler --kvserver`` (its connector's bounds)
+PATIENT_ARGS = ("--kvserver-lookup-timeout-s", "10", "--kvserver-op-timeout-s", "10")
+
+
+def patient_config(address: str, spec: NamespaceSpec, **config: Any) -> KVConnectorConfig:
+    """``KVConnectorConfig`` with :data:`PATIENT` bounds unless ``config`` names others."""
+    return KVConnectorConfig(address, spec, **{**PATIENT, **config})
+
+
+def bound(conn: KVServerSchedulerConnector, **config: Any) -> None:
+    """From now on ``conn``'s daemon calls run under ``config`` (e.g. short timeouts before
+    the daemon is stopped), the rest of its configuration unchanged. The bounds live in the
+    connector's daemon link, which reads them at every call."""
+    conn.config = dataclasses.replace(conn.config, **config)
+    conn._link.config = conn.config
 
 
 class AdmitHarness(Protocol):

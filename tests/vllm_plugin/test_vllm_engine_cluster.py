@@ -9,6 +9,7 @@ produces engine A's tokens.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +18,16 @@ from typing import Any
 import pytest
 
 from kvserver.client import KVClient
+from tests.support.connector import PATIENT
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.redis import RedisServer, require_redis
 from tests.support.vllm_engine import EngineProc, engine_python_or_skip, make_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
+#: extra: the connector's bounds (PATIENT: a lookup answered late is no hit)
 ENGINE = {"block_size": 32, "chunk_blocks": 2, "dtype": "float32", "max_model_len": 1024,
-          "max_num_batched_tokens": 1024}  # fmt: skip
+          "max_num_batched_tokens": 1024, "extra": json.dumps(PATIENT)}  # fmt: skip
 _rng = random.Random(14)
 #: 320 tokens = 10 blocks = 5 chunks of 64 tokens, all stored by A; B loads 9 blocks of them
 PROMPT = [_rng.randrange(1, 1000) for _ in range(320)]

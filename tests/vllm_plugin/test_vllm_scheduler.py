@@ -21,6 +21,7 @@ from kvserver.client import KVClient  # noqa: E402
 from kvserver.crypto import TlsClient, make_curve_keys, make_tls_cert  # noqa: E402
 from kvserver.grpc_client import GrpcClient  # noqa: E402
 from kvserver.wire import LOOKUP  # noqa: E402
+from tests.support.connector import PATIENT  # noqa: E402
 from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
 from tests.vllm_plugin.harness import (  # noqa: E402
     MiniEngine,
@@ -57,7 +58,9 @@ def engine(
     defer_finalize: bool = False,
     **extra: Any,
 ) -> MiniEngine:
-    options = {"address": address, "chunk_blocks": CHUNK_BLOCKS, **extra}
+    """vLLM's scheduler and a worker around the plug-in; ``extra``: more
+    kv_connector_extra_config (the connector's bounds are ``PATIENT`` unless given)."""
+    options = {"address": address, "chunk_blocks": CHUNK_BLOCKS, **PATIENT, **extra}
     config = make_vllm_config(model_dir, options, connector=connector, kv_role=kv_role)
     return MiniEngine(config, num_blocks, blocks_first=blocks_first, defer_finalize=defer_finalize)
 
@@ -264,12 +267,11 @@ def test_preemption_with_stores_in_flight(
     from worker.transfer import Direction
 
     prompts = [(f"r{i}", prompt(10 + i, 40)) for i in range(4)]
-    # lookup_timeout_s: this test is about the barrier, not timeouts; at the 0.1 s default a
-    # lookup that a loaded machine answers late opens the connector's breaker, and the stores
-    # it then skips make ns_hits below fail (seen at load average 12-14)
+    # PATIENT: this test is about the barrier, not timeouts; at the 0.1 s default a lookup
+    # that a loaded machine answers late opens the connector's breaker, and the stores it then
+    # skips make ns_hits below fail (seen at load average 12-14)
     config = make_vllm_config(model_dir, {"address": daemon.zmq_address,
-                                          "chunk_blocks": CHUNK_BLOCKS,
-                                          "lookup_timeout_s": 5.0})  # fmt: skip
+                                          "chunk_blocks": CHUNK_BLOCKS, **PATIENT})  # fmt: skip
     config.scheduler_config.async_scheduling = async_scheduling  # vLLM's default on GPUs
     eng = MiniEngine(config, 20)
     assert eng.worker is not None and eng.worker.worker_half is not None
@@ -555,9 +557,9 @@ def test_a_hit_vllm_changed_recomputes_only_the_blocks_after_the_local_hit(
     loads nothing and flags the blocks after the GPU's own hit (was: from block 0, read off
     ``request.num_computed_tokens`` that vLLM sets only after the call, so vLLM recomputed
     from token 0 and the tail block went unflagged: each retry looked up, was cut and failed
-    again, 2000 steps without finishing here). lookup_timeout_s: a late lookup is no hit."""
+    again, 2000 steps without finishing here)."""
     shared = prompt(2, 130)
-    eng = engine(model_dir, daemon.zmq_address, num_blocks=64, lookup_timeout_s=5.0)
+    eng = engine(model_dir, daemon.zmq_address, num_blocks=64)
     try:
         eng.run_requests([("a", shared)], max_tokens=2)
         assert ns_hits(eng, daemon, shared) == 4
@@ -775,7 +777,8 @@ def test_the_connector_over_curve_with_a_token_and_a_wrong_key(
     good = engine(model_dir, daemon.zmq_address, colocated=False, auth_token=token,
                   curve_server_key_file=server_key)  # fmt: skip
     bad = engine(model_dir, daemon.zmq_address, colocated=False, auth_token=token,
-                 curve_server_key_file=wrong_key, lookup_timeout_s=0.5)  # fmt: skip
+                 curve_server_key_file=wrong_key, lookup_timeout_s=0.5,
+                 op_timeout_s=1.0)  # fmt: skip
     try:
         good.run_requests([("first", shared)], max_tokens=3)
         good.connector.scheduler_half.drain()  # type: ignore[union-attr]

@@ -15,7 +15,6 @@ from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec
 from scheduler.connector_base import TransferReport
 from scheduler.kv_connector import KVServerSchedulerConnector
-from scheduler.kv_connector_types import KVConnectorConfig
 from step_protocol import (
     CachedRequestData,
     ConnectorMetadata,
@@ -24,7 +23,7 @@ from step_protocol import (
     decode,
     encode,
 )
-from tests.support.connector import admit
+from tests.support.connector import admit, patient_config
 from worker.config import WorkerConnectorConfig
 from worker.kv_connector import KVServerWorkerConnector
 from worker.layout import CanonicalKVCaches
@@ -119,7 +118,7 @@ class Cluster:
     def __init__(self, address: str, spec: NamespaceSpec, *, layout: str = "flash",
                  colocated: bool = True) -> None:  # fmt: skip
         self.spec = spec
-        self.conn = KVServerSchedulerConnector(KVConnectorConfig(address, spec))
+        self.conn = KVServerSchedulerConnector(patient_config(address, spec))
         self.workers = [
             Worker(address, spec, r, layout, colocated) for r in range(spec.tp_world_size)
         ]

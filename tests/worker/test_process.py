@@ -20,7 +20,6 @@ from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from kvserver.token_file import token_path
 from scheduler.kv_connector import KVServerSchedulerConnector
-from scheduler.kv_connector_types import KVConnectorConfig
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -33,6 +32,7 @@ from step_protocol import (
     decode,
     encode_body,
 )
+from tests.support.connector import patient_config
 from tests.support.daemon import start_daemon
 from worker.model import ModelConfig, generate, load_model, write_random_model
 from worker.process import KVServerSettings, ModelWorker
@@ -171,7 +171,7 @@ def test_a_worker_copies_none_of_the_stores_its_scheduler_forgot(
         worker.hello(WorkerHello(0, 1, BS, 32, "tiny"))
         assert worker.connector is not None and worker.connector.is_colocated
         spec = worker.connector.spec  # chunk_blocks 1: a 4 KiB part, one page per chunk
-        conn = KVServerSchedulerConnector(KVConnectorConfig(d.zmq_address, spec))
+        conn = KVServerSchedulerConnector(patient_config(d.zmq_address, spec))
         req = _Req("r", PROMPT, spec)
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
         blocks = list(range(1, 9))
