@@ -34,7 +34,7 @@ def start(tmp: Path, redis: RedisServer, host: str, n: int) -> DaemonProc:
     d = start_daemon(
         tmp / f"{host}{n}",
         "--page-size", "4KiB", "--dram", "160KiB", "--cluster", redis.url, "--host-id", host,
-        "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "0.5",
+        "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "2",
     )  # fmt: skip
     with KVClient(d.zmq_address) as kv:
         kv.register_namespace(SPEC)

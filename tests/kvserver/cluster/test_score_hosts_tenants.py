@@ -50,7 +50,7 @@ def test_score_hosts_is_limited_to_the_tenants_namespaces(
     config.write_text(CONFIG)
     d = start_daemon(
         tmp_path / "d", "--config", str(config), "--dram", "4MiB", "--page-size", "4KiB",
-        "--cluster", redis_server.url, "--host-id", "h1", "--cluster-timeout-s", "0.5",
+        "--cluster", redis_server.url, "--host-id", "h1", "--cluster-timeout-s", "5",
     )  # fmt: skip
     try:
         keys = make_keys(3, tag="score-tenant")
