@@ -63,7 +63,8 @@ async def test_a_peer_whose_connections_are_all_busy_is_not_suspect(
     keys = make_keys(4)
     store(peer_a, keys)
     with engine_b() as engine:
-        book = PeerBook(settings(transport, timeout_s=0.5, connections=1))
+        # 2 s: the second fetch must complete on a loaded machine too
+        book = PeerBook(settings(transport, timeout_s=2.0, connections=1))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         peers = {"A": peer_of(peer_a)}
         wanted = [(k, frozenset({"A"})) for k in keys]

@@ -129,19 +129,19 @@ async def test_a_dead_peer_is_a_bounded_miss_and_becomes_suspect(
     store(peer_a, keys)
     peer_a.kill()
     with engine_b() as engine:
-        book = PeerBook(settings(transport, timeout_s=0.5, suspect_s=60))
+        book = PeerBook(settings(transport, timeout_s=1.0, suspect_s=60))
         fetches = PeerFetches(engine, book, publish=lambda: None)
         start = time.monotonic()
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 5.0  # one timeout, bounded
         assert engine.lookup(SPEC.ns_id, keys) == 0
         assert book.is_suspect("A")
         assert book.counters.timeouts == 1
-        # a suspect peer is not asked again: no second timeout
+        # a suspect peer is not asked again: no second timeout (asked, it would wait 1 s)
         start = time.monotonic()
         await fetches.fetch(SPEC, [(k, frozenset({"A"})) for k in keys], {"A": peer_of(peer_a)})
-        assert time.monotonic() - start < 0.2
-        assert book.counters.fetches == 1
+        assert time.monotonic() - start < 1.0
+        assert book.counters.fetches == 1 and book.counters.timeouts == 1
         await book.close()
 
 

@@ -24,7 +24,8 @@ async def test_holders_are_the_peers_whose_leading_run_covers_each_key(tmp_path:
     try:
         store(a, keys[:2])
         store(c, keys[:4])
-        book = PeerBook(PeerSettings(timeout_s=0.5, suspect_s=60))
+        # 2 s: the lookups of the live peers must answer on a loaded machine too
+        book = PeerBook(PeerSettings(timeout_s=2.0, suspect_s=60))
         directory = StaticDirectory([a.zmq_address, c.zmq_address], book)
         assert set(directory.peers()) == {a.zmq_address, c.zmq_address}
         both, only_c = frozenset({a.zmq_address, c.zmq_address}), frozenset({c.zmq_address})
@@ -33,7 +34,7 @@ async def test_holders_are_the_peers_whose_leading_run_covers_each_key(tmp_path:
         a.kill()
         start = time.monotonic()
         assert await directory.holders(SPEC.ns_id, keys) == [only_c] * 4
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 6.0  # one timeout, bounded
         assert book.is_suspect(a.zmq_address) and book.counters.timeouts == 1
         await book.close()
     finally:

@@ -86,7 +86,7 @@ async def test_a_peer_trickling_a_window_is_cut_off_at_the_timeout(
             start = time.monotonic()
             wanted = [(k, frozenset({"F"})) for k in keys]
             await asyncio.wait_for(fetches.fetch(SPEC, wanted, {"F": peer}), 20)
-            assert time.monotonic() - start < 2.5
+            assert time.monotonic() - start < 10  # the 1 s timeout, not the trickle's minutes
             assert engine.lookup(SPEC.ns_id, keys) == 0
             assert book.counters.timeouts == 1 and book.is_suspect("F")
             assert book.counters.missed_chunks == 2
@@ -138,7 +138,7 @@ async def test_requests_to_a_peer_reading_them_slowly_are_cut_off_at_the_timeout
             async with stream.connection() as conn:
                 send = conn.send_requests(SPEC.ns_id, windows, time.monotonic() + 1.0)
                 await asyncio.wait_for(send, 20)
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 10  # the 1 s deadline, not the reader's 80 s
         assert failed.value.timed_out
         assert stream.connections_open == 0  # spoiled: closed, not kept
         await stream.close()

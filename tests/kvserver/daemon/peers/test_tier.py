@@ -219,7 +219,7 @@ def test_a_peer_killed_mid_fetch_is_a_miss_no_hang_and_suspect(tmp_path: Path) -
             assert peer["condition"] == "degraded" and a.zmq_address in peer["condition_detail"]
             start = time.monotonic()  # a suspect peer costs nothing: no lookup waits for it
             assert kv.lookup(SLOW_SPEC.ns_id, cold).hit_chunks == 0
-            assert time.monotonic() - start < 0.5
+            assert time.monotonic() - start < float(TIMEOUT)  # waited for no peer timeout
             m = scrape(b.metrics_url)  # the same in /metrics, by prometheus_client's parser
             assert m.value("kvserver_peer_timeouts_total") == 1
             assert m.value("kvserver_peers_suspect") == 1 and m.value("kvserver_peers_known") == 1
