@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-READY_TIMEOUT_S = 30.0
+#: a daemon imports, maps its arena and opens its tiers before it is ready: a few seconds on
+#: a quiet machine, and 30 s was once not enough for one with an SSD tier on a loaded one
+#: (load 10-15 on 2 cores: tests/kvserver/daemon/peers/test_peer_faults.py). Only a process
+#: that fails to start waits this long, and it usually exits first.
+READY_TIMEOUT_S = 90.0
 
 #: (name, pid, log file) of every process :func:`start_process` started, in order: the tests'
 #: conftest shows the tail of each log started during a test that failed (no handles are kept,
