@@ -21,3 +21,13 @@ from benchmarks.harness.daemon import (
 from benchmarks.harness.daemon import (
     wait_until as wait_until,
 )
+from tests.support.ports import free_port
+
+
+def port_kept(flag: str = "--zmq-port") -> tuple[str, str]:
+    """``flag`` and a port from :func:`tests.support.ports.free_port`, for a daemon that a test
+    kills and starts again on the same port. Its own port 0 would be an ephemeral port, free
+    between the two daemons for the kernel to give to anyone's next connection: the client
+    reconnecting to it meanwhile (a TCP self-connect, its source port the same number) or
+    another process's, and the second daemon would meet "Address already in use"."""
+    return flag, str(free_port())

@@ -21,7 +21,7 @@ from tests.vllm_plugin.vllm_env import require_vllm
 require_vllm()
 
 from kvserver.errors import KVServerError  # noqa: E402
-from tests.support.daemon import DaemonProc, start_daemon, wait_until  # noqa: E402
+from tests.support.daemon import DaemonProc, port_kept, start_daemon, wait_until  # noqa: E402
 from tests.vllm_plugin.harness import MiniEngine, write_tiny_model  # noqa: E402
 from tests.vllm_plugin.test_vllm_scheduler import (  # noqa: E402
     assert_recomputed,
@@ -69,7 +69,7 @@ def stop_with_a_load_in_flight(
     """A hit is pinned by the scheduler, then ``stop(daemon)`` (returning the daemon that
     listens on the same port afterwards) runs before the worker starts the load. The load
     fails and is recomputed; the next request is stored in the daemon listening then."""
-    daemon = start_daemon(tmp_path / "d1", "--dram", "16MiB")
+    daemon = start_daemon(tmp_path / "d1", "--dram", "16MiB", *port_kept())
     shared, later = prompt(8, 100), prompt(9, 64)
     eng = colocated_engine(model_dir, daemon)
     restarted = daemon

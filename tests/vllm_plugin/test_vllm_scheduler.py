@@ -22,7 +22,7 @@ from kvserver.crypto import TlsClient, make_curve_keys, make_tls_cert  # noqa: E
 from kvserver.grpc_client import GrpcClient  # noqa: E402
 from kvserver.wire import LOOKUP  # noqa: E402
 from tests.support.connector import PATIENT  # noqa: E402
-from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
+from tests.support.daemon import DaemonProc, port_kept, start_daemon  # noqa: E402
 from tests.vllm_plugin.harness import (  # noqa: E402
     MiniEngine,
     StepRecord,
@@ -619,7 +619,7 @@ def test_worker_starts_while_the_daemon_is_down_and_stores_once_it_is_up(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """Worker start-up does not need the daemon; it connects before its first transfer."""
-    first = start_daemon(tmp_path / "d1")
+    first = start_daemon(tmp_path / "d1", *port_kept())
     address = first.zmq_address
     first.kill()
     eng = engine(model_dir, address, lookup_timeout_s=0.05, op_timeout_s=0.5,

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from kvserver.client import KVClient  # noqa: E402
 from step_protocol import ConnectorMetadata  # noqa: E402
-from tests.support.daemon import DaemonProc, start_daemon  # noqa: E402
+from tests.support.daemon import DaemonProc, port_kept, start_daemon  # noqa: E402
 from tests.worker.builders import Cluster, FakeRequest, make_spec, tokens  # noqa: E402
 from tests.worker.test_kv_connector import ready_chunks  # noqa: E402
 
@@ -31,7 +31,7 @@ class Daemons:
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.started = [start_daemon(tmp_path / "d0", *ARGS)]
+        self.started = [start_daemon(tmp_path / "d0", *ARGS, *port_kept())]
 
     @property
     def now(self) -> DaemonProc:

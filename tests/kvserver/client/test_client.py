@@ -31,7 +31,7 @@ from kvserver.errors import (
 )
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
-from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.daemon import DaemonProc, port_kept, start_daemon, wait_until
 from tests.support.ports import free_port
 
 SPEC = make_spec(model="test/client", tp_world_size=2)
@@ -268,10 +268,10 @@ def restart(d: DaemonProc, tmp_path: Path) -> DaemonProc:
 
 @pytest.mark.multiprocess
 def test_sync_client_survives_a_daemon_restart_on_the_same_port(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, *port_kept())
     keys = make_keys(3, tag="restart")
     try:
-        with KVClient(d.zmq_address, timeout=2.0) as kv:
+        with KVClient(d.zmq_address, timeout=30) as kv:
             ns = kv.register_namespace(SPEC)
             assert kv.store(ns.ns_id, keys, parts(keys)) == keys
             old_arena = d.arena_path
@@ -294,10 +294,10 @@ def test_sync_client_survives_a_daemon_restart_on_the_same_port(tmp_path: Path) 
 
 @pytest.mark.multiprocess
 async def test_async_client_survives_a_daemon_restart_on_the_same_port(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, *port_kept())
     keys = make_keys(3, tag="arestart")
     try:
-        async with AsyncKVClient(d.zmq_address, timeout=2.0) as kv:
+        async with AsyncKVClient(d.zmq_address, timeout=30) as kv:
             ns = await kv.register_namespace(SPEC)
             assert await kv.store(ns.ns_id, keys, parts(keys)) == keys
             d = await asyncio.to_thread(restart, d, tmp_path)
@@ -385,11 +385,12 @@ def test_submitted_call_times_out_and_fails_the_others(
     and the socket is replaced, so the other outstanding request fails at once; once a daemon
     listens again the client works. (On the local channel the requests find it closed and
     are queued on ZMQ instead, as a DEALER would queue them.)"""
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, *port_kept())
     try:
-        with KVClient(d.zmq_address, timeout=0.3, colocated=colocated) as kv:
-            ns = kv.register_namespace(SPEC)
+        with KVClient(d.zmq_address, timeout=30, colocated=colocated) as kv:
+            ns = kv.register_namespace(SPEC)  # succeeds however loaded the machine is
             assert kv.is_local is (colocated is None)
+            kv.timeout = 0.3
             assert d.terminate() == 0
             first = kv.submit_lookup(ns.ns_id, [])  # no hello needed: sent at once
             second = kv.submit_complete_load(7)
@@ -414,7 +415,7 @@ def test_daemon_restart_between_submit_and_collect(tmp_path: Path, colocated: bo
     is a lease error, and the client renews its session). A request sent while the daemon is
     down is queued by the socket and answered by the new daemon: the namespace is registered
     again and the request retried, giving a usable grant."""
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, *port_kept())
     keys = make_keys(2, tag="pipe-restart")
     try:
         with KVClient(d.zmq_address, timeout=5.0, colocated=colocated) as kv:

@@ -24,7 +24,7 @@ from kvserver.client import AsyncKVClient, KVClient, LookupResult, links
 from kvserver.errors import Unavailable
 from tests.kvserver.builders import make_keys
 from tests.kvserver.client.test_client import SPEC, parts
-from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.daemon import DaemonProc, port_kept, start_daemon, wait_until
 
 #: every call's timeout: ample for one round trip on a loaded machine, far below the reconnect
 #: interval the sockets are given here.
@@ -60,7 +60,7 @@ def kill_and_restart(d: DaemonProc, tmp_path: Path) -> DaemonProc:
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProc]:
-    d = start_daemon(tmp_path / "first")
+    d = start_daemon(tmp_path / "first", *port_kept())
     yield d
     d.kill()
 

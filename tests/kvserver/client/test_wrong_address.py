@@ -4,7 +4,6 @@ sockets; the errors are the ones an operator would read."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,17 @@ from kvserver.client.common import DEFAULT_DATA_PORT, data_address
 from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import InvalidArgument, Unavailable
 from tests.support.daemon import start_daemon
+from tests.support.ports import free_port
 
 NOTHING_THERE = r"within 0\.5s: nothing accepts connections there .* is `kvserver start` running"
 NOT_ZMQ = r"never began the ZMQ handshake: is that the daemon's ZMQ port\? .*--zmq-port"
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nobody listens on, outside the ephemeral range: a port bound to 0 and closed
+    is the kernel's to hand out again, to any process's next listener or connection (the
+    client's own connection could then take it: a TCP self-connect answers the handshake)."""
+    return free_port()
 
 
 def test_a_client_of_a_port_nobody_listens_on_is_told_nothing_accepts_there() -> None:

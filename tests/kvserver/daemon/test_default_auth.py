@@ -20,7 +20,7 @@ from kvserver.client import KVClient
 from kvserver.grpc_client import GrpcClient
 from kvserver.token_file import SHM_DIR_ENV, token_dir, token_path
 from tests.kvserver.builders import make_keys, make_spec
-from tests.support.daemon import DaemonProc, raw_dealer, start_daemon, wait_until
+from tests.support.daemon import DaemonProc, port_kept, raw_dealer, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
 
@@ -98,7 +98,7 @@ def test_no_auth_opts_out(tmp_path: Path) -> None:
 def test_no_auth_removes_a_token_file_left_for_its_port(tmp_path: Path) -> None:
     """A daemon SIGKILLed on a port leaves its token file; a --no-auth daemon that gets the
     same port removes it (else same-user clients would send a stale token)."""
-    killed = start_daemon(tmp_path / "killed")
+    killed = start_daemon(tmp_path / "killed", *port_kept())
     port = killed.info["zmq_port"]
     killed.kill()
     assert Path(token_path(port)).exists()
@@ -139,7 +139,7 @@ def test_a_grpc_client_presents_a_restarted_daemons_new_token(tmp_path: Path) ->
     """The client reads the token file once, and again only when the daemon refuses the
     token: a daemon restarted on the same port (a new random token) is reached by the same
     client, which retries the refused call once."""
-    d = start_daemon(tmp_path / "first")
+    d = start_daemon(tmp_path / "first", *port_kept("--grpc-port"))
     try:
         with GrpcClient(d.grpc_address) as g:
             spec = make_spec(model="test/restart-token")

@@ -19,7 +19,7 @@ import pytest
 from kvserver.client import KVClient
 from kvserver.errors import LeaseError
 from tests.kvserver.builders import make_keys, make_spec, pattern
-from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.daemon import DaemonProc, port_kept, start_daemon
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,7 +50,7 @@ def test_a_stale_store_completion_cannot_complete_the_new_daemons_reservation(
     """Client A reserved a chunk in the killed daemon; after the restart client B reserves
     another and has not written it yet when A's late complete_store arrives: it must fail,
     not make B's unwritten chunk READY (its pages would be served as B's chunk)."""
-    started.append(start_daemon(tmp_path / "d0", *ARGS))
+    started.append(start_daemon(tmp_path / "d0", *ARGS, *port_kept()))
     with KVClient(started[-1].zmq_address, colocated=False) as a:
         ns_id = a.register_namespace(SPEC).ns_id
         grant_a = a.prepare_store(ns_id, make_keys(1, tag="a"))
@@ -75,7 +75,7 @@ def test_a_stale_load_completion_cannot_unpin_the_new_daemons_load(
     """Client A pinned a chunk in the killed daemon; after the restart client B pins one for a
     load; A's late complete_load must fail and leave B's pins (else an eviction could reuse
     the pages B is still reading)."""
-    started.append(start_daemon(tmp_path / "d0", *ARGS))
+    started.append(start_daemon(tmp_path / "d0", *ARGS, *port_kept()))
     with KVClient(started[-1].zmq_address, colocated=False) as a:
         ns_id = a.register_namespace(SPEC).ns_id
         key = make_keys(1, tag="k")
