@@ -1,6 +1,7 @@
 """Suite-wide set-up: the ``kvserver.commands`` entry points (tests/support/entry_points.py),
 the session's own shared-memory directory for arenas and token files (tests/support/shm.py),
-and the real redis-server fixtures (tests/support/redis.py) of the fleet tests."""
+the real redis-server fixtures (tests/support/redis.py) of the fleet tests, and the check that
+no test module leaves a process running (tests/support/leaks.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from benchmarks.harness.proc import STARTED
 from tests.support.entry_points import declare_commands
+from tests.support.leaks import stop_leftovers
 from tests.support.redis import (
     FLEET_CLIENTS,
     FLEET_SERVERS,
@@ -64,6 +66,22 @@ def pytest_runtest_makereport(
                 lines = [f"(log unreadable: {exc})"]
             report.sections.append((f"log of {name} (pid {pid}), last lines", "\n".join(lines)))
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a module's last teardown: its processes still running are stopped, and that
+    test errors naming them (a daemon left running slows or disturbs every later test)."""
+    result = yield
+    module = getattr(item, "module", None)
+    if nextitem is not None and getattr(nextitem, "module", None) is module:
+        return result
+    left = stop_leftovers()
+    if left:
+        named = "; ".join(f"pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        where = getattr(module, "__name__", item.nodeid)
+        raise AssertionError(f"{where} left processes running: {named}")
+    return result
 
 
 @pytest.fixture
