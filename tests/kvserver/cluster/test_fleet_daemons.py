@@ -44,7 +44,7 @@ def start_host(tmp_path: Path, redis: RedisServer, host_id: str, url: str = "") 
     d = start_daemon(
         tmp_path / host_id,
         "--dram", "4MiB", "--page-size", "4KiB", "--cluster", url or redis.url,
-        "--host-id", host_id, "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "0.5",
+        "--host-id", host_id, "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "2",
     )  # fmt: skip
     try:
         wait_until(lambda: cluster_stats(d)["condition"] == "ok", timeout=30.0)
@@ -83,7 +83,8 @@ def grpc_stats(d: DaemonProc) -> ServerStats:
 
 
 def reader_for(redis: RedisServer, url: str = "") -> FleetReader:
-    config = ClusterConfig(url or redis.url, timeout_s=0.5, members_max_age_s=0.0)
+    """Its calls are expected to answer (a loaded machine: 5 s; a killed Redis refuses)."""
+    config = ClusterConfig(url or redis.url, timeout_s=5.0, members_max_age_s=0.0)
     return FleetReader(connect(config), config)
 
 
@@ -110,7 +111,7 @@ async def test_three_hosts_join_and_a_killed_one_leaves_within_the_ttl_and_comes
         async def indexed() -> bool:
             return await runs(reader, ns_id, keys) == {"a": 12, "b": 5}
 
-        await eventually(indexed, timeout=5.0)
+        await eventually(indexed, timeout=20.0)
         old_sets = [k for k in redis_server.cli("KEYS", "kvs1:{h:a}*").split() if k]
         assert old_sets
         killed_at = time.monotonic()
@@ -119,10 +120,12 @@ async def test_three_hosts_join_and_a_killed_one_leaves_within_the_ttl_and_comes
         async def a_gone() -> bool:
             return "a" not in {h.host_id for h in await reader.hosts()}
 
-        await eventually(a_gone, timeout=TTL_S + 2.0)
+        await eventually(a_gone, timeout=TTL_S + 3.0)
         assert await runs(reader, ns_id, keys) == {"b": 5}
-        wait_until(lambda: not int(redis_server.cli("EXISTS", *old_sets)), timeout=TTL_S + 2.0)
-        assert time.monotonic() - killed_at <= TTL_S + 1.5  # within the TTL (+ one heartbeat)
+        wait_until(lambda: not int(redis_server.cli("EXISTS", *old_sets)), timeout=TTL_S + 3.0)
+        # within the TTL, and 3 s for the polls (a redis-cli each) of a loaded machine: sets
+        # without a TTL would never go
+        assert time.monotonic() - killed_at <= TTL_S + 3.0
 
         again = start_host(tmp_path, redis_server, "a")
         daemons.append(again)
@@ -155,7 +158,7 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
     ns_id = store(a, keys[:4])
     reader = reader_for(redis_server, url)
     try:
-        await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=5.0)
+        await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=20.0)
         condition = "kvserver_cluster_condition"
         assert scrape(a.metrics_url).value(condition, **{condition: "ok"}) == 1
         redis_server.kill()
@@ -176,7 +179,7 @@ async def test_redis_killed_and_restarted_daemons_serve_then_resync(
             assert kv.lookup(ns_id, keys).hit_chunks == 8
         redis_server.restart()  # empty: persistence is off
         wait_until(lambda: cluster_stats(a)["condition"] == "ok", timeout=10.0)
-        await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 8}), timeout=5.0)
+        await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 8}), timeout=20.0)
         assert cluster_stats(a)["resyncs"] >= 2
         assert cluster_stats(a)["resync_pending"] == 0
         assert scrape(a.metrics_url).value("kvserver_cluster_resync_pending") == 0
@@ -220,7 +223,7 @@ async def test_a_full_redis_is_reported_in_stats_metrics_and_status(
         assert scrape(a.metrics_url).value("kvserver_cluster_redis_full") == 0
         reader = reader_for(redis)
         try:
-            await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=5.0)
+            await eventually(lambda: _eq(runs(reader, ns_id, keys), {"a": 4}), timeout=20.0)
         finally:
             await reader.redis.aclose()
     finally:
@@ -242,7 +245,7 @@ async def test_write_downs_reach_the_index_as_ssd_and_a_resync_keeps_them(
         tmp_path / "ssd-host",
         "--page-size", "4KiB", "--dram", "480KiB", "--ssd-dir", str(tmp_path / "ssd"),
         "--ssd", "8MiB", "--ssd-admission", "1", "--cluster", redis_server.url,
-        "--host-id", "s", "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "0.5",
+        "--host-id", "s", "--cluster-ttl-s", str(TTL_S), "--cluster-timeout-s", "2",
         env={"KVSERVER_SSD_RETRY_S": "0.2"},
     )  # fmt: skip
     daemons.append(d)

@@ -107,7 +107,7 @@ async def test_a_member_that_stops_leaves_at_once_and_one_that_crashes_within_th
     async def gone() -> bool:
         return not await reader.hosts() and not int(fleet_server.cli("EXISTS", *b_keys))
 
-    await eventually(gone, timeout=3.0)
+    await eventually(gone, timeout=6.0)  # the 1 s TTL and a loaded machine's polls
 
 
 async def test_a_restarted_member_gets_a_new_incarnation_and_its_old_entries_go(

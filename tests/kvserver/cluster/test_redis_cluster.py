@@ -80,7 +80,7 @@ async def test_a_fleet_on_a_redis_cluster(redis_cluster: RedisCluster, fleet_cli
         async def gone() -> bool:
             return "host-5" not in {h.host_id for h in await reader.hosts()}
 
-        await eventually(gone, timeout=3.0)
+        await eventually(gone, timeout=6.0)  # the 1.5 s TTL and a loaded machine's polls
         # the reader's cleanup (a script on the {fleet} slot) forgot it
         assert b"host-5" not in await reader.redis.smembers(schema.hosts_key())
         again = Member("host-5", config)
