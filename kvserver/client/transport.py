@@ -149,9 +149,12 @@ class Transport:
         try:
             link.send(frames, timeout)
         except OSError as exc:
-            if link is not self._local:  # the DEALER's queue is full
+            if isinstance(link, ZmqLink):
+                # the DEALER's queue is full, or its handshake failed before this write and
+                # ZMQ let the connection go: that failure is the error (read before the close)
+                why = link.why_silent()
                 self.drop()
-                raise self._s.timed_out(call, timeout) from None
+                raise self._s.timed_out(call, timeout, why) from None
             # nothing of it was read: the daemon closed the channel (it is gone or
             # restarting). As a DEALER would, queue it for whichever daemon comes next.
             self._local_refused = self._s.server.get("local_path")
