@@ -103,7 +103,13 @@ from benchmarks.harness.placement import (
 from benchmarks.harness.proc import runtime_ms
 from benchmarks.harness.raw_tcp import RawArenaTcp, serve_tcp
 from benchmarks.harness.raw_zmq import RawPeer, payload, serve, start_helper
-from benchmarks.peers_fleet import batch_keys, require_colocated, secure_args, spec_for
+from benchmarks.peers_fleet import (
+    batch_keys,
+    fill_holder,
+    require_colocated,
+    secure_args,
+    spec_for,
+)
 from benchmarks.peers_report import TARGET, print_table, summarize, write_chart
 from benchmarks.report import save_report
 from kvserver.client import KVClient
@@ -166,13 +172,7 @@ def measure(
         start("curve", *b_dram, "--peers", a_sec.zmq_address, "--peer-stream-port", "-1", *secure)
         batches = [batch_keys(part_bytes, i, n) for i in range(BATCHES)]
         for holder, sec in ((a, None), (a_sec, curve)):
-            with KVClient(holder.zmq_address, colocated=False, timeout=60, curve=sec) as kv:
-                ns_id = kv.register_namespace(spec).ns_id
-                for keys in batches:
-                    for i in range(0, n, 8):
-                        chunk = keys[i : i + 8]
-                        data = [payload(k, part_bytes) for k in chunk]
-                        assert kv.put(ns_id, chunk, data).stored == chunk, "A is full"
+            ns_id = fill_holder(holder.zmq_address, spec, batches, part_bytes, sec)
         with spawning_on(place.sending):  # the helpers; RawPeer's own ZMQ context pinned below
             ref = RawPeer(workdir, part_bytes, n, env, TIMEOUT_MS)
             proc, ep = start_helper("serve-tcp", workdir, part_bytes, n, env)

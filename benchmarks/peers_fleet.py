@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from benchmarks.harness.raw_zmq import payload
 from kvserver import wire
 from kvserver.arena import ArenaView
 from kvserver.client import KVClient
@@ -29,6 +30,26 @@ def spec_for(part_bytes: int) -> NamespaceSpec:
 
 def batch_keys(part_bytes: int, batch: int, n: int) -> list[bytes]:
     return [f"{part_bytes}-{batch}-{i}".encode().ljust(32, b".")[:32] for i in range(n)]
+
+
+def fill_holder(
+    address: str,
+    spec: NamespaceSpec,
+    batches: list[list[bytes]],
+    part_bytes: int,
+    curve: CurveClient | None = None,
+) -> str:
+    """Store every key of ``batches`` in the holder daemon at ``address`` (8 per put, each
+    part the key's :func:`~benchmarks.harness.raw_zmq.payload`); AssertionError when it is
+    full. Returns the namespace id."""
+    with KVClient(address, colocated=False, timeout=60, curve=curve) as kv:
+        ns_id = kv.register_namespace(spec).ns_id
+        for keys in batches:
+            for i in range(0, len(keys), 8):
+                chunk = keys[i : i + 8]
+                data = [payload(k, part_bytes) for k in chunk]
+                assert kv.put(ns_id, chunk, data).stored == chunk, "A is full"
+    return ns_id
 
 
 def require_colocated(client: KVClient) -> None:

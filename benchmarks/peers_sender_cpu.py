@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.harness.daemon import RECORDED_POLICY, start_daemon
 from benchmarks.harness.placement import PLACEMENTS, pin_threads, placement, spawning_on
 from benchmarks.harness.proc import runtime_ms, ticks
-from benchmarks.harness.raw_zmq import RawPeer, payload
-from benchmarks.peers_fleet import batch_keys, spec_for
+from benchmarks.harness.raw_zmq import RawPeer
+from benchmarks.peers_fleet import batch_keys, fill_holder, spec_for
 from kvserver.client import KVClient
 from kvserver.daemon.config_parse import parse_size
 
@@ -93,13 +93,7 @@ def measure(part_bytes: int, fetches: int, where: str, workdir: Path) -> dict[st
     spec = spec_for(part_bytes)
     batches = [batch_keys(part_bytes, i, n) for i in range(BATCHES)]
     try:
-        with KVClient(a.zmq_address, colocated=False, timeout=60) as kv:
-            ns_id = kv.register_namespace(spec).ns_id
-            for keys in batches:
-                for i in range(0, n, 8):
-                    chunk = keys[i : i + 8]
-                    data = [payload(k, part_bytes) for k in chunk]
-                    assert kv.put(ns_id, chunk, data).stored == chunk, "A is full"
+        ns_id = fill_holder(a.zmq_address, spec, batches, part_bytes)
         with spawning_on(place.sending):
             ref = RawPeer(workdir, part_bytes, n, env, 30_000)
         pin_threads(os.getpid(), place.receiving)
