@@ -5,7 +5,7 @@ Runs in the daemon (``kvserver.v1.KVServer``) and the scheduler (``kvserver.v1.E
 their event loop: :func:`server_options` goes to ``grpc.aio.server``; a :class:`ConnectionLimit`
 is started once the server is bound (``grpc_serve.start_server``) and stopped before it stops.
 Not thread-safe: loop only (gRPC's own threads close the connections it reads here; see
-:meth:`ConnectionLimit._shut_down` for why that race is harmless).
+:mod:`kvserver.foreign_sockets` for why that race is harmless).
 
 Why: gRPC has no cap on a server's connections. An idle HTTP/2 connection (the client preface,
 an empty SETTINGS, then nothing) costs the daemon a descriptor and ~14 KB: 4,000 of them from
@@ -43,12 +43,12 @@ SSD file, no ZMQ or local-channel client, no peer could be opened then
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import resource
-import socket
 import time
+
+from kvserver.foreign_sockets import connection, shut_down
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,9 @@ class ConnectionLimit:
                 continue
             inode = int(link[8:-1])
             seen = self._known.get(inode)
-            if seen is None:
-                seen = _addresses(fd, inode)
+            if seen is None:  # a new socket: read once (if ``fd`` still is it)
+                found = connection(fd, inode)
+                seen = _OTHER if found is None else (found.host, found.local_port)
             known[inode] = seen
             if seen[1] == self.port:
                 by_address.setdefault(seen[0], []).append((inode, fd))
@@ -165,7 +166,9 @@ class ConnectionLimit:
             if len(conns) <= self.per_address:
                 continue
             conns.sort()  # inodes grow as sockets are made (per-CPU batches): mostly newest last
-            ended = sum(_shut_down(fd, inode) for inode, fd in conns[self.per_address :])
+            # gRPC may close ``fd`` meanwhile and the number be reused: only socket ``inode``
+            # can be cut (foreign_sockets.py)
+            ended = sum(shut_down(fd, inode=inode) for inode, fd in conns[self.per_address :])
             cut += ended
             self._warn(address, ended)
         self.refused += cut
@@ -182,44 +185,3 @@ class ConnectionLimit:
             )  # fmt: skip
             self._warned_at, self._warned_count = now, 0
 
-
-def _addresses(fd: int, inode: int) -> tuple[str, int]:
-    """(peer host, local port) of the TCP connection ``fd`` if it still is socket ``inode``;
-    ``_OTHER`` for anything else (a listener, a Unix socket, a closed descriptor)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return _OTHER
-    try:
-        if os.fstat(dup).st_ino != inode:
-            return _OTHER
-        with socket.socket(fileno=dup) as sock:  # closes the duplicate only
-            dup = -1
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return _OTHER
-            host = str(sock.getpeername()[0])  # an IPv4 client of a dual-stack listener:
-            return host.removeprefix("::ffff:"), int(sock.getsockname()[1])  # its IPv4 form
-    except OSError:
-        return _OTHER
-    finally:
-        if dup >= 0:
-            os.close(dup)
-
-
-def _shut_down(fd: int, inode: int) -> bool:
-    """End the connection on ``fd`` if it still is socket ``inode``; True if it was. gRPC may
-    close ``fd`` meanwhile and the number be reused: the duplicate is checked to be the same
-    socket (its inode) before it is shut down, so only that connection can be cut."""
-    with contextlib.suppress(OSError):
-        dup = os.dup(fd)
-        try:
-            if os.fstat(dup).st_ino != inode:
-                return False
-            with socket.socket(fileno=dup) as sock:
-                dup = -1
-                sock.shutdown(socket.SHUT_RDWR)
-                return True
-        finally:
-            if dup >= 0:
-                os.close(dup)
-    return False

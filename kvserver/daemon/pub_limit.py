@@ -58,8 +58,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from typing import Any, cast
 
@@ -67,6 +65,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvserver.daemon.refusals import SubscriberCounts
+from kvserver.foreign_sockets import connection, shut_down
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +87,6 @@ MAX_TOPIC_BYTES = 1024
 TOPICS_EVERY_S = 0.05
 #: subscriptions read per turn of the loop, at most.
 TOPICS_PER_CALL = 4096
-
-
-def _peer_address(fd: int) -> str:
-    """The host part of the peer address of connection ``fd`` ("" if it cannot be read)."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as sock:  # closes the duplicate only
-            return str(sock.getpeername()[0])
-    except (OSError, IndexError, TypeError):
-        return ""
 
 
 def configure(pub: zmq.Socket[Any], hwm: int) -> None:
@@ -195,7 +185,8 @@ class SubscriberLimit:
                 elif event["event"] == zmq.EVENT_ACCEPTED:
                     if len(self._open) >= self._max:
                         self._prune()
-                    address = _peer_address(fd)
+                    found = connection(fd)
+                    address = "" if found is None else found.host
                     mine = sum(a == address for a in self._open.values())
                     if len(self._open) >= self._max or mine >= self._per_address:
                         over.append(fd)
@@ -254,21 +245,9 @@ class SubscriberLimit:
                 del self._open[fd]
 
     def _is_subscriber(self, fd: int) -> bool:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                sock.getpeername()
-                return cast(int, sock.getsockname()[1]) == self._port
-        except (OSError, IndexError, TypeError):
-            return False
+        found = connection(fd)
+        return found is not None and found.local_port == self._port
 
     def _shut_down(self, fd: int) -> bool:
         """End the connection on ``fd`` if it still is one to the PUB; True if it was."""
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:  # closes the duplicate only
-                sock.getpeername()  # a connection (the listener has no peer)
-                if sock.getsockname()[1] != self._port:
-                    return False
-                sock.shutdown(socket.SHUT_RDWR)
-                return True
-        except (OSError, IndexError, TypeError):
-            return False
+        return shut_down(fd, local_port=self._port)
