@@ -19,7 +19,8 @@ SSD file, no ZMQ or local-channel client, no peer could be opened then
   closes one accepted past it at once). The hard bound on descriptors and memory, whoever
   holds them.
 - **Per address**: at most ``per_address`` (:data:`MAX_CONNECTIONS_PER_ADDRESS`; the daemon's
-  setting ``grpc_max_connections_per_address``) from one address, as for the KV-event PUB
+  setting ``grpc_max_connections_per_address``, the scheduler's flag
+  ``--grpc-max-connections-per-address``) from one address, as for the KV-event PUB
   (``daemon/pub_limit.py``), the peer stream and ``/metrics``. gRPC offers no hook on accept, so
   every :data:`CHECK_EVERY_S` the process's descriptors are read (``/proc/self/fd``: a
   ``readlink`` each; each socket's addresses read once, by its inode) and an address holding

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 
 def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS
     from scheduler.config import POLICIES, SchedulerConfig
 
     d = SchedulerConfig()
@@ -36,6 +37,12 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     w.add_argument("--synthetic-workers", type=int, metavar="N", help="start N synthetic workers")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=9480, help="gRPC port (default 9480, 0=any)")
+    p.add_argument(
+        "--grpc-max-connections-per-address", type=int, default=MAX_CONNECTIONS_PER_ADDRESS,
+        metavar="N",
+        help="most gRPC connections from one address; the newest past it are shut down "
+        f"(default {MAX_CONNECTIONS_PER_ADDRESS}; raise it behind NAT or a proxy)",
+    )  # fmt: skip
     p.add_argument("--tls-cert-file", metavar="PEM", default="",
                    help="gRPC front door TLS: certificate chain (docs/security.md)")
     p.add_argument("--tls-key-file", metavar="PEM", default="",
@@ -194,6 +201,7 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
         synthetic_workers=args.synthetic_workers or 0,
         host=args.host,
         grpc_port=args.grpc_port,
+        grpc_max_connections_per_address=args.grpc_max_connections_per_address,
         metrics_port=args.metrics_port,
         kvserver=args.kvserver,
         kvserver_auth_token=client_auth_token(args),

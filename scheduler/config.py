@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvserver.crypto import CurveClient, TlsServer, is_loopback
 from kvserver.errors import InvalidArgument
+from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS
 from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
 from step_protocol.security import check_worker_addresses
 
@@ -122,6 +123,10 @@ class ProcessConfig:
     #: pin / reserve / complete calls
     kvserver_lookup_timeout_s: float = 0.1
     kvserver_op_timeout_s: float = 1.0
+    #: the front door's most connections from one address (the newest past it are shut down
+    #: within 0.5 s; kvserver/grpc_limit.py), as the daemon's setting of that name: raise it
+    #: where many clients share an address (behind NAT or a proxy)
+    grpc_max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
     #: TLS for the gRPC front door (and the /metrics port's host): certificate, key, client CA
     tls: TlsServer | None = None
     #: the front door's token ("": a random one made at start, left for this user in
@@ -152,6 +157,7 @@ class ProcessConfig:
         _check_int("synthetic_workers", self.synthetic_workers, 0)
         _check_int("grpc_port", self.grpc_port, 0)
         _check_int("metrics_port", self.metrics_port, -1)
+        _check_int("grpc_max_connections_per_address", self.grpc_max_connections_per_address, 1)
         if self.metrics_port > 65535 or self.grpc_port > 65535:
             raise InvalidArgument(
                 "port out of range", grpc_port=self.grpc_port, metrics_port=self.metrics_port

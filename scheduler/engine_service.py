@@ -37,7 +37,7 @@ from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.config import bind_hint
 from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated
 from kvserver.grpc_format import ERROR_CODE_KEY, bearer_token
-from kvserver.grpc_limit import ConnectionLimit
+from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS, ConnectionLimit
 from kvserver.grpc_serve import start_server
 from kvserver.prompts import MAX_PROMPT_TOKENS
 from scheduler.request import PromptUsage, RequestOutput
@@ -164,15 +164,18 @@ class EngineService:
         tls: TlsServer | None = None,
         auth: Authenticator | None = None,
         token_hint: str = "",
+        per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
     ) -> None:
         """``auth``: the tokens callers must present (None: none); ``token_hint``: where a
-        caller finds the token, said when it presents none or a wrong one."""
+        caller finds the token, said when it presents none or a wrong one; ``per_address``:
+        the most connections one address may hold (``grpc_limit.py``)."""
         self.backend = backend
         self._auth = auth or Authenticator()
         self.token_hint = token_hint
         self.host = host
         self.port = port
         self.tls = tls
+        self.per_address = per_address
         self._server: grpc.aio.Server | None = None
         self._limit: ConnectionLimit | None = None
         self._health = health.aio.HealthServicer()
@@ -188,7 +191,7 @@ class EngineService:
         try:
             self._server, self.port, self._limit = await start_server(
                 SERVICE_NAME, handlers, self._health, self.host, self.port,
-                credentials=credentials,
+                credentials=credentials, per_address=self.per_address,
             )  # fmt: skip
         except KVServerError as exc:  # gRPC says no more than "failed to bind": say what to do
             reason = exc.message.split("; set GRPC_VERBOSITY", 1)[0]

@@ -194,6 +194,7 @@ async def serve(
         service = EngineService(
             core, config.host, config.grpc_port, tls=config.tls,
             auth=Authenticator.single(token),
+            per_address=config.grpc_max_connections_per_address,
         )  # fmt: skip
         port = await service.start()
         if token:  # the front door's token for this user's clients (docs/security.md)

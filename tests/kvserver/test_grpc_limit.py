@@ -165,3 +165,20 @@ def test_the_schedulers_engine_port_cuts_one_address_to_its_share(tmp_path: Path
     finally:
         idle.close()
         assert sched.terminate() == 0
+
+
+def test_the_schedulers_share_per_address_is_a_flag(tmp_path: Path) -> None:
+    """``kvserver scheduler --grpc-max-connections-per-address 8``: 40 idle connections from
+    one address are cut to 8 (the daemon's setting of that name, on the scheduler's engine
+    port); a client is still served."""
+    sched = start_scheduler(tmp_path, "--synthetic-workers", "1", "--metrics-port", "-1",
+                            "--grpc-max-connections-per-address", "8")  # fmt: skip
+    idle = IdleConnections(int(sched.info["grpc_port"]), 40)
+    try:
+        wait_until(lambda: idle.closed() >= 32, WAIT_S)
+        with EngineClient(sched.info["grpc_port"]) as client:
+            assert client.stats() is not None
+        assert idle.closed() == 32
+    finally:
+        idle.close()
+        assert sched.terminate() == 0

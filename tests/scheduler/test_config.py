@@ -46,6 +46,7 @@ def test_bad_scheduler_configs(kw: dict[str, Any], field: str) -> None:
         {"synthetic_workers": 1, "kvserver_lookup_timeout_s": 0},
         {"synthetic_workers": 1, "kvserver_op_timeout_s": -1.0},
         {"synthetic_workers": 1, "chunk_blocks": 0},
+        {"synthetic_workers": 1, "grpc_max_connections_per_address": 0},
     ],
 )
 def test_bad_process_configs(kw: dict[str, Any]) -> None:
@@ -59,6 +60,9 @@ def test_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["scheduler", "--synthetic-workers", "1", "--num-gpu-blocks", "1"]) == 2
     assert "num_gpu_blocks" in capsys.readouterr().err
+    flag = "--grpc-max-connections-per-address"
+    assert main(["scheduler", "--synthetic-workers", "1", flag, "0"]) == 2
+    assert "grpc_max_connections_per_address" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["scheduler", "--synthetic-workers", "1", "--workers", "tcp://a:1"])
     assert info.value.code == 2
