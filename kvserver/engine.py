@@ -21,14 +21,15 @@ evicted entry while its pages still hold its bytes (write-down), and ``prepare_s
 gated=False)`` + ``write_part`` + ``settle_store`` bring chunks back up (promotion);
 ``announce`` puts their events in the one gap-free event sequence.
 
-Layout: this module is the facade (validation, the public calls, events and counters); the
-mechanics sit in one module per concept, each used only from here:
+Layout: this module is the facade (validation, the public calls); the mechanics sit in one
+module per concept, each used only from here:
 ``engine_index.DramIndex`` (entries, pages, eviction, page accounting),
 ``engine_leases.LeaseBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
-(specs, per-namespace counters, key validation), ``engine_events.EngineEvents`` (the one
-gap-free event sequence, the eviction hook), ``engine_parts.PartCopies`` (the engine's
-``write_parts`` / ``read_parts`` ...: parts copied in, views out, for clients that cannot map
-the arena); value types and the config's checks are in ``engine_types``.
+(specs, ids, key validation), ``engine_events.EngineEvents`` (the one gap-free event sequence,
+the eviction hook), ``engine_stats.EngineCounters`` (the counters, per namespace and in total,
+and the ``stats()`` snapshot), ``engine_parts.PartCopies`` (the engine's ``write_parts`` /
+``read_parts`` ...: parts copied in, views out, for clients that cannot map the arena); value
+types and the config's checks are in ``engine_types``.
 
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
 after every step):
@@ -40,6 +41,7 @@ after every step):
 - every READY entry is tracked by the eviction policy and no other key is;
 - BlockStored / BlockRemoved events of medium CPU, replayed in order, give exactly the set of
   READY keys.
+- every total counter is the sum of that counter over the namespaces (``engine_stats.py``).
 
 Every public method validates its whole input before changing anything: a raised
 :class:`~kvserver.errors.KVServerError` means the state is unchanged. A full cache is a normal
@@ -60,13 +62,8 @@ from kvserver.engine_index import DramIndex, IndexKey
 from kvserver.engine_leases import LeaseBook
 from kvserver.engine_namespaces import MAX_NAMESPACES, NamespaceTable
 from kvserver.engine_parts import PartCopies
-from kvserver.engine_types import (
-    Counters,
-    EngineConfig,
-    Entry,
-    EntryState,
-    StorageStats,
-)
+from kvserver.engine_stats import EngineCounters, StorageStats, storage_stats
+from kvserver.engine_types import EngineConfig, Entry, EntryState
 from kvserver.errors import CapacityError, UnknownKey
 from kvserver.events import Event, Medium
 from kvserver.grants import LoadGrant, StoreGrant
@@ -103,14 +100,15 @@ class StorageEngine:
             progress=prefault_progress,
         )
         self._namespaces = NamespaceTable(config.max_keys_per_request)
-        self.totals = self._namespaces.totals
-        self._holds = LeaseBook(self._dram, self._namespaces, config.quarantine_s)
+        self._counters = EngineCounters()
+        self.totals = self._counters.totals
+        self._holds = LeaseBook(self._dram, self._counters, config.quarantine_s)
         self.leases = self._holds.leases
         # the payload path of clients that cannot map the arena, exposed as the engine's calls
         parts = PartCopies(self.arena, self.leases, self._namespaces, self._dram.entries)
         self.write_parts, self.write_part = parts.write_parts, parts.write_part
         self.read_parts, self.read_part = parts.read_parts, parts.read_part
-        self._log = EngineEvents(self._namespaces)
+        self._log = EngineEvents(self._namespaces, self._counters)
 
     @property
     def on_evict(self) -> EvictHook | None:
@@ -146,6 +144,7 @@ class StorageEngine:
                 capacity=self.config.dram_bytes,
             )
         self._namespaces.add(spec)
+        self._counters.add_namespace()
         logger.info("registered namespace %s (%s, %d B/part)", ns_id, spec.model, spec.part_bytes)
         return ns_id
 
@@ -189,10 +188,7 @@ class StorageEngine:
             self.policy.lookup([(ns, k) for k in keys], hits)
         elif touch and hits:
             self.policy.touch([(ns, k) for k in keys[:hits]])
-        for c in self._namespaces.pair(ns):
-            c.lookups += 1
-            c.hit_chunks += hits
-            c.miss_chunks += len(keys) - hits
+        self._counters.looked_up(ns, hits, len(keys) - hits)
         return hits
 
     def touch(self, ns_id: str, keys: Sequence[bytes]) -> None:
@@ -256,7 +252,6 @@ class StorageEngine:
                     filtered.append(key)
                 else:
                     new_keys.append(key)
-        counters = self._namespaces.pair(ns)
         evicted: list[Entry] | None = []
         if new_keys:  # victims only among keys in the index: this request's present ones kept
             need = self._dram.pages_for(spec, len(new_keys))
@@ -266,11 +261,9 @@ class StorageEngine:
             if evicted is None and self.policy.declined:  # not admitted, as reuse gating's
                 filtered, new_keys, evicted = filtered + new_keys, [], []
         if evicted is None:
-            for c in counters:
-                c.store_rejections += 1
+            self._counters.store_rejected(ns)
             return None
-        for c in counters:
-            c.filtered_chunks += len(filtered)
+        self._counters.filtered(ns, len(filtered))
         if not new_keys:
             return StoreGrant(0, 0.0, ns_id, [], [], present, filtered, 0)
         if evicted:
@@ -378,8 +371,7 @@ class StorageEngine:
         self.policy.touch(ikeys)
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.LOAD, client, ns, list(keys), deadline)
-        for c in self._namespaces.pair(ns):
-            c.loaded_chunks += len(keys)
+        self._counters.loaded(ns, len(keys))
         return LoadGrant(lease.lease_id, deadline, ns_id, list(keys), [e.extents for e in loaded])
 
     def complete_load(self, lease_id: int) -> None:
@@ -431,26 +423,9 @@ class StorageEngine:
         return self._log.take()
 
     def stats(self) -> StorageStats:
+        """A snapshot of the pages, entries, leases and counters (O(entries))."""
         self._reap()
-        dram = self._dram
-        totals = self._namespaces.totals
-        return StorageStats(
-            capacity_bytes=self.allocator.num_pages * self.allocator.page_size,
-            page_size=self.allocator.page_size,
-            total_pages=self.allocator.num_pages,
-            free_pages=self.allocator.num_free,
-            reserved_pages=dram.reserved_pages,
-            ready_pages=dram.ready_pages,
-            pinned_pages=dram.pinned_pages,
-            quarantined_pages=dram.quarantined_pages,
-            quarantined_load_pages=dram.held_pages,
-            num_entries=len(self._dram.entries) - dram.num_writing,
-            num_writing=dram.num_writing,
-            num_leases=len(self.leases),
-            policy=self.policy.name,
-            totals=Counters(**{n: getattr(totals, n) for n in Counters.__dataclass_fields__}),
-            namespaces=self._namespaces.stats_rows(dram.ready_counts(len(self._namespaces.specs))),
-        )
+        return storage_stats(self._dram, self._counters, self._namespaces.specs, len(self.leases))
 
     def close(self) -> None:
         """Release the arena (the shared-memory file is removed). Idempotent."""
@@ -472,8 +447,10 @@ class StorageEngine:
         return self._ns(ns_id)
 
     def check_invariants(self) -> None:
-        """Recompute the accounting from scratch and compare (tests; O(entries))."""
+        """Recompute the accounting from scratch and compare (tests; O(entries)); the
+        counters' totals against their namespaces' counts."""
         self._dram.check_invariants()
+        self._counters.check_invariants()
 
     # ================================================================== internals
 

@@ -1,6 +1,6 @@
 """The storage engine's event sequence: BlockStored / BlockRemoved of every tier, numbered in one
-gap-free sequence, with the per-namespace stored/evicted counters, and the eviction hook of the
-lower tiers.
+gap-free sequence (stored and evicted chunks counted as they are announced), and the eviction
+hook of the lower tiers.
 
 Runs inside the daemon, on its event loop, owned by :class:`~kvserver.engine.StorageEngine`
 (used only from there; no locks). Contract:
@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from kvserver.engine_namespaces import NamespaceTable
+from kvserver.engine_stats import EngineCounters
 from kvserver.engine_types import Entry
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
 from kvserver.namespace import NamespaceSpec
@@ -35,8 +36,9 @@ EvictHook = Callable[[NamespaceSpec, list[Entry]], None]
 class EngineEvents:
     """The engine's events and their counters; see the module docstring."""
 
-    def __init__(self, namespaces: NamespaceTable) -> None:
+    def __init__(self, namespaces: NamespaceTable, counters: EngineCounters) -> None:
         self._namespaces = namespaces
+        self._counters = counters
         self._ns_ids = namespaces.ns_ids  # appended to as namespaces register
         self._events: list[Event] = []
         self._next_seq = 1
@@ -57,8 +59,7 @@ class EngineEvents:
         """Announce keys of namespace index ``ns`` that became READY in DRAM (one
         BlockStored) and count them."""
         self._events.append(BlockStored(self._seq(), self._ns_ids[ns], tuple(keys), MEDIUM_DRAM))
-        for c in self._namespaces.pair(ns):
-            c.stored_chunks += len(keys)
+        self._counters.stored(ns, len(keys))
 
     def evicted(self, evicted: list[Entry]) -> None:
         """Hand evicted entries (already out of the index, pages not yet reused) to
@@ -79,8 +80,7 @@ class EngineEvents:
         for ns, entries in by_ns.items():
             keys = tuple([entry.key for entry in entries])
             self._events.append(BlockRemoved(self._seq(), self._ns_ids[ns], keys, MEDIUM_DRAM))
-            for c in self._namespaces.pair(ns):
-                c.evicted_chunks += len(keys)
+            self._counters.evicted(ns, len(keys))
 
     def _seq(self) -> int:
         seq = self._next_seq

@@ -15,10 +15,10 @@ load's entries there directly); a store lease's part bookkeeping is the lease's 
     pin_ttl(ns, keys, until)     explicit pins that extend, never shorten
     unpin_ttl(ns, keys)          drop explicit pins now
 
-Leases themselves are a :class:`~kvserver.leases.LeaseTable` (``leases``). Reclaiming bumps the
-namespace counters (``rolled_back_chunks``, ``expired_leases``, ``released_leases``,
-``quarantined_chunks``, ``quarantined_load_chunks``); it emits no events (WRITING entries
-were never announced).
+Leases themselves are a :class:`~kvserver.leases.LeaseTable` (``leases``). Reclaiming counts
+in the engine's counters (``engine_stats.EngineCounters``: ``rolled_back_chunks``,
+``expired_leases``, ``released_leases``, ``quarantined_chunks``, ``quarantined_load_chunks``);
+it emits no events (WRITING entries were never announced).
 
 Quarantine: a co-located client copies into its store grant's pages in its own process, and
 shared memory cannot be taken back from its mapping. A client stalled past its lease (stopped,
@@ -56,7 +56,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from kvserver.engine_index import DramIndex
-from kvserver.engine_namespaces import NamespaceTable
+from kvserver.engine_stats import EngineCounters
 from kvserver.engine_types import EntryState
 from kvserver.leases import Lease, LeaseKind, LeaseTable
 
@@ -67,12 +67,12 @@ class LeaseBook:
     """The lease table and the TTL pins over one :class:`DramIndex` (see the module doc)."""
 
     def __init__(
-        self, dram: DramIndex, namespaces: NamespaceTable, quarantine_s: float = 0.0
+        self, dram: DramIndex, counters: EngineCounters, quarantine_s: float = 0.0
     ) -> None:
         self.leases = LeaseTable()
         self.quarantine_s = quarantine_s
         self._dram = dram
-        self._namespaces = namespaces
+        self._counters = counters
         self._ttl_heap: list[tuple[float, int, bytes]] = []
 
     def roll_back(self, lease: Lease, keys: Iterable[bytes], until: float | None = None) -> None:
@@ -84,10 +84,7 @@ class LeaseBook:
         for key in keys:
             self._dram.rollback(entries[(lease.ns, key)], until)
             rolled_back += 1
-        for c in self._namespaces.pair(lease.ns):
-            c.rolled_back_chunks += rolled_back
-            if until is not None:
-                c.quarantined_chunks += rolled_back
+        self._counters.rolled_back(lease.ns, rolled_back, quarantined=until is not None)
 
     def reap(self, now: float) -> int:
         """Reclaim every lease and drop every TTL pin whose deadline is ``<= now``; returns
@@ -116,17 +113,11 @@ class LeaseBook:
     def _reclaim(self, lease: Lease, *, expired: bool, until: float | None = None) -> None:
         if lease.kind is LeaseKind.LOAD:
             if until is not None:  # held first: their pages go from pinned to held at once
-                held = self._dram.hold(lease.ns, lease.keys, until)
-                for c in self._namespaces.pair(lease.ns):
-                    c.quarantined_load_chunks += held
+                self._counters.held(lease.ns, self._dram.hold(lease.ns, lease.keys, until))
             self._dram.drop_pins(lease.ns, lease.keys)
         else:
             self.roll_back(lease, lease.keys, until)
-        for c in self._namespaces.pair(lease.ns):
-            if expired:
-                c.expired_leases += 1
-            else:
-                c.released_leases += 1
+        self._counters.lease_ended(lease.ns, expired=expired)
 
     def pin_ttl(self, ns: int, keys: Sequence[bytes], until: float) -> int:
         """TTL-pin the READY ``keys`` until ``until`` (extends, never shortens).

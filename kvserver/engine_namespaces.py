@@ -1,12 +1,11 @@
-"""The storage engine's namespaces: registered specs, their counters, key validation.
+"""The storage engine's namespaces: registered specs, their ids and indexes, key validation.
 
 Runs inside the storage engine (``kvserver/engine.py``), its only caller: single owner, no
 locks. A namespace is registered once (``add``) and never removed; its index (``ids[ns_id]``,
 the position in ``specs``) is the first half of every index key and stays fixed for the
-engine's life. Counters are monotonic, per namespace and in ``totals``; the engine bumps both
-through :meth:`NamespaceTable.pair`.
+engine's life. Its counters are ``EngineCounters``' (``engine_stats.py``), by the same index.
 
-Invariant: ``specs``, ``ns_ids``, ``counters`` and the values of ``ids`` are parallel:
+Invariant: ``specs``, ``ns_ids`` and the values of ``ids`` are parallel:
 ``ids[specs[i].ns_id] == i`` and ``ns_ids[i] == specs[i].ns_id`` for every ``i``.
 """
 
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserver.engine_types import Counters, CutKeys, HashedKeys
+from kvserver.engine_types import CutKeys, HashedKeys
 from kvserver.errors import InvalidArgument, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
@@ -33,8 +32,6 @@ class NamespaceTable:
         #: the ``ns_id`` of each index (``NamespaceSpec.ns_id`` hashes the spec per call)
         self.ns_ids: list[str] = []
         self.ids: dict[str, int] = {}
-        self.counters: list[Counters] = []
-        self.totals = Counters()
         self._max_keys = max_keys_per_request
 
     def add(self, spec: NamespaceSpec) -> int:
@@ -43,7 +40,6 @@ class NamespaceTable:
         self.ids[spec.ns_id] = ns
         self.ns_ids.append(spec.ns_id)
         self.specs.append(spec)
-        self.counters.append(Counters())
         return ns
 
     def by_id(self) -> dict[str, NamespaceSpec]:
@@ -56,10 +52,6 @@ class NamespaceTable:
             return self.ids[ns_id]
         except (KeyError, TypeError):
             raise UnknownNamespace("namespace not registered", ns=ns_id) from None
-
-    def pair(self, ns: int) -> tuple[Counters, Counters]:
-        """The totals and namespace ``ns``'s counters, to bump both alike."""
-        return self.totals, self.counters[ns]
 
     def check_keys(self, ns: int, keys: Sequence[bytes]) -> None:
         """Raise InvalidArgument unless ``keys`` is a list/tuple of at most
@@ -81,14 +73,3 @@ class NamespaceTable:
                     f"every key must be {size} bytes for this namespace's hash",
                     key=key if isinstance(key, bytes) else type(key).__name__,
                 )
-
-    def stats_rows(self, ready_counts: Sequence[int]) -> dict[str, dict[str, int]]:
-        """Per namespace id: every counter, plus READY ``entries`` and their ``bytes``."""
-        rows: dict[str, dict[str, int]] = {}
-        for ns, spec in enumerate(self.specs):
-            counters = self.counters[ns]
-            row = {name: getattr(counters, name) for name in Counters.__dataclass_fields__}
-            row["entries"] = ready_counts[ns]
-            row["bytes"] = ready_counts[ns] * spec.part_bytes * spec.tp_world_size
-            rows[spec.ns_id] = row
-        return rows

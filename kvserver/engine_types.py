@@ -1,7 +1,8 @@
-"""Value types of the storage engine: configuration, the per-chunk record, statistics, keys
-whose size is known by construction (cut from one buffer, or made by a namespace's hasher).
+"""Value types of the storage engine: configuration, the per-chunk record, keys whose size is
+known by construction (cut from one buffer, or made by a namespace's hasher).
 
-The grants (``StoreGrant``, ``LoadGrant``) are data-plane wire values: ``kvserver/grants.py``.
+The grants (``StoreGrant``, ``LoadGrant``) are data-plane wire values: ``kvserver/grants.py``;
+the counters and the stats snapshot: ``kvserver/engine_stats.py``.
 
 Pure data; no behaviour beyond validation and derived properties.
 """
@@ -10,8 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import numpy
 
@@ -161,55 +161,3 @@ class Entry:
     @property
     def is_pinned(self) -> bool:
         return self.pins > 0 or self.ttl_until > 0.0
-
-
-@dataclass(slots=True)
-class Counters:
-    """Monotonic counters (per namespace and totals)."""
-
-    lookups: int = 0
-    hit_chunks: int = 0
-    miss_chunks: int = 0
-    stored_chunks: int = 0
-    loaded_chunks: int = 0
-    evicted_chunks: int = 0
-    rolled_back_chunks: int = 0
-    #: of those, the chunks of expired reservations whose pages were quarantined
-    quarantined_chunks: int = 0
-    #: chunks of expired load leases kept from eviction for the quarantine (a late reader)
-    quarantined_load_chunks: int = 0
-    expired_leases: int = 0
-    released_leases: int = 0
-    filtered_chunks: int = 0
-    store_rejections: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class StorageStats:
-    capacity_bytes: int
-    page_size: int
-    total_pages: int
-    free_pages: int
-    reserved_pages: int
-    ready_pages: int
-    pinned_pages: int
-    #: pages of expired reservations not free yet (``engine_leases.py``)
-    quarantined_pages: int
-    #: pages of READY chunks that only an expired load lease's quarantine keeps from
-    #: eviction (served as usual; evictable again when it ends)
-    quarantined_load_pages: int
-    num_entries: int
-    num_writing: int
-    num_leases: int
-    policy: str
-    totals: Counters
-    namespaces: dict[str, dict[str, int]]
-
-    @property
-    def used_bytes(self) -> int:
-        return (self.total_pages - self.free_pages) * self.page_size
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["used_bytes"] = self.used_bytes
-        return out
