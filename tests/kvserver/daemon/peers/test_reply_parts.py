@@ -23,7 +23,7 @@ from kvserver.client import KVClient
 from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import PeerFetches
-from kvserver.errors import InvalidArgument
+from kvserver.errors import InvalidArgument, KVServerError
 from tests.kvserver.builders import make_engine, make_keys, make_spec
 from tests.kvserver.daemon.peers.test_stream import no_reservations
 
@@ -64,17 +64,21 @@ def flooding_peer() -> Iterator[str]:
     yield from stand_in(EMPTY_FRAMES, 0, "extra")
 
 
-async def test_a_fetch_refuses_a_split_part_larger_than_the_namespaces(fake_peer: str) -> None:
-    keys = make_keys(4, tag="split")
+async def fetch_refused(address: str, tag: str) -> int:
+    """Fetch 4 keys from the stand-in at ``address`` into a fresh engine and check that its
+    reply was refused: the fetch allocated under BOUND, placed nothing and left nothing
+    reserved, and the peer is suspect with the 4 keys missed. Returns how many connections
+    the peer's link kept open."""
+    keys = make_keys(4, tag=tag)
     engine = make_engine(num_pages=64)
     engine.register_namespace(SPEC)
     with engine:
         book = PeerBook(PeerSettings(stream=False, timeout_s=10, suspect_s=60))
         fetches = PeerFetches(engine, book, publish=lambda: None)
+        peer = Peer("F", "", address)
         tracemalloc.start()
         try:
-            await fetches.fetch(SPEC, [(k, frozenset({"F"})) for k in keys],
-                                {"F": Peer("F", "", fake_peer)})  # fmt: skip
+            await fetches.fetch(SPEC, [(k, frozenset({"F"})) for k in keys], {"F": peer})
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -82,24 +86,38 @@ async def test_a_fetch_refuses_a_split_part_larger_than_the_namespaces(fake_peer
         assert engine.lookup(SPEC.ns_id, keys) == 0  # nothing placed
         assert book.is_suspect("F") and book.counters.missed_chunks == 4
         no_reservations(engine)
+        open_connections = book.link(peer).connections_open
         await book.close()
+        return open_connections
 
 
-def test_a_client_refuses_a_split_part_of_another_size(fake_peer: str) -> None:
-    """The same reply to a KVClient that registered the namespace: InvalidArgument, without
-    the joined copy (before: +32 MiB); the client goes on (its next call is answered)."""
-    keys = make_keys(2, tag="client")
-    with KVClient(fake_peer, colocated=False, timeout=10) as kv:
+def get_refused(address: str, tag: str, match: str) -> KVServerError:
+    """A KVClient that registered the namespace gets 2 keys from the stand-in at ``address``:
+    the reply is refused with InvalidArgument (``match``), the client allocated under BOUND
+    meanwhile, and it goes on (its next call is answered). Returns the error."""
+    keys = make_keys(2, tag=tag)
+    with KVClient(address, colocated=False, timeout=10) as kv:
         kv.register_namespace(SPEC)
         tracemalloc.start()
         try:
-            with pytest.raises(InvalidArgument, match="reply part of the wrong size"):
+            with pytest.raises(InvalidArgument, match=match) as info:
                 kv.get(SPEC.ns_id, keys)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
         assert peak < BOUND, f"the client allocated {peak >> 20} MiB"
         assert kv.hello()["sid"] == "split-part-peer"
+    return info.value
+
+
+async def test_a_fetch_refuses_a_split_part_larger_than_the_namespaces(fake_peer: str) -> None:
+    await fetch_refused(fake_peer, "split")
+
+
+def test_a_client_refuses_a_split_part_of_another_size(fake_peer: str) -> None:
+    """The same reply to a KVClient: InvalidArgument, without the joined copy (before:
+    +32 MiB)."""
+    get_refused(fake_peer, "client", "reply part of the wrong size")
 
 
 async def test_a_fetch_refuses_a_reply_with_more_frames_than_its_get_may_bring(
@@ -107,43 +125,15 @@ async def test_a_fetch_refuses_a_reply_with_more_frames_than_its_get_may_bring(
 ) -> None:
     """200,000 empty frames answer a get of 4 keys of one 4 KiB part each (at most 8 frames):
     received one at a time and dropped, not made into 200,000 zmq.Frame objects (before:
-    +45 MiB of Python's heap, tracemalloc); the peer suspect, nothing placed."""
-    keys = make_keys(4, tag="flood")
-    engine = make_engine(num_pages=64)
-    engine.register_namespace(SPEC)
-    with engine:
-        book = PeerBook(PeerSettings(stream=False, timeout_s=10, suspect_s=60))
-        fetches = PeerFetches(engine, book, publish=lambda: None)
-        tracemalloc.start()
-        try:
-            await fetches.fetch(SPEC, [(k, frozenset({"F"})) for k in keys],
-                                {"F": Peer("F", "", flooding_peer)})  # fmt: skip
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        assert peak < BOUND, f"the fetch allocated {peak >> 20} MiB"
-        assert engine.lookup(SPEC.ns_id, keys) == 0
-        assert book.is_suspect("F") and book.counters.missed_chunks == 4
-        assert book.link(Peer("F", "", flooding_peer)).connections_open == 0  # not reused
-        no_reservations(engine)
-        await book.close()
+    +45 MiB of Python's heap, tracemalloc); the peer suspect, nothing placed, the connection
+    not reused."""
+    assert await fetch_refused(flooding_peer, "flood") == 0
 
 
 def test_a_client_refuses_a_reply_with_more_frames_than_its_get_may_bring(
     flooding_peer: str,
 ) -> None:
-    """The same reply to a KVClient that registered the namespace: InvalidArgument naming the
-    frames, without keeping them; the connection is replaced and the next call answered."""
-    keys = make_keys(2, tag="client-flood")
-    with KVClient(flooding_peer, colocated=False, timeout=10) as kv:
-        kv.register_namespace(SPEC)
-        tracemalloc.start()
-        try:
-            with pytest.raises(InvalidArgument, match="more frames than its request") as info:
-                kv.get(SPEC.ns_id, keys)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        assert info.value.context["frames"] == EMPTY_FRAMES and info.value.context["max"] == 4
-        assert peak < BOUND, f"the client allocated {peak >> 20} MiB"
-        assert kv.hello()["sid"] == "split-part-peer"
+    """The same reply to a KVClient: InvalidArgument naming the frames, without keeping them;
+    the connection is replaced and the next call answered."""
+    error = get_refused(flooding_peer, "client-flood", "more frames than its request")
+    assert error.context["frames"] == EMPTY_FRAMES and error.context["max"] == 4
