@@ -5,7 +5,9 @@ never read, a bound on their number, and a well-behaved subscriber that still ge
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,18 +53,15 @@ def replay_from(d: DaemonProc, start: int, ctx: zmq.Context[bytes]) -> dict[int,
         dealer.close()
 
 
-def subscriber(
-    ctx: zmq.Context[bytes], address: str, *, stalled: bool = False
-) -> zmq.Socket[bytes]:
-    """A SUB to every topic; ``stalled``: one that reads nothing (its own buffers the least)."""
-    sub = ctx.socket(zmq.SUB)
+def subscribe(sub: zmq.Socket[bytes], address: str, *, stalled: bool = False) -> None:
+    """Make ``sub`` a SUB to every topic at ``address``; ``stalled``: one that reads nothing
+    (its own buffers the least)."""
     sub.linger = 0
     if stalled:
         sub.setsockopt(zmq.RCVHWM, 1)
         sub.setsockopt(zmq.RCVBUF, 4096)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(address)
-    return sub
 
 
 def drain(sub: zmq.Socket[bytes], into: dict[int, bytes]) -> None:
@@ -72,19 +71,75 @@ def drain(sub: zmq.Socket[bytes], into: dict[int, bytes]) -> None:
         into[int.from_bytes(seq_b, "big")] = payload
 
 
-def start(tmp_path: Path) -> DaemonProc:
-    return start_daemon(
-        tmp_path,
-        "--page-size",
-        "4KiB",
-        "--dram",
-        "64KiB",
-        env={"KVSERVER_PUB_MAX_SUBSCRIBERS": str(MAX_SUBSCRIBERS)},
-    )
+class Publisher:
+    """A daemon whose PUB takes MAX_SUBSCRIBERS subscribers, a client of it that stores chunks
+    of 512-byte parts in namespace ``ns`` (each store an event, or two when it evicts), and the
+    SUB sockets a test opens (``socket``), all closed by ``close``."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.daemon = start_daemon(
+            tmp_path, "--page-size", "4KiB", "--dram", "64KiB",
+            env={"KVSERVER_PUB_MAX_SUBSCRIBERS": str(MAX_SUBSCRIBERS)},
+        )  # fmt: skip
+        self.ctx: zmq.Context[bytes] = zmq.Context()
+        self.sockets: list[zmq.Socket[bytes]] = []
+        self.kv = KVClient(self.daemon.zmq_address)
+        spec = make_spec(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte parts
+        self.ns = self.kv.register_namespace(spec).ns_id
+        self.part = bytes(spec.part_bytes)
+        self._probes = (make_keys(1, start=i, tag="probe")[0] for i in itertools.count())
+
+    def socket(self) -> zmq.Socket[bytes]:
+        """A SUB socket of the test's, closed with the publisher (not connected yet)."""
+        sock = self.ctx.socket(zmq.SUB)
+        self.sockets.append(sock)
+        return sock
+
+    def subscriber(self, *, stalled: bool = False) -> zmq.Socket[bytes]:
+        """A SUB to every topic of the daemon's PUB (``subscribe``)."""
+        sub = self.socket()
+        subscribe(sub, self.daemon.pub_address, stalled=stalled)
+        return sub
+
+    def put_probe(self) -> int:
+        """Store a new key (an event); returns the newest event's sequence number."""
+        self.kv.put(self.ns, [next(self._probes)], [self.part])
+        return int(self.kv.stats()["events_last_seq"])
+
+    def reaches(self, sub: zmq.Socket[bytes]) -> bool:
+        """A probe stored now arrives at ``sub`` (the PUB drops what it publishes until a
+        subscription has propagated, and cuts a subscriber over its bounds)."""
+        self.put_probe()
+        return sub.poll(50) != 0
+
+    def caught_up(self, sub: zmq.Socket[bytes], received: dict[int, bytes]) -> bool:
+        """A probe stored now, after ``sub``'s queue was drained into ``received``, arrives."""
+        newest = self.put_probe()
+        drain(sub, received)
+        return max(received, default=0) >= newest
+
+    def pub_subscribers(self) -> dict[str, int]:
+        return dict(self.kv.stats()["pub_subscribers"])
+
+    def close(self) -> None:
+        self.kv.close()
+        for sock in self.sockets:
+            sock.close()
+        self.ctx.term()
+        self.daemon.terminate()
+
+
+@pytest.fixture
+def publisher(tmp_path: Path) -> Iterator[Publisher]:
+    pub = Publisher(tmp_path)
+    try:
+        yield pub
+    finally:
+        pub.close()
 
 
 def test_stalled_subscribers_are_bounded_and_a_slow_reader_misses_nothing(
-    tmp_path: Path,
+    publisher: Publisher,
 ) -> None:
     """40 SUB sockets that never read are connected while 50,000 events are published
     (before: ~210 bytes per event per subscriber in the daemon past the kernel's buffers, RSS
@@ -92,105 +147,59 @@ def test_stalled_subscribers_are_bounded_and_a_slow_reader_misses_nothing(
     others are cut at once, counted), its RSS grows by less than 64 MiB, and a subscriber that
     read nothing during the burst then gets every event: what the PUB still held, and what it
     dropped through replay."""
-    d = start(tmp_path)
-    ctx: zmq.Context[bytes] = zmq.Context()
-    good = subscriber(ctx, d.pub_address)
-    stalled: list[zmq.Socket[bytes]] = []
+    d, kv = publisher.daemon, publisher.kv
+    good = publisher.subscriber()
     received: dict[int, bytes] = {}
-    try:
-        with KVClient(d.zmq_address) as kv:
-            spec = make_spec(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte parts
-            ns = kv.register_namespace(spec)
-            part = bytes(spec.part_bytes)
-            probes = iter(make_keys(1000, tag="probe"))
+    wait_until(lambda: publisher.reaches(good))
+    stalled = [publisher.subscriber(stalled=True) for _ in range(STALLED)]
 
-            def put_probe() -> int:
-                kv.put(ns.ns_id, [next(probes)], [part])
-                return int(kv.stats()["events_last_seq"])
+    def stalled_subscribed() -> bool:  # they read nothing: a message is waiting
+        publisher.put_probe()
+        return sum(sub.poll(0) != 0 for sub in stalled) >= MAX_SUBSCRIBERS - 1
 
-            def subscribed() -> bool:  # PUB drops until the subscription has propagated
-                put_probe()
-                return good.poll(50) != 0
-
-            wait_until(subscribed)
-            stalled = [subscriber(ctx, d.pub_address, stalled=True) for _ in range(STALLED)]
-
-            def stalled_subscribed() -> bool:  # they read nothing: a message is waiting
-                put_probe()
-                return sum(sub.poll(0) != 0 for sub in stalled) >= MAX_SUBSCRIBERS - 1
-
-            wait_until(stalled_subscribed)
-            drain(good, received)
-            first = kv.stats()["events_last_seq"] + 1
-            before = rss(d.proc.pid)
-            for i in range(PUTS):
-                kv.put(ns.ns_id, make_keys(1, start=i, tag="ev"), [part])
-            last = kv.stats()["events_last_seq"]
-            assert last - first + 1 > PUTS
-            grew = rss(d.proc.pid) - before
-            counts = kv.stats().get("pub_subscribers")
-
-            def caught_up() -> bool:  # a probe published after the queue emptied arrives
-                newest = put_probe()
-                drain(good, received)
-                return max(received) >= newest
-
-            wait_until(caught_up, timeout=60)
-        missed = set(range(first, last + 1)) - set(received)
-        if missed:
-            received.update(replay_from(d, min(missed), ctx))
-        assert set(range(first, last + 1)) <= set(received)
-        assert grew < 64 * MIB, grew
-        assert counts is not None
-        assert counts["connected"] <= MAX_SUBSCRIBERS
-        assert counts["refused"] >= STALLED + 1 - MAX_SUBSCRIBERS
-    finally:
-        for sock in [good, *stalled]:
-            sock.close()
-        ctx.term()
-        d.terminate()
+    wait_until(stalled_subscribed)
+    drain(good, received)
+    first = kv.stats()["events_last_seq"] + 1
+    before = rss(d.proc.pid)
+    for i in range(PUTS):
+        kv.put(publisher.ns, make_keys(1, start=i, tag="ev"), [publisher.part])
+    last = kv.stats()["events_last_seq"]
+    assert last - first + 1 > PUTS
+    grew = rss(d.proc.pid) - before
+    counts = publisher.pub_subscribers()
+    # a probe published after the queue emptied arrives
+    wait_until(lambda: publisher.caught_up(good, received), timeout=60)
+    missed = set(range(first, last + 1)) - set(received)
+    if missed:
+        received.update(replay_from(d, min(missed), publisher.ctx))
+    assert set(range(first, last + 1)) <= set(received)
+    assert grew < 64 * MIB, grew
+    assert counts["connected"] <= MAX_SUBSCRIBERS
+    assert counts["refused"] >= STALLED + 1 - MAX_SUBSCRIBERS
 
 
-def test_a_subscriber_over_the_limit_is_cut_and_admitted_once_one_leaves(tmp_path: Path) -> None:
+def test_a_subscriber_over_the_limit_is_cut_and_admitted_once_one_leaves(
+    publisher: Publisher,
+) -> None:
     """8 subscribers fill the limit; a 9th is cut at once (counted in stats and /metrics);
     once one of the 8 closes, the 9th's own reconnection is admitted and receives events."""
-    d = start(tmp_path)
-    ctx: zmq.Context[bytes] = zmq.Context()
-    subs = [subscriber(ctx, d.pub_address) for _ in range(MAX_SUBSCRIBERS)]
-    extra: zmq.Socket[bytes] | None = None
-    try:
-        with KVClient(d.zmq_address) as kv:
-            spec = make_spec()
-            ns = kv.register_namespace(spec)
-            probes = iter(make_keys(1000, tag="probe"))
-
-            def counts() -> dict[str, int]:
-                return dict(kv.stats()["pub_subscribers"])
-
-            def admitted(sub: zmq.Socket[bytes]) -> bool:
-                kv.put(ns.ns_id, [next(probes)], [bytes(spec.part_bytes)])
-                return sub.poll(50) != 0
-
-            wait_until(lambda: counts()["connected"] == MAX_SUBSCRIBERS)
-            extra = subscriber(ctx, d.pub_address)
-            wait_until(lambda: counts()["refused"] >= 1)
-            assert counts()["connected"] == MAX_SUBSCRIBERS
-            assert extra.poll(0) == 0
-            metrics = scrape(d.metrics_url)
-            assert metrics.value("kvserver_pub_subscribers") == MAX_SUBSCRIBERS
-            assert metrics.value("kvserver_pub_subscribers_refused_total") >= 1
-            subs.pop().close()
-            wait_until(lambda: admitted(extra))
-            assert counts()["connected"] == MAX_SUBSCRIBERS
-    finally:
-        for sock in [*subs, *([extra] if extra is not None else [])]:
-            sock.close()
-        ctx.term()
-        d.terminate()
+    counts = publisher.pub_subscribers
+    subs = [publisher.subscriber() for _ in range(MAX_SUBSCRIBERS)]
+    wait_until(lambda: counts()["connected"] == MAX_SUBSCRIBERS)
+    extra = publisher.subscriber()
+    wait_until(lambda: counts()["refused"] >= 1)
+    assert counts()["connected"] == MAX_SUBSCRIBERS
+    assert extra.poll(0) == 0
+    metrics = scrape(publisher.daemon.metrics_url)
+    assert metrics.value("kvserver_pub_subscribers") == MAX_SUBSCRIBERS
+    assert metrics.value("kvserver_pub_subscribers_refused_total") >= 1
+    subs.pop().close()
+    wait_until(lambda: publisher.reaches(extra))
+    assert counts()["connected"] == MAX_SUBSCRIBERS
 
 
 def test_a_subscriber_sending_many_topics_is_cut_and_memory_stays_bounded(
-    tmp_path: Path,
+    publisher: Publisher,
 ) -> None:
     """Anyone who reaches the PUB port may subscribe (no token): one SUB subscribing to
     50,000 random 100-byte topics (5 MB) grew ZMQ's subscription trie in the daemon by 241 MB
@@ -198,49 +207,21 @@ def test_a_subscriber_sending_many_topics_is_cut_and_memory_stays_bounded(
     connection past MAX_TOPICS subscriptions is now cut (counted as ``too_many_topics``), its
     subscriptions freed with it; the daemon's RSS grows by less than 64 MiB (3-7 MB in
     most runs) and a well-behaved subscriber still gets the events."""
-    d = start(tmp_path)
-    ctx: zmq.Context[bytes] = zmq.Context()
-    good = subscriber(ctx, d.pub_address)
-    flood = ctx.socket(zmq.SUB)
+    good = publisher.subscriber()
+    flood = publisher.socket()
     flood.linger = 0
     flood.setsockopt(zmq.SNDHWM, 0)
     flood.setsockopt(zmq.RECONNECT_IVL, 60_000)  # cut: it stays away for the test
-    flood.connect(d.pub_address)
+    flood.connect(publisher.daemon.pub_address)
     received: dict[int, bytes] = {}
-    try:
-        with KVClient(d.zmq_address) as kv:
-            spec = make_spec(num_layers=1, num_kv_heads=1, head_dim=8)  # 512-byte parts
-            ns = kv.register_namespace(spec)
-            part = bytes(spec.part_bytes)
-            probes = iter(make_keys(5000, tag="topics"))
-
-            def put_probe() -> int:
-                kv.put(ns.ns_id, [next(probes)], [part])
-                return int(kv.stats()["events_last_seq"])
-
-            def subscribed() -> bool:
-                put_probe()
-                return good.poll(50) != 0
-
-            wait_until(subscribed)
-            before = rss(d.proc.pid)
-            for _ in range(50_000):
-                flood.setsockopt(zmq.SUBSCRIBE, os.urandom(100))
-            wait_until(lambda: kv.stats()["pub_subscribers"]["too_many_topics"] >= 1)
-            for _ in range(200):
-                put_probe()
-            grew = rss(d.proc.pid) - before
-
-            def caught_up() -> bool:
-                newest = put_probe()
-                drain(good, received)
-                return max(received, default=0) >= newest
-
-            wait_until(caught_up, timeout=60)
-            assert kv.stats()["pub_subscribers"]["connected"] == 1
-        assert grew < 64 * MIB, grew
-    finally:
-        for sock in (good, flood):
-            sock.close()
-        ctx.term()
-        d.terminate()
+    wait_until(lambda: publisher.reaches(good))
+    before = rss(publisher.daemon.proc.pid)
+    for _ in range(50_000):
+        flood.setsockopt(zmq.SUBSCRIBE, os.urandom(100))
+    wait_until(lambda: publisher.pub_subscribers()["too_many_topics"] >= 1)
+    for _ in range(200):
+        publisher.put_probe()
+    grew = rss(publisher.daemon.proc.pid) - before
+    wait_until(lambda: publisher.caught_up(good, received), timeout=60)
+    assert publisher.pub_subscribers()["connected"] == 1
+    assert grew < 64 * MIB, grew
