@@ -176,15 +176,8 @@ class AioTransport:
         self._fail_outstanding(f"the local channel failed ({why})")
 
     async def _connect_local(self, timeout: float) -> None:
-        info, s = self._s.server, self._s
-        path = info.get("local_path")
-        if (
-            s.needs_hello
-            or s.arena is None
-            or not isinstance(path, str)
-            or info.get("local_version") != wire_local.LOCAL_VERSION
-            or path == self._local_refused
-        ):
+        path = self._s.local_path(self._local_refused)
+        if path is None:
             return
         try:
             self._local = await AioLocalLink.connect(path, timeout)

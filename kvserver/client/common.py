@@ -28,7 +28,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from kvserver import wire
+from kvserver import wire, wire_local
 from kvserver.arena import ArenaView
 from kvserver.client.calls import Answer, Call, Proc, SessionCalls
 from kvserver.client.handshake import Failure
@@ -176,6 +176,23 @@ class Session(SessionCalls):
             return why.error(f"cannot talk to {self.address}: {why}", op=call.op)
         because = f": {why}" if why is not None else ""
         return Unavailable(f"no reply from {self.address} within {timeout}s{because}", op=call.op)
+
+    def local_path(self, refused: str | None = None) -> str | None:
+        """The path of the daemon's local channel when this session may use it: its hello is
+        current, the arena is mapped (same host), the daemon speaks this client's
+        ``LOCAL_VERSION``, and the path is not ``refused`` (one that could not be used); else
+        None (the transport uses ZMQ)."""
+        info = self.server
+        path = info.get("local_path")
+        if (
+            self.needs_hello
+            or self.arena is None
+            or not isinstance(path, str)
+            or info.get("local_version") != wire_local.LOCAL_VERSION
+            or path == refused
+        ):
+            return None
+        return path
 
     def close(self) -> None:
         if self.arena is not None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from kvserver import wire, wire_local
+from kvserver import wire
 from kvserver.client.calls import Answer, Call
 from kvserver.client.common import Session
 from kvserver.client.links import LocalLink, ZmqLink
@@ -125,15 +125,8 @@ class Transport:
         return self._zmq
 
     def _connect_local(self, timeout: float) -> None:
-        info, s = self._s.server, self._s
-        path = info.get("local_path")
-        if (
-            s.needs_hello
-            or s.arena is None
-            or not isinstance(path, str)
-            or info.get("local_version") != wire_local.LOCAL_VERSION
-            or path == self._local_refused
-        ):
+        path = self._s.local_path(self._local_refused)
+        if path is None:
             return
         try:
             self._local = LocalLink.connect(path, timeout)

@@ -518,3 +518,31 @@ def test_window_results_merge_in_order() -> None:
     a = PutResult([b"1"], [b"2"], [], rejected=False)
     b = PutResult([b"3"], [], [b"4"], rejected=True)
     assert merge_puts([a, b]) == PutResult([b"1", b"3"], [b"2"], [b"4"], rejected=True)
+
+
+def test_a_session_uses_the_local_channel_only_where_both_transports_may() -> None:
+    """``Session.local_path``, the one test of the sync and asyncio transports: the path once
+    the hello is current, the arena mapped and the daemon's local version this client's; None
+    for a refused path, another version, no arena, or a hello due."""
+    from kvserver.arena import ArenaView
+    from kvserver.wire_local import LOCAL_VERSION
+    from tests.kvserver.builders import make_engine
+
+    with make_engine() as engine:
+        session = Session("tcp://127.0.0.1:1")
+        session.server = {"local_path": "/run/kv.sock", "local_version": LOCAL_VERSION}
+        assert session.local_path() is None  # no hello yet (and no arena)
+        session.needs_hello = False
+        assert session.local_path() is None  # the arena not mapped: another host
+        session.arena = ArenaView.attach(engine.arena.path)
+        try:
+            assert session.local_path() == "/run/kv.sock"
+            assert session.local_path(refused="/run/kv.sock") is None
+            assert session.local_path(refused="/run/other.sock") == "/run/kv.sock"
+            session.server["local_version"] = LOCAL_VERSION + 1
+            assert session.local_path() is None
+            session.needs_hello = True
+            session.server["local_version"] = LOCAL_VERSION
+            assert session.local_path() is None
+        finally:
+            session.close()
