@@ -2,8 +2,9 @@
 
 Used by the bounds on connections that a library accepts for us without a hook on accept: gRPC
 core's (``grpc_limit.py``, the descriptors listed in ``/proc/self/fd``) and libzmq's
-(``daemon/pub_limit.py``, the descriptors its monitor reports). Stateless functions; callable
-from any thread (each call opens and closes its own duplicate).
+(``daemon/pub_limit.py``, the descriptors its monitor reports; ``daemon/zmq_send.py``, a
+request's ``SRCFD``). Stateless functions; callable from any thread (each call opens and closes
+its own duplicate).
 
 A descriptor number is not a socket. Its owner may close it at any moment (gRPC from its own
 threads, libzmq from its I/O thread) and the next ``open``/``accept`` in the process may get the
@@ -13,7 +14,7 @@ owner's socket stays open until the owner closes it. Given the socket's ``inode`
 ``/proc/self/fd``, ``socket:[INODE]``), a call first checks that the duplicate still is that
 socket, so what it reads or shuts down is that socket or nothing. Without one, the caller
 accepts that the number may have become another socket since it learnt it; ``shut_down`` then
-at least checks the local port.
+checks what it can: the local port, or the whole connection as read earlier (``same_as``).
 
 ``shutdown(2)`` ends the connection for both ends without closing any descriptor: the owner
 reads the end of its stream, drops the connection and closes its descriptor itself.
@@ -52,17 +53,27 @@ def connection(fd: int, inode: int | None = None) -> Connection | None:
         return _connection(sock)
 
 
-def shut_down(fd: int, *, inode: int | None = None, local_port: int | None = None) -> bool:
+def shut_down(
+    fd: int,
+    *,
+    inode: int | None = None,
+    local_port: int | None = None,
+    same_as: Connection | None = None,
+) -> bool:
     """End the TCP connection on ``fd`` both ways (``shutdown(2)``; the owner's descriptor stays
-    open) if it still is socket ``inode`` (when given) and a connection to ``local_port`` (when
-    given); True if it was shut down, False if it was not such a connection (or was no longer
-    connected). Never raises OSError."""
+    open) if it still is socket ``inode``, a connection to ``local_port`` and the connection
+    ``same_as`` (its peer and ports; each checked when given); True if it was shut down, False
+    if it was not such a connection (or could not be shut down). Never raises OSError."""
     sock = _borrow(fd, inode)
     if sock is None:
         return False
     with sock:
         found = _connection(sock)
-        if found is None or (local_port is not None and found.local_port != local_port):
+        if (
+            found is None
+            or (local_port is not None and found.local_port != local_port)
+            or (same_as is not None and found != same_as)
+        ):
             return False
         try:
             sock.shutdown(socket.SHUT_RDWR)

@@ -19,7 +19,8 @@ hold the pages for ``max_lease_s`` (DRAM no store of anyone can take), after whi
 expired under frames still queued (their pages free to be overwritten before ZMQ wrote them).
 So a zero-copy reply ZMQ has not finished with ``timeout_s`` after its send
 (``zmq_send_timeout_s``, shorter than ``max_lease_s``) cuts the connection it goes to: its TCP
-socket (the request's ``zmq.SRCFD``, checked to still be the same peer address) is shut down,
+socket (the request's ``zmq.SRCFD``, checked to still be the same connection: its peer and
+ports, ``kvserver/foreign_sockets.py``) is shut down,
 libzmq drops that connection's queued frames, and their pins end as any others do
 (``num_cuts`` counts it; the client's next request reconnects). Parts read from a lower tier's
 buffers (no pin: the buffers are the reply's own) are held by ZMQ the same way, so their
@@ -55,8 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +66,7 @@ from kvserver import wire
 from kvserver.daemon.owners import ZMQ_SEND_CLIENT as ZMQ_SEND_CLIENT
 from kvserver.daemon.service import KVService
 from kvserver.errors import CapacityError, KVServerError
+from kvserver.foreign_sockets import Connection, connection, shut_down
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ class ZeroCopySender:
         self._max_unsent = max_unsent
         #: guard -> (connection, zero-copy bytes) of a reply ZMQ has not finished with
         self._unsent_of: dict[int, tuple[bytes, int]] = {}
-        #: guard -> the connection (fd, peer address) its timer would cut
-        self._targets: dict[int, tuple[int, Any]] = {}
+        #: guard -> the connection (fd, as read at the send) its timer would cut
+        self._targets: dict[int, tuple[int, Connection]] = {}
         #: connection (routing id) -> [its zero-copy bytes ZMQ has not finished with (> 0),
         #: the replies they are in]
         self._unsent: dict[bytes, list[int]] = {}
@@ -250,21 +250,23 @@ class ZeroCopySender:
             totals[1] += 1
         del done  # from here on only the frames keep it alive
         if zero_copy and guard in self._guards and fd >= 0:
-            address = _peer_address(fd)
-            if address is not None:
-                self._targets[guard] = (fd, address)
+            target = connection(fd)
+            if target is not None:
+                self._targets[guard] = (fd, target)
                 self._guards[guard] = loop.call_later(
-                    self._timeout_s, self._overdue, guard, fd, address
+                    self._timeout_s, self._overdue, guard, fd, target
                 )
         router.send_multipart([ident, header, *out], copy=False)
 
-    def _overdue(self, guard: int, fd: int, address: Any) -> None:
+    def _overdue(self, guard: int, fd: int, address: Connection) -> None:
         """The reply of ``guard`` is still held ``timeout_s`` after its send: cut its
         connection, so that ZMQ drops its frames and the pin ends."""
         if guard not in self._guards:
             return
         self._guards[guard] = None
-        if _cut(fd, address):
+        # libzmq owns the descriptor (and closes it once its engine sees the end): cut only
+        # if ``fd`` is still that connection, not a number reused since
+        if shut_down(fd, same_as=address):
             self.num_cuts += 1
             target = self._targets.pop(guard, None)
             for other, its in list(self._targets.items()):  # one cut per connection
@@ -275,9 +277,10 @@ class ZeroCopySender:
                         timer.cancel()
                     self._guards[other] = None
             logger.warning(
-                "cut the ZMQ connection of %s: a reply to it was not sent within %.0f s "
+                "cut the ZMQ connection of %s:%d: a reply to it was not sent within %.0f s "
                 "(the client does not read its socket)",
-                address,
+                address.host,
+                address.peer_port,
                 self._timeout_s,
             )
 
@@ -296,38 +299,6 @@ class ZeroCopySender:
         drops the frames; their late ``_SendDone`` finds nothing to release). Idempotent."""
         for guard in list(self._guards):
             self.release(guard)
-
-
-def _peer_address(fd: int) -> Any:
-    """The peer address of the TCP socket ``fd`` (None: not a connected socket any more)."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        return sock.getpeername()
-    except OSError:
-        return None
-    finally:
-        sock.close()
-
-
-def _cut(fd: int, address: Any) -> bool:
-    """Shut down the TCP socket ``fd`` if it is still connected to ``address`` (libzmq owns
-    the descriptor and closes it once its engine sees the error); False when it is not."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        if sock.getpeername() != address:  # closed, its number reused by another socket
-            return False
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
 
 
 def _header(req_id: int, sid: str, reply: Parts) -> bytes:

@@ -1,7 +1,7 @@
 """kvserver/foreign_sockets.py on real sockets of this process: a TCP connection's addresses read
 and its connection shut down through a duplicate, the owner's descriptor left open; nothing
-read or cut once the number names another socket (its inode), or where it is no TCP
-connection (a listener, a Unix socket, a pipe, a closed descriptor)."""
+read or cut once the number names another socket (its inode, or the connection read earlier),
+or where it is no TCP connection (a listener, a Unix socket, a pipe, a closed descriptor)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,23 @@ def test_shut_down_checks_the_local_port(pair: Pair) -> None:
     pair.client.sendall(b"y")
     assert pair.server.recv(1) == b"y"  # not cut
     assert shut_down(fd, local_port=pair.port, inode=inode(pair.server)) is True
+    assert pair.client.recv(64) == b""
+
+
+def test_shut_down_checks_the_connection_read_earlier(pair: Pair) -> None:
+    """Without an inode (a request's SRCFD): the connection as read at the send must still be
+    the one on the number (another connection on a reused number is not cut)."""
+    fd = pair.server.fileno()
+    read = connection(fd)
+    assert read is not None
+    other = Pair()
+    try:
+        assert shut_down(fd, same_as=connection(other.server.fileno())) is False
+        pair.client.sendall(b"w")
+        assert pair.server.recv(1) == b"w"  # not cut
+    finally:
+        other.close()
+    assert shut_down(fd, same_as=read) is True
     assert pair.client.recv(64) == b""
 
 
