@@ -236,6 +236,10 @@ class ClusterNode:
             "errors": c.errors,
             "dropped_keys": c.dropped_keys,
             "index_losses": c.index_losses,
+            # what Redis holds that no daemon of this version writes (reader.py): entries
+            # skipped at the last read of the members, index sets of another type met
+            "bad_records": self.reader.bad_records,
+            "unreadable_sets": self.reader.unreadable_sets,
         }
 
     async def wait_written(self, seq: int | None = None, timeout_s: float = 10.0) -> bool:

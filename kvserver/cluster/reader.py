@@ -18,6 +18,17 @@ Liveness: a host is live while its record exists (``PX`` = the member TTL, renew
 heartbeat); only the incarnation named in the record is read, so a restarted host's old
 entries are ignored at once and expire within the TTL.
 
+Untrusted contents: what Redis holds may come from another version's daemon, a buggy one or
+anyone who can write there. A hosts-set member that is not a host id (forgotten, as ids whose
+record expired are: no daemon registers under it), and a record that is not
+what a version-1 daemon writes (``HostInfo.decode``) or that names another host than the key
+it is stored under, are skipped, never raised: the rest of the fleet is read as ever, the
+member keeps heartbeating. :attr:`FleetReader.bad_records` counts those of the last read (the
+node's ``stats()``, ``kvserver_cluster_bad_records``), and a warning names them whenever they
+change (not at every read). An index set that is not a set (another type at its key) holds
+nothing for the lookups, for that host only (the script's calls are protected,
+``redis.pcall``), and is counted in :attr:`FleetReader.unreadable_sets`.
+
 Exactness: ``lookup(..., exact=True)`` (default) tests every key up to the first miss, per
 host, in a server-side script (``SMISMEMBER`` of :data:`RUN_SLICE` keys at a time, native;
 one script for all hosts on one server, one per host on a Redis Cluster). ``exact=False``
@@ -31,6 +42,7 @@ the truth either way: it is never trusted for bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -39,7 +51,9 @@ from kvserver.cluster import schema
 from kvserver.cluster.config import ClusterConfig, client_errors
 from kvserver.cluster.schema import HostInfo
 from kvserver.cluster.scoring import HostRun
-from kvserver.errors import Unavailable
+from kvserver.errors import InvalidArgument, Unavailable
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -63,16 +77,29 @@ local function slice(k)
   end
   return t
 end
+-- A key of another type than a set (written by something other than a daemon) answers
+-- WRONGTYPE: caught (pcall), it holds nothing, for its host only, and is reported (-1).
+local bad = false
+local function members(key, part)
+  local r = redis.pcall('SMISMEMBER', key, unpack(part))
+  if r.err then bad = true return {} end
+  return r
+end
+local function member(key, k)
+  local r = redis.pcall('SISMEMBER', key, k)
+  if type(r) == 'table' then bad = true return 0 end
+  return r
+end
 local function exact_run(dkey, skey)
   local nd, ns = 0, 0
   for k = 1, math.ceil(n / STEP) do
     local part = slice(k)
-    local d = redis.call('SMISMEMBER', dkey, unpack(part))
+    local d = members(dkey, part)
     local s = nil
     for j = 1, #part do
       if d[j] == 1 then nd = nd + 1
       else
-        if s == nil then s = redis.call('SMISMEMBER', skey, unpack(part)) end
+        if s == nil then s = members(skey, part) end
         if s[j] == 1 then ns = ns + 1 else return nd, ns end
       end
     end
@@ -86,7 +113,7 @@ local function last(keys, hi)
     local k = fp(mid)
     local hit = false
     for _, key in ipairs(keys) do
-      if redis.call('SISMEMBER', key, k) == 1 then hit = true break end
+      if member(key, k) == 1 then hit = true break end
     end
     if hit then lo = mid else hi = mid - 1 end
   end
@@ -95,17 +122,24 @@ end
 local out = {}
 for i = 1, #KEYS, 2 do
   local nd, ns
+  bad = false
   if exact then nd, ns = exact_run(KEYS[i], KEYS[i + 1])
   else
     local total = last({KEYS[i], KEYS[i + 1]}, n)
     nd = last({KEYS[i]}, total)
     ns = total - nd
   end
+  if bad then nd, ns = -1, 0 end
   out[#out + 1] = nd
   out[#out + 1] = ns
 end
 return out
 """.replace("STEP", str(RUN_SLICE))
+
+#: the most hosts-set members one read forgets (one script call: a hosts set filled with
+#: ids no daemon has is cleaned over several reads, each bounded, not in one call that could
+#: outlast the cluster timeout at every heartbeat).
+FORGET_MAX = 4096
 
 # KEYS[1]: the hosts set; KEYS[2..]: the records of members read as gone; ARGV: their ids.
 # Forgets a member only while its record is still absent: one that registered again since
@@ -121,6 +155,18 @@ return n
 """
 
 
+def _decode(host_id: str, raw: bytes) -> HostInfo | str:
+    """The member whose record, stored under ``host_id``, is ``raw``; or why it is skipped
+    (not what a version-1 daemon writes, or it names another host)."""
+    try:
+        info = HostInfo.decode(raw)
+    except InvalidArgument as exc:
+        return f"{host_id}: {exc}"
+    if info.host_id != host_id:
+        return f"{host_id}: bad host record: it names host {info.host_id!r}"
+    return info
+
+
 class FleetReader:
     """Reads membership and the fleet index (module docstring)."""
 
@@ -133,6 +179,18 @@ class FleetReader:
         self._per_host = config.target().cluster
         #: what the client raises when the server is unreachable (either library)
         self._errors = client_errors(redis)
+        #: hosts-set members and records skipped at the last read of the members (not what a
+        #: daemon writes: module docstring), and what was said of them last
+        self.bad_records = 0
+        self._bad_said: tuple[str, ...] = ()
+        #: index sets found of another type than a set by lookups (counted per lookup)
+        self.unreadable_sets = 0
+        self._unreadable_said: set[str] = set()
+        #: each member's record as last read, and what it decoded to (the member, or why it
+        #: was skipped): a record unchanged since is not decoded again (a read of 5,000
+        #: members decoded them all, ~45 ms of the loop; records change at a restart or a
+        #: new namespace)
+        self._decoded: dict[str, tuple[bytes, HostInfo | str]] = {}
 
     @property
     def known_hosts(self) -> list[HostInfo]:
@@ -154,22 +212,37 @@ class FleetReader:
         return list(self._hosts)
 
     async def _read_hosts(self, forget: bool) -> list[HostInfo]:
-        ids = sorted(x.decode() for x in await self.redis.smembers(schema.hosts_key()))
-        if not ids:
-            return []
-        raws = await self.redis.mget([schema.host_key(h) for h in ids])
-        live, gone = [], []
+        ids: list[str] = []
+        bad: list[str] = []
+        gone: list[bytes] = []  # members to forget: records expired, or ids no daemon has
+        for member in await self.redis.smembers(schema.hosts_key()):
+            try:
+                ids.append(schema.check_host_id(bytes(member).decode()))
+            except (UnicodeDecodeError, InvalidArgument):
+                bad.append(f"hosts set member {bytes(member)[:64]!r} is not a host id")
+                gone.append(bytes(member))  # no daemon registers under it: forgotten
+        ids.sort()
+        raws = await self.redis.mget([schema.host_key(h) for h in ids]) if ids else []
+        live = []
+        decoded, self._decoded = self._decoded, {}
         for host_id, raw in zip(ids, raws, strict=True):
             if raw is None:
-                gone.append(host_id)
+                gone.append(host_id.encode())
                 continue
-            try:
-                live.append(HostInfo.decode(raw))
-            except Exception:  # another version's record: not ours to read
-                continue
+            raw = bytes(raw)
+            known = decoded.get(host_id)
+            info = known[1] if known is not None and known[0] == raw else _decode(host_id, raw)
+            self._decoded[host_id] = (raw, info)
+            if isinstance(info, str):  # another version's or a buggy writer's: skipped
+                bad.append(info)
+            else:
+                live.append(info)
+        self._note_bad(bad)
         if gone and forget:  # lazily forget members whose record expired (re-added by their
-            # heartbeat)
-            records = [schema.host_key(h) for h in gone]  # one slot with the set: {fleet}
+            # heartbeat), at most FORGET_MAX a read (the rest at the reads after)
+            gone = gone[:FORGET_MAX]
+            prefix = schema.host_key("").encode()
+            records = [prefix + h for h in gone]  # one slot with the set: {fleet}
             await self.redis.execute_command(
                 "EVAL", _FORGET_SCRIPT, 1 + len(gone), schema.hosts_key(), *records, *gone
             )
@@ -219,6 +292,9 @@ class FleetReader:
         runs = []
         for i, host in enumerate(chosen):
             dram, ssd = counts[2 * i], counts[2 * i + 1]
+            if dram < 0:  # an index set of another type (the script's ``bad``): holds nothing
+                self._unreadable(host, ns_id)
+                continue
             if dram + ssd:
                 runs.append(
                     HostRun(host, dram + ssd, {schema.TIER_DRAM: dram, schema.TIER_SSD: ssd})
@@ -226,10 +302,38 @@ class FleetReader:
         runs.sort(key=lambda r: (-r.hit_chunks, r.host.host_id))
         return runs
 
-    async def namespace_spec(self, ns_id: str, *, timeout_s: float | None = None) -> str | None:
-        """The namespace spec JSON a member published for ``ns_id``, or None."""
+    async def namespace_spec(
+        self, ns_id: str, *, timeout_s: float | None = None
+    ) -> bytes | None:
+        """The namespace spec a member published for ``ns_id`` (JSON, as Redis holds it: not
+        trusted, the caller parses and checks it), or None."""
         raw = await self._bounded(self.redis.hget(schema.namespaces_key(), ns_id), timeout_s)
-        return None if raw is None else bytes(raw).decode()
+        return None if raw is None else bytes(raw)
+
+    def _note_bad(self, bad: list[str]) -> None:
+        """Count the entries a read of the members skipped; warn when they change."""
+        self.bad_records = len(bad)
+        said = tuple(sorted(bad))
+        if said != self._bad_said:
+            self._bad_said = said
+            if said:
+                logger.warning(
+                    "fleet: %d entr%s on Redis skipped (not what a kvserver daemon writes; "
+                    "another version, or a buggy writer): %s",
+                    len(said), "y" if len(said) == 1 else "ies", "; ".join(said[:3]),
+                )  # fmt: skip
+
+    def _unreadable(self, host: HostInfo, ns_id: str) -> None:
+        """A lookup met an index set of ``host`` that is not a set: count it, warn once."""
+        self.unreadable_sets += 1
+        name = f"{host.host_id}/{host.incarnation}/{ns_id}"
+        if name not in self._unreadable_said and len(self._unreadable_said) < 1024:
+            self._unreadable_said.add(name)
+            logger.warning(
+                "fleet: an index set of %s (namespace %s) is not a set on Redis (another "
+                "version's, or a buggy writer's): that host is taken to hold nothing there",
+                host.host_id, ns_id,
+            )  # fmt: skip
 
     async def _bounded(self, call: Awaitable[T], timeout_s: float | None) -> T:
         try:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
-from kvserver.cluster.schema import TIERS
+from kvserver.cluster.schema import MAX_SPEC_BYTES, TIERS
 from kvserver.cluster.scoring import HostScore, score_runs
 from kvserver.engine_types import CutKeys
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
@@ -154,16 +154,32 @@ async def _spec(service: ScoringService, ns_id: str) -> NamespaceSpec:
     raw = await service.cluster.reader.namespace_spec(ns_id)
     if raw is None:
         raise UnknownNamespace(NOWHERE, ns=ns_id)
-    try:
-        spec = NamespaceSpec.from_dict(json.loads(raw))
-    except (ValueError, InvalidArgument) as exc:
-        raise UnknownNamespace(f"the fleet's spec of this namespace is unusable: {exc}") from None
+    spec = _fleet_spec(raw, ns_id)
     if spec.ns_id != ns_id:
         raise UnknownNamespace("the fleet's spec of this namespace has another id", ns=ns_id)
     _fleet_specs[ns_id] = spec
     while len(_fleet_specs) > FLEET_SPECS_CACHED:
         _fleet_specs.popitem(last=False)
     return spec
+
+
+def _fleet_spec(raw: bytes, ns_id: str) -> NamespaceSpec:
+    """The spec a member published (``raw``, as Redis holds it: not trusted, another
+    version's daemon or a buggy writer may have put anything there), or UnknownNamespace
+    saying why it is unusable: over :data:`~kvserver.cluster.schema.MAX_SPEC_BYTES`, not
+    UTF-8 JSON of an object, not a valid spec. Before, bytes that were not UTF-8, JSON that
+    was not an object and JSON nested too deep failed the call with INTERNAL."""
+    try:
+        if len(raw) > MAX_SPEC_BYTES:
+            raise ValueError(f"{len(raw)} bytes, more than {MAX_SPEC_BYTES}")
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not an object")
+        return NamespaceSpec.from_dict(d)
+    except (ValueError, TypeError, RecursionError, InvalidArgument) as exc:
+        raise UnknownNamespace(
+            f"the fleet's spec of this namespace is unusable: {exc}", ns=ns_id
+        ) from None
 
 
 def _keys(

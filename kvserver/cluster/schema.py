@@ -37,6 +37,11 @@ multi-key commands and scripts below never cross slots)::
 - Every index set has a TTL (``PEXPIRE ... NX`` in the script that adds its members, so it
   is never without one; renewed by each heartbeat): a host that stops heartbeating loses its
   record and its sets within the TTL.
+- What Redis holds is not trusted: another version's daemon, a buggy one or anyone who can
+  write to the fleet's Redis may put anything there. A record is read only if it is what a
+  version-1 daemon writes (:meth:`HostInfo.decode`: at most :data:`MAX_RECORD_BYTES`, every
+  field of its type, addresses ``tcp://HOST:PORT`` with a port in 1-65535, counts and sizes
+  in range); anything else is skipped whole by the reader, which says so (``reader.py``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,23 @@ _TIER_CODE = {TIER_DRAM: "d", TIER_SSD: "s"}
 MEDIUM_TIER = {MEDIUM_DRAM: TIER_DRAM, MEDIUM_SSD: TIER_SSD}
 
 _HOST_ID = re.compile(r"[^\s{}]{1,200}")
+#: an incarnation as a record names it (a daemon writes 16 hex digits).
+_INCARNATION = re.compile(r"[^\s{}]{1,64}")
+
+#: the longest host record read: a daemon's is a few hundred bytes and ~19 more per namespace
+#: with index sets (4,096 at most, ``MAX_RECORD_NAMESPACES``: ~80 KB); a longer value (not a
+#: daemon's) is skipped before it is parsed, so no reader decodes megabytes on its loop.
+MAX_RECORD_BYTES = 256 << 10
+#: the most namespaces a record may list (a daemon registers at most 4,096), and the longest
+#: namespace id (16 hex digits in practice; 64 as every API takes).
+MAX_RECORD_NAMESPACES = 4096
+MAX_NS_ID = 64
+#: the longest address (``tcp://HOST:PORT``; a DNS name is at most 253 characters) and the most
+#: tiers a record may name.
+MAX_ADDRESS = 300
+MAX_RECORD_TIERS = 8
+#: the longest namespace spec (JSON) read from the fleet (a daemon's is a few hundred bytes).
+MAX_SPEC_BYTES = 64 << 10
 
 
 def check_host_id(host_id: str) -> str:
@@ -131,24 +153,39 @@ class HostInfo:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> HostInfo:
-        """The record, or InvalidArgument if it is not a version-1 record."""
+        """The record, or InvalidArgument (saying what is wrong) unless it is what a
+        version-1 daemon writes: JSON of at most :data:`MAX_RECORD_BYTES`, every field of its
+        type and in range (module docstring). Fields a later version adds are ignored."""
+        if len(raw) > MAX_RECORD_BYTES:
+            raise InvalidArgument(
+                f"bad host record: {len(raw)} bytes, more than {MAX_RECORD_BYTES}"
+            )
         try:
-            d: dict[str, Any] = json.loads(raw)
+            d: Any = json.loads(raw)
+            if not isinstance(d, dict):
+                raise ValueError(f"a JSON {type(d).__name__}, not an object")
             if d.get("version") != SCHEMA_VERSION:
                 raise ValueError(f"version {d.get('version')!r}")
             return cls(
-                host_id=str(d["host_id"]),
-                incarnation=str(d["incarnation"]),
-                data_address=str(d["data_address"]),
-                grpc_address=str(d["grpc_address"]),
-                tiers=tuple(str(t) for t in d.get("tiers", ())),
-                capacity={str(k): int(v) for k, v in d.get("capacity", {}).items()},
-                namespaces=tuple(str(n) for n in d.get("namespaces", ())),
-                started_at=float(d.get("started_at", 0.0)),
-                stream_address=str(d.get("stream_address", "")),
+                host_id=check_host_id(_text(d["host_id"], "host_id")),
+                incarnation=_incarnation(d["incarnation"]),
+                data_address=_address(d["data_address"], ("tcp",), "data_address"),
+                grpc_address=_address(d["grpc_address"], (), "grpc_address"),
+                tiers=tuple(_texts(d.get("tiers", []), MAX_RECORD_TIERS, 32, "tiers")),
+                capacity=_capacity(d.get("capacity", {})),
+                namespaces=tuple(_namespaces(d.get("namespaces", []))),
+                started_at=_time(d.get("started_at", 0.0)),
+                stream_address=_address(
+                    d.get("stream_address", ""), ("tcp", "tls"), "stream_address", empty=True
+                ),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except InvalidArgument as exc:
             raise InvalidArgument(f"bad host record: {exc}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            # ValueError: not JSON, not UTF-8 (UnicodeDecodeError); KeyError: a field missing;
+            # RecursionError: JSON nested thousands deep
+            what = f"no {exc}" if isinstance(exc, KeyError) else str(exc) or type(exc).__name__
+            raise InvalidArgument(f"bad host record: {what}") from None
 
     def index_keys(self) -> list[str]:
         """Every index set this incarnation may have written."""
@@ -157,3 +194,64 @@ class HostInfo:
             for ns in self.namespaces
             for tier in TIERS
         ]
+
+
+# ---------------------------------------------------------------------- a record's fields
+
+
+def _text(value: Any, what: str, longest: int = MAX_ADDRESS) -> str:
+    if not isinstance(value, str) or len(value) > longest:
+        raise ValueError(f"{what} is not a string of at most {longest} characters")
+    return value
+
+
+def _texts(value: Any, most: int, longest: int, what: str) -> list[str]:
+    if not isinstance(value, list) or len(value) > most:
+        raise ValueError(f"{what} is not a list of at most {most}")
+    return [_text(v, what, longest) for v in value]
+
+
+def _namespaces(value: Any) -> list[str]:
+    return _texts(value, MAX_RECORD_NAMESPACES, MAX_NS_ID, "namespaces")
+
+
+def _incarnation(value: Any) -> str:
+    if not isinstance(value, str) or not _INCARNATION.fullmatch(value):
+        raise ValueError("incarnation is not 1-64 characters without spaces or braces")
+    return value
+
+
+def _address(value: Any, schemes: tuple[str, ...], what: str, *, empty: bool = False) -> str:
+    """``value`` if it is ``SCHEME://HOST:PORT`` with a scheme of ``schemes`` (no scheme:
+    ``HOST:PORT``), HOST without spaces, PORT in 1-65535 ("" too when ``empty``)."""
+    text = _text(value, what)
+    if empty and not text:
+        return text
+    if schemes:
+        scheme, sep, rest = text.partition("://")
+        ok = bool(sep) and scheme in schemes
+    else:
+        rest, ok = text, "://" not in text
+    host, _, port = rest.rpartition(":")
+    ok = ok and bool(host) and not any(c.isspace() for c in host)
+    if not (ok and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        form = f"{'/'.join(schemes)}://HOST:PORT" if schemes else "HOST:PORT"
+        raise ValueError(f"{what} {text[:80]!r} is not a {form} address")
+    return text
+
+
+def _capacity(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict) or len(value) > MAX_RECORD_TIERS:
+        raise ValueError(f"capacity is not a map of at most {MAX_RECORD_TIERS} tiers")
+    out: dict[str, int] = {}
+    for tier, size in value.items():
+        if type(size) is not int or not 0 <= size < 1 << 63:
+            raise ValueError(f"capacity of {str(tier)[:32]!r} is not a byte count")
+        out[_text(tier, "capacity", 32)] = size
+    return out
+
+
+def _time(value: Any) -> float:
+    if type(value) not in (int, float) or not 0 <= value < 1e11:  # NaN and inf fail too
+        raise ValueError("started_at is not a time")
+    return float(value)

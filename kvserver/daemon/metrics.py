@@ -48,6 +48,8 @@ _CLUSTER_COUNTERS = (
      "dropped_keys"),
     ("kvserver_cluster_index_losses", "Index writes or entries Redis lost without an error "
      "(fence moved, set evicted); each resynced.", "index_losses"),
+    ("kvserver_cluster_unreadable_sets", "Index sets lookups found of another type than a set "
+     "on Redis (not a daemon's: that host taken to hold nothing there).", "unreadable_sets"),
 )  # fmt: skip
 
 #: per-tier gauges: (metric name, help, key of the tier's values)
@@ -328,6 +330,12 @@ class DaemonCollector(LoopCollector):
                 "1 while Redis refuses this daemon's index writes for memory (maxmemory under "
                 "noeviction): it stays a member, its new index entries wait (deferred).",
                 cluster.get("redis_full", 0),
+            )
+            yield GaugeMetricFamily(
+                "kvserver_cluster_bad_records",
+                "Entries on Redis the last read of the fleet's members skipped: hosts-set "
+                "members or records not as a kvserver daemon of this version writes them.",
+                cluster.get("bad_records", 0),
             )
             yield GaugeMetricFamily(
                 "kvserver_cluster_deferred_keys",
