@@ -22,8 +22,9 @@ Fetches take the peer's stream port instead when it advertises one this daemon m
 connection bound.
 
 Every call is bounded by ``timeout_s`` in all (connecting, the session handshake, the reply):
-past it, or when the peer's reply is malformed, the call raises :class:`PeerFailed` and the
-socket it used is closed (a late reply cannot be mistaken for the next one). What the peer
+past it, or when the peer's reply is malformed or not a kvserver's at all (whatever the client
+raises reading it), the call raises :class:`PeerFailed` and the socket it used is closed (a
+late reply cannot be mistaken for the next one). What the peer
 sends is checked before anyone sees it (:func:`check_rows`), and what it can make this daemon
 receive is bounded per frame: a reply frame over ``max_frame_bytes`` is refused at its length
 prefix (ZMQ ``MAXMSGSIZE`` applies to frames, not to a multipart reply's sum).
@@ -289,6 +290,11 @@ class PeerLink:
             raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
         except KVServerError as exc:
             msg = f"peer refused: {exc}"
+            raise PeerFailed(msg, timed_out=False, peer=self.peer.host_id) from None
+        except Exception as exc:  # not a kvserver's answer (another version, not a kvserver:
+            # a hello without its fields, a reply the client cannot use), or an address ZMQ
+            # refuses: a failure of that peer, never an error of the load that asked it
+            msg = f"peer answered what a kvserver does not ({type(exc).__name__}: {exc})"
             raise PeerFailed(msg, timed_out=False, peer=self.peer.host_id) from None
         finally:
             if via is not None:

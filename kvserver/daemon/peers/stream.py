@@ -57,8 +57,8 @@ def split_address(address: str) -> tuple[str, int]:
     if not scheme:
         raise ValueError(f"not a tcp:// or tls:// address: {address!r}")
     host, _, port = address[len(scheme) :].rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"not a {scheme}HOST:PORT address: {address!r}")
+    if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"not a {scheme}HOST:PORT address (port 1-65535): {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -122,6 +122,10 @@ class PeerStream:
             self.unreachable = True
             msg = f"cannot connect to the peer's stream port: {exc}"
             raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
+        except ValueError as exc:  # a name the resolver refuses (UnicodeError: a label over
+            # 63 characters): that peer's failure, not the load's
+            msg = f"cannot resolve the peer's stream address: {exc}"
+            raise PeerFailed(msg, timed_out=False, peer=self.peer.host_id) from None
         try:
             yield conn
         except BaseException:
