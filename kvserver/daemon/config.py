@@ -296,8 +296,12 @@ class DaemonConfig:
         if self.peers and self.cluster:
             raise InvalidArgument("peers and cluster exclude each other (the fleet names peers)")
         for address in self.peer_addresses:
-            if not re.fullmatch(r"tcp://[^\s/]+:\d{1,5}", address):
-                raise InvalidArgument("a peer address must be tcp://HOST:PORT", peer=address)
+            port = re.fullmatch(r"tcp://[^\s/]+:(\d{1,5})", address)
+            if port is None or not 0 < int(port[1]) < 65536:  # ZMQ takes tcp://h:99999, and
+                # the fetches from it time out for ever
+                raise InvalidArgument(
+                    "a peer address must be tcp://HOST:PORT (port 1-65535)", peer=address
+                )
         if self.log_level.upper() not in LOG_LEVELS:
             raise InvalidArgument(
                 f"log_level must be one of {', '.join(LOG_LEVELS)}", value=self.log_level

@@ -296,6 +296,17 @@ def test_the_stream_window_is_a_size_setting_within_bounds(tmp_path: Path) -> No
     assert [p.name for p in tmp_path.iterdir()] == ["kvserver.toml"]  # no arena was created
 
 
+def test_a_peer_address_with_a_port_out_of_range_is_refused_at_start() -> None:
+    """``--peers tcp://HOST:99999``: a clear error at start (before: accepted, since ZMQ
+    connects to it without complaint, and every fetch from that peer timed out)."""
+    for bad in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1"):
+        with pytest.raises(InvalidArgument, match=r"tcp://HOST:PORT \(port 1-65535\)"):
+            DaemonConfig.load(env={}, overrides={"peers": f"tcp://127.0.0.1:1,{bad}"})
+    assert DaemonConfig.load(env={}, overrides={"peers": "tcp://h:65535"}).peer_addresses == [
+        "tcp://h:65535"
+    ]
+
+
 def test_a_small_stream_window_setting_fetches_in_several_windows(tmp_path: Path) -> None:
     """Twelve 256 KiB chunks (2 ranks of 128 KiB) held by A are loaded through B, started
     with ``--peer-stream-window 1MiB``, and through C (the default window, 32 MiB): B asks
