@@ -1,7 +1,8 @@
 """Suite-wide set-up: the ``kvserver.commands`` entry points (tests/support/entry_points.py),
 the session's own shared-memory directory for arenas and token files (tests/support/shm.py),
-the real redis-server fixtures (tests/support/redis.py) of the fleet tests, and the check that
-no test module leaves a process running (tests/support/leaks.py)."""
+the real redis-server fixtures (tests/support/redis.py) of the fleet tests, the check that
+no test module leaves a process running (tests/support/leaks.py), and the watchdog behind each
+test's bound (tests/support/timeouts.py; the bound itself is pytest-timeout's, pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ _session_dir: SessionDir | None = None
 def pytest_configure(config: pytest.Config) -> None:
     global _session_dir
     _session_dir = SessionDir()
+    config.pluginmanager.import_plugin("tests.support.timeouts")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

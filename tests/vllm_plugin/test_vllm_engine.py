@@ -22,7 +22,10 @@ from kvserver.client import KVClient
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.vllm_engine import EngineProc, engine_python_or_skip, make_model
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# bounded past the suite's 600 s: a first test's set-up starts real engines
+# (make_model, a reference engine, then engines A and B), each allowed 300 s to start and 300 s a
+# command (benchmarks/harness/vllm_engine.py)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BLOCK_SIZE = 32
 CHUNK_BLOCKS = 2

@@ -23,7 +23,10 @@ from tests.support.daemon import DaemonProc, start_daemon, wait_until
 from tests.support.redis import RedisServer, require_redis
 from tests.support.vllm_engine import EngineProc, engine_python_or_skip, make_model
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# bounded past the suite's 600 s: a first test's set-up starts real engines
+# (make_model, then two engines), each allowed 300 s to start and 300 s a
+# command (benchmarks/harness/vllm_engine.py)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 #: extra: the connector's bounds (PATIENT: a lookup answered late is no hit)
 ENGINE = {"block_size": 32, "chunk_blocks": 2, "dtype": "float32", "max_model_len": 1024,
