@@ -19,7 +19,10 @@ requests outstanding on the DEALER fail at once with Unavailable (the replies re
 the break are routed first) and the socket is replaced; so is a DEALER whose connection broke
 while nothing was outstanding, before the next request is sent. A failed security handshake
 fails them at once too, with its reason (``kvserver/client/handshake.py``; Unauthenticated when
-the daemon refused the token). None is sent twice.
+the daemon refused the token). A request the DEALER refuses (ZMQ's EAGAIN: its queue holds
+SNDHWM requests no daemon has taken, or its handshake failed before the write and ZMQ let the
+connection go) fails at the send, with the handshake's reason when there is one, and both links
+are replaced (the requests outstanding fail with Unavailable). None is sent twice.
 """
 
 from __future__ import annotations
@@ -264,13 +267,19 @@ class AioTransport:
                     self._slots[req_id] = slot
                     local = None
             if local is None:
+                sock = dealer if dealer is not None else self._dealer(req_id)
                 try:
-                    sock = dealer if dealer is not None else self._dealer(req_id)
-                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    # zmq.asyncio reports a write ZMQ refuses (EAGAIN) in the future it
+                    # returns, done at once (nothing here waits to send), never by raising
+                    await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
+                    # the DEALER's queue is full (no daemon has taken it for SNDHWM requests),
+                    # or its handshake failed before this write and ZMQ let the connection go:
+                    # that failure is the error (read before the close), as in the sync client
+                    why = self._watch.why_silent() if self._watch is not None else None
                     self._slots.pop(req_id, None)
                     self.drop()
-                    raise self._s.timed_out(call, timeout) from None
+                    raise self._s.timed_out(call, timeout, why) from None
             self.sent_by_op[call.op] += 1
             link: object = local if local is not None else self._zmq
             if link not in self._readers:
