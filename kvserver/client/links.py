@@ -148,6 +148,11 @@ class ConnectionWatch:
         """``broke()`` as of the events already read (reads none)."""
         return self._broke
 
+    @property
+    def known_failure(self) -> handshake.Failure | None:
+        """``failure()`` as of the events already read (reads none)."""
+        return self._failure
+
     def failure(self) -> handshake.Failure | None:
         """Why the latest handshake failed; None if it did not (see the class docstring)."""
         self._read()
@@ -250,6 +255,10 @@ class ZmqLink:
             return True
         if self._watch.known_broken:
             return False
+        if self._watch.known_failure is not None and self._watch.failure() is not None:
+            # read earlier (before a send, say): no event may come to wake the poll (ZMQ
+            # lets a connection whose handshake failed go, and may never connect again)
+            return self.ready()
         deadline = time.monotonic() + timeout
         while True:
             ms = max(1, int((deadline - time.monotonic()) * 1000))

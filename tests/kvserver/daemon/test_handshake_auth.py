@@ -206,6 +206,25 @@ def test_a_handshake_that_failed_before_the_first_request_was_written_says_why(
     assert_served(daemon, "after-late")
 
 
+def test_a_wait_after_the_handshake_failure_was_read_ends_at_once(daemon: DaemonProc) -> None:
+    """The blocking client reads its DEALER's monitor before each send (did the connection
+    break?), which may read the handshake's failure; the wait for a reply after it polled for
+    a new event, and without a token none comes (ZMQ lets the connection go and does not
+    connect again): a request waited out its whole timeout before saying why. Now the wait
+    ends at once on the failure already read, which the request's error then names."""
+    link = ZmqLink(zmq.Context.instance(), daemon.zmq_address)  # no token
+    try:
+        wait_until(lambda: link._watch.failure() is not None)  # read, as before a send
+        started = time.monotonic()
+        assert link.wait(120.0) is False
+        assert time.monotonic() - started < 60.0  # (was 120 s)
+        why = link.why_silent()
+        assert why is not None and why.unauthenticated, why
+        assert "requires a token at the handshake" in str(why)
+    finally:
+        link.close()
+
+
 def test_a_pipelined_unauthenticated_flood_never_reaches_the_daemon(daemon: DaemonProc) -> None:
     """Peers without the token (no credentials; a wrong password) pipeline 2^21-key requests:
     their handshakes fail, so no request of theirs is read, refused or answered, while a client
