@@ -5,11 +5,14 @@ signals' handler is ``kvserver/stop_signals.py``, the daemon's too).
 
 Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
 connect and hello every worker (their KV layout names the kvserver namespace) → build the
-kvserver connector if ``--kvserver`` is given → start the step loop → start gRPC (its token:
-the configured one or a random one, written to this user's token file of the gRPC port,
-``kvserver/token_file.py``, so that same-user clients find it) → serve Prometheus ``/metrics``
-(``metrics.py``; a port that cannot be bound is logged, not fatal) → log the start-up line
-(``scheduler serving HOST:PORT, metrics URL|off: ...``) → write the ready file.
+kvserver connector if ``--kvserver`` is given and probe its daemon (hello and register the
+namespace, on a thread of its own: blocking calls of up to ``--kvserver-op-timeout-s`` each;
+a daemon that does not answer is logged, and the scheduler serves without it) → start the
+step loop → start gRPC (its token: the configured one or a random one, written to this user's
+token file of the gRPC port, ``kvserver/token_file.py``, so that same-user clients find it) →
+serve Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound is logged, not
+fatal) → log the start-up line (``scheduler serving HOST:PORT, metrics URL|off: ...``) → write
+the ready file.
 
 The step loop is :class:`~scheduler.engine_core.EngineCore` (``engine_core.py``), a plain
 object this module starts and stops.
@@ -19,9 +22,10 @@ streams get a short grace (the loop still serves them) → remaining streams are
 requests aborted) → the step loop stops → workers are told to stop and synthetic children reaped
 → the connector's leases are released → the trace is closed → the token file and the ready file
 are removed → exit 0. A stop signal while the workers' hello is awaited (up to
-``--hello-timeout-s``) cancels it and does the same at once. A second stop signal exits at once,
-128 + the signal, after killing synthetic children and removing those files and the ipc://
-directory; a repeat within a second of the first is the same request, not a second one
+``--hello-timeout-s``) cancels it and does the same at once; so does one while the kvserver
+daemon is probed (the probe's thread is left to end on its own). A second stop signal exits at
+once, 128 + the signal, after killing synthetic children and removing those files and the
+ipc:// directory; a repeat within a second of the first is the same request, not a second one
 (``kvserver/stop_signals.py``). What a forced exit skips: streams are cut (clients get
 UNAVAILABLE), workers given by ``--workers`` are not told to stop, the connector's daemon leases
 are not released (they expire on the daemon), the trace's last records may be lost.
@@ -38,8 +42,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Awaitable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserver.daemon.auth import Authenticator
 from kvserver.errors import InvalidArgument, KVServerError
@@ -55,7 +61,6 @@ from kvserver.token_file import (
     write_token_files,
 )
 from scheduler.config import ProcessConfig
-from scheduler.connector_base import SchedulerConnector
 from scheduler.engine_core import EngineCore
 from scheduler.engine_service import EngineService
 from scheduler.metrics import SchedulerCollector
@@ -63,7 +68,11 @@ from scheduler.scheduler import Scheduler
 from scheduler.workers import WorkerGroup
 from step_protocol import WorkerHello, WorkerInfo
 
+if TYPE_CHECKING:
+    from scheduler.kv_connector import KVServerSchedulerConnector
+
 logger = logging.getLogger("scheduler.process")
+T = TypeVar("T")
 
 #: what the warning of a forced exit (a later stop signal) says
 FORCED_EXIT_NOTE = (
@@ -86,11 +95,10 @@ def _spawn_synthetic(config: ProcessConfig, tmpdir: str) -> tuple[list[str], lis
     return addresses, children
 
 
-async def _unless_stopped(
-    aw: Awaitable[list[WorkerInfo]], stop: asyncio.Event
-) -> list[WorkerInfo] | None:
+async def _unless_stopped(aw: Awaitable[T], stop: asyncio.Event) -> T | None:
     """``aw``'s result, or None (``aw`` cancelled) once ``stop`` is set first: the first stop
-    signal while the workers' hello is awaited (up to ``--hello-timeout-s``) stops at once."""
+    signal while the workers' hello (up to ``--hello-timeout-s``) or the kvserver daemon's
+    probe (``--kvserver-op-timeout-s``) is awaited stops at once."""
     task = asyncio.ensure_future(aw)
     stop_wait = asyncio.ensure_future(stop.wait())
     try:
@@ -105,8 +113,11 @@ async def _unless_stopped(
     return None
 
 
-def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> SchedulerConnector | None:
-    """The kvserver connector over the namespace the workers' KV layout describes."""
+def _make_connector(
+    config: ProcessConfig, infos: list[WorkerInfo]
+) -> KVServerSchedulerConnector | None:
+    """The kvserver connector over the namespace the workers' KV layout describes (not yet
+    probed: :func:`_probe`)."""
     if config.kvserver is None:
         return None
     from kvserver.namespace import NamespaceSpec
@@ -129,22 +140,54 @@ def _make_connector(config: ProcessConfig, infos: list[WorkerInfo]) -> Scheduler
         hash_seed=sched.hash_seed,
         tp_world_size=len(infos),
     )
-    connector = KVServerSchedulerConnector(
+    return KVServerSchedulerConnector(
         KVConnectorConfig(config.kvserver, spec, auth_token=config.kvserver_auth_token,
                           curve=config.kvserver_curve,
                           lookup_timeout_s=config.kvserver_lookup_timeout_s,
                           op_timeout_s=config.kvserver_op_timeout_s)
     )  # fmt: skip
-    problem = connector.probe()
-    if problem is None:
-        logger.info("kvserver daemon at %s answers; namespace %s", config.kvserver, spec.ns_id)
-    else:
-        logger.warning(
-            "kvserver daemon at %s is unreachable (%s): serving without it, prompts are "
-            "computed until it answers (retried on later lookups)",
-            config.kvserver, problem,
-        )  # fmt: skip
-    return connector
+
+
+@dataclass(frozen=True, slots=True)
+class _Probed:
+    """What the start-up probe of the kvserver daemon found: None when it answered."""
+
+    problem: str | None
+
+
+def _probe(connector: KVServerSchedulerConnector) -> asyncio.Future[_Probed]:
+    """``connector.probe()`` on a thread of its own, off the event loop, whose stop signals
+    are then handled at once: the probe is blocking and waits up to ``--kvserver-op-timeout-s``
+    per call for a daemon that does not answer. The thread owns the connector until the
+    returned future is settled on the loop; if the future was cancelled meanwhile (stopped),
+    the connector is closed there, or by the thread itself once the loop is gone. A daemon
+    thread: a process that stops meanwhile exits without waiting for it."""
+    loop = asyncio.get_running_loop()
+    probed: asyncio.Future[_Probed] = loop.create_future()
+
+    def settle(result: _Probed | BaseException) -> None:  # on the loop
+        if probed.cancelled():  # stopped: nobody takes the connector
+            with contextlib.suppress(KVServerError):
+                connector.close()
+        elif isinstance(result, BaseException):
+            probed.set_exception(result)
+        else:
+            probed.set_result(result)
+
+    def run() -> None:  # on the probe's thread
+        result: _Probed | BaseException
+        try:
+            result = _Probed(connector.probe())
+        except BaseException as exc:  # handed to the loop, raised there
+            result = exc
+        try:
+            loop.call_soon_threadsafe(settle, result)
+        except RuntimeError:  # the loop is closed: the scheduler has stopped
+            with contextlib.suppress(KVServerError):
+                connector.close()
+
+    threading.Thread(target=run, name="kvserver-probe", daemon=True).start()
+    return probed
 
 
 async def serve(
@@ -188,7 +231,24 @@ async def serve(
         if infos is None:
             logger.info("stopped before the workers answered hello")
             return
-        scheduler = Scheduler(sched, connector=_make_connector(config, infos))
+        connector = _make_connector(config, infos)
+        if connector is not None:
+            logger.info("reaching the kvserver daemon at %s (at most %g s a call)",
+                        config.kvserver, config.kvserver_op_timeout_s)  # fmt: skip
+            probed = await _unless_stopped(_probe(connector), stop)
+            if probed is None:
+                logger.info("stopped before the kvserver daemon answered")
+                return
+            if probed.problem is None:
+                logger.info("kvserver daemon at %s answers; namespace %s", config.kvserver,
+                            connector.ns_id)  # fmt: skip
+            else:
+                logger.warning(
+                    "kvserver daemon at %s is unreachable (%s): serving without it, prompts "
+                    "are computed until it answers (retried on later lookups)",
+                    config.kvserver, probed.problem,
+                )  # fmt: skip
+        scheduler = Scheduler(sched, connector=connector)
         core = EngineCore(scheduler, workers, probe_interval_s=config.probe_interval_s)
         loop_task = asyncio.create_task(core.run(), name="step-loop")
         service = EngineService(

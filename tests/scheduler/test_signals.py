@@ -4,7 +4,8 @@ stop signal starts the shutdown and does not end it; a second, past the repeat w
 at once with 128 + the signal, as the daemon does (``kvserver/stop_signals.py``), leaving no
 token file, ready file, ipc:// directory or synthetic worker behind. A repeat milliseconds after
 the first is the same request: the ordered shutdown, exit 0. The first stop signal while the
-scheduler waits for its workers' hello stops it at once and cleanly."""
+scheduler waits for its workers' hello, or for its kvserver daemon's start-up probe, stops it at
+once and cleanly."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvserver.token_file import token_path
 from tests.scheduler.builders import tokens
 from tests.scheduler.procs import EngineClient, Proc, start_scheduler, start_worker
 from tests.support.daemon import wait_until
+from tests.support.ports import free_port
 from tests.support.stop_signals import (
     assert_stopped_in_order,
     send_burst,
@@ -132,6 +134,41 @@ def test_a_stop_signal_while_the_workers_hello_is_awaited_stops_at_once_and_clea
     finally:
         os.kill(worker.proc.pid, signal.SIGCONT)
         worker.kill()
+
+
+def test_a_stop_signal_while_the_kvserver_daemon_is_probed_stops_at_once_and_cleanly(
+    tmp_path: Path,
+) -> None:
+    """Nothing answers at the --kvserver address (a port nobody listens on) and each call
+    may take 600 s: the start-up probe of the daemon blocked the event loop, so the first
+    SIGTERM was handled only once it gave up (hello and register: up to 1,200 s), and the
+    scheduler started serving before it shut down. Now the probe runs off the loop and the
+    scheduler exits 0 at once, leaving no ready file or private directory behind."""
+    own_tmp = tmp_path / "tmp"  # the scheduler's tempfile directory: its ipc:// directory
+    own_tmp.mkdir()
+    log = tmp_path / "scheduler.log"
+    ready = tmp_path / "scheduler.ready"
+    args = [
+        sys.executable, "-m", "kvserver.cli", "scheduler", "--host", "127.0.0.1",
+        "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
+        "--synthetic-workers", "1", "--num-gpu-blocks", "17", "--block-size", "16",
+        "--kvserver", f"tcp://127.0.0.1:{free_port()}", "--kvserver-op-timeout-s", "600",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(own_tmp)})  # fmt: skip
+    try:
+        wait_until(lambda: "reaching the kvserver daemon at" in log.read_text(), 60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log.read_text()
+    assert "stopped before the kvserver daemon answered" in text, text
+    assert "scheduler serving" not in text and "Traceback" not in text, text
+    assert not ready.exists() and list(own_tmp.iterdir()) == []
 
 
 def test_a_repeat_milliseconds_after_the_first_stop_signal_is_the_same_request(
