@@ -2,24 +2,39 @@
 
 ``RedisServer.start(tmp)``: one server, persistence off, its log in ``tmp`` (``binary``: another
 server of the same protocol, e.g. a ``valkey-server``); ``kill()`` (SIGKILL,
-data lost as in a crash) and ``restart()`` (same port) for failure tests. ``RedisCluster``
+data lost as in a crash) and ``restart()`` (same port) for failure tests; ``paused(ms, mode)``
+for a server that stalls. ``RedisCluster``
 starts N servers with ``--cluster-enabled yes`` and joins them with ``redis-cli --cluster
 create`` (masters only). Both wait until the server answers PING / the cluster is ``ok``.
+
+``cli(*args)`` runs ``redis-cli`` and returns what it printed; a ``redis-cli`` that printed
+nothing and failed (no connection, a reset) raises :class:`RedisCliError` with what it said,
+and one that does not answer within its timeout raises ``subprocess.TimeoutExpired``: neither
+passes for an empty reply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness.ports import free_port as _free_port
 
 READY_TIMEOUT_S = 60.0
+#: how long one ``redis-cli`` may take (2 shared cores at load 10-15: generous)
+CLI_TIMEOUT_S = 30.0
 
 
-def _cli(port: int, *args: str, timeout: float = 10.0, cacert: str = "") -> str:
+class RedisCliError(RuntimeError):
+    """``redis-cli`` printed nothing and exited with an error (it could not reach the server,
+    or lost the connection): the message has its exit code and what it wrote to stderr."""
+
+
+def _cli(port: int, *args: str, timeout: float = CLI_TIMEOUT_S, cacert: str = "") -> str:
     tls = ["--tls", "--cacert", cacert] if cacert else []
     out = subprocess.run(
         ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *tls, *args],
@@ -27,7 +42,13 @@ def _cli(port: int, *args: str, timeout: float = 10.0, cacert: str = "") -> str:
         text=True,
         timeout=timeout,
     )
-    return out.stdout.strip()
+    reply = out.stdout.strip()
+    if out.returncode != 0 and not reply:
+        raise RedisCliError(
+            f"redis-cli {' '.join(args[:2])} on port {port} exited with {out.returncode}: "
+            f"{out.stderr.strip() or '(nothing on stderr)'}"
+        )
+    return reply
 
 
 @dataclass
@@ -96,15 +117,34 @@ class RedisServer:
         """Whether the server on our port answers and is process ``pid``."""
         try:
             info = self.cli("INFO", "server")
-        except subprocess.TimeoutExpired:  # a loaded machine: ask again until the deadline
-            return False
+        except (RedisCliError, subprocess.TimeoutExpired):  # not yet listening, or a loaded
+            return False  # machine: ask again until the deadline
         for line in info.splitlines():
             if line.startswith("process_id:"):
                 return line.partition(":")[2].strip() == str(pid)
         return False
 
-    def cli(self, *args: str) -> str:
-        return _cli(self.port, *args, cacert=self.tls_cert)
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> str:
+        """``redis-cli *args`` against this server; what it printed (see the module
+        docstring for its failures)."""
+        return _cli(self.port, *args, timeout=timeout, cacert=self.tls_cert)
+
+    @contextlib.contextmanager
+    def paused(self, ms: int, mode: str = "ALL") -> Iterator[None]:
+        """The server paused for the block (``CLIENT PAUSE ms mode``), unpaused after it.
+
+        Under ``ALL`` the server postpones every client's commands until the pause ends, the
+        ``CLIENT UNPAUSE`` sent after the block included: nothing ends such a pause early, and
+        the unpause returns only when the pause is over. Its ``redis-cli`` therefore waits
+        what is left of the pause on top of its own timeout (a fixed 10 s once let it time out
+        under load, the unpause lost). Under ``WRITE`` the unpause runs at once."""
+        assert self.cli("CLIENT", "PAUSE", str(ms), mode) == "OK"
+        ends = time.monotonic() + ms / 1000
+        try:
+            yield
+        finally:
+            left = max(0.0, ends - time.monotonic())
+            assert self.cli("CLIENT", "UNPAUSE", timeout=left + CLI_TIMEOUT_S) == "OK"
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -185,10 +225,14 @@ class RedisCluster:
 
     def master_of(self, key: str) -> RedisServer:
         """The live master that holds keys of ``key``'s slot (the slot must hold some)."""
-        slot = self.servers[0].cli("CLUSTER", "KEYSLOT", key)
-        for s in self.servers:
-            alive = s.proc is not None and s.proc.poll() is None
-            if alive and _is_master(s) and s.cli("CLUSTER", "COUNTKEYSINSLOT", slot) != "0":
+        live = [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+        if not live:
+            raise LookupError("no node of the cluster is running")
+        # (a live node's answer: servers[0] may be the master a test killed; its redis-cli
+        # printed nothing, and every live master's count of slot "" passed for its keys)
+        slot = live[0].cli("CLUSTER", "KEYSLOT", key)
+        for s in live:
+            if _is_master(s) and s.cli("CLUSTER", "COUNTKEYSINSLOT", slot) != "0":
                 return s
         raise LookupError(f"no live master holds keys of slot {slot}")
 

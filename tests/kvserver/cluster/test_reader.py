@@ -93,12 +93,10 @@ async def test_a_lookup_goes_on_while_the_server_pauses_writes_with_a_member_to_
     try:
         await redis.sadd(dram, *map(schema.fingerprint, ks))
         reader = FleetReader(redis, config)
-        assert fleet_server.cli("CLIENT", "PAUSE", "3000", "WRITE") == "OK"
-        runs = await reader.lookup("ns1", ks)
-        assert [(r.host.host_id, r.hit_chunks) for r in runs] == [("host-b", 3)]
-        fleet_server.cli("CLIENT", "UNPAUSE")
+        with fleet_server.paused(3000, "WRITE"):
+            runs = await reader.lookup("ns1", ks)
+            assert [(r.host.host_id, r.hit_chunks) for r in runs] == [("host-b", 3)]
         assert [h.host_id for h in await reader.hosts(refresh=True)] == ["host-b"]
         assert fleet_server.cli("SMEMBERS", schema.hosts_key()).split() == ["host-b"]
     finally:
-        fleet_server.cli("CLIENT", "UNPAUSE")
         await redis.aclose()
