@@ -24,8 +24,8 @@ import pytest
 import zmq
 
 from kvserver import wire, wire_events
-from kvserver.client import KVClient
-from kvserver.errors import KVServerError
+from kvserver.client import KVClient, NamespaceInfo
+from kvserver.errors import KVServerError, LeaseError
 from kvserver.events import Medium
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_keys, make_spec, pattern
@@ -232,11 +232,26 @@ def test_events_on_pub_in_vllm_format_with_replay(tmp_path: Path) -> None:
 def child_hold(
     address: str, mode: str, path: str, spec_json: str, keys_hex: str, lease_s: str = "1.0"
 ) -> None:
-    """Reserve (and half-write) or pin, say "ready", then block until killed."""
+    """Reserve (and half-write) or pin, say "ready", then block until killed. A lease that
+    expired before the operation's second step (a loaded machine can outlast a short one) is
+    taken again, twice as long: "ready" means held, mid-operation."""
     lease = float(lease_s)
     kv = KVClient(address, colocated=path == "shm")
     ns = kv.register_namespace(NamespaceSpec.from_dict(json.loads(spec_json)))
     keys = [bytes.fromhex(k) for k in keys_hex.split(",")]
+    while True:
+        try:
+            _hold(kv, ns, keys, mode, path, lease)
+            break
+        except LeaseError:
+            lease *= 2
+    print("ready", flush=True)
+    sys.stdin.read()
+
+
+def _hold(
+    kv: KVClient, ns: NamespaceInfo, keys: list[bytes], mode: str, path: str, lease: float
+) -> None:
     if mode == "store":
         grant = kv.prepare_store(ns.ns_id, keys, lease_s=lease)
         assert grant is not None and grant.keys == keys
@@ -246,13 +261,11 @@ def child_hold(
         else:
             kv.write_parts(grant.lease_id, keys[:1], 0, [part], complete=False)
     else:
-        grant = kv.prepare_load(ns.ns_id, keys, lease_s=lease)
+        load = kv.prepare_load(ns.ns_id, keys, lease_s=lease)
         if path == "shm":
-            kv.read(grant.locations[0][0])
+            kv.read(load.locations[0][0])
         else:
-            kv.read_parts(ns.ns_id, grant.lease_id, keys, 0)
-    print("ready", flush=True)
-    sys.stdin.read()
+            kv.read_parts(ns.ns_id, load.lease_id, keys, 0)
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
@@ -267,27 +280,31 @@ def spawn(*args: str) -> subprocess.Popen[str]:
 
 @pytest.mark.parametrize("mode", ["store", "load"])
 def test_client_killed_mid_operation_is_reclaimed(daemon: DaemonProc, mode: str) -> None:
+    """Two clients reserve (and half-write) or pin, then are SIGKILLed: the co-located one's
+    lease (600 s) is released when its local channel closes, the ZMQ one's (5 s) expires, and
+    the keys are storable (store) or loadable (load) again. The ZMQ client's lease is not
+    checked as held once it says "ready" (it was, in the child): a loaded machine could outlast
+    it before the check, which failed so once; its expiry is counted instead."""
     spec = TP_SPECS[2]
     with KVClient(daemon.zmq_address) as kv:
         ns = kv.register_namespace(spec)
-        before = kv.stats()["totals"]["expired_leases"]
+        before = kv.stats()["totals"]
         children = []
-        for path in ("shm", "frames"):
+        for path, lease_s in (("shm", "600"), ("frames", "5.0")):
             keys = make_keys(3, tag=f"kill-{mode}-{path}")
             if mode == "load":
                 assert kv.store(ns.ns_id, keys, parts_for(keys, spec)) == keys
             spec_json = json.dumps(spec.to_dict())
             child = spawn(
                 "hold", daemon.zmq_address, mode, path, spec_json,
-                ",".join(k.hex() for k in keys), "5.0",
+                ",".join(k.hex() for k in keys), lease_s,
             )  # fmt: skip
             children.append((child, keys))
-            # each child's lease is checked as soon as it holds it: a second child's start-up
-            # can outlast a first lease under load, so the two are not asked to overlap
             assert child.stdout is not None and child.stdout.readline() == "ready\n"
-            held = kv.stats()
-            assert held["num_leases"] >= 1
-            assert held["reserved_pages" if mode == "store" else "pinned_pages"] > 0
+            if path == "shm":
+                held = kv.stats()
+                assert held["num_leases"] >= 1
+                assert held["reserved_pages" if mode == "store" else "pinned_pages"] > 0
         for child, _keys in children:
             child.send_signal(signal.SIGKILL)
             child.wait(10)
@@ -295,10 +312,10 @@ def test_client_killed_mid_operation_is_reclaimed(daemon: DaemonProc, mode: str)
             assert child.stdin is not None and child.stdout is not None
             child.stdin.close()
             child.stdout.close()
-        wait_until(lambda: idle(kv), timeout=30)
-        # the ZMQ client's lease expired; the co-located one's was released when its local
-        # channel closed (test_a_local_client_killed_..._is_released_at_once)
-        assert kv.stats()["totals"]["expired_leases"] >= before + 1
+        wait_until(lambda: idle(kv), timeout=60)
+        after = kv.stats()["totals"]
+        assert after["expired_leases"] >= before["expired_leases"] + 1  # the ZMQ client's
+        assert after["released_leases"] >= before["released_leases"] + 1  # the co-located's
         for _child, keys in children:
             if mode == "store":  # rolled back: invisible, and storable again
                 assert kv.lookup(ns.ns_id, keys).hit_chunks == 0
