@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pty
 import signal
@@ -242,6 +243,41 @@ def test_prefault_is_announced_with_a_progress_bar_on_a_terminal(tmp_path: Path)
     out = b"".join(chunks).decode(errors="replace")
     assert "pre-faulting the DRAM arena: 768 MiB" in out
     assert "pre-faulting the DRAM arena: 100%" in out, out  # tqdm's bar reached the end
+
+
+def test_every_port_of_the_ready_file_is_listening_when_the_file_appears(
+    tmp_path: Path,
+) -> None:
+    """The ready file means serving. The daemon is stopped (SIGSTOP) as soon as its file is
+    seen, and every port the file names still completes a TCP connection: the kernel does
+    that for a socket already listening, whereas one bound after the file would refuse while
+    the daemon is stopped. A guard of the start-up order (process.py: every listener, the
+    start-up line, then the file), written when a holder daemon of test_peer_faults seemed to
+    refuse connections for 30 s after its ready file."""
+    ready = tmp_path / "ready.json"
+    cmd = [
+        sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1", "--dram", "16MiB",
+        "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0", "--metrics-port", "0",
+        "--ready-file", str(ready),
+    ]  # fmt: skip
+    with open(tmp_path / "daemon.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        wait_for_ready_file(ready, proc, time.monotonic() + 90)
+        proc.send_signal(signal.SIGSTOP)
+        info = json.loads(ready.read_text())
+        for name in ("zmq_port", "grpc_port", "pub_port", "peer_stream_port", "metrics_port"):
+            assert int(info[name]) > 0, (name, info)
+            with socket.create_connection(("127.0.0.1", int(info[name])), timeout=30):
+                pass  # connected: listening
+        proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
 
 
 def test_sighup_gets_the_ordered_shutdown(tmp_path: Path) -> None:
