@@ -4,10 +4,12 @@ This is the only daemon module that knows it is a process (event loop, signals, 
 the C allocator).
 
 Start-up: apply the glibc allocator settings (``malloc.py``; before any thread exists, unless
-``tune_malloc`` is off) → build the service (creates the shared-memory arena) → open the SSD
-tier when configured (lock its directory, rebuild its index from the chunk headers, re-register
-the saved namespaces; a directory that cannot be used leaves the tier ``unavailable`` and
-retried, the daemon serves DRAM; a ``--ssd`` over the filesystem's room is warned about) →
+``tune_malloc`` is off) → check what would fail later (``preflight.py``: the host, the
+ports, the CURVE key, the ready file) → build the service (creates the shared-memory arena)
+→ open the SSD tier when configured (lock its directory, rebuild its index from the chunk
+headers, re-register the saved namespaces; a directory that cannot be used leaves the tier
+``unavailable`` and retried, the daemon serves DRAM; a ``--ssd`` over the filesystem's room is
+warned about) →
 below it the network tier over a fixed peer list when ``--peers`` is set → start the ZMQ
 front end → open the peer stream port (``stream_server.py``;
 TLS with the gRPC certificate when ``tls_cert_file`` is set; none when ``peer_stream_port``
@@ -61,16 +63,18 @@ from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import ADMIN, Authenticator
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import GrpcFrontend
-from kvserver.daemon.listening import check_ports, listening_line
+from kvserver.daemon.listening import listening_line
 from kvserver.daemon.malloc import tune_malloc
 from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.peer_setup import fleet_peer_tier, static_peer_tier
+from kvserver.daemon.preflight import preflight
 from kvserver.daemon.service import KVService
 from kvserver.daemon.signals import forward, pause_point, recording
 from kvserver.daemon.stream_server import StreamServer
 from kvserver.daemon.tenants import tenant_tokens
 from kvserver.daemon.tiering import SsdTier
 from kvserver.daemon.zmq_server import DataFrontend
+from kvserver.errors import KVServerError
 from kvserver.files import write_atomic
 from kvserver.prometheus import serve_metrics
 from kvserver.ssd.config import disk_room
@@ -160,7 +164,7 @@ async def _serve(
     if config.tls_cert_file:
         tls_files = TlsServer(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
         stream_tls = tls_files.ssl_context()
-    check_ports(config)  # before the arena: a port in use is said at once
+    preflight(config)  # before the arena: a port in use, a missing key file is said at once
     token_files: TokenFiles | None = None
     for path in reap_stale_arenas(config.shm_dir):
         what = "local-channel socket" if path.endswith(".sock") else "arena"
@@ -264,7 +268,10 @@ async def _serve(
         settle_gc()
         logger.info("kvserver listening: %s", listening_line(config, info, token))
         if config.ready_file:  # after the line above: whoever waits for it may read the log
-            write_atomic(config.ready_file, json.dumps(info))
+            try:
+                write_atomic(config.ready_file, json.dumps(info))
+            except OSError as exc:  # preflight wrote there: the directory changed since
+                raise KVServerError(f"cannot write --ready-file: {exc}") from None
         await stop.wait()
         if leaving is not None:
             arena = service.arena_path

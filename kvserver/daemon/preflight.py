@@ -1,0 +1,72 @@
+"""What ``kvserver start`` checks before it makes the arena: each thing an operator can get
+wrong that the daemon would otherwise find only after the pre-fault (which commits ``--dram``
+of memory, tens of seconds for a large tier) or once serving.
+
+Runs in the daemon process, called once by ``process.py`` at start-up, before the arena. Each
+check raises KVServerError naming the setting and what to do; nothing is left behind (a probe
+file is removed, a probe socket closed). The checks are probes: the real binds and writes
+later still decide, and say so in their own errors.
+
+- ``--host``: it resolves and is an address of this machine (a probe bound to port 0: with
+  ephemeral ports ``check_ports`` binds nothing);
+- the fixed ports are free (``listening.check_ports``);
+- ``--curve-secret-key-file`` (and ``--curve-clients-dir``) can be read;
+- ``--ready-file`` can be written (was: the daemon started, served, then failed writing it
+  with a traceback and stopped).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from kvserver.daemon.config import DaemonConfig, bind_hint
+from kvserver.daemon.listening import check_ports
+from kvserver.errors import KVServerError
+
+
+def preflight(config: DaemonConfig) -> None:
+    """Raise KVServerError for the first of the module docstring's checks that fails."""
+    check_host(config.host)
+    check_ports(config)
+    if config.curve_secret_key_file:
+        from kvserver.crypto import CurveServer
+
+        CurveServer.from_file(config.curve_secret_key_file, config.curve_clients_dir)
+    if config.ready_file:
+        check_writable(config.ready_file, "--ready-file")
+
+
+def check_host(host: str) -> None:
+    """Raise KVServerError naming ``--host`` when ``host`` does not resolve or is not an
+    address of this machine."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as exc:
+        raise KVServerError(
+            f"cannot bind {host}: {exc.strerror or exc}{bind_hint('--host', exc.errno)}"
+        ) from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise KVServerError(
+                f"cannot bind {host}: {exc.strerror}{bind_hint('--host', exc.errno)}"
+            ) from None
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Raise KVServerError naming ``flag`` unless a file can be made beside ``path`` (as
+    ``kvserver.files.write_atomic`` will); the probe file is removed."""
+    probe = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise KVServerError(
+            f"cannot write {flag} {path}: {exc.strerror or exc} (its directory must exist and "
+            "be writable by this user)"
+        ) from None

@@ -1,0 +1,71 @@
+"""``kvserver start``'s checks before the arena (kvserver/daemon/preflight.py): a mistake the
+daemon would find only after the pre-fault, or once serving, is one line naming its setting,
+exit 1, before a byte of ``--dram`` is committed, and nothing is left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.daemon import start_daemon
+
+pytestmark = pytest.mark.multiprocess
+
+
+def start(shm: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``kvserver start`` on ephemeral ports with a small arena in ``shm``, then ``extra``."""
+    shm.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "kvserver.cli", "start", "--grpc-port", "0", "--zmq-port", "0",
+        "--pub-port", "-1", "--metrics-port", "-1", "--dram", "4MiB", "--shm-dir", str(shm),
+        *extra,
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def refused(result: subprocess.CompletedProcess[str], shm: Path) -> str:
+    """The one line of a start refused before the arena (asserted), returned."""
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "pre-faulting" not in result.stderr  # before the arena
+    (line,) = result.stderr.splitlines()
+    assert [p.name for p in shm.iterdir() if not p.is_dir()] == []
+    return line
+
+
+def test_a_ready_file_that_cannot_be_written_is_one_line_before_the_arena(tmp_path: Path) -> None:
+    """``--ready-file`` in a directory that does not exist: the daemon started, served, then
+    failed writing it with a 40-line traceback and stopped."""
+    ready = tmp_path / "missing" / "ready.json"
+    line = refused(start(tmp_path / "shm", "--ready-file", str(ready)), tmp_path / "shm")
+    assert line.startswith(f"kvserver start: cannot write --ready-file {ready}: No such file")
+    assert "its directory must exist and be writable" in line
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_ready_file_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The probe file beside the ready file is removed before the daemon serves."""
+    d = start_daemon(tmp_path, "--dram", "4MiB", "--shm-dir", str(tmp_path))
+    try:
+        assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+def test_a_missing_curve_key_file_is_one_line_before_the_arena(tmp_path: Path) -> None:
+    """It was read after the pre-fault: ``--dram 64GiB`` committed 64 GiB before being told."""
+    key = tmp_path / "server.key_secret"
+    line = refused(start(tmp_path / "shm", "--curve-secret-key-file", str(key)), tmp_path / "shm")
+    assert line.startswith(f"kvserver start: cannot read CURVE key file {key}"), line
+
+
+def test_a_host_that_is_not_this_machines_is_one_line_before_the_arena(tmp_path: Path) -> None:
+    """With ephemeral ports the port probe binds nothing: the ZMQ bind found it, after the
+    pre-fault."""
+    shm = tmp_path / "shm"
+    line = refused(start(shm, "--host", "192.0.2.1", "--insecure-remote"), shm)  # TEST-NET-1
+    assert line.startswith("kvserver start: cannot bind 192.0.2.1: Cannot assign"), line
+    assert "check --host (an address of this machine" in line
