@@ -81,7 +81,11 @@ def coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     if kind == "bool":
         return parse_bool(name, value)
     try:
+        if isinstance(value, bool):  # TOML's true is not 1
+            raise TypeError(value)
         if kind == "int":
+            if isinstance(value, float):  # TOML's 9470.5 is not 9470
+                raise TypeError(value)
             return int(value)
         if kind == "float":
             number = float(value)
@@ -90,7 +94,9 @@ def coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
             return number
     except (TypeError, ValueError):
         raise InvalidArgument(f"config {name} must be a number, got {value!r}") from None
-    return str(value)
+    if not isinstance(value, str):  # a TOML list, table or number where text goes
+        raise InvalidArgument(f"config {name} must be a string (quoted in TOML), got {value!r}")
+    return value
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,

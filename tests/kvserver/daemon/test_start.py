@@ -116,11 +116,15 @@ def test_a_count_the_daemon_cannot_use_is_refused_before_start_up(
 
 
 def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_one_line(tmp_path: Path) -> None:
-    """A misspelt key gets the closest one (was: the bare key); a wrong type names its key."""
+    """A misspelt key gets the closest one (was: the bare key); a wrong type names its key
+    (a list or a boolean too, which were taken as text or as 1)."""
     for toml, message in (
         ('dramm = "1GiB"\n', "unknown config keys: dramm (did you mean dram?); the keys are"),
         ('grpc_port = "abc"\n', "config grpc_port must be a number, got 'abc'"),
         ("no_auth = 3\n", "config no_auth must be true or false"),
+        # were: served, its SSD tier in a directory named "['a']" in the working directory
+        ('ssd_dir = ["a"]\n', "config ssd_dir must be a string (quoted in TOML), got ['a']"),
+        ("grpc_port = true\n", "config grpc_port must be a number, got True"),  # was: port 1
     ):
         config = tmp_path / "kvserver.toml"
         config.write_text(toml)
