@@ -16,6 +16,8 @@ still parses and says how to get it (:data:`PROVIDED_ELSEWHERE`), exit status 2.
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -200,27 +202,57 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvserver ARGV...``; returns its exit status. Ctrl-C (a KeyboardInterrupt: a
+    command waiting on its input or a daemon's answer) ends it as SIGINT does, without a
+    traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["start"]:  # a stop signal from here on stops start-up cleanly
-        from kvserver.daemon.signals import pause_point, recording
+    try:
+        if argv[:1] == ["start"]:  # a stop signal from here on stops start-up cleanly
+            from kvserver.daemon.signals import pause_point, recording
 
-        with recording():
-            pause_point("start")
-            return _main(argv)
-    return _main(argv)
+            with recording():
+                pause_point("start")
+                return _main(argv)
+        return _main(argv)
+    except KeyboardInterrupt:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # exit as killed by SIGINT (a shell's
+        os.kill(os.getpid(), signal.SIGINT)  # loop stops), as Python does after its traceback
+        return 128 + signal.SIGINT
 
 
 def _main(argv: Sequence[str]) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_unknown", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _unrecognized(parser, args.command, unknown)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
     rc: int = func(args)
     return rc
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit 2 saying which of ``unknown`` ``kvserver COMMAND`` does not take, with the closest
+    of its options for each misspelt one (was: the top-level usage, no hint)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = [o for a in sub.choices[command]._actions for o in a.option_strings]
+    hints = []
+    for word in unknown:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.75)
+            hints += [f"{word} (did you mean {close[0]}?)" if close else word]
+        else:
+            hints.append(word)
+    print(
+        f"kvserver {command}: error: unrecognized arguments: {' '.join(hints)}; "
+        f"kvserver {command} --help lists its options",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""``kvserver`` itself (kvserver/cli.py): what every subcommand shares, a misspelt option and
+Ctrl-C, as a user meets them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserver.cli import main
+from tests.support.ports import free_port
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["start", "--dramm", "8GiB"], "kvserver start: error: unrecognized arguments: "
+         "--dramm (did you mean --dram?) 8GiB; kvserver start --help lists its options"),
+        (["status", "--sever", "h:1", "--jsn"], "kvserver status: error: unrecognized "
+         "arguments: --sever (did you mean --server?) h:1 --jsn (did you mean --json?); "
+         "kvserver status --help lists its options"),
+        (["hash", "--algo", "sha256", "--block-size", "4", "--xyzzy", "1"],
+         "kvserver hash: error: unrecognized arguments: --xyzzy; kvserver hash --help"),
+    ],
+    ids=["start", "status", "hash"],
+)  # fmt: skip
+def test_a_misspelt_option_is_named_with_the_closest_one(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """Was: the top-level usage ("usage: kvserver [-h] [--version] COMMAND ...") and
+    "kvserver: error: unrecognized arguments: --dramm 8GiB", no word of --dram."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(said), line
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_ends_a_command_as_sigint_does_without_a_traceback(tmp_path: Path) -> None:
+    """``kvserver lookup --tokens-file -`` (or ``hash -``) waiting on its input, Ctrl-C: was a
+    KeyboardInterrupt traceback of a dozen lines."""
+    fifo = tmp_path / "tokens"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "kvserver.cli", "lookup", "--model", "m", "--tokens-file",
+           str(fifo), "--server", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with open(fifo, "w"):  # returns once the command opened it: it waits on its input
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == -signal.SIGINT, err  # as killed by it: a shell's loop stops
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert out == ""
