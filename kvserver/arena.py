@@ -235,11 +235,12 @@ def check_room(size: int, directory: str = DEFAULT_SHM_DIR) -> None:
     failed), and so is a directory that does not exist. A filesystem that cannot be asked
     passes (the pre-fault's own check remains)."""
     if not os.path.isdir(directory):
-        raise StorageError(
-            f"the arena's directory {directory} does not exist: create it (a tmpfs), or give "
-            "another --shm-dir",
-            errno=errno.ENOENT,
-        )
+        if os.path.exists(directory):
+            what, code = "is not a directory: give", errno.ENOTDIR
+        else:
+            what, code = "does not exist: create it (a tmpfs), or give", errno.ENOENT
+        message = f"the arena's directory {directory} {what} another --shm-dir"
+        raise StorageError(message, errno=code)
     free = _free_bytes(directory)
     if free is not None and free < size:
         raise _no_room("it does not fit", size, free, directory)
@@ -283,9 +284,11 @@ def _create_locked(path: str) -> int:
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.new")
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
+    except OSError as exc:  # the directory refuses files: the operator's to fix
         raise StorageError(
-            f"cannot create arena: {exc.strerror}", path=path, errno=exc.errno
+            f"cannot create the arena in {directory}: {exc.strerror}; give a directory this "
+            "user may write (a tmpfs) with --shm-dir",
+            errno=exc.errno,
         ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it

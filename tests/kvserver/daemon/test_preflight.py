@@ -1,6 +1,7 @@
 """``kvserver start``'s checks before the arena (kvserver/daemon/preflight.py): a mistake the
 daemon would find only after the pre-fault, or once serving, is one line naming its setting,
-exit 1, before a byte of ``--dram`` is committed, and nothing is left behind."""
+exit 1, before a byte of ``--dram`` is committed, and nothing is left behind; so is an
+arena directory (``--shm-dir``) that cannot take the arena (kvserver/arena.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.daemon import start_daemon
+from tests.support.tmpfs import mount_tmpfs, unmount
 
 pytestmark = pytest.mark.multiprocess
 
@@ -69,3 +71,36 @@ def test_a_host_that_is_not_this_machines_is_one_line_before_the_arena(tmp_path:
     line = refused(start(shm, "--host", "192.0.2.1", "--insecure-remote"), shm)  # TEST-NET-1
     assert line.startswith("kvserver start: cannot bind 192.0.2.1: Cannot assign"), line
     assert "check --host (an address of this machine" in line
+
+
+def test_a_shm_dir_that_is_a_file_is_called_so(tmp_path: Path) -> None:
+    """``--shm-dir`` naming a file was said not to exist (errno 2)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    afile = tmp_path / "a-file"
+    afile.touch()
+    line = refused(start(shm, "--shm-dir", str(afile)), shm)
+    assert line == (
+        f"kvserver start: the arena's directory {afile} is not a directory: give another "
+        "--shm-dir (errno=20)"
+    )
+
+
+def test_a_read_only_shm_dir_names_the_setting(tmp_path: Path) -> None:
+    """A read-only tmpfs (a container's /dev/shm mounted so) said "cannot create arena:
+    Read-only file system (path=.../kvserver-PID-HEX)": no word of the directory's setting."""
+    ro = tmp_path / "ro"
+    if not mount_tmpfs(ro, "4m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True, timeout=30)
+        result = start(tmp_path / "shm", "--shm-dir", str(ro))
+    finally:
+        unmount(ro)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(
+        f"kvserver start: cannot create the arena in {ro}: Read-only file system; give a "
+        "directory this user may write (a tmpfs) with --shm-dir"
+    ), last
