@@ -17,7 +17,18 @@ from kvserver.errors import KVServerError
 
 def add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "keys", help="make CURVE keys, a TLS certificate or a token (docs/security.md)"
+        "keys",
+        help="make CURVE keys, a TLS certificate or a token (docs/security.md)",
+        description="Make the key files of docs/security.md; an existing file is never "
+        "overwritten.\n'kvserver start --keys-dir DIR' makes a whole set at start instead.",
+        epilog=(
+            "examples:\n"
+            "  kvserver keys token keys                  # keys/auth.token: --auth-token-file\n"
+            "  kvserver keys curve keys --name server    # server.key, server.key_secret\n"
+            "  kvserver keys tls keys --host kv1.example.com --host 10.0.0.5\n\n"
+            "exit status: 0 made (the files are printed), 2 bad arguments or a file exists"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
     curve = kinds.add_parser("curve", help="a ZMQ CURVE key pair")

@@ -179,31 +179,63 @@ def test_every_kvserver_command_of_the_documents_code_blocks_parses() -> None:
     type and choice, positionals where they go (the flag check above sees only flag names).
     ``$(seq ...)`` stands for token ids; synopses with ``...`` or ``[`` are not commands."""
     parsers = subcommand_parsers()
-    names = "|".join(parsers)
-    command = re.compile(rf"(?:^|[\s;&|(])kvserver ({names})\b(.*)")
     parsed, wrong = 0, []
     for doc in OPERATOR_DOCS:
         for body in shell_blocks(doc.read_text()):
             for line in body.splitlines():
-                m = command.search(line.split(" #", 1)[0])
-                if m is None or line.lstrip().startswith("#"):
-                    continue
-                rest = re.sub(r"\$\(seq [^)]*\)", "0 1 2", m.group(2))
-                if "..." in rest or "[" in rest:
-                    continue
-                words = list(itertools.takewhile(lambda w: w not in SHELL_OPERATORS and
-                                                 not w.startswith((">", "2>")),
-                                                 shlex.split(rest)))  # fmt: skip
-                said = io.StringIO()
-                try:
-                    with contextlib.redirect_stderr(said):
-                        parsers[m.group(1)].parse_args(words)
+                error = command_error(parsers, line)
+                if error is not None:
                     parsed += 1
-                except SystemExit:
-                    error = said.getvalue().strip().splitlines()[-1]
-                    wrong.append(f"{doc.relative_to(ROOT)}: kvserver {m.group(1)} {rest}: {error}")
+                    if error:
+                        wrong.append(f"{doc.relative_to(ROOT)}: {error}")
     assert wrong == []
     assert parsed > 15  # the blocks are still found
+
+
+def command_error(parsers: dict[str, argparse.ArgumentParser], line: str) -> str | None:
+    """None when ``line`` holds no whole ``kvserver SUBCOMMAND ...`` command (none, a comment,
+    a synopsis with ``...`` or ``[``); else "" when that subcommand's real parser accepts it,
+    or the command and the parser's error. ``$(seq ...)`` stands for token ids; the command
+    ends at a shell operator, a redirection or a ``#`` comment."""
+    command = re.compile(rf"(?:^|[\s;&|(])kvserver ({'|'.join(parsers)})\b(.*)")
+    m = command.search(line.split(" #", 1)[0])
+    if m is None or line.lstrip().startswith("#"):
+        return None
+    rest = re.sub(r"\$\(seq [^)]*\)", "0 1 2", m.group(2))
+    if "..." in rest or "[" in rest:
+        return None
+    words = list(itertools.takewhile(lambda w: w not in SHELL_OPERATORS and
+                                     not w.startswith((">", "2>")),
+                                     shlex.split(rest)))  # fmt: skip
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parsers[m.group(1)].parse_args(words)
+    except SystemExit:
+        return f"kvserver {m.group(1)} {rest}: {said.getvalue().strip().splitlines()[-1]}"
+    return ""
+
+
+def test_every_example_of_a_subcommands_help_parses() -> None:
+    """The ``examples:`` of ``kvserver SUBCOMMAND --help`` (and of its own subcommands:
+    ``kvserver keys``) are accepted by the real parsers: an example is the first command a
+    new user copies."""
+
+    def examples(parser: argparse.ArgumentParser) -> list[str]:
+        out = (parser.epilog or "").split("examples:\n", 1)[1:]
+        lines = out[0].split("\n\n", 1)[0].splitlines() if out else []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    lines += examples(child)
+        return lines
+
+    parsers = subcommand_parsers()
+    found = [line for p in parsers.values() for line in examples(p)]
+    errors = [command_error(parsers, line) for line in found]
+    assert None not in errors, found  # each example is a whole kvserver command
+    assert [e for e in errors if e] == []
+    assert len(found) >= 10  # start, hash, lookup, keys at least
 
 
 def test_every_argument_of_every_subcommand_says_what_it_is_in_help() -> None:

@@ -13,31 +13,51 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "start",
         help="run the kvserver daemon (DRAM tier, ZMQ data plane, gRPC query API)",
+        usage="%(prog)s [options]",  # a bad value's error under one line, not the 28 of all
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Run the kvserver daemon in the foreground. Settings come from defaults < "
-            "--config FILE (TOML) < KVSERVER_* environment variables < flags. "
-            "Binds to loopback unless --host says otherwise."
+            "Run the kvserver daemon in the foreground until SIGTERM, SIGINT (Ctrl-C) or\n"
+            "SIGHUP. Settings come from defaults < --config FILE (TOML) < KVSERVER_*\n"
+            "environment variables < flags. Binds to loopback unless --host says otherwise.\n"
+            "Sizes take IEC or SI units (256MiB, 8GiB, 1GB) or bytes; durations are seconds."
+        ),
+        epilog=(
+            "examples:\n"
+            "  kvserver start                          # loopback, 256 MiB DRAM, ports 9470-9473\n"
+            "  kvserver start --dram 8GiB --ssd-dir /mnt/nvme/kvserver --ssd 500GiB\n"
+            "  kvserver start --config kvserver.toml   # keys: the flags' names, '_' for '-'\n"
+            "  KVSERVER_DRAM=8GiB kvserver start       # any setting: KVSERVER_<NAME>\n"
+            "  kvserver start --host 0.0.0.0 --keys-dir /var/lib/kvserver/keys   # CURVE, TLS\n"
+            "  kvserver start --cluster redis://redis-host:6379/0   # join a fleet\n\n"
+            "exit status: 0 stopped in order, 1 could not start (why on stderr), 2 bad\n"
+            "settings; 128 + N when a second signal N cut the shutdown short"
         ),
     )
     # "--dram -5GiB" is a bad value, not a missing one: a word that starts with a minus and a
     # digit is a value here (argparse's own test takes plain negative numbers only)
     p._negative_number_matcher = re.compile(r"^-\d")
     p.add_argument("--config", metavar="FILE", help="TOML config file (keys = long flag names)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--grpc-port", type=int, help="gRPC query API port (default 9470, 0=any)")
-    p.add_argument("--zmq-port", type=int, help="ZMQ data-plane port (default 9471, 0=any)")
-    p.add_argument("--pub-port", type=int, help="ZMQ KV-event PUB port (default 9472, -1=off)")
-    p.add_argument("--metrics-port", type=int,
+    p.add_argument("--host", metavar="HOST", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, metavar="PORT",
+                   help="gRPC query API port (default 9470, 0=any)")
+    p.add_argument("--zmq-port", type=int, metavar="PORT",
+                   help="ZMQ data-plane port (default 9471, 0=any)")
+    p.add_argument("--pub-port", type=int, metavar="PORT",
+                   help="ZMQ KV-event PUB port (default 9472, -1=off)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="Prometheus /metrics HTTP port (default 9473, 0=any, -1=off)")
-    p.add_argument("--dram", help="DRAM tier size, e.g. 256MiB, 8GiB (default 256MiB)")
-    p.add_argument("--page-size", help="arena page size (default 64KiB)")
-    p.add_argument("--policy", help="eviction policy: chain, prefix, lru or arc (default chain)")
-    p.add_argument("--store-threshold", type=int,
-                   help="reuse gating: store a chunk only after N sightings (0/1 = off)")
-    p.add_argument("--default-lease-s", type=float,
+    p.add_argument("--dram", metavar="SIZE",
+                   help="DRAM tier size, e.g. 256MiB, 8GiB (default 256MiB)")
+    p.add_argument("--page-size", metavar="SIZE", help="arena page size (default 64KiB)")
+    p.add_argument("--policy", metavar="NAME",
+                   help="eviction policy: chain, prefix, lru or arc (default chain)")
+    p.add_argument("--store-threshold", type=int, metavar="N",
+                   help="reuse gating: store a chunk only after N sightings (default 0; 0/1 = off)")
+    p.add_argument("--default-lease-s", type=float, metavar="S",
                    help="seconds a reservation or load pin lives without completion (default 30)")
-    p.add_argument("--shm-dir", help="tmpfs directory for the arena (default /dev/shm)")
-    p.add_argument("--auth-token",
+    p.add_argument("--shm-dir", metavar="DIR",
+                   help="tmpfs directory for the arena (default /dev/shm)")
+    p.add_argument("--auth-token", metavar="TOKEN",
                    help="shared secret required on both APIs (default: a random one, left for "
                         "this user's clients in a 0600 file; docs/security.md)")
     p.add_argument("--auth-token-file", metavar="FILE",
@@ -57,16 +77,17 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--keys-dir", metavar="DIR",
                    help="make what is missing of a key set in DIR (CURVE, TLS, token) and use "
                         "it (docs/security.md)")
-    p.add_argument("--ssd-dir", help="SSD tier directory (default: no SSD tier)")
-    p.add_argument("--ssd", help="SSD tier capacity, e.g. 100GiB (default 1GiB)")
-    p.add_argument("--ssd-admission", type=int,
+    p.add_argument("--ssd-dir", metavar="DIR", help="SSD tier directory (default: no SSD tier)")
+    p.add_argument("--ssd", metavar="SIZE", help="SSD tier capacity, e.g. 100GiB (default 1GiB)")
+    p.add_argument("--ssd-admission", type=int, metavar="N",
                    help="write a DRAM victim down only if used N times (default 2)")
-    p.add_argument("--ssd-policy",
+    p.add_argument("--ssd-policy", metavar="NAME",
                    help="SSD tier eviction policy: lru, arc, prefix, chain (default lru)")
-    p.add_argument("--ssd-io-threads", type=int, help="threads for SSD I/O (default 4)")
-    p.add_argument("--ssd-promotions", type=int,
+    p.add_argument("--ssd-io-threads", type=int, metavar="N",
+                   help="threads for SSD I/O (default 4)")
+    p.add_argument("--ssd-promotions", type=int, metavar="N",
                    help="SSD-to-DRAM promotions reading at once (default 4)")
-    p.add_argument("--ssd-drain-timeout-s", type=float,
+    p.add_argument("--ssd-drain-timeout-s", type=float, metavar="S",
                    help="seconds shutdown waits for SSD I/O in flight before abandoning it "
                         "(default 10)")
     p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction, default=None,
@@ -78,10 +99,12 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "client (docs/cluster.md; default: standalone)")
     p.add_argument("--advertise-addr", metavar="HOST",
                    help="address peers and routers reach this daemon at (default: --host)")
-    p.add_argument("--host-id", help="this daemon's name in the fleet (default: hostname/boot id)")
-    p.add_argument("--cluster-ttl-s", type=float,
+    p.add_argument("--host-id", metavar="ID",
+                   help="this daemon's name in the fleet (default: hostname/boot id)")
+    p.add_argument("--cluster-ttl-s", type=float, metavar="S",
                    help="seconds a member lives without a heartbeat (default 10)")
-    p.add_argument("--cluster-timeout-s", type=float, help="bound on Redis calls (default 1)")
+    p.add_argument("--cluster-timeout-s", type=float, metavar="S",
+                   help="bound on Redis calls (default 1)")
     p.add_argument("--cluster-resync-spread-s", type=float, metavar="S",
                    help="a resync after Redis returns waits a random delay below S "
                         "(default: the heartbeat interval, TTL / 3; 0: none)")
@@ -90,9 +113,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--peers", metavar="ADDRS",
                    help="network tier without a fleet index: the data-plane addresses of the "
                         "other daemons, comma-separated (tcp://HOST:PORT,...)")
-    p.add_argument("--peer-timeout-s", type=float,
+    p.add_argument("--peer-timeout-s", type=float, metavar="S",
                    help="bound on every call to a peer daemon (default 2)")
-    p.add_argument("--peer-suspect-s", type=float,
+    p.add_argument("--peer-suspect-s", type=float, metavar="S",
                    help="seconds a peer that failed is left alone (default 10)")
     p.add_argument("--peer-curve-server-key-file", metavar="FILE",
                    help="the peers' CURVE public key (default: the public half of "
@@ -114,8 +137,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="bytes of zero-copy replies one ZMQ connection may leave unsent before "
                         "its next get is answered 'capacity' (retry later), e.g. 1GiB "
                         "(default: a quarter of --dram)")
-    p.add_argument("--ready-file", help="write JSON {pid, ports, arena_path} here once serving")
-    p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
+    p.add_argument("--ready-file", metavar="FILE",
+                   help="write JSON {pid, ports, arena_path} here once serving")
+    p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO (default), WARNING, ERROR")
     p.set_defaults(func=_cmd_start)
 
 

@@ -60,3 +60,23 @@ def test_ctrl_c_ends_a_command_as_sigint_does_without_a_traceback(tmp_path: Path
     assert proc.returncode == -signal.SIGINT, err  # as killed by it: a shell's loop stops
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert out == ""
+
+
+def test_a_bad_start_flag_value_is_not_buried_under_the_whole_usage() -> None:
+    """``kvserver start --grpc-port abc`` printed the 28 lines of every option's synopsis
+    before the error; ``kvserver start --help`` lists them, with examples."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "start", "--grpc-port", "abc"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "usage: kvserver start [options]",
+        "kvserver start: error: argument --grpc-port: invalid int value: 'abc'",
+    ]
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "start", "--help"],
+        capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert "--dram SIZE " in shown and "--grpc-port PORT " in shown  # what a value is
+    assert "\nexamples:\n  kvserver start " in shown and "\nexit status: 0 " in shown
