@@ -22,7 +22,7 @@ from typing import Any
 from kvserver.cli_render import render_fleet, render_lookup, render_status
 from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated, Unavailable
-from kvserver.token_file import client_auth_token
+from kvserver.token_file import client_auth_token, token_dir
 
 DEFAULT_GRPC_PORT = 9470
 DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
@@ -155,7 +155,7 @@ def _run(name: str, args: argparse.Namespace, body: Any) -> int:
         print(
             f"kvserver {name}: error: {exc}: the daemon at {args.server} requires its token; "
             "pass --auth-token-file FILE or --auth-token TOKEN (only the user who started it "
-            "finds it by itself, on its host)",
+            f"finds it by itself, on its host{_token_dir_hint(args)})",
             file=sys.stderr,
         )
         return 1
@@ -258,6 +258,18 @@ def _read_tokens(args: argparse.Namespace) -> list[int]:
         except OSError as exc:
             raise _UsageError(f"cannot read {args.tokens_file}: {exc.strerror}") from None
     return parse_tokens(text)
+
+
+def _token_dir_hint(args: argparse.Namespace) -> str:
+    """Where this command looked for the daemon's token file when it was given none: a daemon
+    started with another ``--shm-dir`` leaves it there, and only ``KVSERVER_SHM_DIR`` says so
+    (was: not a word of it, "only the user who started it finds it" to that very user)."""
+    if args.auth_token or args.auth_token_file:
+        return ""
+    return (
+        f", in {token_dir()}: for a daemon started with --shm-dir DIR, set "
+        "KVSERVER_SHM_DIR=DIR"
+    )
 
 
 def unreachable(server: str, timeout: float, detail: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import socket
 
+from kvserver.arena import DEFAULT_SHM_DIR
 from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.errors import KVServerError
 from kvserver.token_file import token_dir
@@ -85,6 +86,8 @@ def listening_line(config: DaemonConfig, info: dict[str, object], token: str) ->
         parts.append("no auth token (--no-auth: any local user may read and write)")
     else:
         where = token_dir(config.shm_dir)
+        if config.shm_dir != DEFAULT_SHM_DIR:  # the clients look in /dev/shm unless told
+            where += f" when KVSERVER_SHM_DIR={config.shm_dir} is set for them"
         parts.append(f"auth token required (this user's clients find it in {where})")
     cluster = config.cluster_config()
     if cluster is not None:  # describe(): the URL without its password

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -277,3 +278,31 @@ def test_status_server_without_port_reaches_the_default_port(
 ) -> None:
     rc, _out, err = run(capsys, "status", "--server", "127.0.0.2", "--timeout", "0.5")
     assert rc == 1 and "127.0.0.2:9470" in err
+
+
+@pytest.mark.multiprocess
+def test_a_daemon_with_another_shm_dir_says_where_its_clients_find_its_token(
+    tmp_path: Path,
+) -> None:
+    """``kvserver start --shm-dir DIR`` leaves its token under DIR, where ``kvserver status``
+    looks only when KVSERVER_SHM_DIR says so: status said "only the user who started it
+    finds it by itself" to that very user, and the start-up line did not say either."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = start_daemon(tmp_path, "--dram", "2MiB", "--shm-dir", str(shm))
+    try:
+        line = next(x for x in d.log().splitlines() if "kvserver listening:" in x)
+        assert f"find it in {shm}/kvserver-tokens-" in line
+        assert f" when KVSERVER_SHM_DIR={shm} is set for them)" in line
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVER_")}
+        cmd = [sys.executable, "-m", "kvserver.cli", "status", "--server", d.grpc_address]
+        alone = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+        assert alone.returncode == 1, alone.stderr
+        assert "for a daemon started with --shm-dir DIR, set KVSERVER_SHM_DIR=DIR)" in (
+            alone.stderr
+        )
+        told = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                              env={**env, "KVSERVER_SHM_DIR": str(shm)})  # fmt: skip
+        assert told.returncode == 0, told.stderr
+    finally:
+        assert d.terminate() == 0, d.log()
