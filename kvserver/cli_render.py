@@ -18,10 +18,14 @@ from typing import Any
 def render_status(stats: Any, server: str) -> str:
     """``kvserver status``: the daemon (``stats``, a ``ServerStats``, of the daemon at
     ``server``), its fleet, its tiers and their notes, and its namespaces."""
+    events = (  # an empty log's range reads "1..0"
+        f"seq {stats.events_oldest_seq}..{stats.events_last_seq}"
+        if stats.events_last_seq >= stats.events_oldest_seq
+        else "none yet"
+    )
     head = (
         f"kvserver {stats.server_version} at {server}  host {stats.host_id}\n"
-        f"leases {stats.num_leases}  events: seq {stats.events_oldest_seq}.."
-        f"{stats.events_last_seq} (log {stats.event_log_id})\n"
+        f"leases {stats.num_leases}  events: {events} (log {stats.event_log_id})\n"
     )
     if stats.cluster is not None:
         c = stats.cluster

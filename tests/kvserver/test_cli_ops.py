@@ -60,6 +60,18 @@ def test_status_table_and_json(server: InProcessServer, capsys: pytest.CaptureFi
     assert data["namespaces"][0]["namespace_id"] == ns_id
 
 
+def test_status_of_a_daemon_without_events_says_so(
+    server: InProcessServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh daemon's event log was shown as "events: seq 1..0"."""
+    rc, out, _ = run(capsys, "status", "--server", server.address)
+    assert rc == 0 and "  events: none yet (log " in out
+    spec = make_spec(model="llama/8b")
+    server.store(server.register(spec), chunk_keys(spec, list(range(16))))
+    rc, out, _ = run(capsys, "status", "--server", server.address)
+    assert rc == 0 and "  events: seq 1..1 (log " in out
+
+
 def test_lookup_prints_hit_and_tier_split(
     server: InProcessServer,
     capsys: pytest.CaptureFixture[str],
