@@ -38,23 +38,27 @@ def preflight(config: DaemonConfig) -> None:
 
 
 def check_host(host: str) -> None:
-    """Raise KVServerError naming ``--host`` when ``host`` does not resolve or is not an
-    address of this machine."""
+    """Raise KVServerError naming ``--host`` when ``host`` does not resolve, or none of its
+    addresses is one of this machine's (``localhost`` may resolve to ``::1`` first on a host
+    without IPv6: any address that binds will do, as it does for the listeners)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
         raise KVServerError(
             f"cannot bind {host}: {exc.strerror or exc}{bind_hint('--host', exc.errno)}"
         ) from None
-    with socket.socket(family, kind, proto) as probe:
+    refused: OSError | None = None
+    for family, kind, proto, _, address in found:
         try:
-            probe.bind(address)
+            with socket.socket(family, kind, proto) as probe:  # (no IPv6: EAFNOSUPPORT)
+                probe.bind(address)
+            return
         except OSError as exc:
-            raise KVServerError(
-                f"cannot bind {host}: {exc.strerror}{bind_hint('--host', exc.errno)}"
-            ) from None
+            refused = exc
+    assert refused is not None  # getaddrinfo returns at least one address or raises
+    raise KVServerError(
+        f"cannot bind {host}: {refused.strerror}{bind_hint('--host', refused.errno)}"
+    )
 
 
 def check_writable(path: str, flag: str) -> None:
