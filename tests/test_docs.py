@@ -316,3 +316,23 @@ def test_the_plug_in_options_table_lists_every_key_the_connector_takes() -> None
     table = text.split("### `kv_connector_extra_config`", 1)[1].split("\n\n", 2)[1]
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE))
     assert documented == set(_KEYS)
+
+
+def test_every_kv_transfer_config_of_the_documents_is_one_the_plug_in_takes() -> None:
+    """The ``--kv-transfer-config '{...}'`` of each ``vllm serve`` in README.md and docs/ (the
+    line an inference engineer copies first) is JSON naming the connector where vLLM finds
+    it, a role vLLM knows, and only keys the plug-in accepts (a renamed key fails here, not
+    at a vLLM start-up)."""
+    from kvserver_vllm.config import _KEYS
+
+    configs = []
+    for doc in OPERATOR_DOCS:
+        for body in shell_blocks(doc.read_text()):
+            for quoted in re.findall(r"--kv-transfer-config\s+('[^']*')", body):
+                configs.append((doc.name, json.loads(shlex.split(quoted)[0])))
+    assert len(configs) >= 2  # docs/vllm.md's two commands at least
+    for name, config in configs:
+        assert config["kv_connector"] == "KVServerConnector", name
+        assert config["kv_connector_module_path"] == "kvserver_vllm.connector", name
+        assert config["kv_role"] in ("kv_both", "kv_producer", "kv_consumer"), name
+        assert set(config.get("kv_connector_extra_config", {})) <= _KEYS, name
