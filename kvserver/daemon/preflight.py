@@ -64,6 +64,8 @@ def check_host(host: str) -> None:
 def check_writable(path: str, flag: str) -> None:
     """Raise KVServerError naming ``flag`` unless a file can be made beside ``path`` (as
     ``kvserver.files.write_atomic`` will); the probe file is removed."""
+    if os.path.isdir(path):  # the probe beside it would pass; the rename over it would not
+        raise KVServerError(f"cannot write {flag} {path}: it is a directory; name a file")
     probe = f"{path}.tmp{os.getpid()}"
     try:
         with open(probe, "w"):

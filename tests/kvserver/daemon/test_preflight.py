@@ -48,6 +48,14 @@ def test_a_ready_file_that_cannot_be_written_is_one_line_before_the_arena(tmp_pa
     assert not (tmp_path / "missing").exists()
 
 
+def test_a_ready_file_that_is_a_directory_is_one_line_before_the_arena(tmp_path: Path) -> None:
+    """The probe beside it passed; the rename over the directory failed once serving."""
+    line = refused(start(tmp_path / "shm", "--ready-file", str(tmp_path)), tmp_path / "shm")
+    assert line == (
+        f"kvserver start: cannot write --ready-file {tmp_path}: it is a directory; name a file"
+    )
+
+
 def test_the_ready_file_probe_leaves_nothing_behind(tmp_path: Path) -> None:
     """The probe file beside the ready file is removed before the daemon serves."""
     d = start_daemon(tmp_path, "--dram", "4MiB", "--shm-dir", str(tmp_path))
