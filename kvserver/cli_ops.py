@@ -132,6 +132,9 @@ def cmd_lookup(args: argparse.Namespace) -> int:
 
 
 def _run(name: str, args: argparse.Namespace, body: Any) -> int:
+    # gRPC's C core logs a failed TLS handshake on stderr ("I1206 ... ssl_transport_security
+    # .cc] Handshake failed ...") above the command's own error line: errors only
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from kvserver.grpc_client import GrpcClient
 
     try:
@@ -274,12 +277,24 @@ def _token_dir_hint(args: argparse.Namespace) -> str:
 
 def unreachable(server: str, timeout: float, detail: str) -> str:
     """What ``kvserver status``/``lookup`` say when gRPC found no daemon at ``server``:
-    nothing listening, or something that is not an HTTP/2 server (a port of the daemon other
-    than its gRPC one: it answers with what gRPC cannot parse, or resets the connection), with
-    gRPC's own words after."""
-    # the daemon's ZMQ port sends its greeting (which gRPC cannot parse) or resets the
-    # connection at gRPC's preface, whichever comes first; an HTTP server sends HTTP/1
-    if "Failed parsing HTTP/2" in detail or "Connection reset by peer" in detail:
+    TLS on one side only (or the wrong CA), nothing listening, or something that is not an
+    HTTP/2 server (a port of the daemon other than its gRPC one: it answers with what gRPC
+    cannot parse, or resets the connection), with gRPC's own words after."""
+    if "the TLS handshake failed" in detail:  # kvserver.grpc_errors' hints, a TLS client
+        said = (
+            f"the TLS handshake with {server} failed: does the daemon serve gRPC over TLS "
+            "(kvserver start --tls-cert-file or --keys-dir), and is --tls-ca-file the CA of "
+            "its certificate (--tls-server-name a name in it)?"
+        )
+    elif "if it serves gRPC over TLS" in detail:  # a client in clear text, closed at once
+        said = (
+            f"{server} closed the connection at once: a daemon serving gRPC over TLS "
+            "(kvserver start --tls-cert-file or --keys-dir) needs --tls-ca-file FILE (its "
+            "certificate, e.g. server.crt of its keys directory)"
+        )
+    elif "Failed parsing HTTP/2" in detail or "Connection reset by peer" in detail:
+        # the daemon's ZMQ port sends its greeting (which gRPC cannot parse) or resets the
+        # connection at gRPC's preface, whichever comes first; an HTTP server sends HTTP/1
         said = (
             f"{server} answered, but not as a gRPC server: is that the daemon's gRPC port? "
             f"(`kvserver start --grpc-port`, {DEFAULT_GRPC_PORT} by default; 9471 is its ZMQ "

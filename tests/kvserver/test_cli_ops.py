@@ -318,3 +318,37 @@ def test_a_daemon_with_another_shm_dir_says_where_its_clients_find_its_token(
         assert told.returncode == 0, told.stderr
     finally:
         assert d.terminate() == 0, d.log()
+
+
+@pytest.mark.multiprocess
+def test_tls_on_one_side_only_is_said_so_not_called_unreachable(tmp_path: Path) -> None:
+    """A client in clear text at a TLS daemon (``--keys-dir``), or a TLS client at a daemon
+    in clear text: both were "cannot reach the daemon ... within 5s; is `kvserver start`
+    running there?" of a daemon that was running, the second under a line of gRPC's C core
+    ("I1206 ... ssl_transport_security.cc] Handshake failed ...")."""
+    keys = tmp_path / "keys"
+    secure = start_daemon(tmp_path / "a", "--dram", "2MiB", "--keys-dir", str(keys))
+    plain = start_daemon(tmp_path / "b", "--dram", "2MiB")
+    try:
+        status = [sys.executable, "-m", "kvserver.cli", "status", "--timeout", "30"]
+        clear = subprocess.run([*status, "--server", secure.grpc_address],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert clear.returncode == 1
+        assert clear.stderr.splitlines()[0] == (
+            f"kvserver status: error: {secure.grpc_address} closed the connection at once: a "
+            "daemon serving gRPC over TLS (kvserver start --tls-cert-file or --keys-dir) needs "
+            "--tls-ca-file FILE (its certificate, e.g. server.crt of its keys directory)"
+        )
+        tls = subprocess.run(
+            [*status, "--server", plain.grpc_address, "--tls-ca-file", str(keys / "server.crt")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert tls.returncode == 1
+        first = tls.stderr.splitlines()[0]  # (was gRPC's own log line)
+        assert first.startswith(
+            f"kvserver status: error: the TLS handshake with {plain.grpc_address} failed: does "
+            "the daemon serve gRPC over TLS"
+        ), first
+    finally:
+        assert secure.terminate() == 0, secure.log()
+        assert plain.terminate() == 0, plain.log()
