@@ -24,27 +24,30 @@ _PORT_FLAGS = (
 
 def check_ports(config: DaemonConfig) -> None:
     """Raise KVServerError, naming the flag that moves it, when one of the daemon's fixed TCP
-    ports (0: any, -1: off; metrics are not the service: not checked) is taken or ``--host``
-    is not an address of this machine: found before the arena is pre-faulted (a second
-    ``kvserver start --dram 64GiB`` committed 64 GiB more before it was told). A probe, bound
-    and closed as the listeners bind (SO_REUSEADDR: a port a stopped daemon's connections
-    still wait on is free); the listeners' own binds still decide."""
+    ports (0: any, -1: off; metrics are not the service: not checked) is taken: found before
+    the arena is pre-faulted (a second ``kvserver start --dram 64GiB`` committed 64 GiB more
+    before it was told). A probe on each address ``--host`` resolves to, bound and closed as
+    the listeners bind (SO_REUSEADDR: a port a stopped daemon's connections still wait on is
+    free); the listeners' own binds still decide. An address that is not this machine's is
+    ``preflight.check_host``'s to say (``localhost`` may resolve to ``::1`` first on a host
+    without IPv6, where the listeners bind 127.0.0.1: that is no refusal)."""
     for name, flag in _PORT_FLAGS:
         port = int(getattr(config, name))
         if port <= 0:
             continue
         try:
-            family, kind, proto, _, address = socket.getaddrinfo(
+            found = socket.getaddrinfo(
                 config.host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-        except OSError:  # the listener's bind says what is wrong with the host
+            )
+        except OSError:  # preflight.check_host says what is wrong with the host
             return
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for family, kind, proto, _, address in found:
             try:
-                probe.bind(address)
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind(address)
             except OSError as exc:
-                if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                if exc.errno != errno.EADDRINUSE:
                     continue
                 host = f"[{config.host}]" if ":" in config.host else config.host
                 raise KVServerError(

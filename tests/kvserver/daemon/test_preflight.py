@@ -112,3 +112,37 @@ def test_a_read_only_shm_dir_names_the_setting(tmp_path: Path) -> None:
         f"kvserver start: cannot create the arena in {ro}: Read-only file system; give a "
         "directory this user may write (a tmpfs) with --shm-dir"
     ), last
+
+
+def test_localhost_resolving_to_an_ipv6_address_first_is_no_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a host without IPv6, ``localhost`` resolves to ``::1`` first (/etc/hosts) and the
+    probe's bind fails (EADDRNOTAVAIL) where the listeners bind 127.0.0.1: the port probe
+    refused the start ("cannot bind localhost:9470: Cannot assign requested address"). The
+    resolver's answer is the one thing faked (this host has IPv6); an address the probe
+    cannot bind stands for the missing ``::1``; a port taken on 127.0.0.1 is still said."""
+    import socket
+
+    from kvserver.daemon import listening, preflight
+    from kvserver.daemon.config import DaemonConfig
+    from kvserver.errors import KVServerError
+    from tests.support.ports import free_port
+
+    def resolve(host: str, port: int, *args: object, **kwargs: object) -> list[object]:
+        assert host == "localhost"
+        tcp = (socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+        return [(socket.AF_INET6, *tcp, ("2001:db8::1", port, 0, 0)),
+                (socket.AF_INET, *tcp, ("127.0.0.1", port))]  # fmt: skip
+
+    monkeypatch.setattr(listening.socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(preflight.socket, "getaddrinfo", resolve)
+    config = DaemonConfig(host="localhost", grpc_port=free_port(), zmq_port=0, pub_port=-1,
+                          metrics_port=-1, peer_stream_port=-1)  # fmt: skip
+    preflight.preflight(config)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", config.grpc_port))
+        taken.listen()
+        with pytest.raises(KVServerError, match=f"cannot bind localhost:{config.grpc_port}: "
+                           "Address already in use; .* --grpc-port PORT"):  # fmt: skip
+            preflight.preflight(config)
