@@ -72,7 +72,20 @@ class ArenaView:
     # ---------------------------------------------------------------- payload access
 
     def write(self, extents: Extents, data: bytes | bytearray | memoryview) -> None:
-        """Copy ``data`` into ``extents``. REQUIRES: len(data) == total extent length."""
+        """Copy ``data`` into ``extents``. REQUIRES: len(data) == total extent length (else
+        InvalidArgument, nothing written).
+
+        One extent of a byte buffer (every part of an unfragmented arena: a remote ``put``'s
+        frames) is one slice assignment, which checks the size before it copies; anything else
+        (several extents, another format or shape) goes the general way, cast to bytes."""
+        if len(extents) == 1:
+            off, length = extents[0]
+            try:
+                self.buf[off : off + length] = data
+            except (ValueError, TypeError):  # another size, format or shape: nothing written
+                pass
+            else:
+                return
         src = memoryview(data).cast("B")
         if src.nbytes != sum(length for _, length in extents):
             raise InvalidArgument("payload size does not match the slot", size=src.nbytes)

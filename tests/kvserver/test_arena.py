@@ -3,6 +3,7 @@ mappings from a second view and a second process."""
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
@@ -125,6 +126,35 @@ def test_payload_size_mismatch_rejected(delta: int) -> None:
         with pytest.raises(InvalidArgument):
             arena.write(extents, b"\x01" * (PAGE + 10 + delta))
         assert arena.read(extents) == bytes(PAGE + 10)
+
+
+def test_one_extent_takes_any_buffer_of_its_size_and_refuses_others_writing_nothing() -> None:
+    """One extent is one slice assignment: bytes, a zmq-like byte view, a strided view and a
+    buffer of another item size (cast to bytes) land whole; a size off by one, a buffer of
+    another shape and a non-buffer are refused with nothing written."""
+    extent = ((PAGE, 64),)
+    data = pattern(b"one", 0, 64)
+    ints = array.array("i", range(16))  # 64 bytes of 4-byte items
+    strided = memoryview(data * 2)[::2]  # non-contiguous, 64 bytes
+    with SharedArena(4 * PAGE) as arena:
+        for given, expect in [
+            (data, data),
+            (bytearray(data), data),
+            (memoryview(data), data),
+            (strided, bytes(strided)),
+            (ints, ints.tobytes()),
+            (memoryview(bytes(data)).cast("B", (8, 8)), data),
+        ]:
+            arena.write(extent, given)
+            assert arena.read(extent) == expect
+        arena.write(extent, bytes(64))
+        for bad in (data[:63], data + b"x", memoryview(data * 2).cast("B", (2, 64))):
+            with pytest.raises(InvalidArgument):
+                arena.write(extent, bad)
+            assert arena.read(extent) == bytes(64)
+        with pytest.raises(TypeError):
+            arena.write(extent, "not a buffer")  # type: ignore[arg-type]
+        assert arena.read(((0, 4 * PAGE),)) == bytes(4 * PAGE)
 
 
 def test_attach_sees_the_same_bytes_both_ways() -> None:
