@@ -74,6 +74,8 @@ class BenchConfig:
     tune_malloc: bool = True
     #: the ``redis-server`` executable of the Redis reference; None: no Redis reference.
     redis_server: str | None = "redis-server"
+    #: DRAM eviction policy of our own daemon (the recorded figures': prefix)
+    policy: str = "prefix"
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -320,7 +322,7 @@ def run(cfg: BenchConfig, target: Target | None) -> tuple[list[Result], dict[str
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbench-")))
         daemon = "a running daemon (allocator settings its own)"
         if target is None:
-            target = stack.enter_context(own_daemon(cfg.dram, workdir, env))
+            target = stack.enter_context(own_daemon(cfg.dram, workdir, env, cfg.policy))
             daemon = "its own daemon"
         from kvserver.client import KVClient
 
@@ -401,6 +403,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add("--repeats", type=int, help="timed rounds per size and path (default 25, quick 4)")
     add("--lookup-iters", type=int, help="Lookups by keys (default 3000, quick 300)")
     add("--dram", default=DEFAULT_DRAM, help=f"DRAM of our daemon (default {DEFAULT_DRAM})")
+    add("--policy", default="prefix", help="DRAM eviction policy of our daemon (default prefix)")
     add("--zmq", metavar="ENDPOINT", help="bench a running daemon (evicts what it caches)")
     add("--server", metavar="HOST:PORT", help="that daemon's gRPC address (with --zmq)")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -441,6 +444,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             tune_malloc=not args.default_malloc,
             redis_server=None if args.no_redis else args.redis_server,
+            policy=args.policy,
         )
     except (KVServerError, ValueError) as exc:
         print(f"kvserver bench: error: {exc}", file=sys.stderr)

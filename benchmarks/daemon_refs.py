@@ -73,15 +73,18 @@ class Target:
 
 
 @contextmanager
-def own_daemon(dram: str, workdir: Path, env: dict[str, str]) -> Iterator[Target]:
-    """Run ``kvserver start`` on ephemeral loopback ports (``env`` added); SIGTERM it on exit."""
+def own_daemon(
+    dram: str, workdir: Path, env: dict[str, str], policy: str = "prefix"
+) -> Iterator[Target]:
+    """Run ``kvserver start`` on ephemeral loopback ports (``env`` added) with DRAM eviction
+    policy ``policy`` (default: the recorded figures', harness.daemon.RECORDED_POLICY);
+    SIGTERM it on exit."""
     ready = workdir / "ready.json"
     log_path = workdir / "daemon.log"
     args = [
         sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
         "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0", "--dram", dram,
-        "--policy", "prefix",  # the recorded figures' policy (harness.daemon.RECORDED_POLICY)
-        "--ready-file", str(ready), "--log-level", "WARNING",
+        "--policy", policy, "--ready-file", str(ready), "--log-level", "WARNING",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         env = {**os.environ, **env}
