@@ -3,9 +3,11 @@ the store completions a client hands back, and the forms both travel in.
 
 Made by the storage engine (``kvserver/engine.py``), carried by the data-plane wire
 (``kvserver/wire.py``, ``docs/wire.md``: a grant as a reply map, :func:`grant_to_wire` /
-:func:`store_grant_from_wire` / :func:`load_grant_from_wire`; a store grant packed for the
-request that asked for it, :func:`packed_store_grant_to_wire` /
-:func:`packed_store_grant_from_wire` (capability ``packed_store_grant``); completions as
+:func:`store_grant_from_wire` / :func:`load_grant_from_wire`; a store or load grant packed for
+the request that asked for it, :func:`packed_store_grant_to_wire` /
+:func:`packed_store_grant_from_wire` (capability ``packed_store_grant``),
+:func:`packed_load_grant_to_wire` / :func:`packed_load_grant_from_wire` (capability
+``packed_load_grant``); completions as
 ``prepare_store``'s ``completions`` argument and result) and used by every client; defined
 here, beside the wire, so both ends import one definition. Pure data and functions,
 thread-safe.
@@ -188,20 +190,27 @@ def packed_store_grant_to_wire(
                 seen.add(key)
                 out[i] = code.get(key, GRANTED)
         status = bytes(out)
-    parts = list(chain.from_iterable(grant.locations))
-    flat = list(chain.from_iterable(chain.from_iterable(parts)))  # offset, length, ...
-    counts = None
-    if len(flat) != 2 * len(parts):  # a fragmented arena: some part has several extents
-        counts = struct.pack(f"<{len(parts)}I", *map(len, parts))
+    num_parts, counts, blob = _pack_extents(grant.locations)
     return {
         "lease_id": grant.lease_id,
         "expires_in_s": max(0.0, grant.deadline - now),
         "num_evicted": grant.num_evicted,
         "status": status,
-        "parts": len(grant.locations[0]) if grant.locations else 1,
+        "parts": num_parts,
         "counts": counts,
-        "extents": struct.pack(f"<{len(flat)}Q", *flat),
+        "extents": blob,
     }
+
+
+def _pack_extents(locations: list[list[Extents]]) -> tuple[int, bytes | None, bytes]:
+    """A grant's ``locations`` as its packed fields: parts per key, ``counts`` (None when every
+    part is one extent), the ``extents`` blob."""
+    parts = list(chain.from_iterable(locations))
+    flat = list(chain.from_iterable(chain.from_iterable(parts)))  # offset, length, ...
+    counts = None
+    if len(flat) != 2 * len(parts):  # a fragmented arena: some part has several extents
+        counts = struct.pack(f"<{len(parts)}I", *map(len, parts))
+    return len(locations[0]) if locations else 1, counts, struct.pack(f"<{len(flat)}Q", *flat)
 
 
 def packed_store_grant_from_wire(
@@ -219,8 +228,7 @@ def packed_store_grant_from_wire(
     status, num_parts, counts, blob = data["status"], data["parts"], data["counts"], data["extents"]
     if not (_is_count(lease_id) and _is_count(num_evicted) and _is_count(num_parts)):
         raise InvalidArgument("malformed packed grant: lease_id, num_evicted, parts")
-    if type(expires) not in (int, float) or not math.isfinite(expires) or expires < 0:
-        raise InvalidArgument("malformed packed grant: expires_in_s", value=repr(expires))
+    _check_expires(expires)
     if type(status) is not bytes or len(status) != len(keys) or status.translate(None, _CODES):
         raise InvalidArgument("malformed packed grant: status", keys=len(keys))
     if type(blob) is not bytes or (counts is not None and type(counts) is not bytes):
@@ -251,6 +259,51 @@ def packed_store_grant_from_wire(
 
 def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 1 << 63
+
+
+def _check_expires(expires: Any) -> None:
+    if type(expires) not in (int, float) or not math.isfinite(expires) or expires < 0:
+        raise InvalidArgument("malformed packed grant: expires_in_s", value=repr(expires))
+
+
+# ----------------------------------------------------------------------------- packed load grant
+
+_PACKED_LOAD_FIELDS = frozenset({"lease_id", "expires_in_s", "parts", "counts", "extents"})
+
+
+def packed_load_grant_to_wire(grant: LoadGrant, now: float) -> dict[str, Any]:
+    """``grant`` as a packed reply map (docs/wire.md §2, "Packed load grant"): no key echoed
+    (a load grant pins every key requested, in request order), the extents one blob as in the
+    packed store grant."""
+    num_parts, counts, blob = _pack_extents(grant.locations)
+    return {
+        "lease_id": grant.lease_id,
+        "expires_in_s": max(0.0, grant.deadline - now),
+        "parts": num_parts,
+        "counts": counts,
+        "extents": blob,
+    }
+
+
+def packed_load_grant_from_wire(
+    data: Any, keys: Sequence[bytes], ns_id: str, now: float, granted_by: str = ""
+) -> LoadGrant:
+    """Rebuild the LoadGrant of a packed reply map (:func:`packed_load_grant_to_wire`) to a
+    ``prepare_load`` of ``keys`` in ``ns_id``; ``deadline`` is on the receiver's clock ``now``;
+    ``granted_by``: the ``sid`` of the reply that carried it. Raises InvalidArgument
+    ("malformed packed grant") for anything but exactly that form: a missing or unknown field,
+    a field of the wrong type, blobs whose sizes do not match ``keys``' parts."""
+    if not isinstance(data, dict) or data.keys() != _PACKED_LOAD_FIELDS:
+        raise InvalidArgument("malformed packed grant: not the packed load grant's fields")
+    lease_id, expires, num_parts = data["lease_id"], data["expires_in_s"], data["parts"]
+    counts, blob = data["counts"], data["extents"]
+    if not (_is_count(lease_id) and _is_count(num_parts)) or (keys and num_parts < 1):
+        raise InvalidArgument("malformed packed grant: lease_id, parts")
+    _check_expires(expires)
+    if type(blob) is not bytes or (counts is not None and type(counts) is not bytes):
+        raise InvalidArgument("malformed packed grant: extents, counts")
+    locations = _packed_locations(blob, counts, len(keys), num_parts)
+    return LoadGrant(lease_id, now + float(expires), ns_id, list(keys), locations, granted_by)
 
 
 def _packed_locations(

@@ -43,6 +43,7 @@ from kvserver.wire_requests import (
     unpack_header,
 )
 from kvserver.wire_schema import (
+    CAP_PACKED_LOAD_GRANT,
     CAP_PACKED_STORE_GRANT,
     CAP_PACKED_TOKEN_IDS,
     CAP_STORE_COMPLETIONS,
@@ -87,6 +88,7 @@ from kvserver.wire_schema import (
 #: import ``kvserver.wire`` only.
 __all__ = [
     "CAPABILITIES",
+    "CAP_PACKED_LOAD_GRANT",
     "CAP_PACKED_STORE_GRANT",
     "CAP_PACKED_TOKEN_IDS",
     "CAP_STORE_COMPLETIONS",

@@ -27,7 +27,12 @@ CAP_PACKED_STORE_GRANT = "packed_store_grant"
 #: "packed_token_ids": ``lookup_tokens`` takes ``token_ids`` packed (one bin of little-endian
 #: u32 ids, ``kvserver/prompts.py``) as well as a list (docs/wire.md §2).
 CAP_PACKED_TOKEN_IDS = "packed_token_ids"
-CAPABILITIES = (CAP_STORE_COMPLETIONS, CAP_PACKED_STORE_GRANT, CAP_PACKED_TOKEN_IDS)
+#: "packed_load_grant": ``prepare_load`` takes ``packed``, and its grant then comes packed
+#: (``kvserver.grants.packed_load_grant_to_wire``; docs/wire.md §2).
+CAP_PACKED_LOAD_GRANT = "packed_load_grant"
+CAPABILITIES = (
+    CAP_STORE_COMPLETIONS, CAP_PACKED_STORE_GRANT, CAP_PACKED_TOKEN_IDS, CAP_PACKED_LOAD_GRANT,
+)  # fmt: skip
 #: most completions one ``prepare_store`` may carry.
 MAX_COMPLETIONS = 4096
 
@@ -85,7 +90,8 @@ _SCHEMAS = {
     # (capability "packed_store_grant")
     PREPARE_STORE: "ns_id:str keys:keys lease_s:float? completions:completions? packed:bool?",
     COMPLETE_STORE: "lease_id:int success:bool? ranks:ints? keys:keys?",
-    PREPARE_LOAD: "ns_id:str keys:keys lease_s:float?",
+    # (capability "packed_load_grant")
+    PREPARE_LOAD: "ns_id:str keys:keys lease_s:float? packed:bool?",
     COMPLETE_LOAD: "lease_id:int",
     # payload: len(keys) x tp_world_size frames, key-major (key 0 rank 0, key 0 rank 1, ...)
     PUT: "ns_id:str keys:keys lease_s:float?",

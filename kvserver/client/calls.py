@@ -231,11 +231,18 @@ class SessionCalls:
     def prepare_load(
         self, ns_id: str, keys: Sequence[bytes], lease_s: float | None
     ) -> Proc[LoadGrant]:
-        sent = time.monotonic()
-        answer = yield Call(
-            wire.PREPARE_LOAD, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
-        )
-        return grants.load_grant_from_wire(answer.result["grant"], sent, answer.sid)
+        """The pins; the grant in the packed form (no key echoed) when the daemon announced
+        ``packed_load_grant``."""
+        sent, sent_keys = time.monotonic(), list(keys)
+        args: dict[str, Any] = {"ns_id": ns_id, "keys": sent_keys, "lease_s": lease_s}
+        packed = wire.CAP_PACKED_LOAD_GRANT in self.server.get("capabilities", ())
+        if packed:  # an older daemon would refuse the argument
+            args["packed"] = True
+        answer = yield Call(wire.PREPARE_LOAD, args)
+        data = answer.result["grant"]
+        if packed:
+            return grants.packed_load_grant_from_wire(data, sent_keys, ns_id, sent, answer.sid)
+        return grants.load_grant_from_wire(data, sent, answer.sid)
 
     def complete_store(
         self,

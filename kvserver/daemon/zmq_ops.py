@@ -35,7 +35,12 @@ from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
 from kvserver.engine_types import HashedKeys
 from kvserver.errors import KVServerError
-from kvserver.grants import LoadGrant, grant_to_wire, packed_store_grant_to_wire
+from kvserver.grants import (
+    LoadGrant,
+    grant_to_wire,
+    packed_load_grant_to_wire,
+    packed_store_grant_to_wire,
+)
 from kvserver.namespace import NamespaceSpec
 from kvserver.prompts import unpack_token_ids
 
@@ -228,17 +233,19 @@ class DataOps:
         return {"ready": ready}
 
     def _prepare_load(self, c: OpCall) -> Result | Deferred:
+        """The pins; with ``packed``, the grant in the packed form (no key echoed)."""
         a = c.args
         check_unique("prepare_load", a["keys"])  # a grant's extents per key named
+        packed = a["packed"] is True
         got = self._service.load(a["ns_id"], a["keys"], client=c.client, lease_s=a["lease_s"])
         if isinstance(got, Pending):
             pending = got
 
             async def finish() -> Result:
-                return _load_reply(await pending.run())
+                return _load_reply(await pending.run(), packed)
 
             return Deferred(finish)
-        return _load_reply(got)
+        return _load_reply(got, packed)
 
     def _put(self, c: OpCall) -> Result:
         """Store whole entries in one round trip: len(keys) x tp frames, key-major."""
@@ -319,7 +326,9 @@ def _lookup_fields(r: LookupHits) -> Result:
     return {name: getattr(r, name) for name in wire.LOOKUP_FIELDS}
 
 
-def _load_reply(grant: LoadGrant) -> Result:
+def _load_reply(grant: LoadGrant, packed: bool) -> Result:
+    if packed:
+        return {"grant": packed_load_grant_to_wire(grant, time.monotonic())}
     return {"grant": grant_to_wire(grant, time.monotonic())}
 
 

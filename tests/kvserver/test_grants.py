@@ -213,3 +213,49 @@ def test_any_damaged_packed_grant_is_read_or_refused_with_invalid_argument(
         assert len(got.locations) == len(got.keys)
         assert all(len(loc) == data["parts"] for loc in got.locations)
         assert all(len(part) >= 1 for loc in got.locations for part in loc)
+
+
+# ----------------------------------------------------------------------------- packed load grant
+
+
+def load_grant(num_keys: int, parts: int = 1, extents_per_part: int = 1) -> grants.LoadGrant:
+    """What the engine answers to a ``prepare_load`` of ``num_keys`` keys."""
+    store = engine_grant([key(i) for i in range(num_keys)], parts=parts,
+                         extents_per_part=extents_per_part)  # fmt: skip
+    return grants.LoadGrant(9, 130.0, "ns", store.keys, store.locations)
+
+
+@pytest.mark.parametrize(("num_keys", "parts", "extents"), [(0, 1, 1), (3, 1, 1), (4, 2, 3)])
+def test_a_packed_load_grant_reads_back_as_the_unpacked_one(
+    num_keys: int, parts: int, extents: int
+) -> None:
+    grant = load_grant(num_keys, parts, extents)
+    keys = list(grant.keys)
+    wired = over_the_wire(grants.packed_load_grant_to_wire(grant, now=100.0))
+    assert "keys" not in wired and (wired["counts"] is None) == (extents == 1)
+    got = grants.packed_load_grant_from_wire(wired, keys, "ns", now=5.0, granted_by="sid-1")
+    plain = over_the_wire(grants.grant_to_wire(grant, now=100.0))
+    assert got == grants.load_grant_from_wire(plain, now=5.0, granted_by="sid-1")
+    assert got.deadline == pytest.approx(35.0) and got.keys == keys
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda d: d.pop("counts"),
+        lambda d: d.update(keys=[]),
+        lambda d: d.update(lease_id=-1),
+        lambda d: d.update(parts=0),
+        lambda d: d.update(expires_in_s=float("nan")),
+        lambda d: d.update(extents=d["extents"][:-1]),
+        lambda d: d.update(extents=d["extents"] + bytes(16)),
+        lambda d: d.update(extents=list(d["extents"])),
+        lambda d: d.update(counts=struct.pack("<3I", 1, 1, 1)),
+    ],
+)
+def test_a_malformed_packed_load_grant_is_invalid_argument(spoil: Any) -> None:
+    grant = load_grant(2)
+    wired = over_the_wire(grants.packed_load_grant_to_wire(grant, now=100.0))
+    spoil(wired)
+    with pytest.raises(InvalidArgument, match="malformed packed grant"):
+        grants.packed_load_grant_from_wire(wired, list(grant.keys), "ns", now=5.0)

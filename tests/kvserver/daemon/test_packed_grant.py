@@ -147,3 +147,60 @@ def test_a_malformed_packed_grant_in_a_reply_is_invalid_argument(kv: KVClient) -
     with pytest.raises(InvalidArgument, match="malformed packed grant"):
         proc.send(Answer({"grant": wired}, [], answer.sid))
     kv.complete_store(lease_id, success=False)
+
+
+# ----------------------------------------------------------------------------- packed load grant
+
+
+def stored(kv: KVClient, tag: str) -> list[bytes]:
+    keys = make_keys(3, tag=tag)
+    grant = kv.prepare_store(SPEC.ns_id, keys, lease_s=30)
+    assert grant is not None and grant.keys == keys
+    write_all(kv, grant)
+    assert kv.complete_store(grant.lease_id) == keys
+    return keys
+
+
+def test_hello_announces_the_packed_load_grant(kv: KVClient) -> None:
+    assert wire.CAP_PACKED_LOAD_GRANT in kv.hello()["capabilities"]
+
+
+def test_a_packed_load_grant_reads_back_as_the_unpacked_one(kv: KVClient) -> None:
+    """The client asks for the packed form; an old-style request for the same keys gets the
+    keys echoed and the same extents; both pin until completed."""
+    keys = stored(kv, "l-packed")
+    packed = kv.prepare_load(SPEC.ns_id, keys, lease_s=30)
+    old = kv._drive(raw_call(wire.PREPARE_LOAD, {"ns_id": SPEC.ns_id, "keys": keys}))
+    assert old.result["grant"]["keys"] == keys
+    plain = grants.load_grant_from_wire(old.result["grant"], packed.deadline, old.sid)
+    assert packed.keys == keys and packed.locations == plain.locations
+    assert packed.granted_by == old.sid and len(packed.locations[0]) == SPEC.tp_world_size
+    for k, extents in zip(keys, packed.locations, strict=True):
+        for rank, ext in enumerate(extents):
+            assert kv.read(ext, grant=packed) == pattern(k, rank, SPEC.part_bytes)
+    kv.complete_load(packed.lease_id)
+    kv.complete_load(plain.lease_id)
+    raw = kv._drive(
+        raw_call(wire.PREPARE_LOAD, {"ns_id": SPEC.ns_id, "keys": keys, "packed": True})
+    )
+    assert "keys" not in raw.result["grant"] and isinstance(raw.result["grant"]["extents"], bytes)
+    kv.complete_load(raw.result["grant"]["lease_id"])
+
+
+def test_a_load_falls_back_to_the_unpacked_form_without_the_capability(
+    kv: KVClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that does not announce ``packed_load_grant`` (an older one would refuse the
+    argument): the request goes without ``packed`` (the packed decoder would fail)."""
+
+    def packed(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the packed form came back")
+
+    keys = stored(kv, "l-old")
+    kv.hello()
+    caps = [c for c in kv._s.server["capabilities"] if c != wire.CAP_PACKED_LOAD_GRANT]
+    kv._s.server = {**kv._s.server, "capabilities": caps}
+    monkeypatch.setattr(grants, "packed_load_grant_from_wire", packed)
+    grant = kv.prepare_load(SPEC.ns_id, keys, lease_s=30)
+    assert grant.keys == keys and len(grant.locations) == len(keys)
+    kv.complete_load(grant.lease_id)
