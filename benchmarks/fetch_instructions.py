@@ -320,7 +320,7 @@ def run(reps: int, policy: str, clock: Any, part_bytes: int = PART_BYTES) -> dic
         got = b.load(ns_id, keys, client="bench")
         assert isinstance(got, Pending)
         grant = await got.run()
-        reply = _load_reply(grant)
+        reply = _load_reply(grant, False)  # the map form, as recorded (clients now ask packed)
         assert isinstance(reply, dict)
         wire.encode_reply(1, "0123456789abcdef", reply)
         marks("B grant")
