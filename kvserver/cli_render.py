@@ -34,6 +34,7 @@ def render_status(stats: Any, server: str) -> str:
             f"(incarnation {c.get('incarnation', '')}), {c.get('live_hosts', 0)} live host(s)"
             + (f"\n  ({c['condition_detail']})" if c.get("condition_detail") else "")
             + (_resync_note(c) if c.get("resync_pending") else "")
+            + _foreign_note(c)
             + "\n"
         )
     elif any(t.name == "peer" for t in stats.tiers):
@@ -194,3 +195,19 @@ def _resync_note(cluster: dict[str, Any]) -> str:
     wait = float(cluster.get("resync_in_s", 0.0))
     when = f"starts in {wait:.1f} s (spread)" if wait > 0 else "after the next retry"
     return f"\n  (index resync pending: {when}; this host's entries are missing meanwhile)"
+
+
+def _foreign_note(cluster: dict[str, Any]) -> str:
+    """The fleet line's note when Redis holds what no daemon of this version writes
+    (``bad_records``, ``unreadable_sets``: docs/cluster.md, failure cases); "" when neither."""
+    parts = []
+    if cluster.get("bad_records"):
+        parts.append(f"bad_records {cluster['bad_records']} (skipped at the last members read)")
+    if cluster.get("unreadable_sets"):
+        parts.append(f"unreadable_sets {cluster['unreadable_sets']} (index sets of another type)")
+    if not parts:
+        return ""
+    return (
+        f"\n  (Redis holds what no kvserver of this version writes: {', '.join(parts)}; "
+        "docs/cluster.md, failure cases)"
+    )

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_py
 
 from kvserver.cli_render import render_status
 from kvserver.client import KVClient
-from kvserver.cluster import FleetReader
+from kvserver.cluster import FleetReader, schema
 from kvserver.cluster.config import ClusterConfig, connect
+from kvserver.cluster.rpc import call_score_hosts
 from kvserver.grpc_client import GrpcClient
 from kvserver.grpc_replies import ServerStats
 from kvserver.namespace import NamespaceSpec
@@ -228,6 +230,45 @@ async def test_a_full_redis_is_reported_in_stats_metrics_and_status(
             await reader.redis.aclose()
     finally:
         redis.stop()
+
+
+def test_entries_no_daemon_writes_are_shown_in_grpc_stats_and_status(
+    tmp_path: Path, redis_server: RedisServer, daemons: list[DaemonProc]
+) -> None:
+    """What Redis holds that no daemon of this version writes, written there directly beside a
+    live daemon: a member record that is not JSON (skipped: ``bad_records``) and, for a
+    member with a valid record, an index set that is a string (a ScoreHosts meets it:
+    ``unreadable_sets``). gRPC ``Stats.cluster`` carries both and ``kvserver status`` notes
+    them; before, only ZMQ ``stats`` and /metrics did (ClusterStats had no such fields:
+    KeyError here). While none is met, neither field is set (proto3 omits 0) nor noted."""
+    daemons.append(start_host(tmp_path, redis_server, "a"))
+    (a,) = daemons
+    keys = make_keys(3, tag="foreign")
+    ns_id = store(a, keys)
+    assert not {"bad_records", "unreadable_sets"} & set(grpc_stats(a).cluster or {})
+    assert "no kvserver of this version" not in render_status(grpc_stats(a), a.grpc_address)
+    other = schema.HostInfo("b", "inc0000000000001", "tcp://127.0.0.1:1", "127.0.0.1:2",
+                            namespaces=(ns_id,), started_at=1.7e9)  # fmt: skip
+    raw = redis_py.Redis.from_url(redis_server.url)
+    try:
+        raw.sadd(schema.hosts_key(), "bad", "b")
+        raw.set(schema.host_key("bad"), b"{not json", px=600_000)
+        raw.set(schema.host_key("b"), other.encode(), px=600_000)
+        index = schema.index_key("b", other.incarnation, ns_id, schema.TIER_DRAM)
+        raw.set(index, b"not a set", px=600_000)
+    finally:
+        raw.close()
+    # the next heartbeat's read of the members skips the record, and takes b as a member
+    wait_until(lambda: cluster_stats(a)["live_hosts"] == 2, timeout=30.0)
+    assert cluster_stats(a)["bad_records"] == 1
+    with GrpcClient(a.grpc_address) as client:
+        scored = call_score_hosts(client, ns_id, keys=keys)
+    assert {h.host_id: h.hit_chunks for h in scored} == {"a": 3, "b": 0}  # nothing there
+    cluster = grpc_stats(a).cluster or {}
+    assert cluster["bad_records"] == 1 and cluster["unreadable_sets"] == 1, cluster
+    text = render_status(grpc_stats(a), a.grpc_address)
+    assert "Redis holds what no kvserver of this version writes" in text, text
+    assert "bad_records 1 (" in text and "unreadable_sets 1 (" in text, text
 
 
 async def _eq(value: Any, expected: Any) -> bool:

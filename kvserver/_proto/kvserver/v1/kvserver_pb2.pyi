@@ -163,7 +163,7 @@ class StatsResponse(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., event_log_id: _Optional[str] = ..., events_last_seq: _Optional[int] = ..., events_oldest_seq: _Optional[int] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("condition", "condition_detail", "url", "host_id", "incarnation", "live_hosts", "pending_keys", "registrations", "resyncs", "heartbeats", "batches", "commands", "indexed_keys", "errors", "dropped_keys", "index_losses", "resync_pending", "resync_in_s", "redis_full", "deferred_keys")
+    __slots__ = ("condition", "condition_detail", "url", "host_id", "incarnation", "live_hosts", "pending_keys", "registrations", "resyncs", "heartbeats", "batches", "commands", "indexed_keys", "errors", "dropped_keys", "index_losses", "resync_pending", "resync_in_s", "redis_full", "deferred_keys", "bad_records", "unreadable_sets")
     CONDITION_FIELD_NUMBER: _ClassVar[int]
     CONDITION_DETAIL_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,8 @@ class ClusterStats(_message.Message):
     RESYNC_IN_S_FIELD_NUMBER: _ClassVar[int]
     REDIS_FULL_FIELD_NUMBER: _ClassVar[int]
     DEFERRED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BAD_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    UNREADABLE_SETS_FIELD_NUMBER: _ClassVar[int]
     condition: str
     condition_detail: str
     url: str
@@ -204,7 +206,9 @@ class ClusterStats(_message.Message):
     resync_in_s: float
     redis_full: int
     deferred_keys: int
-    def __init__(self, condition: _Optional[str] = ..., condition_detail: _Optional[str] = ..., url: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., live_hosts: _Optional[int] = ..., pending_keys: _Optional[int] = ..., registrations: _Optional[int] = ..., resyncs: _Optional[int] = ..., heartbeats: _Optional[int] = ..., batches: _Optional[int] = ..., commands: _Optional[int] = ..., indexed_keys: _Optional[int] = ..., errors: _Optional[int] = ..., dropped_keys: _Optional[int] = ..., index_losses: _Optional[int] = ..., resync_pending: _Optional[int] = ..., resync_in_s: _Optional[float] = ..., redis_full: _Optional[int] = ..., deferred_keys: _Optional[int] = ...) -> None: ...
+    bad_records: int
+    unreadable_sets: int
+    def __init__(self, condition: _Optional[str] = ..., condition_detail: _Optional[str] = ..., url: _Optional[str] = ..., host_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., live_hosts: _Optional[int] = ..., pending_keys: _Optional[int] = ..., registrations: _Optional[int] = ..., resyncs: _Optional[int] = ..., heartbeats: _Optional[int] = ..., batches: _Optional[int] = ..., commands: _Optional[int] = ..., indexed_keys: _Optional[int] = ..., errors: _Optional[int] = ..., dropped_keys: _Optional[int] = ..., index_losses: _Optional[int] = ..., resync_pending: _Optional[int] = ..., resync_in_s: _Optional[float] = ..., redis_full: _Optional[int] = ..., deferred_keys: _Optional[int] = ..., bad_records: _Optional[int] = ..., unreadable_sets: _Optional[int] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("name", "medium", "policy", "capacity_bytes", "used_bytes", "pinned_bytes", "reserved_bytes", "entries", "hit_chunks", "miss_chunks", "evicted_chunks", "stored_chunks", "loaded_chunks", "lookups", "condition", "condition_detail", "corrupt_chunks", "recovered_chunks", "promoted_chunks", "io_errors", "skipped_chunks", "io_mode")
