@@ -188,22 +188,31 @@ def open_dealer(
     when given, else ``token`` presented at the handshake when given: PLAIN, ``docs/wire.md``),
     watched from before its first connection attempt. Both clients' sockets.
     ``max_frame_bytes`` > 0: a frame announced larger is not received: ZMQ drops the
-    connection at its length prefix (``MAXMSGSIZE``), which the watch reports as broken."""
+    connection at its length prefix (``MAXMSGSIZE``), which the watch reports as broken.
+    Whatever raises (ZMQ refusing ``address``: ``tcp://HOST`` without a port, an unknown
+    transport) closes the socket and its watch first: nothing is left open in ``ctx``."""
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if max_frame_bytes > 0:
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    mechanism = "null"
-    if curve is not None:
-        curve.apply(sock)
-        mechanism = "curve"
-    elif token:
-        apply_token(sock, token)
-        mechanism = "plain"
-    watch = ConnectionWatch(sock, mechanism=mechanism)
-    sock.connect(address)
+    watch: ConnectionWatch | None = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if max_frame_bytes > 0:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        mechanism = "null"
+        if curve is not None:
+            curve.apply(sock)
+            mechanism = "curve"
+        elif token:
+            apply_token(sock, token)
+            mechanism = "plain"
+        watch = ConnectionWatch(sock, mechanism=mechanism)
+        sock.connect(address)
+    except BaseException:
+        if watch is not None:
+            watch.close()
+        sock.close(linger=0)
+        raise
     return sock, watch
 
 

@@ -4,13 +4,20 @@ sockets; the errors are the ones an operator would read."""
 
 from __future__ import annotations
 
+import errno
+import gc
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvloop
+import zmq
+import zmq.asyncio
 
 from kvserver.client import AsyncKVClient, KVClient
 from kvserver.client.common import DEFAULT_DATA_PORT, data_address
+from kvserver.client.links import open_dealer
 from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import InvalidArgument, Unavailable
 from tests.support.daemon import start_daemon
@@ -97,3 +104,28 @@ def test_the_clients_default_data_port_is_the_daemons() -> None:
     assert DaemonConfig().zmq_port == DEFAULT_DATA_PORT
     with pytest.raises(InvalidArgument, match="no daemon address"):
         data_address(" ")
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "nosuch://127.0.0.1:5"])
+@pytest.mark.parametrize("context", [zmq.Context, zmq.asyncio.Context], ids=["sync", "asyncio"])
+def test_a_dealer_zmq_refuses_to_connect_is_closed_not_left_open(
+    address: str, context: type[zmq.Context[Any]]
+) -> None:
+    """``open_dealer`` (both clients' DEALER; the network tier's, through AsyncKVClient) at an
+    address that passes the client's check but ZMQ's connect refuses (no port, a transport
+    ZMQ lacks): the ZMQError is raised, and the DEALER and its watch's monitor socket are
+    closed. Before: both were left open in the context (ResourceWarning "unclosed socket"
+    when collected; a ``term()`` of the context meanwhile waited for them forever)."""
+    ctx = context()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(zmq.ZMQError) as raised:
+                open_dealer(ctx, address, None)
+            assert raised.value.errno in (errno.EINVAL, errno.EPROTONOSUPPORT)
+            del raised  # its traceback holds open_dealer's frame, so the sockets
+            gc.collect()
+        unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert unclosed == []
+    finally:
+        ctx.term()
