@@ -40,6 +40,8 @@ _CLUSTER_COUNTERS = (
     ("kvserver_cluster_registrations", "Registrations in the fleet (start, Redis back).",
      "registrations"),
     ("kvserver_cluster_resyncs", "Full resyncs of this daemon's fleet index entries.", "resyncs"),
+    ("kvserver_cluster_heartbeats", "Heartbeats Redis answered (this daemon's record and index "
+     "sets renewed).", "heartbeats"),
     ("kvserver_cluster_batches", "Index batches (pipelines) written to Redis.", "batches"),
     ("kvserver_cluster_commands", "Redis commands sent by the fleet membership.", "commands"),
     ("kvserver_cluster_indexed_keys", "Index entries written (adds and removes).", "indexed_keys"),
@@ -336,6 +338,11 @@ class DaemonCollector(LoopCollector):
                 "Entries on Redis the last read of the fleet's members skipped: hosts-set "
                 "members or records not as a kvserver daemon of this version writes them.",
                 cluster.get("bad_records", 0),
+            )
+            yield GaugeMetricFamily(
+                "kvserver_cluster_pending_keys",
+                "Index changes waiting for the next batch to Redis.",
+                cluster["pending_keys"],
             )
             yield GaugeMetricFamily(
                 "kvserver_cluster_deferred_keys",
