@@ -426,16 +426,21 @@ def run(quick: bool, only: frozenset[str] = frozenset()) -> dict[str, Any]:
 
 #: the rows timed against the reference
 STALL_ROWS = (
-    *(row[0] for row in STALLS), "auth_1m_tokens", "auth_1m_tokens_packed", "auth_1m_tokens_grpc"
+    *(row[0] for row in STALLS),
+    "auth_1m_tokens",
+    "auth_1m_tokens_packed",
+    "auth_1m_tokens_grpc",
 )
 ROWS = ("idle_local", "grpc_10mb", *STALL_ROWS)
 
 
 def print_table(r: dict[str, Any]) -> None:
     ref = r["reference"]
-    print(f"reference (no abuse): authenticated lookup p50 {ref['p50_ms']:.3f} ms, "
-          f"p99 {ref['p99_ms']:.3f} ms, max {ref['max_ms']:.3f} ms ({ref['n']} lookups, "
-          f"load {ref['load_1min']:.1f})")
+    print(
+        f"reference (no abuse): authenticated lookup p50 {ref['p50_ms']:.3f} ms, "
+        f"p99 {ref['p99_ms']:.3f} ms, max {ref['max_ms']:.3f} ms ({ref['n']} lookups, "
+        f"load {ref['load_1min']:.1f})"
+    )
     head = ("RSS +MiB", "p99 ms", "max ms", "p99/ref", "sent", "kids cpu", "io cpu", "load")
     print(f"{'abuse':<24} {head[0]:>9} " + " ".join(f"{h:>8}" for h in head[1:]))
     for name in ROWS:
@@ -446,10 +451,12 @@ def print_table(r: dict[str, Any]) -> None:
         def cell(key: str, fmt: str, row: dict[str, Any] = row) -> str:
             return format(row[key], fmt) if key in row else "-"
 
-        print(f"{name:<24} {row['rss_growth_mib']:>9.1f} {cell('p99_ms', '.3f'):>8} "
-              f"{cell('max_ms', '.3f'):>8} {cell('ratio_p99', '.2f'):>8} "
-              f"{cell('attack_requests', 'd'):>8} {cell('attackers_cores', '.2f'):>8} "
-              f"{cell('daemon_zmq_io_cores', '.2f'):>8} {cell('load_1min', '.1f'):>8}")
+        print(
+            f"{name:<24} {row['rss_growth_mib']:>9.1f} {cell('p99_ms', '.3f'):>8} "
+            f"{cell('max_ms', '.3f'):>8} {cell('ratio_p99', '.2f'):>8} "
+            f"{cell('attack_requests', 'd'):>8} {cell('attackers_cores', '.2f'):>8} "
+            f"{cell('daemon_zmq_io_cores', '.2f'):>8} {cell('load_1min', '.1f'):>8}"
+        )
     for name in ROWS:
         if name in r and "refusals" in r[name]:
             print(f"{name}: daemon refusals {r[name]['refusals']}")

@@ -28,9 +28,7 @@ FIELDS = ("runqueue_us", "invol_switches", "vol_switches", "sys_us", "other_thre
 def available() -> bool:
     """True where the kernel keeps the per-thread accounts this probe reads."""
     tid = threading.get_native_id()
-    return hasattr(resource, "RUSAGE_THREAD") and os.path.exists(
-        f"/proc/self/task/{tid}/schedstat"
-    )
+    return hasattr(resource, "RUSAGE_THREAD") and os.path.exists(f"/proc/self/task/{tid}/schedstat")
 
 
 @dataclass

@@ -269,9 +269,7 @@ def _free_bytes(directory: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _no_room(
-    reason: str, size: int, free: int, directory: str, **context: object
-) -> StorageError:
+def _no_room(reason: str, size: int, free: int, directory: str, **context: object) -> StorageError:
     """The arena cannot have ``size`` bytes in ``directory``: the error, naming the fixes."""
     return StorageError(
         f"cannot commit the arena's memory: {reason} ({size >> 20} MiB asked, {free >> 20} MiB "

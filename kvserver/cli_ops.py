@@ -269,10 +269,7 @@ def _token_dir_hint(args: argparse.Namespace) -> str:
     (was: not a word of it, "only the user who started it finds it" to that very user)."""
     if args.auth_token or args.auth_token_file:
         return ""
-    return (
-        f", in {token_dir()}: for a daemon started with --shm-dir DIR, set "
-        "KVSERVER_SHM_DIR=DIR"
-    )
+    return f", in {token_dir()}: for a daemon started with --shm-dir DIR, set KVSERVER_SHM_DIR=DIR"
 
 
 def unreachable(server: str, timeout: float, detail: str) -> str:

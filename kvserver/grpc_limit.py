@@ -185,4 +185,3 @@ class ConnectionLimit:
                 self.per_address,
             )  # fmt: skip
             self._warned_at, self._warned_count = now, 0
-

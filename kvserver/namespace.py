@@ -72,17 +72,22 @@ class NamespaceSpec:
         if not isinstance(self.model, str) or not self.model or len(self.model) > MAX_MODEL_NAME:
             raise InvalidArgument("model must be a non-empty string of <= 512 chars")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
-            raise InvalidArgument(
-                f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SIZES)}"
-            )
+            raise InvalidArgument(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPE_SIZES)}")
         if not isinstance(self.hash_seed, str) or len(self.hash_seed) > MAX_MODEL_NAME:
             raise InvalidArgument("hash_seed must be a string of <= 512 chars")
         if not isinstance(self.hash_algo, str) or self.hash_algo not in HASH_ALGOS:
             raise InvalidArgument(
                 f"unknown hash_algo {self.hash_algo!r}; valid: {', '.join(HASH_ALGOS)}"
             )
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "chunk_blocks",
-                     "tp_world_size", "kv_factor"):
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "chunk_blocks",
+            "tp_world_size",
+            "kv_factor",
+        ):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= MAX_FIELD_INT:
                 raise InvalidArgument(

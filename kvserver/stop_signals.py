@@ -69,9 +69,7 @@ class StopSignals:
     """The loop's handler of :data:`STOP_SIGNALS`; see the module docstring. ``clock``: the
     monotonic clock the repeat window is measured on."""
 
-    def __init__(
-        self, stop: asyncio.Event, *, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, stop: asyncio.Event, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._stop = stop
         self._clock = clock
         self._first: float | None = None  # when the first stop signal came

@@ -33,6 +33,8 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         ),
     )
     w = p.add_mutually_exclusive_group(required=True)
+    # the options as a table, one or two lines each
+    # fmt: off
     w.add_argument("--workers", help="comma-separated worker addresses, rank order (tcp://h:p)")
     w.add_argument("--synthetic-workers", type=int, metavar="N", help="start N synthetic workers")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
@@ -152,6 +154,7 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--ready-file", help="write JSON {pid, grpc_port, workers} here once serving")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING, ERROR")
+    # fmt: on
     p.set_defaults(func=_cmd_scheduler)
 
 

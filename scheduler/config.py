@@ -27,6 +27,7 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 #: the scheduler's Prometheus port (next to its gRPC port 9480).
 DEFAULT_METRICS_PORT = 9481
 
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """What :class:`~scheduler.scheduler.Scheduler` needs; see docs/scheduler.md.

@@ -366,9 +366,7 @@ class KVServerSchedulerConnector(SchedulerConnector):
         (``build_connector_meta``, which sends them alone once ``completion_hold_steps``
         steps went by without a prepare_store) comes. Else they are sent at once: nothing
         may strand them until their leases expire."""
-        return self._link.carries_completions and any(
-            not s.finished for s in self._reqs.values()
-        )
+        return self._link.carries_completions and any(not s.finished for s in self._reqs.values())
 
     def _send_deferred(self) -> None:
         """Send the reservation ``build_connector_meta`` left for :meth:`dispatched`, with the

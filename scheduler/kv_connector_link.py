@@ -99,8 +99,7 @@ class DaemonLink:
         ``keys`` for a store, in one message without waiting (separate calls against a daemon
         without ``store_completions``); None if not sent (:meth:`_not_sent`)."""
         carried = [
-            StoreCompletion(c.lease_id, success=c.kind == "store", keys=c.keys)
-            for c in completions
+            StoreCompletion(c.lease_id, success=c.kind == "store", keys=c.keys) for c in completions
         ]
         try:
             with self._guard(self.config.op_timeout_s) as kv:

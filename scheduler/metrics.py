@@ -30,6 +30,7 @@ class CoreView(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+
 #: prompt token sources: label value → PromptTotals field
 _PROMPT_SOURCES = (
     ("computed", "computed_tokens"),

@@ -224,9 +224,7 @@ async def serve(
         sched = config.scheduler
         logger.info("waiting for %d workers to answer hello (at most %g s)", len(addresses),
                     config.hello_timeout_s)  # fmt: skip
-        hello = WorkerHello(
-            0, len(addresses), sched.block_size, sched.num_gpu_blocks, config.model
-        )
+        hello = WorkerHello(0, len(addresses), sched.block_size, sched.num_gpu_blocks, config.model)
         infos = await _unless_stopped(workers.start(hello), stop)
         if infos is None:
             logger.info("stopped before the workers answered hello")

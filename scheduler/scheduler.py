@@ -173,8 +173,7 @@ class Scheduler:
             self.connector.reset(release=release)  # the GPU contents are gone
         self.kv.reset_prefix_cache()
         return [
-            RequestOutput(r.request_id, [], True, "error", r.usage(), error=reason)
-            for r in failed
+            RequestOutput(r.request_id, [], True, "error", r.usage(), error=reason) for r in failed
         ]
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from kvserver.errors import InvalidArgument, UnsupportedVersion
 
 STEP_PROTOCOL_VERSION = 1
 
+
 def to_plain(obj: Any) -> Any:
     if hasattr(obj, "__dataclass_fields__"):
         return {name: to_plain(getattr(obj, name)) for name in obj.__dataclass_fields__}
@@ -44,13 +45,13 @@ def decode(data: bytes) -> tuple[str, dict[str, Any]]:
     if not isinstance(frame, dict) or "v" not in frame:
         raise InvalidArgument("step message is not a versioned map")
     if frame["v"] != STEP_PROTOCOL_VERSION:
-        raise UnsupportedVersion("step protocol version mismatch", got=frame["v"],
-                                 want=STEP_PROTOCOL_VERSION)
+        raise UnsupportedVersion(
+            "step protocol version mismatch", got=frame["v"], want=STEP_PROTOCOL_VERSION
+        )
     kind, body = frame.get("kind"), frame.get("body")
     if not isinstance(kind, str) or not isinstance(body, dict):
         raise InvalidArgument("step message needs a kind and a body map")
     return kind, body
-
 
 
 def encode_body(kind: str, body: dict[str, Any]) -> bytes:
@@ -60,7 +61,6 @@ def encode_body(kind: str, body: dict[str, Any]) -> bytes:
         {"v": STEP_PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True
     )
     return data
-
 
 
 def as_map(value: Any, what: str) -> dict[str, Any]:
@@ -106,4 +106,3 @@ def typed_field(d: dict[str, Any], name: str, kind: type) -> Any:
 
 def int_list(value: Any, name: str) -> list[int]:
     return [checked(x, int, name) for x in checked(value, list, name)]
-

@@ -147,9 +147,10 @@ class ConnectorMetadata:
             flush_req_ids=[
                 checked(r, str, "flush_req_ids") for r in typed_field(d, "flush_req_ids", list)
             ],
-            failed_loads=[_failed_load_from_wire(f) for f in checked(
-                d.get("failed_loads", []), list, "failed_loads"
-            )],
+            failed_loads=[
+                _failed_load_from_wire(f)
+                for f in checked(d.get("failed_loads", []), list, "failed_loads")
+            ],
         )
 
 

@@ -26,6 +26,7 @@ from kvserver.errors import InvalidArgument
 #: the step channel's option prefix
 PREFIX = "step_"
 
+
 def add_insecure_remote_arg(parser: Any, what: str) -> None:
     """``--insecure-remote``: ``what`` may be in clear text beyond loopback."""
     parser.add_argument(

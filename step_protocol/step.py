@@ -65,8 +65,14 @@ class NewRequestData:
 
     def to_wire(self) -> list[Any]:
         return [
-            self.req_id, self.prompt_token_ids, self.block_ids, self.num_computed_tokens,
-            self.max_tokens, self.output_token_ids, self.greedy, self.seed,
+            self.req_id,
+            self.prompt_token_ids,
+            self.block_ids,
+            self.num_computed_tokens,
+            self.max_tokens,
+            self.output_token_ids,
+            self.greedy,
+            self.seed,
         ]
 
     @classmethod

@@ -108,9 +108,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     from scheduler.cli import add_scheduler
     from worker.cli import add_worker
 
-    sub = next(
-        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
-    )
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parsers = dict(sub.choices)
     for add in (add_scheduler, add_worker, add_bench):
         scratch = argparse.ArgumentParser().add_subparsers()

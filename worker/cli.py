@@ -57,9 +57,11 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--hash-seed", default="vllm-none-hash", help="must match the scheduler's")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     p.add_argument(
-        "--host-kernels", action=argparse.BooleanOptionalAction, default=True,
+        "--host-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="CUDA: move staged copies' host side with indexed kernels over the page-locked "
-        "arena where its pieces are small (default on; docs/worker.md, \"Copies\")",
+        'arena where its pieces are small (default on; docs/worker.md, "Copies")',
     )
     p.add_argument("--ready-file", help="write JSON {pid, endpoint, rank} here once serving")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING, ERROR")

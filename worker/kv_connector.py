@@ -222,8 +222,11 @@ class KVServerWorkerConnector:
         self.handle_preemptions(flush)
         for t in meta.loads:
             self._submit(t, is_load=True)
-        if meta.loads and self.engine is not None and self.arena is not None and (
-            not self.caches_on_cuda
+        if (
+            meta.loads
+            and self.engine is not None
+            and self.arena is not None
+            and (not self.caches_on_cuda)
         ):
             # CPU caches and the daemon's arena mapped: a load is a memcpy by the cores the
             # forward pass uses anyway. Finished here, it is reported by this step's
@@ -267,11 +270,7 @@ class KVServerWorkerConnector:
         if req_id in self._stores_left:
             return True
         meta = self._meta
-        return (
-            meta is not None
-            and not self._saved
-            and any(t.req_id == req_id for t in meta.stores)
-        )
+        return meta is not None and not self._saved and any(t.req_id == req_id for t in meta.stores)
 
     def take_load_error_block_ids(self) -> set[int]:
         """GPU blocks that loads finished since the last call failed to fill (vLLM's

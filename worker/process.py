@@ -122,7 +122,11 @@ class ModelWorker:
         )
         kv = self.kvserver
         config = WorkerConnectorConfig(
-            kv.address, spec, rank=self.rank, auth_token=kv.auth_token, curve=kv.curve,
+            kv.address,
+            spec,
+            rank=self.rank,
+            auth_token=kv.auth_token,
+            curve=kv.curve,
             host_kernels=kv.host_kernels,
         )
         conn = KVServerWorkerConnector(config)

@@ -112,9 +112,7 @@ class TransferEngine(ABC):
         }
         self._inflight: dict[Direction, deque[Transfer]] = {d: deque() for d in Direction}
         #: submitted, not yet taken by the direction's thread (with their submit context).
-        self._queued: dict[Direction, deque[tuple[Transfer, Any]]] = {
-            d: deque() for d in Direction
-        }
+        self._queued: dict[Direction, deque[tuple[Transfer, Any]]] = {d: deque() for d in Direction}
         #: inside :meth:`batched`: submit queues without waking the engine threads.
         self._holding = False
         #: per direction: a :meth:`_drain` is queued or running and will take what is queued

@@ -31,9 +31,7 @@ from worker.transfer import Direction, KeyCopies, Transfer
 logger = logging.getLogger(__name__)
 
 
-def unreachable(
-    t: RequestTransfers, is_load: bool, why: str = "kvserver unreachable"
-) -> Transfer:
+def unreachable(t: RequestTransfers, is_load: bool, why: str = "kvserver unreachable") -> Transfer:
     """A transfer whose every chunk fails with ``why`` (by default: the daemon could not be
     reached)."""
     keys = [c.key for c in (t.loads if is_load else t.stores)]

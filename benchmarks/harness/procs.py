@@ -26,9 +26,7 @@ def _start(args: list[str], ready: Path, log_path: Path) -> Proc:
     return Proc(proc, info, log_path, args)
 
 
-def start_worker(
-    tmp_path: Path, name: str, bind: str = "tcp://127.0.0.1:0", *extra: str
-) -> Proc:
+def start_worker(tmp_path: Path, name: str, bind: str = "tcp://127.0.0.1:0", *extra: str) -> Proc:
     """``python -m scheduler.synthetic`` bound on loopback (``extra``: more of its flags);
     ``info["endpoint"]``."""
     ready = tmp_path / f"{name}.ready"
@@ -87,9 +85,7 @@ class EngineClient:
         return list(self.stream(tokens, max_tokens, **kw))
 
     def stats(self) -> Any:
-        return self.stub.EngineStats(
-            pb.EngineStatsRequest(), timeout=10, metadata=self.metadata()
-        )
+        return self.stub.EngineStats(pb.EngineStatsRequest(), timeout=10, metadata=self.metadata())
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         """The call metadata presenting the token (None: no token)."""

@@ -23,7 +23,6 @@ def payload(key: bytes, nbytes: int) -> bytes:
     return (key * (nbytes // len(key) + 1))[:nbytes]
 
 
-
 def serve(endpoint_file: str, part_bytes: int, n: int) -> int:
     """Helper process: a ROUTER answering every request with ``n`` frames of ``part_bytes``."""
     ctx = zmq.Context()

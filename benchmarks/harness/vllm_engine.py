@@ -122,9 +122,7 @@ class EngineProc:
     def log_tail(self) -> str:
         return "\n".join(self._tail)
 
-    def generate(
-        self, prompts: dict[str, list[int]], max_tokens: int = 8
-    ) -> dict[str, Any]:
+    def generate(self, prompts: dict[str, list[int]], max_tokens: int = 8) -> dict[str, Any]:
         """Run ``prompts`` to completion; returns ``{"tokens": {id: [...]}, "ttft_s": {...}}``."""
         self.send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
         return self.expect("done")

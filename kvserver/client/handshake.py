@@ -109,8 +109,7 @@ def explain(
         return Failure(f"the security handshake failed (ZMTP protocol error {value:#x})")
     if curve:  # the server closed the connection during the handshake: it could not decrypt
         return Failure(
-            f"the {peer} dropped the CURVE handshake: {server_key} is not the {peer}'s "
-            "public key"
+            f"the {peer} dropped the CURVE handshake: {server_key} is not the {peer}'s public key"
         )
     if mechanism == "null" and peer == "daemon":  # it saw the mismatch first and hung up
         return Failure(

@@ -76,10 +76,7 @@ class ConnectionWatch:
     """
 
     EVENTS = (
-        zmq.EVENT_CONNECTED
-        | zmq.EVENT_DISCONNECTED
-        | zmq.EVENT_CONNECT_RETRIED
-        | handshake.EVENTS
+        zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | handshake.EVENTS
     )
 
     def __init__(

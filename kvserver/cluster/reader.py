@@ -302,9 +302,7 @@ class FleetReader:
         runs.sort(key=lambda r: (-r.hit_chunks, r.host.host_id))
         return runs
 
-    async def namespace_spec(
-        self, ns_id: str, *, timeout_s: float | None = None
-    ) -> bytes | None:
+    async def namespace_spec(self, ns_id: str, *, timeout_s: float | None = None) -> bytes | None:
         """The namespace spec a member published for ``ns_id`` (JSON, as Redis holds it: not
         trusted, the caller parses and checks it), or None."""
         raw = await self._bounded(self.redis.hget(schema.namespaces_key(), ns_id), timeout_s)

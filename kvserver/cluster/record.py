@@ -38,7 +38,9 @@ ALLOW_OOM = "#!lua flags=allow-oom\n"
 # Renews the record while it names this incarnation (1): its TTL alone when its contents are
 # the same, else rewritten; otherwise changes nothing and returns the record there (nil:
 # none).
-RENEW_SCRIPT = ALLOW_OOM + """
+RENEW_SCRIPT = (
+    ALLOW_OOM
+    + """
 local cur = redis.call('GET', KEYS[1])
 if not cur then return false end
 if not string.find(cur, ARGV[3], 1, true) then return cur end
@@ -49,6 +51,7 @@ else
 end
 return 1
 """
+)
 
 # KEYS[1]: a string. ARGV: its value, its TTL (ms). A registration's record, a resync's
 # new fence number (``SET .. PX``, allowed while Redis is full).

@@ -92,11 +92,14 @@ return out
 # KEYS[1]: an incarnation's write fence. ARGV: the number it should read, the next, its TTL
 # (ms). Moves it only from the number before (a late tail's move, after a resync set a new
 # one, changes nothing); returns what it read (nil: none). Done while Redis is full.
-FENCE_SCRIPT = ALLOW_OOM + """
+FENCE_SCRIPT = (
+    ALLOW_OOM
+    + """
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
 return v
 """
+)
 
 SetId = tuple[str, str]  # (ns_id, tier)
 
@@ -391,4 +394,3 @@ class IndexWriter:
             for set_id, card in zip(self.set_ids(), cards, strict=True)
             if int(card) != self.sizes.get(set_id, 0)
         ]
-

@@ -68,9 +68,7 @@ def authorize(who: Principal, service: KVService, op: str, args: dict[str, Any])
             who.may_write()
 
 
-def allow_prefix(
-    who: Principal, spec: NamespaceSpec, request: Any, *, write: bool = False
-) -> None:
+def allow_prefix(who: Principal, spec: NamespaceSpec, request: Any, *, write: bool = False) -> None:
     """gRPC: UnknownNamespace (as if not registered) unless ``who`` sees ``spec``;
     PermissionDenied unless it may use it (``write``: change it) with the
     cache_salt of ``request``'s ``tokens`` prefix, if it has one (Lookup, Pin, Unpin,

@@ -36,6 +36,8 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # "--dram -5GiB" is a bad value, not a missing one: a word that starts with a minus and a
     # digit is a value here (argparse's own test takes plain negative numbers only)
     p._negative_number_matcher = re.compile(r"^-\d")
+    # the options as a table, one or two lines each
+    # fmt: off
     p.add_argument("--config", metavar="FILE", help="TOML config file (keys = long flag names)")
     p.add_argument("--host", metavar="HOST", help="address to bind (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, metavar="PORT",
@@ -140,6 +142,7 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ready-file", metavar="FILE",
                    help="write JSON {pid, ports, arena_path} here once serving")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO (default), WARNING, ERROR")
+    # fmt: on
     p.set_defaults(func=_cmd_start)
 
 
@@ -166,7 +169,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                   "peer_suspect_s", "peer_curve_server_key_file", "peer_stream_port",
                   "peer_stream_window", "peer_tls_ca_file", "peer_tls_server_name",
                   "no_auth", "zmq_send_max_unsent")
-    }
+    }  # fmt: skip
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)
     except KVServerError as exc:

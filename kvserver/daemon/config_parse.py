@@ -21,11 +21,20 @@ from kvserver.errors import InvalidArgument
 from kvserver.keyset import ensure_key_set
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
 }
 
 
@@ -59,9 +68,7 @@ def fill_from_keys_dir(kwargs: dict[str, Any], default_host: str) -> None:
     advertised = str(kwargs.get("advertise_addr") or "")
     hosts += [h for h in (host, advertised) if h and h not in ("0.0.0.0", "::")]
     keys = ensure_key_set(str(kwargs["keys_dir"]), hosts)
-    kwargs.update(
-        (name, getattr(keys, name)) for name in _KEYS_DIR_FIELDS if hasattr(keys, name)
-    )
+    kwargs.update((name, getattr(keys, name)) for name in _KEYS_DIR_FIELDS if hasattr(keys, name))
 
 
 def coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
@@ -70,8 +77,14 @@ def coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
     if name == "tenants":
         return parse_tenants(value)
     if name in (
-        "dram", "page_size", "max_message_bytes", "ssd", "ssd_staging", "local_inflight_bytes",
-        "peer_stream_window", "zmq_send_max_unsent",
+        "dram",
+        "page_size",
+        "max_message_bytes",
+        "ssd",
+        "ssd_staging",
+        "local_inflight_bytes",
+        "peer_stream_window",
+        "zmq_send_max_unsent",
     ):
         try:
             return parse_size(value)

@@ -112,13 +112,19 @@ _SSD_COUNTERS = (
     ("kvserver_promotions", "Chunks promoted from SSD to DRAM.", "promoted_chunks"),
     ("kvserver_writedowns", "Chunks written down from DRAM to SSD.", "stored_chunks"),
     ("kvserver_corrupt_chunks", "Chunks that failed verification on read.", "corrupt_chunks"),
-    ("kvserver_refused_direct_chunks", "Chunks not served straight from SSD: over the bound "
-     "on read buffers alive.", "refused_direct_chunks"),
+    (
+        "kvserver_refused_direct_chunks",
+        "Chunks not served straight from SSD: over the bound on read buffers alive.",
+        "refused_direct_chunks",
+    ),
     ("kvserver_io_errors", "Failed disk reads and writes.", "io_errors"),
     ("kvserver_ssd_written_bytes", "Bytes written to the SSD tier.", "bytes_written"),
     ("kvserver_ssd_read_bytes", "Bytes read from the SSD tier.", "bytes_read"),
-    ("kvserver_ssd_released_slots", "SSD slots whose disk blocks were given back (punched) "
-     "to keep the disk used within --ssd.", "released_slots"),
+    (
+        "kvserver_ssd_released_slots",
+        "SSD slots whose disk blocks were given back (punched) to keep the disk used within --ssd.",
+        "released_slots",
+    ),
 )
 #: the peer stream's server end (``stats()["peer_stream"]``): (name without _total, help, key)
 _STREAM_COUNTERS = (

@@ -264,9 +264,7 @@ class KVService:
         finally:
             self._publish()
 
-    def needs_promotion(
-        self, ns_id: str, keys: Sequence[bytes], *, local: bool = False
-    ) -> bool:
+    def needs_promotion(self, ns_id: str, keys: Sequence[bytes], *, local: bool = False) -> bool:
         """True if some of ``keys`` must be promoted from a lower tier (``local``: of this
         host's own) before a load can pin them."""
         return self.stack.needs_promotion(ns_id, keys, local=local)

@@ -139,9 +139,7 @@ class TlsIO:
         self.timeout_s = timeout_s
 
     @classmethod
-    async def accept(
-        cls, sock: socket.socket, context: ssl.SSLContext, timeout_s: float
-    ) -> TlsIO:
+    async def accept(cls, sock: socket.socket, context: ssl.SSLContext, timeout_s: float) -> TlsIO:
         """The TLS handshake on the accepted (non-blocking) ``sock`` within ``timeout_s``;
         :class:`Closed` when it fails (a plain client, an untrusted or missing client
         certificate, a timeout): the caller closes it."""

@@ -92,9 +92,7 @@ class TierStack:
             return LookupHits(ns_id, hits, hits * chunk_tokens, len(keys), {"dram": hits})
         found = self._walk(ns_id, keys, hits, tiers, None)
         if found is None:
-            return Pending(
-                lambda: self._lookup_io(ns_id, keys, hits, tiers, touch, chunk_tokens)
-            )
+            return Pending(lambda: self._lookup_io(ns_id, keys, hits, tiers, touch, chunk_tokens))
         return self._result(ns_id, keys, hits, tiers, found, touch, chunk_tokens)
 
     async def _lookup_io(

@@ -136,6 +136,7 @@ def test_compose_daemons_use_curve_and_tls_and_clients_their_keys(
             clients[role] = ClientSecurity(
                 local(args.curve_server_key_file), local(args.curve_secret_key_file)
             )
+
         # the engine listens beyond its containers with TLS (front door) and CURVE (steps)
         def argv(service: str) -> list[str]:
             return [local(a) if a.startswith("/keys/") else str(a)
@@ -256,8 +257,12 @@ def test_k8s_keys_are_made_mounted_and_work(
     assert read_token_file(daemon_files[probe.auth_token_file]) == token
     proc = _serve(tmp_path, DaemonConfig(**local), token)
     try:
-        _assert_clients_served(proc, {"vllm": engine},
-                               ClientSecurity(tls_ca_file=daemon_files[probe.tls_ca_file]), token)
+        _assert_clients_served(
+            proc,
+            {"vllm": engine},
+            ClientSecurity(tls_ca_file=daemon_files[probe.tls_ca_file]),
+            token,
+        )
         # a router on another node dials a node IP and checks the certificate's name; it
         # reads the token from the engine keys like the pods
         ca_file = made[("Secret", "kvserver-engine-keys")]["server.crt"]

@@ -112,7 +112,9 @@ def test_write_read_round_trip_across_extents() -> None:
         assert b"".join(bytes(v) for v in arena.views(extents)) == data
         parts = arena.views_of([extents[1:], extents[:1], ()])
         assert [[bytes(v) for v in part] for part in parts] == [
-            [bytes(v) for v in arena.views(extents[1:])], [data[:PAGE]], []
+            [bytes(v) for v in arena.views(extents[1:])],
+            [data[:PAGE]],
+            [],
         ]
         # Nothing outside the extents was touched.
         assert arena.read(((0, PAGE), (2 * PAGE, PAGE))) == bytes(2 * PAGE)

@@ -19,9 +19,7 @@ PART = 64 << 10
 
 
 def make_engine(policy: str, capacity: int) -> tuple[StorageEngine, str]:
-    engine = StorageEngine(
-        EngineConfig(dram_bytes=capacity * PART, page_size=PART, policy=policy)
-    )
+    engine = StorageEngine(EngineConfig(dram_bytes=capacity * PART, page_size=PART, policy=policy))
     spec = NamespaceSpec(
         model="test/plain-clients", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=16,
         block_size=16, part_bytes_override=PART,

@@ -608,7 +608,6 @@ def test_chain_declines_a_plain_clients_put_only_on_evidence() -> None:
     assert policy.declined and snapshot(policy) == before
 
 
-
 def test_chain_shared_keys_age_less_once_prompts_are_what_misses() -> None:
     """``kappa`` (how much a shared key's age counts) falls with each missed chunk that was a
     shared key evicted earlier, rises with each that was the returning conversation's own,

@@ -45,9 +45,7 @@ def test_a_message_within_its_budget_is_kept_whole(pair: Any) -> None:
     assert (incoming.count, incoming.size, incoming.cost) == (10, 49, 79)
 
 
-@pytest.mark.parametrize(
-    ("keep", "budget"), [(9, ()), (10, (78, 3))], ids=["frames", "bytes"]
-)
+@pytest.mark.parametrize(("keep", "budget"), [(9, ()), (10, (78, 3))], ids=["frames", "bytes"])
 def test_past_its_budget_the_header_alone_is_kept_and_every_frame_counted(
     pair: Any, keep: int, budget: tuple[int, ...]
 ) -> None:

@@ -37,8 +37,13 @@ def main() -> int:
             sock.send_multipart([peer, wire.encode_reply(req_id, SID, {"sid": SID})])
         elif op == wire.REGISTER_NAMESPACE:
             spec = NamespaceSpec.from_dict(args["spec"])
-            result = {"ns_id": spec.ns_id, "part_bytes": spec.part_bytes, "key_size": 32,
-                      "tp_world_size": spec.tp_world_size, "chunk_tokens": spec.chunk_tokens}
+            result = {
+                "ns_id": spec.ns_id,
+                "part_bytes": spec.part_bytes,
+                "key_size": 32,
+                "tp_world_size": spec.tp_world_size,
+                "chunk_tokens": spec.chunk_tokens,
+            }
             sock.send_multipart([peer, wire.encode_reply(req_id, SID, result)])
         elif op == wire.LOOKUP:  # it holds every key asked
             n = len(args["keys"])

@@ -267,9 +267,7 @@ class MiniEngine:
         self.history.append(record)
         return record
 
-    def _worker_pass(
-        self, out: Any, computed: dict[str, int]
-    ) -> KVConnectorOutput | None:
+    def _worker_pass(self, out: Any, computed: dict[str, int]) -> KVConnectorOutput | None:
         worker = self.worker
         if worker is None:
             self._forward(out, computed)

@@ -296,9 +296,7 @@ def test_preemption_with_stores_in_flight(
         outputs = dict(eng.outputs)
         # a request was preempted while its stores were held in flight: the step that freed
         # its blocks named it for the barrier
-        assert flush_opened and flush_opened[0] <= set().union(
-            *(r.preempted for r in eng.history)
-        )
+        assert flush_opened and flush_opened[0] <= set().union(*(r.preempted for r in eng.history))
         assert_scheduler_empty(eng)
         sequences = [[*tokens, *outputs[req_id]] for req_id, tokens in prompts]
         for seq in sequences:  # 109 of 110 tokens computed: 3 chunks each
@@ -595,9 +593,7 @@ def test_a_hit_vllm_changed_recomputes_only_the_blocks_after_the_local_hit(
     assert daemon_holds_nothing(daemon)
 
 
-def test_daemon_down_means_no_hits_and_scheduling_goes_on(
-    model_dir: Path, tmp_path: Path
-) -> None:
+def test_daemon_down_means_no_hits_and_scheduling_goes_on(model_dir: Path, tmp_path: Path) -> None:
     dead = start_daemon(tmp_path / "dead")
     address = dead.zmq_address
     dead.kill()  # nothing listens there any more

@@ -259,9 +259,7 @@ class PeerFetches:
         for k, hs in todo:
             hosts = memo.get(hs)
             if hosts is None:
-                hosts = memo[hs] = frozenset(
-                    h for h in hs if h in peers and not book.is_suspect(h)
-                )
+                hosts = memo[hs] = frozenset(h for h in hs if h in peers and not book.is_suspect(h))
             if asked:
                 hosts = frozenset(h for h in hosts if k not in asked.get(h, ()))
             usable.append(hosts)

@@ -159,9 +159,7 @@ class PeerLink:
         ask again once the replies before it have arrived)."""
         ns_id = spec.ns_id
         try:
-            rows = await self._call(
-                lambda kv: kv.get(ns_id, keys, leading=True, spec=spec), via
-            )
+            rows = await self._call(lambda kv: kv.get(ns_id, keys, leading=True, spec=spec), via)
         except (UnknownNamespace, UnknownKey):
             return []
         check_rows(spec, keys, rows, self.peer)

@@ -95,7 +95,10 @@ class Member:
         failed."""
         port = 10_000 + zlib.crc32(self.host_id.encode()) % 50_000  # one per member: never
         identity = HostInfo(  # connected to, but one address per member, as in a real fleet
-            self.host_id, "", self.data_address or f"tcp://127.0.0.1:{port}", "127.0.0.1:2",
+            self.host_id,
+            "",
+            self.data_address or f"tcp://127.0.0.1:{port}",
+            "127.0.0.1:2",
             ("dram",),
         )
         self.node = ClusterNode(

@@ -87,7 +87,10 @@ def test_a_client_that_stops_reading_loses_its_connection_not_everyones_dram(
             wait_until(stored, timeout=15)
             assert kv.stats()["pinned_pages"] == 0
             assert kv.stats()["zmq_sends"] == {
-                "pins": 0, "unsent_bytes": 0, "cut_connections": 1, "refused": 0
+                "pins": 0,
+                "unsent_bytes": 0,
+                "cut_connections": 1,
+                "refused": 0,
             }
             metrics = scrape(daemon.metrics_url)
             assert metrics.value("kvserver_zmq_send_cuts_total") == 1

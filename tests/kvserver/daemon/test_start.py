@@ -80,8 +80,10 @@ def start_cmd(tmp_path: Path, *extra: str) -> list[str]:
         (("--page-size", "3KiB"), "page_size must be a power of two >= 4096 (value=3072)"),
         # was: served, "metrics not served" in the log (--grpc-port too: the arena made, ZMQ
         # bound, then gRPC's "Failed to bind", exit 1)
-        (("--zmq-port", "39777", "--metrics-port", "39777"),
-         "zmq_port and metrics_port are the same port; give each its own (value=39777)"),
+        (
+            ("--zmq-port", "39777", "--metrics-port", "39777"),
+            "zmq_port and metrics_port are the same port; give each its own (value=39777)",
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_setting_and_exit_2(

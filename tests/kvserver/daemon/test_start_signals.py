@@ -27,9 +27,9 @@ IGNORING_SIGINT = (
 )
 
 
-def _start_paused(tmp_path: Path, step: str, *, sigint_ignored: bool = False) -> tuple[
-    subprocess.Popen[str], list[str], threading.Thread
-]:
+def _start_paused(
+    tmp_path: Path, step: str, *, sigint_ignored: bool = False
+) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
     """``kvserver start`` waiting at ``step``; returns it, its stderr lines so far and the
     thread that reads on until it exits."""
     cmd = [

@@ -148,9 +148,7 @@ def test_a_tenant_cannot_touch_another_tenants_namespace(fleet: Fleet, channel: 
     model and a foreign cache_salt are PermissionDenied, and B's chunks are as they were;
     its own namespace works."""
     local = channel == "local"
-    with KVClient(
-        fleet.d.zmq_address, auth_token=TOKEN_A, colocated=local, local=local
-    ) as a:
+    with KVClient(fleet.d.zmq_address, auth_token=TOKEN_A, colocated=local, local=local) as a:
         a.hello()
         a.namespaces()  # the first call after hello connects the local channel
         assert a.is_local is local
@@ -400,8 +398,10 @@ def test_the_daemons_own_token_still_does_everything(fleet: Fleet) -> None:
     [
         ('name = "x"\ntoken = "0123456789abcdefgh"\n', "models must list"),
         ('name = "x"\nmodels = ["m"]\n', "exactly one of token_file or token"),
-        ('name = "x"\ntoken = "0123456789abcdefgh"\nmodels = ["m"]\nwrite = 1\n',
-         "unknown fields write"),
+        (
+            'name = "x"\ntoken = "0123456789abcdefgh"\nmodels = ["m"]\nwrite = 1\n',
+            "unknown fields write",
+        ),
         ('name = "x"\ntoken_file = "{loose}"\nmodels = ["m"]\n', "accessible to other users"),
         ('name = "x"\ntoken_file = "{missing}"\nmodels = ["m"]\n', "cannot read token file"),
         ('name = "x"\ntoken = "short"\nmodels = ["m"]\n', "at least 16 characters"),
@@ -415,8 +415,22 @@ def test_a_malformed_tenants_section_stops_start_up(
     text = "[[tenants]]\n" + table.format(loose=loose, missing=tmp_path / "nope.token")
     config = write_config(tmp_path, text)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserver.cli", "start", "--config", str(config),
-         "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "-1", "--metrics-port", "-1"],
+        [
+            sys.executable,
+            "-m",
+            "kvserver.cli",
+            "start",
+            "--config",
+            str(config),
+            "--grpc-port",
+            "0",
+            "--zmq-port",
+            "0",
+            "--pub-port",
+            "-1",
+            "--metrics-port",
+            "-1",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

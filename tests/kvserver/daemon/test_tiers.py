@@ -64,9 +64,7 @@ class MemoryTier(Tier):
         await asyncio.sleep(0)  # the round trip
         return [(ns_id, k) in self.chunks for k in keys]
 
-    def record_lookup(
-        self, ns_id: str, hits: Sequence[bytes], misses: int, *, touch: bool
-    ) -> None:
+    def record_lookup(self, ns_id: str, hits: Sequence[bytes], misses: int, *, touch: bool) -> None:
         self.recorded.append((list(hits), misses))
 
     def _only_here(self, ns_id: str, keys: Sequence[bytes]) -> list[bytes]:
@@ -92,17 +90,14 @@ class MemoryTier(Tier):
             engine.complete_store(grant.lease_id)
         if not direct:
             return {}
-        return {
-            k: [memoryview(p) for p in self.chunks[(ns_id, k)]] for k in todo if k not in taken
-        }
+        return {k: [memoryview(p) for p in self.chunks[(ns_id, k)]] for k in todo if k not in taken}
 
     def on_evict(self, spec: NamespaceSpec, victims: list[Entry]) -> None:
         views = self.svc.engine.arena.views
         for victim in victims:
             self.offered.append(victim.key)
             self.chunks[(spec.ns_id, victim.key)] = [
-                b"".join(bytes(v) for v in views(ext))[: spec.part_bytes]
-                for ext in victim.extents
+                b"".join(bytes(v) for v in views(ext))[: spec.part_bytes] for ext in victim.extents
             ]
 
     def stats(self) -> dict[str, Any]:

@@ -128,8 +128,9 @@ def test_curve_and_tls_serve_clients_with_keys_and_nobody_else(tmp_path: Path) -
             wait_until(event_arrives)
             assert sub.recv_multipart()[0].startswith(wire.TOPIC_PREFIX.encode())
 
-        with KVClient(d.zmq_address, colocated=False, timeout=1.0) as plain, pytest.raises(
-            KVServerError
+        with (
+            KVClient(d.zmq_address, colocated=False, timeout=1.0) as plain,
+            pytest.raises(KVServerError),
         ):
             plain.hello()
 
@@ -171,15 +172,17 @@ def test_mutual_tls_and_a_curve_client_list(tmp_path: Path) -> None:
         with KVClient(d.zmq_address, curve=listed, colocated=False) as kv:
             assert kv.hello()["protocol_version"] == wire.PROTOCOL_VERSION
         stranger = CurveClient.from_files(server_key, stranger_secret)
-        with KVClient(
-            d.zmq_address, curve=stranger, colocated=False, timeout=1.0
-        ) as kv, pytest.raises(KVServerError):
+        with (
+            KVClient(d.zmq_address, curve=stranger, colocated=False, timeout=1.0) as kv,
+            pytest.raises(KVServerError),
+        ):
             kv.hello()
 
         with GrpcClient(d.grpc_address, tls=TlsClient(cert, client_cert, client_key)) as g:
             assert g.stats().server_version
-        with GrpcClient(d.grpc_address, tls=TlsClient(cert), timeout=2.0) as g, pytest.raises(
-            KVServerError
+        with (
+            GrpcClient(d.grpc_address, tls=TlsClient(cert), timeout=2.0) as g,
+            pytest.raises(KVServerError),
         ):
             g.stats()
     finally:

@@ -309,9 +309,7 @@ def test_fuzz_arguments_of_every_op(fz: Fuzzed) -> None:
         )
     for bad in (1, "yes", [True], {"packed": True}):  # the packed grant's flag: a boolean
         args = {"ns_id": fz.ns.ns_id, "keys": [], "packed": bad}
-        fz.error(
-            [req(wire.PREPARE_STORE, args)], "invalid_argument", "argument 'packed' must be"
-        )
+        fz.error([req(wire.PREPARE_STORE, args)], "invalid_argument", "argument 'packed' must be")
     fz.error([req(wire.GET, {"ns_id": fz.ns.ns_id, "keys": [bytes(32)]})], "unknown_key")
     with KVClient(fz.daemon.zmq_address, client_id="fuzzer") as kv:
         kv.release()  # the fuzzer's reservations and pins

@@ -47,6 +47,7 @@ def bound(timeout_s: float) -> float:
     """The most a fetch may take: a hello and a get, each within the timeout, and room."""
     return 2 * timeout_s + 3.0
 
+
 Answer = Callable[[dict[str, Any]], list[bytes] | None]
 
 

@@ -361,8 +361,13 @@ async def garbage(writer: asyncio.StreamWriter, req: wire_stream.FetchRequest) -
 
 @pytest.mark.parametrize(
     ("behaviour", "timed_out"),
-    [(half_then_close, True), (half_then_stall, True), (too_many, False), (wrong_size, False),
-     (garbage, False)],
+    [
+        (half_then_close, True),
+        (half_then_stall, True),
+        (too_many, False),
+        (wrong_size, False),
+        (garbage, False),
+    ],
 )
 async def test_a_reply_cut_short_or_malformed_places_nothing_and_leaves_nothing_reserved(
     behaviour: Behaviour, timed_out: bool
@@ -493,11 +498,13 @@ def msgpack_request(header: Any) -> bytes:
 
 @pytest.mark.parametrize(
     ("data", "code"),
-    [(request_head(magic=b"GET "), "invalid_argument"),
-     (request_head(version=2), "unsupported_version"),
-     (request_head(flags=1), "invalid_argument"),
-     (request_head(length=wire_stream.MAX_REQUEST_BYTES + 1), "invalid_argument"),
-     (request_head(length=0), "invalid_argument")],
+    [
+        (request_head(magic=b"GET "), "invalid_argument"),
+        (request_head(version=2), "unsupported_version"),
+        (request_head(flags=1), "invalid_argument"),
+        (request_head(length=wire_stream.MAX_REQUEST_BYTES + 1), "invalid_argument"),
+        (request_head(length=0), "invalid_argument"),
+    ],
 )
 def test_bad_framing_is_answered_then_the_connection_closed(
     served: DaemonProc, data: bytes, code: str
@@ -515,14 +522,18 @@ def hello_head(magic: bytes = wire_stream.HELLO_MAGIC, version: int = 1, length:
 
 @pytest.mark.parametrize(
     ("data", "code"),
-    [(wire_stream.encode_hello("not-the-token"), "unauthenticated"),
-     (wire_stream.encode_hello(""), "unauthenticated"),
-     (hello_head(length=2) + b"\xff\xfe", "unauthenticated"),  # not UTF-8: no token
-     (wire_stream.encode_hello("x" * 255), "unauthenticated"),
-     (hello_head(magic=b"GET "), "invalid_argument"),
-     (hello_head(version=2), "unsupported_version"),
-     (wire_stream.encode_request(wire_stream.FetchRequest(1, SPEC.ns_id, KEYS)),
-      "invalid_argument")],  # a request before any hello
+    [
+        (wire_stream.encode_hello("not-the-token"), "unauthenticated"),
+        (wire_stream.encode_hello(""), "unauthenticated"),
+        (hello_head(length=2) + b"\xff\xfe", "unauthenticated"),  # not UTF-8: no token
+        (wire_stream.encode_hello("x" * 255), "unauthenticated"),
+        (hello_head(magic=b"GET "), "invalid_argument"),
+        (hello_head(version=2), "unsupported_version"),
+        (
+            wire_stream.encode_request(wire_stream.FetchRequest(1, SPEC.ns_id, KEYS)),
+            "invalid_argument",
+        ),
+    ],  # a request before any hello
 )
 def test_a_connection_without_the_token_is_refused_before_any_request_is_read(
     served: DaemonProc, data: bytes, code: str
@@ -541,20 +552,17 @@ def test_a_connection_without_the_token_is_refused_before_any_request_is_read(
 
 @pytest.mark.parametrize(
     ("data", "code"),
-    [(request_head(length=3) + b"\xc1\xc1\xc1", "invalid_argument"),
-     (msgpack_request([1, 2]), "invalid_argument"),
-     (msgpack_request({"x": 1}), "invalid_argument"),
-     (msgpack_request({"id": -1, "ns_id": "x", "keys": [b"k"]}),
-      "invalid_argument"),
-     (msgpack_request({"id": 1, "ns_id": "x", "keys": []}), "invalid_argument"),
-     (msgpack_request({"id": 1, "ns_id": "x", "keys": [b"k" * 65]}),
-      "invalid_argument"),
-     (msgpack_request({"id": 1, "ns_id": "x", "keys": ["str"]}),
-      "invalid_argument"),
-     (msgpack_request({"id": 1, "ns_id": "0" * 16, "keys": [b"k"]}),
-      "unknown_namespace"),
-     (msgpack_request({"id": 1, "ns_id": SPEC.ns_id, "keys": [b"k"]}),
-      "invalid_argument")],  # a key of the wrong size for the namespace
+    [
+        (request_head(length=3) + b"\xc1\xc1\xc1", "invalid_argument"),
+        (msgpack_request([1, 2]), "invalid_argument"),
+        (msgpack_request({"x": 1}), "invalid_argument"),
+        (msgpack_request({"id": -1, "ns_id": "x", "keys": [b"k"]}), "invalid_argument"),
+        (msgpack_request({"id": 1, "ns_id": "x", "keys": []}), "invalid_argument"),
+        (msgpack_request({"id": 1, "ns_id": "x", "keys": [b"k" * 65]}), "invalid_argument"),
+        (msgpack_request({"id": 1, "ns_id": "x", "keys": ["str"]}), "invalid_argument"),
+        (msgpack_request({"id": 1, "ns_id": "0" * 16, "keys": [b"k"]}), "unknown_namespace"),
+        (msgpack_request({"id": 1, "ns_id": SPEC.ns_id, "keys": [b"k"]}), "invalid_argument"),
+    ],  # a key of the wrong size for the namespace
 )
 def test_a_bad_request_in_good_framing_is_answered_and_the_stream_goes_on(
     served: DaemonProc, data: bytes, code: str

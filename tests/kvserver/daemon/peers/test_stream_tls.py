@@ -231,9 +231,7 @@ async def test_a_plain_fetcher_at_a_tls_port_fails_cleanly(
     still_serving(served, certs.fleet[0])
 
 
-def test_a_plain_hello_at_a_tls_port_gets_no_stream_reply(
-    served: DaemonProc, certs: Certs
-) -> None:
+def test_a_plain_hello_at_a_tls_port_gets_no_stream_reply(served: DaemonProc, certs: Certs) -> None:
     refused = stream_stats(served)["refused_handshakes"]
     with socket.create_connection(("127.0.0.1", served.info["peer_stream_port"]), 5) as sock:
         sock.settimeout(10)
