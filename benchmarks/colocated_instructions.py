@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.harness.callgrind import run_measured
+from benchmarks.harness.callgrind import daemon_ready, run_measured
 
 if TYPE_CHECKING:
     from kvserver.client import KVClient
@@ -129,12 +127,7 @@ def _client(sizes: list[int], rounds: int, out: Path) -> None:
                            check=True, capture_output=True)  # fmt: skip
 
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the daemon did not start under valgrind")
-            time.sleep(0.2)  # polling for the ready file, bounded by the deadline
-        info = json.loads(ready.read_text())
+        info = daemon_ready(daemon, ready, START_TIMEOUT_S)
         with KVClient(f"tcp://127.0.0.1:{info['zmq_port']}", colocated=True, timeout=600) as kv:
             src_buf = memoryview(bytearray(random.Random(0).randbytes(BATCH_BYTES)))
             dst_buf = memoryview(bytearray(BATCH_BYTES))

@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.daemon_lookup import LOOKUP_TOKENS
-from benchmarks.harness.callgrind import dump_name, per_call, run_measured
+from benchmarks.harness.callgrind import daemon_ready, dump_name, per_call, run_measured
 
 KINDS = (
     "health", "lookup 1 key", "lookup 2,048 keys", "lookup a new 32k-token prompt",
@@ -96,12 +94,7 @@ def _client(calls: int, out: Path) -> None:
                            capture_output=True)  # fmt: skip
 
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the daemon did not start under valgrind")
-            time.sleep(0.2)  # polling for the ready file, bounded by the deadline
-        info = json.loads(ready.read_text())
+        info = daemon_ready(daemon, ready, START_TIMEOUT_S)
         spec = _spec(1024, "lookup")
         rng = random.Random(1)
         tokens = [rng.randrange(128_256) for _ in range(LOOKUP_TOKENS)]

@@ -5,13 +5,16 @@ kind of call N times between two :func:`dump` calls named by :func:`dump_name`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 _TRIGGER = re.compile(r"^desc: Trigger: .*kind(\d+)x(\d+)\s*$", re.M)
 _SUMMARY = re.compile(r"^summary: (\d+)$", re.M)
@@ -69,3 +72,15 @@ def dump(out: Path | None, name: str) -> None:
         if done.returncode == 0:
             return
     raise SystemExit(f"callgrind_control --dump failed: {done.stdout}{done.stderr}")
+
+
+def daemon_ready(daemon: subprocess.Popen[bytes], ready: Path, timeout_s: float) -> Any:
+    """The ready file of ``daemon`` started under valgrind (its JSON), polled until it appears;
+    SystemExit once the daemon has exited or ``timeout_s`` has passed (valgrind's start-up is
+    slow: minutes on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the daemon did not start under valgrind")
+        time.sleep(0.2)  # polling for the ready file, bounded by the deadline
+    return json.loads(ready.read_text())
