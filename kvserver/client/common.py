@@ -47,21 +47,63 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2000
 
 
+#: the forms :func:`data_address` takes, for its errors
+ADDRESS_FORMS = (
+    "tcp://HOST:PORT (PORT 1-65535, an IPv6 HOST may be in brackets), HOST[:PORT] "
+    "(tcp:// and port 9471 implied) or ipc://PATH"
+)
+
+
 def data_address(text: str) -> str:
     """The daemon's ZMQ data endpoint for ``text``: an endpoint with a scheme
     (``tcp://HOST:PORT``, ``ipc://PATH``) as it is; ``HOST[:PORT]`` (ZMQ refuses it with a bare
     "Invalid argument") with ``tcp://`` and, without a port, the daemon's default
-    :data:`DEFAULT_DATA_PORT`. IPv6 hosts may be bracketed. Raises InvalidArgument for ""."""
+    :data:`DEFAULT_DATA_PORT`. IPv6 hosts may be bracketed (``tcp://`` with an unbracketed one
+    is taken as ZMQ takes it: the port after the last colon, as a daemon advertises an IPv6
+    ``--advertise-addr`` to its fleet). Raises InvalidArgument, naming ``text`` and
+    :data:`ADDRESS_FORMS`, for anything else: "", another scheme (a daemon binds neither
+    ``inproc://`` nor any other), a ``tcp://`` address without a host or with a port that is
+    not 1-65535, an empty ``ipc://`` path (ZMQ would raise a bare ZMQError at the first
+    call, or connect for ever to port 0 or 99999)."""
     text = text.strip()
     if not text:
-        raise InvalidArgument("no daemon address: give tcp://HOST:PORT (its ZMQ data port)")
+        raise InvalidArgument(f"no daemon address: give {ADDRESS_FORMS} (its ZMQ data port)")
     if "://" in text:
-        return text
-    if text.startswith("["):  # [v6] or [v6]:port
-        return f"tcp://{text}" if "]:" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
-    if text.count(":") > 1:  # a bare IPv6 address
-        return f"tcp://[{text}]:{DEFAULT_DATA_PORT}"
-    return f"tcp://{text}" if ":" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
+        endpoint = text
+    elif text.startswith("["):  # [v6] or [v6]:port
+        endpoint = f"tcp://{text}" if "]:" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
+    elif text.count(":") > 1:  # a bare IPv6 address
+        endpoint = f"tcp://[{text}]:{DEFAULT_DATA_PORT}"
+    else:
+        endpoint = f"tcp://{text}" if ":" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
+    why = _refused(endpoint)
+    if why:
+        raise InvalidArgument(f"bad daemon address {text[:200]!r}: {why}; give {ADDRESS_FORMS}")
+    return endpoint
+
+
+def _refused(endpoint: str) -> str:
+    """Why ZMQ's connect to the daemon at ``endpoint`` (``SCHEME://...``) could not work; ""
+    when it can."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc":
+        return "" if rest else "no ipc:// path"
+    if scheme != "tcp":
+        return f"{scheme}:// is no transport of the daemon's data port"
+    host, colon, port = rest.rpartition(":")
+    if not colon:
+        return "no port"
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        return f"port {port[:20]!r} is not 1-65535"
+    if "[" in host or "]" in host:
+        if not (host.startswith("[") and host.endswith("]") and len(host) > 2):
+            return f"host {host[:80]!r} is not an IPv6 address in brackets"
+        host = host[1:-1]
+    if not host or host == "*":
+        return "no host"
+    if any(c.isspace() or c in "/[]" for c in host):
+        return f"host {host[:80]!r} is no host name or address"
+    return ""
 
 
 def default_client_id() -> str:

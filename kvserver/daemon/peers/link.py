@@ -43,6 +43,7 @@ from kvserver.daemon.peers.directory import Peer, PeerFailed
 from kvserver.daemon.peers.stream import TLS_SCHEME, PeerStream, split_address
 from kvserver.errors import (
     CapacityError,
+    InvalidArgument,
     KVServerError,
     Unavailable,
     UnknownKey,
@@ -283,6 +284,8 @@ class PeerLink:
         except (UnknownNamespace, UnknownKey, CapacityError):
             ok = True  # a clean answer (capacity: "retry later"): the connection is fine
             raise
+        except PeerFailed:  # a bad address (_acquire): already the peer's failure
+            raise
         except Unavailable as exc:
             msg = f"peer unavailable: {exc.message}"
             raise PeerFailed(msg, timed_out=True, peer=self.peer.host_id) from None
@@ -311,15 +314,24 @@ class PeerLink:
             if self._idle:
                 return self._idle.pop()
             self._opened += 1
-        return AsyncKVClient(
-            self.peer.data_address,
-            timeout=self.timeout_s,
-            client_id=self._client_id,
-            auth_token=self._auth_token,
-            colocated=False,
-            max_frame_bytes=self._max_frame,
-            **self._options,
-        )
+        try:
+            return AsyncKVClient(
+                self.peer.data_address,
+                timeout=self.timeout_s,
+                client_id=self._client_id,
+                auth_token=self._auth_token,
+                colocated=False,
+                max_frame_bytes=self._max_frame,
+                **self._options,
+            )
+        except InvalidArgument as exc:  # an address no client takes (a record or --peers
+            # entry ZMQ would refuse): the peer fails, and no connection is counted open
+            self._opened -= 1
+            async with self._freed:
+                self._freed.notify()
+            raise PeerFailed(
+                f"bad peer address: {exc.message}", timed_out=False, peer=self.peer.host_id
+            ) from None
 
     async def _release(self, kv: AsyncKVClient, *, reuse: bool) -> None:
         if reuse and not self._closed:

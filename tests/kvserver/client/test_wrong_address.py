@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kvserver.client import AsyncKVClient, KVClient
-from kvserver.client.common import DEFAULT_DATA_PORT, data_address
+from kvserver.client.common import ADDRESS_FORMS, DEFAULT_DATA_PORT, data_address
 from kvserver.client.links import open_dealer
 from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import InvalidArgument, Unavailable
@@ -100,6 +101,85 @@ def test_data_address_completes_what_zmq_would_refuse(given: str, endpoint: str)
     assert data_address(given) == endpoint
 
 
+@pytest.mark.parametrize(
+    "given",
+    ["tcp://[::1]:65535", "tcp://::1:5", "tcp://kv-host.example:1", "ipc://@kvserver", "h:05"],
+)
+def test_data_address_passes_what_zmq_connects_to(given: str) -> None:
+    """An unbracketed IPv6 host after ``tcp://`` is what a daemon with an IPv6
+    ``--advertise-addr`` writes in its fleet record: ZMQ takes the port after the last
+    colon, and so does the client."""
+    endpoint = given if "://" in given else f"tcp://{given}"
+    assert data_address(given) == endpoint
+
+
+@pytest.mark.parametrize(
+    ("given", "why"),
+    [
+        ("tcp://10.0.0.1", "no port"),
+        ("tcp://10.0.0.1:", "port '' is not 1-65535"),
+        ("tcp://10.0.0.1:0", "port '0' is not 1-65535"),
+        ("tcp://10.0.0.1:65536", "port '65536' is not 1-65535"),
+        ("tcp://10.0.0.1:99999", "port '99999' is not 1-65535"),
+        ("tcp://10.0.0.1:0000009471", "port '0000009471' is not 1-65535"),
+        ("tcp://10.0.0.1:abc", "port 'abc' is not 1-65535"),
+        ("tcp://10.0.0.1:+5", "port '\\+5' is not 1-65535"),
+        ("tcp://10.0.0.1:5/x", "port '5/x' is not 1-65535"),
+        ("tcp://:9471", "no host"),
+        ("tcp://*:9471", "no host"),
+        ("tcp://[]:9471", "host '\\[\\]' is not an IPv6 address in brackets"),
+        ("tcp://[::1:9471", "host '\\[::1' is not an IPv6 address in brackets"),
+        ("tcp://::1]:9471", "host '::1\\]' is not an IPv6 address in brackets"),
+        ("tcp://a b:9471", "host 'a b' is no host name or address"),
+        ("tcp://h/x:9471", "host 'h/x' is no host name or address"),
+        ("ipc://", "no ipc:// path"),
+        ("nosuch://x", "nosuch:// is no transport of the daemon's data port"),
+        ("inproc://kv", "inproc:// is no transport of the daemon's data port"),
+        ("tls://10.0.0.1:5", "tls:// is no transport of the daemon's data port"),
+        ("10.0.0.1:abc", "port 'abc' is not 1-65535"),
+        ("10.0.0.1:0", "port '0' is not 1-65535"),
+        ("[::1]:", "port '' is not 1-65535"),
+        (":9471", "no host"),
+    ],
+)
+def test_data_address_refuses_what_zmq_would_refuse_or_connect_to_for_ever(
+    given: str, why: str
+) -> None:
+    """Each was passed to ZMQ as it was: a bare ``zmq.ZMQError`` ("Invalid argument",
+    "Protocol not supported") from the first call, or (port 0, 99999, no host) a connect
+    that never succeeds, so every call timed out. Now: InvalidArgument, one line, naming the
+    address, what is wrong and the forms taken."""
+    with pytest.raises(InvalidArgument) as raised:
+        data_address(given)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert re.search(f"bad daemon address {re.escape(repr(given))}: {why}; give ", message)
+    assert ADDRESS_FORMS in message
+
+
+@pytest.mark.parametrize("client", ["sync", "asyncio"])
+def test_a_client_of_a_bad_address_is_refused_at_construction_with_no_socket_open(
+    client: str,
+) -> None:
+    """``KVClient("tcp://127.0.0.1")`` (no port): was constructed, and its first call raised
+    a bare ``zmq.ZMQError: Invalid argument``. Now the constructor raises InvalidArgument
+    before any socket exists: nothing to close, no ResourceWarning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidArgument, match=r"bad daemon address 'tcp://127\.0\.0\.1'"):
+            if client == "sync":
+                KVClient("tcp://127.0.0.1", timeout=0.5)
+            else:
+
+                async def main() -> None:
+                    AsyncKVClient("tcp://127.0.0.1", timeout=0.5)
+
+                uvloop.run(main())
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []
+
+
 def test_the_clients_default_data_port_is_the_daemons() -> None:
     assert DaemonConfig().zmq_port == DEFAULT_DATA_PORT
     with pytest.raises(InvalidArgument, match="no daemon address"):
@@ -112,10 +192,11 @@ def test_a_dealer_zmq_refuses_to_connect_is_closed_not_left_open(
     address: str, context: type[zmq.Context[Any]]
 ) -> None:
     """``open_dealer`` (both clients' DEALER; the network tier's, through AsyncKVClient) at an
-    address that passes the client's check but ZMQ's connect refuses (no port, a transport
-    ZMQ lacks): the ZMQError is raised, and the DEALER and its watch's monitor socket are
-    closed. Before: both were left open in the context (ResourceWarning "unclosed socket"
-    when collected; a ``term()`` of the context meanwhile waited for them forever)."""
+    address ZMQ's connect refuses (no port, a transport ZMQ lacks; ``data_address`` refuses
+    these before, but ZMQ may refuse more: a host name too long): the ZMQError is raised, and
+    the DEALER and its watch's monitor socket are closed. Before: both were left open in the
+    context (ResourceWarning "unclosed socket" when collected; a ``term()`` of the context
+    meanwhile waited for them forever)."""
     ctx = context()
     try:
         with warnings.catch_warnings(record=True) as caught:
