@@ -32,9 +32,10 @@ same :class:`~kvserver.namespace.NamespaceSpec` (same ``ns_id``) without talking
                               instead of one DMA per small extent (docs/worker.md, "Copies")
 
 Contract: :func:`load_config` raises :class:`~kvserver.errors.InvalidArgument` naming the key
-for an unknown key or a bad value, and for a model layout kvserver cannot store (more than one
-KV cache group, pipeline parallelism, an unsupported hash algorithm, or a per-process random
-hash seed, which would make stored keys useless to every other process).
+for an unknown key or a bad value (an ``address`` the clients refuse:
+:func:`~kvserver.client.common.data_address`), and for a model layout kvserver cannot store
+(more than one KV cache group, pipeline parallelism, an unsupported hash algorithm, or a
+per-process random hash seed, which would make stored keys useless to every other process).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvserver.client.common import data_address
 from kvserver.crypto import CLIENT_OPTIONS, ClientSecurity, CurveClient
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import DTYPE_SIZES, NamespaceSpec
@@ -99,6 +101,10 @@ def load_config(vllm_config: Any, kv_cache_config: Any) -> PluginConfig:
             valid=", ".join(sorted(_KEYS)),
         )
     address = _get(extra, "address", str, DEFAULT_ADDRESS)
+    try:
+        data_address(address)  # refused here, naming the key, not by the first client made
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"kv_connector_extra_config.address: {exc.message}") from None
     chunk_blocks = _get(extra, "chunk_blocks", int, 16)
     floats = {k: float(_get(extra, k, (int, float), d)) for k, d in (
         ("lookup_timeout_s", 0.1), ("op_timeout_s", 1.0), ("down_backoff_s", 5.0),

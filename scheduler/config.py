@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserver.client.common import data_address
 from kvserver.crypto import CurveClient, TlsServer, is_loopback
 from kvserver.errors import InvalidArgument
 from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS
@@ -180,6 +181,11 @@ class ProcessConfig:
         ):
             raise InvalidArgument("engine_auth_token must be one line of text")
         check_worker_addresses(self.workers, self.step_curve, self.insecure_remote)
+        if self.kvserver is not None:
+            try:
+                data_address(self.kvserver)  # at start-up, naming the flag: not at the first call
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"kvserver: {exc.message}") from None
         for name in ("step_timeout_s", "hello_timeout_s", "probe_interval_s",
                      "kvserver_lookup_timeout_s", "kvserver_op_timeout_s"):  # fmt: skip
             value = getattr(self, name)

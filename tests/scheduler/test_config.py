@@ -55,6 +55,16 @@ def test_bad_process_configs(kw: dict[str, Any]) -> None:
     assert ProcessConfig(synthetic_workers=2).num_workers == 2
 
 
+def test_a_kvserver_address_the_client_refuses_is_refused_naming_the_field() -> None:
+    """``--kvserver tcp://HOST`` (no port) or ``:99999``: was taken, and the connector's first
+    call raised a bare ZMQError (or timed out for ever); now the config refuses it."""
+    for address in ("tcp://127.0.0.1", "tcp://127.0.0.1:99999", "nosuch://x"):
+        with pytest.raises(InvalidArgument, match=r"^kvserver: bad daemon address '"):
+            ProcessConfig(synthetic_workers=1, kvserver=address)
+    for address in ("tcp://127.0.0.1:9471", "127.0.0.1", "ipc:///run/kv.sock"):
+        assert ProcessConfig(synthetic_workers=1, kvserver=address).kvserver == address
+
+
 def test_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     from kvserver.cli import main
 
