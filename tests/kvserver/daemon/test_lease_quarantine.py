@@ -168,23 +168,33 @@ def test_a_client_load_does_not_start_copying_out_of_an_expired_grant(
     LeaseExpired without copying a byte, and ``read`` given the grant likewise. Before: it
     copied, then complete_load said LeaseExpired."""
     copies: list[object] = []
-    real_copy, real_grant = client_calls.readinto_part, grants.load_grant_from_wire
+    real_copy = client_calls.readinto_part
+    # the grant is decoded by one of two functions: packed (a daemon announcing
+    # "packed_load_grant", as this one does) or the map form; stall both
+    real_grants = {
+        name: getattr(grants, name)
+        for name in ("load_grant_from_wire", "packed_load_grant_from_wire")
+    }
 
     def counted(*args: Any) -> None:
         copies.append(args)
         real_copy(*args)
 
-    def stalled_grant(*args: Any) -> LoadGrant:
-        grant = real_grant(*args)
-        wait_until(lambda: time.monotonic() > grant.deadline)
-        return grant
+    def stalled(name: str) -> Any:
+        def stalled_grant(*args: Any) -> LoadGrant:
+            grant: LoadGrant = real_grants[name](*args)
+            wait_until(lambda: time.monotonic() > grant.deadline)
+            return grant
+
+        return stalled_grant
 
     with KVClient(short_lease_daemon.zmq_address) as c:
         ns_id = c.register_namespace(SPEC).ns_id
         (key,) = make_keys(1, tag="load-late")
         assert c.store(ns_id, [key], [pattern(key, 0, SPEC.part_bytes)]) == [key]
         monkeypatch.setattr(client_calls, "readinto_part", counted)
-        monkeypatch.setattr(grants, "load_grant_from_wire", stalled_grant)
+        for name in real_grants:
+            monkeypatch.setattr(grants, name, stalled(name))
         with pytest.raises(LeaseExpired):  # the client's, or complete_load's after it
             c.load(ns_id, [key])
         assert copies == [], "copied out of an expired grant"

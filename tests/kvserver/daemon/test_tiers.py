@@ -167,7 +167,7 @@ async def test_zmq_lookup_and_load_defer_when_a_tier_needs_io(svc: KVService) ->
     reply = await deferred.run()
     assert isinstance(reply, dict)
     assert reply["tiers"] == {"dram": 1, "mem": 2}
-    load = ops.handle("prepare_load", OpCall({**args, "lease_s": None}, [], "c"))
+    load = ops.handle("prepare_load", OpCall({**args, "lease_s": None, "packed": None}, [], "c"))
     assert isinstance(load, Deferred)  # keys 0, 1 must be promoted first
     grant = await load.run()
     assert isinstance(grant, dict) and grant["grant"]["lease_id"] > 0
