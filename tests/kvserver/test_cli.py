@@ -48,15 +48,15 @@ def test_ctrl_c_ends_a_command_as_sigint_does_without_a_traceback(tmp_path: Path
     os.mkfifo(fifo)
     cmd = [sys.executable, "-m", "kvserver.cli", "lookup", "--model", "m", "--tokens-file",
            str(fifo), "--server", f"127.0.0.1:{free_port()}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        with open(fifo, "w"):  # returns once the command opened it: it waits on its input
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            with open(fifo, "w"):  # returns once the command opened it: it waits on its input
+                proc.send_signal(signal.SIGINT)
+                out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
     assert proc.returncode == -signal.SIGINT, err  # as killed by it: a shell's loop stops
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert out == ""
