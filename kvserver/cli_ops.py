@@ -128,32 +128,25 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
-    return _run("lookup", args, _lookup, read_input=_read_tokens)
+    return _run("lookup", args, _lookup)
 
 
-def _run(name: str, args: argparse.Namespace, body: Any, read_input: Any = None) -> int:
-    """Run ``body(client, args)`` on a gRPC client of ``args.server`` (``body(client, args,
-    read_input(args))`` when given: the command's input, read before the client exists) and
-    print what it returns, or the error line; the exit status."""
+def _run(name: str, args: argparse.Namespace, body: Any) -> int:
     # gRPC's C core logs a failed TLS handshake on stderr ("I1206 ... ssl_transport_security
     # .cc] Handshake failed ...") above the command's own error line: errors only
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from kvserver.grpc_client import GrpcClient
+
     try:
         if args.timeout <= 0:
             raise _UsageError("--timeout must be positive")
-        # the input first (a terminal, a pipe or a FIFO may keep it waiting), before gRPC is
-        # imported (its import starts a thread): Ctrl-C's SIGINT must reach the main thread
-        # blocked in the read (a signal another thread takes leaves the read waiting)
-        given = read_input(args) if read_input is not None else None
-        from kvserver.grpc_client import GrpcClient
-
         try:
             tls = ClientSecurity.from_mapping(args).tls()
             token = client_auth_token(args)
         except InvalidArgument as exc:
             raise _UsageError(exc.message) from None
         with GrpcClient(args.server, timeout=args.timeout, auth_token=token, tls=tls) as client:
-            text: str = body(client, args) if read_input is None else body(client, args, given)
+            text: str = body(client, args)
     except _UsageError as exc:
         print(f"kvserver {name}: error: {exc}", file=sys.stderr)
         return 2
@@ -183,7 +176,8 @@ def _status(client: Any, args: argparse.Namespace) -> str:
     return render_status(stats, args.server)
 
 
-def _lookup(client: Any, args: argparse.Namespace, tokens: list[int]) -> str:
+def _lookup(client: Any, args: argparse.Namespace) -> str:
+    tokens = _read_tokens(args)
     lora = parse_lora(args.lora)
     if args.fleet:
         return _fleet(client, args, tokens)

@@ -40,6 +40,14 @@ def test_a_misspelt_option_is_named_with_the_closest_one(
     assert line.startswith(said), line
 
 
+def _as_a_terminal() -> None:
+    """The command's SIGINT as a terminal's foreground job has it: a suite started in the
+    background (``.ci/run &``, ``nohup``) has SIGINT ignored, which its children inherit
+    across exec, and a command that inherits an ignored SIGINT rightly keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.multiprocess
 def test_ctrl_c_ends_a_command_as_sigint_does_without_a_traceback(tmp_path: Path) -> None:
     """``kvserver lookup --tokens-file -`` (or ``hash -``) waiting on its input, Ctrl-C: was a
@@ -48,7 +56,9 @@ def test_ctrl_c_ends_a_command_as_sigint_does_without_a_traceback(tmp_path: Path
     os.mkfifo(fifo)
     cmd = [sys.executable, "-m", "kvserver.cli", "lookup", "--model", "m", "--tokens-file",
            str(fifo), "--server", f"127.0.0.1:{free_port()}"]  # fmt: skip
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_as_a_terminal
+    ) as proc:
         try:
             with open(fifo, "w"):  # returns once the command opened it: it waits on its input
                 proc.send_signal(signal.SIGINT)
