@@ -105,32 +105,15 @@ def test_a_stop_signal_while_the_workers_hello_is_awaited_stops_at_once_and_clea
     600 s: the first SIGTERM was left unanswered until the hello timed out, then the scheduler
     failed with a traceback. Now it exits 0 at once, leaving no private directory behind."""
     worker = start_worker(tmp_path, "w", "tcp://127.0.0.1:0")
-    own_tmp = tmp_path / "tmp"  # the scheduler's tempfile directory: its ipc:// directory
-    own_tmp.mkdir()
-    log = tmp_path / "scheduler.log"
-    ready = tmp_path / "scheduler.ready"
-    args = [
-        sys.executable, "-m", "kvserver.cli", "scheduler", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
-        "--workers", worker.info["endpoint"], "--hello-timeout-s", "600",
-    ]  # fmt: skip
     os.kill(worker.proc.pid, signal.SIGSTOP)
     try:
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "TMPDIR": str(own_tmp)})  # fmt: skip
-        try:
-            wait_until(lambda: "waiting for 1 workers to answer hello" in log.read_text(), 60)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0, log.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        text = log.read_text()
+        text = _sigterm_while(
+            tmp_path,
+            ["--workers", worker.info["endpoint"], "--hello-timeout-s", "600"],
+            "waiting for 1 workers to answer hello",
+        )
         assert "stopped before the workers answered hello" in text, text
         assert "Traceback" not in text, text
-        assert not ready.exists() and list(own_tmp.iterdir()) == []
     finally:
         os.kill(worker.proc.pid, signal.SIGCONT)
         worker.kill()
@@ -144,31 +127,41 @@ def test_a_stop_signal_while_the_kvserver_daemon_is_probed_stops_at_once_and_cle
     SIGTERM was handled only once it gave up (hello and register: up to 1,200 s), and the
     scheduler started serving before it shut down. Now the probe runs off the loop and the
     scheduler exits 0 at once, leaving no ready file or private directory behind."""
+    text = _sigterm_while(
+        tmp_path,
+        ["--synthetic-workers", "1", "--num-gpu-blocks", "17", "--block-size", "16",
+         "--kvserver", f"tcp://127.0.0.1:{free_port()}", "--kvserver-op-timeout-s", "600"],
+        "reaching the kvserver daemon at",
+    )  # fmt: skip
+    assert "stopped before the kvserver daemon answered" in text, text
+    assert "scheduler serving" not in text and "Traceback" not in text, text
+
+
+def _sigterm_while(tmp_path: Path, extra: list[str], waiting: str) -> str:
+    """A scheduler started with ``extra`` flags, SIGTERMed once its log says ``waiting``:
+    it exits 0 within 60 s leaving no ready file and an empty private (TMPDIR) directory;
+    its log."""
     own_tmp = tmp_path / "tmp"  # the scheduler's tempfile directory: its ipc:// directory
     own_tmp.mkdir()
     log = tmp_path / "scheduler.log"
     ready = tmp_path / "scheduler.ready"
     args = [
         sys.executable, "-m", "kvserver.cli", "scheduler", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready),
-        "--synthetic-workers", "1", "--num-gpu-blocks", "17", "--block-size", "16",
-        "--kvserver", f"tcp://127.0.0.1:{free_port()}", "--kvserver-op-timeout-s", "600",
+        "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready), *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "TMPDIR": str(own_tmp)})  # fmt: skip
     try:
-        wait_until(lambda: "reaching the kvserver daemon at" in log.read_text(), 60)
+        wait_until(lambda: waiting in log.read_text(), 60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    text = log.read_text()
-    assert "stopped before the kvserver daemon answered" in text, text
-    assert "scheduler serving" not in text and "Traceback" not in text, text
     assert not ready.exists() and list(own_tmp.iterdir()) == []
+    return log.read_text()
 
 
 def test_a_repeat_milliseconds_after_the_first_stop_signal_is_the_same_request(
