@@ -52,7 +52,7 @@ from tqdm import tqdm
 from benchmarks.report import save_report
 from kvserver.daemon.tiering import SsdTier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd import format as fmt
 from kvserver.ssd.config import TierConfig

@@ -35,7 +35,7 @@ from kvserver.daemon.peers.book import PeerBook, PeerSettings
 from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import PeerFetches
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.namespace import NamespaceSpec
 
 MiB = 1 << 20

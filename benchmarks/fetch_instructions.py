@@ -268,7 +268,7 @@ def run(reps: int, policy: str, clock: Any, part_bytes: int = PART_BYTES) -> dic
     from kvserver.daemon.stream_io import PlainIO
     from kvserver.daemon.stream_server import StreamServer
     from kvserver.daemon.zmq_ops import _load_reply
-    from kvserver.engine_types import EngineConfig
+    from kvserver.engine.types import EngineConfig
     from kvserver.namespace import NamespaceSpec
 
     spec = NamespaceSpec(

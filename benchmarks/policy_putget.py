@@ -26,7 +26,7 @@ import hashlib
 import random
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.namespace import NamespaceSpec
 
 POLICIES = ("lru", "prefix", "chain")

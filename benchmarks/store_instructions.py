@@ -136,7 +136,7 @@ def run_kinds(reps: int, policy: str, out: Path | None) -> dict[str, float]:
     from kvserver.daemon.peers.fetch import STREAM_WINDOW_BYTES, PeerFetches, windows_of
     from kvserver.daemon.results import Pending
     from kvserver.daemon.service import KVService
-    from kvserver.engine_types import EngineConfig
+    from kvserver.engine.types import EngineConfig
     from kvserver.namespace import NamespaceSpec
 
     spec = NamespaceSpec(

@@ -1,7 +1,7 @@
 """The grants of the data plane: what ``prepare_store`` and ``prepare_load`` hand a client,
 the store completions a client hands back, and the forms both travel in.
 
-Made by the storage engine (``kvserver/engine.py``), carried by the data-plane wire
+Made by the storage engine (``kvserver/engine/``), carried by the data-plane wire
 (``kvserver/wire.py``, ``docs/wire.md``: a grant as a reply map, :func:`grant_to_wire` /
 :func:`store_grant_from_wire` / :func:`load_grant_from_wire`; a store or load grant packed for
 the request that asked for it, :func:`packed_store_grant_to_wire` /

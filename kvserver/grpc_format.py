@@ -16,7 +16,7 @@ from typing import cast
 import numpy
 
 from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
-from kvserver.engine_types import CutKeys
+from kvserver.engine.types import CutKeys
 from kvserver.errors import InvalidArgument
 from kvserver.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Medium
 from kvserver.namespace import NamespaceSpec

@@ -82,6 +82,25 @@ def test_benchmarks_do_not_import_the_tests() -> None:
     assert imports_of("benchmarks", {"tests"}) == []
 
 
+def test_the_engines_value_types_load_without_the_engine() -> None:
+    """The gRPC client (the engine's ``CutKeys``) and ScoreHosts' RPC run no engine: importing
+    them, and so ``kvserver/engine/__init__.py``, loads neither the engine nor its policies;
+    ``from kvserver.engine import StorageEngine`` still gives the engine (kvserver/engine/)."""
+    code = (
+        "import sys, kvserver.grpc_client, kvserver.cluster.rpc\n"
+        "print(sorted(m for m in sys.modules if m in ('kvserver.engine.core',"
+        " 'kvserver.policies')))\n"
+        "from kvserver.engine import IndexKey, StorageEngine\n"
+        "import kvserver.engine.core as core\n"
+        "print(StorageEngine is core.StorageEngine, IndexKey is core.IndexKey)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "True True"]
+
+
 def test_the_check_sees_every_kind_of_import(tmp_path: Path) -> None:
     """The scan is not vacuous: each form of import is reported."""
     path = tmp_path / "m.py"

@@ -25,7 +25,7 @@ from kvserver._proto.kvserver.v1 import kvserver_pb2 as pb
 from kvserver.cluster.config import check_weights
 from kvserver.cluster.schema import MAX_SPEC_BYTES, TIERS
 from kvserver.cluster.scoring import HostScore, score_runs
-from kvserver.engine_types import CutKeys
+from kvserver.engine.types import CutKeys
 from kvserver.errors import InvalidArgument, InvalidState, UnknownNamespace
 from kvserver.grpc_format import keys_from_proto, token_ids_from_proto
 from kvserver.namespace import NamespaceSpec

@@ -29,7 +29,7 @@ from kvserver.crypto import MAX_TOKEN_BYTES, is_loopback
 from kvserver.daemon.config_parse import coerce, fill_from_keys_dir
 from kvserver.daemon.config_parse import parse_size as parse_size  # still importable from here
 from kvserver.daemon.tenants import Tenant
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.files import TooLarge, read_limited
 from kvserver.policies import make_policy

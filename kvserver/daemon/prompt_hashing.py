@@ -53,7 +53,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from kvserver.engine_types import HashedKeys
+from kvserver.engine.types import HashedKeys
 from kvserver.errors import CapacityError, InvalidArgument
 from kvserver.hashing import BlockHasher
 from kvserver.namespace import NamespaceSpec

@@ -37,7 +37,7 @@ from kvserver.daemon.results import Fetched, LookupHits, Pending, PutResult
 from kvserver.daemon.tier_stack import TierStack
 from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.errors import InvalidArgument
 from kvserver.eventlog import EventLog
 from kvserver.grants import LoadGrant, StoreGrant

@@ -28,7 +28,7 @@ from typing import Any
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.tiers import DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import Entry
+from kvserver.engine.types import Entry
 from kvserver.namespace import NamespaceSpec
 
 

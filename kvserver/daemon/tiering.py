@@ -65,7 +65,7 @@ from kvserver.daemon.tier_reads import SlotReads
 from kvserver.daemon.tiers import OK, UNAVAILABLE, DirectParts, Tier
 from kvserver.daemon.writeback import WriteBack
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import Entry
+from kvserver.engine.types import Entry
 from kvserver.errors import StorageError
 from kvserver.events import MEDIUM_SSD
 from kvserver.namespace import NamespaceSpec

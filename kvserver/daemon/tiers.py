@@ -68,7 +68,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kvserver.engine_types import Entry
+from kvserver.engine.types import Entry
 from kvserver.events import Medium
 from kvserver.namespace import NamespaceSpec
 

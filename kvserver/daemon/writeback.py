@@ -42,7 +42,7 @@ from typing import Any
 from kvserver.allocator import Extents
 from kvserver.daemon.tier_health import TierHealth
 from kvserver.daemon.tier_jobs import DISCARD_BATCH, WriteBatch, run_batch
-from kvserver.engine_types import Entry
+from kvserver.engine.types import Entry
 from kvserver.errors import StorageError
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd.buffers import BufferPool

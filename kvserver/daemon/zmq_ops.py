@@ -33,7 +33,7 @@ from kvserver.daemon.request_checks import check_parts, check_unique
 from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
-from kvserver.engine_types import HashedKeys
+from kvserver.engine.types import HashedKeys
 from kvserver.errors import KVServerError
 from kvserver.grants import (
     LoadGrant,

@@ -7,7 +7,7 @@ import hashlib
 from typing import Any
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.grants import StoreGrant
 from kvserver.namespace import NamespaceSpec
 

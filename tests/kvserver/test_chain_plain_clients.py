@@ -12,7 +12,7 @@ import hashlib
 import random
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.namespace import NamespaceSpec
 
 PART = 64 << 10

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_namespaces import MAX_NAMESPACES
-from kvserver.engine_types import CutKeys, EngineConfig, EntryState, HashedKeys
+from kvserver.engine.namespaces import MAX_NAMESPACES
+from kvserver.engine.types import CutKeys, EngineConfig, EntryState, HashedKeys
 from kvserver.errors import (
     CapacityError,
     InvalidArgument,

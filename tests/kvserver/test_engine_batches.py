@@ -12,7 +12,7 @@ import pytest
 
 from kvserver.daemon.service import KVService
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig, EntryState
+from kvserver.engine.types import EngineConfig, EntryState
 from kvserver.errors import InvalidArgument, InvalidState, LeaseError, LeaseExpired, UnknownKey
 from kvserver.events import BlockRemoved, BlockStored
 from kvserver.policies import POLICIES

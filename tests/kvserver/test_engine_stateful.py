@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EntryState
+from kvserver.engine.types import EntryState
 from kvserver.errors import InvalidState, LeaseError, LeaseExpired, UnknownKey
 from kvserver.events import BlockRemoved, BlockStored
 from kvserver.policies import POLICIES

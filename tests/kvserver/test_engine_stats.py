@@ -1,4 +1,4 @@
-"""kvserver/engine_stats.py: the engine's counters have one owner that bumps a namespace's
+"""kvserver/engine/stats.py: the engine's counters have one owner that bumps a namespace's
 counters and the totals alike, and the stats snapshot is a value of its own. (The figures of
 each engine call are tested in test_engine.py, through ``stats()``.)"""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserver.engine_stats import COUNTER_NAMES, Counters, EngineCounters
+from kvserver.engine.stats import COUNTER_NAMES, Counters, EngineCounters
 from tests.kvserver.builders import FakeClock, make_engine, make_keys, make_spec, write_all
 
 

@@ -1,4 +1,4 @@
-"""The storage engine's seams for lower tiers (kvserver/engine.py): the ``on_evict`` hook sees
+"""The storage engine's seams for lower tiers (kvserver/engine/core.py): the ``on_evict`` hook sees
 every victim while its pages still hold its bytes, ``prepare_store(gated=False)`` bypasses
 reuse gating for promotions, ``Entry.uses`` counts uses for the SSD admission rule, and
 ``announce`` puts another tier's events into the one gap-free sequence."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserver.engine_types import Entry
+from kvserver.engine.types import Entry
 from kvserver.errors import UnknownNamespace
 from kvserver.events import BlockRemoved, BlockStored
 from kvserver.namespace import NamespaceSpec

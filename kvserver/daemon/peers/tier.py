@@ -50,7 +50,7 @@ from kvserver.daemon.peers.directory import PeerDirectory
 from kvserver.daemon.peers.fetch import STREAM_WINDOW_BYTES, PeerFetches
 from kvserver.daemon.tiers import DEGRADED, OK, DirectParts, Tier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import Entry
+from kvserver.engine.types import Entry
 from kvserver.events import MEDIUM_DRAM, Medium
 from kvserver.namespace import NamespaceSpec
 

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_server import STATUS_BY_CODE, GrpcFrontend, status_for
 from kvserver.daemon.service import KVService
-from kvserver.engine_types import HashedKeys
+from kvserver.engine.types import HashedKeys
 from kvserver.errors import (
     ERRORS_BY_CODE,
     CapacityError,

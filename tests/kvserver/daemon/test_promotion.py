@@ -19,7 +19,7 @@ import pytest
 
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.errors import UnknownKey
 from kvserver.ssd.config import TierConfig
 from tests.kvserver.builders import PAGE, make_keys

@@ -26,7 +26,7 @@ from kvserver.client import KVClient
 from kvserver.daemon import prompt_hashing
 from kvserver.daemon.metrics import DaemonCollector
 from kvserver.daemon.prompt_hashing import HASH_OFF_LOOP_TOKENS, PromptHashing
-from kvserver.engine_types import HashedKeys
+from kvserver.engine.types import HashedKeys
 from kvserver.errors import CapacityError, InvalidArgument, PermissionDenied, UnknownNamespace
 from kvserver.grpc_client import GrpcClient
 from kvserver.hashing import HASH_ALGOS

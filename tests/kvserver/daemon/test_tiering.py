@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kvserver.daemon.service import KVService
 from kvserver.daemon.tiering import SsdTier
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.errors import UnknownKey
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd import format as fmt

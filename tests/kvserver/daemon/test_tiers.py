@@ -23,7 +23,7 @@ from kvserver.daemon.service import KVService
 from kvserver.daemon.tiers import OK, DirectParts, Tier
 from kvserver.daemon.zmq_ops import DataOps, Deferred, OpCall
 from kvserver.daemon.zmq_send import ZeroCopySender
-from kvserver.engine_types import EngineConfig, Entry
+from kvserver.engine.types import EngineConfig, Entry
 from kvserver.events import MEDIUM_SSD
 from kvserver.grants import LoadGrant
 from kvserver.namespace import NamespaceSpec

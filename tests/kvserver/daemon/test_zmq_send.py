@@ -24,7 +24,7 @@ from kvserver.daemon.peers.zmq_windows import CAP_REFUSAL
 from kvserver.daemon.results import Fetched
 from kvserver.daemon.service import KVService
 from kvserver.daemon.zmq_send import ZMQ_SEND_CLIENT, Parts, ZeroCopySender
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from kvserver.errors import CapacityError
 from tests.kvserver.builders import make_keys, make_spec, pattern
 

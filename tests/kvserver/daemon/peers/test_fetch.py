@@ -25,7 +25,7 @@ from kvserver.daemon.peers.fetch import WINDOW_BYTES, PeerFetches, windows_of
 from kvserver.daemon.peers.link import PeerFailed, PeerLink, check_rows
 from kvserver.daemon.peers.place import FETCH_CLIENT
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EntryState
+from kvserver.engine.types import EntryState
 from kvserver.wire_stream import MAX_KEYS
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon

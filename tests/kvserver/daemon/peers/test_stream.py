@@ -36,7 +36,7 @@ from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import PeerFetches
 from kvserver.daemon.peers.place import FETCH_CLIENT
 from kvserver.engine import StorageEngine
-from kvserver.engine_types import EntryState
+from kvserver.engine.types import EntryState
 from kvserver.errors import InvalidArgument
 from kvserver.namespace import NamespaceSpec
 from tests.kvserver.builders import make_engine, make_keys, make_spec, pattern

@@ -20,7 +20,7 @@ from kvserver.daemon.peers.directory import Peer
 from kvserver.daemon.peers.fetch import PeerFetches
 from kvserver.daemon.service import KVService
 from kvserver.daemon.stream_server import StreamServer
-from kvserver.engine_types import EngineConfig
+from kvserver.engine.types import EngineConfig
 from tests.kvserver.builders import make_keys
 from tests.kvserver.daemon.peers.test_fetch import SPEC, engine_b, expected, held_bytes, store
 from tests.support.daemon import start_daemon

@@ -21,15 +21,15 @@ evicted entry while its pages still hold its bytes (write-down), and ``prepare_s
 gated=False)`` + ``write_part`` + ``settle_store`` bring chunks back up (promotion);
 ``announce`` puts their events in the one gap-free event sequence.
 
-Layout: this module is the facade (validation, the public calls); the mechanics sit in one
-module per concept, each used only from here:
-``engine_index.DramIndex`` (entries, pages, eviction, page accounting),
-``engine_leases.LeaseBook`` (leases, load pins, TTL pins), ``engine_namespaces.NamespaceTable``
-(specs, ids, key validation), ``engine_events.EngineEvents`` (the one gap-free event sequence,
-the eviction hook), ``engine_stats.EngineCounters`` (the counters, per namespace and in total,
-and the ``stats()`` snapshot), ``engine_parts.PartCopies`` (the engine's ``write_parts`` /
-``read_parts`` ...: parts copied in, views out, for clients that cannot map the arena); value
-types and the config's checks are in ``engine_types``.
+Layout (the package ``kvserver.engine``): this module is the facade (validation, the public
+calls); the mechanics sit in one module of the package per concept, each used only from here:
+``index.DramIndex`` (entries, pages, eviction, page accounting), ``leases.LeaseBook`` (leases,
+load pins, TTL pins), ``namespaces.NamespaceTable`` (specs, ids, key validation),
+``events.EngineEvents`` (the one gap-free event sequence, the eviction hook),
+``stats.EngineCounters`` (the counters, per namespace and in total, and the ``stats()``
+snapshot), ``parts.PartCopies`` (the engine's ``write_parts`` / ``read_parts`` ...: parts copied
+in, views out, for clients that cannot map the arena); value types and the config's checks are
+in ``types``.
 
 Invariants (checked by :meth:`StorageEngine.check_invariants`, which the property test calls
 after every step):
@@ -41,7 +41,7 @@ after every step):
 - every READY entry is tracked by the eviction policy and no other key is;
 - BlockStored / BlockRemoved events of medium CPU, replayed in order, give exactly the set of
   READY keys.
-- every total counter is the sum of that counter over the namespaces (``engine_stats.py``).
+- every total counter is the sum of that counter over the namespaces (``stats.py``).
 
 Every public method validates its whole input before changing anything: a raised
 :class:`~kvserver.errors.KVServerError` means the state is unchanged. A full cache is a normal
@@ -57,13 +57,13 @@ from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 
 from kvserver.arena import SharedArena
-from kvserver.engine_events import EngineEvents, EvictHook
-from kvserver.engine_index import DramIndex, IndexKey
-from kvserver.engine_leases import LeaseBook
-from kvserver.engine_namespaces import MAX_NAMESPACES, NamespaceTable
-from kvserver.engine_parts import PartCopies
-from kvserver.engine_stats import EngineCounters, StorageStats, storage_stats
-from kvserver.engine_types import EngineConfig, Entry, EntryState
+from kvserver.engine.events import EngineEvents, EvictHook
+from kvserver.engine.index import DramIndex, IndexKey
+from kvserver.engine.leases import LeaseBook
+from kvserver.engine.namespaces import MAX_NAMESPACES, NamespaceTable
+from kvserver.engine.parts import PartCopies
+from kvserver.engine.stats import EngineCounters, StorageStats, storage_stats
+from kvserver.engine.types import EngineConfig, Entry, EntryState
 from kvserver.errors import CapacityError, UnknownKey
 from kvserver.events import Event, Medium
 from kvserver.grants import LoadGrant, StoreGrant

@@ -2,7 +2,7 @@
 known by construction (cut from one buffer, or made by a namespace's hasher).
 
 The grants (``StoreGrant``, ``LoadGrant``) are data-plane wire values: ``kvserver/grants.py``;
-the counters and the stats snapshot: ``kvserver/engine_stats.py``.
+the counters and the stats snapshot: ``stats.py``.
 
 Pure data; no behaviour beyond validation and derived properties.
 """
@@ -62,7 +62,7 @@ class EngineConfig:
     @property
     def quarantine_s(self) -> float:
         """How long the pages of an expired store reservation stay out of use, and the chunks
-        of an expired load lease out of eviction (``engine_leases.py``): ``default_lease_s``."""
+        of an expired load lease out of eviction (``leases.py``): ``default_lease_s``."""
         return self.default_lease_s
 
     def lease_s_of(self, lease_s: float | None) -> float:
@@ -152,7 +152,7 @@ class Entry:
     #: explicit TTL pin deadline (engine clock), 0.0 when not TTL-pinned.
     ttl_until: float = 0.0
     #: until when an expired load lease's quarantine keeps it from eviction (engine clock;
-    #: 0.0: none): its reader may still be copying out of its pages (``engine_leases.py``)
+    #: 0.0: none): its reader may still be copying out of its pages (``leases.py``)
     held_until: float = 0.0
     #: times the chunk was used: 1 when stored, +1 per load and per touching/recording lookup
     #: hit. The SSD tier's admission rule reads it when the entry is evicted.

@@ -1,8 +1,8 @@
 """Who holds what in the DRAM tier: the lease table (store reservations, load pins) and TTL pins.
 
-Runs inside the storage engine (``kvserver/engine.py``), its only caller: single owner, no
+Runs inside the storage engine (``kvserver/engine/core.py``), its only caller: single owner, no
 locks, no I/O; time is the engine's clock, passed in. The page accounting of a pin or a
-reservation lives in :class:`~kvserver.engine_index.DramIndex` (the engine pins and unpins a
+reservation lives in :class:`~kvserver.engine.index.DramIndex` (the engine pins and unpins a
 load's entries there directly); a store lease's part bookkeeping is the lease's own
 (:class:`~kvserver.leases.Lease`). :class:`LeaseBook` decides when leases and pins end:
 
@@ -16,7 +16,7 @@ load's entries there directly); a store lease's part bookkeeping is the lease's 
     unpin_ttl(ns, keys)          drop explicit pins now
 
 Leases themselves are a :class:`~kvserver.leases.LeaseTable` (``leases``). Reclaiming counts
-in the engine's counters (``engine_stats.EngineCounters``: ``rolled_back_chunks``,
+in the engine's counters (``stats.EngineCounters``: ``rolled_back_chunks``,
 ``expired_leases``, ``released_leases``, ``quarantined_chunks``, ``quarantined_load_chunks``);
 it emits no events (WRITING entries were never announced).
 
@@ -55,9 +55,9 @@ import heapq
 import logging
 from collections.abc import Iterable, Sequence
 
-from kvserver.engine_index import DramIndex
-from kvserver.engine_stats import EngineCounters
-from kvserver.engine_types import EntryState
+from kvserver.engine.index import DramIndex
+from kvserver.engine.stats import EngineCounters
+from kvserver.engine.types import EntryState
 from kvserver.leases import Lease, LeaseKind, LeaseTable
 
 logger = logging.getLogger(__name__)

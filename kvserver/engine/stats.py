@@ -2,9 +2,9 @@
 owner) and the snapshot ``StorageEngine.stats()`` returns (:class:`StorageStats`, made by
 :func:`storage_stats` from the counters and the DRAM index's page accounting).
 
-Runs inside the storage engine (``kvserver/engine.py``): single owner, no locks. The engine
-counts lookups, loads, filtered and rejected stores; ``EngineEvents`` (``engine_events.py``)
-stored and evicted chunks; ``LeaseBook`` (``engine_leases.py``) roll-backs, quarantines and
+Runs inside the storage engine (``kvserver/engine/core.py``): single owner, no locks. The engine
+counts lookups, loads, filtered and rejected stores; ``EngineEvents`` (``events.py``)
+stored and evicted chunks; ``LeaseBook`` (``leases.py``) roll-backs, quarantines and
 ended leases: each through one method of :class:`EngineCounters` named for what happened,
 which bumps the namespace's counters and the totals alike.
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvserver.engine_index import DramIndex
+from kvserver.engine.index import DramIndex
 from kvserver.namespace import NamespaceSpec
 
 __all__ = ["Counters", "EngineCounters", "StorageStats", "storage_stats"]
@@ -59,7 +59,7 @@ class StorageStats:
     reserved_pages: int
     ready_pages: int
     pinned_pages: int
-    #: pages of expired reservations not free yet (``engine_leases.py``)
+    #: pages of expired reservations not free yet (``leases.py``)
     quarantined_pages: int
     #: pages of READY chunks that only an expired load lease's quarantine keeps from
     #: eviction (served as usual; evictable again when it ends)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvserver.engine_namespaces import NamespaceTable
-from kvserver.engine_stats import EngineCounters
-from kvserver.engine_types import Entry
+from kvserver.engine.namespaces import NamespaceTable
+from kvserver.engine.stats import EngineCounters
+from kvserver.engine.types import Entry
 from kvserver.events import MEDIUM_DRAM, BlockRemoved, BlockStored, Event, Medium
 from kvserver.namespace import NamespaceSpec
 

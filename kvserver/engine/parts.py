@@ -1,6 +1,6 @@
 """The DRAM tier's payload path for clients that cannot map the arena: parts copied in, views out.
 
-Runs inside the storage engine (``kvserver/engine.py``), which exposes these calls as its own
+Runs inside the storage engine (``kvserver/engine/core.py``), which exposes these calls as its own
 (``StorageEngine.write_parts`` / ``write_part`` / ``read_part`` / ``read_parts``): the ZMQ
 ``put`` / ``write_parts`` / ``get`` / ``read_parts`` ops of remote clients, and the daemon's own
 writes (promotions, peer fetches). Single owner, no locks; it changes no state but the bytes of
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvserver.arena import SharedArena
-from kvserver.engine_index import IndexKey
-from kvserver.engine_namespaces import NamespaceTable
-from kvserver.engine_types import Entry
+from kvserver.engine.index import IndexKey
+from kvserver.engine.namespaces import NamespaceTable
+from kvserver.engine.types import Entry
 from kvserver.errors import InvalidArgument
 from kvserver.leases import LeaseKind, LeaseTable
 

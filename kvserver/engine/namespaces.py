@@ -1,9 +1,9 @@
 """The storage engine's namespaces: registered specs, their ids and indexes, key validation.
 
-Runs inside the storage engine (``kvserver/engine.py``), its only caller: single owner, no
+Runs inside the storage engine (``kvserver/engine/core.py``), its only caller: single owner, no
 locks. A namespace is registered once (``add``) and never removed; its index (``ids[ns_id]``,
 the position in ``specs``) is the first half of every index key and stays fixed for the
-engine's life. Its counters are ``EngineCounters``' (``engine_stats.py``), by the same index.
+engine's life. Its counters are ``EngineCounters``' (``stats.py``), by the same index.
 
 Invariant: ``specs``, ``ns_ids`` and the values of ``ids`` are parallel:
 ``ids[specs[i].ns_id] == i`` and ``ns_ids[i] == specs[i].ns_id`` for every ``i``.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserver.engine_types import CutKeys, HashedKeys
+from kvserver.engine.types import CutKeys, HashedKeys
 from kvserver.errors import InvalidArgument, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 

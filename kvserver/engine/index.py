@@ -1,6 +1,6 @@
 """The DRAM tier's index: entries, their pages, the eviction policy and the page accounting.
 
-Runs inside the storage engine (``kvserver/engine.py``), its only caller: single owner, no
+Runs inside the storage engine (``kvserver/engine/core.py``), its only caller: single owner, no
 locks, no I/O. It knows nothing of leases, namespaces, events or counters; the engine adds
 those around each call. Call order for one chunk::
 
@@ -28,7 +28,7 @@ Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
   pinned (READY, pinned), held (READY, unpinned, ``held_until > 0``: an expired load lease's
   quarantine, its reader may still copy out of it) or quarantined (an expired reservation's,
   not handed out again before its time: a stalled client may still copy into it,
-  ``engine_leases.py``); ``reserved_pages``, ``pinned_pages``, ``held_pages`` and
+  ``leases.py``); ``reserved_pages``, ``pinned_pages``, ``held_pages`` and
   ``quarantined_pages`` count them; held and quarantined pages are neither free nor
   evictable (a store that needs them is refused, as on a full cache); quarantines and holds
   end in the order they came, their times non-decreasing;
@@ -47,7 +47,7 @@ from operator import itemgetter
 from typing import cast
 
 from kvserver.allocator import Extents, PageAllocator
-from kvserver.engine_types import Entry, EntryState
+from kvserver.engine.types import Entry, EntryState
 from kvserver.namespace import NamespaceSpec
 from kvserver.policies import make_policy
 
