@@ -117,7 +117,7 @@ class Principal:
 
 
 def not_registered(ns_id: str) -> UnknownNamespace:
-    """The error of a namespace id that is not registered here (``engine_namespaces``), and
+    """The error of a namespace id that is not registered here (``kvserver.engine.namespaces``), and
     so of one a tenant may not see."""
     return UnknownNamespace("namespace not registered", ns=ns_id)
 
