@@ -30,8 +30,11 @@ CAP_PACKED_TOKEN_IDS = "packed_token_ids"
 #: "packed_load_grant": ``prepare_load`` takes ``packed``, and its grant then comes packed
 #: (``kvserver.grants.packed_load_grant_to_wire``; docs/wire.md §2).
 CAP_PACKED_LOAD_GRANT = "packed_load_grant"
+#: the stream port (docs/wire.md §6) takes clients' put and get (op requests).
+CAP_STREAM_OPS = "stream_ops"
 CAPABILITIES = (
     CAP_STORE_COMPLETIONS, CAP_PACKED_STORE_GRANT, CAP_PACKED_TOKEN_IDS, CAP_PACKED_LOAD_GRANT,
+    CAP_STREAM_OPS,
 )  # fmt: skip
 #: most completions one ``prepare_store`` may carry.
 MAX_COMPLETIONS = 4096

@@ -41,6 +41,24 @@ A reply (in the order the requests came, one per request)::
     ok:    count x tp parts of ``size`` bytes, chunk-major, rank order, back to back
     error: msgpack {"code": str, "message": str}
 
+Clients (``KVClient`` / ``AsyncKVClient`` not co-located; a daemon announces that its stream
+takes them with the ``hello`` capability ``stream_ops``) send a data-plane ``put`` or ``get``
+as an **op request** instead, after the same hello::
+
+    magic    4 bytes   b"KVPO"
+    version  u8        STREAM_VERSION
+    flags    u8        0
+    length   u32       bytes of the header that follows, 1 .. MAX_REQUEST_BYTES
+    payload  u64       bytes of payload that follow the header (a put's parts; 0 for a get)
+    header   msgpack   {"id": int, "op": "put" | "get", "args": map, "client": str?}
+    payload  a put's len(keys) x tp parts, key-major, back to back
+
+``args`` are the ZMQ op's (``wire.OPS``: checked by ``wire_requests.check_args``); a ``get``
+is answered with an ok reply (``tp``: the ranks sent per chunk), a ``put`` with a result
+reply (status 2: ``count`` bytes of a msgpack map, the ZMQ reply's ``result``). A request
+refused after its head was read has its payload read and dropped first, so the stream stays
+in step.
+
 A stream has no message boundaries of its own: a hello or request whose magic, version or
 length is wrong cannot be skipped, so the server answers it with an error and closes the
 connection; so it does for a wrong token (its reply has id 0). A request whose header is well
@@ -59,10 +77,12 @@ from typing import Any
 import msgpack
 
 from kvserver.errors import InvalidArgument, KVServerError, UnsupportedVersion, error_from_code
+from kvserver.wire_requests import check_args
 
 STREAM_VERSION = 1
 HELLO_MAGIC = b"KVPH"
 REQUEST_MAGIC = b"KVPQ"
+OP_MAGIC = b"KVPO"
 REPLY_MAGIC = b"KVPR"
 #: magic, version, token length.
 HELLO_HEAD = struct.Struct(">4sBB")
@@ -70,10 +90,18 @@ HELLO_HEAD = struct.Struct(">4sBB")
 MAX_TOKEN_BYTES = 255
 #: magic, version, flags, header length.
 REQUEST_HEAD = struct.Struct(">4sBBI")
+#: what follows an op request's head: its payload's size.
+OP_PAYLOAD = struct.Struct(">Q")
 #: magic, version, status, tp, id, count, size.
 REPLY_HEAD = struct.Struct(">4sBBHIIQ")
 STATUS_OK = 0
 STATUS_ERROR = 1
+#: an op's result map (a client's ``put``); never sent to a fetching daemon.
+STATUS_RESULT = 2
+#: the ops an op request may carry.
+STREAM_OPS = ("put", "get")
+#: longest result map a client reads (a put's key lists: 3 x 65,536 keys of 64 bytes).
+MAX_RESULT_BYTES = 16 << 20
 #: largest request header accepted (a window of 65,536 keys of 64 bytes is ~4.3 MB).
 MAX_REQUEST_BYTES = 8 << 20
 #: most keys one request may name.
@@ -95,6 +123,17 @@ class FetchRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class OpRequest:
+    """A client's ``put`` or ``get`` on the stream: ``args`` checked as the ZMQ op's, every
+    field present (None where absent); ``client`` the lease owner it names, if any."""
+
+    request_id: int
+    op: str
+    args: dict[str, Any]
+    client: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplyHead:
     """A reply's fixed head: ``count`` chunks of ``tp`` parts of ``part_bytes`` follow (ok),
     or an error of ``count`` bytes."""
@@ -104,6 +143,8 @@ class ReplyHead:
     request_id: int
     count: int
     part_bytes: int
+    #: a result reply (a client's ``put``): ``count`` bytes of its result map follow.
+    result: bool = False
 
 
 def encode_request(request: FetchRequest) -> bytes:
@@ -118,8 +159,15 @@ def encode_request(request: FetchRequest) -> bytes:
 def decode_request_head(head: bytes | bytearray | memoryview) -> int:
     """The header length a request's head announces. Raises ``UnsupportedVersion`` or
     ``InvalidArgument`` (the stream cannot go on after either)."""
+    return decode_any_head(head)[1]
+
+
+def decode_any_head(head: bytes | bytearray | memoryview) -> tuple[bool, int]:
+    """(an op request, its header length) for a fetch request's or an op request's head (an
+    op request's payload size follows it: :data:`OP_PAYLOAD`). Raises as
+    :func:`decode_request_head`."""
     magic, version, flags, length = REQUEST_HEAD.unpack(head)
-    if magic != REQUEST_MAGIC:
+    if magic not in (REQUEST_MAGIC, OP_MAGIC):
         raise InvalidArgument("not a peer stream request (bad magic)", magic=bytes(magic))
     if version != STREAM_VERSION:
         raise UnsupportedVersion(
@@ -131,7 +179,44 @@ def decode_request_head(head: bytes | bytearray | memoryview) -> int:
         raise InvalidArgument(
             "peer stream request header size out of range", size=length, max=MAX_REQUEST_BYTES
         )
-    return int(length)
+    return magic == OP_MAGIC, int(length)
+
+
+def encode_op_request(
+    request_id: int, op: str, args: dict[str, Any], client: str | None, payload_bytes: int
+) -> bytes:
+    """An op request's head and header; ``payload_bytes`` of payload are to follow it."""
+    fields: dict[str, Any] = {"id": request_id, "op": op, "args": args}
+    if client is not None:
+        fields["client"] = client
+    header = bytes(msgpack.packb(fields, use_bin_type=True))
+    head = REQUEST_HEAD.pack(OP_MAGIC, STREAM_VERSION, 0, len(header))
+    return head + OP_PAYLOAD.pack(payload_bytes) + header
+
+
+def decode_op_request(header: bytes | bytearray | memoryview) -> OpRequest:
+    """The op request a header holds. Raises ``InvalidArgument`` naming the field at fault
+    (its ``request_id`` attribute set when the id was readable); the stream can go on once
+    the payload is dropped."""
+    d = _unpack_header(header, max_map_len=64)
+    request_id = d.get("id")
+    if type(request_id) is not int or not 0 < request_id < 1 << 63:
+        raise InvalidArgument("stream op header: id must be a positive integer")
+    try:
+        op, args, client = d.get("op"), d.get("args"), d.get("client")
+        unknown = set(d) - {"id", "op", "args", "client"}
+        if unknown:
+            raise InvalidArgument(f"stream op header: unknown fields {sorted(map(str, unknown))}")
+        if op not in STREAM_OPS:
+            raise InvalidArgument(f"stream op header: op must be one of {', '.join(STREAM_OPS)}")
+        if not isinstance(args, dict):
+            raise InvalidArgument("stream op header: args must be a map")
+        if client is not None and not (isinstance(client, str) and 0 < len(client) <= 256):
+            raise InvalidArgument("stream op header: client must be a string of 1..256 chars")
+        return OpRequest(request_id, op, check_args(op, args), client)
+    except InvalidArgument as exc:
+        exc.request_id = request_id  # type: ignore[attr-defined]
+        raise
 
 
 def encode_hello(token: str) -> bytes:
@@ -166,15 +251,7 @@ def decode_token(raw: bytes | bytearray | memoryview) -> str:
 def decode_request(header: bytes | bytearray | memoryview) -> FetchRequest:
     """The request a header holds. Raises ``InvalidArgument`` naming the field at fault (the
     stream can go on: the header was read whole)."""
-    try:
-        d = msgpack.unpackb(
-            header, raw=False, strict_map_key=True, max_bin_len=MAX_KEY_BYTES,
-            max_str_len=MAX_STR_LEN, max_array_len=MAX_KEYS, max_map_len=16,
-        )  # fmt: skip
-    except Exception as exc:  # msgpack raises several types for malformed input
-        raise InvalidArgument(f"peer stream header is not valid msgpack: {exc}") from None
-    if not isinstance(d, dict):
-        raise InvalidArgument("peer stream header must be a map")
+    d = _unpack_header(header, max_map_len=16)
     request_id, ns_id, keys = d.get("id"), d.get("ns_id"), d.get("keys")
     if type(request_id) is not int or not 0 <= request_id < 1 << 63:
         raise InvalidArgument("peer stream header: id must be a non-negative integer")
@@ -186,6 +263,19 @@ def decode_request(header: bytes | bytearray | memoryview) -> FetchRequest:
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidArgument(f"peer stream header: every key must be 1..{MAX_KEY_BYTES} bytes")
     return FetchRequest(request_id, ns_id, keys)
+
+
+def _unpack_header(header: bytes | bytearray | memoryview, *, max_map_len: int) -> dict[Any, Any]:
+    try:
+        d = msgpack.unpackb(
+            header, raw=False, strict_map_key=True, max_bin_len=MAX_KEY_BYTES,
+            max_str_len=MAX_STR_LEN, max_array_len=MAX_KEYS, max_map_len=max_map_len,
+        )  # fmt: skip
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise InvalidArgument(f"peer stream header is not valid msgpack: {exc}") from None
+    if not isinstance(d, dict):
+        raise InvalidArgument("peer stream header must be a map")
+    return d
 
 
 def encode_ok(request_id: int, count: int, tp: int, part_bytes: int) -> bytes:
@@ -204,13 +294,39 @@ def encode_error(request_id: int, error: KVServerError) -> bytes:
     return head + body
 
 
-def decode_reply_head(head: bytes | bytearray | memoryview) -> ReplyHead:
-    """A reply's head. Raises ``InvalidArgument`` / ``UnsupportedVersion``."""
+def encode_result(request_id: int, result: dict[str, Any]) -> bytes:
+    """A whole result reply (an op's result map)."""
+    body = bytes(msgpack.packb(result, use_bin_type=True))
+    head = REPLY_HEAD.pack(
+        REPLY_MAGIC, STREAM_VERSION, STATUS_RESULT, 0, request_id & 0xFFFFFFFF, len(body), 0
+    )
+    return head + body
+
+
+def decode_result(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """A result reply's map. Raises ``InvalidArgument`` when it is not one."""
+    try:
+        d = msgpack.unpackb(body, raw=False, max_bin_len=MAX_KEY_BYTES, max_str_len=MAX_STR_LEN,
+                            max_array_len=MAX_KEYS, max_map_len=64)  # fmt: skip
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise InvalidArgument(f"stream result reply is not valid msgpack: {exc}") from None
+    if not isinstance(d, dict):
+        raise InvalidArgument("stream result reply must be a map")
+    return d
+
+
+def decode_reply_head(head: bytes | bytearray | memoryview, *, results: bool = False) -> ReplyHead:
+    """A reply's head (``results``: a client's, which may be a result reply). Raises
+    ``InvalidArgument`` / ``UnsupportedVersion``."""
     magic, version, status, tp, request_id, count, size = REPLY_HEAD.unpack(head)
     if magic != REPLY_MAGIC:
         raise InvalidArgument("not a peer stream reply (bad magic)", magic=bytes(magic))
     if version != STREAM_VERSION:
         raise UnsupportedVersion("peer stream reply version not supported", version=version)
+    if status == STATUS_RESULT and results:
+        if not count <= MAX_RESULT_BYTES:
+            raise InvalidArgument("stream result reply too long", size=count)
+        return ReplyHead(False, 0, request_id, count, 0, result=True)
     if status not in (STATUS_OK, STATUS_ERROR):
         raise InvalidArgument("peer stream reply has an unknown status", status=status)
     if status == STATUS_ERROR and not count <= MAX_ERROR_BYTES:

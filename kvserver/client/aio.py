@@ -24,6 +24,7 @@ reply, the daemon still carries the request out).
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Coroutine, Sequence
 from functools import wraps
 from typing import Any, Concatenate, ParamSpec
@@ -34,8 +35,10 @@ from kvserver.client.calls import Answer, Call, Proc, PutResult, T
 from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
+from kvserver.client.stream import StreamLink, StreamUse
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.namespace import NamespaceSpec
 
 P = ParamSpec("P")
 
@@ -71,7 +74,8 @@ class AsyncKVClient(ClientBase):
     channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
     ``max_frame_bytes`` > 0: the largest reply frame taken over ZMQ; the daemon (a peer, for
     a daemon's network tier) sending a larger one loses the connection before its bytes are
-    received, and the requests outstanding on it fail with Unavailable."""
+    received, and the requests outstanding on it fail with Unavailable. ``stream``: as
+    ``KVClient``'s (its calls run in a worker thread, one at a time)."""
 
     _t: AioTransport
 
@@ -86,6 +90,8 @@ class AsyncKVClient(ClientBase):
         curve: CurveClient | None = None,
         local: bool = True,
         max_frame_bytes: int = 0,
+        stream: bool = True,
+        stream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout
         self._s = Session(
@@ -93,6 +99,7 @@ class AsyncKVClient(ClientBase):
         )
         self._t = AioTransport(self._s, local=local, max_frame_bytes=max_frame_bytes)
         self._renew_lock = asyncio.Lock()
+        self._stream = StreamUse(stream, stream_tls)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -105,6 +112,7 @@ class AsyncKVClient(ClientBase):
         """Close the links and unmap the arena. Leases are not released (see release());
         requests still outstanding fail with Unavailable."""
         await self._t.close("the client was closed")
+        self._stream.close()
         self._s.close()
 
     async def __aenter__(self) -> AsyncKVClient:
@@ -211,7 +219,13 @@ class AsyncKVClient(ClientBase):
     ) -> PutResult:
         """:func:`kvserver.client.ops.put`; a payload over ``ops.PUT_WINDOW_BYTES`` goes as
         several puts sent back to back, each stored or rejected on its own. Raises the first
-        window's error (after every window's reply is in)."""
+        window's error (after every window's reply is in). Over the stream, one request."""
+        done = await self._over_stream(
+            len(keys),
+            lambda link: link.put(ns_id, keys, parts, lease_s, self._s.client_id, self.timeout),
+        )
+        if done is not None:
+            return done
         windows = ops.put_windows(keys, parts)
         if len(windows) == 1 or len(keys) != len(parts):  # a mismatch: the daemon says so
             return await self._run(ops.put(self._s, ns_id, keys, parts, lease_s=lease_s))
@@ -222,7 +236,37 @@ class AsyncKVClient(ClientBase):
                 raise r
         return ops.merge_puts([r for r in results if isinstance(r, PutResult)])
 
-    get = awaiting(ops.get)
+    async def get(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        ranks: Sequence[int] | None = None,
+        leading: bool = False,
+        spec: NamespaceSpec | None = None,
+    ) -> list[list[memoryview]]:
+        """:func:`kvserver.client.ops.get` (over the stream when it is used and not
+        ``leading``)."""
+        if not leading:
+            known = spec or self._s.specs.get(ns_id)
+            size, tp = (known.part_bytes, known.tp_world_size) if known else (None, None)
+            got = await self._over_stream(
+                len(keys), lambda link: link.get(ns_id, keys, ranks, size, tp, self.timeout)
+            )
+            if got is not None:
+                return got
+        return await self._run(
+            ops.get(self._s, ns_id, keys, ranks=ranks, leading=leading, spec=spec)
+        )
+
+    async def _over_stream(self, num_keys: int, fn: Callable[[StreamLink], T]) -> T | None:
+        """``fn``'s value over the stream, or None: send over ZMQ (``StreamUse``)."""
+        await self._renew()
+        address = self._stream.wanted(self._s, num_keys)
+        if address is None:
+            return None
+        return await self._stream.call_async(self._s, address, self.timeout, fn)
+
     write_parts = awaiting(ops.write_parts)
     read_parts = awaiting(ops.read_parts)
     store = awaiting(ops.store)

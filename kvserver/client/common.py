@@ -191,6 +191,10 @@ class Session(SessionCalls):
             return reply.error
         return Answer(reply.result, [frame_buffer(f) for f in frames[1:]], reply.sid)
 
+    def token(self) -> str:
+        """The token requests carry now: ours, else the token file's (as read last)."""
+        return self.auth_token if self._token_file is None else self._token_file.token()
+
     def token_changed(self) -> bool:
         """True when the token file (read again) holds another token than our last request
         carried or our DEALER presented (a restarted daemon refused it): retry once."""

@@ -38,6 +38,7 @@ still outstanding on it with ``Unavailable`` (see :mod:`kvserver.client.pending`
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable, Sequence
 from functools import wraps
 from typing import Concatenate, ParamSpec
@@ -48,9 +49,11 @@ from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.client.pending import Pending
+from kvserver.client.stream import StreamLink, StreamUse
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.namespace import NamespaceSpec
 
 P = ParamSpec("P")
 
@@ -85,7 +88,10 @@ def submitting(
 class KVClient(ClientBase):
     """Blocking client; see the module docstring. ``colocated``: None = auto, False = never
     use shared memory, True = require it. ``local``: send requests over the daemon's local
-    channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1)."""
+    channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
+    ``stream``: send a remote ``put`` and ``get`` over the daemon's stream port when it
+    announces one for them (``docs/wire.md`` §6; :mod:`kvserver.client.stream`), else ZMQ;
+    ``stream_tls`` (the daemon's CA): over its TLS stream port, never a plain one."""
 
     _t: Transport
 
@@ -99,12 +105,15 @@ class KVClient(ClientBase):
         colocated: bool | None = None,
         curve: CurveClient | None = None,
         local: bool = True,
+        stream: bool = True,
+        stream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout
         self._s = Session(
             address, client_id=client_id, auth_token=auth_token, colocated=colocated, curve=curve
         )
         self._t = Transport(self._s, local=local)
+        self._stream = StreamUse(stream, stream_tls)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -112,6 +121,7 @@ class KVClient(ClientBase):
         """Close the socket and unmap the arena. Leases are not released (see release());
         outstanding submitted requests fail with Unavailable."""
         self._t.drop("the client was closed")
+        self._stream.close()
         self._s.close()
 
     def __enter__(self) -> KVClient:
@@ -254,7 +264,13 @@ class KVClient(ClientBase):
     ) -> PutResult:
         """:func:`kvserver.client.ops.put`; a payload over ``ops.PUT_WINDOW_BYTES`` goes as
         several puts sent back to back, each stored or rejected on its own. Raises the first
-        window's error (after every window's reply is in)."""
+        window's error (after every window's reply is in). Over the stream, one request."""
+        done = self._over_stream(
+            len(keys),
+            lambda link: link.put(ns_id, keys, parts, lease_s, self._s.client_id, self.timeout),
+        )
+        if done is not None:
+            return done
         windows = ops.put_windows(keys, parts)
         if len(windows) == 1 or len(keys) != len(parts):  # a mismatch: the daemon says so
             return self._run(ops.put(self._s, ns_id, keys, parts, lease_s=lease_s))
@@ -270,7 +286,35 @@ class KVClient(ClientBase):
             raise error
         return ops.merge_puts(results)
 
-    get = blocking(ops.get)
+    def get(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        *,
+        ranks: Sequence[int] | None = None,
+        leading: bool = False,
+        spec: NamespaceSpec | None = None,
+    ) -> list[list[memoryview]]:
+        """:func:`kvserver.client.ops.get` (over the stream when it is used and not
+        ``leading``)."""
+        if not leading:
+            known = spec or self._s.specs.get(ns_id)
+            size, tp = (known.part_bytes, known.tp_world_size) if known else (None, None)
+            got = self._over_stream(
+                len(keys), lambda link: link.get(ns_id, keys, ranks, size, tp, self.timeout)
+            )
+            if got is not None:
+                return got
+        return self._run(ops.get(self._s, ns_id, keys, ranks=ranks, leading=leading, spec=spec))
+
+    def _over_stream(self, num_keys: int, fn: Callable[[StreamLink], T]) -> T | None:
+        """``fn``'s value over the stream, or None: send over ZMQ (``StreamUse``)."""
+        self._renew()
+        address = self._stream.wanted(self._s, num_keys)
+        if address is None:
+            return None
+        return self._stream.call(self._s, address, self.timeout, fn)
+
     write_parts = blocking(ops.write_parts)
     read_parts = blocking(ops.read_parts)
     store = blocking(ops.store)

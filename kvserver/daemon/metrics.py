@@ -143,6 +143,10 @@ _STREAM_COUNTERS = (
     ("kvserver_peer_stream_sent_chunks", "Chunks sent to peers on the stream.", "sent_chunks"),
     ("kvserver_peer_stream_sent_bytes", "Payload bytes sent to peers on the stream.",
      "sent_bytes"),
+    ("kvserver_peer_stream_received_chunks", "Chunks stored by clients' puts on the stream.",
+     "received_chunks"),
+    ("kvserver_peer_stream_received_bytes",
+     "Payload bytes stored by clients' puts on the stream.", "received_bytes"),
 )  # fmt: skip
 #: network-tier counters: (metric name without _total, help, tier counter)
 _PEER_COUNTERS = (

@@ -238,6 +238,17 @@ class KVService:
         finally:
             self._publish()
 
+    def store_views(self, grant: StoreGrant) -> dict[bytes, list[memoryview]]:
+        """Per key of ``grant``, the arena views of its parts' extents in rank order: where a
+        transport receives a put's payload straight into its reserved pages (the stream,
+        ``stream_ops.py``). The views must be dropped before the reservation ends."""
+        arena, tp = self.engine.arena, len(grant.locations[0]) if grant.locations else 0
+        flat = arena.views_of([extents for parts in grant.locations for extents in parts])
+        return {
+            key: [v for part in flat[i * tp : (i + 1) * tp] for v in part]
+            for i, key in enumerate(grant.keys)
+        }
+
     def write_part(self, lease_id: int, key: bytes, rank: int, data: memoryview | bytes) -> None:
         self.engine.write_part(lease_id, key, rank, data)
 

@@ -21,6 +21,9 @@ stream → ``close()``.
   shut down and the thread awaited before the cancellation goes on, so no page is read after
   its pin ends.
 
+``read_into`` fills a client put's arena views (plain: ``recvmsg_into``; TLS: ``recv_into``
+per record, on the loop); ``drain`` reads and drops a refused put's payload.
+
 Every read and send is bounded (``timeout_s``); past it, or on EOF, a reset or a TLS error,
 :class:`Closed` is raised and the connection is to be closed.
 """
@@ -31,6 +34,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +42,8 @@ from typing import Any
 IOV_MAX = 1024
 #: input read and dropped at most after an error that closes the connection.
 LINGER_BYTES = 1 << 20
+#: the scratch buffer a refused put's payload is read into and dropped.
+DRAIN_BYTES = 1 << 20
 #: TLS replies up to this size are encrypted on the loop (no thread hop).
 SMALL_REPLY_BYTES = 64 << 10
 #: the threads that send larger TLS replies: the stream's own, so that a reply never waits
@@ -83,6 +89,35 @@ class PlainIO:
             raise Closed from None
         return buf
 
+    async def read_into(self, views: Sequence[memoryview]) -> None:
+        """Fill ``views``, in order (a client's put: straight into the arena pages reserved
+        for it), with one scattering ``recvmsg_into`` per :data:`IOV_MAX` views of what has
+        arrived; :class:`Closed` on EOF, or when no byte comes for ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        sock = self.sock
+        todo = [v for v in views if v.nbytes]
+        i = 0
+        try:
+            while i < len(todo):
+                try:
+                    got = sock.recvmsg_into(todo[i : i + IOV_MAX])[0]
+                except BlockingIOError:  # nothing unread: wait for the next bytes
+                    async with asyncio.timeout(self.timeout_s):
+                        got = await loop.sock_recv_into(sock, todo[i])
+                if got == 0:
+                    raise Closed
+                while i < len(todo) and got >= todo[i].nbytes:
+                    got -= todo[i].nbytes
+                    i += 1
+                if got:
+                    todo[i] = todo[i][got:]
+        except (TimeoutError, OSError):
+            raise Closed from None
+
+    async def drain(self, n: int) -> None:
+        """Read and drop ``n`` bytes (a refused put's payload), as :meth:`read_into`."""
+        await _drain(self, n)
+
     async def send(self, buffers: list[Any]) -> None:
         """Send ``buffers`` whole within the timeout, else :class:`Closed`: as much as the
         socket takes now with one ``sendmsg`` per :data:`IOV_MAX` buffers, the rest of a
@@ -122,6 +157,14 @@ class PlainIO:
                     if got == 0:
                         return
                     dropped += got
+
+
+async def _drain(io: PlainIO | TlsIO, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, DRAIN_BYTES)))
+    while n > 0:
+        step = min(n, scratch.nbytes)
+        await io.read_into([scratch[:step]])
+        n -= step
 
 
 def _bytes_view(buf: Any) -> memoryview:
@@ -176,6 +219,26 @@ class TlsIO:
         except (TimeoutError, OSError):  # ssl.SSLError (an EOF without close_notify too)
             raise Closed from None
         return buf
+
+    async def read_into(self, views: Sequence[memoryview]) -> None:
+        """As :meth:`PlainIO.read_into`, decrypted on the loop (one ``recv_into`` per TLS
+        record into the view: OpenSSL's copy of the plaintext the only one)."""
+        try:
+            for view in views:
+                pos, size = 0, view.nbytes
+                while pos < size:
+                    rest = view[pos:]
+                    async with asyncio.timeout(self.timeout_s):
+                        got = await self._nonblocking(lambda r=rest: self.sock.recv_into(r))
+                    if got == 0:
+                        raise Closed
+                    pos += got
+        except (TimeoutError, OSError):
+            raise Closed from None
+
+    async def drain(self, n: int) -> None:
+        """As :meth:`PlainIO.drain`."""
+        await _drain(self, n)
 
     async def send(self, buffers: list[Any]) -> None:
         """Send ``buffers`` whole within the timeout, else :class:`Closed`: encrypted on the

@@ -26,6 +26,9 @@ promoted from SSD when needed, pinned by a load lease while its pages are sent s
 the arena (``sendmsg`` of arena views, the kernel's copy the only one; with TLS,
 ``SSL_write`` of them in a worker thread: ``stream_io.py``), then unpinned.
 
+A client's ``put`` or ``get`` (an op request: ``stream_ops.py``) is served on the same
+connections, after the same hello, in the same order as its other requests.
+
 Bounds: at most ``max_connections`` connections (more are closed at once), of which at most
 :data:`MAX_HELLO_WAITS_PER_ADDRESS` from one address that have not yet passed their hello (more
 are closed at once: an unauthenticated peer opening a connection every few milliseconds and
@@ -57,6 +60,7 @@ from kvserver.daemon.owners import STREAM_CLIENT as STREAM_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
 from kvserver.daemon.stream_io import Closed, PlainIO, TlsIO
+from kvserver.daemon.stream_ops import StreamOps, refuse, send_fetched
 from kvserver.errors import KVServerError
 
 logger = logging.getLogger(__name__)
@@ -83,6 +87,9 @@ class StreamCounters:
     errors: int = 0
     sent_chunks: int = 0
     sent_bytes: int = 0
+    #: chunks and payload bytes stored by clients' puts (``stream_ops.py``).
+    received_chunks: int = 0
+    received_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -102,6 +109,7 @@ class StreamServer:
         max_connections: int = MAX_CONNECTIONS,
         idle_s: float = IDLE_S,
         tls: ssl.SSLContext | None = None,
+        max_payload_bytes: int = 1 << 30,
     ) -> None:
         self._service = service
         self._auth = auth
@@ -117,6 +125,8 @@ class StreamServer:
         #: address -> its connections still before their hello (bounded per address)
         self._hello_waits: dict[str, int] = {}
         self.counters = StreamCounters()
+        self._ops = StreamOps(service, self.counters, max_payload_bytes=max_payload_bytes)
+        self._names = 0  # connections named so far (a client's default lease owner)
         self.port = -1
 
     @property
@@ -210,17 +220,22 @@ class StreamServer:
             waiting = self._hello_done(address)
             if who is None:
                 return
+            self._names += 1
+            name = f"stream-{self._names}"
             while True:
                 head = await io.read(wire_stream.REQUEST_HEAD.size, self._idle_s,
                                      at_boundary=True)  # fmt: skip
                 if head is None:
                     return
                 try:
-                    length = wire_stream.decode_request_head(head)
+                    is_op, length = wire_stream.decode_any_head(head)
                 except KVServerError as exc:
                     await self._refuse(io, 0, exc)
                     await io.linger()
                     return  # a stream cannot skip what it cannot frame
+                if is_op:  # a client's put or get
+                    await self._ops.serve(io, length, who, name)
+                    continue
                 header = await io.read(length, self._timeout_s)
                 assert header is not None
                 self.counters.requests += 1
@@ -282,18 +297,7 @@ class StreamServer:
         except KVServerError as exc:
             await self._refuse(io, request.request_id, exc)
             return
-        try:
-            count, tp = len(got.keys), spec.tp_world_size
-            head = wire_stream.encode_ok(request.request_id, count, tp, spec.part_bytes)
-            buffers = [view for part in got.parts for view in part]
-            await io.send([head, *buffers])
-            self.counters.sent_chunks += count
-            self.counters.sent_bytes += count * tp * spec.part_bytes
-        finally:
-            if got.lease_id:
-                with contextlib.suppress(KVServerError):
-                    service.complete_load(got.lease_id)
+        await send_fetched(io, service, self.counters, request.request_id, got, spec.part_bytes)
 
     async def _refuse(self, io: StreamIO, request_id: int, exc: KVServerError) -> None:
-        self.counters.errors += 1
-        await io.send([wire_stream.encode_error(request_id, exc)])
+        await refuse(io, self.counters, request_id, exc)

@@ -1,0 +1,333 @@
+"""A remote client's ``put`` and ``get`` over the daemon's stream port (``docs/wire.md`` §6,
+"Client ops"): the payload moves with one ``sendmsg`` / ``recv_into`` per socket-buffer's
+worth, and the daemon receives it straight into the arena pages it reserved and sends a get's
+parts straight from them (``kvserver/daemon/stream_ops.py``), where over ZMQ both sides' I/O
+threads carry it and the daemon copies each put's frames into its arena.
+
+Runs in client processes. A :class:`StreamLink` is one blocking TCP connection, used by one
+thread at a time (``KVClient`` calls it directly; ``AsyncKVClient`` from a worker thread,
+one call at a time). The format is :mod:`kvserver.wire_stream`.
+
+Call order: :func:`stream_address` (None unless the daemon's last ``hello`` announced the
+capability ``stream_ops`` and a plain ``peer_stream_port``, this client is not co-located and
+uses no CURVE key, and its address is ``tcp://``) → ``StreamLink.open(host, port, token,
+timeout)`` (connect, then the hello) → ``put`` / ``get`` any number of times → ``close()``.
+
+Errors: an error reply to the request raises its typed error (``kvserver.errors``), the
+connection staying usable. Anything else — the connection refused, closed or reset, a timeout,
+a refused hello (its error reply has id 0), a reply that does not answer the request — raises
+:class:`StreamFailed`, after which the link is closed and must not be used: the caller sends
+the request over ZMQ instead (what the daemon did with it is unknown, as after a ZMQ timeout:
+a put whose bytes did not all arrive was rolled back, and putting it again is harmless).
+With ``stream_tls`` (an ``ssl.SSLContext`` with the CA of the daemon's certificate:
+``kvserver.crypto.TlsClient(ca).ssl_context()``) the client dials the daemon's TLS stream port
+(``peer_stream_tls_port``) and never a plain one; without it, a daemon with only a TLS port is
+used over ZMQ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvserver import wire, wire_stream
+from kvserver.client.calls import PutResult
+from kvserver.client.common import Session
+from kvserver.client.parts import Parts, flatten_parts
+from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
+
+#: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
+IOV_MAX = 1024
+#: after the stream failed, requests go over ZMQ for this long before it is tried again.
+RETRY_S = 30.0
+
+T = TypeVar("T")
+
+
+class StreamFailed(Exception):
+    """The stream connection cannot be used (see the module docstring): send over ZMQ."""
+
+
+def stream_address(s: Session, tls: bool = False) -> tuple[str, int] | None:
+    """(host, port) of the daemon's stream port for this session's puts and gets, or None
+    (module docstring). ``tls``: the client dials a TLS port (it has a CA for the daemon's
+    certificate), never a plain one."""
+    info = s.server
+    port = info.get("peer_stream_tls_port" if tls else "peer_stream_port")
+    if s.arena is not None or (s.curve is not None and not tls) or type(port) is not int:
+        return None
+    if wire.CAP_STREAM_OPS not in info.get("capabilities", ()):
+        return None
+    if not s.address.startswith("tcp://"):
+        return None
+    host = s.address[len("tcp://") :].rsplit(":", 1)[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+class StreamLink:
+    """One connection to a daemon's stream port; see the module docstring."""
+
+    def __init__(self, sock: socket.socket, sid: str | None) -> None:
+        self._sock = sock
+        #: the daemon session it was opened in (a new ``sid``: open another)
+        self.sid = sid
+        self._next_id = 0
+
+    @classmethod
+    def open(
+        cls,
+        address: tuple[str, int],
+        token: str,
+        timeout: float,
+        sid: str | None,
+        tls: ssl.SSLContext | None = None,
+    ) -> StreamLink:
+        """Connect (with ``tls``: the TLS handshake, the daemon's certificate checked
+        against the context's CA and the address's host), then send the hello. Raises
+        StreamFailed."""
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection(address, timeout=timeout)
+        except OSError as exc:
+            raise StreamFailed(f"cannot connect to the stream port: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=address[0])
+        except OSError as exc:  # ssl.SSLError: a certificate refused, a plain server
+            sock.close()
+            raise StreamFailed(f"stream TLS handshake failed: {exc}") from None
+        link = cls(sock, sid)
+        try:
+            link._send([memoryview(wire_stream.encode_hello(token))], deadline)
+        except (OSError, KVServerError) as exc:
+            link.close()
+            raise StreamFailed(f"stream hello failed: {exc}") from None
+        return link
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # ------------------------------------------------------------------ ops
+
+    def put(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        parts: Parts,
+        lease_s: float | None,
+        client: str,
+        timeout: float,
+    ) -> PutResult:
+        """``put`` (as over ZMQ: one message, however large). Raises the daemon's error, or
+        StreamFailed."""
+        payload = [memoryview(p).cast("B") for p in flatten_parts(keys, parts)]
+        size = sum(v.nbytes for v in payload)
+        args = {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
+        body = self._exchange(wire.PUT, args, client, payload, size, timeout, result=True)
+        r = wire_stream.decode_result(body)
+        return PutResult(r["stored"], r["present"], r["filtered"], r["rejected"])
+
+    def get(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        ranks: Sequence[int] | None,
+        part_bytes: int | None,
+        tp: int | None,
+        timeout: float,
+    ) -> list[list[memoryview]]:
+        """``get`` of every key (each must be ready): ``result[i][j]`` is rank ``ranks[j]``'s
+        part of ``keys[i]``, views of one buffer received straight from the socket.
+        ``part_bytes`` / ``tp``: the namespace's when known (the reply's head is checked
+        against them). Raises the daemon's error, or StreamFailed."""
+        args = {"ns_id": ns_id, "keys": list(keys), "ranks": list(ranks) if ranks else None}
+        per_key = len(ranks) if ranks else tp
+        deadline = time.monotonic() + timeout
+        head = self._request(wire.GET, args, None, [], 0, deadline)
+        if head.result:
+            raise StreamFailed("stream get answered with a result reply")
+        if (
+            head.count != len(keys)
+            or (per_key is not None and head.tp != per_key)
+            or (part_bytes is not None and head.part_bytes != part_bytes)
+        ):
+            raise StreamFailed("stream get reply of the wrong number or shape of parts")
+        size, per = head.part_bytes, head.tp
+        buf = np.empty(head.count * per * size, dtype=np.uint8).data.cast("B")
+        self._recv(buf, deadline)
+        return [
+            [buf[(i * per + j) * size : (i * per + j + 1) * size] for j in range(per)]
+            for i in range(head.count)
+        ]
+
+    # ------------------------------------------------------------------ bytes
+
+    def _exchange(
+        self,
+        op: str,
+        args: dict[str, Any],
+        client: str | None,
+        payload: list[memoryview],
+        size: int,
+        timeout: float,
+        *,
+        result: bool,
+    ) -> bytearray:
+        deadline = time.monotonic() + timeout
+        head = self._request(op, args, client, payload, size, deadline)
+        if not head.result:
+            raise StreamFailed(f"stream {op} answered without a result")
+        body = bytearray(head.count)
+        self._recv(memoryview(body), deadline)
+        return body
+
+    def _request(
+        self,
+        op: str,
+        args: dict[str, Any],
+        client: str | None,
+        payload: list[memoryview],
+        size: int,
+        deadline: float,
+    ) -> wire_stream.ReplyHead:
+        """Send one op request and read its reply's head; raises the error of an error
+        reply to it, StreamFailed for anything else amiss."""
+        self._next_id += 1
+        request_id = self._next_id
+        request = wire_stream.encode_op_request(request_id, op, args, client, size)
+        raw = bytearray(wire_stream.REPLY_HEAD.size)
+        try:
+            self._send([memoryview(request), *payload], deadline)
+            self._recv(memoryview(raw), deadline)
+            head = wire_stream.decode_reply_head(raw, results=True)
+        except (OSError, KVServerError) as exc:
+            raise StreamFailed(f"stream {op} failed: {exc}") from None
+        if head.request_id != request_id & 0xFFFFFFFF:
+            raise StreamFailed("stream reply answers another request (a refused hello?)")
+        if not head.ok and not head.result:
+            body = bytearray(head.count)
+            self._recv(memoryview(body), deadline)
+            raise wire_stream.decode_error(body)
+        return head
+
+    def _send(self, views: list[memoryview], deadline: float) -> None:
+        """Send ``views`` whole (``sendmsg`` of up to :data:`IOV_MAX` at a time; TLS:
+        ``sendall`` of each, which has no ``sendmsg``)."""
+        sock, todo, i = self._sock, [v for v in views if v.nbytes], 0
+        if isinstance(sock, ssl.SSLSocket):
+            for view in todo:
+                _bound(sock, deadline)
+                sock.sendall(view)
+            return
+        while i < len(todo):
+            _bound(sock, deadline)
+            sent = sock.sendmsg(todo[i : i + IOV_MAX])
+            while i < len(todo) and sent >= todo[i].nbytes:
+                sent -= todo[i].nbytes
+                i += 1
+            if sent:
+                todo[i] = todo[i][sent:]
+
+    def _recv(self, view: memoryview, deadline: float) -> None:
+        """Fill ``view`` (StreamFailed on EOF or past ``deadline``)."""
+        sock, pos = self._sock, 0
+        try:
+            while pos < view.nbytes:
+                _bound(sock, deadline)
+                got = sock.recv_into(view[pos:])
+                if got == 0:
+                    raise StreamFailed("the daemon closed the stream")
+                pos += got
+        except OSError as exc:
+            raise StreamFailed(f"stream receive failed: {exc}") from None
+
+
+def _bound(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the stream call timed out")
+    sock.settimeout(left)
+
+
+class StreamUse:
+    """A client's use of the stream: its link, opened when first wanted, and when to try
+    again after a failure. ``enabled`` False: never (``KVClient(stream=False)``).
+
+    :meth:`call` / :meth:`call_async` run one op on the link and return its value, or None
+    when it is to go over ZMQ instead: the stream is off or not announced, the request
+    names no key or more than a stream request may, the link failed (closed, retried after
+    :data:`RETRY_S`), or the daemon answered ``unknown_namespace`` / ``unauthenticated``
+    (the ZMQ path renews the session and retries as it does for its own requests). Other
+    error replies are raised."""
+
+    def __init__(self, enabled: bool, tls: ssl.SSLContext | None = None) -> None:
+        self.enabled = enabled
+        self._tls = tls
+        self._link: StreamLink | None = None
+        self._retry_at = 0.0
+        self._lock: asyncio.Lock | None = None
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def wanted(self, s: Session, num_keys: int) -> tuple[str, int] | None:
+        """The stream's address when this request is to try it."""
+        if not self.enabled or not 1 <= num_keys <= wire_stream.MAX_KEYS:
+            return None
+        address = stream_address(s, tls=self._tls is not None)
+        if address is None or time.monotonic() < self._retry_at:
+            self.close()
+            return None
+        return address
+
+    def call(
+        self, s: Session, address: tuple[str, int], timeout: float, fn: Callable[[StreamLink], T]
+    ) -> T | None:
+        """Run ``fn`` on the link (opened when needed); see the class docstring."""
+        try:
+            link = self._link
+            if link is None or link.sid != s.sid:
+                self.close()
+                link = self._link = StreamLink.open(address, s.token(), timeout, s.sid, self._tls)
+            return fn(link)
+        except StreamFailed:
+            self.close()
+            self._retry_at = time.monotonic() + RETRY_S
+            return None
+        except (UnknownNamespace, Unauthenticated):
+            return None
+
+    async def call_async(
+        self, s: Session, address: tuple[str, int], timeout: float, fn: Callable[[StreamLink], T]
+    ) -> T | None:
+        """:meth:`call` in a worker thread, one at a time. A cancelled caller shuts the link
+        down and waits for the thread before the cancellation goes on."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            fut = asyncio.get_running_loop().run_in_executor(
+                None, self.call, s, address, timeout, fn
+            )
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                link = self._link
+                if link is not None:
+                    with contextlib.suppress(OSError):
+                        link._sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait([fut])
+                self.close()
+                raise
