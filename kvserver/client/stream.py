@@ -55,6 +55,11 @@ class StreamFailed(Exception):
     """The stream connection cannot be used (see the module docstring): send over ZMQ."""
 
 
+class NotHere(Exception):
+    """This request is not for the stream (a put over the daemon's ``max_message_bytes``,
+    which ZMQ carries in windows): send it over ZMQ; the link stays open."""
+
+
 def stream_address(s: Session, tls: bool = False) -> tuple[str, int] | None:
     """(host, port) of the daemon's stream port for this session's puts and gets, or None
     (module docstring). ``tls``: the client dials a TLS port (it has a CA for the daemon's
@@ -76,10 +81,12 @@ def stream_address(s: Session, tls: bool = False) -> tuple[str, int] | None:
 class StreamLink:
     """One connection to a daemon's stream port; see the module docstring."""
 
-    def __init__(self, sock: socket.socket, sid: str | None) -> None:
+    def __init__(self, sock: socket.socket, sid: str | None, max_payload: int = 1 << 30) -> None:
         self._sock = sock
         #: the daemon session it was opened in (a new ``sid``: open another)
         self.sid = sid
+        #: the largest put payload the daemon takes (its ``max_message_bytes``)
+        self.max_payload = max_payload
         self._next_id = 0
 
     @classmethod
@@ -90,6 +97,7 @@ class StreamLink:
         timeout: float,
         sid: str | None,
         tls: ssl.SSLContext | None = None,
+        max_payload: int = 1 << 30,
     ) -> StreamLink:
         """Connect (with ``tls``: the TLS handshake, the daemon's certificate checked
         against the context's CA and the address's host), then send the hello. Raises
@@ -106,7 +114,7 @@ class StreamLink:
         except OSError as exc:  # ssl.SSLError: a certificate refused, a plain server
             sock.close()
             raise StreamFailed(f"stream TLS handshake failed: {exc}") from None
-        link = cls(sock, sid)
+        link = cls(sock, sid, max_payload)
         try:
             link._send([memoryview(wire_stream.encode_hello(token))], deadline)
         except (OSError, KVServerError) as exc:
@@ -132,6 +140,8 @@ class StreamLink:
         StreamFailed."""
         payload = [memoryview(p).cast("B") for p in flatten_parts(keys, parts)]
         size = sum(v.nbytes for v in payload)
+        if size > self.max_payload:  # the daemon would refuse it and close: ZMQ's windows
+            raise NotHere
         args = {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
         body = self._exchange(wire.PUT, args, client, payload, size, timeout, result=True)
         r = wire_stream.decode_result(body)
@@ -266,7 +276,8 @@ class StreamUse:
     :meth:`call` / :meth:`call_async` run one op on the link and return its value, or None
     when it is to go over ZMQ instead: the stream is off or not announced, the request
     names no key or more than a stream request may, the link failed (closed, retried after
-    :data:`RETRY_S`), or the daemon answered ``unknown_namespace`` / ``unauthenticated``
+    :data:`RETRY_S`), a put is larger than the daemon's ``max_message_bytes``, or the
+    daemon answered ``unknown_namespace`` / ``unauthenticated``
     (the ZMQ path renews the session and retries as it does for its own requests). Other
     error replies are raised."""
 
@@ -300,8 +311,14 @@ class StreamUse:
             link = self._link
             if link is None or link.sid != s.sid:
                 self.close()
-                link = self._link = StreamLink.open(address, s.token(), timeout, s.sid, self._tls)
+                limit = s.server.get("max_message_bytes")
+                link = self._link = StreamLink.open(
+                    address, s.token(), timeout, s.sid, self._tls,
+                    limit if type(limit) is int else 1 << 30,
+                )  # fmt: skip
             return fn(link)
+        except NotHere:
+            return None
         except StreamFailed:
             self.close()
             self._retry_at = time.monotonic() + RETRY_S

@@ -103,6 +103,22 @@ def test_put_and_get_go_over_the_stream_with_zmqs_results(daemon: DaemonProc) ->
     assert after["errors"] - before["errors"] == 1
 
 
+def test_a_put_over_max_message_bytes_goes_over_zmq_and_the_stream_stays(
+    daemon: DaemonProc,
+) -> None:
+    """The daemon would refuse it and close the stream: ZMQ carries it (here to the same
+    refusal: its windows are larger than this daemon's limit), the link stays open."""
+    keys = make_keys(MAX_MESSAGE // (2 * SPEC.part_bytes) + 1, tag="large")
+    with client(daemon) as kv:
+        kv.put(SPEC.ns_id, keys[:1], parts_of(keys[:1]))
+        opened = stream_stats(daemon)["connections"]
+        with pytest.raises(InvalidArgument, match="too large"):
+            kv.put(SPEC.ns_id, keys, parts_of(keys))
+        assert kv.sent_by_op[wire.PUT] == 1
+        assert kv.put(SPEC.ns_id, keys[1:2], parts_of(keys[1:2])).stored == keys[1:2]
+        assert kv.sent_by_op[wire.PUT] == 1 and stream_stats(daemon)["connections"] == opened
+
+
 def test_stream_off_or_not_announced_goes_over_zmq(daemon: DaemonProc) -> None:
     keys = make_keys(2, tag="zmq")
     with client(daemon, stream=False) as kv:
