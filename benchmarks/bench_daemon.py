@@ -76,6 +76,9 @@ class BenchConfig:
     redis_server: str | None = "redis-server"
     #: DRAM eviction policy of our own daemon (the recorded figures': prefix)
     policy: str = "prefix"
+    #: the remote client's put and get over the daemon's stream port (``KVClient(stream=)``);
+    #: off by default, as in ``KVClient``: the rows measure what a user's client does.
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -196,7 +199,7 @@ def bench_bandwidth(
     with ExitStack() as stack:
         local = stack.enter_context(KVClient(target.zmq, colocated=True, timeout=CLIENT_TIMEOUT_S))
         remote = stack.enter_context(
-            KVClient(target.zmq, colocated=False, timeout=CLIENT_TIMEOUT_S)
+            KVClient(target.zmq, colocated=False, timeout=CLIENT_TIMEOUT_S, stream=cfg.stream)
         )
         peer = ZmqPeer()
         stack.callback(peer.close)
@@ -404,6 +407,11 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add("--lookup-iters", type=int, help="Lookups by keys (default 3000, quick 300)")
     add("--dram", default=DEFAULT_DRAM, help=f"DRAM of our daemon (default {DEFAULT_DRAM})")
     add("--policy", default="prefix", help="DRAM eviction policy of our daemon (default prefix)")
+    add(
+        "--stream",
+        action="store_true",
+        help="the remote rows over the daemon's stream port (KVClient(stream=True)), not ZMQ",
+    )
     add("--zmq", metavar="ENDPOINT", help="bench a running daemon (evicts what it caches)")
     add("--server", metavar="HOST:PORT", help="that daemon's gRPC address (with --zmq)")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -445,6 +453,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             tune_malloc=not args.default_malloc,
             redis_server=None if args.no_redis else args.redis_server,
             policy=args.policy,
+            stream=args.stream,
         )
     except (KVServerError, ValueError) as exc:
         print(f"kvserver bench: error: {exc}", file=sys.stderr)

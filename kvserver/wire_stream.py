@@ -343,6 +343,26 @@ def decode_error(body: bytes | bytearray | memoryview) -> KVServerError:
         return KVServerError("peer stream error reply is malformed")
 
 
+#: a receiver of a stream's payload is woken when this many bytes of it are unread
+#: (``SO_RCVLOWAT``), not at every segment: each wake-up costs the sending side's CPU (on
+#: loopback the sender runs the receiver's TCP input, its wake-up, and the window updates each
+#: read sends back). Towards the payload's end the bound shrinks (:func:`wake_at`), so that
+#: what is left to copy after the last byte arrives stays under :data:`TAIL_WAKE_BYTES`.
+WAKE_BYTES = 4 << 20
+#: the bound below which :func:`wake_at` does not halve it.
+TAIL_WAKE_BYTES = 1 << 20
+
+
+def wake_at(left: int, wake: int) -> int:
+    """The unread bytes a receive waits for when ``left`` bytes of a transfer are still to
+    come and the socket's bound is ``wake`` (:data:`WAKE_BYTES`, or the kernel's cap on
+    ``SO_RCVLOWAT``): ``wake``, or half of
+    ``left`` once that is smaller (but not below :data:`TAIL_WAKE_BYTES`), never more than
+    ``left``. A 32 MiB reply wakes the thread at most 10 times (4 MiB x 7, 2, 1, 1; a fixed
+    4 MiB would leave up to 4 MiB to copy after the last byte), a 1 MiB bound 32 times."""
+    return min(wake, left, max(TAIL_WAKE_BYTES, left // 2))
+
+
 def check_lengths(keys: Sequence[bytes]) -> None:
     """Refuse (``InvalidArgument``) a request this format cannot carry."""
     if not 1 <= len(keys) <= MAX_KEYS:

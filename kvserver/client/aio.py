@@ -90,7 +90,7 @@ class AsyncKVClient(ClientBase):
         curve: CurveClient | None = None,
         local: bool = True,
         max_frame_bytes: int = 0,
-        stream: bool = True,
+        stream: bool = False,
         stream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout

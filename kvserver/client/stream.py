@@ -174,7 +174,7 @@ class StreamLink:
             raise StreamFailed("stream get reply of the wrong number or shape of parts")
         size, per = head.part_bytes, head.tp
         buf = np.empty(head.count * per * size, dtype=np.uint8).data.cast("B")
-        self._recv(buf, deadline)
+        self._recv(buf, deadline, wake=True)
         return [
             [buf[(i * per + j) * size : (i * per + j + 1) * size] for j in range(per)]
             for i in range(head.count)
@@ -248,16 +248,24 @@ class StreamLink:
             if sent:
                 todo[i] = todo[i][sent:]
 
-    def _recv(self, view: memoryview, deadline: float) -> None:
-        """Fill ``view`` (StreamFailed on EOF or past ``deadline``)."""
-        sock, pos = self._sock, 0
+    def _recv(self, view: memoryview, deadline: float, *, wake: bool = False) -> None:
+        """Fill ``view`` (StreamFailed on EOF or past ``deadline``). ``wake`` (a payload, on a
+        plain socket): woken once ``wire_stream.wake_at`` bytes are unread (``SO_RCVLOWAT``),
+        not at every segment: each wake-up costs the daemon's CPU too."""
+        sock, pos, size = self._sock, 0, view.nbytes
+        wake = wake and not isinstance(sock, ssl.SSLSocket)
         try:
-            while pos < view.nbytes:
+            while pos < size:
+                if wake:
+                    lowat = wire_stream.wake_at(size - pos, wire_stream.WAKE_BYTES)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
                 _bound(sock, deadline)
                 got = sock.recv_into(view[pos:])
                 if got == 0:
                     raise StreamFailed("the daemon closed the stream")
                 pos += got
+            if wake:  # a reply's head must not wait for more than it is
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         except OSError as exc:
             raise StreamFailed(f"stream receive failed: {exc}") from None
 

@@ -89,9 +89,10 @@ class KVClient(ClientBase):
     """Blocking client; see the module docstring. ``colocated``: None = auto, False = never
     use shared memory, True = require it. ``local``: send requests over the daemon's local
     channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
-    ``stream``: send a remote ``put`` and ``get`` over the daemon's stream port when it
-    announces one for them (``docs/wire.md`` §6; :mod:`kvserver.client.stream`), else ZMQ;
-    ``stream_tls`` (the daemon's CA): over its TLS stream port, never a plain one."""
+    ``stream`` (off by default: not shown faster on 2 shared cores, ``docs/benchmarks.md``):
+    send a remote ``put`` and ``get`` over the daemon's stream port when it announces one for
+    them (``docs/wire.md`` §6; :mod:`kvserver.client.stream`), else ZMQ; ``stream_tls`` (the
+    daemon's CA): over its TLS stream port, never a plain one."""
 
     _t: Transport
 
@@ -105,7 +106,7 @@ class KVClient(ClientBase):
         colocated: bool | None = None,
         curve: CurveClient | None = None,
         local: bool = True,
-        stream: bool = True,
+        stream: bool = False,
         stream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout

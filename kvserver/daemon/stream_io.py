@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvserver import wire_stream
+
 #: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
 #: input read and dropped at most after an error that closes the connection.
@@ -63,6 +65,7 @@ class PlainIO:
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         self.sock = sock
         self.timeout_s = timeout_s
+        self._lowat = 1  # the socket's SO_RCVLOWAT
 
     def close(self) -> None:
         self.sock.close()
@@ -96,16 +99,20 @@ class PlainIO:
         loop = asyncio.get_running_loop()
         sock = self.sock
         todo = [v for v in views if v.nbytes]
+        left = sum(v.nbytes for v in todo)
         i = 0
         try:
             while i < len(todo):
                 try:
                     got = sock.recvmsg_into(todo[i : i + IOV_MAX])[0]
-                except BlockingIOError:  # nothing unread: wait for the next bytes
+                except BlockingIOError:  # nothing unread: wait for the next bytes, woken
+                    # once wake_at(left) are in (SO_RCVLOWAT), not at every segment
+                    self._set_lowat(wire_stream.wake_at(left, wire_stream.WAKE_BYTES))
                     async with asyncio.timeout(self.timeout_s):
                         got = await loop.sock_recv_into(sock, todo[i])
                 if got == 0:
                     raise Closed
+                left -= got
                 while i < len(todo) and got >= todo[i].nbytes:
                     got -= todo[i].nbytes
                     i += 1
@@ -113,6 +120,15 @@ class PlainIO:
                     todo[i] = todo[i][got:]
         except (TimeoutError, OSError):
             raise Closed from None
+        finally:
+            self._set_lowat(1)  # a request's head must not wait for more than it is
+
+    def _set_lowat(self, n: int) -> None:
+        """``SO_RCVLOWAT`` = ``n`` (the kernel caps it at half its largest receive buffer)."""
+        if n != self._lowat:
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+                self._lowat = n
 
     async def drain(self, n: int) -> None:
         """Read and drop ``n`` bytes (a refused put's payload), as :meth:`read_into`."""

@@ -48,17 +48,15 @@ from typing import Any
 from kvserver import wire_stream
 from kvserver.daemon.peers.directory import Peer, PeerFailed
 from kvserver.errors import KVServerError
+from kvserver.wire_stream import TAIL_WAKE_BYTES as TAIL_WAKE_BYTES
+from kvserver.wire_stream import wake_at as wake_at
 
 #: buffers per ``recvmsg_into`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
 #: a receiving thread is woken when this many bytes of its transfer are in (``SO_RCVLOWAT``),
-#: not at every segment: each wake-up costs the sending side's CPU (on loopback the sender
-#: runs the receiver's TCP input, its wake-up, and the window updates each read sends back).
-#: Towards a reply's end the bound shrinks (:func:`wake_at`), so that what is left to copy
-#: after the last byte arrives stays under :data:`TAIL_WAKE_BYTES`.
-WAKE_BYTES = 4 << 20
-#: the bound below which :func:`wake_at` does not halve it (1 MiB: the bound before it grew).
-TAIL_WAKE_BYTES = 1 << 20
+#: not at every segment; fewer towards a reply's end (``wire_stream.wake_at``, shared with the
+#: daemon's and the clients' receiving ends of client ops).
+WAKE_BYTES = wire_stream.WAKE_BYTES
 #: the threads that move the streams' bytes and resolve the peers' names: the streams' own, so
 #: that the loop's default executor being busy (the daemon's other off-loop work, each job up
 #: to its own timeout) cannot hold a receive past its deadline and make a healthy peer look
@@ -352,15 +350,6 @@ class StreamConnection:
 
     def _failed(self, message: str, *, timed_out: bool) -> PeerFailed:
         return PeerFailed(message, timed_out=timed_out, peer=self.peer_id)
-
-
-def wake_at(left: int, wake: int) -> int:
-    """The unread bytes a receive waits for when ``left`` bytes of a transfer are still to
-    come and the socket's bound is ``wake`` (:func:`_wake_bytes`): ``wake``, or half of
-    ``left`` once that is smaller (but not below :data:`TAIL_WAKE_BYTES`), never more than
-    ``left``. A 32 MiB reply wakes the thread at most 10 times (4 MiB x 7, 2, 1, 1; a fixed
-    4 MiB would leave up to 4 MiB to copy after the last byte), a 1 MiB bound 32 times."""
-    return min(wake, left, max(TAIL_WAKE_BYTES, left // 2))
 
 
 def _wake_bytes(sock: socket.socket) -> int:

@@ -483,15 +483,14 @@ def test_local_channel_only_when_colocated_and_wanted(daemon: DaemonProc) -> Non
 @pytest.mark.multiprocess
 def test_a_large_put_goes_as_windows_and_is_stored_whole(tmp_path: Path) -> None:
     """A put of more than PUT_WINDOW_BYTES is several messages (sync and asyncio clients),
-    each of at most that much payload; every byte is stored; a window's error is raised.
-    (ZMQ's windows: the stream, where a put is one request, is off.)"""
+    each of at most that much payload; every byte is stored; a window's error is raised."""
     spec = make_spec(model="test/windows", part_bytes_override=1 << 20)
     n = 2 * PUT_WINDOW_BYTES // spec.part_bytes + 3  # three windows, the last one short
     d = start_daemon(tmp_path, "--dram", "96MiB")
     try:
         keys = make_keys(n, tag="win")
         data = [pattern(k, 0, spec.part_bytes) for k in keys]
-        with KVClient(d.zmq_address, colocated=False, stream=False) as kv:
+        with KVClient(d.zmq_address, colocated=False) as kv:
             ns = kv.register_namespace(spec)
             r = kv.put(ns.ns_id, keys, data)
             assert (r.stored, r.present, r.rejected) == (keys, [], False)
@@ -501,7 +500,7 @@ def test_a_large_put_goes_as_windows_and_is_stored_whole(tmp_path: Path) -> None
                 kv.put(ns.ns_id, make_keys(n, tag="bad"), [*data[:-1], b"short"])
 
         async def put_async() -> None:
-            async with AsyncKVClient(d.zmq_address, colocated=False, stream=False) as akv:
+            async with AsyncKVClient(d.zmq_address, colocated=False) as akv:
                 ns = await akv.register_namespace(spec)
                 more = make_keys(n, tag="win-aio")
                 r = await akv.put(ns.ns_id, more, [[p] for p in data])  # one buffer per rank

@@ -56,8 +56,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
         d.kill()
 
 
-def client(d: DaemonProc, token: str = TOKEN, **kw: object) -> KVClient:
-    kv = KVClient(d.zmq_address, colocated=False, auth_token=token, **kw)  # type: ignore[arg-type]
+def client(d: DaemonProc, token: str = TOKEN, stream: bool = True) -> KVClient:
+    kv = KVClient(d.zmq_address, colocated=False, auth_token=token, stream=stream)
     kv.register_namespace(SPEC)
     return kv
 
@@ -121,7 +121,8 @@ def test_a_put_over_max_message_bytes_goes_over_zmq_and_the_stream_stays(
 
 def test_stream_off_or_not_announced_goes_over_zmq(daemon: DaemonProc) -> None:
     keys = make_keys(2, tag="zmq")
-    with client(daemon, stream=False) as kv:
+    with KVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN) as kv:  # the default
+        kv.register_namespace(SPEC)
         assert kv.put(SPEC.ns_id, keys, parts_of(keys)).stored == keys
         assert bytes(kv.get(SPEC.ns_id, keys)[1][0]) == parts_of(keys)[1][0]
         assert kv.sent_by_op[wire.PUT] == 1 and kv.sent_by_op[wire.GET] == 1
@@ -135,7 +136,7 @@ def test_a_daemon_without_a_stream_port_is_used_over_zmq(tmp_path: Path) -> None
     d = start_daemon(tmp_path, "--dram", "8MiB", "--peer-stream-port", "-1", "--no-auth")
     try:
         keys = make_keys(2, tag="nostream")
-        with KVClient(d.zmq_address, colocated=False) as kv:
+        with KVClient(d.zmq_address, colocated=False, stream=True) as kv:
             kv.register_namespace(SPEC)
             assert kv.put(SPEC.ns_id, keys, parts_of(keys)).stored == keys
             assert bytes(kv.get(SPEC.ns_id, keys)[1][1]) == parts_of(keys)[1][1]
@@ -148,13 +149,13 @@ def test_tenants_are_checked_on_the_stream(daemon: DaemonProc) -> None:
     keys = make_keys(2, tag="tenants")
     with client(daemon) as kv:
         kv.put(SPEC.ns_id, keys, parts_of(keys))
-    with KVClient(daemon.zmq_address, colocated=False, auth_token=READER) as kv:
+    with KVClient(daemon.zmq_address, colocated=False, auth_token=READER, stream=True) as kv:
         kv.hello()
         assert bytes(kv.get(SPEC.ns_id, keys)[0][0]) == parts_of(keys)[0][0]
         with pytest.raises(PermissionDenied):
             kv.put(SPEC.ns_id, make_keys(1, tag="ro"), parts_of(make_keys(1, tag="ro")))
         assert kv.sent_by_op[wire.PUT] == 0 and kv.sent_by_op[wire.GET] == 0
-    with KVClient(daemon.zmq_address, colocated=False, auth_token=OTHER) as kv:
+    with KVClient(daemon.zmq_address, colocated=False, auth_token=OTHER, stream=True) as kv:
         kv.hello()
         with pytest.raises(UnknownNamespace):  # not its model: as if not registered
             kv.get(SPEC.ns_id, keys)
@@ -175,7 +176,9 @@ def test_the_async_client_uses_the_stream(daemon: DaemonProc) -> None:
     keys = make_keys(4, tag="aio")
 
     async def main() -> None:
-        async with AsyncKVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN) as kv:
+        async with AsyncKVClient(
+            daemon.zmq_address, colocated=False, auth_token=TOKEN, stream=True
+        ) as kv:
             await kv.register_namespace(SPEC)
             puts = [kv.put(SPEC.ns_id, [k], parts_of([k])) for k in keys]
             assert [r.stored for r in await asyncio.gather(*puts)] == [[k] for k in keys]
@@ -375,14 +378,14 @@ def test_over_a_tls_stream_port_with_the_ca_and_over_zmq_without(tmp_path: Path)
         big = make_keys(8, tag="tls")  # 64 KiB a key: more than one TLS record per part
         spec = make_spec(model="stream/tls", tp_world_size=2, block_size=256)
         data = [[pattern(k, r, spec.part_bytes) for r in range(2)] for k in big]
-        with KVClient(d.zmq_address, colocated=False, auth_token=TOKEN,
+        with KVClient(d.zmq_address, colocated=False, auth_token=TOKEN, stream=True,
                       stream_tls=TlsClient(cert).ssl_context()) as kv:  # fmt: skip
             kv.register_namespace(spec)
             assert kv.put(spec.ns_id, big, data).stored == big
             assert [[bytes(p) for p in row] for row in kv.get(spec.ns_id, big)] == data
             assert kv.sent_by_op[wire.PUT] == 0 and kv.sent_by_op[wire.GET] == 0
         for tls in (None, TlsClient(rogue).ssl_context()):
-            with KVClient(d.zmq_address, colocated=False, auth_token=TOKEN,
+            with KVClient(d.zmq_address, colocated=False, auth_token=TOKEN, stream=True,
                           stream_tls=tls) as kv:  # fmt: skip
                 kv.register_namespace(spec)
                 assert [[bytes(p) for p in row] for row in kv.get(spec.ns_id, big)] == data
