@@ -92,10 +92,19 @@ class PlainIO:
             raise Closed from None
         return buf
 
-    async def read_into(self, views: Sequence[memoryview]) -> None:
+    async def read_into(self, views: Sequence[memoryview], within_s: float) -> None:
         """Fill ``views``, in order (a client's put: straight into the arena pages reserved
         for it), with one scattering ``recvmsg_into`` per :data:`IOV_MAX` views of what has
-        arrived; :class:`Closed` on EOF, or when no byte comes for ``timeout_s``."""
+        arrived; :class:`Closed` on EOF, when no byte comes for ``timeout_s``, or when it
+        has not all come within ``within_s`` (the reservation's lease outlives it, so no
+        byte lands in a page after it was given back)."""
+        try:
+            async with asyncio.timeout(within_s):
+                await self._read_into(views)
+        except TimeoutError:
+            raise Closed from None
+
+    async def _read_into(self, views: Sequence[memoryview]) -> None:
         loop = asyncio.get_running_loop()
         sock = self.sock
         todo = [v for v in views if v.nbytes]
@@ -179,7 +188,7 @@ async def _drain(io: PlainIO | TlsIO, n: int) -> None:
     scratch = memoryview(bytearray(min(n, DRAIN_BYTES)))
     while n > 0:
         step = min(n, scratch.nbytes)
-        await io.read_into([scratch[:step]])
+        await io.read_into([scratch[:step]], io.timeout_s)
         n -= step
 
 
@@ -236,9 +245,16 @@ class TlsIO:
             raise Closed from None
         return buf
 
-    async def read_into(self, views: Sequence[memoryview]) -> None:
+    async def read_into(self, views: Sequence[memoryview], within_s: float) -> None:
         """As :meth:`PlainIO.read_into`, decrypted on the loop (one ``recv_into`` per TLS
         record into the view: OpenSSL's copy of the plaintext the only one)."""
+        try:
+            async with asyncio.timeout(within_s):
+                await self._read_into(views)
+        except TimeoutError:
+            raise Closed from None
+
+    async def _read_into(self, views: Sequence[memoryview]) -> None:
         try:
             for view in views:
                 pos, size = 0, view.nbytes

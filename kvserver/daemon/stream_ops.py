@@ -20,12 +20,14 @@ to ``service.op_seconds`` and the service publishes the KV events. A put:
 - is checked whole before anything is reserved (the namespace, duplicate keys, the payload's
   announced size against ``len(keys) x tp x part_bytes``); a refused one has its payload read
   and dropped first (the stream stays in step), then its error reply;
-- reserves with the daemon's longest lease (its bytes may take up to the connection's timeout
-  per read to come), receives each granted key's parts into its pages and the others' (present,
-  filtered, or all when DRAM is full: ``rejected``) into a scratch buffer that is dropped;
-- completes the reservation only once every byte has arrived: a connection that ends, fails or
-  stalls for the timeout mid-payload rolls the whole reservation back (nothing half received
-  becomes readable) and is closed.
+- reserves with the daemon's longest lease (``max_lease_s``), receives each granted key's
+  parts into its pages and the others' (present, filtered, or all when DRAM is full:
+  ``rejected``) into a scratch buffer that is dropped; each read waits at most the
+  connection's timeout, the whole payload at most half that lease (so no byte lands in a page
+  after the reservation ended);
+- completes the reservation only once every byte has arrived: a connection that ends, fails,
+  stalls for the timeout or runs past half the lease mid-payload rolls the whole reservation
+  back (nothing half received becomes readable) and is closed.
 
 A payload announced larger than ``max_message_bytes`` is refused (id 0) and the connection
 closed, as the local channel does: a stream cannot skip what it will not read.
@@ -143,7 +145,8 @@ class StreamOps:
                     scratch = scratch or [memoryview(bytearray(size))] * tp
                     row = scratch
                 views.extend(row)
-            await io.read_into(views)
+            # within half the reservation's lease: never a byte into a page given back
+            await io.read_into(views, service.engine.config.max_lease_s / 2)
         except BaseException:
             pages, views = {}, []
             if grant.keys:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from kvserver import wire, wire_stream
 from kvserver.client import AsyncKVClient, KVClient
 from kvserver.crypto import TlsClient, make_tls_cert
+from kvserver.daemon.stream_io import Closed, PlainIO
 from kvserver.errors import (
     InvalidArgument,
     KVServerError,
@@ -395,3 +397,22 @@ def test_over_a_tls_stream_port_with_the_ca_and_over_zmq_without(tmp_path: Path)
         assert stats["tls"] and stats["received_chunks"] == 8 and stats["refused_handshakes"] >= 1
     finally:
         d.kill()
+
+
+def test_a_payload_not_all_in_within_its_bound_is_given_up() -> None:
+    """``read_into`` gives up (Closed) once ``within_s`` has passed although each read's own
+    timeout has not: a client trickling its bytes cannot keep writing into pages past the
+    reservation's lease."""
+
+    async def main() -> float:
+        a, b = socket.socketpair()
+        with a, b:
+            a.setblocking(False)
+            io = PlainIO(a, timeout_s=60.0)
+            b.sendall(b"x" * 100)  # some bytes, then silence
+            start = time.monotonic()
+            with pytest.raises(Closed):
+                await io.read_into([memoryview(bytearray(1000))], within_s=0.2)
+            return time.monotonic() - start
+
+    assert asyncio.run(main()) < 30.0  # the 60 s per-read timeout did not decide it
