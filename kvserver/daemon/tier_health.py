@@ -9,7 +9,10 @@ loop only. Transitions are logged once each.
 - ``degraded`` (a write failed: ENOSPC, EIO, EACCES ...): write-backs are skipped, reads keep
   serving, and one write (a probe) is let through every ``retry_s``; the first success
   returns to ``ok``.
-- ``unavailable`` (the tier could not be opened; its owner retries every ``retry_s``).
+- ``unavailable`` (the tier could not be opened; its owner retries every ``retry_s``), or
+  its directory was lost while open (:meth:`TierHealth.directory_lost`: removed, renamed or
+  replaced; reads keep serving from the open files, no write goes through, and write outcomes
+  change nothing until the owner finds the directory back).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class TierHealth:
         self._clock = clock
         self._retry_at = 0.0
         self.condition, self.reason = UNAVAILABLE, NOT_OPENED
+        #: why the open directory is lost ("" while it is not)
+        self.lost = ""
 
     def set(self, condition: str, reason: str) -> None:
         """Enter ``condition`` (logged when it changes)."""
@@ -67,9 +72,22 @@ class TierHealth:
         if self.condition == DEGRADED:
             self.set(OK, "")
 
+    def directory_lost(self, reason: str) -> None:
+        """The open directory is lost (``reason``): ``unavailable`` until it is back
+        (``reason`` ""), then ``ok``."""
+        if reason:
+            self.lost = reason
+            self.set(UNAVAILABLE, reason)
+        elif self.lost:
+            self.lost = ""
+            self.set(OK, "")
+
     def failed_write(self, exc: BaseException) -> None:
-        """A write failed: the tier is ``degraded``, the next probe in ``retry_s``."""
+        """A write failed: the tier is ``degraded``, the next probe in ``retry_s`` (counted
+        only while the directory is lost)."""
         self._counters.io_errors += 1
+        if self.lost:
+            return
         self._retry_at = self._clock() + self._retry_s
         self.set(DEGRADED, f"write failed: {exc}")
 

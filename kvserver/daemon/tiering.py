@@ -285,10 +285,23 @@ class SsdTier(Tier):
             try:
                 if not self.opened:
                     await self._try_open()
-                elif self.saved.unsaved():
+                    continue
+                await self._check_directory()
+                if not self.health.lost and self.saved.unsaved():
                     self.namespaces_changed()
             except Exception:  # housekeeping must never end
                 logger.exception("SSD tier retry failed")
+
+    async def _check_directory(self) -> None:
+        """Whether the directory's path still leads to the directory opened (an operator may
+        remove or rename it while the daemon runs): if not, the tier is ``unavailable`` with
+        the reason (``TierHealth.directory_lost``) until it is back."""
+        try:
+            lost = await self._run(self.store.directory_lost)
+        except StorageError as exc:  # the check failed (EIO, EACCES ...): nothing proven
+            logger.debug("SSD tier: %s", exc)
+            return
+        self.health.directory_lost(lost)
 
     # ================================================================== conditions
 

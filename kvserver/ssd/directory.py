@@ -89,6 +89,25 @@ class SsdDirectory:
             self.io.close(self._lock_fd)
             self._lock_fd = -1
 
+    def lost(self) -> str:
+        """Why the path no longer leads to the directory this one opened (removed, renamed or
+        replaced by another while open: its LOCK file is not the one locked), or "" when it
+        does (or when not open). The open files stay usable, but what is written to them is
+        gone at the next start. Raises StorageError (path, errno) if the check itself fails."""
+        if self._lock_fd < 0:
+            return ""
+        path = os.path.join(self.path, LOCK_FILE)
+        try:
+            if self.io.same_file(self._lock_fd, path):
+                return ""
+        except OSError as exc:
+            raise storage_error("cannot check the SSD directory", exc, self.path) from None
+        return (
+            f"the SSD directory {self.path} was removed, renamed or replaced while in use: "
+            "write-downs stopped (they would be lost at the next start); the chunks already on "
+            "SSD are served until a restart, which starts with what is then at that path"
+        )
+
     def load_namespaces(self) -> list[dict[str, Any]]:
         """The namespace specs saved with the data ([] if none were saved yet)."""
         path = os.path.join(self.path, NAMESPACES_FILE)

@@ -130,6 +130,16 @@ class FileIO:
             return False
         raise OSError(err, os.strerror(err))
 
+    def same_file(self, fd: int, path: str) -> bool:
+        """Whether ``path`` names the file open as ``fd`` (same device and inode); False when
+        ``path`` no longer exists (removed, or its directory renamed)."""
+        try:
+            there = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        here = os.fstat(fd)
+        return (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino)
+
     def lock(self, fd: int) -> None:
         """Exclusive advisory lock, non-blocking (BlockingIOError if another process holds it).
 

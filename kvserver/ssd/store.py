@@ -379,6 +379,11 @@ class SlotStore:
         """Replace the namespaces file atomically (temp + fsync + rename + fsync dir)."""
         self._dir.save_namespaces(specs)
 
+    def directory_lost(self) -> str:
+        """Why the directory's path no longer leads to the directory opened, or ""
+        (:meth:`SsdDirectory.lost`)."""
+        return self._dir.lost()
+
 
 def _runs(slots: Sequence[int]) -> list[list[int]]:
     """Indexes of ``slots`` grouped into runs of consecutive slots (at most MAX_RUN_SLOTS)."""

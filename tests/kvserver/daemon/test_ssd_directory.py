@@ -1,0 +1,100 @@
+"""The SSD directory removed or renamed by an operator while a real daemon serves from it.
+
+The daemon's open files stay usable, so it used to go on writing chunks down into files no
+path leads to any more: condition ``ok``, nothing logged, the disk space hidden until the
+process exits, and every one of those chunks gone at the next start. Now the tier checks every
+``retry_s`` that its path still leads to the directory it locked. Shared helpers:
+``test_ssd_daemon``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvserver.client import KVClient
+from tests.kvserver.builders import make_keys
+from tests.kvserver.daemon.test_ssd_daemon import (
+    SPEC,
+    expected,
+    on_ssd_only,
+    registered,
+    settled,
+    ssd,
+    start,
+    status_text,
+    store_all,
+)
+from tests.support.daemon import wait_until
+
+pytestmark = pytest.mark.multiprocess
+
+LOST = "was removed, renamed or replaced while in use: write-downs stopped"
+
+
+def test_a_directory_removed_while_serving_stops_write_downs_and_says_so(tmp_path: Path) -> None:
+    """``rm -rf`` of the SSD directory under a running daemon: the tier turns ``unavailable``
+    with the reason (Stats, ``kvserver status``, the log once), no chunk is written down any
+    more, the chunks already on SSD still load byte-exact (from the open files), DRAM serves;
+    the next start begins with an empty directory at that path."""
+    ssd_dir = tmp_path / "ssd"
+    d = start(tmp_path, ssd_dir)
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = registered(kv, SPEC)
+            keys = make_keys(100, tag="rm")
+            store_all(kv, ns_id, SPEC, keys)
+            cold = on_ssd_only(kv, ns_id, keys)
+            written = settled(kv)["stored_chunks"]
+            assert cold and written > 0
+            shutil.rmtree(ssd_dir)
+            stats = wait_until(lambda: (s := ssd(kv))["condition"] == "unavailable" and s)
+            assert LOST in stats["condition_detail"] and str(ssd_dir) in stats["condition_detail"]
+            more = make_keys(100, tag="rm-more")
+            store_all(kv, ns_id, SPEC, more)
+            assert settled(kv)["stored_chunks"] == written  # nothing into the unlinked files
+            for key in cold[:10]:
+                got = kv.load(ns_id, [key])
+                assert [bytes(p) for p in got[0]] == expected(SPEC, key)
+            last = more[-2:]
+            got = kv.load(ns_id, last)
+            assert [[bytes(p) for p in row] for row in got] == [expected(SPEC, k) for k in last]
+            assert LOST in status_text(d)
+    finally:
+        assert d.terminate() == 0, d.log()
+    assert d.log().count(LOST) == 1
+    d = start(tmp_path, ssd_dir)
+    try:
+        assert d.info["ssd_condition"] == "ok" and d.info["ssd_recovered_chunks"] == 0
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+def test_a_directory_renamed_and_back_is_ok_again_and_keeps_what_it_wrote(tmp_path: Path) -> None:
+    """Renamed away, the tier is ``unavailable`` (reads still served); renamed back, it is
+    ``ok``, write-downs resume, and a restart recovers every chunk it held."""
+    ssd_dir, away = tmp_path / "ssd", tmp_path / "ssd.away"
+    d = start(tmp_path, ssd_dir)
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = registered(kv, SPEC)
+            store_all(kv, ns_id, SPEC, make_keys(100, tag="mv"))
+            written = settled(kv)["stored_chunks"]
+            ssd_dir.rename(away)
+            wait_until(lambda: ssd(kv)["condition"] == "unavailable")
+            away.rename(ssd_dir)
+            wait_until(lambda: ssd(kv)["condition"] == "ok")
+            store_all(kv, ns_id, SPEC, make_keys(100, tag="mv-more"))
+            stats = settled(kv)
+            assert stats["stored_chunks"] > written and stats["condition"] == "ok"
+            held = stats["entries"]
+    finally:
+        assert d.terminate() == 0, d.log()
+    assert "ok again (was unavailable)" in d.log()
+    d = start(tmp_path, ssd_dir)
+    try:
+        assert d.info["ssd_recovered_chunks"] == held
+    finally:
+        assert d.terminate() == 0, d.log()
