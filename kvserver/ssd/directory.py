@@ -109,7 +109,9 @@ class SsdDirectory:
         )
 
     def load_namespaces(self) -> list[dict[str, Any]]:
-        """The namespace specs saved with the data ([] if none were saved yet)."""
+        """The namespace specs saved with the data ([] if none were saved yet). Raises
+        StorageError (with the path) if the file cannot be read or is damaged: the tier then
+        stays unavailable, keeping the chunks that need it."""
         path = os.path.join(self.path, NAMESPACES_FILE)
         try:
             return decode_namespaces(self.io.read_file(path))
@@ -117,6 +119,13 @@ class SsdDirectory:
             return []
         except OSError as exc:
             raise storage_error("cannot read the namespaces file", exc, path) from None
+        except StorageError:
+            raise StorageError(
+                "damaged namespaces file (not the JSON this version writes): the SSD tier "
+                "stays unavailable so its chunks are kept; move the file away to start the "
+                "tier without them (they are then discarded)",
+                path=path,
+            ) from None
 
     def save_namespaces(self, specs: list[dict[str, Any]]) -> None:
         """Replace the namespaces file atomically (temp + fsync + rename + fsync dir)."""
@@ -141,6 +150,8 @@ class SsdDirectory:
         try:
             check_format_file(self.io.read_file(path))
             return
+        except StorageError as exc:  # name the file
+            raise StorageError(exc.message, path=path, **exc.context) from None
         except FileNotFoundError:
             pass
         except OSError as exc:

@@ -266,7 +266,7 @@ def check_format_file(data: bytes) -> None:
         obj = json.loads(data)
         ok = obj["format"] == "kvserver-ssd"
         version = int(obj["version"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # Overflow: "version": 1e999
         raise StorageError("not a kvserver SSD directory (bad FORMAT file)") from None
     if not ok or version != FORMAT_VERSION:
         raise StorageError("unsupported SSD directory format", version=version)

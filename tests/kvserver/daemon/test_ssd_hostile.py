@@ -345,3 +345,44 @@ def test_a_chunk_that_fails_its_move_below_the_bound_stays_a_miss(tmp_path: Path
         assert "chunk not moved below the capacity bound" in d.log()
     finally:
         assert d.terminate() == 0, d.log()
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        (fmt.FORMAT_FILE, b'{"format": "kvserver-ssd", "version": 1e999}', "bad FORMAT file"),
+        (fmt.NAMESPACES_FILE, bytes(300), "damaged namespaces file"),
+    ],
+    ids=["format-overflow", "namespaces-zeroed"],
+)
+def test_a_damaged_format_or_namespaces_file_leaves_the_tier_unavailable_naming_it(
+    tmp_path: Path, name: str, content: bytes, said: str
+) -> None:
+    """A FORMAT file whose version is 1e999 made the daemon exit at start (OverflowError out
+    of the tier's open); a zero-filled namespaces.json was "unreadable namespaces file",
+    naming no file. Now either leaves the tier unavailable with a reason naming the file
+    (the chunks are kept), DRAM serves, and the daemon says so in Stats."""
+    ssd_dir = tmp_path / "ssd"
+    d = start(tmp_path, ssd_dir)
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = registered(kv, SPEC)
+            store_all(kv, ns_id, SPEC, make_keys(80, tag="meta"))
+            settled(kv)
+    finally:
+        assert d.terminate() == 0, d.log()
+    stored = headers(data_file(ssd_dir))
+    (ssd_dir / name).write_bytes(content)
+    d = start(tmp_path, ssd_dir)
+    try:
+        assert d.info["ssd_condition"] == "unavailable"
+        with KVClient(d.zmq_address) as kv:
+            ns_id = kv.register_namespace(SPEC).ns_id
+            detail = ssd(kv)["condition_detail"]
+            assert said in detail and str(ssd_dir / name) in detail, detail
+            keys = make_keys(8, tag="meta-dram")
+            store_all(kv, ns_id, SPEC, keys)
+            read_back(kv, ns_id, keys)
+    finally:
+        assert d.terminate() == 0, d.log()
+    assert headers(data_file(ssd_dir)) == stored  # nothing discarded
