@@ -162,13 +162,17 @@ class SsdDirectory:
             raise storage_error("cannot write the FORMAT file", exc, path) from None
 
     def _probe_direct(self) -> bool:
-        """True if O_DIRECT works here (aligned write + read back of one block)."""
+        """True if O_DIRECT works here (aligned write + read back of one block). On a full
+        disk (ENOSPC, EDQUOT: the probe cannot be written) an aligned O_DIRECT read of the
+        LOCK file decides instead, so a restart on a full disk still serves its chunks."""
         io, path = self.io, os.path.join(self.path, PROBE_FILE)
         if not io.O_DIRECT:
             return False
         try:
             fd = io.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | io.O_DIRECT)
         except OSError as exc:
+            if exc.errno in _FULL:
+                return self._probe_direct_read()
             if exc.errno != errno.EINVAL:
                 raise storage_error("cannot create a file in the SSD directory", exc, path) from exc
             logger.info("O_DIRECT refused by the filesystem of %s: buffered I/O", self.path)
@@ -181,12 +185,39 @@ class SsdDirectory:
             io.pread_into(fd, back, 0)
             ok = bytes(back[:8]) == b"kvprobe!"
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno in _FULL:
+                ok = self._probe_direct_read()
+            elif exc.errno != errno.EINVAL:
                 raise storage_error("cannot write to the SSD directory", exc, path) from None
-            logger.info("O_DIRECT I/O fails on %s (EINVAL): buffered I/O", self.path)
-            ok = False
+            else:
+                logger.info("O_DIRECT I/O fails on %s (EINVAL): buffered I/O", self.path)
+                ok = False
         finally:
             io.close(fd)
             with contextlib.suppress(OSError):
                 io.unlink(path)
         return ok
+
+    def _probe_direct_read(self) -> bool:
+        """The probe on a full disk: an aligned O_DIRECT read of the LOCK file."""
+        io, path = self.io, os.path.join(self.path, LOCK_FILE)
+        logger.warning("SSD directory %s: the disk is full; O_DIRECT probed by a read", self.path)
+        try:
+            fd = io.open(path, os.O_RDONLY | io.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise storage_error("cannot open the LOCK file", exc, path) from None
+            return False
+        try:
+            io.pread_into(fd, aligned_buffer(BLOCK), 0)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise storage_error("cannot read the LOCK file", exc, path) from None
+            return False
+        finally:
+            io.close(fd)
+
+
+#: errnos of a full disk (no room to write the probe)
+_FULL = (errno.ENOSPC, errno.EDQUOT)

@@ -1,4 +1,5 @@
-"""The SSD directory removed or renamed by an operator while a real daemon serves from it.
+"""The SSD directory removed or renamed by an operator while a real daemon serves from it, and a
+restart on a full disk.
 
 The daemon's open files stay usable, so it used to go on writing chunks down into files no
 path leads to any more: condition ``ok``, nothing logged, the disk space hidden until the
@@ -9,6 +10,7 @@ process exits, and every one of those chunks gone at the next start. Now the tie
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from tests.kvserver.daemon.test_ssd_daemon import (
     store_all,
 )
 from tests.support.daemon import wait_until
+from tests.support.tmpfs import mount_tmpfs, unmount
 
 pytestmark = pytest.mark.multiprocess
 
@@ -98,3 +101,61 @@ def test_a_directory_renamed_and_back_is_ok_again_and_keeps_what_it_wrote(tmp_pa
         assert d.info["ssd_recovered_chunks"] == held
     finally:
         assert d.terminate() == 0, d.log()
+
+
+def fill(path: Path) -> None:
+    """Write zeros to ``path`` until the filesystem is full."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def test_a_restart_on_a_full_disk_serves_the_chunks_on_it(tmp_path: Path) -> None:
+    """A daemon restarted on a full filesystem (a 1 MiB tmpfs filled by the tier, then by
+    another file) serves the chunks it recovers: was ``unavailable`` ("cannot write to the SSD
+    directory: ENOSPC", the O_DIRECT probe's write), none of them served; now the probe reads
+    instead, and the tier turns degraded at its first write-down, ok once space returns."""
+    tiny = tmp_path / "tiny"
+    if not mount_tmpfs(tiny, "1m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        d = start(tmp_path, tiny / "ssd")
+        try:
+            with KVClient(d.zmq_address) as kv:
+                ns_id = registered(kv, SPEC)
+                keys = make_keys(200, tag="full")
+                store_all(kv, ns_id, SPEC, keys)
+                held = settled(kv)["entries"]
+                assert held > 0
+        finally:
+            assert d.terminate() == 0, d.log()
+        fill(tiny / "filler")
+        d = start(tmp_path, tiny / "ssd")
+        try:
+            assert d.info["ssd_recovered_chunks"] == held, d.log()
+            with KVClient(d.zmq_address) as kv:
+                ns_id = kv.register_namespace(SPEC).ns_id
+                cold = on_ssd_only(kv, ns_id, keys)
+                assert len(cold) == held
+                for key in cold[:10]:
+                    got = kv.load(ns_id, [key])
+                    assert [bytes(p) for p in got[0]] == expected(SPEC, key)
+                store_all(kv, ns_id, SPEC, make_keys(100, tag="full-more"))
+                stats = settled(kv)
+                assert stats["condition"] == "degraded" and "ENOSPC" in stats["condition_detail"]
+                (tiny / "filler").unlink()
+                n = iter(range(0, 10_000, 8))
+
+                def resumed() -> bool:
+                    more = make_keys(8, start=next(n), tag="full-later")
+                    kv.store(ns_id, more, [expected(SPEC, k) for k in more])
+                    return bool(settled(kv)["condition"] == "ok")
+
+                wait_until(resumed, timeout=30, interval=0.1)
+        finally:
+            assert d.terminate() == 0, d.log()
+    finally:
+        unmount(tiny)
