@@ -62,7 +62,7 @@ class SsdDirectory:
             raise storage_error("cannot open the SSD directory", exc, d) from None
         try:
             io.lock(self._lock_fd)
-        except OSError:
+        except BlockingIOError:  # EWOULDBLOCK: another open file holds the lock
             holder = self._lock_holder()
             self.close()
             raise StorageError(
@@ -70,6 +70,9 @@ class SsdDirectory:
                 "another --ssd-dir",
                 path=d,
             ) from None
+        except OSError as exc:  # ENOLCK (a network filesystem without locks) ...: not "in use"
+            self.close()
+            raise storage_error("cannot lock the SSD directory", exc, d) from None
         try:
             # who holds it, for the next daemon refused here (the lock, not this, decides)
             io.truncate(self._lock_fd, 0)
@@ -103,7 +106,8 @@ class SsdDirectory:
         except OSError as exc:
             raise storage_error("cannot check the SSD directory", exc, self.path) from None
         return (
-            f"the SSD directory {self.path} was removed, renamed or replaced while in use: "
+            f"the SSD directory {self.path} (or its LOCK file) was removed, renamed or replaced "
+            "while in use: "
             "write-downs stopped (they would be lost at the next start); the chunks already on "
             "SSD are served until a restart, which starts with what is then at that path"
         )

@@ -401,3 +401,20 @@ def test_preallocation_ahead_follows_the_step_given(tmp_path: Path) -> None:
         assert os.stat(data_path(s)).st_blocks * 512 == 4 * slot_bytes
     finally:
         s.close()
+
+
+def test_a_filesystem_without_locks_is_not_reported_as_a_directory_in_use(tmp_path: Path) -> None:
+    """flock failing with ENOLCK (NFS without a lock manager; injected: no local filesystem
+    gives it) was reported "in use by another daemon" with no daemon there; now the errno is
+    named, and nothing stays open."""
+
+    class NoLocks(FileIO):
+        def lock(self, fd: int) -> None:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    store = SlotStore(str(tmp_path / "ssd"), fileio=NoLocks())
+    with pytest.raises(StorageError) as caught:
+        store.open()
+    assert "cannot lock the SSD directory" in str(caught.value)
+    assert "ENOLCK" in str(caught.value) and "another daemon" not in str(caught.value)
+    assert not store._dir.locked
