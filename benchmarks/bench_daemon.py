@@ -188,13 +188,13 @@ def bench_bandwidth(
     progress: _Progress,
     redis: RedisRef | None = None,
 ) -> list[Result]:
-    from benchmarks.daemon_refs import ZmqPeer
+    from benchmarks.daemon_refs import ZmqPeer, page_aligned
     from kvserver.client import KVClient
 
     max_bytes = max(cfg.count(s) * s for s in cfg.sizes)
-    src_buf = memoryview(bytearray(random.Random(0).randbytes(max_bytes)))
-    dst_buf = memoryview(bytearray(max_bytes))
-    stage = memoryview(bytearray(max_bytes))
+    src_buf = page_aligned(max_bytes, random.Random(0).randbytes(max_bytes))
+    dst_buf = page_aligned(max_bytes)
+    stage = page_aligned(max_bytes)
     results: list[Result] = []
     with ExitStack() as stack:
         local = stack.enter_context(KVClient(target.zmq, colocated=True, timeout=CLIENT_TIMEOUT_S))

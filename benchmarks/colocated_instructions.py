@@ -107,7 +107,7 @@ def _client(sizes: list[int], rounds: int, out: Path) -> None:
     import random
 
     from benchmarks.bench_daemon import _spec, _split
-    from benchmarks.daemon_refs import memcpy_round
+    from benchmarks.daemon_refs import memcpy_round, page_aligned
     from kvserver.client import KVClient
 
     work = Path(tempfile.mkdtemp(prefix="kvserver-callgrind-daemon-"))
@@ -129,9 +129,9 @@ def _client(sizes: list[int], rounds: int, out: Path) -> None:
     try:
         info = daemon_ready(daemon, ready, START_TIMEOUT_S)
         with KVClient(f"tcp://127.0.0.1:{info['zmq_port']}", colocated=True, timeout=600) as kv:
-            src_buf = memoryview(bytearray(random.Random(0).randbytes(BATCH_BYTES)))
-            dst_buf = memoryview(bytearray(BATCH_BYTES))
-            stage = memoryview(bytearray(BATCH_BYTES))
+            src_buf = page_aligned(BATCH_BYTES, random.Random(0).randbytes(BATCH_BYTES))
+            dst_buf = page_aligned(BATCH_BYTES)
+            stage = page_aligned(BATCH_BYTES)
             for size in sizes:
                 ns_id = kv.register_namespace(_spec(size, "bw")).ns_id
                 n = max(1, BATCH_BYTES // size)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import signal
 import struct
@@ -111,6 +112,26 @@ def own_daemon(
 
 
 # --------------------------------------------------------------------------- references
+
+
+def page_aligned(nbytes: int, fill: bytes | None = None) -> memoryview:
+    """A buffer of ``nbytes`` at a page boundary (a private anonymous mapping), touched in
+    advance: ``fill`` copied in (REQUIRES: ``nbytes`` long), else zeroed.
+
+    The bench's source, staging and destination buffers are these, not ``bytearray``s: glibc
+    maps a ``bytearray`` this large with its 16-byte chunk header in front, so its bytes start
+    16 past a page boundary, while every arena extent starts on one. A copy out of the arena
+    into such a buffer has its destination 16 bytes past its source modulo 4 KiB, and ``rep
+    movsb`` (glibc's memcpy for these sizes) runs ~25 % slower at a distance of 1-63 bytes
+    modulo 4 KiB on this machine's CPU (measured at 256 KiB parts; 0 and >= 64 run alike),
+    whereas the memcpy reference copied between two ``bytearray``s, at distance 0. Page-aligned
+    buffers give both sides the same copies, as a worker's tensors (64-byte aligned, blocks at
+    multiples of their size) have them (docs/benchmarks.md, session 14).
+    """
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    buf = memoryview(mapping)
+    buf[:] = fill if fill is not None else bytes(nbytes)
+    return buf
 
 
 def memcpy_round(src: Sequence[memoryview], stage: memoryview, dst: Sequence[memoryview]) -> None:

@@ -77,3 +77,19 @@ def test_bench_quick_with_redis_reports_the_redis_ratio(tmp_path: Path) -> None:
     assert doc["redis"]["ratios"] == {label: pytest.approx(min(r["ratio"] for r in rows))}
     assert "kvserver vs Redis" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_page_aligned_buffers_start_on_a_page_and_hold_their_fill() -> None:
+    """The bench's buffers start where an arena extent does (a page boundary): a bytearray
+    this large starts 16 bytes past one (see page_aligned); filled or zeroed as asked."""
+    import ctypes
+    import mmap
+
+    from benchmarks.daemon_refs import page_aligned
+
+    fill = bytes(range(256)) * 4096
+    for buf, want in ((page_aligned(len(fill), fill), fill), (page_aligned(1 << 20), None)):
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert address % mmap.PAGESIZE == 0
+        assert buf.nbytes == 1 << 20
+        assert bytes(buf) == (want if want is not None else bytes(1 << 20))
