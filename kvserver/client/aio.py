@@ -19,11 +19,16 @@ Usage::
 Pipelining without tasks: ``p = await kv.submit_prepare_store(...)`` returns once the request
 is sent, with an :class:`asyncio.Task` for its value (``await p``; ``p.cancel()`` forgets the
 reply, the daemon still carries the request out).
+
+Completions sent without waiting (``await kv.complete_store_nowait(...)`` /
+``complete_load_nowait``): as :class:`~kvserver.client.sync.KVClient`'s (a later call,
+``flush()`` or ``close()`` raises a failed one's error).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import Callable, Coroutine, Sequence
 from functools import wraps
@@ -41,6 +46,8 @@ from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.namespace import NamespaceSpec
 
 P = ParamSpec("P")
+
+logger = logging.getLogger(__name__)
 
 
 def awaiting(
@@ -100,6 +107,8 @@ class AsyncKVClient(ClientBase):
         self._t = AioTransport(self._s, local=local, max_frame_bytes=max_frame_bytes)
         self._renew_lock = asyncio.Lock()
         self._stream = StreamUse(stream, stream_tls)
+        #: completions sent without waiting, their replies not collected yet (oldest first).
+        self._nowait: list[asyncio.Task[Any]] = []
 
     # ------------------------------------------------------------------ lifetime
 
@@ -109,17 +118,28 @@ class AsyncKVClient(ClientBase):
         return self._t.outstanding
 
     async def close(self) -> None:
-        """Close the links and unmap the arena. Leases are not released (see release());
+        """:meth:`flush` (at most the client's timeout when the daemon does not answer), then
+        close the links and unmap the arena (also when the flush raises: its error is raised
+        once closed). Leases are not released (see release());
         requests still outstanding fail with Unavailable."""
-        await self._t.close("the client was closed")
-        self._stream.close()
-        self._s.close()
+        try:
+            await self.flush()
+        finally:
+            await self._t.close("the client was closed")
+            self._stream.close()
+            self._s.close()
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            await self.close()
+            return
+        try:  # an exception is on its way out: a completion's error must not replace it
+            await self.close()
+        except KVServerError as error:
+            logger.warning("a completion sent without waiting failed: %s", error)
 
     # ------------------------------------------------------------------ driver
 
@@ -181,11 +201,16 @@ class AsyncKVClient(ClientBase):
             return stop.value  # type: ignore[no-any-return]
 
     async def _run(self, proc: Proc[T]) -> T:
+        if self._nowait:
+            self._collect_nowait()
         await self._renew()
         return await self._drive(proc, renewing=True)
 
-    async def _submit(self, proc: Proc[T]) -> asyncio.Task[T]:
-        """Renew the session if needed, send the first call of ``proc``; a Task for the rest."""
+    async def _submit(self, proc: Proc[T], *, collect: bool = True) -> asyncio.Task[T]:
+        """Renew the session if needed, send the first call of ``proc``; a Task for the rest.
+        ``collect``: first collect the completions sent without waiting (False for those)."""
+        if collect and self._nowait:
+            self._collect_nowait()
         await self._renew()
         call = next(proc)
         try:
@@ -261,6 +286,8 @@ class AsyncKVClient(ClientBase):
 
     async def _over_stream(self, num_keys: int, fn: Callable[[StreamLink], T]) -> T | None:
         """``fn``'s value over the stream, or None: send over ZMQ (``StreamUse``)."""
+        if self._nowait:
+            self._collect_nowait()
         await self._renew()
         address = self._stream.wanted(self._s, num_keys)
         if address is None:
@@ -280,3 +307,41 @@ class AsyncKVClient(ClientBase):
     submit_complete_store = submitting(ops.complete_store)
     submit_prepare_load = submitting(ops.prepare_load)
     submit_complete_load = submitting(ops.complete_load)
+
+    # completions sent without waiting (see the module docstring)
+
+    async def complete_store_nowait(
+        self,
+        lease_id: int,
+        *,
+        success: bool = True,
+        ranks: Sequence[int] | None = None,
+        keys: Sequence[bytes] | None = None,
+    ) -> None:
+        """:meth:`complete_store` once sent, its reply collected by a later call,
+        :meth:`flush` or :meth:`close` (which raise its error)."""
+        proc = ops.complete_store(self._s, lease_id, success=success, ranks=ranks, keys=keys)
+        self._nowait.append(await self._submit(proc, collect=False))
+
+    async def complete_load_nowait(self, lease_id: int) -> None:
+        """:meth:`complete_load`, its reply collected as :meth:`complete_store_nowait`'s."""
+        self._nowait.append(await self._submit(ops.complete_load(self._s, lease_id), collect=False))
+
+    async def flush(self) -> None:
+        """Wait for the reply of every completion sent without waiting; raises the first
+        error among them (after collecting every one)."""
+        nowait, self._nowait = self._nowait, []
+        outcomes = await asyncio.gather(*nowait, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    def _collect_nowait(self) -> None:
+        """Collect the completions whose replies are in, in order; raise the first error."""
+        done = 0
+        while done < len(self._nowait) and self._nowait[done].done():
+            done += 1
+        collected, self._nowait = self._nowait[:done], self._nowait[done:]
+        errors = [e for task in collected if (e := task.exception()) is not None]
+        if errors:
+            raise errors[0]

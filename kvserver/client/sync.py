@@ -23,7 +23,10 @@ says why when it can: a failed handshake (the token, CURVE keys), nothing listen
 port that is not a ZMQ data port (``docs/security.md``, :mod:`kvserver.client.handshake`).
 
 Low-level co-located flow: ``prepare_store`` → ``write(extents, data)`` per part →
-``complete_store``; ``prepare_load`` → ``read``/``readinto`` → ``complete_load``.
+``complete_store``; ``prepare_load`` → ``read``/``readinto`` → ``complete_load``. The two
+completions need no reply before the next call: ``complete_store_nowait`` /
+``complete_load_nowait`` send them and return, and a later call collects the reply (see
+"Completions sent without waiting" below).
 
 The operations (signatures, defaults, contracts) are defined once in :mod:`kvserver.client.ops`
 and shared with :class:`~kvserver.client.aio.AsyncKVClient`; this module is their blocking
@@ -33,6 +36,15 @@ Pipelining: ``submit_*`` send a request and return a :class:`~kvserver.client.pe
 at once; its ``result()`` is collected later, in any order, while other calls (blocking or
 submitted) go on over the same socket. A timeout replaces the socket, failing every request
 still outstanding on it with ``Unavailable`` (see :mod:`kvserver.client.pending`).
+
+Completions sent without waiting (``*_nowait``): the daemon applies a connection's requests in
+arrival order, so the next call (a ``prepare_load`` of the keys just completed) sees their
+effect; the client does not block on their replies, which a busy machine makes cost a
+scheduler wake-up each (docs/benchmarks.md, session 14). Errors are never lost: every call
+first collects the completions whose replies are in and raises the first failure among them
+(that call is then not sent; a completion sent without waiting is always sent, its
+predecessors collected by the next other call); :meth:`KVClient.flush` waits for all of them, and
+:meth:`KVClient.close` flushes before it closes.
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ import logging
 import ssl
 from collections.abc import Callable, Sequence
 from functools import wraps
-from typing import Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec
 
 from kvserver.client import ops
 from kvserver.client.calls import Answer, Call, Proc, PutResult, T
@@ -115,21 +127,34 @@ class KVClient(ClientBase):
         )
         self._t = Transport(self._s, local=local)
         self._stream = StreamUse(stream, stream_tls)
+        #: completions sent without waiting, their replies not collected yet (oldest first).
+        self._nowait: list[Pending[Any]] = []
 
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Close the socket and unmap the arena. Leases are not released (see release());
+        """:meth:`flush` (at most the client's timeout when the daemon does not answer), then
+        close the socket and unmap the arena (also when the flush raises: its error is raised
+        once closed). Leases are not released (see release());
         outstanding submitted requests fail with Unavailable."""
-        self._t.drop("the client was closed")
-        self._stream.close()
-        self._s.close()
+        try:
+            self.flush()
+        finally:
+            self._t.drop("the client was closed")
+            self._stream.close()
+            self._s.close()
 
     def __enter__(self) -> KVClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way out: a completion's error must not replace it
+            self.close()
+        except KVServerError as error:
+            logger.warning("a completion sent without waiting failed: %s", error)
 
     # ------------------------------------------------------------------ driver
 
@@ -196,11 +221,16 @@ class KVClient(ClientBase):
             return stop.value  # type: ignore[no-any-return]
 
     def _run(self, proc: Proc[T]) -> T:
+        if self._nowait:
+            self._collect_nowait()
         self._renew()
         return self._drive(proc, renewing=True)
 
-    def _submit(self, proc: Proc[T]) -> Pending[T]:
-        """Renew the session if needed (blocking), then send the first call of ``proc``."""
+    def _submit(self, proc: Proc[T], *, collect: bool = True) -> Pending[T]:
+        """Renew the session if needed (blocking), then send the first call of ``proc``.
+        ``collect``: first collect the completions sent without waiting (False for those)."""
+        if collect and self._nowait:
+            self._collect_nowait()
         self._renew()
         call = next(proc)
         try:
@@ -310,6 +340,8 @@ class KVClient(ClientBase):
 
     def _over_stream(self, num_keys: int, fn: Callable[[StreamLink], T]) -> T | None:
         """``fn``'s value over the stream, or None: send over ZMQ (``StreamUse``)."""
+        if self._nowait:
+            self._collect_nowait()
         self._renew()
         address = self._stream.wanted(self._s, num_keys)
         if address is None:
@@ -329,3 +361,48 @@ class KVClient(ClientBase):
     submit_complete_store = submitting(ops.complete_store)
     submit_prepare_load = submitting(ops.prepare_load)
     submit_complete_load = submitting(ops.complete_load)
+
+    # completions sent without waiting (see the module docstring)
+
+    def complete_store_nowait(
+        self,
+        lease_id: int,
+        *,
+        success: bool = True,
+        ranks: Sequence[int] | None = None,
+        keys: Sequence[bytes] | None = None,
+    ) -> None:
+        """:meth:`complete_store`, its reply collected by a later call, :meth:`flush` or
+        :meth:`close` (which raise its error)."""
+        proc = ops.complete_store(self._s, lease_id, success=success, ranks=ranks, keys=keys)
+        self._nowait.append(self._submit(proc, collect=False))
+
+    def complete_load_nowait(self, lease_id: int) -> None:
+        """:meth:`complete_load`, its reply collected as :meth:`complete_store_nowait`'s."""
+        self._nowait.append(self._submit(ops.complete_load(self._s, lease_id), collect=False))
+
+    def flush(self) -> None:
+        """Wait for the reply of every completion sent without waiting; raises the first
+        error among them (after collecting every one)."""
+        nowait, self._nowait = self._nowait, []
+        _raise_first(nowait)
+
+    def _collect_nowait(self) -> None:
+        """Collect the completions whose replies are in, in order; raise the first error."""
+        done = 0
+        while done < len(self._nowait) and self._nowait[done].done():
+            done += 1
+        collected, self._nowait = self._nowait[:done], self._nowait[done:]
+        _raise_first(collected)
+
+
+def _raise_first(pendings: list[Pending[Any]]) -> None:
+    """``result()`` of each of ``pendings``; then raise the first error, if any."""
+    error: KVServerError | None = None
+    for pending in pendings:
+        try:
+            pending.result()
+        except KVServerError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
