@@ -20,8 +20,10 @@ to ``service.op_seconds`` and the service publishes the KV events. A put:
 - is checked whole before anything is reserved (the namespace, duplicate keys, the payload's
   announced size against ``len(keys) x tp x part_bytes``); a refused one has its payload read
   and dropped first (the stream stays in step), then its error reply;
-- reserves with the daemon's longest lease (``max_lease_s``), receives each granted key's
-  parts into its pages and the others' (present, filtered, or all when DRAM is full:
+- reserves with the daemon's longest lease (``max_lease_s``), owned by the daemon
+  (``owners.STREAM_PUT_CLIENT``: the client releasing its leases, or a lease op naming the
+  reservation's id, cannot give the pages back while bytes land in them), receives each
+  granted key's parts into its pages and the others' (present, filtered, or all when DRAM is full:
   ``rejected``) into a scratch buffer that is dropped; each read waits at most the
   connection's timeout, the whole payload at most half that lease (so no byte lands in a page
   after the reservation ended);
@@ -42,7 +44,7 @@ from typing import Any
 from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Principal
-from kvserver.daemon.owners import DAEMON_OWNERS, STREAM_CLIENT
+from kvserver.daemon.owners import DAEMON_OWNERS, STREAM_CLIENT, STREAM_PUT_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
 from kvserver.daemon.stream_io import Closed, PlainIO, TlsIO
@@ -60,7 +62,7 @@ class StreamOps:
         self._counters = counters
         self._max_payload = max_payload_bytes
 
-    async def serve(self, io: StreamIO, length: int, who: Principal, name: str) -> None:
+    async def serve(self, io: StreamIO, length: int, who: Principal) -> None:
         """One op request whose head announced a header of ``length`` bytes: read it and its
         payload, carry it out, reply. Raises :class:`Closed` when the connection is to be
         closed (an oversized payload, the connection lost mid-payload)."""
@@ -85,14 +87,14 @@ class StreamOps:
         start = time.perf_counter()
         try:
             if request.op == wire.PUT:
-                await self._put(io, request, payload, who, name)
+                await self._put(io, request, payload, who)
             else:
                 await self._get(io, request, payload, who)
         finally:
             timer.observe(time.perf_counter() - start)
 
     async def _put(
-        self, io: StreamIO, request: wire_stream.OpRequest, payload: int, who: Principal, name: str
+        self, io: StreamIO, request: wire_stream.OpRequest, payload: int, who: Principal
     ) -> None:
         service, args = self._service, request.args
         ns_id, keys = args["ns_id"], args["keys"]
@@ -108,10 +110,11 @@ class StreamOps:
             if payload != len(keys) * tp * size:
                 raise InvalidArgument("payload size does not match the slot", payload=payload,
                                       expected=len(keys) * tp * size)  # fmt: skip
+            # the daemon's own reservation while bytes land in its pages: no request (the
+            # client's release, a complete_store naming its id) may end it early
             grant = service.prepare_store(
-                ns_id, keys, client=who.owner(request.client or name),
-                lease_s=service.engine.config.max_lease_s,
-            )  # fmt: skip
+                ns_id, keys, client=STREAM_PUT_CLIENT, lease_s=service.engine.config.max_lease_s
+            )
         except KVServerError as exc:
             await io.drain(payload)
             await refuse(io, self._counters, request.request_id, exc)

@@ -126,7 +126,6 @@ class StreamServer:
         self._hello_waits: dict[str, int] = {}
         self.counters = StreamCounters()
         self._ops = StreamOps(service, self.counters, max_payload_bytes=max_payload_bytes)
-        self._names = 0  # connections named so far (a client's default lease owner)
         self.port = -1
 
     @property
@@ -220,8 +219,6 @@ class StreamServer:
             waiting = self._hello_done(address)
             if who is None:
                 return
-            self._names += 1
-            name = f"stream-{self._names}"
             while True:
                 head = await io.read(wire_stream.REQUEST_HEAD.size, self._idle_s,
                                      at_boundary=True)  # fmt: skip
@@ -234,7 +231,7 @@ class StreamServer:
                     await io.linger()
                     return  # a stream cannot skip what it cannot frame
                 if is_op:  # a client's put or get
-                    await self._ops.serve(io, length, who, name)
+                    await self._ops.serve(io, length, who)
                     continue
                 header = await io.read(length, self._timeout_s)
                 assert header is not None
