@@ -117,8 +117,14 @@ class PlainIO:
                 except BlockingIOError:  # nothing unread: wait for the next bytes, woken
                     # once wake_at(left) are in (SO_RCVLOWAT), not at every segment
                     self._set_lowat(wire_stream.wake_at(left, wire_stream.WAKE_BYTES))
-                    async with asyncio.timeout(self.timeout_s):
-                        got = await loop.sock_recv_into(sock, todo[i])
+                    try:
+                        async with asyncio.timeout(self.timeout_s):
+                            got = await loop.sock_recv_into(sock, todo[i])
+                    except TimeoutError:
+                        # not woken: fewer than the bound came. A slow sender is not a
+                        # silent one: only nothing unread after timeout_s closes
+                        self._set_lowat(1)
+                        got = sock.recv_into(todo[i])  # BlockingIOError: nothing came
                 if got == 0:
                     raise Closed
                 left -= got
@@ -139,9 +145,9 @@ class PlainIO:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
                 self._lowat = n
 
-    async def drain(self, n: int) -> None:
+    async def drain(self, n: int, within_s: float) -> None:
         """Read and drop ``n`` bytes (a refused put's payload), as :meth:`read_into`."""
-        await _drain(self, n)
+        await _drain(self, n, within_s)
 
     async def send(self, buffers: list[Any]) -> None:
         """Send ``buffers`` whole within the timeout, else :class:`Closed`: as much as the
@@ -184,12 +190,16 @@ class PlainIO:
                     dropped += got
 
 
-async def _drain(io: PlainIO | TlsIO, n: int) -> None:
+async def _drain(io: PlainIO | TlsIO, n: int, within_s: float) -> None:
     scratch = memoryview(bytearray(min(n, DRAIN_BYTES)))
-    while n > 0:
-        step = min(n, scratch.nbytes)
-        await io.read_into([scratch[:step]], io.timeout_s)
-        n -= step
+    try:
+        async with asyncio.timeout(within_s):  # the whole payload, not each 1 MiB of it
+            while n > 0:
+                step = min(n, scratch.nbytes)
+                await io._read_into([scratch[:step]])
+                n -= step
+    except TimeoutError:
+        raise Closed from None
 
 
 def _bytes_view(buf: Any) -> memoryview:
@@ -268,9 +278,9 @@ class TlsIO:
         except (TimeoutError, OSError):
             raise Closed from None
 
-    async def drain(self, n: int) -> None:
+    async def drain(self, n: int, within_s: float) -> None:
         """As :meth:`PlainIO.drain`."""
-        await _drain(self, n)
+        await _drain(self, n, within_s)
 
     async def send(self, buffers: list[Any]) -> None:
         """Send ``buffers`` whole within the timeout, else :class:`Closed`: encrypted on the

@@ -80,7 +80,7 @@ class StreamOps:
         try:
             request = wire_stream.decode_op_request(header)
         except KVServerError as exc:
-            await io.drain(payload)
+            await io.drain(payload, self._within_s())
             await refuse(io, self._counters, getattr(exc, "request_id", 0), exc)
             return
         timer = self._service.op_seconds.labels(request.op)
@@ -92,6 +92,10 @@ class StreamOps:
                 await self._get(io, request, payload, who)
         finally:
             timer.observe(time.perf_counter() - start)
+
+    def _within_s(self) -> float:
+        """The bound on a put's whole payload (received or dropped): half the longest lease."""
+        return float(self._service.engine.config.max_lease_s) / 2
 
     async def _put(
         self, io: StreamIO, request: wire_stream.OpRequest, payload: int, who: Principal
@@ -116,11 +120,11 @@ class StreamOps:
                 ns_id, keys, client=STREAM_PUT_CLIENT, lease_s=service.engine.config.max_lease_s
             )
         except KVServerError as exc:
-            await io.drain(payload)
+            await io.drain(payload, self._within_s())
             await refuse(io, self._counters, request.request_id, exc)
             return
         if grant is None:  # DRAM full: nothing reserved
-            await io.drain(payload)
+            await io.drain(payload, self._within_s())
             result = {"stored": [], "present": [], "filtered": [], "rejected": True}
             await io.send([wire_stream.encode_result(request.request_id, result)])
             return
@@ -149,7 +153,7 @@ class StreamOps:
                     row = scratch
                 views.extend(row)
             # within half the reservation's lease: never a byte into a page given back
-            await io.read_into(views, service.engine.config.max_lease_s / 2)
+            await io.read_into(views, self._within_s())
         except BaseException:
             pages, views = {}, []
             if grant.keys:
@@ -167,7 +171,7 @@ class StreamOps:
         service, args = self._service, request.args
         try:
             if payload:
-                await io.drain(payload)
+                await io.drain(payload, self._within_s())
                 raise InvalidArgument("get takes no payload", payload=payload)
             authorize(who, service, wire.GET, args)
             spec = service.namespace(args["ns_id"])

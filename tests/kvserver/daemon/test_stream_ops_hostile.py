@@ -7,13 +7,15 @@ one connection harm another's bytes, pins or reservations, or stops serving.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import msgpack
 import pytest
 
-from kvserver import wire_stream
+from kvserver import wire, wire_stream
 from kvserver.client import KVClient
+from kvserver.errors import UnknownKey, UnknownNamespace
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
@@ -21,9 +23,11 @@ pytestmark = pytest.mark.multiprocess
 
 TOKEN = "stream-hostile-token-0123456789"
 OTHER = "stream-hostile-other-abcdefghij"
-SPEC = make_spec(model="stream/hostile", tp_world_size=2)
-OTHER_SPEC = make_spec(model="other", tp_world_size=2)
+SPEC = make_spec(model="stream/hostile", tp_world_size=2, block_size=256)
+OTHER_SPEC = make_spec(model="other", tp_world_size=2, block_size=256)
 MAX_MESSAGE = 1 << 20
+#: keys of one put of MAX_MESSAGE bytes (2 parts of 32 KiB a key)
+PER_PUT = MAX_MESSAGE // (2 * SPEC.part_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +149,175 @@ def test_a_put_being_received_cannot_be_released_by_its_client(daemon: DaemonPro
     raw.close()
     assert readable(daemon, others) == parts_of(others, 1)
     assert readable(daemon, keys) == parts_of(keys)
+
+
+def test_stalled_puts_holding_dram_are_rolled_back_and_others_stay_served(
+    daemon: DaemonProc,
+) -> None:
+    """Connections that each send a put's header (together more than the DRAM tier) and then
+    nothing: meanwhile the other clients are answered over the stream; once each has been
+    silent for --peer-timeout-s it is closed and its reservation rolled back (no key of it
+    readable, no page still reserved), and DRAM takes puts again."""
+    batches = [make_keys(PER_PUT, tag=f"hostage-{i}") for i in range(20)]
+    raws = []
+    try:
+        for keys in batches:
+            raw = Raw(daemon)
+            raw.op(1, "put", args_of(keys), b"", announced=len(payload(keys)))
+            raws.append(raw)
+        wait_until(lambda: reserving(daemon), timeout=30)
+        probe = make_keys(1, tag="hostage-probe")
+        with admin(daemon, stream=True) as kv:
+            kv.put(SPEC.ns_id, probe, parts_of(probe))  # stored or rejected: answered
+            assert kv.lookup(SPEC.ns_id, batches[0]).hit_chunks == 0
+            assert kv.sent_by_op[wire.PUT] == 0
+        for raw in raws:
+            assert raw.closed()
+    finally:
+        for raw in raws:
+            raw.close()
+    wait_until(lambda: not reserving(daemon), timeout=60)
+    with admin(daemon, stream=True) as kv:
+        for keys in batches:
+            assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 0
+        assert kv.put(SPEC.ns_id, batches[0], parts_of(batches[0])).stored == batches[0]
+
+
+def test_a_get_of_keys_a_stream_put_is_writing_never_sees_them_half_written(
+    daemon: DaemonProc,
+) -> None:
+    keys = make_keys(3, tag="half-read")
+    body = payload(keys)
+    raw = Raw(daemon)
+    raw.op(1, "put", args_of(keys), body[: len(body) - 10], announced=len(body))
+    wait_until(lambda: reserving(daemon), timeout=30)
+    with admin(daemon, stream=True) as kv:
+        with pytest.raises(UnknownKey):
+            kv.get(SPEC.ns_id, keys)
+        assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 0
+        assert kv.sent_by_op[wire.GET] == 0
+    raw.sock.sendall(body[len(body) - 10 :])
+    assert raw.result(1)["stored"] == keys
+    raw.close()
+    assert readable(daemon, keys) == parts_of(keys)
+
+
+def test_two_puts_of_one_key_at_once_store_one_whole_copy(daemon: DaemonProc) -> None:
+    """The second put of a key another connection is receiving stores nothing of it (it is
+    not ``stored`` twice); the key ends up with the first put's bytes, whole."""
+    keys = make_keys(2, tag="twice")
+    first, second = payload(keys), payload(keys, 1)
+    a, b = Raw(daemon), Raw(daemon)
+    a.op(1, "put", args_of(keys), first[:-1], announced=len(first))
+    wait_until(lambda: reserving(daemon), timeout=30)
+    b.op(1, "put", args_of(keys), second)
+    assert b.result(1)["stored"] == []
+    a.sock.sendall(first[-1:])
+    assert a.result(1)["stored"] == keys
+    a.close()
+    b.close()
+    assert readable(daemon, keys) == parts_of(keys)
+
+
+def test_a_client_closing_mid_get_reply_ends_its_pins(daemon: DaemonProc) -> None:
+    """A get whose client reads the reply's head and closes: the load lease ends (no page
+    stays pinned), and the daemon serves the next client."""
+    keys = make_keys(4 * (PER_PUT), tag="midget")
+    with admin(daemon, stream=True) as kv:
+        for i in range(0, len(keys), PER_PUT):
+            window = keys[i : i + PER_PUT]
+            assert kv.put(SPEC.ns_id, window, parts_of(window)).stored == window
+    before = int(stats(daemon)["num_leases"])  # type: ignore[call-overload]
+    raw = Raw(daemon, rcvbuf=4096)
+    raw.op(1, "get", args_of(keys))
+    assert raw.head().ok
+    raw.close()
+    wait_until(lambda: int(stats(daemon)["pinned_pages"]) == 0, timeout=60)  # type: ignore[call-overload]
+    assert int(stats(daemon)["num_leases"]) <= before  # type: ignore[call-overload]
+    assert readable(daemon, keys[:2]) == parts_of(keys[:2])
+
+
+def test_pipelined_requests_on_one_connection_are_answered_in_order(daemon: DaemonProc) -> None:
+    keys = make_keys(2, tag="pipeline")
+    raw = Raw(daemon)
+    raw.op(1, "put", args_of(keys), payload(keys))
+    raw.op(2, "get", args_of(keys))
+    raw.op(3, "get", args_of([b"\x02" * 32]))
+    raw.op(4, "put", args_of(keys[:1]), payload(keys[:1])[:-1])  # wrong size: refused
+    raw.op(5, "get", {**args_of(keys), "ranks": [1]})
+    assert raw.result(1)["stored"] == keys
+    head, body = raw.reply()
+    assert head.request_id == 2 and head.ok and body == payload(keys)
+    head, body = raw.reply()
+    assert head.request_id == 3 and isinstance(wire_stream.decode_error(body), UnknownKey)
+    head, body = raw.reply()
+    assert head.request_id == 4 and "payload size" in str(wire_stream.decode_error(body))
+    head, body = raw.reply()
+    assert head.request_id == 5 and body == b"".join(row[1] for row in parts_of(keys))
+    raw.close()
+
+
+def test_a_tenant_cannot_put_into_a_namespace_it_does_not_see(daemon: DaemonProc) -> None:
+    """A tenant's put whose header names another model's namespace: answered as if the
+    namespace were not registered, nothing reserved or stored, the stream in step."""
+    keys = make_keys(2, tag="foreign")
+    raw = Raw(daemon, OTHER)
+    raw.op(1, "put", args_of(keys), payload(keys))
+    head, body = raw.reply()
+    assert head.request_id == 1 and isinstance(wire_stream.decode_error(body), UnknownNamespace)
+    raw.op(2, "put", args_of(keys, OTHER_SPEC), payload(keys))  # its own: stored
+    assert raw.result(2)["stored"] == keys
+    raw.close()
+    with admin(daemon) as kv:
+        assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 0
+
+
+NEAR = wire_stream.encode_hello(TOKEN[:-1] + "x")
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        pytest.param(wire_stream.HELLO_HEAD.pack(b"KVPH", 1, 255) + b"\xff" * 255, id="long"),
+        pytest.param(wire_stream.HELLO_HEAD.pack(b"KVPH", 1, 10) + b"\xc3" * 10, id="not-utf8"),
+        pytest.param(NEAR, id="near"),
+    ],
+)
+def test_a_bad_token_is_refused_and_the_connection_closed(daemon: DaemonProc, hello: bytes) -> None:
+    sock = socket.create_connection(("127.0.0.1", daemon.info["peer_stream_port"]), 60)
+    with sock:
+        sock.sendall(hello)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    head = wire_stream.decode_reply_head(data[: wire_stream.REPLY_HEAD.size])
+    assert head.request_id == 0 and not head.ok
+    assert wire_stream.decode_error(data[wire_stream.REPLY_HEAD.size :]).code == "unauthenticated"
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored", "refused"])
+def test_a_put_arriving_slowly_but_steadily_is_taken(daemon: DaemonProc, stored: bool) -> None:
+    """A slow link (here 64 KiB every 0.3 s, the whole megabyte in ~5 s, beyond the daemon's
+    2 s --peer-timeout-s but never silent for that long) is not a stalled one: the put is
+    stored. The daemon sleeps until much of the payload is in (SO_RCVLOWAT); waking at its
+    timeout with bytes unread is progress, not a silent client."""
+    keys = make_keys(PER_PUT, tag=f"slow-{stored}")
+    body = payload(keys)
+    raw = Raw(daemon)
+    if not stored:  # refused (a key named twice): its payload is read and dropped
+        raw.op(1, "put", args_of([keys[0], *keys[:-1]]), b"", announced=len(body))
+    else:
+        raw.op(1, "put", args_of(keys), b"", announced=len(body))
+    for i in range(0, len(body), 64 << 10):
+        raw.sock.sendall(body[i : i + (64 << 10)])
+        time.sleep(0.3)  # the link's pace, not a synchronisation
+    if not stored:
+        _, body = raw.reply()
+        assert "duplicate" in str(wire_stream.decode_error(body))
+        keys = keys[-1:]
+        raw.op(2, "put", args_of(keys), payload(keys))  # the stream is in step
+        assert raw.result(2)["stored"] == keys
+    else:
+        assert raw.result(1)["stored"] == keys
+    raw.close()
+    assert readable(daemon, keys[-1:]) == parts_of(keys[-1:])
