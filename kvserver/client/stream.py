@@ -338,7 +338,8 @@ class StreamUse:
         self, s: Session, address: tuple[str, int], timeout: float, fn: Callable[[StreamLink], T]
     ) -> T | None:
         """:meth:`call` in a worker thread, one at a time. A cancelled caller shuts the link
-        down and waits for the thread before the cancellation goes on."""
+        down and waits for the thread before the cancellation goes on (the next call opens
+        a new link: a cancellation is not the stream failing)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -355,4 +356,7 @@ class StreamUse:
                 with contextlib.suppress(BaseException):
                     await asyncio.wait([fut])
                 self.close()
+                # the link failed because we shut it down, not the stream: the next call
+                # opens another (not ZMQ for RETRY_S)
+                self._retry_at = 0.0
                 raise

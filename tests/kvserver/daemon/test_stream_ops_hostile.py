@@ -6,7 +6,12 @@ one connection harm another's bytes, pins or reservations, or stops serving.
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
+import os
+import signal
 import socket
+import termios
 import time
 from collections.abc import Iterator
 
@@ -14,7 +19,7 @@ import msgpack
 import pytest
 
 from kvserver import wire, wire_stream
-from kvserver.client import KVClient
+from kvserver.client import AsyncKVClient, KVClient
 from kvserver.errors import UnknownKey, UnknownNamespace
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
@@ -219,21 +224,28 @@ def test_two_puts_of_one_key_at_once_store_one_whole_copy(daemon: DaemonProc) ->
     assert readable(daemon, keys) == parts_of(keys)
 
 
-def test_a_client_closing_mid_get_reply_ends_its_pins(daemon: DaemonProc) -> None:
-    """A get whose client reads the reply's head and closes: the load lease ends (no page
-    stays pinned), and the daemon serves the next client."""
-    keys = make_keys(4 * (PER_PUT), tag="midget")
+@pytest.mark.parametrize("closes", [True, False], ids=["closes", "stops-reading"])
+def test_a_client_leaving_mid_get_reply_ends_its_pins(daemon: DaemonProc, closes: bool) -> None:
+    """A get of 6 MiB (more than both sockets' buffers) whose client reads the reply's head
+    and then closes, or stops reading: the reply is not all sent (``sent_chunks`` unchanged),
+    its load lease ends (no page stays pinned; at once, or after --peer-timeout-s), and the
+    daemon serves the next client."""
+    keys = make_keys(6 * PER_PUT, tag=f"midget-{closes}")
     with admin(daemon, stream=True) as kv:
         for i in range(0, len(keys), PER_PUT):
             window = keys[i : i + PER_PUT]
             assert kv.put(SPEC.ns_id, window, parts_of(window)).stored == window
-    before = int(stats(daemon)["num_leases"])  # type: ignore[call-overload]
+    sent = stats(daemon)["peer_stream"]["sent_chunks"]  # type: ignore[index]
     raw = Raw(daemon, rcvbuf=4096)
-    raw.op(1, "get", args_of(keys))
-    assert raw.head().ok
-    raw.close()
-    wait_until(lambda: int(stats(daemon)["pinned_pages"]) == 0, timeout=60)  # type: ignore[call-overload]
-    assert int(stats(daemon)["num_leases"]) <= before  # type: ignore[call-overload]
+    try:
+        raw.op(1, "get", args_of(keys))
+        assert raw.head().ok
+        if closes:
+            raw.close()
+        wait_until(lambda: stats(daemon)["pinned_pages"] == 0, timeout=60)
+        assert stats(daemon)["peer_stream"]["sent_chunks"] == sent  # type: ignore[index]
+    finally:
+        raw.close()
     assert readable(daemon, keys[:2]) == parts_of(keys[:2])
 
 
@@ -321,3 +333,46 @@ def test_a_put_arriving_slowly_but_steadily_is_taken(daemon: DaemonProc, stored:
         assert raw.result(1)["stored"] == keys
     raw.close()
     assert readable(daemon, keys[-1:]) == parts_of(keys[-1:])
+
+
+def test_the_async_client_cancelled_mid_put_leaves_nothing_behind(daemon: DaemonProc) -> None:
+    """An AsyncKVClient put cancelled while its payload is stuck in the sockets (the daemon
+    stopped with SIGSTOP): the cancellation returns while the daemon is still stopped (the
+    link is shut down, the thread awaited), the daemon then rolls the reservation back (or,
+    had every byte been sent, stores the keys whole), and the client's next put goes over
+    the stream again at once."""
+    keys, warm, after = (make_keys(n, tag=f"aio-{t}") for n, t in
+                         ((PER_PUT, "cancel"), (1, "warm"), (1, "after")))  # fmt: skip
+    pid = daemon.proc.pid
+
+    def queued(kv: AsyncKVClient) -> int:
+        """Bytes in the link's send queue (the daemon is not reading them)."""
+        link = kv._stream._link
+        assert link is not None
+        return int.from_bytes(fcntl.ioctl(link._sock, termios.TIOCOUTQ, bytes(4)), "little")
+
+    async def main() -> None:
+        async with AsyncKVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN,
+                                 stream=True, timeout=300) as kv:  # fmt: skip
+            await kv.register_namespace(SPEC)
+            await kv.put(SPEC.ns_id, warm, parts_of(warm))  # the link is open
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                task = asyncio.create_task(kv.put(SPEC.ns_id, keys, parts_of(keys)))
+                while queued(kv) == 0:
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 60)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert (await kv.put(SPEC.ns_id, after, parts_of(after))).stored == after
+            assert kv.sent_by_op[wire.PUT] == 0
+
+    asyncio.run(main())
+    wait_until(lambda: not reserving(daemon), timeout=60)
+    with admin(daemon) as kv:
+        hits = kv.lookup(SPEC.ns_id, keys).hit_chunks
+    assert hits in (0, len(keys))
+    if hits:
+        assert readable(daemon, keys) == parts_of(keys)
