@@ -52,7 +52,12 @@ T = TypeVar("T")
 
 
 class StreamFailed(Exception):
-    """The stream connection cannot be used (see the module docstring): send over ZMQ."""
+    """The stream connection cannot be used (see the module docstring): send over ZMQ.
+    ``closed``: the daemon had closed or reset it (not a timeout, not a refusal)."""
+
+    def __init__(self, message: str, *, closed: bool = False) -> None:
+        super().__init__(message)
+        self.closed = closed
 
 
 class NotHere(Exception):
@@ -87,6 +92,9 @@ class StreamLink:
         self.sid = sid
         #: the largest put payload the daemon takes (its ``max_message_bytes``)
         self.max_payload = max_payload
+        #: a reply has come back on it (a link found closed later went stale: the daemon
+        #: restarted, or closed it after its idle time)
+        self.used = False
         self._next_id = 0
 
     @classmethod
@@ -221,7 +229,9 @@ class StreamLink:
             self._recv(memoryview(raw), deadline)
             head = wire_stream.decode_reply_head(raw, results=True)
         except (OSError, KVServerError) as exc:
-            raise StreamFailed(f"stream {op} failed: {exc}") from None
+            closed = isinstance(exc, ConnectionError)
+            raise StreamFailed(f"stream {op} failed: {exc}", closed=closed) from None
+        self.used = True
         if head.request_id != request_id & 0xFFFFFFFF:
             raise StreamFailed("stream reply answers another request (a refused hello?)")
         if not head.ok and not head.result:
@@ -262,12 +272,13 @@ class StreamLink:
                 _bound(sock, deadline)
                 got = sock.recv_into(view[pos:])
                 if got == 0:
-                    raise StreamFailed("the daemon closed the stream")
+                    raise StreamFailed("the daemon closed the stream", closed=True)
                 pos += got
             if wake:  # a reply's head must not wait for more than it is
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
         except OSError as exc:
-            raise StreamFailed(f"stream receive failed: {exc}") from None
+            closed = isinstance(exc, ConnectionError)
+            raise StreamFailed(f"stream receive failed: {exc}", closed=closed) from None
 
 
 def _bound(sock: socket.socket, deadline: float) -> None:
@@ -284,10 +295,11 @@ class StreamUse:
     :meth:`call` / :meth:`call_async` run one op on the link and return its value, or None
     when it is to go over ZMQ instead: the stream is off or not announced, the request
     names no key or more than a stream request may, the link failed (closed, retried after
-    :data:`RETRY_S`), a put is larger than the daemon's ``max_message_bytes``, or the
-    daemon answered ``unknown_namespace`` / ``unauthenticated``
-    (the ZMQ path renews the session and retries as it does for its own requests). Other
-    error replies are raised."""
+    :data:`RETRY_S`; a link that had served and was found closed, as after the daemon's
+    restart or its idle timeout, is replaced at the next call instead), a put is larger
+    than the daemon's ``max_message_bytes``, or the daemon answered ``unknown_namespace`` /
+    ``unauthenticated`` (the ZMQ path renews the session and retries as it does for its own
+    requests). Other error replies are raised."""
 
     def __init__(self, enabled: bool, tls: ssl.SSLContext | None = None) -> None:
         self.enabled = enabled
@@ -315,6 +327,7 @@ class StreamUse:
         self, s: Session, address: tuple[str, int], timeout: float, fn: Callable[[StreamLink], T]
     ) -> T | None:
         """Run ``fn`` on the link (opened when needed); see the class docstring."""
+        link = None
         try:
             link = self._link
             if link is None or link.sid != s.sid:
@@ -327,9 +340,10 @@ class StreamUse:
             return fn(link)
         except NotHere:
             return None
-        except StreamFailed:
+        except StreamFailed as exc:
             self.close()
-            self._retry_at = time.monotonic() + RETRY_S
+            if not (exc.closed and link is not None and link.used):  # not just a stale link
+                self._retry_at = time.monotonic() + RETRY_S
             return None
         except (UnknownNamespace, Unauthenticated):
             return None
