@@ -131,7 +131,16 @@ class StreamLink:
         return link
 
     def close(self) -> None:
+        """Shut the connection down (a thread blocked on it wakes at once: closing the
+        descriptor alone leaves it blocked until its timeout), then close it."""
+        self.shutdown()
         self._sock.close()
+
+    def shutdown(self) -> None:
+        """Wake a thread blocked sending or receiving on the link; no byte moves after
+        (the TCP shutdown itself, under TLS too: its record layer is not touched)."""
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
 
     # ------------------------------------------------------------------ ops
 
@@ -231,9 +240,9 @@ class StreamLink:
         except (OSError, KVServerError) as exc:
             closed = isinstance(exc, ConnectionError)
             raise StreamFailed(f"stream {op} failed: {exc}", closed=closed) from None
-        self.used = True
         if head.request_id != request_id & 0xFFFFFFFF:
             raise StreamFailed("stream reply answers another request (a refused hello?)")
+        self.used = True
         if not head.ok and not head.result:
             body = bytearray(head.count)
             self._recv(memoryview(body), deadline)
@@ -365,8 +374,7 @@ class StreamUse:
             except asyncio.CancelledError:
                 link = self._link
                 if link is not None:
-                    with contextlib.suppress(OSError):
-                        link._sock.shutdown(socket.SHUT_RDWR)
+                    link.shutdown()
                 with contextlib.suppress(BaseException):
                     await asyncio.wait([fut])
                 self.close()

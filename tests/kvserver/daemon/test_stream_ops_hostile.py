@@ -119,6 +119,11 @@ class Raw:
         self.sock.close()
 
 
+def _queued(sock: socket.socket) -> int:
+    """Bytes in ``sock``'s send queue (the daemon is not reading them)."""
+    return int.from_bytes(fcntl.ioctl(sock, termios.TIOCOUTQ, bytes(4)), "little")
+
+
 def args_of(keys: list[bytes], spec: object = SPEC) -> dict[str, object]:
     return {"ns_id": spec.ns_id, "keys": keys}  # type: ignore[attr-defined]
 
@@ -346,10 +351,9 @@ def test_the_async_client_cancelled_mid_put_leaves_nothing_behind(daemon: Daemon
     pid = daemon.proc.pid
 
     def queued(kv: AsyncKVClient) -> int:
-        """Bytes in the link's send queue (the daemon is not reading them)."""
         link = kv._stream._link
         assert link is not None
-        return int.from_bytes(fcntl.ioctl(link._sock, termios.TIOCOUTQ, bytes(4)), "little")
+        return _queued(link._sock)
 
     async def main() -> None:
         async with AsyncKVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN,
@@ -376,3 +380,35 @@ def test_the_async_client_cancelled_mid_put_leaves_nothing_behind(daemon: Daemon
     assert hits in (0, len(keys))
     if hits:
         assert readable(daemon, keys) == parts_of(keys)
+
+
+def test_the_async_client_closed_during_a_stream_put_frees_its_thread(daemon: DaemonProc) -> None:
+    """AsyncKVClient.close() while a stream put's worker thread is blocked on the link (the
+    daemon stopped): the thread's call ends at once (the link is shut down, which wakes it;
+    closing the descriptor alone left it blocked until the call's timeout, 300 s here)."""
+    keys, warm = make_keys(PER_PUT, tag="aio-close"), make_keys(1, tag="aio-close-warm")
+    pid = daemon.proc.pid
+
+    async def main() -> None:
+        kv = AsyncKVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN, stream=True,
+                           timeout=300)  # fmt: skip
+        await kv.register_namespace(SPEC)
+        await kv.put(SPEC.ns_id, warm, parts_of(warm))
+        link, lock = kv._stream._link, kv._stream._lock
+        assert link is not None and lock is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            task = asyncio.create_task(kv.put(SPEC.ns_id, keys, parts_of(keys)))
+            while _queued(link._sock) == 0:
+                await asyncio.sleep(0.01)
+            await kv.close()
+            async with asyncio.timeout(60):  # the stream call (its thread) is over
+                while lock.locked():
+                    await asyncio.sleep(0.01)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        task.cancel()  # its fallback, ZMQ on a closed client, is not this test's
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    wait_until(lambda: not reserving(daemon), timeout=60)
