@@ -262,6 +262,7 @@ def test_pipelined_requests_on_one_connection_are_answered_in_order(daemon: Daem
     raw.op(3, "get", args_of([b"\x02" * 32]))
     raw.op(4, "put", args_of(keys[:1]), payload(keys[:1])[:-1])  # wrong size: refused
     raw.op(5, "get", {**args_of(keys), "ranks": [1]})
+    raw.op(6, "put", args_of(keys), payload(keys), client="kvserver-stream-put")
     assert raw.result(1)["stored"] == keys
     head, body = raw.reply()
     assert head.request_id == 2 and head.ok and body == payload(keys)
@@ -271,6 +272,8 @@ def test_pipelined_requests_on_one_connection_are_answered_in_order(daemon: Daem
     assert head.request_id == 4 and "payload size" in str(wire_stream.decode_error(body))
     head, body = raw.reply()
     assert head.request_id == 5 and body == b"".join(row[1] for row in parts_of(keys))
+    head, body = raw.reply()  # a client naming the daemon's own lease owner
+    assert head.request_id == 6 and wire_stream.decode_error(body).code == "invalid_argument"
     raw.close()
 
 
