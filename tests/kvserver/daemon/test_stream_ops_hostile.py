@@ -43,7 +43,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
         f"max_message_bytes = {MAX_MESSAGE}\n"
         f'[[tenants]]\nname = "other"\ntoken = "{OTHER}"\nmodels = ["other"]\n'
     )
-    d = start_daemon(tmp / "d", "--dram", "16MiB", "--auth-token", TOKEN, "--config", str(config))
+    d = start_daemon(tmp / "d", "--dram", "32MiB", "--auth-token", TOKEN, "--config", str(config))
     try:
         with admin(d) as kv:
             kv.register_namespace(SPEC)
@@ -164,11 +164,12 @@ def test_a_put_being_received_cannot_be_released_by_its_client(daemon: DaemonPro
 def test_stalled_puts_holding_dram_are_rolled_back_and_others_stay_served(
     daemon: DaemonProc,
 ) -> None:
-    """Connections that each send a put's header (together more than the DRAM tier) and then
-    nothing: meanwhile the other clients are answered over the stream; once each has been
+    """Connections that each send a put's header (1 MiB each: 15 MiB of the 32 MiB DRAM tier
+    reserved; 15: the connections of one address that may wait for their hello at once)
+    and then nothing: meanwhile the other clients are answered over the stream; once each has been
     silent for --peer-timeout-s it is closed and its reservation rolled back (no key of it
     readable, no page still reserved), and DRAM takes puts again."""
-    batches = [make_keys(PER_PUT, tag=f"hostage-{i}") for i in range(20)]
+    batches = [make_keys(PER_PUT, tag=f"hostage-{i}") for i in range(15)]
     raws = []
     try:
         for keys in batches:
@@ -231,11 +232,11 @@ def test_two_puts_of_one_key_at_once_store_one_whole_copy(daemon: DaemonProc) ->
 
 @pytest.mark.parametrize("closes", [True, False], ids=["closes", "stops-reading"])
 def test_a_client_leaving_mid_get_reply_ends_its_pins(daemon: DaemonProc, closes: bool) -> None:
-    """A get of 6 MiB (more than both sockets' buffers) whose client reads the reply's head
-    and then closes, or stops reading: the reply is not all sent (``sent_chunks`` unchanged),
-    its load lease ends (no page stays pinned; at once, or after --peer-timeout-s), and the
-    daemon serves the next client."""
-    keys = make_keys(6 * PER_PUT, tag=f"midget-{closes}")
+    """A get of 10 MiB (more than both sockets' buffers: Linux's send buffer grows to 4 MiB)
+    whose client reads the reply's head and then closes, or stops reading: the reply is not
+    all sent (``sent_chunks`` unchanged), its load lease ends (no page stays pinned; at once,
+    or after --peer-timeout-s), and the daemon serves the next client."""
+    keys = make_keys(10 * PER_PUT, tag=f"midget-{closes}")
     with admin(daemon, stream=True) as kv:
         for i in range(0, len(keys), PER_PUT):
             window = keys[i : i + PER_PUT]
