@@ -48,6 +48,8 @@ from benchmarks.daemon_report import (
     remote_rows,
     write_chart,
 )
+from kvserver.daemon.config import DaemonConfig
+from kvserver.errors import UnknownKey
 
 if TYPE_CHECKING:
     from benchmarks.daemon_redis import RedisRef
@@ -57,6 +59,9 @@ if TYPE_CHECKING:
 
 DEFAULT_SIZES = "256KiB,2MiB,8MiB"
 DEFAULT_DRAM = "1GiB"
+#: the daemon's own default policy (``kvserver start``'s): the bench runs what deployments run
+#: (until session 14 it ran ``prefix``, the policy of the figures recorded before session 9)
+DEFAULT_POLICY = DaemonConfig().policy
 LOOKUP_BLOCK_SIZE = 16
 CLIENT_TIMEOUT_S = 60.0
 
@@ -74,8 +79,8 @@ class BenchConfig:
     tune_malloc: bool = True
     #: the ``redis-server`` executable of the Redis reference; None: no Redis reference.
     redis_server: str | None = "redis-server"
-    #: DRAM eviction policy of our own daemon (the recorded figures': prefix)
-    policy: str = "prefix"
+    #: DRAM eviction policy of our own daemon: the daemon's default (what deployments run)
+    policy: str = DEFAULT_POLICY
     #: the remote client's put and get over the daemon's stream port (``KVClient(stream=)``);
     #: off by default, as in ``KVClient``: the rows measure what a user's client does.
     stream: bool = False
@@ -178,8 +183,31 @@ def _remote_round(
     put = kv.put(ns_id, keys, src)
     if len(put.stored) != len(keys):
         raise RuntimeError("put did not store every key (DRAM too small?)")
-    parts = kv.get(ns_id, keys)
+    try:
+        parts = kv.get(ns_id, keys)
+    except UnknownKey as exc:
+        from kvserver.client.ops import put_windows
+
+        raise RuntimeError(_lost_window(exc, len(put_windows(keys, src)))) from exc
     return time.perf_counter() - start, parts
+
+
+def _lost_window(exc: UnknownKey, windows: int) -> str:
+    """Why a remote round's get missed a key its put had just stored, and what to do."""
+    from kvserver.client.ops import PUT_WINDOW_BYTES
+
+    if windows < 2:
+        return f"the get missed a key its put had just stored: {exc}"
+    return (
+        f"the get missed a key its put had just stored ({exc}). The put went as {windows} "
+        f"windows of at most {_fmt_size(PUT_WINDOW_BYTES)} (a store request each) and the "
+        f"daemon's eviction policy took an earlier window's chunks to make room for a later "
+        f"one's. ARC (--policy arc) does so by design once DRAM is full: the put's chunks "
+        f"are new (its T1, seen once), every earlier batch was loaded (T2, seen twice), and "
+        f"with no ghost hit T1's target stays 0, so T1 is evicted first. Run --policy chain "
+        f"(the daemon's default), lru or prefix, or --batch {_fmt_size(PUT_WINDOW_BYTES)} "
+        f"(one window per put)"
+    )
 
 
 def bench_bandwidth(
@@ -408,7 +436,12 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add("--repeats", type=int, help="timed rounds per size and path (default 25, quick 4)")
     add("--lookup-iters", type=int, help="Lookups by keys (default 3000, quick 300)")
     add("--dram", default=DEFAULT_DRAM, help=f"DRAM of our daemon (default {DEFAULT_DRAM})")
-    add("--policy", default="prefix", help="DRAM eviction policy of our daemon (default prefix)")
+    add(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"DRAM eviction policy of our daemon (default {DEFAULT_POLICY}, the daemon's; "
+        "arc cannot run a put of several windows, see --batch)",
+    )
     add(
         "--stream",
         action="store_true",

@@ -10,10 +10,11 @@ this file into its benchmarks/ first)::
 
 Runs in its own processes: this one starts the client under ``valgrind --tool=callgrind`` (itself
 again, with ``--client``); the client starts ``kvserver start`` under callgrind too (the bench's
-daemon: ``--policy prefix``, DRAM 256 MiB, so that after the warm-up every batch evicts as many
-chunks as it stores, as in the bench once its warm-up has cycled the arena), then runs
-``--rounds`` rounds of ``benchmarks.bench_daemon._colocated_round`` per size (64 MiB per batch)
-with ``callgrind_control --dump`` in both processes after each step: ``prepare_store``, the
+daemon: ``--policy`` the bench's default, ``chain``, unless given; DRAM 256 MiB, so that after
+the warm-up every batch evicts as many chunks as it stores, as in the bench once its warm-up
+has cycled the arena), then runs ``--rounds`` rounds of
+``benchmarks.bench_daemon._colocated_round`` per size (64 MiB per batch) with
+``callgrind_control --dump`` in both processes after each step: ``prepare_store``, the
 writes (one ``KVClient.write`` per part), ``complete_store``, ``prepare_load``, the reads (one
 ``readinto`` per part), ``complete_load``. A step's figure is the mean over the rounds, less an
 empty step's (two dumps back to back: what a dump itself costs). ``memcpy`` is the bench's
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.bench_daemon import DEFAULT_POLICY
 from benchmarks.harness.callgrind import daemon_ready, run_measured
 
 if TYPE_CHECKING:
@@ -56,6 +58,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per size (default 3)")
     parser.add_argument("--sizes", default="256KiB,2MiB,8MiB", help="part sizes")
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
+    parser.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help=f"the daemon's (default {DEFAULT_POLICY})",
+    )
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from kvserver.daemon.config_parse import parse_size
@@ -65,12 +72,14 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     out = args.out or Path(tempfile.mkdtemp(prefix="kvserver-callgrind-"))
     if args.client:
-        _client(sizes, args.rounds, out)
+        _client(sizes, args.rounds, out, args.policy)
         return
     run_measured(out, "client", "benchmarks.colocated_instructions", [
         "--client", "--rounds", str(args.rounds), "--sizes", args.sizes, "--out", str(out),
+        "--policy", args.policy,
     ])  # fmt: skip
-    print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; callgrind files in {out}")
+    print(f"tree: {os.environ.get('PYTHONPATH', '(installed)')}; policy {args.policy}; "
+          f"callgrind files in {out}")  # fmt: skip
     totals = {who: _sums(out, f"{who}.*.*") for who in ("daemon", "client")}
     rounds = args.rounds
     for size in sizes:
@@ -102,7 +111,7 @@ def _sums(out: Path, pattern: str) -> dict[str, float]:
     return sums
 
 
-def _client(sizes: list[int], rounds: int, out: Path) -> None:
+def _client(sizes: list[int], rounds: int, out: Path, policy: str) -> None:
     """The measured client (runs under callgrind): start the daemon, warm up, run, dump."""
     import random
 
@@ -116,7 +125,7 @@ def _client(sizes: list[int], rounds: int, out: Path) -> None:
         "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/daemon.%p",
         sys.executable, "-m", "kvserver.cli", "start", "--host", "127.0.0.1",
         "--grpc-port", "0", "--zmq-port", "0", "--pub-port", "0", "--dram", DRAM,
-        "--policy", "prefix",  # the bench's daemon (daemon_refs.own_daemon)
+        "--policy", policy,  # the bench's daemon's: bench_daemon.DEFAULT_POLICY
         "--ready-file", str(ready), "--log-level", "WARNING",
     ]  # fmt: skip
     daemon = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -93,3 +93,18 @@ def test_page_aligned_buffers_start_on_a_page_and_hold_their_fill() -> None:
         assert address % mmap.PAGESIZE == 0
         assert buf.nbytes == 1 << 20
         assert bytes(buf) == (want if want is not None else bytes(1 << 20))
+
+
+@pytest.mark.multiprocess
+def test_bench_under_arc_says_why_a_put_of_two_windows_lost_its_first() -> None:
+    """Under ARC a put of two windows (32 MiB) on a full tier loses its first window to its
+    second (tests/kvserver/test_arc_windows.py): the bench exits 1 saying so and what to run
+    instead, not with a bare "chunk not present"."""
+    args = [*QUICK, "--sizes", "8MiB", "--batch", "32MiB", "--no-redis", "--policy", "arc"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "The put went as 2 windows of at most 16MiB" in proc.stderr
+    assert "ARC (--policy arc) does so by design" in proc.stderr
+    assert (
+        "Run --policy chain (the daemon's default), lru or prefix, or --batch 16MiB" in proc.stderr
+    )
