@@ -22,6 +22,7 @@ from kvserver.grpc_limit import (
     max_connections,
     server_options,
 )
+from kvserver.netaddr import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ async def start_server(
     reflection.enable_server_reflection(
         (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = host_port(host, port)
     try:
         if credentials is not None:
             bound: int = server.add_secure_port(address, credentials)

@@ -46,6 +46,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kvserver.netaddr import host_port
+
 logger = logging.getLogger(__name__)
 
 #: how long a scrape waits for the event loop to take its snapshot.
@@ -222,7 +224,7 @@ def serve_metrics(
             host, port, make_wsgi_app(registry), server_class, handler_class=handler_class
         )
     except OSError as exc:
-        logger.error("metrics not served: cannot listen on %s:%d: %s", host, port, exc)
+        logger.error("metrics not served: cannot listen on %s: %s", host_port(host, port), exc)
         return -1, None
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return int(server.server_port), server

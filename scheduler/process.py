@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvserver.daemon.auth import Authenticator
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.files import write_atomic
+from kvserver.netaddr import host_port
 from kvserver.prometheus import serve_metrics
 from kvserver.stop_signals import Leaving, StopSignals
 from kvserver.token_file import (
@@ -274,9 +275,9 @@ async def serve(
             "workers": addresses,
         }
         logger.info(
-            "scheduler serving %s:%d, metrics %s: %d workers, %d GPU blocks of %d tokens, "
+            "scheduler serving %s, metrics %s: %d workers, %d GPU blocks of %d tokens, "
             "kvserver %s",
-            config.host, port, _metrics_url(config.host, metrics_port), len(addresses),
+            host_port(config.host, port), _metrics_url(config.host, metrics_port), len(addresses),
             sched.num_gpu_blocks, sched.block_size, config.kvserver or "off",
         )  # fmt: skip
         if config.ready_file:  # after that line: whoever waits for the file finds it logged
@@ -347,4 +348,4 @@ def _metrics_url(host: str, port: int) -> str:
     """Where ``/metrics`` is served (``off``: -1, turned off or not bound)."""
     if port < 0:
         return "off"
-    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+    return f"http://{host_port(host, port)}/metrics"

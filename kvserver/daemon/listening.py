@@ -11,6 +11,7 @@ import socket
 from kvserver.arena import DEFAULT_SHM_DIR
 from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.errors import KVServerError
+from kvserver.netaddr import host_port
 from kvserver.token_file import token_dir
 
 #: the fixed ports whose binding start-up needs, with the flag that moves each
@@ -49,9 +50,9 @@ def check_ports(config: DaemonConfig) -> None:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     continue
-                host = f"[{config.host}]" if ":" in config.host else config.host
+                hint = bind_hint(flag, exc.errno)
                 raise KVServerError(
-                    f"cannot bind {host}:{port}: {exc.strerror}{bind_hint(flag, exc.errno)}"
+                    f"cannot bind {host_port(config.host, port)}: {exc.strerror}{hint}"
                 ) from None
 
 

@@ -332,6 +332,7 @@ async def _join_fleet(
     if cluster_config is None:
         return None
     from kvserver.cluster.schema import HostInfo
+    from kvserver.netaddr import host_port
 
     host = config.advertised_host
     from kvserver.cluster.config import advertised_beyond_reach
@@ -345,9 +346,9 @@ async def _join_fleet(
     identity = HostInfo(
         host_id=check_host_id(config.member_id),
         incarnation="",
-        data_address=f"tcp://{host}:{data_port}",
-        grpc_address=f"{host}:{grpc_port}",
-        stream_address=f"{stream[0]}://{host}:{stream[1]}" if stream[1] >= 0 else "",
+        data_address=f"tcp://{host_port(host, data_port)}",
+        grpc_address=host_port(host, grpc_port),
+        stream_address=f"{stream[0]}://{host_port(host, stream[1])}" if stream[1] >= 0 else "",
         tiers=tuple(capacity),
         capacity=capacity,
     )

@@ -62,6 +62,7 @@ from kvserver.daemon.service import KVService
 from kvserver.daemon.stream_io import Closed, PlainIO, TlsIO
 from kvserver.daemon.stream_ops import StreamOps, refuse, send_fetched
 from kvserver.errors import KVServerError
+from kvserver.netaddr import host_port
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ class StreamServer:
             listener.close()
             hint = bind_hint("--peer-stream-port", exc.errno)
             raise KVServerError(
-                f"cannot bind the peer stream to {self._host}:{self._port}: {exc.strerror}{hint}"
+                f"cannot bind the peer stream to {host_port(self._host, self._port)}: "
+                f"{exc.strerror}{hint}"
             ) from None
         except BaseException:
             listener.close()

@@ -50,6 +50,7 @@ from kvserver.errors import (
     UnknownNamespace,
 )
 from kvserver.namespace import NamespaceSpec
+from kvserver.netaddr import host_port
 
 T = TypeVar("T")
 
@@ -358,7 +359,7 @@ def stream_address_from(data_address: str, hello: dict[str, Any]) -> str:
         host, _ = split_address(data_address)
     except ValueError:
         return ""
-    return f"{scheme}[{host}]:{port}" if ":" in host else f"{scheme}{host}:{port}"
+    return f"{scheme}{host_port(host, str(port))}"
 
 
 def _is_port(port: object) -> bool:
