@@ -81,9 +81,9 @@ def _entry_point_commands() -> list[Adder]:
 
 def _how_to_get(name: str, package: str, module: str, install_extra: str) -> str:
     return (
-        f"kvserver {name}: not available: this subcommand comes from the '{package}' package "
-        f"through the '{COMMANDS_GROUP}' entry point, which this installation does not "
-        f"declare. Install kvserver with its entry points (in a source tree: "
+        f"kvserver {name}: error: not available: this subcommand comes from the "
+        f"'{package}' package through the '{COMMANDS_GROUP}' entry point, which this "
+        f"installation does not declare. Install kvserver with its entry points (in a source tree: "
         f"pip install -e '.{install_extra}'), or run the command from the source tree as "
         f"'python3 -m {module} ARGS...' (the same arguments as 'kvserver {name}')."
     )

@@ -67,14 +67,21 @@ def _cmd_keys(args: argparse.Namespace) -> int:
                 paths = make_tls_cert(args.directory, args.name, args.host, days=args.days)
             except ImportError:
                 print(
-                    "kvserver keys tls: needs the 'cryptography' package "
+                    "kvserver keys tls: error: needs the 'cryptography' package "
                     "(pip install 'kvserver[tls]'), or make one with openssl "
                     "(docs/security.md)",
                     file=sys.stderr,
                 )
                 return 2
     except KVServerError as exc:
-        print(f"kvserver keys: {exc}", file=sys.stderr)
+        print(f"kvserver keys: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # DIR under a file, not writable: was a traceback
+        where = exc.filename or args.directory
+        why = f"cannot write in {where}: {exc.strerror or exc}"
+        if isinstance(exc, FileExistsError):  # os.makedirs of a path that is a file
+            why = f"{where} is a file, not a directory"
+        print(f"kvserver keys: error: {why}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)

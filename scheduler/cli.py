@@ -234,7 +234,7 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     try:
         config = process_config(args)
     except KVServerError as exc:
-        print(f"kvserver scheduler: {exc}", file=sys.stderr)
+        print(f"kvserver scheduler: error: {exc}", file=sys.stderr)
         return 2
     from kvserver.grpc_engine import use_polling_engine
 
@@ -244,5 +244,5 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     try:
         return main(config)
     except KVServerError as exc:
-        print(f"kvserver scheduler: {exc}", file=sys.stderr)
+        print(f"kvserver scheduler: error: {exc}", file=sys.stderr)
         return 1

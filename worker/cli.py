@@ -107,7 +107,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         except KVServerError as exc:
             problem = str(exc)
     if problem is not None:
-        print(f"kvserver worker: {problem}", file=sys.stderr)
+        print(f"kvserver worker: error: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -142,12 +142,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file,
                      curve=step_curve, no_auth=args.step_no_auth)  # fmt: skip
     except KVServerError as exc:
-        print(f"kvserver worker: {exc}", file=sys.stderr)
+        print(f"kvserver worker: error: {exc}", file=sys.stderr)
         return 1
     except zmq.ZMQError as exc:
-        print(f"kvserver worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        print(f"kvserver worker: error: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
     except (OSError, ValueError, RuntimeError) as exc:  # unreadable model, rendezvous failure
         logging.getLogger("worker").debug("worker failed", exc_info=True)  # --log-level DEBUG
-        print(f"kvserver worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvserver worker: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

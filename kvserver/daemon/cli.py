@@ -173,7 +173,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     try:
         config = DaemonConfig.load(config_file=args.config, overrides=overrides)
     except KVServerError as exc:
-        print(f"kvserver start: {exc}", file=sys.stderr)
+        print(f"kvserver start: error: {exc}", file=sys.stderr)
         return 2
     from kvserver.grpc_engine import use_polling_engine
 
@@ -183,5 +183,5 @@ def _cmd_start(args: argparse.Namespace) -> int:
     try:
         return main(config)
     except KVServerError as exc:
-        print(f"kvserver start: {exc}", file=sys.stderr)
+        print(f"kvserver start: error: {exc}", file=sys.stderr)
         return 1

@@ -90,3 +90,36 @@ def test_a_bad_start_flag_value_is_not_buried_under_the_whole_usage() -> None:
     ).stdout  # fmt: skip
     assert "--dram SIZE " in shown and "--grpc-port PORT " in shown  # what a value is
     assert "\nexamples:\n  kvserver start " in shown and "\nexit status: 0 " in shown
+
+
+@pytest.mark.parametrize(
+    ("argv", "said", "status"),
+    [
+        (["start", "--dram", "0"], "kvserver start: error: dram: size must be positive", 2),
+        (["keys", "token", "{file}/keys"], "kvserver keys: error: cannot write in ", 2),
+        (["keys", "curve", "{file}"], "kvserver keys: error: {file} is a file, not a directory", 2),
+        (["scheduler", "--synthetic-workers", "1", "--tls-cert-file", "{file}"],
+         "kvserver scheduler: error: tls_cert_file and tls_key_file go together", 2),
+        (["worker", "--rank", "0", "--world-size", "1", "--listen", "bogus", "--dist-init",
+          "tcp://127.0.0.1:1", "--model-file", "{file}"],
+         "kvserver worker: error: bad --listen 'bogus'", 2),
+        (["hash", "--algo", "sha256", "--block-size", "4", "x"], "kvserver hash: error: ", 2),
+    ],
+    ids=["start", "keys-under-a-file", "keys-a-file", "scheduler", "worker", "hash"],
+)  # fmt: skip
+def test_every_subcommand_says_error_on_its_error_line(
+    tmp_path: Path, argv: list[str], said: str, status: int
+) -> None:
+    """``kvserver status`` / ``lookup`` / ``hash`` wrote ``kvserver CMD: error: ...``, while
+    ``start``, ``keys``, ``scheduler`` and ``worker`` wrote ``kvserver CMD: ...`` (no word
+    that it is an error); ``keys`` under a file was a NotADirectoryError traceback."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", *argv],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == status, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(said.replace("{file}", str(file))), line

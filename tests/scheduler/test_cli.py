@@ -62,5 +62,5 @@ def test_a_grpc_port_in_use_is_one_line_naming_the_flag_that_moves_it() -> None:
         )  # fmt: skip
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"kvserver scheduler: cannot bind gRPC to 127.0.0.1:{port}"), last
+    assert last.startswith(f"kvserver scheduler: error: cannot bind gRPC to 127.0.0.1:{port}"), last
     assert "choose another with --grpc-port PORT" in last and "GRPC_VERBOSITY" not in last

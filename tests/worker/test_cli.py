@@ -26,7 +26,7 @@ def refused(result: subprocess.CompletedProcess[str], *words: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     line = result.stderr.strip()
-    assert line.startswith("kvserver worker: ") and "\n" not in line, line
+    assert line.startswith("kvserver worker: error: ") and "\n" not in line, line
     for word in words:
         assert word in line, line
 

@@ -43,7 +43,8 @@ def test_a_ready_file_that_cannot_be_written_is_one_line_before_the_arena(tmp_pa
     failed writing it with a 40-line traceback and stopped."""
     ready = tmp_path / "missing" / "ready.json"
     line = refused(start(tmp_path / "shm", "--ready-file", str(ready)), tmp_path / "shm")
-    assert line.startswith(f"kvserver start: cannot write --ready-file {ready}: No such file")
+    expected = f"kvserver start: error: cannot write --ready-file {ready}: No such file"
+    assert line.startswith(expected)
     assert "its directory must exist and be writable" in line
     assert not (tmp_path / "missing").exists()
 
@@ -52,7 +53,8 @@ def test_a_ready_file_that_is_a_directory_is_one_line_before_the_arena(tmp_path:
     """The probe beside it passed; the rename over the directory failed once serving."""
     line = refused(start(tmp_path / "shm", "--ready-file", str(tmp_path)), tmp_path / "shm")
     assert line == (
-        f"kvserver start: cannot write --ready-file {tmp_path}: it is a directory; name a file"
+        f"kvserver start: error: cannot write --ready-file {tmp_path}: it is a directory; "
+        "name a file"
     )
 
 
@@ -69,7 +71,7 @@ def test_a_missing_curve_key_file_is_one_line_before_the_arena(tmp_path: Path) -
     """It was read after the pre-fault: ``--dram 64GiB`` committed 64 GiB before being told."""
     key = tmp_path / "server.key_secret"
     line = refused(start(tmp_path / "shm", "--curve-secret-key-file", str(key)), tmp_path / "shm")
-    assert line.startswith(f"kvserver start: cannot read CURVE key file {key}"), line
+    assert line.startswith(f"kvserver start: error: cannot read CURVE key file {key}"), line
 
 
 def test_a_host_that_is_not_this_machines_is_one_line_before_the_arena(tmp_path: Path) -> None:
@@ -77,7 +79,7 @@ def test_a_host_that_is_not_this_machines_is_one_line_before_the_arena(tmp_path:
     pre-fault."""
     shm = tmp_path / "shm"
     line = refused(start(shm, "--host", "192.0.2.1", "--insecure-remote"), shm)  # TEST-NET-1
-    assert line.startswith("kvserver start: cannot bind 192.0.2.1: Cannot assign"), line
+    assert line.startswith("kvserver start: error: cannot bind 192.0.2.1: Cannot assign"), line
     assert "check --host (an address of this machine" in line
 
 
@@ -89,7 +91,7 @@ def test_a_shm_dir_that_is_a_file_is_called_so(tmp_path: Path) -> None:
     afile.touch()
     line = refused(start(shm, "--shm-dir", str(afile)), shm)
     assert line == (
-        f"kvserver start: the arena's directory {afile} is not a directory: give another "
+        f"kvserver start: error: the arena's directory {afile} is not a directory: give another "
         "--shm-dir (errno=20)"
     )
 
@@ -109,7 +111,7 @@ def test_a_read_only_shm_dir_names_the_setting(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     last = result.stderr.splitlines()[-1]
     assert last.startswith(
-        f"kvserver start: cannot create the arena in {ro}: Read-only file system; give a "
+        f"kvserver start: error: cannot create the arena in {ro}: Read-only file system; give a "
         "directory this user may write (a tmpfs) with --shm-dir"
     ), last
 

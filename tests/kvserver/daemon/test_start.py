@@ -92,7 +92,7 @@ def test_a_bad_value_is_one_line_naming_the_setting_and_exit_2(
     result = subprocess.run(start_cmd(tmp_path, *flags), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"kvserver start: {message}"), line
+    assert line.startswith(f"kvserver start: error: {message}"), line
     assert list(tmp_path.iterdir()) == []  # no arena was created
 
 
@@ -113,7 +113,7 @@ def test_a_count_the_daemon_cannot_use_is_refused_before_start_up(
                             env=env)  # fmt: skip
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
-    assert line == f"kvserver start: {message} (value=0)", line
+    assert line == f"kvserver start: error: {message} (value=0)", line
     assert list(tmp_path.iterdir()) == []  # no arena was created
 
 
@@ -136,7 +136,7 @@ def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_one_line(tmp_path:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, result.stderr
         (line,) = result.stderr.splitlines()
-        assert line.startswith(f"kvserver start: {message}"), line
+        assert line.startswith(f"kvserver start: error: {message}"), line
 
 
 @pytest.mark.parametrize("source", ["/dev/zero", "endless fifo", "2 MiB file"])
@@ -172,7 +172,7 @@ def test_a_config_file_past_its_size_limit_is_one_line_naming_it_and_the_limit(
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.splitlines()
     assert line == (
-        f"kvserver start: cannot read config file {config}: larger than {MAX_CONFIG_BYTES} "
+        f"kvserver start: error: cannot read config file {config}: larger than {MAX_CONFIG_BYTES} "
         "bytes (a config file is a few KiB of TOML)"
     )
     if writer is not None:
@@ -192,7 +192,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag_that_moves_it(tmp_path: Path,
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     last = result.stderr.splitlines()[-1]
-    assert last.startswith("kvserver start: cannot bind") and f":{port}" in last, last
+    assert last.startswith("kvserver start: error: cannot bind") and f":{port}" in last, last
     assert f"Stop it, or choose another with {flag} PORT (0: any free port)" in last
     assert "pre-faulting" not in result.stderr  # found before the arena (was: after it)
 
@@ -337,7 +337,9 @@ def test_a_dram_tier_that_cannot_fit_is_refused_before_the_pre_fault(tmp_path: P
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert result.returncode == 1, (result.returncode, result.stderr)
         last = result.stderr.splitlines()[-1]
-        assert last.startswith("kvserver start: cannot commit the arena's memory: it does not fit")
+        assert last.startswith(
+            "kvserver start: error: cannot commit the arena's memory: it does not fit"
+        )
         assert "64 MiB asked" in last and "give a smaller --dram" in last
         assert "pre-faulting" not in result.stderr
         assert list(tiny.iterdir()) == []
