@@ -160,9 +160,9 @@ class WorkerGroup:
             if sock is None:
                 continue
             self._unwatch(worker)
-            if stop_workers:
+            if stop_workers:  # a refusal (the worker gone) is in the future, done at once
                 with contextlib.suppress(zmq.ZMQError):
-                    sock.send(encode_body(KIND_STOP, {}), flags=zmq.NOBLOCK)
+                    await sock.send(encode_body(KIND_STOP, {}), flags=zmq.NOBLOCK)
             sock.close(linger=100 if stop_workers else 0)
         if self._own_ctx:
             self._ctx.term()
@@ -273,8 +273,9 @@ class WorkerGroup:
         deadline = time.monotonic() + self.step_timeout_s
         for worker in self._workers:
             assert worker.sock is not None
-            try:
-                worker.sock.send(data, flags=zmq.NOBLOCK, copy=False)
+            try:  # zmq.asyncio never raises ZMQ's refusal (EAGAIN: not connected) here: it
+                # returns a future holding it, done at once, which must be awaited to be read
+                await worker.sock.send(data, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 raise self._fail(worker, f"not connected (step {plan.step})") from None
         if sent is not None:

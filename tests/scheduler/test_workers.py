@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,31 @@ async def test_unreachable_worker_fails_hello(
         await group.start(HELLO, timeout_s=0.2)
     assert not await group.recover(0.1)
     await group.close()
+
+
+async def test_a_worker_gone_fails_the_step_at_once_and_its_stop_leaves_no_lost_error(
+    ctx: zmq.asyncio.Context, groups: Callable[..., WorkerGroup]
+) -> None:
+    """Scenario: a worker's connection closed between two steps. ZMQ refuses the step's send
+    at once (EAGAIN: IMMEDIATE, no connection), and that is the step's failure. Was:
+    zmq.asyncio returned the refusal in a future nobody read, so the step waited out its
+    timeout ("no reply to step 2 within 60s"), and asyncio logged "Future exception was never
+    retrieved" with a traceback, as at every SIGTERM of a scheduler whose synthetic workers
+    had already exited (the stop it sends them at close)."""
+    lost: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, c: lost.append(c["message"]))
+    async with served(ctx, synthetic(SyntheticWorker())) as address:
+        group = groups([address], step_timeout_s=60.0)
+        await group.start(HELLO, timeout_s=5)
+    dealer = group._workers[0].sock
+    assert dealer is not None
+    plain = zmq.Socket.shadow(dealer.underlying)
+    wait_until(lambda: not plain.getsockopt(zmq.EVENTS) & zmq.POLLOUT, timeout=60.0)
+    with pytest.raises(WorkerFailure, match=r"not connected \(step 2\)"):
+        await group.step(StepPlan(2))
+    await group.close(stop_workers=True)
+    gc.collect()
+    assert lost == []
 
 
 @pytest.mark.multiprocess
