@@ -4,6 +4,9 @@
 part (ready files, announcement files). It does not fsync: for data that must survive a power
 loss use the SSD tier's ``FileIO.write_file_atomic`` (through its fault-injection seam).
 
+``check_writable`` probes, at start-up, that ``write_atomic`` will be able to write a ready
+file (its directory exists and is writable, it is not a directory).
+
 ``read_limited`` reads a file an operator names (a config file) with a bound on its bytes and,
 for what is not a regular file (a FIFO, a device, a pipe), on the wait: ``--config /dev/zero``
 read without end, and a FIFO nobody writes blocked the start for ever.
@@ -16,6 +19,8 @@ import os
 import select
 import stat
 import time
+
+from kvserver.errors import KVServerError
 
 #: how long ``read_limited`` waits for the end of what is not a regular file, by default.
 READ_WAIT_S = 10.0
@@ -58,6 +63,23 @@ def read_limited(path: str, max_bytes: int, wait_s: float = READ_WAIT_S) -> byte
         raise TooLarge(f"{path} is larger than {max_bytes} bytes")
     finally:
         os.close(fd)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Raise KVServerError naming ``flag`` unless a file can be made beside ``path`` (as
+    ``kvserver.files.write_atomic`` will); the probe file is removed."""
+    if os.path.isdir(path):  # the probe beside it would pass; the rename over it would not
+        raise KVServerError(f"cannot write {flag} {path}: it is a directory; name a file")
+    probe = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise KVServerError(
+            f"cannot write {flag} {path}: {exc.strerror or exc} (its directory must exist and "
+            "be writable by this user)"
+        ) from None
 
 
 def write_atomic(path: str, data: str | bytes) -> None:

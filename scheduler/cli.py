@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvserver.crypto import ClientSecurity, TlsServer, add_client_security_args
 from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.files import check_writable
 from kvserver.token_file import client_auth_token, read_token_file
 from step_protocol import security as step_security
 
@@ -24,21 +25,37 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser(
         "scheduler",
         help="run the scheduler process (queues, GPU block pool, gRPC Engine front door)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Run the scheduler in the foreground: it plans every engine step for its workers "
-            "(ZMQ), serves gRPC kvserver.v1.Engine (Generate) and, with --kvserver, loads and "
-            "stores prompt KV through a kvserver daemon. Workers are either ZMQ addresses of "
-            "running worker processes (--workers) or synthetic workers it starts itself "
-            "(--synthetic-workers N: deterministic tokens, no model, no GPU)."
+            "Run the scheduler in the foreground until SIGTERM or SIGINT (Ctrl-C): it plans\n"
+            "every engine step for its workers (ZMQ), serves gRPC kvserver.v1.Engine (Generate)\n"
+            "and, with --kvserver, loads and stores prompt KV through a kvserver daemon. Workers\n"
+            "are either ZMQ addresses of running worker processes (--workers) or synthetic\n"
+            "workers it starts itself (--synthetic-workers N: deterministic tokens, no model,\n"
+            "no GPU). Binds to loopback unless --host says otherwise. Durations are seconds\n"
+            "(-s) or milliseconds (-ms), as their names say."
+        ),
+        epilog=(
+            "examples:\n"
+            "  kvserver scheduler --synthetic-workers 2          # no model, no GPU: a try-out\n"
+            "  kvserver scheduler --synthetic-workers 1 --kvserver tcp://127.0.0.1:9471\n"
+            "  kvserver scheduler --workers tcp://127.0.0.1:9500,tcp://127.0.0.1:9501\n"
+            "  kvserver scheduler --synthetic-workers 1 --grpc-port 0 --ready-file ready.json\n\n"
+            "exit status: 0 stopped in order, 1 could not start (why on stderr), 2 bad\n"
+            "arguments or files (a key, a certificate, the ready file)"
         ),
     )
     w = p.add_mutually_exclusive_group(required=True)
     # the options as a table, one or two lines each
     # fmt: off
-    w.add_argument("--workers", help="comma-separated worker addresses, rank order (tcp://h:p)")
+    w.add_argument("--workers", metavar="ADDR,...",
+                   help="comma-separated worker addresses (kvserver worker --listen), rank order: "
+                   "tcp://HOST:PORT or ipc://PATH")
     w.add_argument("--synthetic-workers", type=int, metavar="N", help="start N synthetic workers")
-    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default 127.0.0.1)")
-    p.add_argument("--grpc-port", type=int, default=9480, help="gRPC port (default 9480, 0=any)")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="gRPC and metrics bind address (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=9480, metavar="PORT",
+                   help="gRPC port (default 9480, 0=any)")
     p.add_argument(
         "--grpc-max-connections-per-address", type=int, default=MAX_CONNECTIONS_PER_ADDRESS,
         metavar="N",
@@ -75,6 +92,7 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--metrics-port",
         type=int,
         default=9481,
+        metavar="PORT",
         help="Prometheus /metrics HTTP port (default 9481, 0=any, -1=off)",
     )
     p.add_argument(
@@ -84,31 +102,37 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     add_client_security_args(p, curve=True, token=True)
     p.add_argument(
-        "--kvserver-lookup-timeout-s", type=float, default=0.1,
+        "--kvserver-lookup-timeout-s", type=float, default=0.1, metavar="S",
         help="bound on the daemon lookup inside a step's admission; a late one is no hit and "
         "skips the daemon for a while (default 0.1)",
     )  # fmt: skip
     p.add_argument(
-        "--kvserver-op-timeout-s", type=float, default=1.0,
+        "--kvserver-op-timeout-s", type=float, default=1.0, metavar="S",
         help="bound on the connector's pin / reserve / complete calls (default 1.0)",
     )  # fmt: skip
-    p.add_argument("--model", default="synthetic", help="model name (part of the namespace)")
-    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks,
+    p.add_argument("--model", default="synthetic", metavar="NAME",
+                   help="model name (part of the namespace; default synthetic)")
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, metavar="N",
                    help=f"GPU KV blocks the workers hold (default {d.num_gpu_blocks})")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per GPU block")
-    p.add_argument("--chunk-blocks", type=int, default=1, help="GPU blocks per kvserver chunk")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+    p.add_argument("--block-size", type=int, default=d.block_size, metavar="TOKENS",
+                   help=f"tokens per GPU block (default {d.block_size})")
+    p.add_argument("--chunk-blocks", type=int, default=1, metavar="K",
+                   help="GPU blocks per kvserver chunk (default 1)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
                    help=f"requests running at once, at most (default {d.max_num_seqs})")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=d.max_num_batched_tokens,
-        help="the token budget per step, shared by prefill and decode",
+        metavar="TOKENS",
+        help="the token budget per step, shared by prefill and decode "
+        f"(default {d.max_num_batched_tokens})",
     )
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
+        metavar="TOKENS",
         help="most tokens of one prompt per step (0 = no cap)",
     )
     p.add_argument(
@@ -116,44 +140,54 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_true",
         help="admit a prompt only when it fits the step whole",
     )
-    p.add_argument("--max-model-len", type=int, default=0, help="0 = the whole block pool")
+    p.add_argument("--max-model-len", type=int, default=0, metavar="TOKENS",
+                   help="longest prompt + output (default 0: the whole block pool)")
     p.add_argument("--policy", default="fcfs", choices=POLICIES,
                    help="which waiting request goes first: fcfs or priority (default fcfs)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the GPU blocks of earlier prompts")
-    p.add_argument("--hash-algo", default=d.hash_algo,
+    p.add_argument("--hash-algo", default=d.hash_algo, metavar="ALGO",
                    help=f"block hash algorithm, as the namespace's (default {d.hash_algo})")
-    p.add_argument("--hash-seed", default=d.hash_seed, help="NONE_HASH seed (PYTHONHASHSEED)")
+    p.add_argument("--hash-seed", default=d.hash_seed, metavar="SEED",
+                   help="NONE_HASH seed (vLLM's PYTHONHASHSEED)")
     p.add_argument("--trace", metavar="FILE", help="append a per-step JSONL trace here")
     p.add_argument(
         "--step-timeout-s",
         type=float,
         default=10.0,
-        help="a worker silent this long on a step is failed",
+        metavar="S",
+        help="a worker silent this long on a step is failed (default 10)",
     )
     p.add_argument(
         "--hello-timeout-s",
         type=float,
         default=30.0,
-        help="how long the workers may take to answer the first hello (loading a model)",
+        metavar="S",
+        help="how long the workers may take to answer the first hello (loading a model; "
+        "default 30)",
     )
     p.add_argument(
-        "--probe-interval-s", type=float, default=1.0, help="how often failed workers are retried"
+        "--probe-interval-s", type=float, default=1.0, metavar="S",
+        help="how often failed workers are retried (default 1)",
     )
     p.add_argument(
         "--synthetic-delay-ms",
         type=float,
         default=0.0,
-        help="simulated compute time per synthetic step",
+        metavar="MS",
+        help="simulated compute time per synthetic step (default 0)",
     )
     p.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=2.0,
-        help="at SIGTERM, seconds in-flight streams get before they are cancelled",
+        metavar="S",
+        help="at SIGTERM, seconds in-flight streams get before they are cancelled (default 2)",
     )
-    p.add_argument("--ready-file", help="write JSON {pid, grpc_port, workers} here once serving")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO (default), WARNING, ERROR")
+    p.add_argument("--ready-file", metavar="FILE",
+                   help="write JSON {pid, grpc_port, workers} here once serving")
+    p.add_argument("--log-level", default="INFO", metavar="LEVEL",
+                   help="DEBUG, INFO (default), WARNING, ERROR")
     # fmt: on
     p.set_defaults(func=_cmd_scheduler)
 
@@ -185,6 +219,8 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
     read now). Raises KVServerError (InvalidArgument) for a bad value or file."""
     from scheduler.config import ProcessConfig, SchedulerConfig
 
+    if args.ready_file:  # was: a traceback once serving, the scheduler then stopped
+        check_writable(args.ready_file, "--ready-file")
     return ProcessConfig(
         scheduler=SchedulerConfig(
             num_gpu_blocks=args.num_gpu_blocks,

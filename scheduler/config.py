@@ -193,6 +193,12 @@ class ProcessConfig:
                 raise InvalidArgument(f"{name} must be > 0", **{name: value})
         if self.synthetic_delay_ms < 0 or self.shutdown_grace_s < 0:
             raise InvalidArgument("synthetic_delay_ms and shutdown_grace_s must be >= 0")
+        from kvserver.daemon.config import LOG_LEVELS  # the daemon's: the logging names
+
+        if self.log_level.upper() not in LOG_LEVELS:  # was: taken as INFO without a word
+            raise InvalidArgument(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}", value=self.log_level
+            )
 
     @property
     def num_workers(self) -> int:

@@ -17,12 +17,12 @@ later still decide, and say so in their own errors.
 
 from __future__ import annotations
 
-import os
 import socket
 
 from kvserver.daemon.config import DaemonConfig, bind_hint
 from kvserver.daemon.listening import check_ports
 from kvserver.errors import KVServerError
+from kvserver.files import check_writable
 
 
 def preflight(config: DaemonConfig) -> None:
@@ -59,20 +59,3 @@ def check_host(host: str) -> None:
     raise KVServerError(
         f"cannot bind {host}: {refused.strerror}{bind_hint('--host', refused.errno)}"
     )
-
-
-def check_writable(path: str, flag: str) -> None:
-    """Raise KVServerError naming ``flag`` unless a file can be made beside ``path`` (as
-    ``kvserver.files.write_atomic`` will); the probe file is removed."""
-    if os.path.isdir(path):  # the probe beside it would pass; the rename over it would not
-        raise KVServerError(f"cannot write {flag} {path}: it is a directory; name a file")
-    probe = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(probe, "w"):
-            pass
-        os.unlink(probe)
-    except OSError as exc:
-        raise KVServerError(
-            f"cannot write {flag} {path}: {exc.strerror or exc} (its directory must exist and "
-            "be writable by this user)"
-        ) from None

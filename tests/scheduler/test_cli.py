@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,46 @@ def test_a_grpc_port_in_use_is_one_line_naming_the_flag_that_moves_it() -> None:
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"kvserver scheduler: error: cannot bind gRPC to 127.0.0.1:{port}"), last
     assert "choose another with --grpc-port PORT" in last and "GRPC_VERBOSITY" not in last
+
+
+@pytest.mark.parametrize("name", ["scheduler", "worker"])
+def test_help_names_each_value_states_examples_and_exit_statuses(name: str) -> None:
+    """``kvserver scheduler --help`` / ``worker --help`` as ``kvserver start --help`` (session
+    13): each value a metavar saying what it is (was: ``--step-timeout-s STEP_TIMEOUT_S``,
+    ``--rank RANK``, ``--ready-file READY_FILE``), examples, the exit statuses."""
+    from tests.test_docs import subcommand_parsers
+
+    parser = subcommand_parsers()[name]
+    shouted = [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and a.nargs != 0 and a.metavar is None and a.choices is None
+    ]
+    assert shouted == []
+    shown = parser.format_help()
+    assert f"\nexamples:\n  kvserver {name} " in shown and "\nexit status: 0 " in shown
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--ready-file", "{tmp}/missing/ready.json"],
+         "cannot write --ready-file {tmp}/missing/ready.json: No such file"),
+        (["--log-level", "loud"], "log_level must be one of DEBUG, INFO"),
+    ],
+    ids=["ready-file", "log-level"],
+)  # fmt: skip
+def test_a_bad_value_is_one_line_before_the_scheduler_starts(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    """Was: an unwritable --ready-file a FileNotFoundError traceback once serving (then the
+    scheduler stopped); --log-level loud taken as INFO without a word."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "scheduler", "--synthetic-workers", "1",
+         "--grpc-port", "0", "--metrics-port", "-1", *args],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"kvserver scheduler: error: {said.replace('{tmp}', str(tmp_path))}")
