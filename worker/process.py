@@ -23,6 +23,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -227,10 +229,24 @@ def init_distributed(
     if world_size == 1:
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
+    # The rendezvous waits for the other ranks (up to timeout_s) inside torch's C++, where
+    # Python's SIGINT handler never runs: Ctrl-C did nothing. There, SIGINT ends the process as
+    # it ends any command (an ignored SIGINT, a background job's, stays ignored).
+    handler = signal.getsignal(signal.SIGINT)
+    default = handler is signal.default_int_handler
+    default = default and threading.current_thread() is threading.main_thread()
+    if default:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    logger.info("rank %d of %d: waiting for the other ranks at %s (at most %g s)",
+                rank, world_size, init_method, timeout_s)  # fmt: skip
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    finally:
+        if default:
+            signal.signal(signal.SIGINT, handler)
 
 
 def serve(
