@@ -176,6 +176,8 @@ class WorkerGroup:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if worker.address.startswith("tcp://["):  # ZMQ connects to IPv6 only when told
+                sock.setsockopt(zmq.IPV6, 1)
             if self.curve is not None:
                 self.curve.apply(sock)
                 mechanism = "curve"

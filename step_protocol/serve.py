@@ -134,6 +134,8 @@ def serve_steps(
         zap.configure_curve(domain="*", location=curve.clients_dir)
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
+    if bind.startswith("tcp://["):  # tcp://[::1]:P binds (was: "No such device"); not set for
+        sock.setsockopt(zmq.IPV6, 1)  # IPv4, whose endpoint would read tcp://[::ffff:127.0.0.1]
     if curve is not None:
         curve.apply(sock)
     if gate is not None:

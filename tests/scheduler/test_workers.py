@@ -36,6 +36,7 @@ from tests.scheduler.builders import expected_output, tokens
 from tests.scheduler.procs import EngineClient, output_tokens, start_scheduler, start_worker
 from tests.support.connector import patient_config
 from tests.support.daemon import wait_until
+from tests.support.ipv6 import needs_ipv6
 
 HELLO = WorkerHello(0, 1, 4, 64)
 Behaviour = Callable[[str, dict[str, object]], list[bytes] | None]
@@ -227,6 +228,27 @@ async def test_unreachable_worker_fails_hello(
         await group.start(HELLO, timeout_s=0.2)
     assert not await group.recover(0.1)
     await group.close()
+
+
+@needs_ipv6
+@pytest.mark.multiprocess
+async def test_a_worker_on_ipv6_loopback_answers_hello(
+    tmp_path: Path, groups: Callable[..., WorkerGroup]
+) -> None:
+    """Scenario: ``kvserver worker --listen tcp://[::1]:P`` and the scheduler's ``--workers
+    tcp://[::1]:P``. Was: the worker's bind failed ("No such device") and the scheduler's
+    DEALER could not connect (ZMQ sockets take IPv6 only with ZMQ_IPV6 set)."""
+    worker = start_worker(tmp_path, "w6", "tcp://[::1]:0")
+    try:
+        endpoint = str(worker.info["endpoint"])
+        assert endpoint.startswith("tcp://[::1]:")
+        group = groups([endpoint])
+        (info,) = await group.start(HELLO, timeout_s=60)
+        assert info.rank == 0
+        (result,) = await group.step(StepPlan(1))
+        assert result.step == 1
+    finally:
+        worker.kill()
 
 
 async def test_a_worker_gone_fails_the_step_at_once_and_its_stop_leaves_no_lost_error(

@@ -4,7 +4,6 @@ version-1 daemons wrote without brackets (``tcp://::1:P``) are still read."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,8 @@ from kvserver.daemon.peers.stream import split_address
 from kvserver.grpc_client import GrpcClient
 from kvserver.netaddr import host_port
 from tests.support.daemon import start_daemon, wait_until
+from tests.support.ipv6 import needs_ipv6
 from tests.support.redis import RedisServer
-
-
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-needs_ipv6 = pytest.mark.skipif(
-    not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this host"
-)
 
 
 @pytest.mark.parametrize(
