@@ -306,17 +306,24 @@ def unreachable(server: str, timeout: float, detail: str) -> str:
 def server_address(text: str) -> str:
     """``HOST[:PORT]`` as a gRPC target: without a port, the daemon's default gRPC port (gRPC
     itself would dial 443). IPv6 hosts may be bracketed; targets with a scheme pass as they are,
-    but ``tcp://`` (a ZMQ endpoint's, which gRPC cannot resolve) is dropped.
+    but ``tcp://`` (a ZMQ endpoint's, which gRPC cannot resolve) is dropped. A port that is
+    not 1-65535 is refused (argparse.ArgumentTypeError): gRPC dials it modulo 65536 (``:99999``
+    reached port 34463, and the error said the daemon at ``:99999`` was not running).
     """
     if text.startswith("tcp://"):
         text = text[len("tcp://") :]
     if "://" in text or text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return text
     if text.startswith("["):  # [v6] or [v6]:port
-        return text if "]:" in text else f"{text}:{DEFAULT_GRPC_PORT}"
-    if text.count(":") > 1:  # a bare IPv6 address
-        return f"[{text}]:{DEFAULT_GRPC_PORT}"
-    return text if ":" in text else f"{text}:{DEFAULT_GRPC_PORT}"
+        target = text if "]:" in text else f"{text}:{DEFAULT_GRPC_PORT}"
+    elif text.count(":") > 1:  # a bare IPv6 address
+        target = f"[{text}]:{DEFAULT_GRPC_PORT}"
+    else:
+        target = text if ":" in text else f"{text}:{DEFAULT_GRPC_PORT}"
+    port = target.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"{text[:200]!r}: port {port[:20]!r} is not 1-65535")
+    return target
 
 
 def parse_tokens(text: str) -> list[int]:

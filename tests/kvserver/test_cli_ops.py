@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvserver import cli_ops
+from kvserver.cli import main
 from tests.kvserver.builders import make_spec
 from tests.kvserver.daemon.test_grpc_server import InProcessServer, chunk_keys
 from tests.support.daemon import start_daemon
@@ -283,6 +284,20 @@ def test_status_names_a_fixed_peer_list_as_such(tmp_path: Path) -> None:
 def test_server_without_a_port_gets_the_daemons_grpc_port(given: str, target: str) -> None:
     """--server 127.0.0.1 dialled 443 (gRPC's default) instead of the daemon's 9470."""
     assert cli_ops.server_address(given) == target
+
+
+@pytest.mark.parametrize("server", ["127.0.0.1:99999", "[::1]:0", "kv-host:", "h:9x"])
+def test_a_server_port_that_is_not_1_to_65535_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], server: str
+) -> None:
+    """Was: gRPC dialled it modulo 65536 (:99999 reached port 34463) and the error said
+    'cannot reach the daemon at 127.0.0.1:99999; is `kvserver start` running there?'."""
+    with pytest.raises(SystemExit) as info:
+        main(["status", "--server", server, "--timeout", "1"])
+    assert info.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"kvserver status: error: argument --server: {server!r}: port "), line
+    assert line.endswith("is not 1-65535"), line
 
 
 def test_status_server_without_port_reaches_the_default_port(
