@@ -59,8 +59,9 @@ def data_address(text: str) -> str:
     (``tcp://HOST:PORT``, ``ipc://PATH``) as it is; ``HOST[:PORT]`` (ZMQ refuses it with a bare
     "Invalid argument") with ``tcp://`` and, without a port, the daemon's default
     :data:`DEFAULT_DATA_PORT`. IPv6 hosts may be bracketed (``tcp://`` with an unbracketed one
-    is taken as ZMQ takes it: the port after the last colon, as a daemon advertises an IPv6
-    ``--advertise-addr`` to its fleet). Raises InvalidArgument, naming ``text`` and
+    is taken as ZMQ takes it: the port after the last colon; daemons before session 14 wrote
+    that form into their fleet records, which ScoreHosts and the peer tier hand out, and
+    ``tcp://`` requires a port, so it is not ambiguous). Raises InvalidArgument, naming ``text`` and
     :data:`ADDRESS_FORMS`, for anything else: "", another scheme (a daemon binds neither
     ``inproc://`` nor any other), a ``tcp://`` address without a host or with a port that is
     not 1-65535, an empty ``ipc://`` path (ZMQ would raise a bare ZMQError at the first
