@@ -221,6 +221,8 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
 
     if args.ready_file:  # was: a traceback once serving, the scheduler then stopped
         check_writable(args.ready_file, "--ready-file")
+    if args.trace:  # was: "cannot open the trace file" after the workers' start, exit 1
+        check_writable(args.trace, "--trace")
     return ProcessConfig(
         scheduler=SchedulerConfig(
             num_gpu_blocks=args.num_gpu_blocks,

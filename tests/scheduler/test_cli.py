@@ -91,8 +91,10 @@ def test_help_names_each_value_states_examples_and_exit_statuses(name: str) -> N
         (["--ready-file", "{tmp}/missing/ready.json"],
          "cannot write --ready-file {tmp}/missing/ready.json: No such file"),
         (["--log-level", "loud"], "log_level must be one of DEBUG, INFO"),
+        (["--trace", "{tmp}/missing/trace.jsonl"],
+         "cannot write --trace {tmp}/missing/trace.jsonl: No such file"),
     ],
-    ids=["ready-file", "log-level"],
+    ids=["ready-file", "log-level", "trace"],
 )  # fmt: skip
 def test_a_bad_value_is_one_line_before_the_scheduler_starts(
     tmp_path: Path, args: list[str], said: str
