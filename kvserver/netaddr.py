@@ -15,3 +15,14 @@ def host_port(host: str, port: int | str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def is_ipv6_endpoint(address: str) -> bool:
+    """Whether a ZMQ ``tcp://HOST:PORT`` endpoint names an IPv6 literal host, bracketed
+    (``tcp://[::1]:5``) or as version-1 daemons wrote it (``tcp://::1:5``): a ZMQ socket
+    connects to such a host only with ``ZMQ_IPV6`` set. Not set for any other endpoint, where
+    it would make an IPv4 peer read as ``::ffff:a.b.c.d``."""
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://") :].rpartition(":")[0]
+    return host.startswith("[") or ":" in host

@@ -40,6 +40,7 @@ import zmq.asyncio
 from kvserver.client.links import ConnectionWatch
 from kvserver.crypto import CurveClient
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
+from kvserver.netaddr import is_ipv6_endpoint
 from step_protocol import (
     KIND_ERROR,
     KIND_HELLO,
@@ -176,7 +177,7 @@ class WorkerGroup:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.setsockopt(zmq.IMMEDIATE, 1)
-            if worker.address.startswith("tcp://["):  # ZMQ connects to IPv6 only when told
+            if is_ipv6_endpoint(worker.address):  # ZMQ connects to IPv6 only when told
                 sock.setsockopt(zmq.IPV6, 1)
             if self.curve is not None:
                 self.curve.apply(sock)

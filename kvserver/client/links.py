@@ -40,6 +40,7 @@ from kvserver.client import handshake, replies
 from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
 from kvserver.crypto import CurveClient, apply_token
 from kvserver.errors import InvalidArgument
+from kvserver.netaddr import is_ipv6_endpoint
 
 RECV_BUFFER = 256 << 10
 #: messages up to this size are written with one system call (joined), larger ones piecewise.
@@ -196,6 +197,8 @@ def open_dealer(
             sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        if is_ipv6_endpoint(address):  # ZMQ connects to an IPv6 host only when told
+            sock.setsockopt(zmq.IPV6, 1)
         mechanism = "null"
         if curve is not None:
             curve.apply(sock)
