@@ -41,7 +41,7 @@ from kvserver import wire, wire_stream
 from kvserver.client.calls import PutResult
 from kvserver.client.common import Session
 from kvserver.client.parts import Parts, flatten_parts
-from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.errors import CapacityError, KVServerError, Unauthenticated, UnknownNamespace
 
 #: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
@@ -308,7 +308,8 @@ class StreamUse:
     restart or its idle timeout, is replaced at the next call instead), a put is larger
     than the daemon's ``max_message_bytes``, or the daemon answered ``unknown_namespace`` /
     ``unauthenticated`` (the ZMQ path renews the session and retries as it does for its own
-    requests). Other error replies are raised."""
+    requests) or ``capacity`` (its stream puts in flight already hold their share of DRAM).
+    Other error replies are raised."""
 
     def __init__(self, enabled: bool, tls: ssl.SSLContext | None = None) -> None:
         self.enabled = enabled
@@ -354,7 +355,7 @@ class StreamUse:
             if not (exc.closed and link is not None and link.used):  # not just a stale link
                 self._retry_at = time.monotonic() + RETRY_S
             return None
-        except (UnknownNamespace, Unauthenticated):
+        except (UnknownNamespace, Unauthenticated, CapacityError):
             return None
 
     async def call_async(

@@ -33,6 +33,13 @@ to ``service.op_seconds`` and the service publishes the KV events. A put:
 
 A payload announced larger than ``max_message_bytes`` is refused (id 0) and the connection
 closed, as the local channel does: a stream cannot skip what it will not read.
+
+The DRAM that puts hold while their bytes arrive is bounded: a put's pages are reserved from
+its header, before its payload, so without a bound a client sending headers alone over many
+connections would hold (and evict for) DRAM it never fills. A put that would take the bytes
+reserved by the stream's puts in flight past ``max_reserved_bytes`` (a quarter of DRAM) is
+refused with ``capacity`` after its payload is drained, unless no other put is in flight (one
+put, however large, always proceeds); the client sends it over ZMQ instead.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from kvserver.daemon.owners import DAEMON_OWNERS, STREAM_CLIENT, STREAM_PUT_CLIE
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
 from kvserver.daemon.stream_io import Closed, PlainIO, TlsIO
-from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.errors import CapacityError, InvalidArgument, KVServerError
 
 StreamIO = PlainIO | TlsIO
 
@@ -57,10 +64,16 @@ class StreamOps:
     """The op requests of the stream's connections; see the module docstring. ``counters``
     are the stream server's (``StreamCounters``)."""
 
-    def __init__(self, service: KVService, counters: Any, *, max_payload_bytes: int) -> None:
+    def __init__(
+        self, service: KVService, counters: Any, *, max_payload_bytes: int,
+        max_reserved_bytes: int,
+    ) -> None:  # fmt: skip
         self._service = service
         self._counters = counters
         self._max_payload = max_payload_bytes
+        self._max_reserved = max_reserved_bytes
+        #: bytes of DRAM reserved by puts whose payload is still arriving
+        self.reserved_bytes = 0
 
     async def serve(self, io: StreamIO, length: int, who: Principal) -> None:
         """One op request whose head announced a header of ``length`` bytes: read it and its
@@ -114,6 +127,15 @@ class StreamOps:
             if payload != len(keys) * tp * size:
                 raise InvalidArgument("payload size does not match the slot", payload=payload,
                                       expected=len(keys) * tp * size)  # fmt: skip
+            page = service.engine.config.page_size
+            per_key = tp * -(-size // page) * page  # DRAM a key's parts take, whole pages
+            if (
+                self.reserved_bytes
+                and self.reserved_bytes + len(keys) * per_key > self._max_reserved
+            ):
+                raise CapacityError("stream puts in flight hold their DRAM; send it over ZMQ",
+                                    reserved=self.reserved_bytes, payload=payload,
+                                    max=self._max_reserved)  # fmt: skip
             # the daemon's own reservation while bytes land in its pages: no request (the
             # client's release, a complete_store naming its id) may end it early
             grant = service.prepare_store(
@@ -128,7 +150,12 @@ class StreamOps:
             result = {"stored": [], "present": [], "filtered": [], "rejected": True}
             await io.send([wire_stream.encode_result(request.request_id, result)])
             return
-        stored = await self._receive(io, keys, grant, tp, size)
+        held = len(grant.keys) * per_key
+        self.reserved_bytes += held
+        try:
+            stored = await self._receive(io, keys, grant, tp, size)
+        finally:
+            self.reserved_bytes -= held
         self._counters.received_chunks += len(stored)
         self._counters.received_bytes += len(stored) * tp * size
         result = {"stored": stored, "present": grant.present, "filtered": grant.filtered,

@@ -111,6 +111,7 @@ class StreamServer:
         idle_s: float = IDLE_S,
         tls: ssl.SSLContext | None = None,
         max_payload_bytes: int = 1 << 30,
+        max_reserved_bytes: int = 1 << 30,
     ) -> None:
         self._service = service
         self._auth = auth
@@ -126,7 +127,10 @@ class StreamServer:
         #: address -> its connections still before their hello (bounded per address)
         self._hello_waits: dict[str, int] = {}
         self.counters = StreamCounters()
-        self._ops = StreamOps(service, self.counters, max_payload_bytes=max_payload_bytes)
+        self._ops = StreamOps(
+            service, self.counters, max_payload_bytes=max_payload_bytes,
+            max_reserved_bytes=max_reserved_bytes,
+        )  # fmt: skip
         self.port = -1
 
     @property

@@ -132,6 +132,11 @@ def reserving(d: DaemonProc) -> bool:
     return int(stats(d)["reserved_pages"]) > 0  # type: ignore[call-overload]
 
 
+def reserved_bytes(d: DaemonProc) -> int:
+    """DRAM reserved and not yet completed (the daemon's 64 KiB pages)."""
+    return int(stats(d)["reserved_pages"]) * (64 << 10)  # type: ignore[call-overload]
+
+
 def readable(d: DaemonProc, keys: list[bytes]) -> list[list[bytes]]:
     with admin(d) as kv:
         return [[bytes(p) for p in row] for row in kv.get(SPEC.ns_id, keys)]
@@ -161,27 +166,32 @@ def test_a_put_being_received_cannot_be_released_by_its_client(daemon: DaemonPro
     assert readable(daemon, keys) == parts_of(keys)
 
 
-def test_stalled_puts_holding_dram_are_rolled_back_and_others_stay_served(
+def test_stalled_puts_holding_dram_are_bounded_rolled_back_and_others_stay_served(
     daemon: DaemonProc,
 ) -> None:
-    """Connections that each send a put's header (1 MiB each: 15 MiB of the 32 MiB DRAM tier
-    reserved; 15: the connections of one address that may wait for their hello at once)
-    and then nothing: meanwhile the other clients are answered over the stream; once each has been
-    silent for --peer-timeout-s it is closed and its reservation rolled back (no key of it
-    readable, no page still reserved), and DRAM takes puts again."""
+    """Connections that each send a put's header (1 MiB of 32 KiB parts: 2 MiB of 64 KiB
+    pages) and then nothing. The pages reserved for them stop at a quarter of the 32 MiB DRAM
+    tier (4 puts of the 15: the others are refused ``capacity`` and wait for the payload they
+    announced); meanwhile
+    another client's put, refused on the stream for the same reason, goes over ZMQ and is
+    answered; once each has been silent for --peer-timeout-s it is closed and its
+    reservation rolled back (no key of it readable, no page still reserved), and DRAM takes
+    puts again."""
     batches = [make_keys(PER_PUT, tag=f"hostage-{i}") for i in range(15)]
+    budget = (32 << 20) // 4
     raws = []
     try:
         for keys in batches:
             raw = Raw(daemon)
             raw.op(1, "put", args_of(keys), b"", announced=len(payload(keys)))
             raws.append(raw)
-        wait_until(lambda: reserving(daemon), timeout=30)
+        wait_until(lambda: reserved_bytes(daemon) == budget, timeout=30)
         probe = make_keys(1, tag="hostage-probe")
         with admin(daemon, stream=True) as kv:
             kv.put(SPEC.ns_id, probe, parts_of(probe))  # stored or rejected: answered
             assert kv.lookup(SPEC.ns_id, batches[0]).hit_chunks == 0
-            assert kv.sent_by_op[wire.PUT] == 0
+            assert kv.sent_by_op[wire.PUT] == 1  # the stream said capacity: sent over ZMQ
+        assert reserved_bytes(daemon) <= budget
         for raw in raws:
             assert raw.closed()
     finally:
@@ -192,6 +202,7 @@ def test_stalled_puts_holding_dram_are_rolled_back_and_others_stay_served(
         for keys in batches:
             assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 0
         assert kv.put(SPEC.ns_id, batches[0], parts_of(batches[0])).stored == batches[0]
+        assert kv.sent_by_op[wire.PUT] == 0
 
 
 def test_a_get_of_keys_a_stream_put_is_writing_never_sees_them_half_written(
