@@ -82,8 +82,8 @@ class BenchConfig:
     #: DRAM eviction policy of our own daemon: the daemon's default (what deployments run)
     policy: str = DEFAULT_POLICY
     #: the remote client's put and get over the daemon's stream port (``KVClient(stream=)``);
-    #: off by default, as in ``KVClient``: the rows measure what a user's client does.
-    stream: bool = False
+    #: on by default, as in ``KVClient``: the rows measure what a user's client does.
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
@@ -443,9 +443,10 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "arc cannot run a put of several windows, see --batch)",
     )
     add(
-        "--stream",
-        action="store_true",
-        help="the remote rows over the daemon's stream port (KVClient(stream=True)), not ZMQ",
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="the remote rows over ZMQ (KVClient(stream=False)), not the daemon's stream port",
     )
     add("--zmq", metavar="ENDPOINT", help="bench a running daemon (evicts what it caches)")
     add("--server", metavar="HOST:PORT", help="that daemon's gRPC address (with --zmq)")

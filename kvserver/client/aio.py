@@ -97,7 +97,7 @@ class AsyncKVClient(ClientBase):
         curve: CurveClient | None = None,
         local: bool = True,
         max_frame_bytes: int = 0,
-        stream: bool = False,
+        stream: bool = True,
         stream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout

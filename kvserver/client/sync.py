@@ -101,7 +101,7 @@ class KVClient(ClientBase):
     """Blocking client; see the module docstring. ``colocated``: None = auto, False = never
     use shared memory, True = require it. ``local``: send requests over the daemon's local
     channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
-    ``stream`` (off by default: not shown faster on 2 shared cores, ``docs/benchmarks.md``):
+    ``stream`` (on by default: 1.1-1.3x raw ZMQ where ZMQ is 0.7-0.9x, ``docs/benchmarks.md``):
     send a remote ``put`` and ``get`` over the daemon's stream port when it announces one for
     them (``docs/wire.md`` §6; :mod:`kvserver.client.stream`), else ZMQ; ``stream_tls`` (the
     daemon's CA): over its TLS stream port, never a plain one."""
@@ -118,7 +118,7 @@ class KVClient(ClientBase):
         colocated: bool | None = None,
         curve: CurveClient | None = None,
         local: bool = True,
-        stream: bool = False,
+        stream: bool = True,
         stream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout = timeout

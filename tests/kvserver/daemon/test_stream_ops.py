@@ -123,7 +123,7 @@ def test_a_put_over_max_message_bytes_goes_over_zmq_and_the_stream_stays(
 
 def test_stream_off_or_not_announced_goes_over_zmq(daemon: DaemonProc) -> None:
     keys = make_keys(2, tag="zmq")
-    with KVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN) as kv:  # the default
+    with KVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN, stream=False) as kv:
         kv.register_namespace(SPEC)
         assert kv.put(SPEC.ns_id, keys, parts_of(keys)).stored == keys
         assert bytes(kv.get(SPEC.ns_id, keys)[1][0]) == parts_of(keys)[1][0]
