@@ -18,7 +18,12 @@ connection staying usable. Anything else — the connection refused, closed or r
 a refused hello (its error reply has id 0), a reply that does not answer the request — raises
 :class:`StreamFailed`, after which the link is closed and must not be used: the caller sends
 the request over ZMQ instead (what the daemon did with it is unknown, as after a ZMQ timeout:
-a put whose bytes did not all arrive was rolled back, and putting it again is harmless).
+a put whose bytes did not all arrive was rolled back, and putting it again is harmless). A
+link the daemon closed while idle (its restart, its idle time) is found so before a request
+is sent on it. The one exception: the daemon closing or resetting the connection once a
+request is all sent, before its reply is all in (it stopped or died meanwhile), raises
+``Unavailable``, as a ZMQ connection lost with a request outstanding does: sent again over ZMQ
+it would wait out its whole timeout for a daemon that is gone.
 With ``stream_tls`` (an ``ssl.SSLContext`` with the CA of the daemon's certificate:
 ``kvserver.crypto.TlsClient(ca).ssl_context()``) the client dials the daemon's TLS stream port
 (``peer_stream_tls_port``) and never a plain one; without it, a daemon with only a TLS port is
@@ -29,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -41,7 +47,13 @@ from kvserver import wire, wire_stream
 from kvserver.client.calls import PutResult
 from kvserver.client.common import Session
 from kvserver.client.parts import Parts, flatten_parts
-from kvserver.errors import CapacityError, KVServerError, Unauthenticated, UnknownNamespace
+from kvserver.errors import (
+    CapacityError,
+    KVServerError,
+    Unauthenticated,
+    Unavailable,
+    UnknownNamespace,
+)
 
 #: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
@@ -191,7 +203,8 @@ class StreamLink:
             raise StreamFailed("stream get reply of the wrong number or shape of parts")
         size, per = head.part_bytes, head.tp
         buf = np.empty(head.count * per * size, dtype=np.uint8).data.cast("B")
-        self._recv(buf, deadline, wake=True)
+        with _outstanding(wire.GET):
+            self._recv(buf, deadline, wake=True)
         return [
             [buf[(i * per + j) * size : (i * per + j + 1) * size] for j in range(per)]
             for i in range(head.count)
@@ -215,7 +228,8 @@ class StreamLink:
         if not head.result:
             raise StreamFailed(f"stream {op} answered without a result")
         body = bytearray(head.count)
-        self._recv(memoryview(body), deadline)
+        with _outstanding(op):
+            self._recv(memoryview(body), deadline)
         return body
 
     def _request(
@@ -233,13 +247,19 @@ class StreamLink:
         request_id = self._next_id
         request = wire_stream.encode_op_request(request_id, op, args, client, size)
         raw = bytearray(wire_stream.REPLY_HEAD.size)
+        if self.used and self._stale():
+            raise StreamFailed("the daemon closed the stream", closed=True)
         try:
             self._send([memoryview(request), *payload], deadline)
-            self._recv(memoryview(raw), deadline)
-            head = wire_stream.decode_reply_head(raw, results=True)
         except (OSError, KVServerError) as exc:
             closed = isinstance(exc, ConnectionError)
             raise StreamFailed(f"stream {op} failed: {exc}", closed=closed) from None
+        with _outstanding(op):
+            self._recv(memoryview(raw), deadline)
+        try:
+            head = wire_stream.decode_reply_head(raw, results=True)
+        except KVServerError as exc:
+            raise StreamFailed(f"stream {op} failed: {exc}") from None
         if head.request_id != request_id & 0xFFFFFFFF:
             raise StreamFailed("stream reply answers another request (a refused hello?)")
         self.used = True
@@ -248,6 +268,16 @@ class StreamLink:
             self._recv(memoryview(body), deadline)
             raise wire_stream.decode_error(body)
         return head
+
+    def _stale(self) -> bool:
+        """Whether the daemon closed the link since its last reply (it restarted, or closed
+        it after its idle time): between requests nothing is due, so anything to read (the
+        end of the stream, a reset, a TLS alert) means the link is gone."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
     def _send(self, views: list[memoryview], deadline: float) -> None:
         """Send ``views`` whole (``sendmsg`` of up to :data:`IOV_MAX` at a time; TLS:
@@ -288,6 +318,19 @@ class StreamLink:
         except OSError as exc:
             closed = isinstance(exc, ConnectionError)
             raise StreamFailed(f"stream receive failed: {exc}", closed=closed) from None
+
+
+@contextlib.contextmanager
+def _outstanding(op: str) -> Iterator[None]:
+    """A request is all sent: the daemon closing or resetting the link before its reply is
+    all in raises ``Unavailable`` (module docstring), not StreamFailed."""
+    try:
+        yield
+    except StreamFailed as exc:
+        if not exc.closed:
+            raise
+        raise Unavailable(f"the daemon closed the stream with a {op} outstanding (what it did "
+                          "with it is unknown)") from None  # fmt: skip
 
 
 def _bound(sock: socket.socket, deadline: float) -> None:

@@ -490,7 +490,7 @@ def test_a_large_put_goes_as_windows_and_is_stored_whole(tmp_path: Path) -> None
     try:
         keys = make_keys(n, tag="win")
         data = [pattern(k, 0, spec.part_bytes) for k in keys]
-        with KVClient(d.zmq_address, colocated=False) as kv:
+        with KVClient(d.zmq_address, colocated=False, stream=False) as kv:  # ZMQ's windows
             ns = kv.register_namespace(spec)
             r = kv.put(ns.ns_id, keys, data)
             assert (r.stored, r.present, r.rejected) == (keys, [], False)
@@ -500,7 +500,7 @@ def test_a_large_put_goes_as_windows_and_is_stored_whole(tmp_path: Path) -> None
                 kv.put(ns.ns_id, make_keys(n, tag="bad"), [*data[:-1], b"short"])
 
         async def put_async() -> None:
-            async with AsyncKVClient(d.zmq_address, colocated=False) as akv:
+            async with AsyncKVClient(d.zmq_address, colocated=False, stream=False) as akv:
                 ns = await akv.register_namespace(spec)
                 more = make_keys(n, tag="win-aio")
                 r = await akv.put(ns.ns_id, more, [[p] for p in data])  # one buffer per rank

@@ -37,7 +37,8 @@ LONG_TIMEOUT_S = 30.0
 #: what the outstanding requests fail with when the daemon dies, by transport.
 LOST = {False: "connection to the daemon was lost", None: "local channel failed"}
 
-#: the clients on ZMQ (remote) and on the daemon's local channel (co-located).
+#: the clients on ZMQ (remote, stream=False: the stream's own restart is test_stream_fallback's)
+#: and on the daemon's local channel (co-located).
 TRANSPORTS = pytest.mark.parametrize("colocated", [False, None], ids=["zmq", "local"])
 
 pytestmark = pytest.mark.multiprocess
@@ -72,7 +73,7 @@ def test_sync_client_reaches_a_daemon_killed_and_restarted_with_its_next_call(
     """Restart after SIGKILL: the first call afterwards is answered by the new daemon within
     its one timeout (no Unavailable first), the session is renewed, nothing sent twice."""
     keys = make_keys(2, tag=f"kill-{colocated}")
-    with KVClient(daemon.zmq_address, timeout=TIMEOUT_S, colocated=colocated) as kv:
+    with KVClient(daemon.zmq_address, timeout=TIMEOUT_S, colocated=colocated, stream=False) as kv:
         ns = kv.register_namespace(SPEC)
         assert kv.store(ns.ns_id, keys, parts(keys)) == keys
         assert kv.is_local is (colocated is None)
@@ -93,7 +94,9 @@ async def test_async_client_reaches_a_daemon_killed_and_restarted_with_its_next_
 ) -> None:
     """The asyncio twin of the test above."""
     keys = make_keys(2, tag=f"akill-{colocated}")
-    async with AsyncKVClient(daemon.zmq_address, timeout=TIMEOUT_S, colocated=colocated) as kv:
+    async with AsyncKVClient(
+        daemon.zmq_address, timeout=TIMEOUT_S, colocated=colocated, stream=False
+    ) as kv:
         ns = await kv.register_namespace(SPEC)
         assert await kv.store(ns.ns_id, keys, parts(keys)) == keys
         assert kv.is_local is (colocated is None)
