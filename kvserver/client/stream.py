@@ -54,6 +54,7 @@ from kvserver.errors import (
     Unavailable,
     UnknownNamespace,
 )
+from kvserver.namespace import NamespaceSpec
 
 #: buffers per ``sendmsg`` (Linux's UIO_MAXIOV).
 IOV_MAX = 1024
@@ -338,6 +339,22 @@ def _bound(sock: socket.socket, deadline: float) -> None:
     if left <= 0:
         raise TimeoutError("the stream call timed out")
     sock.settimeout(left)
+
+
+def get_call(
+    s: Session,
+    ns_id: str,
+    keys: Sequence[bytes],
+    ranks: Sequence[int] | None,
+    spec: NamespaceSpec | None,
+    timeout: float,
+) -> Callable[[StreamLink], list[list[memoryview]]]:
+    """A client's ``get`` as a call on the link (both clients' :meth:`StreamUse.call`): the
+    reply's head checked against the namespace's geometry when ``spec`` or the session knows
+    it."""
+    known = spec or s.specs.get(ns_id)
+    size, tp = (known.part_bytes, known.tp_world_size) if known else (None, None)
+    return lambda link: link.get(ns_id, keys, ranks, size, tp, timeout)
 
 
 class StreamUse:

@@ -61,7 +61,7 @@ from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.client.pending import Pending
-from kvserver.client.stream import StreamLink, StreamUse
+from kvserver.client.stream import StreamLink, StreamUse, get_call
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
@@ -329,11 +329,8 @@ class KVClient(ClientBase):
         """:func:`kvserver.client.ops.get` (over the stream when it is used and not
         ``leading``)."""
         if not leading:
-            known = spec or self._s.specs.get(ns_id)
-            size, tp = (known.part_bytes, known.tp_world_size) if known else (None, None)
-            got = self._over_stream(
-                len(keys), lambda link: link.get(ns_id, keys, ranks, size, tp, self.timeout)
-            )
+            call = get_call(self._s, ns_id, keys, ranks, spec, self.timeout)
+            got = self._over_stream(len(keys), call)
             if got is not None:
                 return got
         return self._run(ops.get(self._s, ns_id, keys, ranks=ranks, leading=leading, spec=spec))

@@ -31,6 +31,7 @@ from kvserver.errors import (
     error_from_code,
 )
 from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.daemon.stream_conn import RawStream
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
@@ -194,50 +195,6 @@ def test_the_async_client_uses_the_stream(daemon: DaemonProc) -> None:
 # ---------------------------------------------------------------------- bad input
 
 
-class Raw:
-    """A raw connection to the stream port, past its hello."""
-
-    def __init__(self, d: DaemonProc, token: str = TOKEN, *, hello: bool = True) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", d.info["peer_stream_port"]), 30)
-        if hello:
-            self.sock.sendall(wire_stream.encode_hello(token))
-
-    def __enter__(self) -> Raw:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.sock.close()
-
-    def op(self, rid: int, op: str, args: dict[str, object], payload: bytes = b"",
-           announced: int | None = None) -> None:  # fmt: skip
-        size = len(payload) if announced is None else announced
-        self.sock.sendall(wire_stream.encode_op_request(rid, op, args, None, size) + payload)
-
-    def reply(self) -> tuple[wire_stream.ReplyHead, bytes]:
-        head = wire_stream.decode_reply_head(self.recv(wire_stream.REPLY_HEAD.size), results=True)
-        size = head.count if not head.ok else head.count * head.tp * head.part_bytes
-        return head, self.recv(size)
-
-    def error(self) -> tuple[int, KVServerError]:
-        head, body = self.reply()
-        assert not head.ok and not head.result
-        return head.request_id, wire_stream.decode_error(body)
-
-    def recv(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            got = self.sock.recv(n - len(out))
-            assert got, "closed"
-            out += got
-        return bytes(out)
-
-    def closed(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-
-
 def put_args(keys: list[bytes]) -> dict[str, object]:
     return {"ns_id": SPEC.ns_id, "keys": keys}
 
@@ -258,7 +215,7 @@ def test_a_payload_cut_short_stores_nothing_and_releases_its_pages(daemon: Daemo
     with client(daemon):
         pass  # the namespace registered
     keys = make_keys(3, tag="cut")
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.op(1, "put", put_args(keys), payload(keys)[:-100], announced=len(payload(keys)))
     raw.sock.close()  # EOF with 100 bytes of the last chunk missing
     wait_until(lambda: reserved_pages(daemon) == 0, timeout=30)
@@ -272,7 +229,7 @@ def test_refused_requests_keep_the_stream_in_step(daemon: DaemonProc) -> None:
         pass
     keys = make_keys(2, tag="instep")
     body = payload(keys)
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.sock.sendall(  # a header that is not msgpack, with a payload to drop
         wire_stream.REQUEST_HEAD.pack(wire_stream.OP_MAGIC, 1, 0, 3)
         + wire_stream.OP_PAYLOAD.pack(len(body)) + b"\xc1\xc1\xc1" + body
@@ -318,7 +275,7 @@ def test_refused_requests_keep_the_stream_in_step(daemon: DaemonProc) -> None:
 def test_unframeable_requests_get_an_error_and_the_connection_closes(
     daemon: DaemonProc, first: bytes
 ) -> None:
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.sock.sendall(first)
     rid, err = raw.error()
     assert rid == 0 and err.code in ("invalid_argument", "unsupported_version")
@@ -330,7 +287,7 @@ def test_unframeable_requests_get_an_error_and_the_connection_closes(
 @pytest.mark.parametrize("token", ["wrong-token-0123456789", ""])
 def test_a_wrong_or_missing_token_is_refused_before_any_op(daemon: DaemonProc, token: str) -> None:
     keys = make_keys(1, tag=f"token-{token}")
-    raw = Raw(daemon, token)
+    raw = RawStream(daemon, token)
     raw.op(1, "put", put_args(keys), payload(keys))
     rid, err = raw.error()
     assert rid == 0 and err.code == "unauthenticated"
@@ -351,7 +308,7 @@ def test_junk_after_an_op_head_never_stores_a_partial_chunk(
     keys = make_keys(1, tag=f"junk-{junk.hex()[:40]}-{cut}")
     request = wire_stream.encode_op_request(1, "put", put_args(keys), None, len(payload(keys)))
     data = (request + payload(keys))[: len(request) + cut] + junk
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.sock.sendall(data)
     raw.sock.shutdown(socket.SHUT_WR)
     while raw.sock.recv(1 << 16):

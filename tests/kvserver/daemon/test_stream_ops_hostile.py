@@ -15,13 +15,13 @@ import termios
 import time
 from collections.abc import Iterator
 
-import msgpack
 import pytest
 
 from kvserver import wire, wire_stream
 from kvserver.client import AsyncKVClient, KVClient
 from kvserver.errors import UnknownKey, UnknownNamespace
 from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.daemon.stream_conn import RawStream
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
 
 pytestmark = pytest.mark.multiprocess
@@ -71,54 +71,6 @@ def stats(d: DaemonProc) -> dict[str, object]:
         return dict(kv.stats())
 
 
-class Raw:
-    """A raw connection to the stream port, past its hello."""
-
-    def __init__(self, d: DaemonProc, token: str = TOKEN, *, rcvbuf: int = 0) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if rcvbuf:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        self.sock.settimeout(60)
-        self.sock.connect(("127.0.0.1", d.info["peer_stream_port"]))
-        self.sock.sendall(wire_stream.encode_hello(token))
-
-    def op(self, rid: int, op: str, args: dict[str, object], body: bytes = b"", *,
-           announced: int | None = None, client: str | None = None) -> None:  # fmt: skip
-        size = len(body) if announced is None else announced
-        self.sock.sendall(wire_stream.encode_op_request(rid, op, args, client, size) + body)
-
-    def head(self) -> wire_stream.ReplyHead:
-        return wire_stream.decode_reply_head(self.recv(wire_stream.REPLY_HEAD.size), results=True)
-
-    def reply(self) -> tuple[wire_stream.ReplyHead, bytes]:
-        head = self.head()
-        size = head.count if not head.ok else head.count * head.tp * head.part_bytes
-        return head, self.recv(size)
-
-    def result(self, rid: int) -> dict[str, object]:
-        head, body = self.reply()
-        assert head.request_id == rid
-        assert head.result, wire_stream.decode_error(body)
-        return dict(msgpack.unpackb(body))
-
-    def recv(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            got = self.sock.recv(n - len(out))
-            assert got, "closed"
-            out += got
-        return bytes(out)
-
-    def closed(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except (ConnectionResetError, TimeoutError):
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def _queued(sock: socket.socket) -> int:
     """Bytes in ``sock``'s send queue (the daemon is not reading them)."""
     return int.from_bytes(fcntl.ioctl(sock, termios.TIOCOUTQ, bytes(4)), "little")
@@ -152,7 +104,7 @@ def test_a_put_being_received_cannot_be_released_by_its_client(daemon: DaemonPro
     written and the put completes whole."""
     keys, others = make_keys(4, tag="release-a"), make_keys(4, tag="release-b")
     body = payload(keys)
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.op(1, "put", args_of(keys), body[: len(body) // 2], announced=len(body), client="victim")
     wait_until(lambda: reserving(daemon), timeout=30)
     with admin(daemon, client_id="victim") as kv:
@@ -182,7 +134,7 @@ def test_stalled_puts_holding_dram_are_bounded_rolled_back_and_others_stay_serve
     raws = []
     try:
         for keys in batches:
-            raw = Raw(daemon)
+            raw = RawStream(daemon, TOKEN)
             raw.op(1, "put", args_of(keys), b"", announced=len(payload(keys)))
             raws.append(raw)
         wait_until(lambda: reserved_bytes(daemon) == budget, timeout=30)
@@ -210,7 +162,7 @@ def test_a_get_of_keys_a_stream_put_is_writing_never_sees_them_half_written(
 ) -> None:
     keys = make_keys(3, tag="half-read")
     body = payload(keys)
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.op(1, "put", args_of(keys), body[: len(body) - 10], announced=len(body))
     wait_until(lambda: reserving(daemon), timeout=30)
     with admin(daemon, stream=True) as kv:
@@ -229,7 +181,7 @@ def test_two_puts_of_one_key_at_once_store_one_whole_copy(daemon: DaemonProc) ->
     not ``stored`` twice); the key ends up with the first put's bytes, whole."""
     keys = make_keys(2, tag="twice")
     first, second = payload(keys), payload(keys, 1)
-    a, b = Raw(daemon), Raw(daemon)
+    a, b = RawStream(daemon, TOKEN), RawStream(daemon, TOKEN)
     a.op(1, "put", args_of(keys), first[:-1], announced=len(first))
     wait_until(lambda: reserving(daemon), timeout=30)
     b.op(1, "put", args_of(keys), second)
@@ -253,7 +205,7 @@ def test_a_client_leaving_mid_get_reply_ends_its_pins(daemon: DaemonProc, closes
             window = keys[i : i + PER_PUT]
             assert kv.put(SPEC.ns_id, window, parts_of(window)).stored == window
     sent = stats(daemon)["peer_stream"]["sent_chunks"]  # type: ignore[index]
-    raw = Raw(daemon, rcvbuf=4096)
+    raw = RawStream(daemon, TOKEN, rcvbuf=4096)
     try:
         raw.op(1, "get", args_of(keys))
         assert raw.head().ok
@@ -268,7 +220,7 @@ def test_a_client_leaving_mid_get_reply_ends_its_pins(daemon: DaemonProc, closes
 
 def test_pipelined_requests_on_one_connection_are_answered_in_order(daemon: DaemonProc) -> None:
     keys = make_keys(2, tag="pipeline")
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     raw.op(1, "put", args_of(keys), payload(keys))
     raw.op(2, "get", args_of(keys))
     raw.op(3, "get", args_of([b"\x02" * 32]))
@@ -293,7 +245,7 @@ def test_a_tenant_cannot_put_into_a_namespace_it_does_not_see(daemon: DaemonProc
     """A tenant's put whose header names another model's namespace: answered as if the
     namespace were not registered, nothing reserved or stored, the stream in step."""
     keys = make_keys(2, tag="foreign")
-    raw = Raw(daemon, OTHER)
+    raw = RawStream(daemon, OTHER)
     raw.op(1, "put", args_of(keys), payload(keys))
     head, body = raw.reply()
     assert head.request_id == 1 and isinstance(wire_stream.decode_error(body), UnknownNamespace)
@@ -335,7 +287,7 @@ def test_a_put_arriving_slowly_but_steadily_is_taken(daemon: DaemonProc, stored:
     timeout with bytes unread is progress, not a silent client."""
     keys = make_keys(PER_PUT, tag=f"slow-{stored}")
     body = payload(keys)
-    raw = Raw(daemon)
+    raw = RawStream(daemon, TOKEN)
     if not stored:  # refused (a key named twice): its payload is read and dropped
         raw.op(1, "put", args_of([keys[0], *keys[:-1]]), b"", announced=len(body))
     else:
