@@ -108,6 +108,8 @@ class AioTransport:
         self._local: AioLocalLink | None = None
         self._use_local = local
         self._local_refused: str | None = None
+        #: close() was called: no request is sent, no link opened again
+        self._closed = False
         self._slots: dict[int, AioSlot] = {}
         self._readers: dict[object, asyncio.Task[None]] = {}
         #: the DEALER's connection broke with requests outstanding (see _fail_if_broken).
@@ -158,6 +160,7 @@ class AioTransport:
         self._broken = False
 
     async def close(self, why: str) -> None:
+        self._closed = True
         tasks = list(self._readers.values())
         self.drop(why)
         for task in tasks:
@@ -247,7 +250,10 @@ class AioTransport:
         self._fail_outstanding(LOST)
 
     async def send(self, call: Call, timeout: float) -> AioSlot:
-        """Send ``call`` without waiting for its reply; the reply will land in the slot."""
+        """Send ``call`` without waiting for its reply; the reply will land in the slot.
+        Unavailable once the transport is closed (a socket opened then would never be)."""
+        if self._closed:
+            raise Unavailable(f"the client of {self._s.address} was closed", op=call.op)
         async with self._send_lock:  # requests leave in the order they were sent
             if self._local is None and self._use_local and not self._slots:
                 await self._connect_local(timeout)

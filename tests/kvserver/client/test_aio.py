@@ -114,6 +114,22 @@ async def test_async_local_channel_lost_with_requests_outstanding(tmp_path: Path
         d.kill()
 
 
+@pytest.mark.multiprocess
+@TRANSPORTS
+async def test_a_closed_async_client_refuses_calls_and_opens_no_socket(
+    daemon: DaemonProc, colocated: bool | None
+) -> None:
+    """A call on a closed AsyncKVClient (e.g. a stream call's fallback to ZMQ after close())
+    raises Unavailable; it used to open a new DEALER and its monitor, which nothing would
+    close (pytest reported them unclosed in a later test)."""
+    kv = AsyncKVClient(daemon.zmq_address, colocated=colocated)
+    await kv.hello()
+    await kv.close()
+    with pytest.raises(Unavailable, match="was closed"):
+        await kv.lookup(SPEC.ns_id, make_keys(1, tag="closed"))
+    assert kv._t._zmq is None and kv._t._local is None
+
+
 def test_both_clients_have_the_same_operations() -> None:
     """One definition: every public operation of one client is one of the other, with the
     same parameters (the async one's as coroutines)."""
