@@ -199,14 +199,15 @@ def _lost_window(exc: UnknownKey, windows: int) -> str:
     if windows < 2:
         return f"the get missed a key its put had just stored: {exc}"
     return (
-        f"the get missed a key its put had just stored ({exc}). The put went as {windows} "
-        f"windows of at most {_fmt_size(PUT_WINDOW_BYTES)} (a store request each) and the "
-        f"daemon's eviction policy took an earlier window's chunks to make room for a later "
-        f"one's. ARC (--policy arc) does so by design once DRAM is full: the put's chunks "
-        f"are new (its T1, seen once), every earlier batch was loaded (T2, seen twice), and "
-        f"with no ghost hit T1's target stays 0, so T1 is evicted first. Run --policy chain "
-        f"(the daemon's default), lru or prefix, or --batch {_fmt_size(PUT_WINDOW_BYTES)} "
-        f"(one window per put)"
+        f"the get missed a key its put had just stored ({exc}). The put went over ZMQ "
+        f"(--no-stream) as {windows} windows of at most {_fmt_size(PUT_WINDOW_BYTES)} "
+        "(a store request each) and the daemon's eviction policy took an earlier window's "
+        "chunks to make room for a later one's. ARC (--policy arc) does so by design once "
+        "DRAM is full: the put's chunks are new (its T1, seen once), every earlier batch was "
+        "loaded (T2, seen twice), and with no ghost hit T1's target stays 0, so T1 is evicted "
+        "first. Run --policy chain (the daemon's default), lru or prefix, --batch "
+        f"{_fmt_size(PUT_WINDOW_BYTES)} (one window per put), or the stream port (no "
+        "--no-stream: a put is one request)"
     )
 
 
@@ -440,7 +441,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--policy",
         default=DEFAULT_POLICY,
         help=f"DRAM eviction policy of our daemon (default {DEFAULT_POLICY}, the daemon's; "
-        "arc cannot run a put of several windows, see --batch)",
+        "arc with --no-stream cannot run a put of several windows, see --batch)",
     )
     add(
         "--no-stream",

@@ -75,7 +75,8 @@ class StreamFailed(Exception):
 
 class NotHere(Exception):
     """This request is not for the stream (a put over the daemon's ``max_message_bytes``,
-    which ZMQ carries in windows): send it over ZMQ; the link stays open."""
+    which ZMQ carries in windows, or one the daemon answered ``capacity``: its stream puts in
+    flight hold their share of DRAM): send it over ZMQ; the link stays open."""
 
 
 def stream_address(s: Session, tls: bool = False) -> tuple[str, int] | None:
@@ -173,7 +174,10 @@ class StreamLink:
         if size > self.max_payload:  # the daemon would refuse it and close: ZMQ's windows
             raise NotHere
         args = {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
-        body = self._exchange(wire.PUT, args, client, payload, size, timeout, result=True)
+        try:
+            body = self._exchange(wire.PUT, args, client, payload, size, timeout, result=True)
+        except CapacityError:  # the stream's puts in flight hold their share of DRAM
+            raise NotHere from None
         r = wire_stream.decode_result(body)
         return PutResult(r["stored"], r["present"], r["filtered"], r["rejected"])
 
@@ -368,8 +372,9 @@ class StreamUse:
     restart or its idle timeout, is replaced at the next call instead), a put is larger
     than the daemon's ``max_message_bytes``, or the daemon answered ``unknown_namespace`` /
     ``unauthenticated`` (the ZMQ path renews the session and retries as it does for its own
-    requests) or ``capacity`` (its stream puts in flight already hold their share of DRAM).
-    Other error replies are raised."""
+    requests), or a put was answered ``capacity`` (the daemon's stream puts in flight already
+    hold their share of DRAM; a get's ``capacity`` is raised, as over ZMQ). Other error
+    replies are raised."""
 
     def __init__(self, enabled: bool, tls: ssl.SSLContext | None = None) -> None:
         self.enabled = enabled
@@ -415,7 +420,7 @@ class StreamUse:
             if not (exc.closed and link is not None and link.used):  # not just a stale link
                 self._retry_at = time.monotonic() + RETRY_S
             return None
-        except (UnknownNamespace, Unauthenticated, CapacityError):
+        except (UnknownNamespace, Unauthenticated):
             return None
 
     async def call_async(
