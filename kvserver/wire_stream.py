@@ -353,6 +353,18 @@ WAKE_BYTES = 4 << 20
 TAIL_WAKE_BYTES = 1 << 20
 
 
+def advance(views: list[memoryview], i: int, moved: int) -> int:
+    """After one scattering ``sendmsg`` / ``recvmsg_into`` moved ``moved`` bytes of
+    ``views[i:]``: the index of the first view not all moved, that view cut to its rest in
+    place (both ends of the stream, and the client's)."""
+    while i < len(views) and moved >= views[i].nbytes:
+        moved -= views[i].nbytes
+        i += 1
+    if moved:
+        views[i] = views[i][moved:]
+    return i
+
+
 def wake_at(left: int, wake: int) -> int:
     """The unread bytes a receive waits for when ``left`` bytes of a transfer are still to
     come and the socket's bound is ``wake`` (:data:`WAKE_BYTES`, or the kernel's cap on

@@ -296,11 +296,7 @@ class StreamLink:
         while i < len(todo):
             _bound(sock, deadline)
             sent = sock.sendmsg(todo[i : i + IOV_MAX])
-            while i < len(todo) and sent >= todo[i].nbytes:
-                sent -= todo[i].nbytes
-                i += 1
-            if sent:
-                todo[i] = todo[i][sent:]
+            i = wire_stream.advance(todo, i, sent)
 
     def _recv(self, view: memoryview, deadline: float, *, wake: bool = False) -> None:
         """Fill ``view`` (StreamFailed on EOF or past ``deadline``). ``wake`` (a payload, on a

@@ -128,11 +128,7 @@ class PlainIO:
                 if got == 0:
                     raise Closed
                 left -= got
-                while i < len(todo) and got >= todo[i].nbytes:
-                    got -= todo[i].nbytes
-                    i += 1
-                if got:
-                    todo[i] = todo[i][got:]
+                i = wire_stream.advance(todo, i, got)
         except (TimeoutError, OSError):
             raise Closed from None
         finally:

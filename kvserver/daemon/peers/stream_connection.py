@@ -319,11 +319,7 @@ class StreamConnection:
             if got == 0:
                 raise self._failed("peer closed the stream mid-reply", timed_out=True)
             left -= got
-            while i < len(todo) and got >= todo[i].nbytes:
-                got -= todo[i].nbytes
-                i += 1
-            if got:
-                todo[i] = todo[i][got:]
+            i = wire_stream.advance(todo, i, got)
 
     def _recv_tls(self, views: Sequence[memoryview], deadline: float) -> None:
         sock = self.sock
