@@ -9,6 +9,7 @@ benchmarks/ first)::
     PYTHONPATH=TREE python -m benchmarks.round_instructions [--policies prefix chain lru]
         [--chunks 256] [--reps 20]
     PYTHONPATH=TREE python -m benchmarks.round_instructions --wall     # no valgrind: µs/step
+    PYTHONPATH=TREE python -m benchmarks.round_instructions --wall --cold
 
 The geometry is the bench's (``bench_daemon``, ``colocated_instructions``): DRAM 256 MiB of
 64 KiB pages, chunks of one 256 KiB part, 256 new keys per batch (64 MiB), so after the warm-up
@@ -19,6 +20,11 @@ round is ``prepare_store``, ``complete_store`` (the whole lease), ``prepare_load
 mean of its dumps less an empty step's (two dumps back to back: what a dump itself costs).
 One process per policy. Prints
 instructions per step and per chunk. Needs valgrind; ~1 minute per policy.
+
+``--wall --cold`` copies 96 MiB (more than this machine's 32 MiB L3) before every step, as the
+bench's client does between the daemon's requests (64 MiB of parts written, then read): the
+engine then finds none of its dicts and records in the caches, and its time per step is what
+the daemon's requests cost in the bench, where the warm figure is what instructions alone cost.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.harness.callgrind import dump, dump_name, run_measured
@@ -36,6 +43,8 @@ STEPS = ("prepare_store", "complete_store", "prepare_load", "complete_load")
 PART_BYTES = 256 << 10
 DRAM_BYTES = 256 << 20
 WARMUP_ROUNDS = 8
+#: what ``--cold`` copies before each step: more than the last-level cache (32 MiB here)
+COLD_BYTES = 96 << 20
 
 
 def main() -> None:
@@ -44,16 +53,22 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=256, help="keys per batch (default 256)")
     parser.add_argument("--reps", type=int, default=20, help="measured rounds (default 20)")
     parser.add_argument("--wall", action="store_true", help="no valgrind: wall µs per step")
+    parser.add_argument("--cold", action="store_true",
+                        help=f"with --wall: copy {COLD_BYTES >> 20} MiB before each step (caches "
+                             "flushed, as the bench's copies do)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="callgrind files here (default: a temp dir)")
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reps < 1 or not 0 < args.chunks * PART_BYTES <= DRAM_BYTES // 2:
         parser.error("--reps must be >= 1 and --chunks * 256 KiB at most half of 256 MiB")
+    if args.cold and not args.wall:
+        parser.error("--cold needs --wall (under callgrind a cache miss costs no instruction)")
     if args.wall:
         for policy in args.policies:
-            seconds = run_rounds(policy, args.chunks, args.reps, None)
+            seconds = run_rounds(policy, args.chunks, args.reps, None, cold=args.cold)
             row = "  ".join(f"{s} {seconds[s] / args.reps * 1e6:8.1f}" for s in STEPS)
-            print(f"{policy:8s} µs/step: {row}")
+            total = sum(seconds.values()) / args.reps * 1e6
+            print(f"{policy:8s} µs/step{' (cold)' if args.cold else ''}: {row}  round {total:8.1f}")
         return
     base = args.out or Path(tempfile.mkdtemp(prefix="kvserver-callgrind-"))
     if args.measured:
@@ -74,10 +89,12 @@ def main() -> None:
         print(f"{policy:8s} {row}")
 
 
-def run_rounds(policy: str, chunks: int, reps: int, out: Path | None) -> dict[str, float]:
+def run_rounds(
+    policy: str, chunks: int, reps: int, out: Path | None, *, cold: bool = False
+) -> dict[str, float]:
     """Warm up, then run ``reps`` rounds, with ``out`` (under callgrind) a dump after each step
     and an empty one after each round (what a dump costs); returns the wall seconds per step
-    (summed over the rounds)."""
+    (summed over the rounds). ``cold``: :data:`COLD_BYTES` copied before each step, untimed."""
     from kvserver.daemon.service import KVService
     from kvserver.engine.types import EngineConfig
     from kvserver.namespace import NamespaceSpec
@@ -114,6 +131,7 @@ def run_rounds(policy: str, chunks: int, reps: int, out: Path | None) -> dict[st
         engine.complete_load(leases[1])
 
     steps = (prepare_store, complete_store, prepare_load, complete_load)
+    flush = cold_flush(COLD_BYTES) if cold else None
     for _ in range(WARMUP_ROUNDS):
         keys[:] = new_keys()
         for fn in steps:
@@ -122,6 +140,8 @@ def run_rounds(policy: str, chunks: int, reps: int, out: Path | None) -> dict[st
     for _ in range(reps):
         keys[:] = new_keys()
         for index, fn in enumerate(steps):
+            if flush is not None:
+                flush()
             start = time.perf_counter()
             fn()
             seconds[STEPS[index]] += time.perf_counter() - start
@@ -129,6 +149,17 @@ def run_rounds(policy: str, chunks: int, reps: int, out: Path | None) -> dict[st
         dump(out, dump_name(len(STEPS), 1))  # an empty step: what a dump itself costs
     service.close()
     return seconds
+
+
+def cold_flush(nbytes: int) -> Callable[[], None]:
+    """A call that copies ``nbytes`` (evicting what the caches held, as the bench's copies do
+    between the daemon's requests)."""
+    source, target = bytes(nbytes), bytearray(nbytes)
+
+    def flush() -> None:
+        target[:] = source
+
+    return flush
 
 
 def step_means(out: Path, kinds: int) -> list[float]:
