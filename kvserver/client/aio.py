@@ -81,8 +81,10 @@ class AsyncKVClient(ClientBase):
     channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
     ``max_frame_bytes`` > 0: the largest reply frame taken over ZMQ; the daemon (a peer, for
     a daemon's network tier) sending a larger one loses the connection before its bytes are
-    received, and the requests outstanding on it fail with Unavailable. ``stream``: as
-    ``KVClient``'s (its calls run in a worker thread, one at a time)."""
+    received, and the requests outstanding on it fail with Unavailable; over the stream, a
+    get's reply announcing larger parts of a namespace the client does not know is refused
+    (InvalidArgument). ``stream``: as ``KVClient``'s (its calls run in a worker thread, one
+    at a time)."""
 
     _t: AioTransport
 
@@ -106,7 +108,7 @@ class AsyncKVClient(ClientBase):
         )
         self._t = AioTransport(self._s, local=local, max_frame_bytes=max_frame_bytes)
         self._renew_lock = asyncio.Lock()
-        self._stream = StreamUse(stream, stream_tls)
+        self._stream = StreamUse(stream, stream_tls, max_frame_bytes)
         #: completions sent without waiting, their replies not collected yet (oldest first).
         self._nowait: list[asyncio.Task[Any]] = []
 

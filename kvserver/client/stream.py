@@ -49,6 +49,7 @@ from kvserver.client.common import Session
 from kvserver.client.parts import Parts, flatten_parts
 from kvserver.errors import (
     CapacityError,
+    InvalidArgument,
     KVServerError,
     Unauthenticated,
     Unavailable,
@@ -60,17 +61,26 @@ from kvserver.namespace import NamespaceSpec
 IOV_MAX = 1024
 #: after the stream failed, requests go over ZMQ for this long before it is tried again.
 RETRY_S = 30.0
+#: a get whose geometry the client does not know is received into buffers of this size (or
+#: of one part, when larger), each allocated once the one before it is full.
+SEGMENT_BYTES = 64 << 20
 
 T = TypeVar("T")
 
 
 class StreamFailed(Exception):
     """The stream connection cannot be used (see the module docstring): send over ZMQ.
-    ``closed``: the daemon had closed or reset it (not a timeout, not a refusal)."""
+    ``closed``: the daemon had closed or reset it (not a timeout, not a refusal).
+    ``error``: the daemon's reply broke its request's bounds (:func:`check_get_head`): the
+    link is closed all the same, but ``error`` is raised to the caller, as the ZMQ path
+    raises for a reply larger than its request may bring back (not sent again over ZMQ)."""
 
-    def __init__(self, message: str, *, closed: bool = False) -> None:
+    def __init__(
+        self, message: str, *, closed: bool = False, error: KVServerError | None = None
+    ) -> None:
         super().__init__(message)
         self.closed = closed
+        self.error = error
 
 
 class NotHere(Exception):
@@ -100,12 +110,18 @@ def stream_address(s: Session, tls: bool = False) -> tuple[str, int] | None:
 class StreamLink:
     """One connection to a daemon's stream port; see the module docstring."""
 
-    def __init__(self, sock: socket.socket, sid: str | None, max_payload: int = 1 << 30) -> None:
+    def __init__(
+        self, sock: socket.socket, sid: str | None, max_payload: int = 1 << 30, max_part: int = 0
+    ) -> None:
         self._sock = sock
         #: the daemon session it was opened in (a new ``sid``: open another)
         self.sid = sid
         #: the largest put payload the daemon takes (its ``max_message_bytes``)
         self.max_payload = max_payload
+        #: the largest part a get's reply may announce when the namespace is not known:
+        #: ``max_part`` (the client's own bound, ``max_frame_bytes``) when > 0 and smaller,
+        #: else ``max_payload``
+        self.max_part = min(max_payload, max_part) if max_part > 0 else max_payload
         #: a reply has come back on it (a link found closed later went stale: the daemon
         #: restarted, or closed it after its idle time)
         self.used = False
@@ -120,6 +136,7 @@ class StreamLink:
         sid: str | None,
         tls: ssl.SSLContext | None = None,
         max_payload: int = 1 << 30,
+        max_part: int = 0,
     ) -> StreamLink:
         """Connect (with ``tls``: the TLS handshake, the daemon's certificate checked
         against the context's CA and the address's host), then send the hello. Raises
@@ -136,7 +153,7 @@ class StreamLink:
         except OSError as exc:  # ssl.SSLError: a certificate refused, a plain server
             sock.close()
             raise StreamFailed(f"stream TLS handshake failed: {exc}") from None
-        link = cls(sock, sid, max_payload)
+        link = cls(sock, sid, max_payload, max_part)
         try:
             link._send([memoryview(wire_stream.encode_hello(token))], deadline)
         except (OSError, KVServerError) as exc:
@@ -191,29 +208,33 @@ class StreamLink:
         timeout: float,
     ) -> list[list[memoryview]]:
         """``get`` of every key (each must be ready): ``result[i][j]`` is rank ``ranks[j]``'s
-        part of ``keys[i]``, views of one buffer received straight from the socket.
-        ``part_bytes`` / ``tp``: the namespace's when known (the reply's head is checked
-        against them). Raises the daemon's error, or StreamFailed."""
+        part of ``keys[i]``, views of the buffers received straight from the socket.
+        ``part_bytes`` / ``tp``: the namespace's when known. The reply's head is checked
+        before anything is allocated (:func:`check_get_head`); one that breaks the request's
+        bounds raises StreamFailed carrying InvalidArgument (the link closed, the error raised
+        to the caller). With the geometry known the payload is received into one buffer (its
+        size the client's own: ``len(keys)`` x ranks x ``part_bytes``); without it, into
+        buffers of at most :data:`SEGMENT_BYTES` (or one part) allocated as the bytes before
+        them arrive, so a head announcing more than the daemon sends costs at most one.
+        Raises the daemon's error, or StreamFailed."""
         args = {"ns_id": ns_id, "keys": list(keys), "ranks": list(ranks) if ranks else None}
         per_key = len(ranks) if ranks else tp
         deadline = time.monotonic() + timeout
         head = self._request(wire.GET, args, None, [], 0, deadline)
-        if head.result:
-            raise StreamFailed("stream get answered with a result reply")
-        if (
-            head.count != len(keys)
-            or (per_key is not None and head.tp != per_key)
-            or (part_bytes is not None and head.part_bytes != part_bytes)
-        ):
-            raise StreamFailed("stream get reply of the wrong number or shape of parts")
+        problem = check_get_head(head, len(keys), per_key, part_bytes, self.max_part)
+        if problem is not None:
+            raise StreamFailed(f"stream get: {problem.message}", error=problem)
         size, per = head.part_bytes, head.tp
-        buf = np.empty(head.count * per * size, dtype=np.uint8).data.cast("B")
+        total = head.count * per
+        step = total if per_key is not None and part_bytes is not None else _segment(size)
+        parts: list[memoryview] = []
         with _outstanding(wire.GET):
-            self._recv(buf, deadline, wake=True)
-        return [
-            [buf[(i * per + j) * size : (i * per + j + 1) * size] for j in range(per)]
-            for i in range(head.count)
-        ]
+            for first in range(0, total, step):
+                n = min(step, total - first)
+                buf = np.empty(n * size, dtype=np.uint8).data.cast("B")
+                self._recv(buf, deadline, wake=True)
+                parts.extend(buf[j * size : (j + 1) * size] for j in range(n))
+        return [parts[i * per : (i + 1) * per] for i in range(head.count)]
 
     # ------------------------------------------------------------------ bytes
 
@@ -334,6 +355,41 @@ def _outstanding(op: str) -> Iterator[None]:
                           "with it is unknown)") from None  # fmt: skip
 
 
+def check_get_head(
+    head: wire_stream.ReplyHead,
+    keys: int,
+    per_key: int | None,
+    part_bytes: int | None,
+    max_part: int,
+) -> InvalidArgument | None:
+    """What is wrong with ``head`` as the ok reply to a get of ``keys`` keys (None: nothing),
+    decided before anything is allocated: it carries exactly ``keys`` chunks of ``per_key``
+    parts (the ranks asked for, else the namespace's TP world size, when known; else at
+    least one) of ``part_bytes`` (the namespace's, when known; else 1 .. ``max_part``: the
+    daemon's ``max_message_bytes``, or the client's own bound when smaller)."""
+    if head.result:
+        return InvalidArgument("a get answered with a result reply")
+    if head.count != keys:
+        return InvalidArgument("get reply carries another number of chunks than keys asked",
+                               chunks=head.count, keys=keys)  # fmt: skip
+    if (head.tp != per_key) if per_key is not None else head.tp < 1:
+        return InvalidArgument("get reply carries another number of parts per chunk than asked",
+                               tp=head.tp, asked=per_key)  # fmt: skip
+    if part_bytes is not None:
+        if head.part_bytes != part_bytes:
+            return InvalidArgument("get reply parts are not the namespace's size",
+                                   size=head.part_bytes, part_bytes=part_bytes)  # fmt: skip
+    elif not 1 <= head.part_bytes <= max_part:
+        return InvalidArgument("get reply announces parts larger than the client takes",
+                               size=head.part_bytes, max=max_part)  # fmt: skip
+    return None
+
+
+def _segment(part_bytes: int) -> int:
+    """Parts per receive buffer when the geometry is not known (:data:`SEGMENT_BYTES`)."""
+    return max(1, SEGMENT_BYTES // part_bytes)
+
+
 def _bound(sock: socket.socket, deadline: float) -> None:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -351,7 +407,7 @@ def get_call(
 ) -> Callable[[StreamLink], list[list[memoryview]]]:
     """A client's ``get`` as a call on the link (both clients' :meth:`StreamUse.call`): the
     reply's head checked against the namespace's geometry when ``spec`` or the session knows
-    it."""
+    it, else against the link's bound on a part (:meth:`StreamLink.get`)."""
     known = spec or s.specs.get(ns_id)
     size, tp = (known.part_bytes, known.tp_world_size) if known else (None, None)
     return lambda link: link.get(ns_id, keys, ranks, size, tp, timeout)
@@ -370,11 +426,17 @@ class StreamUse:
     ``unauthenticated`` (the ZMQ path renews the session and retries as it does for its own
     requests), or a put was answered ``capacity`` (the daemon's stream puts in flight already
     hold their share of DRAM; a get's ``capacity`` is raised, as over ZMQ). Other error
-    replies are raised."""
+    replies are raised, and so is a reply that breaks its request's bounds (InvalidArgument,
+    :func:`check_get_head`), the link closed and the stream not tried for :data:`RETRY_S`.
+    ``max_frame_bytes`` > 0: the client's own bound on a part it receives (``AsyncKVClient``'s,
+    as over ZMQ)."""
 
-    def __init__(self, enabled: bool, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, enabled: bool, tls: ssl.SSLContext | None = None, max_frame_bytes: int = 0
+    ) -> None:
         self.enabled = enabled
         self._tls = tls
+        self._max_part = max_frame_bytes
         self._link: StreamLink | None = None
         self._retry_at = 0.0
         self._lock: asyncio.Lock | None = None
@@ -406,7 +468,7 @@ class StreamUse:
                 limit = s.server.get("max_message_bytes")
                 link = self._link = StreamLink.open(
                     address, s.token(), timeout, s.sid, self._tls,
-                    limit if type(limit) is int else 1 << 30,
+                    limit if type(limit) is int and limit > 0 else 1 << 30, self._max_part,
                 )  # fmt: skip
             return fn(link)
         except NotHere:
@@ -415,6 +477,8 @@ class StreamUse:
             self.close()
             if not (exc.closed and link is not None and link.used):  # not just a stale link
                 self._retry_at = time.monotonic() + RETRY_S
+            if exc.error is not None:
+                raise exc.error from None
             return None
         except (UnknownNamespace, Unauthenticated):
             return None
