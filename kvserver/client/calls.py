@@ -29,6 +29,7 @@ from kvserver.arena import ArenaView
 from kvserver.client.parts import (
     Parts,
     check_copied_in_time,
+    check_grant_extents,
     check_live,
     flatten_parts,
     readinto_part,
@@ -376,6 +377,10 @@ class SessionCalls:
         arena = self.arena
         grant = yield from self.prepare_load(ns_id, keys, None)
         try:
+            if len(grant.locations) != len(keys):  # it pins every key asked, in order
+                raise InvalidArgument("load grant of another number of keys than asked",
+                                      keys=len(keys), granted=len(grant.locations))  # fmt: skip
+            check_grant_extents(arena, grant.locations)  # before a buffer is sized from them
             check_live(grant.lease_id, grant.deadline)  # a stalled client does not start late
             out: list[list[memoryview]] = []
             for extents in grant.locations:

@@ -25,6 +25,7 @@ from kvserver.client.common import Session
 from kvserver.client.parts import (
     Parts,
     check_copied_in_time,
+    check_extents,
     check_live,
     readinto_part,
     write_part,
@@ -79,11 +80,14 @@ class ClientBase:
         """Copy one part out of the mapped arena. REQUIRES: a live load grant's extents.
         ``grant`` (the grant they are from): its deadline is checked before (nothing read)
         and after the copy (LeaseExpired, the bytes dropped: the daemon may have handed the
-        pages to another key once it passed)."""
+        pages to another key once it passed). Extents outside the mapped arena raise
+        InvalidArgument (``parts.check_extents``), nothing read."""
+        arena = self._s.mapped()
+        check_extents(arena, extents)
         if grant is None:
-            return self._s.mapped().read(extents)
+            return arena.read(extents)
         check_live(grant.lease_id, grant.deadline)
-        data = self._s.mapped().read(extents)
+        data = arena.read(extents)
         check_copied_in_time(grant.lease_id, grant.deadline)
         return data
 

@@ -54,31 +54,75 @@ def check_copied_in_time(lease_id: int, deadline: float) -> None:
         )
 
 
+def check_extents(arena: ArenaView, extents: Extents) -> int:
+    """The bytes of one part's ``extents`` (a grant's, from the daemon): each ``(offset,
+    length)`` integers inside the mapped arena, in total at most its size (a part's pages are
+    distinct pages of it). Raises InvalidArgument otherwise, before anything is copied or
+    allocated: a memoryview slice past the arena's end is silently shorter, and a negative
+    offset counts from its end (another key's pages)."""
+    size, total = arena.size, 0
+    for offset, length in extents:
+        if not _inside(size, offset, length):
+            raise InvalidArgument("grant extent outside the mapped arena", offset=offset,
+                                  length=length, arena_bytes=size)  # fmt: skip
+        total += length
+    if total > size:
+        raise InvalidArgument("grant part larger than the mapped arena", size=total,
+                              arena_bytes=size)  # fmt: skip
+    return total
+
+
+def check_grant_extents(arena: ArenaView, locations: Sequence[Sequence[Extents]]) -> None:
+    """:func:`check_extents` of every part of a grant, and their total at most the arena's
+    size (every part the grant names is in the arena at once, on pages of its own). Raises
+    InvalidArgument."""
+    size, total = arena.size, 0
+    for row in locations:
+        for extents in row:
+            total += check_extents(arena, extents)
+    if total > size:
+        raise InvalidArgument("grant parts larger than the mapped arena", size=total,
+                              arena_bytes=size)  # fmt: skip
+
+
+def _inside(size: int, offset: Any, length: Any) -> bool:
+    return (
+        type(offset) is int and type(length) is int and 0 <= offset and 0 <= length <= size - offset
+    )
+
+
 def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:
     """Copy one part into the arena: a one-extent part of bytes-like ``data`` is one slice
     assignment (one memcpy, as the memcpy reference does); anything else (several extents,
-    other formats, a wrong size: ``ArenaView.write`` says what) takes the checked path."""
+    other formats, a wrong size: ``ArenaView.write`` says what) takes the checked path.
+    Extents outside the arena (:func:`check_extents`) raise InvalidArgument, nothing
+    written."""
     if len(extents) == 1:
         offset, length = extents[0]
-        try:
-            arena.buf[offset : offset + length] = data
-            return
-        except (TypeError, ValueError):  # not a byte buffer of exactly this length
-            pass
+        if _inside(arena.size, offset, length):
+            try:
+                arena.buf[offset : offset + length] = data
+                return
+            except (TypeError, ValueError):  # not a byte buffer of exactly this length
+                pass
+    check_extents(arena, extents)
     arena.write(extents, data)
 
 
 def readinto_part(arena: ArenaView, extents: Extents, out: bytearray | memoryview) -> None:
     """Copy one part out of the arena into ``out`` (exactly its size); one slice assignment
-    for a one-extent part, else ``ArenaView.readinto``."""
+    for a one-extent part, else ``ArenaView.readinto``. Extents outside the arena
+    (:func:`check_extents`) raise InvalidArgument, nothing copied."""
     if len(extents) == 1:
         offset, length = extents[0]
-        dst = out if type(out) is memoryview else memoryview(out)
-        try:
-            dst[:] = arena.buf[offset : offset + length]  # a memoryview never resizes
-            return
-        except (TypeError, ValueError):  # another format or shape, or the wrong size
-            pass
+        if _inside(arena.size, offset, length):
+            dst = out if type(out) is memoryview else memoryview(out)
+            try:
+                dst[:] = arena.buf[offset : offset + length]  # a memoryview never resizes
+                return
+            except (TypeError, ValueError):  # another format or shape, or the wrong size
+                pass
+    check_extents(arena, extents)
     arena.readinto(extents, out)
 
 
