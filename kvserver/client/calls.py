@@ -304,11 +304,11 @@ class SessionCalls:
             wire.GET, args, reply_frames=_reply_frames(len(keys), per_key, part_bytes)
         )
         if not leading:
-            return split_parts(answer.result, answer.payload, len(keys), part_bytes)
+            return split_parts(answer.result, answer.payload, len(keys), part_bytes, per_key)
         sent = answer.result.get("keys")
         if not isinstance(sent, list) or len(sent) > len(keys) or sent != list(keys[: len(sent)]):
             raise InvalidArgument("get reply names keys that were not asked for")
-        return split_parts(answer.result, answer.payload, len(sent), part_bytes)
+        return split_parts(answer.result, answer.payload, len(sent), part_bytes, per_key)
 
     def _part_bytes(self, ns_id: str) -> int | None:
         """The part size of ``ns_id`` when this session registered it."""
@@ -334,7 +334,7 @@ class SessionCalls:
         part_bytes = self._part_bytes(ns_id)
         budget = _reply_frames(len(keys), 1, part_bytes)
         answer = yield Call(wire.READ_PARTS, args, reply_frames=budget)
-        rows = split_parts(answer.result, answer.payload, len(keys), part_bytes)
+        rows = split_parts(answer.result, answer.payload, len(keys), part_bytes, 1)
         return [views[0] for views in rows]
 
     def store(

@@ -151,6 +151,7 @@ def split_parts(
     frames: list[memoryview],
     num_keys: int,
     part_bytes: int | None = None,
+    per_key: int | None = None,
 ) -> list[list[memoryview]]:
     """Group a GET reply's payload ``frames`` (its ``result`` says how many frames make each
     part): key-major, len(ranks) parts per key, joined if split. ``part_bytes``: the size
@@ -158,7 +159,10 @@ def split_parts(
     another size is refused (InvalidArgument) before it is joined, so a malformed or hostile
     reply (``part_frames`` naming thousands of frames as one part) is not copied into a
     second buffer of its whole size (the bytes are already in memory once, as ZMQ's frames).
-    Raises InvalidArgument when ``part_frames`` does not describe the frames."""
+    Raises InvalidArgument when ``part_frames`` does not describe the frames, or the parts
+    are not ``num_keys`` x ``per_key`` (the ranks asked for, or the namespace's TP world size,
+    when known; else any whole number per key): a reply short of parts would have made rows
+    of fewer parts, or none, without an error."""
     counts = result.get("part_frames")
     if counts is None:
         parts = frames
@@ -180,5 +184,8 @@ def split_parts(
                     )
             parts.append(memoryview(b"".join(group)))
             pos += n
-    per_key = len(parts) // num_keys if num_keys else 0
-    return [parts[i * per_key : (i + 1) * per_key] for i in range(num_keys)]
+    per = per_key if per_key is not None else max(1, len(parts) // num_keys if num_keys else 0)
+    if len(parts) != num_keys * per:
+        raise InvalidArgument("reply carries another number of parts than asked",
+                              parts=len(parts), keys=num_keys, per_key=per_key)  # fmt: skip
+    return [parts[i * per : (i + 1) * per] for i in range(num_keys)]

@@ -137,3 +137,19 @@ def test_a_client_refuses_a_reply_with_more_frames_than_its_get_may_bring(
     the connection is replaced and the next call answered."""
     error = get_refused(flooding_peer, "client-flood", "more frames than its request")
     assert error.context["frames"] == EMPTY_FRAMES and error.context["max"] == 4
+
+
+@pytest.fixture
+def short_peer() -> Iterator[str]:
+    """Its get reply: 3 parts of 16 bytes (2 keys of one rank asked: 2 parts)."""
+    yield from stand_in(3, 16, "extra")
+
+
+def test_a_client_refuses_a_reply_of_another_number_of_parts_than_asked(
+    short_peer: str,
+) -> None:
+    """3 parts answer a get of 2 keys of one part each (within the frames the get may bring
+    back): InvalidArgument (before: rows of one part each, the third dropped without a word;
+    a reply of one part for 2 keys gave rows of none)."""
+    error = get_refused(short_peer, "client-short", "another number of parts than asked")
+    assert error.context == {"parts": 3, "keys": 2, "per_key": 1}
