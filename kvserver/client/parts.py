@@ -87,7 +87,7 @@ def check_grant_extents(arena: ArenaView, locations: Sequence[Sequence[Extents]]
 
 def _inside(size: int, offset: Any, length: Any) -> bool:
     return (
-        type(offset) is int and type(length) is int and 0 <= offset and 0 <= length <= size - offset
+        type(offset) is int and type(length) is int and offset >= 0 and 0 <= length <= size - offset
     )
 
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvserver import grants
 from kvserver.arena import ArenaView
-from kvserver.client import KVClient, calls
+from kvserver.client import KVClient
 from kvserver.client.parts import check_grant_extents, readinto_part, write_part
 from kvserver.errors import InvalidArgument
 from kvserver.grants import LoadGrant
@@ -100,7 +101,7 @@ def test_a_load_refuses_a_grant_outside_the_arena_and_releases_it(
     MemoryError; 16 MiB a part: 64 MiB), its pins released (``complete_load`` sent), and the
     client's next load answered right."""
     keys = make_keys(2, tag=f"grant-{len(lie)}-{lie[0][0][0][1]}")
-    real = calls.grants.packed_load_grant_from_wire
+    real = grants.packed_load_grant_from_wire
     with KVClient(daemon.zmq_address, colocated=True) as kv:
         kv.register_namespace(SPEC)
         assert kv.store(SPEC.ns_id, keys, parts(keys)) == keys
@@ -109,10 +110,10 @@ def test_a_load_refuses_a_grant_outside_the_arena_and_releases_it(
             g = real(*args, **kwargs)
             return LoadGrant(g.lease_id, g.deadline, g.ns_id, g.keys, lie, g.granted_by)
 
-        monkeypatch.setattr(calls.grants, "packed_load_grant_from_wire", lying)
+        monkeypatch.setattr(grants, "packed_load_grant_from_wire", lying)
         tracemalloc.start()
         try:
-            with pytest.raises(InvalidArgument, match="arena|keys than asked"):
+            with pytest.raises(InvalidArgument, match=r"arena|keys than asked"):
                 kv.load(SPEC.ns_id, keys)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
