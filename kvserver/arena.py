@@ -289,6 +289,21 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
+def is_arena_name(path: str) -> bool:
+    """Whether ``path``'s file name is one :class:`SharedArena` gives an arena,
+    ``kvserver-<pid>-<hex>``: a client maps no other file, whatever a daemon's ``hello``
+    names (its grants would have the client write chunks into it: a configuration file, a
+    key). A daemon on another host cannot guess a live arena's name (its 32 random bits)."""
+    parts = os.path.basename(path).split("-")
+    return (
+        len(parts) == 3
+        and parts[0] == "kvserver"
+        and parts[1].isdigit()
+        and bool(parts[2])
+        and all(c in "0123456789abcdef" for c in parts[2])
+    )
+
+
 def total_length(extents: Iterable[tuple[int, int]]) -> int:
     return sum(length for _, length in extents)
 

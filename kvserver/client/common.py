@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserver import wire, wire_local
-from kvserver.arena import ArenaView
+from kvserver.arena import ArenaView, is_arena_name
 from kvserver.client.calls import Answer, Call, Proc, SessionCalls
 from kvserver.client.handshake import Failure
 from kvserver.client.parts import frame_buffer
@@ -227,14 +227,15 @@ class Session(SessionCalls):
     def local_path(self, refused: str | None = None) -> str | None:
         """The path of the daemon's local channel when this session may use it: its hello is
         current, the arena is mapped (same host), the daemon speaks this client's
-        ``LOCAL_VERSION``, and the path is not ``refused`` (one that could not be used); else
-        None (the transport uses ZMQ)."""
+        ``LOCAL_VERSION``, the path is the arena's beside it (``<arena_path>.sock``: not just
+        any socket a daemon's ``hello`` names), and not ``refused`` (one that could not be
+        used); else None (the transport uses ZMQ)."""
         info = self.server
         path = info.get("local_path")
         if (
             self.needs_hello
             or self.arena is None
-            or not isinstance(path, str)
+            or path != f"{self.arena.path}.sock"
             or info.get("local_version") != wire_local.LOCAL_VERSION
             or path == refused
         ):
@@ -267,6 +268,11 @@ class Session(SessionCalls):
         if not same_host:
             if mode:
                 raise InvalidState("colocated=True but the daemon runs on another host")
+            return
+        if not is_arena_name(str(path)):  # the daemon's word: never map just any file
+            if mode:
+                raise InvalidState("the daemon's arena_path does not name an arena", path=path)
+            logger.info("not mapping %r: not an arena's name; using the remote data path", path)
             return
         try:
             arena = ArenaView.attach(str(path))

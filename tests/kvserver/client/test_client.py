@@ -91,16 +91,25 @@ def test_session_notices_a_restarted_daemon() -> None:
 
 
 def test_arena_is_mapped_only_on_the_same_host(tmp_path: Path) -> None:
-    arena = tmp_path / "arena"
+    """Mapped when the hello's host is this one and its ``arena_path`` names an arena file
+    (``kvserver-<pid>-<hex>``); another host, a missing file or any other file (a hello could
+    name the client's own files, which its grants would then have it write) is not mapped
+    (``colocated=True``: InvalidState)."""
+    arena = tmp_path / "kvserver-1-0a1b2c3d"
     arena.write_bytes(bytes(8192))
+    other = tmp_path / "config.toml"
+    other.write_bytes(bytes(8192))
     info = {"sid": "s", "host_id": wire.host_id(), "arena_path": str(arena), "arena_size": 8192}
     elsewhere = {**info, "host_id": "other-host/boot"}
+    not_an_arena = {**info, "arena_path": str(other)}
     for mode, hello, mapped in [
         (None, info, True),
         (None, elsewhere, False),
         (False, info, False),
         (True, info, True),
         (None, {**info, "arena_path": str(tmp_path / "missing")}, False),
+        (None, not_an_arena, False),
+        (None, {**info, "arena_path": str(tmp_path / "kvserver-1-0a1b2c3d.sock")}, False),
     ]:
         s = Session("tcp://x:1", colocated=mode)
         proc = s.hello()
@@ -119,6 +128,12 @@ def test_arena_is_mapped_only_on_the_same_host(tmp_path: Path) -> None:
         proc.send(answer_of(elsewhere))
     with pytest.raises(InvalidState, match="not mapped"):
         s.mapped()
+    s = Session("tcp://x:1", colocated=True)
+    proc = s.hello()
+    next(proc)
+    with pytest.raises(InvalidState, match="does not name an arena"):
+        proc.send(answer_of(not_an_arena))
+    assert other.read_bytes() == bytes(8192)
 
 
 def answer_of(result: dict[str, Any]) -> Answer:
@@ -523,22 +538,27 @@ def test_window_results_merge_in_order() -> None:
 def test_a_session_uses_the_local_channel_only_where_both_transports_may() -> None:
     """``Session.local_path``, the one test of the sync and asyncio transports: the path once
     the hello is current, the arena mapped and the daemon's local version this client's; None
-    for a refused path, another version, no arena, or a hello due."""
+    for a refused path, another version, no arena, a hello due, or a path other than the
+    arena's beside it (a hello naming just any socket)."""
     from kvserver.arena import ArenaView
     from kvserver.wire_local import LOCAL_VERSION
     from tests.kvserver.builders import make_engine
 
     with make_engine() as engine:
+        sock = f"{engine.arena.path}.sock"
         session = Session("tcp://127.0.0.1:1")
-        session.server = {"local_path": "/run/kv.sock", "local_version": LOCAL_VERSION}
+        session.server = {"local_path": sock, "local_version": LOCAL_VERSION}
         assert session.local_path() is None  # no hello yet (and no arena)
         session.needs_hello = False
         assert session.local_path() is None  # the arena not mapped: another host
         session.arena = ArenaView.attach(engine.arena.path)
         try:
-            assert session.local_path() == "/run/kv.sock"
-            assert session.local_path(refused="/run/kv.sock") is None
-            assert session.local_path(refused="/run/other.sock") == "/run/kv.sock"
+            assert session.local_path() == sock
+            assert session.local_path(refused=sock) is None
+            assert session.local_path(refused="/run/other.sock") == sock
+            session.server["local_path"] = "/run/kv.sock"
+            assert session.local_path() is None
+            session.server["local_path"] = sock
             session.server["local_version"] = LOCAL_VERSION + 1
             assert session.local_path() is None
             session.needs_hello = True
