@@ -231,11 +231,11 @@ class Session(SessionCalls):
         any socket a daemon's ``hello`` names), and not ``refused`` (one that could not be
         used); else None (the transport uses ZMQ)."""
         info = self.server
-        path = info.get("local_path")
+        if self.needs_hello or self.arena is None:
+            return None
+        path = f"{self.arena.path}.sock"
         if (
-            self.needs_hello
-            or self.arena is None
-            or path != f"{self.arena.path}.sock"
+            info.get("local_path") != path
             or info.get("local_version") != wire_local.LOCAL_VERSION
             or path == refused
         ):
