@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from kvserver.arena import is_arena_name
 from kvserver.client import KVClient
 from kvserver.errors import InvalidState, KVServerError
 from kvserver.namespace import NamespaceSpec
@@ -105,6 +106,8 @@ class DaemonSession:
         try:
             if info.get("host_id") != host_id() or not isinstance(path, str):
                 raise InvalidState("the daemon runs on another host")
+            if not is_arena_name(path):  # the daemon's word: never map just any file
+                raise InvalidState("the daemon's arena_path does not name an arena", path=path)
             self.arena = MappedArena(path, pin=device.type == "cuda")
             self.arena_sid = str(info.get("sid", ""))
         except KVServerError as exc:

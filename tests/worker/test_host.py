@@ -3,6 +3,8 @@ after the daemon removes it, extent checks, and byte views of staging tensors.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -40,3 +42,38 @@ def test_staging_buffer_memoryview_is_writable_and_shared() -> None:
     assert tensor_memoryview(staging_buffer(0, pinned=False)).nbytes == 0
     with pytest.raises(InvalidArgument):
         tensor_memoryview(torch.zeros(4, 4)[:, :2])
+
+
+def test_a_worker_maps_only_a_file_named_as_an_arena(tmp_path: Path) -> None:
+    """``DaemonSession``: a hello of this host naming a file that is not an arena (one of the
+    worker's own, which its stores would then write) is not mapped (payload frames instead;
+    ``colocated=True``: InvalidState), the file untouched; an arena is mapped."""
+    from kvserver.errors import InvalidState
+    from kvserver.wire import host_id
+    from tests.kvserver.builders import make_spec
+    from worker.config import WorkerConnectorConfig
+    from worker.daemon_session import DaemonSession
+
+    other = tmp_path / "config.toml"
+    other.write_bytes(bytes(8192))
+    arena = SharedArena(64 << 10)
+    spec = make_spec(model="worker/arena-name")
+    try:
+        for path, colocated, mapped in [(str(other), None, False), (arena.path, None, True),
+                                        (str(other), True, None)]:  # fmt: skip
+            config = WorkerConnectorConfig("tcp://127.0.0.1:1", spec, colocated=colocated)
+            session = DaemonSession(config)
+            hello = {"host_id": host_id(), "arena_path": path, "sid": "s"}
+            session.kv.hello = lambda h=hello: h  # type: ignore[method-assign, misc]
+            try:
+                if mapped is None:
+                    with pytest.raises(InvalidState, match="does not name an arena"):
+                        session._map_arena(torch.device("cpu"))
+                else:
+                    session._map_arena(torch.device("cpu"))
+                    assert (session.arena is not None) is mapped
+            finally:
+                session.close()
+        assert other.read_bytes() == bytes(8192)
+    finally:
+        arena.close()
