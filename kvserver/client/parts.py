@@ -99,12 +99,12 @@ def write_part(arena: ArenaView, extents: Extents, data: Any) -> None:
     written."""
     if len(extents) == 1:
         offset, length = extents[0]
-        if _inside(arena.size, offset, length):
-            try:
+        try:  # inside the arena (a slice past it would be shorter, a negative offset wrap)
+            if offset >= 0 and 0 <= length <= arena.size - offset:
                 arena.buf[offset : offset + length] = data
                 return
-            except (TypeError, ValueError):  # not a byte buffer of exactly this length
-                pass
+        except (TypeError, ValueError):  # not a byte buffer of exactly this length, or
+            pass  # not integers: check_extents says which
     check_extents(arena, extents)
     arena.write(extents, data)
 
@@ -115,13 +115,13 @@ def readinto_part(arena: ArenaView, extents: Extents, out: bytearray | memoryvie
     (:func:`check_extents`) raise InvalidArgument, nothing copied."""
     if len(extents) == 1:
         offset, length = extents[0]
-        if _inside(arena.size, offset, length):
-            dst = out if type(out) is memoryview else memoryview(out)
-            try:
+        try:  # inside the arena, as in write_part
+            if offset >= 0 and 0 <= length <= arena.size - offset:
+                dst = out if type(out) is memoryview else memoryview(out)
                 dst[:] = arena.buf[offset : offset + length]  # a memoryview never resizes
                 return
-            except (TypeError, ValueError):  # another format or shape, or the wrong size
-                pass
+        except (TypeError, ValueError):  # another format or shape, the wrong size, or not
+            pass  # integers: check_extents says which
     check_extents(arena, extents)
     arena.readinto(extents, out)
 
