@@ -57,6 +57,9 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="reuse gating: store a chunk only after N sightings (default 0; 0/1 = off)")
     p.add_argument("--default-lease-s", type=float, metavar="S",
                    help="seconds a reservation or load pin lives without completion (default 30)")
+    p.add_argument("--max-lease-s", type=float, metavar="S",
+                   help="the longest lease a client may ask, seconds (a longer one is refused), "
+                        "and the daemon's own pins' (default 600; at most 86400)")
     p.add_argument("--shm-dir", metavar="DIR",
                    help="tmpfs directory for the arena (default /dev/shm)")
     p.add_argument("--auth-token", metavar="TOKEN",
@@ -157,7 +160,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("host", "grpc_port", "zmq_port", "pub_port", "metrics_port",
                   "dram", "page_size", "policy",
-                  "store_threshold", "default_lease_s", "shm_dir", "auth_token",
+                  "store_threshold", "default_lease_s", "max_lease_s", "shm_dir", "auth_token",
                   "auth_token_file", "ready_file",
                   "log_level", "ssd_dir", "ssd", "ssd_admission", "ssd_policy", "ssd_io_threads",
                   "ssd_promotions", "ssd_drain_timeout_s", "tune_malloc", "cluster",

@@ -50,8 +50,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_PEER_STREAM_WINDOW = 32 << 20
 PEER_STREAM_WINDOW_MIN = 1 << 20
 PEER_STREAM_WINDOW_MAX = 1 << 30
-#: zmq_send_timeout_s stays under the engine's longest lease, which the send pins are.
-MAX_SEND_TIMEOUT_S = EngineConfig().max_lease_s / 2
+#: ``max_lease_s``: its default (the engine's) and the most it may be (a day, as a TTL pin's:
+#: a lease is a reservation or pin a client has not completed, never meant to last).
+DEFAULT_MAX_LEASE_S = EngineConfig().max_lease_s
+MAX_MAX_LEASE_S = EngineConfig().max_pin_ttl_s
+#: ``zmq_send_timeout_s`` when not set: this, or half of ``max_lease_s`` when that is less.
+DEFAULT_SEND_TIMEOUT_S = 60.0
 #: the largest config file read (a real one is a few KiB; ``--config /dev/zero`` read for ever).
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -82,6 +86,10 @@ class DaemonConfig:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     default_lease_s: float = 30.0
+    #: the longest lease a client may ask (seconds; a longer one is refused) and the lease
+    #: of the daemon's own pins and reservations (zero-copy sends, stream puts, promotions,
+    #: peer placements); at least ``default_lease_s``, at most a day.
+    max_lease_s: float = DEFAULT_MAX_LEASE_S
     shm_dir: str = "/dev/shm"
     #: shared secret required on both APIs; "" = a random one made at start (docs/security.md).
     auth_token: str = field(default="", repr=False)
@@ -131,9 +139,10 @@ class DaemonConfig:
     #: local channel: most connections at once (one more is closed at once).
     local_max_connections: int = 256
     #: seconds ZMQ may take to send a zero-copy reply (its pages pinned meanwhile) before the
-    #: connection it goes to is cut (a client that does not read its socket); under the
-    #: leases' max_lease_s (at most half of it, 300 s).
-    zmq_send_timeout_s: float = 60.0
+    #: connection it goes to is cut (a client that does not read its socket); at most half
+    #: of ``max_lease_s`` (the send pins' lease); 0 = 60 s, or half of ``max_lease_s`` when
+    #: that is less (``send_timeout_s``).
+    zmq_send_timeout_s: float = 0.0
     #: bytes of zero-copy replies one ZMQ connection may have unsent (pinned pages ZMQ still
     #: holds) before its next ``get``/``read_parts`` is answered ``capacity`` (retry later);
     #: 0 = a quarter of ``dram`` (kvserver/daemon/zmq_send.py).
@@ -235,11 +244,7 @@ class DaemonConfig:
                 )
         if not 0 < self.reap_interval_s < math.inf:
             raise InvalidArgument("reap_interval_s must be positive", value=self.reap_interval_s)
-        if not 0 < self.zmq_send_timeout_s <= MAX_SEND_TIMEOUT_S:
-            raise InvalidArgument(
-                f"zmq_send_timeout_s must be in (0, {MAX_SEND_TIMEOUT_S:.0f}]",
-                value=self.zmq_send_timeout_s,
-            )
+        self._check_leases()
         if self.zmq_send_max_unsent < 0:
             raise InvalidArgument(
                 "zmq_send_max_unsent must be >= 0 (0: a quarter of dram)",
@@ -352,6 +357,34 @@ class DaemonConfig:
             return self.host_id
         return wire_host_id()
 
+    def _check_leases(self) -> None:
+        """``default_lease_s``, ``max_lease_s`` and ``zmq_send_timeout_s``, each alone and
+        against each other, in the operator's words (before the engine's own check)."""
+        if not 0 < self.default_lease_s < math.inf:
+            raise InvalidArgument("default_lease_s must be positive", value=self.default_lease_s)
+        if not 0 < self.max_lease_s <= MAX_MAX_LEASE_S:
+            raise InvalidArgument(
+                f"max_lease_s must be positive and at most {MAX_MAX_LEASE_S:.0f} (a day)",
+                value=self.max_lease_s,
+            )
+        if self.default_lease_s > self.max_lease_s:
+            raise InvalidArgument(
+                f"default_lease_s ({self.default_lease_s:g} s) is longer than max_lease_s "
+                f"({self.max_lease_s:g} s): lower --default-lease-s or raise --max-lease-s"
+            )
+        if not 0 <= self.zmq_send_timeout_s <= self.max_lease_s / 2:
+            raise InvalidArgument(
+                f"zmq_send_timeout_s must be in (0, {self.max_lease_s / 2:g}], half the "
+                "longest lease (0: the default)",
+                value=self.zmq_send_timeout_s,
+            )
+
+    @property
+    def send_timeout_s(self) -> float:
+        """``zmq_send_timeout_s``, or when it is 0, 60 s or half of ``max_lease_s`` when that
+        is less (the send pins' lease must outlive it)."""
+        return self.zmq_send_timeout_s or min(DEFAULT_SEND_TIMEOUT_S, self.max_lease_s / 2)
+
     @property
     def send_max_unsent(self) -> int:
         """``zmq_send_max_unsent``, or a quarter of ``dram`` when it is 0."""
@@ -391,6 +424,7 @@ class DaemonConfig:
             store_threshold=self.store_threshold,
             max_tracker_size=self.max_tracker_size,
             default_lease_s=self.default_lease_s,
+            max_lease_s=self.max_lease_s,
             shm_dir=self.shm_dir,
         )
 

@@ -18,10 +18,10 @@ A client that stops reading its socket leaves its replies in ZMQ's queue, and th
 hold the pages for ``max_lease_s`` (DRAM no store of anyone can take), after which the lease
 expired under frames still queued (their pages free to be overwritten before ZMQ wrote them).
 So a zero-copy reply ZMQ has not finished with ``timeout_s`` after its send
-(``zmq_send_timeout_s``, shorter than ``max_lease_s``) cuts the connection it goes to: its TCP
-socket (the request's ``zmq.SRCFD``, checked to still be the same connection: its peer and
-ports, ``kvserver/foreign_sockets.py``) is shut down,
-libzmq drops that connection's queued frames, and their pins end as any others do
+(``zmq_send_timeout_s``, at most half of the daemon's ``max_lease_s``) cuts the connection it
+goes to: its TCP socket (the request's ``zmq.SRCFD``, checked to still be the same
+connection: its peer and ports, ``kvserver/foreign_sockets.py``) is shut down, libzmq drops
+that connection's queued frames, and their pins end as any others do
 (``num_cuts`` counts it; the client's next request reconnects). Parts read from a lower tier's
 buffers (no pin: the buffers are the reply's own) are held by ZMQ the same way, so their
 replies get the same timeout, under a guard of their own (negative: nothing to unpin).

@@ -123,7 +123,7 @@ class DataFrontend:
         self._exits = ExitWatch()  # closed local connections whose process may yet exit
         self._reading = False  # inside the reader callback
         self._drain_scheduled = False
-        self._sender = ZeroCopySender(service, config.zmq_send_timeout_s, config.send_max_unsent)
+        self._sender = ZeroCopySender(service, config.send_timeout_s, config.send_max_unsent)
         self._ops = DataOps(service, config, self._sid, self._sender)
         admit = self._sender.admit  # a ROUTER connection's get/read_parts, before it is served
         self._requests = RequestHandler(service, config, self._auth, self._ops, self._send, admit)

@@ -188,11 +188,27 @@ def test_the_unsent_cap_defaults_to_a_quarter_of_dram_and_takes_a_size() -> None
         DaemonConfig(zmq_send_max_unsent=-1)
 
 
-@pytest.mark.parametrize("timeout_s", [0.0, -1.0, 301.0])
-def test_a_send_timeout_outside_0_to_half_the_longest_lease_is_refused(timeout_s: float) -> None:
+@pytest.mark.parametrize(
+    ("timeout_s", "max_lease_s"), [(-1.0, 600.0), (301.0, 600.0), (60.0, 100.0), (20.5, 40.0)]
+)
+def test_a_send_timeout_outside_0_to_half_the_longest_lease_is_refused(
+    timeout_s: float, max_lease_s: float
+) -> None:
     with pytest.raises(InvalidArgument, match="zmq_send_timeout_s"):
-        DaemonConfig(zmq_send_timeout_s=timeout_s)
-    assert DaemonConfig(zmq_send_timeout_s=300.0).zmq_send_timeout_s == 300.0
+        DaemonConfig(zmq_send_timeout_s=timeout_s, max_lease_s=max_lease_s)
+    assert DaemonConfig(zmq_send_timeout_s=300.0).send_timeout_s == 300.0
+    half = max_lease_s / 2
+    assert DaemonConfig(zmq_send_timeout_s=half, max_lease_s=max_lease_s).send_timeout_s == half
+
+
+@pytest.mark.parametrize(("max_lease_s", "timeout_s"), [(600.0, 60.0), (120.0, 60.0), (40.0, 20.0)])
+def test_the_send_timeout_defaults_to_60_s_or_half_the_longest_lease(
+    max_lease_s: float, timeout_s: float
+) -> None:
+    """Before: 60 s whatever the longest lease, its bound half of the engine's constant 600 s
+    (the send pins' lease is the running ``max_lease_s``)."""
+    config = DaemonConfig.load(env={"KVSERVER_MAX_LEASE_S": str(max_lease_s)})
+    assert config.zmq_send_timeout_s == 0 and config.send_timeout_s == timeout_s
 
 
 @pytest.fixture
