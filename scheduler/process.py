@@ -3,16 +3,17 @@
 The only scheduler module that knows it is a process (event loop, children, signals: the stop
 signals' handler is ``kvserver/stop_signals.py``, the daemon's too).
 
-Start-up: spawn synthetic workers if asked (``ipc://`` sockets in a private temp directory) →
-connect and hello every worker (their KV layout names the kvserver namespace) → build the
-kvserver connector if ``--kvserver`` is given and probe its daemon (hello and register the
-namespace, on a thread of its own: blocking calls of up to ``--kvserver-op-timeout-s`` each;
-a daemon that does not answer is logged, and the scheduler serves without it) → start the
-step loop → start gRPC (its token: the configured one or a random one, written to this user's
-token file of the gRPC port, ``kvserver/token_file.py``, so that same-user clients find it) →
-serve Prometheus ``/metrics`` (``metrics.py``; a port that cannot be bound is logged, not
-fatal) → log the start-up line (``scheduler serving HOST:PORT, metrics URL|off: ...``) → write
-the ready file.
+Start-up: remove what schedulers killed without cleaning up left (token files, temp
+directories: ``ipc_dir.py``) → spawn synthetic workers if asked (``ipc://`` sockets in a
+private temp directory, ``ipc_dir.py``) → connect and hello every worker (their KV layout names
+the kvserver namespace) → build the kvserver connector if ``--kvserver`` is given and probe its
+daemon (hello and register the namespace, on a thread of its own: blocking calls of up to
+``--kvserver-op-timeout-s`` each; a daemon that does not answer is logged, and the scheduler
+serves without it) → start the step loop → start gRPC (its token: the configured one or a
+random one, written to this user's token file of the gRPC port, ``kvserver/token_file.py``, so
+that same-user clients find it) → serve Prometheus ``/metrics`` (``metrics.py``; a port that
+cannot be bound is logged, not fatal) → log the start-up line (``scheduler serving HOST:PORT,
+metrics URL|off: ...``) → write the ready file.
 
 The step loop is :class:`~scheduler.engine_core.EngineCore` (``engine_core.py``), a plain
 object this module starts and stops.
@@ -38,10 +39,8 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from kvserver.token_file import (
 from scheduler.config import ProcessConfig
 from scheduler.engine_core import EngineCore
 from scheduler.engine_service import EngineService
+from scheduler.ipc_dir import IpcDir, reap_stale_ipc_dirs
 from scheduler.metrics import SchedulerCollector
 from scheduler.scheduler import Scheduler
 from scheduler.workers import WorkerGroup
@@ -198,8 +198,7 @@ async def serve(
     what a forced exit must clean up is added to ``leaving`` as it is made."""
     stop = stop or asyncio.Event()
     leaving = leaving or Leaving()
-    tmpdir = tempfile.mkdtemp(prefix="kvserver-sched-")
-    leaving.dirs.append(tmpdir)
+    ipc_dir: IpcDir | None = None
     children: list[Any] = []
     workers: WorkerGroup | None = None
     scheduler: Scheduler | None = None
@@ -213,10 +212,16 @@ async def serve(
     if stale_tokens:
         logger.info("removed %d token files left by servers that are no longer running",
                     len(stale_tokens))  # fmt: skip
+    stale_dirs = reap_stale_ipc_dirs()
+    if stale_dirs:
+        logger.info("removed %d temporary directories left by schedulers that are no longer "
+                    "running", len(stale_dirs))  # fmt: skip
     try:
         addresses = list(config.workers)
         if config.synthetic_workers:
-            addresses, children = _spawn_synthetic(config, tmpdir)
+            ipc_dir = IpcDir()
+            leaving.dirs.append(ipc_dir.path)
+            addresses, children = _spawn_synthetic(config, ipc_dir.path)
             leaving.children.extend(children)
         workers = WorkerGroup(
             addresses, step_timeout_s=config.step_timeout_s,
@@ -319,7 +324,8 @@ async def serve(
         if config.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.ready_file)
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        if ipc_dir is not None:
+            ipc_dir.close()
         logger.info("stopped")
 
 
