@@ -27,7 +27,11 @@ import re
 import shutil
 import tempfile
 
+from kvserver.errors import InvalidArgument
+
 PREFIX = "kvserver-sched-"
+#: the longest path a Unix socket may have (Linux: ``sockaddr_un.sun_path`` less its NUL)
+MAX_SOCKET_PATH = 107
 _NAME = re.compile(rf"^{PREFIX}(?P<pid>\d+)-[A-Za-z0-9_]+$")
 _OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -48,6 +52,18 @@ class IpcDir:
             os.close(self._fd)
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+    def socket_path(self, name: str) -> str:
+        """The path of socket ``name`` in the directory; raises InvalidArgument, naming
+        TMPDIR, when it is too long for a Unix socket (was: the workers failed to bind, and the
+        scheduler waited out ``--hello-timeout-s`` for them)."""
+        path = os.path.join(self.path, name)
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise InvalidArgument(
+                f"the synthetic workers' socket path {path} is longer than {MAX_SOCKET_PATH} "
+                "bytes (a Unix socket's limit): point TMPDIR at a shorter directory"
+            )
+        return path
 
     def close(self) -> None:
         """Remove the directory, then let go of its lock."""

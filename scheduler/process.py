@@ -82,11 +82,12 @@ FORCED_EXIT_NOTE = (
 )
 
 
-def _spawn_synthetic(config: ProcessConfig, tmpdir: str) -> tuple[list[str], list[Any]]:
+def _spawn_synthetic(config: ProcessConfig, ipc_dir: IpcDir) -> tuple[list[str], list[Any]]:
     """Start the synthetic worker children; their ipc:// addresses and Popen objects."""
     addresses, children = [], []
-    for rank in range(config.synthetic_workers):
-        address = f"ipc://{tmpdir}/worker-{rank}.sock"
+    paths = [ipc_dir.socket_path(f"w{rank}.sock") for rank in range(config.synthetic_workers)]
+    for path in paths:
+        address = f"ipc://{path}"
         args = [
             sys.executable, "-m", "scheduler.synthetic", "--bind", address,
             "--delay-ms", str(config.synthetic_delay_ms), "--parent-pid", str(os.getpid()),
@@ -221,7 +222,7 @@ async def serve(
         if config.synthetic_workers:
             ipc_dir = IpcDir()
             leaving.dirs.append(ipc_dir.path)
-            addresses, children = _spawn_synthetic(config, ipc_dir.path)
+            addresses, children = _spawn_synthetic(config, ipc_dir)
             leaving.children.extend(children)
         workers = WorkerGroup(
             addresses, step_timeout_s=config.step_timeout_s,

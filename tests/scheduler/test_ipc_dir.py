@@ -8,10 +8,10 @@ Before: ``tempfile.mkdtemp(prefix="kvserver-sched-")``, removed only in ``serve`
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import stat
-import tempfile
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,20 +62,13 @@ def ipc_dir_of(sched: Proc) -> Path:
 
 @pytest.mark.multiprocess
 def test_a_sigkilled_schedulers_directory_is_removed_by_the_next_and_a_live_ones_kept(
-    tmp_path: Path,
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Three real schedulers with synthetic workers, one after the other: the first killed
     (SIGKILL), the second removes its directory at start, the third leaves the second's."""
-    # the schedulers' tempfile directory, short: an ipc:// path has at most 107 bytes, which
-    # one under tmp_path may pass (/tmp/pytest-of-USER/pytest-N/NAME/...)
-    own_tmp = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
-    try:
-        killed_and_live(tmp_path, own_tmp)
-    finally:
-        shutil.rmtree(own_tmp, ignore_errors=True)
-
-
-def killed_and_live(tmp_path: Path, own_tmp: Path) -> None:
+    # the schedulers' tempfile directory, short (an ipc:// path has at most 107 bytes, which
+    # tmp_path/NAME/kvserver-sched-PID-RANDOM/w0.sock may pass)
+    own_tmp = tmp_path_factory.mktemp("k")
     env = {**os.environ, "TMPDIR": str(own_tmp)}
     synthetic = ("--synthetic-workers", "1", "--num-gpu-blocks", "64", "--block-size", "16")
     killed = start_scheduler(tmp_path, *synthetic, env=env)
@@ -97,3 +90,22 @@ def killed_and_live(tmp_path: Path, own_tmp: Path) -> None:
     finally:
         assert live.terminate() == 0, live.log()
     wait_until(lambda: list(own_tmp.iterdir()) == [], timeout=30)
+
+
+@pytest.mark.multiprocess
+def test_a_temp_dir_too_long_for_a_unix_socket_is_one_error_line_at_once(tmp_path: Path) -> None:
+    """Was: the synthetic workers could not bind, and the scheduler waited out its 30 s
+    --hello-timeout-s for them before failing."""
+    long_tmp = tmp_path / ("x" * 100)
+    long_tmp.mkdir()
+    args = [
+        sys.executable, "-m", "kvserver.cli", "scheduler", "--host", "127.0.0.1",
+        "--grpc-port", "0", "--metrics-port", "-1", "--synthetic-workers", "1",
+        "--hello-timeout-s", "600",
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TMPDIR": str(long_tmp)})  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "kvserver scheduler: error: the synthetic workers' socket path" in result.stderr
+    assert "point TMPDIR at a shorter directory" in result.stderr
+    assert list(long_tmp.iterdir()) == []

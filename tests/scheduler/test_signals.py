@@ -141,7 +141,7 @@ def _sigterm_while(tmp_path: Path, extra: list[str], waiting: str) -> str:
     """A scheduler started with ``extra`` flags, SIGTERMed once its log says ``waiting``:
     it exits 0 within 60 s leaving no ready file and an empty private (TMPDIR) directory;
     its log."""
-    own_tmp = tmp_path / "tmp"  # the scheduler's tempfile directory: its ipc:// directory
+    own_tmp = tmp_path / "t"  # the scheduler's tempfile directory (short: its ipc:// paths)
     own_tmp.mkdir()
     log = tmp_path / "scheduler.log"
     ready = tmp_path / "scheduler.ready"

@@ -27,6 +27,7 @@ import pytest
 
 from kvserver.client import KVClient
 from kvserver.errors import CapacityError, UnknownKey
+from kvserver.files import write_atomic
 from kvserver.grpc_client import GrpcClient
 from kvserver.namespace import NamespaceSpec
 from kvserver.ssd import format as fmt
@@ -216,7 +217,8 @@ def child_writer(address: str, progress: str) -> None:
             keys = make_keys(8, start=i, tag="kill")
             kv.store(ns_id, keys, [expected(SPEC, k) for k in keys])
             i += 8
-            Path(progress).write_text(str(i))
+            write_atomic(progress, str(i))  # was write_text: a kill between its truncate
+            # and its write left the file empty, and the test failed on int("")
 
 
 def test_sigkill_during_write_heavy_load_then_restart(tmp_path: Path) -> None:

@@ -216,8 +216,10 @@ def zmq_replies(draw: st.DrawFn) -> ZmqReply:
         return ZmqReply(n, fault, tuple(frames), result, shift=draw(st.integers(1, 3)))
     if fault == "keys":
         result["keys"] = draw(st.one_of(
-            st.just(KEYS[::-1]), st.just([*KEYS, b"x" * 32]), st.integers(),
-            st.lists(st.binary(max_size=40), max_size=4),
+            st.just(KEYS[::-1]), st.just([*KEYS, b"x" * 32]),
+            # what msgpack packs (was st.integers(): a drawn one past 2**64 failed the
+            # stand-in's own packing, OverflowError, not the code under test)
+            st.integers(-(2**63), 2**64 - 1), st.lists(st.binary(max_size=40), max_size=4),
         ))  # fmt: skip
     elif fault == "part_frames":
         result["part_frames"] = draw(st.one_of(
