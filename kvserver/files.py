@@ -10,15 +10,21 @@ file (its directory exists and is writable, it is not a directory).
 ``read_limited`` reads a file an operator names (a config file) with a bound on its bytes and,
 for what is not a regular file (a FIFO, a device, a pipe), on the wait: ``--config /dev/zero``
 read without end, and a FIFO nobody writes blocked the start for ever.
+
+``remove_if_unheld`` removes a file or directory a process of this user made and locked for
+its lifetime once no process holds that lock any more (it died without cleaning up: SIGKILL,
+OOM): the token files, the scheduler's socket directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import select
 import stat
 import time
+from collections.abc import Callable
 
 from kvserver.errors import KVServerError
 
@@ -94,3 +100,33 @@ def write_atomic(path: str, data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def remove_if_unheld(
+    path: str, flags: int, remove: Callable[[str], None], is_kind: Callable[[int], bool]
+) -> bool:
+    """Remove ``path`` with ``remove`` if it is this user's, of the kind ``is_kind`` accepts
+    (its ``st_mode``), and no process holds its ``flock`` (opened with ``os.O_RDONLY``,
+    ``O_NOFOLLOW`` and ``O_CLOEXEC`` besides ``flags``: a symlink is never followed); the lock
+    is taken while it is removed, and nothing is removed if ``path`` was replaced meanwhile
+    (another inode). Returns whether it was removed; any OSError leaves it alone (False)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flags)
+    except OSError:  # gone meanwhile, a symlink, not of the kind opened
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not is_kind(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner is running
+        if os.lstat(path).st_ino != st.st_ino:
+            return False  # replaced meanwhile
+        remove(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

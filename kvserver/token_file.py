@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from kvserver.arena import DEFAULT_SHM_DIR
 from kvserver.crypto import is_loopback
 from kvserver.errors import InvalidArgument, KVServerError
+from kvserver.files import remove_if_unheld
 
 SHM_DIR_ENV = "KVSERVER_SHM_DIR"
 #: a token file larger than this is not a token.
@@ -157,31 +158,12 @@ def reap_stale_token_files(shm_dir: str | None = None) -> list[str]:
     if listening is None:
         return []
     removed: list[str] = []
-    uid = os.getuid()
     for name, port in candidates:
-        if int(port) in listening:
-            continue
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its server is running
-            if os.lstat(path).st_ino != st.st_ino:
-                continue  # replaced meanwhile by a new server of that port
-            os.unlink(path)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        removed.append(path)
+        if int(port) not in listening and remove_if_unheld(
+            path, os.O_NONBLOCK, os.unlink, stat.S_ISREG
+        ):
+            removed.append(path)
     return removed
 
 

@@ -20,14 +20,15 @@ locked, so that a reaper never sees it unlocked.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 
 from kvserver.errors import InvalidArgument
+from kvserver.files import remove_if_unheld
 
 PREFIX = "kvserver-sched-"
 #: the longest path a Unix socket may have (Linux: ``sockaddr_un.sun_path`` less its NUL)
@@ -90,29 +91,8 @@ def reap_stale_ipc_dirs(parent: str | None = None) -> list[str]:
         names = [name for name in os.listdir(parent) if _NAME.match(name)]
     except OSError:
         return []
-    uid = os.getuid()
-    removed = []
-    for name in names:
-        path = os.path.join(parent, name)
-        try:
-            fd = os.open(path, _OPEN)
-        except OSError:  # gone meanwhile, a symlink, not a directory
-            continue
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != uid:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its scheduler is running
-            if os.lstat(path).st_ino != st.st_ino:
-                continue  # replaced meanwhile
-            shutil.rmtree(path)
-        except OSError:
-            continue
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        removed.append(path)
-    return removed
+    paths = [os.path.join(parent, name) for name in names]
+    return [
+        path for path in paths
+        if remove_if_unheld(path, os.O_DIRECTORY, shutil.rmtree, stat.S_ISDIR)
+    ]  # fmt: skip
