@@ -45,6 +45,8 @@ DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_DATA_PORT = 9471
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2000
+#: a daemon's ``max_message_bytes`` when its hello does not say (the daemon's default).
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 
 #: the forms :func:`data_address` takes, for its errors
@@ -191,6 +193,14 @@ class Session(SessionCalls):
         if reply.error is not None:
             return reply.error
         return Answer(reply.result, [frame_buffer(f) for f in frames[1:]], reply.sid)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest frame the daemon takes or sends, from its hello (``max_message_bytes``);
+        its default, 1 GiB, when the hello did not say. The clients bound what they receive
+        from it by this: a stream get's part, a local channel reply's frame."""
+        limit = self.server.get("max_message_bytes")
+        return limit if type(limit) is int and limit > 0 else DEFAULT_MAX_MESSAGE_BYTES
 
     def token(self) -> str:
         """The token requests carry now: ours, else the token file's (as read last)."""

@@ -19,7 +19,11 @@ then ``close()``; which one a request takes is the client's business (``sync.py`
   there: a round trip wakes two threads instead of six (the client's and the daemon's ZMQ I/O
   threads drop out), which is most of a co-located batch's protocol cost. Every failure of the
   connection (the daemon closed it or exited, a timeout) raises OSError, after which the link
-  is unusable.
+  is unusable. A reply is bounded as a DEALER with ``MAXMSGSIZE`` bounds it (``open_dealer``):
+  each frame at most the daemon's ``max_message_bytes`` (its hello's), checked at the reply's
+  framing before its bytes are received, which are received into a buffer grown as they
+  arrive (:data:`GROW_BYTES` at a time), never to the announced size ahead of them: a reply
+  announcing more raises InvalidArgument, after which the link is unusable too.
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvserver import wire_local
 from kvserver.client import handshake, replies
-from kvserver.client.common import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS
+from kvserver.client.common import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RECONNECT_IVL_MAX_MS,
+    RECONNECT_IVL_MS,
+)
 from kvserver.crypto import CurveClient, apply_token
 from kvserver.errors import InvalidArgument
 from kvserver.netaddr import is_ipv6_endpoint
@@ -45,6 +53,9 @@ from kvserver.netaddr import is_ipv6_endpoint
 RECV_BUFFER = 256 << 10
 #: messages up to this size are written with one system call (joined), larger ones piecewise.
 JOIN_LIMIT = 64 << 10
+#: a local reply larger than the receive buffer is received into a buffer grown by this much
+#: at a time as its bytes arrive (the stream client's ``SEGMENT_BYTES``, for the same reason).
+GROW_BYTES = 64 << 20
 
 S = TypeVar("S", bound=zmq.Socket[Any])
 _watch_ids = itertools.count()
@@ -294,8 +305,10 @@ class ZmqLink:
 class LocalLink:
     """One connection to the local channel; see the module docstring."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self._sock = sock
+        #: the largest frame of a reply taken (the daemon's ``max_message_bytes``).
+        self._max_frame = max_frame
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         self._buf = bytearray(RECV_BUFFER)
@@ -303,8 +316,11 @@ class LocalLink:
         self._start = self._end = 0  # received, not yet returned: _buf[_start:_end]
 
     @classmethod
-    def connect(cls, path: str, timeout: float) -> LocalLink:
-        """Connect to ``path``. Raises OSError (no daemon there, no permission, timeout)."""
+    def connect(
+        cls, path: str, timeout: float, max_frame: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> LocalLink:
+        """Connect to ``path``; its replies' frames at most ``max_frame`` bytes. Raises
+        OSError (no daemon there, no permission, timeout)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -312,7 +328,7 @@ class LocalLink:
         except BaseException:
             sock.close()
             raise
-        return cls(sock)
+        return cls(sock, max_frame)
 
     def close(self) -> None:
         self._sock.close()
@@ -337,32 +353,57 @@ class LocalLink:
         return self._end > self._start or bool(self._poller.poll(max(1, int(timeout * 1000))))
 
     def recv(self, timeout: float) -> list[memoryview]:
-        """Read one whole message; its frames. Raises OSError (EOF included)."""
+        """Read one whole message; its frames. Raises OSError (EOF included); InvalidArgument
+        when its framing announces a frame over ``max_frame`` bytes (before they are
+        received). After either the link is unusable: close it."""
         self._sock.settimeout(max(timeout, 1e-3))
         size_len = wire_local.SIZE.size
-        self._fill(size_len)
+        self._fill(size_len + wire_local.COUNT.size)  # every message has its frame count
         (size,) = wire_local.SIZE.unpack_from(self._buf, self._start)
+        (count,) = wire_local.COUNT.unpack_from(self._buf, self._start + size_len)
+        if not 1 <= count <= wire_local.MAX_FRAMES or size < wire_local.overhead(count):
+            raise ConnectionResetError(f"unreadable local message: bad frame count ({count})")
+        if size > wire_local.overhead(count) + count * self._max_frame:
+            raise InvalidArgument(
+                "local reply announces frames larger than the daemon's max_message_bytes",
+                size=size, frames=count, max_frame_bytes=self._max_frame,
+            )  # fmt: skip
         self._start += size_len
         have = self._end - self._start
         if size <= have:
             body = memoryview(bytes(self._view[self._start : self._start + size]))
             self._start += size
         else:  # the rest goes straight into a buffer of its own
-            whole = bytearray(size)
-            whole[:have] = self._view[self._start : self._end]
-            self._start = self._end = 0
-            body = memoryview(whole)
-            while have < size:
-                got = self._sock.recv_into(body[have:])
-                if got == 0:
-                    raise ConnectionResetError("the daemon closed the local channel")
-                have += got
+            body = self._recv_rest(size)
         if self._start == self._end:
             self._start = self._end = 0
         try:
-            return wire_local.decode(body)
+            frames = wire_local.decode(body)
         except InvalidArgument as exc:  # not the daemon's framing: the stream cannot be trusted
             raise ConnectionResetError(f"unreadable local message: {exc}") from None
+        if size > self._max_frame and (big := max(f.nbytes for f in frames)) > self._max_frame:
+            raise InvalidArgument(
+                "local reply has a frame larger than the daemon's max_message_bytes",
+                size=big, max_frame_bytes=self._max_frame,
+            )  # fmt: skip
+        return frames
+
+    def _recv_rest(self, size: int) -> memoryview:
+        """The ``size`` bytes of a message body begun in the receive buffer (all of it
+        taken), received into a buffer grown :data:`GROW_BYTES` at a time as they arrive: one
+        announcing more than comes costs at most that much more than came."""
+        whole = bytearray(self._view[self._start : self._end])
+        self._start = self._end = 0
+        have = len(whole)
+        while have < size:
+            whole.extend(bytes(min(size, have + GROW_BYTES) - have))
+            with memoryview(whole) as view:
+                while have < len(whole):
+                    got = self._sock.recv_into(view[have:])
+                    if got == 0:
+                        raise ConnectionResetError("the daemon closed the local channel")
+                    have += got
+        return memoryview(whole)
 
     def _fill(self, need: int) -> None:
         """Receive until ``need`` bytes are buffered (``need`` <= the buffer size)."""

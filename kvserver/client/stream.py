@@ -465,10 +465,9 @@ class StreamUse:
             link = self._link
             if link is None or link.sid != s.sid:
                 self.close()
-                limit = s.server.get("max_message_bytes")
                 link = self._link = StreamLink.open(
-                    address, s.token(), timeout, s.sid, self._tls,
-                    limit if type(limit) is int and limit > 0 else 1 << 30, self._max_part,
+                    address, s.token(), timeout, s.sid, self._tls, s.max_message_bytes,
+                    self._max_part,
                 )  # fmt: skip
             return fn(link)
         except NotHere:

@@ -43,7 +43,7 @@ from kvserver.client.calls import Answer, Call
 from kvserver.client.common import Session
 from kvserver.client.links import LocalLink, ZmqLink
 from kvserver.client.replies import Oversized
-from kvserver.errors import KVServerError, Unavailable
+from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Transport:
         if path is None:
             return
         try:
-            self._local = LocalLink.connect(path, timeout)
+            self._local = LocalLink.connect(path, timeout, self._s.max_message_bytes)
         except OSError as exc:
             logger.info("cannot use the local channel %s (%s); using ZMQ", path, exc)
             self._local_refused = path
@@ -201,6 +201,9 @@ class Transport:
         except OSError as exc:  # the local channel (closed, timed out)
             self._lose_local(str(exc))
             return
+        except InvalidArgument as exc:  # the local channel: a reply past the daemon's bound
+            self._refuse_local(exc)
+            return
         except zmq.ZMQError as exc:  # the DEALER: what is outstanding on it fails at once
             self.drop(f"the connection failed ({type(exc).__name__}: {exc})")
             return
@@ -222,6 +225,16 @@ class Transport:
         if slot is not None:
             slot.outcome = error
         self.drop(f"the daemon sent a reply past its request's frames ({error})")
+
+    def _refuse_local(self, error: InvalidArgument) -> None:
+        """The local channel announced a reply past its bound (``LocalLink.recv``): the
+        oldest request outstanding (replies come in request order) fails with ``error``,
+        the link is closed (the next request connects a new one), the others fail with
+        Unavailable."""
+        logger.warning("refusing a reply from %s: %s", self._s.address, error)
+        if self._slots:
+            self._slots.pop(next(iter(self._slots))).outcome = error
+        self._lose_local(f"the daemon sent a reply past its bound ({error})")
 
     def _route(self, reply: wire.Reply | None, frames: Sequence[Any]) -> None:
         """Hand one reply (its header decoded: ``reply``, None when unreadable) to the slot of
