@@ -57,6 +57,17 @@ class ClientBase:
         return frozenset(self._s.server.get("capabilities", ()))
 
     @property
+    def max_lease_s(self) -> float | None:
+        """The longest lease the daemon grants (its last ``hello``'s ``max_lease_s``, the
+        operator's ``--max-lease-s``): a ``lease_s`` past it is refused ``invalid_argument``,
+        nothing clamped. None before the first hello, or from a daemon that does not say
+        (older than this field: its max was 600 s)."""
+        value = self._s.server.get("max_lease_s")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+        return None
+
+    @property
     def is_local(self) -> bool:
         """True while requests go over the daemon's local channel (a Unix socket) rather
         than ZMQ: co-located, the daemon announced one, and it could be connected."""

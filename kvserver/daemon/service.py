@@ -115,6 +115,7 @@ class KVService:
             "arena_size": self.engine.arena.size,
             "page_size": cfg.page_size,
             "default_lease_s": cfg.default_lease_s,
+            "max_lease_s": cfg.max_lease_s,
         }
 
     def register_namespace(self, spec: NamespaceSpec) -> dict[str, Any]:

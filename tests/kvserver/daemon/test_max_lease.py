@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.client import KVClient
+from kvserver.client import AsyncKVClient, KVClient
 from kvserver.errors import InvalidArgument
 from tests.kvserver.builders import make_keys, make_spec, pattern
 from tests.kvserver.daemon.stream_conn import RawStream
@@ -76,6 +76,22 @@ def test_a_lease_longer_than_the_daemons_max_is_refused_and_its_max_granted(
         grant = getattr(kv, call)(ns.ns_id, keys, lease_s=MAX_LEASE_S)
         assert 0 < grant.deadline - time.monotonic() <= MAX_LEASE_S
         assert kv.stats()["num_leases"] == 1
+
+
+async def test_hello_announces_the_daemons_max_lease_and_the_clients_show_it(
+    daemon: DaemonProc,
+) -> None:
+    """``hello``'s ``max_lease_s`` is the operator's value (flag, env or file), and both
+    clients expose it as ``max_lease_s`` once they have said hello (None before: unknown).
+    Before, a client learnt it only from a refusal."""
+    with KVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN) as kv:
+        assert kv.max_lease_s is None
+        assert kv.hello()["max_lease_s"] == MAX_LEASE_S
+        assert kv.max_lease_s == MAX_LEASE_S
+    async with AsyncKVClient(daemon.zmq_address, colocated=False, auth_token=TOKEN) as akv:
+        assert akv.max_lease_s is None
+        await akv.stats()  # the session's hello comes first
+        assert akv.max_lease_s == MAX_LEASE_S
 
 
 def test_a_stream_put_must_arrive_within_half_the_daemons_max_lease(tmp_path: Path) -> None:
