@@ -34,7 +34,7 @@ from grpc_health.v1 import health
 from kvserver._proto.kvserver.v1 import engine_pb2 as pb
 from kvserver.crypto import TlsServer
 from kvserver.daemon.auth import Authenticator
-from kvserver.daemon.config import bind_hint
+from kvserver.daemon.listening import bind_hint
 from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated
 from kvserver.grpc_format import ERROR_CODE_KEY, bearer_token
 from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS, ConnectionLimit

@@ -256,7 +256,8 @@ def test_every_argument_of_every_subcommand_says_what_it_is_in_help() -> None:
 def test_every_kvserver_variable_the_documents_name_is_read() -> None:
     """Each ``KVSERVER_*`` environment variable of README.md and docs/ is a daemon setting or
     one that ``kvserver start`` knows another process reads (so it does not warn about it)."""
-    from kvserver.daemon.config import unknown_env
+    from kvserver.daemon.config import DaemonConfig
+    from kvserver.daemon.config_sources import unknown_env
 
     named = {
         var
@@ -264,7 +265,7 @@ def test_every_kvserver_variable_the_documents_name_is_read() -> None:
         for var in re.findall(r"\bKVSERVER_[A-Z0-9_]*[A-Z0-9]", doc.read_text())
     }
     assert {"KVSERVER_METRICS_PORT", "KVSERVER_AUTH_TOKEN_FILE"} <= named
-    assert unknown_env(dict.fromkeys(named, "")) == []
+    assert unknown_env(dict.fromkeys(named, ""), DaemonConfig.settings()) == []
 
 
 def test_the_defaults_start_help_states_are_the_configs() -> None:

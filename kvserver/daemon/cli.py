@@ -152,9 +152,10 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _cmd_start(args: argparse.Namespace) -> int:
     import os
 
-    from kvserver.daemon.config import DaemonConfig, unknown_env
+    from kvserver.daemon.config import DaemonConfig
+    from kvserver.daemon.config_sources import unknown_env
 
-    for warning in unknown_env(os.environ):
+    for warning in unknown_env(os.environ, DaemonConfig.settings()):
         print(f"kvserver start: warning: {warning}", file=sys.stderr)
     overrides = {
         k: getattr(args, k)

@@ -4,23 +4,20 @@
 Defaults work out of the box: loopback only, fixed ports, 256 MiB of DRAM, the ``chain``
 eviction policy. The config file is TOML with the same keys as the dataclass fields
 (``dram = "8GiB"``); environment variables are ``KVSERVER_<FIELD>`` in upper case
-(``KVSERVER_DRAM=8GiB``). Each value, whatever its source, is coerced to its field's type by
-``kvserver.daemon.config_parse`` (sizes, booleans, numbers, tenants, ``keys_dir``) before
-``__post_init__`` checks the whole.
+(``KVSERVER_DRAM=8GiB``); both are read by ``kvserver.daemon.config_sources``. Each value,
+whatever its source, is coerced to its field's type by ``kvserver.daemon.config_parse``
+(sizes, booleans, numbers, tenants, ``keys_dir``) before ``__post_init__`` checks the whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from errno import EADDRINUSE
 from typing import Any
 
 from kvserver.cluster.config import ClusterConfig, parse_weights
@@ -28,10 +25,10 @@ from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import MAX_TOKEN_BYTES, is_loopback
 from kvserver.daemon.config_parse import coerce, fill_from_keys_dir
 from kvserver.daemon.config_parse import parse_size as parse_size  # still importable from here
+from kvserver.daemon.config_sources import check_keys, env_settings, read_config_file
 from kvserver.daemon.tenants import Tenant
 from kvserver.engine.types import EngineConfig
 from kvserver.errors import InvalidArgument
-from kvserver.files import TooLarge, read_limited
 from kvserver.policies import make_policy
 from kvserver.ssd.config import TierConfig
 from kvserver.token_file import read_token_file
@@ -56,19 +53,6 @@ DEFAULT_MAX_LEASE_S = EngineConfig().max_lease_s
 MAX_MAX_LEASE_S = EngineConfig().max_pin_ttl_s
 #: ``zmq_send_timeout_s`` when not set: this, or half of ``max_lease_s`` when that is less.
 DEFAULT_SEND_TIMEOUT_S = 60.0
-#: the largest config file read (a real one is a few KiB; ``--config /dev/zero`` read for ever).
-MAX_CONFIG_BYTES = 1 << 20
-
-
-def bind_hint(flag: str, errno: int | None = None) -> str:
-    """What to do when a listener cannot bind: the ``flag`` that moves it (``errno``
-    EADDRINUSE or None: the port may be taken; else the address itself is wrong)."""
-    if errno not in (None, EADDRINUSE):
-        return "; check --host (an address of this machine, or 0.0.0.0 for every one)"
-    return (
-        f"; is another kvserver (or another program) on that port? Stop it, or choose "
-        f"another with {flag} PORT (0: any free port)"
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +413,11 @@ class DaemonConfig:
         )
 
     @classmethod
+    def settings(cls) -> list[str]:
+        """The setting names: the config file's keys, ``KVSERVER_<NAME>`` in upper case."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
     def load(
         cls,
         *,
@@ -436,45 +425,19 @@ class DaemonConfig:
         env: Mapping[str, str] | None = None,
         overrides: Mapping[str, Any] | None = None,
     ) -> DaemonConfig:
-        """Defaults < ``config_file`` (TOML) < ``env`` (KVSERVER_*) < ``overrides`` (flags)."""
-        values: dict[str, Any] = {}
-        if config_file:
-            try:
-                text = read_limited(config_file, MAX_CONFIG_BYTES)
-                values.update(tomllib.loads(text.decode()))
-            except TooLarge:
-                raise InvalidArgument(
-                    f"cannot read config file {config_file}: larger than {MAX_CONFIG_BYTES} "
-                    "bytes (a config file is a few KiB of TOML)"
-                ) from None
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise InvalidArgument(f"cannot read config file {config_file}: {exc}") from None
-            except UnicodeDecodeError as exc:  # tomllib decodes the bytes first
-                raise InvalidArgument(
-                    f"cannot read config file {config_file}: not UTF-8 text ({exc.reason} at "
-                    f"byte {exc.start})"
-                ) from None
-        env = os.environ if env is None else env
-        for f in fields(cls):
-            raw = env.get(f"KVSERVER_{f.name.upper()}")
-            if raw is not None:
-                values[f.name] = raw
+        """Defaults < ``config_file`` (TOML) < ``env`` (KVSERVER_*; ``os.environ`` when None) <
+        ``overrides`` (flags; None values are not given)."""
+        values: dict[str, Any] = read_config_file(config_file) if config_file else {}
+        values.update(env_settings(os.environ if env is None else env, cls.settings()))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.from_mapping(values)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonConfig:
+        """The config of ``values`` (setting name -> a value or its text), each coerced
+        (``config_parse.coerce``), then checked as a whole; an unknown name is refused."""
         known = {f.name: f for f in fields(cls)}
-        unknown = set(values) - set(known)
-        if unknown:
-            hints = []
-            for key in sorted(unknown):
-                close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-                hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
-            raise InvalidArgument(
-                f"unknown config keys: {', '.join(hints)}; the keys are the long flag names "
-                "with '_' for '-' (kvserver start --help)"
-            )
+        check_keys(values, known)
         kwargs: dict[str, Any] = {}
         for name, value in values.items():
             kwargs[name] = coerce(name, known[name], value)
@@ -488,30 +451,3 @@ class DaemonConfig:
 
     def replace(self, **changes: Any) -> DaemonConfig:
         return dataclasses.replace(self, **changes)
-
-
-#: KVSERVER_* variables that are not daemon settings: read by the CLI, the scheduler, the
-#: tests, the benchmarks or deploy/run-local.sh (which passes its environment on to the daemon
-#: it starts).
-ENV_ELSEWHERE = frozenset(
-    f"KVSERVER_{name}"
-    for name in (
-        "SERVER", "REQUIRE_VLLM", "VLLM_ENGINE_PYTHON", "LOCAL_DIR", "CMD",
-        "GRPC", "ZMQ", "PUB", "METRICS", "ENGINE_AUTH_TOKEN", "ENGINE_AUTH_TOKEN_FILE",
-        "TAIL_PROBE", "TAIL_PROBE_DEBUG", "TEST_PAUSE_AT",
-    )
-)  # fmt: skip
-
-
-def unknown_env(env: Mapping[str, str]) -> list[str]:
-    """A warning for each ``KVSERVER_*`` variable in ``env`` that names no setting (a typo
-    would otherwise be ignored silently), with the closest setting when there is one."""
-    settings = [f.name.upper() for f in fields(DaemonConfig)]
-    out = []
-    for name in sorted(env):
-        setting = name.removeprefix("KVSERVER_")
-        if setting != name and setting not in settings and name not in ENV_ELSEWHERE:
-            close = difflib.get_close_matches(setting, settings, n=1, cutoff=0.75)
-            hint = f" (did you mean KVSERVER_{close[0]}?)" if close else ""
-            out.append(f"ignoring unknown environment variable {name}{hint}")
-    return out

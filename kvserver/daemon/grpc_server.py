@@ -44,8 +44,9 @@ from kvserver.cluster.rpc import score_hosts
 from kvserver.crypto import TlsServer
 from kvserver.daemon.access import allow_prefix
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal, not_registered
-from kvserver.daemon.config import DaemonConfig, bind_hint
+from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_stats import MAX_STATUS_DETAILS, stats_response
+from kvserver.daemon.listening import bind_hint
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
 from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated

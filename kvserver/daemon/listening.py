@@ -1,15 +1,17 @@
 """Where the daemon listens: :func:`check_ports`, a probe that its fixed ports are free before
-the arena is made (``process.py``, at start-up), and the start-up line
-(``kvserver listening: ...``, :func:`listening_line`), logged once serving: pure formatting of
-the config and the ready file's ``info``."""
+the arena is made (``process.py``, at start-up), the start-up line (``kvserver listening:
+...``, :func:`listening_line`), logged once serving: pure formatting of the config and the
+ready file's ``info``, and :func:`bind_hint`, what an error says to do when a listener (the
+daemon's, the scheduler's) cannot bind."""
 
 from __future__ import annotations
 
 import errno
 import socket
+from errno import EADDRINUSE
 
 from kvserver.arena import DEFAULT_SHM_DIR
-from kvserver.daemon.config import DaemonConfig, bind_hint
+from kvserver.daemon.config import DaemonConfig
 from kvserver.errors import KVServerError
 from kvserver.netaddr import host_port
 from kvserver.token_file import token_dir
@@ -21,6 +23,17 @@ _PORT_FLAGS = (
     ("pub_port", "--pub-port"),
     ("peer_stream_port", "--peer-stream-port"),
 )
+
+
+def bind_hint(flag: str, errno: int | None = None) -> str:
+    """What to do when a listener cannot bind: the ``flag`` that moves it (``errno``
+    EADDRINUSE or None: the port may be taken; else the address itself is wrong)."""
+    if errno not in (None, EADDRINUSE):
+        return "; check --host (an address of this machine, or 0.0.0.0 for every one)"
+    return (
+        f"; is another kvserver (or another program) on that port? Stop it, or choose "
+        f"another with {flag} PORT (0: any free port)"
+    )
 
 
 def check_ports(config: DaemonConfig) -> None:

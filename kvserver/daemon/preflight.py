@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import socket
 
-from kvserver.daemon.config import DaemonConfig, bind_hint
-from kvserver.daemon.listening import check_ports
+from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.listening import bind_hint, check_ports
 from kvserver.errors import KVServerError
 from kvserver.files import check_writable
 

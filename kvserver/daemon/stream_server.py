@@ -55,7 +55,7 @@ from typing import Any
 from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Authenticator, Principal
-from kvserver.daemon.config import bind_hint
+from kvserver.daemon.listening import bind_hint
 from kvserver.daemon.owners import STREAM_CLIENT as STREAM_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService

@@ -22,7 +22,8 @@ import zmq.asyncio
 
 from kvserver.crypto import CurveServer
 from kvserver.daemon.auth import Authenticator
-from kvserver.daemon.config import DaemonConfig, bind_hint
+from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.listening import bind_hint
 from kvserver.daemon.pub_limit import SubscriberLimit, configure
 from kvserver.daemon.refusals import HandshakeCounts, SubscriberCounts
 from kvserver.daemon.zap import HandshakeGate

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.daemon.config import MAX_CONFIG_BYTES, unknown_env
+from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.config_sources import MAX_CONFIG_BYTES, unknown_env
 from kvserver.policies import policy_names
 from kvserver.token_file import token_path
 from tests.support.daemon import start_daemon, wait_for_ready_file
@@ -53,7 +54,7 @@ def test_an_unknown_policy_exits_2_before_start_up(tmp_path: Path) -> None:
 def test_unknown_env_names_every_typo_and_nothing_else() -> None:
     env = {"KVSERVER_DRAM": "1GiB", "KVSERVER_POLICYY": "lru", "KVSERVER_XYZZY": "1", "HOME": "/",
            "KVSERVER_ENGINE_AUTH_TOKEN_FILE": "f", "KVSERVER_TAIL_PROBE": "p"}  # fmt: skip
-    assert unknown_env(env) == [
+    assert unknown_env(env, DaemonConfig.settings()) == [
         "ignoring unknown environment variable KVSERVER_POLICYY (did you mean KVSERVER_POLICY?)",
         "ignoring unknown environment variable KVSERVER_XYZZY",
     ]
