@@ -126,7 +126,8 @@ _SSD_COUNTERS = (
         "released_slots",
     ),
 )
-#: the peer stream's server end (``stats()["peer_stream"]``): (name without _total, help, key)
+#: the stream's server end (``stats()["peer_stream"]``): (name without _total, help, key);
+#: ``kvserver_peer_stream_*`` counts peers' fetches, ``kvserver_stream_client_*`` clients' ops
 _STREAM_COUNTERS = (
     ("kvserver_peer_stream_connections", "Peer stream connections accepted.", "connections"),
     ("kvserver_peer_stream_refused_connections",
@@ -137,16 +138,25 @@ _STREAM_COUNTERS = (
     ("kvserver_peer_stream_refused_handshakes",
      "Peer stream TLS handshakes that failed (a plain client, an untrusted certificate).",
      "refused_handshakes"),
-    ("kvserver_peer_stream_requests", "Fetch requests read on the peer stream.", "requests"),
-    ("kvserver_peer_stream_errors", "Error replies sent on the peer stream (refused hellos too).",
-     "errors"),
+    ("kvserver_peer_stream_requests", "Peers' fetch requests read on the peer stream.",
+     "requests"),
+    ("kvserver_peer_stream_errors", "Error replies to peers' fetches on the peer stream "
+     "(refused hellos and unframed requests too).", "errors"),
     ("kvserver_peer_stream_sent_chunks", "Chunks sent to peers on the stream.", "sent_chunks"),
     ("kvserver_peer_stream_sent_bytes", "Payload bytes sent to peers on the stream.",
      "sent_bytes"),
-    ("kvserver_peer_stream_received_chunks", "Chunks stored by clients' puts on the stream.",
-     "received_chunks"),
-    ("kvserver_peer_stream_received_bytes",
-     "Payload bytes stored by clients' puts on the stream.", "received_bytes"),
+    ("kvserver_stream_client_requests", "Clients' put and get requests read on the stream.",
+     "client_requests"),
+    ("kvserver_stream_client_errors", "Error replies to clients' puts and gets on the stream.",
+     "client_errors"),
+    ("kvserver_stream_client_sent_chunks", "Chunks sent to clients' gets on the stream.",
+     "client_sent_chunks"),
+    ("kvserver_stream_client_sent_bytes", "Payload bytes sent to clients' gets on the stream.",
+     "client_sent_bytes"),
+    ("kvserver_stream_client_received_chunks", "Chunks stored by clients' puts on the stream.",
+     "client_received_chunks"),
+    ("kvserver_stream_client_received_bytes",
+     "Payload bytes stored by clients' puts on the stream.", "client_received_bytes"),
 )  # fmt: skip
 #: network-tier counters: (metric name without _total, help, tier counter)
 _PEER_COUNTERS = (

@@ -40,12 +40,16 @@ connections would hold (and evict for) DRAM it never fills. A put that would tak
 reserved by the stream's puts in flight past ``max_reserved_bytes`` (a quarter of DRAM) is
 refused with ``capacity`` after its payload is drained, unless no other put is in flight (one
 put, however large, always proceeds); the client sends it over ZMQ instead.
+
+The ops are counted in :class:`OpCounters` of their own (``stats()["peer_stream"]``'s
+``client_*`` fields), apart from the peers' fetches the stream server counts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvserver import wire, wire_stream
@@ -60,16 +64,35 @@ from kvserver.errors import CapacityError, InvalidArgument, KVServerError
 StreamIO = PlainIO | TlsIO
 
 
+@dataclass(slots=True)
+class OpCounters:
+    """Counters of clients' ``put`` and ``get`` on the stream (never reset); the stream
+    server's ``stats()`` names them ``client_<field>``."""
+
+    #: op requests read (``put`` and ``get``, refused ones too).
+    requests: int = 0
+    #: error replies to them.
+    errors: int = 0
+    #: chunks and payload bytes sent to clients' gets.
+    sent_chunks: int = 0
+    sent_bytes: int = 0
+    #: chunks and payload bytes stored by clients' puts.
+    received_chunks: int = 0
+    received_bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
 class StreamOps:
-    """The op requests of the stream's connections; see the module docstring. ``counters``
-    are the stream server's (``StreamCounters``)."""
+    """The op requests of the stream's connections; see the module docstring. Counted in
+    ``counters`` (clients' ops only)."""
 
     def __init__(
-        self, service: KVService, counters: Any, *, max_payload_bytes: int,
-        max_reserved_bytes: int,
-    ) -> None:  # fmt: skip
+        self, service: KVService, *, max_payload_bytes: int, max_reserved_bytes: int
+    ) -> None:
         self._service = service
-        self._counters = counters
+        self.counters = OpCounters()
         self._max_payload = max_payload_bytes
         self._max_reserved = max_reserved_bytes
         #: bytes of DRAM reserved by puts whose payload is still arriving
@@ -84,17 +107,17 @@ class StreamOps:
         (payload,) = wire_stream.OP_PAYLOAD.unpack(raw)
         if payload > self._max_payload:
             error = InvalidArgument("message too large", size=payload, max=self._max_payload)
-            await refuse(io, self._counters, 0, error)
+            await refuse(io, self.counters, 0, error)
             await io.linger()
             raise Closed
         header = await io.read(length, io.timeout_s)
         assert header is not None
-        self._counters.requests += 1
+        self.counters.requests += 1
         try:
             request = wire_stream.decode_op_request(header)
         except KVServerError as exc:
             await io.drain(payload, self._within_s())
-            await refuse(io, self._counters, getattr(exc, "request_id", 0), exc)
+            await refuse(io, self.counters, getattr(exc, "request_id", 0), exc)
             return
         timer = self._service.op_seconds.labels(request.op)
         start = time.perf_counter()
@@ -143,7 +166,7 @@ class StreamOps:
             )
         except KVServerError as exc:
             await io.drain(payload, self._within_s())
-            await refuse(io, self._counters, request.request_id, exc)
+            await refuse(io, self.counters, request.request_id, exc)
             return
         if grant is None:  # DRAM full: nothing reserved
             await io.drain(payload, self._within_s())
@@ -156,8 +179,8 @@ class StreamOps:
             stored = await self._receive(io, keys, grant, tp, size)
         finally:
             self.reserved_bytes -= held
-        self._counters.received_chunks += len(stored)
-        self._counters.received_bytes += len(stored) * tp * size
+        self.counters.received_chunks += len(stored)
+        self.counters.received_bytes += len(stored) * tp * size
         result = {"stored": stored, "present": grant.present, "filtered": grant.filtered,
                   "rejected": False}  # fmt: skip
         await io.send([wire_stream.encode_result(request.request_id, result)])
@@ -209,9 +232,9 @@ class StreamOps:
             if isinstance(got, Pending):
                 got = await got.run()
         except KVServerError as exc:
-            await refuse(io, self._counters, request.request_id, exc)
+            await refuse(io, self.counters, request.request_id, exc)
             return
-        await send_fetched(io, service, self._counters, request.request_id, got, spec.part_bytes)
+        await send_fetched(io, service, self.counters, request.request_id, got, spec.part_bytes)
 
 
 async def send_fetched(

@@ -76,7 +76,9 @@ StreamIO = PlainIO | TlsIO
 
 @dataclass(slots=True)
 class StreamCounters:
-    """Counters of the peer stream's server end (``stats()["peer_stream"]``; never reset)."""
+    """Counters of the peer stream's server end (``stats()["peer_stream"]``; never reset).
+    ``requests``, ``errors``, ``sent_*``: peers' fetches (errors: refused hellos and unframed
+    requests too); clients' ops count in ``StreamOps.counters`` (``client_*``)."""
 
     connections: int = 0
     refused_connections: int = 0
@@ -88,9 +90,6 @@ class StreamCounters:
     errors: int = 0
     sent_chunks: int = 0
     sent_bytes: int = 0
-    #: chunks and payload bytes stored by clients' puts (``stream_ops.py``).
-    received_chunks: int = 0
-    received_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -128,9 +127,8 @@ class StreamServer:
         self._hello_waits: dict[str, int] = {}
         self.counters = StreamCounters()
         self._ops = StreamOps(
-            service, self.counters, max_payload_bytes=max_payload_bytes,
-            max_reserved_bytes=max_reserved_bytes,
-        )  # fmt: skip
+            service, max_payload_bytes=max_payload_bytes, max_reserved_bytes=max_reserved_bytes
+        )
         self.port = -1
 
     @property
@@ -138,8 +136,10 @@ class StreamServer:
         return len(self._tasks)
 
     def stats(self) -> dict[str, Any]:
+        clients = {f"client_{k}": v for k, v in self._ops.counters.to_dict().items()}
         return {"port": self.port, "tls": self.tls is not None,
-                "open_connections": self.num_connections, **self.counters.to_dict()}  # fmt: skip
+                "open_connections": self.num_connections, **self.counters.to_dict(),
+                **clients}  # fmt: skip
 
     async def start(self) -> int:
         """Bind and listen; returns the port (ephemeral when configured 0). Raises

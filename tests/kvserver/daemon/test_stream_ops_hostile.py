@@ -197,14 +197,14 @@ def test_two_puts_of_one_key_at_once_store_one_whole_copy(daemon: DaemonProc) ->
 def test_a_client_leaving_mid_get_reply_ends_its_pins(daemon: DaemonProc, closes: bool) -> None:
     """A get of 10 MiB (more than both sockets' buffers: Linux's send buffer grows to 4 MiB)
     whose client reads the reply's head and then closes, or stops reading: the reply is not
-    all sent (``sent_chunks`` unchanged), its load lease ends (no page stays pinned; at once,
+    all sent (``client_sent_chunks`` unchanged), its load lease ends (no page stays pinned; at once,
     or after --peer-timeout-s), and the daemon serves the next client."""
     keys = make_keys(10 * PER_PUT, tag=f"midget-{closes}")
     with admin(daemon, stream=True) as kv:
         for i in range(0, len(keys), PER_PUT):
             window = keys[i : i + PER_PUT]
             assert kv.put(SPEC.ns_id, window, parts_of(window)).stored == window
-    sent = stats(daemon)["peer_stream"]["sent_chunks"]  # type: ignore[index]
+    sent = stats(daemon)["peer_stream"]["client_sent_chunks"]  # type: ignore[index]
     raw = RawStream(daemon, TOKEN, rcvbuf=4096)
     try:
         raw.op(1, "get", args_of(keys))
@@ -212,7 +212,7 @@ def test_a_client_leaving_mid_get_reply_ends_its_pins(daemon: DaemonProc, closes
         if closes:
             raw.close()
         wait_until(lambda: stats(daemon)["pinned_pages"] == 0, timeout=60)
-        assert stats(daemon)["peer_stream"]["sent_chunks"] == sent  # type: ignore[index]
+        assert stats(daemon)["peer_stream"]["client_sent_chunks"] == sent  # type: ignore[index]
     finally:
         raw.close()
     assert readable(daemon, keys[:2]) == parts_of(keys[:2])
