@@ -40,7 +40,8 @@ from kvserver.client.calls import Answer, Call, Proc, PutResult, T
 from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
-from kvserver.client.stream import StreamLink, StreamUse, get_call
+from kvserver.client.stream import StreamLink
+from kvserver.client.stream_use import StreamUse, get_call
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
 from kvserver.namespace import NamespaceSpec

@@ -61,7 +61,8 @@ from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.client.pending import Pending
-from kvserver.client.stream import StreamLink, StreamUse, get_call
+from kvserver.client.stream import StreamLink
+from kvserver.client.stream_use import StreamUse, get_call
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
@@ -103,7 +104,7 @@ class KVClient(ClientBase):
     channel (a Unix socket) when co-located and it announces one (``docs/wire.md`` §1).
     ``stream`` (on by default: 1.1-1.3x raw ZMQ where ZMQ is 0.7-0.9x, ``docs/benchmarks.md``):
     send a remote ``put`` and ``get`` over the daemon's stream port when it announces one for
-    them (``docs/wire.md`` §6; :mod:`kvserver.client.stream`), else ZMQ; ``stream_tls`` (the
+    them (``docs/wire.md`` §6; :mod:`kvserver.client.stream_use`), else ZMQ; ``stream_tls`` (the
     daemon's CA): over its TLS stream port, never a plain one."""
 
     _t: Transport

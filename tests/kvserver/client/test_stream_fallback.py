@@ -1,5 +1,5 @@
 """When the clients send a ``put`` / ``get`` over the daemon's stream port and when over ZMQ
-(``kvserver/client/stream.py``): the rules of :func:`stream_address`, and a daemon restarted
+(``kvserver/client/stream_use.py``): the rules of :func:`stream_address`, and a daemon restarted
 under a client that was using the stream (real daemons on loopback).
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 from kvserver import wire
 from kvserver.client import KVClient
-from kvserver.client.stream import stream_address
+from kvserver.client.stream_use import stream_address
 from tests.kvserver.builders import make_keys
 from tests.kvserver.client.test_client import SPEC, as_bytes, parts
 from tests.support.daemon import port_kept, start_daemon
