@@ -71,15 +71,22 @@ def decode(body: memoryview) -> list[memoryview]:
     if not 1 <= count <= MAX_FRAMES or overhead(count) > body.nbytes:
         raise InvalidArgument("local message has a bad frame count", count=count)
     lengths = struct.unpack_from(f">{count}Q", body, COUNT.size)
-    pos = overhead(count)
-    if pos + sum(lengths) != body.nbytes:
+    return split_frames(lengths, body[overhead(count) :])
+
+
+def split_frames(lengths: Sequence[int], data: memoryview) -> list[memoryview]:
+    """Views of ``data`` cut at ``lengths`` (a message's frames, back to back), for a receiver
+    that read the lengths apart (before it took the frames' bytes). Raises InvalidArgument when
+    they do not add up to ``data``'s size."""
+    if sum(lengths) != data.nbytes:
         raise InvalidArgument(
             "local message frame lengths do not add up to its size",
-            size=body.nbytes,
-            frames=pos + sum(lengths),
+            size=data.nbytes,
+            frames=sum(lengths),
         )
     views: list[memoryview] = []
+    pos = 0
     for length in lengths:
-        views.append(body[pos : pos + length])
+        views.append(data[pos : pos + length])
         pos += length
     return views

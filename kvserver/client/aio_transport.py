@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ import zmq.asyncio
 from kvserver import wire, wire_local
 from kvserver.client import replies
 from kvserver.client.calls import Answer, Call
-from kvserver.client.common import Session
+from kvserver.client.common import DEFAULT_MAX_MESSAGE_BYTES, Session
 from kvserver.client.links import ConnectionWatch, open_dealer
 from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 
@@ -66,29 +67,52 @@ class AioSlot:
 class AioLocalLink:
     """One connection to the daemon's local channel (asyncio streams)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_frame: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self._reader, self._writer = reader, writer
+        #: the largest frame of a reply taken (the daemon's ``max_message_bytes``, or the
+        #: client's ``max_frame_bytes`` when smaller)
+        self._max_frame = max_frame
 
     @classmethod
-    async def connect(cls, path: str, timeout: float) -> AioLocalLink:
-        """Raises OSError (no daemon there, no permission, timeout)."""
+    async def connect(
+        cls, path: str, timeout: float, max_frame: int = DEFAULT_MAX_MESSAGE_BYTES
+    ) -> AioLocalLink:
+        """Connect to ``path``; its replies' frames at most ``max_frame`` bytes. Raises OSError
+        (no daemon there, no permission, timeout)."""
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-        return cls(reader, writer)
+        return cls(reader, writer, max_frame)
 
     async def send(self, frames: Sequence[Any], timeout: float) -> None:
         self._writer.writelines(wire_local.encode(frames))
         await asyncio.wait_for(self._writer.drain(), max(timeout, 1e-3))
 
     async def recv(self) -> list[memoryview]:
-        """One whole message. Raises OSError (EOF included)."""
+        """One whole message. Raises OSError (EOF included); InvalidArgument when its framing
+        announces more than its frame count times ``max_frame`` bytes, or a frame over
+        ``max_frame`` bytes, before those bytes are taken (``LocalLink.recv``'s bound). After
+        either the link is unusable: close it."""
+        size_len, count_len = wire_local.SIZE.size, wire_local.COUNT.size
         try:
-            head = await self._reader.readexactly(wire_local.SIZE.size)
-            (size,) = wire_local.SIZE.unpack(head)
-            body = await self._reader.readexactly(size)
+            head = await self._reader.readexactly(size_len + count_len)
+            (size,) = wire_local.SIZE.unpack_from(head)
+            (count,) = wire_local.COUNT.unpack_from(head, size_len)
+            if not 1 <= count <= wire_local.MAX_FRAMES or size < wire_local.overhead(count):
+                raise ConnectionResetError(f"unreadable local message: bad frame count ({count})")
+            if size > wire_local.overhead(count) + count * self._max_frame:
+                raise _too_large(size, count, self._max_frame)
+            lengths = struct.unpack(f">{count}Q", await self._reader.readexactly(8 * count))
+            if max(lengths) > self._max_frame:
+                raise _too_large(size, count, self._max_frame)
+            frames = await self._reader.readexactly(size - wire_local.overhead(count))
         except asyncio.IncompleteReadError:
             raise ConnectionResetError("the daemon closed the local channel") from None
         try:
-            return wire_local.decode(memoryview(body))
+            return wire_local.split_frames(lengths, memoryview(frames))
         except InvalidArgument as exc:
             raise ConnectionResetError(f"unreadable local message: {exc}") from None
 
@@ -186,7 +210,10 @@ class AioTransport:
         if path is None:
             return
         try:
-            self._local = await AioLocalLink.connect(path, timeout)
+            max_frame = self._s.max_message_bytes
+            if self._max_frame > 0:
+                max_frame = min(max_frame, self._max_frame)
+            self._local = await AioLocalLink.connect(path, timeout, max_frame)
         except (TimeoutError, OSError) as exc:
             logger.info("cannot use the local channel %s (%s); using ZMQ", path, exc)
             self._local_refused = path
@@ -338,6 +365,12 @@ class AioTransport:
                         return  # it was closed: what was outstanding on it failed
             except asyncio.CancelledError:
                 raise
+            except InvalidArgument as exc:
+                if link is not self._local:
+                    self._link_failed(link, exc)
+                else:  # the local channel: a reply past the daemon's bound
+                    self._refuse_local(exc)
+                return
             except Exception as exc:
                 self._link_failed(link, exc)
                 return
@@ -352,6 +385,18 @@ class AioTransport:
             logger.warning("the connection to %s failed (%s)", self._s.address, why)
             self._close_dealer()
             self._fail_outstanding(f"the connection failed ({why})")
+
+    def _refuse_local(self, error: InvalidArgument) -> None:
+        """The local channel announced a reply past its bound (``AioLocalLink.recv``): the
+        oldest request outstanding (replies come in request order) fails with ``error``, the
+        link is closed (the next request connects a new one), the others fail with
+        Unavailable."""
+        logger.warning("refusing a reply from %s: %s", self._s.address, error)
+        if self._slots:
+            slot = self._slots.pop(next(iter(self._slots)))
+            if not slot.future.done() and not slot.cancelled:
+                slot.future.set_exception(error)
+        self._lose_local(f"the daemon sent a reply past its bound ({error})")
 
     def _zmq_sync(self, sock: zmq.asyncio.Socket) -> zmq.Socket[Any]:
         """A plain (blocking-API) socket on ``sock``'s handle, for non-blocking receives."""
@@ -394,3 +439,10 @@ class AioTransport:
             slot.future.set_exception(outcome)
         else:
             slot.future.set_result(outcome)
+
+
+def _too_large(size: int, count: int, max_frame: int) -> InvalidArgument:
+    return InvalidArgument(
+        "local reply announces frames larger than the daemon's max_message_bytes",
+        size=size, frames=count, max_frame_bytes=max_frame,
+    )  # fmt: skip

@@ -180,3 +180,38 @@ def test_a_reply_announcing_more_than_arrives_costs_what_arrives_plus_a_step(
             assert not kv.is_local
     finally:
         fake.close()
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        pytest.param([1 << 60], id="one-frame-of-an-exbibyte"),
+        pytest.param([16] + [1 << 40] * 3, id="terabyte-frames"),
+        pytest.param([16, MAX_MESSAGE + 16], id="a-frame-over-beside-a-small-one"),
+    ],
+)
+async def test_the_async_client_refuses_them_unreceived_too(
+    daemon: DaemonProc, lengths: list[int]
+) -> None:
+    """``AsyncKVClient``'s local link (``aio_transport.AioLocalLink.recv``) checks the same
+    bound at the framing: InvalidArgument for the request, nothing large taken (before: its
+    ``readexactly`` of the announced size buffered whatever came, up to it), the link closed
+    and the client back on ZMQ for the next request."""
+    from kvserver.client import AsyncKVClient
+
+    fake = LyingLocal(local_path(daemon), framing(lengths))  # refused before the frames
+    try:
+        async with AsyncKVClient(daemon.zmq_address, colocated=True) as kv:
+            tracemalloc.start()
+            try:
+                with pytest.raises(InvalidArgument, match="max_message_bytes") as info:
+                    await kv.stats()
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert info.value.context["max_frame_bytes"] == MAX_MESSAGE
+            assert peak < 4 << 20, f"the client allocated {peak >> 20} MiB"
+            assert fake.dropped.wait(30)
+            assert not kv.is_local
+    finally:
+        fake.close()
