@@ -27,6 +27,7 @@ from types import TracebackType
 
 from kvserver.allocator import Extents
 from kvserver.errors import InvalidArgument, StorageError
+from kvserver.files import remove_if_unheld
 
 DEFAULT_SHM_DIR = "/dev/shm"
 
@@ -363,7 +364,7 @@ def reap_stale_arenas(directory: str = DEFAULT_SHM_DIR) -> list[str]:
                     os.unlink(path)
                     removed.append(path)
             continue
-        if _reap_unlocked(path, uid):
+        if remove_if_unheld(path, os.O_NONBLOCK, os.unlink, stat.S_ISREG):  # its daemon gone
             removed.append(path)
             sock = f"{path}.sock"
             if _is_own(sock, uid, stat.S_ISSOCK):
@@ -379,30 +380,6 @@ def _is_own(path: str, uid: int, kind: Callable[[int], bool]) -> bool:
     except OSError:
         return False
     return st.st_uid == uid and kind(st.st_mode)
-
-
-def _reap_unlocked(path: str, uid: int) -> bool:
-    """Unlink the arena file ``path`` if it is this user's and no process holds its lock."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # its daemon is running
-        if os.lstat(path).st_ino != st.st_ino:
-            return False  # replaced meanwhile
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ read without end, and a FIFO nobody writes blocked the start for ever.
 
 ``remove_if_unheld`` removes a file or directory a process of this user made and locked for
 its lifetime once no process holds that lock any more (it died without cleaning up: SIGKILL,
-OOM): the token files, the scheduler's socket directory.
+OOM): the token files, the scheduler's socket directory, a dead daemon's arena file.
 """
 
 from __future__ import annotations
