@@ -94,6 +94,11 @@ class PutResult:
     #: True if the cache could not make room (nothing was stored).
     rejected: bool
 
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> PutResult:
+        """A put reply's result (ZMQ's or the stream's; the daemon's ``put`` result)."""
+        return cls(result["stored"], result["present"], result["filtered"], result["rejected"])
+
 
 class SessionCalls:
     """The daemon operations of a session, as procedures (see the module docstring). Uses the
@@ -273,8 +278,7 @@ class SessionCalls:
         answer = yield Call(
             wire.PUT, {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}, payload
         )
-        r = answer.result
-        return PutResult(r["stored"], r["present"], r["filtered"], r["rejected"])
+        return PutResult.from_result(answer.result)
 
     def get(
         self,

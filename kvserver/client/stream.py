@@ -171,8 +171,7 @@ class StreamLink:
             body = self._exchange(wire.PUT, args, client, payload, size, timeout, result=True)
         except CapacityError:  # the stream's puts in flight hold their share of DRAM
             raise NotHere from None
-        r = wire_stream.decode_result(body)
-        return PutResult(r["stored"], r["present"], r["filtered"], r["rejected"])
+        return PutResult.from_result(wire_stream.decode_result(body))
 
     def get(
         self,

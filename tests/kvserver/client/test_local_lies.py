@@ -26,20 +26,11 @@ from kvserver import wire_local
 from kvserver.client import KVClient
 from kvserver.errors import InvalidArgument, Unavailable
 from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.stand_in import recv_exactly
 
 pytestmark = pytest.mark.multiprocess
 
 MAX_MESSAGE = 1 << 20  # the daemon's max_message_bytes
-
-
-def recv_exactly(conn: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = conn.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return out
 
 
 def framing(lengths: list[int]) -> bytes:

@@ -25,6 +25,7 @@ from kvserver.errors import InvalidArgument, KVServerError, Unavailable
 from tests.kvserver.builders import make_keys
 from tests.kvserver.client.test_client import SPEC, as_bytes, parts
 from tests.support.daemon import DaemonProc, start_daemon
+from tests.support.stand_in import recv_exactly
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,16 +34,6 @@ KEYS = make_keys(2, tag="stream-lies")
 BOUND = 8 << 20
 
 Head = Callable[[wire_stream.OpRequest], bytes]
-
-
-def recv_exactly(conn: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = conn.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return out
 
 
 class LyingStream:
