@@ -15,7 +15,8 @@ and sends a get's parts from the pages under a load lease (``sendmsg``), as for 
 Each op has the ZMQ op's semantics and errors: its ``args`` are checked by the ZMQ schema
 (``wire_requests.check_args``), the caller's access by ``access.authorize`` (the connection's
 principal, from its hello), a lease owner the daemon keeps for itself is refused, the time goes
-to ``service.op_seconds`` and the service publishes the KV events. A put:
+to ``service.op_seconds`` (labelled by ``op_labels.op_label``) and the service publishes the KV
+events. A put:
 
 - is checked whole before anything is reserved (the namespace, duplicate keys, the payload's
   announced size against ``len(keys) x tp x part_bytes``); a refused one has its payload read
@@ -55,6 +56,7 @@ from typing import Any
 from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Principal
+from kvserver.daemon.op_labels import op_label
 from kvserver.daemon.owners import DAEMON_OWNERS, STREAM_CLIENT, STREAM_PUT_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
@@ -119,7 +121,7 @@ class StreamOps:
             await io.drain(payload, self._within_s())
             await refuse(io, self.counters, getattr(exc, "request_id", 0), exc)
             return
-        timer = self._service.op_seconds.labels(request.op)
+        timer = self._service.op_seconds.labels(op_label(request.op, request.args))
         start = time.perf_counter()
         try:
             if request.op == wire.PUT:

@@ -24,7 +24,8 @@ to the namespace (``access.authorize``, as for the ZMQ ``get``), then
 ``KVService.get(leading=True)``: the leading run of the keys held in this daemon's own tiers,
 promoted from SSD when needed, pinned by a load lease while its pages are sent straight from
 the arena (``sendmsg`` of arena views, the kernel's copy the only one; with TLS,
-``SSL_write`` of them in a worker thread: ``stream_io.py``), then unpinned.
+``SSL_write`` of them in a worker thread: ``stream_io.py``), then unpinned. Its time goes to
+``service.op_seconds`` as ``peer_fetch`` (``op_labels.py``), as a peer's fetch over ZMQ does.
 
 A client's ``put`` or ``get`` (an op request: ``stream_ops.py``) is served on the same
 connections, after the same hello, in the same order as its other requests.
@@ -49,6 +50,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ from kvserver import wire, wire_stream
 from kvserver.daemon.access import authorize
 from kvserver.daemon.auth import Authenticator, Principal
 from kvserver.daemon.listening import bind_hint
+from kvserver.daemon.op_labels import PEER_FETCH
 from kvserver.daemon.owners import STREAM_CLIENT as STREAM_CLIENT
 from kvserver.daemon.results import Fetched, Pending
 from kvserver.daemon.service import KVService
@@ -288,6 +291,15 @@ class StreamServer:
     async def _answer(
         self, io: StreamIO, request: wire_stream.FetchRequest, who: Principal
     ) -> None:
+        """Answer a peer's fetch; its time, until its reply is sent or refused, goes to
+        ``service.op_seconds`` as ``peer_fetch`` (as the same ``get`` over ZMQ does)."""
+        start = time.perf_counter()
+        try:
+            await self._fetch(io, request, who)
+        finally:
+            self._service.op_seconds.labels(PEER_FETCH).observe(time.perf_counter() - start)
+
+    async def _fetch(self, io: StreamIO, request: wire_stream.FetchRequest, who: Principal) -> None:
         service = self._service
         try:
             authorize(who, service, wire.GET, {"ns_id": request.ns_id, "keys": request.keys})

@@ -29,6 +29,7 @@ from kvserver import wire, wire_local
 from kvserver.daemon.access import authorize, visible_namespaces, visible_stats
 from kvserver.daemon.auth import ADMIN, Principal
 from kvserver.daemon.config import DaemonConfig
+from kvserver.daemon.op_labels import op_label
 from kvserver.daemon.request_checks import check_parts, check_unique
 from kvserver.daemon.results import Fetched, LookupHits, Pending
 from kvserver.daemon.service import KVService
@@ -132,10 +133,11 @@ class DataOps:
 
     def handle(self, op: str, call: OpCall) -> Result | Deferred:
         """Carry out ``op`` (a valid op name) now, or return the rest of it as a Deferred.
-        Its time (a Deferred's until its answer) goes to ``service.op_seconds``. Raises
+        Its time (a Deferred's until its answer) goes to ``service.op_seconds`` under its
+        ``op_labels.op_label`` (a peer's fetch: ``peer_fetch``). Raises
         PermissionDenied (nothing done) when ``call.who`` may not make it (``access.py``)."""
         authorize(call.who, self._service, op, call.args)
-        timer = self._service.op_seconds.labels(op)
+        timer = self._service.op_seconds.labels(op_label(op, call.args))
         start = time.perf_counter()
         out = self._handlers[op](call)
         if not isinstance(out, Deferred):
