@@ -358,8 +358,8 @@ class DaemonConfig:
             )
         if not 0 <= self.zmq_send_timeout_s <= self.max_lease_s / 2:
             raise InvalidArgument(
-                f"zmq_send_timeout_s must be in (0, {self.max_lease_s / 2:g}], half the "
-                "longest lease (0: the default)",
+                f"zmq_send_timeout_s must be in [0, {self.max_lease_s / 2:g}], at most half "
+                "the longest lease (0: the default, 60 s or that half when less)",
                 value=self.zmq_send_timeout_s,
             )
 

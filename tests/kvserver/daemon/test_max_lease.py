@@ -151,7 +151,8 @@ def start_cmd(shm: Path, *extra: str) -> list[str]:
         (
             ("--max-lease-s", "100"),
             {"KVSERVER_ZMQ_SEND_TIMEOUT_S": "60"},
-            "zmq_send_timeout_s must be in (0, 50], half the longest lease",
+            "zmq_send_timeout_s must be in [0, 50], at most half the longest lease (0: the "
+            "default, 60 s or that half when less)",
         ),
     ],
 )

@@ -201,6 +201,21 @@ def test_a_send_timeout_outside_0_to_half_the_longest_lease_is_refused(
     assert DaemonConfig(zmq_send_timeout_s=half, max_lease_s=max_lease_s).send_timeout_s == half
 
 
+@pytest.mark.parametrize(("max_lease_s", "half"), [(600.0, "300"), (100.0, "50"), (41.0, "20.5")])
+def test_the_send_timeouts_error_gives_its_range_with_0_in_it(
+    max_lease_s: float, half: str
+) -> None:
+    """0 is taken (the default), so the range the message gives is [0, half the longest
+    lease] and says what 0 means (before: "(0, 300]", though 0 was accepted)."""
+    assert DaemonConfig(zmq_send_timeout_s=0.0, max_lease_s=max_lease_s).send_timeout_s > 0
+    with pytest.raises(InvalidArgument) as refused:
+        DaemonConfig(zmq_send_timeout_s=-1.0, max_lease_s=max_lease_s)
+    assert str(refused.value) == (
+        f"zmq_send_timeout_s must be in [0, {half}], at most half the longest lease (0: the "
+        "default, 60 s or that half when less) (value=-1.0)"
+    )
+
+
 @pytest.mark.parametrize(("max_lease_s", "timeout_s"), [(600.0, 60.0), (120.0, 60.0), (40.0, 20.0)])
 def test_the_send_timeout_defaults_to_60_s_or_half_the_longest_lease(
     max_lease_s: float, timeout_s: float
