@@ -8,7 +8,8 @@
 # The commands are the compose file's, with service hostnames -> 127.0.0.1, each listen port
 # mapped to the local port below (both workers listen on :9500 in their containers, here on
 # 9500 and 9501), volumes and ready files -> one temporary directory. The compose file's `keys`
-# script runs first and makes the keys (CURVE, TLS, token) in DIR/keys, as in the containers.
+# script runs first and makes the keys (CURVE, TLS, token) in DIR/keys, as in the containers;
+# its TLS certificates need the `cryptography` package (the `tls` extra), checked before it.
 # tests/deploy/test_compose.py checks this correspondence, so edit both together.
 #
 # Environment: KVSERVER_LOCAL_DIR (default: a new temporary directory, removed on exit unless
@@ -90,13 +91,29 @@ if [[ $MODE == print ]]; then
   exit 0
 fi
 
+# The keys script's `kvserver keys tls` needs the cryptography package (the tls extra). Ask the
+# kvserver command itself (its own interpreter, whatever KV is) to make a throwaway certificate,
+# before anything is made or started: without the package (its refusal says "needs the
+# 'cryptography' package", kvserver/cli_keys.py) that is one line here, not a failure in the
+# middle of the keys step. Any other failure is left to the keys step, which shows its log.
+CHECK=$(mktemp -d -t kvserver-tls-check.XXXXXX)
+TLS_CHECK=$("${KV[@]}" keys tls "$CHECK" --host localhost 2>&1) || true
+rm -rf "$CHECK"
+if [[ $TLS_CHECK == *"'cryptography' package"* ]]; then
+  [[ $KEEP_DIR == 0 ]] && rm -rf "$DIR"
+  echo "run-local.sh: error: '${KV[*]}' cannot import the 'cryptography' package, which the" \
+    "keys step (kvserver keys tls) needs: install the tls extra, e.g." \
+    "python3 -m pip install -e '.[torch,tls]' (docs/deploy.md)" >&2
+  exit 2
+fi
+
 # Job control: every service gets its own process group, so a terminal's Ctrl-C reaches only
 # this script, which then stops the services in order with SIGTERM.
 set -m
 PIDS=()
-stop() {
+stop() { # [exit status: the script's own, kept unless a service exits with another]
   trap - INT TERM EXIT
-  local rc=0 pid
+  local rc=${1:-0} pid
   echo "stopping the cluster" >&2
   # reverse start order: scheduler first, daemon last
   for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${PIDS[i]}" 2>/dev/null || true; done
@@ -104,11 +121,18 @@ stop() {
   if [[ $KEEP_DIR == 0 ]]; then rm -rf "$DIR"; else echo "logs kept in $DIR"; fi
   exit "$rc"
 }
-trap stop INT TERM EXIT
+trap 'stop 0' INT TERM
+trap 'stop $?' EXIT # a failed step's `exit 1` stays 1
 
 mkdir -p "$DIR/kvdata" "$DIR/models"
 kvserver() { "${KV[@]}" "$@"; } # the keys script calls `kvserver keys ...`
-if ! (eval "$KEYS") >"$DIR/keys.log" 2>&1; then
+# not tested by `if`: inside a tested command bash ignores the script's own `set -e`, and
+# its steps after a failed one ran anyway
+set +e
+(eval "$KEYS") >"$DIR/keys.log" 2>&1
+KEYS_RC=$?
+set -e
+if ((KEYS_RC != 0)); then
   echo "making the keys failed; its log ($DIR/keys.log):" >&2
   cat "$DIR/keys.log" >&2
   KEEP_DIR=1
