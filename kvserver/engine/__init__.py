@@ -7,6 +7,8 @@ calls (it imports the value types of ``types``):
 
 - ``core``: :class:`StorageEngine`, the facade (validation, the public calls, the invariants)
 - ``index``: ``DramIndex``, the entries, their pages, the eviction policy, the page accounting
+- ``pins``: ``PinnedPages`` (the index's), what keeps an entry from eviction (load pins, TTL
+  pins, an expired load's hold) and the pages that counts
 - ``leases``: ``LeaseBook``, who holds what: leases, load pins, TTL pins, quarantines
 - ``namespaces``: ``NamespaceTable``, registered specs, their ids, key validation
 - ``events``: ``EngineEvents``, the one gap-free event sequence and the eviction hook

@@ -23,7 +23,8 @@ gated=False)`` + ``write_part`` + ``settle_store`` bring chunks back up (promoti
 
 Layout (the package ``kvserver.engine``): this module is the facade (validation, the public
 calls); the mechanics sit in one module of the package per concept, each used only from here:
-``index.DramIndex`` (entries, pages, eviction, page accounting), ``leases.LeaseBook`` (leases,
+``index.DramIndex`` (entries, pages, eviction, page accounting; its ``pins.PinnedPages``:
+what keeps an entry from eviction), ``leases.LeaseBook`` (leases,
 load pins, TTL pins), ``namespaces.NamespaceTable`` (specs, ids, key validation),
 ``events.EngineEvents`` (the one gap-free event sequence, the eviction hook),
 ``stats.EngineCounters`` (the counters, per namespace and in total, and the ``stats()``
@@ -92,6 +93,7 @@ class StorageEngine:
         self._dram = DramIndex(config.num_pages, config.page_size, config.policy)
         self.policy = self._dram.policy
         self.allocator = self._dram.allocator
+        self._pins = self._dram.pins
         self.reuse = ReuseTracker(config.store_threshold, config.max_tracker_size)
         # Last: everything that validates input runs first, so a bad config leaks no shm file.
         self.arena = SharedArena(
@@ -367,7 +369,7 @@ class StorageEngine:
             raise UnknownKey("chunk not present", ns=ns_id, key=key)
         ikeys = [(ns, key) for key in keys]
         loaded = list(map(self._dram.entries.__getitem__, ikeys))  # every one READY
-        self._dram.add_pins(loaded)
+        self._pins.add_pins(loaded)
         self.policy.touch(ikeys)
         deadline = self._clock() + lease_s
         lease = self.leases.new(LeaseKind.LOAD, client, ns, list(keys), deadline)
@@ -378,7 +380,7 @@ class StorageEngine:
         """Release the pins of a load lease. A finished or expired lease raises LeaseError."""
         self._reap()
         lease = self.leases.get(lease_id, LeaseKind.LOAD)
-        self._dram.drop_pins(lease.ns, lease.keys)
+        self._pins.drop_pins(lease.ns, lease.keys)
         self.leases.end(lease, "completed")
 
     # ================================================================== explicit pins

@@ -11,13 +11,13 @@ those around each call. Call order for one chunk::
     make_ready(ns, keys)              -> READY, tracked by the eviction policy
     rollback(entry, until)            -> a WRITING entry removed, its pages freed (or, with
                                          ``until``, quarantined: freed by release_quarantine)
-    hold(ns, keys, until)             -> READY entries kept from eviction until then (an
-                                         expired load lease's quarantine)
-    release_quarantine(now)           -> the quarantined pages whose time is up freed, the
-                                         holds whose time is up ended
+    release_quarantine(now)           -> the quarantined pages whose time is up freed
     free(entries)                     -> the pages of evicted entries returned
-    add_pins / drop_pins / extend_ttl / clear_ttl   pinned-page accounting of READY entries
     ready_run(ns, keys) / missing(ns, keys)         a lookup's leading run, a batch's misses
+
+What keeps a READY entry from eviction (load pins, TTL pins, an expired load's hold) and the
+pages that counts are ``pins`` (:class:`~kvserver.engine.pins.PinnedPages`, ``pins.py``),
+which the index makes and holds: the engine and ``LeaseBook`` pin, unpin and hold through it.
 
 Every call that takes several keys does its work for the whole batch (one allocation, one
 free, one accounting update), since a batch of a co-located store or load is hundreds of keys
@@ -28,10 +28,10 @@ Invariants (recomputed from scratch by :meth:`DramIndex.check_invariants`):
   pinned (READY, pinned), held (READY, unpinned, ``held_until > 0``: an expired load lease's
   quarantine, its reader may still copy out of it) or quarantined (an expired reservation's,
   not handed out again before its time: a stalled client may still copy into it,
-  ``leases.py``); ``reserved_pages``, ``pinned_pages``, ``held_pages`` and
+  ``leases.py``); ``reserved_pages``, ``pins.pinned_pages``, ``pins.held_pages`` and
   ``quarantined_pages`` count them; held and quarantined pages are neither free nor
-  evictable (a store that needs them is refused, as on a full cache); quarantines and holds
-  end in the order they came, their times non-decreasing;
+  evictable (a store that needs them is refused, as on a full cache); quarantines end in the
+  order they came, their times non-decreasing (holds too: ``pins.py``);
 - every READY entry is tracked by the policy and no other key is; ``ready[ns]`` holds exactly
   the keys of namespace ``ns``'s READY entries;
 - pinned and WRITING entries are never evicted; eviction removes whole entries, all or nothing.
@@ -47,6 +47,7 @@ from operator import itemgetter
 from typing import cast
 
 from kvserver.allocator import Extents, PageAllocator
+from kvserver.engine.pins import PinnedPages
 from kvserver.engine.types import Entry, EntryState
 from kvserver.namespace import NamespaceSpec
 from kvserver.policies import make_policy
@@ -86,15 +87,12 @@ class DramIndex:
         #: and no (ns, key) tuple per key
         self.ready: defaultdict[int, set[bytes]] = defaultdict(set)
         self.reserved_pages = 0
-        self.pinned_pages = 0
         self.num_writing = 0
         #: pages of rolled-back reservations not free yet: (free at, pages), times ascending
         self._quarantine: deque[tuple[float, list[int]]] = deque()
         self.quarantined_pages = 0
-        #: READY entries held by expired load leases: (held until, entries), times ascending
-        #: (an entry re-held later has a later ``held_until``: its earlier item is skipped)
-        self._holds: deque[tuple[float, list[Entry]]] = deque()
-        self.held_pages = 0
+        #: the pins, TTL pins and holds of the entries, and their pages
+        self.pins = PinnedPages(self.entries)
         #: part size in bytes of each namespace index that reserved (a victim of the same part
         #: size hands its parts to a reservation as they are: same pages, same extents)
         self._part_bytes: dict[int, int] = {}
@@ -133,20 +131,7 @@ class DramIndex:
         protected: Container[Hashable] = {(ns, k) for k in keep}
         if protect:
             protected = _Protected(cast("set[IndexKey]", protected), ns, protect)
-
-        def evictable(k: Hashable) -> bool:
-            e = entries[k]  # type: ignore[index]
-            return e.pins <= 0 and e.ttl_until <= 0.0 and (not protected or k not in protected)
-
-        if self._holds:  # an expired load's chunks may be held: they are not evictable either
-
-            def evictable(k: Hashable) -> bool:
-                e = entries[k]  # type: ignore[index]
-                return (
-                    e.pins <= 0 and e.ttl_until <= 0.0 and e.held_until <= 0.0
-                    and (not protected or k not in protected)
-                )  # fmt: skip
-
+        evictable = self.pins.evictable(protected)
         policy = self.policy
         if policy.admits and new:
             victims = policy.evict(shortfall, self._cost, evictable, [(ns, k) for k in new])
@@ -280,8 +265,7 @@ class DramIndex:
         self.quarantined_pages += len(held)
 
     def release_quarantine(self, now: float) -> int:
-        """Free the quarantined pages whose time is ``<= now`` and end the holds whose time
-        is ``<= now``; returns how many pages were freed."""
+        """Free the quarantined pages whose time is ``<= now``; returns how many were freed."""
         quarantine = self._quarantine
         freed: list[int] = []
         while quarantine and quarantine[0][0] <= now:
@@ -289,30 +273,7 @@ class DramIndex:
         if freed:
             self.allocator.free(freed)
             self.quarantined_pages -= len(freed)
-        holds = self._holds
-        while holds and holds[0][0] <= now:
-            until, entries = holds.popleft()
-            for entry in entries:
-                if entry.held_until == until:  # not held again since
-                    entry.held_until = 0.0
-                    if entry.pins <= 0 and entry.ttl_until <= 0.0:
-                        self.held_pages -= entry.num_pages
         return len(freed)
-
-    def hold(self, ns: int, keys: Iterable[bytes], until: float) -> int:
-        """Keep the READY entries of ``keys`` from eviction until ``until`` (an expired load
-        lease's quarantine: its reader may still be copying out of their pages); they stay
-        READY and served. Returns how many entries were held. REQUIRES: each key is READY in
-        ``ns``; ``until`` is not earlier than any earlier hold's."""
-        entries = self.entries
-        held = [entries[(ns, key)] for key in dict.fromkeys(keys)]
-        for entry in held:
-            if entry.held_until <= 0.0 and entry.pins <= 0 and entry.ttl_until <= 0.0:
-                self.held_pages += entry.num_pages
-            entry.held_until = until
-        if held:
-            self._holds.append((until, held))
-        return len(held)
 
     def free(self, entries: Iterable[Entry]) -> None:
         """Return the pages of entries :meth:`make_room` removed (in one call)."""
@@ -322,51 +283,6 @@ class DramIndex:
 
     def _cost(self, key: Hashable) -> int:
         return self.entries[key].num_pages  # type: ignore[index]
-
-    # ------------------------------------------------------------------ pin accounting
-
-    def add_pins(self, entries: Iterable[Entry]) -> None:
-        """One more in-flight load of each of ``entries`` (+1 use each)."""
-        pages = 0
-        for entry in entries:
-            if entry.pins <= 0 and entry.ttl_until <= 0.0:
-                pages += entry.num_pages
-                if entry.held_until > 0.0:
-                    self.held_pages -= entry.num_pages
-            entry.pins += 1
-            entry.uses += 1
-        self.pinned_pages += pages
-
-    def drop_pins(self, ns: int, keys: Iterable[bytes]) -> None:
-        """One in-flight load of each entry of ``keys`` finished. REQUIRES: each has
-        ``pins > 0`` (taken by :meth:`add_pins`)."""
-        pages = 0
-        for entry in map(self.entries.__getitem__, [(ns, key) for key in keys]):
-            entry.pins -= 1
-            if entry.pins <= 0 and entry.ttl_until <= 0.0:
-                pages += entry.num_pages
-                if entry.held_until > 0.0:
-                    self.held_pages += entry.num_pages
-        self.pinned_pages -= pages
-
-    def extend_ttl(self, entry: Entry, until: float) -> bool:
-        """TTL-pin ``entry`` until ``until`` unless it is pinned longer; True if extended."""
-        if until <= entry.ttl_until:
-            return False
-        if not entry.is_pinned:
-            self.pinned_pages += entry.num_pages
-            if entry.held_until > 0.0:
-                self.held_pages -= entry.num_pages
-        entry.ttl_until = until
-        return True
-
-    def clear_ttl(self, entry: Entry) -> None:
-        """Drop ``entry``'s TTL pin. REQUIRES: it has one."""
-        entry.ttl_until = 0.0
-        if not entry.is_pinned:
-            self.pinned_pages -= entry.num_pages
-            if entry.held_until > 0.0:
-                self.held_pages += entry.num_pages
 
     # ------------------------------------------------------------------ queries
 
@@ -397,8 +313,8 @@ class DramIndex:
         """Pages of READY unpinned entries not held (the evictable ones)."""
         used = self.allocator.num_pages - self.allocator.num_free
         return (
-            used - self.reserved_pages - self.pinned_pages - self.quarantined_pages
-            - self.held_pages
+            used - self.reserved_pages - self.pins.pinned_pages - self.quarantined_pages
+            - self.pins.held_pages
         )  # fmt: skip
 
     def ready_keys(self) -> dict[int, list[bytes]]:
@@ -418,7 +334,8 @@ class DramIndex:
         return counts
 
     def check_invariants(self) -> None:
-        """Recompute the accounting from scratch and compare (tests; O(entries))."""
+        """Recompute the accounting from scratch and compare (tests; O(entries)); the pins'
+        holds (:meth:`PinnedPages.check_invariants`)."""
         reserved = pinned = ready = held = writing = 0
         for (ns, key), entry in self.entries.items():
             assert entry.ns == ns and entry.key == key
@@ -438,21 +355,16 @@ class DramIndex:
                     ready += n
         free = self.allocator.num_free
         assert reserved == self.reserved_pages, (reserved, self.reserved_pages)
-        assert pinned == self.pinned_pages, (pinned, self.pinned_pages)
-        assert held == self.held_pages, (held, self.held_pages)
+        pins = self.pins
+        assert pinned == pins.pinned_pages, (pinned, pins.pinned_pages)
+        assert held == pins.held_pages, (held, pins.held_pages)
         assert writing == self.num_writing
         quarantined = sum(len(pages) for _, pages in self._quarantine)
         assert quarantined == self.quarantined_pages, (quarantined, self.quarantined_pages)
         times = [until for until, _ in self._quarantine]
         assert times == sorted(times), "quarantine out of order"
         assert free + reserved + pinned + ready + held + quarantined == self.allocator.num_pages
-        hold_times = [until for until, _ in self._holds]
-        assert hold_times == sorted(hold_times), "holds out of order"
-        items = {(id(e), until) for until, held_entries in self._holds for e in held_entries}
-        for entry in self.entries.values():
-            if entry.held_until > 0.0:
-                assert entry.state is EntryState.READY
-                assert (id(entry), entry.held_until) in items, "a hold without its item"
+        pins.check_invariants()
         assert len(self.policy) == len(self.entries) - writing
         in_ready = {(ns, k) for ns, keys in self.ready.items() for k in keys}
         assert in_ready == {k for k, e in self.entries.items() if e.state is EntryState.READY}

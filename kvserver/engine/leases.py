@@ -2,8 +2,9 @@
 
 Runs inside the storage engine (``kvserver/engine/core.py``), its only caller: single owner, no
 locks, no I/O; time is the engine's clock, passed in. The page accounting of a pin or a
-reservation lives in :class:`~kvserver.engine.index.DramIndex` (the engine pins and unpins a
-load's entries there directly); a store lease's part bookkeeping is the lease's own
+reservation lives in :class:`~kvserver.engine.index.DramIndex` (a pin's, a TTL pin's and a
+hold's in its :class:`~kvserver.engine.pins.PinnedPages`, ``pins``, where the engine pins and
+unpins a load's entries directly); a store lease's part bookkeeping is the lease's own
 (:class:`~kvserver.leases.Lease`). :class:`LeaseBook` decides when leases and pins end:
 
     roll_back(lease, keys)       remove reserved WRITING entries (complete_store failure)
@@ -36,7 +37,7 @@ reservations ended otherwise are freed at once: a failed ``complete_store``, an 
 Loads alike: a co-located reader (a client, a worker) copies out of its load grant's pages
 itself. When its lease *expires* (rather than ``complete_load`` or a release), the pins go,
 but the chunks it named stay READY and served and are *held* from eviction for
-``quarantine_s`` (``DramIndex.hold``): a reader stalled past its deadline that is still
+``quarantine_s`` (``PinnedPages.hold``): a reader stalled past its deadline that is still
 copying reads their bytes, never another key's written into recycled pages. Readers check
 the deadline after their copy too (``kvserver/client/calls.py``, ``worker/kv_connector.py``)
 and drop what finished late, so the hold covers the time between the daemon's deadline and
@@ -72,6 +73,7 @@ class LeaseBook:
         self.leases = LeaseTable()
         self.quarantine_s = quarantine_s
         self._dram = dram
+        self._pins = dram.pins
         self._counters = counters
         self._ttl_heap: list[tuple[float, int, bytes]] = []
 
@@ -90,6 +92,7 @@ class LeaseBook:
         """Reclaim every lease and drop every TTL pin whose deadline is ``<= now``; returns
         the number of leases reclaimed."""
         self._dram.release_quarantine(now)
+        self._pins.end_holds(now)
         expired = self.leases.pop_expired(now)
         if expired:
             until = now + self.quarantine_s if self.quarantine_s > 0 else None
@@ -113,8 +116,8 @@ class LeaseBook:
     def _reclaim(self, lease: Lease, *, expired: bool, until: float | None = None) -> None:
         if lease.kind is LeaseKind.LOAD:
             if until is not None:  # held first: their pages go from pinned to held at once
-                self._counters.held(lease.ns, self._dram.hold(lease.ns, lease.keys, until))
-            self._dram.drop_pins(lease.ns, lease.keys)
+                self._counters.held(lease.ns, self._pins.hold(lease.ns, lease.keys, until))
+            self._pins.drop_pins(lease.ns, lease.keys)
         else:
             self.roll_back(lease, lease.keys, until)
         self._counters.lease_ended(lease.ns, expired=expired)
@@ -131,7 +134,7 @@ class LeaseBook:
             entry = entries.get((ns, key))
             if entry is None or entry.state is not EntryState.READY:
                 continue
-            if self._dram.extend_ttl(entry, until):
+            if self._pins.extend_ttl(entry, until):
                 heapq.heappush(self._ttl_heap, (until, ns, key))
             pinned += 1
         return pinned
@@ -143,7 +146,7 @@ class LeaseBook:
         for key in keys:
             entry = entries.get((ns, key))
             if entry is not None and entry.ttl_until > 0.0:
-                self._dram.clear_ttl(entry)
+                self._pins.clear_ttl(entry)
                 count += 1
         return count
 
@@ -155,4 +158,4 @@ class LeaseBook:
             until, ns, key = heapq.heappop(heap)
             entry = entries.get((ns, key))
             if entry is not None and entry.ttl_until == until:
-                self._dram.clear_ttl(entry)
+                self._pins.clear_ttl(entry)
