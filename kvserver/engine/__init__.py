@@ -6,6 +6,8 @@ the other modules are its mechanics, one concept each, which code outside the pa
 calls (it imports the value types of ``types``):
 
 - ``core``: :class:`StorageEngine`, the facade (validation, the public calls, the invariants)
+- ``stores``: ``StorePath``, the store path (``prepare_store`` / ``complete_store`` /
+  ``settle_store``: reuse gating, eviction, admission), exposed as the engine's calls
 - ``index``: ``DramIndex``, the entries, their pages, the eviction policy, the page accounting
 - ``pins``: ``PinnedPages`` (the index's), what keeps an entry from eviction (load pins, TTL
   pins, an expired load's hold) and the pages that counts
