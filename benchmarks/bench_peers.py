@@ -114,6 +114,7 @@ from benchmarks.peers_report import TARGET, print_table, summarize, write_chart
 from benchmarks.report import save_report
 from kvserver.client import KVClient
 from kvserver.daemon import config as daemon_config
+from kvserver.daemon.config_checks import PEER_STREAM_WINDOW_MAX, PEER_STREAM_WINDOW_MIN
 from kvserver.daemon.config_parse import parse_size
 from kvserver.daemon.malloc import MALLOC_ENV, tune_malloc
 from kvserver.errors import KVServerError
@@ -358,7 +359,7 @@ def _sizes(text: str) -> list[int]:
 
 def _window(text: str) -> int:
     (size,) = _sizes(text)
-    lo, hi = daemon_config.PEER_STREAM_WINDOW_MIN, daemon_config.PEER_STREAM_WINDOW_MAX
+    lo, hi = PEER_STREAM_WINDOW_MIN, PEER_STREAM_WINDOW_MAX
     if not lo <= size <= hi:
         raise argparse.ArgumentTypeError("a stream window is between 1MiB and 1GiB")
     return size

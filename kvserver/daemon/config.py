@@ -6,7 +6,8 @@ eviction policy. The config file is TOML with the same keys as the dataclass fie
 (``dram = "8GiB"``); environment variables are ``KVSERVER_<FIELD>`` in upper case
 (``KVSERVER_DRAM=8GiB``); both are read by ``kvserver.daemon.config_sources``. Each value,
 whatever its source, is coerced to its field's type by ``kvserver.daemon.config_parse``
-(sizes, booleans, numbers, tenants, ``keys_dir``) before ``__post_init__`` checks the whole.
+(sizes, booleans, numbers, tenants, ``keys_dir``) before ``__post_init__`` checks the whole
+(the settings that go together: ``kvserver.daemon.config_checks``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -22,7 +22,13 @@ from typing import Any
 
 from kvserver.cluster.config import ClusterConfig, parse_weights
 from kvserver.cluster.schema import check_host_id
-from kvserver.crypto import MAX_TOKEN_BYTES, is_loopback
+from kvserver.daemon.config_checks import (
+    LISTENERS,
+    check_access,
+    check_leases,
+    check_peers,
+    check_ports,
+)
 from kvserver.daemon.config_parse import coerce, fill_from_keys_dir
 from kvserver.daemon.config_parse import parse_size as parse_size  # still importable from here
 from kvserver.daemon.config_sources import check_keys, env_settings, read_config_file
@@ -43,14 +49,10 @@ DEFAULT_METRICS_PORT = 9473
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``peer_stream_window``: its default (the one owner: ``kvserver.daemon.peers.fetch`` takes
 #: it as ``STREAM_WINDOW_BYTES``; this module must not import that one, which loads gRPC, since
-#: the CLI loads this module before gRPC's engine is chosen) and bounds.
+#: the CLI loads this module before gRPC's engine is chosen); its bounds: ``config_checks``.
 DEFAULT_PEER_STREAM_WINDOW = 32 << 20
-PEER_STREAM_WINDOW_MIN = 1 << 20
-PEER_STREAM_WINDOW_MAX = 1 << 30
-#: ``max_lease_s``: its default (the engine's) and the most it may be (a day, as a TTL pin's:
-#: a lease is a reservation or pin a client has not completed, never meant to last).
+#: ``max_lease_s``: its default (the engine's; the most it may be: ``config_checks``).
 DEFAULT_MAX_LEASE_S = EngineConfig().max_lease_s
-MAX_MAX_LEASE_S = EngineConfig().max_pin_ttl_s
 #: ``zmq_send_timeout_s`` when not set: this, or half of ``max_lease_s`` when that is less.
 DEFAULT_SEND_TIMEOUT_S = 60.0
 
@@ -211,24 +213,10 @@ class DaemonConfig:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("grpc_port", "zmq_port"):
-            port = getattr(self, name)
-            if not 0 <= port <= 65535:
-                raise InvalidArgument(f"{name} out of range", value=port)
-        for name in ("pub_port", "metrics_port", "peer_stream_port"):
-            if not -1 <= getattr(self, name) <= 65535:
-                raise InvalidArgument(f"{name} out of range", value=getattr(self, name))
-        fixed: dict[int, str] = {}  # two listeners cannot share a port (0: any, -1: off)
-        for name in ("grpc_port", "zmq_port", "pub_port", "metrics_port", "peer_stream_port"):
-            port = getattr(self, name)
-            if port > 0 and fixed.setdefault(port, name) != name:
-                raise InvalidArgument(
-                    f"{fixed[port]} and {name} are the same port; give each its own",
-                    value=port,
-                )
+        check_ports({name: getattr(self, name) for name in LISTENERS})
         if not 0 < self.reap_interval_s < math.inf:
             raise InvalidArgument("reap_interval_s must be positive", value=self.reap_interval_s)
-        self._check_leases()
+        check_leases(self.default_lease_s, self.max_lease_s, self.zmq_send_timeout_s)
         if self.zmq_send_max_unsent < 0:
             raise InvalidArgument(
                 "zmq_send_max_unsent must be >= 0 (0: a quarter of dram)",
@@ -240,57 +228,19 @@ class DaemonConfig:
                      "max_event_watchers", "grpc_max_connections_per_address"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1", value=getattr(self, name))
-        if self.no_auth and self.auth_token:
-            raise InvalidArgument("no_auth and auth_token contradict each other")
-        if self.tenants and self.no_auth:
-            raise InvalidArgument("tenants need auth: no_auth would let anyone use everything")
-        if len(self.auth_token.encode()) > MAX_TOKEN_BYTES:  # the handshake's PLAIN password
-            raise InvalidArgument(f"auth_token is over {MAX_TOKEN_BYTES} bytes")
-        if self.auth_token and any(t.token == self.auth_token for t in self.tenants):
-            raise InvalidArgument("a tenant's token is the daemon's own (admin) auth_token")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise InvalidArgument("tls_cert_file and tls_key_file go together")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise InvalidArgument("tls_client_ca_file needs tls_cert_file and tls_key_file")
-        if self.peer_tls_server_name and not self.peer_tls_ca:
-            raise InvalidArgument("peer_tls_server_name needs peer_tls_ca_file or tls_cert_file")
-        if self.curve_clients_dir and not self.curve_secret_key_file:
-            raise InvalidArgument("curve_clients_dir needs curve_secret_key_file")
-        if not is_loopback(self.host) and not self.insecure_remote:
-            missing = [
-                name
-                for name, value in (
-                    ("curve_secret_key_file", self.curve_secret_key_file),
-                    ("tls_cert_file", self.tls_cert_file),
-                )
-                if not value
-            ]
-            if missing:
-                raise InvalidArgument(
-                    f"host {self.host} is beyond loopback: set {' and '.join(missing)} "
-                    "(CURVE and TLS, docs/security.md; make keys with 'kvserver keys'), "
-                    "or pass --insecure-remote to send traffic in clear"
-                )
-        if not 0 < self.peer_timeout_s < math.inf:
-            raise InvalidArgument("peer_timeout_s must be positive", value=self.peer_timeout_s)
-        if not 0 <= self.peer_suspect_s < math.inf:
-            raise InvalidArgument("peer_suspect_s must be >= 0", value=self.peer_suspect_s)
-        if self.peer_connections < 1:
-            raise InvalidArgument("peer_connections must be >= 1", value=self.peer_connections)
-        if not PEER_STREAM_WINDOW_MIN <= self.peer_stream_window <= PEER_STREAM_WINDOW_MAX:
-            raise InvalidArgument(
-                "peer_stream_window must be between 1MiB and 1GiB",
-                value=self.peer_stream_window,
-            )
-        if self.peers and self.cluster:
-            raise InvalidArgument("peers and cluster exclude each other (the fleet names peers)")
-        for address in self.peer_addresses:
-            port = re.fullmatch(r"tcp://[^\s/]+:(\d{1,5})", address)
-            if port is None or not 0 < int(port[1]) < 65536:  # ZMQ takes tcp://h:99999, and
-                # the fetches from it time out for ever
-                raise InvalidArgument(
-                    "a peer address must be tcp://HOST:PORT (port 1-65535)", peer=address
-                )
+        check_access(
+            host=self.host, insecure_remote=self.insecure_remote, no_auth=self.no_auth,
+            auth_token=self.auth_token, tenants=self.tenants, tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file, tls_client_ca_file=self.tls_client_ca_file,
+            peer_tls_server_name=self.peer_tls_server_name, peer_tls_ca=self.peer_tls_ca,
+            curve_secret_key_file=self.curve_secret_key_file,
+            curve_clients_dir=self.curve_clients_dir,
+        )  # fmt: skip
+        check_peers(
+            peers=self.peers, cluster=self.cluster, peer_addresses=self.peer_addresses,
+            peer_timeout_s=self.peer_timeout_s, peer_suspect_s=self.peer_suspect_s,
+            peer_connections=self.peer_connections, peer_stream_window=self.peer_stream_window,
+        )  # fmt: skip
         if self.log_level.upper() not in LOG_LEVELS:
             raise InvalidArgument(
                 f"log_level must be one of {', '.join(LOG_LEVELS)}", value=self.log_level
@@ -340,28 +290,6 @@ class DaemonConfig:
         if self.host_id or not self.cluster:
             return self.host_id
         return wire_host_id()
-
-    def _check_leases(self) -> None:
-        """``default_lease_s``, ``max_lease_s`` and ``zmq_send_timeout_s``, each alone and
-        against each other, in the operator's words (before the engine's own check)."""
-        if not 0 < self.default_lease_s < math.inf:
-            raise InvalidArgument("default_lease_s must be positive", value=self.default_lease_s)
-        if not 0 < self.max_lease_s <= MAX_MAX_LEASE_S:
-            raise InvalidArgument(
-                f"max_lease_s must be positive and at most {MAX_MAX_LEASE_S:.0f} (a day)",
-                value=self.max_lease_s,
-            )
-        if self.default_lease_s > self.max_lease_s:
-            raise InvalidArgument(
-                f"default_lease_s ({self.default_lease_s:g} s) is longer than max_lease_s "
-                f"({self.max_lease_s:g} s): lower --default-lease-s or raise --max-lease-s"
-            )
-        if not 0 <= self.zmq_send_timeout_s <= self.max_lease_s / 2:
-            raise InvalidArgument(
-                f"zmq_send_timeout_s must be in [0, {self.max_lease_s / 2:g}], at most half "
-                "the longest lease (0: the default, 60 s or that half when less)",
-                value=self.zmq_send_timeout_s,
-            )
 
     @property
     def send_timeout_s(self) -> float:
