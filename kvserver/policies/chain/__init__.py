@@ -22,6 +22,9 @@ each (imports go down the list):
 - :mod:`~kvserver.policies.chain.ranking`: a class's log-odds now (its state's odds and the
   gap survival; a shared class's read rate, ``kappa``, ``bias`` and readers' mass), and the
   merge of the classes' heads by rank that chooses the victims;
+- :mod:`~kvserver.policies.chain.reads`: what a read does to the keys it reads: each queued
+  again in its class; a shared key's readers' mass decayed and the reading chain's share
+  replaced, a key read by a second chain made shared;
 - :mod:`~kvserver.policies.chain.admission`: whether a store's new keys are worth the keys they
   would displace (a one-off document, once documents were seen to leave unread, is declined);
 - :mod:`~kvserver.policies.chain.policy`: :class:`ChainPolicy`, which follows the chains

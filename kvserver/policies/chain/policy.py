@@ -9,7 +9,9 @@ not yet stored, the ghosts and the readers' mass of shared keys; the learnt odds
 (:mod:`~kvserver.policies.chain.return_gaps`), the ranked lists
 (:mod:`~kvserver.policies.chain.queues`) and the ranking that merges them, ``kappa`` and
 ``bias`` (:mod:`~kvserver.policies.chain.ranking`) are objects it holds; admission
-(:mod:`~kvserver.policies.chain.admission`) reads them.
+(:mod:`~kvserver.policies.chain.admission`) reads them. What a read does to the keys it reads
+(queued again; the readers' mass moved, a key read by a second chain made shared) is
+:mod:`~kvserver.policies.chain.reads`'s, over the records this module holds.
 
 - **chains.** A request extends a *chain*: the last key of the previous request of the same
   conversation (the chain's *tail*) is among its keys. A lookup finds the deepest known tail
@@ -81,7 +83,6 @@ chain that read it last had then (classes round it up).
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -89,6 +90,7 @@ from kvserver.policies.base import EvictionPolicy
 from kvserver.policies.chain.admission import declines
 from kvserver.policies.chain.queues import ClassQueues
 from kvserver.policies.chain.ranking import Ranking
+from kvserver.policies.chain.reads import Reads
 from kvserver.policies.chain.return_gaps import ReturnGaps
 from kvserver.policies.chain.states import (
     HI,
@@ -122,6 +124,7 @@ class ChainPolicy(EvictionPolicy):
         self._odds = StateOdds()  # outcomes per chain state: the return chances
         self._gaps = ReturnGaps()  # between two requests of one chain: mean, survival
         self._ranking = Ranking(self._odds, self._gaps)  # the log-odds now; kappa, bias
+        self._reads = Reads(self._held, self._queues, self._odds, self._gaps)  # what reads do
 
     # ------------------------------------------------------------------ observability
 
@@ -186,7 +189,7 @@ class ChainPolicy(EvictionPolicy):
             if keys[j] not in self._pending:  # stored since: a re-read, the chain returned
                 self._reread(chain, now)
             chain.planned = True  # else a planning lookup retried: no outcome
-            self._use(keys[:hits], chain)
+            self._reads.use(keys[:hits], chain, now)
             return
         if chain is not None:
             self._count(chain, returned=True)
@@ -215,7 +218,7 @@ class ChainPolicy(EvictionPolicy):
             ranking.kappa = min(max(ranking.kappa + KAPPA_STEP * step, 0.0), 1.0)
             ranking.bias = min(max(ranking.bias - KAPPA_STEP * step, 0.0), HI)
         self._bound(pending, 4)
-        self._use(keys[:hits], chain)
+        self._reads.use(keys[:hits], chain, now)
 
     def insert(self, key: Hashable) -> None:
         """Track ``key`` as a batch of one."""
@@ -226,7 +229,7 @@ class ChainPolicy(EvictionPolicy):
         it up, else the batch is a new chain; deepest queued first. Tracked keys are used."""
         self._now += 1
         now, pending, time, ghosts = self._now, self._pending, self._queues.time, self._ghosts
-        held = self._held
+        held, use, lend = self._held, self._reads.use, self._reads.lend
         queued: list[tuple[Hashable, State]] = []  # queued in one call, in this order
         own: Chain | None = None
         for position in range(len(keys) - 1, -1, -1):
@@ -234,7 +237,7 @@ class ChainPolicy(EvictionPolicy):
             if key in time:
                 self._queues.queue_many(queued, now)
                 queued.clear()
-                self._use((key,), None)
+                use((key,), None, now)
                 continue
             chain = pending.pop(key, None)
             if chain is None:
@@ -249,7 +252,7 @@ class ChainPolicy(EvictionPolicy):
                 held[key] = Held(chain, 0, now)
                 queued.append((key, chain.state))
             elif ghost[2] is not chain:  # shared, or another chain's: its storer reads it
-                mass = self._lend(chain, now)
+                mass = lend(chain, now)
                 held[key] = Held(None, ghost[0], ghost[1], mass)
                 queued.append((key, shared_class(ghost[0], ghost[1], now, mass)))
             else:
@@ -282,23 +285,7 @@ class ChainPolicy(EvictionPolicy):
             if not chain.planned and chain.time != now:  # once per load: _reread sets it
                 self._reread(chain, now)
             settled = chain  # a load's keys are mostly one chain's: checked once
-        queued: list[tuple[Hashable, State]] = []  # as _use(keys, None), the records known
-        append = queued.append
-        time, survival = self._queues.time, self._gaps.log_survival
-        known, factor = -1, 1.0  # S(age) of the last age met (a load's keys mostly share one)
-        for key, held in reversed(used):
-            held.uses += 1
-            chain = held.chain
-            if chain is None:
-                if held.mass:  # its readers' mass decayed by S(age) since its last use
-                    if now - time[key] != known:
-                        known = now - time[key]
-                        factor = math.exp(survival(known))
-                    held.mass *= factor
-                append((key, shared_class(held.uses, held.born, now, held.mass)))
-            else:
-                append((key, chain.state))
-        self._queues.queue_many(queued, now)
+        self._reads.requeue(used, now)
 
     def evict(
         self,
@@ -351,14 +338,6 @@ class ChainPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ internals
 
-    def _lend(self, chain: Chain, now: int) -> float:
-        """``chain``'s odds of returning as of ``now``, recorded as what it lends the readers'
-        mass of the shared keys it reads (as of its last request, so the next read of those
-        keys by it can take its share out before adding the new one)."""
-        chain.lent = math.exp(self._odds.log_odds(chain.state))
-        chain.lent_at = chain.time
-        return chain.lent * math.exp(self._gaps.log_survival(now - chain.time))
-
     def _count(self, chain: Chain, returned: bool) -> None:
         """One outcome of ``chain``'s state, once per state: it returned, or its tail was
         evicted first (counted as not returned; a later return still counts as one)."""
@@ -372,66 +351,6 @@ class ChainPolicy(EvictionPolicy):
         self._gaps.add(now - chain.time)
         chain.time = now
         chain.open = True
-
-    def _use(self, keys: Sequence[Hashable], chain: Chain | None) -> None:
-        """The tracked ``keys`` were read (head first) by ``chain`` (None: by whoever holds
-        them): queued again deepest first; a key another chain holds becomes shared."""
-        records, now, time = self._held, self._now, self._queues.time
-        queued: list[tuple[Hashable, State]] = []
-        append = queued.append
-        survival, exp = self._gaps.log_survival, math.exp
-        known, factor = -1, 1.0  # S(age) of the last age met (a request's keys mostly share one)
-        # a request's shared keys (a prompt) mostly share their uses, first store and mass:
-        # their class is computed once per run of equal ones
-        last: tuple[int, int, float] | None = None
-        cls: State = (0, 0)
-        if chain is None:
-            for key in reversed(keys):
-                held = records[key]
-                held.uses += 1
-                if held.chain is None:
-                    if held.mass:
-                        if now - time[key] != known:
-                            known = now - time[key]
-                            factor = exp(survival(known))
-                        held.mass *= factor
-                    if last != (held.uses, held.born, held.mass):
-                        last = (held.uses, held.born, held.mass)
-                        cls = shared_class(held.uses, held.born, now, held.mass)
-                    append((key, cls))
-                else:
-                    append((key, held.chain.state))
-        else:
-            state = chain.state
-            # what chain lent these keys at its last request, as of now: replaced, not added to
-            owed = chain.lent * math.exp(self._gaps.log_survival(now - chain.lent_at))
-            lends = 0.0  # its odds as of now, once a shared key is met
-            for key in reversed(keys):
-                held = records[key]
-                held.uses += 1
-                owner = held.chain
-                if owner is chain:
-                    append((key, state))
-                    continue
-                if not lends:
-                    lends = self._lend(chain, now)
-                if owner is None:  # shared: its mass decayed to now, chain's old share out
-                    if held.mass:
-                        if now - time[key] != known:
-                            known = now - time[key]
-                            factor = exp(survival(known))
-                        mass = held.mass * factor - owed
-                    else:
-                        mass = 0.0
-                    held.mass = (mass if mass > 0.0 else 0.0) + lends
-                else:  # another chain's key read by this one: shared from now on, read by both
-                    held.chain = None
-                    held.mass = self._lend(owner, now) + lends
-                if last != (held.uses, held.born, held.mass):
-                    last = (held.uses, held.born, held.mass)
-                    cls = shared_class(held.uses, held.born, now, held.mass)
-                append((key, cls))
-        self._queues.queue_many(queued, now)
 
     def _drop(self, key: Hashable) -> None:
         self._queues.drop(key)
