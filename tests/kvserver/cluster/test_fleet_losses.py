@@ -1,0 +1,258 @@
+"""What routers see when a fleet member or its Redis loses state: real daemons (``kvserver
+start --cluster``) on a real redis-server, scored through another daemon's ``ScoreHosts``.
+
+docs/cluster.md, "Failure cases of the fleet state": a daemon SIGKILLed leaves the scores
+once its record's TTL has run, its index sets expire by their own; SIGTERM leaves at once;
+Redis unreachable: ``ScoreHosts`` answers UNAVAILABLE, and once Redis is back (empty) the
+members resync and are scored again; a daemon stalled past its TTL leaves and comes back
+whole; a key Redis loses (record, fence, hosts set, specs: as an eviction does) is written
+again by the member's next heartbeat. A daemon with an SSD tier, SIGKILLed and restarted,
+indexes what it recovered under its new incarnation, its old one's sets unlinked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserver.client import KVClient
+from kvserver.cluster import schema
+from kvserver.cluster.rpc import call_score_hosts
+from kvserver.errors import Unavailable
+from kvserver.grpc_client import GrpcClient
+from tests.kvserver.builders import make_keys, make_spec, pattern
+from tests.kvserver.cluster.builders import eventually
+from tests.kvserver.cluster.test_fleet_daemons import (
+    TTL_S,
+    cluster_stats,
+    reader_for,
+    start_host,
+    store,
+)
+from tests.support.daemon import DaemonProc, start_daemon, wait_until
+from tests.support.redis import RedisServer
+
+pytestmark = pytest.mark.multiprocess
+
+SPEC = make_spec(model="test/fleet-losses")
+#: generous on a loaded machine: several TTLs (2 s) and heartbeats (0.67 s)
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_server: RedisServer) -> Iterator[list[DaemonProc]]:
+    """Hosts a (8 chunks) and b (3 chunks) and c (none: the one asked)."""
+    procs: list[DaemonProc] = []
+    try:
+        for name in ("a", "b", "c"):
+            procs.append(start_host(tmp_path, redis_server, name))
+        keys = make_keys(8, tag="losses")
+        store(procs[0], keys, SPEC)
+        store(procs[1], keys[:3], SPEC)
+        wait_until(lambda: scores(procs[2], keys) == {"a": 8, "b": 3, "c": 0}, DEADLINE_S)
+        yield procs
+    finally:
+        for d in procs:
+            d.kill()
+
+
+def scores(asked: DaemonProc, keys: list[bytes]) -> dict[str, int]:
+    """Live hosts → chunks of ``keys`` held, as ``ScoreHosts`` through ``asked`` answers."""
+    with GrpcClient(asked.grpc_address) as client:
+        return {h.host_id: h.hit_chunks for h in call_score_hosts(client, SPEC.ns_id, keys=keys)}
+
+
+def incarnation(redis: RedisServer, host_id: str) -> str:
+    raw = redis.cli("GET", schema.host_key(host_id))
+    found: str = json.loads(raw)["incarnation"]
+    return found
+
+
+def index_sets(redis: RedisServer, host_id: str, inc: str) -> list[str]:
+    """The index sets of ``inc`` that exist (every tier of SPEC's namespace)."""
+    keys = [schema.index_key(host_id, inc, SPEC.ns_id, t) for t in schema.TIERS]
+    return [k for k in keys if redis.cli("EXISTS", k) == "1"]
+
+
+def test_score_hosts_drops_a_killed_daemon_within_its_ttl_and_a_stopped_one_at_once(
+    fleet: list[DaemonProc], redis_server: RedisServer
+) -> None:
+    """SIGKILL: the record carries at most the TTL, so the host leaves the scores by itself,
+    and its index sets expire by their own TTL (nothing renews them). SIGTERM: the member
+    deletes its record and sets as it stops, so it is gone before the daemon has exited."""
+    a, b, c = fleet
+    keys = make_keys(8, tag="losses")
+    inc_a = incarnation(redis_server, "a")
+    assert index_sets(redis_server, "a", inc_a)
+    a.kill()
+    pttl = int(redis_server.cli("PTTL", schema.host_key("a")))
+    assert 0 < pttl <= TTL_S * 1000  # gone within the TTL, by Redis's clock
+    wait_until(lambda: scores(c, keys) == {"b": 3, "c": 0}, DEADLINE_S)
+    wait_until(lambda: not index_sets(redis_server, "a", inc_a), DEADLINE_S)
+    inc_b = incarnation(redis_server, "b")
+    assert b.terminate() == 0, b.log()
+    assert redis_server.cli("EXISTS", schema.host_key("b")) == "0"  # deleted, not expired
+    assert not index_sets(redis_server, "b", inc_b)
+    wait_until(lambda: scores(c, keys) == {"c": 0}, DEADLINE_S)
+
+
+async def test_score_hosts_is_unavailable_while_redis_is_and_whole_after_its_empty_restart(
+    fleet: list[DaemonProc], redis_server: RedisServer
+) -> None:
+    """Redis killed: ScoreHosts answers UNAVAILABLE (never a stale or empty list of hosts)
+    and the members keep serving their own tiers; Redis restarted empty: each member's
+    registration and resync refill the index, every host scored as before."""
+    a, _b, c = fleet
+    keys = make_keys(8, tag="losses")
+    redis_server.kill()
+    wait_until(lambda: cluster_stats(c)["condition"] == "unavailable", DEADLINE_S)
+    with pytest.raises(Unavailable):
+        scores(c, keys)
+    with KVClient(a.zmq_address) as kv:
+        assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 8
+    redis_server.restart()  # empty: persistence is off
+    assert redis_server.cli("DBSIZE") == "0"
+    wait_until(lambda: all(cluster_stats(d)["condition"] == "ok" for d in fleet), DEADLINE_S)
+    wait_until(lambda: scores(c, keys) == {"a": 8, "b": 3, "c": 0}, DEADLINE_S)
+
+
+def test_a_daemon_stalled_past_its_ttl_leaves_the_scores_and_comes_back_whole(
+    fleet: list[DaemonProc], redis_server: RedisServer
+) -> None:
+    """SIGSTOP a past its TTL: its record expires (routers stop scoring it), and so do its
+    index sets; SIGCONT: its heartbeat finds the record gone, it registers and resyncs from
+    its own tiers (which it kept), scored with all 8 chunks again."""
+    a, _b, c = fleet
+    keys = make_keys(8, tag="losses")
+    inc_a = incarnation(redis_server, "a")
+    registrations = cluster_stats(a)["registrations"]
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: scores(c, keys) == {"b": 3, "c": 0}, DEADLINE_S)
+        wait_until(lambda: not index_sets(redis_server, "a", inc_a), DEADLINE_S)
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    wait_until(lambda: scores(c, keys) == {"a": 8, "b": 3, "c": 0}, DEADLINE_S)
+    assert cluster_stats(a)["registrations"] > registrations
+
+
+def lose_record(redis: RedisServer) -> None:
+    redis.cli("DEL", schema.host_key("a"))
+
+
+def lose_fence(redis: RedisServer) -> None:
+    redis.cli("DEL", schema.fence_key("a", incarnation(redis, "a")))
+
+
+def lose_hosts(redis: RedisServer) -> None:
+    redis.cli("DEL", schema.hosts_key())
+
+
+def lose_specs(redis: RedisServer) -> None:
+    redis.cli("DEL", schema.namespaces_key())
+
+
+def lose_dram_set(redis: RedisServer) -> None:
+    redis.cli("DEL", schema.index_key("a", incarnation(redis, "a"), SPEC.ns_id, "dram"))
+
+
+@pytest.mark.parametrize(
+    ("lose", "counted", "resynced"),
+    [
+        (lose_record, False, True),  # gone, as after a stall past the TTL: registered again
+        (lose_fence, True, True),
+        (lose_hosts, False, False),
+        (lose_specs, False, False),
+        (lose_dram_set, True, True),
+    ],
+    ids=["record", "fence", "hosts", "specs", "index-set"],
+)
+def test_a_key_redis_loses_without_a_write_failing_is_written_again(
+    fleet: list[DaemonProc],
+    redis_server: RedisServer,
+    lose: Any,
+    counted: bool,
+    resynced: bool,
+) -> None:
+    """A member's key deleted behind its back (as an eviction does; no call of the member
+    fails): its next heartbeat writes it again, and the index resyncs where entries may be
+    lost (record: registered again; fence, set: counted in ``index_losses``, which the
+    document claimed of the record too); routers score every host as before."""
+    a, _b, c = fleet
+    keys = make_keys(8, tag="losses")
+    before = cluster_stats(a)
+    lose(redis_server)
+    # two heartbeats begun after the loss: one has run whole since
+    wait_until(lambda: cluster_stats(a)["heartbeats"] >= before["heartbeats"] + 2, DEADLINE_S)
+    if resynced:
+        wait_until(lambda: cluster_stats(a)["resyncs"] > before["resyncs"], DEADLINE_S)
+    assert redis_server.cli("SISMEMBER", schema.hosts_key(), "a") == "1"
+    assert redis_server.cli("HEXISTS", schema.namespaces_key(), SPEC.ns_id) == "1"
+    wait_until(lambda: redis_server.cli("EXISTS", schema.host_key("a")) == "1", DEADLINE_S)
+    inc = incarnation(redis_server, "a")
+    wait_until(lambda: redis_server.cli("EXISTS", schema.fence_key("a", inc)) == "1", DEADLINE_S)
+    wait_until(lambda: scores(c, keys) == {"a": 8, "b": 3, "c": 0}, DEADLINE_S)
+    after = cluster_stats(a)
+    assert after["condition"] == "ok"
+    assert after["index_losses"] - before["index_losses"] == (1 if counted else 0), after
+    assert (after["resyncs"] > before["resyncs"]) is resynced, after
+
+
+async def test_a_restarted_ssd_daemon_indexes_what_it_recovered_under_its_new_incarnation(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """100 chunks through a 40-chunk DRAM (the rest written down), SIGKILL, a restart on the
+    same directory and host id: the fleet index names the chunks it recovered on SSD, exactly
+    as its own Lookup splits them, under a new incarnation; the old incarnation's sets (its
+    record still alive at the restart) are unlinked, not left to expire."""
+    spec = make_spec(model="test/fleet-ssd-restart", part_bytes_override=12_000)
+    argv = (
+        "--page-size", "4KiB", "--dram", "480KiB", "--ssd-dir", str(tmp_path / "ssd"),
+        "--ssd", "8MiB", "--ssd-admission", "1", "--cluster", redis_server.url,
+        "--host-id", "s", "--cluster-ttl-s", "30", "--cluster-timeout-s", "2",
+    )  # fmt: skip
+    keys = make_keys(100, tag="fleet-ssd-restart")
+    d = start_daemon(tmp_path / "first", *argv, env={"KVSERVER_SSD_RETRY_S": "0.2"})
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = kv.register_namespace(spec).ns_id
+            wait_until(lambda: kv.stats()["ssd"]["unsaved_namespaces"] == 0)
+            for i in range(0, 100, 10):
+                batch = keys[i : i + 10]
+                parts = [[pattern(k, 0, spec.part_bytes)] for k in batch]
+                assert kv.store(ns_id, batch, parts) == batch
+            wait_until(lambda: kv.stats()["ssd"]["writes_in_flight"] == 0)
+        wait_until(lambda: cluster_stats(d)["condition"] == "ok", DEADLINE_S)
+        old = incarnation(redis_server, "s")
+        old_sets = [schema.index_key("s", old, ns_id, t) for t in schema.TIERS]
+        wait_until(lambda: all(redis_server.cli("EXISTS", k) == "1" for k in old_sets))
+    finally:
+        d.kill()
+    d = start_daemon(tmp_path / "second", *argv, env={"KVSERVER_SSD_RETRY_S": "0.2"})
+    reader = reader_for(redis_server)
+    try:
+        wait_until(lambda: cluster_stats(d)["condition"] == "ok", DEADLINE_S)
+        assert incarnation(redis_server, "s") != old
+        with KVClient(d.zmq_address) as kv:
+            assert kv.stats()["ssd"]["recovered_chunks"] > 0
+            local = kv.lookup(ns_id, keys)
+        assert local.hit_chunks > 0 and local.tiers["ssd"] == local.hit_chunks
+        local.tiers.pop("peer")
+        assert [redis_server.cli("EXISTS", k) for k in old_sets] == ["0", "0"]
+
+        async def matches() -> bool:
+            found = await reader.lookup(ns_id, keys, exact=True)
+            return [(r.host.host_id, r.hit_chunks, r.tiers) for r in found] == [
+                ("s", local.hit_chunks, local.tiers)
+            ]
+
+        await eventually(matches, timeout=DEADLINE_S)
+    finally:
+        d.kill()
+        await reader.redis.aclose()
