@@ -6,8 +6,9 @@ once its record's TTL has run, its index sets expire by their own; SIGTERM leave
 Redis unreachable: ``ScoreHosts`` answers UNAVAILABLE, and once Redis is back (empty) the
 members resync and are scored again; a daemon stalled past its TTL leaves and comes back
 whole; a key Redis loses (record, fence, hosts set, specs: as an eviction does) is written
-again by the member's next heartbeat. A daemon with an SSD tier, SIGKILLed and restarted,
-indexes what it recovered under its new incarnation, its old one's sets unlinked.
+again by the member's next heartbeat; Redis back with its data after an outage names no
+chunk the member lost meanwhile. A daemon with an SSD tier, SIGKILLed and restarted, indexes
+what it recovered under its new incarnation, its old one's sets unlinked.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from tests.kvserver.cluster.test_fleet_daemons import (
     store,
 )
 from tests.support.daemon import DaemonProc, start_daemon, wait_until
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, require_redis
 
 pytestmark = pytest.mark.multiprocess
 
@@ -256,3 +258,54 @@ async def test_a_restarted_ssd_daemon_indexes_what_it_recovered_under_its_new_in
     finally:
         d.kill()
         await reader.redis.aclose()
+
+
+async def test_redis_back_with_its_data_after_an_outage_names_no_chunk_the_member_lost(
+    tmp_path: Path,
+) -> None:
+    """Redis persists (an RDB saved while host a held 8 chunks of N2), is killed, and while it
+    is down a evicts every chunk of N2 (stores of N1 fill its DRAM); Redis comes back from the
+    RDB with a's old sets alive (a TTL longer than the outage): a's resync replaces every set
+    of its incarnation, so N2's stale set goes and a is never scored for chunks it lost."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis", "--dbfilename", "dump.rdb")
+    ttl_s = 60.0
+    d = start_daemon(
+        tmp_path / "a",
+        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", server.url, "--host-id", "a",
+        "--cluster-ttl-s", str(ttl_s), "--cluster-timeout-s", "2",
+        "--cluster-resync-spread-s", "1",
+    )  # fmt: skip
+    reader = reader_for(server)
+    n1, n2 = make_spec(model="test/outage-n1"), make_spec(model="test/outage-n2")
+    lost = make_keys(8, tag="outage-lost")
+    try:
+        wait_until(lambda: cluster_stats(d)["condition"] == "ok", DEADLINE_S)
+        store(d, lost, n2)
+        await eventually(lambda: _holds(reader, n2.ns_id, lost, {"a": 8}), timeout=DEADLINE_S)
+        assert server.cli("SAVE") == "OK"
+        saved = time.monotonic()
+        server.kill()
+        wait_until(lambda: cluster_stats(d)["condition"] == "unavailable", DEADLINE_S)
+        filler = make_keys(1500, tag="outage-filler")
+        for i in range(0, len(filler), 100):
+            store(d, filler[i : i + 100], n1)
+        with KVClient(d.zmq_address) as kv:
+            assert not [k for k in lost if kv.lookup(n2.ns_id, [k]).hit_chunks]
+        resyncs = cluster_stats(d)["resyncs"]
+        server.restart()  # from dump.rdb: a's sets as they were at the SAVE
+        assert time.monotonic() - saved < ttl_s  # so they are alive in it
+        wait_until(lambda: cluster_stats(d)["resyncs"] > resyncs, 2 * ttl_s)
+        assert cluster_stats(d)["condition"] == "ok"
+        assert await _holds(reader, n2.ns_id, lost, {})  # a run of 0: not listed
+        dram = schema.index_key("a", incarnation(server, "a"), n2.ns_id, "dram")
+        assert server.cli("EXISTS", dram) == "0"
+    finally:
+        d.kill()
+        await reader.redis.aclose()
+        server.stop()
+
+
+async def _holds(reader: Any, ns_id: str, keys: list[bytes], expected: dict[str, int]) -> bool:
+    found = {r.host.host_id: r.hit_chunks for r in await reader.lookup(ns_id, keys, exact=True)}
+    return found == expected
