@@ -1,5 +1,7 @@
 """A Redis that stalls (``CLIENT PAUSE ... ALL``, as a slow command or a blocked server does):
-lookups stay bounded and the member stays in the fleet through a stall shorter than its TTL."""
+lookups stay bounded, the member stays in the fleet through a stall shorter than its TTL, and
+index changes it could not write (piled up behind a stuck batch, or events it missed) are made
+good by a resync."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from kvserver.cluster.config import connect
 from kvserver.daemon.peers import fleet
 from kvserver.daemon.peers.fleet import FleetDirectory
 from kvserver.errors import Unavailable
+from kvserver.eventlog import EventLog
 from tests.kvserver.cluster.builders import NS, Member, cluster_config, eventually, keys
 from tests.support.redis import RedisServer, require_redis
 
@@ -99,6 +102,83 @@ async def test_a_member_stays_in_the_fleet_through_a_stall_shorter_than_its_ttl(
     finally:
         if sleeper is not None:
             sleeper.wait(10)
+        await reader.redis.aclose()
+        await node.stop()
+        server.stop()
+
+
+async def test_changes_piling_up_behind_a_stuck_batch_are_dropped_and_resynced(
+    tmp_path: Path,
+) -> None:
+    """docs/cluster.md, "events dropped": Redis pauses writes with a batch in flight, and
+    more index changes than ``max_pending_keys`` pile up behind it: they are dropped (counted
+    in ``dropped_keys``), and once Redis writes again the member resyncs from its tiers, so
+    the index names every chunk it holds, the dropped ones included."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=30.0, max_pending_keys=50)
+    a = Member("host-a", config)
+    node = await a.start()
+    reader = FleetReader(connect(config), config)
+    try:
+        ks = keys(200)
+        a.store(ks[:10])
+        await a.settled()
+        resyncs = node.counters.resyncs
+        with server.paused(3000, "WRITE"):
+            a.store(ks[10:11])
+
+            async def stuck() -> bool:  # taken into a batch, not written: Redis is paused
+                return node.writer.pending_keys == 0 and node.written_seq < a.seq
+
+            await eventually(stuck)
+            for i in range(11, 200, 63):
+                a.store(ks[i : i + 63])
+
+            async def dropped() -> bool:
+                return node.counters.dropped_keys > 50
+
+            await eventually(dropped)
+        await a.settled()
+        assert node.counters.resyncs > resyncs
+
+        async def whole() -> bool:
+            return [r.hit_chunks for r in await reader.lookup(NS, ks)] == [200]
+
+        await eventually(whole, timeout=30.0)
+    finally:
+        await reader.redis.aclose()
+        await node.stop()
+        server.stop()
+
+
+async def test_storage_events_the_member_missed_are_made_good_by_a_resync(
+    tmp_path: Path,
+) -> None:
+    """The event log keeps 4 events and 10 arrive before the member's follower runs: it
+    finds the gap (``EventGap``) and resyncs from the tiers instead of writing what it saw,
+    so the index names every chunk held (before any resync: the 6 missed stores' keys)."""
+    require_redis()
+    server = RedisServer.start(tmp_path / "redis")
+    config = cluster_config(server.url, ttl_s=30.0)
+    a = Member("host-a", config, log=EventLog(capacity=4))
+    node = await a.start()
+    reader = FleetReader(connect(config), config)
+    try:
+        ks = keys(40)
+        a.store(ks[:2])
+        await a.settled()
+        resyncs = node.counters.resyncs
+        for i in range(2, 40, 4):  # no await: the follower runs after the last
+            a.store(ks[i : i + 4])
+        await a.settled()
+        assert node.counters.resyncs > resyncs
+
+        async def whole() -> bool:
+            return [r.hit_chunks for r in await reader.lookup(NS, ks)] == [40]
+
+        await eventually(whole, timeout=30.0)
+    finally:
         await reader.redis.aclose()
         await node.stop()
         server.stop()
