@@ -212,7 +212,8 @@ async def test_a_restarted_ssd_daemon_indexes_what_it_recovered_under_its_new_in
     """100 chunks through a 40-chunk DRAM (the rest written down), SIGKILL, a restart on the
     same directory and host id: the fleet index names the chunks it recovered on SSD, exactly
     as its own Lookup splits them, under a new incarnation; the old incarnation's sets (its
-    record still alive at the restart) are unlinked, not left to expire."""
+    record still alive at the restart) are unlinked, not left to expire. A recovered chunk
+    a load promotes into DRAM is indexed under dram."""
     spec = make_spec(model="test/fleet-ssd-restart", part_bytes_override=12_000)
     argv = (
         "--page-size", "4KiB", "--dram", "480KiB", "--ssd-dir", str(tmp_path / "ssd"),
@@ -255,6 +256,17 @@ async def test_a_restarted_ssd_daemon_indexes_what_it_recovered_under_its_new_in
             ]
 
         await eventually(matches, timeout=DEADLINE_S)
+        first = keys[:1]  # promoted into DRAM by a load: announced, indexed under dram too
+        with KVClient(d.zmq_address) as kv:
+            assert [bytes(p) for p in kv.load(ns_id, first)[0]] == [
+                pattern(first[0], 0, spec.part_bytes)
+            ]
+
+        async def promoted() -> bool:
+            found = await reader.lookup(ns_id, first, exact=True)
+            return [r.tiers for r in found] == [{"dram": 1, "ssd": 0}]
+
+        await eventually(promoted, timeout=DEADLINE_S)
     finally:
         d.kill()
         await reader.redis.aclose()
