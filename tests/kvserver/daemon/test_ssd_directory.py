@@ -1,5 +1,5 @@
-"""The SSD directory removed or renamed by an operator while a real daemon serves from it, and a
-restart on a full disk.
+"""The SSD directory removed or renamed by an operator while a real daemon serves from it, taken
+by a second daemon once the one holding it is SIGKILLed, and a restart on a full disk.
 
 The daemon's open files stay usable, so it used to go on writing chunks down into files no
 path leads to any more: condition ``ok``, nothing logged, the disk space hidden until the
@@ -101,6 +101,39 @@ def test_a_directory_renamed_and_back_is_ok_again_and_keeps_what_it_wrote(tmp_pa
         assert d.info["ssd_recovered_chunks"] == held
     finally:
         assert d.terminate() == 0, d.log()
+
+
+def test_a_directory_a_sigkilled_daemon_held_is_taken_by_the_daemon_waiting_for_it(
+    tmp_path: Path,
+) -> None:
+    """docs/ssd_format.md, LOCK: a second daemon on a directory in use has its SSD tier
+    ``unavailable`` and retried; the first SIGKILLed (the kernel drops its lock: nothing
+    stale), the second's retry opens the directory and recovers every chunk the first held,
+    its namespace with it, and serves them byte-exact, without a restart."""
+    ssd_dir = tmp_path / "ssd"
+    first = start(tmp_path / "a", ssd_dir)
+    second = None
+    try:
+        with KVClient(first.zmq_address) as kv:
+            ns_id = registered(kv, SPEC)
+            keys = make_keys(100, tag="taken")
+            store_all(kv, ns_id, SPEC, keys)
+            cold = on_ssd_only(kv, ns_id, keys)
+            held = settled(kv)["entries"]
+            assert cold and held > 0
+        second = start(tmp_path / "b", ssd_dir)
+        assert second.info["ssd_condition"] == "unavailable"
+        first.kill()
+        with KVClient(second.zmq_address) as kv:
+            stats = wait_until(lambda: (s := ssd(kv))["condition"] == "ok" and s, timeout=60.0)
+            assert stats["recovered_chunks"] == held
+            for key in cold:
+                got = kv.load(ns_id, [key])
+                assert [bytes(p) for p in got[0]] == expected(SPEC, key), key.hex()
+    finally:
+        first.kill()
+        if second is not None:
+            assert second.terminate() == 0, second.log()
 
 
 def fill(path: Path) -> None:
