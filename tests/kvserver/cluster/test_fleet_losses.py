@@ -26,6 +26,7 @@ import pytest
 from kvserver.client import KVClient
 from kvserver.cluster import schema
 from kvserver.cluster.rpc import call_score_hosts
+from kvserver.crypto import make_tls_cert
 from kvserver.errors import Unavailable
 from kvserver.grpc_client import GrpcClient
 from tests.kvserver.builders import make_keys, make_spec, pattern
@@ -321,3 +322,35 @@ async def test_redis_back_with_its_data_after_an_outage_names_no_chunk_the_membe
 async def _holds(reader: Any, ns_id: str, keys: list[bytes], expected: dict[str, int]) -> bool:
     found = {r.host.host_id: r.hit_chunks for r in await reader.lookup(ns_id, keys, exact=True)}
     return found == expected
+
+
+def test_a_ca_that_did_not_sign_redis_certificate_leaves_the_daemon_unavailable_retrying(
+    tmp_path: Path,
+) -> None:
+    """docs/cluster.md, Configuration: a CA that did not sign the server's certificate can only
+    be found by connecting: the daemon starts (serving its own tiers) ``unavailable``, with
+    CERTIFICATE_VERIFY_FAILED in ``condition_detail`` and in the log, and keeps retrying."""
+    require_redis()
+    pytest.importorskip("cryptography")
+    cert, key = make_tls_cert(str(tmp_path / "tls"), "redis", ["127.0.0.1"])
+    other, _ = make_tls_cert(str(tmp_path / "other"), "other", ["127.0.0.1"])
+    try:
+        server = RedisServer.start(tmp_path / "redis-tls", tls=(cert, key))
+    except RuntimeError as exc:  # a redis-server built without TLS
+        pytest.skip(f"redis-server cannot serve TLS here: {exc}")
+    url = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={other}"
+    d = start_daemon(
+        tmp_path / "a",
+        "--dram", "4MiB", "--page-size", "4KiB", "--cluster", url, "--host-id", "a",
+        "--cluster-ttl-s", "2", "--cluster-timeout-s", "2",
+    )  # fmt: skip
+    try:
+        stats = wait_until(lambda: (s := cluster_stats(d))["errors"] >= 2 and s, DEADLINE_S)
+        assert stats["condition"] == "unavailable"
+        assert "CERTIFICATE_VERIFY_FAILED" in stats["condition_detail"], stats
+        assert "CERTIFICATE_VERIFY_FAILED" in d.log()
+        store(d, make_keys(2, tag="tls-ca"), SPEC)  # its own tiers serve
+        assert server.cli("EXISTS", schema.host_key("a")) == "0"
+    finally:
+        d.kill()
+        server.stop()
