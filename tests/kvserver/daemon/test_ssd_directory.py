@@ -1,5 +1,6 @@
-"""The SSD directory removed or renamed by an operator while a real daemon serves from it, taken
-by a second daemon once the one holding it is SIGKILLed, and a restart on a full disk.
+"""The SSD directory removed, renamed or replaced by an operator while a real daemon serves from
+it, taken by a second daemon once the one holding it is SIGKILLed, and a restart on a full
+disk.
 
 The daemon's open files stay usable, so it used to go on writing chunks down into files no
 path leads to any more: condition ``ok``, nothing logged, the disk space hidden until the
@@ -99,6 +100,41 @@ def test_a_directory_renamed_and_back_is_ok_again_and_keeps_what_it_wrote(tmp_pa
     d = start(tmp_path, ssd_dir)
     try:
         assert d.info["ssd_recovered_chunks"] == held
+    finally:
+        assert d.terminate() == 0, d.log()
+
+
+def test_a_directory_replaced_by_a_copy_of_itself_stops_write_downs(tmp_path: Path) -> None:
+    """docs/ssd_format.md, LOCK: the directory replaced while in use (here by a copy of itself,
+    as a restore from a backup makes: same names, other files) is ``unavailable`` and stays
+    so: a write-down would go to the open files no path leads to any more. A restart serves
+    what the copy holds, byte-exact."""
+    ssd_dir, copy = tmp_path / "ssd", tmp_path / "ssd.copy"
+    d = start(tmp_path, ssd_dir)
+    try:
+        with KVClient(d.zmq_address) as kv:
+            ns_id = registered(kv, SPEC)
+            keys = make_keys(100, tag="cp")
+            store_all(kv, ns_id, SPEC, keys)
+            cold = on_ssd_only(kv, ns_id, keys)
+            written = settled(kv)["stored_chunks"]
+            shutil.copytree(ssd_dir, copy)
+            shutil.rmtree(ssd_dir)
+            copy.rename(ssd_dir)
+            stats = wait_until(lambda: (s := ssd(kv))["condition"] == "unavailable" and s)
+            assert LOST in stats["condition_detail"]
+            store_all(kv, ns_id, SPEC, make_keys(100, tag="cp-more"))
+            stats = settled(kv)
+            assert stats["stored_chunks"] == written and stats["condition"] == "unavailable"
+    finally:
+        assert d.terminate() == 0, d.log()
+    d = start(tmp_path, ssd_dir)
+    try:
+        assert d.info["ssd_condition"] == "ok" and d.info["ssd_recovered_chunks"] > 0
+        with KVClient(d.zmq_address) as kv:
+            for key in cold:
+                got = kv.load(ns_id, [key])
+                assert [bytes(p) for p in got[0]] == expected(SPEC, key), key.hex()
     finally:
         assert d.terminate() == 0, d.log()
 
