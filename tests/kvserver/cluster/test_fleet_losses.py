@@ -354,3 +354,34 @@ def test_a_ca_that_did_not_sign_redis_certificate_leaves_the_daemon_unavailable_
     finally:
         d.kill()
         server.stop()
+
+
+async def test_a_daemon_that_stepped_down_for_a_shared_host_id_takes_it_back_with_its_own_data(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two real daemons started with one host id: the later (b) owns it, the earlier (a)
+    steps down (``unavailable``, the detail naming ``--host-id``) and is no holder of what it
+    stores meanwhile; once b stops, a registers again and the id names a's chunks only: b's
+    are gone with b (never a false holder), a's are back."""
+    first = start_host(tmp_path / "first", redis_server, "x")
+    second = None
+    reader = reader_for(redis_server)
+    mine, theirs = make_keys(3, tag="shared-first"), make_keys(4, tag="shared-second")
+    try:
+        store(first, mine, SPEC)
+        await eventually(lambda: _holds(reader, SPEC.ns_id, mine, {"x": 3}), timeout=DEADLINE_S)
+        second = start_host(tmp_path / "second", redis_server, "x")
+        store(second, theirs, SPEC)
+        wait_until(lambda: cluster_stats(first)["condition"] == "unavailable", DEADLINE_S)
+        assert "--host-id" in cluster_stats(first)["condition_detail"]
+        await eventually(lambda: _holds(reader, SPEC.ns_id, theirs, {"x": 4}), timeout=DEADLINE_S)
+        assert await _holds(reader, SPEC.ns_id, mine, {})
+        assert second.terminate() == 0, second.log()
+        wait_until(lambda: cluster_stats(first)["condition"] == "ok", DEADLINE_S)
+        await eventually(lambda: _holds(reader, SPEC.ns_id, mine, {"x": 3}), timeout=DEADLINE_S)
+        assert await _holds(reader, SPEC.ns_id, theirs, {})
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        await reader.redis.aclose()
