@@ -135,6 +135,30 @@ def test_a_load_without_a_lookup_asks_a_likely_peer_for_the_bytes_straight_away(
         assert peer["missed_chunks"] == 0  # A was asked on a guess, not on the directory's word
 
 
+def test_a_namespace_a_peer_does_not_know_is_a_miss_not_a_failure(
+    fleet: list[DaemonProc],
+) -> None:
+    """docs/cluster.md, "namespace unknown at the peer": B asks A (its one peer) for chunks of
+    a namespace A has not registered: a miss, A neither failed nor suspect, so once A holds
+    them B's next load fetches them byte-exact."""
+    a, b, _c = fleet
+    keys = make_keys(3, tag="unknown-at-peer")
+    with KVClient(b.zmq_address) as kv:
+        kv.register_namespace(SPEC)
+        assert kv.lookup(SPEC.ns_id, keys).hit_chunks == 0
+        with pytest.raises(UnknownKey):
+            kv.load(SPEC.ns_id, keys)
+        peer = kv.stats()["peer"]
+        assert peer["directory_lookups"] >= 1 and peer["fetches"] >= 1, peer  # A was asked
+        assert (peer["failures"], peer["timeouts"], peer["peers_suspect"]) == (0, 0, 0), peer
+    with KVClient(a.zmq_address) as kv:
+        kv.register_namespace(SPEC)
+        assert kv.store(SPEC.ns_id, keys, [parts(k) for k in keys]) == keys
+    with KVClient(b.zmq_address) as kv:
+        assert rows(kv.load(SPEC.ns_id, keys)) == [parts(k) for k in keys]
+        assert kv.stats()["peer"]["condition"] == "ok"
+
+
 def test_a_peers_own_request_is_answered_from_local_tiers_only(
     fleet: list[DaemonProc],
 ) -> None:
