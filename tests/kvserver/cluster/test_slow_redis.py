@@ -125,7 +125,7 @@ async def test_changes_piling_up_behind_a_stuck_batch_are_dropped_and_resynced(
         a.store(ks[:10])
         await a.settled()
         resyncs = node.counters.resyncs
-        with server.paused(3000, "WRITE"):
+        with server.paused(30_000, "WRITE"):  # unpaused as the block ends
             a.store(ks[10:11])
 
             async def stuck() -> bool:  # taken into a batch, not written: Redis is paused
