@@ -333,6 +333,12 @@ class _Library:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def check_client_library(url: str) -> None:
+    """Raise InvalidArgument naming the extra when the library ``url``'s scheme picks is not
+    installed (``kvserver start`` asks before it makes anything: ``daemon/preflight.py``)."""
+    _client_library(parse_url(url).client)
+
+
 def _client_library(client: str) -> _Library:
     """The classes of ``client``'s asyncio API, imported only now (a standalone daemon never
     imports either library); InvalidArgument naming the extra when it is not installed."""

@@ -12,13 +12,16 @@ later still decide, and say so in their own errors.
 - the fixed ports are free (``listening.check_ports``);
 - ``--curve-secret-key-file`` (and ``--curve-clients-dir``) can be read;
 - ``--ready-file`` can be written (was: the daemon started, served, then failed writing it
-  with a traceback and stopped).
+  with a traceback and stopped);
+- ``--cluster``: the client library its scheme picks is installed (was: said once the node was
+  built, after the arena's pre-fault and the front ends).
 """
 
 from __future__ import annotations
 
 import socket
 
+from kvserver.cluster.config import check_client_library
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.listening import bind_hint, check_ports
 from kvserver.errors import KVServerError
@@ -35,6 +38,8 @@ def preflight(config: DaemonConfig) -> None:
         CurveServer.from_file(config.curve_secret_key_file, config.curve_clients_dir)
     if config.ready_file:
         check_writable(config.ready_file, "--ready-file")
+    if config.cluster:
+        check_client_library(config.cluster)
 
 
 def check_host(host: str) -> None:

@@ -37,9 +37,9 @@ def without(tmp_path: Path, package: str) -> dict[str, str]:
 def test_a_missing_client_library_stops_kvserver_start_naming_its_extra(
     tmp_path: Path, client: str, extra: str
 ) -> None:
-    """No fall-back to the other library (both are installed here): the start stops at once
-    (when the node is built, after the front ends: exit 1, not a usage error's 2), naming the
-    package and the extra to install."""
+    """No fall-back to the other library (both are installed here): the start stops at once,
+    before the arena is made (``preflight``: exit 1, could not start), naming the package and
+    the extra to install."""
     url = f"{client}://127.0.0.1:{free_port()}/0"
     result = subprocess.run(
         [sys.executable, "-m", "kvserver.cli", "start", "--grpc-port", "0", "--zmq-port", "0",
@@ -49,6 +49,7 @@ def test_a_missing_client_library_stops_kvserver_start_naming_its_extra(
     assert result.returncode == 1, result.stderr
     said = f"needs the {client} package: pip install 'kvserver[{extra}]'"
     assert said in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "pre-faulting the DRAM arena" not in result.stderr, result.stderr  # nothing made
 
 
 def test_a_member_on_the_valkey_client_needs_no_redis_package(
