@@ -113,11 +113,16 @@ set -m
 PIDS=()
 stop() { # [exit status: the script's own, kept unless a service exits with another]
   trap - INT TERM EXIT
-  local rc=${1:-0} pid
+  local rc=${1:-0} pid status deadline=$((SECONDS + 60))
   echo "stopping the cluster" >&2
-  # reverse start order: scheduler first, daemon last
-  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${PIDS[i]}" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" || rc=$?; done
+  # reverse start order: scheduler first, daemon last; to each service's process group, so that
+  # a program started by a wrapper (a pyenv shim runs it as its child) gets the TERM too (was:
+  # the wrapper alone, the program left running on its ports and its files removed under it)
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM -- "-${PIDS[i]}" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do
+    wait "$pid" || { status=$?; ((rc || status == 143)) || rc=$status; } # 143: by that TERM
+    while kill -0 -- "-$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+  done
   if [[ $KEEP_DIR == 0 ]]; then rm -rf "$DIR"; else echo "logs kept in $DIR"; fi
   exit "$rc"
 }
@@ -125,7 +130,9 @@ trap 'stop 0' INT TERM
 trap 'stop $?' EXIT # a failed step's `exit 1` stays 1
 
 mkdir -p "$DIR/kvdata" "$DIR/models"
-kvserver() { "${KV[@]}" "$@"; } # the keys script calls `kvserver keys ...`
+# the keys script calls `kvserver keys ...`; `command`: where KV is (kvserver), run the program
+# on PATH, not this function again (was: endless recursion, bash crashed, no keys)
+kvserver() { command "${KV[@]}" "$@"; }
 # not tested by `if`: inside a tested command bash ignores the script's own `set -e`, and
 # its steps after a failed one ran anyway
 set +e

@@ -7,18 +7,27 @@ The kvserver command is this tree's (``KVSERVER_CMD``: this interpreter ``-m kvs
 a Python without the package is this one with a stand-in ``cryptography`` module first on
 ``PYTHONPATH`` whose import fails, as it does where the package is not installed. The script
 runs in a session of its own, so what it leaves running is what runs in that session.
+
+And as a user runs it after ``pip install -e .``: ``kvserver`` on PATH (a wrapper that runs the
+program as its child, as a pyenv shim does), no ``KVSERVER_CMD``, up to the daemon, then
+Ctrl-C (SIGINT to the script alone: the services run in process groups of their own).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvserver.arena import pid_alive
 from tests.deploy.compose import ROOT, RUN_LOCAL
+from tests.support.daemon import wait_until
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -106,3 +115,67 @@ def test_with_cryptography_it_goes_on_to_the_keys_step_whose_failure_stops_it(
         "stopping the cluster",
     ]
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+#: a `kvserver` that runs the program as its child, as pyenv's shims do (not `exec`): a TERM
+#: kills the wrapper and not the program
+WRAPPER = '#!/usr/bin/env bash\n"{python}" -m kvserver.cli "$@"\n'
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return not pid_alive(pid)
+
+
+def _user_env(tmp_path: Path) -> dict[str, str]:
+    """The script's environment: `kvserver` on PATH (:data:`WRAPPER`, this tree), free ports,
+    its temporary directory made in ``tmp_path``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "kvserver"
+    wrapper.write_text(WRAPPER.format(python=sys.executable))
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSERVER_CMD", "KVSERVER_LOCAL_DIR")}
+    env.update({var: str(free_port()) for var in PORTS})
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", TMPDIR=str(tmp_path))
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_ctrl_c_stops_every_program_a_wrapper_on_path_started(tmp_path: Path) -> None:
+    """Was: with `kvserver` on PATH the keys step called its own shell function again and
+    again until bash crashed ("Segmentation fault", no keys, exit 0); past that, Ctrl-C sent
+    TERM to the wrappers only: the daemon kept running on its ports and its SSD directory was
+    removed under it, and the script exited 143."""
+    env = _user_env(tmp_path)
+    script = subprocess.Popen(
+        ["bash", str(RUN_LOCAL)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    daemon_pid = 0
+    try:
+        ready = wait_until(
+            lambda: (
+                script.poll() is not None or list(tmp_path.glob("kvserver-local.*/kvserver.ready"))
+            ),
+            timeout=120,
+        )
+        assert script.poll() is None, script.communicate()
+        info = json.loads(ready[0].read_text())
+        daemon_pid = info["pid"]
+        script.send_signal(signal.SIGINT)  # a terminal's Ctrl-C: the script's group only
+        _, err = script.communicate(timeout=120)
+        assert script.returncode == 0, err
+        assert "stopping the cluster" in err
+        assert _zombie_or_gone(daemon_pid), f"the daemon {daemon_pid} still runs"
+        assert in_session(script.pid) == [], "run-local.sh left processes running"
+        assert not Path(info["arena_path"]).exists()  # it stopped in order
+        assert not list(tmp_path.glob("kvserver-local.*"))  # the script's directory is removed
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.communicate()
+        if daemon_pid and not _zombie_or_gone(daemon_pid):
+            os.kill(daemon_pid, signal.SIGTERM)
