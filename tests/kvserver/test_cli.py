@@ -104,15 +104,18 @@ def test_a_bad_start_flag_value_is_not_buried_under_the_whole_usage() -> None:
           "tcp://127.0.0.1:1", "--model-file", "{file}"],
          "kvserver worker: error: bad --listen 'bogus'", 2),
         (["hash", "--algo", "sha256", "--block-size", "4", "x"], "kvserver hash: error: ", 2),
+        (["bench", "--dram", "abc"], "kvserver bench: error: --dram: bad size 'abc'", 2),
     ],
-    ids=["start", "keys-under-a-file", "keys-a-file", "scheduler", "worker", "hash"],
+    ids=["start", "keys-under-a-file", "keys-a-file", "scheduler", "worker", "hash", "bench"],
 )  # fmt: skip
 def test_every_subcommand_says_error_on_its_error_line(
     tmp_path: Path, argv: list[str], said: str, status: int
 ) -> None:
     """``kvserver status`` / ``lookup`` / ``hash`` wrote ``kvserver CMD: error: ...``, while
     ``start``, ``keys``, ``scheduler`` and ``worker`` wrote ``kvserver CMD: ...`` (no word
-    that it is an error); ``keys`` under a file was a NotADirectoryError traceback."""
+    that it is an error); ``keys`` under a file was a NotADirectoryError traceback; ``bench
+    --dram abc`` was "kvserver bench: daemon did not start:", a blank line, the daemon's
+    error, exit status 1."""
     file = tmp_path / "a-file"
     file.write_text("")
     argv = [a.replace("{file}", str(file)) for a in argv]
@@ -123,3 +126,19 @@ def test_every_subcommand_says_error_on_its_error_line(
     assert result.returncode == status, result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith(said.replace("{file}", str(file))), line
+
+
+@pytest.mark.parametrize(
+    "command", ["hash", "start", "status", "lookup", "keys", "bench", "scheduler", "worker"]
+)
+def test_every_subcommands_help_is_plain_text_with_whole_sentences(command: str) -> None:
+    """``kvserver bench --help`` was a paragraph of its module's docstring: reST quotes
+    (````--zmq````) and cut at the colon announcing the list of what it measures."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", command, "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    description = result.stdout.split("\n\n")[1]  # after the usage
+    assert "``" not in result.stdout
+    assert not description.rstrip().endswith(":"), description
