@@ -308,8 +308,16 @@ def server_address(text: str) -> str:
     itself would dial 443). IPv6 hosts may be bracketed; targets with a scheme pass as they are,
     but ``tcp://`` (a ZMQ endpoint's, which gRPC cannot resolve) is dropped. A port that is
     not 1-65535 is refused (argparse.ArgumentTypeError): gRPC dials it modulo 65536 (``:99999``
-    reached port 34463, and the error said the daemon at ``:99999`` was not running).
+    reached port 34463, and the error said the daemon at ``:99999`` was not running). So is an
+    ``http(s)://`` URL, which gRPC took for a host name ("Misformatted domain name", "cannot
+    reach the daemon").
     """
+    if text.startswith(("http://", "https://")):
+        tls = "; over TLS, with --tls-ca-file FILE" if text.startswith("https") else ""
+        raise argparse.ArgumentTypeError(
+            f"{text[:200]!r} is a URL: give the daemon's gRPC address as HOST[:PORT], e.g. "
+            f"127.0.0.1:{DEFAULT_GRPC_PORT}{tls}"
+        )
     if text.startswith("tcp://"):
         text = text[len("tcp://") :]
     if "://" in text or text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):

@@ -300,6 +300,25 @@ def test_a_server_port_that_is_not_1_to_65535_is_a_usage_error(
     assert line.endswith("is not 1-65535"), line
 
 
+@pytest.mark.parametrize(
+    ("scheme", "tls"), [("http", ""), ("https", "; over TLS, with --tls-ca-file FILE")]
+)
+def test_a_server_given_as_a_url_is_a_usage_error_saying_host_port(scheme: str, tls: str) -> None:
+    """Was: gRPC took the URL for a host name, waited out --timeout and said "cannot reach the
+    daemon at http://127.0.0.1:9470 within 5s; is `kvserver start` running there?" ("errors
+    resolving ...: Misformatted domain name"), exit 1, with the daemon running there."""
+    url = f"{scheme}://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "status", "--server", url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"kvserver status: error: argument --server: {url!r} is a URL: give the daemon's gRPC "
+        f"address as HOST[:PORT], e.g. 127.0.0.1:9470{tls}"
+    )
+
+
 def test_status_server_without_port_reaches_the_default_port(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
