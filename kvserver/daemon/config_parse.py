@@ -106,7 +106,9 @@ def coerce(name: str, f: dataclasses.Field[Any], value: Any) -> Any:
                 raise ValueError(value)
             return number
     except (TypeError, ValueError):
-        raise InvalidArgument(f"config {name} must be a number, got {value!r}") from None
+        what = "a whole number" if kind == "int" else "a number"  # was "a number", got 1.5
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # TOML's spelling
+        raise InvalidArgument(f"config {name} must be {what}, got {shown}") from None
     if not isinstance(value, str):  # a TOML list, table or number where text goes
         raise InvalidArgument(f"config {name} must be a string (quoted in TOML), got {value!r}")
     return value

@@ -123,11 +123,14 @@ def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_one_line(tmp_path:
     (a list or a boolean too, which were taken as text or as 1)."""
     for toml, message in (
         ('dramm = "1GiB"\n', "unknown config keys: dramm (did you mean dram?); the keys are"),
-        ('grpc_port = "abc"\n', "config grpc_port must be a number, got 'abc'"),
+        ('grpc_port = "abc"\n', "config grpc_port must be a whole number, got 'abc'"),
+        ("grpc_port = 1.5\n", "config grpc_port must be a whole number, got 1.5"),  # was: "a
+        # number, got 1.5"
         ("no_auth = 3\n", "config no_auth must be true or false"),
         # were: served, its SSD tier in a directory named "['a']" in the working directory
         ('ssd_dir = ["a"]\n', "config ssd_dir must be a string (quoted in TOML), got ['a']"),
-        ("grpc_port = true\n", "config grpc_port must be a number, got True"),  # was: port 1
+        ("grpc_port = true\n", "config grpc_port must be a whole number, got true"),  # were:
+        # port 1, then "got True"
     ):
         config = tmp_path / "kvserver.toml"
         config.write_text(toml)
