@@ -246,14 +246,17 @@ def read_token_file(path: str, where: str = "") -> str:
                     "chmod 600 it (or 640 for a group)"
                 )
             data = fh.read(MAX_TOKEN_FILE + 1)
-    except OSError as exc:
-        raise InvalidArgument(f"{prefix}cannot read token file {path}: {exc}") from None
+    except OSError as exc:  # the reason alone (was "[Errno 2] No such file ...: 'PATH'" too)
+        reason = exc.strerror or str(exc)
+        raise InvalidArgument(f"{prefix}cannot read token file {path}: {reason}") from None
     if len(data) > MAX_TOKEN_FILE:
         raise InvalidArgument(f"{prefix}token file {path} is too large for a token")
     try:
         token = data.decode().strip()
     except UnicodeDecodeError:
         raise InvalidArgument(f"{prefix}token file {path} is not text") from None
+    if not token:
+        raise InvalidArgument(f"{prefix}token file {path} is empty")
     if len(token) < MIN_TOKEN_CHARS:
         raise InvalidArgument(
             f"{prefix}the token in {path} is shorter than {MIN_TOKEN_CHARS} characters"

@@ -185,6 +185,33 @@ def test_a_bad_token_file_is_refused_naming_it(
         read_token_file(str(tmp_path / "missing"))
 
 
+#: what a `kvserver start` refused at once would have started with: ports of its own, an arena
+#: in the test's directory (the last argument)
+START_ALONE = ("--grpc-port", "0", "--zmq-port", "0", "--pub-port", "-1", "--metrics-port", "-1",
+               "--shm-dir")  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["status", "start"])
+def test_a_missing_or_empty_token_file_is_one_line_saying_so(tmp_path: Path, command: str) -> None:
+    """Were: "cannot read token file PATH: [Errno 2] No such file or directory: 'PATH'" (the
+    path twice) and, for an empty file, "the token in PATH is shorter than 16 characters"."""
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    missing = tmp_path / "missing.token"
+    for path, said in ((missing, "cannot read token file {}: No such file or directory"),
+                       (empty, "token file {} is empty")):  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "kvserver.cli", command, "--auth-token-file", str(path),
+             *((*START_ALONE, str(tmp_path)) if command == "start" else ())],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines() == [
+            f"kvserver {command}: error: auth_token_file: {said.format(path)}"
+        ]
+
+
 def test_a_client_takes_the_token_file_over_the_token(tmp_path: Path) -> None:
     path = make_token_file(str(tmp_path))
     assert client_auth_token(Namespace(auth_token="flag-token", auth_token_file=path)) == (
