@@ -44,6 +44,8 @@ def ensure_key_set(directory: str, tls_hosts: Sequence[str]) -> KeySet:
     the rest. Raises InvalidArgument when a file cannot be made (naming it) or the
     ``cryptography`` package is missing."""
     path = os.path.join
+    if os.path.exists(directory) and not os.path.isdir(directory):  # was "[Errno 17] File exists"
+        raise InvalidArgument(f"keys_dir: {directory} is a file, not a directory")
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         for name in ("server", "client"):
@@ -63,8 +65,10 @@ def ensure_key_set(directory: str, tls_hosts: Sequence[str]) -> KeySet:
                 ) from None
         if not os.path.exists(path(directory, "auth.token")):
             make_token_file(directory, "auth")
-    except OSError as exc:
-        raise InvalidArgument(f"keys_dir: cannot make keys in {directory}: {exc}") from None
+    except OSError as exc:  # the reason, and the file when not the directory itself
+        where = f" ({exc.filename})" if exc.filename and exc.filename != directory else ""
+        reason = f"{exc.strerror}{where}" if exc.strerror else str(exc)
+        raise InvalidArgument(f"keys_dir: cannot make keys in {directory}: {reason}") from None
     return KeySet(
         curve_secret_key_file=path(directory, "server.key_secret"),
         curve_clients_dir=clients,

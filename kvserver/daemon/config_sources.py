@@ -47,7 +47,9 @@ def read_config_file(path: str) -> dict[str, Any]:
             f"cannot read config file {path}: larger than {MAX_CONFIG_BYTES} "
             "bytes (a config file is a few KiB of TOML)"
         ) from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except OSError as exc:  # the reason alone (was "[Errno 2] No such file ...: 'PATH'" too)
+        raise InvalidArgument(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
         raise InvalidArgument(f"cannot read config file {path}: {exc}") from None
     except UnicodeDecodeError as exc:  # tomllib decodes the bytes first
         raise InvalidArgument(

@@ -143,6 +143,31 @@ def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_one_line(tmp_path:
         assert line.startswith(f"kvserver start: error: {message}"), line
 
 
+@pytest.mark.parametrize(
+    ("flag", "given", "said"),
+    [
+        ("--config", "missing.toml", "cannot read config file {}: No such file or directory"),
+        ("--config", "a-dir", "cannot read config file {}: Is a directory"),
+        ("--keys-dir", "a-file", "keys_dir: {} is a file, not a directory"),
+    ],
+)
+def test_a_config_file_or_keys_dir_that_cannot_be_used_is_one_line_with_the_reason(
+    tmp_path: Path, flag: str, given: str, said: str
+) -> None:
+    """Were: "...: [Errno 2] No such file or directory: 'PATH'" (the path twice), "[Errno 21]
+    Is a directory", and for a keys directory that is a file "keys_dir: cannot make keys in
+    PATH: [Errno 17] File exists: 'PATH'"."""
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / given
+    result = subprocess.run(
+        start_cmd(tmp_path / "shm", flag, str(path)), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [f"kvserver start: error: {said.format(path)}"]
+    assert not (tmp_path / "shm").exists()  # nothing was made
+
+
 @pytest.mark.parametrize("source", ["/dev/zero", "endless fifo", "2 MiB file"])
 def test_a_config_file_past_its_size_limit_is_one_line_naming_it_and_the_limit(
     tmp_path: Path, source: str
