@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable, Iterable
@@ -263,6 +264,39 @@ def check_room(size: int, directory: str = DEFAULT_SHM_DIR) -> None:
     free = _free_bytes(directory)
     if free is not None and free < size:
         raise _no_room("it does not fit", size, free, directory)
+
+
+#: filesystems whose files are memory: an arena anywhere else is a disk file under page cache
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def not_in_memory(directory: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """What to say when ``directory`` is not on a memory filesystem (a ``--shm-dir`` given a
+    data directory: the "DRAM" tier's pages written back to that disk, and read from it once
+    evicted); None when it is, or where it cannot be told (no ``mountinfo``: not Linux). The
+    filesystem is that of the longest mount point above the directory's real path (the last
+    one mounted there)."""
+    path = os.path.realpath(directory)
+    found, kind = "", ""
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:  # ID PARENT DEV ROOT MOUNT_POINT OPTIONS [TAGS...] - TYPE SOURCE ...
+                fields, _, tail = line.partition(" - ")
+                names = fields.split()
+                if len(names) < 5 or not tail.split():
+                    continue
+                mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), names[4])
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(found):
+                    found, kind = mount, tail.split()[0]
+    except OSError:
+        return None
+    if not kind or kind in MEMORY_FILESYSTEMS:
+        return None
+    return (
+        f"the arena's directory {directory} is on {kind}, not in memory: the DRAM tier's pages "
+        "go to that disk; give a tmpfs with --shm-dir (the default, /dev/shm, is one)"
+    )
 
 
 def _free_bytes(directory: str) -> int | None:

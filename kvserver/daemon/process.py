@@ -56,7 +56,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvserver.arena import check_room, reap_stale_arenas
+from kvserver.arena import check_room, not_in_memory, reap_stale_arenas
 from kvserver.cluster.node import ClusterNode
 from kvserver.cluster.schema import check_host_id
 from kvserver.crypto import TlsServer
@@ -175,6 +175,8 @@ async def _serve(
                     len(stale_tokens), token_dir(config.shm_dir))  # fmt: skip
     engine_config = config.engine_config()
     check_room(engine_config.num_pages * engine_config.page_size, config.shm_dir)
+    if disk := not_in_memory(config.shm_dir):  # a warning: a test may want it there
+        logger.warning("%s", disk)
     logger.info(
         "pre-faulting the DRAM arena: %d MiB in %s (the tier's memory is committed now)",
         engine_config.num_pages * engine_config.page_size >> 20,

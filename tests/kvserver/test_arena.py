@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kvserver.arena import ArenaView, SharedArena, check_room, reap_stale_arenas, total_length
+from kvserver.arena import (
+    ArenaView,
+    SharedArena,
+    check_room,
+    not_in_memory,
+    reap_stale_arenas,
+    total_length,
+)
 from kvserver.errors import InvalidArgument, StorageError
 from tests.kvserver.builders import PAGE, make_engine, make_keys, make_spec, pattern
 from tests.support.tmpfs import mount_tmpfs, unmount
@@ -315,3 +322,41 @@ def test_an_arena_its_filesystem_cannot_hold_is_refused_before_anything_is_commi
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(StorageError, match=r"directory .*/gone does not exist: create it"):
         check_room(1, str(tmp_path / "gone"))
+
+
+MOUNTINFO = """\
+22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+23 22 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw
+24 23 0:20 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw
+25 22 0:30 / /mnt/my\\040disk rw shared:4 - xfs /dev/sdb1 rw
+26 22 0:31 / /mnt rw shared:5 - ext4 /dev/sdc1 rw
+27 22 0:32 / /mnt rw shared:6 - tmpfs none rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("directory", "kind"),
+    [
+        ("/dev/shm", None),
+        ("/dev/shm/kvserver-tests", None),
+        ("/var/lib/kvserver", "ext4"),
+        ("/dev/shmem", "devtmpfs"),  # /dev, not /dev/shm: a prefix of the name is no parent
+        ("/mnt/my disk/arena", "xfs"),  # the mount point as mountinfo escapes it
+        ("/mnt/other", None),  # the last filesystem mounted on /mnt is the one seen there
+    ],
+)
+def test_an_arena_directory_not_in_memory_is_named_with_its_filesystem(
+    tmp_path: Path, directory: str, kind: str | None
+) -> None:
+    """--shm-dir given a data directory: the "DRAM" tier was a disk file, said nowhere."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(MOUNTINFO)
+    said = not_in_memory(directory, str(mountinfo))
+    if kind is None:
+        assert said is None
+    else:
+        assert said == (
+            f"the arena's directory {directory} is on {kind}, not in memory: the DRAM tier's "
+            "pages go to that disk; give a tmpfs with --shm-dir (the default, /dev/shm, is one)"
+        )
+    assert not_in_memory(directory, str(tmp_path / "none")) is None  # not Linux: nothing said

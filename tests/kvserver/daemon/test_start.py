@@ -240,6 +240,25 @@ def test_the_start_up_line_says_where_and_with_what(tmp_path: Path) -> None:
     assert line.endswith(", standalone")
 
 
+def test_an_arena_directory_not_in_memory_is_warned_about_at_start(tmp_path: Path) -> None:
+    """--shm-dir given a data directory: the "DRAM" tier was a disk file, said nowhere. Here
+    tmp_path's filesystem (a disk unless this machine's /tmp is a tmpfs, as `stat -f` says)
+    beside the session's directory in /dev/shm (a tmpfs)."""
+    on = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                        text=True, check=True, timeout=30).stdout.strip()  # fmt: skip
+    for shm_dir, on_disk in ((tmp_path, on != "tmpfs"), (None, False)):
+        flags = ("--shm-dir", str(shm_dir)) if shm_dir else ()
+        d = start_daemon(tmp_path, "--pub-port", "-1", "--metrics-port", "-1", *flags)
+        assert d.terminate() == 0, d.log()
+        warned = [line for line in d.log().splitlines() if "not in memory" in line]
+        if on_disk:
+            (line,) = warned
+            assert f"WARNING kvserver.daemon: the arena's directory {shm_dir} is on " in line
+            assert line.endswith("give a tmpfs with --shm-dir (the default, /dev/shm, is one)")
+        else:
+            assert warned == []
+
+
 def test_prefault_is_announced_with_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     master, slave = pty.openpty()
