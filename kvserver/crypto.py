@@ -37,6 +37,7 @@ import zmq
 import zmq.auth
 
 from kvserver.errors import InvalidArgument
+from kvserver.key_files import load_curve_keys, read_key_file
 
 
 def is_loopback(host: str) -> bool:
@@ -57,26 +58,6 @@ def endpoint_is_local(endpoint: str) -> bool:
         return True
     host = endpoint.removeprefix("tcp://").rpartition(":")[0]
     return is_loopback(host)
-
-
-def _read_text(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidArgument(f"cannot read {what} {path}: {exc.strerror}", path=path) from None
-
-
-def load_curve_keys(path: str) -> tuple[bytes, bytes | None]:
-    """(public, secret or None) Z85 keys from a libzmq certificate file (``.key`` or
-    ``.key_secret``). Raises InvalidArgument naming the file."""
-    _read_text(path, "CURVE key file")  # a clear error for a missing/unreadable file
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (ValueError, OSError) as exc:
-        raise InvalidArgument(f"not a CURVE key file: {path}: {exc}", path=path) from None
-    if public is None or len(public) != 40:
-        raise InvalidArgument(f"no public key in CURVE key file {path}", path=path)
-    return public, secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +144,9 @@ class TlsServer:
     def credentials(self) -> Any:
         import grpc
 
-        cert = _read_text(self.cert_file, "TLS certificate")
-        key = _read_text(self.key_file, "TLS key")
-        ca = _read_text(self.client_ca_file, "TLS client CA") if self.client_ca_file else None
+        cert = read_key_file(self.cert_file, "TLS certificate")
+        key = read_key_file(self.key_file, "TLS key")
+        ca = read_key_file(self.client_ca_file, "TLS client CA") if self.client_ca_file else None
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
         )
@@ -199,11 +180,11 @@ class TlsClient:
     def credentials(self) -> Any:
         import grpc
 
-        ca = _read_text(self.ca_file, "TLS CA")
+        ca = read_key_file(self.ca_file, "TLS CA")
         if bool(self.cert_file) != bool(self.key_file):
             raise InvalidArgument("a TLS client certificate needs both cert_file and key_file")
-        cert = _read_text(self.cert_file, "TLS certificate") if self.cert_file else None
-        key = _read_text(self.key_file, "TLS key") if self.key_file else None
+        cert = read_key_file(self.cert_file, "TLS certificate") if self.cert_file else None
+        key = read_key_file(self.key_file, "TLS key") if self.key_file else None
         return grpc.ssl_channel_credentials(ca, key, cert)
 
     def options(self) -> list[tuple[str, str]]:
@@ -229,8 +210,8 @@ class TlsClient:
 
 
 def _load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str) -> None:
-    _read_text(cert_file, "TLS certificate")  # a clear error for a missing/unreadable file
-    _read_text(key_file, "TLS key")
+    read_key_file(cert_file, "TLS certificate")  # a clear error for a missing/unreadable file
+    read_key_file(key_file, "TLS key")
     try:
         ctx.load_cert_chain(cert_file, key_file)
     except (ssl.SSLError, OSError) as exc:
@@ -240,7 +221,7 @@ def _load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str) -> None:
 
 
 def _load_ca(ctx: ssl.SSLContext, ca_file: str, what: str) -> None:
-    _read_text(ca_file, what)
+    read_key_file(ca_file, what)
     try:
         ctx.load_verify_locations(cafile=ca_file)
     except (ssl.SSLError, OSError) as exc:

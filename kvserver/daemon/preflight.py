@@ -10,7 +10,8 @@ later still decide, and say so in their own errors.
 - ``--host``: it resolves and is an address of this machine (a probe bound to port 0: with
   ephemeral ports ``check_ports`` binds nothing);
 - the fixed ports are free (``listening.check_ports``);
-- ``--curve-secret-key-file`` (and ``--curve-clients-dir``) can be read;
+- ``--curve-secret-key-file`` and every ``.key`` of ``--curve-clients-dir`` can be read and
+  hold CURVE keys (``kvserver/key_files.py``);
 - ``--ready-file`` can be written (was: the daemon started, served, then failed writing it
   with a traceback and stopped);
 - ``--cluster``: the client library its scheme picks is installed (was: said once the node was
@@ -36,6 +37,10 @@ def preflight(config: DaemonConfig) -> None:
         from kvserver.crypto import CurveServer
 
         CurveServer.from_file(config.curve_secret_key_file, config.curve_clients_dir)
+        if config.curve_clients_dir:
+            from kvserver.key_files import load_client_keys
+
+            load_client_keys(config.curve_clients_dir)
     if config.ready_file:
         check_writable(config.ready_file, "--ready-file")
     if config.cluster:

@@ -53,6 +53,7 @@ from kvserver.crypto import CurveServer
 from kvserver.daemon.auth import Authenticator
 from kvserver.daemon.refusals import HandshakeCounts
 from kvserver.errors import Unauthenticated
+from kvserver.key_files import load_client_keys
 
 logger = logging.getLogger(__name__)
 
@@ -237,10 +238,3 @@ class HandshakeGate:
                 return None
             return key
         return None
-
-
-def load_client_keys(directory: str) -> frozenset[bytes]:
-    """The Z85 public keys of the ``.key`` files in ``directory`` (``curve_clients_dir``)."""
-    import zmq.auth
-
-    return frozenset(zmq.auth.load_certificates(directory))
