@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from kvserver.arena import DEFAULT_SHM_DIR
 from kvserver.crypto import is_loopback
 from kvserver.errors import InvalidArgument, KVServerError
-from kvserver.files import remove_if_unheld
+from kvserver.files import TooLarge, read_limited, remove_if_unheld
 
 SHM_DIR_ENV = "KVSERVER_SHM_DIR"
 #: a token file larger than this is not a token.
@@ -236,21 +236,22 @@ class TokenFile:
 def read_token_file(path: str, where: str = "") -> str:
     """The token in ``path`` (stripped). Raises InvalidArgument, prefixed with ``where``, for
     a file other users may read or write (0600 or 0640 are fine), an unreadable, oversized or
-    non-text file, or a token under :data:`MIN_TOKEN_CHARS` characters."""
+    non-text file (a FIFO or device with no end within ``files.READ_WAIT_S`` is unreadable),
+    or a token under :data:`MIN_TOKEN_CHARS` characters."""
     prefix = f"{where}: " if where else ""
     try:
-        with open(path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_mode & stat.S_IRWXO:
-                raise InvalidArgument(
-                    f"{prefix}token file {path} is accessible to other users; "
-                    "chmod 600 it (or 640 for a group)"
-                )
-            data = fh.read(MAX_TOKEN_FILE + 1)
-    except OSError as exc:  # the reason alone (was "[Errno 2] No such file ...: 'PATH'" too)
-        reason = exc.strerror or str(exc)
+        if os.stat(path).st_mode & stat.S_IRWXO:
+            raise InvalidArgument(
+                f"{prefix}token file {path} is accessible to other users; "
+                "chmod 600 it (or 640 for a group)"
+            )
+        # bounded in time too: open() of a FIFO nobody writes waited for ever, deaf to SIGTERM
+        data = read_limited(path, MAX_TOKEN_FILE)
+    except TooLarge:
+        raise InvalidArgument(f"{prefix}token file {path} is too large for a token") from None
+    except OSError as exc:  # the reason alone (was "[Errno 2] No such file ...: 'PATH'" too);
+        reason = exc.strerror or str(exc)  # TimeoutError too: a FIFO or device with no end
         raise InvalidArgument(f"{prefix}cannot read token file {path}: {reason}") from None
-    if len(data) > MAX_TOKEN_FILE:
-        raise InvalidArgument(f"{prefix}token file {path} is too large for a token")
     try:
         token = data.decode().strip()
     except UnicodeDecodeError:

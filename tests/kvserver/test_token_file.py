@@ -233,3 +233,33 @@ def test_the_daemon_reads_its_token_from_a_file_and_excludes_a_second_source(
         with pytest.raises(InvalidArgument, match="auth_token_file excludes"):
             DaemonConfig.load(env={}, overrides={"auth_token_file": path, **other})
     assert cfg.replace(dram=1 << 20).auth_token == cfg.auth_token
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["start", "--dram", "64MiB", "--zmq-port", "0", "--grpc-port", "0", "--pub-port", "-1",
+         "--metrics-port", "-1", "--auth-token-file"],
+        ["scheduler", "--synthetic-workers", "1", "--grpc-port", "0", "--metrics-port", "-1",
+         "--engine-auth-token-file"],
+    ],
+    ids=["daemon", "scheduler"],
+)  # fmt: skip
+def test_a_token_file_that_never_ends_is_refused_not_waited_on_for_ever(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """A FIFO nobody writes as the token file (a mistyped path, a pipe whose writer died).
+    Before: ``open`` waited for a writer for ever, and SIGTERM did not end the wait (Python
+    retries an interrupted ``open`` after running its handler): ``kvserver start`` hung."""
+    fifo = tmp_path / "token.fifo"
+    os.mkfifo(fifo, 0o600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", *command, str(fifo)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "KVSERVER_SHM_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode in (1, 2), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"cannot read token file {fifo}: no end of file within" in last, proc.stderr[-3000:]
