@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserver.client.common import data_address
+from kvserver.client.common import data_address, endpoint_problem
 from kvserver.crypto import CurveClient, TlsServer, is_loopback
 from kvserver.errors import InvalidArgument
 from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS
@@ -168,6 +168,12 @@ class ProcessConfig:
         for address in self.workers:
             if not address.startswith(("tcp://", "ipc://", "inproc://")):
                 raise InvalidArgument("worker address must be a ZMQ endpoint", address=address)
+            why = "" if address.startswith("inproc://") else endpoint_problem(address)
+            if why:  # was: a ZMQError traceback at connect (no port, "ipc://"), or a hello
+                raise InvalidArgument(  # timed out for ever (port 0 or 99999)
+                    f"bad worker address {address[:200]!r}: {why}; give tcp://HOST:PORT or "
+                    "ipc://PATH"
+                )
         if self.tls is None and not self.insecure_remote and not is_loopback(self.host):
             raise InvalidArgument(
                 f"host {self.host} is beyond loopback: set tls_cert_file and tls_key_file "

@@ -79,15 +79,15 @@ def data_address(text: str) -> str:
         endpoint = f"tcp://[{text}]:{DEFAULT_DATA_PORT}"
     else:
         endpoint = f"tcp://{text}" if ":" in text else f"tcp://{text}:{DEFAULT_DATA_PORT}"
-    why = _refused(endpoint)
+    why = endpoint_problem(endpoint)
     if why:
         raise InvalidArgument(f"bad daemon address {text[:200]!r}: {why}; give {ADDRESS_FORMS}")
     return endpoint
 
 
-def _refused(endpoint: str) -> str:
-    """Why ZMQ's connect to the daemon at ``endpoint`` (``SCHEME://...``) could not work; ""
-    when it can."""
+def endpoint_problem(endpoint: str) -> str:
+    """Why ZMQ's connect to ``endpoint`` (``SCHEME://...``: a daemon's, or a scheduler's
+    worker, ``scheduler/config.py``) could not work; "" when it can."""
     scheme, _, rest = endpoint.partition("://")
     if scheme == "ipc":
         return "" if rest else "no ipc:// path"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -63,6 +65,33 @@ def test_a_kvserver_address_the_client_refuses_is_refused_naming_the_field() -> 
             ProcessConfig(synthetic_workers=1, kvserver=address)
     for address in ("tcp://127.0.0.1:9471", "127.0.0.1", "ipc:///run/kv.sock"):
         assert ProcessConfig(synthetic_workers=1, kvserver=address).kvserver == address
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("tcp://127.0.0.1:notaport", "port 'notaport' is not 1-65535"),
+        ("tcp://127.0.0.1:99999", "port '99999' is not 1-65535"),
+        ("tcp://:9500", "no host"),
+        ("ipc://", "no ipc:// path"),
+    ],
+)
+def test_a_worker_address_zmq_cannot_connect_to_is_one_error_line(address: str, why: str) -> None:
+    """``kvserver scheduler --workers ADDRESS``. Before: ``zmq.error.ZMQError: Invalid
+    argument`` as a traceback (no port number, an empty ipc:// path), or a hello that waited
+    ``--hello-timeout-s`` for a port no worker can have (99999)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "scheduler", "--workers", address,
+         "--grpc-port", "0", "--metrics-port", "-1", "--hello-timeout-s", "120"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"kvserver scheduler: error: bad worker address {address!r}: {why}; "
+        "give tcp://HOST:PORT or ipc://PATH"
+    )
+    assert ProcessConfig(workers=("tcp://[::1]:9500", "ipc:///run/w0")).num_workers == 2
 
 
 def test_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
