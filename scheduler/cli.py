@@ -11,6 +11,7 @@ from kvserver.crypto import ClientSecurity, TlsServer, add_client_security_args
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.files import check_writable
 from kvserver.token_file import client_auth_token, read_token_file
+from step_protocol import limits as step_limits
 from step_protocol import security as step_security
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ def add_scheduler(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     step_security.add_insecure_remote_arg(
         p, "the gRPC front door (--host) and the step channel (--workers)"
     )
+    step_limits.add_limit_arg(p, scheduler=True)
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -256,6 +258,7 @@ def process_config(args: argparse.Namespace) -> ProcessConfig:
         engine_no_auth=args.engine_no_auth,
         step_curve=step_security.scheduler_curve(args),
         insecure_remote=args.insecure_remote,
+        step_max_message_mib=args.step_max_message_mib,
         chunk_blocks=args.chunk_blocks,
         model=args.model,
         step_timeout_s=args.step_timeout_s,

@@ -14,6 +14,7 @@ from kvserver.crypto import CurveClient, TlsServer, is_loopback
 from kvserver.errors import InvalidArgument
 from kvserver.grpc_limit import MAX_CONNECTIONS_PER_ADDRESS
 from kvserver.hashing import DEFAULT_SEED, HASH_ALGOS
+from step_protocol.limits import derived_limit, limit_bytes, plan_bytes_bound, reply_bytes_bound
 from step_protocol.security import check_worker_addresses
 
 #: scheduling policies: first come first served, or by priority.
@@ -140,6 +141,9 @@ class ProcessConfig:
     step_curve: CurveClient | None = None
     #: the front door (and the step channel) beyond loopback in clear text: an explicit choice
     insecure_remote: bool = False
+    #: the largest worker reply taken, MiB (0: derived from the batch settings,
+    #: :attr:`reply_limit_bytes`)
+    step_max_message_mib: float = 0.0
     chunk_blocks: int = 1
     model: str = "synthetic"
     step_timeout_s: float = 10.0
@@ -197,6 +201,8 @@ class ProcessConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise InvalidArgument(f"{name} must be > 0", **{name: value})
+        if self.step_max_message_mib:
+            limit_bytes(self.step_max_message_mib)
         if self.synthetic_delay_ms < 0 or self.shutdown_grace_s < 0:
             raise InvalidArgument("synthetic_delay_ms and shutdown_grace_s must be >= 0")
         from kvserver.daemon.config import LOG_LEVELS  # the daemon's: the logging names
@@ -209,3 +215,22 @@ class ProcessConfig:
     @property
     def num_workers(self) -> int:
         return len(self.workers) or self.synthetic_workers
+
+    @property
+    def plan_bytes_bound(self) -> int:
+        """The largest step plan these settings can send (``step_protocol/limits.py``)."""
+        s = self.scheduler
+        return plan_bytes_bound(
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            model_len=s.model_len, num_gpu_blocks=s.num_gpu_blocks, world_size=self.num_workers,
+        )  # fmt: skip
+
+    @property
+    def reply_limit_bytes(self) -> int:
+        """The step channel's limit on a worker's reply: ``step_max_message_mib``, else a
+        multiple of the largest reply these settings allow, at least 64 MiB."""
+        if self.step_max_message_mib:
+            return limit_bytes(self.step_max_message_mib)
+        s = self.scheduler
+        bound = reply_bytes_bound(max_num_seqs=s.max_num_seqs, num_gpu_blocks=s.num_gpu_blocks)
+        return derived_limit(bound)

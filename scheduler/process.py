@@ -68,6 +68,7 @@ from scheduler.metrics import SchedulerCollector
 from scheduler.scheduler import Scheduler
 from scheduler.workers import WorkerGroup
 from step_protocol import WorkerHello, WorkerInfo
+from step_protocol.limits import MIB, derived_limit
 
 if TYPE_CHECKING:
     from scheduler.kv_connector import KVServerSchedulerConnector
@@ -83,14 +84,17 @@ FORCED_EXIT_NOTE = (
 
 
 def _spawn_synthetic(config: ProcessConfig, ipc_dir: IpcDir) -> tuple[list[str], list[Any]]:
-    """Start the synthetic worker children; their ipc:// addresses and Popen objects."""
+    """Start the synthetic worker children; their ipc:// addresses and Popen objects. Each
+    takes plans up to a multiple of the largest these settings send (step_protocol/limits.py)."""
     addresses, children = [], []
+    plan_limit = derived_limit(config.plan_bytes_bound)
     paths = [ipc_dir.socket_path(f"w{rank}.sock") for rank in range(config.synthetic_workers)]
     for path in paths:
         address = f"ipc://{path}"
         args = [
             sys.executable, "-m", "scheduler.synthetic", "--bind", address,
             "--delay-ms", str(config.synthetic_delay_ms), "--parent-pid", str(os.getpid()),
+            "--step-max-message-mib", repr(plan_limit / MIB),
         ]  # fmt: skip
         children.append(subprocess.Popen(args, stdin=subprocess.DEVNULL))
         addresses.append(address)
@@ -227,6 +231,7 @@ async def serve(
         workers = WorkerGroup(
             addresses, step_timeout_s=config.step_timeout_s,
             hello_timeout_s=config.hello_timeout_s, curve=config.step_curve,
+            max_message_bytes=config.reply_limit_bytes, plan_bytes_bound=config.plan_bytes_bound,
         )  # fmt: skip
         sched = config.scheduler
         logger.info("waiting for %d workers to answer hello (at most %g s)", len(addresses),

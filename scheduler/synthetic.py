@@ -37,7 +37,9 @@ from step_protocol import (
     WorkerHello,
     WorkerInfo,
 )
+from step_protocol import limits as step_limits
 from step_protocol import security as step_security
+from step_protocol.limits import DEFAULT_WORKER_LIMIT_BYTES
 from step_protocol.serve import serve_steps
 
 logger = logging.getLogger(__name__)
@@ -159,13 +161,15 @@ def serve(
     parent_pid: int | None = None,
     curve: CurveServer | None = None,
     no_auth: bool = False,
+    max_message_bytes: int = DEFAULT_WORKER_LIMIT_BYTES,
 ) -> int:
-    """Serve the step protocol on a ROUTER bound at ``bind`` (a CURVE server with ``curve``)
+    """Serve the step protocol on a ROUTER bound at ``bind`` (a CURVE server with ``curve``;
+    plans up to ``max_message_bytes``)
     until ``stop``, a signal, or (with ``parent_pid``) the parent process going away
     (:func:`step_protocol.serve.serve_steps`)."""
     serve_steps(
         SyntheticWorker(delay_s=delay_s), bind, ready_file=ready_file, parent_pid=parent_pid,
-        curve=curve, no_auth=no_auth,
+        curve=curve, no_auth=no_auth, max_message_bytes=max_message_bytes,
     )  # fmt: skip
     return 0
 
@@ -179,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING")
     step_security.add_worker_args(parser)
     step_security.add_insecure_remote_arg(parser, "the step channel (--bind)")
+    step_limits.add_limit_arg(parser, scheduler=False)
     args = parser.parse_args(argv)
     try:
         curve = step_security.worker_curve(args)
         step_security.check_worker_listen(args.bind, curve, args.insecure_remote)
+        limit = step_limits.worker_limit(args)
     except InvalidArgument as exc:
         parser.error(exc.message)
     logging.basicConfig(
@@ -197,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             parent_pid=args.parent_pid,
             curve=curve,
             no_auth=args.step_no_auth,
+            max_message_bytes=limit,
         )
     except zmq.ZMQError as exc:  # as `kvserver worker` says it (was: a traceback)
         print(f"synthetic worker: cannot listen on {args.bind}: {exc}", file=sys.stderr)

@@ -22,6 +22,13 @@ CURVE on one side only, a refused or missing token) makes a hello fail at once w
 reason, in the step channel's option names (each socket's monitor events, read by
 :class:`~kvserver.client.links.ConnectionWatch`), instead of waiting out
 ``hello_timeout_s``.
+
+Message size (``step_protocol/limits.py``): every DEALER takes replies up to
+``max_message_bytes`` (ZMQ ``MAXMSGSIZE``: a longer one's connection is dropped at its length
+prefix, unread); a connection that breaks while a step waits for its reply fails that step at
+once naming the worker and both limits (was: the step timeout, then "no reply"). A plan over
+the limit a worker told in its hello is not sent: its step fails naming the worker, the plan's
+size and the limit; a ``plan_bytes_bound`` over that limit is warned about at hello.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from step_protocol import (
     encode_body,
     step_auth,
 )
+from step_protocol.limits import FLOOR_BYTES, mib
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +105,8 @@ class WorkerGroup:
         hello_timeout_s: float = 30.0,
         context: zmq.asyncio.Context | None = None,
         curve: CurveClient | None = None,
+        max_message_bytes: int = FLOOR_BYTES,
+        plan_bytes_bound: int = 0,
     ) -> None:
         if not addresses:
             raise KVServerError("a worker group needs at least one worker")
@@ -106,6 +116,9 @@ class WorkerGroup:
         self.step_timeout_s = step_timeout_s
         self.hello_timeout_s = hello_timeout_s
         self.curve = curve
+        #: the replies' limit (MAXMSGSIZE) and the largest plan these settings can send
+        self.max_message_bytes = max_message_bytes
+        self.plan_bytes_bound = plan_bytes_bound
         self._hello: WorkerHello | None = None
         self._hello_seq = 0
         #: why the group is down (None: healthy)
@@ -177,6 +190,7 @@ class WorkerGroup:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             if is_ipv6_endpoint(worker.address):  # ZMQ connects to IPv6 only when told
                 sock.setsockopt(zmq.IPV6, 1)
             if self.curve is not None:
@@ -230,10 +244,21 @@ class WorkerGroup:
                 address=worker.address,
             ) from None
         worker.info = WorkerInfo.from_wire(reply)
+        limit = worker.info.max_message_bytes
+        if limit and self.plan_bytes_bound > limit:
+            logger.warning(
+                "worker %d at %s takes step plans up to %s; these batch settings allow plans "
+                "up to %s: a step whose plan is over it fails; raise the worker's "
+                "--step-max-message-mib", worker.rank, worker.address, mib(limit),
+                mib(self.plan_bytes_bound),
+            )  # fmt: skip
 
-    async def _watched(self, worker: _Worker, aw: Awaitable[T], deadline: float) -> T:
+    async def _watched(
+        self, worker: _Worker, aw: Awaitable[T], deadline: float, step: int | None = None
+    ) -> T:
         """``aw``'s result; TimeoutError past ``deadline``; WorkerFailure, at once, when the
-        worker's security handshake failed (the reason from its socket's monitor)."""
+        worker's security handshake failed (the reason from its socket's monitor), and with
+        ``step`` when the worker's connection broke (its reply to ``step`` can never come)."""
         task = asyncio.ensure_future(aw)
         try:
             while True:
@@ -248,6 +273,8 @@ class WorkerGroup:
                         f"worker {worker.rank} at {worker.address}: {said}",
                         rank=worker.rank, address=worker.address,
                     )  # fmt: skip
+                if step is not None and worker.watch is not None and worker.watch.broke():
+                    raise self._broke(worker, step)
                 if _left(deadline) <= 0:
                     raise TimeoutError
         finally:
@@ -255,6 +282,17 @@ class WorkerGroup:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+    def _broke(self, worker: _Worker, step: int) -> WorkerFailure:
+        told = worker.info.max_message_bytes if worker.info is not None else 0
+        plans = f"the worker's for plans, {mib(told)}" if told else "the worker's for plans"
+        return self._fail(
+            worker,
+            f"its connection broke during step {step}: ZMQ drops a connection carrying a "
+            f"message over the limit (this scheduler's for replies, "
+            f"{mib(self.max_message_bytes)}, --step-max-message-mib; {plans}), as it does "
+            "when the worker exits",
+        )
 
     @staticmethod
     def _unwatch(worker: _Worker) -> None:
@@ -273,6 +311,14 @@ class WorkerGroup:
         if self.failure is not None:
             raise self.failure
         data = encode_body(KIND_STEP, plan.to_wire())
+        for worker in self._workers:
+            limit = worker.info.max_message_bytes if worker.info is not None else 0
+            if limit and len(data) > limit:  # the worker would drop the connection, unread
+                raise self._fail(
+                    worker,
+                    f"step {plan.step}'s plan is {len(data)} bytes, over the worker's limit of "
+                    f"{mib(limit)} (its --step-max-message-mib): not sent",
+                )
         deadline = time.monotonic() + self.step_timeout_s
         for worker in self._workers:
             assert worker.sock is not None
@@ -284,7 +330,12 @@ class WorkerGroup:
         if sent is not None:
             sent()
         results = await asyncio.gather(
-            *(self._recv(w, KIND_RESULT, plan.step, deadline) for w in self._workers),
+            *(
+                self._watched(
+                    w, self._recv(w, KIND_RESULT, plan.step, deadline), deadline, plan.step
+                )
+                for w in self._workers
+            ),
             return_exceptions=True,
         )
         out = []

@@ -21,6 +21,7 @@ from kvserver.crypto import CurveServer
 from kvserver.errors import InvalidArgument, KVServerError
 from kvserver.files import write_atomic
 from step_protocol.codec import decode, encode_body
+from step_protocol.limits import DEFAULT_WORKER_LIMIT_BYTES, mib
 from step_protocol.step import (
     KIND_ERROR,
     KIND_HELLO,
@@ -50,8 +51,10 @@ class StepWorker(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
 
-def handle_message(worker: StepWorker, data: bytes) -> bytes | None:
-    """One message → its reply; None for ``stop``. A ``KVServerError`` raised by the worker
+def handle_message(worker: StepWorker, data: bytes, max_message_bytes: int = 0) -> bytes | None:
+    """One message → its reply; None for ``stop``. A hello's reply carries
+    ``max_message_bytes`` when > 0 (the plans this worker takes, ``step_protocol/limits.py``).
+    A ``KVServerError`` raised by the worker
     or by decoding becomes a ``KIND_ERROR`` reply carrying the step (or hello seq); so does
     any other exception (logged with its traceback: a bug, or input no check foresaw), which
     ended the worker process before (an IndexError from a negative position)."""
@@ -63,6 +66,8 @@ def handle_message(worker: StepWorker, data: bytes) -> bytes | None:
             return encode_body(KIND_RESULT, worker.execute(StepPlan.from_wire(body)).to_wire())
         if kind == KIND_HELLO:
             info = worker.hello(WorkerHello.from_wire(body)).to_wire()
+            if max_message_bytes > 0:
+                info["max_message_bytes"] = max_message_bytes
             return encode_body(KIND_HELLO, {**info, "seq": body.get("seq")})
         if kind == KIND_STOP:
             return None
@@ -99,6 +104,19 @@ def receive_frames(sock: Any, keep: int) -> tuple[list[bytes], int]:
     return [frame.bytes for frame in incoming.frames], incoming.count
 
 
+def _log_dropped(monitor: Any, rank: int, limit: int) -> None:
+    """Log each connection the ROUTER lost (its monitor's events, all read). ZMQ tells a
+    connection dropped for a frame over ``MAXMSGSIZE`` with the same event as one its peer
+    closed, so the line names both."""
+    while monitor.poll(0):
+        monitor.recv_multipart()  # libzmq's own monitor (inproc): no peer writes it
+        logger.warning(
+            "rank %d: a scheduler's connection closed: it went away or reconnected, or sent a "
+            "message over this worker's limit of %s (--step-max-message-mib), which is "
+            "refused unread; serving on", rank, mib(limit),
+        )  # fmt: skip
+
+
 def serve_steps(
     worker: StepWorker,
     bind: str,
@@ -109,6 +127,7 @@ def serve_steps(
     on_exit: Callable[[], None] | None = None,
     curve: CurveServer | None = None,
     no_auth: bool = False,
+    max_message_bytes: int = DEFAULT_WORKER_LIMIT_BYTES,
 ) -> None:
     """Serve the step protocol for ``worker`` on a ROUTER bound at ``bind`` until ``stop``,
     SIGTERM/SIGINT, or (with ``parent_pid``) the parent process going away. ``curve``: the
@@ -116,6 +135,9 @@ def serve_steps(
     only the scheduler keys listed there (step_protocol/security.py). Without ``curve`` a
     ``tcp://`` ROUTER requires a random token at the handshake, left for this user's scheduler
     in the token file of its port (``step_protocol/step_auth.py``), unless ``no_auth``.
+    ``max_message_bytes``: the ROUTER's ``MAXMSGSIZE`` (ZMQ drops a connection announcing a
+    longer frame, unread; the loop logs each dropped connection with the limit, and serves
+    on), told to the scheduler in the hello's reply (``step_protocol/limits.py``).
     Once bound, writes
     ``{"pid", "endpoint", **ready_info}`` to ``ready_file`` atomically. On the way out (also
     on an error) closes the socket, then calls ``on_exit`` (the worker's own cleanup), then
@@ -134,6 +156,8 @@ def serve_steps(
         zap.configure_curve(domain="*", location=curve.clients_dir)
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     if bind.startswith("tcp://["):  # tcp://[::1]:P binds (was: "No such device"); not set for
         sock.setsockopt(zmq.IPV6, 1)  # IPv4, whose endpoint would read tcp://[::ffff:127.0.0.1]
     if curve is not None:
@@ -142,6 +166,7 @@ def serve_steps(
         gate.guard(sock)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    poller.register(dropped, zmq.POLLIN)
     if gate is not None:
         poller.register(gate.socket, zmq.POLLIN)
     stopping = False
@@ -169,6 +194,8 @@ def serve_steps(
             ready = dict(poller.poll(POLL_MS))
             if gate is not None and gate.socket in ready:
                 gate.drain()
+            if dropped in ready:
+                _log_dropped(dropped, worker.rank, max_message_bytes)
             if sock not in ready:
                 if parent_pid is not None and os.getppid() != parent_pid:
                     logger.info("parent %d is gone: exiting", parent_pid)
@@ -179,7 +206,7 @@ def serve_steps(
                 continue
             ident = frames[0]
             if count == 2:
-                reply = handle_message(worker, frames[1])
+                reply = handle_message(worker, frames[1], max_message_bytes)
             else:  # answered rather than dropped: the sender would wait for its timeout
                 message = f"a step message is one frame, not {count - 1}"
                 reply = encode_body(KIND_ERROR, {"step": -1, "message": message})
@@ -187,6 +214,8 @@ def serve_steps(
                 break
             sock.send_multipart([ident, reply])
     finally:
+        sock.disable_monitor()
+        dropped.close(0)
         sock.close(0)
         if zap is not None:
             zap.stop()

@@ -250,15 +250,21 @@ class WorkerHello:
 class WorkerInfo:
     """Worker → scheduler answer to a hello. ``kv_layout`` describes the model's KV for the
     kvserver namespace: ``{"num_layers", "num_kv_heads" (the model's, all ranks together),
-    "head_dim", "dtype"}``; synthetic workers report a small made-up layout."""
+    "head_dim", "dtype"}``; synthetic workers report a small made-up layout.
+    ``max_message_bytes``: the largest step plan the worker takes (``step_protocol/limits.py``;
+    set by the serving loop, ``step_protocol/serve.py``; 0: not said, absent on the wire, as
+    from a worker before the limit)."""
 
     rank: int
     pid: int
     vocab_size: int
     kv_layout: dict[str, Any] = field(default_factory=dict)
+    max_message_bytes: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         plain: dict[str, Any] = to_plain(self)
+        if not self.max_message_bytes:
+            del plain["max_message_bytes"]
         return plain
 
     @classmethod
@@ -269,4 +275,5 @@ class WorkerInfo:
             pid=typed_field(d, "pid", int),
             vocab_size=typed_field(d, "vocab_size", int),
             kv_layout=typed_field(d, "kv_layout", dict),
+            max_message_bytes=count(d.get("max_message_bytes", 0), "max_message_bytes"),
         )

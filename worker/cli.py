@@ -22,6 +22,7 @@ from kvserver.crypto import ClientSecurity, add_client_security_args
 from kvserver.errors import KVServerError
 from kvserver.files import check_writable
 from kvserver.token_file import client_auth_token
+from step_protocol import limits as step_limits
 from step_protocol import security as step_security
 
 #: what ``--listen`` accepts: a ZMQ endpoint this worker can bind
@@ -77,6 +78,7 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_client_security_args(p, curve=True, token=True)
     step_security.add_worker_args(p)
     step_security.add_insecure_remote_arg(p, "the step channel (--listen)")
+    step_limits.add_limit_arg(p, scheduler=False)
     p.add_argument("--chunk-blocks", type=int, default=1, metavar="K",
                    help="GPU blocks per kvserver chunk; must match the scheduler's (default 1)")
     p.add_argument("--hash-algo", default="sha256_cbor", metavar="ALGO",
@@ -159,6 +161,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             token = client_auth_token(args)
             step_curve = step_security.worker_curve(args)
             step_security.check_worker_listen(args.listen, step_curve, args.insecure_remote)
+            step_limit = step_limits.worker_limit(args)
         except KVServerError as exc:
             problem = str(exc)
     if problem is not None:
@@ -196,7 +199,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                 auth_token=token, curve=curve, host_kernels=args.host_kernels,
             )  # fmt: skip
         return serve(ModelWorker(model, kv), args.listen, ready_file=args.ready_file,
-                     curve=step_curve, no_auth=args.step_no_auth)  # fmt: skip
+                     curve=step_curve, no_auth=args.step_no_auth,
+                     max_message_bytes=step_limit)  # fmt: skip
     except KVServerError as exc:
         print(f"kvserver worker: error: {exc}", file=sys.stderr)
         return 1

@@ -40,6 +40,7 @@ from step_protocol import (
     WorkerHello,
     WorkerInfo,
 )
+from step_protocol.limits import DEFAULT_WORKER_LIMIT_BYTES
 from step_protocol.serve import serve_steps
 from worker.config import WorkerConnectorConfig
 from worker.kv_connector import KVServerWorkerConnector
@@ -256,13 +257,16 @@ def serve(
     ready_file: str | None,
     curve: CurveServer | None = None,
     no_auth: bool = False,
+    max_message_bytes: int = DEFAULT_WORKER_LIMIT_BYTES,
 ) -> int:
     """Serve the step protocol on a ROUTER bound at ``listen`` (a CURVE server with
-    ``curve``; else, on ``tcp://``, requiring its step token unless ``no_auth``) until ``stop``
-    or a signal (:func:`step_protocol.serve.serve_steps`); closes ``worker`` on the way out."""
+    ``curve``; else, on ``tcp://``, requiring its step token unless ``no_auth``; taking plans
+    up to ``max_message_bytes``) until ``stop`` or a signal
+    (:func:`step_protocol.serve.serve_steps`); closes ``worker`` on the way out."""
     serve_steps(
         worker, listen, ready_file=ready_file, ready_info={"rank": worker.rank},
         on_exit=worker.close, curve=curve, no_auth=no_auth,
+        max_message_bytes=max_message_bytes,
     )  # fmt: skip
     logger.info("worker rank %d stopped", worker.rank)
     return 0

@@ -1,9 +1,10 @@
 """A real scheduler process whose worker lies (``tests/support/lying_worker.py``: the real
 synthetic worker answering its first step with bytes no correct worker sends): undecodable,
 not a map, another protocol version, a result of the wrong shape, an error for a step it was
-not asked. The request of that step ends UNAVAILABLE naming the worker and what it sent; the
-scheduler stays up (its stats, another client's, answered meanwhile), says hello to the worker
-again, and the next request is generated exactly."""
+not asked, a reply over the scheduler's limit of the step channel (``step_protocol/limits.py``,
+refused unread). The request of that step ends UNAVAILABLE naming the worker and what it sent
+(or the limit); the scheduler stays up (its stats, another client's, answered meanwhile), says
+hello to the worker again, and the next request is generated exactly."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ SAID = {
     "wrong-version": "bad reply to step",
     "wrong-shape": "malformed result of step",
     "error-for-another-step": "no reply to step",
+    # dropped by ZMQ at its length prefix, unread (MAXMSGSIZE: the scheduler's default limit
+    # with these settings, 64 MiB); before the limit it was received whole ("bad reply")
+    "oversized": "ZMQ drops a connection carrying a "
+    "message over the limit (this scheduler's for replies, 64 MiB, --step-max-message-mib; "
+    "the worker's for plans, 256 MiB)",
 }
 
 

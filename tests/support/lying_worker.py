@@ -15,6 +15,7 @@ import msgpack
 import step_protocol.serve
 from scheduler import synthetic
 from step_protocol import KIND_ERROR, KIND_RESULT, STEP_PROTOCOL_VERSION, decode, encode_body
+from step_protocol.limits import FLOOR_BYTES
 
 
 def _lie(name: str, step: int) -> bytes:
@@ -29,19 +30,23 @@ def _lie(name: str, step: int) -> bytes:
         return encode_body(KIND_RESULT, {"step": step, "sampled": "all of them", "rank": -3})
     if name == "error-for-another-step":
         return encode_body(KIND_ERROR, {"step": step + 1000, "message": "not this one"})
+    if name == "oversized":  # one byte over a scheduler's least limit (step_protocol/limits.py)
+        return bytes(FLOOR_BYTES + 1)
     raise ValueError(name)
 
 
 #: the lies this worker can tell, each a reply no correct worker sends
-LIES = ("garbage", "not-a-map", "wrong-version", "wrong-shape", "error-for-another-step")
+LIES = (
+    "garbage", "not-a-map", "wrong-version", "wrong-shape", "error-for-another-step", "oversized",
+)  # fmt: skip
 
 
 def _lying(honest: Callable[[Any, bytes], bytes | None], name: str) -> Callable[..., Any]:
     told = False
 
-    def handle(worker: Any, data: bytes) -> bytes | None:
+    def handle(worker: Any, data: bytes, *rest: Any) -> bytes | None:
         nonlocal told
-        reply = honest(worker, data)
+        reply = honest(worker, data, *rest)
         kind, body = decode(data)
         if not told and kind == "step":
             told = True
