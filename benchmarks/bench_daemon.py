@@ -523,9 +523,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (KVServerError, ValueError) as exc:
         print(f"kvserver bench: error: {exc}", file=sys.stderr)
         return 2
-    from benchmarks.daemon_refs import Target
+    from benchmarks.daemon_refs import Target, unanswered
+    from kvserver.cli_ops import DEFAULT_TIMEOUT_S
 
     target = Target(args.zmq, args.server) if args.zmq else None
+    why = unanswered(target, DEFAULT_TIMEOUT_S) if target is not None else None
+    if why is not None:  # said at once (was: after the first call's CLIENT_TIMEOUT_S)
+        print(f"kvserver bench: error: {why}", file=sys.stderr)
+        return 1
     try:
         results, redis = run(cfg, target)
     except (KVServerError, RuntimeError, TimeoutError) as exc:

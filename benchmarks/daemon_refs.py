@@ -73,6 +73,32 @@ class Target:
     grpc: str
 
 
+def unanswered(target: Target, timeout_s: float) -> str | None:
+    """Why the running daemon ``target`` names does not answer, or None when it does: asked as
+    ``kvserver status`` asks (a gRPC Stats bounded by ``timeout_s``, its ``--timeout``
+    default, said in status's words), then a ZMQ hello bounded the same. The bench's own calls
+    wait up to a minute each; a daemon that is not there is said at once."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # as status: no gRPC C-core log lines
+    from kvserver.cli_ops import unreachable
+    from kvserver.client import KVClient
+    from kvserver.errors import KVServerError, Unavailable
+    from kvserver.grpc_client import GrpcClient
+
+    try:
+        with GrpcClient(target.grpc, timeout=timeout_s) as grpc:
+            grpc.stats()
+    except Unavailable as exc:
+        return unreachable(target.grpc, timeout_s, exc.message)
+    except KVServerError as exc:
+        return f"the daemon at {target.grpc}: {exc}"
+    try:
+        with KVClient(target.zmq, timeout=timeout_s) as kv:
+            kv.hello()
+    except KVServerError as exc:
+        return f"the daemon at {target.grpc} answers over gRPC, but {exc}"
+    return None
+
+
 @contextmanager
 def own_daemon(
     dram: str, workdir: Path, env: dict[str, str], policy: str = "prefix"

@@ -26,6 +26,8 @@ from kvserver.token_file import client_auth_token, token_dir
 
 DEFAULT_GRPC_PORT = 9470
 DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
+#: seconds each call may take unless --timeout says otherwise (kvserver bench's probe too)
+DEFAULT_TIMEOUT_S = 5.0
 
 
 class _UsageError(ValueError):
@@ -47,7 +49,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument(
-        "--timeout", type=float, default=5.0, metavar="S", help="seconds per call (default 5)"
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds per call (default {DEFAULT_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--auth-token",

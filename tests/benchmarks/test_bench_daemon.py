@@ -108,3 +108,40 @@ def test_bench_under_arc_says_why_a_put_of_two_windows_lost_its_first() -> None:
     assert "The put went over ZMQ (--no-stream) as 2 windows of at most 16MiB" in proc.stderr
     assert "ARC (--policy arc) does so by design" in proc.stderr
     assert "Run --policy chain (the daemon's default), lru or prefix, --batch 16MiB" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("wrong", ["both", "zmq"])
+def test_bench_of_a_daemon_that_does_not_answer_says_so_at_once(tmp_path: Path, wrong: str) -> None:
+    """``kvserver bench --zmq ... --server ...`` where no daemon runs waited its calls' 60 s
+    before saying "no reply from ... within 60.0s"; now it asks as ``kvserver status`` asks
+    (5 s) and says what does not answer, exit status 1 (its --help's "could not be reached").
+    With a real daemon on --server but nothing on --zmq, the ZMQ endpoint is named."""
+    from tests.support.daemon import start_daemon
+    from tests.support.ports import free_port
+
+    zmq, grpc = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(tmp_path / "d", "--dram", "16MiB") if wrong == "zmq" else None
+    try:
+        if daemon is not None:
+            grpc = daemon.grpc_address
+        proc = subprocess.run(
+            [*QUICK, "--no-redis", "--zmq", zmq, "--server", grpc],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        if daemon is not None:
+            assert daemon.terminate() == 0, daemon.log()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    first = proc.stderr.splitlines()[0]
+    if wrong == "both":
+        assert first == (
+            f"kvserver bench: error: cannot reach the daemon at {grpc}; is `kvserver start` "
+            "running there?"
+        )
+    else:
+        assert first.startswith(
+            f"kvserver bench: error: the daemon at {grpc} answers over gRPC, but no reply from "
+            f"{zmq} within 5.0s: nothing accepts connections there"
+        ), first
