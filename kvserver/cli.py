@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
+from typing import NoReturn, cast
 
 #: the entry-point group through which packages above the library add subcommands
 COMMANDS_GROUP = "kvserver.commands"
@@ -41,17 +42,55 @@ PROVIDED_ELSEWHERE: dict[str, tuple[str, str, str, str]] = {
 Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
+class CommandParser(argparse.ArgumentParser):
+    """``kvserver``'s parser and, through ``add_subparsers``, every subcommand's (the packages
+    above the library's too): a usage error is two lines, a short usage and the error with
+    where the options are listed::
+
+        usage: kvserver lookup [options]
+        kvserver lookup: error: the following arguments are required: --model; kvserver
+        lookup --help lists its options
+
+    (argparse's own error prints the whole synopsis first: 8 to 28 lines for a subcommand,
+    the error under them). ``--help`` keeps the whole synopsis."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            2, f"usage: {self.short_usage()}\n{self.prog}: error: {message}; {self.help_hint}\n"
+        )
+
+    @property
+    def help_hint(self) -> str:
+        return f"{self.prog} --help lists its options"
+
+    def short_usage(self) -> str:
+        """``PROG [options] POSITIONAL...``: the positionals as the whole synopsis shows them."""
+        positionals = [
+            a for a in self._actions if not a.option_strings and a.help != argparse.SUPPRESS
+        ]
+        formatter = self._get_formatter()
+        formatter.add_usage(None, positionals, [], prefix="")
+        shown = " ".join(formatter.format_help().split())  # "PROG POSITIONAL..."
+        return f"{self.prog} [options]{shown[len(self.prog) :]}"
+
+
+def _subcommands(parser: CommandParser) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    """``parser``'s subcommands, each parser a CommandParser (typed as the adders take it)."""
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``kvserver`` parser: the library's subcommands and those of the
     ``kvserver.commands`` entry points (stand-ins for the missing ones)."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvserver",
         description="KV-cache service for LLM inference.",
     )
     from kvserver import __version__
 
     parser.add_argument("--version", action="version", version=f"kvserver {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = _subcommands(parser)
     _add_hash(sub)
     from kvserver.daemon.cli import add_start
 
@@ -110,8 +149,8 @@ def _add_missing(
 def run_alone(add: Adder, name: str, argv: Sequence[str] | None = None) -> int:
     """Run one subcommand registered by ``add`` as if it were ``kvserver NAME ARGV...``
     without the entry points: what ``python3 -m scheduler`` (and the like) run."""
-    parser = argparse.ArgumentParser(prog="kvserver")
-    add(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    parser = CommandParser(prog="kvserver")
+    add(_subcommands(parser))
     args = parser.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
     rc: int = args.func(args)
     return rc
@@ -235,11 +274,13 @@ def _main(argv: Sequence[str]) -> int:
     return rc
 
 
-def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> NoReturn:
     """Exit 2 saying which of ``unknown`` ``kvserver COMMAND`` does not take, with the closest
-    of its options for each misspelt one (was: the top-level usage, no hint)."""
+    of its options for each misspelt one (was: the top-level usage, no hint), as its other
+    usage errors are said (:class:`CommandParser`)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    options = [o for a in sub.choices[command]._actions for o in a.option_strings]
+    command_parser: argparse.ArgumentParser = sub.choices[command]
+    options = [o for a in command_parser._actions for o in a.option_strings]
     hints = []
     for word in unknown:
         if word.startswith("--"):
@@ -247,12 +288,7 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, unknown: list[s
             hints += [f"{word} (did you mean {close[0]}?)" if close else word]
         else:
             hints.append(word)
-    print(
-        f"kvserver {command}: error: unrecognized arguments: {' '.join(hints)}; "
-        f"kvserver {command} --help lists its options",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+    command_parser.error(f"unrecognized arguments: {' '.join(hints)}")
 
 
 if __name__ == "__main__":

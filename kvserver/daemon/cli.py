@@ -13,7 +13,7 @@ def add_start(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "start",
         help="run the kvserver daemon (DRAM tier, ZMQ data plane, gRPC query API)",
-        usage="%(prog)s [options]",  # a bad value's error under one line, not the 28 of all
+        usage="%(prog)s [options]",  # --help: the options are listed under it, not 28 lines
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Run the kvserver daemon in the foreground until SIGTERM, SIGINT (Ctrl-C) or\n"

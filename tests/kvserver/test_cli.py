@@ -3,6 +3,7 @@ Ctrl-C, as a user meets them."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -36,7 +37,8 @@ def test_a_misspelt_option_is_named_with_the_closest_one(
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
+    usage, line = capsys.readouterr().err.splitlines()
+    assert usage.startswith(f"usage: kvserver {argv[0]} [options]"), usage
     assert line.startswith(said), line
 
 
@@ -82,7 +84,8 @@ def test_a_bad_start_flag_value_is_not_buried_under_the_whole_usage() -> None:
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "usage: kvserver start [options]",
-        "kvserver start: error: argument --grpc-port: invalid int value: 'abc'",
+        "kvserver start: error: argument --grpc-port: invalid int value: 'abc'; "
+        "kvserver start --help lists its options",
     ]
     shown = subprocess.run(
         [sys.executable, "-m", "kvserver.cli", "start", "--help"],
@@ -90,6 +93,73 @@ def test_a_bad_start_flag_value_is_not_buried_under_the_whole_usage() -> None:
     ).stdout  # fmt: skip
     assert "--dram SIZE " in shown and "--grpc-port PORT " in shown  # what a value is
     assert "\nexamples:\n  kvserver start " in shown and "\nexit status: 0 " in shown
+
+
+#: a usage error of each subcommand (``kvserver --help`` lists them), of ``kvserver`` and of
+#: the subcommands' modules run alone (``python -m scheduler``: no entry points):
+#: name -> (module, argv, its short usage, its error)
+USAGE_ERRORS = {
+    "kvserver": ("kvserver.cli", [], "kvserver [options] COMMAND ...",
+                 "the following arguments are required: COMMAND"),
+    "hash": ("kvserver.cli", ["hash", "--algo", "sha256", "--block-size", "x", "1"],
+             "kvserver hash [options] TOKEN [TOKEN ...]",
+             "argument --block-size: invalid int value: 'x'"),
+    "start": ("kvserver.cli", ["start", "--zmq-port"], "kvserver start [options]",
+              "argument --zmq-port: expected one argument"),
+    "status": ("kvserver.cli", ["status", "--timeout", "soon"], "kvserver status [options]",
+               "argument --timeout: invalid float value: 'soon'"),
+    "lookup": ("kvserver.cli", ["lookup", "--tokens", "1"], "kvserver lookup [options]",
+               "the following arguments are required: --model"),
+    "keys": ("kvserver.cli", ["keys", "kind"], "kvserver keys [options] KIND ...",
+             "argument KIND: invalid choice: 'kind' (choose from 'curve', 'tls', 'token')"),
+    "keys token": ("kvserver.cli", ["keys", "token"], "kvserver keys token [options] directory",
+                   "the following arguments are required: directory"),
+    "bench": ("kvserver.cli", ["bench", "--repeats", "x"], "kvserver bench [options]",
+              "argument --repeats: invalid int value: 'x'"),
+    "scheduler": ("kvserver.cli",
+                  ["scheduler", "--workers", "tcp://127.0.0.1:1", "--synthetic-workers", "1"],
+                  "kvserver scheduler [options]",
+                  "argument --synthetic-workers: not allowed with argument --workers"),
+    "worker": ("kvserver.cli", ["worker", "--rank", "0"], "kvserver worker [options]",
+               "the following arguments are required: --world-size, --listen, --dist-init, "
+               "--model-file"),
+    "python -m scheduler": ("scheduler", ["--grpc-port", "x", "--synthetic-workers", "1"],
+                            "kvserver scheduler [options]",
+                            "argument --grpc-port: invalid int value: 'x'"),
+    "python -m worker": ("worker", ["--rank"], "kvserver worker [options]",
+                         "argument --rank: expected one argument"),
+    "python -m benchmarks.bench_daemon": ("benchmarks.bench_daemon", ["--dram"],
+                                          "kvserver bench [options]",
+                                          "argument --dram: expected one argument"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(USAGE_ERRORS))
+def test_every_usage_error_is_a_short_usage_and_the_error_saying_where_help_is(name: str) -> None:
+    """``kvserver status`` / ``lookup`` / ``hash`` / ``scheduler`` / ``worker`` / ``bench``
+    printed their whole synopsis (3 to 28 lines) above the error line; ``start`` printed
+    one usage line and the error, no word of --help. ``python -m scheduler`` (and worker,
+    bench), the subcommands without the entry points, say the same."""
+    module, argv, usage, error = USAGE_ERRORS[name]
+    result = subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    prog = usage.split(" [options]")[0]
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"usage: {usage}",
+        f"{prog}: error: {error}; {prog} --help lists its options",
+    ]
+
+
+def test_every_subcommand_has_its_usage_error_checked() -> None:
+    """USAGE_ERRORS names every subcommand ``kvserver --help`` lists (one added later too)."""
+    from kvserver.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) <= set(USAGE_ERRORS)
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ def test_a_server_port_that_is_not_1_to_65535_is_a_usage_error(
     assert info.value.code == 2
     line = capsys.readouterr().err.splitlines()[-1]
     assert line.startswith(f"kvserver status: error: argument --server: {server!r}: port "), line
-    assert line.endswith("is not 1-65535"), line
+    assert line.endswith("is not 1-65535; kvserver status --help lists its options"), line
 
 
 @pytest.mark.parametrize(
@@ -315,7 +315,8 @@ def test_a_server_given_as_a_url_is_a_usage_error_saying_host_port(scheme: str, 
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines()[-1] == (
         f"kvserver status: error: argument --server: {url!r} is a URL: give the daemon's gRPC "
-        f"address as HOST[:PORT], e.g. 127.0.0.1:9470{tls}"
+        f"address as HOST[:PORT], e.g. 127.0.0.1:9470{tls}; kvserver status --help lists its "
+        "options"
     )
 
 
