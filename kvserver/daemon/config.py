@@ -355,7 +355,8 @@ class DaemonConfig:
     ) -> DaemonConfig:
         """Defaults < ``config_file`` (TOML) < ``env`` (KVSERVER_*; ``os.environ`` when None) <
         ``overrides`` (flags; None values are not given)."""
-        values: dict[str, Any] = read_config_file(config_file) if config_file else {}
+        booleans = [f.name for f in fields(cls) if f.type == "bool"]
+        values: dict[str, Any] = read_config_file(config_file, booleans) if config_file else {}
         values.update(env_settings(os.environ if env is None else env, cls.settings()))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.from_mapping(values)

@@ -12,6 +12,7 @@ file or the key and, for a near miss, the setting meant.
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -35,13 +36,16 @@ ENV_ELSEWHERE = frozenset(
 )  # fmt: skip
 
 
-def read_config_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str, booleans: Collection[str] = ()) -> dict[str, Any]:
     """The settings of the TOML file at ``path``, as written (not yet coerced). Raises
     InvalidArgument naming the file: unreadable, over :data:`MAX_CONFIG_BYTES`, not UTF-8,
-    not TOML."""
+    not TOML (a Python or shell boolean, ``True``, ``yes``, is said to be TOML's ``true``).
+    The settings ``booleans`` must be TOML booleans: ``"true"``, ``1`` or ``"yes"`` is refused
+    naming the setting (the file is TOML, typed; the environment's text takes 1/0, yes/no,
+    on/off, config_parse.parse_bool)."""
     try:
-        text = read_limited(path, MAX_CONFIG_BYTES)
-        return tomllib.loads(text.decode())
+        text = read_limited(path, MAX_CONFIG_BYTES).decode()
+        values = tomllib.loads(text)
     except TooLarge:
         raise InvalidArgument(
             f"cannot read config file {path}: larger than {MAX_CONFIG_BYTES} "
@@ -50,11 +54,32 @@ def read_config_file(path: str) -> dict[str, Any]:
     except OSError as exc:  # the reason alone (was "[Errno 2] No such file ...: 'PATH'" too)
         raise InvalidArgument(f"cannot read config file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise InvalidArgument(f"cannot read config file {path}: {exc}") from None
-    except UnicodeDecodeError as exc:  # tomllib decodes the bytes first
+        raise InvalidArgument(f"cannot read config file {path}: {exc}{_hint(text, exc)}") from None
+    except UnicodeDecodeError as exc:
         raise InvalidArgument(
             f"cannot read config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
         ) from None
+    for name in booleans:
+        if name in values and not isinstance(values[name], bool):
+            raise InvalidArgument(
+                f"config {name} must be true or false, unquoted (a TOML boolean), got "
+                f"{values[name]!r} in {path}"
+            )
+    return values
+
+
+def _hint(text: str, exc: tomllib.TOMLDecodeError) -> str:
+    """What TOML wants where ``exc`` found an invalid value that is another language's
+    boolean (``True``, ``FALSE``, ``yes``, ``off``), else ""."""
+    at = re.fullmatch(r"Invalid value \(at line (\d+), column (\d+)\)", str(exc))
+    lines = text.splitlines()
+    if at is None or int(at[1]) > len(lines):
+        return ""
+    word = re.match(r"[A-Za-z]+", lines[int(at[1]) - 1][int(at[2]) - 1 :])
+    if word is None or word[0].lower() not in ("true", "false", "yes", "no", "on", "off"):
+        return ""
+    meant = "true" if word[0].lower() in ("true", "yes", "on") else "false"
+    return f": TOML's booleans are true and false, unquoted: {meant}, not {word[0]}"
 
 
 def env_settings(env: Mapping[str, str], settings: Collection[str]) -> dict[str, str]:
