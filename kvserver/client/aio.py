@@ -41,6 +41,7 @@ from kvserver.client.common import DEFAULT_TIMEOUT_S, Session
 from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.client.stream import StreamLink
+from kvserver.client.stream_put import StreamPut
 from kvserver.client.stream_use import StreamUse, get_call
 from kvserver.crypto import CurveClient
 from kvserver.errors import KVServerError, Unauthenticated, UnknownNamespace
@@ -247,13 +248,29 @@ class AsyncKVClient(ClientBase):
     ) -> PutResult:
         """:func:`kvserver.client.ops.put`; a payload over ``ops.PUT_WINDOW_BYTES`` goes as
         several puts sent back to back, each stored or rejected on its own. Raises the first
-        window's error (after every window's reply is in). Over the stream, one request."""
-        done = await self._over_stream(
-            len(keys),
-            lambda link: link.put(ns_id, keys, parts, lease_s, self._s.client_id, self.timeout),
-        )
-        if done is not None:
-            return done
+        window's error (after every window's reply is in). Over the stream: windows one after
+        the other when the daemon announces its quota for them; the windows the stream does
+        not store (one answered ``capacity``, the link failing, ...) go over ZMQ, those stored
+        stay stored (:mod:`kvserver.client.stream_put`)."""
+        call = StreamPut(self._s, ns_id, keys, parts, lease_s, self.timeout)
+        if await self._over_stream(len(keys), call) is not None:
+            zmq = None
+        else:
+            rest_keys, rest_parts = call.rest()
+            try:
+                zmq = await self._put_zmq(ns_id, rest_keys, rest_parts, lease_s)
+            except KVServerError:
+                if call.error is None:
+                    raise
+                zmq = None
+        if call.error is not None:
+            raise call.error
+        return call.merge(zmq)
+
+    async def _put_zmq(
+        self, ns_id: str, keys: Sequence[bytes], parts: Parts, lease_s: float | None
+    ) -> PutResult:
+        """``put`` over ZMQ, in ``ops.put_windows``."""
         windows = ops.put_windows(keys, parts)
         if len(windows) == 1 or len(keys) != len(parts):  # a mismatch: the daemon says so
             return await self._run(ops.put(self._s, ns_id, keys, parts, lease_s=lease_s))

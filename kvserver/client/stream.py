@@ -80,7 +80,8 @@ class StreamFailed(Exception):
 class NotHere(Exception):
     """This request is not for the stream (a put over the daemon's ``max_message_bytes``,
     which ZMQ carries in windows, or one the daemon answered ``capacity``: its stream puts in
-    flight hold their share of DRAM): send it over ZMQ; the link stays open."""
+    flight hold their share of DRAM): send it over ZMQ; the link stays open. A windowed put
+    (:mod:`kvserver.client.stream_put`) sends that window and the rest over ZMQ."""
 
 
 class StreamLink:
@@ -160,17 +161,52 @@ class StreamLink:
         client: str,
         timeout: float,
     ) -> PutResult:
-        """``put`` (as over ZMQ: one message, however large). Raises the daemon's error, or
+        """``put`` as one request, however large (a client's put cuts a large one into
+        windows first when the daemon announces its quota: :mod:`kvserver.client.stream_put`).
+        Raises NotHere, the daemon's error, or StreamFailed."""
+        deadline = time.monotonic() + timeout
+        request_id = self.send_put(ns_id, keys, parts, lease_s, client, deadline)
+        return self.put_reply(request_id, deadline)
+
+    def send_put(
+        self,
+        ns_id: str,
+        keys: Sequence[bytes],
+        parts: Parts,
+        lease_s: float | None,
+        client: str,
+        deadline: float,
+        *,
+        outstanding: bool = False,
+    ) -> int:
+        """Send a ``put`` request (its reply read by :meth:`put_reply`); returns its id.
+        ``outstanding``: a request's reply is not read yet (a pipelined window): the link is
+        not checked for staleness (that reply may be arriving), and the daemon closing it
+        raises Unavailable. Raises NotHere (over ``max_payload``: nothing sent), or
         StreamFailed."""
         payload = [memoryview(p).cast("B") for p in flatten_parts(keys, parts)]
         size = sum(v.nbytes for v in payload)
         if size > self.max_payload:  # the daemon would refuse it and close: ZMQ's windows
             raise NotHere
         args = {"ns_id": ns_id, "keys": list(keys), "lease_s": lease_s}
+        if not outstanding:
+            return self._send_request(wire.PUT, args, client, payload, size, deadline)
+        with _outstanding(wire.PUT):
+            return self._send_request(wire.PUT, args, client, payload, size, deadline, True)
+
+    def put_reply(self, request_id: int, deadline: float) -> PutResult:
+        """The reply to put ``request_id``, the oldest whose reply is not read. Raises NotHere
+        (``capacity``: the stream's puts in flight hold their share of DRAM), the daemon's
+        error, StreamFailed, or Unavailable (module docstring)."""
         try:
-            body = self._exchange(wire.PUT, args, client, payload, size, timeout, result=True)
-        except CapacityError:  # the stream's puts in flight hold their share of DRAM
+            head = self._read_head(wire.PUT, request_id, deadline)
+        except CapacityError:
             raise NotHere from None
+        if not head.result:
+            raise StreamFailed("stream put answered without a result")
+        body = bytearray(head.count)
+        with _outstanding(wire.PUT):
+            self._recv(memoryview(body), deadline)
         return PutResult.from_result(wire_stream.decode_result(body))
 
     def get(
@@ -213,26 +249,6 @@ class StreamLink:
 
     # ------------------------------------------------------------------ bytes
 
-    def _exchange(
-        self,
-        op: str,
-        args: dict[str, Any],
-        client: str | None,
-        payload: list[memoryview],
-        size: int,
-        timeout: float,
-        *,
-        result: bool,
-    ) -> bytearray:
-        deadline = time.monotonic() + timeout
-        head = self._request(op, args, client, payload, size, deadline)
-        if not head.result:
-            raise StreamFailed(f"stream {op} answered without a result")
-        body = bytearray(head.count)
-        with _outstanding(op):
-            self._recv(memoryview(body), deadline)
-        return body
-
     def _request(
         self,
         op: str,
@@ -244,17 +260,36 @@ class StreamLink:
     ) -> wire_stream.ReplyHead:
         """Send one op request and read its reply's head; raises the error of an error
         reply to it, StreamFailed for anything else amiss."""
+        request_id = self._send_request(op, args, client, payload, size, deadline)
+        return self._read_head(op, request_id, deadline)
+
+    def _send_request(
+        self,
+        op: str,
+        args: dict[str, Any],
+        client: str | None,
+        payload: list[memoryview],
+        size: int,
+        deadline: float,
+        outstanding: bool = False,
+    ) -> int:
+        """Send one op request; returns its id (``outstanding``: see :meth:`send_put`)."""
         self._next_id += 1
         request_id = self._next_id
         request = wire_stream.encode_op_request(request_id, op, args, client, size)
-        raw = bytearray(wire_stream.REPLY_HEAD.size)
-        if self.used and self._stale():
+        if self.used and not outstanding and self._stale():
             raise StreamFailed("the daemon closed the stream", closed=True)
         try:
             self._send([memoryview(request), *payload], deadline)
         except (OSError, KVServerError) as exc:
             closed = isinstance(exc, ConnectionError)
             raise StreamFailed(f"stream {op} failed: {exc}", closed=closed) from None
+        return request_id
+
+    def _read_head(self, op: str, request_id: int, deadline: float) -> wire_stream.ReplyHead:
+        """The head of request ``request_id``'s reply; raises the error of an error reply,
+        StreamFailed for anything else amiss."""
+        raw = bytearray(wire_stream.REPLY_HEAD.size)
         with _outstanding(op):
             self._recv(memoryview(raw), deadline)
         try:

@@ -71,7 +71,8 @@ class StreamUse:
     names no key or more than a stream request may, the link failed (closed, retried after
     :data:`RETRY_S`; a link that had served and was found closed, as after the daemon's
     restart or its idle timeout, is replaced at the next call instead), a put is larger
-    than the daemon's ``max_message_bytes``, or the daemon answered ``unknown_namespace`` /
+    than the daemon's ``max_message_bytes`` (a window of one, :mod:`kvserver.client.stream_put`:
+    that window and the rest), or the daemon answered ``unknown_namespace`` /
     ``unauthenticated`` (the ZMQ path renews the session and retries as it does for its own
     requests), or a put was answered ``capacity`` (the daemon's stream puts in flight already
     hold their share of DRAM; a get's ``capacity`` is raised, as over ZMQ). Other error

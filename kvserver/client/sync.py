@@ -62,6 +62,7 @@ from kvserver.client.ops import ClientBase
 from kvserver.client.parts import Parts
 from kvserver.client.pending import Pending
 from kvserver.client.stream import StreamLink
+from kvserver.client.stream_put import StreamPut
 from kvserver.client.stream_use import StreamUse, get_call
 from kvserver.client.transport import Slot, Transport
 from kvserver.crypto import CurveClient
@@ -296,13 +297,29 @@ class KVClient(ClientBase):
     ) -> PutResult:
         """:func:`kvserver.client.ops.put`; a payload over ``ops.PUT_WINDOW_BYTES`` goes as
         several puts sent back to back, each stored or rejected on its own. Raises the first
-        window's error (after every window's reply is in). Over the stream, one request."""
-        done = self._over_stream(
-            len(keys),
-            lambda link: link.put(ns_id, keys, parts, lease_s, self._s.client_id, self.timeout),
-        )
-        if done is not None:
-            return done
+        window's error (after every window's reply is in). Over the stream: windows one after
+        the other when the daemon announces its quota for them; the windows the stream does
+        not store (one answered ``capacity``, the link failing, ...) go over ZMQ, those stored
+        stay stored (:mod:`kvserver.client.stream_put`)."""
+        call = StreamPut(self._s, ns_id, keys, parts, lease_s, self.timeout)
+        if self._over_stream(len(keys), call) is not None:
+            zmq = None
+        else:
+            rest_keys, rest_parts = call.rest()
+            try:
+                zmq = self._put_zmq(ns_id, rest_keys, rest_parts, lease_s)
+            except KVServerError:
+                if call.error is None:
+                    raise
+                zmq = None
+        if call.error is not None:
+            raise call.error
+        return call.merge(zmq)
+
+    def _put_zmq(
+        self, ns_id: str, keys: Sequence[bytes], parts: Parts, lease_s: float | None
+    ) -> PutResult:
+        """``put`` over ZMQ, in ``ops.put_windows``."""
         windows = ops.put_windows(keys, parts)
         if len(windows) == 1 or len(keys) != len(parts):  # a mismatch: the daemon says so
             return self._run(ops.put(self._s, ns_id, keys, parts, lease_s=lease_s))

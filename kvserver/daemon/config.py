@@ -303,6 +303,13 @@ class DaemonConfig:
         return self.zmq_send_max_unsent or max(self.dram // 4, 1)
 
     @property
+    def stream_put_max_reserved(self) -> int:
+        """The DRAM that clients' stream puts in flight may hold together (a quarter of
+        ``dram``; ``kvserver/daemon/stream_ops.py``), announced in the hello so a client cuts
+        a larger put into windows that stay within a share of it."""
+        return max(self.dram // 4, 1)
+
+    @property
     def peer_tls_ca(self) -> str:
         """The CA file peers' stream certificates are checked against ("" = none)."""
         return self.peer_tls_ca_file or self.tls_cert_file

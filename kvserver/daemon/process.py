@@ -199,7 +199,8 @@ async def _serve(
         stream_front = StreamServer(
             service, auth, host=config.host, port=config.peer_stream_port,
             timeout_s=config.peer_timeout_s, tls=stream_tls,
-            max_payload_bytes=config.max_message_bytes, max_reserved_bytes=config.dram // 4,
+            max_payload_bytes=config.max_message_bytes,
+            max_reserved_bytes=config.stream_put_max_reserved,
         )  # fmt: skip
     reaper: asyncio.Task[None] | None = None
     ssd: SsdTier | None = None

@@ -166,6 +166,8 @@ class DataOps:
             "peer_stream_tls_port": self.peer_stream_tls_port,
             # a fetching daemon's windows in flight stay under it (peers/zmq_windows.py)
             "zmq_send_max_unsent": self._config.send_max_unsent,
+            # a client's stream put larger than a share of it goes in windows (stream_put.py)
+            "stream_put_max_reserved": self._config.stream_put_max_reserved,
         }
         return self._service.hello() | extra
 

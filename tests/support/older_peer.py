@@ -1,10 +1,13 @@
 """``python -m tests.support.older_peer start ...``: ``kvserver start`` whose ``hello`` does
 not announce ``zmq_send_max_unsent``, as a daemon from before session 11 (the daemon is
-otherwise the real one, its cap on unsent replies enforced as ever).
+otherwise the real one, its cap on unsent replies enforced as ever). With the environment's
+``OLDER_PEER_DROP`` (hello fields, comma-separated): without those fields instead (e.g.
+``stream_put_max_reserved``, as a daemon older than windowed stream puts).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -14,7 +17,8 @@ from kvserver.daemon.zmq_ops import DataOps
 def _without_cap(hello: Any) -> Any:
     def wrapper(self: DataOps, call: Any) -> dict[str, Any]:
         result: dict[str, Any] = hello(self, call)
-        result.pop("zmq_send_max_unsent", None)
+        for field in os.environ.get("OLDER_PEER_DROP", "zmq_send_max_unsent").split(","):
+            result.pop(field, None)
         return result
 
     return wrapper
