@@ -3,8 +3,8 @@
 Runs in every process that names KV blocks: the daemon (gRPC Lookup by token ids), the
 scheduler-side connector and ``kvserver hash``. Pure computation: no I/O, no logging.
 Thread safety: :class:`BlockHasher` is immutable (its results depend on its fields only) and may
-be shared by threads. Shared state: each hasher's :class:`_GroupCache` of already-hashed chain
-segments, behind a lock.
+be shared by threads. Shared state: each hasher's
+:class:`~kvserver.hash_segments.SegmentCache` of already-hashed chain segments, behind a lock.
 
 How. The chain is sequential (each block's payload holds its parent's digest), so one Python
 loop computes one digest per block; what a block costs besides the digest is its payload. For
@@ -12,17 +12,10 @@ the CBOR algorithms a call of :data:`BULK_MIN_BLOCKS` blocks or more encodes eve
 payload at once with numpy (:mod:`kvserver.hash_payloads`) and the loop splices the parent in;
 ``sha256`` (pickle) and short calls call ``H`` once per block, the scheme as written.
 
-Reuse of already-hashed prefixes. Prompts repeat and extend one another (multi-turn chats,
-shared system prompts, routers asking about the same prompt again), so each hasher keeps a
-bounded LRU cache of chain segments: the hashes of :data:`GROUP_BLOCKS` consecutive full blocks,
-keyed by what determines them (the parent hash before the segment, the extra keys of its first
-and of its other blocks) and a 64-bit xxh3 of the segment's token ids packed as bytes; an entry
-keeps those ids and is a hit only when they equal the call's byte for byte. A hit is therefore
-the same value a recomputation would give, bit for bit (segments whose ids collide in xxh3
-share one entry, the later replacing the earlier: a miss, never a wrong hash). The xxh3 is
-there because dict keys are hashed with siphash, ~5 instructions a byte: 2 KiB of ids per
-segment cost 0.6 M instructions per 32k-token call. Only whole segments aligned to the call's
-first block are cached, so the short incremental calls of a scheduler never touch it.
+Reuse of already-hashed prefixes: each hasher keeps a bounded LRU cache of chain segments of
+:data:`GROUP_BLOCKS` full blocks (:mod:`kvserver.hash_segments`), a hit the value a
+recomputation would give, bit for bit; only whole segments aligned to the call's first block
+are cached, so the short incremental calls of a scheduler never touch it.
 
 Scheme (vLLM V1's block hashing), with ``H`` one of :data:`HASH_ALGOS`::
 
@@ -54,9 +47,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import sys
-import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType, cast
@@ -67,6 +58,7 @@ import xxhash
 
 from kvserver.errors import InvalidArgument
 from kvserver.hash_payloads import Payloads, encode_blocks
+from kvserver.hash_segments import CACHE_GROUPS, GROUP_BLOCKS, SegmentCache
 
 BlockHash = NewType("BlockHash", bytes)
 """An opaque block (or chunk) key: the raw digest, 32 bytes for sha256*, 16 for xxhash_cbor."""
@@ -79,10 +71,6 @@ DEFAULT_SEED = "vllm-none-hash"
 # protocol pinned, the vectors test fails loudly instead (and we can decide to follow vLLM).
 PICKLE_PROTOCOL = 5
 
-#: blocks per cached chain segment (512 tokens at block size 16)
-GROUP_BLOCKS = 32
-#: most segments one hasher caches (~8 KiB each at block size 16: 16k blocks, 256k tokens)
-CACHE_GROUPS = 1024
 #: fewest blocks the CBOR algorithms hash through the bulk encoder (``hash_payloads``); fewer
 #: (a scheduler's next block) cost less with one H call each than the encoder's fixed ~20 us
 BULK_MIN_BLOCKS = 16
@@ -159,13 +147,13 @@ class BlockHasher:
     block_size: int
     seed: str = DEFAULT_SEED
     _none_hash: BlockHash = field(init=False, repr=False, compare=False)
-    _cache: _GroupCache = field(init=False, repr=False, compare=False)
+    _cache: SegmentCache[BlockHash] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or self.block_size < 1:
             raise InvalidArgument("block_size must be an int >= 1", block_size=self.block_size)
         object.__setattr__(self, "_none_hash", none_hash(self.algo, self.seed))
-        object.__setattr__(self, "_cache", _GroupCache(CACHE_GROUPS))
+        object.__setattr__(self, "_cache", SegmentCache(CACHE_GROUPS))
 
     @property
     def none_hash(self) -> BlockHash:
@@ -285,81 +273,6 @@ class BlockHasher:
             if cache_salt:
                 first = (*rest, ("cache_salt", sys.intern(cache_salt)))
         return first or None, rest or None
-
-
-#: the key of a segment's packed token ids in :class:`_GroupCache` (not its identity: the
-#: entry keeps the ids, compared on every hit)
-_segment_digest: Callable[[memoryview], int] = xxhash.xxh3_64_intdigest
-
-
-class _GroupCache:
-    """A bounded LRU of chain segments (see the module docstring); thread-safe.
-
-    Keys: (parent hash, extra keys of the segment's first block, of its other blocks,
-    :data:`_segment_digest` of its packed ids); values: (those ids, the segment's block
-    hashes), the hashes a list that callers must not mutate (``run`` copies them out).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._lock = threading.Lock()
-        self._segments: OrderedDict[tuple[object, ...], tuple[bytes, list[BlockHash]]] = (
-            OrderedDict()
-        )
-
-    def run(
-        self,
-        parent: bytes,
-        keys: object,
-        rest_keys: object,
-        packed: bytes,
-        max_segments: int,
-        seg_bytes: int,
-    ) -> list[BlockHash]:
-        """The hashes of the leading cached segments of a call (at most ``max_segments``),
-        looked up in one pass under the lock: the first segment's parent is ``parent`` and its
-        extra keys ``keys``, each later one's its predecessor's last hash and ``rest_keys``;
-        segment ``i`` holds the ids ``packed[i * seg_bytes : (i + 1) * seg_bytes]``. A new
-        list (the cached ones are not handed out)."""
-        out: list[BlockHash] = []
-        segments, digest, view = self._segments, _segment_digest, memoryview(packed)
-        with self._lock:
-            for at in range(0, max_segments * seg_bytes, seg_bytes):
-                key = (parent, keys, rest_keys, digest(view[at : at + seg_bytes]))
-                entry = segments.get(key)
-                if entry is None or entry[0] != packed[at : at + seg_bytes]:
-                    break
-                segments.move_to_end(key)
-                hashes = entry[1]
-                out += hashes
-                parent, keys = hashes[-1], rest_keys
-        return out
-
-    def put_chain(
-        self,
-        parent: bytes,
-        keys: object,
-        rest_keys: object,
-        packed: bytes,
-        first_segment: int,
-        seg_bytes: int,
-        hashes: list[BlockHash],
-    ) -> None:
-        """Remember the whole segments of ``hashes``, the chain computed from segment
-        ``first_segment`` on (keyed as :meth:`run` looks them up), in one pass under the lock."""
-        segments, digest, view = self._segments, _segment_digest, memoryview(packed)
-        with self._lock:
-            at = first_segment * seg_bytes
-            for start in range(0, len(hashes) - GROUP_BLOCKS + 1, GROUP_BLOCKS):
-                segment = hashes[start : start + GROUP_BLOCKS]
-                ids = view[at : at + seg_bytes]
-                segments[(parent, keys, rest_keys, digest(ids))] = (ids.tobytes(), segment)
-                parent, keys, at = segment[-1], rest_keys, at + seg_bytes
-            while len(segments) > self._capacity:
-                segments.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._segments)
 
 
 _UNSIGNED_FORMATS = frozenset("BHILQ")

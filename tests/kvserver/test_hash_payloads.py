@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserver.hash_payloads import encode_blocks
-from kvserver.hashing import BULK_MIN_BLOCKS, GROUP_BLOCKS, HASH_ALGOS, BlockHasher
+from kvserver.hash_segments import GROUP_BLOCKS
+from kvserver.hashing import BULK_MIN_BLOCKS, HASH_ALGOS, BlockHasher
 from tests.kvserver.test_hashing import reference_hashes
 
 # ids of every width class of canonical CBOR (and so of pickle's BININT1/BININT2/BININT/LONG1):

@@ -15,15 +15,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserver import hashing
+from kvserver import hash_segments
 from kvserver.errors import InvalidArgument
+from kvserver.hash_segments import GROUP_BLOCKS, SegmentCache
 from kvserver.hashing import (
     DEFAULT_SEED,
-    GROUP_BLOCKS,
     HASH_ALGOS,
     BlockHash,
     BlockHasher,
-    _GroupCache,
     chunk_keys,
     digest_size,
     hash_function,
@@ -428,7 +427,7 @@ def test_cached_segments_do_not_cross_extra_keys_or_start_block(algo: str) -> No
 
 def test_segment_cache_is_bounded_lru() -> None:
     hasher = BlockHasher("xxhash_cbor", 1)
-    object.__setattr__(hasher, "_cache", _GroupCache(2))
+    object.__setattr__(hasher, "_cache", SegmentCache(2))
     prompts = [[p] * GROUP_BLOCKS for p in range(3)]
     results = [hasher.hash_blocks(p) for p in prompts]
     assert len(hasher._cache) == 2
@@ -443,7 +442,7 @@ def test_segments_whose_ids_collide_in_the_cache_key_are_never_confused(
     """The cache is keyed by a 64-bit digest of a segment's ids, and an entry keeps the ids:
     prompts whose segments all collide (a constant digest, which xxh3 cannot be made to give
     here) share one entry per parent, and each still gets its own hashes, bit for bit."""
-    monkeypatch.setattr(hashing, "_segment_digest", lambda ids: 7)
+    monkeypatch.setattr(hash_segments, "_segment_digest", lambda ids: 7)
     block_size = 2
     hasher = BlockHasher(algo, block_size)
     rng = random.Random(5)
