@@ -8,9 +8,9 @@ encode — no per-block Python objects beyond the keys themselves.
 Call order: ``GrpcFrontend(service, config)`` → ``await start()`` (returns the bound port) →
 serve → ``await stop(grace)``: health turns NOT_SERVING, WatchEvents streams end (status OK),
 the server stops accepting and in-flight RPCs get ``grace`` seconds before being cancelled.
-At most ``max_event_watchers`` WatchEvents streams are open at once, one more is answered
-RESOURCE_EXHAUSTED: each event is written to every stream on the loop, so a caller opening
-thousands of streams multiplied the loop's work per store for every other client.
+The WatchEvents streams (where one resumes, at most ``max_event_watchers`` open) are
+:class:`~kvserver.daemon.grpc_watch.EventStreams`; this module authenticates them and maps
+their errors.
 
 Requests are decoded here, not by grpc: methods are registered with identity (de)serializers
 so that undecodable bytes become INVALID_ARGUMENT instead of grpc's generic INTERNAL. The
@@ -26,8 +26,6 @@ reflection stay open.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
 import logging
 import secrets
@@ -46,21 +44,18 @@ from kvserver.daemon.access import allow_prefix
 from kvserver.daemon.auth import ANONYMOUS, Authenticator, Principal, not_registered
 from kvserver.daemon.config import DaemonConfig
 from kvserver.daemon.grpc_stats import MAX_STATUS_DETAILS, stats_response
+from kvserver.daemon.grpc_watch import CannotResume, EventStreams
 from kvserver.daemon.listening import bind_hint
 from kvserver.daemon.results import LookupHits, Pending
 from kvserver.daemon.service import KVService
-from kvserver.errors import CapacityError, InvalidArgument, KVServerError, Unauthenticated
+from kvserver.errors import InvalidArgument, KVServerError, Unauthenticated
 from kvserver.eventlog import EventGap
-from kvserver.events import Event
 from kvserver.grpc_format import (
     ERROR_CODE_KEY,
     EVENTS_DROPPED_CODE,
-    FROM_SEQ_KEY,
-    LOG_ID_KEY,
     OLDEST_SEQ_KEY,
     SERVICE_NAME,
     bearer_token,
-    event_to_proto,
     keys_from_proto,
     namespace_to_proto,
     spec_from_proto,
@@ -103,8 +98,8 @@ def _failure(exc: Exception) -> _Failure:
     if isinstance(exc, DecodeError):
         exc = InvalidArgument(f"cannot decode the request: {exc}")
     if isinstance(exc, EventGap):
-        exc = _CannotResume(f"{exc}; resynchronise, then resume from seq {exc.oldest}", exc.oldest)
-    if isinstance(exc, _CannotResume):
+        exc = CannotResume(f"{exc}; resynchronise, then resume from seq {exc.oldest}", exc.oldest)
+    if isinstance(exc, CannotResume):
         status, code, details = grpc.StatusCode.OUT_OF_RANGE, EVENTS_DROPPED_CODE, str(exc)
         extra = ((OLDEST_SEQ_KEY, str(exc.oldest)),)
     elif isinstance(exc, KVServerError):
@@ -147,8 +142,7 @@ class GrpcFrontend:
         self._server: grpc.aio.Server | None = None
         self._limit: ConnectionLimit | None = None
         self._health = health.aio.HealthServicer()
-        self._stopping = asyncio.Event()
-        self._watchers = 0  # WatchEvents streams open
+        self._streams = EventStreams(service, self.log_id, config.max_event_watchers)
         self.port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -193,7 +187,7 @@ class GrpcFrontend:
         if self._limit is not None:
             self._limit.stop()
         await self._health.enter_graceful_shutdown()
-        self._stopping.set()
+        self._streams.stop()
         await server.stop(grace)
 
     # ------------------------------------------------------------------ plumbing
@@ -345,96 +339,18 @@ class GrpcFrontend:
         who = ANONYMOUS
         try:
             who = self._authenticate(context)
-            from_seq = self._resume_point(pb.WatchEventsRequest.FromString(raw))
-            if self._watchers >= self.config.max_event_watchers:
-                raise CapacityError(
-                    f"{self.config.max_event_watchers} WatchEvents streams are open (the "
-                    "daemon's max_event_watchers); retry later"
-                )
+            from_seq = self._streams.admit(pb.WatchEventsRequest.FromString(raw))
             failure = None
         except Exception as exc:
             failure = _failure(exc)
         if failure is not None:
             await _abort(context, failure)
-        self._watchers += 1
         try:
-            await context.send_initial_metadata(
-                ((LOG_ID_KEY, self.log_id), (FROM_SEQ_KEY, str(from_seq)))
-            )
-            await self._follow(from_seq, context, who)
+            await self._streams.serve(from_seq, context, who)
             return
         except EventGap as exc:  # the subscriber fell behind the bounded log
             failure = _failure(exc)
-        finally:
-            self._watchers -= 1
         await _abort(context, failure)
-
-    def _resume_point(self, req: pb.WatchEventsRequest) -> int:
-        """The first seq to send; _CannotResume (OUT_OF_RANGE) if the log cannot supply it."""
-        log = self.service.events
-        last = log.last_seq
-        if req.log_id and req.log_id != self.log_id:
-            raise _CannotResume(
-                f"event log {req.log_id[:32]!r} is gone (the daemon restarted); this log is "
-                f"{self.log_id!r}, oldest seq {log.oldest_seq}",
-                log.oldest_seq,
-            )
-        from_seq = req.from_seq or last + 1
-        if from_seq > last + 1:
-            raise _CannotResume(
-                f"from_seq {from_seq} is beyond the next event {last + 1} "
-                f"(did the daemon restart?); oldest seq {log.oldest_seq}",
-                log.oldest_seq,
-            )
-        log.replay(from_seq)  # raises EventGap now rather than after the first write
-        return from_seq
-
-    async def _follow(
-        self, from_seq: int, context: grpc.aio.ServicerContext, who: Principal
-    ) -> None:
-        """Write events from ``from_seq`` on until the client leaves or the server stops;
-        only those of namespaces ``who`` sees (a tenant's stream skips other tenants')."""
-        follower = self.service.events.follow(from_seq)
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        pending: asyncio.Future[Event] | None = None
-        try:
-            while True:
-                pending = asyncio.ensure_future(anext(follower))
-                await asyncio.wait((pending, stopping), return_when=asyncio.FIRST_COMPLETED)
-                if not pending.done():
-                    return  # shutting down: end the stream with OK
-                try:
-                    event = pending.result()
-                except StopAsyncIteration:
-                    return  # the event log was closed
-                pending = None
-                if not who.is_admin and not self._sees(who, event.ns_id):
-                    continue
-                await context.write(self._event_message(event).SerializeToString())
-        finally:
-            stopping.cancel()
-            if pending is not None and not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, EventGap):
-                    await pending
-            aclose = getattr(follower, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    def _sees(self, who: Principal, ns_id: str) -> bool:
-        spec = self.service.find_namespace(ns_id)
-        return spec is not None and who.sees(spec)
-
-    def _event_message(self, event: Event) -> pb.Event:
-        return event_to_proto(event, self.log_id)
-
-
-class _CannotResume(Exception):
-    """WatchEvents cannot continue from the requested point: OUT_OF_RANGE."""
-
-    def __init__(self, message: str, oldest: int) -> None:
-        super().__init__(message)
-        self.oldest = oldest
 
 
 def _then(
