@@ -6,9 +6,10 @@
 - ``directory``: the directory's own files (lock, FORMAT, the O_DIRECT probe, namespaces)
 - ``scan``: rebuild by header scan (one header per slot holding data)
 - ``index``: which chunk is in which slot, slot allocation, byte accounting, eviction (pure)
+- ``space``: the index's slots that no entry holds, their states, what goes back to the disk
 - ``buffers``: the bounded staging / read buffer pool
 - ``config``: the tier's settings and counters
 
-Only ``store``, ``directory``, ``scan`` and ``fileio`` touch the filesystem; ``index`` and the
-policies never do.
+Only ``store``, ``directory``, ``scan`` and ``fileio`` touch the filesystem; ``index``,
+``space`` and the policies never do.
 """

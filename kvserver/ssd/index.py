@@ -11,12 +11,10 @@ Slot life::
                          └─────abort─────────────────────────────────────┘
     free (spare) ──to_release──► releasing ──released──► free (no disk blocks)
 
-Disk space: a discarded slot keeps its disk blocks (*spare*: reused in place, fast) as long as
-``used_bytes + spare_bytes`` stays within the capacity plus ``slack_bytes``; past that,
-:meth:`to_release` hands out the highest spare slots, largest file first, for the caller to
-punch (their blocks go back to the filesystem). Free slots are reused lowest first, so what is
-in use gathers at the start of each file. So while the tier runs, its files hold about the
-capacity, whatever the mix of slot sizes (was: one capacity per slot size).
+Disk space: the slots no entry holds, their states and which go back to the filesystem are
+the index's :class:`~kvserver.ssd.space.SlotSpace` (``space``; ``discarded``,
+``discard_failed``, ``released`` are its methods): while the tier runs, its files hold about
+the capacity plus ``slack_bytes`` in spare slots, whatever the mix of slot sizes.
 
 Invariants (:meth:`check_invariants`):
 - every slot below a file's high-water mark is exactly one of: free, held by one entry
@@ -27,7 +25,7 @@ Invariants (:meth:`check_invariants`):
 - an entry with readers (a read in flight) is never evicted and its slot is never freed;
   :meth:`remove` of a read entry defers the slot's release to the last :meth:`unpin`;
 - sequence numbers are unique and increase; a rebuilt index continues after the largest seen;
-- a releasing slot is in no other state; spare slots are free (``slots.SlotFile``, which also
+- a releasing slot is in no other state; spare slots are free (``space.py``; ``slots.py``
   says what an *unlisted* slot is: never handed out; start-up memory is bounded by the
   capacity, not by a file's length).
 
@@ -45,7 +43,7 @@ from kvserver.policies import make_policy
 from kvserver.ssd.format import BLOCK, ChunkHeader
 from kvserver.ssd.selection import Slot as Slot
 from kvserver.ssd.selection import select
-from kvserver.ssd.slots import SlotFile, slack_bytes_for
+from kvserver.ssd.space import SlotSpace
 
 IndexKey = tuple[str, bytes]
 
@@ -95,19 +93,15 @@ class SsdIndex:
         self.capacity_bytes = capacity_bytes
         self.policy = make_policy(policy)
         self._entries: dict[IndexKey, SsdEntry] = {}
-        self._files: dict[int, SlotFile] = {}
-        self._discarding: set[Slot] = set()
-        self._quarantined: set[Slot] = set()
-        #: slots of entries removed while being read (released by the last unpin).
-        self._doomed: set[Slot] = set()
-        #: free slots whose disk blocks are being returned (``to_release``)
-        self._releasing: set[Slot] = set()
+        #: the slots no entry holds (see ``space.py``)
+        self.space = space = SlotSpace(capacity_bytes)
         self._next_seq = 1
         self.used_bytes = 0
         self.num_writing = 0
-        self.slack_bytes = slack_bytes_for(capacity_bytes)
-        #: False once a release failed (the filesystem cannot punch holes): spares are kept
-        self.can_release = True
+        self.slack_bytes = space.slack_bytes
+        self.discarded = space.discarded
+        self.discard_failed = space.discard_failed
+        self.released = space.released
 
     # ------------------------------------------------------------------ queries
 
@@ -135,16 +129,21 @@ class SsdIndex:
 
     @property
     def num_discarding(self) -> int:
-        return len(self._discarding)
+        return self.space.num_discarding
 
     @property
     def spare_bytes(self) -> int:
         """Bytes of the free slots that hold disk blocks (O(files))."""
-        return sum(f.spare_bytes for f in self._files.values())
+        return self.space.spare_bytes
 
     @property
     def num_releasing(self) -> int:
-        return len(self._releasing)
+        return self.space.num_releasing
+
+    @property
+    def can_release(self) -> bool:
+        """False once a release failed (the filesystem cannot punch holes): spares are kept."""
+        return self.space.can_release
 
     @property
     def reserved_bytes(self) -> int:
@@ -167,22 +166,7 @@ class SsdIndex:
         """ "held", "free", "discarding", "releasing", "doomed", "quarantined", "unlisted"
         (past the bound of a file restored longer, see ``slots.py``) or "unused" (beyond the end);
         O(entries): for tests and debugging."""
-        f = self._files.get(slot[0])
-        if f is None or slot[1] >= f.num_slots:
-            return "unused"
-        if any(e.location == slot for e in self._entries.values()):
-            return "held"
-        for name, group in (
-            ("discarding", self._discarding),
-            ("releasing", self._releasing),
-            ("doomed", self._doomed),
-            ("quarantined", self._quarantined),
-        ):
-            if slot in group:
-                return name
-        if slot[1] in f.free:
-            return "free"
-        return "unlisted" if slot[1] >= f.listed else "lost"
+        return self.space.state(slot, any(e.location == slot for e in self._entries.values()))
 
     def touch(self, ns_id: str, keys: Iterable[bytes]) -> None:
         self.policy.touch([(ns_id, k) for k in keys])
@@ -212,12 +196,9 @@ class SsdIndex:
             for k in chosen:
                 victim = entries.pop(k)  # type: ignore[call-overload]
                 self.used_bytes -= victim.slot_bytes
-                self._discarding.add(victim.location)
+                self.space.discard(victim.location)
                 victims.append(victim)
-        f = self._files.get(slot_bytes)
-        if f is None:
-            f = self._files[slot_bytes] = SlotFile(slot_bytes)
-        slot = f.take()
+        slot = self.space.take(slot_bytes)
         entry = SsdEntry(ns_id, key, slot_bytes, slot, self._next_seq, SsdState.WRITING)
         self._next_seq += 1
         self._entries[(ns_id, key)] = entry
@@ -238,7 +219,7 @@ class SsdIndex:
         del self._entries[(entry.ns_id, entry.key)]
         self.used_bytes -= entry.slot_bytes
         self.num_writing -= 1
-        self._discarding.add(entry.location)
+        self.space.discard(entry.location)
         return entry.location
 
     # ------------------------------------------------------------------ read path
@@ -251,8 +232,7 @@ class SsdIndex:
         entry.readers -= 1
         if entry.readers == 0 and entry.doomed:
             entry.doomed = False
-            self._doomed.remove(entry.location)
-            self._discarding.add(entry.location)
+            self.space.end_doom(entry.location)
             return entry.location
         return None
 
@@ -265,50 +245,18 @@ class SsdIndex:
         self.used_bytes -= entry.slot_bytes
         if entry.readers:
             entry.doomed = True
-            self._doomed.add(entry.location)
+            self.space.doom(entry.location)
             return None
-        self._discarding.add(entry.location)
+        self.space.discard(entry.location)
         return entry.location
 
     # ------------------------------------------------------------------ slot recycling
 
-    def discarded(self, slot: Slot) -> None:
-        """The slot was invalidated on disk: it may be reused."""
-        self._discarding.remove(slot)
-        self._free(slot, spare=True)
-
-    def _free(self, slot: Slot, *, spare: bool) -> None:
-        self._files[slot[0]].put(slot[1], spare=spare)
-
     def to_release(self) -> list[Slot]:
-        """Spare slots whose disk blocks should go back to the filesystem now (``used_bytes +
-        spare_bytes`` past the capacity plus ``slack_bytes``): the highest slots of the files
-        with the most spare bytes first. They leave the free list until :meth:`released`."""
-        over = self.used_bytes + self.spare_bytes - self.capacity_bytes - self.slack_bytes
-        if over <= 0 or not self.can_release:
-            return []
-        out: list[Slot] = []
-        for f in sorted(self._files.values(), key=lambda f: f.spare_bytes, reverse=True):
-            if over <= 0:
-                break
-            chosen = f.take_spare(-(-over // f.slot_bytes))
-            over -= len(chosen) * f.slot_bytes
-            out += [(f.slot_bytes, s) for s in chosen]
-        self._releasing.update(out)
-        return out
-
-    def released(self, slot: Slot, *, ok: bool) -> None:
-        """A slot of :meth:`to_release` is free again: without disk blocks if ``ok``, else (the
-        filesystem refused) spare, and no more slots are released in this run."""
-        self._releasing.remove(slot)
-        self._free(slot, spare=not ok)
-        if not ok:
-            self.can_release = False
-
-    def discard_failed(self, slot: Slot) -> None:
-        """The slot could not be invalidated: never reuse it in this run."""
-        self._discarding.remove(slot)
-        self._quarantined.add(slot)
+        """Spare slots whose disk blocks should go back to the filesystem now: see
+        :meth:`SlotSpace.to_release <kvserver.ssd.space.SlotSpace.to_release>`; report each
+        back with :meth:`released`."""
+        return self.space.to_release(self.used_bytes)
 
     # ------------------------------------------------------------------ rebuild
 
@@ -333,7 +281,7 @@ class SsdIndex:
         discarding, except those past the last live slot of their file: the file is cut there
         (``trimmed``). REQUIRES: empty index.
         """
-        assert not self._entries and not self._files, "restore into an empty index only"
+        assert not self._entries and not self.space.files, "restore into an empty index only"
         sel = select(chunks, invalid, geometry, self.capacity_bytes)
         result = RestoreResult(
             discard=sel.discard,
@@ -342,8 +290,6 @@ class SsdIndex:
             over_capacity=sel.over_capacity,
             invalid=sel.invalid,
         )
-        for slot_bytes, n in num_slots.items():
-            self._files[slot_bytes] = SlotFile(slot_bytes, n)
         for slot_bytes, slot, h in sel.kept:  # oldest first: LRU order by age
             entry = SsdEntry(h.ns_id, h.key, slot_bytes, slot, h.seq, SsdState.READY)
             self._entries[(h.ns_id, h.key)] = entry
@@ -353,19 +299,9 @@ class SsdIndex:
         live: dict[int, int] = {}
         for slot_bytes, slot, _h in sel.kept:
             live[slot_bytes] = max(live.get(slot_bytes, 0), slot + 1)
-        for slot_bytes, f in self._files.items():
-            keep = live.get(slot_bytes, 0)
-            if keep < f.num_slots:
-                result.trimmed[slot_bytes] = f.num_slots = keep
-        result.discard = [s for s in result.discard if s[1] < self._files[s[0]].num_slots]
-        blank = list(blank)
-        self._discarding.update(result.discard)
-        for slot_bytes, f in self._files.items():
-            f.restore(
-                self.capacity_bytes // slot_bytes,
-                {s for sb, s in sel.taken if sb == slot_bytes},
-                {s for sb, s in blank if sb == slot_bytes},
-            )
+        result.trimmed, result.discard = self.space.restore(
+            num_slots, live, result.discard, sel.taken, list(blank)
+        )
         self._next_seq = sel.max_seq + 1
         return result
 
@@ -389,10 +325,9 @@ class SsdIndex:
             reverse=True,
         )
         for e in late:
-            f = self._files[e.slot_bytes]
-            lowest = f.lowest_free()
-            if lowest is not None and lowest < self.capacity_bytes // e.slot_bytes:
-                plan.append((e, f.take(), self._next_seq))
+            slot = self.space.take_below(e.slot_bytes, self.capacity_bytes // e.slot_bytes)
+            if slot is not None:
+                plan.append((e, slot, self._next_seq))
                 self._next_seq += 1
         return plan
 
@@ -401,32 +336,18 @@ class SsdIndex:
         free if its header was ``cleared``, quarantined otherwise."""
         old = entry.location
         entry.slot, entry.seq = slot, seq
-        if cleared:
-            self._free(old, spare=True)
-        else:
-            self._quarantined.add(old)
+        self.space.moved_from(old, cleared=cleared)
 
     def move_failed(self, slot_bytes: int, slot: int, *, touched: bool) -> None:
         """A planned copy into ``slot`` failed (the entry stays where it was): the slot is
         free again if nothing was written to it, else (it may hold a torn copy) not reused in
         this run."""
-        if touched:
-            self._quarantined.add((slot_bytes, slot))
-        else:
-            self._free((slot_bytes, slot), spare=True)  # may hold blocks: counted as such
+        self.space.move_failed(slot_bytes, slot, touched=touched)
 
     def cut(self) -> dict[int, int]:
         """Shorten each file to just past its last slot in use (held, discarding, doomed or
         quarantined); returns slot size → slots kept for the files that shrank."""
-        busy: dict[int, int] = {}
-        groups = (self._discarding, self._quarantined, self._doomed, self._releasing)
-        for sb, s in [e.location for e in self._entries.values()] + [x for g in groups for x in g]:
-            busy[sb] = max(busy.get(sb, 0), s + 1)
-        trimmed: dict[int, int] = {}
-        for slot_bytes, f in self._files.items():
-            if f.cut(busy.get(slot_bytes, 0)):
-                trimmed[slot_bytes] = f.num_slots
-        return trimmed
+        return self.space.cut([e.location for e in self._entries.values()])
 
     # ------------------------------------------------------------------ checks
 
@@ -451,16 +372,4 @@ class SsdIndex:
         assert used == self.used_bytes <= self.capacity_bytes, (used, self.used_bytes)
         assert writing == self.num_writing
         assert len(self.policy) == len(self._entries) - writing
-        assert not held & self._discarding and not held & self._quarantined
-        groups = (held, self._discarding, self._quarantined, self._doomed, self._releasing)
-        for slot_bytes, f in self._files.items():
-            free = set(f.free)
-            assert len(free) == len(f.free), "slot freed twice"
-            assert f.spare <= free, "a spare slot is not free"
-            listed = set(range(min(f.num_slots, f.listed)))  # the others may be unlisted
-            others = {s for g in groups for sb, s in g if sb == slot_bytes}
-            for s in listed | free | others:
-                loc = (slot_bytes, s)
-                states = (s in free) + sum(loc in g for g in groups)
-                assert states == 1, f"slot {loc} in {states} states"
-            assert all(0 <= s < f.num_slots for s in free | others)
+        self.space.check(held)

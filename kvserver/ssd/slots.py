@@ -1,11 +1,11 @@
 """The slots of one SSD data file as the index sees them: its length, its free slots (reused
 lowest first) and which of them still hold disk blocks.
 
-Pure in-process state (no I/O, no locks), owned by :class:`~kvserver.ssd.index.SsdIndex` on
-the daemon's event loop; the index decides *when* slots are free, spare or released, this
+Pure in-process state (no I/O, no locks), owned by :class:`~kvserver.ssd.space.SlotSpace` (the
+index's) on the daemon's event loop; it decides *when* slots are free, spare or released, this
 class keeps them in order.
 
-Invariants (checked by ``SsdIndex.check_invariants``):
+Invariants (checked by ``SlotSpace.check``, from ``SsdIndex.check_invariants``):
 - ``free`` is a heap of distinct slots below ``num_slots``; ``spare`` ⊆ ``free``;
 - a spare slot holds disk blocks (discarded: its payload is still there); another free slot
   holds none that matter (a hole, a released slot, never written);
