@@ -16,11 +16,12 @@ one request's hits, head first; a store batch is its new chunks, head first. Fro
   private to one chain (one conversation): its count says how many turns the conversation had,
   not how likely it is to return, so they are all valued 1 and age in LRU order (the chain
   touched last stays longest);
-- **new chunks** are valued by a learned reuse rate (:class:`ReusePredictor`, after SHiP's
-  signature-based insertion): the signature of a stored chunk is (log2 of its position in the
-  batch, log2 of the batch length); per signature the policy counts the chunks read again
-  and those evicted unread. A chat's next turn re-reads a short batch; a one-off document of
-  hundreds of chunks is never read again. A chunk whose signature's rate is below
+- **new chunks** are valued by a learned reuse rate (:class:`ReusePredictor`, in
+  :mod:`kvserver.policies.reuse_predictor`, after SHiP's signature-based insertion): the
+  signature of a stored chunk is (log2 of its position in the batch, log2 of the batch
+  length); per signature the policy counts the chunks read again and those evicted unread.
+  A chat's next turn re-reads a short batch; a one-off document of hundreds of chunks is
+  never read again. A chunk whose signature's rate is below
   ``ONE_OFF_RATE`` comes in at that rate, just above the eviction line, and leaves first (scan
   resistance that adapts to the workload); any other new chunk comes in at 1, as if just read,
   so the newest chunk is never the first to go (a client reading back what it just stored
@@ -64,13 +65,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 
 from kvserver.policies.base import EvictionPolicy
+from kvserver.policies.reuse_predictor import ReusePredictor, Signature
 
-#: position in a store batch at which a chunk's prior credit (before any learning) is halved
-DEPTH_SCALE = 64
-#: weight, in outcomes, of that prior in a signature's reuse rate
-PRIOR_WEIGHT = 2.0
-#: a signature's counts are halved when its outcome count reaches this (recent ones win)
-HALF_LIFE = 4096
 #: a new chunk whose signature's reuse rate is below this comes in at that rate (one-off: it
 #: leaves first); above it, at 1 like a chunk just read (LRU among them: the newest stays)
 ONE_OFF_RATE = 0.5
@@ -78,7 +74,6 @@ ONE_OFF_RATE = 0.5
 #: runs an iterator to its end, keeping nothing (a C loop over ``map(...)``)
 _consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
-_Signature = tuple[int, int]
 _Entry = tuple[float, int, Hashable]  # (H, tie, key)
 
 
@@ -101,68 +96,6 @@ def _order(entry: _Entry) -> tuple[float, int]:
     return entry[0], entry[1]  # ties are unique: keys are never compared
 
 
-class ReusePredictor:
-    """Per-signature reuse rate of newly stored chunks: ``(reused + w * prior) / (seen + w)``
-    with ``prior = 1 / (1 + position / DEPTH_SCALE)`` and ``w = PRIOR_WEIGHT``, where ``seen``
-    counts the outcomes learnt (a new chunk touched: reused; evicted untouched: not). Rates
-    change only when an outcome is learnt, so keys stored in a row get equal credit (and
-    leave in LRU order). O(1) per call.
-
-    Invariant: for every signature, ``0 <= reused <= seen`` (both halved together)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[_Signature, float] = {}
-        self._reused: dict[_Signature, float] = {}
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ReusePredictor):
-            return NotImplemented
-        return (self._seen, self._reused) == (other._seen, other._reused)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
-
-    @staticmethod
-    def signature(position: int, length: int) -> _Signature:
-        return (position.bit_length(), length.bit_length())
-
-    def rate(self, sig: _Signature) -> float:
-        """The predicted share of chunks with ``sig`` that are read again, in (0, 1]."""
-        prior = 1.0 / (1.0 + ((1 << sig[0]) >> 1) / DEPTH_SCALE)
-        return (self._reused.get(sig, 0.0) + PRIOR_WEIGHT * prior) / (
-            self._seen.get(sig, 0.0) + PRIOR_WEIGHT
-        )
-
-    def learn(self, sig: _Signature, reused: bool) -> None:
-        """One outcome of a chunk stored with ``sig``."""
-        seen = self._seen.get(sig, 0.0) + 1.0
-        hits = self._reused.get(sig, 0.0) + (1.0 if reused else 0.0)
-        if seen >= HALF_LIFE:
-            seen, hits = seen / 2, hits / 2
-        self._seen[sig], self._reused[sig] = seen, hits
-
-    def learn_unread(self, counts: dict[_Signature, int]) -> None:
-        """``learn(sig, reused=False)`` ``n`` times for each ``sig: n`` of ``counts`` (the
-        chunks of one eviction that were never read), with the same result, one dict update
-        per signature."""
-        self._learn_counts(counts, 0.0)
-
-    def learn_reused(self, counts: dict[_Signature, int]) -> None:
-        """``learn(sig, reused=True)`` ``n`` times for each ``sig: n`` of ``counts`` (the new
-        chunks one touch read first), with the same result, one dict update per signature."""
-        self._learn_counts(counts, 1.0)
-
-    def _learn_counts(self, counts: dict[_Signature, int], hit: float) -> None:
-        seen_of, reused_of = self._seen, self._reused
-        for sig, n in counts.items():
-            seen, hits = seen_of.get(sig, 0.0), reused_of.get(sig, 0.0)
-            for _ in range(n):
-                seen += 1.0
-                hits += hit
-                if seen >= HALF_LIFE:
-                    seen, hits = seen / 2, hits / 2
-            seen_of[sig], reused_of[sig] = seen, hits
-
-
 class PrefixPolicy(EvictionPolicy):
     """GreedyDual-Frequency over prefix chains with learned insertion (see the module
     docstring)."""
@@ -174,7 +107,7 @@ class PrefixPolicy(EvictionPolicy):
         self._tie = 0
         self._prio: dict[Hashable, tuple[float, int]] = {}
         self._uses: dict[Hashable, int] = {}
-        self._pending: dict[Hashable, _Signature] = {}
+        self._pending: dict[Hashable, Signature] = {}
         self._child: dict[Hashable, Hashable] = {}  # the first child seen after a key
         self._branches: set[Hashable] = set()  # keys seen with two different children
         self._shared: set[Hashable] = set()  # keys valued by their use count
@@ -217,7 +150,7 @@ class PrefixPolicy(EvictionPolicy):
         ghosts, uses, pending = self._ghosts, self._uses, self._pending
         #: the batch's values per signature: rates change only when an outcome is learnt,
         #: which only a touch of a tracked key in the batch does (then they are asked again)
-        values: dict[_Signature, float] = {}
+        values: dict[Signature, float] = {}
         size_bits = length.bit_length()  # the signature's second half: the batch's length
         heap, queued, push, age = self._heap, self._queued, heapq.heappush, self._age
         for position in range(length - 1, -1, -1):
@@ -267,7 +200,7 @@ class PrefixPolicy(EvictionPolicy):
         uses, pending, child, branches = self._uses, self._pending, self._child, self._branches
         shared, prio, heap, push = self._shared, self._prio, self._heap, heapq.heappush
         queued = self._queued
-        first_reads: list[_Signature] = []  # new keys read for the first time: outcomes
+        first_reads: list[Signature] = []  # new keys read for the first time: outcomes
         age, tie = self._age, self._tie
         in_shared = False  # at or above the deepest branch point (keys go tail to head)
         after: Hashable = None  # the key after ``key`` in the chain

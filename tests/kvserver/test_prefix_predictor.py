@@ -10,13 +10,14 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserver.policies import prefix
-from kvserver.policies.prefix import PrefixPolicy, ReusePredictor
+from kvserver.policies import reuse_predictor
+from kvserver.policies.prefix import PrefixPolicy
+from kvserver.policies.reuse_predictor import ReusePredictor
 
 SIGS = st.tuples(st.integers(0, 6), st.integers(0, 6))
 
 
-@given(st.lists(st.tuples(SIGS, st.integers(1, 2 * prefix.HALF_LIFE + 3)), max_size=6),
+@given(st.lists(st.tuples(SIGS, st.integers(1, 2 * reuse_predictor.HALF_LIFE + 3)), max_size=6),
        st.booleans())  # fmt: skip
 def test_batch_learning_equals_learning_one_by_one(runs: list[tuple[tuple[int, int], int]],
                                                    reused: bool) -> None:  # fmt: skip
