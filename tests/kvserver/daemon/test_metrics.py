@@ -115,10 +115,15 @@ def test_metrics_move_with_real_operations(tmp_path: Path) -> None:
         assert after.value("kvserver_ssd_freeing_slots") == ssd["freeing_slots"]
         assert after.value("kvserver_ssd_released_slots_total") == ssd["released_slots"]
         assert after.value("kvserver_leases") == 0
-        assert after.value("kvserver_op_duration_seconds_count", op="put") == 8
+        # each put of 8 chunks is over half the stream's quota (a quarter of this small DRAM):
+        # sent in windows, each a request of its own (kvserver/client/stream_put.py)
+        put_requests = after.value("kvserver_stream_client_requests_total") - 1  # the one get
+        assert put_requests > 8
+        assert after.value("kvserver_op_duration_seconds_count", op="put") == put_requests
         assert after.value("kvserver_op_duration_seconds_count", op="get") == 1
         assert after.value("kvserver_op_duration_seconds_sum", op="put") > 0
-        assert after.value("kvserver_op_duration_seconds_bucket", op="put", le="+Inf") == 8
+        inf = after.value("kvserver_op_duration_seconds_bucket", op="put", le="+Inf")
+        assert inf == put_requests
         assert after.value("kvserver_build_info", version=kv_version()) == 1
         # start-up's objects were frozen before the ready file: no collection walks them
         assert after.value("kvserver_gc_frozen_objects") > 10_000
